@@ -1,0 +1,1 @@
+"""Training: data and tokenizer, the trainer loop, checkpoints, sharding, metrics."""

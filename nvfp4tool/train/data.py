@@ -1,0 +1,120 @@
+"""Training data: read documents (text, JSONL, Parquet), tokenize, pack, split, and batch in a
+deterministic, resumable order.
+
+* A `.txt` file is one document; a `.jsonl` line's `text` field is one; a Parquet row's `text`
+  column is one. A folder is read file by file in sorted name order (`*.txt`, `*.jsonl`,
+  `*.parquet`).
+* Packing: every document's tokens followed by the end-of-text id, concatenated, cut into
+  non-overlapping windows of `seq_len + 1` tokens (inputs = window[:-1], targets = window[1:]);
+  the ragged tail is dropped.
+* Eval split: the last `eval_fraction` of the windows (at least one), never seen in training.
+* Order: batch `b` (counted from 0 over the whole run) is a pure function of (seed, b): epoch
+  `e` uses `np.random.default_rng([seed, e])`'s permutation of the training windows. Resuming at
+  step s needs nothing but s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of a file or folder (see module docstring), one at a time."""
+    path = Path(path)
+    if not path.exists():
+        raise NVFP4ToolError(f"{path}: data file or folder does not exist")
+    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES) if path.is_dir() else [path]
+    if not files:
+        raise NVFP4ToolError(f"{path}: no {', '.join(DATA_SUFFIXES)} files in the folder")
+    for file in files:
+        yield from _read_file(file, text_field)
+
+
+def pack_windows(token_docs: Iterator[list[int]], seq_len: int, eos_id: int) -> np.ndarray:
+    """Concatenate documents (each followed by `eos_id`) into windows [num_windows, seq_len + 1]."""
+    stream = []
+    for ids in token_docs:
+        stream.extend(ids)
+        stream.append(eos_id)
+    window = seq_len + 1
+    num_windows = (len(stream) - 1) // seq_len
+    if num_windows < 2:
+        raise NVFP4ToolError(f"the data has {len(stream)} tokens: too few for two windows of "
+                             f"seq_len={seq_len} (one to train on, one to evaluate)")
+    tokens = np.asarray(stream, np.int32)
+    starts = np.arange(num_windows) * seq_len
+    return tokens[starts[:, None] + np.arange(window)[None, :]]
+
+
+def split_eval(windows: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval): the last `eval_fraction` of the windows (at least one) are held out."""
+    if not 0.0 < eval_fraction < 1.0:
+        raise NVFP4ToolError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    num_eval = max(1, int(round(len(windows) * eval_fraction)))
+    return windows[:-num_eval], windows[-num_eval:]
+
+
+def batch_indices(num_windows: int, batch_size: int, seed: int, batch_number: int) -> np.ndarray:
+    """The window indices of batch `batch_number` (0-based over the run): a pure function."""
+    per_epoch = num_windows // batch_size
+    if per_epoch == 0:
+        raise NVFP4ToolError(f"batch_size={batch_size} is larger than the {num_windows} training "
+                             "windows")
+    epoch, offset = divmod(batch_number, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(num_windows)
+    return order[offset * batch_size:(offset + 1) * batch_size]
+
+
+def eval_batches(windows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+    """The eval windows in order, in batches of at most `batch_size`."""
+    for start in range(0, len(windows), batch_size):
+        yield windows[start:start + batch_size]
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _read_file(file: Path, text_field: str) -> Iterator[str]:
+    if file.suffix == ".txt":
+        yield file.read_text(encoding="utf-8")
+    elif file.suffix == ".jsonl":
+        yield from _read_jsonl(file, text_field)
+    elif file.suffix == ".parquet":
+        yield from _read_parquet(file, text_field)
+    else:
+        raise NVFP4ToolError(f"{file}: unsupported data file type (use {', '.join(DATA_SUFFIXES)})")
+
+
+def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
+    with file.open(encoding="utf-8") as fh:
+        for line_number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise NVFP4ToolError(f"{file}:{line_number}: not valid JSON ({exc.msg})") from None
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise NVFP4ToolError(f"{file}:{line_number}: no string field '{text_field}'")
+            yield text
+
+
+def _read_parquet(file: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(file)
+    if text_field not in parquet.schema_arrow.names:
+        raise NVFP4ToolError(f"{file}: no column '{text_field}' (columns: "
+                             f"{', '.join(parquet.schema_arrow.names)})")
+    for batch in parquet.iter_batches(columns=[text_field]):
+        yield from (text for text in batch.column(0).to_pylist() if text is not None)

@@ -1,0 +1,72 @@
+"""Training data: readers for each format, packing, the eval split, deterministic batch order,
+and a trained tokenizer that transformers loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.train.data import batch_indices, iter_documents, pack_windows, split_eval
+from nvfp4tool.train.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe_tokenizer
+
+DOCS = ["first document, with words.", "second: more words here", "third one"]
+
+
+def test_readers_give_the_same_documents_for_each_format(tmp_path):
+    (tmp_path / "txt").mkdir()
+    for i, doc in enumerate(DOCS):
+        (tmp_path / "txt" / f"{i}.txt").write_text(doc)
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)) + "\n\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "d.parquet", row_group_size=2)
+    assert list(iter_documents(tmp_path / "txt")) == DOCS
+    assert list(iter_documents(tmp_path / "d.jsonl")) == DOCS
+    assert list(iter_documents(tmp_path / "d.parquet")) == DOCS
+
+
+def test_bad_data_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(NVFP4ToolError, match=r"bad.jsonl:2: no string field 'text'"):
+        list(iter_documents(bad))
+    with pytest.raises(NVFP4ToolError, match="does not exist"):
+        list(iter_documents(tmp_path / "missing"))
+
+
+def test_pack_windows_separates_documents_and_shifts_by_seq_len():
+    windows = pack_windows(iter([[1, 2, 3], [4, 5], [6, 7, 8, 9]]), seq_len=3, eos_id=0)
+    # stream: 1 2 3 0 4 5 0 6 7 8 9 0  (12 tokens) -> (12 - 1) // 3 = 3 windows of 4
+    np.testing.assert_array_equal(windows, [[1, 2, 3, 0], [0, 4, 5, 0], [0, 6, 7, 8]])
+    train, held_out = split_eval(windows, 0.34)
+    np.testing.assert_array_equal(held_out, windows[-1:])
+    np.testing.assert_array_equal(train, windows[:2])
+
+
+def test_batch_order_is_a_pure_function_of_seed_and_batch_number():
+    n, bs = 10, 3  # 3 batches per epoch, one window left out per epoch
+    epoch0 = np.concatenate([batch_indices(n, bs, seed=7, batch_number=b) for b in range(3)])
+    assert len(set(epoch0.tolist())) == 9  # no window twice within an epoch
+    again = [batch_indices(n, bs, seed=7, batch_number=b) for b in (4, 1)]
+    np.testing.assert_array_equal(again[1], epoch0[3:6])
+    assert not np.array_equal(batch_indices(n, bs, 7, 3), batch_indices(n, bs, 7, 0))  # new epoch
+    assert not np.array_equal(batch_indices(n, bs, 8, 0), batch_indices(n, bs, 7, 0))  # new seed
+
+
+def test_trained_tokenizer_round_trips_and_loads_in_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    text = "To be, or not to be, that is the question. " * 20
+    tok = train_bpe_tokenizer([text, "Whether 'tis nobler in the mind"], vocab_size=300, out_dir=tmp_path)
+    ids = tok.encode("To be, or not to be")
+    assert tok.decode(ids) == "To be, or not to be"
+    assert tok.eos_id == tok.tokenizer.token_to_id(END_OF_TEXT)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf("To be, or not to be", add_special_tokens=False)["input_ids"] == ids
+    assert hf.eos_token_id == tok.eos_id
+    reloaded = load_tokenizer(tmp_path)
+    assert reloaded.encode("question") == tok.encode("question") and reloaded.eos_id == tok.eos_id
