@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4tool.numerics import fake_quantize_fp8
+from nvfp4tool.recipes.nvfp4_dot import plain_dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,7 @@ class FP8Options:
     """Which FP8 baseline: per-tensor current scaling, or the paper's block scaling."""
 
     scaling: Literal["tensor", "block"] = "tensor"
+    quantize_fprop: bool = True  # False: fprop in the input dtype (the late switch to BF16)
 
 
 def fp8_dot(x_TxK: jax.Array, w_NxK: jax.Array, options: FP8Options = FP8Options()) -> jax.Array:
@@ -36,6 +38,8 @@ def fp8_dot(x_TxK: jax.Array, w_NxK: jax.Array, options: FP8Options = FP8Options
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_dot(x_TxK, w_NxK, options):
+    if not options.quantize_fprop:
+        return plain_dot(x_TxK, w_NxK)
     return _dot_nt(_fq(x_TxK, "activation", options), _fq(w_NxK, "weight", options))
 
 

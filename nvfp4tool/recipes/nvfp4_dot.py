@@ -29,6 +29,7 @@ class NVFP4Options:
     rht: bool = True  # random Hadamard transform on both wgrad operands (along tokens)
     stochastic_rounding: bool = True  # SR on the gradient dY (dgrad and wgrad)
     weight_2d: bool = True  # 16x16 weight scales (else 1x16 along K in fprop, along N in dgrad)
+    quantize_fprop: bool = True  # False: fprop in the input dtype (the late switch to BF16)
 
 
 def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
@@ -58,6 +59,8 @@ def _nvfp4_dot(x_TxK, w_NxK, key, w_amax, options):
 
 
 def _fprop(x_TxK, w_NxK, w_amax, options):
+    if not options.quantize_fprop:
+        return plain_dot(x_TxK, w_NxK)
     x_q = quantize_nvfp4(x_TxK, axis=-1, block="1d")
     w_q = quantize_nvfp4(w_NxK, axis=-1, block=_weight_block(options), global_amax=w_amax)
     return nvfp4_matmul(x_q, w_q)
@@ -90,6 +93,12 @@ def _nvfp4_dot_bwd(options, residuals, dy_TxN):
 
 
 _nvfp4_dot.defvjp(_nvfp4_dot_fwd, _nvfp4_dot_bwd)
+
+
+def plain_dot(x_TxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """`x @ w.T` in the inputs' dtype with fp32 accumulation (the unquantized GEMM)."""
+    return jax.lax.dot_general(x_TxK, w_NxK.astype(x_TxK.dtype), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def _weight_block(options: NVFP4Options) -> str:

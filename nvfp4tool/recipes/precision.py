@@ -1,0 +1,148 @@
+"""Which precision each linear layer trains in, and the `LinearFn` that applies it.
+
+    recipe = RecipeConfig(name="nvfp4")                    # NVIDIA's recipe, all pieces on
+    pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
+    linear = make_linear(recipe, pmap, key, group_amax)    # plugs into the model's linear seam
+
+Precision map: `lm_head` always stays BF16 (as do embeddings, norms and attention math, which
+never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
+`bf16_last_layers` (default: ceil(15% of the blocks)) stay BF16, plus every module matching one
+of `bf16_patterns` (fnmatch, e.g. "*.mlp.down_proj"); the rest run the recipe.
+
+Fused groups: q/k/v of a block and gate/up of a block are one GEMM in serving engines, which
+take one global scale for the group. The weights of a group are therefore quantized against
+their joint amax (`group_amax`), so the values training uses are exactly the ones export writes.
+Weights are quantized from their BF16 rounding (the dtype the trained model is saved in), for
+the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import re
+import zlib
+from collections.abc import Mapping, MutableMapping
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
+from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
+
+RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
+RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
+COMPUTE_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
+_FUSED = re.compile(r"(.*)\.(?:self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeConfig:
+    """A precision recipe and its ablation switches."""
+
+    name: RecipeName = "nvfp4"
+    rht: bool = True  # nvfp4: Hadamard transform on the wgrad operands
+    stochastic_rounding: bool = True  # nvfp4: SR on gradients
+    weight_2d: bool = True  # nvfp4: 16x16 weight scaling
+    bf16_first_layers: int = 1  # leading decoder blocks kept in BF16
+    bf16_last_layers: int | None = None  # trailing blocks kept in BF16 (None: ceil(15% of L))
+    bf16_patterns: tuple[str, ...] = ()  # fnmatch patterns of modules kept in BF16
+    switch_to_bf16_at: float | None = None  # step (>= 1) or fraction of the run (< 1) to switch
+    switch_scope: Literal["forward", "all"] = "forward"  # what runs in BF16 after the switch
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPES:
+            raise NVFP4ToolError(f"unknown recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+        if self.switch_scope not in ("forward", "all"):
+            raise NVFP4ToolError(f"switch_scope must be 'forward' or 'all', got {self.switch_scope!r}")
+        if self.bf16_first_layers < 0 or (self.bf16_last_layers or 0) < 0:
+            raise NVFP4ToolError("bf16_first_layers / bf16_last_layers must be >= 0")
+
+    def switch_step(self, total_steps: int) -> int | None:
+        """The first step (1-based) that runs in BF16 after the switch, or None."""
+        if self.switch_to_bf16_at is None:
+            return None
+        at = self.switch_to_bf16_at
+        return int(at) if at >= 1 else max(1, math.ceil(at * total_steps) + 1)
+
+
+def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
+    """Linear module name -> "bf16" or the recipe's name, for every linear of the model."""
+    L = config.num_layers
+    last = math.ceil(0.15 * L) if recipe.bf16_last_layers is None else recipe.bf16_last_layers
+    kept_layers = set(range(min(recipe.bf16_first_layers, L))) | set(range(max(0, L - last), L))
+    result = {}
+    for name in config.linear_names():
+        layer = _LAYER.match(name)
+        keep = (recipe.name == "bf16" or name == "lm_head"
+                or (layer is not None and int(layer.group(1)) in kept_layers)
+                or any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.bf16_patterns))
+        result[name] = "bf16" if keep else recipe.name
+    return result
+
+
+def fused_group(name: str) -> str:
+    """The fused GEMM a linear belongs to: `<block>.self_attn.qkv`, `<block>.mlp.gate_up`, or itself."""
+    match = _FUSED.match(name)
+    if match is None:
+        return name
+    return f"{match.group(1)}.self_attn.qkv" if match.group(2) else f"{match.group(1)}.mlp.gate_up"
+
+
+def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Fused group -> joint amax of its members' BF16 weights (module name -> weight [N, K])."""
+    result: dict[str, jax.Array] = {}
+    for name, w in weights.items():
+        amax = jnp.max(jnp.abs(w.astype(COMPUTE_DTYPE))).astype(jnp.float32)
+        group = fused_group(name)
+        result[group] = amax if group not in result else jnp.maximum(result[group], amax)
+    return result
+
+
+def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | None = None,
+                amax_by_group: Mapping[str, jax.Array] | None = None,
+                input_amax_sink: MutableMapping[str, jax.Array] | None = None,
+                bf16_scope: Literal["none", "forward", "all"] = "none") -> LinearFn:
+    """The LinearFn of one step: each layer by its precision in `pmap`.
+
+    key: this step's randomness (SR), folded with a hash of the layer name;
+    amax_by_group: the fused groups' weight amax (from `group_amax`), else each weight's own;
+    input_amax_sink: receives max|x| of each quantized layer's input (for export's input scales);
+    bf16_scope: after `switch_to_bf16_at`, "forward" runs fprop in BF16 (gradients stay in the
+    recipe), "all" runs the whole layer in BF16.
+    """
+    nvfp4_options = NVFP4Options(rht=recipe.rht, stochastic_rounding=recipe.stochastic_rounding,
+                                 weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none")
+    fp8_options = FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
+                             quantize_fprop=bf16_scope == "none")
+
+    def linear(x, w_NxK, b_N, *, name):
+        if name not in pmap:
+            raise NVFP4ToolError(f"linear layer {name!r} is not in the precision map")
+        precision = "bf16" if bf16_scope == "all" else pmap[name]
+        x_lp = x.astype(COMPUTE_DTYPE)
+        w_lp = w_NxK.astype(COMPUTE_DTYPE)
+        if precision != "bf16" and input_amax_sink is not None:
+            input_amax_sink[name] = jnp.max(jnp.abs(x_lp)).astype(jnp.float32)
+        if precision == "bf16":
+            y = jnp.einsum("...k,nk->...n", x_lp, w_lp, preferred_element_type=jnp.float32)
+        elif precision == "nvfp4":
+            if key is None and recipe.stochastic_rounding:
+                raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
+            layer_key = jax.random.fold_in(key if key is not None else jax.random.key(0),
+                                           zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
+            y = nvfp4_dot(x_lp, w_lp, layer_key, amax, nvfp4_options)
+        else:
+            y = fp8_dot(x_lp, w_lp, fp8_options)
+        if b_N is not None:
+            y = y + b_N.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    return linear

@@ -1,0 +1,109 @@
+"""Precision map, fused groups and the recipe LinearFn plugged into the model's seam."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model import CausalLM, forward
+from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
+from nvfp4tool.recipes.precision import (
+    RecipeConfig,
+    fused_group,
+    group_amax,
+    make_linear,
+    precision_map,
+)
+
+CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                     num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_default_precision_map_keeps_first_and_last_blocks_and_lm_head():
+    pmap = precision_map(RecipeConfig(name="nvfp4"), CONFIG)
+    assert pmap["lm_head"] == "bf16"
+    by_layer = {i: {pmap[n] for n in pmap if n.startswith(f"model.layers.{i}.")} for i in range(8)}
+    # first 1 block and the last ceil(0.15 * 8) = 2 blocks in BF16
+    assert [by_layer[i] for i in range(8)] == [{"bf16"}] + [{"nvfp4"}] * 5 + [{"bf16"}] * 2
+    assert len(pmap) == 8 * 7 + 1
+
+
+def test_precision_map_options():
+    pmap = precision_map(RecipeConfig(name="fp8", bf16_first_layers=0, bf16_last_layers=0,
+                                      bf16_patterns=("*.mlp.down_proj",)), CONFIG)
+    assert pmap["model.layers.0.self_attn.q_proj"] == "fp8"
+    assert pmap["model.layers.7.mlp.up_proj"] == "fp8"
+    assert all(v == "bf16" for n, v in pmap.items() if n.endswith("down_proj"))
+    assert set(precision_map(RecipeConfig(name="bf16"), CONFIG).values()) == {"bf16"}
+    with pytest.raises(NVFP4ToolError, match="unknown recipe"):
+        RecipeConfig(name="int4")
+
+
+def test_switch_step():
+    assert RecipeConfig(switch_to_bf16_at=0.8).switch_step(100) == 81
+    assert RecipeConfig(switch_to_bf16_at=30).switch_step(100) == 30
+    assert RecipeConfig().switch_step(100) is None
+
+
+def test_fused_groups_share_the_joint_amax():
+    assert fused_group("model.layers.3.self_attn.k_proj") == "model.layers.3.self_attn.qkv"
+    assert fused_group("model.layers.3.mlp.up_proj") == "model.layers.3.mlp.gate_up"
+    assert fused_group("model.layers.3.self_attn.o_proj") == "model.layers.3.self_attn.o_proj"
+    weights = {"a.self_attn.q_proj": jnp.full((16, 16), 0.5), "a.self_attn.k_proj": jnp.full((16, 16), -3.0),
+               "a.self_attn.v_proj": jnp.full((16, 16), 1.0), "a.mlp.down_proj": jnp.full((16, 16), 2.0)}
+    amax = group_amax(weights)
+    assert float(amax["a.self_attn.qkv"]) == 3.0 and float(amax["a.mlp.down_proj"]) == 2.0
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 32), 0, CONFIG.vocab_size)
+    return model, ids
+
+
+def test_recipe_linear_uses_the_group_amax_and_records_input_amax(model_and_batch):
+    model, ids = model_and_batch
+    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0)
+    pmap = precision_map(recipe, CONFIG)
+    blocks = model.layers
+    weights = {f"model.layers.{i}.{path}": getattr(getattr(b, part), proj).weight[...]
+               for i, b in enumerate(blocks) for part, proj, path in
+               [("self_attn", p, f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+               + [("mlp", p, f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")]}
+    amax = group_amax(weights)
+    sink: dict = {}
+    key = jax.random.key(3)
+    linear = make_linear(recipe, pmap, key, amax, sink)
+    x = jax.random.normal(jax.random.key(4), (2, 16, 64), jnp.float32)
+    name = "model.layers.2.self_attn.k_proj"
+    y = linear(x, weights[name], None, name=name)
+    x_bf, w_bf = x.astype(jnp.bfloat16), weights[name].astype(jnp.bfloat16)
+    group = amax["model.layers.2.self_attn.qkv"]
+    assert float(group) > float(jnp.max(jnp.abs(w_bf)))  # the shared amax is not k's own
+    expected = nvfp4_dot(x_bf, w_bf, jax.random.key(0), group, NVFP4Options()).astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
+    assert float(sink[name]) == float(jnp.max(jnp.abs(x_bf)))
+    # bf16 layers record nothing
+    linear(x, model.lm_head.weight[...], None, name="lm_head")
+    assert "lm_head" not in sink
+
+
+def test_recipes_change_the_logits_and_bf16_scope_all_undoes_it(model_and_batch):
+    model, ids = model_and_batch
+    logits = {}
+    for name in ("bf16", "fp8", "fp8-block", "nvfp4"):
+        recipe = RecipeConfig(name=name, bf16_first_layers=0, bf16_last_layers=0)
+        linear = make_linear(recipe, precision_map(recipe, CONFIG), jax.random.key(0))
+        logits[name] = np.asarray(forward(model, ids, linear=linear))
+    recipe = RecipeConfig(name="nvfp4")
+    switched = make_linear(recipe, precision_map(recipe, CONFIG), jax.random.key(0), bf16_scope="all")
+    np.testing.assert_array_equal(np.asarray(forward(model, ids, linear=switched)), logits["bf16"])
+    err = {n: np.abs(logits[n] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean()
+           for n in ("fp8", "fp8-block", "nvfp4")}
+    assert 0 < err["fp8-block"] and 0 < err["fp8"] < err["nvfp4"] < 0.5, err
