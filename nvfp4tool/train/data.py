@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,13 @@ import numpy as np
 from nvfp4tool.errors import NVFP4ToolError
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def embedded_corpus() -> tuple[Path, Path]:
+    """(train, val) text files shipped in the package: ~256 KB / ~32 KB of Shakespeare
+    (public domain text; see nvfp4tool/data/SHAKESPEARE_COPYING.txt)."""
+    folder = Path(str(resources.files("nvfp4tool") / "data"))
+    return folder / "shakespeare_train.txt", folder / "shakespeare_val.txt"
 
 
 def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:

@@ -1,0 +1,78 @@
+"""The device mesh and how the train state and batches are laid out on it (JAX's own sharding).
+
+Mesh axes ("data", "fsdp") over `jax.devices()` (all processes' devices in multi-process runs).
+Parameters and optimizer state: each array's largest axis that the fsdp size divides is sharded
+over "fsdp" (fully sharded data parallel); everything else is replicated. Batches: the sequence
+axis is sharded over both axes. Host data (numpy, identical on every process) becomes a global
+array with `jax.make_array_from_callback`, so each process hands over only its own shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from nvfp4tool.errors import NVFP4ToolError
+
+DATA_AXES = ("data", "fsdp")
+
+
+def make_mesh(data: int = -1, fsdp: int = 1) -> Mesh:
+    """A ("data", "fsdp") mesh over all devices; data=-1 takes what fsdp leaves."""
+    devices = jax.devices()
+    if data == -1:
+        if len(devices) % fsdp:
+            raise NVFP4ToolError(f"mesh: fsdp={fsdp} does not divide the {len(devices)} devices")
+        data = len(devices) // fsdp
+    if data * fsdp != len(devices):
+        raise NVFP4ToolError(f"mesh: data={data} x fsdp={fsdp} != {len(devices)} devices")
+    return Mesh(np.asarray(devices).reshape(data, fsdp), DATA_AXES)
+
+
+def state_shardings(mesh: Mesh, abstract_state: Any) -> Any:
+    """A NamedSharding for every leaf of the (abstract) train state."""
+    fsdp = mesh.shape["fsdp"]
+
+    def leaf_sharding(leaf) -> NamedSharding:
+        shape = getattr(leaf, "shape", ())
+        spec = [None] * len(shape)
+        if fsdp > 1 and shape:
+            for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+                if shape[axis] % fsdp == 0:
+                    spec[axis] = "fsdp"
+                    break
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree.map(leaf_sharding, abstract_state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int) -> NamedSharding:
+    """Shard axis `batch_axis` of an `ndim`-D batch over all devices."""
+    spec = [None] * ndim
+    spec[batch_axis] = DATA_AXES
+    return NamedSharding(mesh, P(*spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def to_global(host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global jax.Array from a host array that every process holds whole."""
+    host_array = np.asarray(host_array)
+    return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
+
+
+def place_state(state: Any, shardings: Any) -> Any:
+    """Move a host/one-device train state onto the mesh (every process holds the same values)."""
+    return jax.tree.map(lambda x, s: to_global(np.asarray(x), s), state, shardings)
+
+
+def check_divisible(batch_size: int, grad_accum: int, mesh: Mesh) -> None:
+    micro = batch_size // grad_accum
+    if micro % mesh.size:
+        raise NVFP4ToolError(f"micro-batch of {micro} sequences (batch_size / grad_accum) is not a "
+                             f"multiple of the {mesh.size} devices")

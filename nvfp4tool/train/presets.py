@@ -1,0 +1,24 @@
+"""Named model sizes for pretraining from scratch (Llama 3 shape: GQA, SwiGLU, RoPE 500k)."""
+
+from __future__ import annotations
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+
+# name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP width F); all multiples of 16
+PRESETS = {
+    "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
+    "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
+}
+
+
+def preset_config(name: str, vocab_size: int, max_position_embeddings: int) -> ModelConfig:
+    """The ModelConfig of a named size for a tokenizer of `vocab_size`."""
+    if name not in PRESETS:
+        raise NVFP4ToolError(f"unknown model size {name!r}; sizes: {', '.join(PRESETS)} (or pass an "
+                             "HF folder or a MaxText checkpoint)")
+    E, L, H, KV, D, F = PRESETS[name]
+    return ModelConfig(family="llama", vocab_size=vocab_size, hidden_size=E, intermediate_size=F,
+                       num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
+                       tie_word_embeddings=False, dtype="bfloat16")

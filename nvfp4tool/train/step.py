@@ -1,0 +1,131 @@
+"""One optimizer step and one eval step, as pure functions of the train state (jit-able).
+
+The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
+    {"params":    the model's parameters (FP32 master weights, nested dict),
+     "opt_state": optax state (FP32),
+     "amax":      {linear name: float32[amax_history]} max|x| of each quantized layer's input,
+                  newest first (export takes the max),
+     "step":      int32, optimizer steps taken}
+A step runs `grad_accum` micro-batches (a `lax.scan`), averages their gradients, clips, updates,
+and reports loss, gradient norm and whether both were finite; the caller decides what a
+non-finite step means (the returned state is then not to be used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from nvfp4tool.model import forward
+from nvfp4tool.recipes.precision import RecipeConfig, group_amax, make_linear
+
+State = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The jit-able step functions of one (model, recipe, optimizer) combination."""
+
+    graphdef: Any
+    recipe: RecipeConfig
+    pmap: dict[str, str]
+    optimizer: optax.GradientTransformation
+    grad_accum: int
+
+    @property
+    def quantized(self) -> list[str]:
+        return sorted(n for n, p in self.pmap.items() if p != "bf16")
+
+    def init_state(self, params: Any, amax_history: int) -> State:
+        return {"params": params, "opt_state": self.optimizer.init(params),
+                "amax": {n: jnp.zeros((amax_history,), jnp.float32) for n in self.quantized},
+                "step": jnp.zeros((), jnp.int32)}
+
+    def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none"):
+        """(mean next-token cross-entropy in fp32, {quantized linear: max|input|})."""
+        model = nnx.merge(self.graphdef, params)
+        amax_by_group = group_amax({n: linear_weight(model, n) for n in self.quantized})
+        input_amax: dict[str, jax.Array] = {}
+        linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope)
+        logits_BxTxV = forward(model, windows_BxT1[:, :-1], linear=linear)
+        return cross_entropy(logits_BxTxV, windows_BxT1[:, 1:]), input_amax
+
+    def train_step(self, state: State, windows_AxBxT1: jax.Array, key: jax.Array,
+                   bf16_scope: str = "none") -> tuple[State, dict[str, jax.Array]]:
+        """One optimizer step over `grad_accum` micro-batches [A, B/A, T+1]."""
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+
+        def micro(carry, inputs):
+            grad_sum, loss_sum, amax_max = carry
+            index, windows = inputs
+            (loss, amax), grads = grad_fn(state["params"], windows, jax.random.fold_in(key, index),
+                                          bf16_scope)
+            amax_max = {n: jnp.maximum(amax_max[n], amax.get(n, 0.0)) for n in amax_max}
+            return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, amax_max), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        no_amax = {n: jnp.zeros((), jnp.float32) for n in self.quantized}
+        (grad_sum, loss_sum, amax_now), _ = jax.lax.scan(
+            micro, (zeros, jnp.zeros((), jnp.float32), no_amax),
+            (jnp.arange(self.grad_accum), windows_AxBxT1))
+        grads = jax.tree.map(lambda g: g / self.grad_accum, grad_sum)
+        loss = loss_sum / self.grad_accum
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        new_state = {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "amax": {n: jnp.roll(h, 1).at[0].set(amax_now[n]) for n, h in state["amax"].items()},
+            "step": state["step"] + 1,
+        }
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+    def eval_loss(self, params, windows_BxT1: jax.Array, bf16_scope: str = "none") -> jax.Array:
+        """The recipe's forward (no gradient, so no stochastic rounding) on held-out windows."""
+        return self.loss(params, windows_BxT1, jax.random.key(0), bf16_scope)[0]
+
+
+def make_optimizer(schedule: Callable[[int], float], *, weight_decay: float, beta1: float,
+                   beta2: float, eps: float, clip_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (decay on matrices only, not on norms or biases)."""
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr_ratio: float,
+                  decay_fraction: float) -> optax.Schedule:
+    """Linear warmup, then cosine to lr*min_lr_ratio, or WSD (stable, then linear decay)."""
+    warmup = min(warmup_steps, max(steps - 1, 0))
+    end = lr * min_lr_ratio
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), steps, end_value=end)
+    decay = max(1, int(round(steps * decay_fraction)))
+    stable = max(0, steps - warmup - decay)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr),
+         optax.linear_schedule(lr, end, decay)], [max(warmup, 1), max(warmup, 1) + stable])
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats), computed in fp32."""
+    logits = logits_BxTxV.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    return jnp.mean(log_z - target_logit)
+
+
+def linear_weight(model: Any, name: str) -> jax.Array:
+    """The weight [N, K] of the linear called `name` ("model.layers.3.mlp.up_proj", "lm_head")."""
+    node = model
+    for part in name.removeprefix("model.").split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node.weight[...]
