@@ -8,3 +8,7 @@ The message must name the file and/or tensor and the problem in one line; the CL
 
 class NVFP4ToolError(Exception):
     """A user-facing error: one line naming file, tensor and problem."""
+
+
+class NVFP4UsageError(NVFP4ToolError):
+    """The options or configuration cannot describe a valid job (the CLI exits 2, as for bad usage)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 
 
@@ -83,12 +83,12 @@ class TrainConfig:
         _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches"):
             if getattr(self, name) < 1:
-                raise NVFP4ToolError(f"train config: {name} must be >= 1, got {getattr(self, name)}")
+                raise NVFP4UsageError(f"train config: {name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.grad_accum:
-            raise NVFP4ToolError(f"train config: batch_size={self.batch_size} is not a multiple of "
+            raise NVFP4UsageError(f"train config: batch_size={self.batch_size} is not a multiple of "
                                  f"grad_accum={self.grad_accum}")
         if not self.data:
-            raise NVFP4ToolError("train config: data=PATH is required")
+            raise NVFP4UsageError("train config: data=PATH is required")
         self.recipe_config()  # validates the recipe keys
 
     def recipe_config(self) -> RecipeConfig:
@@ -115,7 +115,7 @@ def load_train_config(yaml_path: str | None, overrides: list[str]) -> TrainConfi
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise NVFP4ToolError(f"override {item!r}: expected key=value")
+            raise NVFP4UsageError(f"override {item!r}: expected key=value")
         values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
     return _build(values, yaml_path or "command line")
 
@@ -125,7 +125,7 @@ def _build(values: dict[str, Any], source: str) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise NVFP4ToolError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: "
+        raise NVFP4UsageError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: "
                              f"{', '.join(sorted(fields))}")
     return TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
 
@@ -137,7 +137,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if value is None:
         if optional:
             return None
-        raise NVFP4ToolError(f"train config: {key} cannot be empty")
+        raise NVFP4UsageError(f"train config: {key} cannot be empty")
     base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
     if base in (int, float) and isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
         try:
@@ -158,10 +158,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return float(value)
     elif base is str:
         return str(value)
-    raise NVFP4ToolError(f"train config: {key}={value!r} is not a valid {getattr(base, '__name__', base)}")
+    raise NVFP4UsageError(f"train config: {key}={value!r} is not a valid {getattr(base, '__name__', base)}")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise NVFP4ToolError(f"train config: {key}={value!r}; choose one of {', '.join(choices)}")
+        raise NVFP4UsageError(f"train config: {key}={value!r}; choose one of {', '.join(choices)}")
 
