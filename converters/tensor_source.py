@@ -1,0 +1,98 @@
+"""The one interface every checkpoint reader offers: HF-named tensors, loaded one at a time.
+
+Names are Hugging Face tensor names (`model.layers.3.self_attn.q_proj.weight`), weights in HF
+orientation `[out_features, in_features]`. Readers (HF folder, MaxText/Orbax, an in-memory dict)
+implement `TensorSource`; writers and `model_from_tensors` consume it. `get` loads ONE tensor, so a
+consumer that handles tensors one by one holds at most one in memory. bfloat16 tensors come back as
+numpy arrays of dtype `ml_dtypes.bfloat16`; `dtype(name)` is the numpy/ml_dtypes name
+("bfloat16", "float32", "float16", "uint8", ...).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, runtime_checkable
+
+import ml_dtypes  # noqa: F401  (registers "bfloat16" etc. as numpy dtype names)
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """Read-only, lazily loaded collection of named tensors."""
+
+    @property
+    def path(self) -> str:
+        """Where the tensors come from, for messages (a folder, a file, "<memory>")."""
+        ...
+
+    def names(self) -> list[str]:
+        """All tensor names, in a stable order (the checkpoint's canonical order when it has one)."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape without loading the data."""
+        ...
+
+    def dtype(self, name: str) -> str:
+        """numpy/ml_dtypes dtype name without loading the data, e.g. "bfloat16"."""
+        ...
+
+    def get(self, name: str) -> np.ndarray:
+        """Load one tensor (a fresh or read-only array; callers must not mutate it)."""
+        ...
+
+
+class DictTensorSource:
+    """A `TensorSource` over an in-memory dict (tests, and results computed in memory)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], path: str = "<memory>") -> None:
+        self._tensors = {name: np.asarray(t) for name, t in tensors.items()}
+        self._path = path
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._lookup(name).shape)
+
+    def dtype(self, name: str) -> str:
+        return self._lookup(name).dtype.name
+
+    def get(self, name: str) -> np.ndarray:
+        return self._lookup(name)
+
+    def _lookup(self, name: str) -> np.ndarray:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise NVFP4ToolError(f"{self._path}: no tensor {name!r}") from None
+
+
+def check_against_config(source: TensorSource, expected: Mapping[str, tuple[int, ...]],
+                         *, ignore_extra: tuple[str, ...] = ()) -> None:
+    """Raise NVFP4ToolError unless `source` holds exactly the `expected` names with those shapes.
+
+    `expected` is `ModelConfig.expected_tensor_shapes()`; names in `ignore_extra` may be present
+    without being expected (e.g. a tied `lm_head.weight` some checkpoints still store).
+    """
+    present = set(source.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise NVFP4ToolError(f"{source.path}: tensor {missing[0]!r} missing{more}; the config expects it")
+    extra = sorted(present - set(expected) - set(ignore_extra))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise NVFP4ToolError(f"{source.path}: unexpected tensor {extra[0]!r}{more}; not part of the "
+                             f"model the config describes")
+    for name, want in expected.items():
+        got = tuple(source.shape(name))
+        if got != tuple(want):
+            raise NVFP4ToolError(f"{source.path}: tensor {name!r} has shape {list(got)}, the config "
+                                 f"expects {list(want)}")

@@ -1,0 +1,370 @@
+"""Model configuration: the one description of a Llama-family model, to and from HF config.json.
+
+`ModelConfig` is what the JAX model, the converters and the exporters agree on. It models the
+fields that change the math (shapes, RoPE, biases, norms, tying, sliding window) and carries every
+other key of the source config.json untouched (`hf_extra`) so writing it back loses nothing.
+
+Supported families and options (anything else raises `NVFP4ToolError` naming what is supported):
+  llama   Llama 2 / 3 / 3.1 / 3.2: optional llama3 RoPE frequency scaling, optional tied
+          embeddings, optional `attention_bias` (bias on q/k/v AND o_proj, as HF does).
+  mistral Mistral: optional `sliding_window` (every layer, as HF's MistralModel applies it).
+  qwen2   Qwen2 / Qwen2.5: bias on q/k/v (never on o_proj); no per-layer sliding window.
+  qwen3   Qwen3 (dense): RMSNorm over each head of q and k (`qk_norm`); optional attention_bias.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from nvfp4tool.errors import NVFP4ToolError
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+# HF `architectures[0]` for each family (what config.json names and transformers instantiates).
+ARCHITECTURE_BY_FAMILY = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.items()}
+
+# config.json keys that ModelConfig models itself; every other key goes to `hf_extra` untouched.
+_MODELED_KEYS = frozenset({
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "sliding_window", "use_sliding_window",
+    "max_window_layers", "layer_types", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "hidden_act", "mlp_bias",
+})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-type RoPE frequency scaling (Llama 3.1 / 3.2); the only scaling type supported."""
+
+    factor: float  # wavelengths longer than original_max / low_freq_factor are divided by this
+    low_freq_factor: float  # wavelengths above original_max / low_freq_factor: fully scaled
+    high_freq_factor: float  # wavelengths below original_max / high_freq_factor: unscaled
+    original_max_position_embeddings: int  # the context length the model was pre-trained at
+
+    def __post_init__(self) -> None:
+        if not (self.factor >= 1.0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise NVFP4ToolError(
+                f"rope_scaling llama3: need factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
+                f"got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+                f"high_freq_factor={self.high_freq_factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise NVFP4ToolError(f"rope_scaling llama3: original_max_position_embeddings must be > 0, "
+                                 f"got {self.original_max_position_embeddings}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-family transformer (pre-norm, RMSNorm, GQA attention, SwiGLU MLP)."""
+
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" (HF model_type)
+    vocab_size: int  # V: rows of the embedding and of lm_head
+    hidden_size: int  # E: residual stream width
+    intermediate_size: int  # F: SwiGLU hidden width (gate_proj / up_proj rows)
+    num_layers: int  # L: decoder blocks
+    num_heads: int  # H: query heads
+    num_kv_heads: int  # KV: key/value heads (GQA: H % KV == 0)
+    head_dim: int  # D: per-head width (not necessarily E // H, e.g. Qwen3)
+    rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling | None = None  # llama3 frequency scaling, or None
+    max_position_embeddings: int = 2048  # context length the config advertises
+    tie_word_embeddings: bool = False  # lm_head reuses model.embed_tokens.weight
+    attention_bias: bool = False  # q_proj/k_proj/v_proj carry a bias (Qwen2: always)
+    o_proj_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias=True)
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # Mistral: key k visible from query q iff q - k < window
+    dtype: str = "bfloat16"  # storage dtype the checkpoint declares ("float32"|"bfloat16"|"float16")
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json becomes a tuple
+    pad_token_id: int | None = None
+    # How config.json spells RoPE and dtype, kept on write-back: "transformers4" (top-level
+    # rope_theta / rope_scaling, torch_dtype: read by transformers 4.x and 5.x and vLLM) or
+    # "transformers5" (rope_parameters, dtype).
+    hf_config_style: str = field(default="transformers4", compare=False)
+    # Keys of the source config.json that are not modeled above, written back unchanged.
+    hf_extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_FAMILIES:
+            raise NVFP4ToolError(f"unsupported model family {self.family!r}; supported: "
+                                 f"{', '.join(SUPPORTED_FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise NVFP4ToolError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise NVFP4ToolError(f"model config: num_heads={self.num_heads} is not a multiple of "
+                                 f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise NVFP4ToolError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise NVFP4ToolError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise NVFP4ToolError(f"model config: rope_theta must be > 0, got {self.rope_theta}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise NVFP4ToolError(f"model config: dtype {self.dtype!r} unsupported; supported: "
+                                 f"{', '.join(SUPPORTED_DTYPES)}")
+        if self.hf_config_style not in ("transformers4", "transformers5"):
+            raise NVFP4ToolError(f"model config: hf_config_style must be 'transformers4' or "
+                                 f"'transformers5', got {self.hf_config_style!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise NVFP4ToolError(f"model config: sliding_window must be > 0 or None, "
+                                 f"got {self.sliding_window}")
+        self._check_family_options()
+
+    # ----------------------------------------------------------------------------- HF config.json
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Build from a parsed HF config.json (transformers 4.x or 5.x style); `source` names it in errors."""
+        family = _family_of(hf, source)
+        _reject_unsupported_options(hf, family, source)
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden_size = int(hf["hidden_size"])
+            rope_theta, rope_scaling = _rope_from_hf(hf, source)
+            attention_bias = bool(hf.get("attention_bias", False))
+            eos = hf.get("eos_token_id")
+            return cls(
+                family=family,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v bias and never o_proj bias; Llama/Qwen3 put it on all four.
+                attention_bias=True if family == "qwen2" else attention_bias,
+                o_proj_bias=False if family in ("qwen2", "mistral") else attention_bias,
+                qk_norm=family == "qwen3",
+                sliding_window=_sliding_window_from_hf(hf, family),
+                dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch."),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                pad_token_id=hf.get("pad_token_id"),
+                hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
+                else "transformers4",
+                hf_extra={k: v for k, v in hf.items() if k not in _MODELED_KEYS},
+            )
+        except KeyError as missing:
+            raise NVFP4ToolError(f"{source}: missing required key {missing.args[0]!r}") from None
+        except (TypeError, ValueError) as bad:
+            raise NVFP4ToolError(f"{source}: bad value: {bad}") from None
+        except NVFP4ToolError as invalid:  # from validation: say which file held the values
+            if str(invalid).startswith(source):
+                raise
+            raise NVFP4ToolError(f"{source}: {invalid}") from None
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike) -> ModelConfig:
+        """Read `<path>/config.json` (or `path` itself when it is a .json file)."""
+        config_path = os.fspath(path)
+        if os.path.isdir(config_path):
+            config_path = os.path.join(config_path, "config.json")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                hf = json.load(f)
+        except FileNotFoundError:
+            raise NVFP4ToolError(f"{config_path}: no such file (an HF model folder needs config.json)") from None
+        except json.JSONDecodeError as bad:
+            raise NVFP4ToolError(f"{config_path}: not valid JSON ({bad})") from None
+        if not isinstance(hf, dict):
+            raise NVFP4ToolError(f"{config_path}: expected a JSON object")
+        return cls.from_hf_config(hf, source=config_path)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The config.json dict: unknown source keys kept, modeled keys written from our fields,
+        RoPE and dtype spelled in the source's style (`hf_config_style`)."""
+        hf: dict[str, Any] = dict(self.hf_extra)
+        hf.update({
+            "architectures": [ARCHITECTURE_BY_FAMILY[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype" if self.hf_config_style == "transformers5" else "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        })
+        if self.family in ("llama", "qwen3"):
+            hf["attention_bias"] = self.attention_bias
+        if self.family == "llama":
+            hf["mlp_bias"] = False
+        if self.family == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        if self.family in ("qwen2", "qwen3"):
+            hf["use_sliding_window"] = False
+            hf["sliding_window"] = None
+            hf["layer_types"] = ["full_attention"] * self.num_layers
+        scaling = None if self.rope_scaling is None else {
+            "rope_type": "llama3",
+            "factor": self.rope_scaling.factor,
+            "low_freq_factor": self.rope_scaling.low_freq_factor,
+            "high_freq_factor": self.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
+        }
+        if self.hf_config_style == "transformers5":
+            hf["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
+        else:
+            hf["rope_theta"] = self.rope_theta
+            hf["rope_scaling"] = scaling
+        return hf
+
+    # ------------------------------------------------------------------------------------ tensors
+
+    def expected_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor name of this model -> its shape, weights as [out_features, in_features].
+
+        Order: embedding, layers 0..L-1 (norm, q, k, v, o, q/k norms, norm, gate, up, down), final
+        norm, lm_head (absent when tied).
+        """
+        E, F, D = self.hidden_size, self.intermediate_size, self.head_dim
+        q_out, kv_out = self.num_heads * D, self.num_kv_heads * D
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, E)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (E,)
+            for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                shapes[f"{p}self_attn.{proj}.weight"] = (out, E)
+                if self.attention_bias:
+                    shapes[f"{p}self_attn.{proj}.bias"] = (out,)
+            shapes[p + "self_attn.o_proj.weight"] = (E, q_out)
+            if self.o_proj_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (E,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (D,)
+                shapes[p + "self_attn.k_norm.weight"] = (D,)
+            shapes[p + "post_attention_layernorm.weight"] = (E,)
+            shapes[p + "mlp.gate_proj.weight"] = (F, E)
+            shapes[p + "mlp.up_proj.weight"] = (F, E)
+            shapes[p + "mlp.down_proj.weight"] = (E, F)
+        shapes["model.norm.weight"] = (E,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, E)
+        return shapes
+
+    def linear_names(self) -> list[str]:
+        """Names (HF module paths, no `.weight`) of every linear layer the model routes through its
+        linear seam, in forward order; `lm_head` last (also when tied: it then reuses the embedding)."""
+        names = [n.removesuffix(".weight") for n, s in self.expected_tensor_shapes().items()
+                 if len(s) == 2 and n.endswith("_proj.weight")]
+        return names + ["lm_head"]
+
+    def num_parameters(self) -> int:
+        """Total parameter count (tied embeddings counted once)."""
+        return sum(math.prod(s) for s in self.expected_tensor_shapes().values())
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _check_family_options(self) -> None:
+        """Only combinations the family's HF config can express (so to_hf_config is faithful)."""
+        problems = []
+        if self.qk_norm != (self.family == "qwen3"):
+            problems.append("qk_norm is on exactly for qwen3")
+        if self.family == "qwen2" and not (self.attention_bias and not self.o_proj_bias):
+            problems.append("qwen2 has q/k/v bias and no o_proj bias")
+        if self.family == "mistral" and (self.attention_bias or self.o_proj_bias):
+            problems.append("mistral has no attention bias")
+        if self.family in ("llama", "qwen3") and self.attention_bias != self.o_proj_bias:
+            problems.append(f"{self.family} attention_bias puts a bias on q/k/v and o_proj together")
+        if self.sliding_window is not None and self.family != "mistral":
+            problems.append("sliding_window is supported for mistral only")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            problems.append("rope_scaling must be a RopeScaling")
+        if problems:
+            raise NVFP4ToolError(f"model config ({self.family}): {'; '.join(problems)}")
+
+
+def _family_of(hf: Mapping[str, Any], source: str) -> str:
+    model_type = hf.get("model_type")
+    if model_type in SUPPORTED_FAMILIES:
+        return model_type
+    for arch in hf.get("architectures") or ():
+        if arch in _FAMILY_BY_ARCHITECTURE and model_type is None:
+            return _FAMILY_BY_ARCHITECTURE[arch]
+    shown = model_type or (hf.get("architectures") or ["<none>"])[0]
+    raise NVFP4ToolError(f"{source}: unsupported architecture {shown!r}; supported model_type: "
+                         f"{', '.join(SUPPORTED_FAMILIES)} ({', '.join(ARCHITECTURE_BY_FAMILY.values())})")
+
+
+def _reject_unsupported_options(hf: Mapping[str, Any], family: str, source: str) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise NVFP4ToolError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; supported: silu")
+    if hf.get("mlp_bias"):
+        raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
+    rope_parameters = hf.get("rope_parameters") or {}
+    partial = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise NVFP4ToolError(f"{source}: partial_rotary_factor={partial} unsupported; supported: 1.0 "
+                             f"(RoPE over the whole head)")
+    if family in ("qwen2", "qwen3"):
+        sliding = hf.get("use_sliding_window") or any(
+            t != "full_attention" for t in hf.get("layer_types") or ())
+        if sliding:
+            raise NVFP4ToolError(f"{source}: {family} per-layer sliding-window attention "
+                                 f"(use_sliding_window/layer_types) is unsupported; supported: "
+                                 f"full attention in every layer")
+
+
+def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5 `rope_parameters` or legacy rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        scaling = params
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        scaling = hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NVFP4ToolError(f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)")
+    if rope_type == "default":
+        return float(theta), None
+    try:
+        return float(theta), RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as missing:
+        raise NVFP4ToolError(f"{source}: llama3 rope scaling lacks {missing.args[0]!r}") from None
+
+
+def _sliding_window_from_hf(hf: Mapping[str, Any], family: str) -> int | None:
+    if family != "mistral":
+        return None  # Qwen with use_sliding_window was rejected above; its window value is unused
+    window = hf.get("sliding_window")
+    return None if window is None else int(window)

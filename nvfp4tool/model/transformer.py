@@ -1,0 +1,276 @@
+"""The Llama-family decoder in Flax NNX (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3).
+
+Pre-norm blocks: RMSNorm (fp32 inside, as HF) -> GQA attention with RoPE (half-split layout,
+optional llama3 scaling, optional per-head q/k RMSNorm, optional q/k/v(/o) bias, optional
+sliding window) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head (tied or
+not). Module attribute names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` is the path
+of that parameter (see `weights.py`). Every projection goes through the linear seam (`linear.py`);
+the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
+
+Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
+layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
+
+Padding: `attention_mask_BxT` (1 = token, 0 = padding, left or right) hides padded keys; padded
+query rows produce garbage that callers ignore. Default positions are `cumsum(mask) - 1`, so a
+left-padded row starts at position 0 like HF's `generate` (HF's plain forward uses 0..T-1 instead:
+pass `positions` explicitly to reproduce that).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.linear import LinearFn, default_linear
+from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+_INIT_STD = 0.02  # random init (training from scratch): normal(0, 0.02) weights, zero bias, unit norms
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: [L, B, S, KV, D] each, in the compute dtype."""
+
+    k_LxBxSxKVxD: jax.Array
+    v_LxBxSxKVxD: jax.Array
+
+
+class Linear(nnx.Module):
+    """Weight [out, in] (HF orientation), optional bias; calls the linear seam with its HF name."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, name: str,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.weight = nnx.Param(
+            _INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
+        self.name = name
+
+    def __call__(self, x: jax.Array, linear: LinearFn) -> jax.Array:
+        bias = None if self.bias is None else self.bias[...]
+        return linear(x, self.weight[...], bias, name=self.name)
+
+
+class RMSNorm(nnx.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32, scaled in the input dtype (as HF)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(x.dtype) * normed.astype(x.dtype)).astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V, E] (HF `model.embed_tokens.weight`)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype))
+
+    def __call__(self, ids_BxT: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids_BxT, axis=0)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention: q/k/v projections, optional q/k norm, RoPE, masked softmax, o_proj."""
+
+    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        E, D = config.hidden_size, config.head_dim
+        H, KV = config.num_heads, config.num_kv_heads
+
+        def proj(name: str, k: int, n: int, bias: bool) -> Linear:
+            return Linear(k, n, bias=bias, name=f"{prefix}.{name}", param_dtype=param_dtype, rngs=rngs)
+
+        self.q_proj = proj("q_proj", E, H * D, config.attention_bias)
+        self.k_proj = proj("k_proj", E, KV * D, config.attention_bias)
+        self.v_proj = proj("v_proj", E, KV * D, config.attention_bias)
+        self.o_proj = proj("o_proj", H * D, E, config.o_proj_bias)
+        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
+
+    def __call__(self, x_BxTxE: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array,
+                 allowed_BxTxS: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+                 write_index: jax.Array | int, linear: LinearFn):
+        """Returns (y_BxTxE, (k, v)): k/v the updated cache [B, S, KV, D] (or this chunk's, no cache)."""
+        B, T, _ = x_BxTxE.shape
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_BxTxHxD = self.q_proj(x_BxTxE, linear).reshape(B, T, H, D)
+        k_BxTxKVxD = self.k_proj(x_BxTxE, linear).reshape(B, T, KV, D)
+        v_BxTxKVxD = self.v_proj(x_BxTxE, linear).reshape(B, T, KV, D)
+        if self.q_norm is not None:
+            q_BxTxHxD, k_BxTxKVxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxTxKVxD)
+        q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
+        k_BxTxKVxD = apply_rope(k_BxTxKVxD, cos_BxTxD, sin_BxTxD)
+        if cache_kv is None:
+            k_BxSxKVxD, v_BxSxKVxD = k_BxTxKVxD, v_BxTxKVxD
+        else:
+            start = (0, write_index, 0, 0)
+            k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
+            v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
+        q_BxTxKVxGxD = q_BxTxHxD.reshape(B, T, KV, H // KV, D)  # query head h uses kv head h // G
+        scores_BxKVxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKVxGxD, k_BxSxKVxD.astype(x_BxTxE.dtype),
+                                       preferred_element_type=jnp.float32) * (D ** -0.5)
+        # A large finite negative (not -inf) keeps fully masked (padding) query rows NaN-free.
+        scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS,
+                                      jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(x_BxTxE.dtype)
+        out_BxTxKVxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKVxD.astype(x_BxTxE.dtype),
+                                    preferred_element_type=jnp.float32).astype(x_BxTxE.dtype)
+        y_BxTxE = self.o_proj(out_BxTxKVxGxD.reshape(B, T, H * D), linear)
+        return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        E, F = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(E, F, bias=False, name=f"{prefix}.gate_proj", param_dtype=param_dtype, rngs=rngs)
+        self.up_proj = Linear(E, F, bias=False, name=f"{prefix}.up_proj", param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = Linear(F, E, bias=False, name=f"{prefix}.down_proj", param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
+        hidden_BxTxF = jax.nn.silu(self.gate_proj(x_BxTxE, linear)) * self.up_proj(x_BxTxE, linear)
+        return self.down_proj(hidden_BxTxF, linear)
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, config: ModelConfig, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        E = config.hidden_size
+        self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, cache_kv, write_index, linear):
+        attn_BxTxE, kv = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
+                                        allowed_BxTxS, cache_kv, write_index, linear)
+        h_BxTxE = x_BxTxE + attn_BxTxE
+        return h_BxTxE + self.mlp(self.post_attention_layernorm(h_BxTxE), linear), kv
+
+
+class CausalLM(nnx.Module):
+    """The whole model: embedding, L blocks, final norm, LM head (absent when tied)."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype: jnp.dtype = jnp.float32,
+                 compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
+                 linear: LinearFn = default_linear, rngs: nnx.Rngs | None = None) -> None:
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype or param_dtype)
+        self.scan_layers = scan_layers
+        self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
+        E = config.hidden_size
+        self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
+        blocks = [Block(config, "model.layers.*" if scan_layers else f"model.layers.{i}",
+                        param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
+        if scan_layers:
+            graphdef, _ = nnx.split(blocks[0])
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.split(b)[1] for b in blocks])
+            self.layers = nnx.merge(graphdef, stacked)  # one Block, parameters [L, ...]
+        else:
+            self.layers = nnx.List(blocks)
+        self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            E, config.vocab_size, bias=False, name="lm_head", param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
+                 positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
+        return forward(self, input_ids_BxT, attention_mask_BxT, positions_BxT, linear=linear)
+
+
+def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
+            positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
+    """Logits [B, T, V] in float32 (no cache). Mask: 1 = token, 0 = padding (left or right).
+
+    Called under a transformation (the caller's jit / grad / scan) it runs inline, so a `linear`
+    may record into Python containers at trace time. Called eagerly, it compiles itself with
+    jax.jit (model structure and `linear` static; op-by-op dispatch would be ~100x slower).
+    """
+    input_ids_BxT = jnp.asarray(input_ids_BxT)
+    mask_BxT = (jnp.ones(input_ids_BxT.shape, bool) if attention_mask_BxT is None
+                else jnp.asarray(attention_mask_BxT).astype(bool))
+    if positions_BxT is None:
+        positions_BxT = default_positions(mask_BxT)
+    linear = linear or model.linear
+    graphdef, state = nnx.split(model)
+    traced = any(isinstance(leaf, jax.core.Tracer)
+                 for leaf in (input_ids_BxT, mask_BxT, positions_BxT, *jax.tree.leaves(state)))
+    run = _forward.__wrapped__ if traced else _forward
+    return run(graphdef, state, input_ids_BxT, mask_BxT, jnp.asarray(positions_BxT), linear=linear)
+
+
+def default_positions(mask_BxT: jax.Array) -> jax.Array:
+    """Position of each token = number of real tokens before it (padding does not count)."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def attention_allowed(query_index_T: jax.Array, key_valid_BxS: jax.Array, sliding_window: int | None,
+                      query_positions_BxT: jax.Array | None = None,
+                      key_positions_BxS: jax.Array | None = None) -> jax.Array:
+    """[B, T, S] bool: query at sequence slot q may see the key in slot k iff k <= q and slot k is
+    not padding, and (sliding window W) the key's position is within W - 1 of the query's.
+
+    The window is measured in positions (positions needed only then): for unpadded and
+    left-padded rows that equals HF's slot distance; for right-padded rows continued by
+    `generate` it keeps the padding from eating into the window.
+    """
+    key_index_S = jnp.arange(key_valid_BxS.shape[-1])
+    allowed_BxTxS = (key_index_S[None, :] <= query_index_T[:, None])[None] & key_valid_BxS[:, None, :].astype(bool)
+    if sliding_window is not None:
+        distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
+        allowed_BxTxS &= distance_BxTxS < sliding_window
+    return allowed_BxTxS
+
+
+def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
+                       allowed_BxTxS: jax.Array, cache: KVCache | None, write_index: jax.Array | int,
+                       linear: LinearFn) -> tuple[jax.Array, KVCache | None]:
+    """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
+    `write_index` (None in, None out: keys are then this chunk's own)."""
+    config, dtype = model.config, model.compute_dtype
+    x_BxTxE = model.embed_tokens(input_ids_BxT).astype(dtype)
+    cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, inverse_frequencies(config), dtype)
+    layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
+    if model.scan_layers:
+        graphdef, stacked_state = nnx.split(model.layers)
+
+        def body(x, per_layer):
+            state, cache_kv = per_layer
+            x, kv = nnx.merge(graphdef, state)(x, *layer_args, cache_kv, write_index, linear)
+            return x, (kv if cache_kv is not None else None)
+
+        x_BxTxE, kvs = jax.lax.scan(body, x_BxTxE, (stacked_state, cache))
+        new_cache = None if cache is None else KVCache(*kvs)
+    else:
+        new_cache = cache
+        for i, block in enumerate(model.layers):
+            cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[i], new_cache.v_LxBxSxKVxD[i])
+            x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear)
+            if cache is not None:  # an in-place update of layer i under jit
+                new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
+    x_BxTxE = model.norm(x_BxTxE)
+    if model.lm_head is not None:
+        logits_BxTxV = model.lm_head(x_BxTxE, linear)
+    else:
+        logits_BxTxV = linear(x_BxTxE, model.embed_tokens.weight[...], None, name="lm_head")
+    return logits_BxTxV.astype(jnp.float32), new_cache
+
+
+@partial(jax.jit, static_argnames=("graphdef", "linear"))
+def _forward(graphdef, state, input_ids_BxT, mask_BxT, positions_BxT, *, linear):
+    model = nnx.merge(graphdef, state)
+    allowed_BxTxS = attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT,
+                                      model.config.sliding_window, positions_BxT, positions_BxT)
+    logits, _ = forward_with_cache(model, input_ids_BxT, positions_BxT, allowed_BxTxS, None, 0, linear)
+    return logits

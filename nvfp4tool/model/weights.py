@@ -1,0 +1,114 @@
+"""HF-named tensors <-> model parameters (both directions, both layer layouts).
+
+The model's attribute paths mirror HF names, so `model.layers.3.self_attn.q_proj.weight` names
+`model.layers[3].self_attn.q_proj.weight` (unscanned) or row 3 of the stacked
+`model.layers.self_attn.q_proj.weight` (scanned). Tensors are read one at a time from the source;
+the model itself is the only full copy held.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from converters.tensor_source import TensorSource, check_against_config
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model.linear import LinearFn, default_linear
+from nvfp4tool.model.transformer import CausalLM
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype = jnp.float32,
+                       compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
+                       linear: LinearFn = default_linear) -> CausalLM:
+    """Build the model from HF-named tensors (every shape checked against `config` first).
+
+    dtype: parameter dtype (values are cast exactly when widening, e.g. bf16 -> fp32);
+    compute_dtype: activations / matmul inputs (default: dtype).
+    """
+    expected = config.expected_tensor_shapes()
+    check_against_config(source, expected,
+                         ignore_extra=("lm_head.weight",) if config.tie_word_embeddings else ())
+    model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype, compute_dtype=compute_dtype,
+                                            scan_layers=scan_layers, linear=linear))
+    stacked: dict[str, np.ndarray] = {}  # scanned: layer-suffix -> [L, ...] buffer being filled
+    for name in expected:
+        array = np.asarray(source.get(name))
+        variable, layer = _locate(model, name)
+        if layer is None:
+            variable.value = jnp.asarray(array, dtype=dtype)
+            continue
+        suffix = _LAYER_NAME.fullmatch(name).group(2)
+        if suffix not in stacked:
+            stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype))
+        stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
+        if layer == config.num_layers - 1:
+            variable.value = jnp.asarray(stacked.pop(suffix))
+    return model
+
+
+def model_to_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, numpy array in the parameter dtype) for every tensor, in the config's order."""
+    for name in model.config.expected_tensor_shapes():
+        variable, layer = _locate(model, name)
+        value = variable[...]
+        yield name, np.asarray(value if layer is None else value[layer])
+
+
+class ModelTensorSource:
+    """A `TensorSource` view of a model's parameters (e.g. to write it with `write_hf_folder`)."""
+
+    def __init__(self, model: CausalLM, path: str = "<model>") -> None:
+        self._model = model
+        self._shapes = model.config.expected_tensor_shapes()
+        self._path = path
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._check(name)
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        variable, _ = _locate(self._model, self._check(name))
+        return jnp.dtype(variable[...].dtype).name
+
+    def get(self, name: str) -> np.ndarray:
+        variable, layer = _locate(self._model, self._check(name))
+        value = variable[...]
+        return np.asarray(value if layer is None else value[layer])
+
+    def _check(self, name: str) -> str:
+        if name not in self._shapes:
+            raise NVFP4ToolError(f"{self._path}: no tensor {name!r}")
+        return name
+
+
+def _locate(model: CausalLM, hf_name: str) -> tuple[nnx.Variable, int | None]:
+    """The parameter holding `hf_name`, and the layer row to index when layers are stacked."""
+    if hf_name == "lm_head.weight":
+        return model.lm_head.weight, None
+    layer_match = _LAYER_NAME.fullmatch(hf_name)
+    if layer_match:
+        index = int(layer_match.group(1))
+        node, rest, row = (model.layers, layer_match.group(2), index) if model.scan_layers else (
+            model.layers[index], layer_match.group(2), None)
+    else:
+        node, rest, row = model, hf_name.removeprefix("model."), None
+    for part in rest.split("."):
+        node = getattr(node, part)
+    if not isinstance(node, nnx.Variable):
+        raise NVFP4ToolError(f"<model>: {hf_name!r} is not a parameter")
+    return node, row
+

@@ -1,0 +1,276 @@
+"""The JAX model on its own (no torch): layouts, the linear seam, padding, KV-cache generation.
+
+Agreement with transformers lives in test_hf_model.py; here each property is checked against
+another path through our own code that does not share the property's mechanism (scan vs loop,
+cache vs recomputation, padded vs unpadded rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from converters.tensor_source import DictTensorSource
+from nvfp4tool.config import ModelConfig, RopeScaling
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model import (ModelTensorSource, default_linear, forward, generate, model_from_tensors,
+                             model_to_tensors)
+
+_BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+             num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5)
+CONFIGS = {
+    "llama3": ModelConfig(family="llama", rope_theta=500000.0, **_BASE,
+                          rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16)),
+    "llama_tied_bias": ModelConfig(family="llama", tie_word_embeddings=True, attention_bias=True,
+                                   o_proj_bias=True, **_BASE),
+    "mistral_window": ModelConfig(family="mistral", sliding_window=3, **_BASE),
+    "qwen2": ModelConfig(family="qwen2", attention_bias=True, **_BASE),
+    "qwen3": ModelConfig(family="qwen3", qk_norm=True, **{**_BASE, "head_dim": 12}),
+}
+
+
+def random_tensors(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in config.expected_tensor_shapes().items():
+        noise = rng.standard_normal(shape).astype(np.float32)
+        value = 1.0 + 0.2 * noise if name.endswith("norm.weight") else (
+            0.3 * noise if name.endswith(".bias") else 0.15 * noise)
+        tensors[name] = value.astype(dtype)
+    return tensors
+
+
+def build(key: str, **kwargs):
+    config = CONFIGS[key]
+    return model_from_tensors(config, DictTensorSource(random_tensors(config)), **kwargs)
+
+
+def batch(T: int = 9, vocab: int = 97, seed: int = 1):
+    """Rows: full, left-padded by 3, right-padded by 2 (padding ids are junk, masked)."""
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(3, T))
+    mask = np.ones((3, T), np.int32)
+    mask[1, :3] = 0
+    mask[2, T - 2:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3"])
+def test_scanned_layers_give_the_same_logits(key):
+    ids, mask = batch()
+    logits = forward(build(key), ids, mask)
+    scanned = build(key, scan_layers=True)
+    assert scanned.layers.self_attn.q_proj.weight[...].shape[0] == CONFIGS[key].num_layers
+    # Same math; the scanned body is compiled (XLA fuses and reorders fp32 ops), the loop runs op by
+    # op: a few fp32 ulps of |logits| ~ 2 apart.
+    np.testing.assert_allclose(forward(scanned, ids, mask), logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_tensors_round_trip_bit_exact(scan_layers):
+    config = CONFIGS["qwen3"]
+    tensors = random_tensors(config)
+    model = model_from_tensors(config, DictTensorSource(tensors), scan_layers=scan_layers)
+    out = dict(model_to_tensors(model))
+    assert list(out) == list(config.expected_tensor_shapes())
+    for name, value in tensors.items():
+        assert out[name].dtype == value.dtype and out[name].tobytes() == value.tobytes(), name
+    view = ModelTensorSource(model)
+    assert view.shape("lm_head.weight") == (97, 32) and view.dtype("lm_head.weight") == "float32"
+    assert view.get("model.layers.1.self_attn.k_norm.weight").tobytes() == \
+        tensors["model.layers.1.self_attn.k_norm.weight"].tobytes()
+
+
+def test_bf16_tensors_load_exactly_into_fp32_and_bf16():
+    config = CONFIGS["llama3"]
+    tensors = random_tensors(config, dtype=ml_dtypes.bfloat16)
+    as_fp32 = dict(model_to_tensors(model_from_tensors(config, DictTensorSource(tensors))))
+    as_bf16 = dict(model_to_tensors(model_from_tensors(config, DictTensorSource(tensors), dtype=jnp.bfloat16)))
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(as_fp32[name], value.astype(np.float32))
+        assert as_bf16[name].dtype == ml_dtypes.bfloat16 and as_bf16[name].tobytes() == value.tobytes()
+
+
+def test_wrong_shape_names_the_tensor():
+    config = CONFIGS["qwen2"]
+    tensors = random_tensors(config)
+    tensors["model.layers.1.self_attn.v_proj.bias"] = np.zeros((5,), np.float32)
+    with pytest.raises(NVFP4ToolError, match=r"<memory>: tensor 'model.layers.1.self_attn.v_proj.bias' "
+                                             r"has shape \[5\], the config expects \[16\]"):
+        model_from_tensors(config, DictTensorSource(tensors))
+    del tensors["model.layers.1.self_attn.v_proj.bias"]
+    with pytest.raises(NVFP4ToolError, match="'model.layers.1.self_attn.v_proj.bias' missing"):
+        model_from_tensors(config, DictTensorSource(tensors))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_every_linear_goes_through_the_seam(scan_layers):
+    config = CONFIGS["llama_tied_bias"]
+    seen = []
+
+    def recording(x, w, b, *, name):
+        seen.append((name, w.shape, None if b is None else b.shape))
+        return default_linear(x, w, b, name=name)
+
+    model = build("llama_tied_bias", scan_layers=scan_layers)
+    ids, mask = batch()
+    np.testing.assert_allclose(forward(model, ids, mask, linear=recording), forward(model, ids, mask),
+                               atol=1e-6, rtol=0)
+    names = [name for name, _, _ in seen]
+    expected = config.linear_names()
+    if scan_layers:  # one traced block: the layer index reads '*'
+        expected = list(dict.fromkeys(n.replace("model.layers.0.", "model.layers.*.")
+                                      for n in expected if not n.startswith("model.layers.") or
+                                      n.startswith("model.layers.0.")))
+    assert names == expected
+    shapes = {name: (w, b) for name, w, b in seen}
+    assert shapes["lm_head"] == ((97, 32), None)  # tied: the embedding table [V, E]
+    o_proj = "model.layers.*.self_attn.o_proj" if scan_layers else "model.layers.1.self_attn.o_proj"
+    assert shapes[o_proj] == ((32, 32), (32,))
+
+
+def test_seam_decides_per_layer_by_name():
+    model = build("llama3")
+    ids, mask = batch()
+    base = np.asarray(forward(model, ids, mask))
+
+    def zero_layer1_mlp(x, w, b, *, name):
+        y = default_linear(x, w, b, name=name)
+        return jnp.zeros_like(y) if name == "model.layers.1.mlp.down_proj" else y
+
+    changed = np.asarray(forward(model, ids, mask, linear=zero_layer1_mlp))
+    assert np.abs(changed - base).max() > 1e-2
+    model.linear = zero_layer1_mlp  # the model's own default seam is used when none is passed
+    np.testing.assert_array_equal(forward(model, ids, mask), changed)
+
+
+@pytest.mark.parametrize("key", ["llama3", "mistral_window", "qwen3"])
+def test_padding_does_not_change_real_tokens(key):
+    model = build(key)
+    ids, mask = batch()
+    logits = np.asarray(forward(model, ids, mask))
+    left_alone = np.asarray(forward(model, ids[1:2, 3:]))  # the left-padded row without its padding
+    right_alone = np.asarray(forward(model, ids[2:3, :-2]))
+    np.testing.assert_allclose(logits[1, 3:], left_alone[0], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(logits[2, :-2], right_alone[0], atol=2e-5, rtol=0)
+    assert np.isfinite(logits).all()
+
+
+def test_sliding_window_limits_what_a_token_sees():
+    """Window 3 over 2 layers: the output at index t depends on tokens t-4..t only (each layer
+    reaches 2 further back)."""
+    model = build("mistral_window")
+    ids = np.random.default_rng(3).integers(0, 97, size=(1, 8))
+    other = ids.copy()
+    other[0, 1] = (other[0, 1] + 1) % 97  # change token 1
+    a, b = np.asarray(forward(model, ids)), np.asarray(forward(model, other))
+    np.testing.assert_allclose(a[0, 6:], b[0, 6:], atol=1e-6, rtol=0)  # index 6 reaches back to 2
+    assert np.abs(a[0, 5] - b[0, 5]).max() > 1e-4  # index 5 reaches token 1
+
+
+def test_jitted_forward_matches_eager():
+    model = build("qwen2")
+    ids, mask = batch()
+    jitted = nnx.jit(lambda m, i, k: forward(m, i, k) * 1.0)(model, jnp.asarray(ids), jnp.asarray(mask))
+    np.testing.assert_allclose(jitted, forward(model, ids, mask), atol=1e-5, rtol=0)  # as above
+
+
+def test_forward_runs_inline_under_the_callers_transform():
+    """The training pattern: grad of a jitted loss whose linear records per-layer input amax."""
+    model = build("llama3")
+    graphdef, state = nnx.split(model)
+    ids, _ = batch()
+
+    def loss(state, ids):
+        recorded = {}
+
+        def recording(x, w, b, *, name):
+            recorded[name] = jnp.max(jnp.abs(x))
+            return default_linear(x, w, b, name=name)
+
+        logits = forward(nnx.merge(graphdef, state), ids, linear=recording)
+        return jnp.mean(logits ** 2), recorded
+
+    (value, amax), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, jnp.asarray(ids))
+    assert set(amax) == set(CONFIGS["llama3"].linear_names())
+    np.testing.assert_allclose(value, np.mean(np.asarray(forward(model, ids)) ** 2), rtol=1e-5)
+    grad_norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
+    assert all(np.isfinite(grad_norms)) and min(grad_norms) > 0
+
+
+def test_bf16_compute_stays_near_fp32():
+    ids, mask = batch()
+    fp32 = np.asarray(forward(build("llama3"), ids, mask))
+    mixed = build("llama3", compute_dtype=jnp.bfloat16)
+    assert mixed.layers[0].mlp.up_proj.weight[...].dtype == jnp.float32
+    bf16 = np.asarray(forward(mixed, ids, mask))
+    assert bf16.dtype == np.float32
+    # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4%) through 3 layers: a few percent of
+    # the logit range, and the same argmax on most tokens.
+    assert np.abs(bf16 - fp32)[mask == 1].max() < 0.05 * np.abs(fp32).max()
+    assert (bf16.argmax(-1) == fp32.argmax(-1))[mask == 1].mean() > 0.8
+
+
+def uncached_greedy(model, ids, mask, steps):
+    """Reference: recompute the whole sequence every step (no cache), argmax at each row's last
+    real token. The buffer has its final length from the start, future slots masked like padding,
+    so every step reuses one compiled forward."""
+    B, T = ids.shape
+    ids = np.concatenate([ids, np.zeros((B, steps), ids.dtype)], axis=1)
+    mask = np.concatenate([mask, np.zeros((B, steps), mask.dtype)], axis=1)
+    out = []
+    for step in range(steps):
+        logits = np.asarray(forward(model, ids, mask))
+        last = ids.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=-1)
+        token = logits[np.arange(B), last].argmax(-1)
+        out.append(token)
+        ids[:, T + step], mask[:, T + step] = token, 1
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("key, scan_layers", [("llama3", False), ("mistral_window", False),
+                                              ("qwen3", True)])
+def test_cached_generation_equals_uncached_loop(key, scan_layers):
+    model = build(key, scan_layers=scan_layers)
+    ids, mask = batch()
+    cached = np.asarray(generate(model, ids, 7, attention_mask=mask))
+    assert cached.shape == (3, 7) and cached.dtype == np.int32
+    np.testing.assert_array_equal(cached, uncached_greedy(model, ids, mask, 7))
+    if key == "mistral_window":  # padding does not change a row's continuation (window included)
+        unpadded = np.stack([np.append(ids[1, 3:], 0), ids[2, :7]])  # the rows' real tokens (6, 7) ...
+        unpadded_mask = np.array([[1] * 6 + [0], [1] * 7])  # ... the 6 right-padded by one
+        np.testing.assert_array_equal(cached[1:], np.asarray(generate(model, unpadded, 7,
+                                                                      attention_mask=unpadded_mask)))
+
+
+def test_sampling_and_eos():
+    model = build("llama3")
+    ids, mask = batch()
+    greedy = np.asarray(generate(model, ids, 6, attention_mask=mask))
+    top1 = generate(model, ids, 6, attention_mask=mask, greedy=False, top_k=1, key=jax.random.key(5))
+    np.testing.assert_array_equal(top1, greedy)
+    draw = lambda seed: np.asarray(generate(model, ids, 6, attention_mask=mask, greedy=False,  # noqa: E731
+                                            temperature=2.0, key=jax.random.key(seed)))
+    np.testing.assert_array_equal(draw(1), draw(1))
+    assert not np.array_equal(draw(1), draw(2))
+    eos = int(greedy[0, 2])  # pretend the third greedy token of row 0 is EOS
+    stopped = np.asarray(generate(model, ids, 6, attention_mask=mask, eos_token_id=eos, pad_token_id=96))
+    first = np.argmax(greedy == eos, axis=1)
+    for row in range(3):
+        if (greedy[row] == eos).any():
+            np.testing.assert_array_equal(stopped[row, :first[row] + 1], greedy[row, :first[row] + 1])
+            assert (stopped[row, first[row] + 1:] == 96).all()
+        else:
+            np.testing.assert_array_equal(stopped[row], greedy[row])
+
+
+def test_generate_rejects_bad_requests():
+    model = build("llama3")
+    ids = np.zeros((2, 4), np.int32)
+    with pytest.raises(NVFP4ToolError, match="no tokens"):
+        generate(model, ids, 3, attention_mask=np.array([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    with pytest.raises(NVFP4ToolError, match="needs a PRNG key"):
+        generate(model, ids, 3, greedy=False)
