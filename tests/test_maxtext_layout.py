@@ -1,0 +1,112 @@
+"""The HF <-> MaxText layout table: exact inverses, the query-scale round trip over every bf16 value,
+the RoPE permutation, and the MaxText model-name configs (no torch, no Orbax)."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from converters import layout, maxtext_models
+from nvfp4tool.config import ModelConfig
+
+
+def _config(head_dim: int = 8, tied: bool = False) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=40, hidden_size=24, intermediate_size=36,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                       tie_word_embeddings=tied)
+
+
+def _rule(hf_suffix: str) -> layout.Rule:
+    return next(r for r in layout.TABLE if r.hf.endswith(hf_suffix))
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 48, 64, 80, 128, 256])
+def test_query_scale_round_trip_is_exact_for_every_bf16_value(head_dim):
+    bits_N = np.arange(2**16, dtype=np.uint16)
+    finite = np.isfinite(bits_N.view(ml_dtypes.bfloat16).astype(np.float32))
+    bits_N = bits_N[finite]
+    config = _config(head_dim)
+    q_rule = _rule("q_proj.weight")
+    # every finite bf16 bit pattern, laid out as a [H*D, E] = [4*head_dim, n/(4*head_dim)] q_proj
+    rows = config.num_heads * head_dim
+    usable = len(bits_N) // rows * rows
+    q_bf16 = bits_N[:usable].view(ml_dtypes.bfloat16).reshape(rows, -1)
+    stored = layout.hf_to_maxtext(q_rule, q_bf16, config, "interleaved", "float32")
+    np.testing.assert_array_equal(  # the stored kernel is exactly the fp32 product
+        stored, layout.hf_to_maxtext(q_rule, q_bf16.astype(np.float32), config, "interleaved", "float32"))
+    back = layout.maxtext_to_hf(q_rule, stored, config, "interleaved", "bfloat16")
+    assert back.view(np.uint16).tolist() == q_bf16.view(np.uint16).tolist()
+
+
+def test_query_scale_value_is_inverse_sqrt_head_dim_in_fp32():
+    config = _config(128)
+    q = np.ones((config.num_heads * 128, config.hidden_size), np.float32)
+    stored = layout.hf_to_maxtext(_rule("q_proj.weight"), q, config, "half", "float32")
+    assert stored.shape == (config.hidden_size, config.num_heads, 128)
+    assert np.all(stored == np.float32(1 / math.sqrt(128)))
+
+
+def test_rope_interleave_pairs_the_two_halves():
+    x = np.array([[[0, 1, 2, 3, 10, 11, 12, 13]]])  # half-split: reals 0..3, imaginaries 10..13
+    assert layout.half_to_interleaved(x).tolist() == [[[0, 10, 1, 11, 2, 12, 3, 13]]]
+    assert layout.interleaved_to_half(layout.half_to_interleaved(x)).tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("rope_layout", layout.ROPE_LAYOUTS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_rule_round_trips_exactly_and_has_the_table_shape(rope_layout, tied):
+    config = _config(tied=tied)
+    rng = np.random.default_rng(0)
+    shapes = config.expected_tensor_shapes()
+    rules = layout.rules_for(config)
+    assert {layout.hf_name(r, 0) for r in rules} == {n for n in shapes if ".layers." not in n or ".0." in n}
+    for rule in rules:
+        x = rng.standard_normal(shapes[layout.hf_name(rule, 0)]).astype(ml_dtypes.bfloat16)
+        y = layout.hf_to_maxtext(rule, x, config, rope_layout, "float32")
+        assert y.shape == layout.maxtext_shape(rule, config, scanned=False)
+        stacked_shape = layout.maxtext_shape(rule, config, scanned=True)
+        if rule.per_layer:
+            assert stacked_shape == y.shape[:1] + (config.num_layers,) + y.shape[1:]
+        back = layout.maxtext_to_hf(rule, y, config, rope_layout, "bfloat16")
+        assert back.view(np.uint16).tolist() == x.view(np.uint16).tolist(), rule.hf
+
+
+def test_kernel_orientation_matches_the_sheet():
+    """MaxText kernels are [in, out]: x @ kernel == x @ W.T for every linear (q ignoring scale)."""
+    config = _config()
+    rng = np.random.default_rng(1)
+    x_E = rng.standard_normal(config.hidden_size)
+    shapes = config.expected_tensor_shapes()
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                 "model.layers.0.mlp.gate_proj.weight"):
+        w = rng.standard_normal(shapes[name])
+        kernel = layout.hf_to_maxtext(_rule(name.split(".", 3)[-1]), w, config, "half", "float64")
+        np.testing.assert_allclose(np.tensordot(x_E, kernel, axes=1).reshape(-1), w @ x_E, atol=1e-12)
+    w_o = rng.standard_normal(shapes["model.layers.0.self_attn.o_proj.weight"])  # [E, H*D]
+    out_HxDxE = layout.hf_to_maxtext(_rule("o_proj.weight"), w_o, config, "half", "float64")
+    a_HxD = rng.standard_normal((config.num_heads, config.head_dim))
+    np.testing.assert_allclose(np.einsum("hd,hde->e", a_HxD, out_HxDxE), w_o @ a_HxD.reshape(-1), atol=1e-12)
+
+
+# Published parameter counts (HF model cards / config arithmetic), tied embeddings counted once.
+_PARAMETERS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama3-8b": 8_030_261_248,
+               "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
+               "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
+               "mistral-7b": 7_241_732_096}
+
+
+@pytest.mark.parametrize("name", sorted(maxtext_models.MAXTEXT_MODELS))
+def test_maxtext_model_names_build_configs_with_the_published_size(name):
+    config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config(name), source=name)
+    assert config.num_parameters() == _PARAMETERS[name]
+    assert maxtext_models.rope_layout_for(name) == ("interleaved" if name.startswith("llama3.1-") else "half")
+
+
+def test_unknown_model_name_is_a_user_error():
+    from nvfp4tool.errors import NVFP4ToolError
+
+    with pytest.raises(NVFP4ToolError, match="unknown MaxText model name 'llama9-1t'"):
+        maxtext_models.maxtext_hf_config("llama9-1t")
