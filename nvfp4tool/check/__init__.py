@@ -1,0 +1,20 @@
+"""The checkpoint checker: refuse a broken NVFP4 / FP8 serving checkpoint before it is served.
+
+    report = check_checkpoint("out/llama-nvfp4", tp=(1, 2, 4, 8))
+    for p in report.problems: print(p.line())      # "<module>: <tensor>: <what is wrong>"
+
+    formats  which format a folder claims (ModelOpt NVFP4 / W4A16 / FP8, compressed-tensors
+             nvfp4-pack-quantized), its tensor names and exclusion rules
+    files    safetensors headers and index checked against the files; chunked tensor reads
+    scan     zero / NaN / sign counts of one tensor's data, streamed
+    model    the tensors against the model config.json describes (supported families)
+    checker  check_checkpoint: per-module, fused-group and data checks
+    report   Problem, ModuleStats, CheckReport (JSON, rich table)
+"""
+
+from __future__ import annotations
+
+from nvfp4tool.check.checker import check_checkpoint, parse_tp
+from nvfp4tool.check.report import CheckReport, ModuleStats, Problem, print_report
+
+__all__ = ["CheckReport", "ModuleStats", "Problem", "check_checkpoint", "parse_tp", "print_report"]

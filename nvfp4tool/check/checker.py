@@ -1,0 +1,321 @@
+"""`check_checkpoint`: verify an NVFP4 / FP8 serving folder before anyone serves or publishes it.
+
+Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index
+-> each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions)
+-> fused groups (shared global scales) -> the tensors config.json's model needs (supported
+families) -> every tensor's data, streamed one chunk at a time (all-zero tensors, NaN /
+non-finite values). Problems are collected, never raised: the report lists them all; only a
+folder that declares no supported format raises NVFP4ToolError.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
+from nvfp4tool.check.formats import FormatSpec, detect_format
+from nvfp4tool.check.model import check_against_model
+from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
+from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+
+NVFP4_BLOCK = 16  # elements per block scale, along K
+NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
+FP8_BITS = 8.0
+_EMBEDDING = re.compile(r"embed|(^|\.)(wte|wpe)$")
+_FUSED = re.compile(r"^(?P<prefix>.+)\.(?:(?P<qkv>q|k|v)_proj|(?P<gate_up>gate|up)_proj|(?P<w13>w1|w3))$")
+_COLUMN_PARALLEL = re.compile(r"(^|\.)((q|k|v|gate|up|qkv|gate_up)_proj|w1|w3)$")
+_ROW_PARALLEL = re.compile(r"(^|\.)((o|down)_proj|w2)$")
+
+
+def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> CheckReport:
+    """Check the serving checkpoint folder at `path` for tensor-parallel degrees `tp`."""
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise NVFP4ToolError(f"{folder}: not a folder")
+    degrees = tuple(sorted(set(int(t) for t in tp)))
+    if not degrees or min(degrees) < 1:
+        raise NVFP4UsageError(f"tensor-parallel degrees must be >= 1, got {list(tp)}")
+    spec, problems = detect_format(folder)
+    entries, file_problems = read_tensor_table(folder)
+    report = CheckReport(path=folder, format=spec.name, quant=spec.quant, tp=degrees,
+                         problems=problems + file_problems)
+    scans: dict[str, TensorScan] = {}
+    quantized: dict[str, ModuleStats] = {}
+    status: dict[str, str] = {}  # linear module -> "quantized" / "excluded" / "plain"
+    for module, tensors in _modules(entries).items():
+        stats = _check_module(module, tensors, spec, degrees, scans, report.problems, status)
+        if stats is not None:
+            quantized[module] = stats
+    if spec.is_nvfp4:
+        report.problems += _check_fused_groups(quantized, status, spec)
+    reported = {p.module for p in report.problems} | {p.tensor for p in report.problems}
+    model_problems = check_against_model(folder, entries, quantized, reported)
+    report.model_checked = model_problems is not None
+    report.problems += model_problems or []
+    report.problems += _check_data(entries, spec, scans)
+    per_module = Counter(p.module for p in report.problems)
+    for stats in quantized.values():
+        stats.problems = per_module[stats.module]
+    report.modules = list(quantized.values())
+    report.tensors_checked = len(entries)
+    report.bytes_read = sum(s.bytes_read for s in scans.values())
+    return report
+
+
+def parse_tp(text: str) -> tuple[int, ...]:
+    """Parse a --tp list such as "1,2,4,8" into (1, 2, 4, 8); a bad list is a usage error."""
+    try:
+        degrees = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise NVFP4UsageError(f"--tp {text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    if not degrees or min(degrees) < 1:
+        raise NVFP4UsageError(f"--tp {text!r}: expected degrees >= 1, e.g. 1,2,4,8")
+    return degrees
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _modules(entries: Mapping[str, TensorEntry]) -> dict[str, dict[str, TensorEntry]]:
+    """module path -> {suffix: entry}, modules in natural order (layer 2 before layer 10)."""
+    modules: dict[str, dict[str, TensorEntry]] = {}
+    for name in sorted(entries, key=_natural_key):
+        module, _, suffix = name.rpartition(".")
+        modules.setdefault(module, {})[suffix] = entries[name]
+    return modules
+
+
+def _natural_key(name: str) -> list:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
+def _check_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+                  tp: tuple[int, ...], scans: dict[str, TensorScan], found: list[Problem],
+                  status: dict[str, str]) -> ModuleStats | None:
+    """Exclusion consistency of one module, and the full checks when it is quantized."""
+    weight = tensors.get(spec.weight, tensors.get("weight"))
+    is_linear = weight is not None and len(weight.shape) == 2 and not _EMBEDDING.search(module)
+    low_precision_weight = weight is not None and weight.code in ("U8", E4M3_CODE)
+    quant_tensors = [s for s in spec.quant_suffixes if s in tensors]
+    is_quantized = bool(quant_tensors) or low_precision_weight
+    excluded_by = spec.excluded_by(module)
+    expected = spec.targeted(module, is_linear) and excluded_by is None
+    if is_linear:
+        status[module] = "quantized" if is_quantized else ("excluded" if excluded_by else "plain")
+
+    if is_quantized and excluded_by is not None:
+        shipped = quant_tensors + ["weight"] * (low_precision_weight and "weight" not in quant_tensors)
+        for suffix in shipped:
+            found.append(Problem(module, f"{module}.{suffix}",
+                                 f"module is excluded by {excluded_by!r} in {spec.exclude_source} but "
+                                 f"ships this quantization tensor (vLLM fails to load it)"))
+        return None
+    if not is_quantized:
+        if expected and weight is not None:
+            key = "ignore" if spec.name == "compressed-tensors" else "exclude_modules"
+            found.append(Problem(module, weight.name,
+                                 f"linear layer is {weight.code}, neither quantized nor listed in "
+                                 f"{spec.exclude_source} {key} (a loader expects {spec.quant} "
+                                 f"tensors for it)"))
+        return None
+    if not expected and weight is not None:  # (a missing weight is reported below)
+        found.append(Problem(module, weight.name,
+                             "ships quantized tensors but is not a linear layer the config "
+                             "targets for quantization"))
+    if spec.is_nvfp4:
+        return _check_nvfp4_module(module, tensors, spec, tp, scans, found)
+    return _check_fp8_module(module, tensors, spec, tp, scans, found)
+
+
+def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+                        tp: tuple[int, ...], scans: dict[str, TensorScan],
+                        found: list[Problem]) -> ModuleStats:
+    stats = ModuleStats(module, "nvfp4")
+    weight = tensors.get(spec.weight)
+    block = tensors.get(spec.block_scale or "")
+    if spec.name == "compressed-tensors" and "weight" in tensors:
+        found.append(Problem(module, f"{module}.weight", f"an unquantized weight beside "
+                                                         f"{spec.weight} (the module is quantized)"))
+    if weight is None:
+        found.append(Problem(module, f"{module}.{spec.weight}", "missing (the module has "
+                                                                "quantization scales but no packed weight)"))
+    elif len(weight.shape) != 2:
+        found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
+                                                  f"U8 [N, K/2] (packed E2M1)"))
+    else:
+        if weight.code != "U8":
+            found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
+                                                      f"U8 [N, K/2] (packed E2M1, two codes per byte)"))
+        stats.n = weight.shape[0]
+        stats.k = weight.shape[1] * (2 if weight.code == "U8" else 1)
+    if block is None:
+        found.append(Problem(module, f"{module}.{spec.block_scale}", "missing (E4M3 block scales)"))
+    elif stats.n is not None:
+        want = (stats.n, stats.k // NVFP4_BLOCK)
+        if block.code != E4M3_CODE or block.shape != want:
+            found.append(Problem(module, block.name, f"is {block.code}{list(block.shape)}, expected "
+                                                     f"F8_E4M3 {list(want)} (one scale per 16 of "
+                                                     f"K = {stats.k})"))
+    if stats.n is not None:
+        if stats.k % NVFP4_BLOCK:
+            found.append(Problem(module, weight.name, f"K = {stats.k} is not a multiple of {NVFP4_BLOCK}"))
+        stored = weight.nbytes + (block.nbytes if block is not None else 0)
+        stats.bits_per_param = 8 * stored / (stats.n * stats.k) if stats.n * stats.k else None
+        if stats.bits_per_param is not None and stats.bits_per_param != NVFP4_BITS:
+            found.append(Problem(module, weight.name, f"stores {stats.bits_per_param:.4g} bits per "
+                                                      f"parameter (weight + block scales over N x K = "
+                                                      f"{stats.n} x {stats.k}); NVFP4 is {NVFP4_BITS}"))
+        found += _tp_problems(module, weight.name, stats.n, stats.k, tp, NVFP4_BLOCK)
+    if block is not None and block.code == E4M3_CODE:
+        scan = scans.setdefault(block.name, scan_tensor(block))
+        stats.zero_scale_share = scan.zeros / scan.elements if scan.elements else None
+        found += _block_scale_problems(module, block, scan)
+    stats.weight_global_scale = _check_global(module, tensors, spec.weight_global, spec, found, required=True)
+    stats.input_global_scale = _check_global(module, tensors, spec.input_global, spec, found,
+                                             required=spec.has_input_scales)
+    return stats
+
+
+def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+                      tp: tuple[int, ...], scans: dict[str, TensorScan],
+                      found: list[Problem]) -> ModuleStats:
+    stats = ModuleStats(module, "fp8")
+    weight = tensors.get(spec.weight)
+    if weight is None:
+        found.append(Problem(module, f"{module}.{spec.weight}",
+                             "missing (the module has scales but no weight)"))
+    elif len(weight.shape) != 2 or weight.code != E4M3_CODE:
+        found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
+                                                  f"F8_E4M3 [N, K]"))
+    if weight is not None and len(weight.shape) == 2:
+        stats.n, stats.k = weight.shape
+        stats.bits_per_param = 8 * weight.nbytes / (stats.n * stats.k) if stats.n * stats.k else None
+        if stats.bits_per_param is not None and stats.bits_per_param != FP8_BITS:
+            found.append(Problem(module, weight.name, f"stores {stats.bits_per_param:.4g} bits per "
+                                                      f"parameter; FP8 is {FP8_BITS:g}"))
+        found += _tp_problems(module, weight.name, stats.n, stats.k, tp, 1)
+        if weight.code == E4M3_CODE:
+            scan = scans.setdefault(weight.name, scan_tensor(weight))
+            if scan.nan:
+                found.append(Problem(module, weight.name, f"{scan.nan} NaN codes (0x7F/0xFF), first at "
+                                                          f"{_position(weight.shape, scan.first_nan)}"))
+    stats.weight_global_scale = _check_global(module, tensors, spec.weight_global, spec, found, required=True)
+    stats.input_global_scale = _check_global(module, tensors, spec.input_global, spec, found, required=True)
+    return stats
+
+
+def _block_scale_problems(module: str, block: TensorEntry, scan: TensorScan) -> list[Problem]:
+    problems = []
+    if scan.elements and scan.zeros == scan.elements:
+        problems.append(Problem(module, block.name, f"all {scan.elements} block scales are zero: "
+                                                    f"the whole module decodes to 0"))
+    if scan.nan:
+        problems.append(Problem(module, block.name, f"{scan.nan} NaN block scales (E4M3 code 0x7F/0xFF), "
+                                                    f"first at {_position(block.shape, scan.first_nan)}"))
+    if scan.negative:
+        problems.append(Problem(module, block.name, f"{scan.negative} negative block scales "
+                                                    f"(sign bit set): decode flips signs"))
+    return problems
+
+
+def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spec: FormatSpec,
+                  found: list[Problem], *, required: bool) -> float | None:
+    """Dtype, shape and value of a per-tensor scale; its value (None when absent or unreadable)."""
+    entry = tensors.get(suffix)
+    name = f"{module}.{suffix}"
+    if entry is None:
+        if required:
+            found.append(Problem(module, name, "missing"))
+        return None
+    if not required:
+        found.append(Problem(module, name, f"present in a {spec.quant} checkpoint, which has no "
+                                           f"input scales (weight-only)"))
+        return None
+    if entry.code != "F32" or entry.shape != spec.global_shape:
+        found.append(Problem(module, name, f"is {entry.code}{list(entry.shape)}, expected "
+                                           f"F32 {list(spec.global_shape)}"))
+        if entry.code != "F32" or entry.nbytes != 4:
+            return None
+    value = float(read_small(entry).reshape(-1)[0])
+    if not np.isfinite(value) or value <= 0:
+        found.append(Problem(module, name, f"is {value}: a global scale must be finite and > 0"))
+    return value
+
+
+def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...],
+                 k_multiple: int) -> list[Problem]:
+    """Column-parallel layers split N, row-parallel layers split K (each shard's K a multiple of
+    `k_multiple`)."""
+    problems = []
+    for t in tp:
+        if t == 1:
+            continue
+        if _COLUMN_PARALLEL.search(module) and n % t:
+            problems.append(Problem(module, tensor, f"column-parallel N = {n} does not split into "
+                                                    f"{t} equal shards (TP {t})"))
+        if _ROW_PARALLEL.search(module) and (k % t or (k // t) % k_multiple):
+            problems.append(Problem(module, tensor, f"row-parallel K = {k} at TP {t} gives shards of "
+                                                    f"K = {k / t:g}, not a multiple of {k_multiple}"))
+    return problems
+
+
+def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[str, str],
+                        spec: FormatSpec) -> list[Problem]:
+    """Shards fused into one GEMM by vLLM (q/k/v, gate/up, MoE w1/w3) must share their global
+    scales (vLLM takes the max without rescaling block scales) and must all be quantized or none."""
+    groups: dict[str, list[str]] = {}
+    for module in status:
+        match = _FUSED.match(module)
+        if match:
+            kind = next(k for k in ("qkv", "gate_up", "w13") if match.group(k))
+            groups.setdefault(f"{match.group('prefix')}.{kind}", []).append(module)
+    problems = []
+    for group, members in groups.items():
+        states = {m: status[m] for m in members}
+        if len(set(states.values())) > 1:
+            detail = ", ".join(f"{m.rpartition('.')[2]} {s}" for m, s in states.items())
+            problems.append(Problem(group, ", ".join(members), f"fused group mixes quantized and "
+                                                               f"unquantized shards ({detail})"))
+            continue
+        for suffix, attr in ((spec.weight_global, "weight_global_scale"),
+                             (spec.input_global, "input_global_scale")):
+            values = {m: getattr(quantized[m], attr) for m in members if m in quantized}
+            values = {m: v for m, v in values.items() if v is not None}
+            if len({np.float32(v) for v in values.values()}) > 1:
+                detail = ", ".join(f"{m.rpartition('.')[2]} {v:.8g}" for m, v in values.items())
+                problems.append(Problem(group, ", ".join(f"{m}.{suffix}" for m in values),
+                                        f"fused group's {suffix} differ ({detail}); they must be "
+                                        f"equal (vLLM takes the max without rescaling block scales)"))
+    return problems
+
+
+def _check_data(entries: Mapping[str, TensorEntry], spec: FormatSpec,
+                scans: dict[str, TensorScan]) -> list[Problem]:
+    """Every tensor streamed once: none all zero, no non-finite float values. Block scales and
+    global scales are judged by their own checks."""
+    own_checks = {spec.block_scale, spec.weight_global, spec.input_global, "weight_scale_2", "input_scale"}
+    problems = []
+    for name in sorted(entries, key=_natural_key):
+        entry = entries[name]
+        module, _, suffix = name.rpartition(".")
+        if suffix in own_checks and (entry.code == E4M3_CODE or len(entry.shape) <= 1):
+            continue
+        scan = scans.get(name) or scans.setdefault(name, scan_tensor(entry))
+        if entry.nbytes and scan.all_zero:
+            problems.append(Problem(module, name, f"all data is zero ({entry.code}{list(entry.shape)})"))
+        if scan.nan and entry.code != E4M3_CODE:
+            problems.append(Problem(module, name, f"{scan.nan} non-finite values, first at "
+                                                  f"{_position(entry.shape, scan.first_nan)}"))
+    return problems
+
+
+def _position(shape: tuple[int, ...], flat: int | None) -> str:
+    if flat is None or not shape:
+        return "index 0"
+    return "index " + str(list(int(i) for i in np.unravel_index(flat, shape)))
