@@ -1,0 +1,215 @@
+"""The model card (README.md) of a published export: Hub metadata, what was quantized, the proof.
+
+    card = build_model_card(folder, report, repo_id="org/llama-nvfp4", validation=validation)
+
+Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model_relation:
+quantized, library_name, pipeline_tag, tags, license), what was quantized and what kept in
+BF16 (from the check report and the configs), the validation table (`validation.md` as written
+by `nvfp4tool validate`), the recipe and provenance (`nvfp4tool_export.json`), and how to
+serve it (vLLM / transformers for compressed-tensors; vLLM / TensorRT-LLM / SGLang for ModelOpt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from huggingface_hub import ModelCardData
+
+from nvfp4tool.errors import NVFP4ToolError
+
+PROVENANCE_FILE = "nvfp4tool_export.json"  # written by nvfp4tool export (export/provenance.py)
+VALIDATION_JSON = "validation.json"  # written by nvfp4tool validate
+VALIDATION_MD = "validation.md"
+# library_name per format: compressed-tensors checkpoints load in transformers; ModelOpt ones do not.
+LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
+_QUANT_TAGS = {"nvfp4": ["nvfp4", "fp4", "w4a4"], "nvfp4-weight-only": ["nvfp4", "fp4", "w4a16"],
+               "fp8": ["fp8", "w8a8"]}
+_QUANT_TEXT = {"nvfp4": "NVFP4 weights and activations (W4A4)",
+               "nvfp4-weight-only": "NVFP4 weights, BF16 activations (W4A16)",
+               "fp8": "FP8 E4M3 weights and activations, per-tensor scales (W8A8)"}
+_HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/\\]+?)--(?P<name>[^/\\]+?)(?:[/\\]|$)")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def build_model_card(folder: str, report: Any, *, repo_id: str, validation: dict[str, Any] | None,
+                     base_model: str | None = None, license: str | None = None) -> str:
+    """README.md text for the export in `folder`, checked as `report` (a check.CheckReport).
+
+    `base_model` / `license` override what the provenance record and the source folder say;
+    `validation` is validation.json's content (None: published without validation)."""
+    config = _read_json(folder, "config.json") or {}
+    provenance = _read_json(folder, PROVENANCE_FILE) or {}
+    source_path = str((provenance.get("source") or {}).get("path") or "")
+    base_model = base_model or source_repo_id(source_path)
+    license = license or _source_license(source_path, config)
+    data = ModelCardData(
+        base_model=base_model, base_model_relation="quantized" if base_model else None,
+        library_name=LIBRARY_NAME.get(report.format, report.format), pipeline_tag="text-generation",
+        tags=[*_QUANT_TAGS.get(report.quant, [report.quant]), report.format, "nvfp4tool"], license=license)
+    name = repo_id.split("/")[-1]
+    sections = [
+        f"# {name}\n\n{_QUANT_TEXT.get(report.quant, report.quant)} export of "
+        f"{f'[{base_model}](https://huggingface.co/{base_model})' if base_model else 'a Llama-family model'}"
+        f" in the **{report.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
+        f"before upload ({report.tensors_checked} tensors, {len(report.modules)} quantized modules, "
+        "no problems found).",
+        _quantized_section(folder, report, config, provenance),
+        _validation_section(folder, validation),
+        _provenance_section(provenance),
+        _serving_section(repo_id, report.format, report.quant),
+    ]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+
+
+def source_repo_id(source_path: str) -> str | None:
+    """The Hub repo id a source path names: a Hub cache snapshot (`.../models--org--name/...`) or a
+    bare `org/name` that is not a local folder; None for other local paths."""
+    cached = _HF_CACHE_REPO.search(source_path)
+    if cached:
+        return f"{cached['org']}/{cached['name']}"
+    if _REPO_ID.match(source_path) and not os.path.exists(source_path):
+        return source_path
+    return None
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _quantized_section(folder: str, report: Any, config: dict, provenance: dict) -> str:
+    quantized = _collapse_layers(m.module for m in report.modules)
+    qc = config.get("quantization_config") or {}
+    hf_quant = (_read_json(folder, "hf_quant_config.json") or {}).get("quantization") or {}
+    kept = list(dict.fromkeys([*(qc.get("ignore") or []), *(hf_quant.get("exclude_modules") or []),
+                               *(provenance.get("exclude_modules") or [])]))
+    lines = ["## What was quantized", "",
+             f"{len(report.modules)} linear modules in {_QUANT_TEXT.get(report.quant, report.quant)}, "
+             "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor."
+             if report.quant != "fp8" else
+             f"{len(report.modules)} linear modules in {_QUANT_TEXT['fp8']}.", "",
+             "| modules | count |", "|---|---|"]
+    lines += [f"| `{pattern}` | {count} |" for pattern, count in quantized]
+    lines += ["", "Kept in BF16: embeddings, norms"
+              + (", and the excluded modules " + ", ".join(f"`{k}`" for k in _collapse_names(kept))
+                 if kept else "") + "."]
+    return "\n".join(lines)
+
+
+def _validation_section(folder: str, validation: dict[str, Any] | None) -> str:
+    if validation is None:
+        return ("## Validation\n\nNot validated: published with `--no-validation`. Run "
+                "`nvfp4tool validate` against the BF16 and FP8 references before relying on it.")
+    verdict = "passed" if validation.get("passed") else "did not pass"
+    md_path = os.path.join(folder, VALIDATION_MD)
+    if os.path.isfile(md_path):
+        with open(md_path, encoding="utf-8") as f:
+            table = f.read().strip()
+        table = re.sub(r"\A## Validation\s*\n", "", table).strip()  # validate writes its own heading
+    else:  # no Markdown beside the JSON: one row per NVFP4 metric (validate's "models" -> "nvfp4")
+        metrics = (validation.get("models") or {}).get("nvfp4") or validation.get("metrics") or {}
+        table = "\n".join(["| metric (vs BF16) | value |", "|---|---|",
+                           *(f"| {k} | {_fmt_value(v)} |" for k, v in metrics.items()
+                             if isinstance(v, (int, float, str)))])
+    return (f"## Validation\n\n`nvfp4tool validate` {verdict} its thresholds against the BF16 and FP8 "
+            f"references (full report: `{VALIDATION_JSON}`).\n\n{table}")
+
+
+def _provenance_section(provenance: dict) -> str:
+    if not provenance:
+        return "## Recipe and provenance\n\nNo provenance record (`nvfp4tool_export.json`) in the export."
+    source = provenance.get("source") or {}
+    calibration = provenance.get("calibration") or {}
+    tool = provenance.get("tool") or {}
+    source_path = str(source.get("path") or "")
+    # a Hub repo id, else only the folder name: the card does not publish local paths
+    source_name = source_repo_id(source_path) or os.path.basename(source_path.rstrip("/"))
+    step = f", step {source['step']}" if source.get("step") is not None else ""
+    rows = [
+        ("tool", f"{tool.get('name', 'nvfp4tool')} {tool.get('version', '')}".strip()),
+        ("source", f"{source_name} ({source.get('kind', '?')}{step})"),
+        ("format / quant", f"{provenance.get('format')} / {provenance.get('quant')}"),
+        ("scale search", provenance.get("scale_search")),
+        ("weight block scaling", provenance.get("weight_block")),
+        ("input scales from", provenance.get("input_amax_origin")),
+        ("calibration", ", ".join(f"{k} {calibration[k]}" for k in ("samples", "seq_len", "sha256")
+                                  if k in calibration) or None),
+        ("seed", provenance.get("seed")),
+    ]
+    recipe = provenance.get("recipe")
+    if recipe:
+        rows.append(("training recipe", json.dumps(recipe, sort_keys=True) if isinstance(recipe, dict) else recipe))
+    errors = [v.get("rel_l2") for v in (provenance.get("layers") or {}).values()
+              if isinstance(v, dict) and isinstance(v.get("rel_l2"), (int, float))]
+    if errors:
+        rows.append(("weight rel. L2 error", f"mean {sum(errors) / len(errors):.4g}, max {max(errors):.4g} "
+                                             f"over {len(errors)} layers"))
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))
+    return ("## Recipe and provenance\n\n| | |\n|---|---|\n" + body +
+            f"\n\nThe full record, with the sha256 of every source weight file, is `{PROVENANCE_FILE}`.")
+
+
+def _serving_section(repo_id: str, fmt: str, quant: str) -> str:
+    if fmt == "compressed-tensors":
+        return ("## How to serve it\n\nvLLM (compressed-tensors; native W4A4 on Blackwell, weight-only "
+                "Marlin fallback on Hopper/Ampere):\n\n"
+                f"```bash\nvllm serve {repo_id}\n```\n\n"
+                "transformers (with `compressed-tensors` installed; decompresses to BF16, runs on CPU):\n\n"
+                "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
+                f"tokenizer = AutoTokenizer.from_pretrained(\"{repo_id}\")\n```")
+    vllm_quant = "modelopt" if quant == "fp8" else "modelopt_fp4"
+    return ("## How to serve it\n\nModelOpt unified checkpoint (not loadable by transformers; "
+            "`nvfp4tool convert-format DIR OUT --to compressed-tensors` converts it losslessly).\n\n"
+            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization {vllm_quant}\n```\n\n"
+            f"TensorRT-LLM:\n\n```bash\ntrtllm-serve {repo_id}\n```\n\n"
+            f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {repo_id} "
+            f"--quantization {vllm_quant}\n```")
+
+
+def _source_license(source_path: str, config: dict) -> str | None:
+    """`license` from the source folder's README.md metadata, else from config.json, else None."""
+    readme = os.path.join(source_path, "README.md") if source_path else ""
+    if readme and os.path.isfile(readme):
+        from huggingface_hub import metadata_load
+
+        try:
+            license = (metadata_load(readme) or {}).get("license")
+        except Exception:  # an unreadable source card is not a reason to refuse the push
+            license = None
+        if isinstance(license, str):
+            return license
+    license = config.get("license")
+    return license if isinstance(license, str) else None
+
+
+def _collapse_layers(names: Any) -> list[tuple[str, int]]:
+    """model.layers.0.mlp.up_proj, model.layers.1.mlp.up_proj -> [("model.layers.*.mlp.up_proj", 2)]."""
+    counts: dict[str, int] = {}
+    for name in names:
+        pattern = re.sub(r"\.\d+\.", ".*.", name)
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return list(counts.items())
+
+
+def _collapse_names(names: list[str]) -> list[str]:
+    return [p for p, _ in _collapse_layers(names)]
+
+
+def _fmt_value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _read_json(folder: str, name: str) -> dict | None:
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise NVFP4ToolError(f"{path}: not readable JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise NVFP4ToolError(f"{path}: expected a JSON object")
+    return value

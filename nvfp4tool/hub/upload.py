@@ -1,0 +1,214 @@
+"""`push_checkpoint`: check an export, write its model card, and upload both to the Hugging Face Hub.
+
+    result = push_checkpoint("out/llama-nvfp4", PushOptions(repo_id="org/llama-nvfp4"), echo=print)
+
+Order: repo id and options -> `check_checkpoint` (any problem refuses: nothing is contacted) ->
+`validation.json` (missing refuses unless `require_validation=False`; a failed one always
+refuses) -> model card -> the upload plan (every file of the folder + README.md) -> with
+`dry_run` stop here (no token, no network) -> token (`HF_TOKEN` or the saved login, never
+printed) -> `create_repo` (exist_ok), `create_branch` for a new `revision`, `upload_folder`.
+
+The user's folder is never written: the upload goes from a staging folder of symlinks to the
+export's files plus the generated README.md (a README.md already in the export is replaced in
+the upload, and the plan says so). huggingface_hub 2.4.0's `upload_folder` itself switches to
+its streamed multi-commit pipeline for large folders when `hf_xet` is installed (there is no
+separate `upload_large_folder` any more), so one call serves small and large exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.hub.card import VALIDATION_JSON, build_model_card
+
+CARD_FILE = "README.md"
+_SKIPPED_DIRS = {".git", ".cache"}  # what upload_folder leaves out by default (.git, .cache/huggingface)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOptions:
+    """How to publish one export."""
+
+    repo_id: str  # "org/name"
+    private: bool = False  # create the repo private (an existing repo keeps its visibility)
+    revision: str | None = None  # branch to commit to (created from main if missing); None: main
+    create_pr: bool = False  # open a pull request against main instead of committing
+    dry_run: bool = False  # print the plan and the card; no token, no network
+    endpoint: str | None = None  # a private Hub; None: HF_ENDPOINT or huggingface.co
+    require_validation: bool = True  # refuse a folder without validation.json
+    base_model: str | None = None  # overrides the provenance's source repo id
+    license: str | None = None  # overrides the source's license
+    commit_message: str | None = None
+
+
+@dataclasses.dataclass
+class PushResult:
+    """What was (or, in a dry run, would be) uploaded."""
+
+    repo_id: str
+    files: list[tuple[str, int]]  # (path in repo, bytes), README.md included, sorted
+    card: str
+    replaced_readme: bool  # the export had its own README.md, replaced in the upload
+    dry_run: bool
+    repo_url: str | None = None
+    commit_url: str | None = None
+    pr_url: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def file_table(self) -> str:
+        width = max(len(p) for p, _ in self.files)
+        lines = [f"  {path:<{width}}  {format_size(size):>10}" + ("  (model card, generated)"
+                 if path == CARD_FILE else "") for path, size in self.files]
+        return "\n".join(lines + [f"  {len(self.files)} files, {format_size(self.total_bytes)}"])
+
+
+def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
+                    echo: Callable[[str], None] = print) -> PushResult:
+    """Check, card and upload the export at `folder` as `options` say (see the module docstring)."""
+    folder = os.fspath(folder)
+    _check_options(options)
+    from nvfp4tool.check import check_checkpoint
+
+    report = check_checkpoint(folder)
+    if not report.ok:
+        for problem in report.problems:
+            echo(problem.line())
+        raise NVFP4ToolError(f"{folder}: check failed with {len(report.problems)} problem(s); nothing uploaded")
+    echo(report.summary_line())
+    validation = _read_validation(folder, options.require_validation)
+    card = build_model_card(folder, report, repo_id=options.repo_id, validation=validation,
+                            base_model=options.base_model, license=options.license)
+    files = _folder_files(folder)
+    replaced = CARD_FILE in files
+    files[CARD_FILE] = len(card.encode("utf-8"))
+    result = PushResult(options.repo_id, sorted(files.items()), card, replaced, options.dry_run)
+    if options.dry_run:
+        return result
+    _upload(folder, result, options)
+    return result
+
+
+def format_size(n_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n_bytes < 1000 or unit == "GB":
+            return f"{n_bytes} B" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1000
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _check_options(options: PushOptions) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(options.repo_id)
+    except HFValidationError:
+        raise NVFP4UsageError(f"--repo-id {options.repo_id!r}: expected ORG/NAME") from None
+    if "/" not in options.repo_id:
+        raise NVFP4UsageError(f"--repo-id {options.repo_id!r}: expected ORG/NAME (the user or organization, "
+                              "a slash, the model name)")
+    if options.create_pr and options.revision not in (None, "main"):
+        raise NVFP4UsageError("--create-pr opens a pull request against main: do not combine it with --revision")
+
+
+def _read_validation(folder: str, required: bool) -> dict | None:
+    """validation.json's content; None when absent and not required; refuses a failed one."""
+    path = os.path.join(folder, VALIDATION_JSON)
+    if not os.path.isfile(path):
+        if required:
+            raise NVFP4ToolError(f"{path}: no validation report; run `nvfp4tool validate` on the export first, "
+                                 "or pass --no-validation to publish without one")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            validation = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise NVFP4ToolError(f"{path}: not readable JSON: {exc}") from None
+    if not isinstance(validation, dict) or not isinstance(validation.get("passed"), bool):
+        raise NVFP4ToolError(f"{path}: expected a JSON object with a boolean \"passed\"")
+    if not validation["passed"]:
+        failed = ", ".join(str(f.get("metric")) for f in validation.get("failures") or [] if isinstance(f, dict))
+        raise NVFP4ToolError(f"{path}: the export failed validation{f' ({failed})' if failed else ''}; "
+                             "fix it (see validation.md) before publishing")
+    return validation
+
+
+def _folder_files(folder: str) -> dict[str, int]:
+    """Path in repo (POSIX) -> size, for every file upload_folder would send."""
+    files = {}
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder).replace(os.sep, "/")] = os.path.getsize(path)
+    return files
+
+
+def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
+    from huggingface_hub import HfApi, get_token
+
+    token = get_token()
+    if not token:
+        raise NVFP4ToolError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
+    api = HfApi(endpoint=options.endpoint, token=token)
+    with tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging:
+        _stage(folder, staging, result)
+        try:
+            repo_url = api.create_repo(options.repo_id, private=options.private, exist_ok=True, repo_type="model")
+            if options.revision not in (None, "main"):
+                api.create_branch(options.repo_id, branch=options.revision, exist_ok=True)
+            commit = api.upload_folder(
+                repo_id=options.repo_id, folder_path=staging, repo_type="model", revision=options.revision,
+                create_pr=options.create_pr,
+                commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)")
+        except Exception as exc:  # any failure of the upload: one line, the token masked
+            raise NVFP4ToolError(_upload_error(options, api.endpoint, exc, token)) from None
+    result.repo_url = str(repo_url)
+    result.commit_url = getattr(commit, "commit_url", None)
+    result.pr_url = getattr(commit, "pr_url", None)
+
+
+def _stage(folder: str, staging: str, result: PushResult) -> None:
+    """Symlink each export file into `staging` (copy where links are not allowed); write the card."""
+    for path, _ in result.files:
+        if path == CARD_FILE:
+            continue
+        target = os.path.join(staging, *path.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        source = os.path.abspath(os.path.join(folder, *path.split("/")))
+        try:
+            os.symlink(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+    with open(os.path.join(staging, CARD_FILE), "w", encoding="utf-8") as f:
+        f.write(result.card)
+
+
+def _upload_error(options: PushOptions, endpoint: str, exc: Exception, token: str) -> str:
+    """One line naming the repo, the endpoint, the HTTP status and the server's message; no token."""
+    http_error = exc
+    while http_error.__cause__ is not None and getattr(http_error, "response", None) is None:
+        http_error = http_error.__cause__  # e.g. RuntimeError("Error while uploading 'x'") from an HTTP error
+    status = getattr(getattr(http_error, "response", None), "status_code", None)
+    if status is None:
+        what = f"{type(exc).__name__}: {exc}"
+    else:
+        wrapper = f"{exc} " if http_error is not exc else ""
+        what = f"{wrapper}HTTP {status}: {getattr(http_error, 'server_message', None) or http_error}"
+        if status == 401:
+            what += " (is HF_TOKEN / the saved login valid for this Hub?)"
+    if "xet" in what.lower():  # a Hub without Xet storage (older / private deployments)
+        what += " (if this Hub has no Xet storage, set HF_HUB_DISABLE_XET=1 to upload through plain LFS)"
+    line = " ".join(f"{options.repo_id}: upload to {endpoint} failed, {what}".split())
+    return line.replace(token, "***")

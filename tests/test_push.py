@@ -1,0 +1,268 @@
+"""`nvfp4tool push` against a local Hub API server (tests/hub_server.py) started inside each test.
+
+What arrives must be exactly the export's files plus the generated README.md, byte for byte
+(small files inline, large ones through the LFS batch + PUT path); a checkpoint that fails the
+checker or has no validation report uploads nothing; server errors end in one line and exit 1;
+--dry-run contacts no server; the token never appears in the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from hub_server import HubServer
+from nvfp4tool.cli import cli
+from nvfp4tool.hub import PushOptions, push_checkpoint
+from nvfp4tool.hub.card import source_repo_id
+from serving_fixtures import build_checkpoint, write_checkpoint
+
+TOKEN = "hf_testTOKENdo-not-print-7f3a9c"  # distinctive, so a leak anywhere in output is found
+REPO = "test-org/tiny-nvfp4"
+LFS_THRESHOLD = 16 * 1024  # the test server sends files >= 16 KiB through LFS
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A running test Hub; HF_TOKEN set, no saved login, Xet off (the client would use Xet
+    whenever hf_xet is installed, and the test server speaks plain LFS only)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-token"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with HubServer(lfs_threshold=LFS_THRESHOLD) as server:
+        yield server
+
+
+@pytest.fixture
+def export(tmp_path):
+    return _write_export(tmp_path / "export", "compressed-tensors")
+
+
+def _write_export(folder, fmt, *, validation=True, passed=True, broken=False):
+    ckpt = build_checkpoint(fmt, "nvfp4")
+    if broken:  # a zero global scale: loads in every engine and serves garbage
+        name = "model.layers.0.mlp.down_proj." + ("weight_global_scale" if fmt == "compressed-tensors"
+                                                  else "weight_scale_2")
+        ckpt.tensors[name] = np.zeros_like(ckpt.tensors[name])
+    folder = write_checkpoint(folder, ckpt)
+    provenance = {"tool": {"name": "nvfp4tool", "version": "0.1.0"},
+                  "source": {"path": "/cache/hub/models--meta-llama--Llama-3.2-1B/snapshots/0abc",
+                             "kind": "hf", "step": None},
+                  "format": fmt, "quant": "nvfp4", "scale_search": "rtn", "weight_block": "1d",
+                  "exclude_modules": ["lm_head"], "seed": 0,
+                  "layers": {"model.layers.0.mlp.up_proj": {"rel_l2": 0.1}}}
+    _write_json(os.path.join(folder, "nvfp4tool_export.json"), provenance)
+    _write_json(os.path.join(folder, "tokenizer_config.json"), {"model_max_length": 128})
+    os.makedirs(os.path.join(folder, "plots"))
+    with open(os.path.join(folder, "plots", "sqnr.png"), "wb") as f:  # nested and LFS-sized
+        f.write(np.random.default_rng(0).bytes(3 * LFS_THRESHOLD))
+    if validation:
+        # the shape `nvfp4tool validate` writes (nvfp4tool/validate/report.py), trimmed
+        failures = [] if passed else [{"metric": "kl_mean", "value": 0.2, "limit": 0.05, "by": 0.15}]
+        _write_json(os.path.join(folder, "validation.json"),
+                    {"passed": passed, "failures": failures,
+                     "models": {"bf16": {"ppl": 9.5}, "nvfp4": {"kl_mean": 0.0123, "top1": 0.97}}})
+        with open(os.path.join(folder, "validation.md"), "w", encoding="utf-8") as f:
+            f.write("## Validation\n\nMeasured by `nvfp4tool validate`.\n\n"
+                    "| metric (vs BF16) | NVFP4 | FP8 |\n|---|---:|---:|\n| KL mean (nats) | 0.0123 | 0.0011 |\n")
+    return folder
+
+
+def _push(*args, verbose=False):
+    runner = CliRunner()
+    result = runner.invoke(cli, [*(["-v"] if verbose else []), "push", *args], catch_exceptions=False)
+    assert TOKEN not in result.output
+    return result
+
+
+def _folder_bytes(folder):
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
+    return files
+
+
+def _write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------- tests
+
+
+def test_push_delivers_exactly_the_folder_plus_card(hub, export, caplog):
+    before = _folder_bytes(export)
+    expected_card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
+    with caplog.at_level(logging.DEBUG):
+        result = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--private", verbose=True)
+    assert result.exit_code == 0, result.output
+    assert TOKEN not in caplog.text
+    assert _folder_bytes(export) == before  # the user's folder is untouched (no README.md added)
+    received = hub.files[(REPO, "main")]
+    assert received == {**before, "README.md": expected_card.encode("utf-8")}
+    assert hub.repos[REPO]["private"] is True
+    large = [p for p, data in before.items() if len(data) >= LFS_THRESHOLD]
+    assert sorted(large) == ["model.safetensors", "plots/sqnr.png"]
+    assert hub.routes_seen().count("lfs_put") == len(large)  # large files went through LFS, others inline
+    assert set(hub.lfs_objects.values()) == {before[p] for p in large}
+    assert hub.routes_seen().count("commit") == 1
+    # every Hub API call carries the token; the LFS upload URL (a presigned URL on the real Hub) does not
+    assert {auth for route, auth in hub.auth_headers if route != "lfs_put"} == {f"Bearer {TOKEN}"}
+    assert {auth for route, auth in hub.auth_headers if route == "lfs_put"} == {""}
+    assert "unknown" not in hub.routes_seen()
+
+
+def test_own_readme_is_replaced_in_the_upload_only(hub, export):
+    with open(os.path.join(export, "README.md"), "w") as f:
+        f.write("my notes\n")
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url)
+    assert result.exit_code == 0, result.output
+    assert "replaced by the generated model card" in result.output
+    with open(os.path.join(export, "README.md")) as f:
+        assert f.read() == "my notes\n"
+    assert hub.files[(REPO, "main")]["README.md"].startswith(b"---\nbase_model: meta-llama/Llama-3.2-1B\n")
+
+
+def test_card_metadata_and_sections(export):
+    card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True, license="llama3.2"),
+                           echo=lambda _: None).card
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    meta = yaml.safe_load(front)
+    assert meta == {"base_model": "meta-llama/Llama-3.2-1B", "base_model_relation": "quantized",
+                    "library_name": "transformers", "pipeline_tag": "text-generation", "license": "llama3.2",
+                    "tags": ["nvfp4", "fp4", "w4a4", "compressed-tensors", "nvfp4tool"]}
+    assert "| `model.layers.*.mlp.down_proj` | 2 |" in body  # 2 layers in the fixture
+    assert "`lm_head`" in body
+    assert "| KL mean (nats) | 0.0123 | 0.0011 |" in body  # validation.md verbatim, under one heading
+    assert body.count("## Validation") == 1
+    assert f"vllm serve {REPO}\n" in body and f'AutoModelForCausalLM.from_pretrained("{REPO}")' in body
+
+
+def test_card_without_validation_md_lists_the_nvfp4_metrics(export):
+    os.remove(os.path.join(export, "validation.md"))
+    card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
+    assert "| kl_mean | 0.0123 |" in card and "| top1 | 0.97 |" in card
+
+
+def test_modelopt_card_serving_commands(tmp_path):
+    folder = _write_export(tmp_path / "mo", "modelopt")
+    card = push_checkpoint(folder, PushOptions(repo_id=REPO, dry_run=True, base_model="org/src"),
+                           echo=lambda _: None).card
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "modelopt" and meta["base_model"] == "org/src"
+    assert "modelopt" in meta["tags"] and "license" not in meta
+    assert f"vllm serve {REPO} --quantization modelopt_fp4" in card and "trtllm-serve" in card
+
+
+def test_source_repo_id():
+    assert source_repo_id("/c/hub/models--meta-llama--Llama-3.2-1B/snapshots/ab12") == "meta-llama/Llama-3.2-1B"
+    assert source_repo_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    assert source_repo_id("/data/llama-local") is None
+
+
+def test_license_from_source_readme(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# src\n")
+    folder = _write_export(tmp_path / "e", "compressed-tensors")
+    provenance_path = os.path.join(folder, "nvfp4tool_export.json")
+    with open(provenance_path) as f:
+        provenance = json.load(f)
+    provenance["source"]["path"] = str(source)
+    _write_json(provenance_path, provenance)
+    card = push_checkpoint(folder, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a local source names no repo
+
+
+def test_failed_check_uploads_nothing(hub, tmp_path):
+    folder = _write_export(tmp_path / "bad", "compressed-tensors", broken=True)
+    result = _push(folder, "--repo-id", REPO, "--endpoint", hub.url)
+    assert result.exit_code == 1
+    assert "model.layers.0.mlp.down_proj" in result.output and "nothing uploaded" in result.output
+    assert hub.requests == []
+
+
+def test_missing_validation_refused_unless_no_validation(hub, tmp_path):
+    folder = _write_export(tmp_path / "nv", "compressed-tensors", validation=False)
+    refused = _push(folder, "--repo-id", REPO, "--endpoint", hub.url)
+    assert refused.exit_code == 1 and "validation.json" in refused.output and "--no-validation" in refused.output
+    assert hub.requests == []
+    accepted = _push(folder, "--repo-id", REPO, "--endpoint", hub.url, "--no-validation")
+    assert accepted.exit_code == 0, accepted.output
+    card = hub.files[(REPO, "main")]["README.md"].decode()
+    assert "Not validated" in card
+    assert set(hub.files[(REPO, "main")]) == set(_folder_bytes(folder)) | {"README.md"}
+
+
+def test_failed_validation_refused(hub, tmp_path):
+    folder = _write_export(tmp_path / "fv", "compressed-tensors", passed=False)
+    result = _push(folder, "--repo-id", REPO, "--endpoint", hub.url, "--no-validation")
+    assert result.exit_code == 1 and "failed validation (kl_mean)" in result.output
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("fail, status", [({"commit": 500}, 500), ({"*": 401}, 401), ({"lfs_put": 413}, 413)])
+def test_server_error_is_one_line_and_exit_1(hub, export, fail, status):
+    hub.fail = fail
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url)
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"HTTP {status}" in errors[0] and REPO in errors[0], result.output
+    assert "Traceback" not in result.output
+    assert hub.files == {}
+
+
+def test_hub_without_xet_gets_a_hint(hub, export, monkeypatch):
+    """With hf_xet installed the client asks for a Xet write token first; this server has none."""
+    pytest.importorskip("hf_xet")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url)
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "xet-write-token" in errors[0] and "HF_HUB_DISABLE_XET=1" in errors[0]
+    assert hub.files == {}
+
+
+def test_revision_branch_and_pull_request(hub, export):
+    on_branch = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--revision", "nvfp4-v2")
+    assert on_branch.exit_code == 0, on_branch.output
+    assert "nvfp4-v2" in hub.repos[REPO]["branches"] and (REPO, "nvfp4-v2") in hub.files
+    as_pr = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--create-pr")
+    assert as_pr.exit_code == 0, as_pr.output
+    assert hub.commits[-1]["create_pr"] is True and "discussions" in as_pr.output
+    both = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--create-pr", "--revision", "x")
+    assert both.exit_code == 2
+
+
+def test_dry_run_contacts_no_server_and_needs_no_token(hub, export, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert hub.requests == []
+    assert "model.safetensors" in result.output and "README.md" in result.output
+    assert "base_model_relation: quantized" in result.output
+
+
+def test_no_token_is_a_clear_error(hub, export, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url)
+    assert result.exit_code == 1 and "HF_TOKEN" in result.output
+    assert hub.requests == []
+
+
+def test_bad_repo_id_is_usage_error(export):
+    assert _push(export, "--repo-id", "no-slash", "--dry-run").exit_code == 2
