@@ -1,0 +1,151 @@
+"""FP8 (E4M3 / E5M2) current-scaling quantizers: the FP8 baselines the NVFP4 recipe is compared to.
+
+    scale = amax / fmt_max        (fp32 decode scale; 1 where amax is 0 or scale underflows)
+    data  = fp8_rne(clamp(x / scale, -fmt_max, fmt_max))   # clamp first: e4m3fn overflow is NaN
+    x~    = fp32(data) * scale
+
+amax is taken per granularity, always with K = the last axis:
+  "tensor"        one scale, shape []                     (TE Float8CurrentScaling)
+  "channel"       one per row of [..., N, K], shape [..., N, 1]
+  "block128"      1x128 along K, shape [..., N, ceil(K/128)]    (paper: activations, gradients)
+  "block128x128"  128x128 tiles, shape [..., ceil(N/128), ceil(K/128)]  (paper: weights)
+Ragged edge blocks use the elements that exist. Subnormals are flushed as in blocks.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics.blocks import (
+    check_finite,
+    exact_divide,
+    expand_tiles,
+    flush_subnormal,
+    tile_amax,
+)
+from nvfp4tool.numerics.constants import FP8_BLOCK, FP8_MAX
+
+Fmt = Literal["e4m3", "e5m2"]
+Granularity = Literal["tensor", "channel", "block128", "block128x128"]
+
+_FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Array:
+    """A tensor in FP8 with fp32 decode scales (a pytree).
+
+    data   float8_e4m3fn or float8_e5m2, the input's shape
+    scale  float32 decode scale(s), shape per granularity (module docstring)
+    shape, dtype, fmt, granularity: static metadata
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fmt: str
+    granularity: str
+
+
+jax.tree_util.register_dataclass(FP8Array, data_fields=["data", "scale"],
+                                 meta_fields=["shape", "dtype", "fmt", "granularity"])
+
+
+def quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
+                 granularity: Granularity = "tensor", name: str = "tensor") -> FP8Array:
+    """Quantize `x` to FP8 with current (amax) scaling at the given granularity."""
+    x = jnp.asarray(x)
+    _validate(x, fmt, granularity, name)
+    check_finite(x, name)
+    data, scale = _quantize(x, fmt=fmt, granularity=granularity)
+    return FP8Array(data=data, scale=scale, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype),
+                    fmt=fmt, granularity=granularity)
+
+
+def dequantize_fp8(q: FP8Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """fp32(data) * scale, cast to `dtype`."""
+    return _dequantize(q.data, q.scale, granularity=q.granularity, dtype=jnp.dtype(dtype))
+
+
+def fake_quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
+                      granularity: Granularity = "tensor", dtype: jnp.dtype | None = None,
+                      name: str = "tensor") -> jax.Array:
+    """Quantize-dequantize in one pass; equals dequantize_fp8(quantize_fp8(x), dtype)."""
+    x = jnp.asarray(x)
+    _validate(x, fmt, granularity, name)
+    check_finite(x, name)
+    out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    return _fake_quantize(x, fmt=fmt, granularity=granularity, dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _validate(x: jax.Array, fmt: str, granularity: str, name: str) -> None:
+    if fmt not in _FP8_DTYPES:
+        raise NVFP4ToolError(f"tensor '{name}': fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
+    if granularity not in ("tensor", "channel", "block128", "block128x128"):
+        raise NVFP4ToolError(f"tensor '{name}': unknown FP8 granularity {granularity!r}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise NVFP4ToolError(f"tensor '{name}': dtype {x.dtype} cannot be quantized to FP8")
+    min_ndim = 2 if granularity in ("channel", "block128x128") else 1
+    if x.ndim < min_ndim:
+        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: granularity "
+                             f"{granularity!r} needs a {min_ndim}-D or larger input")
+
+
+def _tile(granularity: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(tile_rows, tile_cols) of a granularity for an input of `shape` (K last)."""
+    return {"channel": (1, shape[-1]), "block128": (1, FP8_BLOCK),
+            "block128x128": (FP8_BLOCK, FP8_BLOCK)}[granularity]
+
+
+def _scale_per_element(scale: jax.Array, granularity: str, shape: tuple[int, ...]) -> jax.Array:
+    if granularity == "tensor":
+        return scale
+    return expand_tiles(scale, *_tile(granularity, shape), shape)
+
+
+def _encode(x: jax.Array, fmt: str, granularity: str) -> tuple[jax.Array, jax.Array]:
+    """(fp8 data, decode scale) for x."""
+    x32 = flush_subnormal(x.astype(jnp.float32))
+    abs_x = jnp.abs(x32)
+    if granularity == "tensor":
+        amax = abs_x.max()
+    else:
+        amax = tile_amax(abs_x, *_tile(granularity, x.shape))
+    fmt_max = jnp.float32(FP8_MAX[fmt])
+    scale = flush_subnormal(exact_divide(amax, fmt_max))
+    scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
+    scaled = exact_divide(x32, _scale_per_element(scale, granularity, x.shape))
+    data = jnp.clip(scaled, -fmt_max, fmt_max).astype(_FP8_DTYPES[fmt])
+    return data, scale
+
+
+def _decode(data: jax.Array, scale: jax.Array, granularity: str) -> jax.Array:
+    return flush_subnormal(data.astype(jnp.float32) *
+                           _scale_per_element(scale, granularity, data.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "granularity"))
+def _quantize(x, *, fmt, granularity):
+    return _encode(x, fmt, granularity)
+
+
+@functools.partial(jax.jit, static_argnames=("granularity", "dtype"))
+def _dequantize(data, scale, *, granularity, dtype):
+    return _decode(data, scale, granularity).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "granularity", "dtype"))
+def _fake_quantize(x, *, fmt, granularity, dtype):
+    return _decode(*_encode(x, fmt, granularity), granularity).astype(dtype)

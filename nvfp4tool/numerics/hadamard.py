@@ -1,0 +1,64 @@
+"""The 16-point random Hadamard transform (RHT) of the NVFP4 wgrad recipe.
+
+`H = diag(s) @ H16 / 4` with H16 the Sylvester Hadamard matrix and `s` TE's fixed sign vector.
+Convention (TE's, sheet section 2): each run of 16 consecutive elements along `axis` is a row
+vector multiplied on the right, `chunk @ H`; the inverse is `chunk @ H.T`. For the weight
+gradient both operands are transformed along the token axis, `dW = dY^T X = (dY^T H)(X^T H)^T`,
+which holds because H is orthonormal (exactly so in fp32: its entries are +-1/4).
+The product is computed in fp32 (precision HIGHEST, so no TF32 on GPU) and cast back to the input
+dtype; TE likewise rounds the transformed tensor to bf16 for bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics.blocks import normalize_axis
+from nvfp4tool.numerics.constants import RHT_SIGNS, RHT_SIZE
+
+
+def rht_matrix(dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """H = diag(s) @ H16 / 4, a 16x16 orthonormal matrix with entries +-1/4."""
+    sylvester = np.ones((1, 1))
+    while sylvester.shape[0] < RHT_SIZE:
+        sylvester = np.block([[sylvester, sylvester], [sylvester, -sylvester]])
+    h = np.diag(np.asarray(RHT_SIGNS, np.float64)) @ sylvester / np.sqrt(RHT_SIZE)
+    return jnp.asarray(h, dtype)
+
+
+def rht16(x: jax.Array | np.ndarray, axis: int = -1, *, inverse: bool = False,
+          name: str = "tensor") -> jax.Array:
+    """Apply `chunk @ H` (or `chunk @ H.T` when `inverse`) to 16-element chunks along `axis`."""
+    x = jnp.asarray(x)
+    axis = normalize_axis(axis, x.ndim, name)
+    if x.shape[axis] % RHT_SIZE != 0:
+        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of "
+                             f"axis {axis} is not a multiple of {RHT_SIZE} (RHT chunks)")
+    return _rht16(x, axis=axis, inverse=inverse)
+
+
+def inverse_rht16(x: jax.Array | np.ndarray, axis: int = -1, *, name: str = "tensor") -> jax.Array:
+    """Undo `rht16` (H is orthonormal: the inverse is H.T)."""
+    return rht16(x, axis, inverse=True, name=name)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+@jax.jit
+def _chunk_matmul(chunks_Cx16: jax.Array, h_16x16: jax.Array) -> jax.Array:
+    return jnp.einsum("...ci,ij->...cj", chunks_Cx16, h_16x16,
+                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _rht16(x: jax.Array, *, axis: int, inverse: bool) -> jax.Array:
+    h = rht_matrix()
+    h = h.T if inverse else h
+    x_K = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+    chunks = x_K.reshape(*x_K.shape[:-1], x_K.shape[-1] // RHT_SIZE, RHT_SIZE)
+    out_K = _chunk_matmul(chunks, h).reshape(x_K.shape)
+    return jnp.moveaxis(out_K, -1, axis).astype(x.dtype)

@@ -1,0 +1,345 @@
+"""NVFP4 quantize / dequantize / pack / fake-quantize, bit-exact to TE's reference formulas.
+
+Semantics (sheet section 2), all in IEEE fp32 with round-to-nearest-even:
+
+    S_enc = 2688 / gamax  (min FLT_MAX; 1 if gamax == 0 or S_enc == 0);  S_dec = 1 / S_enc
+    sdb   = bamax * (S_enc * fp32(1/6))          # TE >= 2.15 product order
+    scale = e4m3_rne(clamp(sdb, 0, 448))         # stored block scale
+    enc   = min(1 / (fp32(scale) * S_dec), FLT_MAX)
+    code  = e2m1_rne_satfinite(x * enc)
+
+Choices this module makes (and the tests pin down):
+* Sign: the code's sign bit is the sign bit of x, so a negative value that rounds to zero gets
+  code 8 (-0), as the hardware, ModelOpt and compressed-tensors do (TE's Python reference writes
+  0). An input of -0.0 also gets code 8. Both decode to zero.
+* A given `global_amax` (shared by a fused group) replaces the tensor's own amax. A block whose
+  amax exceeds it saturates: sdb > 448 is clamped to scale 448 and x * enc > 6 to code +-6.
+* K (the length of `axis`) must be a multiple of 16: NVFP4ToolError, no implicit padding.
+* block="2d": one scale per tile of 16 rows x 16 K-elements, written into each 1x16 slot of the
+  tile. The rows are the last axis other than `axis` (for a weight [N, K] quantized along K: N);
+  any axes before it are batch axes (e.g. stacked layers). When N % 16 != 0 the edge tiles use
+  the rows that exist (TE pads with zeros, which cannot change a max of |x|).
+* Non-finite input raises NVFP4ToolError in the public entry when `x` is concrete. Traced
+  callers must check themselves (see `check_finite`).
+* Subnormal fp32 values are flushed to signed zero (blocks.flush_subnormal), on every backend.
+* Packing: element 2i in the low nibble, 2i+1 in the high nibble, along K (the order
+  `lax.bitcast_convert_type` gives for float4_e2m1fn pairs; tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics.blocks import (
+    check_finite,
+    exact_divide,
+    flush_subnormal,
+    normalize_axis,
+    tile_amax,
+)
+from nvfp4tool.numerics.constants import (
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    E2M1_MIDPOINTS,
+    E2M1_SIGN_BIT,
+    E2M1_TIE_ROUNDS_UP,
+    E4M3_MAX,
+    FLT_MAX,
+    NVFP4_BLOCK,
+    NVFP4_GLOBAL_RANGE,
+    ONE_SIXTH_F32,
+)
+
+Block = Literal["1d", "2d"]
+Rounding = Literal["rne", "stochastic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """A tensor in NVFP4: packed E2M1 codes, E4M3 block scales, fp32 global amax (a pytree).
+
+    packed      uint8, like the input but K/2 along `axis` (two codes per byte, low nibble first)
+    scales      float8_e4m3fn, like the input but K/16 along `axis` (2d: tile scale per 1x16 slot)
+    global_amax float32 scalar: the amax the global scale was derived from (S_enc = 2688 / it)
+    shape, dtype, axis, block: static metadata (original shape and dtype, quantized axis >= 0)
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    global_amax: jax.Array
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    axis: int
+    block: str = "1d"
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Array,
+    data_fields=["packed", "scales", "global_amax"],
+    meta_fields=["shape", "dtype", "axis", "block"],
+)
+
+
+def quantize_nvfp4(
+    x: jax.Array | np.ndarray,
+    *,
+    axis: int = -1,
+    block: Block = "1d",
+    global_amax: jax.Array | float | None = None,
+    rounding: Rounding = "rne",
+    key: jax.Array | None = None,
+    name: str = "tensor",
+) -> NVFP4Array:
+    """Quantize `x` (fp32/bf16/fp16, numpy or jax) to NVFP4 along `axis`.
+
+    `global_amax` given = the shared amax of a fused group (else max|x|). `rounding="stochastic"`
+    needs a `jax.random` key; the scales are the same as with RNE. `name` is used in errors.
+    """
+    x, axis, global_amax = _prepare(x, axis, block, global_amax, rounding, key, name)
+    packed, scales, gamax = _quantize_packed(x, global_amax, key, axis=axis, block=block,
+                                             rounding=rounding)
+    return NVFP4Array(packed=packed, scales=scales, global_amax=gamax, shape=tuple(x.shape),
+                      dtype=jnp.dtype(x.dtype), axis=axis, block=block)
+
+
+def dequantize_nvfp4(q: NVFP4Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Decode `q`: e2m1(code) * fp32(block_scale) * S_dec, computed in fp32, cast to `dtype`."""
+    return _dequantize(q.packed, q.scales, q.global_amax, axis=q.axis, dtype=jnp.dtype(dtype))
+
+
+def fake_quantize_nvfp4(
+    x: jax.Array | np.ndarray,
+    *,
+    axis: int = -1,
+    block: Block = "1d",
+    global_amax: jax.Array | float | None = None,
+    rounding: Rounding = "rne",
+    key: jax.Array | None = None,
+    dtype: jnp.dtype | None = None,
+    name: str = "tensor",
+) -> jax.Array:
+    """Quantize-dequantize in one fused pass without packing (for training).
+
+    Equal bit for bit to `dequantize_nvfp4(quantize_nvfp4(x, ...), dtype)`; `dtype` defaults to
+    x's dtype. No gradient is defined here (rounding has zero derivative): recipes wrap it.
+    """
+    x, axis, global_amax = _prepare(x, axis, block, global_amax, rounding, key, name)
+    out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    return _fake_quantize(x, global_amax, key, axis=axis, block=block, rounding=rounding,
+                          dtype=out_dtype)
+
+
+def nvfp4_global_scales(global_amax: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+    """(S_enc, S_dec) in fp32 for a tensor or fused-group amax: 2688 / amax and 1 / S_enc."""
+    gamax = flush_subnormal(jnp.asarray(global_amax, jnp.float32))
+    s_enc = exact_divide(jnp.float32(NVFP4_GLOBAL_RANGE), gamax)
+    s_enc = jnp.minimum(s_enc, FLT_MAX)
+    s_enc = jnp.where((gamax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
+    s_dec = flush_subnormal(exact_divide(jnp.float32(1.0), s_enc))
+    return s_enc, s_dec
+
+
+def e2m1_code_values() -> jax.Array:
+    """fp32 values of the 16 E2M1 codes (code 8 is -0.0)."""
+    return decode_e2m1(jnp.arange(16, dtype=jnp.uint8))
+
+
+def decode_e2m1(codes: jax.Array) -> jax.Array:
+    """fp32 value of uint8 codes 0..15 (bit 3 = sign; code 8 gives -0.0)."""
+    magnitude = _e2m1_magnitude(codes & 0x7)
+    return jnp.where((codes & E2M1_SIGN_BIT) != 0, -magnitude, magnitude)
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """uint8 codes [..., K] (values 0..15) -> bytes [..., K/2]: code[2i] | code[2i+1] << 4."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    # A weighted sum over the pair axis (max 15 + 15 * 16 = 255: no overflow) instead of two
+    # strided slices: XLA would otherwise recompute the whole fused encoder once per slice.
+    return (pairs * jnp.array([1, 16], jnp.uint8)).sum(axis=-1, dtype=jnp.uint8)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """bytes [..., K/2] -> uint8 codes [..., K] (inverse of `pack_codes`)."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Array | None,
+             name: str) -> tuple[jax.Array, int, jax.Array | None]:
+    """Validate the public arguments; (x as a jax array, axis >= 0, global_amax as fp32 or None)."""
+    x = jnp.asarray(x)
+    axis = _validate(x, axis, block, rounding, key, name)
+    check_finite(x, name)
+    if global_amax is not None:
+        global_amax = jnp.asarray(global_amax, jnp.float32)
+        _check_global_amax(global_amax, name)
+    return x, axis, global_amax
+
+
+def _validate(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array | None,
+              name: str) -> int:
+    """Check options and shape; return the non-negative axis."""
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise NVFP4ToolError(f"tensor '{name}': dtype {x.dtype} cannot be quantized to NVFP4 "
+                             "(expected float32, bfloat16 or float16)")
+    if x.ndim == 0:
+        raise NVFP4ToolError(f"tensor '{name}': a scalar cannot be quantized to NVFP4")
+    axis = normalize_axis(axis, x.ndim, name)
+    if x.shape[axis] % NVFP4_BLOCK != 0:
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of axis {axis} is "
+            f"not a multiple of {NVFP4_BLOCK} (NVFP4 blocks are never padded)")
+    if block not in ("1d", "2d"):
+        raise NVFP4ToolError(f"tensor '{name}': block must be '1d' or '2d', got {block!r}")
+    if block == "2d" and x.ndim < 2:
+        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: 2d (16x16) scaling "
+                             "needs at least 2 axes")
+    if rounding not in ("rne", "stochastic"):
+        raise NVFP4ToolError(f"tensor '{name}': rounding must be 'rne' or 'stochastic', "
+                             f"got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise NVFP4ToolError(f"tensor '{name}': stochastic rounding needs a jax.random key")
+    return axis
+
+
+def _check_global_amax(global_amax: jax.Array, name: str) -> None:
+    """A given global amax must be a finite, non-negative scalar."""
+    if global_amax.ndim != 0:
+        raise NVFP4ToolError(f"tensor '{name}': global_amax must be a scalar, "
+                             f"got shape {tuple(global_amax.shape)}")
+    if isinstance(global_amax, jax.core.Tracer):
+        return
+    value = float(global_amax)
+    if not np.isfinite(value) or value < 0:
+        raise NVFP4ToolError(f"tensor '{name}': global_amax must be finite and >= 0, got {value}")
+
+
+def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int,
+            block: str, rounding: str):
+    """Shared core with K moved last: (index, magnitude, sign, scales e4m3, S_dec, gamax).
+
+    index (uint8 0..7), magnitude (its fp32 value) and sign (bool) are blocked [..., K/16, 16];
+    scales [..., K/16].
+    """
+    x_K = flush_subnormal(jnp.moveaxis(x, axis, -1).astype(jnp.float32))
+    gamax = jnp.max(jnp.abs(x_K)) if global_amax is None else global_amax
+    gamax = flush_subnormal(gamax.astype(jnp.float32))
+    s_enc, s_dec = nvfp4_global_scales(gamax)
+
+    # Work on blocks [..., K/16, 16] and broadcast per-block values: XLA fuses this much better
+    # than repeating them to [..., K] (2-3x faster on CPU).
+    x_Bx16 = _blocks(x_K)
+    if block == "2d":  # one scale per 16x16 tile, written into each 1x16 slot (row) of the tile
+        bamax = tile_amax(jnp.abs(x_K), NVFP4_BLOCK, NVFP4_BLOCK)
+        bamax = jnp.repeat(bamax, NVFP4_BLOCK, axis=-2)[..., : x_K.shape[-2], :]
+    else:
+        bamax = jnp.abs(x_Bx16).max(axis=-1)
+    # TE >= 2.15 order: bamax * (S_enc * fp32(1/6)). min(sdb, FLT_MAX) is subsumed by the clamp.
+    sdb = bamax * (s_enc * ONE_SIXTH_F32)
+    scales = jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
+    denom = flush_subnormal(scales.astype(jnp.float32) * s_dec)
+    enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)  # 1/0 = inf -> FLT_MAX
+    # Materialize the per-block values: fused into the per-element loop, XLA would redo the
+    # (slow on CPU) E4M3 conversion for each of the 16 elements of a block.
+    scales, enc = jax.lax.optimization_barrier((scales, enc))
+    y_Bx16 = x_Bx16 * enc[..., None]
+
+    if rounding == "rne":
+        index, magnitude = _e2m1_rne(jnp.abs(y_Bx16))
+    else:
+        index, magnitude = _e2m1_stochastic(jnp.abs(y_Bx16), key)
+    return index, magnitude, jnp.signbit(x_Bx16), scales, s_dec, gamax
+
+
+def _e2m1_rne(abs_y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(index 0..7, fp32 magnitude) of E2M1 RNE of |y| (saturating at 6), by midpoint thresholds.
+
+    Both come from the same comparisons; XLA drops whichever the caller does not use (the
+    magnitude as a sum of exact steps is cheaper than mapping the index back through a table).
+    """
+    index = jnp.zeros(abs_y.shape, jnp.uint8)
+    magnitude = jnp.zeros(abs_y.shape, jnp.float32)
+    steps = np.diff(np.asarray(E2M1_MAGNITUDES, np.float32))  # 0.5, 0.5, 0.5, 0.5, 1, 1, 2
+    for midpoint, tie_up, step in zip(E2M1_MIDPOINTS, E2M1_TIE_ROUNDS_UP, steps):
+        above = abs_y >= midpoint if tie_up else abs_y > midpoint
+        index = index + above.astype(jnp.uint8)
+        magnitude = magnitude + jnp.where(above, step, jnp.float32(0.0))
+    return index, magnitude
+
+
+def _e2m1_stochastic(abs_y: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(index, magnitude): |y| rounds up with probability (|y| - lo) / (hi - lo); saturates at 6."""
+    abs_y = jnp.minimum(abs_y, E2M1_MAX)
+    lower = jnp.zeros(abs_y.shape, jnp.uint8)
+    for value in E2M1_MAGNITUDES[1:]:
+        lower = lower + (abs_y >= value).astype(jnp.uint8)
+    lo = _e2m1_magnitude(lower)
+    hi = _e2m1_magnitude(jnp.minimum(lower + 1, len(E2M1_MAGNITUDES) - 1).astype(jnp.uint8))
+    gap = hi - lo
+    p_up = jnp.where(gap > 0, (abs_y - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
+    # u uniform on [0, 1) in steps of 2^-24 from the top 24 random bits (exact in fp32); cheaper
+    # than jax.random.uniform on CPU. P(round up) = p_up to within 2^-24.
+    bits = jax.random.bits(key, abs_y.shape, jnp.uint32)
+    u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    up = u < p_up
+    return lower + up.astype(jnp.uint8), jnp.where(up, hi, lo)
+
+
+def _e2m1_magnitude(index: jax.Array) -> jax.Array:
+    """fp32 magnitude of index 0..7 (a select chain: XLA:CPU gathers from a table are slow)."""
+    magnitude = jnp.zeros(index.shape, jnp.float32)
+    for i, value in enumerate(E2M1_MAGNITUDES[1:], start=1):
+        magnitude = jnp.where(index == i, jnp.float32(value), magnitude)
+    return magnitude
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block", "rounding"))
+def _quantize_packed(x, global_amax, key, *, axis, block, rounding):
+    """Quantize and pack; outputs with K (halved / sixteenth) back at `axis`."""
+    index, _, sign, scales_K, _, gamax = _encode(x, global_amax, key, axis=axis, block=block,
+                                                 rounding=rounding)
+    codes_Bx16 = index | jnp.where(sign, jnp.uint8(E2M1_SIGN_BIT), jnp.uint8(0))
+    codes_K = codes_Bx16.reshape(*codes_Bx16.shape[:-2], -1)
+    packed = jnp.moveaxis(pack_codes(codes_K), -1, axis)
+    return packed, jnp.moveaxis(scales_K, -1, axis), gamax
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block", "rounding", "dtype"))
+def _fake_quantize(x, global_amax, key, *, axis, block, rounding, dtype):
+    """Quantize-dequantize without packing; same fp32 decode product as `_dequantize`."""
+    _, magnitude, sign, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis,
+                                                     block=block, rounding=rounding)
+    value_Bx16 = jnp.where(sign, -magnitude, magnitude)  # -0.0 for code 8, as in dequantize
+    out_K = _decode_product(value_Bx16, scales_K, s_dec)
+    return jnp.moveaxis(out_K, -1, axis).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
+def _dequantize(packed, scales, global_amax, *, axis, dtype):
+    codes_K = unpack_codes(jnp.moveaxis(packed, axis, -1))
+    _, s_dec = nvfp4_global_scales(global_amax)
+    out_K = _decode_product(decode_e2m1(_blocks(codes_K)), jnp.moveaxis(scales, axis, -1), s_dec)
+    return jnp.moveaxis(out_K, -1, axis).astype(dtype)
+
+
+def _decode_product(value_Bx16: jax.Array, scales_K: jax.Array, s_dec: jax.Array) -> jax.Array:
+    """[..., K] = (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order, flushed."""
+    scale_K = jax.lax.optimization_barrier(scales_K.astype(jnp.float32))  # convert once per block
+    out_Bx16 = flush_subnormal((value_Bx16 * scale_K[..., None]) * s_dec)
+    return out_Bx16.reshape(*out_Bx16.shape[:-2], -1)
+
+
+def _blocks(x_K: jax.Array) -> jax.Array:
+    """[..., K] -> [..., K/16, 16]."""
+    return x_K.reshape(*x_K.shape[:-1], x_K.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
