@@ -185,12 +185,14 @@ def _source_license(source_path: str, config: dict) -> str | None:
 
 
 def _collapse_layers(names: Any) -> list[tuple[str, int]]:
-    """model.layers.0.mlp.up_proj, model.layers.1.mlp.up_proj -> [("model.layers.*.mlp.up_proj", 2)]."""
-    counts: dict[str, int] = {}
+    """model.layers.1.mlp.up_proj, model.layers.2.mlp.up_proj -> [("model.layers.{1,2}.mlp.up_proj", 2)]."""
+    layers: dict[str, list[str]] = {}
     for name in names:
-        pattern = re.sub(r"\.\d+\.", ".*.", name)
-        counts[pattern] = counts.get(pattern, 0) + 1
-    return list(counts.items())
+        match = re.search(r"\.(\d+)\.", name)
+        pattern = name if match is None else name[:match.start()] + ".{}." + name[match.end():]
+        layers.setdefault(pattern, []).append(match.group(1) if match else "")
+    return [(p if "{}" not in p else p.replace("{}", "{" + ",".join(ids) + "}" if len(ids) > 1 else ids[0]),
+             len(ids)) for p, ids in layers.items()]
 
 
 def _collapse_names(names: list[str]) -> list[str]:
