@@ -1,0 +1,164 @@
+"""`nvfp4tool quickstart`: the whole pipeline on the embedded tiny model and corpus.
+
+    pretrain (BF16) -> fine-tune (NVFP4 recipe) -> export NVFP4 (compressed-tensors, W4A4)
+    -> export FP8 (ModelOpt W8A8, the reference) -> validate NVFP4 against FP8 and BF16
+    -> check -> push --dry-run (model card, no upload)
+
+Every stage is the library call its CLI command makes; each prints its result and where its files
+are, and the figures are collected in `<out>/quickstart.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickstartOptions:
+    """Sizes of the quickstart (defaults: a few minutes on a 2-core CPU)."""
+
+    out: str = "nvfp4tool-quickstart"
+    pretrain_steps: int = 300
+    finetune_steps: int = 100
+    seq_len: int = 64
+    batch_size: int = 16
+    vocab_size: int = 512
+    gen_tokens: int = 128  # greedy continuation length compared in validation
+    seed: int = 0
+    force: bool = False
+
+
+def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every stage; return (and write to `<out>/quickstart.json`) the figures of each."""
+    from nvfp4tool.check import check_checkpoint
+    from nvfp4tool.export import ExportOptions, export_checkpoint
+    from nvfp4tool.hub.upload import PushOptions, push_checkpoint
+    from nvfp4tool.train.config import TrainConfig
+    from nvfp4tool.train.data import embedded_corpus
+    from nvfp4tool.train.trainer import train
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+
+    out = _prepare(Path(options.out), options.force)
+    train_txt, val_txt = embedded_corpus()
+    figures: dict[str, Any] = {}
+    common = dict(data=str(train_txt), eval_data=str(val_txt), seq_len=options.seq_len,
+                  batch_size=options.batch_size, seed=options.seed, eval_batches=8, force=True)
+
+    with _stage(echo, "1/7 pretrain a tiny Llama in BF16", figures, "pretrain") as record:
+        result = train(TrainConfig(model="tiny", tokenizer="train", vocab_size=options.vocab_size,
+                                   recipe="bf16", steps=options.pretrain_steps, lr=3e-3, warmup_steps=20,
+                                   eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
+                                   **common), show_progress=True)
+        record.update(_train_figures(result))
+        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
+             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+
+    with _stage(echo, "2/7 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
+        result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
+                                   steps=options.finetune_steps, lr=1e-3, warmup_steps=10,
+                                   eval_every=max(1, options.finetune_steps // 2),
+                                   out=str(out / "finetune-nvfp4"), **common), show_progress=True)
+        record.update(_train_figures(result))
+        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
+             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+
+    run_dir = out / "finetune-nvfp4"
+    nvfp4_dir, fp8_dir = out / "export-nvfp4", out / "export-fp8"
+    with _stage(echo, "3/7 export NVFP4 (compressed-tensors, W4A4)", figures, "export_nvfp4") as record:
+        summary = export_checkpoint(str(run_dir), str(nvfp4_dir), ExportOptions(
+            format="compressed-tensors", quant="nvfp4", force=True, show_progress=False))
+        record.update(out=str(nvfp4_dir), quantized_modules=summary.quantized_modules,
+                      bytes_written=summary.bytes_written)
+        echo("  " + summary.line())
+
+    with _stage(echo, "4/7 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
+        summary = export_checkpoint(str(run_dir), str(fp8_dir), ExportOptions(
+            format="modelopt", quant="fp8", force=True, show_progress=False))
+        record.update(out=str(fp8_dir), bytes_written=summary.bytes_written)
+        echo("  " + summary.line())
+
+    with _stage(echo, "5/7 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
+        validation = validate_export(str(nvfp4_dir), ValidateOptions(
+            data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
+            prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
+        record.update(passed=validation["passed"], metrics=_validation_figures(validation),
+                      files=validation.get("files", []))
+        for model, metrics in record["metrics"].items():
+            echo(f"  {model}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in metrics.items()))
+        echo(f"  {'PASSED' if validation['passed'] else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
+        if not validation["passed"]:
+            raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: {validation['failures']}")
+
+    with _stage(echo, "6/7 check the export", figures, "check") as record:
+        report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
+        record.update(ok=report.ok, problems=[p.line() for p in report.problems])
+        echo("  " + report.summary_line())
+        if not report.ok:
+            raise NVFP4ToolError(f"{nvfp4_dir}: check failed: {record['problems']}")
+
+    with _stage(echo, "7/7 push --dry-run (model card, nothing uploaded)", figures, "push") as record:
+        lines: list[str] = []
+        result = push_checkpoint(nvfp4_dir, PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4",
+                                                        dry_run=True), echo=lines.append)
+        card_path = out / "MODEL_CARD.md"
+        card_path.write_text(str(result.card))
+        record.update(files=len(result.files), card=str(card_path))
+        echo(f"  {len(result.files)} files would be uploaded; model card written to {card_path}")
+
+    (out / "quickstart.json").write_text(json.dumps(figures, indent=1, default=str))
+    echo(f"\nall stages passed in {sum(s['seconds'] for s in figures.values()):.0f} s; "
+         f"figures in {out / 'quickstart.json'}")
+    return figures
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _prepare(out: Path, force: bool) -> Path:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise NVFP4ToolError(f"{out}: already exists (pass --force to replace it)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class _stage:
+    """Prints the stage's title, times it, and records its figures under `figures[key]`."""
+
+    def __init__(self, echo, title: str, figures: dict, key: str) -> None:
+        self.echo, self.title, self.figures, self.key = echo, title, figures, key
+
+    def __enter__(self) -> dict:
+        self.echo(f"\n== {self.title}")
+        self.start = time.perf_counter()
+        self.figures[self.key] = {}
+        return self.figures[self.key]
+
+    def __exit__(self, *exc) -> bool:
+        self.figures[self.key]["seconds"] = round(time.perf_counter() - self.start, 1)
+        return False
+
+
+def _train_figures(result) -> dict[str, Any]:
+    last = max(result.losses)
+    return {"first_loss": result.losses[min(result.losses)], "final_loss": result.losses[last],
+            "eval_loss": result.eval_losses[last], "tokens_per_s": result.tokens_per_s,
+            "run": str(result.out)}
+
+
+def _validation_figures(validation: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The headline metric of each compared model (whatever the record holds of them)."""
+    keys = ("kl_mean", "kl_p99", "top1", "ppl", "ppl_increase")
+    models = validation.get("models", {})
+    return {name: {k: m[k] for k in keys if k in m} for name, m in models.items()}

@@ -1,0 +1,39 @@
+"""`nvfp4tool quickstart`, the README's main job, end to end on the embedded model and corpus."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from nvfp4tool.cli import cli
+
+
+def test_quickstart_refuses_an_existing_folder_without_force(tmp_path):
+    (tmp_path / "qs").mkdir()
+    (tmp_path / "qs" / "keep.txt").write_text("x")
+    result = CliRunner().invoke(cli, ["quickstart", "--out", str(tmp_path / "qs")])
+    assert result.exit_code == 1
+    assert "already exists" in result.output
+    assert (tmp_path / "qs" / "keep.txt").is_file()
+
+
+@pytest.mark.slow
+def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
+    out = tmp_path / "qs"
+    result = CliRunner().invoke(cli, ["quickstart", "--out", str(out)])
+    assert result.exit_code == 0, result.output[-3000:]
+    figures = json.loads((out / "quickstart.json").read_text())
+    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "check", "push"]
+    # pretraining learns (a uniform model over the vocabulary would sit at ln(512) = 6.24 nats)
+    assert figures["pretrain"]["final_loss"] < figures["pretrain"]["first_loss"] - 1.0
+    assert figures["finetune"]["eval_loss"] < figures["pretrain"]["first_loss"]
+    assert figures["validate"]["passed"] and figures["check"]["ok"]
+    nvfp4 = figures["validate"]["metrics"]["nvfp4"]
+    assert 0 < nvfp4["kl_mean"] and nvfp4["top1"] > 0.8
+    for name in ("export-nvfp4/validation.md", "export-nvfp4/nvfp4tool_export.json",
+                 "export-fp8/hf_quant_config.json", "finetune-nvfp4/loss.png", "MODEL_CARD.md"):
+        assert (out / name).is_file(), name
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "base_model_relation" in card or "nvfp4" in card
