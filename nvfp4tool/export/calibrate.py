@@ -1,0 +1,124 @@
+"""Calibration: the amax of every quantized linear's input, by running our JAX model on text.
+
+    amax = calibrate_input_amax(config, source, names, "calib.txt", samples=64, seq_len=512,
+                                tokenizer_dir=hf_folder)
+
+The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint computes); each linear in
+`names` records max|x| of its BF16 input. The recorded values are returned by our own `jax.jit`
+(not written into Python containers from inside a traced forward), maxed over batches.
+
+Calibration data: a `.txt` file (tokenized as one stream, cut into `samples` windows of `seq_len`
+tokens), a `.jsonl` file with a "text" field per line (one window per line, truncated), or a
+`.npy` int array [S, L] of token ids. The whole model is held in memory here (calibration needs
+it); the export itself streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from converters.tensor_source import TensorSource
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model import forward
+from nvfp4tool.model.weights import model_from_tensors
+from nvfp4tool.recipes.precision import COMPUTE_DTYPE
+
+BATCH = 8  # windows per forward
+
+
+def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Sequence[str],
+                         data_path: str, *, samples: int, seq_len: int,
+                         tokenizer_dir: str | None) -> dict[str, float]:
+    """{linear name: max|input|} over the calibration windows, for every name in `names`."""
+    ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
+                                   tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
+    model = model_from_tensors(config, source, dtype=COMPUTE_DTYPE)
+    graphdef, state = nnx.split(model)
+    del model
+    amax_step = jax.jit(lambda st, ids: _input_amax(graphdef, st, ids, tuple(names)))
+    amax = {n: 0.0 for n in names}
+    for start in range(0, len(ids_SxL), BATCH):
+        batch = amax_step(state, jnp.asarray(ids_SxL[start:start + BATCH]))
+        for name, value in batch.items():
+            amax[name] = max(amax[name], float(value))
+    for name, value in amax.items():
+        if not np.isfinite(value):
+            raise NVFP4ToolError(f"calibration: the input of {name} has a non-finite amax ({value})")
+    return amax
+
+
+def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
+                         vocab_size: int) -> np.ndarray:
+    """Token ids [S, L] (S <= samples) from a .txt / .jsonl / .npy calibration file."""
+    if samples < 1 or seq_len < 1:
+        raise NVFP4ToolError("--calib-samples and --calib-seq-len must be >= 1")
+    if not os.path.isfile(path):
+        raise NVFP4ToolError(f"{path}: calibration data not found")
+    if path.endswith(".npy"):
+        ids = np.load(path)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise NVFP4ToolError(f"{path}: expected an integer array [samples, seq_len], "
+                                 f"got {ids.dtype}{list(ids.shape)}")
+        ids = ids[:samples, :seq_len]
+    else:
+        ids = _tokenize(path, samples, seq_len, tokenizer_dir)
+    if len(ids) == 0:
+        raise NVFP4ToolError(f"{path}: no calibration tokens")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise NVFP4ToolError(f"{path}: token ids outside [0, {vocab_size})")
+    return ids.astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _input_amax(graphdef, state, ids_BxT, names: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Traced: run the model, return {name: max|bf16 input|} (recorded at trace time, returned)."""
+    recorded: dict[str, jax.Array] = {}
+
+    def linear(x, w_NxK, b_N, *, name):
+        x_lp = x.astype(COMPUTE_DTYPE)
+        if name in names:
+            amax = jnp.max(jnp.abs(x_lp)).astype(jnp.float32)
+            recorded[name] = jnp.maximum(recorded[name], amax) if name in recorded else amax
+        y = jnp.einsum("...k,nk->...n", x_lp, w_NxK.astype(COMPUTE_DTYPE),
+                       preferred_element_type=jnp.float32)
+        if b_N is not None:
+            y = y + b_N.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    forward(nnx.merge(graphdef, state), ids_BxT, linear=linear)
+    missing = [n for n in names if n not in recorded]
+    if missing:
+        raise NVFP4ToolError(f"calibration: linear {missing[0]} was never called by the model")
+    return recorded
+
+
+def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) -> np.ndarray:
+    if tokenizer_dir is None or not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise NVFP4ToolError(f"{path}: text calibration data needs the source's tokenizer.json "
+                             f"(not found in {tokenizer_dir}); or pass token ids as .npy")
+    from nvfp4tool.train.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            rows = [tokenizer.encode(json.loads(line)["text"])[:seq_len]
+                    for line in f if line.strip()][:samples]
+            rows = [r for r in rows if len(r) == seq_len] or rows[:1]
+            width = min(len(r) for r in rows) if rows else 0
+            return np.array([r[:width] for r in rows], np.int64).reshape(len(rows), width)
+        stream = tokenizer.encode(f.read())
+    count = min(samples, len(stream) // seq_len)
+    if count == 0:
+        raise NVFP4ToolError(f"{path}: {len(stream)} tokens, fewer than one window of {seq_len}")
+    return np.asarray(stream[: count * seq_len], np.int64).reshape(count, seq_len)

@@ -1,0 +1,173 @@
+"""Quantize one weight [N, K] for export, by RTN or a per-block scale search, row chunk by chunk.
+
+    q, err = quantize_weight(w_NxK, method="4over6", block="1d", global_amax=group_amax)
+
+Methods (the output is always a plain NVFP4 tensor: the stored bytes decode with the standard
+formula `e2m1(code) * fp32(block_scale) * S_dec`, so every engine loads it):
+* "rtn": `numerics.quantize_nvfp4` (TE reference rounding), the baseline.
+* "4over6" ("Four Over Six", sheet section 3; TE 2.17 `nvfp4_4over6`): per block, two candidate
+  E4M3 scales, the one mapping the block amax to 6 and the one mapping it to 4 (finer steps near
+  the block max); the lower squared error wins. So that the 4-candidate (1.5x larger) still fits
+  in E4M3, the global bound is 256 instead of 448: S_enc = 6 * 256 / amax = 1536 / amax. We
+  express that as an NVFP4 global amax of fl(amax * 1.75) (2688 / (1.75 * amax) = 1536 / amax),
+  so the record and its decode stay standard. Fused groups share it, as they share amax.
+* "mse": the standard global scale; per block the candidates are the RTN E4M3 scale and its
+  `mse_radius` neighbouring E4M3 codes on each side; the lower squared error wins (RTN on ties).
+  `mse_radius=0` reproduces "rtn" bit for bit (tested).
+With 2D (16x16) blocks the choice is made per tile (summed error of its 16 rows), so the result is
+still one scale per tile.
+
+Peak memory: the [N, K] input plus one chunk of about `CHUNK_ELEMENTS` fp32 temporaries (the
+outputs are 0.28x of a bf16 input); the weight error is accumulated chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics import NVFP4Array, dequantize_nvfp4, quantize_nvfp4
+from nvfp4tool.numerics.blocks import exact_divide, flush_subnormal
+from nvfp4tool.numerics.constants import E2M1_MAX, E4M3_MAX, FLT_MAX, NVFP4_BLOCK
+from nvfp4tool.numerics.nvfp4 import nvfp4_global_scales
+
+METHODS = ("rtn", "4over6", "mse")
+CHUNK_ELEMENTS = 1 << 22  # ~4M elements (16 MiB fp32) per jitted step
+FOUR_OVER_SIX_AMAX_FACTOR = np.float32(1.75)  # 2688 / 1536: global E4M3 bound 448 -> 256
+_ONE_QUARTER = np.float32(0.25)
+_ONE_SIXTH = np.float32(1.0 / 6.0)
+_E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightError:
+    """Relative L2 error ||dequant(q) - w|| / ||w|| of the export, and of RTN for comparison."""
+
+    rel_l2: float
+    rtn_rel_l2: float
+
+    @property
+    def reduction_vs_rtn(self) -> float:
+        """1 - err / err_rtn (0 for RTN itself; > 0 when the search helped)."""
+        return 0.0 if self.rtn_rel_l2 == 0 else 1.0 - self.rel_l2 / self.rtn_rel_l2
+
+
+def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block: str = "1d",
+                    global_amax: float, mse_radius: int = 2,
+                    name: str = "weight") -> tuple[NVFP4Array, WeightError]:
+    """NVFP4 of `w_NxK` along K against `global_amax` (the tensor's or its fused group's amax).
+
+    Returns the record (numpy packed/scales) and its weight error. The caller checked finiteness.
+    """
+    if method not in METHODS:
+        raise NVFP4ToolError(f"unknown scale search {method!r}; choose one of {', '.join(METHODS)}")
+    if block not in ("1d", "2d"):
+        raise NVFP4ToolError(f"tensor '{name}': block must be '1d' or '2d', got {block!r}")
+    w_NxK = np.asarray(w_NxK)
+    if w_NxK.ndim != 2 or w_NxK.shape[1] % NVFP4_BLOCK != 0:
+        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(w_NxK.shape)}: expected [N, K] with "
+                             f"K a multiple of {NVFP4_BLOCK}")
+    n, k = w_NxK.shape
+    gamax = np.float32(global_amax)
+    record_amax = np.float32(gamax * FOUR_OVER_SIX_AMAX_FACTOR) if method == "4over6" else gamax
+    rows = max(NVFP4_BLOCK, (CHUNK_ELEMENTS // k) // NVFP4_BLOCK * NVFP4_BLOCK)
+    rows = min(rows, -(-n // NVFP4_BLOCK) * NVFP4_BLOCK)
+    packed = np.empty((n, k // 2), np.uint8)
+    scales = np.empty((n, k // NVFP4_BLOCK), jnp.float8_e4m3fn)
+    sums = np.zeros(3, np.float64)  # sum err^2, sum rtn_err^2, sum w^2
+    offsets = tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
+    for start in range(0, n, rows):
+        chunk = w_NxK[start:start + rows]
+        if chunk.shape[0] < rows:  # pad with zero rows: same compiled shape, tile maxima unchanged
+            chunk = np.concatenate([chunk, np.zeros((rows - chunk.shape[0], k), chunk.dtype)])
+        p, s, chunk_sums = _quantize_chunk(jnp.asarray(chunk), gamax, record_amax, method=method,
+                                           block=block, offsets=offsets)
+        stop = min(start + rows, n)
+        packed[start:stop] = np.asarray(p)[: stop - start]
+        scales[start:stop] = np.asarray(s)[: stop - start]
+        sums += np.asarray(chunk_sums, np.float64)
+    norm = float(np.sqrt(sums[2]))
+    error = WeightError(rel_l2=float(np.sqrt(sums[0])) / norm if norm else 0.0,
+                        rtn_rel_l2=float(np.sqrt(sums[1])) / norm if norm else 0.0)
+    record = NVFP4Array(packed=packed, scales=scales, global_amax=np.float32(record_amax),
+                        shape=(n, k), dtype=np.dtype(w_NxK.dtype), axis=1, block=block)
+    return record, error
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+@functools.partial(jax.jit, static_argnames=("method", "block", "offsets"))
+def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
+    """(packed, scales, [sum err^2, sum rtn err^2, sum x^2]) of one row chunk."""
+    x32 = flush_subnormal(x_RxK.astype(jnp.float32))
+    rtn = quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
+    rtn_err = jnp.sum(jnp.square(dequantize_nvfp4(rtn) - x32))
+    norm = jnp.sum(jnp.square(x32))
+    if method == "rtn":
+        return rtn.packed, rtn.scales, jnp.stack([rtn_err, rtn_err, norm])
+    s_enc, s_dec = nvfp4_global_scales(record_amax)
+    x_Bx16 = x32.reshape(*x32.shape[:-1], -1, NVFP4_BLOCK)
+    if method == "4over6":
+        bamax = _block_amax(x_Bx16, block)
+        candidates = [_e4m3(bamax * (s_enc * ratio)) for ratio in (_ONE_SIXTH, _ONE_QUARTER)]
+    else:  # mse: neighbouring E4M3 codes of the RTN scale (positive codes are ordered)
+        codes = jax.lax.bitcast_convert_type(rtn.scales, jnp.uint8).astype(jnp.int32)
+        candidates = [jax.lax.bitcast_convert_type(
+            jnp.clip(codes + d, 0, _E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
+            for d in sorted(offsets, key=abs)]  # offset 0 first: RTN wins ties
+    best_scale = best_f4 = best_err = None
+    for scale in candidates:
+        f4, err = _encode_with_scale(x_Bx16, scale, s_dec, block)
+        if best_err is None:
+            best_scale, best_f4, best_err = scale, f4, err
+        else:
+            better = err < best_err
+            best_scale = jnp.where(better, scale, best_scale)
+            best_f4 = jnp.where(better[..., None], f4, best_f4)
+            best_err = jnp.where(better, err, best_err)
+    f4_RxK = best_f4.reshape(x32.shape)
+    packed = jax.lax.bitcast_convert_type(f4_RxK.reshape(*x32.shape[:-1], -1, 2), jnp.uint8)
+    total = jnp.sum(best_err) / (NVFP4_BLOCK if block == "2d" else 1)  # 2d: tile error repeated
+    return packed, best_scale, jnp.stack([total, rtn_err, norm])
+
+
+def _block_amax(x_Bx16, block: str):
+    """max|x| per 1x16 block, or per 16x16 tile written to each of its 16 rows."""
+    bamax = jnp.abs(x_Bx16).max(axis=-1)
+    if block == "2d":
+        r, nb = bamax.shape
+        tile = bamax.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, nb).max(axis=1, keepdims=True)
+        bamax = jnp.broadcast_to(tile, (r // NVFP4_BLOCK, NVFP4_BLOCK, nb)).reshape(r, nb)
+    return bamax
+
+
+def _e4m3(sdb):
+    return jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
+
+
+def _encode_with_scale(x_Bx16, scale, s_dec, block: str):
+    """(E2M1 values [R, K/16, 16], squared error per block or per tile) with the given scales.
+
+    Same encode as the numerics: enc = min(1 / (fp32(scale) * S_dec), FLT_MAX), RNE to E2M1 with
+    saturation at 6 (the float4_e2m1fn cast rounds to nearest even; the sign of a value that
+    rounds to zero is kept, code 8), and decode (value * scale) * S_dec.
+    """
+    scale32 = scale.astype(jnp.float32)
+    denom = flush_subnormal(scale32 * s_dec)
+    enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)
+    y = jnp.clip(x_Bx16 * enc[..., None], -E2M1_MAX, E2M1_MAX)
+    f4 = y.astype(jnp.float4_e2m1fn)
+    deq = flush_subnormal((f4.astype(jnp.float32) * scale32[..., None]) * s_dec)
+    err = jnp.sum(jnp.square(deq - x_Bx16), axis=-1)
+    if block == "2d":
+        r, nb = err.shape
+        tile = err.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, nb).sum(axis=1, keepdims=True)
+        err = jnp.broadcast_to(tile, (r // NVFP4_BLOCK, NVFP4_BLOCK, nb)).reshape(r, nb)
+    return f4, err

@@ -1,0 +1,127 @@
+"""What a serving engine computes from an export folder, run by our JAX model.
+
+    exported = load_export("out/model-nvfp4")              # either format, any --quant
+    model = exported.model(dtype=jnp.float32)               # CausalLM with the dequantized weights
+    logits = forward(model, ids, linear=exported.linear())  # W4A4: inputs fake-quantized too
+
+Weights: NVFP4 modules are decoded from the stored bytes, `e2m1(code) * fp32(block_scale) *
+S_dec` in fp32 with the stored global decode scale (bit for bit `dequantize_nvfp4` of the
+exported record; tested); FP8 modules `fp32(e4m3) * weight_scale`; everything else is the stored
+BF16. Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16
+dynamic block scales (RNE) against the static input global scale (global amax = 2688 * stored
+input decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back.
+Weight-only exports leave the activations alone. The GEMM itself runs in fp32 (or the model's
+compute dtype) on the dequantized values, which is what the emulation paths of vLLM and
+transformers + compressed-tensors do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from converters.hf import HFFolderSource
+from converters.tensor_source import DictTensorSource
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.numerics import decode_e2m1, fake_quantize_nvfp4, unpack_codes
+from nvfp4tool.numerics.blocks import flush_subnormal
+from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+
+
+@dataclasses.dataclass
+class ExportedModel:
+    """An export folder read back: config, dequantized tensors, and per-module activation scales."""
+
+    config: ModelConfig
+    format: str  # "modelopt" | "compressed-tensors"
+    quant: str  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+    tensors: dict[str, np.ndarray]  # HF names; quantized weights dequantized to fp32
+    input_scales: dict[str, float]  # quantized module -> static input decode scale (W4A4 / FP8)
+    quantized: tuple[str, ...]
+
+    def model(self, dtype: jnp.dtype = jnp.float32, compute_dtype: jnp.dtype | None = None):
+        """A CausalLM holding the dequantized weights (cast to `dtype`)."""
+        from nvfp4tool.model.weights import model_from_tensors
+
+        return model_from_tensors(self.config, DictTensorSource(self.tensors), dtype=dtype,
+                                  compute_dtype=compute_dtype)
+
+    def linear(self) -> LinearFn:
+        """The LinearFn: activation fake-quantization of the quantized modules, then the GEMM."""
+        return simulated_linear(self.quant, self.input_scales)
+
+
+def load_export(folder: str) -> ExportedModel:
+    """Read an export folder written by `nvfp4tool export` (or `convert-format`)."""
+    from nvfp4tool.export import compressed_tensors
+    from nvfp4tool.export.convert_format import detect_export
+
+    fmt, quant, quantized = detect_export(folder)
+    source = HFFolderSource(folder, check_config=False)
+    config = ModelConfig.from_hf_folder(folder)
+    by_module: dict[str, dict[str, np.ndarray]] = {}
+    tensors: dict[str, np.ndarray] = {}
+    quantized_set = set(quantized)
+    for name in source.names():
+        module = name.rpartition(".")[0]
+        if module in quantized_set:
+            by_module.setdefault(module, {})[name] = source.get(name)
+        else:
+            tensors[name] = source.get(name)
+    input_scales: dict[str, float] = {}
+    for module, group in by_module.items():
+        if fmt == "compressed-tensors":
+            group = compressed_tensors.to_modelopt(group, quant)
+        tensors[f"{module}.weight"] = np.asarray(_dequantize(module, group, quant))
+        if f"{module}.input_scale" in group:
+            input_scales[module] = float(group[f"{module}.input_scale"])
+    return ExportedModel(config=config, format=fmt, quant=quant, tensors=tensors,
+                         input_scales=input_scales, quantized=tuple(quantized))
+
+
+def decode_nvfp4(packed_NxK2: jax.Array, scales_NxKb: jax.Array, s_dec: jax.Array) -> jax.Array:
+    """fp32 [N, K] from stored bytes: (e2m1(code) * fp32(scale)) * S_dec, subnormals flushed."""
+    value_K = decode_e2m1(unpack_codes(jnp.asarray(packed_NxK2)))
+    value_Bx16 = value_K.reshape(*value_K.shape[:-1], -1, NVFP4_BLOCK)
+    scaled = value_Bx16 * jnp.asarray(scales_NxKb).astype(jnp.float32)[..., None]
+    return flush_subnormal(scaled * jnp.float32(s_dec)).reshape(value_K.shape)
+
+
+def simulated_linear(quant: str, input_scales: dict[str, float]) -> LinearFn:
+    """LinearFn for an export: inputs of modules in `input_scales` fake-quantized (static scale)."""
+    scales = dict(input_scales)
+
+    def linear(x, w_NxK, b_N, *, name):
+        if name in scales:
+            x = _fake_quantize_input(x, scales[name], quant)
+        y = jnp.einsum("...k,nk->...n", x, w_NxK.astype(x.dtype), preferred_element_type=jnp.float32)
+        if b_N is not None:
+            y = y + b_N.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    return linear
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _dequantize(module: str, group: dict[str, np.ndarray], quant: str) -> jax.Array:
+    weight = group[f"{module}.weight"]
+    if quant == "fp8":
+        scale = np.float32(group[f"{module}.weight_scale"])
+        return flush_subnormal(jnp.asarray(weight).astype(jnp.float32) * scale)
+    return decode_nvfp4(weight, group[f"{module}.weight_scale"], group[f"{module}.weight_scale_2"])
+
+
+def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str) -> jax.Array:
+    if quant == "fp8":
+        scale = jnp.float32(input_scale)
+        y = jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+        return (y.astype(jnp.float32) * scale).astype(x.dtype)
+    global_amax = np.float32(np.float32(input_scale) * np.float32(NVFP4_GLOBAL_RANGE))
+    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype)

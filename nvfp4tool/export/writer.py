@@ -1,0 +1,327 @@
+"""`export_checkpoint`: a serving checkpoint from an HF folder, MaxText checkpoint or training run.
+
+    summary = export_checkpoint("runs/a", "out/a-nvfp4", ExportOptions(format="compressed-tensors"))
+
+Streaming and atomic:
+1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
+   finiteness; fused groups (q/k/v, gate/up) take the max over their members (`plan.py`).
+2. Input amax: the run's tracked amax, else calibration (`calibrate.py`); a fused group shares
+   the max over its members (one input scale per GEMM).
+3. The output layout (names, dtypes, shapes) is planned up front and split into shards of at most
+   `max_shard_size` (a module's tensors stay together); each shard is written tensor by tensor:
+   a quantized module is read, quantized (`scale_search.py`) and turned into its tensors by the
+   format module (`modelopt.py` / `compressed_tensors.py`); other tensors are copied in BF16.
+   Only one module's tensors are held at a time: peak memory is the largest source tensor plus
+   its quantized form plus one row chunk of temporaries, whatever the model size (FP8 quantizes
+   a weight in one piece: about 3x that weight).
+4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
+   replaces an existing output); any error (non-finite weight, missing input amax...) leaves
+   nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from converters.atomic import atomic_output_dir
+from converters.hf import AUX_FILE_PATTERNS, INDEX_FILE, SINGLE_FILE, parse_size, write_safetensors
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export import compressed_tensors, modelopt, provenance
+from nvfp4tool.export.plan import ExportPlan, make_plan
+from nvfp4tool.export.scale_search import METHODS, quantize_weight
+from nvfp4tool.export.source import ExportSource, open_source
+from nvfp4tool.numerics import dequantize_fp8, quantize_fp8
+
+FORMATS = {"modelopt": modelopt, "compressed-tensors": compressed_tensors}
+_AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """How to export (the `nvfp4tool export` options)."""
+
+    format: str = "modelopt"  # modelopt | compressed-tensors
+    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
+    scale_search: str = "rtn"  # rtn | 4over6 | mse
+    weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
+    keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
+    calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    max_shard_size: int | str = "5GB"
+    step: int | None = None  # a training run's checkpoint step (default: its final hf/ weights)
+    model_config: str | None = None  # MaxText sources: model name or HF config
+    rope_layout: str | None = None  # MaxText sources with an HF config: "half" | "interleaved"
+    force: bool = False
+    seed: int = 0
+    show_progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSummary:
+    """What an export wrote."""
+
+    out: str
+    tensors: int
+    quantized_modules: int
+    bf16_bytes_in: int  # the source's size in BF16 (2 bytes per parameter)
+    bytes_written: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bf16_bytes_in / 1e9 / max(self.seconds, 1e-9)
+
+    def line(self) -> str:
+        return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
+                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s "
+                f"({self.gb_per_s:.3f} GB/s of bf16 in)")
+
+
+def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions(),
+                      on_tensor: Callable[[str], None] | None = None) -> ExportSummary:
+    """Export `src` to the serving folder `out` (see the module docstring)."""
+    start = time.perf_counter()
+    _check_options(options)
+    source = open_source(src, step=options.step, model_config=options.model_config,
+                         rope_layout=options.rope_layout)
+    fmt = FORMATS[options.format]
+    plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
+                     keep_bf16=options.keep_bf16)
+    block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
+    tensors = source.tensors
+    names = tensors.names()
+    group_amax = _group_amax(tensors, plan)
+    input_amax, origin, calibration = _input_amax(source, plan, options)
+
+    units = [_unit_layout(name, tensors, plan, fmt) for name in names]
+    shards = _split_shards(units, parse_size(options.max_shard_size))
+    layer_errors: dict[str, dict[str, float]] = {}
+    loader = _ModuleLoader(tensors, plan, fmt, group_amax, input_amax, block, options, layer_errors)
+    files: list[str] = []
+    with atomic_output_dir(out, force=options.force) as tmp, _progress(
+            options.show_progress, len(names)) as advance:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            file_name = (SINGLE_FILE if len(shards) == 1
+                         else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            layout = [entry for unit in shard for entry in unit[1]]
+            write_safetensors(os.path.join(tmp, file_name), layout,
+                              lambda n: loader.load(n, advance), source_label=source.path)
+            weight_map.update({entry[0]: file_name for entry in layout})
+            files.append(file_name)
+        if len(shards) > 1:
+            total = sum(_nbytes(d, s) for unit in units for _, d, s in unit[1])
+            _write_json(os.path.join(tmp, INDEX_FILE),
+                        {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_configs(tmp, source, plan, fmt)
+        provenance.write_record(tmp, provenance.build_record(
+            source=source, options=options, plan=plan, weight_block=block,
+            input_amax_origin=origin, calibration=calibration, layer_errors=layer_errors,
+            input_amax=input_amax, files_written=files))
+    written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
+    return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
+                         quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,
+                         bytes_written=written, seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+class _ModuleLoader:
+    """`load(name)` for write_safetensors: one quantized module's tensors cached at a time."""
+
+    def __init__(self, tensors, plan: ExportPlan, fmt, group_amax, input_amax, block, options,
+                 layer_errors) -> None:
+        self.tensors, self.plan, self.fmt, self.block, self.options = tensors, plan, fmt, block, options
+        self.group_amax, self.input_amax, self.layer_errors = group_amax, input_amax, layer_errors
+        self.module_of = {}
+        for module in plan.quantized:
+            n, k = tensors.shape(f"{module}.weight")
+            for entry in fmt.layout(module, n, k, plan.quant):
+                self.module_of[entry[0]] = module
+        self.cache: dict[str, np.ndarray] = {}
+
+    def load(self, name: str, advance: Callable[[str], None]) -> np.ndarray:
+        if name in self.cache:
+            return self.cache.pop(name)
+        module = self.module_of.get(name)
+        if module is None:
+            advance(name)
+            return _bf16_copy(self.tensors, name)
+        self.cache = self._quantize(module)
+        advance(f"{module}.weight")
+        return self.cache.pop(name)
+
+    def _quantize(self, module: str) -> dict[str, np.ndarray]:
+        plan, weight_name = self.plan, f"{module}.weight"
+        w = self.tensors.get(weight_name)
+        group = plan.group_of(module)
+        if plan.quant == "fp8":
+            q = quantize_fp8(w, fmt="e4m3", granularity="tensor", name=weight_name)
+            w32 = np.asarray(w, np.float32)
+            diff = np.asarray(dequantize_fp8(q)) - w32
+            norm = float(np.linalg.norm(w32))
+            err = float(np.linalg.norm(diff)) / norm if norm else 0.0
+            self.layer_errors[module] = {"rel_l2": err}
+        else:
+            q, error = quantize_weight(w, method=self.options.scale_search, block=self.block,
+                                       global_amax=self.group_amax[group], name=weight_name)
+            self.layer_errors[module] = {"rel_l2": error.rel_l2}
+            if self.options.scale_search != "rtn":
+                self.layer_errors[module].update(rtn_rel_l2=error.rtn_rel_l2,
+                                                 reduction_vs_rtn=error.reduction_vs_rtn)
+        del w
+        input_amax = None
+        if plan.has_input_scales:
+            input_amax = max(self.input_amax[m] for m in plan.groups[group])
+        return self.fmt.tensors(module, q, input_amax, plan.quant)
+
+
+def _check_options(options: ExportOptions) -> None:
+    if options.format not in FORMATS:
+        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of {', '.join(FORMATS)}")
+    if options.scale_search not in METHODS:
+        raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of "
+                             f"{', '.join(METHODS)}")
+    if options.quant == "fp8" and options.scale_search != "rtn":
+        raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
+    if options.weight_block not in (None, "1d", "2d"):
+        raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
+
+
+def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
+    """Fused group -> joint amax of its members' weights (first pass; also rejects non-finite)."""
+    result: dict[str, np.float32] = {}
+    for module in plan.quantized:
+        name = f"{module}.weight"
+        w = tensors.get(name)
+        rows = max(1, _AMAX_CHUNK_ELEMENTS // max(1, w.shape[-1]))
+        amax = np.float32(0.0)
+        for start in range(0, w.shape[0], rows):  # max|x| is exact in the source dtype
+            amax = max(amax, np.float32(jnp.max(jnp.abs(jnp.asarray(w[start:start + rows])))))
+        if not np.isfinite(amax):
+            raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
+        group = plan.group_of(module)
+        result[group] = np.float32(max(result.get(group, np.float32(0.0)), amax))
+        del w
+    return result
+
+
+def _input_amax(source: ExportSource, plan: ExportPlan, options: ExportOptions):
+    """(input amax per quantized module or None, origin, calibration record or None)."""
+    if not plan.has_input_scales or not plan.quantized:
+        return None, "none (weight-only)", None
+    if source.input_amax is not None and options.calib_data is None:
+        missing = [m for m in plan.quantized if m not in source.input_amax]
+        if missing:
+            raise NVFP4ToolError(f"{source.path}: no tracked input amax for {missing[0]} (it trained "
+                                 f"in BF16?); keep it in BF16 or pass --calib-data")
+        bad = [m for m in plan.quantized if not (source.input_amax[m] > 0 and np.isfinite(source.input_amax[m]))]
+        if bad:
+            raise NVFP4ToolError(f"{source.path}: tracked input amax of {bad[0]} is "
+                                 f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate")
+        return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run", None
+    if options.calib_data is None:
+        raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
+                             "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
+    from nvfp4tool.export.calibrate import calibrate_input_amax
+
+    amax = calibrate_input_amax(source.config, source.tensors, plan.quantized, options.calib_data,
+                                samples=options.calib_samples, seq_len=options.calib_seq_len,
+                                tokenizer_dir=source.aux_dir)
+    calibration = {"path": os.path.abspath(options.calib_data),
+                   "sha256": provenance.sha256_file(options.calib_data),
+                   "samples": options.calib_samples, "seq_len": options.calib_seq_len}
+    return amax, "calibration", calibration
+
+
+def _unit_layout(name: str, tensors, plan: ExportPlan, fmt) -> tuple[str, list]:
+    """(source name, [(output name, dtype, shape), ...]) for one source tensor."""
+    module = name.removesuffix(".weight")
+    if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
+        n, k = tensors.shape(name)
+        return name, fmt.layout(module, n, k, plan.quant)
+    dtype = tensors.dtype(name)
+    out_dtype = "bfloat16" if dtype in ("float32", "float16", "float64", "bfloat16") else dtype
+    return name, [(name, out_dtype, tuple(tensors.shape(name)))]
+
+
+def _split_shards(units: list, max_bytes: int) -> list[list]:
+    """Greedy split keeping each unit (one source tensor's outputs) in one shard."""
+    shards: list[list] = [[]]
+    size = 0
+    for unit in units:
+        unit_bytes = sum(_nbytes(d, s) for _, d, s in unit[1])
+        if shards[-1] and size + unit_bytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(unit)
+        size += unit_bytes
+    return shards
+
+
+def _bf16_copy(tensors, name: str) -> np.ndarray:
+    array = tensors.get(name)
+    if array.dtype.name in ("float32", "float16", "float64", "bfloat16"):
+        if not np.isfinite(array).all():
+            raise NVFP4ToolError(f"{name}: tensor has non-finite values (NaN or inf); nothing written")
+        array = array.astype("bfloat16", copy=False)
+    return array
+
+
+def _write_configs(folder: str, source: ExportSource, plan: ExportPlan, fmt) -> None:
+    hf = source.config.to_hf_config()
+    hf["dtype"] = "bfloat16"
+    hf["quantization_config"] = fmt.quantization_config(plan)
+    _write_json(os.path.join(folder, "config.json"), hf)
+    if fmt is modelopt:
+        producer = {"name": "nvfp4tool", "version": _version()}
+        _write_json(os.path.join(folder, modelopt.HF_QUANT_CONFIG_FILE),
+                    modelopt.hf_quant_config(plan, producer))
+    if source.aux_dir is not None:
+        for file_name in sorted(os.listdir(source.aux_dir)):
+            if any(fnmatch.fnmatch(file_name, p) for p in AUX_FILE_PATTERNS):
+                shutil.copy2(os.path.join(source.aux_dir, file_name), os.path.join(folder, file_name))
+
+
+def _version() -> str:
+    import nvfp4tool
+
+    return nvfp4tool.__version__
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar advanced once per source tensor (or a no-op)."""
+    if not enabled:
+        yield lambda name: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), transient=True) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda name: bar.update(task, advance=1, description=name)

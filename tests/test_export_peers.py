@@ -1,0 +1,105 @@
+"""Our compressed-tensors export against transformers + compressed-tensors, and our ModelOpt export
+against compressed-tensors' own `ModelOptNvfp4Converter` (marker: peers).
+
+transformers (CPU) loads the compressed-tensors export and decompresses every NVFP4 weight to
+BF16: those must equal `dequantize_nvfp4(...)` cast to BF16 bit for bit. Its logits (model moved
+to fp32 after decompression, W4A4 activation fake-quantization by compressed-tensors) must match
+our JAX model running `simulate.py`'s LinearFn on the same BF16 weights: tolerance 1e-5 absolute
+on logits of magnitude ~2 (measured 4.8e-7: fp32 summation order), while dropping the activation
+quantization moves them by ~0.5, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_fixtures import build_tiny_model
+from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export.convert_format import convert_format
+from nvfp4tool.export.simulate import load_export
+from nvfp4tool.model import forward
+from nvfp4tool.numerics import dequantize_nvfp4, quantize_nvfp4
+from nvfp4tool.recipes.precision import fused_group
+
+pytestmark = pytest.mark.peers
+LOGIT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peers")
+    src = build_tiny_model("llama3", str(root / "hf"))
+    np.save(root / "calib.npy", np.random.default_rng(0).integers(0, 256, (4, 16)))
+    out = {}
+    for fmt in ("modelopt", "compressed-tensors"):
+        out[fmt] = str(root / fmt)
+        export_checkpoint(src, out[fmt], ExportOptions(format=fmt, calib_data=str(root / "calib.npy"),
+                                                       calib_samples=4, calib_seq_len=16,
+                                                       show_progress=False))
+    out["src"] = src
+    return out
+
+
+def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exported):
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    folder = exported["compressed-tensors"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ids = np.random.default_rng(1).integers(3, 256, (2, 12))
+    model(torch.tensor(ids))  # the first forward decompresses the weights
+    ours = load_export(folder)
+    src = load_file(os.path.join(exported["src"], "model.safetensors"))
+    checked = 0
+    for name, module in model.named_modules():
+        if name not in ours.quantized:
+            continue
+        theirs = module.weight.detach()
+        assert theirs.dtype == torch.bfloat16
+        members = [m for m in ours.quantized if fused_group(m) == fused_group(name)]
+        amax = max(np.float32(np.abs(src[f"{m}.weight"]).max()) for m in members)
+        expected = dequantize_nvfp4(quantize_nvfp4(src[f"{name}.weight"], global_amax=amax), jnp.bfloat16)
+        assert theirs.view(torch.int16).numpy().tobytes() == np.asarray(expected).view(np.int16).tobytes(), name
+        checked += 1
+    assert checked == len(ours.quantized) == 14
+
+    for p in model.parameters():
+        p.data = p.data.float()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.float().numpy()
+    ours.tensors = {n: (np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) if n.rpartition(".")[0] in ours.quantized
+                        else v) for n, v in ours.tensors.items()}  # the BF16 weights transformers holds
+    jax_model = ours.model(dtype=jnp.float32)
+    simulated = np.asarray(forward(jax_model, jnp.asarray(ids), linear=ours.linear()))
+    weights_only = np.asarray(forward(jax_model, jnp.asarray(ids)))
+    np.testing.assert_allclose(simulated, theirs, rtol=0, atol=LOGIT_ATOL)
+    assert np.abs(weights_only - theirs).max() > 100 * LOGIT_ATOL  # activation quantization matters
+
+
+def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_ct_export(exported, tmp_path):
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from safetensors.torch import load_file
+
+    modelopt = load_file(os.path.join(exported["modelopt"], "model.safetensors"))
+    ours = load_file(os.path.join(exported["compressed-tensors"], "model.safetensors"))
+    theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in ours.items():
+        other = theirs[name]
+        assert other.dtype == tensor.dtype, name
+        # the converter keeps ModelOpt's scalar shape []; ours is [1] (transformers refuses [])
+        assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
+        assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name
+    # and our convert-format output is byte-identical to our direct export, both ways
+    convert_format(exported["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
+    convert_format(exported["compressed-tensors"], str(tmp_path / "mo"), to="modelopt")
+    for converted, direct in (("ct", "compressed-tensors"), ("mo", "modelopt")):
+        with open(tmp_path / converted / "model.safetensors", "rb") as a, \
+                open(os.path.join(exported[direct], "model.safetensors"), "rb") as b:
+            assert a.read() == b.read()
