@@ -156,6 +156,240 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
     click.echo(f"wrote {out_png}")
 
 
+@cli.command("check")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--tp", default="1", show_default=True,
+              help="Tensor-parallel degrees to check the K/N splits for, comma-separated (e.g. 1,2,4,8).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON on stdout instead of the table.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the JSON report to this file.")
+def check_command(path: str, tp: str, as_json: bool, json_out: str | None) -> None:
+    """Check an NVFP4/FP8 serving checkpoint (ModelOpt or compressed-tensors) before serving it.
+
+    Prints one line per problem (module: tensor: what is wrong) and a table of the quantized
+    modules; exits 1 if there is any problem.
+
+    \b
+    Example:
+      nvfp4tool check ./llama-nvfp4 --tp 1,2,4,8
+      nvfp4tool check ./llama-nvfp4 --json > report.json
+    """
+    import json
+
+    from rich.console import Console
+
+    from nvfp4tool.check import check_checkpoint, parse_tp, print_report
+
+    report = check_checkpoint(path, tp=parse_tp(tp))
+    if json_out:
+        with open(json_out, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report, Console())
+    if not report.ok:
+        raise NVFP4ToolError(f"{path}: check failed: {len(report.problems)} problem(s)")
+
+
+@cli.command("export")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--to", "to", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
+              help="Output container.")
+@click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
+@click.option("--format", "fmt", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
+              show_default=True, help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
+              "compressed-tensors: vLLM compressed-tensors / transformers.")
+@click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
+              show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
+@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales.")
+@click.option("--calib-samples", type=int, default=64, show_default=True)
+@click.option("--calib-seq-len", type=int, default=512, show_default=True)
+@click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
+@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
+@click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
+              help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--step", type=int, default=None, help="Training run: export this checkpoint step.")
+@click.option("--model-config", default=None, help="MaxText source: model name or HF config.")
+@click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
+              help="MaxText source with an HF --model-config: its RoPE row layout.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, keep_bf16,
+                   scale_search, weight_block, max_shard_size, step, model_config, rope_layout,
+                   force) -> None:
+    """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
+
+    \b
+    Example:
+      nvfp4tool export runs/a --to safetensors --out out/a-nvfp4 --format compressed-tensors
+    """
+    from nvfp4tool.export import ExportOptions, export_checkpoint
+
+    del to  # safetensors is the only container
+    options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_block=weight_block,
+                            keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
+                            calib_seq_len=calib_seq_len, max_shard_size=max_shard_size, step=step,
+                            model_config=model_config, rope_layout=rope_layout, force=force)
+    click.echo(export_checkpoint(src, out, options).line())
+
+
+@cli.command("convert-format")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True)
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+def convert_format_command(src, out, to, force) -> None:
+    """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
+
+    \b
+    Example:
+      nvfp4tool convert-format out/a-nvfp4 out/a-nvfp4-ct --to compressed-tensors
+    """
+    from nvfp4tool.export.convert_format import convert_format
+
+    seconds = convert_format(src, out, to=to, force=force)
+    click.echo(f"wrote {out} ({to}) in {seconds:.1f} s")
+
+
+@cli.command("push")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--revision", default=None, help="Branch to commit to (created from main if missing).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
+@click.option("--dry-run", is_flag=True, help="Print the file list, sizes and model card; upload nothing.")
+@click.option("--endpoint", default=None, help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).")
+@click.option("--no-validation", is_flag=True,
+              help="Publish without a validation.json from `nvfp4tool validate` (the card says so).")
+@click.option("--base-model", default=None, help="Source repo id for the card (default: from the provenance).")
+@click.option("--license", "license_", default=None, help="License for the card (default: the source's).")
+def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint, no_validation, base_model,
+                 license_) -> None:
+    """Check an export, write its model card and upload both to the Hugging Face Hub.
+
+    Refuses a checkpoint that fails `nvfp4tool check`, and one without validation.json unless
+    --no-validation. The export folder is not modified: README.md is added in the upload only.
+    Token: HF_TOKEN or the saved login (never printed).
+
+    \b
+    Example:
+      nvfp4tool push out/llama-nvfp4 --repo-id my-org/Llama-3.2-1B-NVFP4 --dry-run
+      nvfp4tool push out/llama-nvfp4 --repo-id my-org/Llama-3.2-1B-NVFP4 --private
+    """
+    from nvfp4tool.hub import PushOptions, push_checkpoint
+
+    options = PushOptions(repo_id=repo_id, private=private, revision=revision, create_pr=create_pr,
+                          dry_run=dry_run, endpoint=endpoint, require_validation=not no_validation,
+                          base_model=base_model, license=license_)
+    result = push_checkpoint(path, options, echo=click.echo)
+    click.echo(("would upload" if dry_run else "uploaded") + f" to {repo_id}:\n{result.file_table()}")
+    if result.replaced_readme:
+        click.echo(f"note: {path}/README.md is replaced by the generated model card in the upload")
+    if dry_run:
+        click.echo("\nmodel card (README.md):\n" + result.card)
+    else:
+        click.echo(f"done: {result.pr_url or result.commit_url or result.repo_url}")
+
+
+def _threshold_default(field: str):
+    """Default of a validate threshold (kept in nvfp4tool.validate.thresholds)."""
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    return getattr(Thresholds(), field)
+
+
+@cli.command("validate")
+@click.argument("export", type=click.Path(exists=True, file_okay=False))
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Evaluation text (.txt/.jsonl, tokenized with the export's tokenizer) or ids (.npy).")
+@click.option("--reference", default="fp8", show_default=True,
+              help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
+                   "or the folder of an `export --quant fp8`.")
+@click.option("--source", type=click.Path(exists=True), default=None,
+              help="The BF16 source (default: named by the export's nvfp4tool_export.json).")
+@click.option("--json", "json_copy", type=click.Path(dir_okay=False), default=None,
+              help="Also write validation.json here.")
+@click.option("--samples", type=int, default=16, show_default=True, help="Sequences evaluated.")
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--prompts", type=int, default=4, show_default=True, help="Greedy-generation prompts.")
+@click.option("--prompt-len", type=int, default=32, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True, help="Greedy continuation length.")
+@click.option("--max-kl-mean", type=float, default=_threshold_default("max_kl_mean"), show_default=True)
+@click.option("--max-kl-p99", type=float, default=_threshold_default("max_kl_p99"), show_default=True)
+@click.option("--min-top1", type=float, default=_threshold_default("min_top1"), show_default=True)
+@click.option("--max-ppl-increase", type=float, default=_threshold_default("max_ppl_increase"),
+              show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
+@click.option("--min-layer-sqnr", type=float, default=_threshold_default("min_layer_sqnr_db"),
+              show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
+@click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
+@click.option("--kl-target", type=float, default=0.01, show_default=True, help="KL mean target of --sensitivity.")
+def validate_command(export, data, reference, source, json_copy, samples, seq_len, batch_size, prompts,
+                     prompt_len, gen_tokens, max_kl_mean, max_kl_p99, min_top1, max_ppl_increase,
+                     min_layer_sqnr, sensitivity, kl_target) -> None:
+    """Prove an NVFP4 export against its BF16 source and an FP8 reference; exit 1 if it fails.
+
+    Writes validation.json, validation.md and PNG plots into EXPORT.
+
+    \b
+    Example:
+      nvfp4tool validate out/m-nvfp4 --reference fp8 --data val.txt --json v.json
+      nvfp4tool validate out/m-nvfp4 --data val.txt --sensitivity --kl-target 0.005
+    """
+    from rich.console import Console
+
+    from nvfp4tool.validate.report import print_report
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+    from nvfp4tool.validate.sensitivity import command_lines
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    options = ValidateOptions(
+        data=data, reference=reference, source=source, samples=samples, seq_len=seq_len,
+        batch_size=batch_size, prompts=prompts, prompt_len=prompt_len, gen_tokens=gen_tokens,
+        thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
+                              max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
+    console = Console()
+    with Console(stderr=True).status("validating") as status:
+        record = validate_export(export, options, json_copy=json_copy,
+                                 kl_target=kl_target if sensitivity else None, progress=status.update)
+    print_report(record, console)
+    if "sensitivity" in record:
+        found = record["sensitivity"]
+        console.print(f"sensitivity: KL target {kl_target} {'met' if found['met'] else 'NOT met'} "
+                      f"keeping {len(found['keep_bf16'])} group(s) in BF16 "
+                      f"(KL {found['trajectory'][0]['kl_mean']:.4g} -> {found['trajectory'][-1]['kl_mean']:.4g})")
+        for line in command_lines(found, record["source"]):
+            click.echo(line)
+    click.echo(f"wrote {', '.join(record['files'])}")
+    if not record["passed"]:
+        raise NVFP4ToolError(f"{export}: validation failed: " +
+                             "; ".join(f"{f['metric']} ({f['detail']}) off by {f['by']:.4g}" for f in record["failures"]))
+
+
+@cli.command("quickstart")
+@click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
+@click.option("--pretrain-steps", default=300, show_default=True)
+@click.option("--finetune-steps", default=100, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing --out folder.")
+def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
+    """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.
+
+    Pretrain (BF16) -> fine-tune (NVFP4 recipe) -> export NVFP4 and FP8 -> validate -> check ->
+    push --dry-run. A few minutes on a 2-core CPU.
+
+    \b
+    Example:
+      nvfp4tool quickstart --out qs --force
+    """
+    from nvfp4tool.quickstart import QuickstartOptions, run_quickstart
+
+    run_quickstart(QuickstartOptions(out=out, pretrain_steps=pretrain_steps,
+                                     finetune_steps=finetune_steps, force=force), echo=click.echo)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="nvfp4tool")

@@ -1,0 +1,161 @@
+"""nvfp4tool.validate on tiny synthetic exports: identical models, a correct NVFP4 export, a broken
+one (one block scale x16), the reports, and the sensitivity search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from converters.hf import HFFolderSource
+from nvfp4tool.export.simulate import ExportedModel
+from nvfp4tool.model import default_linear, forward
+from nvfp4tool.model.weights import model_from_tensors
+from nvfp4tool.recipes.precision import fused_group
+from nvfp4tool.validate import report
+from nvfp4tool.validate.runner import Candidate, Loaded, ValidateOptions, load_models, run_validation
+from nvfp4tool.validate.sensitivity import _mixed_logits_fn, group_pattern, sensitivity
+from validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, build_exports
+
+GEN_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return build_exports(str(tmp_path_factory.mktemp("validate")))
+
+
+def _options(paths, **kw):
+    kw.setdefault("reference", paths["fp8"])
+    return ValidateOptions(data=paths["ids"], samples=8, seq_len=SEQ_LEN, batch_size=4, prompts=2,
+                           prompt_len=8, gen_tokens=GEN_TOKENS, **kw)
+
+
+@pytest.fixture(scope="module")
+def good(paths):
+    loaded = load_models(paths["nvfp4"], _options(paths))
+    return loaded, run_validation(paths["nvfp4"], _options(paths), loaded=loaded)
+
+
+@pytest.fixture(scope="module")
+def broken(paths):
+    loaded = load_models(paths["broken"], _options(paths))
+    return loaded, run_validation(paths["broken"], _options(paths), loaded=loaded)
+
+
+def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths):
+    source = HFFolderSource(paths["src"])
+    tensors = {n: source.get(n).astype(np.float32) for n in source.names()}
+    quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
+    exported = ExportedModel(config=CONFIG, format="modelopt", quant="nvfp4", tensors=tensors,
+                             input_scales={}, quantized=quantized)
+    model = model_from_tensors(CONFIG, source, dtype=jnp.float32)
+    same = Candidate("nvfp4", exported, model, default_linear)
+    ids = np.load(paths["ids"]).astype(np.int32)
+    loaded = Loaded(export_dir=paths["src"], source_path=paths["src"], bf16_model=model,
+                    bf16_weights={m: jnp.asarray(tensors[f"{m}.weight"]) for m in quantized},
+                    nvfp4=same, fp8=None, reference_label="bf16", ids_SxL=ids)
+    record = run_validation(paths["src"], _options(paths, reference="bf16"), loaded=loaded)
+    m = record["models"]["nvfp4"]
+    assert (m["kl_mean"], m["kl_p99"], m["top1"], m["logit_max_err"]) == (0.0, 0.0, 1.0, 0.0)
+    assert m["ppl"] == record["models"]["bf16"]["ppl"] and m["ppl_increase"] == 0.0
+    assert record["generation"]["nvfp4_first_divergence"] == [None, None]
+    assert all(r["nvfp4_weight_sqnr_db"] == math.inf and r["nvfp4_output_sqnr_db"] == math.inf
+               for r in record["layers"])
+    assert record["passed"] and record["failures"] == []
+
+
+def test_good_export_passes_and_fp8_is_closer_than_nvfp4(good):
+    _, record = good
+    nv, fp8 = record["models"]["nvfp4"], record["models"]["fp8"]
+    assert record["passed"], record["failures"]
+    assert 0 < fp8["kl_mean"] < nv["kl_mean"] < 0.1
+    assert nv["kl_p99"] >= nv["kl_mean"]
+    assert 0.5 < nv["top1"] <= 1.0
+    for row in record["layers"]:
+        # RTN NVFP4 on Gaussian weights: ~20.5 dB (relative L2 error 0.094); FP8 ~31 dB
+        assert 18 < row["nvfp4_weight_sqnr_db"] < row["fp8_weight_sqnr_db"]
+        assert row["nvfp4_output_sqnr_db"] < row["fp8_output_sqnr_db"]
+    assert len(record["generation"]["fp8_first_divergence"]) == 2
+    assert record["data"] == {"path": os.path.abspath(record["data"]["path"]), "sequences": 8,
+                              "seq_len": SEQ_LEN, "tokens": 8 * SEQ_LEN}
+
+
+def test_broken_block_scale_fails_and_names_the_layer(good, broken):
+    _, record = broken
+    assert not record["passed"]
+    assert record["layers"][0]["name"] == BROKEN_MODULE
+    failed = [f for f in record["failures"] if f["metric"] == "layer_weight_sqnr_db"]
+    assert [f["detail"] for f in failed] == [BROKEN_MODULE]
+    assert failed[0]["by"] == pytest.approx(failed[0]["limit"] - failed[0]["value"])
+    good_row = next(r for r in good[1]["layers"] if r["name"] == BROKEN_MODULE)
+    assert record["layers"][0]["nvfp4_weight_sqnr_db"] < good_row["nvfp4_weight_sqnr_db"] - 10
+    assert record["models"]["nvfp4"]["kl_mean"] > good[1]["models"]["nvfp4"]["kl_mean"]
+    assert "FAILED" in report.markdown(record) and BROKEN_MODULE in report.verdict(record)
+
+
+def test_reports_are_written_into_the_export(good, tmp_path):
+    _, record = good
+    folder = tmp_path / "export"
+    folder.mkdir()
+    paths = report.write_reports(record, str(folder), json_copy=str(tmp_path / "copy.json"))
+    assert sorted(os.path.basename(p) for p in paths) == sorted(
+        [report.VALIDATION_JSON, report.VALIDATION_MD, "copy.json", report.SQNR_PNG, report.KL_PNG])
+    saved = json.loads((folder / report.VALIDATION_JSON).read_text())
+    assert saved == json.loads((tmp_path / "copy.json").read_text())
+    assert saved["models"]["nvfp4"]["kl_mean"] == record["models"]["nvfp4"]["kl_mean"]
+    assert sum(saved["kl_histogram"]["nvfp4"]["counts"]) == len(record["kl_tokens"]["nvfp4"])
+    md = (folder / report.VALIDATION_MD).read_text()
+    assert "| KL mean (nats) |" in md and "PASSED" in md
+    for png in (report.SQNR_PNG, report.KL_PNG):
+        assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mixed_model_without_kept_layers_is_the_served_export(good):
+    loaded, _ = good
+    ids = jnp.asarray(loaded.ids_SxL[:2])
+    c = loaded.nvfp4
+    _, state = nnx.split(c.model)
+    flags = {m: jnp.asarray(False) for m in c.exported.quantized}
+    mixed = _mixed_logits_fn(c)(state, loaded.bf16_weights, flags, ids)
+    np.testing.assert_array_equal(np.asarray(mixed), np.asarray(forward(c.model, ids, linear=c.linear)))
+
+
+def test_sensitivity_keeps_the_broken_layer_first(good, broken):
+    # between the correct export's KL and the broken one's: keeping the broken layer suffices
+    target = 0.5 * (good[1]["models"]["nvfp4"]["kl_mean"] + broken[1]["models"]["nvfp4"]["kl_mean"])
+    found = sensitivity(broken[0], kl_target=target, batch_size=4)
+    assert found["harm"][0]["group"] == fused_group(BROKEN_MODULE)
+    assert found["keep_bf16"][0] == BROKEN_MODULE
+    assert found["met"] and found["trajectory"][-1]["kl_mean"] <= target < found["trajectory"][0]["kl_mean"]
+    assert found["precision_map"][BROKEN_MODULE] == "bf16"
+    assert list(found["precision_map"].values()).count("bf16") == sum(
+        len([m for m in found["precision_map"] if fused_group(m) == g])
+        for g in {fused_group(m) for m, p in found["precision_map"].items() if p == "bf16"})
+
+
+def test_group_patterns_match_exactly_their_members():
+    import fnmatch
+
+    names = CONFIG.linear_names()
+    for group in {fused_group(n) for n in names}:
+        members = [n for n in names if fused_group(n) == group]
+        pattern = group_pattern(group, members)
+        assert [n for n in names if fnmatch.fnmatchcase(n, pattern)] == members
+
+
+def test_threshold_options_are_reported_with_their_limits(paths, good):
+    loaded, _ = good
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    strict = dataclasses.replace(_options(paths), thresholds=Thresholds(max_kl_mean=1e-9))
+    record = run_validation(paths["nvfp4"], strict, loaded=loaded)
+    assert [f["metric"] for f in record["failures"]] == ["kl_mean"]
+    f = record["failures"][0]
+    assert f["by"] == pytest.approx(record["models"]["nvfp4"]["kl_mean"] - 1e-9)

@@ -1,0 +1,63 @@
+"""`nvfp4tool validate` through click: exit 0 and the reports on a correct export, exit 1 naming
+the layer on an export with one block scale x16."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from nvfp4tool.cli import cli
+from nvfp4tool.validate import report
+from validate_fixtures import BROKEN_MODULE, SEQ_LEN, build_exports
+
+SMALL = ["--samples", "4", "--seq-len", str(SEQ_LEN), "--prompts", "2", "--prompt-len", "8",
+         "--gen-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return build_exports(str(tmp_path_factory.mktemp("validate_cli")))
+
+
+@pytest.mark.slow  # makes and calibrates the FP8 reference on the fly
+def test_good_export_exits_0_and_writes_the_reports(paths, tmp_path):
+    # FP8 reference made on the fly, source found through the provenance record
+    copy = tmp_path / "v.json"
+    result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "fp8", "--data",
+                                      paths["ids"], "--json", str(copy), *SMALL])
+    assert result.exit_code == 0, result.output
+    for name in (report.VALIDATION_JSON, report.VALIDATION_MD, report.SQNR_PNG, report.KL_PNG):
+        assert os.path.isfile(os.path.join(paths["nvfp4"], name)), name
+    saved = json.loads(copy.read_text())
+    assert saved["passed"] and saved["reference"].startswith("fp8")
+    assert set(saved["models"]) == {"bf16", "nvfp4", "fp8"}
+    assert "KL mean" in result.output and "PASSED" in result.output
+
+
+def test_broken_export_exits_1_and_names_the_layer(paths):
+    result = CliRunner().invoke(cli, ["validate", paths["broken"], "--reference", paths["fp8"],
+                                      "--source", paths["src"], "--data", paths["ids"], *SMALL,
+                                      "--sensitivity", "--kl-target", "1"])
+    assert result.exit_code == 1, result.output
+    assert "validation failed: layer_weight_sqnr_db" in result.output
+    assert BROKEN_MODULE in result.output.splitlines()[-1]
+    assert "sensitivity: KL target 1.0 met" in result.output
+    saved = json.loads(open(os.path.join(paths["broken"], report.VALIDATION_JSON)).read())
+    assert not saved["passed"] and saved["layers"][0]["name"] == BROKEN_MODULE
+
+
+def test_unknown_reference_is_one_line_error(paths):
+    result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "int8", "--data",
+                                      paths["ids"], *SMALL])
+    assert result.exit_code == 1
+    assert "--reference int8: not fp8, bf16 or an export folder" in result.output
+
+
+def test_bad_counts_are_one_line_errors(paths):
+    result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--data", paths["ids"], *SMALL,
+                                      "--gen-tokens", "0"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == "Error: --gen-tokens must be >= 1, got 0"

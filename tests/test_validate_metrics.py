@@ -1,0 +1,81 @@
+"""nvfp4tool.validate.metrics on constructed cases with closed-form answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from nvfp4tool.validate import metrics
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_identical_logits_give_zero_kl_full_agreement_and_zero_error():
+    logits = np.random.default_rng(0).standard_normal((2, 5, 33)).astype(np.float32)
+    assert np.all(metrics.token_kl(logits, logits) == 0.0)
+    assert metrics.top1_agree(logits, logits).all()
+    assert metrics.logit_errors(logits, logits) == (0.0, 0.0)
+    assert metrics.sqnr_db(logits, logits) == math.inf
+
+
+@pytest.mark.parametrize("delta", [0.5, -2.0, 3.0])
+def test_kl_of_a_logit_shift_on_one_token_matches_the_closed_form(delta):
+    # Q = P * exp(delta * 1_j) / Z  =>  KL(P||Q) = log(1 - p_j + p_j e^delta) - p_j delta
+    ref = np.random.default_rng(1).standard_normal((4, 7, 50))
+    j = 11
+    shifted = ref.copy()
+    shifted[..., j] += delta
+    p_j = _softmax(ref)[..., j]
+    expected = np.log(1 - p_j + p_j * np.exp(delta)) - p_j * delta
+    np.testing.assert_allclose(metrics.token_kl(ref, shifted), expected, rtol=1e-9, atol=1e-15)
+    assert np.all(expected > 0)
+
+
+def test_top1_agreement_counts_changed_argmax():
+    ref = np.zeros((1, 4, 8))
+    ref[0, :, 3] = 1.0
+    other = ref.copy()
+    other[0, 1, 5] = 2.0  # token 1's argmax moves
+    other[0, 2, 6] = 0.5  # token 2's stays
+    assert metrics.top1_agree(ref, other).tolist() == [[True, False, True, True]]
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocab_size():
+    vocab = 37
+    ids = np.random.default_rng(2).integers(0, vocab, (3, 9))
+    nll = metrics.next_token_nll(np.zeros((3, 9, vocab), np.float32), ids)
+    assert nll.shape == (3, 8)
+    assert metrics.perplexity(nll) == pytest.approx(vocab, rel=1e-12)
+
+
+def test_next_token_nll_reads_the_next_token():
+    logits = np.log(np.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3]]]))
+    nll = metrics.next_token_nll(logits, np.array([[0, 2, 1]]))
+    np.testing.assert_allclose(nll, -np.log([[0.25, 0.1]]), rtol=1e-12)
+
+
+def test_sqnr_of_a_known_noise_level():
+    x = np.random.default_rng(3).standard_normal(1000)
+    noise = 0.1 * x[::-1]  # same power / 100 -> exactly 20 dB
+    assert metrics.sqnr_db(x, x + noise) == pytest.approx(20.0, abs=1e-9)
+    assert metrics.sqnr_from_sums(4.0, 0.04) == pytest.approx(20.0)
+    assert metrics.sqnr_from_sums(0.0, 1.0) == -math.inf
+
+
+def test_logit_errors_max_and_mean():
+    ref = np.zeros((2, 3))
+    other = np.array([[0.0, -3.0, 0.0], [1.0, 0.0, 2.0]])
+    assert metrics.logit_errors(ref, other) == (3.0, 1.0)
+
+
+def test_first_divergence():
+    assert metrics.first_divergence(np.array([1, 2, 3, 4]), np.array([1, 2, 3, 4])) is None
+    assert metrics.first_divergence(np.array([1, 2, 3, 4]), np.array([1, 2, 9, 4])) == 2
+    assert metrics.first_divergence(np.array([5]), np.array([6])) == 0
+    with pytest.raises(ValueError):
+        metrics.first_divergence(np.array([1, 2]), np.array([1]))
