@@ -157,3 +157,50 @@ def test_same_losses_on_8_devices_and_2_processes(tokenizer_dir, tmp_path):
         np.testing.assert_allclose(other[1], reference[1], rtol=1e-5)
         np.testing.assert_allclose([other[s] for s in (2, 3)], [reference[s] for s in (2, 3)],
                                    rtol=5e-4)
+
+
+def test_gradient_accumulation_matches_the_full_batch(tokenizer_dir, tmp_path):
+    """Two micro-batches of 4 average to the gradient of the batch of 8 (bf16: no rounding noise
+    from quantizers; fp32 sums in another order only)."""
+    one = _run(tokenizer_dir, tmp_path / "one", recipe="bf16", steps=3, eval_every=0).losses
+    two = _run(tokenizer_dir, tmp_path / "two", recipe="bf16", steps=3, eval_every=0, grad_accum=2).losses
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=2e-3)
+    assert two[1] == pytest.approx(one[1], rel=1e-5)  # step 1: same weights, same 8 sequences
+
+
+def test_plot_command_overlays_runs(tokenizer_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from nvfp4tool.cli import cli
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": 5.0 - 0.1 * s + (0.05 if name == "b" else 0.0)}) + "\n"
+            for s in range(1, 6)))
+    out_png = tmp_path / "cmp.png"
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out_png)])
+    assert result.exit_code == 0, result.output
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    series = json.loads(out_png.with_suffix(".json").read_text())
+    assert series["b"]["gap_pct_vs_first"][0] == pytest.approx(100 * 0.05 / 4.9)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_a_maxtext_checkpoint_and_write_maxtext(tokenizer_dir, tmp_path):
+    """Train from a MaxText checkpoint (converted from the tiny run's HF folder) and write the
+    final weights as MaxText too; the MaxText output converts back to the run's HF weights."""
+    from converters.convert import convert_checkpoint
+    from converters.hf import HFFolderSource
+
+    base = _run(tokenizer_dir, tmp_path / "base", recipe="bf16", steps=1, eval_every=0)
+    convert_checkpoint(str(base.hf_dir), str(tmp_path / "mt"), to="maxtext", rope_layout="half")
+    run = _run(tokenizer_dir, tmp_path / "ft", model=str(tmp_path / "mt"),
+               model_config=str(base.hf_dir / "config.json"), rope_layout="half", steps=2, eval_every=0,
+               export_maxtext=True)
+    assert (run.out / "maxtext").is_dir()
+    convert_checkpoint(str(run.out / "maxtext"), str(tmp_path / "back"), to="hf",
+                       model_config=str(base.hf_dir / "config.json"), rope_layout="half", dtype="bf16")
+    ours, back = HFFolderSource(run.hf_dir), HFFolderSource(tmp_path / "back")
+    for name in ours.names():
+        np.testing.assert_array_equal(np.asarray(back.get(name)), np.asarray(ours.get(name)), err_msg=name)

@@ -27,6 +27,7 @@ class TrainConfig:
     # what to train
     model: str = "tiny"  # "tiny" | "100m" (from scratch), an HF folder, or a MaxText checkpoint
     model_config: str | None = None  # MaxText source: an HF config.json or a MaxText model name
+    rope_layout: str | None = None  # MaxText side: interleaved | half (default: from the MaxText name)
     data: str = ""  # text / JSONL / Parquet file or folder
     eval_data: str | None = None  # held-out data (default: the last eval_fraction of `data`)
     eval_fraction: float = 0.05
@@ -81,6 +82,8 @@ class TrainConfig:
         _check_choice("recipe", self.recipe, RECIPES)
         _check_choice("schedule", self.schedule, ("cosine", "wsd"))
         _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        if self.rope_layout is not None:
+            _check_choice("rope_layout", self.rope_layout, ("interleaved", "half"))
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches"):
             if getattr(self, name) < 1:
                 raise NVFP4UsageError(f"train config: {name} must be >= 1, got {getattr(self, name)}")

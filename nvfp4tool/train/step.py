@@ -107,7 +107,8 @@ def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr
     warmup = min(warmup_steps, max(steps - 1, 0))
     end = lr * min_lr_ratio
     if kind == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), steps, end_value=end)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 2),
+                                                  end_value=end)
     decay = max(1, int(round(steps * decay_fraction)))
     stable = max(0, steps - warmup - decay)
     return optax.join_schedules(

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.recipes.precision import precision_map
 from nvfp4tool.train import data as data_lib
@@ -223,15 +223,28 @@ def _model(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[ModelConfig, 
         if config.model_config is None:
             raise NVFP4ToolError(f"{config.model}: a MaxText checkpoint carries no config; pass "
                                  "model_config=<HF config.json | MaxText model name>")
-        model_config, maxtext_name = load_model_config(config.model_config)
-        from converters.maxtext_models import rope_layout_for
-
-        source = MaxTextSource(config.model, model_config,
-                               rope_layout_for(maxtext_name) if maxtext_name else "half")
+        model_config, _ = load_model_config(config.model_config)
+        layout = _maxtext_rope_layout(config)
+        if layout is None:
+            raise NVFP4UsageError(f"{config.model}: which RoPE layout does this MaxText checkpoint use? "
+                                  "set rope_layout=interleaved|half or give a MaxText model name as "
+                                  "model_config (llama3.1-* are interleaved)")
+        source = MaxTextSource(config.model, model_config, layout)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise NVFP4ToolError(f"tokenizer has {tokenizer.vocab_size} tokens but {config.model} "
                              f"embeds only {model_config.vocab_size}")
     return model_config, model_from_tensors(model_config, source, dtype=jnp.float32, **kwargs)
+
+
+def _maxtext_rope_layout(config: TrainConfig) -> str | None:
+    """The MaxText side's RoPE layout: the explicit key, else the MaxText model name's, else None."""
+    from converters.maxtext_models import MAXTEXT_MODELS, rope_layout_for
+
+    if config.rope_layout is not None:
+        return config.rope_layout
+    if config.model_config in MAXTEXT_MODELS:
+        return rope_layout_for(config.model_config)
+    return None
 
 
 def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -329,7 +342,7 @@ def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, grap
         from converters.maxtext import write_maxtext
 
         write_maxtext(out / "maxtext", model_config, HFFolderSource(hf_dir), scan_layers=True,
-                      rope_layout="half", force=True)
+                      rope_layout=_maxtext_rope_layout(config) or "half", force=True)
     return hf_dir
 
 

@@ -30,7 +30,7 @@ _COLUMNS = (("kl_mean", "KL mean (nats)", "{:.4g}"), ("kl_p99", "KL p99 (nats)",
 def write_reports(record: dict[str, Any], export_dir: str, json_copy: str | None = None) -> list[str]:
     """Write validation.json/.md and the two PNGs into `export_dir` (+ a JSON copy); their paths."""
     saved = json_record(record)
-    text = json.dumps(saved, indent=1, default=_json_default)
+    text = json.dumps(_strict_json(saved), indent=1, default=_json_default, allow_nan=False)
     paths = [os.path.join(export_dir, VALIDATION_JSON), os.path.join(export_dir, VALIDATION_MD)]
     with open(paths[0], "w", encoding="utf-8") as f:
         f.write(text)
@@ -200,6 +200,17 @@ def _divergence(positions: list[int | None] | None, tokens: int) -> str:
 
 def _finite(value: float | None) -> float:
     return 0.0 if value is None else (99.0 if math.isinf(value) else value)
+
+
+def _strict_json(value: Any) -> Any:
+    """Non-finite floats as the strings "inf" / "-inf" / "nan" (strict JSON has no Infinity)."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
 
 
 def _json_default(value: Any) -> Any:
