@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    parser.add_argument("--seed", type=int, default=0, help="model init, SR and data-order seed")
     parser.add_argument("--docs", default="docs")
     args = parser.parse_args()
 
@@ -60,7 +61,7 @@ def main() -> None:
     common = [f"model={args.model}", f"data={train_file}", f"tokenizer={tokenizer_dir}",
               f"steps={args.steps}", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
               f"lr={args.lr}", "warmup_steps=20", f"eval_every={max(1, args.steps // 6)}",
-              "eval_batches=8", "seed=0", "force=true"]
+              "eval_batches=8", f"seed={args.seed}", "force=true"]
     if val_file is not None:
         common.append(f"eval_data={val_file}")
     results = {}
@@ -78,8 +79,9 @@ def main() -> None:
         r["eval_gap_pct_vs_bf16"] = 100 * (r["eval_loss"] - base) / base
     docs = Path(args.docs)
     docs.mkdir(exist_ok=True)
-    plot_runs([out / n for n in names], docs / "recipe_study.png", labels=names)
-    (docs / "recipe_study.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    suffix = "" if args.seed == 0 else f"_seed{args.seed}"
+    plot_runs([out / n for n in names], docs / f"recipe_study{suffix}.png", labels=names)
+    (docs / f"recipe_study{suffix}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print(f"\n| run | final train loss | final eval loss | eval gap vs bf16 | tokens/s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
