@@ -149,7 +149,7 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     check_against_config(source, expected, ignore_extra=ignore)
     names = list(expected)
     out_dtypes = {n: _output_dtype(source.dtype(n), target_dtype) for n in names}
-    shards = _plan_shards(names, expected, out_dtypes, shard_limit)
+    shards = plan_shards(names, lambda n: _nbytes(out_dtypes[n], expected[n]), shard_limit)
     weight_dtype = out_dtypes["model.embed_tokens.weight"]  # what config.json's dtype declares
     out_config = config
     if weight_dtype in ("float32", "bfloat16", "float16"):
@@ -308,18 +308,17 @@ def _parse_entry(file_path: str, name: str, info: Any, data_start: int, data_siz
     return _TensorEntry(file=file_path, dtype=dtype, shape=shape, start=data_start + begin, nbytes=nbytes)
 
 
-def _plan_shards(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
-                 limit: int) -> list[list[str]]:
-    """Greedy, in order: a new shard starts when the next tensor would overflow the limit (a tensor
+def plan_shards(items: list, nbytes: Callable[[Any], int], limit: int) -> list[list]:
+    """Greedy, in order: a new shard starts when the next item would overflow the limit (an item
     larger than the limit gets a shard of its own, as transformers does)."""
-    shards: list[list[str]] = [[]]
+    shards: list[list] = [[]]
     used = 0
-    for name in names:
-        size = _nbytes(dtypes[name], shapes[name])
+    for item in items:
+        size = nbytes(item)
         if shards[-1] and used + size > limit:
             shards.append([])
             used = 0
-        shards[-1].append(name)
+        shards[-1].append(item)
         used += size
     return shards
 

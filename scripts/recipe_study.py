@@ -82,7 +82,7 @@ def main() -> None:
     suffix = "" if args.seed == 0 else f"_seed{args.seed}"
     plot_runs([out / n for n in names], docs / f"recipe_study{suffix}.png", labels=names)
     (docs / f"recipe_study{suffix}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"\n| run | final train loss | final eval loss | eval gap vs bf16 | tokens/s |")
+    print("\n| run | final train loss | final eval loss | eval gap vs bf16 | tokens/s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | "

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.atomic import atomic_output_dir
-from converters.hf import AUX_FILE_PATTERNS, INDEX_FILE, SINGLE_FILE, parse_size, write_safetensors
+from converters.hf import AUX_FILE_PATTERNS, INDEX_FILE, SINGLE_FILE, parse_size, plan_shards, write_safetensors
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import compressed_tensors, modelopt, provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
@@ -106,7 +106,9 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     input_amax, origin, calibration = _input_amax(source, plan, options)
 
     units = [_unit_layout(name, tensors, plan, fmt) for name in names]
-    shards = _split_shards(units, parse_size(options.max_shard_size))
+    # each unit (one source tensor's outputs) stays in one shard
+    shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
+                         parse_size(options.max_shard_size))
     layer_errors: dict[str, dict[str, float]] = {}
     loader = _ModuleLoader(tensors, plan, fmt, group_amax, input_amax, block, options, layer_errors)
     files: list[str] = []
@@ -258,20 +260,6 @@ def _unit_layout(name: str, tensors, plan: ExportPlan, fmt) -> tuple[str, list]:
     dtype = tensors.dtype(name)
     out_dtype = "bfloat16" if dtype in ("float32", "float16", "float64", "bfloat16") else dtype
     return name, [(name, out_dtype, tuple(tensors.shape(name)))]
-
-
-def _split_shards(units: list, max_bytes: int) -> list[list]:
-    """Greedy split keeping each unit (one source tensor's outputs) in one shard."""
-    shards: list[list] = [[]]
-    size = 0
-    for unit in units:
-        unit_bytes = sum(_nbytes(d, s) for _, d, s in unit[1])
-        if shards[-1] and size + unit_bytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(unit)
-        size += unit_bytes
-    return shards
 
 
 def _bf16_copy(tensors, name: str) -> np.ndarray:

@@ -40,8 +40,8 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: dict
 
     `base_model` / `license` override what the provenance record and the source folder say;
     `validation` is validation.json's content (None: published without validation)."""
-    config = _read_json(folder, "config.json") or {}
-    provenance = _read_json(folder, PROVENANCE_FILE) or {}
+    config = read_json(folder, "config.json") or {}
+    provenance = read_json(folder, PROVENANCE_FILE) or {}
     source_path = str((provenance.get("source") or {}).get("path") or "")
     base_model = base_model or source_repo_id(source_path)
     license = license or _source_license(source_path, config)
@@ -81,7 +81,7 @@ def source_repo_id(source_path: str) -> str | None:
 def _quantized_section(folder: str, report: Any, config: dict, provenance: dict) -> str:
     quantized = _collapse_layers(m.module for m in report.modules)
     qc = config.get("quantization_config") or {}
-    hf_quant = (_read_json(folder, "hf_quant_config.json") or {}).get("quantization") or {}
+    hf_quant = (read_json(folder, "hf_quant_config.json") or {}).get("quantization") or {}
     kept = list(dict.fromkeys([*(qc.get("ignore") or []), *(hf_quant.get("exclude_modules") or []),
                                *(provenance.get("exclude_modules") or [])]))
     lines = ["## What was quantized", "",
@@ -203,7 +203,7 @@ def _fmt_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _read_json(folder: str, name: str) -> dict | None:
+def read_json(folder: str, name: str) -> dict | None:
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return None

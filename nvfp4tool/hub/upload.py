@@ -18,14 +18,13 @@ separate `upload_large_folder` any more), so one call serves small and large exp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.hub.card import VALIDATION_JSON, build_model_card
+from nvfp4tool.hub.card import VALIDATION_JSON, build_model_card, read_json
 
 CARD_FILE = "README.md"
 _SKIPPED_DIRS = {".git", ".cache"}  # what upload_folder leaves out by default (.git, .cache/huggingface)
@@ -130,12 +129,8 @@ def _read_validation(folder: str, required: bool) -> dict | None:
             raise NVFP4ToolError(f"{path}: no validation report; run `nvfp4tool validate` on the export first, "
                                  "or pass --no-validation to publish without one")
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            validation = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise NVFP4ToolError(f"{path}: not readable JSON: {exc}") from None
-    if not isinstance(validation, dict) or not isinstance(validation.get("passed"), bool):
+    validation = read_json(folder, VALIDATION_JSON)
+    if not isinstance(validation.get("passed"), bool):
         raise NVFP4ToolError(f"{path}: expected a JSON object with a boolean \"passed\"")
     if not validation["passed"]:
         failed = ", ".join(str(f.get("metric")) for f in validation.get("failures") or [] if isinstance(f, dict))

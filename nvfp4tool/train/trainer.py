@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -38,7 +36,6 @@ from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
 from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, train_bpe_tokenizer
 
-log = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 INPUT_AMAX_FILE = "input_amax.json"
 PRECISION_MAP_FILE = "precision_map.json"
