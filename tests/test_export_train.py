@@ -100,3 +100,20 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     assert any(w1d.get(f"{n}.weight_scale").tobytes() != out.get(f"{n}.weight_scale").tobytes()
                for n in quantized)
     assert os.path.isfile(tmp_path / "final" / "tokenizer.json")
+
+
+def test_a_bf16_run_exports_as_post_training_quantization(tmp_path):
+    """A run trained in BF16 has no NVFP4 layers and no tracked amax: exporting it quantizes with
+    the default plan and asks for calibration data for W4A4 instead of quantizing nothing."""
+    from nvfp4tool.errors import NVFP4ToolError
+
+    train_txt, _ = embedded_corpus()
+    run = train(load_train_config(None, [
+        "model=tiny", f"data={train_txt}", "tokenizer=train", "vocab_size=300", "recipe=bf16",
+        "steps=1", "seq_len=32", "batch_size=8", "eval_every=0", f"out={tmp_path / 'run'}"]),
+        show_progress=False)
+    with pytest.raises(NVFP4ToolError, match="--calib-data"):
+        export_checkpoint(str(run.out), str(tmp_path / "w4a4"), ExportOptions(show_progress=False))
+    summary = export_checkpoint(str(run.out), str(tmp_path / "w4a16"),
+                                ExportOptions(quant="nvfp4-weight-only", show_progress=False))
+    assert summary.quantized_modules == 4 * 7  # every decoder linear; lm_head stays BF16

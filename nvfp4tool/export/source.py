@@ -105,6 +105,10 @@ def _open_run(run_dir: str, step: int | None) -> ExportSource:
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if step is not None:
         source, input_amax, files = _restore_step(run_dir, step, source)
+    if pmap is not None and all(p == "bf16" for n, p in pmap.items() if n != "lm_head"):
+        # A BF16 run trained nothing in low precision and tracked no input amax: its export is
+        # post-training quantization with the default plan (calibrate with --calib-data).
+        pmap, input_amax = None, None
     block = "2d" if (train_config.get("recipe") == "nvfp4"
                      and train_config.get("weight_2d", True)) else "1d"
     recipe = {k: train_config.get(k) for k in ("recipe", "rht", "stochastic_rounding", "weight_2d",
