@@ -9,6 +9,7 @@
 #    RHT GPU vs CPU, and nvfp4_matmul native (jax.nn.scaled_matmul; emulated by XLA on Hopper)
 #    vs emulated, with timings.
 # 3. scripts/bench_quantize.py at GPU size (16384^2 bf16; BENCH_ARGS overrides, e.g. "--size 1024").
+# 4. With TRAIN_BENCH=1: scripts/bench_train_step.py on the 100m preset (fp8/nvfp4 vs bf16 step time).
 # Details go under $OUT (a temporary folder when unset); a short table is printed. Exit status 1
 # if any check failed. Without a GPU it still runs (CPU vs CPU, native skipped): a smoke test.
 # Each step has a timeout (240 + 180 + 150 s) so the whole script stays under 10 minutes; on the
@@ -192,6 +193,13 @@ PYEOF
 timeout 150 python3 scripts/bench_quantize.py ${BENCH_ARGS:-} --json "$OUT/bench_quantize.json" \
   2>&1 | tee "$OUT/bench_quantize.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+# 4. (optional, TRAIN_BENCH=1: about 2 more minutes) train-step time of fp8/nvfp4 vs bf16
+if [ "${TRAIN_BENCH:-0}" = "1" ]; then
+  timeout 150 python3 scripts/bench_train_step.py --model 100m --vocab-size 32000 --seq-len 1024 \
+    --batch-size 8 --json "$OUT/bench_train_step.json" 2>&1 | tee "$OUT/bench_train_step.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 echo "device_check: $([ "$status" -eq 0 ] && echo PASS || echo FAIL); details in $OUT"
 exit "$status"
