@@ -20,13 +20,9 @@ from converters.hf import HFFolderSource, write_hf_folder
 from converters.maxtext import MaxTextSource, is_maxtext_checkpoint, write_maxtext
 from converters.tensor_source import TensorSource
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 FORMATS = ("hf", "maxtext")
-
-
-class ConvertUsageError(NVFP4ToolError):
-    """The options cannot describe this conversion (the CLI reports it as a usage error, exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +62,12 @@ def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None 
     on_tensor(name, nbytes) is called after each source tensor is read (progress).
     """
     if to not in FORMATS:
-        raise ConvertUsageError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
+        raise NVFP4UsageError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
     source_format = detect_format(src)
     start = time.perf_counter()
     if source_format == "maxtext":
         if model_config is None:
-            raise ConvertUsageError(f"{src} is a MaxText checkpoint, which carries no model config: "
+            raise NVFP4UsageError(f"{src} is a MaxText checkpoint, which carries no model config: "
                                     f"pass --model-config (an HF config.json/folder or a MaxText "
                                     f"model name such as llama3.1-8b)")
         config, name = load_model_config(model_config)
@@ -133,7 +129,7 @@ def _rope_layout(explicit: str | None, maxtext_name: str | None) -> str:
         return explicit
     if maxtext_name is not None:
         return maxtext_models.rope_layout_for(maxtext_name)
-    raise ConvertUsageError("which RoPE layout does the MaxText side use? pass --rope-layout "
+    raise NVFP4UsageError("which RoPE layout does the MaxText side use? pass --rope-layout "
                             "interleaved|half, or a MaxText model name as --model-config "
                             "(llama3.1-* are interleaved, the others half)")
 

@@ -88,7 +88,7 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
     from rich.console import Console
     from rich.progress import Progress
 
-    from converters.convert import ConvertUsageError, convert_checkpoint
+    from converters.convert import convert_checkpoint
 
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("converting", total=None)
@@ -96,13 +96,9 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
         def on_tensor(name: str, nbytes: int) -> None:
             progress.update(task, advance=1, description=name)
 
-        try:
-            summary = convert_checkpoint(src, dst, to=to, model_config=model_config,
-                                         scan_layers=scan_layers, rope_layout=rope_layout,
-                                         dtype=dtype, max_shard_size=max_shard_size, force=force,
-                                         on_tensor=on_tensor)
-        except ConvertUsageError as err:
-            raise click.UsageError(str(err)) from None
+        summary = convert_checkpoint(src, dst, to=to, model_config=model_config,
+                                     scan_layers=scan_layers, rope_layout=rope_layout, dtype=dtype,
+                                     max_shard_size=max_shard_size, force=force, on_tensor=on_tensor)
     click.echo(summary.line())
 
 
