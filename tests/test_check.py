@@ -366,13 +366,10 @@ def _header(path: str) -> dict:
 
 def test_index_names_a_missing_tensor_and_a_missing_shard(tmp_path):
     folder = write_checkpoint(tmp_path / "ckpt", build_checkpoint("modelopt", "nvfp4"), shards=2)
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
+    index = _read_index(folder)
     index["weight_map"]["model.layers.0.mlp.extra.weight"] = "model-00001-of-00002.safetensors"
     index["weight_map"]["model.layers.9.mlp.gone.weight"] = "model-00009-of-00009.safetensors"
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    _write_index(folder, index)
     report = check_checkpoint(folder)
     by_tensor = {p.tensor: p.message for p in report.problems}
     assert "shard has no such tensor" in by_tensor["model.layers.0.mlp.extra.weight"]
@@ -382,13 +379,10 @@ def test_index_names_a_missing_tensor_and_a_missing_shard(tmp_path):
 
 def test_tensor_missing_from_index_and_total_size(tmp_path):
     folder = write_checkpoint(tmp_path / "ckpt", build_checkpoint("modelopt", "nvfp4"), shards=2)
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
+    index = _read_index(folder)
     del index["weight_map"]["model.norm.weight"]
     index["metadata"]["total_size"] += 1
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    _write_index(folder, index)
     report = check_checkpoint(folder)
     by_tensor = {p.tensor: p.message for p in report.problems}
     assert "not in model.safetensors.index.json" in by_tensor["model.norm.weight"]
@@ -517,3 +511,13 @@ def test_scan_counts_do_not_depend_on_chunking(tmp_path, chunk_bytes):
     v = scan_tensor(entries["values"], chunk_bytes)
     assert v.nan == 1 and v.first_nan == 599 and not v.all_zero
     assert not scan_tensor(entries["packed"], chunk_bytes).all_zero
+
+
+def _read_index(folder: str) -> dict:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        return json.load(f)
+
+
+def _write_index(folder: str, index: dict) -> None:
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
