@@ -1,0 +1,13 @@
+"""Typed records of the files the stages hand each other; one module per producing stage.
+
+    base        `Record`: the one strict JSON reader/writer every record uses (file name, unknown or
+                missing keys, wrong types and non-finite numbers are errors naming the file)
+
+Every JSON file one stage writes and another reads is a frozen dataclass here (or in the module
+that owns it, registered below) with its FILE_NAME; no stage reads another stage's JSON by string
+keys.
+"""
+
+from nvfp4tool.records.base import Record, RecordError
+
+__all__ = ["Record", "RecordError"]
