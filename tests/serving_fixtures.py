@@ -2,7 +2,7 @@
 
 A 2-layer Llama (hidden 64, intermediate 128, 4 heads, 2 kv heads, head_dim 16, vocab 96) in each
 format: ModelOpt NVFP4 (W4A4 and W4A16), compressed-tensors nvfp4-pack-quantized (W4A4 and
-W4A16), ModelOpt FP8. Bytes come from `nvfp4tool.numerics.quantize_nvfp4` / `quantize_fp8`
+W4A16), ModelOpt FP8 and compressed-tensors float-quantized FP8. Bytes come from `nvfp4tool.numerics.quantize_nvfp4` / `quantize_fp8`
 (fused groups q/k/v and gate/up quantized against their joint amax, one input amax per group);
 files are written with `safetensors.numpy.save_file`; configs as the sheet spells them. lm_head,
 embeddings and norms stay BF16 and lm_head is excluded.
@@ -29,7 +29,7 @@ NVFP4_RANGE = 6.0 * 448.0  # 2688: global decode scale = amax / 2688
 FP8_MAX = 448.0
 FORMATS = (("modelopt", "nvfp4"), ("modelopt", "nvfp4-weight-only"),
            ("compressed-tensors", "nvfp4"), ("compressed-tensors", "nvfp4-weight-only"),
-           ("modelopt", "fp8"))
+           ("modelopt", "fp8"), ("compressed-tensors", "fp8"))
 
 
 @dataclasses.dataclass
@@ -128,11 +128,12 @@ def _quantized(fmt: str, quant: str, module: str, w: np.ndarray, amax: float,
                input_amax: float) -> dict[str, np.ndarray]:
     from nvfp4tool.numerics import quantize_fp8, quantize_nvfp4
 
-    if quant == "fp8":
-        q = quantize_fp8(w, granularity="tensor", name=module)  # decode scale = amax / 448
+    if quant == "fp8":  # both layouts: decode scales (amax / 448), shape [] (ModelOpt) or [1]
+        q = quantize_fp8(w, granularity="tensor", name=module)
+        shape = () if fmt == "modelopt" else (1,)
         return {f"{module}.weight": np.asarray(q.data),
-                f"{module}.weight_scale": np.asarray(q.scale, np.float32).reshape(()),
-                f"{module}.input_scale": _f32(input_amax / FP8_MAX)}
+                f"{module}.weight_scale": np.asarray(q.scale, np.float32).reshape(shape),
+                f"{module}.input_scale": _f32(input_amax / FP8_MAX).reshape(shape)}
     q = quantize_nvfp4(w, global_amax=np.float32(amax), name=module)
     packed, scales = np.asarray(q.packed), np.asarray(q.scales)
     assert packed.dtype == np.uint8 and scales.dtype == ml_dtypes.float8_e4m3fn
@@ -168,13 +169,18 @@ def _config(fmt: str, quant: str) -> dict[str, Any]:
         config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo,
                                          "ignore": ["lm_head"], "producer": {"name": "test", "version": "0"}}
         return config
-    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-               "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
-    group = {"targets": ["Linear"], "weights": weights}
+    if quant == "fp8":
+        weights = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                   "dynamic": False}
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": dict(weights)}
+    else:
+        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                   "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+        group = {"targets": ["Linear"], "weights": weights}
     if quant == "nvfp4":
         group["input_activations"] = dict(weights, dynamic="local", observer="static_minmax")
     config["quantization_config"] = {"quant_method": "compressed-tensors",
-                                     "format": "nvfp4-pack-quantized",
+                                     "format": "float-quantized" if quant == "fp8" else "nvfp4-pack-quantized",
                                      "quantization_status": "compressed", "ignore": ["lm_head"],
                                      "config_groups": {"group_0": group}}
     return config

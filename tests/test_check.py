@@ -437,9 +437,20 @@ def test_unsupported_folders_raise(tmp_path):
     with pytest.raises(NVFP4ToolError, match="not an NVFP4/FP8 serving checkpoint"):
         check_checkpoint(folder)
     ckpt = build_checkpoint("compressed-tensors", "nvfp4")
-    ckpt.config["quantization_config"]["format"] = "float-quantized"
-    with pytest.raises(NVFP4ToolError, match="float-quantized"):
+    ckpt.config["quantization_config"]["format"] = "pack-quantized"  # int4: not a layout we check
+    with pytest.raises(NVFP4ToolError, match="pack-quantized is not supported"):
         _check(tmp_path, ckpt, name="ct")
+
+
+def test_float_quantized_config_over_nvfp4_tensors_is_a_problem_not_a_refusal(tmp_path):
+    # float-quantized (compressed-tensors FP8) is a supported layout: NVFP4 tensors under an FP8
+    # config are problems of that checkpoint, not an unsupported folder.
+    ckpt = build_checkpoint("compressed-tensors", "nvfp4")
+    ckpt.config["quantization_config"]["format"] = "float-quantized"
+    report = _check(tmp_path, ckpt)
+    assert (report.format, report.quant) == ("compressed-tensors", "fp8")
+    assert any(p.tensor == "config.json" and "float-quantized needs" in p.message for p in report.problems)
+    assert any(p.tensor == f"{Q}.weight" and "missing" in p.message for p in report.problems)
 
 
 def test_parse_tp():

@@ -4,8 +4,20 @@ Order of work: configs (format, exclusion lists, required keys) -> safetensors h
 -> each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions)
 -> fused groups (shared global scales) -> the tensors config.json's model needs (supported
 families) -> every tensor's data, streamed one chunk at a time (all-zero tensors, NaN /
-non-finite values). Problems are collected, never raised: the report lists them all; only a
-folder that declares no supported format raises NVFP4ToolError.
+non-finite values) -> unquantized tensors' dtypes against config.json's dtype -> where the
+export's provenance record (`nvfp4tool_export.json`) is present, every tensor against it (dtype,
+shape, sha256 of its bytes, decoded amax of quantized weights). Problems are collected, never
+raised: the report lists them all; only a folder that declares no supported format raises
+NVFP4ToolError.
+
+Plausible magnitude. A linear layer's decoded weights must stay below the element range of its
+layout (`LayoutSpec.element_range`: 2688 = 6 x 448 for NVFP4, 448 for FP8), i.e. the global decode
+scale S_dec = amax / range must be <= 1. Trained LM weights are O(0.01..10) (init std ~0.02, rare
+outliers in the tens); a weight of |w| >= 448 would move an output by 448 x |x| per input element.
+The bound is also the fixed point of the scale-convention mix-up: storing the reciprocal of a
+scale turns amax a into range^2 / a, which exceeds `range` exactly when a < range, i.e. for every
+real weight (a weight of amax 0.1 decodes to amax ~7e7). A global scale x4 keeps the weight
+plausible; the record's amax catches it.
 """
 
 from __future__ import annotations
@@ -17,14 +29,17 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from nvfp4tool.formats import FolderLayout, LayoutSpec
+
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
-from nvfp4tool.check.formats import FormatSpec, detect_format
-from nvfp4tool.check.model import check_against_model
+from nvfp4tool.check.formats import QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
+from nvfp4tool.check.model import check_against_model, check_dtypes
+from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
-NVFP4_BLOCK = 16  # elements per block scale, along K
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
 FP8_BITS = 8.0
 _EMBEDDING = re.compile(r"embed|(^|\.)(wte|wpe)$")
@@ -41,15 +56,16 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     degrees = tuple(sorted(set(int(t) for t in tp)))
     if not degrees or min(degrees) < 1:
         raise NVFP4UsageError(f"tensor-parallel degrees must be >= 1, got {list(tp)}")
-    spec, problems = detect_format(folder)
+    layout, problems = detect_format(folder)
+    spec = layout.spec
     entries, file_problems = read_tensor_table(folder)
-    report = CheckReport(path=folder, format=spec.name, quant=spec.quant, tp=degrees,
+    report = CheckReport(path=folder, format=layout.format, quant=layout.quant, tp=degrees,
                          problems=problems + file_problems)
     scans: dict[str, TensorScan] = {}
     quantized: dict[str, ModuleStats] = {}
     status: dict[str, str] = {}  # linear module -> "quantized" / "excluded" / "plain"
     for module, tensors in _modules(entries).items():
-        stats = _check_module(module, tensors, spec, degrees, scans, report.problems, status)
+        stats = _check_module(module, tensors, layout, degrees, scans, report.problems, status)
         if stats is not None:
             quantized[module] = stats
     if spec.is_nvfp4:
@@ -58,7 +74,9 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     model_problems = check_against_model(folder, entries, quantized, reported)
     report.model_checked = model_problems is not None
     report.problems += model_problems or []
-    report.problems += _check_data(entries, spec, scans)
+    report.problems += _check_data(entries, scans)
+    report.problems += check_dtypes(folder, entries, set(quantized), spec)
+    report.problems += check_against_record(folder, entries, spec, set(quantized))
     per_module = Counter(p.module for p in report.problems)
     for stats in quantized.values():
         stats.problems = per_module[stats.module]
@@ -95,17 +113,18 @@ def _natural_key(name: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
-def _check_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+def _check_module(module: str, tensors: dict[str, TensorEntry], layout: FolderLayout,
                   tp: tuple[int, ...], scans: dict[str, TensorScan], found: list[Problem],
                   status: dict[str, str]) -> ModuleStats | None:
     """Exclusion consistency of one module, and the full checks when it is quantized."""
-    weight = tensors.get(spec.weight, tensors.get("weight"))
+    spec = layout.spec
+    weight = tensors.get(spec.suffix("weight"), tensors.get("weight"))
     is_linear = weight is not None and len(weight.shape) == 2 and not _EMBEDDING.search(module)
     low_precision_weight = weight is not None and weight.code in ("U8", E4M3_CODE)
-    quant_tensors = [s for s in spec.quant_suffixes if s in tensors]
+    quant_tensors = [s for s in QUANT_SUFFIXES if s in tensors]
     is_quantized = bool(quant_tensors) or low_precision_weight
-    excluded_by = spec.excluded_by(module)
-    expected = spec.targeted(module, is_linear) and excluded_by is None
+    excluded_by = layout.excluded_by(module)
+    expected = layout.targeted(module, is_linear) and excluded_by is None
     if is_linear:
         status[module] = "quantized" if is_quantized else ("excluded" if excluded_by else "plain")
 
@@ -113,15 +132,15 @@ def _check_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec
         shipped = quant_tensors + ["weight"] * (low_precision_weight and "weight" not in quant_tensors)
         for suffix in shipped:
             found.append(Problem(module, f"{module}.{suffix}",
-                                 f"module is excluded by {excluded_by!r} in {spec.exclude_source} but "
+                                 f"module is excluded by {excluded_by!r} in {layout.exclude_source} but "
                                  f"ships this quantization tensor (vLLM fails to load it)"))
         return None
     if not is_quantized:
         if expected and weight is not None:
-            key = "ignore" if spec.name == "compressed-tensors" else "exclude_modules"
+            key = "ignore" if spec.pattern_style != "fnmatch" else "exclude_modules"
             found.append(Problem(module, weight.name,
                                  f"linear layer is {weight.code}, neither quantized nor listed in "
-                                 f"{spec.exclude_source} {key} (a loader expects {spec.quant} "
+                                 f"{layout.exclude_source} {key} (a loader expects {spec.quant} "
                                  f"tensors for it)"))
         return None
     if not expected and weight is not None:  # (a missing weight is reported below)
@@ -133,17 +152,18 @@ def _check_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec
     return _check_fp8_module(module, tensors, spec, tp, scans, found)
 
 
-def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec,
                         tp: tuple[int, ...], scans: dict[str, TensorScan],
                         found: list[Problem]) -> ModuleStats:
     stats = ModuleStats(module, "nvfp4")
-    weight = tensors.get(spec.weight)
-    block = tensors.get(spec.block_scale or "")
-    if spec.name == "compressed-tensors" and "weight" in tensors:
+    weight_suffix, block_suffix = spec.suffix("weight"), spec.suffix("block_scale")
+    weight = tensors.get(weight_suffix)
+    block = tensors.get(block_suffix)
+    if weight_suffix != "weight" and "weight" in tensors:
         found.append(Problem(module, f"{module}.weight", f"an unquantized weight beside "
-                                                         f"{spec.weight} (the module is quantized)"))
+                                                         f"{weight_suffix} (the module is quantized)"))
     if weight is None:
-        found.append(Problem(module, f"{module}.{spec.weight}", "missing (the module has "
+        found.append(Problem(module, f"{module}.{weight_suffix}", "missing (the module has "
                                                                 "quantization scales but no packed weight)"))
     elif len(weight.shape) != 2:
         found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
@@ -155,9 +175,9 @@ def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: Form
         stats.n = weight.shape[0]
         stats.k = weight.shape[1] * (2 if weight.code == "U8" else 1)
     if block is None:
-        found.append(Problem(module, f"{module}.{spec.block_scale}", "missing (E4M3 block scales)"))
+        found.append(Problem(module, f"{module}.{block_suffix}", "missing (E4M3 block scales)"))
     elif stats.n is not None:
-        want = (stats.n, stats.k // NVFP4_BLOCK)
+        want = spec.tensor("block_scale").shape(stats.n, stats.k)
         if block.code != E4M3_CODE or block.shape != want:
             found.append(Problem(module, block.name, f"is {block.code}{list(block.shape)}, expected "
                                                      f"F8_E4M3 {list(want)} (one scale per 16 of "
@@ -176,19 +196,17 @@ def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: Form
         scan = scans.setdefault(block.name, scan_tensor(block))
         stats.zero_scale_share = scan.zeros / scan.elements if scan.elements else None
         found += _block_scale_problems(module, block, scan)
-    stats.weight_global_scale = _check_global(module, tensors, spec.weight_global, spec, found, required=True)
-    stats.input_global_scale = _check_global(module, tensors, spec.input_global, spec, found,
-                                             required=spec.has_input_scales)
+    _check_scales(module, tensors, spec, stats, found)
     return stats
 
 
-def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: FormatSpec,
+def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec,
                       tp: tuple[int, ...], scans: dict[str, TensorScan],
                       found: list[Problem]) -> ModuleStats:
     stats = ModuleStats(module, "fp8")
-    weight = tensors.get(spec.weight)
+    weight = tensors.get(spec.suffix("weight"))
     if weight is None:
-        found.append(Problem(module, f"{module}.{spec.weight}",
+        found.append(Problem(module, f"{module}.{spec.suffix('weight')}",
                              "missing (the module has scales but no weight)"))
     elif len(weight.shape) != 2 or weight.code != E4M3_CODE:
         found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
@@ -205,8 +223,7 @@ def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: Format
             if scan.nan:
                 found.append(Problem(module, weight.name, f"{scan.nan} NaN codes (0x7F/0xFF), first at "
                                                           f"{_position(weight.shape, scan.first_nan)}"))
-    stats.weight_global_scale = _check_global(module, tensors, spec.weight_global, spec, found, required=True)
-    stats.input_global_scale = _check_global(module, tensors, spec.input_global, spec, found, required=True)
+    _check_scales(module, tensors, spec, stats, found)
     return stats
 
 
@@ -224,7 +241,25 @@ def _block_scale_problems(module: str, block: TensorEntry, scan: TensorScan) -> 
     return problems
 
 
-def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spec: FormatSpec,
+def _check_scales(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec, stats: ModuleStats,
+                  found: list[Problem]) -> None:
+    """The two per-tensor scales, and the weight's plausible magnitude (module docstring)."""
+    weight_suffix = spec.suffix("weight_global")
+    stats.weight_global_scale = _check_global(module, tensors, weight_suffix, spec, found, required=True)
+    stats.input_global_scale = _check_global(module, tensors, input_suffix(spec), spec, found,
+                                             required=spec.has_input_scales)
+    stored = stats.weight_global_scale
+    if stored is not None and np.isfinite(stored) and stored > 0:
+        s_dec = float(spec.decode_global(stored))
+        if not s_dec <= 1.0:
+            found.append(Problem(module, f"{module}.{weight_suffix}", (
+                f"is {stored:.6g}: the weight decodes to |w| up to ~{s_dec * spec.element_range:.3g} "
+                f"(S_dec = {s_dec:.6g} > 1), implausible for a linear layer (bound "
+                f"{spec.element_range:g}); a {spec.convention} scale stored with the other "
+                f"convention (amax/{spec.element_range:g} vs {spec.element_range:g}/amax)?")))
+
+
+def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spec: LayoutSpec,
                   found: list[Problem], *, required: bool) -> float | None:
     """Dtype, shape and value of a per-tensor scale; its value (None when absent or unreadable)."""
     entry = tensors.get(suffix)
@@ -266,7 +301,7 @@ def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...],
 
 
 def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[str, str],
-                        spec: FormatSpec) -> list[Problem]:
+                        spec: LayoutSpec) -> list[Problem]:
     """Shards fused into one GEMM by vLLM (q/k/v, gate/up, MoE w1/w3) must share their global
     scales (vLLM takes the max without rescaling block scales) and must all be quantized or none."""
     groups: dict[str, list[str]] = {}
@@ -283,8 +318,8 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
             problems.append(Problem(group, ", ".join(members), f"fused group mixes quantized and "
                                                                f"unquantized shards ({detail})"))
             continue
-        for suffix, attr in ((spec.weight_global, "weight_global_scale"),
-                             (spec.input_global, "input_global_scale")):
+        for suffix, attr in ((spec.suffix("weight_global"), "weight_global_scale"),
+                             (input_suffix(spec), "input_global_scale")):
             values = {m: getattr(quantized[m], attr) for m in members if m in quantized}
             values = {m: v for m, v in values.items() if v is not None}
             if len({np.float32(v) for v in values.values()}) > 1:
@@ -295,11 +330,10 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
     return problems
 
 
-def _check_data(entries: Mapping[str, TensorEntry], spec: FormatSpec,
-                scans: dict[str, TensorScan]) -> list[Problem]:
+def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan]) -> list[Problem]:
     """Every tensor streamed once: none all zero, no non-finite float values. Block scales and
     global scales are judged by their own checks."""
-    own_checks = {spec.block_scale, spec.weight_global, spec.input_global, "weight_scale_2", "input_scale"}
+    own_checks = set(SCALE_SUFFIXES)
     problems = []
     for name in sorted(entries, key=_natural_key):
         entry = entries[name]

@@ -82,6 +82,20 @@ def iter_chunks(entry: TensorEntry, chunk_bytes: int = CHUNK_BYTES) -> Iterator[
             yield np.frombuffer(data, dtype=entry.dtype)
 
 
+def iter_rows(entry: TensorEntry, rows: int) -> Iterator[np.ndarray]:
+    """A 2-D+ tensor `rows` leading rows at a time, each chunk in its shape [rows, ...]."""
+    row_shape = entry.shape[1:]
+    row_bytes = math.prod(row_shape) * entry.dtype.itemsize
+    with open(entry.file, "rb") as f:
+        for start in range(0, entry.shape[0], rows):
+            count = min(rows, entry.shape[0] - start)
+            f.seek(entry.start + start * row_bytes)
+            data = f.read(count * row_bytes)
+            if len(data) != count * row_bytes:
+                raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated while reading")
+            yield np.frombuffer(data, dtype=entry.dtype).reshape(count, *row_shape)
+
+
 def read_small(entry: TensorEntry) -> np.ndarray:
     """A small tensor (a global scale) whole, in its shape."""
     return np.concatenate(list(iter_chunks(entry)) or [np.zeros(0, entry.dtype)]).reshape(entry.shape)

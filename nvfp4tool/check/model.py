@@ -5,10 +5,13 @@ model needs must be in the folder with its shape: a non-linear tensor (embedding
 is, a linear layer either unquantized with its [N, K] weight or quantized with N x K (unpacked)
 equal to the model's. This catches layers an exporter silently skipped and transposed or
 mis-sized packed weights. Other architectures (MoE, vision) are skipped: `None` is returned.
+`check_dtypes`: the unquantized tensors' dtypes against the dtype config.json declares.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Collection, Mapping
 
@@ -17,6 +20,7 @@ from nvfp4tool.check.formats import CONFIG
 from nvfp4tool.check.report import ModuleStats, Problem
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.formats import LayoutSpec
 
 
 def check_against_model(folder: str, entries: Mapping[str, TensorEntry],
@@ -46,3 +50,34 @@ def check_against_model(folder: str, entries: Mapping[str, TensorEntry],
             problems.append(Problem(module, name, f"has shape {list(entries[name].shape)}, "
                                                   f"{CONFIG}'s model needs {list(shape)}"))
     return problems
+
+
+def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Collection[str],
+                 spec: LayoutSpec) -> list[Problem]:
+    """Unquantized floating tensors against config.json's `dtype` / `torch_dtype`: a BF16 tensor
+    whose header was relabelled F16 (same size, every value wrong) loads without complaint
+    otherwise. Tensors of quantized modules (their dtypes are the layout's) and single-element
+    scales are not judged here."""
+    try:
+        with open(os.path.join(folder, CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return []  # reported by the format detection
+    declared = config.get("dtype", config.get("torch_dtype")) if isinstance(config, dict) else None
+    want = _CODE_OF_TORCH_DTYPE.get(declared) if isinstance(declared, str) else None
+    if want is None:
+        return []
+    layout_suffixes = set(spec.suffixes)
+    problems = []
+    for name, entry in entries.items():
+        module, _, suffix = name.rpartition(".")
+        if (module in quantized and suffix in layout_suffixes) or entry.code not in _FLOAT16_32:
+            continue
+        if math.prod(entry.shape) > 1 and entry.code != want:
+            problems.append(Problem(module, name, f"is {entry.code} but {CONFIG} says dtype "
+                                                  f"{declared} ({want}): relabelled header?"))
+    return problems
+
+
+_CODE_OF_TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_FLOAT16_32 = ("BF16", "F16", "F32")

@@ -2,8 +2,9 @@
 and the simulation of what a serving engine computes from an export.
 
 One module per concern: `plan` (what is quantized), `scale_search` (how a weight is quantized),
-`modelopt` / `compressed_tensors` (how it is stored), `calibrate` (input amax), `source` (what is
-read), `writer` (the streaming atomic export), `provenance`, `simulate`, `convert_format`.
+`calibrate` (input amax), `source` (what is read), `writer` (the streaming atomic export),
+`provenance` (the ExportRecord it writes), `simulate`, `convert_format`. How a layout is stored
+(names, dtypes, shapes, configs) is declared in `nvfp4tool.formats`, not here.
 """
 
 from __future__ import annotations

@@ -1,17 +1,24 @@
 """`convert_format`: lossless conversion of an export between the ModelOpt and compressed-tensors
 layouts, tensor by tensor.
 
-Data (`weight` <-> `weight_packed`) and block-scale bytes are copied unchanged; NVFP4 global
-scales are reciprocated in fp32 (ModelOpt stores decode scales, compressed-tensors encode scales;
-the same `1 / x` as compressed-tensors' `ModelOptNvfp4Converter`) and reshaped [] <-> [1]; FP8
-scales are only reshaped. config.json's `quantization_config` is rewritten (and ModelOpt's
-`hf_quant_config.json` written or dropped); other files are copied. For exports of ours the
-round trip is exact: their decode scales satisfy fl(1 / fl(1 / s)) == s (tested).
+The source must pass `check` first (a zero or missing scale would otherwise become an inf or a
+mixed-format folder): the first problem is the error, nothing is written. Each quantized module's
+tensors are read by role with the source layout's spec and named by the target's
+(`LayoutSpec.to_roles` / `from_roles`, the one rename table): data (`weight` <-> `weight_packed`)
+and block-scale bytes are copied unchanged; NVFP4 global scales are reciprocated in fp32 (ModelOpt
+stores decode scales, compressed-tensors encode scales; the same `1 / x` as compressed-tensors'
+`ModelOptNvfp4Converter`) and reshaped [] <-> [1]; FP8 scales are only reshaped.
+config.json's `quantization_config` is rewritten (and ModelOpt's `hf_quant_config.json` written or
+dropped); the provenance record, when present, is carried over with the new tensor names and
+hashes; other files are copied. For exports of ours the round trip is exact: their decode scales
+satisfy fl(1 / fl(1 / s)) == s (tested).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -20,109 +27,112 @@ import time
 import numpy as np
 
 from converters.atomic import atomic_output_dir
-from converters.hf import INDEX_FILE, SINGLE_FILE, HFFolderSource, write_safetensors
+from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, HFFolderSource, write_safetensors
+from nvfp4tool import formats, progress
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export import compressed_tensors, modelopt
-from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.records.export import ExportRecord, TensorRecord
 
-FORMATS = ("modelopt", "compressed-tensors")
-_SKIP_FILES = ("config.json", modelopt.HF_QUANT_CONFIG_FILE, INDEX_FILE, "*.safetensors")
+_CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 
 def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float:
     """Convert the export folder `src` into `out` in layout `to`; returns seconds taken."""
     start = time.perf_counter()
-    if to not in FORMATS:
-        raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(FORMATS)}")
-    fmt, quant, quantized = detect_export(src)
-    if fmt == to:
+    if to not in formats.FORMATS:
+        raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(formats.FORMATS)}")
+    layout = formats.read_layout(src)
+    if layout.format == to:
         raise NVFP4ToolError(f"{src}: already in the {to} layout")
-    with open(os.path.join(src, "config.json")) as f:
-        hf = json.load(f)
-    excluded = tuple(hf["quantization_config"].get("ignore") or ())
-    plan = ExportPlan(quant=quant, quantized=tuple(quantized), excluded=excluded, groups={})
+    _refuse_what_check_refuses(src)
+    source_spec, target = layout.spec, formats.get(to, layout.quant)
     source = HFFolderSource(src, check_config=False)
-    convert = compressed_tensors.from_modelopt if to == "compressed-tensors" else compressed_tensors.to_modelopt
-    quantized_set = set(quantized)
+    marker = source_spec.suffix("weight_global")
+    quantized = {n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker}
+    record = ExportRecord.read(src) if ExportRecord.exists(src) else None
+    amax = _weight_amax(record, source_spec)
+    records: dict[str, TensorRecord] = {}
     files = _shard_files(src)
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp, \
+            progress.task("convert-format", total=len(source.names()), unit="tensor") as task:
         weight_map = {}
         for file_name, names in files.items():
             cache: dict[str, np.ndarray] = {}
-            layout, origin = [], {}
-            for module, group_names in _units(names, quantized_set):
-                entries = [(n, source.dtype(n), tuple(source.shape(n))) for n in group_names]
+            entries, origin = [], {}
+            for module, group_names in _units(names, quantized):
                 if module:
-                    entries = compressed_tensors.convert_layout(entries, quant, to_ct=to == "compressed-tensors")
-                layout.extend(entries)
-                origin.update({entry[0]: (module, group_names) for entry in entries})
+                    weight_shape = source.shape(f"{module}.{source_spec.suffix('weight')}")
+                    unit = target.layout(module, *source_spec.nk(weight_shape))
+                else:
+                    unit = [(n, source.dtype(n), tuple(source.shape(n))) for n in group_names]
+                entries.extend(unit)
+                origin.update({entry[0]: (module, group_names) for entry in unit})
 
-            def load(name, origin=origin, cache=cache):
+            def load(name, origin=origin, cache=cache, file_name=file_name):
                 if name not in cache:
                     module, group_names = origin[name]
                     group = {n: source.get(n) for n in group_names}
-                    cache.update(convert(group, quant) if module else group)
-                return cache.pop(name)
+                    task.advance(len(group_names), description=name)
+                    if module:
+                        group = target.from_roles(module, source_spec.to_roles(module, group))
+                    cache.update(group)
+                array = cache.pop(name)
+                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                module = origin[name][0]
+                records[name] = TensorRecord(
+                    file=file_name, dtype=_CODE_OF_DTYPE[array.dtype.name], shape=tuple(array.shape),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    amax=amax.get(module) if module and name == f"{module}.{target.suffix('weight')}" else None)
+                return array
 
-            write_safetensors(os.path.join(tmp, file_name), layout, load, source_label=src)
-            weight_map.update({entry[0]: file_name for entry in layout})
-        if len(files) > 1:
+            write_safetensors(os.path.join(tmp, file_name), entries, load, source_label=src)
+            weight_map.update({entry[0]: file_name for entry in entries})
+        if os.path.exists(os.path.join(src, INDEX_FILE)):
             with open(os.path.join(src, INDEX_FILE)) as f:
                 index = json.load(f)
             index["weight_map"] = weight_map
             _write_json(os.path.join(tmp, INDEX_FILE), index)
-        target = modelopt if to == "modelopt" else compressed_tensors
-        hf["quantization_config"] = target.quantization_config(plan)
-        _write_json(os.path.join(tmp, "config.json"), hf)
-        if to == "modelopt":
-            from nvfp4tool import __version__
+        with open(os.path.join(src, formats.CONFIG_FILE)) as f:
+            hf = json.load(f)
+        hf["quantization_config"] = target.quantization_config(layout.exclude)
+        _write_json(os.path.join(tmp, formats.CONFIG_FILE), hf)
+        from nvfp4tool import __version__
 
-            _write_json(os.path.join(tmp, modelopt.HF_QUANT_CONFIG_FILE), modelopt.hf_quant_config(
-                plan, {"name": "nvfp4tool", "version": __version__}))
+        hf_quant = target.hf_quant_config(layout.exclude, {"name": "nvfp4tool", "version": __version__})
+        if hf_quant is not None:
+            _write_json(os.path.join(tmp, formats.HF_QUANT_CONFIG_FILE), hf_quant)
+        skip = (formats.CONFIG_FILE, formats.HF_QUANT_CONFIG_FILE, INDEX_FILE, ExportRecord.FILE_NAME,
+                "*.safetensors")
         for file_name in sorted(os.listdir(src)):
             path = os.path.join(src, file_name)
-            if os.path.isfile(path) and not any(fnmatch.fnmatch(file_name, p) for p in _SKIP_FILES):
+            if os.path.isfile(path) and not any(fnmatch.fnmatch(file_name, p) for p in skip):
                 shutil.copy2(path, os.path.join(tmp, file_name))
+        if record is not None:
+            dataclasses.replace(record, format=to, tensors=records).write(tmp)
     return time.perf_counter() - start
-
-
-def detect_export(folder: str) -> tuple[str, str, list[str]]:
-    """(format, quant, quantized module names) of an export folder, from its config and headers."""
-    config_path = os.path.join(folder, "config.json")
-    try:
-        with open(config_path) as f:
-            qc = json.load(f).get("quantization_config")
-    except FileNotFoundError:
-        raise NVFP4ToolError(f"{folder}: no config.json") from None
-    if not isinstance(qc, dict):
-        raise NVFP4ToolError(f"{config_path}: no quantization_config (not a quantized export)")
-    method = qc.get("quant_method")
-    if method == "modelopt":
-        algo = qc.get("quant_algo")
-        quant = {v: k for k, v in modelopt.QUANT_ALGO.items()}.get(algo)
-        fmt, marker = "modelopt", ("weight_scale",)
-    elif method == "compressed-tensors":
-        group = next(iter((qc.get("config_groups") or {}).values()), {})
-        if qc.get("format") == "nvfp4-pack-quantized":
-            quant = "nvfp4" if group.get("input_activations") else "nvfp4-weight-only"
-        elif qc.get("format") == "float-quantized":
-            quant = "fp8"
-        else:
-            quant = None
-        fmt, marker = "compressed-tensors", ("weight_scale",)
-    else:
-        raise NVFP4ToolError(f"{config_path}: quant_method {method!r} is neither modelopt nor "
-                             "compressed-tensors")
-    if quant is None:
-        raise NVFP4ToolError(f"{config_path}: unsupported quantization_config "
-                             f"({qc.get('quant_algo') or qc.get('format')})")
-    names = HFFolderSource(folder, check_config=False).names()
-    quantized = [n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in marker]
-    return fmt, quant, quantized
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _refuse_what_check_refuses(src: str) -> None:
+    """NVFP4ToolError with the first problem `check` finds in `src` (nothing is written)."""
+    from nvfp4tool.check import check_checkpoint
+
+    report = check_checkpoint(src)
+    if not report.ok:
+        first = report.problems[0].line()
+        raise NVFP4ToolError(f"{src}: fails `nvfp4tool check` ({len(report.problems)} problem(s)), "
+                             f"not converted; first: {first}")
+
+
+def _weight_amax(record: ExportRecord | None, spec: formats.LayoutSpec) -> dict[str, float]:
+    """Quantized module -> its recorded decoded weight amax (carried over to the converted record)."""
+    if record is None:
+        return {}
+    suffix = "." + (spec.suffix("weight") or "")
+    return {name.removesuffix(suffix): t.amax for name, t in record.tensors.items()
+            if t.amax is not None and name.endswith(suffix)}
 
 
 def _units(names: list[str], quantized: set[str]):

@@ -1,58 +1,60 @@
-"""The provenance record `nvfp4tool_export.json` written next to every export.
+"""Builds the export's provenance record (`nvfp4tool.records.export.ExportRecord`,
+`nvfp4tool_export.json`) from what the writer knows.
 
-What was exported from what, how: tool version, source path and the sha256 of each source weight
-file, format / quant / scale search / weight block, the precision map and recipe, calibration data
-(path, sha256, samples, seq len) or the run's tracked amax, seed, and per quantized layer its
-relative L2 weight error (and, with a scale search, the reduction against RTN).
+Nothing machine-specific goes in: the source is named by its Hub id when it is a Hub cache
+snapshot (`.../models--ORG--NAME/snapshots/<rev>`), else by its folder name, plus the sha256 of
+each weight file relative to it; calibration data by file name + sha256; written files relative
+to the export.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import re
 from typing import Any
 
 import nvfp4tool
+from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, LayerErrorRecord, SourceRecord,
+                                      TensorRecord, ToolRecord, sha256_file)
 
-PROVENANCE_FILE = "nvfp4tool_export.json"
-
-
-def build_record(*, source: Any, options: Any, plan: Any, weight_block: str,
-                 input_amax_origin: str, calibration: dict[str, Any] | None,
-                 layer_errors: dict[str, dict[str, float]], input_amax: dict[str, float] | None,
-                 files_written: list[str]) -> dict[str, Any]:
-    """The JSON-able record (see the module docstring)."""
-    return {
-        "tool": {"name": "nvfp4tool", "version": nvfp4tool.__version__},
-        "source": {"path": source.path, "kind": source.kind, "step": source.step,
-                   "files": {os.path.relpath(f, source.path): sha256_file(f)
-                             for f in source.weight_files}},
-        "format": options.format,
-        "quant": options.quant,
-        "scale_search": options.scale_search,
-        "weight_block": weight_block,
-        "recipe": source.recipe,
-        "precision_map": {n: ("bf16" if n in plan.excluded else plan.quant)
-                          for n in (*plan.quantized, *plan.excluded)},
-        "exclude_modules": list(plan.excluded),
-        "input_amax_origin": input_amax_origin,
-        "calibration": calibration,
-        "input_amax": input_amax,
-        "seed": options.seed,
-        "layers": layer_errors,
-        "files": files_written,
-    }
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
-def write_record(folder: str, record: dict[str, Any]) -> None:
-    with open(os.path.join(folder, PROVENANCE_FILE), "w") as f:
-        json.dump(record, f, indent=1)
+def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, input_amax_origin: str,
+                 calibration: CalibrationRecord | None, layer_errors: dict[str, dict[str, float]],
+                 input_amax: dict[str, float] | None, files_written: list[str],
+                 tensors: dict[str, TensorRecord]) -> ExportRecord:
+    """The record of one export (see the module docstring)."""
+    return ExportRecord(
+        tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
+        source=SourceRecord(name=source_name(source.path), kind=source.kind, step=source.step,
+                            files={os.path.relpath(f, source.path): sha256_file(f)
+                                   for f in source.weight_files}),
+        format=options.format,
+        quant=options.quant,
+        scale_search=options.scale_search,
+        weight_block=weight_block,
+        recipe=source.recipe,
+        precision_map={n: ("bf16" if n in plan.excluded else plan.quant)
+                       for n in (*plan.quantized, *plan.excluded)},
+        exclude_modules=tuple(plan.excluded),
+        input_amax_origin=input_amax_origin,
+        calibration=calibration,
+        input_amax=input_amax,
+        layers={m: LayerErrorRecord(**e) for m, e in layer_errors.items()},
+        files=tuple(files_written),
+        tensors=dict(tensors),
+    )
 
 
-def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def calibration_record(path: str, *, samples: int, seq_len: int) -> CalibrationRecord:
+    """The calibration data by file name and sha256."""
+    return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
+                             seq_len=seq_len)
+
+
+def source_name(path: str) -> str:
+    """"ORG/NAME" for a Hub cache snapshot folder, else the folder's own name."""
+    path = os.path.abspath(path).replace(os.sep, "/")
+    match = _HUB_SNAPSHOT.search(path)
+    return f"{match.group(1)}/{match.group(2)}" if match else os.path.basename(path.rstrip("/"))

@@ -56,16 +56,20 @@ class ExportedModel:
 
 
 def load_export(folder: str) -> ExportedModel:
-    """Read an export folder written by `nvfp4tool export` (or `convert-format`)."""
-    from nvfp4tool.export import compressed_tensors
-    from nvfp4tool.export.convert_format import detect_export
+    """Read an export folder written by `nvfp4tool export` (or `convert-format`), in any layout
+    `nvfp4tool.formats` declares: each quantized module's tensors are read by role with the
+    folder's spec (decode scales whatever the stored convention)."""
+    from nvfp4tool import formats
 
-    fmt, quant, quantized = detect_export(folder)
+    spec = formats.read_layout(folder).spec
+    decode_names = formats.get("modelopt", spec.quant)  # the names `_dequantize` reads
     source = HFFolderSource(folder, check_config=False)
     config = ModelConfig.from_hf_folder(folder)
+    marker = spec.suffix("weight_global")
+    quantized = [n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker]
+    quantized_set = set(quantized)
     by_module: dict[str, dict[str, np.ndarray]] = {}
     tensors: dict[str, np.ndarray] = {}
-    quantized_set = set(quantized)
     for name in source.names():
         module = name.rpartition(".")[0]
         if module in quantized_set:
@@ -74,12 +78,12 @@ def load_export(folder: str) -> ExportedModel:
             tensors[name] = source.get(name)
     input_scales: dict[str, float] = {}
     for module, group in by_module.items():
-        if fmt == "compressed-tensors":
-            group = compressed_tensors.to_modelopt(group, quant)
-        tensors[f"{module}.weight"] = np.asarray(_dequantize(module, group, quant))
-        if f"{module}.input_scale" in group:
-            input_scales[module] = float(group[f"{module}.input_scale"])
-    return ExportedModel(config=config, format=fmt, quant=quant, tensors=tensors,
+        roles = spec.to_roles(module, group)
+        tensors[f"{module}.weight"] = np.asarray(_dequantize(module, decode_names.from_roles(module, roles),
+                                                             spec.quant))
+        if "input_global" in roles:
+            input_scales[module] = float(roles["input_global"])
+    return ExportedModel(config=config, format=spec.format, quant=spec.quant, tensors=tensors,
                          input_scales=input_scales, quantized=tuple(quantized))
 
 

@@ -4,19 +4,21 @@
 
 Streaming and atomic:
 1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
-   finiteness; fused groups (q/k/v, gate/up) take the max over their members (`plan.py`).
+   finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
+   (q/k/v, gate/up) take the max over their members (`plan.py`).
 2. Input amax: the run's tracked amax, else calibration (`calibrate.py`); a fused group shares
    the max over its members (one input scale per GEMM).
-3. The output layout (names, dtypes, shapes) is planned up front and split into shards of at most
-   `max_shard_size` (a module's tensors stay together); each shard is written tensor by tensor:
-   a quantized module is read, quantized (`scale_search.py`) and turned into its tensors by the
-   format module (`modelopt.py` / `compressed_tensors.py`); other tensors are copied in BF16.
-   Only one module's tensors are held at a time: peak memory is the largest source tensor plus
-   its quantized form plus one row chunk of temporaries, whatever the model size (FP8 quantizes
-   a weight in one piece: about 3x that weight).
+3. The output layout (names, dtypes, shapes) comes from the layout's spec (`nvfp4tool.formats`)
+   up front and is split into shards of at most `max_shard_size` (a module's tensors stay
+   together); each shard is written tensor by tensor: a quantized module is read, quantized
+   (`scale_search.py`) and its roles (packed weight, block scales, decode scales) named by the
+   spec; other tensors are copied in BF16. Only one module's tensors are held at a time: peak
+   memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
+   whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
-   replaces an existing output); any error (non-finite weight, missing input amax...) leaves
-   nothing behind.
+   replaces an existing output; an output overlapping the source or the calibration data is
+   refused); any error leaves nothing behind. The provenance record (`ExportRecord`) lists every
+   written tensor with its sha256 and, for quantized weights, its decoded amax.
 """
 
 from __future__ import annotations
@@ -24,27 +26,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from converters.atomic import atomic_output_dir
-from converters.hf import AUX_FILE_PATTERNS, INDEX_FILE, SINGLE_FILE, parse_size, plan_shards, write_safetensors
+from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, parse_size,
+                           plan_shards, write_safetensors)
+from nvfp4tool import formats, progress
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export import compressed_tensors, modelopt, provenance
+from nvfp4tool.export import provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
 from nvfp4tool.export.source import ExportSource, open_source
-from nvfp4tool.numerics import dequantize_fp8, quantize_fp8
+from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales,
+                                quantize_fp8)
+from nvfp4tool.numerics.constants import E4M3_MAX
+from nvfp4tool.records.export import TensorRecord
 
-FORMATS = {"modelopt": modelopt, "compressed-tensors": compressed_tensors}
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
+_CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +72,7 @@ class ExportOptions:
     model_config: str | None = None  # MaxText sources: model name or HF config
     rope_layout: str | None = None  # MaxText sources with an HF config: "half" | "interleaved"
     force: bool = False
-    seed: int = 0
-    show_progress: bool = True
+    show_progress: bool = True  # False: report no progress task (library callers inside another task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +96,13 @@ class ExportSummary:
                 f"({self.gb_per_s:.3f} GB/s of bf16 in)")
 
 
-def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions(),
-                      on_tensor: Callable[[str], None] | None = None) -> ExportSummary:
+def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions()) -> ExportSummary:
     """Export `src` to the serving folder `out` (see the module docstring)."""
     start = time.perf_counter()
     _check_options(options)
     source = open_source(src, step=options.step, model_config=options.model_config,
                          rope_layout=options.rope_layout)
-    fmt = FORMATS[options.format]
+    spec = formats.get(options.format, options.quant)
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
@@ -105,33 +111,34 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     group_amax = _group_amax(tensors, plan)
     input_amax, origin, calibration = _input_amax(source, plan, options)
 
-    units = [_unit_layout(name, tensors, plan, fmt) for name in names]
+    units = [_unit_layout(name, tensors, plan, spec) for name in names]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
                          parse_size(options.max_shard_size))
-    layer_errors: dict[str, dict[str, float]] = {}
-    loader = _ModuleLoader(tensors, plan, fmt, group_amax, input_amax, block, options, layer_errors)
+    loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options)
     files: list[str] = []
-    with atomic_output_dir(out, force=options.force) as tmp, _progress(
-            options.show_progress, len(names)) as advance:
+    inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
+    with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp, _task(
+            options.show_progress, len(names)) as task:
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):
             file_name = (SINGLE_FILE if len(shards) == 1
                          else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
             layout = [entry for unit in shard for entry in unit[1]]
-            write_safetensors(os.path.join(tmp, file_name), layout,
-                              lambda n: loader.load(n, advance), source_label=source.path)
+            loader.file_name = file_name
+            write_safetensors(os.path.join(tmp, file_name), layout, lambda n: loader.load(n, task),
+                              source_label=source.path)
             weight_map.update({entry[0]: file_name for entry in layout})
             files.append(file_name)
         if len(shards) > 1:
             total = sum(_nbytes(d, s) for unit in units for _, d, s in unit[1])
             _write_json(os.path.join(tmp, INDEX_FILE),
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_configs(tmp, source, plan, fmt)
-        provenance.write_record(tmp, provenance.build_record(
-            source=source, options=options, plan=plan, weight_block=block,
-            input_amax_origin=origin, calibration=calibration, layer_errors=layer_errors,
-            input_amax=input_amax, files_written=files))
+        _write_configs(tmp, source, plan, spec)
+        provenance.build_record(
+            source=source, options=options, plan=plan, weight_block=block, input_amax_origin=origin,
+            calibration=calibration, layer_errors=loader.layer_errors, input_amax=input_amax,
+            files_written=files, tensors=loader.records).write(tmp)
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
@@ -144,29 +151,40 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
 
 
 class _ModuleLoader:
-    """`load(name)` for write_safetensors: one quantized module's tensors cached at a time."""
+    """`load(name)` for write_safetensors: one quantized module's tensors cached at a time; keeps
+    each written tensor's record (file, dtype, shape, sha256, decoded amax) and layer errors."""
 
-    def __init__(self, tensors, plan: ExportPlan, fmt, group_amax, input_amax, block, options,
-                 layer_errors) -> None:
-        self.tensors, self.plan, self.fmt, self.block, self.options = tensors, plan, fmt, block, options
-        self.group_amax, self.input_amax, self.layer_errors = group_amax, input_amax, layer_errors
+    def __init__(self, tensors, plan: ExportPlan, spec: LayoutSpec, group_amax, input_amax, block,
+                 options: ExportOptions) -> None:
+        self.tensors, self.plan, self.spec, self.block, self.options = tensors, plan, spec, block, options
+        self.group_amax, self.input_amax = group_amax, input_amax
+        self.layer_errors: dict[str, dict[str, float]] = {}
+        self.records: dict[str, TensorRecord] = {}
+        self.file_name = ""
         self.module_of = {}
         for module in plan.quantized:
             n, k = tensors.shape(f"{module}.weight")
-            for entry in fmt.layout(module, n, k, plan.quant):
-                self.module_of[entry[0]] = module
+            for name, _, _ in spec.layout(module, n, k):
+                self.module_of[name] = module
         self.cache: dict[str, np.ndarray] = {}
+        self.amax: dict[str, float] = {}  # stored weight tensor -> decoded amax
 
-    def load(self, name: str, advance: Callable[[str], None]) -> np.ndarray:
-        if name in self.cache:
-            return self.cache.pop(name)
-        module = self.module_of.get(name)
-        if module is None:
-            advance(name)
-            return _bf16_copy(self.tensors, name)
-        self.cache = self._quantize(module)
-        advance(f"{module}.weight")
-        return self.cache.pop(name)
+    def load(self, name: str, task: progress.Task) -> np.ndarray:
+        if name not in self.cache:
+            module = self.module_of.get(name)
+            if module is None:
+                self.cache = {name: _bf16_copy(self.tensors, name)}
+            else:
+                self.cache = self._quantize(module)
+            task.advance(description=name if module is None else f"{module}.weight",
+                         nbytes=sum(a.nbytes for a in self.cache.values()))
+        array = self.cache.pop(name)
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.records[name] = TensorRecord(file=self.file_name, dtype=_CODE_OF_DTYPE[array.dtype.name],
+                                          shape=tuple(int(d) for d in array.shape),
+                                          sha256=hashlib.sha256(data).hexdigest(),
+                                          amax=self.amax.get(name))
+        return array
 
     def _quantize(self, module: str) -> dict[str, np.ndarray]:
         plan, weight_name = self.plan, f"{module}.weight"
@@ -175,10 +193,12 @@ class _ModuleLoader:
         if plan.quant == "fp8":
             q = quantize_fp8(w, fmt="e4m3", granularity="tensor", name=weight_name)
             w32 = np.asarray(w, np.float32)
-            diff = np.asarray(dequantize_fp8(q)) - w32
+            decoded = np.asarray(dequantize_fp8(q))
             norm = float(np.linalg.norm(w32))
-            err = float(np.linalg.norm(diff)) / norm if norm else 0.0
+            err = float(np.linalg.norm(decoded - w32)) / norm if norm else 0.0
             self.layer_errors[module] = {"rel_l2": err}
+            amax = float(np.max(np.abs(decoded))) if decoded.size else 0.0
+            del decoded, w32
         else:
             q, error = quantize_weight(w, method=self.options.scale_search, block=self.block,
                                        global_amax=self.group_amax[group], name=weight_name)
@@ -186,16 +206,60 @@ class _ModuleLoader:
             if self.options.scale_search != "rtn":
                 self.layer_errors[module].update(rtn_rel_l2=error.rtn_rel_l2,
                                                  reduction_vs_rtn=error.reduction_vs_rtn)
+            amax = _nvfp4_decoded_amax(q)
         del w
         input_amax = None
         if plan.has_input_scales:
             input_amax = max(self.input_amax[m] for m in plan.groups[group])
-        return self.fmt.tensors(module, q, input_amax, plan.quant)
+        named = self.spec.from_roles(module, _roles(q, input_amax, plan.quant))
+        self.amax = {f"{module}.{self.spec.suffix('weight')}": amax}
+        return named
+
+
+def _roles(q: NVFP4Array | FP8Array, input_amax: float | None, quant: str) -> dict[str, np.ndarray]:
+    """One quantized linear's values by role (global scales as decode scales S_dec, fp32 [])."""
+    if quant == "fp8":
+        roles = {"weight": np.asarray(q.data), "weight_global": np.asarray(q.scale, np.float32).reshape(())}
+    else:
+        roles = {"weight": np.asarray(q.packed), "block_scale": np.asarray(q.scales),
+                 "weight_global": _nvfp4_decode_scale(q.global_amax)}
+    if input_amax is not None:
+        roles["input_global"] = _input_decode_scale(input_amax, quant)
+    return roles
+
+
+def _nvfp4_decode_scale(amax: float | np.ndarray) -> np.ndarray:
+    """S_dec = fl(1 / fl(2688 / amax)) as an fp32 scalar: the value the numerics decode with (not
+    fl(amax / 2688), which differs in the last bit for ~1 in 6 amax values), so the stored bytes
+    decode exactly to `dequantize_nvfp4` of the record."""
+    return np.asarray(nvfp4_global_scales(np.float32(amax))[1], np.float32).reshape(())
+
+
+def _input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
+    """Static activation decode scale: NVFP4 S_dec of the input amax, or amax / 448 for FP8."""
+    if quant == "fp8":
+        scale = np.float32(input_amax) / np.float32(E4M3_MAX)
+        return np.asarray(scale if scale > 0 else np.float32(1.0), np.float32).reshape(())
+    return _nvfp4_decode_scale(input_amax)
+
+
+def _nvfp4_decoded_amax(q: NVFP4Array) -> float:
+    """max |dequantize_nvfp4(q)|, decoded one row chunk at a time (bounded memory)."""
+    n, k = q.shape
+    rows = max(1, _AMAX_CHUNK_ELEMENTS // 4 // max(1, k))
+    amax = 0.0
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        part = dataclasses.replace(q, packed=q.packed[start:stop], scales=q.scales[start:stop],
+                                   shape=(stop - start, k))
+        amax = max(amax, float(jnp.max(jnp.abs(dequantize_nvfp4(part)))))
+    return amax
 
 
 def _check_options(options: ExportOptions) -> None:
-    if options.format not in FORMATS:
-        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of {', '.join(FORMATS)}")
+    if options.format not in formats.FORMATS:
+        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of "
+                             f"{', '.join(formats.FORMATS)}")
     if options.scale_search not in METHODS:
         raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of "
                              f"{', '.join(METHODS)}")
@@ -206,7 +270,8 @@ def _check_options(options: ExportOptions) -> None:
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
-    """Fused group -> joint amax of its members' weights (first pass; also rejects non-finite)."""
+    """Fused group -> joint amax of its members' weights (first pass; also rejects non-finite:
+    a NaN must not vanish in `max(0.0, nan) == 0.0`, so each chunk is checked on its own)."""
     result: dict[str, np.float32] = {}
     for module in plan.quantized:
         name = f"{module}.weight"
@@ -214,9 +279,10 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
         rows = max(1, _AMAX_CHUNK_ELEMENTS // max(1, w.shape[-1]))
         amax = np.float32(0.0)
         for start in range(0, w.shape[0], rows):  # max|x| is exact in the source dtype
-            amax = max(amax, np.float32(jnp.max(jnp.abs(jnp.asarray(w[start:start + rows])))))
-        if not np.isfinite(amax):
-            raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
+            chunk_amax = np.float32(jnp.max(jnp.abs(jnp.asarray(w[start:start + rows]))))
+            if not np.isfinite(chunk_amax):
+                raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
+            amax = max(amax, chunk_amax)
         group = plan.group_of(module)
         result[group] = np.float32(max(result.get(group, np.float32(0.0)), amax))
         del w
@@ -245,18 +311,16 @@ def _input_amax(source: ExportSource, plan: ExportPlan, options: ExportOptions):
     amax = calibrate_input_amax(source.config, source.tensors, plan.quantized, options.calib_data,
                                 samples=options.calib_samples, seq_len=options.calib_seq_len,
                                 tokenizer_dir=source.aux_dir)
-    calibration = {"path": os.path.abspath(options.calib_data),
-                   "sha256": provenance.sha256_file(options.calib_data),
-                   "samples": options.calib_samples, "seq_len": options.calib_seq_len}
-    return amax, "calibration", calibration
+    return amax, "calibration", provenance.calibration_record(
+        options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len)
 
 
-def _unit_layout(name: str, tensors, plan: ExportPlan, fmt) -> tuple[str, list]:
+def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec) -> tuple[str, list]:
     """(source name, [(output name, dtype, shape), ...]) for one source tensor."""
     module = name.removesuffix(".weight")
     if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
         n, k = tensors.shape(name)
-        return name, fmt.layout(module, n, k, plan.quant)
+        return name, spec.layout(module, n, k)
     dtype = tensors.dtype(name)
     out_dtype = "bfloat16" if dtype in ("float32", "float16", "float64", "bfloat16") else dtype
     return name, [(name, out_dtype, tuple(tensors.shape(name)))]
@@ -271,19 +335,28 @@ def _bf16_copy(tensors, name: str) -> np.ndarray:
     return array
 
 
-def _write_configs(folder: str, source: ExportSource, plan: ExportPlan, fmt) -> None:
+def _write_configs(folder: str, source: ExportSource, plan: ExportPlan, spec: LayoutSpec) -> None:
     hf = source.config.to_hf_config()
     hf["dtype"] = "bfloat16"
-    hf["quantization_config"] = fmt.quantization_config(plan)
-    _write_json(os.path.join(folder, "config.json"), hf)
-    if fmt is modelopt:
-        producer = {"name": "nvfp4tool", "version": _version()}
-        _write_json(os.path.join(folder, modelopt.HF_QUANT_CONFIG_FILE),
-                    modelopt.hf_quant_config(plan, producer))
+    hf["quantization_config"] = spec.quantization_config(plan.excluded)
+    _write_json(os.path.join(folder, formats.CONFIG_FILE), hf)
+    hf_quant = spec.hf_quant_config(plan.excluded, {"name": "nvfp4tool", "version": _version()})
+    if hf_quant is not None:
+        _write_json(os.path.join(folder, formats.HF_QUANT_CONFIG_FILE), hf_quant)
     if source.aux_dir is not None:
         for file_name in sorted(os.listdir(source.aux_dir)):
             if any(fnmatch.fnmatch(file_name, p) for p in AUX_FILE_PATTERNS):
                 shutil.copy2(os.path.join(source.aux_dir, file_name), os.path.join(folder, file_name))
+
+
+def _task(enabled: bool, total: int):
+    """The export's progress task (one step per source tensor), or a silent one."""
+    return progress.task("export", total=total, unit="tensor") if enabled else _silent()
+
+
+@contextlib.contextmanager
+def _silent():
+    yield progress.QuietReporter().start("export", None, "tensor")
 
 
 def _version() -> str:
@@ -299,17 +372,3 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar advanced once per source tensor (or a no-op)."""
-    if not enabled:
-        yield lambda name: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), transient=True) as bar:
-        task = bar.add_task("", total=total)
-        yield lambda name: bar.update(task, advance=1, description=name)

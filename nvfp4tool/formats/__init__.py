@@ -1,0 +1,154 @@
+"""Serving layouts, declared once: one `LayoutSpec` per (format x quant) the tool writes.
+
+    spec = get("compressed-tensors", "nvfp4")
+    spec.layout("model.layers.0.mlp.up_proj", n, k)      # [(name, dtype, shape), ...]
+    spec.from_roles(module, {"weight": packed, "block_scale": scales, "weight_global": s_dec, ...})
+    spec.quantization_config(excluded)                   # config.json["quantization_config"]
+    layout = describe("out/llama-nvfp4")                 # what a folder is: .format, .quant, .spec
+
+    modelopt            ModelOpt NVFP4 (W4A4) / W4A16_NVFP4 / FP8, config.json + hf_quant_config.json
+    compressed_tensors  compressed-tensors nvfp4-pack-quantized (W4A4 / W4A16) and float-quantized FP8
+    spec                LayoutSpec / TensorSpec (roles, dtypes, shapes of [N, K], global-scale
+                        convention, exclusion matching) and the shared file names
+
+Who reads this: export's writer (names, dtypes, shapes, configs), convert-format (one layout's
+roles onto another's), the export simulation (decode scales of any layout), `check` (what a
+folder must hold: it shares these declarations, never the writer's code) and the hub card
+(`describe`). None of them keeps its own copy of a name, key or convention.
+
+Adding a layout = one new spec (a `LayoutSpec` in the family module, with its config builder and
+its branch of `parse`) + its peer test (the real loader loading our export of it); the cross-product
+test (export, check, convert-format) then covers it by iterating `SPECS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.formats import compressed_tensors, modelopt
+from nvfp4tool.formats.spec import (CONFIG_FILE, GLOBAL_ROLES, HF_QUANT_CONFIG_FILE, QUANTS, ROLES,
+                                    LayoutSpec, TensorSpec)
+
+FORMATS = (modelopt.FORMAT, compressed_tensors.FORMAT)
+SPECS: dict[tuple[str, str], LayoutSpec] = {
+    **{(modelopt.FORMAT, q): s for q, s in modelopt.SPECS.items()},
+    **{(compressed_tensors.FORMAT, q): s for q, s in compressed_tensors.SPECS.items()},
+}
+
+__all__ = ["CONFIG_FILE", "FORMATS", "GLOBAL_ROLES", "HF_QUANT_CONFIG_FILE", "QUANTS", "ROLES", "SPECS",
+           "FolderLayout", "LayoutSpec", "TensorSpec", "describe", "get", "read_layout"]
+
+
+def get(fmt: str, quant: str) -> LayoutSpec:
+    """The spec of (format, quant); NVFP4ToolError naming the unknown one."""
+    if fmt not in FORMATS:
+        raise NVFP4ToolError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if quant not in QUANTS:
+        raise NVFP4ToolError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    return SPECS[(fmt, quant)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderLayout:
+    """What a folder's configs declare: its layout, exclusion list and targets, and config problems."""
+
+    spec: LayoutSpec
+    exclude: tuple[str, ...]  # exclude_modules / ignore as written (patterns)
+    exclude_source: str  # the file the exclusion list came from
+    targets: tuple[str, ...]  # compressed-tensors config_groups targets ("Linear" for ModelOpt)
+    problems: tuple[tuple[str, str], ...]  # (file, message) of every config defect found
+
+    @property
+    def format(self) -> str:
+        return self.spec.format
+
+    @property
+    def quant(self) -> str:
+        return self.spec.quant
+
+    def excluded_by(self, module: str) -> str | None:
+        return self.spec.excluded_by(module, self.exclude)
+
+    def targeted(self, module: str, is_linear: bool) -> bool:
+        """Whether the config's targets cover `module` (ModelOpt: every linear layer)."""
+        return any((is_linear and t == "Linear") or self.spec.matches(module, t) for t in self.targets)
+
+
+def read_layout(folder: str) -> FolderLayout:
+    """The layout a folder's configs declare, with every config problem found (not raised).
+
+    Raises NVFP4ToolError only when the folder declares no supported layout at all.
+    """
+    problems: list[tuple[str, str]] = []
+    config = _read_json(folder, CONFIG_FILE, problems)
+    hf_quant = (_read_json(folder, HF_QUANT_CONFIG_FILE, problems)
+                if os.path.exists(os.path.join(folder, HF_QUANT_CONFIG_FILE)) else None)
+    qc = (config or {}).get("quantization_config")
+    if modelopt.claims(qc, hf_quant):
+        quant, exclude, source, found = modelopt.parse(qc, hf_quant)
+        if quant is None:
+            algo = ((hf_quant or {}).get("quantization") or {}).get("quant_algo") or (qc or {}).get("quant_algo")
+            raise NVFP4ToolError(f"{folder}: ModelOpt quant_algo {algo!r} is not supported; supported: "
+                                 f"{', '.join(modelopt.QUANT_OF_ALGO)}")
+        spec, targets = modelopt.SPECS[quant], ("Linear",)
+    elif compressed_tensors.claims(qc):
+        quant, exclude, targets, found, named = compressed_tensors.parse(qc)
+        if quant is None:
+            raise NVFP4ToolError(f"{folder}: compressed-tensors format {named} is not supported; "
+                                 f"supported: {', '.join(sorted(set(compressed_tensors.CT_FORMAT.values())))}")
+        spec, source = compressed_tensors.SPECS[quant], CONFIG_FILE
+    else:
+        detail = next((m for f, m in problems if f == CONFIG_FILE), None)
+        raise NVFP4ToolError(f"{os.path.join(folder, CONFIG_FILE)}: " + (
+            detail or f"no quantization_config with quant_method modelopt or compressed-tensors (and no "
+                      f"{HF_QUANT_CONFIG_FILE}): not an NVFP4/FP8 serving checkpoint"))
+    problems += found
+    patterns = _patterns(exclude, source, problems)
+    problems += [(source, f"exclusion list: {why}") for p in patterns if (why := spec.pattern_problem(p))]
+    problems += [(CONFIG_FILE, f"config_groups targets: {why}") for t in targets
+                 if (why := spec.pattern_problem(t))]
+    return FolderLayout(spec=spec, exclude=patterns, exclude_source=source, targets=targets,
+                        problems=tuple(problems))
+
+
+def describe(folder: str) -> FolderLayout:
+    """The layout of an export folder (for the model card and the tools): `.format`, `.quant`,
+    `.spec`, `.exclude`. NVFP4ToolError when it is not a supported serving layout."""
+    return read_layout(folder)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _patterns(value: Any, source: str, problems: list[tuple[str, str]]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        problems.append((source, f"exclusion list {value!r} is not a list of names"))
+        return ()
+    return tuple(value)
+
+
+def _read_json(folder: str, name: str, problems: list[tuple[str, str]]) -> dict | None:
+    path = os.path.join(folder, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        problems.append((name, "missing"))
+        return None
+    except IsADirectoryError:
+        problems.append((name, "is a directory, expected a JSON file"))
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as bad:
+        problems.append((name, f"not valid JSON ({bad})"))
+        return None
+    if not isinstance(value, dict):
+        problems.append((name, "is not a JSON object"))
+        return None
+    return value

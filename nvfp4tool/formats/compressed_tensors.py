@@ -1,0 +1,110 @@
+"""The compressed-tensors layouts (vLLM compressed-tensors, transformers + compressed-tensors):
+NVFP4 W4A4 / W4A16 (`nvfp4-pack-quantized`) and FP8 per tensor (`float-quantized`).
+
+    NVFP4  <m>.weight_packed U8 [N, K/2], <m>.weight_scale F8_E4M3 [N, K/16],
+           <m>.weight_global_scale F32 [1] (S_enc = 1 / S_dec = 2688 / amax),
+           <m>.input_global_scale F32 [1] (1 / input S_dec; W4A4 only)
+    FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [1], <m>.input_scale F32 [1] (decode)
+
+Global scales have shape [1] (transformers refuses []); NVFP4 ones are encode scales. The format
+is declared in config.json["quantization_config"] (quant_method "compressed-tensors", `format`,
+`config_groups`); `ignore` and `targets` are exact names or `re:` regexes anchored at the start,
+the target "Linear" meaning any linear layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvfp4tool.formats.spec import CONFIG_FILE, LayoutSpec, TensorSpec
+from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+
+FORMAT = "compressed-tensors"
+CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "nvfp4-weight-only": "nvfp4-pack-quantized",
+             "fp8": "float-quantized"}
+# The quantization args of the weights (and, where present, the activations) per format; the
+# keys in *_KEYS are the ones a reader must find with these values.
+NVFP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_BLOCK,
+              "symmetric": True, "dynamic": False, "observer": "static_minmax",
+              "scale_dtype": "torch.float8_e4m3fn"}
+NVFP4_KEYS = ("num_bits", "type", "strategy", "group_size")
+FP8_ARGS = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
+            "group_size": None, "observer": "minmax"}
+FP8_KEYS = ("num_bits", "type", "strategy")
+
+
+def _config(spec: LayoutSpec, excluded: tuple[str, ...]) -> dict[str, Any]:
+    group: dict[str, Any] = {"targets": ["Linear"],
+                             "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
+    if spec.has_input_scales:
+        group["input_activations"] = dict(NVFP4_ARGS, dynamic="local") if spec.is_nvfp4 else dict(FP8_ARGS)
+    group["format"] = CT_FORMAT[spec.quant]
+    return {"quant_method": FORMAT, "format": CT_FORMAT[spec.quant], "quantization_status": "compressed",
+            "ignore": list(excluded), "config_groups": {"group_0": group}, "kv_cache_scheme": None}
+
+
+def _one(n: int, k: int) -> tuple[int, ...]:
+    return (1,)
+
+
+def _spec(quant: str) -> LayoutSpec:
+    if quant == "fp8":
+        tensors = [TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+                   TensorSpec("weight_global", "weight_scale", "F32", _one),
+                   TensorSpec("input_global", "input_scale", "F32", _one)]
+    else:
+        tensors = [TensorSpec("weight", "weight_packed", "U8", lambda n, k: (n, k // 2)),
+                   TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
+                   TensorSpec("weight_global", "weight_global_scale", "F32", _one)]
+        if quant == "nvfp4":
+            tensors.append(TensorSpec("input_global", "input_global_scale", "F32", _one))
+    return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors),
+                      convention="decode" if quant == "fp8" else "encode", pattern_style="exact-or-re",
+                      element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
+                      packing=1 if quant == "fp8" else 2, build_config=_config,
+                      build_hf_quant_config=None)
+
+
+SPECS = {quant: _spec(quant) for quant in CT_FORMAT}
+
+
+def claims(qc: Any) -> bool:
+    """Whether config.json's quantization_config claims a compressed-tensors layout."""
+    return isinstance(qc, dict) and qc.get("quant_method") == FORMAT
+
+
+def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, str]], str]:
+    """(quant or None when unsupported, ignore list as written, targets, [(file, problem)], the
+    format(s) it names) of a compressed-tensors quantization_config."""
+    problems: list[tuple[str, str]] = []
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        problems.append((CONFIG_FILE, "quantization_config.config_groups is not an object"))
+        groups = {}
+    formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    formats.discard(None)
+    named = ", ".join(sorted(map(str, formats))) or "none"
+    if len(formats) != 1 or next(iter(formats)) not in CT_FORMAT.values():
+        return None, None, (), problems, named
+    fmt = next(iter(formats))
+    if qc.get("quantization_status") != "compressed":
+        problems.append((CONFIG_FILE, f"quantization_status is {qc.get('quantization_status')!r}, "
+                                      f"expected 'compressed'"))
+    nvfp4 = fmt == CT_FORMAT["nvfp4"]
+    expected_args = {k: (NVFP4_ARGS if nvfp4 else FP8_ARGS)[k] for k in (NVFP4_KEYS if nvfp4 else FP8_KEYS)}
+    targets: list[str] = []
+    has_input = False
+    for group_name, group in groups.items():
+        group = group if isinstance(group, dict) else {}
+        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+        wrong = {k: weights.get(k) for k, v in expected_args.items() if weights.get(k) != v}
+        if wrong:
+            problems.append((CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, "
+                                          f"{fmt} needs {expected_args}"))
+        has_input = has_input or bool(group.get("input_activations"))
+        group_targets = group.get("targets") or []
+        targets += [t for t in group_targets if isinstance(t, str)] if isinstance(group_targets, list) else []
+    if not groups:
+        problems.append((CONFIG_FILE, "quantization_config has no config_groups"))
+    quant = ("nvfp4" if has_input else "nvfp4-weight-only") if nvfp4 else "fp8"
+    return quant, qc.get("ignore"), tuple(targets), problems, fmt

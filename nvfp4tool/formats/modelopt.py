@@ -1,0 +1,124 @@
+"""The ModelOpt "unified HF checkpoint" layouts (vLLM `modelopt_fp4` / `modelopt`, TensorRT-LLM,
+SGLang): NVFP4 W4A4, W4A16 and FP8, their configs, and how a folder's configs are parsed.
+
+    NVFP4  <m>.weight U8 [N, K/2], <m>.weight_scale F8_E4M3 [N, K/16],
+           <m>.weight_scale_2 F32 [] (S_dec = amax / 2688), <m>.input_scale F32 [] (W4A4 only)
+    FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [] (amax / 448), <m>.input_scale F32 []
+
+Global scales are stored as decode scales, shape []. The format is declared twice in a folder:
+config.json["quantization_config"] (quant_method "modelopt", what transformers and vLLM detect)
+and hf_quant_config.json (what vLLM's modelopt loader and TensorRT-LLM read; vLLM requires its four
+keys). Exclusion lists (`exclude_modules`, `ignore`) are fnmatch patterns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvfp4tool.formats.spec import CONFIG_FILE, HF_QUANT_CONFIG_FILE, LayoutSpec, TensorSpec
+from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+
+FORMAT = "modelopt"
+QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8"}
+QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
+# Keys vLLM reads from hf_quant_config.json["quantization"] (it refuses NVFP4 without group_size).
+REQUIRED_KEYS = {"nvfp4": ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"),
+                 "fp8": ("quant_algo", "kv_cache_quant_algo", "exclude_modules")}
+
+
+def _config(spec: LayoutSpec, excluded: tuple[str, ...]) -> dict[str, Any]:
+    weights: dict[str, Any] = ({"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK, "dynamic": False}
+                               if spec.is_nvfp4 else {"num_bits": 8, "type": "float", "dynamic": False})
+    group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
+    if spec.has_input_scales:
+        group["input_activations"] = dict(weights)
+    config: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": QUANT_ALGO[spec.quant],
+                              "kv_cache_quant_algo": None, "ignore": list(excluded),
+                              "exclude_modules": list(excluded), "config_groups": {"group_0": group}}
+    if spec.is_nvfp4:
+        config["group_size"] = NVFP4_BLOCK
+    return config
+
+
+def _hf_quant_config(spec: LayoutSpec, excluded: tuple[str, ...], producer: dict[str, str]) -> dict[str, Any]:
+    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGO[spec.quant], "kv_cache_quant_algo": None,
+                                    "exclude_modules": list(excluded)}
+    if spec.is_nvfp4:
+        quantization["group_size"] = NVFP4_BLOCK
+    return {"producer": producer, "quantization": quantization}
+
+
+def _scalar(n: int, k: int) -> tuple[int, ...]:
+    return ()
+
+
+def _spec(quant: str) -> LayoutSpec:
+    if quant == "fp8":
+        tensors = [TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+                   TensorSpec("weight_global", "weight_scale", "F32", _scalar)]
+    else:
+        tensors = [TensorSpec("weight", "weight", "U8", lambda n, k: (n, k // 2)),
+                   TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
+                   TensorSpec("weight_global", "weight_scale_2", "F32", _scalar)]
+    if quant != "nvfp4-weight-only":
+        tensors.append(TensorSpec("input_global", "input_scale", "F32", _scalar))
+    return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors), convention="decode",
+                      pattern_style="fnmatch",
+                      element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
+                      packing=1 if quant == "fp8" else 2, build_config=_config,
+                      build_hf_quant_config=_hf_quant_config)
+
+
+SPECS = {quant: _spec(quant) for quant in QUANT_ALGO}
+
+
+def claims(qc: Any, hf_quant: Any) -> bool:
+    """Whether a folder's configs claim a ModelOpt layout."""
+    return hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == FORMAT)
+
+
+def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tuple[str, str]]]:
+    """(quant or None when unsupported, exclusion list as written, the file it came from,
+    [(file, problem)]) of a folder whose configs claim ModelOpt."""
+    problems: list[tuple[str, str]] = []
+    quantization = (hf_quant or {}).get("quantization")
+    if hf_quant is None:
+        problems.append((HF_QUANT_CONFIG_FILE, "missing (TensorRT-LLM and vLLM's modelopt loader read it)"))
+    elif not isinstance(quantization, dict):
+        problems.append((HF_QUANT_CONFIG_FILE, "has no \"quantization\" object"))
+        quantization = None
+    algo = (quantization or {}).get("quant_algo") or (qc.get("quant_algo") if isinstance(qc, dict) else None)
+    quant = QUANT_OF_ALGO.get(algo) if isinstance(algo, str) else None
+    if quant is None:
+        return None, None, HF_QUANT_CONFIG_FILE, problems
+    if quantization is not None:
+        required = REQUIRED_KEYS["fp8" if quant == "fp8" else "nvfp4"]
+        missing = [k for k in required if k not in quantization]
+        if missing:
+            problems.append((HF_QUANT_CONFIG_FILE, f"quantization lacks {', '.join(missing)} (vLLM "
+                                                   f"requires {', '.join(required)})"))
+        if quant != "fp8" and "group_size" in quantization and quantization["group_size"] != NVFP4_BLOCK:
+            problems.append((HF_QUANT_CONFIG_FILE, f"group_size is {quantization['group_size']}, "
+                                                   f"NVFP4 needs {NVFP4_BLOCK}"))
+    exclude, source = (quantization or {}).get("exclude_modules"), HF_QUANT_CONFIG_FILE
+    if not isinstance(qc, dict):
+        problems.append((CONFIG_FILE, "has no quantization_config (vLLM and transformers detect the "
+                                      "format from it)"))
+    else:
+        if qc.get("quant_method") != FORMAT:
+            problems.append((CONFIG_FILE, f"quantization_config.quant_method is "
+                                          f"{qc.get('quant_method')!r}, expected {FORMAT!r}"))
+        if qc.get("quant_algo") != algo:
+            problems.append((CONFIG_FILE, f"quantization_config.quant_algo is {qc.get('quant_algo')!r} "
+                                          f"but {HF_QUANT_CONFIG_FILE} says {algo!r}"))
+        ignore = qc.get("ignore", qc.get("exclude_modules"))
+        if exclude is None:
+            exclude, source = ignore, CONFIG_FILE
+        elif ignore is not None and _sorted(ignore) != _sorted(exclude):
+            problems.append((CONFIG_FILE, f"quantization_config.ignore {ignore} differs from "
+                                          f"{HF_QUANT_CONFIG_FILE} exclude_modules {exclude}"))
+    return quant, exclude, source, problems
+
+
+def _sorted(value: Any) -> Any:
+    return sorted(value, key=str) if isinstance(value, list) else value

@@ -1,0 +1,196 @@
+"""`LayoutSpec`: the declaration of one serving layout (format x quant), and the file-name
+constants every layout shares.
+
+A spec declares, per quantized linear `<m>` of shape [N, K], the tensors it stores by *role*:
+
+    weight         the (packed) weight data                 U8 [N, K/2] (NVFP4) / F8_E4M3 [N, K]
+    block_scale    E4M3 scale per 16 elements along K      F8_E4M3 [N, K/16] (NVFP4 only)
+    weight_global  the per-tensor weight scale             F32 [] or [1]
+    input_global   the static per-tensor activation scale  F32 [] or [1] (not in weight-only)
+
+Roles are the join key between layouts: converting a module from one layout to another maps each
+role's tensor onto the other's suffix, reciprocates the global scales when the two conventions
+differ ("decode": the stored value is the decode scale S_dec, ModelOpt and every FP8 layout;
+"encode": the stored value is 1 / S_dec, compressed-tensors NVFP4) and reshapes [] <-> [1].
+`to_roles` / `from_roles` are that one rename table: the writer, convert-format and the export
+simulation all go through them. The reciprocal is computed in fp32 (`1 / x`, as compressed-tensors'
+own `ModelOptNvfp4Converter` does); for our decode scales fl(1 / fl(1 / s)) == s, so a round trip
+is lossless.
+
+Exclusion lists are matched as their loaders match them: `fnmatch` wildcards (ModelOpt
+`exclude_modules`, vLLM's `is_layer_excluded`) or exact names and `re:` regexes anchored at the
+start (compressed-tensors `ignore` / `targets`, `compressed_tensors.utils.match`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from converters.hf import SAFETENSORS_DTYPES
+from nvfp4tool.errors import NVFP4ToolError
+
+CONFIG_FILE = "config.json"
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
+QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")  # W4A4, W4A16, FP8 W8A8 per tensor
+ROLES = ("weight", "block_scale", "weight_global", "input_global")
+GLOBAL_ROLES = ("weight_global", "input_global")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One stored tensor of a quantized module: its role, name suffix, dtype and shape."""
+
+    role: str  # one of ROLES
+    suffix: str  # tensor name = f"{module}.{suffix}"
+    code: str  # safetensors dtype code: "U8", "F8_E4M3", "F32"
+    shape: Callable[[int, int], tuple[int, ...]]  # (N, K) -> stored shape
+
+    @property
+    def dtype(self) -> str:
+        """The numpy / ml_dtypes name of `code` (e.g. "float8_e4m3fn")."""
+        return SAFETENSORS_DTYPES[self.code]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpec:
+    """One serving layout: its tensors, scale convention, configs and exclusion rules."""
+
+    format: str  # "modelopt" | "compressed-tensors"
+    quant: str  # one of QUANTS
+    tensors: tuple[TensorSpec, ...]
+    convention: str  # "decode" (stored global = S_dec) | "encode" (stored global = 1 / S_dec)
+    pattern_style: str  # "fnmatch" | "exact-or-re" (how exclusion lists / targets match)
+    element_range: float  # 2688 = 6 * 448 (NVFP4) or 448 (FP8): decoded amax = range * S_dec
+    packing: int  # elements per stored weight item along K (2 for packed E2M1, 1 for FP8)
+    build_config: Callable[[LayoutSpec, tuple[str, ...]], dict[str, Any]]
+    build_hf_quant_config: Callable[[LayoutSpec, tuple[str, ...], dict[str, str]], dict[str, Any]] | None
+
+    # ---------------------------------------------------------------- tensors
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.quant != "fp8"
+
+    @property
+    def has_input_scales(self) -> bool:
+        return any(t.role == "input_global" for t in self.tensors)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """Stored shape of a per-tensor scale: () or (1,)."""
+        return self.tensor("weight_global").shape(1, 1)
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return tuple(t.suffix for t in self.tensors)
+
+    def tensor(self, role: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.role == role:
+                return t
+        raise KeyError(f"{self.label} has no {role} tensor")
+
+    def suffix(self, role: str) -> str | None:
+        """The suffix of `role`'s tensor, None when this layout has no such tensor."""
+        return next((t.suffix for t in self.tensors if t.role == role), None)
+
+    def layout(self, module: str, n: int, k: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype name, shape) of the tensors of a quantized [N, K] linear, in file order."""
+        return [(f"{module}.{t.suffix}", t.dtype, t.shape(n, k)) for t in self.tensors]
+
+    def nk(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
+        """(N, K) of a module from its stored weight's shape."""
+        return int(weight_shape[0]), int(weight_shape[1]) * self.packing
+
+    @property
+    def label(self) -> str:
+        return f"{self.format} {self.quant}"
+
+    # ---------------------------------------------------------------- global-scale convention
+    def stored_global(self, s_dec: np.ndarray | float) -> np.ndarray:
+        """The stored value of a per-tensor decode scale `s_dec`, in this layout's shape."""
+        value = np.asarray(s_dec, np.float32).reshape(())
+        if self.convention == "encode":
+            value = np.float32(1.0) / value
+        return np.asarray(value, np.float32).reshape(self.global_shape)
+
+    def decode_global(self, stored: np.ndarray | float) -> np.ndarray:
+        """The decode scale S_dec (fp32, shape []) of a stored per-tensor scale."""
+        value = np.asarray(stored, np.float32).reshape(())
+        if self.convention == "encode":
+            value = np.float32(1.0) / value
+        return np.asarray(value, np.float32).reshape(())
+
+    def to_roles(self, module: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One quantized module's stored tensors -> {role: value}, global scales as S_dec []."""
+        by_suffix = {t.suffix: t for t in self.tensors}
+        roles = {}
+        for name, value in tensors.items():
+            owner, _, suffix = name.rpartition(".")
+            if owner != module or suffix not in by_suffix:
+                raise NVFP4ToolError(f"{name}: not a tensor of a {self.label} quantized module "
+                                     f"(expected {module}.{{{', '.join(by_suffix)}}})")
+            role = by_suffix[suffix].role
+            roles[role] = self.decode_global(value) if role in GLOBAL_ROLES else value
+        missing = [t.suffix for t in self.tensors if t.role not in roles]
+        if missing:
+            raise NVFP4ToolError(f"{module}.{missing[0]}: missing ({self.label} quantized module)")
+        return roles
+
+    def from_roles(self, module: str, roles: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{role: value} (global scales as S_dec) -> this layout's named tensors, in file order."""
+        return {f"{module}.{t.suffix}": (self.stored_global(roles[t.role]) if t.role in GLOBAL_ROLES
+                                         else roles[t.role])
+                for t in self.tensors}
+
+    # ---------------------------------------------------------------- configs
+    def quantization_config(self, excluded: tuple[str, ...]) -> dict[str, Any]:
+        """config.json["quantization_config"] for an export excluding the modules `excluded`."""
+        return self.build_config(self, tuple(excluded))
+
+    def hf_quant_config(self, excluded: tuple[str, ...], producer: dict[str, str]) -> dict[str, Any] | None:
+        """hf_quant_config.json (ModelOpt layouts), None for layouts without one."""
+        if self.build_hf_quant_config is None:
+            return None
+        return self.build_hf_quant_config(self, tuple(excluded), producer)
+
+    @property
+    def config_files(self) -> tuple[str, ...]:
+        """The JSON files this layout's configs live in."""
+        return (CONFIG_FILE,) + ((HF_QUANT_CONFIG_FILE,) if self.build_hf_quant_config else ())
+
+    # ---------------------------------------------------------------- exclusion lists
+    def matches(self, module: str, pattern: str) -> bool:
+        """Whether an exclusion / target `pattern` names `module` (a malformed regex never does)."""
+        if self.pattern_style == "fnmatch":
+            return fnmatch.fnmatchcase(module, pattern)
+        if pattern.startswith("re:"):
+            compiled = _regex(pattern[3:])
+            return compiled is not None and compiled.match(module) is not None
+        return pattern == module
+
+    def excluded_by(self, module: str, patterns: tuple[str, ...]) -> str | None:
+        """The first pattern of `patterns` that excludes `module`, or None."""
+        return next((p for p in patterns if self.matches(module, p)), None)
+
+    def pattern_problem(self, pattern: str) -> str | None:
+        """Why `pattern` cannot be matched (a malformed `re:` regex), or None."""
+        if self.pattern_style == "fnmatch" or not pattern.startswith("re:"):
+            return None
+        try:
+            re.compile(pattern[3:])
+        except re.error as bad:
+            return f"malformed regex {pattern!r} ({bad})"
+        return None
+
+
+def _regex(text: str) -> re.Pattern | None:
+    try:
+        return re.compile(text)
+    except re.error:
+        return None

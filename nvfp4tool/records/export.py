@@ -1,0 +1,98 @@
+"""`ExportRecord`: the provenance record `nvfp4tool_export.json` written next to every export
+(by `export/writer.py`) and read by `check` (and the hub card).
+
+What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
+with the sha256 of each weight file (relative to the source); format / quant / scale search /
+weight block; recipe and precision map; calibration data by file name + sha256 (or the run's
+tracked amax); per quantized layer its relative L2 weight error; and per written tensor its file
+(relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
+amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
+a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
+machine it was made on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, ClassVar
+
+from nvfp4tool.records.base import Record
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolRecord(Record):
+    name: str  # "nvfp4tool"
+    version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRecord(Record):
+    """The exported checkpoint, named without its location."""
+
+    name: str  # the source folder's name, or its Hub id when known
+    kind: str  # "hf" | "maxtext" | "run"
+    step: int | None  # a training run's checkpoint step (None: its final weights)
+    files: dict[str, str]  # weight file, relative to the source folder -> sha256
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRecord(Record):
+    """The calibration data of the input scales."""
+
+    file: str  # file name (no folder)
+    sha256: str
+    samples: int
+    seq_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerErrorRecord(Record):
+    """Weight quantization error of one quantized linear."""
+
+    rel_l2: float  # ||decode(q) - w|| / ||w||
+    rtn_rel_l2: float | None = None  # the same for round-to-nearest (scale search only)
+    reduction_vs_rtn: float | None = None  # 1 - rel_l2 / rtn_rel_l2 (scale search only)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord(Record):
+    """One written tensor."""
+
+    file: str  # safetensors file, relative to the export
+    dtype: str  # safetensors dtype code ("U8", "F8_E4M3", "F32", "BF16", ...)
+    shape: tuple[int, ...]
+    sha256: str  # of the tensor's bytes as stored
+    amax: float | None = None  # quantized weights: max |decoded value| (fp32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportRecord(Record):
+    """nvfp4tool_export.json (see the module docstring)."""
+
+    FILE_NAME: ClassVar[str] = "nvfp4tool_export.json"
+
+    tool: ToolRecord
+    source: SourceRecord
+    format: str  # "modelopt" | "compressed-tensors"
+    quant: str  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+    scale_search: str  # "rtn" | "4over6" | "mse"
+    weight_block: str  # "1d" | "2d"
+    recipe: dict[str, Any] | None  # the training run's recipe (None for plain checkpoints)
+    precision_map: dict[str, str]  # linear module -> "bf16" or the quant
+    exclude_modules: tuple[str, ...]  # modules kept in BF16
+    input_amax_origin: str  # "training run" | "calibration" | "none (weight-only)"
+    calibration: CalibrationRecord | None
+    input_amax: dict[str, float] | None  # quantized module -> max |input| (W4A4 / FP8)
+    layers: dict[str, LayerErrorRecord]  # quantized module -> weight error
+    files: tuple[str, ...]  # safetensors files written, relative to the export
+    tensors: dict[str, TensorRecord]  # every written tensor
+
+
+def sha256_file(path: str, chunk: int = 1 << 24) -> str:
+    """sha256 hex digest of a file, read `chunk` bytes at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
