@@ -4,6 +4,7 @@ weight-only, scale search, calibration, sharding, atomicity, provenance, simulat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -19,12 +20,12 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.calibrate import calibrate_input_amax
 from nvfp4tool.export.convert_format import convert_format
-from nvfp4tool.export.provenance import PROVENANCE_FILE, sha256_file
 from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.export.simulate import load_export
 from nvfp4tool.numerics import (dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales, quantize_fp8,
                                 quantize_nvfp4)
 from nvfp4tool.recipes.precision import fused_group
+from nvfp4tool.records.export import ExportRecord, sha256_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -284,17 +285,33 @@ def test_sharded_export_equals_single_file(hf_dir, tmp_path):
 
 
 def test_provenance_record(hf_dir, calib, exports, tmp_path):
-    with open(os.path.join(exports["modelopt"], PROVENANCE_FILE)) as f:
-        record = json.load(f)
-    assert record["source"]["files"] == {"model.safetensors": sha256_file(os.path.join(hf_dir, "model.safetensors"))}
-    assert record["calibration"]["sha256"] == sha256_file(calib) and record["calibration"]["samples"] == 3
-    assert record["weight_block"] == "1d" and record["input_amax_origin"] == "calibration"
-    assert set(record["layers"]) == set(QUANTIZED)
-    assert all(0.05 < v["rel_l2"] < 0.15 for v in record["layers"].values())
+    record = ExportRecord.read(exports["modelopt"])
+    assert record.source.name == "hf" and record.source.kind == "hf"
+    assert record.source.files == {"model.safetensors": sha256_file(os.path.join(hf_dir, "model.safetensors"))}
+    assert record.calibration.file == "ids.npy" and record.calibration.sha256 == sha256_file(calib)
+    assert record.calibration.samples == 3
+    assert record.weight_block == "1d" and record.input_amax_origin == "calibration"
+    assert set(record.layers) == set(QUANTIZED)
+    assert all(0.05 < v.rel_l2 < 0.15 for v in record.layers.values())
+    # every written tensor: its file, dtype, shape, sha256; quantized weights their decoded amax
+    tensors = _tensors(exports["modelopt"])
+    assert set(record.tensors) == set(tensors)
+    for name, array in tensors.items():
+        entry = record.tensors[name]
+        assert entry.file == "model.safetensors" and entry.shape == array.shape
+        assert entry.sha256 == hashlib.sha256(_bytes(array)).hexdigest(), name
+    exported = load_export(exports["modelopt"])
+    for module in QUANTIZED:
+        decoded = np.abs(exported.tensors[f"{module}.weight"]).max()
+        assert record.tensors[f"{module}.weight"].amax == pytest.approx(float(decoded), rel=1e-7)
+    assert record.tensors["lm_head.weight"].amax is None
+    # no absolute path of this machine anywhere in the record
+    text = open(ExportRecord.path(exports["modelopt"])).read()
+    for path in (hf_dir, calib, exports["modelopt"], str(tmp_path)):
+        assert os.path.dirname(path) not in text
     _export(hf_dir, tmp_path / "mse", quant="nvfp4-weight-only", scale_search="mse")
-    with open(tmp_path / "mse" / PROVENANCE_FILE) as f:
-        layers = json.load(f)["layers"]
-    assert all(v["reduction_vs_rtn"] > 0 and v["rel_l2"] < v["rtn_rel_l2"] for v in layers.values())
+    layers = ExportRecord.read(str(tmp_path / "mse")).layers
+    assert all(v.reduction_vs_rtn > 0 and v.rel_l2 < v.rtn_rel_l2 for v in layers.values())
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])

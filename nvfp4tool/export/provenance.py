@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import nvfp4tool
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, LayerErrorRecord, SourceRecord,
                                       TensorRecord, ToolRecord, sha256_file)
 
@@ -58,3 +59,21 @@ def source_name(path: str) -> str:
     path = os.path.abspath(path).replace(os.sep, "/")
     match = _HUB_SNAPSHOT.search(path)
     return f"{match.group(1)}/{match.group(2)}" if match else os.path.basename(path.rstrip("/"))
+
+
+def locate_source(export_dir: str) -> tuple[str, int | None]:
+    """(path, step) of an export's source, found by the name its record gives, next to the export
+    folder or in the working directory, and only if its weight files' sha256 match the record
+    (the record holds no path). NVFP4ToolError asking for --source otherwise."""
+    record = ExportRecord.read(export_dir)
+    where = ExportRecord.path(export_dir)
+    name = record.source.name
+    candidates = [os.path.join(os.path.dirname(os.path.abspath(export_dir)), name), os.path.abspath(name)]
+    for folder in dict.fromkeys(candidates):
+        if os.path.isdir(folder) and record.source.files and all(
+                os.path.isfile(os.path.join(folder, f)) and sha256_file(os.path.join(folder, f)) == digest
+                for f, digest in record.source.files.items()):
+            return folder, record.source.step
+    raise NVFP4ToolError(f"{where}: the source {name!r} (recorded by name and file hashes, not by path) "
+                         f"is neither next to the export nor in the working directory with the same "
+                         f"weights; pass --source PATH")

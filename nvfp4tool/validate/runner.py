@@ -15,7 +15,6 @@ quantization makes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.provenance import PROVENANCE_FILE
+from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, load_export
 from nvfp4tool.model import default_linear, forward
 from nvfp4tool.validate import metrics
@@ -284,15 +283,7 @@ def _generation(loaded: Loaded, candidates: list[Candidate], options: ValidateOp
 def _source_of(export_dir: str, source: str | None) -> tuple[str, int | None]:
     if source is not None:
         return os.path.abspath(source), None
-    path = os.path.join(export_dir, PROVENANCE_FILE)
-    if not os.path.isfile(path):
-        raise NVFP4ToolError(f"{export_dir}: no {PROVENANCE_FILE} naming the BF16 source; pass --source PATH")
-    with open(path) as f:
-        record = json.load(f).get("source") or {}
-    if not record.get("path") or not os.path.exists(record["path"]):
-        raise NVFP4ToolError(f"{path}: the BF16 source {record.get('path')!r} is not there; "
-                             "pass --source PATH")
-    return record["path"], record.get("step")
+    return locate_source(export_dir)
 
 
 def _open_source(path: str, step: int | None):
