@@ -239,11 +239,12 @@ def test_keep_bf16_excludes_whole_fused_groups(hf_dir, tmp_path):
 # --------------------------------------------------------------------------- errors / streaming
 
 
-def test_non_finite_weight_is_refused_and_nothing_is_written(hf_dir, tmp_path):
+@pytest.mark.parametrize("value", [np.inf, np.nan])  # a NaN must not vanish in max(0.0, nan) == 0.0
+def test_non_finite_weight_is_refused_and_nothing_is_written(hf_dir, tmp_path, value):
     bad = tmp_path / "bad"
     tensors = _tensors(hf_dir)
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].copy()
-    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.inf
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
     from converters.hf import write_safetensors
 
     os.makedirs(bad)
