@@ -116,14 +116,16 @@ class LayoutSpec:
         """The stored value of a per-tensor decode scale `s_dec`, in this layout's shape."""
         value = np.asarray(s_dec, np.float32).reshape(())
         if self.convention == "encode":
-            value = np.float32(1.0) / value
+            with np.errstate(divide="ignore"):  # 0 -> inf: the checker's inputs may be broken
+                value = np.float32(1.0) / value
         return np.asarray(value, np.float32).reshape(self.global_shape)
 
     def decode_global(self, stored: np.ndarray | float) -> np.ndarray:
         """The decode scale S_dec (fp32, shape []) of a stored per-tensor scale."""
         value = np.asarray(stored, np.float32).reshape(())
         if self.convention == "encode":
-            value = np.float32(1.0) / value
+            with np.errstate(divide="ignore"):
+                value = np.float32(1.0) / value
         return np.asarray(value, np.float32).reshape(())
 
     def to_roles(self, module: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
