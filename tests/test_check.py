@@ -131,6 +131,30 @@ def test_bad_weight_global_scale(tmp_path, fmt, value):
     assert problem.module == DOWN
 
 
+@pytest.mark.parametrize("fmt,quant", FORMATS)
+def test_reciprocal_weight_global_scale_is_an_implausible_magnitude(tmp_path, fmt, quant):
+    # no provenance record here: the magnitude rule alone catches the convention mix-up
+    ckpt = build_checkpoint(fmt, quant)
+    name = f"{DOWN}.{_global_suffix(fmt, quant)}"
+    ckpt.tensors[name] = np.asarray(np.float32(1.0) / ckpt.tensors[name], np.float32)
+    report = _check(tmp_path, ckpt)
+    problem = _only(report, name, "implausible for a linear layer")
+    assert "reciprocal" in problem.message
+
+
+@pytest.mark.parametrize("fmt,quant", FORMATS)
+def test_bf16_tensor_relabelled_f16_disagrees_with_config(tmp_path, fmt, quant):
+    ckpt = build_checkpoint(fmt, quant)
+    ckpt.tensors["model.norm.weight"] = ckpt.tensors["model.norm.weight"].view(np.float16)  # same bytes
+    _only(_check(tmp_path, ckpt), "model.norm.weight", "is F16 but config.json says dtype bfloat16")
+
+
+def _global_suffix(fmt: str, quant: str) -> str:
+    from nvfp4tool.formats import get
+
+    return get(fmt, quant).suffix("weight_global")
+
+
 def test_bad_input_scale_and_fp8_weight_scale(tmp_path):
     ckpt = build_checkpoint("modelopt", "nvfp4")
     ckpt.tensors[f"{O}.input_scale"] = _scalar("modelopt", -0.5)

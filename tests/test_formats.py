@@ -138,3 +138,36 @@ def test_describe_refuses_folders_without_a_layout(built, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(NVFP4ToolError, match="not valid JSON"):  # not "no quantization_config"
         formats.describe(str(tmp_path))
+
+
+def _rewrite(folder: str, edit) -> None:
+    """Rewrite `folder`'s single safetensors file with `edit(tensors)` applied."""
+    from converters.hf import write_safetensors
+
+    source = HFFolderSource(folder, check_config=False)
+    tensors = {n: source.get(n) for n in source.names()}
+    edit(tensors)
+    path = os.path.join(folder, "model.safetensors")
+    os.remove(path)
+    write_safetensors(path, [(n, a.dtype.name, a.shape) for n, a in tensors.items()], tensors.__getitem__)
+
+
+DOWN = "model.layers.0.mlp.down_proj"
+
+
+@pytest.mark.parametrize("defect", ["zero-global-scale", "missing-global-scale"])
+def test_convert_format_refuses_what_check_refuses(built, tmp_path, defect):
+    import shutil
+
+    src = str(tmp_path / "src")
+    shutil.copytree(built[("modelopt", "nvfp4")], src)
+    name = f"{DOWN}.weight_scale_2"
+    if defect == "zero-global-scale":  # would become inf in compressed-tensors
+        _rewrite(src, lambda t: t.__setitem__(name, np.zeros((), np.float32)))
+    else:  # would produce a mixed-format folder
+        _rewrite(src, lambda t: t.pop(name))
+    result = CliRunner().invoke(cli, ["convert-format", src, str(tmp_path / "out"), "--to", "compressed-tensors"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and name in errors[0] and "fails `nvfp4tool check`" in errors[0], result.output
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing written, not even a temporary folder

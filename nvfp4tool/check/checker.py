@@ -255,8 +255,9 @@ def _check_scales(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec
             found.append(Problem(module, f"{module}.{weight_suffix}", (
                 f"is {stored:.6g}: the weight decodes to |w| up to ~{s_dec * spec.element_range:.3g} "
                 f"(S_dec = {s_dec:.6g} > 1), implausible for a linear layer (bound "
-                f"{spec.element_range:g}); a {spec.convention} scale stored with the other "
-                f"convention (amax/{spec.element_range:g} vs {spec.element_range:g}/amax)?")))
+                f"{spec.element_range:g}); the reciprocal stored (decode amax/{spec.element_range:g} "
+                f"vs encode {spec.element_range:g}/amax: this layout stores the {spec.convention} "
+                f"scale)?")))
 
 
 def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spec: LayoutSpec,
