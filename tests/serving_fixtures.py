@@ -197,3 +197,25 @@ def _hf_quant_config(quant: str) -> dict[str, Any]:
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
+
+
+def write_export_record(folder: str | os.PathLike, ckpt: ServingCheckpoint, fmt: str, quant: str, *,
+                        source_name: str = "org/src") -> None:
+    """A valid `nvfp4tool_export.json` for a single-file checkpoint written by `write_checkpoint`:
+    every tensor with its sha256 (no decoded amax), as `nvfp4tool export` would record it."""
+    import hashlib
+
+    from nvfp4tool.records.export import (ExportRecord, LayerErrorRecord, SourceRecord, TensorRecord,
+                                          ToolRecord)
+
+    codes = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3"}
+    tensors = {n: TensorRecord(file="model.safetensors", dtype=codes[a.dtype.name], shape=tuple(a.shape),
+                               sha256=hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest())
+               for n, a in ckpt.tensors.items()}
+    ExportRecord(tool=ToolRecord(name="nvfp4tool", version="0.1.0"),
+                 source=SourceRecord(name=source_name, kind="hf", step=None, files={}),
+                 format=fmt, quant=quant, scale_search="rtn", weight_block="1d", recipe=None,
+                 precision_map={**{m: quant for m in linear_shapes()}, "lm_head": "bf16"},
+                 exclude_modules=("lm_head",), input_amax_origin="calibration", calibration=None,
+                 input_amax=None, layers={m: LayerErrorRecord(rel_l2=0.1) for m in linear_shapes()},
+                 files=("model.safetensors",), tensors=tensors).write(os.fspath(folder))

@@ -42,7 +42,7 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: dict
     `validation` is validation.json's content (None: published without validation)."""
     config = read_json(folder, "config.json") or {}
     provenance = read_json(folder, PROVENANCE_FILE) or {}
-    source_path = str((provenance.get("source") or {}).get("path") or "")
+    source_path = str((provenance.get("source") or {}).get("name") or "")  # ExportRecord.source.name
     base_model = base_model or source_repo_id(source_path)
     license = license or _source_license(source_path, config)
     data = ModelCardData(
