@@ -3,11 +3,13 @@
     report = check_checkpoint("out/llama-nvfp4", tp=(1, 2, 4, 8))
     for p in report.problems: print(p.line())      # "<module>: <tensor>: <what is wrong>"
 
-    formats  which format a folder claims (ModelOpt NVFP4 / W4A16 / FP8, compressed-tensors
-             nvfp4-pack-quantized), its tensor names and exclusion rules
+    formats  which layout a folder claims (`nvfp4tool.formats`: ModelOpt NVFP4 / W4A16 / FP8,
+             compressed-tensors nvfp4-pack-quantized / float-quantized), its config problems
     files    safetensors headers and index checked against the files; chunked tensor reads
     scan     zero / NaN / sign counts of one tensor's data, streamed
-    model    the tensors against the model config.json describes (supported families)
+    model    the tensors against the model config.json describes (supported families), and
+             unquantized dtypes against config.json's dtype
+    record   the tensors against the export's provenance record (sha256, dtype, decoded amax)
     checker  check_checkpoint: per-module, fused-group and data checks
     report   Problem, ModuleStats, CheckReport (JSON, rich table)
 """

@@ -20,11 +20,10 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
-from converters.hf import SAFETENSORS_DTYPES
+from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES
 from nvfp4tool.check.report import FILE_LEVEL, Problem
 from nvfp4tool.errors import NVFP4ToolError
 
-INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 * 2**20  # the most tensor data held at once
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 

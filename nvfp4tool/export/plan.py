@@ -16,22 +16,19 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
-from typing import Literal
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.formats import QUANTS
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.recipes.precision import fused_group
-
-Quant = Literal["nvfp4", "nvfp4-weight-only", "fp8"]
-QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExportPlan:
     """The quantization plan of one export."""
 
-    quant: str  # one of QUANTS
+    quant: str  # one of nvfp4tool.formats.QUANTS
     quantized: tuple[str, ...]  # linear module names quantized, in model order
     excluded: tuple[str, ...]  # linear module names kept BF16 (always includes lm_head)
     groups: Mapping[str, tuple[str, ...]]  # fused group -> its quantized members
