@@ -91,7 +91,9 @@ def read_layout(folder: str) -> FolderLayout:
     if modelopt.claims(qc, hf_quant):
         quant, exclude, source, found = modelopt.parse(qc, hf_quant)
         if quant is None:
-            algo = ((hf_quant or {}).get("quantization") or {}).get("quant_algo") or (qc or {}).get("quant_algo")
+            quantization = (hf_quant or {}).get("quantization")
+            algo = ((quantization if isinstance(quantization, dict) else {}).get("quant_algo")
+                    or (qc if isinstance(qc, dict) else {}).get("quant_algo"))
             raise NVFP4ToolError(f"{folder}: ModelOpt quant_algo {algo!r} is not supported; supported: "
                                  f"{', '.join(modelopt.QUANT_OF_ALGO)}")
         spec, targets = modelopt.SPECS[quant], ("Linear",)
