@@ -7,7 +7,7 @@ problems of its JSON configs as check `Problem`s.
 from __future__ import annotations
 
 from nvfp4tool.check.report import CONFIG_LEVEL, Problem
-from nvfp4tool.formats import CONFIG_FILE, SPECS, FolderLayout, LayoutSpec, read_layout
+from nvfp4tool.formats import CONFIG_FILE, SPECS, FolderLayout, LayoutSpec, describe
 
 CONFIG = CONFIG_FILE
 # Every suffix a quantized module of any layout carries besides the plain HF `weight`.
@@ -22,7 +22,7 @@ def detect_format(folder: str) -> tuple[FolderLayout, list[Problem]]:
 
     Raises NVFP4ToolError when the folder declares no supported layout at all.
     """
-    layout = read_layout(folder)
+    layout = describe(folder)
     return layout, [Problem(CONFIG_LEVEL, file, message) for file, message in layout.problems]
 
 

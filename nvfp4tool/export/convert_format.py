@@ -40,7 +40,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     start = time.perf_counter()
     if to not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(formats.FORMATS)}")
-    layout = formats.read_layout(src)
+    layout = formats.describe(src)
     if layout.format == to:
         raise NVFP4ToolError(f"{src}: already in the {to} layout")
     _refuse_what_check_refuses(src)
@@ -100,8 +100,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
         hf_quant = target.hf_quant_config(layout.exclude, {"name": "nvfp4tool", "version": __version__})
         if hf_quant is not None:
             _write_json(os.path.join(tmp, formats.HF_QUANT_CONFIG_FILE), hf_quant)
-        skip = (formats.CONFIG_FILE, formats.HF_QUANT_CONFIG_FILE, INDEX_FILE, ExportRecord.FILE_NAME,
-                "*.safetensors")
+        skip = (*source_spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
         for file_name in sorted(os.listdir(src)):
             path = os.path.join(src, file_name)
             if os.path.isfile(path) and not any(fnmatch.fnmatch(file_name, p) for p in skip):

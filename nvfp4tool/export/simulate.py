@@ -61,7 +61,7 @@ def load_export(folder: str) -> ExportedModel:
     folder's spec (decode scales whatever the stored convention)."""
     from nvfp4tool import formats
 
-    spec = formats.read_layout(folder).spec
+    spec = formats.describe(folder).spec
     decode_names = formats.get("modelopt", spec.quant)  # the names `_dequantize` reads
     source = HFFolderSource(folder, check_config=False)
     config = ModelConfig.from_hf_folder(folder)

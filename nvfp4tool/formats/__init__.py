@@ -40,7 +40,7 @@ SPECS: dict[tuple[str, str], LayoutSpec] = {
 }
 
 __all__ = ["CONFIG_FILE", "FORMATS", "GLOBAL_ROLES", "HF_QUANT_CONFIG_FILE", "QUANTS", "ROLES", "SPECS",
-           "FolderLayout", "LayoutSpec", "TensorSpec", "describe", "get", "read_layout"]
+           "FolderLayout", "LayoutSpec", "TensorSpec", "describe", "get"]
 
 
 def get(fmt: str, quant: str) -> LayoutSpec:
@@ -78,8 +78,10 @@ class FolderLayout:
         return any((is_linear and t == "Linear") or self.spec.matches(module, t) for t in self.targets)
 
 
-def read_layout(folder: str) -> FolderLayout:
-    """The layout a folder's configs declare, with every config problem found (not raised).
+def describe(folder: str) -> FolderLayout:
+    """The layout a folder's configs declare (`.format`, `.quant`, `.spec`, `.exclude`), with every
+    config problem found (`.problems`, not raised): what the model card, the tools and `check`
+    use to know what a folder is.
 
     Raises NVFP4ToolError only when the folder declares no supported layout at all.
     """
@@ -115,12 +117,6 @@ def read_layout(folder: str) -> FolderLayout:
                  if (why := spec.pattern_problem(t))]
     return FolderLayout(spec=spec, exclude=patterns, exclude_source=source, targets=targets,
                         problems=tuple(problems))
-
-
-def describe(folder: str) -> FolderLayout:
-    """The layout of an export folder (for the model card and the tools): `.format`, `.quant`,
-    `.spec`, `.exclude`. NVFP4ToolError when it is not a supported serving layout."""
-    return read_layout(folder)
 
 
 # ------------------------------------------------------------------------------------------
