@@ -374,3 +374,20 @@ def test_maxtext_source_exports_like_its_hf_original(hf_dir, tmp_path):
     _export(hf_dir, tmp_path / "from-hf", quant="nvfp4-weight-only")
     a, b = _tensors(str(tmp_path / "from-mt")), _tensors(str(tmp_path / "from-hf"))
     assert a.keys() == b.keys() and all(_bytes(a[n]) == _bytes(b[n]) for n in a)  # bf16 -> fp32 -> bf16 exact
+
+
+def test_outputs_overlapping_an_input_are_usage_errors_naming_the_flag(hf_dir, calib, exports, tmp_path):
+    runner = CliRunner()
+    cases = [  # (argv, the flag the message names); --force or not, nothing may be replaced
+        (["export", hf_dir, "--out", os.path.join(hf_dir, "sub"), "--quant", "nvfp4-weight-only"], "--out"),
+        (["export", hf_dir, "--out", hf_dir, "--quant", "nvfp4-weight-only", "--force"], "--out"),
+        (["export", hf_dir, "--out", os.path.dirname(calib), "--calib-data", calib, "--force"], "--out"),
+        (["convert-format", exports["modelopt"], exports["modelopt"], "--to", "compressed-tensors", "--force"],
+         "OUT"),
+    ]
+    before = {p: sorted(os.listdir(p)) for p in (hf_dir, os.path.dirname(calib), exports["modelopt"])}
+    for argv, flag in cases:
+        result = runner.invoke(cli, argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert flag in result.output, (argv, result.output)
+    assert before == {p: sorted(os.listdir(p)) for p in before}
