@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from converters.atomic import atomic_output_dir
+from converters.atomic import atomic_output_dir, check_output_path
 from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, HFFolderSource, write_safetensors
 from nvfp4tool import formats, progress
 from nvfp4tool.errors import NVFP4ToolError
@@ -40,6 +40,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     start = time.perf_counter()
     if to not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(formats.FORMATS)}")
+    check_output_path(out, (src,), flag="OUT")  # before any work (atomic_output_dir checks again)
     layout = formats.describe(src)
     if layout.format == to:
         raise NVFP4ToolError(f"{src}: already in the {to} layout")

@@ -36,7 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from converters.atomic import atomic_output_dir
+from converters.atomic import atomic_output_dir, check_output_path
 from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, parse_size,
                            plan_shards, write_safetensors)
 from nvfp4tool import formats, progress
@@ -100,6 +100,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     """Export `src` to the serving folder `out` (see the module docstring)."""
     start = time.perf_counter()
     _check_options(options)
+    inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
+    check_output_path(out, inputs, flag="--out")  # before any work (atomic_output_dir checks again)
     source = open_source(src, step=options.step, model_config=options.model_config,
                          rope_layout=options.rope_layout)
     spec = formats.get(options.format, options.quant)
@@ -117,7 +119,6 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
                          parse_size(options.max_shard_size))
     loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options)
     files: list[str] = []
-    inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
     with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp, _task(
             options.show_progress, len(names)) as task:
         weight_map: dict[str, str] = {}
