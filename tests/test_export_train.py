@@ -19,6 +19,7 @@ import pytest
 
 from converters.hf import HFFolderSource
 from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.recipes.precision import COMPUTE_DTYPE, fused_group, group_amax
 from nvfp4tool.train.config import load_train_config
@@ -83,10 +84,10 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     with open(tmp_path / "final" / "hf_quant_config.json") as f:
         assert sorted(json.load(f)["quantization"]["exclude_modules"]) == sorted(
             n for n, p in pmap.items() if p == "bf16")
-    with open(tmp_path / "final" / "nvfp4tool_export.json") as f:
-        record = json.load(f)
-    assert record["weight_block"] == "2d" and record["input_amax_origin"] == "training run"
-    assert record["recipe"]["recipe"] == "nvfp4"
+    record = ExportRecord.read(tmp_path / "final")
+    assert record.weight_block == "2d" and record.input_amax_origin == "training run"
+    assert record.recipe["recipe"] == "nvfp4" and record.source.kind == "run"
+    assert record.source.name == os.path.basename(str(run_dir)) and "hf/model.safetensors" in record.source.files
 
     # --step 3 (the Orbax checkpoint's FP32 master weights, rounded to BF16) = the final hf/ folder
     export_checkpoint(str(run_dir), str(tmp_path / "step3"), ExportOptions(step=3, show_progress=False))
