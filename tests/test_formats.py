@@ -1,6 +1,7 @@
 """The serving layouts declared in `nvfp4tool.formats`, end to end: every (format x quant) that
-export writes passes `check` (CLI, in-process), converts to the other format and back losslessly
-(byte-identical tensors) and the converted folders pass `check` too; and the specs' own rules
+export writes passes `check` (CLI, in-process) and `push --dry-run`, converts to the other format
+and back losslessly (byte-identical tensors) and the converted folders pass `check` too; and the
+specs' own rules
 (role round trip, scale conventions, exclusion matching, folder detection)."""
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def test_every_export_passes_check_and_converts_losslessly_both_ways(built, tmp_
     # the converted layout holds exactly what a direct export into it holds
     assert _tensor_bytes(there) == _tensor_bytes(built[(OTHER[fmt], quant)])
     assert ExportRecord.read(there).format == OTHER[fmt]
+    # and push accepts it (dry run: the check, then the model card; nothing uploaded)
+    result = CliRunner().invoke(cli, ["push", folder, "--repo-id", "org/tiny", "--dry-run", "--no-validation"])
+    assert result.exit_code == 0, result.output
 
 
 def test_export_folder_has_normal_permissions(built):
