@@ -149,6 +149,13 @@ def test_bf16_tensor_relabelled_f16_disagrees_with_config(tmp_path, fmt, quant):
     _only(_check(tmp_path, ckpt), "model.norm.weight", "is F16 but config.json says dtype bfloat16")
 
 
+@pytest.mark.parametrize("fmt,quant", FORMATS)
+def test_float_tensor_relabelled_integer_is_caught(tmp_path, fmt, quant):
+    ckpt = build_checkpoint(fmt, quant)
+    ckpt.tensors["model.norm.weight"] = ckpt.tensors["model.norm.weight"].view(np.int16)  # same bytes
+    _only(_check(tmp_path, ckpt), "model.norm.weight", "is I16, not a floating dtype")
+
+
 def _global_suffix(fmt: str, quant: str) -> str:
     from nvfp4tool.formats import get
 

@@ -71,9 +71,12 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
     problems = []
     for name, entry in entries.items():
         module, _, suffix = name.rpartition(".")
-        if (module in quantized and suffix in layout_suffixes) or entry.code not in _FLOAT16_32:
+        if module in quantized and suffix in layout_suffixes:
             continue
-        if math.prod(entry.shape) > 1 and entry.code != want:
+        if entry.code in _INTEGER and suffix in ("weight", "bias"):  # e.g. F32 relabelled I32
+            problems.append(Problem(module, name, f"is {entry.code}, not a floating dtype, for an "
+                                                  f"unquantized parameter ({CONFIG} says dtype {declared})"))
+        elif entry.code in _FLOAT16_32 and math.prod(entry.shape) > 1 and entry.code != want:
             problems.append(Problem(module, name, f"is {entry.code} but {CONFIG} says dtype "
                                                   f"{declared} ({want}): relabelled header?"))
     return problems
@@ -81,3 +84,5 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
 
 _CODE_OF_TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _FLOAT16_32 = ("BF16", "F16", "F32")
+# Integer dtypes no parameter of ours has (U8 / F8 are quantized data, judged by the module checks).
+_INTEGER = ("I8", "I16", "I32", "I64", "U16", "U32", "U64", "BOOL")
