@@ -56,8 +56,9 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
                  spec: LayoutSpec) -> list[Problem]:
     """Unquantized floating tensors against config.json's `dtype` / `torch_dtype`: a BF16 tensor
     whose header was relabelled F16 (same size, every value wrong) loads without complaint
-    otherwise. Tensors of quantized modules (their dtypes are the layout's) and single-element
-    scales are not judged here."""
+    otherwise; an unquantized weight / bias with an integer dtype (F32 relabelled I32) neither.
+    Tensors of quantized modules (their dtypes are the layout's) and single-element scales are not
+    judged here."""
     try:
         with open(os.path.join(folder, CONFIG), encoding="utf-8") as f:
             config = json.load(f)
