@@ -122,7 +122,7 @@ def _provenance_section(provenance: dict) -> str:
     source = provenance.get("source") or {}
     calibration = provenance.get("calibration") or {}
     tool = provenance.get("tool") or {}
-    source_path = str(source.get("path") or "")
+    source_path = str(source.get("name") or "")  # ExportRecord.source.name (no path)
     # a Hub repo id, else only the folder name: the card does not publish local paths
     source_name = source_repo_id(source_path) or os.path.basename(source_path.rstrip("/"))
     step = f", step {source['step']}" if source.get("step") is not None else ""
