@@ -165,8 +165,8 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     tensor's dtype; config.json's dtype follows. Shards when the total exceeds `max_shard_size`
     ("5GB" = 5e9 bytes, "2GiB" = 2*2**30, or an int), with `model.safetensors.index.json`.
     `copy_from`: a folder whose tokenizer and generation-config files are copied. Every tensor is
-    checked against `config.expected_tensor_shapes()` first; a value the cast turns into inf is an
-    error. `flag` names `out_dir` in messages (an output overlapping the source or `copy_from` is
+    checked against `config.expected_tensor_shapes()` first; a non-finite value (one the source
+    holds, or one the cast overflows to) is an error and nothing is written. `flag` names `out_dir` in messages (an output overlapping the source or `copy_from` is
     refused, see `converters.atomic`). Memory: one tensor at a time.
     """
     target_dtype = _parse_dtype(dtype)
@@ -185,10 +185,9 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
 
     def cast(name: str) -> np.ndarray:
         array = np.asarray(source.get(name))
-        if array.dtype.name == out_dtypes[name]:
-            return array
-        array = array.astype(out_dtypes[name])
-        check_finite(array, f"{source.path}: tensor {name!r}", after=f"after the cast to {out_dtypes[name]}")
+        cast_to = out_dtypes[name] if array.dtype.name != out_dtypes[name] else None
+        array = array.astype(out_dtypes[name], copy=False)
+        check_finite(array, f"{source.path}: tensor {name!r}", after=cast_to and f"after the cast to {cast_to}")
         return array
 
     file_names = [SINGLE_FILE] if len(shards) == 1 else [
