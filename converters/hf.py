@@ -186,7 +186,8 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     def cast(name: str) -> np.ndarray:
         array = np.asarray(source.get(name))
         cast_to = out_dtypes[name] if array.dtype.name != out_dtypes[name] else None
-        array = array.astype(out_dtypes[name], copy=False)
+        with np.errstate(over="ignore"):  # an overflow to inf is reported just below
+            array = array.astype(out_dtypes[name], copy=False)
         check_finite(array, f"{source.path}: tensor {name!r}", after=cast_to and f"after the cast to {cast_to}")
         return array
 

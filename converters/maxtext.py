@@ -42,7 +42,7 @@ import numpy as np
 
 from converters import layout
 from converters.atomic import atomic_output_dir
-from converters.tensor_source import TensorSource, check_against_config
+from converters.tensor_source import TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 
@@ -90,13 +90,18 @@ class MaxTextSource:
         return self._entry(name)[3]
 
     def get(self, name: str) -> np.ndarray:
+        """One HF tensor; its stored values and the converted ones must be finite."""
         rule, layer, _, dtype = self._entry(name)
         key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
+        where = f"{self._label}: parameter {_where(key)}" + (f" layer {layer}" if self.scanned and rule.per_layer else "")
         if self.scanned and rule.per_layer:
-            y = self._read_layer(key, layer)
+            y = self._read_layer(key, layer, where)
         else:
-            y = self._read(key)
-        return layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
+            y = self._read(key, where)
+        check_finite(y, where)
+        hf = layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
+        check_finite(hf, where, after=f"after its conversion to HF tensor {name!r}")
+        return hf
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -118,7 +123,7 @@ class MaxTextSource:
             for layer in layers:
                 key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
                 meta = _lookup(params, key)
-                where = "/".join(layout.PARAMS_PREFIX + key)
+                where = _where(key)
                 if meta is None:
                     raise NVFP4ToolError(f"{self._label}: parameter {where} missing (the "
                                          f"{config.family} config expects it)")
@@ -136,7 +141,7 @@ class MaxTextSource:
         extra = sorted(set(_leaf_paths(params)) - set(self._meta))
         if extra:  # e.g. logits_dense with a tied config, or more layers than the config has
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise NVFP4ToolError(f"{self._label}: parameter {'/'.join(layout.PARAMS_PREFIX + extra[0])}"
+            raise NVFP4ToolError(f"{self._label}: parameter {_where(extra[0])}"
                                  f"{more} is not part of the model the config describes")
         return index
 
@@ -157,20 +162,20 @@ class MaxTextSource:
             try:
                 self._handles[key] = ts.open(spec, open=True, read=True, context=self._ts_context).result()
             except ValueError as err:
-                raise NVFP4ToolError(f"{self._label}: cannot open parameter "
-                                     f"{'/'.join(layout.PARAMS_PREFIX + key)}: {err}") from None
+                raise NVFP4ToolError(f"{self._label}: cannot open parameter {_where(key)}: "
+                                     f"{_first_line(err)}") from None
         return self._handles[key]
 
-    def _read(self, key: tuple[str, ...]) -> np.ndarray:
-        return np.asarray(self._open(key).read().result())
+    def _read(self, key: tuple[str, ...], where: str) -> np.ndarray:
+        return _fetch(self._open(key), where)
 
-    def _read_layer(self, key: tuple[str, ...], layer: int) -> np.ndarray:
+    def _read_layer(self, key: tuple[str, ...], layer: int, where: str) -> np.ndarray:
         handle = self._open(key)
         if handle.chunk_layout.read_chunk.shape[layout.LAYER_AXIS] != 1:
-            handle = self._restaged(key)
-        return np.asarray(handle[(slice(None), layer)].read().result())
+            handle = self._restaged(key, where)
+        return _fetch(handle[(slice(None), layer)], where)
 
-    def _restaged(self, key: tuple[str, ...]):
+    def _restaged(self, key: tuple[str, ...], where: str):
         """A scratch copy of a stack whose chunks span layers, re-chunked one layer per chunk.
 
         Each such stack is read whole once (one stacked tensor in memory) and written to the
@@ -182,7 +187,7 @@ class MaxTextSource:
             if self._scratch_dir is None:
                 self._scratch_dir = tempfile.mkdtemp(prefix="nvfp4tool-maxtext-")
                 weakref.finalize(self, shutil.rmtree, self._scratch_dir, True)
-            stacked = self._read(key)
+            stacked = self._read(key, where)
             chunk = list(stacked.shape)
             chunk[layout.LAYER_AXIS] = 1
             spec = {"driver": "zarr3",
@@ -198,8 +203,13 @@ class MaxTextSource:
 
 def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                   scan_layers: bool = True, rope_layout: str, dtype: str = "fp32",
-                  force: bool = False) -> str:
-    """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`."""
+                  force: bool = False, flag: str = "output") -> str:
+    """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`.
+
+    Every stored array must be finite (a value the cast or the query scale overflows is an error,
+    nothing written); `flag` names `out_dir` in messages (an output overlapping the source is
+    refused, see `converters.atomic`).
+    """
     out_dtype = DTYPES.get(dtype)
     if out_dtype is None:
         raise NVFP4ToolError(f"MaxText dtype {dtype!r} unsupported; supported: fp32, bf16")
@@ -213,7 +223,8 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
 
     leaves = _plan_leaves(config, scan_layers, out_dtype)
     budget = max(nbytes for *_, nbytes in leaves)
-    with atomic_output_dir(out_dir, force) as tmp_dir:
+    inputs = [source.path] if os.path.exists(source.path) else []
+    with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         items_dir = _save_skeleton(ocp, tmp_dir, scan_layers)
         scratch = os.path.join(tmp_dir, ".leaves")
         tree_metadata = _read_json(os.path.join(items_dir, _METADATA_FILE))
@@ -302,17 +313,22 @@ def _groups(leaves: list[tuple], budget: int) -> Iterator[list[tuple]]:
 
 def _build_leaf(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
                 shape: tuple[int, ...], out_dtype: str, rope_layout: str, scanned: bool) -> np.ndarray:
-    """The stored array of one parameter; a scanned stack is filled one source layer at a time."""
+    """The stored array of one parameter; a scanned stack is filled one source layer at a time.
+    Each converted layer must be finite."""
     if scanned and rule.per_layer:
         stacked = np.empty(shape, dtype=out_dtype)
         for i in range(config.num_layers):
-            name = layout.hf_name(rule, i)
-            y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
-            stacked[:, i] = y
-            del y
+            stacked[:, i] = _converted(source, config, rule, i, rope_layout, out_dtype)
         return stacked
-    return layout.hf_to_maxtext(rule, source.get(layout.hf_name(rule, layer)), config, rope_layout,
-                                out_dtype)
+    return _converted(source, config, rule, layer, rope_layout, out_dtype)
+
+
+def _converted(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
+               rope_layout: str, out_dtype: str) -> np.ndarray:
+    name = layout.hf_name(rule, layer)
+    y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
+    check_finite(y, f"{source.path}: tensor {name!r}", after=f"as stored in MaxText ({out_dtype})")
+    return y
 
 
 def _save_skeleton(ocp, base_dir: str, scan_layers: bool) -> str:
@@ -393,6 +409,24 @@ def _detect_scanned(params: dict, label: str) -> bool:
         return False
     raise NVFP4ToolError(f"{label}: neither params/params/decoder/layers (scanned) nor "
                          f"decoder/layers_0 (unscanned) is in the checkpoint")
+
+
+def _fetch(view, where: str) -> np.ndarray:
+    """Read a tensorstore view; a corrupted or truncated chunk is one line naming the array."""
+    try:
+        return np.asarray(view.read().result())
+    except (ValueError, OSError) as err:
+        raise NVFP4ToolError(f"{where} cannot be read (corrupted or truncated checkpoint data: "
+                             f"{_first_line(err)})") from None
+
+
+def _first_line(err: Exception) -> str:
+    """tensorstore's message without its source-location suffix."""
+    return str(err).splitlines()[0].split(" [source locations=")[0] if str(err) else type(err).__name__
+
+
+def _where(key: tuple[str, ...]) -> str:
+    return "/".join(layout.PARAMS_PREFIX + key)
 
 
 def _lookup(tree: dict, key: tuple[str, ...]):
