@@ -158,7 +158,7 @@ class HFFolderSource:
 def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                     dtype: str | None = "bf16", max_shard_size: int | str = "5GB",
                     copy_from: str | os.PathLike | None = None, force: bool = False,
-                    flag: str = "output") -> list[str]:
+                    inputs: Iterable[str | os.PathLike] = (), flag: str = "output") -> list[str]:
     """Write `source` as an HF model folder; return the weight file names written.
 
     dtype: "bf16" / "fp32" cast every floating tensor (round to nearest even), None keeps each
@@ -166,15 +166,16 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     ("5GB" = 5e9 bytes, "2GiB" = 2*2**30, or an int), with `model.safetensors.index.json`.
     `copy_from`: a folder whose tokenizer and generation-config files are copied. Every tensor is
     checked against `config.expected_tensor_shapes()` first; a non-finite value (one the source
-    holds, or one the cast overflows to) is an error and nothing is written. `flag` names `out_dir` in messages (an output overlapping the source or `copy_from` is
-    refused, see `converters.atomic`). Memory: one tensor at a time.
+    holds, or one the cast overflows to) is an error and nothing is written. `inputs` (the folders
+    the source reads) and `copy_from` must not overlap `out_dir`, which messages call `flag` (see
+    `converters.atomic`). Memory: one tensor at a time.
     """
     target_dtype = _parse_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     expected = config.expected_tensor_shapes()
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
     check_against_config(source, expected, ignore_extra=ignore)
-    inputs = [p for p in (source.path, copy_from) if p is not None and os.path.exists(p)]
+    inputs = [*inputs, *([copy_from] if copy_from is not None else [])]
     names = list(expected)
     out_dtypes = {n: _output_dtype(source.dtype(n), target_dtype) for n in names}
     shards = plan_shards(names, lambda n: _nbytes(out_dtypes[n], expected[n]), shard_limit)

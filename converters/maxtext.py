@@ -35,7 +35,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
 import numpy as np
@@ -203,12 +203,13 @@ class MaxTextSource:
 
 def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                   scan_layers: bool = True, rope_layout: str, dtype: str = "fp32",
-                  force: bool = False, flag: str = "output") -> str:
+                  force: bool = False, inputs: Iterable[str | os.PathLike] = (),
+                  flag: str = "output") -> str:
     """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`.
 
     Every stored array must be finite (a value the cast or the query scale overflows is an error,
-    nothing written); `flag` names `out_dir` in messages (an output overlapping the source is
-    refused, see `converters.atomic`).
+    nothing written); `inputs` (the folders the source reads) must not overlap `out_dir`, which
+    messages call `flag` (see `converters.atomic`).
     """
     out_dtype = DTYPES.get(dtype)
     if out_dtype is None:
@@ -223,7 +224,6 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
 
     leaves = _plan_leaves(config, scan_layers, out_dtype)
     budget = max(nbytes for *_, nbytes in leaves)
-    inputs = [source.path] if os.path.exists(source.path) else []
     with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         items_dir = _save_skeleton(ocp, tmp_dir, scan_layers)
         scratch = os.path.join(tmp_dir, ".leaves")
