@@ -144,3 +144,40 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
     assert sorted(os.listdir(out.parent)) == ["out"]
     assert not (out / "previous.txt").exists()
     assert _tensors(str(out), kind) == reference
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    from nvfp4tool.train.data import embedded_corpus, iter_documents
+    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["start", "publish"])
+def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tmp_path, point):
+    """train's final HF folder (run/hf) is written atomically too: killed while writing it, the
+    run has no hf/ (only its checkpoints), and resume=true writes it and removes the debris."""
+    from nvfp4tool.train.data import embedded_corpus
+
+    train_txt, val_txt = embedded_corpus()
+    run = tmp_path / "run"
+    args = ["train", "model=tiny", f"data={train_txt}", f"eval_data={val_txt}", f"tokenizer={tokenizer_dir}",
+            "recipe=bf16", "steps=2", "seq_len=32", "batch_size=8", "eval_every=0", f"out={run}", "seed=1"]
+    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+    assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
+    assert not (run / "hf").exists()  # no complete-looking broken folder
+
+    recorder = _Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        result = _cli(args + ["resume=true"])
+    finally:
+        progress.use_reporter(previous)
+    said = "\n".join(recorder.lines) + result.output
+    assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
+    assert not any(name.startswith(".hf.") for name in os.listdir(run))
+    assert len(HFFolderSource(run / "hf").names()) == len(HFFolderSource(run / "hf").config.expected_tensor_shapes())
