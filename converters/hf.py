@@ -417,17 +417,21 @@ def _is_count(value: Any) -> bool:
 
 
 def _check_tiling(spans: list[tuple[int, int, str]], data_size: int, defects: list[HeaderDefect]) -> None:
-    """The tensors must tile the data region exactly, as the safetensors library requires."""
-    cursor = 0
+    """The tensors must tile the data region exactly, as the safetensors library requires.
+    Overlaps are reported before gaps (two tensors on the same bytes also leave a gap elsewhere)."""
+    overlaps, gaps = [], []
+    cursor, last = 0, None
     for begin, end, name in sorted(spans):
         if begin < cursor:
-            defects.append(HeaderDefect(name, f"overlaps the previous tensor (its data starts at byte "
-                                              f"{begin}, before {cursor})"))
+            overlaps.append(HeaderDefect(name, f"overlaps tensor {last!r} (its data starts at byte {begin}, "
+                                               f"before {cursor} where {last!r} ends)"))
         elif begin > cursor:
-            defects.append(HeaderDefect(name, f"leaves a gap of {begin - cursor} bytes before it"))
-        cursor = max(cursor, end)
+            gaps.append(HeaderDefect(name, f"leaves a gap of {begin - cursor} bytes before it"))
+        if end > cursor:
+            cursor, last = end, name
     if cursor < data_size:
-        defects.append(HeaderDefect(None, f"{data_size - cursor} bytes after the last tensor's data"))
+        gaps.append(HeaderDefect(None, f"{data_size - cursor} bytes after the last tensor's data"))
+    defects.extend(overlaps + gaps)
 
 
 def _read_by_hand(entry: TensorEntry) -> np.ndarray:

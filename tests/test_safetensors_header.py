@@ -49,7 +49,7 @@ def drop(name):
 
 # (id, how the file is built, tensor named or None, words in the message)
 DEFECTS = [
-    ("overlap", dict(edit=set_field("d", "data_offsets", [48, 64])), "'d'", "overlaps the previous tensor"),
+    ("overlap", dict(edit=set_field("d", "data_offsets", [48, 64])), "'d'", "overlaps tensor 'b'"),
     ("gap", dict(edit=drop("b")), "'c'", "gap of 16 bytes"),
     ("bytes after the data", dict(tail=b"\0" * 8), None, "8 bytes after the last tensor"),
     ("dtype relabel, other size", dict(edit=set_field("a", "dtype", "F16")), "'a'", "header lies about its size"),
