@@ -18,6 +18,8 @@ Guarantees (the README's safety promises):
 * Operating-system errors while writing (a read-only parent, a full disk) become one line naming
   `out`, not the temporary path; one about another file (an unreadable input) names that file.
 * Parent folders created for `out` are removed again if the write fails.
+* `scratch_dir(prefix)`: work folders in the system temporary folder (MaxText re-chunking) are
+  marked the same way, and stale ones are removed by the next run.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
     done = []
     for kind in ("old", "tmp"):  # put a previous output back before anything else
         for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.{kind}-*"))):
-            pid = _marker_pid(path)
-            if pid is None or _alive(pid):
+            pid = _stale_pid(path)
+            if pid is None:
                 continue  # not ours, or its writer is still running
             kept = os.path.join(path, base)
             if kind == "old" and os.path.isdir(kept) and not os.path.lexists(out_dir):
@@ -113,11 +115,26 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
             _remove(path)
             progress.info(f"removed {path}: temporary folder of an interrupted run (pid {pid})")
             done.append(path)
-    pid = _marker_pid(out_dir) if os.path.isdir(out_dir) and not os.path.islink(out_dir) else None
-    if pid is not None and not _alive(pid):
+    pid = _stale_pid(out_dir) if not os.path.islink(out_dir) else None
+    if pid is not None:
         os.unlink(os.path.join(out_dir, MARKER_FILE))
         progress.info(f"removed the marker of an interrupted run (pid {pid}) from {out_dir}")
     return done
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new folder in the system temporary folder for this process's work files, marked like the
+    output siblings (its owner removes it when done). Stale ones of `prefix` (their process
+    killed) are removed first, and said."""
+    root = tempfile.gettempdir()
+    for path in sorted(glob.glob(os.path.join(glob.escape(root), f"{glob.escape(prefix)}*"))):
+        pid = _stale_pid(path)
+        if pid is not None:
+            _remove(path)
+            progress.info(f"removed {path}: scratch folder of an interrupted run (pid {pid})")
+    folder = tempfile.mkdtemp(prefix=prefix)
+    _write_marker(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------------------
@@ -221,6 +238,12 @@ def _marker_pid(folder: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def _stale_pid(folder: str) -> int | None:
+    """The pid in `folder`'s marker if that process is gone; None if unmarked (not ours) or alive."""
+    pid = _marker_pid(folder) if os.path.isdir(folder) else None
+    return pid if pid is not None and not _alive(pid) else None
 
 
 def _alive(pid: int) -> bool:

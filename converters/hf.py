@@ -189,7 +189,8 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
         cast_to = out_dtypes[name] if array.dtype.name != out_dtypes[name] else None
         with np.errstate(over="ignore"):  # an overflow to inf is reported just below
             array = array.astype(out_dtypes[name], copy=False)
-        check_finite(array, f"{source.path}: tensor {name!r}", after=cast_to and f"after the cast to {cast_to}")
+        check_finite(array, f"{source.path}: tensor {name!r}",
+                     after=f"after the cast to {cast_to}" if cast_to else "")
         return array
 
     file_names = [SINGLE_FILE] if len(shards) == 1 else [
@@ -441,7 +442,8 @@ def _read_by_hand(entry: TensorEntry) -> np.ndarray:
             f.seek(entry.start)
             got = f.readinto(buffer)
     except OSError as bad:
-        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad.strerror or bad})") from None
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read "
+                             f"({bad.strerror or bad})") from None
     if got != entry.nbytes:  # the file shrank since its header was checked
         raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of "
                              f"{entry.nbytes} bytes")

@@ -7,8 +7,8 @@ touched), each straight from its zarr array in the OCDBT store with tensorstore,
 reads one array -- or, for a scanned stack whose chunks hold one layer each (what `write_maxtext`
 writes), only that layer's chunks. A stack whose chunks span layers (MaxText's own saves chunk by
 bytes, not by layer) is read whole once and re-chunked one layer per chunk into a scratch folder
-(system temp; deleted with the source), so memory stays bounded by one stacked tensor and
-per-layer reads in any order cost one layer.
+(system temp, `atomic.scratch_dir`: deleted with the source, or by the next run if killed), so
+memory stays bounded by one stacked tensor and per-layer reads in any order cost one layer.
 
 Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_path` expects:
 `{step, params: {params: ...}}`, OCDBT + zarr3, and the step's custom metadata `{"scan_layers":
@@ -33,14 +33,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import weakref
 from typing import Iterable, Iterator
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
 import numpy as np
 
-from converters import layout
+from converters import atomic, layout
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
@@ -93,8 +92,9 @@ class MaxTextSource:
         """One HF tensor; its stored values and the converted ones must be finite."""
         rule, layer, _, dtype = self._entry(name)
         key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
-        where = f"{self._label}: parameter {_where(key)}" + (f" layer {layer}" if self.scanned and rule.per_layer else "")
+        where = f"{self._label}: parameter {_where(key)}"
         if self.scanned and rule.per_layer:
+            where += f" layer {layer}"
             y = self._read_layer(key, layer, where)
         else:
             y = self._read(key, where)
@@ -185,7 +185,7 @@ class MaxTextSource:
             import tensorstore as ts
 
             if self._scratch_dir is None:
-                self._scratch_dir = tempfile.mkdtemp(prefix="nvfp4tool-maxtext-")
+                self._scratch_dir = atomic.scratch_dir("nvfp4tool-maxtext-")
                 weakref.finalize(self, shutil.rmtree, self._scratch_dir, True)
             stacked = self._read(key, where)
             chunk = list(stacked.shape)

@@ -277,3 +277,18 @@ def test_kill_9_mid_write_leaves_the_old_state_and_the_rerun_cleans_up(tmp_path,
     write(out, force=existing)
     assert not tmp.exists() and sorted(os.listdir(tmp_path)) == ["out"]
     assert f"removed {tmp}: temporary folder of an interrupted run (pid {child.pid})" in said
+
+
+def test_scratch_dir_is_marked_and_stale_ones_are_removed(tmp_path, monkeypatch, said):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale_pid = dead_pid()
+    stale = marked(tmp_path / "nvfp4tool-maxtext-old", stale_pid, {"stack/c/0": "x"})
+    unmarked = tmp_path / "nvfp4tool-maxtext-unmarked"
+    unmarked.mkdir()
+    other = marked(tmp_path / "something-else", dead_pid())
+    folder = atomic.scratch_dir("nvfp4tool-maxtext-")
+    assert Path(folder).parent == tmp_path and (Path(folder) / MARKER_FILE).read_text() == f"{os.getpid()}\n"
+    assert not stale.exists() and unmarked.exists() and other.exists()
+    assert said == [f"removed {stale}: scratch folder of an interrupted run (pid {stale_pid})"]
+    atomic.scratch_dir("nvfp4tool-maxtext-")  # a live owner's folder (this process) is kept
+    assert Path(folder).exists()

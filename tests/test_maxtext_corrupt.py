@@ -4,6 +4,7 @@ one `Error:` line naming the checkpoint and the array, and no output (nor tempor
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import shutil
@@ -65,12 +66,13 @@ CASES = [  # (id, tensor whose chunk is hit, corruption, words in the message)
      "parameter params/params/decoder/layers/mlp/wo/kernel layer 0 has 1 non-finite value"),
     ("3e38 overflows the query scale", "model.layers.1.self_attn.q_proj.weight", overwrite(3e38),
      "after its conversion to HF tensor 'model.layers.1.self_attn.q_proj.weight'"),
+    # A data file may hold the other layer's chunk too (OCDBT packs them): either layer may be named.
     ("truncated chunk", "model.layers.1.mlp.up_proj.weight", lambda p, o: os.truncate(p, o + 8),
-     "parameter params/params/decoder/layers/mlp/wi_1/kernel layer 1 cannot be read (corrupted or truncated"),
+     "parameter params/params/decoder/layers/mlp/wi_1/kernel layer ? cannot be read (corrupted or truncated"),
     ("emptied chunk", "model.layers.0.mlp.gate_proj.weight", lambda p, o: os.truncate(p, 0),
-     "parameter params/params/decoder/layers/mlp/wi_0/kernel layer 0 cannot be read (corrupted or truncated"),
+     "parameter params/params/decoder/layers/mlp/wi_0/kernel layer ? cannot be read (corrupted or truncated"),
     ("deleted chunk", "model.layers.0.self_attn.k_proj.weight", lambda p, o: os.remove(p),
-     "parameter params/params/decoder/layers/self_attention/key/kernel layer 0 cannot be read"),
+     "parameter params/params/decoder/layers/self_attention/key/kernel layer ? cannot be read"),
 ]
 
 
@@ -86,7 +88,7 @@ def test_corrupted_maxtext_checkpoint_is_one_line_and_writes_nothing(pristine, t
                                       "--rope-layout", "half"])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1, result.output
-    assert lines[0].startswith(f"Error: {broken}: ") and words in lines[0], lines[0]
+    assert lines[0].startswith(f"Error: {broken}: ") and fnmatch.fnmatchcase(lines[0], f"*{words}*"), lines[0]
     assert "internal error" not in lines[0]
     assert sorted(os.listdir(tmp_path)) == ["broken"]
 
