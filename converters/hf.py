@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" / float8 names with numpy)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import WEIGHT_DTYPES, TensorSource, check_against_config, check_finite
@@ -301,8 +302,6 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     """One tensor's data (no value checks), through safetensors' `safe_open` except for F8 dtypes."""
     if entry.code in _HAND_READ_CODES:
         return _read_by_hand(entry)
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(entry.file, framework="numpy") as f:  # closed (unmapped) after each tensor
             return f.get_tensor(entry.name)
