@@ -278,8 +278,9 @@ def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], lis
     if not isinstance(header, dict):
         return {}, [HeaderDefect(None, f"header is a JSON {type(header).__name__}, not an object")]
     defects: list[HeaderDefect] = []
-    metadata = header.get("__metadata__", {})
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+    metadata = header.get("__metadata__")  # optional; null is allowed, as safetensors allows it
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
         defects.append(HeaderDefect(None, "__metadata__ is not a map of strings to strings"))
     data_start, data_size = 8 + header_len, file_size - 8 - header_len
     entries: dict[str, TensorEntry] = {}

@@ -390,7 +390,7 @@ def _params_tree(items_dir: str, label: str) -> dict:
     try:
         metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(items_dir))
     except (ValueError, FileNotFoundError, OSError, TypeError) as err:
-        raise NVFP4ToolError(f"{label}: cannot read the Orbax tree metadata: {err}") from None
+        raise NVFP4ToolError(f"{label}: cannot read the Orbax tree metadata: {_first_line(err)}") from None
     tree = getattr(metadata, "tree", metadata)
     params = tree.get("params", {}).get("params") if isinstance(tree, dict) else None
     if not isinstance(params, dict):
@@ -421,8 +421,10 @@ def _fetch(view, where: str) -> np.ndarray:
 
 
 def _first_line(err: Exception) -> str:
-    """tensorstore's message without its source-location suffix."""
-    return str(err).splitlines()[0].split(" [source locations=")[0] if str(err) else type(err).__name__
+    """The first line of a (tensorstore) message, without its spec and source-location suffixes."""
+    text = str(err).strip()
+    return re.split(r" \[(?:source locations|tensorstore_spec)=", text.splitlines()[0])[0] if text \
+        else type(err).__name__
 
 
 def _where(key: tuple[str, ...]) -> str:
@@ -464,6 +466,9 @@ def _step_custom_metadata(step_dir: str | None) -> dict:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+            value = json.load(f)
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON or UTF-8
         raise NVFP4ToolError(f"{path}: cannot read Orbax metadata ({err})") from None
+    if not isinstance(value, dict):
+        raise NVFP4ToolError(f"{path}: Orbax metadata is a JSON {type(value).__name__}, not an object")
+    return value

@@ -106,3 +106,40 @@ def test_maxtext_writer_refuses_non_finite_stored_values(tmp_path, name, value, 
                       rope_layout="half", dtype=dtype)
     assert str(error.value).startswith(f"src: tensor {name!r} ") and words in str(error.value)
     assert os.listdir(tmp_path) == []
+
+
+def _write(relative: str, data: bytes):
+    def corrupt(checkpoint: str) -> None:
+        with open(os.path.join(checkpoint, relative), "wb") as f:
+            f.write(data)
+    return corrupt
+
+
+METADATA_CASES = [  # (id, corruption of the checkpoint folder, file named, words)
+    ("tree metadata not UTF-8", _write("0/items/_METADATA", b"\xff\xfe\0"), "0/items/_METADATA",
+     "cannot read Orbax metadata"),
+    ("tree metadata a JSON list", _write("0/items/_METADATA", b"[]"), "0/items/_METADATA", "is a JSON list"),
+    ("tree metadata truncated", lambda c: os.truncate(os.path.join(c, "0/items/_METADATA"), 20),
+     "0/items/_METADATA", "cannot read Orbax metadata"),
+    ("step metadata not UTF-8", _write("0/_CHECKPOINT_METADATA", b"\xff\0"), "0/_CHECKPOINT_METADATA",
+     "cannot read Orbax metadata"),
+    ("OCDBT manifest truncated", lambda c: os.truncate(os.path.join(c, "0/items/manifest.ocdbt"), 10), "",
+     "cannot read the Orbax tree metadata: DATA_LOSS"),
+    ("OCDBT manifest deleted", lambda c: os.remove(os.path.join(c, "0/items/manifest.ocdbt")), "",
+     "cannot read the Orbax tree metadata: NOT_FOUND"),
+]
+
+
+@pytest.mark.parametrize("case, corrupt, file, words", METADATA_CASES, ids=[c[0] for c in METADATA_CASES])
+def test_corrupted_maxtext_metadata_is_one_line(pristine, tmp_path, case, corrupt, file, words):
+    hf, mt = pristine
+    broken = str(tmp_path / "broken")
+    shutil.copytree(mt, broken)
+    corrupt(broken)
+    result = CliRunner().invoke(cli, ["convert", broken, str(tmp_path / "out"), "--to", "hf", "--model-config",
+                                      hf, "--rope-layout", "half"])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert errors[0].startswith(f"Error: {os.path.join(broken, file) if file else broken}: ") and words in errors[0]
+    assert "internal error" not in errors[0] and "tensorstore_spec" not in errors[0]
+    assert sorted(os.listdir(tmp_path)) == ["broken"]
