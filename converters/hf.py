@@ -5,8 +5,8 @@ uses it too). It validates everything the safetensors library does and names wha
 header length lies within the file and is valid UTF-8 JSON (an object, no repeated names, string
 metadata), every dtype is known, every shape is non-negative integers, `dtype x shape == end -
 begin`, and the tensors tile the data region exactly (contiguous, non-overlapping, nothing after
-the last). It returns the sound entries and every defect; `read_safetensors_header(path)` raises
-the first defect as an `NVFP4ToolError` naming the file (and tensor).
+the last). It returns the well-formed entries and every defect; `read_safetensors_header(path)`
+raises the first defect as an `NVFP4ToolError` naming the file (and tensor).
 
 Reading: `HFFolderSource(path)` is a `TensorSource` over a single-file (`model.safetensors`) or
 sharded (`model.safetensors.index.json`) checkpoint. Every shard's header is validated before any
@@ -260,12 +260,13 @@ def read_safetensors_header(file_path: str) -> dict[str, TensorEntry]:
 
 
 def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
-    """(sound entries, every defect) of one safetensors file's header.
+    """(well-formed entries, every defect) of one safetensors file's header.
 
-    An entry is sound when it is well-formed (known dtype, integer shape, `dtype x shape` bytes
-    between its offsets) and its bytes lie inside the file. Layout defects (a gap, an overlap,
-    bytes after the last tensor) are reported without dropping the entries involved. A file whose
-    header cannot be read at all gives no entries and one defect.
+    The entries are the well-formed ones (known dtype, integer shape, `dtype x shape` bytes between
+    its offsets), including any whose bytes run past the end of the file (a truncated file: the
+    defect names it, and a caller that reads must skip it) or overlap another's, so that a
+    checker can still account for them. A file whose header cannot be read at all gives no
+    entries and one defect.
     """
     try:
         header_len, raw, file_size = _read_raw_header(file_path)
@@ -292,9 +293,8 @@ def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], lis
         if parsed is not None:
             code, shape, begin, end = parsed
             spans.append((begin, end, name))
-            if end <= data_size:
-                entries[name] = TensorEntry(name=name, file=file_path, code=code, shape=shape,
-                                            start=data_start + begin, nbytes=end - begin)
+            entries[name] = TensorEntry(name=name, file=file_path, code=code, shape=shape,
+                                        start=data_start + begin, nbytes=end - begin)
     _check_tiling(spans, data_size, defects)
     return entries, defects
 
