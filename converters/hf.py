@@ -44,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import WEIGHT_DTYPES, TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -310,21 +310,21 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
         raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad})") from None
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like "5GB" (decimal, as HF) / "500MiB" (binary)."""
+def parse_size(size: int | str, flag: str = "--max-shard-size") -> int:
+    """Bytes from an int or a string like "5GB" (decimal, as HF) / "500MiB" (binary).
+
+    A size that is not one is bad usage (NVFP4UsageError naming `flag`, the option it came from)."""
     if isinstance(size, int):
         if size <= 0:
-            raise NVFP4ToolError(f"shard size must be positive, got {size}")
+            raise NVFP4UsageError(f"{flag} must be positive, got {size}")
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
-    if not match:
-        raise NVFP4ToolError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    if unit not in powers or number <= 0:
-        raise NVFP4ToolError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    return int(number * powers[unit])
+    unit = (match.group(2) or "B").upper() if match else None
+    if unit not in powers or int(float(match.group(1)) * powers[unit]) <= 0:
+        raise NVFP4UsageError(f"{flag} {size!r}: not a size; use e.g. 5GB, 500MB, 2GiB or a byte count")
+    return int(float(match.group(1)) * powers[unit])
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -121,7 +121,7 @@ DATA_CASES = [
         json.dumps({"weight_map": {VICTIM: "model-00009-of-00009.safetensors"}})), to_hf(), 1, "missing shard"),
 ]
 
-USAGE_CASES = [  # (id, the command from (src, tmp folder), words)
+USAGE_CASES = [  # (id, the command from (src, tmp folder), words): outputs overlapping an input, bad options
     ("DST is SRC", lambda s, t: ["convert", s, s, "--to", "hf", "--force"], "DST {s}: is the input {s}"),
     ("DST contains SRC", lambda s, t: ["convert", s, t, "--to", "maxtext", "--rope-layout", "half", "--force"],
      "DST {t}: contains the input {s}"),
@@ -131,6 +131,10 @@ USAGE_CASES = [  # (id, the command from (src, tmp folder), words)
     ("DST is the --model-config folder", lambda s, t: ["convert", t + "/mt", s, "--to", "hf", "--model-config", s,
                                                         "--rope-layout", "half", "--force"],
      "DST {s}: is the input {s}"),
+    ("unparsable --max-shard-size", lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "5 gigs"],
+     "--max-shard-size '5 gigs': not a size"),
+    ("zero --max-shard-size", lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "0MB"],
+     "--max-shard-size '0MB': not a size"),
 ]
 
 
@@ -164,7 +168,7 @@ def test_bad_data(pristine, tmp_path, case, kind, breaks, command, code, words):
 
 
 @pytest.mark.parametrize("case, command, words", USAGE_CASES, ids=[c[0] for c in USAGE_CASES])
-def test_output_overlapping_an_input_is_bad_usage(pristine, tmp_path, case, command, words):
+def test_bad_usage(pristine, tmp_path, case, command, words):
     src = tmp_path / "src"
     shutil.copytree(pristine / "hf", src)
     shutil.copytree(pristine / "mt", tmp_path / "mt")

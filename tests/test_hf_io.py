@@ -16,7 +16,7 @@ from converters.atomic import atomic_output_dir
 from converters.hf import HFFolderSource, parse_size, write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=8, attention_bias=True, dtype="float32")
@@ -135,8 +135,9 @@ def test_tied_lm_head_and_inv_freq_tolerated(tmp_path):
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     assert parse_size("500MB") == 5 * 10**8 and parse_size(1234) == 1234
-    with pytest.raises(NVFP4ToolError, match="cannot parse size"):
-        parse_size("five gigs")
+    for bad in ("five gigs", "0GB", "0.1B", "5XB", 0, -3):
+        with pytest.raises(NVFP4UsageError, match="--max-shard-size"):
+            parse_size(bad)
 
 
 # ------------------------------------------------------------------------------ bad input errors
