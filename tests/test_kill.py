@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from converters.atomic import MARKER_FILE
 from converters.hf import HFFolderSource, write_hf_folder
 from converters.maxtext import MaxTextSource
 from converters.tensor_source import DictTensorSource
@@ -181,3 +182,36 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
     assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
     assert not any(name.startswith(".hf.") for name in os.listdir(run))
     assert len(HFFolderSource(run / "hf").names()) == len(HFFolderSource(run / "hf").config.expected_tensor_shapes())
+
+
+@pytest.mark.slow
+def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(inputs, tmp_path, monkeypatch):
+    """A MaxText checkpoint saved by plain Orbax (chunks span layers) is re-chunked into a scratch
+    folder in the system temporary folder; killed mid-read, the next run removes that folder."""
+    import orbax.checkpoint as ocp
+
+    tree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(os.path.join(inputs["mt"], "0", "items"))
+    orbax_saved = str(tmp_path / "orbax")
+    manager = ocp.CheckpointManager(orbax_saved, item_names=("items",))
+    manager.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    manager.wait_until_finished()
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))
+    args = _fill(COMMANDS["convert maxtext->hf"][0], {**inputs, "mt": orbax_saved}, str(tmp_path / "out"))
+
+    _, pid = _kill_at("mid", args, tmp_path / "ready")
+    scratch = [p for p in system_tmp.iterdir() if p.name.startswith("nvfp4tool-maxtext-")]
+    assert len(scratch) == 1, scratch
+    assert [p for p in scratch[0].iterdir() if p.name != MARKER_FILE]  # re-chunked stacks left behind
+
+    monkeypatch.setattr("tempfile.tempdir", str(system_tmp))
+    recorder = _Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        _cli(args)
+    finally:
+        progress.use_reporter(previous)
+    assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in recorder.lines
+    assert not scratch[0].exists()
+    assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")
