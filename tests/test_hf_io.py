@@ -1,5 +1,5 @@
 """Reading and writing HF safetensors folders: round trips, sharding, every bad-input error,
-atomic output. Torch-free except the tests marked `peers` (transformers-saved folders)."""
+atomic output (the atomic folder itself: tests/test_atomic.py). Torch-free except the tests marked `peers` (transformers-saved folders)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from converters.atomic import atomic_output_dir
 from converters.hf import HFFolderSource, parse_size, write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
@@ -292,13 +291,6 @@ def test_existing_output_needs_force(tmp_path):
     written(tmp_path, "out", source=DictTensorSource(tensors(seed=1)), force=True)
     assert same_bytes(HFFolderSource(out).get("lm_head.weight"), tensors(seed=1)["lm_head.weight"])
     assert sorted(os.listdir(tmp_path)) == ["out"]
-
-
-def test_atomic_output_dir_refuses_a_file(tmp_path):
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(NVFP4ToolError, match="not a folder"):
-        with atomic_output_dir(tmp_path / "f", force=True):
-            pass
 
 
 # ---------------------------------------------------------------- transformers-saved folders (peers)

@@ -129,6 +129,8 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
 
     left = sorted(os.listdir(out.parent))
     assert os.path.basename(tmp) in left and os.path.basename(tmp).startswith(".out.tmp-")
+    written = [name for name in os.listdir(tmp) if name != MARKER_FILE]
+    assert bool(written) == (point != "start"), written  # killed before / while / after writing
     if existing:  # moved aside, not lost: the rerun puts it back before replacing it
         assert "out" not in left and any(name.startswith(".out.old-") for name in left), left
     else:
