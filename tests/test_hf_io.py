@@ -1,5 +1,6 @@
 """Reading and writing HF safetensors folders: round trips, sharding, every bad-input error,
-atomic output (the atomic folder itself: tests/test_atomic.py). Torch-free except the tests marked `peers` (transformers-saved folders)."""
+atomic output (the atomic folder itself: tests/test_atomic.py). Torch-free except the tests
+marked `peers` (transformers-saved folders)."""
 
 from __future__ import annotations
 
