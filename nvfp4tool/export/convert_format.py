@@ -45,7 +45,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     convert = compressed_tensors.from_modelopt if to == "compressed-tensors" else compressed_tensors.to_modelopt
     quantized_set = set(quantized)
     files = _shard_files(src)
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp:
         weight_map = {}
         for file_name, names in files.items():
             cache: dict[str, np.ndarray] = {}

@@ -112,8 +112,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     layer_errors: dict[str, dict[str, float]] = {}
     loader = _ModuleLoader(tensors, plan, fmt, group_amax, input_amax, block, options, layer_errors)
     files: list[str] = []
-    with atomic_output_dir(out, force=options.force) as tmp, _progress(
-            options.show_progress, len(names)) as advance:
+    with atomic_output_dir(out, force=options.force, inputs=(src, options.calib_data),
+                           flag="--out") as tmp, _progress(options.show_progress, len(names)) as advance:
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):
             file_name = (SINGLE_FILE if len(shards) == 1
