@@ -15,14 +15,16 @@ Guarantees (the README's safety promises):
   with the writer's pid; the next run removes those whose writer is gone (only ours, recognised by
   name and marker) and says so. A previous output caught mid-replacement (in `.<out>.old-*` while
   `out` is missing) is put back rather than removed.
-* Operating-system errors inside the temporary folder (read-only or full disk) become one line
-  naming `out`, not the temporary path.
+* Operating-system errors while writing (a read-only parent, a full disk) become one line naming
+  `out`, not the temporary path; one about another file (an unreadable input) names that file.
+* Parent folders created for `out` are removed again if the write fails.
+* `scratch_dir(prefix)`: work folders in the system temporary folder (MaxText re-chunking) are
+  marked the same way, and stale ones are removed by the next run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import os
 import shutil
@@ -41,41 +43,33 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool = False, *,
     """Yield a fresh temporary folder next to `out_dir`; on success it becomes `out_dir`.
 
     Refuses before anything is written: an output overlapping one of `inputs` (NVFP4UsageError,
-    naming `flag`), an existing `out_dir` without `force`, or one that is not a folder.
+    naming `flag`), an existing `out_dir` without `force`, or one that is not a folder. Stale
+    temporary siblings of ours are cleaned first (a previous output caught mid-replacement is put
+    back before the existence check). Parent folders it had to create are removed again on failure.
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     check_output_path(out_dir, inputs, flag=flag)
-    _check_replaceable(out_dir, force)
     parent, base = os.path.split(out_dir)
+    with _one_line(out_dir):
+        clean_stale_siblings(out_dir)
+    _check_replaceable(out_dir, force)
+    created = _missing_ancestors(parent)
     try:
         os.makedirs(parent, exist_ok=True)
-        clean_stale_siblings(out_dir)
         tmp_dir = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     except OSError as bad:
-        raise NVFP4ToolError(f"{out_dir}: cannot create the output folder "
-                             f"({bad.strerror or bad})") from None
+        _remove_empty(created)
+        raise NVFP4ToolError(f"{out_dir}: cannot create the output folder ({bad.strerror or bad})") from None
     try:
-        os.chmod(tmp_dir, 0o777 & ~_umask())  # mkdtemp makes it private (0700)
-        _write_marker(tmp_dir)
-        yield tmp_dir
-        _check_replaceable(out_dir, force)  # someone may have created it meanwhile
-        os.unlink(os.path.join(tmp_dir, MARKER_FILE))
-        if os.path.exists(out_dir):
-            old_dir = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
-            _write_marker(old_dir)
-            os.rename(out_dir, os.path.join(old_dir, base))
-            os.rename(tmp_dir, out_dir)
-            shutil.rmtree(old_dir, ignore_errors=True)
-        else:
-            os.rename(tmp_dir, out_dir)
-    except OSError as bad:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        if isinstance(bad, (PermissionError,)) or bad.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT,
-                                                                  errno.EACCES):
-            raise NVFP4ToolError(f"{out_dir}: cannot write the output ({bad.strerror or bad})") from None
-        raise
+        with _one_line(out_dir):
+            os.chmod(tmp_dir, 0o777 & ~_umask())  # mkdtemp makes it private (0700)
+            _write_marker(tmp_dir)
+            yield tmp_dir
+            _check_replaceable(out_dir, force)  # someone may have created it meanwhile
+            _publish(tmp_dir, out_dir)
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        _remove(tmp_dir)
+        _remove_empty(created)
         raise
 
 
@@ -100,27 +94,118 @@ def check_output_path(out_dir: str | os.PathLike, inputs: Iterable[str | os.Path
 
 
 def clean_stale_siblings(out_dir: str) -> list[str]:
-    """Remove our temporary siblings of `out_dir` whose writer has exited; returns what was done."""
+    """Remove our temporary siblings of `out_dir` whose writer has exited; returns what was removed.
+
+    Ours: named `.<out>.tmp-*` / `.<out>.old-*` and holding a marker with a pid that is not
+    running. A previous output caught mid-replacement (in `.<out>.old-*/<out>` while `out` is
+    missing) is renamed back first. A marker left inside `out` itself (a run killed between
+    publishing the folder and removing the marker: the output is complete) is removed too.
+    """
     parent, base = os.path.split(os.path.abspath(out_dir))
     done = []
-    for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.old-*"))
-                       + glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.tmp-*"))):
-        pid = _marker_pid(path)
-        if pid is None or _alive(pid):
-            continue  # not ours, or its writer is still running
-        kept = os.path.join(path, base)
-        if os.path.basename(path).startswith(f".{base}.old-") and os.path.isdir(kept) \
-                and not os.path.lexists(out_dir):
-            os.rename(kept, out_dir)  # interrupted mid-replacement: the previous output comes back
-            progress.info(f"restored {out_dir} from {path} (a replacement was interrupted)")
-        shutil.rmtree(path, ignore_errors=True)
-        progress.info(f"removed {path}: temporary folder of an interrupted run (pid {pid})")
-        done.append(path)
+    for kind in ("old", "tmp"):  # put a previous output back before anything else
+        for path in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.{kind}-*"))):
+            pid = _stale_pid(path)
+            if pid is None:
+                continue  # not ours, or its writer is still running
+            kept = os.path.join(path, base)
+            if kind == "old" and os.path.isdir(kept) and not os.path.lexists(out_dir):
+                os.rename(kept, out_dir)  # interrupted mid-replacement: the previous output comes back
+                progress.info(f"restored {out_dir} from {path} (a replacement was interrupted)")
+            _remove(path)
+            progress.info(f"removed {path}: temporary folder of an interrupted run (pid {pid})")
+            done.append(path)
+    pid = _stale_pid(out_dir) if not os.path.islink(out_dir) else None
+    if pid is not None:
+        os.unlink(os.path.join(out_dir, MARKER_FILE))
+        progress.info(f"removed the marker of an interrupted run (pid {pid}) from {out_dir}")
     return done
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new folder in the system temporary folder for this process's work files, marked like the
+    output siblings (its owner removes it when done). Stale ones of `prefix` (their process
+    killed) are removed first, and said."""
+    root = tempfile.gettempdir()
+    for path in sorted(glob.glob(os.path.join(glob.escape(root), f"{glob.escape(prefix)}*"))):
+        pid = _stale_pid(path)
+        if pid is not None:
+            _remove(path)
+            progress.info(f"removed {path}: scratch folder of an interrupted run (pid {pid})")
+    folder = tempfile.mkdtemp(prefix=prefix)
+    _write_marker(folder)
+    return folder
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _publish(tmp_dir: str, out_dir: str) -> None:
+    """Rename the finished `tmp_dir` to `out_dir` (moving an existing one aside first), then drop
+    the marker. Killed at any point, `clean_stale_siblings` finds every folder marked."""
+    parent, base = os.path.split(out_dir)
+    if not os.path.exists(out_dir):
+        os.rename(tmp_dir, out_dir)
+    else:
+        old_dir = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
+        _write_marker(old_dir)
+        os.rename(out_dir, os.path.join(old_dir, base))
+        os.rename(tmp_dir, out_dir)
+        _remove(old_dir)
+    os.unlink(os.path.join(out_dir, MARKER_FILE))
+
+
+@contextlib.contextmanager
+def _one_line(out_dir: str) -> Iterator[None]:
+    """An OSError becomes one NVFP4ToolError line naming `out_dir` (for the output, its temporary
+    siblings and their contents) or the file it concerns (anything else, e.g. an unreadable input)."""
+    try:
+        yield
+    except OSError as bad:
+        where = bad.filename if isinstance(bad.filename, (str, bytes, os.PathLike)) else None
+        if where is not None and not _ours(os.path.abspath(os.fsdecode(where)), out_dir):
+            raise NVFP4ToolError(f"{os.fsdecode(where)}: {bad.strerror or bad}") from None
+        raise NVFP4ToolError(f"{out_dir}: cannot write the output ({bad.strerror or bad})") from None
+
+
+def _ours(path: str, out_dir: str) -> bool:
+    """Whether `path` is `out_dir`, one of its temporary siblings, or inside one of them."""
+    parent, base = os.path.split(out_dir)
+    if path != parent and not _inside(path, parent):
+        return False
+    first = os.path.relpath(path, parent).split(os.sep)[0]
+    return first == base or first.startswith(f".{base}.")
+
+
+def _remove(folder: str) -> None:
+    """Remove one of our temporary folders, its marker last (a kill midway leaves it marked)."""
+    if not os.path.isdir(folder):
+        return
+    for entry in os.listdir(folder):
+        if entry != MARKER_FILE:
+            path = os.path.join(folder, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _missing_ancestors(folder: str) -> list[str]:
+    """The ancestors of `folder` (itself included) that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
+
+
+def _remove_empty(folders: list[str]) -> None:
+    for folder in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _check_replaceable(out_dir: str, force: bool) -> None:
@@ -153,6 +238,12 @@ def _marker_pid(folder: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def _stale_pid(folder: str) -> int | None:
+    """The pid in `folder`'s marker if that process is gone; None if unmarked (not ours) or alive."""
+    pid = _marker_pid(folder) if os.path.isdir(folder) else None
+    return pid if pid is not None and not _alive(pid) else None
 
 
 def _alive(pid: int) -> bool:

@@ -83,15 +83,18 @@ def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None 
                 raise NVFP4ToolError(f"{src}: its config.json describes a different model than "
                                      f"--model-config {model_config}")
     counted = _ProgressSource(source, on_tensor)
+    inputs = [src, *([model_config] if model_config is not None and os.path.exists(model_config) else [])]
     if to == "maxtext":
         write_maxtext(dst, config, counted, scan_layers=scan_layers,
-                      rope_layout=_rope_layout(rope_layout, name), dtype=dtype or "fp32", force=force)
+                      rope_layout=_rope_layout(rope_layout, name), dtype=dtype or "fp32", force=force,
+                      inputs=inputs, flag="DST")
     else:
         hf_dtype = dtype
         if hf_dtype is None and source_format == "maxtext":
             hf_dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(config.dtype)
         write_hf_folder(dst, config, counted, dtype=hf_dtype, max_shard_size=max_shard_size,
-                        copy_from=src if source_format == "hf" else None, force=force)
+                        copy_from=src if source_format == "hf" else None, force=force,
+                        inputs=inputs, flag="DST")
     seconds = time.perf_counter() - start
     return ConvertSummary(source_format=source_format, target_format=to, tensors=counted.count,
                           parameters=config.num_parameters(), bytes_written=_folder_bytes(dst),

@@ -1,17 +1,28 @@
-"""Hugging Face safetensors folders in and out, one tensor at a time.
+"""Hugging Face safetensors folders in and out, one tensor at a time; the one safetensors header parser.
+
+Headers: `scan_safetensors_header(path)` is the project's only safetensors header parser (check
+uses it too). It validates everything the safetensors library does and names what it finds: the
+header length lies within the file and is valid UTF-8 JSON (an object, no repeated names, string
+metadata), every dtype is known, every shape is non-negative integers, `dtype x shape == end -
+begin`, and the tensors tile the data region exactly (contiguous, non-overlapping, nothing after
+the last). It returns the well-formed entries and every defect; `read_safetensors_header(path)`
+raises the first defect as an `NVFP4ToolError` naming the file (and tensor).
 
 Reading: `HFFolderSource(path)` is a `TensorSource` over a single-file (`model.safetensors`) or
-sharded (`model.safetensors.index.json`) checkpoint. It parses every shard's header itself and
-checks it against the file size before any data is read (a truncated shard or a header that lies
-is an error naming the file and tensor), then reads ONE tensor per `get` with a seek + read (bf16
-comes back as `ml_dtypes.bfloat16`; numpy has no bf16, so safetensors' own numpy loader cannot be
-used). With `check_config=True` (default) config.json is parsed into `ModelConfig` and every tensor
-must be present with the shape the config implies.
+sharded (`model.safetensors.index.json`) checkpoint. Every shard's header is validated before any
+data is read. `get` loads ONE tensor with safetensors' own `safe_open(..., framework="numpy")`
+(safetensors >= 0.8 returns `ml_dtypes.bfloat16` arrays), reopened per tensor so that no file
+mapping outlives it. F8 tensors (the scales of exports) are read by hand (one seek + read):
+safetensors' numpy loader looks their dtypes up on numpy, which has none, and fails. Every floating
+tensor must be finite (`tensor_source.check_finite`). With `check_config=True` (default)
+config.json is parsed into `ModelConfig` and every tensor must be present with the shape the
+config implies and a floating dtype agreeing with the config's (`check_against_config`).
 
-Writing: `write_hf_folder` writes shards tensor by tensor with our own header writer (the header
-is computed from shapes and dtypes before any data is loaded), so it holds ONE source tensor (plus
-its cast copy) in memory at a time, whatever the shard size. The folder is built in a temporary
-sibling and renamed into place (`converters.atomic`).
+Writing: `write_hf_folder` writes shards tensor by tensor with our own `write_safetensors` (the
+safetensors library only saves a whole dict of tensors; ours computes the header from shapes and
+dtypes and then streams), so it holds ONE source tensor (plus its cast copy) in memory at a time,
+whatever the shard size. A cast that overflows (fp32 -> bf16 beyond its range) is refused. The
+folder is built in a temporary sibling and renamed into place (`converters.atomic`).
 """
 
 from __future__ import annotations
@@ -28,11 +39,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" / float8 names with numpy)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from converters.atomic import atomic_output_dir
-from converters.tensor_source import TensorSource, check_against_config
+from converters.tensor_source import WEIGHT_DTYPES, TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,19 +63,36 @@ AUX_FILE_PATTERNS = ("generation_config.json", "tokenizer*", "special_tokens_map
                      "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
                      "chat_template.*", "*.tiktoken", "preprocessor_config.json")
 
-_CASTABLE_DTYPES = ("float64", "float32", "float16", "bfloat16")
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+_HAND_READ_CODES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # safetensors' numpy loader cannot build these
 
 
 @dataclasses.dataclass(frozen=True)
-class _TensorEntry:
-    """Where one tensor's bytes lie: absolute byte range in `file`."""
+class TensorEntry:
+    """Where one tensor's bytes lie, from its file's header."""
 
-    file: str
-    dtype: str  # numpy/ml_dtypes name
+    name: str
+    file: str  # the path the header was read from
+    code: str  # safetensors dtype code, e.g. "BF16", "U8", "F8_E4M3"
     shape: tuple[int, ...]
-    start: int  # absolute offset in the file
+    start: int  # absolute byte offset in the file
     nbytes: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(SAFETENSORS_DTYPES[self.code])
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderDefect:
+    """One thing wrong with a safetensors header: `tensor` is None for the file as a whole."""
+
+    tensor: str | None
+    problem: str
+
+    def message(self, file_path: str) -> str:
+        return f"{file_path}: {self.problem}" if self.tensor is None else \
+            f"{file_path}: tensor {self.tensor!r} {self.problem}"
 
 
 class HFFolderSource:
@@ -81,7 +110,7 @@ class HFFolderSource:
             ignore = tuple(n for n in self._entries if n.endswith(".rotary_emb.inv_freq"))
             ignore += ("lm_head.weight",) if self.config.tie_word_embeddings else ()
             expected = self.config.expected_tensor_shapes()
-            check_against_config(self, expected, ignore_extra=ignore)
+            check_against_config(self, expected, ignore_extra=ignore, config_dtype=self.config.dtype)
             self._entries = {n: self._entries[n] for n in expected}  # the config's canonical order
 
     @property
@@ -95,18 +124,14 @@ class HFFolderSource:
         return self._entry(name).shape
 
     def dtype(self, name: str) -> str:
-        return self._entry(name).dtype
+        return self._entry(name).dtype.name
 
     def get(self, name: str) -> np.ndarray:
+        """One tensor, checked finite if floating (NVFP4ToolError naming file and tensor if not)."""
         entry = self._entry(name)
-        buffer = bytearray(entry.nbytes)
-        with open(entry.file, "rb") as f:
-            f.seek(entry.start)
-            got = f.readinto(buffer)
-        if got != entry.nbytes:  # the file shrank since its header was checked
-            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} truncated: read {got} of "
-                                 f"{entry.nbytes} bytes")
-        return np.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+        array = read_tensor(entry)
+        check_finite(array, f"{entry.file}: tensor {name!r}")
+        return array
 
     def aux_files(self) -> list[str]:
         """Names of the tokenizer / generation-config files in the folder (copied on write)."""
@@ -114,18 +139,18 @@ class HFFolderSource:
 
     # ------------------------------------------------------------------------------------ helpers
 
-    def _entry(self, name: str) -> _TensorEntry:
+    def _entry(self, name: str) -> TensorEntry:
         try:
             return self._entries[name]
         except KeyError:
             raise NVFP4ToolError(f"{self._path}: no tensor {name!r}") from None
 
-    def _read_headers(self) -> dict[str, _TensorEntry]:
+    def _read_headers(self) -> dict[str, TensorEntry]:
         index_path = os.path.join(self._path, INDEX_FILE)
         single_path = os.path.join(self._path, SINGLE_FILE)
-        if os.path.exists(index_path):
+        if os.path.lexists(index_path):
             return _read_sharded(index_path)
-        if os.path.exists(single_path):
+        if os.path.lexists(single_path):
             return read_safetensors_header(single_path)
         raise NVFP4ToolError(f"{self._path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
                              f"checkpoints are supported)")
@@ -133,20 +158,25 @@ class HFFolderSource:
 
 def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                     dtype: str | None = "bf16", max_shard_size: int | str = "5GB",
-                    copy_from: str | os.PathLike | None = None, force: bool = False) -> list[str]:
+                    copy_from: str | os.PathLike | None = None, force: bool = False,
+                    inputs: Iterable[str | os.PathLike] = (), flag: str = "output") -> list[str]:
     """Write `source` as an HF model folder; return the weight file names written.
 
     dtype: "bf16" / "fp32" cast every floating tensor (round to nearest even), None keeps each
     tensor's dtype; config.json's dtype follows. Shards when the total exceeds `max_shard_size`
     ("5GB" = 5e9 bytes, "2GiB" = 2*2**30, or an int), with `model.safetensors.index.json`.
     `copy_from`: a folder whose tokenizer and generation-config files are copied. Every tensor is
-    checked against `config.expected_tensor_shapes()` first. Memory: one tensor at a time.
+    checked against `config.expected_tensor_shapes()` first; a non-finite value (one the source
+    holds, or one the cast overflows to) is an error and nothing is written. `inputs` (the folders
+    the source reads) and `copy_from` must not overlap `out_dir`, which messages call `flag` (see
+    `converters.atomic`). Memory: one tensor at a time.
     """
     target_dtype = _parse_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     expected = config.expected_tensor_shapes()
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
     check_against_config(source, expected, ignore_extra=ignore)
+    inputs = [*inputs, *([copy_from] if copy_from is not None else [])]
     names = list(expected)
     out_dtypes = {n: _output_dtype(source.dtype(n), target_dtype) for n in names}
     shards = plan_shards(names, lambda n: _nbytes(out_dtypes[n], expected[n]), shard_limit)
@@ -156,11 +186,17 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
         out_config = dataclasses.replace(config, dtype=weight_dtype)
 
     def cast(name: str) -> np.ndarray:
-        return np.asarray(source.get(name)).astype(out_dtypes[name], copy=False)
+        array = np.asarray(source.get(name))
+        cast_to = out_dtypes[name] if array.dtype.name != out_dtypes[name] else None
+        with np.errstate(over="ignore"):  # an overflow to inf is reported just below
+            array = array.astype(out_dtypes[name], copy=False)
+        check_finite(array, f"{source.path}: tensor {name!r}",
+                     after=f"after the cast to {cast_to}" if cast_to else "")
+        return array
 
     file_names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with atomic_output_dir(out_dir, force) as tmp_dir:
+    with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         for file_name, shard in zip(file_names, shards):
             write_safetensors(os.path.join(tmp_dir, file_name),
                               [(n, out_dtypes[n], expected[n]) for n in shard], cast,
@@ -211,74 +247,104 @@ def write_safetensors(path: str, layout: Iterable[tuple[str, str, tuple[int, ...
             del array
 
 
-def read_safetensors_header(file_path: str) -> dict[str, _TensorEntry]:
-    """Parse and check one safetensors header: name -> byte range, without reading tensor data.
+def read_safetensors_header(file_path: str) -> dict[str, TensorEntry]:
+    """name -> entry of one safetensors file, in header order, without reading tensor data.
 
-    Checks the header length and every tensor's offsets against the file size, and each tensor's
-    byte count against its dtype and shape.
+    Raises NVFP4ToolError (naming the file, and the tensor where there is one) at the first
+    defect `scan_safetensors_header` finds.
     """
-    try:
-        file_size = os.path.getsize(file_path)
-        with open(file_path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise NVFP4ToolError(f"{file_path}: truncated: {file_size} bytes, no safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-                raise NVFP4ToolError(f"{file_path}: header claims {header_len} bytes but the file "
-                                     f"has {file_size} (truncated or not safetensors)")
-            header_raw = f.read(header_len)
-    except FileNotFoundError:
-        raise NVFP4ToolError(f"{file_path}: no such file") from None
-    try:
-        header = json.loads(header_raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-        raise NVFP4ToolError(f"{file_path}: header is not valid JSON ({bad})") from None
-    if not isinstance(header, dict):
-        raise NVFP4ToolError(f"{file_path}: header is not a JSON object")
-    data_start = 8 + header_len
-    data_size = file_size - data_start
-    entries: dict[str, _TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _parse_entry(file_path, name, info, data_start, data_size)
+    entries, defects = scan_safetensors_header(file_path)
+    if defects:
+        raise NVFP4ToolError(defects[0].message(file_path))
     return entries
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like "5GB" (decimal, as HF) / "500MiB" (binary)."""
+def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
+    """(well-formed entries, every defect) of one safetensors file's header.
+
+    The entries are the well-formed ones (known dtype, integer shape, `dtype x shape` bytes between
+    its offsets), including any whose bytes run past the end of the file (a truncated file: the
+    defect names it, and a caller that reads must skip it) or overlap another's, so that a
+    checker can still account for them. A file whose header cannot be read at all gives no
+    entries and one defect.
+    """
+    try:
+        header_len, raw, file_size = _read_raw_header(file_path)
+    except _Unreadable as bad:
+        return {}, [HeaderDefect(None, str(bad))]
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError) as bad:
+        return {}, [HeaderDefect(None, f"header is not valid UTF-8 JSON ({bad})")]
+    if not isinstance(header, dict):
+        return {}, [HeaderDefect(None, f"header is a JSON {type(header).__name__}, not an object")]
+    defects: list[HeaderDefect] = []
+    metadata = header.get("__metadata__")  # optional; null is allowed, as safetensors allows it
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        defects.append(HeaderDefect(None, "__metadata__ is not a map of strings to strings"))
+    data_start, data_size = 8 + header_len, file_size - 8 - header_len
+    entries: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        parsed = _parse_entry(name, info, data_size, defects)
+        if parsed is not None:
+            code, shape, begin, end = parsed
+            spans.append((begin, end, name))
+            entries[name] = TensorEntry(name=name, file=file_path, code=code, shape=shape,
+                                        start=data_start + begin, nbytes=end - begin)
+    _check_tiling(spans, data_size, defects)
+    return entries, defects
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """One tensor's data (no value checks), through safetensors' `safe_open` except for F8 dtypes."""
+    if entry.code in _HAND_READ_CODES:
+        return _read_by_hand(entry)
+    try:
+        with safe_open(entry.file, framework="numpy") as f:  # closed (unmapped) after each tensor
+            return f.get_tensor(entry.name)
+    except (SafetensorError, OSError) as bad:  # the file changed since its header was checked
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad})") from None
+
+
+def parse_size(size: int | str, flag: str = "--max-shard-size") -> int:
+    """Bytes from an int or a string like "5GB" (decimal, as HF) / "500MiB" (binary).
+
+    A size that is not one is bad usage (NVFP4UsageError naming `flag`, the option it came from)."""
     if isinstance(size, int):
         if size <= 0:
-            raise NVFP4ToolError(f"shard size must be positive, got {size}")
+            raise NVFP4UsageError(f"{flag} must be positive, got {size}")
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
-    if not match:
-        raise NVFP4ToolError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    if unit not in powers or number <= 0:
-        raise NVFP4ToolError(f"cannot parse size {size!r}; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    return int(number * powers[unit])
+    unit = (match.group(2) or "B").upper() if match else None
+    if unit not in powers or int(float(match.group(1)) * powers[unit]) <= 0:
+        raise NVFP4UsageError(f"{flag} {size!r}: not a size; use e.g. 5GB, 500MB, 2GiB or a byte count")
+    return int(float(match.group(1)) * powers[unit])
 
 
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _read_sharded(index_path: str) -> dict[str, _TensorEntry]:
+def _read_sharded(index_path: str) -> dict[str, TensorEntry]:
     folder = os.path.dirname(index_path)
     try:
         with open(index_path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as bad:
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise TypeError("weight_map is not a map of tensor names to file names")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as bad:
         raise NVFP4ToolError(f"{index_path}: not a valid safetensors index ({bad!r})") from None
-    shard_headers: dict[str, dict[str, _TensorEntry]] = {}
-    entries: dict[str, _TensorEntry] = {}
+    shard_headers: dict[str, dict[str, TensorEntry]] = {}
+    entries: dict[str, TensorEntry] = {}
     for name, shard_name in weight_map.items():
         shard_path = os.path.join(folder, shard_name)
         if shard_name not in shard_headers:
-            if not os.path.exists(shard_path):
+            if not os.path.lexists(shard_path):
                 raise NVFP4ToolError(f"{shard_path}: missing shard (the index maps tensor {name!r} to it)")
             shard_headers[shard_name] = read_safetensors_header(shard_path)
         if name not in shard_headers[shard_name]:
@@ -288,24 +354,100 @@ def _read_sharded(index_path: str) -> dict[str, _TensorEntry]:
     return entries
 
 
-def _parse_entry(file_path: str, name: str, info: Any, data_start: int, data_size: int) -> _TensorEntry:
+class _Unreadable(Exception):
+    """The header itself cannot be read (no file, a folder, truncated prefix, a length that lies)."""
+
+
+def _read_raw_header(file_path: str) -> tuple[int, bytes, int]:
+    """(header length, header bytes, file size)."""
+    if os.path.isdir(file_path):
+        raise _Unreadable("is a folder, not a safetensors file")
     try:
-        code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise NVFP4ToolError(f"{file_path}: tensor {name!r} has a malformed header entry") from None
+        with open(file_path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _Unreadable(f"truncated: {file_size} bytes, no safetensors header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+                raise _Unreadable(f"header claims {header_len} bytes but the file has {file_size} "
+                                  f"(truncated or not safetensors)")
+            return header_len, f.read(header_len), file_size
+    except FileNotFoundError:
+        raise _Unreadable("no such file") from None
+    except OSError as bad:
+        raise _Unreadable(f"cannot be read ({bad.strerror or bad})") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"{repeated[0]!r} appears twice")
+    return dict(pairs)
+
+
+def _parse_entry(name: str, info: Any, data_size: int,
+                 defects: list[HeaderDefect]) -> tuple[str, tuple[int, ...], int, int] | None:
+    """(code, shape, begin, end) of a well-formed entry; None (and a defect) otherwise."""
+    def bad(problem: str) -> None:
+        defects.append(HeaderDefect(name, problem))
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        return bad(f"has a malformed header entry {info!r} (needs dtype, shape, data_offsets)")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if code not in SAFETENSORS_DTYPES:
-        raise NVFP4ToolError(f"{file_path}: tensor {name!r} has unsupported dtype {code}")
-    dtype = SAFETENSORS_DTYPES[code]
-    nbytes = _nbytes(dtype, shape)
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-        raise NVFP4ToolError(f"{file_path}: tensor {name!r} has bad data_offsets {[begin, end]}")
-    if end > data_size:
-        raise NVFP4ToolError(f"{file_path}: tensor {name!r} ends at byte {data_start + end} but the "
-                             f"file has {data_start + data_size} (truncated shard or lying header)")
+        return bad(f"has unsupported dtype {code!r}")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        return bad(f"has a malformed shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)
+            and offsets[0] <= offsets[1]):
+        return bad(f"has bad data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = _nbytes(SAFETENSORS_DTYPES[code], tuple(shape))
     if end - begin != nbytes:
-        raise NVFP4ToolError(f"{file_path}: tensor {name!r} spans {end - begin} bytes but "
-                             f"{dtype}{list(shape)} needs {nbytes} (header lies about its size)")
-    return _TensorEntry(file=file_path, dtype=dtype, shape=shape, start=data_start + begin, nbytes=nbytes)
+        return bad(f"spans {end - begin} bytes but {code}{shape} needs {nbytes} (header lies about "
+                   f"its size)")
+    if end > data_size:
+        bad(f"ends at data byte {end} but the file holds {data_size} (truncated shard or lying header)")
+    return code, tuple(shape), begin, end
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tiling(spans: list[tuple[int, int, str]], data_size: int, defects: list[HeaderDefect]) -> None:
+    """The tensors must tile the data region exactly, as the safetensors library requires.
+    Overlaps are reported before gaps (two tensors on the same bytes also leave a gap elsewhere)."""
+    overlaps, gaps = [], []
+    cursor, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < cursor:
+            overlaps.append(HeaderDefect(name, f"overlaps tensor {last!r} (its data starts at byte {begin}, "
+                                               f"before {cursor} where {last!r} ends)"))
+        elif begin > cursor:
+            gaps.append(HeaderDefect(name, f"leaves a gap of {begin - cursor} bytes before it"))
+        if end > cursor:
+            cursor, last = end, name
+    if cursor < data_size:
+        gaps.append(HeaderDefect(None, f"{data_size - cursor} bytes after the last tensor's data"))
+    defects.extend(overlaps + gaps)
+
+
+def _read_by_hand(entry: TensorEntry) -> np.ndarray:
+    buffer = bytearray(entry.nbytes)
+    try:
+        with open(entry.file, "rb") as f:
+            f.seek(entry.start)
+            got = f.readinto(buffer)
+    except OSError as bad:
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read "
+                             f"({bad.strerror or bad})") from None
+    if got != entry.nbytes:  # the file shrank since its header was checked
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of "
+                             f"{entry.nbytes} bytes")
+    return np.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
 
 
 def plan_shards(items: list, nbytes: Callable[[Any], int], limit: int) -> list[list]:
@@ -333,7 +475,7 @@ def _parse_dtype(dtype: str | None) -> str | None:
 
 def _output_dtype(source_dtype: str, target: str | None) -> str:
     """Cast wide floats to `target`; integer / float8 tensors (and target None) keep their dtype."""
-    return target if target is not None and source_dtype in _CASTABLE_DTYPES else source_dtype
+    return target if target is not None and source_dtype in WEIGHT_DTYPES else source_dtype
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:

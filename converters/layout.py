@@ -110,7 +110,9 @@ def query_scale(config: ModelConfig) -> np.float32:
 
 def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: str,
                   out_dtype: str) -> np.ndarray:
-    """One HF tensor (one layer) -> the MaxText parameter (one layer), cast to `out_dtype`."""
+    """One HF tensor (one layer) -> the MaxText parameter (one layer), cast to `out_dtype`.
+
+    Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
     _check_rope_layout(rope_layout)
     if rule.transform == "identity":
         y = x
@@ -124,17 +126,21 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
         y = transpose_2d(x).reshape(x.shape[1] // config.head_dim, config.head_dim, x.shape[0])
     else:  # pragma: no cover - the table only uses the four above
         raise ValueError(rule.transform)
-    if rule.query_scale:  # in fp32 whatever the storage dtype (see the module docstring)
-        y = y.astype(np.float32) * query_scale(config)
-    return np.ascontiguousarray(y.astype(out_dtype, copy=False))
+    with np.errstate(over="ignore"):
+        if rule.query_scale:  # in fp32 whatever the storage dtype (see the module docstring)
+            y = y.astype(np.float32) * query_scale(config)
+        return np.ascontiguousarray(y.astype(out_dtype, copy=False))
 
 
 def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: str,
                   out_dtype: str) -> np.ndarray:
-    """One MaxText parameter (one layer) -> the HF tensor, cast to `out_dtype` (exact inverse)."""
+    """One MaxText parameter (one layer) -> the HF tensor, cast to `out_dtype` (exact inverse).
+
+    Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
     _check_rope_layout(rope_layout)
     if rule.query_scale:  # divide by the same fp32 constant the forward direction multiplied by
-        y = y.astype(np.float32) / query_scale(config)
+        with np.errstate(over="ignore"):
+            y = y.astype(np.float32) / query_scale(config)
     if rule.transform == "identity":
         x = y
     elif rule.transform == "transpose":
@@ -147,7 +153,8 @@ def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: s
         x = transpose_2d(y.reshape(y.shape[0] * y.shape[1], y.shape[2]))
     else:  # pragma: no cover
         raise ValueError(rule.transform)
-    return np.ascontiguousarray(x.astype(out_dtype, copy=False))
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(x.astype(out_dtype, copy=False))
 
 
 def transpose_2d(x_AxB: np.ndarray, rows_per_block: int = 64) -> np.ndarray:

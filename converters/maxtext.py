@@ -7,8 +7,8 @@ touched), each straight from its zarr array in the OCDBT store with tensorstore,
 reads one array -- or, for a scanned stack whose chunks hold one layer each (what `write_maxtext`
 writes), only that layer's chunks. A stack whose chunks span layers (MaxText's own saves chunk by
 bytes, not by layer) is read whole once and re-chunked one layer per chunk into a scratch folder
-(system temp; deleted with the source), so memory stays bounded by one stacked tensor and
-per-layer reads in any order cost one layer.
+(system temp, `atomic.scratch_dir`: deleted with the source, or by the next run if killed), so
+memory stays bounded by one stacked tensor and per-layer reads in any order cost one layer.
 
 Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_path` expects:
 `{step, params: {params: ...}}`, OCDBT + zarr3, and the step's custom metadata `{"scan_layers":
@@ -33,16 +33,15 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import weakref
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
 import numpy as np
 
-from converters import layout
+from converters import atomic, layout
 from converters.atomic import atomic_output_dir
-from converters.tensor_source import TensorSource, check_against_config
+from converters.tensor_source import TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 
@@ -90,13 +89,19 @@ class MaxTextSource:
         return self._entry(name)[3]
 
     def get(self, name: str) -> np.ndarray:
+        """One HF tensor; its stored values and the converted ones must be finite."""
         rule, layer, _, dtype = self._entry(name)
         key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
+        where = f"{self._label}: parameter {_where(key)}"
         if self.scanned and rule.per_layer:
-            y = self._read_layer(key, layer)
+            where += f" layer {layer}"
+            y = self._read_layer(key, layer, where)
         else:
-            y = self._read(key)
-        return layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
+            y = self._read(key, where)
+        check_finite(y, where)
+        hf = layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
+        check_finite(hf, where, after=f"after its conversion to HF tensor {name!r}")
+        return hf
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -118,7 +123,7 @@ class MaxTextSource:
             for layer in layers:
                 key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
                 meta = _lookup(params, key)
-                where = "/".join(layout.PARAMS_PREFIX + key)
+                where = _where(key)
                 if meta is None:
                     raise NVFP4ToolError(f"{self._label}: parameter {where} missing (the "
                                          f"{config.family} config expects it)")
@@ -136,7 +141,7 @@ class MaxTextSource:
         extra = sorted(set(_leaf_paths(params)) - set(self._meta))
         if extra:  # e.g. logits_dense with a tied config, or more layers than the config has
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise NVFP4ToolError(f"{self._label}: parameter {'/'.join(layout.PARAMS_PREFIX + extra[0])}"
+            raise NVFP4ToolError(f"{self._label}: parameter {_where(extra[0])}"
                                  f"{more} is not part of the model the config describes")
         return index
 
@@ -157,20 +162,20 @@ class MaxTextSource:
             try:
                 self._handles[key] = ts.open(spec, open=True, read=True, context=self._ts_context).result()
             except ValueError as err:
-                raise NVFP4ToolError(f"{self._label}: cannot open parameter "
-                                     f"{'/'.join(layout.PARAMS_PREFIX + key)}: {err}") from None
+                raise NVFP4ToolError(f"{self._label}: cannot open parameter {_where(key)}: "
+                                     f"{_first_line(err)}") from None
         return self._handles[key]
 
-    def _read(self, key: tuple[str, ...]) -> np.ndarray:
-        return np.asarray(self._open(key).read().result())
+    def _read(self, key: tuple[str, ...], where: str) -> np.ndarray:
+        return _fetch(self._open(key), where)
 
-    def _read_layer(self, key: tuple[str, ...], layer: int) -> np.ndarray:
+    def _read_layer(self, key: tuple[str, ...], layer: int, where: str) -> np.ndarray:
         handle = self._open(key)
         if handle.chunk_layout.read_chunk.shape[layout.LAYER_AXIS] != 1:
-            handle = self._restaged(key)
-        return np.asarray(handle[(slice(None), layer)].read().result())
+            handle = self._restaged(key, where)
+        return _fetch(handle[(slice(None), layer)], where)
 
-    def _restaged(self, key: tuple[str, ...]):
+    def _restaged(self, key: tuple[str, ...], where: str):
         """A scratch copy of a stack whose chunks span layers, re-chunked one layer per chunk.
 
         Each such stack is read whole once (one stacked tensor in memory) and written to the
@@ -180,9 +185,9 @@ class MaxTextSource:
             import tensorstore as ts
 
             if self._scratch_dir is None:
-                self._scratch_dir = tempfile.mkdtemp(prefix="nvfp4tool-maxtext-")
+                self._scratch_dir = atomic.scratch_dir("nvfp4tool-maxtext-")
                 weakref.finalize(self, shutil.rmtree, self._scratch_dir, True)
-            stacked = self._read(key)
+            stacked = self._read(key, where)
             chunk = list(stacked.shape)
             chunk[layout.LAYER_AXIS] = 1
             spec = {"driver": "zarr3",
@@ -198,8 +203,14 @@ class MaxTextSource:
 
 def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                   scan_layers: bool = True, rope_layout: str, dtype: str = "fp32",
-                  force: bool = False) -> str:
-    """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`."""
+                  force: bool = False, inputs: Iterable[str | os.PathLike] = (),
+                  flag: str = "output") -> str:
+    """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`.
+
+    Every stored array must be finite (a value the cast or the query scale overflows is an error,
+    nothing written); `inputs` (the folders the source reads) must not overlap `out_dir`, which
+    messages call `flag` (see `converters.atomic`).
+    """
     out_dtype = DTYPES.get(dtype)
     if out_dtype is None:
         raise NVFP4ToolError(f"MaxText dtype {dtype!r} unsupported; supported: fp32, bf16")
@@ -213,7 +224,7 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
 
     leaves = _plan_leaves(config, scan_layers, out_dtype)
     budget = max(nbytes for *_, nbytes in leaves)
-    with atomic_output_dir(out_dir, force) as tmp_dir:
+    with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         items_dir = _save_skeleton(ocp, tmp_dir, scan_layers)
         scratch = os.path.join(tmp_dir, ".leaves")
         tree_metadata = _read_json(os.path.join(items_dir, _METADATA_FILE))
@@ -302,17 +313,22 @@ def _groups(leaves: list[tuple], budget: int) -> Iterator[list[tuple]]:
 
 def _build_leaf(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
                 shape: tuple[int, ...], out_dtype: str, rope_layout: str, scanned: bool) -> np.ndarray:
-    """The stored array of one parameter; a scanned stack is filled one source layer at a time."""
+    """The stored array of one parameter; a scanned stack is filled one source layer at a time.
+    Each converted layer must be finite."""
     if scanned and rule.per_layer:
         stacked = np.empty(shape, dtype=out_dtype)
         for i in range(config.num_layers):
-            name = layout.hf_name(rule, i)
-            y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
-            stacked[:, i] = y
-            del y
+            stacked[:, i] = _converted(source, config, rule, i, rope_layout, out_dtype)
         return stacked
-    return layout.hf_to_maxtext(rule, source.get(layout.hf_name(rule, layer)), config, rope_layout,
-                                out_dtype)
+    return _converted(source, config, rule, layer, rope_layout, out_dtype)
+
+
+def _converted(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
+               rope_layout: str, out_dtype: str) -> np.ndarray:
+    name = layout.hf_name(rule, layer)
+    y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
+    check_finite(y, f"{source.path}: tensor {name!r}", after=f"as stored in MaxText ({out_dtype})")
+    return y
 
 
 def _save_skeleton(ocp, base_dir: str, scan_layers: bool) -> str:
@@ -374,7 +390,7 @@ def _params_tree(items_dir: str, label: str) -> dict:
     try:
         metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(items_dir))
     except (ValueError, FileNotFoundError, OSError, TypeError) as err:
-        raise NVFP4ToolError(f"{label}: cannot read the Orbax tree metadata: {err}") from None
+        raise NVFP4ToolError(f"{label}: cannot read the Orbax tree metadata: {_first_line(err)}") from None
     tree = getattr(metadata, "tree", metadata)
     params = tree.get("params", {}).get("params") if isinstance(tree, dict) else None
     if not isinstance(params, dict):
@@ -393,6 +409,26 @@ def _detect_scanned(params: dict, label: str) -> bool:
         return False
     raise NVFP4ToolError(f"{label}: neither params/params/decoder/layers (scanned) nor "
                          f"decoder/layers_0 (unscanned) is in the checkpoint")
+
+
+def _fetch(view, where: str) -> np.ndarray:
+    """Read a tensorstore view; a corrupted or truncated chunk is one line naming the array."""
+    try:
+        return np.asarray(view.read().result())
+    except (ValueError, OSError) as err:
+        raise NVFP4ToolError(f"{where} cannot be read (corrupted or truncated checkpoint data: "
+                             f"{_first_line(err)})") from None
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of a (tensorstore) message, without its spec and source-location suffixes."""
+    text = str(err).strip()
+    return re.split(r" \[(?:source locations|tensorstore_spec)=", text.splitlines()[0])[0] if text \
+        else type(err).__name__
+
+
+def _where(key: tuple[str, ...]) -> str:
+    return "/".join(layout.PARAMS_PREFIX + key)
 
 
 def _lookup(tree: dict, key: tuple[str, ...]):
@@ -430,6 +466,9 @@ def _step_custom_metadata(step_dir: str | None) -> dict:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+            value = json.load(f)
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON or UTF-8
         raise NVFP4ToolError(f"{path}: cannot read Orbax metadata ({err})") from None
+    if not isinstance(value, dict):
+        raise NVFP4ToolError(f"{path}: Orbax metadata is a JSON {type(value).__name__}, not an object")
+    return value

@@ -17,6 +17,10 @@ import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError
 
+WEIGHT_DTYPES = ("float64", "float32", "float16", "bfloat16")  # what a model weight may be stored as
+FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")  # the scales of exports
+_CHECK_CHUNK_ELEMENTS = 1 << 22  # check_finite holds a bool mask of at most this many elements
+
 
 @runtime_checkable
 class TensorSource(Protocol):
@@ -74,12 +78,41 @@ class DictTensorSource:
             raise NVFP4ToolError(f"{self._path}: no tensor {name!r}") from None
 
 
+def check_finite(array: np.ndarray, where: str, *, after: str = "") -> None:
+    """NVFP4ToolError unless every value of a floating `array` is finite (other dtypes pass).
+
+    `where` names the file and tensor ("ckpt: tensor 'x'"); `after` says what produced the values
+    ("after the cast to bfloat16"). Checked in slices along the first axis, so the mask it builds
+    stays small whatever the tensor's size and layout.
+    """
+    if array.dtype.name not in WEIGHT_DTYPES + FLOAT8_DTYPES:
+        return
+    rows = array.reshape(1) if array.ndim == 0 else array
+    step = max(1, _CHECK_CHUNK_ELEMENTS // max(1, rows[0].size))
+    bad, first = 0, None
+    for start in range(0, len(rows), step):
+        finite = np.isfinite(rows[start:start + step])
+        if finite.all():
+            continue
+        bad += finite.size - int(np.count_nonzero(finite))
+        if first is None:
+            index = np.unravel_index(int(np.argmin(finite)), finite.shape)
+            first = (index[0] + start, *index[1:])[:array.ndim]
+    if bad:
+        raise NVFP4ToolError(f"{where} has {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)"
+                             f"{' ' + after if after else ''}, e.g. {float(array[first])} at index "
+                             f"{[int(i) for i in first]}")
+
+
 def check_against_config(source: TensorSource, expected: Mapping[str, tuple[int, ...]],
-                         *, ignore_extra: tuple[str, ...] = ()) -> None:
-    """Raise NVFP4ToolError unless `source` holds exactly the `expected` names with those shapes.
+                         *, ignore_extra: tuple[str, ...] = (), config_dtype: str | None = None) -> None:
+    """Raise NVFP4ToolError unless `source` holds exactly the `expected` names with those shapes,
+    each in a floating dtype (`WEIGHT_DTYPES`).
 
     `expected` is `ModelConfig.expected_tensor_shapes()`; names in `ignore_extra` may be present
-    without being expected (e.g. a tied `lm_head.weight` some checkpoints still store).
+    without being expected (e.g. a tied `lm_head.weight` some checkpoints still store). With
+    `config_dtype` (the dtype config.json declares), a float16 tensor in a bfloat16 model or the
+    reverse is refused: the two have the same size, so such a tensor is a relabelled header.
     """
     present = set(source.names())
     missing = [n for n in expected if n not in present]
@@ -96,3 +129,10 @@ def check_against_config(source: TensorSource, expected: Mapping[str, tuple[int,
         if got != tuple(want):
             raise NVFP4ToolError(f"{source.path}: tensor {name!r} has shape {list(got)}, the config "
                                  f"expects {list(want)}")
+        dtype = source.dtype(name)
+        if dtype not in WEIGHT_DTYPES:
+            raise NVFP4ToolError(f"{source.path}: tensor {name!r} has dtype {dtype}, the config "
+                                 f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})")
+        if {dtype, config_dtype} == {"float16", "bfloat16"}:
+            raise NVFP4ToolError(f"{source.path}: tensor {name!r} is {dtype} but config.json declares "
+                                 f"{config_dtype} (a relabelled header?)")

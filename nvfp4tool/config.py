@@ -187,8 +187,10 @@ class ModelConfig:
                 hf = json.load(f)
         except FileNotFoundError:
             raise NVFP4ToolError(f"{config_path}: no such file (an HF model folder needs config.json)") from None
-        except json.JSONDecodeError as bad:
+        except ValueError as bad:  # invalid JSON or not UTF-8 (binary data)
             raise NVFP4ToolError(f"{config_path}: not valid JSON ({bad})") from None
+        except OSError as bad:  # a folder named config.json, no permission
+            raise NVFP4ToolError(f"{config_path}: cannot be read ({bad.strerror or bad})") from None
         if not isinstance(hf, dict):
             raise NVFP4ToolError(f"{config_path}: expected a JSON object")
         return cls.from_hf_config(hf, source=config_path)

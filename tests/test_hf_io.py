@@ -1,5 +1,6 @@
 """Reading and writing HF safetensors folders: round trips, sharding, every bad-input error,
-atomic output. Torch-free except the tests marked `peers` (transformers-saved folders)."""
+atomic output (the atomic folder itself: tests/test_atomic.py). Torch-free except the tests
+marked `peers` (transformers-saved folders)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from converters.atomic import atomic_output_dir
 from converters.hf import HFFolderSource, parse_size, write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=8, attention_bias=True, dtype="float32")
@@ -135,8 +135,9 @@ def test_tied_lm_head_and_inv_freq_tolerated(tmp_path):
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     assert parse_size("500MB") == 5 * 10**8 and parse_size(1234) == 1234
-    with pytest.raises(NVFP4ToolError, match="cannot parse size"):
-        parse_size("five gigs")
+    for bad in ("five gigs", "0GB", "0.1B", "5XB", 0, -3):
+        with pytest.raises(NVFP4UsageError, match="--max-shard-size"):
+            parse_size(bad)
 
 
 # ------------------------------------------------------------------------------ bad input errors
@@ -291,13 +292,6 @@ def test_existing_output_needs_force(tmp_path):
     written(tmp_path, "out", source=DictTensorSource(tensors(seed=1)), force=True)
     assert same_bytes(HFFolderSource(out).get("lm_head.weight"), tensors(seed=1)["lm_head.weight"])
     assert sorted(os.listdir(tmp_path)) == ["out"]
-
-
-def test_atomic_output_dir_refuses_a_file(tmp_path):
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(NVFP4ToolError, match="not a folder"):
-        with atomic_output_dir(tmp_path / "f", force=True):
-            pass
 
 
 # ---------------------------------------------------------------- transformers-saved folders (peers)

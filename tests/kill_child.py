@@ -1,0 +1,82 @@
+"""Child process of tests/test_kill.py: run one nvfp4tool command and stop at a chosen point.
+
+    python tests/kill_child.py POINT READY_FILE nvfp4tool-arguments...
+
+POINT is where the command stops, writes its temporary output folder's path into READY_FILE and
+sleeps until the test kills it (SIGKILL):
+    start    the temporary output folder exists and is marked, nothing written into it yet
+    mid      the MID_AT-th tensor read after that (env, default 12): the output is half-written
+    publish  the output is complete in its temporary folder, not yet renamed into place
+    replace  (with --force over an existing output) the previous output has been moved aside and
+             the new one not yet moved in
+The points are reached by wrapping module attributes from here (converters.atomic's marker writer,
+publisher and `os`; the tensor readers of converters.hf and converters.maxtext): the code under
+test is unchanged and carries no test hook.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from converters import atomic, hf, maxtext
+
+POINT, READY = sys.argv[1], sys.argv[2]
+MID_AT = int(os.environ.get("MID_AT", "12"))
+_state = {"tmp": None, "reads": 0}
+
+
+def _stop_here() -> None:
+    with open(READY + ".part", "w") as f:
+        f.write(_state["tmp"] or "")
+    os.rename(READY + ".part", READY)
+    time.sleep(600)
+
+
+def _write_marker(folder: str) -> None:
+    _real_write_marker(folder)
+    if ".tmp-" in os.path.basename(folder) and _state["tmp"] is None:
+        _state["tmp"] = folder
+        if POINT == "start":
+            _stop_here()
+
+
+def _counting(read):
+    def wrapped(*args, **kwargs):
+        if _state["tmp"] is not None:
+            _state["reads"] += 1
+            if POINT == "mid" and _state["reads"] == MID_AT:
+                _stop_here()
+        return read(*args, **kwargs)
+    return wrapped
+
+
+def _publish(tmp_dir: str, out_dir: str) -> None:
+    if POINT == "publish":
+        _stop_here()
+    _real_publish(tmp_dir, out_dir)
+
+
+class _RenameStops:
+    """`os` for converters.atomic, whose rename stops once an existing output was moved aside."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def rename(src, dst):
+        os.rename(src, dst)
+        if POINT == "replace" and ".old-" in os.path.basename(os.path.dirname(dst)):
+            _stop_here()
+
+
+_real_write_marker, _real_publish = atomic._write_marker, atomic._publish
+atomic._write_marker, atomic._publish, atomic.os = _write_marker, _publish, _RenameStops()
+hf.read_tensor = _counting(hf.read_tensor)
+maxtext._fetch = _counting(maxtext._fetch)
+
+if __name__ == "__main__":
+    from nvfp4tool.cli import main
+
+    main(sys.argv[3:])  # exits; reaching no point is seen by the test as an early exit

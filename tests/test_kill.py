@@ -1,0 +1,219 @@
+"""kill -9 of every writing command at deterministic points (tests/kill_child.py): never a
+complete-looking broken output, an existing output intact (or restored), and a rerun that succeeds,
+removes the temporary folder the kill left and says so.
+
+Per command and point: the child runs the command on a tiny model and is SIGKILLed at the point;
+then the output folder must be absent (or the previous output, unchanged), and the rerun (in
+process, with --force where an output existed) must leave exactly the output, equal to an
+uninterrupted run's, next to nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from converters.atomic import MARKER_FILE
+from converters.hf import HFFolderSource, write_hf_folder
+from converters.maxtext import MaxTextSource
+from converters.tensor_source import DictTensorSource
+from nvfp4tool import progress
+from nvfp4tool.cli import cli
+from nvfp4tool.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+
+# command -> (arguments with {hf}, {mt}, {export}, {out} placeholders, output kind)
+COMMANDS = {
+    "convert hf->maxtext": (["convert", "{hf}", "{out}", "--to", "maxtext", "--rope-layout", "half"], "maxtext"),
+    "convert maxtext->hf": (["convert", "{mt}", "{out}", "--to", "hf", "--model-config", "{hf}",
+                             "--rope-layout", "half"], "hf"),
+    "convert hf->hf": (["convert", "{hf}", "{out}", "--to", "hf", "--dtype", "fp32", "--max-shard-size", "40KB"],
+                       "hf"),
+    "export": (["export", "{hf}", "--out", "{out}", "--quant", "nvfp4-weight-only"], "hf"),
+    "convert-format": (["convert-format", "{export}", "{out}", "--to", "compressed-tensors"], "hf"),
+}
+CASES = [(command, point) for command in COMMANDS for point in ("start", "mid", "publish")] + [
+    ("convert hf->hf", "replace"), ("export", "replace"), ("convert hf->maxtext", "replace")]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """The tiny inputs ({hf}, {mt}, {export}) and each command's uninterrupted output."""
+    root = tmp_path_factory.mktemp("kill")
+    rng = np.random.default_rng(0)
+    tensors = {n: (rng.standard_normal(s) * 0.1).astype(np.float32) for n, s in CONFIG.expected_tensor_shapes().items()}
+    paths = {"hf": str(root / "hf"), "mt": str(root / "mt"), "export": str(root / "export")}
+    write_hf_folder(paths["hf"], CONFIG, DictTensorSource(tensors), dtype="bf16")
+    _cli(["convert", paths["hf"], paths["mt"], "--to", "maxtext", "--rope-layout", "half"])
+    _cli(["export", paths["hf"], "--out", paths["export"], "--quant", "nvfp4-weight-only"])
+    for command, (args, _) in COMMANDS.items():
+        _cli(_fill(args, paths, str(root / "reference" / command.replace(" ", "_").replace(">", ""))))
+    return paths
+
+
+def _reference(inputs: dict[str, str], command: str) -> str:
+    return str(Path(inputs["hf"]).parent / "reference" / command.replace(" ", "_").replace(">", ""))
+
+
+def _fill(args: list[str], paths: dict[str, str], out: str) -> list[str]:
+    return [a.format(out=out, **paths) for a in args]
+
+
+def _cli(args: list[str]):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, (args, result.output)
+    return result
+
+
+def _tensors(folder: str, kind: str) -> dict[str, bytes]:
+    source = HFFolderSource(folder, check_config=False) if kind == "hf" else MaxTextSource(folder, CONFIG, "half")
+    return {n: source.get(n).tobytes() for n in source.names()}
+
+
+def _kill_at(point: str, args: list[str], ready: Path) -> tuple[str, int]:
+    """Run kill_child.py until it reaches `point`, SIGKILL it; (its temporary folder, its pid)."""
+    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill_child.py"), point, str(ready), *args],
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            if child.poll() is not None:
+                pytest.fail(f"the command ended (exit {child.returncode}) before {point!r}:\n"
+                            f"{child.stdout.read()[-3000:]}")
+            assert time.monotonic() < deadline, f"{point!r} not reached in 300 s"
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    return ready.read_text(), child.pid
+
+
+class _Recorder:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def start(self, name, total, unit):
+        return progress.QuietReporter().start(name, total, unit)
+
+    def info(self, message):
+        self.lines.append(message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, point", CASES, ids=[f"{c}@{p}" for c, p in CASES])
+def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path, command, point):
+    args, kind = COMMANDS[command]
+    out = tmp_path / "outs" / "out"
+    reference = _tensors(_reference(inputs, command), kind)
+    existing = point == "replace"
+    if existing:  # a previous output, to be replaced with --force
+        shutil.copytree(_reference(inputs, command), out)
+        (out / "previous.txt").write_text("the previous output")
+    args = _fill(args, inputs, str(out)) + (["--force"] if existing else [])
+
+    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+
+    left = sorted(os.listdir(out.parent))
+    assert os.path.basename(tmp) in left and os.path.basename(tmp).startswith(".out.tmp-")
+    written = [name for name in os.listdir(tmp) if name != MARKER_FILE]
+    assert bool(written) == (point != "start"), written  # killed before / while / after writing
+    if existing:  # moved aside, not lost: the rerun puts it back before replacing it
+        assert "out" not in left and any(name.startswith(".out.old-") for name in left), left
+    else:
+        assert "out" not in left, left  # never a complete-looking broken output
+
+    recorder = _Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        result = _cli(args)
+    finally:
+        progress.use_reporter(previous)
+    said = "\n".join(recorder.lines) + result.output
+    assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
+    assert sorted(os.listdir(out.parent)) == ["out"]
+    assert not (out / "previous.txt").exists()
+    assert _tensors(str(out), kind) == reference
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    from nvfp4tool.train.data import embedded_corpus, iter_documents
+    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["start", "publish"])
+def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tmp_path, point):
+    """train's final HF folder (run/hf) is written atomically too: killed while writing it, the
+    run has no hf/ (only its checkpoints), and resume=true writes it and removes the debris."""
+    from nvfp4tool.train.data import embedded_corpus
+
+    train_txt, val_txt = embedded_corpus()
+    run = tmp_path / "run"
+    args = ["train", "model=tiny", f"data={train_txt}", f"eval_data={val_txt}", f"tokenizer={tokenizer_dir}",
+            "recipe=bf16", "steps=2", "seq_len=32", "batch_size=8", "eval_every=0", f"out={run}", "seed=1"]
+    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+    assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
+    assert not (run / "hf").exists()  # no complete-looking broken folder
+
+    recorder = _Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        result = _cli(args + ["resume=true"])
+    finally:
+        progress.use_reporter(previous)
+    said = "\n".join(recorder.lines) + result.output
+    assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
+    assert not any(name.startswith(".hf.") for name in os.listdir(run))
+    assert len(HFFolderSource(run / "hf").names()) == len(HFFolderSource(run / "hf").config.expected_tensor_shapes())
+
+
+@pytest.mark.slow
+def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(inputs, tmp_path, monkeypatch):
+    """A MaxText checkpoint saved by plain Orbax (chunks span layers) is re-chunked into a scratch
+    folder in the system temporary folder; killed mid-read, the next run removes that folder."""
+    import orbax.checkpoint as ocp
+
+    tree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(os.path.join(inputs["mt"], "0", "items"))
+    orbax_saved = str(tmp_path / "orbax")
+    manager = ocp.CheckpointManager(orbax_saved, item_names=("items",))
+    manager.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    manager.wait_until_finished()
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))
+    args = _fill(COMMANDS["convert maxtext->hf"][0], {**inputs, "mt": orbax_saved}, str(tmp_path / "out"))
+
+    _, pid = _kill_at("mid", args, tmp_path / "ready")
+    scratch = [p for p in system_tmp.iterdir() if p.name.startswith("nvfp4tool-maxtext-")]
+    assert len(scratch) == 1, scratch
+    assert [p for p in scratch[0].iterdir() if p.name != MARKER_FILE]  # re-chunked stacks left behind
+
+    monkeypatch.setattr("tempfile.tempdir", str(system_tmp))
+    recorder = _Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        _cli(args)
+    finally:
+        progress.use_reporter(previous)
+    assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in recorder.lines
+    assert not scratch[0].exists()
+    assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")
