@@ -22,7 +22,8 @@ times in all (requests whose body is a stream, the LFS file uploads, cannot be r
 try); then the push stops with one line, `<endpoint>: no answer after N s (M tries)`. The previous
 client factory is restored afterwards. Uploads through Xet storage (`hf_xet`, native code) are
 outside this client; the Hub calls before them (create_repo, preupload) are not.
-Status lines (the checker's summary, its problems) go to `echo`, by default `nvfp4tool.progress.info`.
+Status lines (the checker's summary, its problems) go to `echo`, by default `nvfp4tool.progress.info`;
+huggingface_hub's own upload bars are silenced under the quiet reporter (`nvfp4tool --quiet`).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
         raise NVFP4ToolError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
     api = HfApi(endpoint=options.endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging, \
-            _bounded_http(options.timeout, options.tries):
+            _bounded_http(options.timeout, options.tries), _hub_bars_follow_reporter():
         _stage(folder, staging, result)
         try:
             repo_url = api.create_repo(options.repo_id, private=options.private, exist_ok=True, repo_type="model")
@@ -248,6 +249,21 @@ def _bounded_http(timeout: float, tries: int) -> Iterator[None]:
         yield
     finally:
         set_client_factory(previous)
+
+
+@contextlib.contextmanager
+def _hub_bars_follow_reporter() -> Iterator[None]:
+    """huggingface_hub's own upload bars (tqdm) are off while the quiet reporter is installed."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    silence = isinstance(progress.reporter(), progress.QuietReporter) and not are_progress_bars_disabled()
+    if silence:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if silence:
+            enable_progress_bars()
 
 
 def _cause(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
