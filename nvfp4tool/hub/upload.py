@@ -14,7 +14,9 @@ the upload, and the plan says so). huggingface_hub 2.4.0's `upload_folder` itsel
 its streamed multi-commit pipeline for large folders when `hf_xet` is installed (there is no
 separate `upload_large_folder` any more), so one call serves small and large exports.
 
-Network: huggingface_hub's shared HTTP client has no timeout (`timeout=None`), so a Hub that
+Network: huggingface_hub's shared HTTP client has no timeout (`timeout=None`; its knobs
+`HF_HUB_ETAG_TIMEOUT` / `HF_HUB_DOWNLOAD_TIMEOUT` only reach the download and metadata calls that
+pass a timeout of their own, and create_repo / preupload / commit pass none), so a Hub that
 accepts the connection and never answers would hang the push forever. For the duration of the
 upload `_bounded_http` installs (`huggingface_hub.set_client_factory`) a client whose every request
 times out after `options.timeout` seconds without an answer and is retried up to `options.tries`
