@@ -81,7 +81,7 @@ class _NewFile(click.Path):
         return path
 
 
-COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
+_COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -282,7 +282,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales.")
-@click.option("--calib-samples", type=COUNT, default=64, show_default=True)
+@click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
 @click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
@@ -392,12 +392,12 @@ def _threshold_default(field: str):
               help="The BF16 source (default: named by the export's nvfp4tool_export.json).")
 @click.option("--json", "json_copy", type=_NewFile(), default=None,
               help="Also write validation.json here.")
-@click.option("--samples", type=COUNT, default=16, show_default=True, help="Sequences evaluated.")
+@click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
-@click.option("--batch-size", type=COUNT, default=4, show_default=True)
-@click.option("--prompts", type=COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
-@click.option("--prompt-len", type=COUNT, default=32, show_default=True)
-@click.option("--gen-tokens", type=COUNT, default=256, show_default=True, help="Greedy continuation length.")
+@click.option("--batch-size", type=_COUNT, default=4, show_default=True)
+@click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
+@click.option("--prompt-len", type=_COUNT, default=32, show_default=True)
+@click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
 @click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True)
 @click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True)
 @click.option("--min-top1", type=_FiniteFloat(min=0, max=1), default=_threshold_default("min_top1"),
@@ -453,8 +453,8 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
 
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
-@click.option("--pretrain-steps", type=COUNT, default=300, show_default=True)
-@click.option("--finetune-steps", type=COUNT, default=100, show_default=True)
+@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True)
+@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.
