@@ -13,6 +13,9 @@ CliRunner and asserts:
   directory and TMPDIR of the command (so temporary folders left behind are caught too) and
   holds every source: their bytes are hashed before and after.
 
+click >= 8.2 (8.5.1 here) has no `mix_stderr`: `result.output` is stdout and stderr interleaved
+as a terminal shows them, which is what the one-`Error:`-line rule is about.
+
 Fixtures (built once per module, ~20 s): a tiny synthetic BF16 HF model, its NVFP4 exports in
 both layouts (made by the CLI), its MaxText checkpoint, calibration ids.
 """
