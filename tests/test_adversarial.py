@@ -381,6 +381,13 @@ def _(w):
     return ["convert", w.copy("mt"), w.path("out"), "--to", "hf", "--model-config", "llama9-999b"], ("llama9-999b",)
 
 
+@case("convert/maxtext-model-config-not-json", 1)
+def _(w):
+    bad = w.file("config.json", "{\"hidden_size\": 64,")
+    return ["convert", w.copy("mt"), w.path("out"), "--to", "hf", "--model-config", bad, "--rope-layout", "half"], \
+        ("config.json",)
+
+
 @case("convert/maxtext-truncated-chunk", 1)
 def _(w):
     mt = w.copy("mt")
@@ -433,6 +440,12 @@ def _(w):
 def _(w):
     data = w.file("data.csv", "text\nhello\n")
     return _train(w, f"data={data}"), ("data.csv",)
+
+
+@case("train/data-folder-without-data-files", 1)
+def _(w):
+    w.file("corpus/notes.md", TEXT)
+    return _train(w, f"data={w.path('corpus')}"), ("corpus",)
 
 
 @case("train/missing-data", 2)
@@ -603,6 +616,13 @@ def _(w):
     return args, ("calib.npy",)
 
 
+@case("export/calibration-jsonl-bad-line", 1)
+def _(w):
+    args = _export(w, w.copy("hf"))
+    args[args.index("--calib-data") + 1] = w.file("calib.jsonl", json.dumps({"text": TEXT}) + "\n{oops\n")
+    return args, ("calib.jsonl",)
+
+
 @case("export/existing-output-without-force", 1)
 def _(w):
     w.file("out/keep.txt", "mine")
@@ -757,6 +777,12 @@ def _(w):
     return _validate(w, w.copy("mo"), data=path), ("val.npy",)
 
 
+@case("validate/data-jsonl-bad-line", 1)
+def _(w):
+    data = w.file("val.jsonl", json.dumps({"text": TEXT}) + "\n[1, 2\n")
+    return _validate(w, w.copy("mo"), data=data), ("val.jsonl",)
+
+
 @case("validate/no-provenance-and-no-source", 1)
 def _(w):
     mo = w.copy("mo")
@@ -875,6 +901,14 @@ def _(w):
     return ["check", mo], (mo,)
 
 
+@case("check/weights-are-a-symlink-loop", 1)
+def _(w):
+    mo = w.copy("mo")
+    os.remove(os.path.join(mo, WEIGHTS))
+    os.symlink(WEIGHTS, os.path.join(mo, WEIGHTS))
+    return ["check", mo], (WEIGHTS,)
+
+
 @case("check/malformed-ignore-regex", 1)
 def _(w):
     ct = w.copy("ct")
@@ -915,6 +949,13 @@ def _(w):
 def _(w):
     mo = w.copy("mo")
     w.file("mo/validation.json", "{\"passed\": tru")
+    return ["push", mo, "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING], ("validation.json",)
+
+
+@case("push/validation-report-not-an-object", 1, hub=True)
+def _(w):
+    mo = w.copy("mo")
+    w.file("mo/validation.json", "[true]")
     return ["push", mo, "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING], ("validation.json",)
 
 
