@@ -1,17 +1,26 @@
 """Command-line wiring only: parse options, call one library function, turn errors into exit codes.
 
-Exit codes: 0 success, 1 a failed check or bad input (`NVFP4ToolError`, one line), 2 bad usage
-(click). A traceback is shown only with `-v/--verbose`.
+Exit codes: 0 success; 1 a failed check or bad data (`NVFP4ToolError`, or an operating-system error
+naming a file: one `Error:` line naming the file); 2 bad usage (a bad option value, a count < 1, an
+unknown choice, a missing path, `NVFP4UsageError`), rejected by the click types below before any
+library code runs wherever an option can be checked on its own. A traceback only with `-v`.
+
+Output: every command runs with a `nvfp4tool.progress` reporter installed (`RichReporter`: bars
+and status lines on stderr; `QuietReporter` with `--quiet`), restored afterwards; the command's
+result lines (summaries, tables, reports) go to stdout either way.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
+from urllib.parse import urlparse
 
 import click
 
-from nvfp4tool import __version__
+from nvfp4tool import __version__, progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 
@@ -34,6 +43,8 @@ class _Group(click.Group):
         except Exception as exc:  # an internal error: one line unless --verbose
             if _verbose(ctx):
                 raise
+            if isinstance(exc, OSError) and exc.filename:  # the user's file (a folder, no permission, disk full)
+                raise click.ClickException(f"{exc.filename}: {exc.strerror or exc}") from None
             raise click.ClickException(
                 f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for the traceback)"
             ) from None
@@ -43,20 +54,97 @@ def _verbose(ctx: click.Context) -> bool:
     return bool(ctx.obj and ctx.obj.get("verbose"))
 
 
+# ---------------------------------------------------------------------------------------- option types
+
+
+class _FiniteFloat(click.FloatRange):
+    """A float in a range that must also be finite (click's FloatRange lets nan and inf through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class _NewFile(click.Path):
+    """A file the command writes: not a folder, and its folder must exist."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            self.fail(f"{path!r}: folder {folder!r} does not exist.", param, ctx)
+        return path
+
+
+_COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--max-shard-size: parsed once here (converters.hf.parse_size owns the syntax) so a bad one exits 2."""
+    from converters.hf import parse_size
+
+    try:
+        parse_size(value)
+    except NVFP4ToolError as bad:
+        raise click.BadParameter(str(bad), ctx, param) from None
+    return value
+
+
+def _tp(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """--tp: parsed by nvfp4tool.check.parse_tp (the owner of its syntax)."""
+    from nvfp4tool.check import parse_tp
+
+    try:
+        return parse_tp(value)
+    except NVFP4UsageError as bad:
+        raise click.BadParameter(str(bad), ctx, param) from None
+
+
+def _reference(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """validate --reference: fp8, bf16 or an existing folder."""
+    if value not in ("fp8", "bf16") and not os.path.isdir(value):
+        raise click.BadParameter(f"{value!r} is not fp8, bf16 or an existing export folder.", ctx, param)
+    return value
+
+
+def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """push --endpoint: an http(s) URL."""
+    if value is not None:
+        url = urlparse(value)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise click.BadParameter(f"{value!r} is not an http(s) URL (e.g. https://hub.example.com).",
+                                     ctx, param)
+    return value
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nvfp4tool")
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging and full tracebacks.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or status lines; results and errors only.")
 @click.pass_context
-def cli(ctx: click.Context, verbose: bool) -> None:
+def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
     """nvfp4tool: NVFP4 training, export and validation for Llama-family models in JAX.
 
     \b
     Example:
       nvfp4tool convert ./Llama-3.2-1B ./llama-maxtext --to maxtext --model-config llama3.2-1b
     """
+    if verbose and quiet:
+        raise click.UsageError("--verbose and --quiet contradict each other", ctx)
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING,
+                        format="%(message)s")
+    previous = progress.use_reporter(progress.QuietReporter() if quiet else progress.RichReporter())
+    ctx.call_on_close(lambda: progress.use_reporter(previous))
 
 
 @cli.command("convert")
@@ -73,7 +161,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
               help="RoPE row layout on the MaxText side (default: from the MaxText model name).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
               help="Output dtype (MaxText default fp32; HF default: the model config's).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="HF output shard size.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size, help="HF output shard size.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config: str | None,
                     rope_layout: str | None, dtype: str | None, max_shard_size: str,
@@ -85,20 +173,13 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
       nvfp4tool convert ./Llama-3.1-8B ./ckpt --to maxtext --model-config llama3.1-8b
       nvfp4tool convert ./ckpt/0/items ./hf --to hf --model-config llama3.1-8b
     """
-    from rich.console import Console
-    from rich.progress import Progress
-
     from converters.convert import convert_checkpoint
 
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("converting", total=None)
-
-        def on_tensor(name: str, nbytes: int) -> None:
-            progress.update(task, advance=1, description=name)
-
+    with progress.task("convert", unit="tensor") as task:
         summary = convert_checkpoint(src, dst, to=to, model_config=model_config,
                                      scan_layers=scan_layers, rope_layout=rope_layout, dtype=dtype,
-                                     max_shard_size=max_shard_size, force=force, on_tensor=on_tensor)
+                                     max_shard_size=max_shard_size, force=force,
+                                     on_tensor=lambda name, nbytes: task.advance(description=name, nbytes=nbytes))
     click.echo(summary.line())
 
 
@@ -131,7 +212,7 @@ def train_command(args: tuple[str, ...]) -> None:
 
 @cli.command("plot")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--out", "out_png", default="loss.png", show_default=True,
+@click.option("-o", "--out", "out_png", default="loss.png", show_default=True, type=_NewFile(),
               help="PNG to write (a JSON of the plotted series is written beside it).")
 @click.option("--label", "labels", multiple=True, help="Legend label per run (default: folder names).")
 def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -> None:
@@ -154,13 +235,13 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
 
 @cli.command("check")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--tp", default="1", show_default=True,
+@click.option("--tp", default="1", show_default=True, callback=_tp,
               help="Tensor-parallel degrees to check the K/N splits for, comma-separated (e.g. 1,2,4,8).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the report as JSON on stdout instead of the table.")
-@click.option("--json-out", type=click.Path(dir_okay=False), default=None,
+@click.option("--json-out", type=_NewFile(), default=None,
               help="Also write the JSON report to this file.")
-def check_command(path: str, tp: str, as_json: bool, json_out: str | None) -> None:
+def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str | None) -> None:
     """Check an NVFP4/FP8 serving checkpoint (ModelOpt or compressed-tensors) before serving it.
 
     Prints one line per problem (module: tensor: what is wrong) and a table of the quantized
@@ -175,12 +256,12 @@ def check_command(path: str, tp: str, as_json: bool, json_out: str | None) -> No
 
     from rich.console import Console
 
-    from nvfp4tool.check import check_checkpoint, parse_tp, print_report
+    from nvfp4tool.check import check_checkpoint, print_report
+    from nvfp4tool.records.base import write_json
 
-    report = check_checkpoint(path, tp=parse_tp(tp))
+    report = check_checkpoint(path, tp=tp)
     if json_out:
-        with open(json_out, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+        write_json(json_out, report.to_dict(), indent=2)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -201,14 +282,14 @@ def check_command(path: str, tp: str, as_json: bool, json_out: str | None) -> No
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales.")
-@click.option("--calib-samples", type=int, default=64, show_default=True)
-@click.option("--calib-seq-len", type=int, default=512, show_default=True)
+@click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
+@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
 @click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
-@click.option("--max-shard-size", default="5GB", show_default=True)
-@click.option("--step", type=int, default=None, help="Training run: export this checkpoint step.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size)
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Training run: export this checkpoint step.")
 @click.option("--model-config", default=None, help="MaxText source: model name or HF config.")
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
               help="MaxText source with an HF --model-config: its RoPE row layout.")
@@ -257,13 +338,16 @@ def convert_format_command(src, out, to, force) -> None:
 @click.option("--revision", default=None, help="Branch to commit to (created from main if missing).")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--dry-run", is_flag=True, help="Print the file list, sizes and model card; upload nothing.")
-@click.option("--endpoint", default=None, help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).")
+@click.option("--endpoint", default=None, callback=_endpoint,
+              help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).")
+@click.option("--timeout", type=_FiniteFloat(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).")
 @click.option("--no-validation", is_flag=True,
               help="Publish without a validation.json from `nvfp4tool validate` (the card says so).")
 @click.option("--base-model", default=None, help="Source repo id for the card (default: from the provenance).")
 @click.option("--license", "license_", default=None, help="License for the card (default: the source's).")
-def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint, no_validation, base_model,
-                 license_) -> None:
+def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation,
+                 base_model, license_) -> None:
     """Check an export, write its model card and upload both to the Hugging Face Hub.
 
     Refuses a checkpoint that fails `nvfp4tool check`, and one without validation.json unless
@@ -278,9 +362,9 @@ def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint,
     from nvfp4tool.hub import PushOptions, push_checkpoint
 
     options = PushOptions(repo_id=repo_id, private=private, revision=revision, create_pr=create_pr,
-                          dry_run=dry_run, endpoint=endpoint, require_validation=not no_validation,
-                          base_model=base_model, license=license_)
-    result = push_checkpoint(path, options, echo=click.echo)
+                          dry_run=dry_run, endpoint=endpoint, timeout=timeout,
+                          require_validation=not no_validation, base_model=base_model, license=license_)
+    result = push_checkpoint(path, options)
     click.echo(("would upload" if dry_run else "uploaded") + f" to {repo_id}:\n{result.file_table()}")
     if result.replaced_readme:
         click.echo(f"note: {path}/README.md is replaced by the generated model card in the upload")
@@ -301,28 +385,30 @@ def _threshold_default(field: str):
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
               help="Evaluation text (.txt/.jsonl, tokenized with the export's tokenizer) or ids (.npy).")
-@click.option("--reference", default="fp8", show_default=True,
+@click.option("--reference", default="fp8", show_default=True, callback=_reference,
               help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
                    "or the folder of an `export --quant fp8`.")
 @click.option("--source", type=click.Path(exists=True), default=None,
               help="The BF16 source (default: named by the export's nvfp4tool_export.json).")
-@click.option("--json", "json_copy", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_copy", type=_NewFile(), default=None,
               help="Also write validation.json here.")
-@click.option("--samples", type=int, default=16, show_default=True, help="Sequences evaluated.")
-@click.option("--seq-len", type=int, default=256, show_default=True)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--prompts", type=int, default=4, show_default=True, help="Greedy-generation prompts.")
-@click.option("--prompt-len", type=int, default=32, show_default=True)
-@click.option("--gen-tokens", type=int, default=256, show_default=True, help="Greedy continuation length.")
-@click.option("--max-kl-mean", type=float, default=_threshold_default("max_kl_mean"), show_default=True)
-@click.option("--max-kl-p99", type=float, default=_threshold_default("max_kl_p99"), show_default=True)
-@click.option("--min-top1", type=float, default=_threshold_default("min_top1"), show_default=True)
-@click.option("--max-ppl-increase", type=float, default=_threshold_default("max_ppl_increase"),
+@click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
+@click.option("--batch-size", type=_COUNT, default=4, show_default=True)
+@click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
+@click.option("--prompt-len", type=_COUNT, default=32, show_default=True)
+@click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
+@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True)
+@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True)
+@click.option("--min-top1", type=_FiniteFloat(min=0, max=1), default=_threshold_default("min_top1"),
+              show_default=True)
+@click.option("--max-ppl-increase", type=_FiniteFloat(min=0), default=_threshold_default("max_ppl_increase"),
               show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
-@click.option("--min-layer-sqnr", type=float, default=_threshold_default("min_layer_sqnr_db"),
+@click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
               show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
 @click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
-@click.option("--kl-target", type=float, default=0.01, show_default=True, help="KL mean target of --sensitivity.")
+@click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
+              help="KL mean target of --sensitivity.")
 def validate_command(export, data, reference, source, json_copy, samples, seq_len, batch_size, prompts,
                      prompt_len, gen_tokens, max_kl_mean, max_kl_p99, min_top1, max_ppl_increase,
                      min_layer_sqnr, sensitivity, kl_target) -> None:
@@ -348,9 +434,9 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
         thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
                               max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
     console = Console()
-    with Console(stderr=True).status("validating") as status:
-        record = validate_export(export, options, json_copy=json_copy,
-                                 kl_target=kl_target if sensitivity else None, progress=status.update)
+    with progress.task("validate", unit="stage") as task:
+        record = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None,
+                                 progress=lambda status: task.advance(description=status))
     print_report(record, console)
     if "sensitivity" in record:
         found = record["sensitivity"]
@@ -367,8 +453,8 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
 
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
-@click.option("--pretrain-steps", default=300, show_default=True)
-@click.option("--finetune-steps", default=100, show_default=True)
+@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True)
+@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.

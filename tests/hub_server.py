@@ -22,6 +22,9 @@ the server never offers Xet.
 What arrives is stored: `server.files[(repo_id, revision)] = {path: bytes}`; `server.fail` maps a
 route name ("create", "preupload", "lfs_batch", "lfs_put", "commit", "*") to an HTTP status that
 route answers instead (e.g. {"commit": 500}, {"*": 401}).
+
+`SilentServer` is the opposite: it accepts connections on 127.0.0.1 and never answers (for the
+push timeout test); it stops by itself after its lifetime.
 """
 
 from __future__ import annotations
@@ -221,3 +224,47 @@ def _handler(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             return f"{hub.url}/{repo_id}"
 
     return Handler
+
+
+class SilentServer:
+    """A server on 127.0.0.1 that accepts every connection, reads nothing and never answers.
+
+    Bounded: it stops by itself after `lifetime` seconds (or at the `with` block's end), closing
+    every connection it accepted. `connections` counts the accepted connections.
+    """
+
+    def __init__(self, lifetime: float = 60.0) -> None:
+        import socket
+
+        self.lifetime = lifetime
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        host, port = self._listener.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self._accepted: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        import time
+
+        deadline = time.monotonic() + self.lifetime
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:  # the 0.05 s accept timeout: check the stop flag and the deadline
+                continue
+            self.connections += 1
+            self._accepted.append(connection)
+        for connection in self._accepted:
+            connection.close()
+        self._listener.close()
+
+    def __enter__(self) -> SilentServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

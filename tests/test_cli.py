@@ -6,7 +6,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from nvfp4tool import __version__
+from nvfp4tool import __version__, progress
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError
 
@@ -41,8 +41,30 @@ def failing_command():
     def fail_internal():
         raise RuntimeError("boom")
 
+    @cli.command("_fail-os")
+    def fail_os():
+        open("/no/such/folder/weights.safetensors", "rb")
+
     yield
-    del cli.commands["_fail-user"], cli.commands["_fail-internal"]
+    del cli.commands["_fail-user"], cli.commands["_fail-internal"], cli.commands["_fail-os"]
+
+
+@pytest.fixture
+def reporting_command():
+    """A command that reports through nvfp4tool.progress and prints a result line."""
+    seen = []
+
+    @cli.command("_report")
+    def report():
+        seen.append(progress.reporter())
+        with progress.task("work", total=2, unit="item") as task:
+            task.advance(description="first")
+            task.advance(description="second")
+        progress.info("status: halfway there")
+        click.echo("result: 2 items")
+
+    yield seen
+    del cli.commands["_report"]
 
 
 def test_user_error_is_one_line_exit_1(failing_command):
@@ -69,3 +91,47 @@ def test_user_error_with_verbose_reraises(failing_command):
     assert result.exit_code == 1
     assert isinstance(result.exception, NVFP4ToolError)
     assert not isinstance(result.exception, click.ClickException)
+
+
+def test_user_os_error_is_one_line_naming_the_file(failing_command):
+    result = CliRunner().invoke(cli, ["_fail-os"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: /no/such/folder/weights.safetensors: No such file or directory"]
+
+
+@pytest.mark.parametrize("flags, reporter, status_shown", [
+    ([], progress.RichReporter, True),
+    (["--quiet"], progress.QuietReporter, False),
+    (["-q"], progress.QuietReporter, False),
+])
+def test_each_command_runs_with_the_reporter_and_restores_the_previous(reporting_command, flags, reporter,
+                                                                       status_shown):
+    sentinel = progress.LoggingReporter()
+    previous = progress.use_reporter(sentinel)
+    try:
+        result = CliRunner().invoke(cli, [*flags, "_report"])
+        assert progress.reporter() is sentinel  # restored after the command
+    finally:
+        progress.use_reporter(previous)
+    assert result.exit_code == 0, result.output
+    assert type(reporting_command[0]) is reporter
+    assert result.stdout == "result: 2 items\n"  # the result always prints, on stdout
+    assert ("status: halfway there" in result.stderr) is status_shown
+    if not status_shown:
+        assert result.stderr == ""
+
+
+def test_reporter_is_restored_after_a_failing_command(failing_command):
+    sentinel = progress.LoggingReporter()
+    previous = progress.use_reporter(sentinel)
+    try:
+        assert CliRunner().invoke(cli, ["--quiet", "_fail-user"]).exit_code == 1
+        assert progress.reporter() is sentinel
+    finally:
+        progress.use_reporter(previous)
+
+
+def test_verbose_and_quiet_together_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["-v", "-q", "check", "."])
+    assert result.exit_code == 2 and "--quiet" in result.output

@@ -3,7 +3,8 @@
 What arrives must be exactly the export's files plus the generated README.md, byte for byte
 (small files inline, large ones through the LFS batch + PUT path); a checkpoint that fails the
 checker or has no validation report uploads nothing; server errors end in one line and exit 1;
---dry-run contacts no server; the token never appears in the output.
+a Hub that never answers ends in one line after the timeout and a bounded retry; --dry-run
+contacts no server; the token never appears in the output nor, with -v, in any log record.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
 
-from hub_server import HubServer
+from hub_server import HubServer, SilentServer
 from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
 from nvfp4tool.hub.card import source_repo_id
@@ -29,16 +31,52 @@ LFS_THRESHOLD = 16 * 1024  # the test server sends files >= 16 KiB through LFS
 
 
 @pytest.fixture
-def hub(monkeypatch, tmp_path):
-    """A running test Hub; HF_TOKEN set, no saved login, Xet off (the client would use Xet
-    whenever hf_xet is installed, and the test server speaks plain LFS only)."""
+def hub_env(monkeypatch, tmp_path):
+    """HF_TOKEN set, no saved login, Xet off (the client would use Xet whenever hf_xet is
+    installed, and the test servers speak plain LFS only). huggingface_hub 2.4 fetches an "agent
+    harnesses" registry from huggingface.co once per process: preset it so that nothing but the
+    local test servers is ever contacted."""
     from huggingface_hub import constants
+    from huggingface_hub.utils import _detect_agent
 
+    monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-token"))
     monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def hub(hub_env):
+    """A running test Hub (see hub_env)."""
     with HubServer(lfs_threshold=LFS_THRESHOLD) as server:
         yield server
+
+
+@pytest.fixture
+def all_logs():
+    """Every log record of every logger (ours, huggingface_hub, httpx2/httpcore2, ...) at DEBUG,
+    formatted with its exception text: a list of (logger name, text). Levels restored after."""
+    import httpx2  # noqa: F401  (create the third-party loggers before lowering their levels)
+    import huggingface_hub  # noqa: F401
+
+    records: list[tuple[str, str]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append((record.name, self.format(record)))
+
+    handler = Collect(logging.DEBUG)
+    loggers = [logging.root] + [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+        lg.propagate, lg.disabled = lg is not logging.root or lg.propagate, False
+    logging.root.addHandler(handler)
+    yield records
+    logging.root.removeHandler(handler)
+    for lg, level, propagate, disabled in saved:
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
 
 
 @pytest.fixture
@@ -95,13 +133,15 @@ def _write_json(path, obj):
 # ---------------------------------------------------------------------------------------- tests
 
 
-def test_push_delivers_exactly_the_folder_plus_card(hub, export, caplog):
+def test_push_delivers_exactly_the_folder_plus_card(hub, export, all_logs):
     before = _folder_bytes(export)
     expected_card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
-    with caplog.at_level(logging.DEBUG):
-        result = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--private", verbose=True)
+    result = _push(export, "--repo-id", REPO, "--endpoint", hub.url, "--private", verbose=True)
     assert result.exit_code == 0, result.output
-    assert TOKEN not in caplog.text
+    http_logs = [text for name, text in all_logs if name.split(".")[0] in ("httpx2", "httpcore2", "huggingface_hub")]
+    assert len(http_logs) > 10  # the HTTP libraries' debug logs were captured...
+    assert not [text for _, text in all_logs if TOKEN in text]  # ...and none of them shows the token
+    assert TOKEN not in result.stdout and TOKEN not in result.stderr
     assert _folder_bytes(export) == before  # the user's folder is untouched (no README.md added)
     received = hub.files[(REPO, "main")]
     assert received == {**before, "README.md": expected_card.encode("utf-8")}
@@ -260,3 +300,36 @@ def test_no_token_is_a_clear_error(hub, export, monkeypatch):
 
 def test_bad_repo_id_is_usage_error(export):
     assert _push(export, "--repo-id", "no-slash", "--dry-run").exit_code == 2
+
+
+def test_silent_hub_is_one_line_after_timeout_and_retries(hub_env, export, all_logs):
+    """A Hub that accepts the connection and never answers: bounded time, one line, no token."""
+    with SilentServer(lifetime=30) as silent:
+        start = time.monotonic()
+        result = _push(export, "--repo-id", REPO, "--endpoint", silent.url, "--timeout", "0.4", verbose=False)
+        elapsed = time.monotonic() - start
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: {silent.url}: no answer after 0.4 s (3 tries); nothing more was sent to {REPO}"]
+    assert "Traceback" not in result.output
+    assert 3 * 0.4 <= elapsed < 15
+    assert silent.connections >= 1
+    assert not [text for _, text in all_logs if TOKEN in text]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_bad_timeout_is_usage_error(export, value):
+    result = _push(export, "--repo-id", REPO, "--timeout", value, "--dry-run")
+    assert result.exit_code == 2 and "--timeout" in result.output
+
+
+def test_bad_endpoint_is_usage_error(export):
+    result = _push(export, "--repo-id", REPO, "--endpoint", "localhost:8000")
+    assert result.exit_code == 2 and "--endpoint" in result.output
+
+
+def test_quiet_push_prints_only_the_result(hub, export):
+    result = CliRunner().invoke(cli, ["--quiet", "push", export, "--repo-id", REPO, "--endpoint", hub.url])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # no check summary, no upload bars
+    assert result.stdout.startswith(f"uploaded to {REPO}:") and "done: " in result.stdout

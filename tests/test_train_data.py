@@ -38,6 +38,55 @@ def test_bad_data_names_file_and_line(tmp_path):
         list(iter_documents(tmp_path / "missing"))
 
 
+BINARY = bytes(range(0x80, 0x100)) * 4  # not UTF-8 from its first byte, no newline
+
+
+BAD_FILES = [  # (file name, content, the error's message)
+    ("bin.txt", b"fine first line\n" + BINARY, r"bin.txt:2: not UTF-8 text \(byte 0x80\)"),
+    ("bin.jsonl", b'{"text": "ok"}\n{"text": "ok"}\n' + BINARY, r"bin.jsonl:3: not UTF-8 text"),
+    ("bad.jsonl", b'{"text": "ok"}\n{"text": "unterminated}\n', r"bad.jsonl:2: not valid JSON"),
+    ("list.jsonl", b'["text"]\n', r"list.jsonl:1: no string field 'text'"),
+    ("number.jsonl", b'{"text": 3}\n', r"number.jsonl:1: no string field 'text'"),
+    ("empty.txt", b"", r"empty.txt: no text"),
+    ("blank.txt", b"  \n\n\t\n", r"blank.txt: no text"),
+    ("empty.jsonl", b"\n\n", r"empty.jsonl: no text"),
+    ("fake.parquet", b"PAR1 not really", r"fake.parquet: not a readable Parquet file"),
+    ("data.csv", b"text\nhello\n", r"data.csv: unsupported data file type"),
+]
+
+
+@pytest.mark.parametrize("name, content, fragment", BAD_FILES, ids=[case[0] for case in BAD_FILES])
+def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path, name, content, fragment):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(NVFP4ToolError, match=fragment) as caught:
+        list(iter_documents(path))
+    assert "\n" not in str(caught.value)
+
+
+def test_data_folder_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NVFP4ToolError, match=r"empty: no .txt, .jsonl, .parquet files"):
+        list(iter_documents(tmp_path / "empty"))
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    (tmp_path / "blank" / "dir.txt").mkdir()  # a folder named like a data file is not read
+    with pytest.raises(NVFP4ToolError, match=r"blank: no text"):
+        list(iter_documents(tmp_path / "blank"))
+    (tmp_path / "blank" / "b.txt").write_text("words")  # one empty file among others is fine
+    assert list(iter_documents(tmp_path / "blank")) == ["", "words"]
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(NVFP4ToolError, match="missing: not found"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(NVFP4ToolError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(BINARY)
+    with pytest.raises(NVFP4ToolError, match="tokenizer.json: not a valid tokenizer"):
+        load_tokenizer(tmp_path)
+
+
 def test_pack_windows_separates_documents_and_shifts_by_seq_len():
     windows = pack_windows(iter([[1, 2, 3], [4, 5], [6, 7, 8, 9]]), seq_len=3, eos_id=0)
     # stream: 1 2 3 0 4 5 0 6 7 8 9 0  (12 tokens) -> (12 - 1) // 3 = 3 windows of 4

@@ -52,12 +52,13 @@ def test_broken_export_exits_1_and_names_the_layer(paths):
 def test_unknown_reference_is_one_line_error(paths):
     result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "int8", "--data",
                                       paths["ids"], *SMALL])
-    assert result.exit_code == 1
-    assert "--reference int8: not fp8, bf16 or an export folder" in result.output
+    assert result.exit_code == 2  # bad usage, refused by the option type before anything loads
+    assert "Error: Invalid value for '--reference': 'int8' is not fp8, bf16 or an existing export folder." \
+        in result.output
 
 
 def test_bad_counts_are_one_line_errors(paths):
     result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--data", paths["ids"], *SMALL,
                                       "--gen-tokens", "0"])
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1] == "Error: --gen-tokens must be >= 1, got 0"
+    assert result.exit_code == 2  # bad usage, refused by the option type before anything loads
+    assert result.output.strip().splitlines()[-1] == "Error: Invalid value for '--gen-tokens': 0 is not in the range x>=1."

@@ -1,6 +1,6 @@
 """`push_checkpoint`: check an export, write its model card, and upload both to the Hugging Face Hub.
 
-    result = push_checkpoint("out/llama-nvfp4", PushOptions(repo_id="org/llama-nvfp4"), echo=print)
+    result = push_checkpoint("out/llama-nvfp4", PushOptions(repo_id="org/llama-nvfp4"))
 
 Order: repo id and options -> `check_checkpoint` (any problem refuses: nothing is contacted) ->
 `validation.json` (missing refuses unless `require_validation=False`; a failed one always
@@ -13,16 +13,33 @@ export's files plus the generated README.md (a README.md already in the export i
 the upload, and the plan says so). huggingface_hub 2.4.0's `upload_folder` itself switches to
 its streamed multi-commit pipeline for large folders when `hf_xet` is installed (there is no
 separate `upload_large_folder` any more), so one call serves small and large exports.
+
+Network: huggingface_hub's shared HTTP client has no timeout (`timeout=None`; its knobs
+`HF_HUB_ETAG_TIMEOUT` / `HF_HUB_DOWNLOAD_TIMEOUT` only reach the download and metadata calls that
+pass a timeout of their own, and create_repo / preupload / commit pass none), so a Hub that
+accepts the connection and never answers would hang the push forever. For the duration of the
+upload `_bounded_http` installs (`huggingface_hub.set_client_factory`) a client whose every request
+times out after `options.timeout` seconds without an answer and is retried up to `options.tries`
+times in all (requests whose body is a stream, the LFS file uploads, cannot be replayed and get one
+try); then the push stops with one line, `<endpoint>: no answer after N s (M tries)`. The previous
+client factory is restored afterwards. Uploads through Xet storage (`hf_xet`, native code) are
+outside this client; the Hub calls before them (create_repo, preupload) are not.
+Status lines (the checker's summary, its problems) go to `echo`, by default `nvfp4tool.progress.info`;
+huggingface_hub's own upload bars are silenced under the quiet reporter (`nvfp4tool --quiet`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
 
+from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.hub.card import VALIDATION_JSON, build_model_card, read_json
 
@@ -40,6 +57,8 @@ class PushOptions:
     create_pr: bool = False  # open a pull request against main instead of committing
     dry_run: bool = False  # print the plan and the card; no token, no network
     endpoint: str | None = None  # a private Hub; None: HF_ENDPOINT or huggingface.co
+    timeout: float = 30.0  # seconds without an answer before a request is retried
+    tries: int = 3  # attempts per request (a streamed upload body: 1)
     require_validation: bool = True  # refuse a folder without validation.json
     base_model: str | None = None  # overrides the provenance's source repo id
     license: str | None = None  # overrides the source's license
@@ -71,7 +90,7 @@ class PushResult:
 
 
 def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
-                    echo: Callable[[str], None] = print) -> PushResult:
+                    echo: Callable[[str], None] = progress.info) -> PushResult:
     """Check, card and upload the export at `folder` as `options` say (see the module docstring)."""
     folder = os.fspath(folder)
     _check_options(options)
@@ -117,6 +136,10 @@ def _check_options(options: PushOptions) -> None:
     if "/" not in options.repo_id:
         raise NVFP4UsageError(f"--repo-id {options.repo_id!r}: expected ORG/NAME (the user or organization, "
                               "a slash, the model name)")
+    if not (math.isfinite(options.timeout) and options.timeout > 0):
+        raise NVFP4UsageError(f"--timeout {options.timeout}: expected a number of seconds > 0")
+    if options.tries < 1:
+        raise NVFP4UsageError(f"tries={options.tries}: expected at least 1")
     if options.create_pr and options.revision not in (None, "main"):
         raise NVFP4UsageError("--create-pr opens a pull request against main: do not combine it with --revision")
 
@@ -157,7 +180,8 @@ def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
     if not token:
         raise NVFP4ToolError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
     api = HfApi(endpoint=options.endpoint, token=token)
-    with tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging:
+    with tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging, \
+            _bounded_http(options.timeout, options.tries), _hub_bars_follow_reporter():
         _stage(folder, staging, result)
         try:
             repo_url = api.create_repo(options.repo_id, private=options.private, exist_ok=True, repo_type="model")
@@ -168,6 +192,9 @@ def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
                 create_pr=options.create_pr,
                 commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)")
         except Exception as exc:  # any failure of the upload: one line, the token masked
+            no_answer = _cause(exc, _NoAnswer)
+            if no_answer is not None:
+                raise NVFP4ToolError(f"{no_answer}; nothing more was sent to {options.repo_id}") from None
             raise NVFP4ToolError(_upload_error(options, api.endpoint, exc, token)) from None
     result.repo_url = str(repo_url)
     result.commit_url = getattr(commit, "commit_url", None)
@@ -188,6 +215,68 @@ def _stage(folder: str, staging: str, result: PushResult) -> None:
             shutil.copyfile(source, target)
     with open(os.path.join(staging, CARD_FILE), "w", encoding="utf-8") as f:
         f.write(result.card)
+
+
+class _NoAnswer(Exception):
+    """A request that got no answer in `timeout` seconds, `tries` times (not an httpx error, so
+    huggingface_hub's own retry loop does not multiply the attempts)."""
+
+    def __init__(self, url: str, timeout: float, tries: int) -> None:
+        parts = urlparse(url)
+        super().__init__(f"{parts.scheme}://{parts.netloc}: no answer after {timeout:g} s "
+                         f"({tries} {'try' if tries == 1 else 'tries'})")
+
+
+@contextlib.contextmanager
+def _bounded_http(timeout: float, tries: int) -> Iterator[None]:
+    """huggingface_hub's shared client with a timeout and a bounded retry, for the block's duration."""
+    import httpx2
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+
+    class BoundedTransport(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            attempts = tries if isinstance(request.stream, httpx2.ByteStream) else 1  # else not replayable
+            for _ in range(attempts):
+                try:
+                    return super().handle_request(request)
+                except httpx2.TimeoutException:
+                    continue
+            raise _NoAnswer(str(request.url), timeout, attempts)
+
+    previous = _http._GLOBAL_CLIENT_FACTORY  # no public getter; restored below
+    set_client_factory(lambda: httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(timeout),
+                                             transport=BoundedTransport()))
+    try:
+        yield
+    finally:
+        set_client_factory(previous)
+
+
+@contextlib.contextmanager
+def _hub_bars_follow_reporter() -> Iterator[None]:
+    """huggingface_hub's own upload bars (tqdm) are off while the quiet reporter is installed."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    silence = isinstance(progress.reporter(), progress.QuietReporter) and not are_progress_bars_disabled()
+    if silence:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if silence:
+            enable_progress_bars()
+
+
+def _cause(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """`exc` or the first exception of `kind` in its chain of causes (huggingface_hub wraps some)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _upload_error(options: PushOptions, endpoint: str, exc: Exception, token: str) -> str:

@@ -3,12 +3,18 @@ and `key=value` overrides (MaxText style: every key overridable on the command l
 
     nvfp4tool train model=tiny data=corpus.txt recipe=nvfp4 steps=60 out=runs/a
     nvfp4tool train run.yaml lr=3e-4 resume=true
+
+Every key is checked when the config is built, before anything is created: an unknown key, a
+value of the wrong type or out of range, a data/model/tokenizer path that does not exist is a
+usage error (`NVFP4UsageError`, exit 2) naming the key; a config file that is not valid UTF-8
+YAML is a bad-file error (exit 1) naming the file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -18,6 +24,7 @@ import yaml
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
+from nvfp4tool.train.presets import PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,20 +86,54 @@ class TrainConfig:
     process_id: int = 0
 
     def __post_init__(self) -> None:
+        """Every key checked before anything is created: a bad one is a usage error naming it."""
         _check_choice("recipe", self.recipe, RECIPES)
         _check_choice("schedule", self.schedule, ("cosine", "wsd"))
         _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _check_choice("switch_scope", self.switch_scope, ("forward", "all"))
         if self.rope_layout is not None:
             _check_choice("rope_layout", self.rope_layout, ("interleaved", "half"))
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise NVFP4UsageError(f"train config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_size % self.grad_accum:
-            raise NVFP4UsageError(f"train config: batch_size={self.batch_size} is not a multiple of "
-                                 f"grad_accum={self.grad_accum}")
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches",
+                     "keep_checkpoints", "vocab_size", "mesh_fsdp", "num_processes"):
+            _require(name, getattr(self, name), getattr(self, name) >= 1, "expected an integer >= 1")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "bf16_first_layers"):
+            _require(name, getattr(self, name), getattr(self, name) >= 0, "expected an integer >= 0")
+        _require("bf16_last_layers", self.bf16_last_layers, self.bf16_last_layers is None or self.bf16_last_layers >= 0,
+                 "expected an integer >= 0")
+        _require("mesh_data", self.mesh_data, self.mesh_data == -1 or self.mesh_data >= 1,
+                 "expected -1 (what mesh_fsdp leaves) or an integer >= 1")
+        _require("process_id", self.process_id, 0 <= self.process_id < self.num_processes,
+                 f"expected 0 <= process_id < num_processes={self.num_processes}")
+        _require("coordinator_address", self.coordinator_address,
+                 self.num_processes == 1 or self.coordinator_address is not None,
+                 f"num_processes={self.num_processes} needs coordinator_address=host:port")
+        for name in ("lr", "eps", "clip_norm"):
+            _require(name, getattr(self, name), getattr(self, name) > 0, "expected a number > 0")
+        _require("weight_decay", self.weight_decay, self.weight_decay >= 0, "expected a number >= 0")
+        for name in ("min_lr_ratio", "decay_fraction"):
+            _require(name, getattr(self, name), 0 <= getattr(self, name) <= 1, "expected a number in [0, 1]")
+        for name in ("beta1", "beta2"):
+            _require(name, getattr(self, name), 0 <= getattr(self, name) < 1, "expected a number in [0, 1)")
+        _require("eval_fraction", self.eval_fraction, 0 < self.eval_fraction < 1, "expected a number in (0, 1)")
+        _require("batch_size", self.batch_size, self.batch_size % self.grad_accum == 0,
+                 f"not a multiple of grad_accum={self.grad_accum}")
+        at = self.switch_to_bf16_at
+        _require("switch_to_bf16_at", at, at is None or 0 < at < 1 or (at == int(at) and 1 <= at <= self.steps),
+                 f"expected a fraction in (0, 1) or a step in [1, steps={self.steps}]")
+        _require("text_field", self.text_field, bool(self.text_field), "cannot be empty")
         if not self.data:
             raise NVFP4UsageError("train config: data=PATH is required")
-        self.recipe_config()  # validates the recipe keys
+        for name in ("data", "eval_data"):
+            path = getattr(self, name)
+            _require(name, path, path is None or os.path.exists(path), "not found")
+        _require("model", self.model, self.model in PRESETS or os.path.exists(self.model),
+                 f"not found (and not a preset: {', '.join(PRESETS)})")
+        _require("tokenizer", self.tokenizer, self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
+                 "expected train or a folder with tokenizer.json: no such folder")
+        try:
+            self.recipe_config()
+        except NVFP4ToolError as bad:  # the recipe's own checks, reported as the keys they are
+            raise NVFP4UsageError(f"train config: {bad}") from None
 
     def recipe_config(self) -> RecipeConfig:
         return RecipeConfig(name=self.recipe, rht=self.rht, stochastic_rounding=self.stochastic_rounding,
@@ -105,22 +146,49 @@ class TrainConfig:
 
 
 def load_train_config(yaml_path: str | None, overrides: list[str]) -> TrainConfig:
-    """The YAML file's keys (if any), then each `key=value` override (values parsed as YAML)."""
+    """The YAML file's keys (if any), then each `key=value` override.
+
+    Override values are parsed as YAML (numbers, booleans, [lists]) except for text keys (paths,
+    names, patterns), which take the text as typed (`data=yes` is the file "yes", not True).
+    Errors: a missing config file, an unknown key or a bad value is a usage error (exit 2) naming
+    the key; a config file that is not UTF-8 YAML mapping is a bad-file error naming it (and the
+    line).
+    """
     values: dict[str, Any] = {}
     if yaml_path:
-        path = Path(yaml_path)
-        if not path.is_file():
-            raise NVFP4ToolError(f"{yaml_path}: config file does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise NVFP4ToolError(f"{yaml_path}: expected a mapping of key: value")
-        values.update(loaded)
+        values.update(_read_yaml(Path(yaml_path)))
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
-            raise NVFP4UsageError(f"override {item!r}: expected key=value")
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            raise NVFP4UsageError(f"train: {item!r}: expected key=value")
+        values[key] = _Raw(raw)
     return _build(values, yaml_path or "command line")
+
+
+class _Raw(str):
+    """An override's text, parsed by `_coerce` according to its key's type."""
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise NVFP4UsageError(f"{path}: config file not found")
+    if path.is_dir():
+        raise NVFP4UsageError(f"{path}: is a folder, not a YAML config file")
+    try:
+        loaded = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as bad:
+        raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a YAML config") from None
+    except yaml.YAMLError as bad:
+        mark = getattr(bad, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(bad, "problem", None) or str(bad).splitlines()[0]
+        raise NVFP4ToolError(f"{path}{where}: invalid YAML ({problem})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+        raise NVFP4ToolError(f"{path}: expected a mapping of key: value")
+    return loaded
 
 
 def _build(values: dict[str, Any], source: str) -> TrainConfig:
@@ -129,7 +197,7 @@ def _build(values: dict[str, Any], source: str) -> TrainConfig:
     unknown = sorted(set(values) - fields)
     if unknown:
         raise NVFP4UsageError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: "
-                             f"{', '.join(sorted(fields))}")
+                              f"{', '.join(sorted(fields))}")
     return TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
 
 
@@ -137,11 +205,23 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check/convert one value to its field's type (int -> float allowed, str -> list for tuples)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     optional = type(None) in typing.get_args(hint)
+    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    text_key = base is str or typing.get_origin(base) is tuple
+    if isinstance(value, _Raw):
+        if not value.strip():
+            value = None
+        elif text_key and not value.lstrip().startswith("["):
+            value = str(value)  # a path, name or pattern, as typed
+        else:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as bad:
+                raise NVFP4UsageError(f"train config: {key}={value}: not a valid value "
+                                      f"({getattr(bad, 'problem', None) or 'YAML'})") from None
     if value is None:
         if optional:
             return None
         raise NVFP4UsageError(f"train config: {key} cannot be empty")
-    base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
     if base in (int, float) and isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
         try:
             value = base(value)
@@ -149,8 +229,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             pass
     if typing.get_origin(base) is tuple:
         items = value if isinstance(value, list) else [value]
-        return tuple(str(v) for v in items)
-    if base is bool:
+        if all(isinstance(v, str) for v in items):
+            return tuple(items)
+    elif base is bool:
         if isinstance(value, bool):
             return value
     elif base is int:
@@ -160,11 +241,17 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif base is str:
-        return str(value)
-    raise NVFP4UsageError(f"train config: {key}={value!r} is not a valid {getattr(base, '__name__', base)}")
+        if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return str(value)
+    expected = "list of text" if typing.get_origin(base) is tuple else getattr(base, "__name__", base)
+    raise NVFP4UsageError(f"train config: {key}={value!r} is not a valid {expected}")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise NVFP4UsageError(f"train config: {key}={value!r}; choose one of {', '.join(choices)}")
 
+
+def _require(key: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise NVFP4UsageError(f"train config: {key}={value!r}: {expected}")

@@ -3,7 +3,8 @@ deterministic, resumable order.
 
 * A `.txt` file is one document; a `.jsonl` line's `text` field is one; a Parquet row's `text`
   column is one. A folder is read file by file in sorted name order (`*.txt`, `*.jsonl`,
-  `*.parquet`).
+  `*.parquet`). Text must be UTF-8; a file that is not (binary data), a bad JSONL line or a file
+  without any text is an `NVFP4ToolError` naming the file (and line).
 * Packing: every document's tokens followed by the end-of-text id, concatenated, cut into
   non-overlapping windows of `seq_len + 1` tokens (inputs = window[:-1], targets = window[1:]);
   the ragged tail is dropped.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
@@ -39,11 +40,17 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     path = Path(path)
     if not path.exists():
         raise NVFP4ToolError(f"{path}: data file or folder does not exist")
-    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES) if path.is_dir() else [path]
+    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file()) if path.is_dir() \
+        else [path]
     if not files:
         raise NVFP4ToolError(f"{path}: no {', '.join(DATA_SUFFIXES)} files in the folder")
+    empty = True
     for file in files:
-        yield from _read_file(file, text_field)
+        for text in _read_file(file, text_field):
+            empty = empty and not text.strip()
+            yield text
+    if empty:
+        raise NVFP4ToolError(f"{path}: no text (empty data)")
 
 
 def pack_windows(token_docs: Iterator[list[int]], seq_len: int, eos_id: int) -> np.ndarray:
@@ -65,7 +72,7 @@ def pack_windows(token_docs: Iterator[list[int]], seq_len: int, eos_id: int) -> 
 def split_eval(windows: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, eval): the last `eval_fraction` of the windows (at least one) are held out."""
     if not 0.0 < eval_fraction < 1.0:
-        raise NVFP4ToolError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        raise NVFP4UsageError(f"eval_fraction={eval_fraction}: expected a number in (0, 1)")
     num_eval = max(1, int(round(len(windows) * eval_fraction)))
     return windows[:-num_eval], windows[-num_eval:]
 
@@ -93,7 +100,7 @@ def eval_batches(windows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
 
 def _read_file(file: Path, text_field: str) -> Iterator[str]:
     if file.suffix == ".txt":
-        yield file.read_text(encoding="utf-8")
+        yield _decode(file.read_bytes(), file)
     elif file.suffix == ".jsonl":
         yield from _read_jsonl(file, text_field)
     elif file.suffix == ".parquet":
@@ -102,9 +109,20 @@ def _read_file(file: Path, text_field: str) -> Iterator[str]:
         raise NVFP4ToolError(f"{file}: unsupported data file type (use {', '.join(DATA_SUFFIXES)})")
 
 
+def _decode(data: bytes, file: Path, line_number: int | None = None) -> str:
+    """UTF-8 text, or one line naming the file (and line) where it is not (binary data)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line_number = line_number or data.count(b"\n", 0, bad.start) + 1
+        raise NVFP4ToolError(f"{file}:{line_number}: not UTF-8 text (byte {bad.object[bad.start]:#04x}); "
+                             "binary data given as text?") from None
+
+
 def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
-    with file.open(encoding="utf-8") as fh:
-        for line_number, line in enumerate(fh, 1):
+    with file.open("rb") as fh:
+        for line_number, raw in enumerate(fh, 1):
+            line = _decode(raw, file, line_number)
             if not line.strip():
                 continue
             try:
@@ -118,11 +136,19 @@ def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
 
 
 def _read_parquet(file: Path, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(file)
+    try:
+        parquet = pq.ParquetFile(file)
+    except pa.ArrowException as bad:
+        raise NVFP4ToolError(f"{file}: not a readable Parquet file ({bad})") from None
     if text_field not in parquet.schema_arrow.names:
         raise NVFP4ToolError(f"{file}: no column '{text_field}' (columns: "
                              f"{', '.join(parquet.schema_arrow.names)})")
     for batch in parquet.iter_batches(columns=[text_field]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise NVFP4ToolError(f"{file}: column '{text_field}' holds {type(text).__name__}, not text")
+            if text is not None:
+                yield text

@@ -41,9 +41,14 @@ def load_tokenizer(folder: str | Path) -> TextTokenizer:
     """The tokenizer of a Hugging Face model folder; EOS from tokenizer_config.json or config.json."""
     folder = Path(folder)
     path = folder / "tokenizer.json"
+    if not folder.is_dir():
+        raise NVFP4ToolError(f"{folder}: not found (expected a folder with tokenizer.json)")
     if not path.is_file():
         raise NVFP4ToolError(f"{folder}: no tokenizer.json (train one with tokenizer=train)")
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as bad:  # tokenizers raises a bare Exception for unreadable / malformed files
+        raise NVFP4ToolError(f"{path}: not a valid tokenizer ({str(bad).splitlines()[0]})") from None
     return TextTokenizer(tokenizer, _eos_id(folder, tokenizer))
 
 
@@ -72,17 +77,27 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path) -> None:
 def _eos_id(folder: Path, tokenizer: Tokenizer) -> int:
     config_path = folder / "tokenizer_config.json"
     if config_path.is_file():
-        eos = json.loads(config_path.read_text()).get("eos_token")
+        eos = _json_object(config_path).get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
             return tokenizer.token_to_id(eos)
     model_config = folder / "config.json"
     if model_config.is_file():
-        eos_id = json.loads(model_config.read_text()).get("eos_token_id")
+        eos_id = _json_object(model_config).get("eos_token_id")
         if isinstance(eos_id, list) and eos_id:
             eos_id = eos_id[0]
         if isinstance(eos_id, int):
             return eos_id
     raise NVFP4ToolError(f"{folder}: cannot tell the end-of-text token (no eos_token in "
                          "tokenizer_config.json, no eos_token_id in config.json)")
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise NVFP4ToolError(f"{path}: not valid JSON ({bad})") from None
+    if not isinstance(obj, dict):
+        raise NVFP4ToolError(f"{path}: expected a JSON object")
+    return obj

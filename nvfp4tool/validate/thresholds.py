@@ -14,12 +14,21 @@ So: KL mean <= 0.1 and p99 <= 0.5 nats (3x / 6x the worst correct export measure
 +10%, and every layer's weight SQNR >= 12 dB (8 dB under RTN's ~20.5 dB; the broken block scale
 sits at 5.6 dB while barely moving the KL). Top-1 agreement has no default limit: on random models
 with near-flat logits it measures tie-breaking (0.51-0.56 for a correct export), not damage.
+
+Non-finite metrics fail whatever the limits (a comparison with NaN is always False, so a NaN
+would otherwise pass every limit): NaN anywhere, -inf anywhere, and +inf in every metric but an
+SQNR (+inf dB is an exact match). They fail with `by` = inf, also when that metric has no limit
+or belongs to the BF16 or FP8 column.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
+
+from nvfp4tool.errors import NVFP4UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,24 +41,58 @@ class Thresholds:
     max_ppl_increase: float | None = 0.10  # relative: ppl / ppl_bf16 - 1
     min_layer_sqnr_db: float | None = 12.0  # every quantized layer's weight SQNR (RTN on N(0,1): 20.5 dB)
 
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value)):
+                raise NVFP4UsageError(f"threshold {field.name}={value!r}: expected a finite number or None")
+
 
 def check_thresholds(record: dict[str, Any], thresholds: Thresholds, *, label: str) -> list[dict[str, Any]]:
-    """Failed limits: [{metric, value, limit, by, detail}], `by` = how far past the limit."""
+    """Failed limits: [{metric, value, limit, by, detail}], `by` = how far past the limit.
+
+    Every non-finite metric of every model and layer fails first (see the module docstring); the
+    limits are then checked on the finite ones.
+    """
     model = record["models"][label]
-    failures = []
-    for metric, key, limit, upper in (("kl_mean", "kl_mean", thresholds.max_kl_mean, True),
-                                      ("kl_p99", "kl_p99", thresholds.max_kl_p99, True),
-                                      ("top1", "top1", thresholds.min_top1, False),
-                                      ("ppl_increase", "ppl_increase", thresholds.max_ppl_increase, True)):
-        if limit is not None:
-            failures += _check(metric, model[key], limit, upper, f"{label} vs bf16")
+    failures = _non_finite(record)
+    for metric, limit, upper in (("kl_mean", thresholds.max_kl_mean, True),
+                                 ("kl_p99", thresholds.max_kl_p99, True),
+                                 ("top1", thresholds.min_top1, False),
+                                 ("ppl_increase", thresholds.max_ppl_increase, True)):
+        if limit is not None and _finite(metric, model[metric]):
+            failures += _check(metric, model[metric], limit, upper, f"{label} vs bf16")
     if thresholds.min_layer_sqnr_db is not None:
         for row in record["layers"]:
             value = row.get(f"{label}_weight_sqnr_db")
-            if value is not None:
+            if value is not None and _finite("weight_sqnr_db", value):
                 failures += _check("layer_weight_sqnr_db", value, thresholds.min_layer_sqnr_db, False,
                                    row["name"])
     return failures
+
+
+def _non_finite(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A failure for each non-finite number among the models' metrics and the layers' SQNRs."""
+    failures = []
+    for name, metrics in record["models"].items():
+        for metric, value in metrics.items():
+            if isinstance(value, numbers.Real) and not _finite(metric, value):
+                failures.append(_non_finite_failure(metric, value, f"{name} model"))
+    for row in record["layers"]:
+        for metric, value in row.items():
+            if metric != "name" and isinstance(value, numbers.Real) and not _finite(metric, value):
+                failures.append(_non_finite_failure(metric, value, row["name"]))
+    return failures
+
+
+def _finite(metric: str, value: float) -> bool:
+    """True unless NaN or infinite (an SQNR of +inf dB, an exact match, counts as finite here)."""
+    return math.isfinite(value) or (value == math.inf and metric.endswith("sqnr_db"))
+
+
+def _non_finite_failure(metric: str, value: float, where: str) -> dict[str, Any]:
+    return {"metric": metric, "value": value, "limit": math.nan, "by": math.inf,
+            "detail": f"{where}: not a finite number"}
 
 
 def _check(metric: str, value: float, limit: float, upper: bool, detail: str) -> list[dict[str, Any]]:
