@@ -8,40 +8,22 @@ rest of the checkpoint. Tensor data is read in chunks (`iter_chunks`): never mor
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import math
 import os
-import struct
 from collections.abc import Iterator
-from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
-from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES
+from converters.hf import INDEX_FILE, TensorEntry, scan_safetensors_header
 from nvfp4tool.check.report import FILE_LEVEL, Problem
 from nvfp4tool.errors import NVFP4ToolError
 
 CHUNK_BYTES = 16 * 2**20  # the most tensor data held at once
-_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes lie, from its file's header."""
-
-    name: str
-    file: str  # absolute path
-    code: str  # safetensors dtype code, e.g. "U8", "F8_E4M3"
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(SAFETENSORS_DTYPES[self.code])
 
 
 def read_tensor_table(folder: str) -> tuple[dict[str, TensorEntry], list[Problem]]:
@@ -172,74 +154,9 @@ def _merge_unique(per_file: dict[str, dict[str, TensorEntry]],
 
 
 def _read_header(path: str, problems: list[Problem]) -> dict[str, TensorEntry]:
-    """The tensors one file's header declares (truncated ones too); problems appended to `problems`."""
+    """The sound tensors of one file's header (`converters.hf.scan_safetensors_header`, the one
+    header parser); every defect appended to `problems`."""
     base = os.path.basename(path)
-    file_size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            problems.append(Problem(FILE_LEVEL, base, f"truncated: {file_size} bytes, no header"))
-            return {}
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-            problems.append(Problem(FILE_LEVEL, base, f"header claims {header_len} bytes but the "
-                                                      f"file has {file_size} (truncated?)"))
-            return {}
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as bad:
-        problems.append(Problem(FILE_LEVEL, base, f"header is not valid JSON ({bad})"))
-        return {}
-    data_start, data_size = 8 + header_len, file_size - 8 - header_len
-    spans: list[tuple[int, int, str]] = []
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entry = _parse_entry(base, path, name, info, data_start, data_size, problems)
-        if entry is not None:
-            spans.append((entry.start - data_start, entry.start - data_start + entry.nbytes, name))
-            entries[name] = entry
-    _check_layout(base, spans, data_size, problems)
+    entries, defects = scan_safetensors_header(path)
+    problems.extend(Problem(FILE_LEVEL, d.tensor or base, f"{base}: {d.problem}") for d in defects)
     return entries
-
-
-def _parse_entry(base: str, path: str, name: str, info: Any, data_start: int, data_size: int,
-                 problems: list[Problem]) -> TensorEntry | None:
-    try:
-        code, shape = info["dtype"], tuple(int(d) for d in info["shape"])
-        begin, end = (int(v) for v in info["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        problems.append(Problem(FILE_LEVEL, name, f"{base}: malformed header entry {info!r}"))
-        return None
-    if code not in SAFETENSORS_DTYPES:
-        problems.append(Problem(FILE_LEVEL, name, f"{base}: unsupported dtype {code}"))
-        return None
-    nbytes = math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[code]).itemsize
-    if not 0 <= begin <= end or end - begin != nbytes:
-        problems.append(Problem(FILE_LEVEL, name, f"{base}: data_offsets {[begin, end]} do not hold "
-                                                  f"{code}{list(shape)} ({nbytes} bytes)"))
-        return None
-    if end > data_size:
-        problems.append(Problem(FILE_LEVEL, name, f"{base}: ends at data byte {end} but the file "
-                                                  f"holds {data_size} (truncated shard)"))
-    return TensorEntry(name=name, file=path, code=code, shape=shape, start=data_start + begin,
-                       nbytes=nbytes)
-
-
-def _check_layout(base: str, spans: list[tuple[int, int, str]], data_size: int,
-                  problems: list[Problem]) -> None:
-    """Tensors must tile the data area exactly, as the safetensors library requires."""
-    cursor = 0
-    for begin, end, name in sorted(spans):
-        if begin != cursor:
-            what = ("overlaps the previous tensor" if begin < cursor
-                    else f"leaves a gap of {begin - cursor} bytes")
-            problems.append(Problem(FILE_LEVEL, name, f"{base}: data starts at {begin}, {what}"))
-        cursor = max(cursor, end)
-    if cursor < data_size:
-        problems.append(Problem(FILE_LEVEL, base, f"{data_size - cursor} bytes after the last tensor "
-                                                  f"(the safetensors library refuses the file)"))
