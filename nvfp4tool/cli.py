@@ -267,7 +267,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     else:
         print_report(report, Console())
     if not report.ok:
-        raise NVFP4ToolError(f"{path}: check failed: {len(report.problems)} problem(s)")
+        raise NVFP4ToolError(report.failure())
 
 
 @cli.command("export")

@@ -66,6 +66,12 @@ class CheckReport:
                         for m in self.modules],
         }
 
+    def failure(self, consequence: str = "") -> str:
+        """The one-line error of a failed check (count and the first problem), e.g. for exit 1."""
+        more = f"; {consequence}" if consequence else ""
+        return (f"{self.path}: check failed: {len(self.problems)} problem(s){more}; first: "
+                f"{self.problems[0].line()}")
+
     def summary_line(self) -> str:
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
         return (f"{self.path}: {self.format} {self.quant}, {len(self.modules)} quantized modules, "

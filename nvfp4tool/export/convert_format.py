@@ -121,9 +121,7 @@ def _refuse_what_check_refuses(src: str) -> None:
 
     report = check_checkpoint(src)
     if not report.ok:
-        first = report.problems[0].line()
-        raise NVFP4ToolError(f"{src}: fails `nvfp4tool check` ({len(report.problems)} problem(s)), "
-                             f"not converted; first: {first}")
+        raise NVFP4ToolError(report.failure("not converted"))
 
 
 def _weight_amax(record: ExportRecord | None, spec: formats.LayoutSpec) -> dict[str, float]:

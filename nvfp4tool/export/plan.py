@@ -18,7 +18,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.formats import QUANTS
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.recipes.precision import fused_group
@@ -54,6 +54,10 @@ def make_plan(config: ModelConfig, quant: str, *, precision_map: Mapping[str, st
         if missing:
             raise NVFP4ToolError(f"precision map has no entry for {missing[0]} "
                                  f"({len(missing)} linear modules missing)")
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unused:
+        raise NVFP4UsageError(f"--keep-bf16 {unused[0]!r} matches no linear module of the model "
+                              f"(e.g. {names[0]}); patterns are fnmatch over full module names")
     keep = {n for n in names
             if n == "lm_head"
             or (precision_map is not None and precision_map[n] == "bf16")
@@ -62,13 +66,21 @@ def make_plan(config: ModelConfig, quant: str, *, precision_map: Mapping[str, st
     keep |= {n for n in names if fused_group(n) in kept_groups}  # a group is quantized whole
     quantized = tuple(n for n in names if n not in keep)
     shapes = config.expected_tensor_shapes()
-    for name in quantized:
-        k = shapes[f"{name}.weight"][1]
-        if k % NVFP4_BLOCK != 0:
-            raise NVFP4ToolError(f"{name}.weight: in_features {k} is not a multiple of "
-                                 f"{NVFP4_BLOCK}; keep it in BF16 with --keep-bf16 '{name}'")
+    ragged = [n for n in quantized if shapes[f"{n}.weight"][1] % NVFP4_BLOCK != 0]
+    if ragged:
+        advice = " ".join(f"--keep-bf16 '{p}'" for p in _patterns_for(ragged))
+        raise NVFP4ToolError(f"{ragged[0]}.weight: in_features {shapes[f'{ragged[0]}.weight'][1]} is "
+                             f"not a multiple of {NVFP4_BLOCK} ({len(ragged)} module(s) like it); "
+                             f"keep them in BF16 with {advice}")
     groups: dict[str, tuple[str, ...]] = {}
     for name in quantized:
         groups[fused_group(name)] = groups.get(fused_group(name), ()) + (name,)
     return ExportPlan(quant=quant, quantized=quantized,
                       excluded=tuple(n for n in names if n in keep), groups=groups)
+
+
+def _patterns_for(modules: list[str]) -> list[str]:
+    """fnmatch patterns covering `modules`, the layer index wildcarded (one projection has the
+    same in_features in every layer of these models, so the pattern names exactly those)."""
+    return list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in m.split("."))
+                              for m in modules))

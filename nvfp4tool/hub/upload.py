@@ -100,7 +100,7 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
     if not report.ok:
         for problem in report.problems:
             echo(problem.line())
-        raise NVFP4ToolError(f"{folder}: check failed with {len(report.problems)} problem(s); nothing uploaded")
+        raise NVFP4ToolError(report.failure("nothing uploaded"))
     echo(report.summary_line())
     validation = _read_validation(folder, options.require_validation)
     card = build_model_card(folder, report, repo_id=options.repo_id, validation=validation,
