@@ -13,8 +13,10 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     check_finite,
     decode_e2m1,
+    decode_nvfp4,
     dequantize_nvfp4,
     fake_quantize_nvfp4,
+    nvfp4_global_scales,
     pack_codes,
     quantize_nvfp4,
     unpack_codes,
@@ -214,6 +216,26 @@ def test_packing_order_matches_float4_bitcast():
     np.testing.assert_array_equal(np.asarray(unpack_codes(pack_codes(codes))), np.asarray(codes))
     q = quantize_nvfp4(np.array([[6.0, 3.0] + [0.0] * 14], np.float32))
     assert int(q.packed[0, 0]) == 0x57  # element 0 (code 7) low nibble, element 1 (code 5) high
+
+
+# Stored global decode scales: a typical one, one that is not fl(1 / fl(2688 / amax)) of any
+# amax we would write, and one so small that (value * scale) * S_dec flushes to zero.
+@pytest.mark.parametrize("s_dec", [np.float32(0.013), np.float32(1 / 3), np.float32(2.0**-120)])
+def test_decode_of_stored_bytes_matches_oracle_and_is_dequantize(s_dec):
+    """decode_nvfp4 (what the serving simulation reads) with any stored S_dec is the oracle's
+    decode; with the S_dec of the record's amax it is dequantize_nvfp4, bit for bit."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    q = quantize_nvfp4(x)
+    got = decode_nvfp4(q.packed, q.scales, s_dec)
+    want = oracle.decode(np.asarray(q.packed), _bits(q.scales), s_dec)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    _, own_s_dec = nvfp4_global_scales(q.global_amax)
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q.packed, q.scales, own_s_dec)),
+                                  _bits(dequantize_nvfp4(q)))
+    q0 = quantize_nvfp4(x.T, axis=0)
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q0.packed, q0.scales, s_dec, axis=0)),
+                                  _bits(got).T)
 
 
 @pytest.mark.parametrize("block", ["1d", "2d"])
