@@ -75,8 +75,8 @@ def test_fp8_static_scale_matches_oracle(x0, scale):
 
 @pytest.mark.parametrize("scale, granularity, match", [
     (0.0, "tensor", "finite and > 0"), (np.inf, "tensor", "finite and > 0"),
-    (-1.0, "tensor", "finite and > 0"), (1.0, "channel", "one scalar"),
-    (np.ones(2, np.float32), "tensor", "one scalar")])
+    (-1.0, "tensor", "finite and > 0"), (1.0, "channel", "granularity 'tensor'"),
+    (np.ones(2, np.float32), "tensor", "must be a scalar")])
 def test_fp8_static_scale_errors(scale, granularity, match):
     with pytest.raises(NVFP4ToolError, match=f"'x'.*{match}"):
         fake_quantize_fp8(np.ones((2, 16), np.float32), granularity=granularity, scale=scale,

@@ -52,6 +52,22 @@ def check_finite(x: jax.Array | np.ndarray, name: str = "tensor") -> None:
                              "non-finite values cannot be quantized")
 
 
+def check_scale_scalar(value, what: str, name: str, *, positive: bool = False) -> jax.Array:
+    """`value` as an fp32 scalar, or NVFP4ToolError naming the tensor unless it is one finite
+    value >= 0 (> 0 when `positive`). Traced values get only the shape check."""
+    value = jnp.asarray(value, jnp.float32)
+    if value.ndim != 0:
+        raise NVFP4ToolError(f"tensor '{name}': {what} must be a scalar, got shape "
+                             f"{tuple(value.shape)}")
+    if isinstance(value, jax.core.Tracer):
+        return value
+    number = float(value)
+    if not np.isfinite(number) or number < 0 or (positive and number == 0):
+        raise NVFP4ToolError(f"tensor '{name}': {what} must be finite and "
+                             f"{'> 0' if positive else '>= 0'}, got {number}")
+    return value
+
+
 def normalize_axis(axis: int, ndim: int, name: str) -> int:
     """`axis` as a non-negative index, or NVFP4ToolError naming the tensor."""
     if not -ndim <= axis < ndim:

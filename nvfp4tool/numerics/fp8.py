@@ -26,6 +26,7 @@ import numpy as np
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import (
     check_finite,
+    check_scale_scalar,
     exact_divide,
     expand_tiles,
     flush_subnormal,
@@ -95,8 +96,10 @@ def fake_quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
     _validate(x, fmt, granularity, name)
     check_finite(x, name)
     if scale is not None:
-        scale = jnp.asarray(scale, jnp.float32)
-        _check_static_scale(scale, granularity, name)
+        if granularity != "tensor":
+            raise NVFP4ToolError(f"tensor '{name}': a static FP8 scale needs granularity "
+                                 f"'tensor', got {granularity!r}")
+        scale = check_scale_scalar(scale, "static FP8 scale", name, positive=True)
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     return _fake_quantize(x, scale, fmt=fmt, granularity=granularity, dtype=out_dtype)
 
@@ -122,18 +125,6 @@ def _validate(x: jax.Array, fmt: str, granularity: str, name: str) -> None:
     if x.ndim < min_ndim:
         raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: granularity "
                              f"{granularity!r} needs a {min_ndim}-D or larger input")
-
-
-def _check_static_scale(scale: jax.Array, granularity: str, name: str) -> None:
-    """A static scale: one finite positive fp32 value, for per-tensor scaling."""
-    if granularity != "tensor" or scale.ndim != 0:
-        raise NVFP4ToolError(f"tensor '{name}': a static FP8 scale must be one scalar with "
-                             f"granularity 'tensor' (got shape {tuple(scale.shape)}, {granularity!r})")
-    if isinstance(scale, jax.core.Tracer):
-        return
-    value = float(scale)
-    if not np.isfinite(value) or value <= 0:
-        raise NVFP4ToolError(f"tensor '{name}': static FP8 scale must be finite and > 0, got {value}")
 
 
 def _tile(granularity: str, shape: tuple[int, ...]) -> tuple[int, int]:

@@ -46,6 +46,7 @@ import numpy as np
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import (
     check_finite,
+    check_scale_scalar,
     exact_divide,
     flush_subnormal,
     normalize_axis,
@@ -254,8 +255,7 @@ def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Arra
     axis = _validate(x, axis, block, rounding, key, name)
     check_finite(x, name)
     if global_amax is not None:
-        global_amax = jnp.asarray(global_amax, jnp.float32)
-        _check_global_amax(global_amax, name)
+        global_amax = check_scale_scalar(global_amax, "global_amax", name)
     return x, axis, global_amax
 
 
@@ -283,18 +283,6 @@ def _validate(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array
     if rounding == "stochastic" and key is None:
         raise NVFP4ToolError(f"tensor '{name}': stochastic rounding needs a jax.random key")
     return axis
-
-
-def _check_global_amax(global_amax: jax.Array, name: str) -> None:
-    """A given global amax must be a finite, non-negative scalar."""
-    if global_amax.ndim != 0:
-        raise NVFP4ToolError(f"tensor '{name}': global_amax must be a scalar, "
-                             f"got shape {tuple(global_amax.shape)}")
-    if isinstance(global_amax, jax.core.Tracer):
-        return
-    value = float(global_amax)
-    if not np.isfinite(value) or value < 0:
-        raise NVFP4ToolError(f"tensor '{name}': global_amax must be finite and >= 0, got {value}")
 
 
 def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int,
