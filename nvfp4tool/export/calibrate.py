@@ -29,7 +29,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import forward
 from nvfp4tool.model.weights import model_from_tensors
-from nvfp4tool.numerics import dense
+from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import COMPUTE_DTYPE
 
 BATCH = 8  # windows per forward
@@ -88,7 +88,7 @@ def _input_amax(graphdef, state, ids_BxT, names: tuple[str, ...]) -> dict[str, j
 
     def linear(x, w_NxK, b_N, *, name):
         if name in names:
-            amax = jnp.max(jnp.abs(x.astype(COMPUTE_DTYPE))).astype(jnp.float32)
+            amax = tensor_amax(x.astype(COMPUTE_DTYPE))
             recorded[name] = jnp.maximum(recorded[name], amax) if name in recorded else amax
         return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
 

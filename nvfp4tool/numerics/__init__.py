@@ -3,7 +3,7 @@ one fp32-accumulating GEMM body every linear layer uses (`dot`). All such math l
 
 from __future__ import annotations
 
-from nvfp4tool.numerics.blocks import check_finite
+from nvfp4tool.numerics.blocks import check_finite, tensor_amax
 from nvfp4tool.numerics.dot import dense, dot_nt, linear_output
 from nvfp4tool.numerics.fp8 import (
     FP8Array,
@@ -58,5 +58,6 @@ __all__ = [
     "quantize_nvfp4",
     "rht16",
     "rht_matrix",
+    "tensor_amax",
     "unpack_codes",
 ]

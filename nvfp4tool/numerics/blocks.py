@@ -1,4 +1,4 @@
-"""Shared block machinery: tile amax reduction and expansion, subnormal flushing, input checks.
+"""Shared block machinery: tensor and tile amax, tile expansion, subnormal flushing, input checks.
 
 Division: use `exact_divide`, never `/` with a scalar or repeated divisor (see its docstring).
 
@@ -73,6 +73,12 @@ def normalize_axis(axis: int, ndim: int, name: str) -> int:
     if not -ndim <= axis < ndim:
         raise NVFP4ToolError(f"tensor '{name}': axis {axis} out of range for {ndim}-D input")
     return axis % ndim
+
+
+def tensor_amax(x: jax.Array) -> jax.Array:
+    """max|x| as an fp32 scalar: a tensor's (or, maxed over members, a fused group's) global amax,
+    and the input amax that static activation scales come from. Exact in any float dtype."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def tile_amax(abs_x: jax.Array, tile_rows: int, tile_cols: int) -> jax.Array:

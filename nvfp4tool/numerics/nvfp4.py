@@ -50,6 +50,7 @@ from nvfp4tool.numerics.blocks import (
     exact_divide,
     flush_subnormal,
     normalize_axis,
+    tensor_amax,
     tile_amax,
 )
 from nvfp4tool.numerics.constants import (
@@ -293,7 +294,7 @@ def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, 
     [..., K/16, 16]; scales [..., K/16].
     """
     x_K = flush_subnormal(jnp.moveaxis(x, axis, -1).astype(jnp.float32))
-    gamax = jnp.max(jnp.abs(x_K)) if global_amax is None else global_amax
+    gamax = tensor_amax(x_K) if global_amax is None else global_amax
     gamax = flush_subnormal(gamax.astype(jnp.float32))
     s_enc, s_dec = nvfp4_global_scales(gamax)
     scales = nvfp4_block_scales(nvfp4_block_amax(x_K, block), s_enc)

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.numerics import dot_nt, nvfp4_matmul, quantize_nvfp4, rht16
+from nvfp4tool.numerics import dot_nt, nvfp4_matmul, quantize_nvfp4, rht16, tensor_amax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
     K, N and the token count must be multiples of 16.
     """
     if w_global_amax is None:
-        w_global_amax = jnp.max(jnp.abs(w_NxK)).astype(jnp.float32)
+        w_global_amax = tensor_amax(w_NxK)
     lead_shape = x_TxK.shape[:-1]
     y_TxN = _nvfp4_dot(x_TxK.reshape(-1, x_TxK.shape[-1]), w_NxK, key,
                        jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)), options)

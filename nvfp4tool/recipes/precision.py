@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.numerics import dot_nt, linear_output
+from nvfp4tool.numerics import dot_nt, linear_output, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
 from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
 
@@ -100,7 +100,7 @@ def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Fused group -> joint amax of its members' BF16 weights (module name -> weight [N, K])."""
     result: dict[str, jax.Array] = {}
     for name, w in weights.items():
-        amax = jnp.max(jnp.abs(w.astype(COMPUTE_DTYPE))).astype(jnp.float32)
+        amax = tensor_amax(w.astype(COMPUTE_DTYPE))
         group = fused_group(name)
         result[group] = amax if group not in result else jnp.maximum(result[group], amax)
     return result
@@ -137,7 +137,7 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
         x_lp = x.astype(COMPUTE_DTYPE)
         w_lp = w_NxK.astype(COMPUTE_DTYPE)
         if precision != "bf16" and input_amax_sink is not None:
-            input_amax_sink[name] = jnp.max(jnp.abs(x_lp)).astype(jnp.float32)
+            input_amax_sink[name] = tensor_amax(x_lp)
         if precision == "bf16":
             y = dot_nt(x_lp, w_lp)
         elif precision == "nvfp4":
