@@ -4,12 +4,14 @@
     model = exported.model(dtype=jnp.float32)               # CausalLM with the dequantized weights
     logits = forward(model, ids, linear=exported.linear())  # W4A4: inputs fake-quantized too
 
-Weights: NVFP4 modules are decoded from the stored bytes, `e2m1(code) * fp32(block_scale) *
-S_dec` in fp32 with the stored global decode scale (bit for bit `dequantize_nvfp4` of the
-exported record; tested); FP8 modules `fp32(e4m3) * weight_scale`; everything else is the stored
-BF16. Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16
-dynamic block scales (RNE) against the static input global scale (global amax = 2688 * stored
-input decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back.
+All the math is numerics': weights of NVFP4 modules are decoded from the stored bytes with
+`numerics.decode_nvfp4`, `e2m1(code) * fp32(block_scale) * S_dec` in fp32 with the stored global
+decode scale (bit for bit `dequantize_nvfp4` of the exported record; tested); FP8 modules with
+`numerics.decode_fp8`, `fp32(e4m3) * weight_scale`; everything else is the stored BF16.
+Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16 dynamic
+block scales (RNE) against the static input global scale (global amax = 2688 * stored input
+decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back
+(`fake_quantize_fp8(scale=)`, a true division). The GEMM is `numerics.dense`.
 Weight-only exports leave the activations alone. The GEMM itself runs in fp32 (or the model's
 compute dtype) on the dequantized values, which is what the emulation paths of vLLM and
 transformers + compressed-tensors do.
@@ -94,7 +96,7 @@ def simulated_linear(quant: str, input_scales: dict[str, float]) -> LinearFn:
 
     def linear(x, w_NxK, b_N, *, name):
         if name in scales:
-            x = _fake_quantize_input(x, scales[name], quant)
+            x = _fake_quantize_input(x, scales[name], quant, name)
         return dense(x, w_NxK, b_N)
 
     return linear
@@ -112,9 +114,10 @@ def _dequantize(module: str, group: dict[str, np.ndarray], quant: str) -> jax.Ar
                         np.float32(group[f"{module}.weight_scale_2"]))
 
 
-def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str) -> jax.Array:
+def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str, module: str) -> jax.Array:
+    name = f"input of {module}"  # errors name the activation (and its static scale's problem)
     if quant == "fp8":
         return fake_quantize_fp8(x, fmt="e4m3", scale=np.float32(input_scale), dtype=x.dtype,
-                                 name="activation")
+                                 name=name)
     global_amax = np.float32(np.float32(input_scale) * np.float32(NVFP4_GLOBAL_RANGE))
-    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype)
+    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=name)

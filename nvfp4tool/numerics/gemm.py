@@ -5,8 +5,9 @@ global decode scales (S_dec_a * S_dec_b, i.e. amax_a * amax_b / 2688^2 up to fp3
 the reciprocals, the same S_dec that `dequantize_nvfp4` uses) multiply the result once at the end.
 
 Backends:
-  "emulated"  dequantize code * block scale (no global) in fp32, `lax.dot_general` with fp32
-              accumulation (precision HIGHEST: no TF32), then the global factor. Runs everywhere.
+  "emulated"  decode code * block scale (`decode_nvfp4` with S_dec = 1) in fp32, `dot.dot_nt`
+              with fp32 accumulation (precision HIGHEST: no TF32), then the global factor.
+              Runs everywhere.
   "native"    `jax.nn.scaled_matmul` on float4_e2m1fn data and float8_e4m3fn scales. Needs a
               CUDA GPU (no CPU lowering in jax 0.10); on Hopper XLA rewrites it to a dequantize +
               dot, on Blackwell (compute capability >= 10) cuDNN runs it on FP4 tensor cores.
