@@ -16,6 +16,8 @@ formula `e2m1(code) * fp32(block_scale) * S_dec`, so every engine loads it):
   `mse_radius=0` reproduces "rtn" bit for bit (tested).
 With 2D (16x16) blocks the choice is made per tile (summed error of its 16 rows), so the result is
 still one scale per tile.
+The search (candidates, errors, the choice) is this module's; every piece of format math it
+uses is numerics' (block amax, block scales, the E2M1 encoder, the decode product, packing).
 
 Peak memory: the [N, K] input plus one chunk of about `CHUNK_ELEMENTS` fp32 temporaries (the
 outputs are 0.28x of a bf16 input); the weight error is accumulated chunk by chunk.
@@ -31,17 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import (
-    NVFP4Array,
-    decode_nvfp4_blocks,
-    dequantize_nvfp4,
-    encode_nvfp4_blocks,
-    nvfp4_block_amax,
-    nvfp4_block_scales,
-    nvfp4_global_scales,
-    pack_codes,
-    quantize_nvfp4,
-)
+from nvfp4tool import numerics
+from nvfp4tool.numerics import NVFP4Array
 from nvfp4tool.numerics.blocks import flush_subnormal
 from nvfp4tool.numerics.constants import E4M3_MAX_CODE, NVFP4_BLOCK
 
@@ -114,16 +107,16 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
 def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
     """(packed, scales, [sum err^2, sum rtn err^2, sum x^2]) of one row chunk."""
     x32 = flush_subnormal(x_RxK.astype(jnp.float32))
-    rtn = quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
-    rtn_err = jnp.sum(jnp.square(dequantize_nvfp4(rtn) - x32))
+    rtn = numerics.quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
+    rtn_err = jnp.sum(jnp.square(numerics.dequantize_nvfp4(rtn) - x32))
     norm = jnp.sum(jnp.square(x32))
     if method == "rtn":
         return rtn.packed, rtn.scales, jnp.stack([rtn_err, rtn_err, norm])
-    s_enc, s_dec = nvfp4_global_scales(record_amax)
+    s_enc, s_dec = numerics.nvfp4_global_scales(record_amax)
     x_Bx16 = x32.reshape(*x32.shape[:-1], -1, NVFP4_BLOCK)
     if method == "4over6":
-        bamax = nvfp4_block_amax(x32, block)
-        candidates = [nvfp4_block_scales(bamax, s_enc, block_max=target)
+        bamax = numerics.nvfp4_block_amax(x32, block)
+        candidates = [numerics.nvfp4_block_scales(bamax, s_enc, block_max=target)
                       for target in FOUR_OVER_SIX_TARGETS]
     else:  # mse: neighbouring E4M3 codes of the RTN scale (positive codes are ordered)
         codes = jax.lax.bitcast_convert_type(rtn.scales, jnp.uint8).astype(jnp.int32)
@@ -140,7 +133,7 @@ def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
             best_scale = jnp.where(better, scale, best_scale)
             best_codes = jnp.where(better[..., None], codes, best_codes)
             best_err = jnp.where(better, err, best_err)
-    packed = pack_codes(best_codes.reshape(x32.shape))
+    packed = numerics.pack_codes(best_codes.reshape(x32.shape))
     total = jnp.sum(best_err) / (NVFP4_BLOCK if block == "2d" else 1)  # 2d: tile error repeated
     return packed, best_scale, jnp.stack([total, rtn_err, norm])
 
@@ -148,8 +141,8 @@ def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
 def _encode_with_scale(x_Bx16, scale, s_dec, block: str):
     """(E2M1 codes [R, K/16, 16], squared error per block or per tile) with the given scales,
     by the numerics' own encoder and decode product."""
-    codes, values = encode_nvfp4_blocks(x_Bx16, scale, s_dec)
-    deq = decode_nvfp4_blocks(values, scale, s_dec)
+    codes, values = numerics.encode_nvfp4_blocks(x_Bx16, scale, s_dec)
+    deq = numerics.decode_nvfp4_blocks(values, scale, s_dec)
     err = jnp.sum(jnp.square(deq - x_Bx16), axis=-1)
     if block == "2d":
         r, nb = err.shape
