@@ -238,6 +238,14 @@ def test_decode_of_stored_bytes_matches_oracle_and_is_dequantize(s_dec):
                                   _bits(got).T)
 
 
+def test_decode_refuses_mismatched_bytes():
+    q = quantize_nvfp4(np.ones((4, 32), np.float32))
+    with pytest.raises(NVFP4ToolError, match=r"'w'.*scales \(4, 2\).*got \(4, 1\)"):
+        decode_nvfp4(q.packed, q.scales[:, :1], 1.0, name="w")
+    with pytest.raises(NVFP4ToolError, match="'w'.*uint8 codes and float8_e4m3fn scales"):
+        decode_nvfp4(q.packed, np.asarray(q.scales).view(np.uint8), 1.0, name="w")
+
+
 @pytest.mark.parametrize("block", ["1d", "2d"])
 def test_axis_0_equals_transposed(block):
     x = np.random.default_rng(9).standard_normal((64, 32)).astype(np.float32)

@@ -111,7 +111,7 @@ def _dequantize(module: str, group: dict[str, np.ndarray], quant: str) -> jax.Ar
     if quant == "fp8":
         return decode_fp8(weight, np.float32(group[f"{module}.weight_scale"]))
     return decode_nvfp4(weight, group[f"{module}.weight_scale"],
-                        np.float32(group[f"{module}.weight_scale_2"]))
+                        np.float32(group[f"{module}.weight_scale_2"]), name=f"{module}.weight")
 
 
 def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str, module: str) -> jax.Array:

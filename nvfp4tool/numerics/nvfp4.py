@@ -231,17 +231,26 @@ def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Ar
 
 
 def decode_nvfp4(packed: jax.Array | np.ndarray, scales: jax.Array | np.ndarray,
-                 s_dec: jax.Array | float, *, axis: int = -1,
-                 dtype: jnp.dtype = jnp.float32) -> jax.Array:
+                 s_dec: jax.Array | float, *, axis: int = -1, dtype: jnp.dtype = jnp.float32,
+                 name: str = "tensor") -> jax.Array:
     """Decode stored NVFP4 bytes with a stored global decode scale (what a serving engine reads):
 
     packed uint8 [..., K/2 at axis], scales float8_e4m3fn [..., K/16 at axis], S_dec fp32 scalar;
     returns `e2m1(code) * fp32(scale) * S_dec` as `dtype`. `dequantize_nvfp4` is this with
-    S_dec derived from the record's global amax.
+    S_dec derived from the record's global amax. Wrong dtypes or shapes: NVFP4ToolError naming
+    `name`.
     """
-    packed = jnp.asarray(packed)
-    axis = normalize_axis(axis, packed.ndim, "packed")
-    return _decode(packed, jnp.asarray(scales), jnp.asarray(s_dec, jnp.float32), axis=axis,
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    axis = normalize_axis(axis, packed.ndim, name)
+    expected = (*packed.shape[:axis], packed.shape[axis] * 2 // NVFP4_BLOCK, *packed.shape[axis + 1:])
+    if packed.dtype != jnp.uint8 or scales.dtype != jnp.float8_e4m3fn:
+        raise NVFP4ToolError(f"tensor '{name}': NVFP4 needs uint8 codes and float8_e4m3fn scales, "
+                             f"got {packed.dtype} and {scales.dtype}")
+    if packed.shape[axis] % (NVFP4_BLOCK // 2) != 0 or tuple(scales.shape) != expected:
+        raise NVFP4ToolError(f"tensor '{name}': codes {tuple(packed.shape)} need scales "
+                             f"{expected} (one per 16 elements along axis {axis}), "
+                             f"got {tuple(scales.shape)}")
+    return _decode(packed, scales, jnp.asarray(s_dec, jnp.float32), axis=axis,
                    dtype=jnp.dtype(dtype))
 
 
