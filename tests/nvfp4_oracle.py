@@ -165,8 +165,13 @@ def quantize(x: np.ndarray, *, block: str = "1d", global_amax=None) -> dict:
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, global_amax) -> np.ndarray:
-    """fp32 decode: (e2m1(code) * e4m3(scale)) * S_dec, elementwise with FTZ."""
-    _, s_dec = global_scales(global_amax)
+    """fp32 decode with the S_dec of `global_amax`."""
+    return decode(packed, scales, global_scales(global_amax)[1])
+
+
+def decode(packed: np.ndarray, scales: np.ndarray, s_dec) -> np.ndarray:
+    """fp32 decode of stored bytes: (e2m1(code) * e4m3(scale)) * S_dec, elementwise with FTZ."""
+    s_dec = F32(s_dec)
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
     out = np.zeros(codes.shape, np.float32)
     for idx in np.ndindex(codes.shape):
@@ -178,10 +183,12 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, global_amax) -> np.ndarra
 # ---------------------------------------------------------------- FP8 (tiny oracle)
 
 
-def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int | None):
+def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int | None,
+                 static_scale: float | None = None):
     """FP8 current scaling over tiles (None = whole axis); ml_dtypes does the final cast.
 
-    scale = amax / fmt_max (1 where that is 0), data = cast(clip(x / scale, -max, max)).
+    scale = amax / fmt_max (1 where that is 0), or `static_scale` everywhere when given;
+    data = cast(clip(x / scale, -max, max)).
     Returns (data as float fp8 values in float32, per-element scale in float32).
     """
     import ml_dtypes
@@ -197,7 +204,7 @@ def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int 
     for r0 in range(0, rows, tr):
         for c0 in range(0, cols, tc):
             amax = F32(np.abs(x2[r0:r0 + tr, c0:c0 + tc]).max())
-            s = div(amax, fmt_max)
+            s = div(amax, fmt_max) if static_scale is None else F32(static_scale)
             scale[r0:r0 + tr, c0:c0 + tc] = F32(1.0) if s == 0 else s
     scaled = np.array([div(a, s) for a, s in zip(x2.ravel(), scale.ravel())], np.float32)
     data = np.clip(scaled, -fmt_max, fmt_max).astype(fp8_dtype).astype(np.float32)

@@ -17,8 +17,7 @@ from flax import nnx
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.model import (ModelTensorSource, default_linear, forward, generate, model_from_tensors,
-                             model_to_tensors)
+from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate, model_from_tensors
 
 _BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5)
@@ -58,6 +57,12 @@ def batch(T: int = 9, vocab: int = 97, seed: int = 1):
     return ids, mask
 
 
+def tensors_of(model) -> dict[str, np.ndarray]:
+    """Every HF-named tensor of a model, through its TensorSource view, in the config's order."""
+    view = ModelTensorSource(model)
+    return {name: view.get(name) for name in view.names()}
+
+
 @pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3"])
 def test_scanned_layers_give_the_same_logits(key):
     ids, mask = batch()
@@ -74,7 +79,7 @@ def test_tensors_round_trip_bit_exact(scan_layers):
     config = CONFIGS["qwen3"]
     tensors = random_tensors(config)
     model = model_from_tensors(config, DictTensorSource(tensors), scan_layers=scan_layers)
-    out = dict(model_to_tensors(model))
+    out = tensors_of(model)
     assert list(out) == list(config.expected_tensor_shapes())
     for name, value in tensors.items():
         assert out[name].dtype == value.dtype and out[name].tobytes() == value.tobytes(), name
@@ -87,8 +92,8 @@ def test_tensors_round_trip_bit_exact(scan_layers):
 def test_bf16_tensors_load_exactly_into_fp32_and_bf16():
     config = CONFIGS["llama3"]
     tensors = random_tensors(config, dtype=ml_dtypes.bfloat16)
-    as_fp32 = dict(model_to_tensors(model_from_tensors(config, DictTensorSource(tensors))))
-    as_bf16 = dict(model_to_tensors(model_from_tensors(config, DictTensorSource(tensors), dtype=jnp.bfloat16)))
+    as_fp32 = tensors_of(model_from_tensors(config, DictTensorSource(tensors)))
+    as_bf16 = tensors_of(model_from_tensors(config, DictTensorSource(tensors), dtype=jnp.bfloat16))
     for name, value in tensors.items():
         np.testing.assert_array_equal(as_fp32[name], value.astype(np.float32))
         assert as_bf16[name].dtype == ml_dtypes.bfloat16 and as_bf16[name].tobytes() == value.tobytes()
@@ -172,10 +177,24 @@ def test_sliding_window_limits_what_a_token_sees():
 
 
 def test_jitted_forward_matches_eager():
+    """`forward` jits itself when called eagerly; under jax.disable_jit it really runs op by op
+    (the linear seam then sees concrete arrays, not tracers: checked)."""
     model = build("qwen2")
     ids, mask = batch()
-    jitted = nnx.jit(lambda m, i, k: forward(m, i, k) * 1.0)(model, jnp.asarray(ids), jnp.asarray(mask))
-    np.testing.assert_allclose(jitted, forward(model, ids, mask), atol=1e-5, rtol=0)  # as above
+    traced: dict[str, list[bool]] = {"jit": [], "eager": []}
+
+    def recording(mode):
+        def linear(x, w_NxK, b_N, *, name):
+            traced[mode].append(isinstance(x, jax.core.Tracer))
+            return default_linear(x, w_NxK, b_N, name=name)
+        return linear
+
+    jitted = forward(model, ids, mask, linear=recording("jit"))
+    with jax.disable_jit():
+        eager = forward(model, ids, mask, linear=recording("eager"))
+    n_calls = len(CONFIGS["qwen2"].linear_names())
+    assert traced == {"jit": [True] * n_calls, "eager": [False] * n_calls}
+    np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=0)
 
 
 def test_forward_runs_inline_under_the_callers_transform():

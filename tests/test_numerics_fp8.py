@@ -50,6 +50,39 @@ def test_fp8_bf16_input_and_clamp_at_max():
     assert fake_quantize_fp8(x).dtype == jnp.bfloat16
 
 
+# (x, static scale): 2.734375 / 7 is exactly the E4M3 midpoint 0.390625, which rounds to even
+# (0.375, decoded 2.625); x * fl(1/7) lands above it and would round to 0.40625 (2.84375), so
+# this pins a true division.
+STATIC_CASES = [(np.float32(2.734375), np.float32(7.0)), (None, np.float32(0.0123456)),
+                (None, np.float32(2.0**-10))]
+
+
+@pytest.mark.parametrize("x0, scale", STATIC_CASES)
+def test_fp8_static_scale_matches_oracle(x0, scale):
+    """fake_quantize_fp8(scale=): a stored input_scale as a serving engine applies it:
+    clamp(x / scale) to E4M3 (values beyond 448 * scale saturate), times scale."""
+    x = (np.random.default_rng(2).standard_normal((8, 64)) * 3).astype(np.float32)
+    if x0 is not None:
+        x[0, 0] = x0
+    want_data, want_scale = oracle.quantize_fp8(x, "e4m3", None, None, static_scale=scale)
+    got = jax.jit(lambda v: fake_quantize_fp8(v, scale=scale))(x)
+    np.testing.assert_array_equal(_bits(got), _bits(want_data * want_scale))
+    if x0 is not None:
+        assert float(got[0, 0]) == 2.625
+    bf16 = fake_quantize_fp8(jnp.asarray(x, jnp.bfloat16), scale=scale, dtype=jnp.bfloat16)
+    assert bf16.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("scale, granularity, match", [
+    (0.0, "tensor", "finite and > 0"), (np.inf, "tensor", "finite and > 0"),
+    (-1.0, "tensor", "finite and > 0"), (1.0, "channel", "granularity 'tensor'"),
+    (np.ones(2, np.float32), "tensor", "must be a scalar")])
+def test_fp8_static_scale_errors(scale, granularity, match):
+    with pytest.raises(NVFP4ToolError, match=f"'x'.*{match}"):
+        fake_quantize_fp8(np.ones((2, 16), np.float32), granularity=granularity, scale=scale,
+                          name="x")
+
+
 def test_fp8_zero_tensor_scale_one():
     q = quantize_fp8(np.zeros((2, 8), np.float32))
     assert float(q.scale) == 1.0 and not np.asarray(q.data.astype(jnp.float32)).any()

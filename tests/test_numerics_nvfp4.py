@@ -12,9 +12,11 @@ import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     check_finite,
+    decode_e2m1,
+    decode_nvfp4,
     dequantize_nvfp4,
-    e2m1_code_values,
     fake_quantize_nvfp4,
+    nvfp4_global_scales,
     pack_codes,
     quantize_nvfp4,
     unpack_codes,
@@ -55,7 +57,7 @@ def assert_matches_oracle(x, *, block="1d", global_amax=None, eager=False):
 
 
 def test_e2m1_decode_table_all_16_codes():
-    ours = np.asarray(e2m1_code_values())
+    ours = np.asarray(decode_e2m1(jnp.arange(16, dtype=jnp.uint8)))
     want = np.array([oracle.e2m1_value(c) for c in range(16)], np.float32)
     np.testing.assert_array_equal(_bits(ours), _bits(want))
     assert _bits(ours[8]) == _bits(np.float32(-0.0))
@@ -208,12 +210,40 @@ def test_1d_leading_axes():
 
 def test_packing_order_matches_float4_bitcast():
     codes = jnp.asarray(np.random.default_rng(8).integers(0, 16, (4, 32)), jnp.uint8)
-    values = e2m1_code_values()[codes].astype(jnp.float4_e2m1fn)
+    values = decode_e2m1(codes).astype(jnp.float4_e2m1fn)
     bitcast = jax.lax.bitcast_convert_type(values.reshape(4, 16, 2), jnp.uint8)
     np.testing.assert_array_equal(np.asarray(pack_codes(codes)), np.asarray(bitcast))
     np.testing.assert_array_equal(np.asarray(unpack_codes(pack_codes(codes))), np.asarray(codes))
     q = quantize_nvfp4(np.array([[6.0, 3.0] + [0.0] * 14], np.float32))
     assert int(q.packed[0, 0]) == 0x57  # element 0 (code 7) low nibble, element 1 (code 5) high
+
+
+# Stored global decode scales: a typical one, one that is not fl(1 / fl(2688 / amax)) of any
+# amax we would write, and one so small that (value * scale) * S_dec flushes to zero.
+@pytest.mark.parametrize("s_dec", [np.float32(0.013), np.float32(1 / 3), np.float32(2.0**-120)])
+def test_decode_of_stored_bytes_matches_oracle_and_is_dequantize(s_dec):
+    """decode_nvfp4 (what the serving simulation reads) with any stored S_dec is the oracle's
+    decode; with the S_dec of the record's amax it is dequantize_nvfp4, bit for bit."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    q = quantize_nvfp4(x)
+    got = decode_nvfp4(q.packed, q.scales, s_dec)
+    want = oracle.decode(np.asarray(q.packed), _bits(q.scales), s_dec)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    _, own_s_dec = nvfp4_global_scales(q.global_amax)
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q.packed, q.scales, own_s_dec)),
+                                  _bits(dequantize_nvfp4(q)))
+    q0 = quantize_nvfp4(x.T, axis=0)
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q0.packed, q0.scales, s_dec, axis=0)),
+                                  _bits(got).T)
+
+
+def test_decode_refuses_mismatched_bytes():
+    q = quantize_nvfp4(np.ones((4, 32), np.float32))
+    with pytest.raises(NVFP4ToolError, match=r"'w'.*scales \(4, 2\).*got \(4, 1\)"):
+        decode_nvfp4(q.packed, q.scales[:, :1], 1.0, name="w")
+    with pytest.raises(NVFP4ToolError, match="'w'.*uint8 codes and float8_e4m3fn scales"):
+        decode_nvfp4(q.packed, np.asarray(q.scales).view(np.uint8), 1.0, name="w")
 
 
 @pytest.mark.parametrize("block", ["1d", "2d"])

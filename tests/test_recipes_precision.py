@@ -16,6 +16,7 @@ from nvfp4tool.recipes.precision import (
     RecipeConfig,
     fused_group,
     group_amax,
+    layer_key,
     make_linear,
     precision_map,
 )
@@ -107,3 +108,58 @@ def test_recipes_change_the_logits_and_bf16_scope_all_undoes_it(model_and_batch)
     err = {n: np.abs(logits[n] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean()
            for n in ("fp8", "fp8-block", "nvfp4")}
     assert 0 < err["fp8-block"] and 0 < err["fp8"] < err["nvfp4"] < 0.5, err
+
+
+def _key_data(key: jax.Array) -> tuple[int, ...]:
+    return tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+
+def test_layer_keys_differ_by_layer_and_step_and_reproduce():
+    """SR key of (seed, step, layer): the trainer's step key (seed folded with the step) folded
+    with the layer name; distinct for every layer and step, equal for the same triple."""
+    names = CONFIG.linear_names()
+    step_keys = {(seed, step): jax.random.fold_in(jax.random.key(seed), step)
+                 for seed in (0, 1) for step in (1, 2, 3)}
+    keys = {(seed, step, name): _key_data(layer_key(k, name))
+            for (seed, step), k in step_keys.items() for name in names}
+    assert len(set(keys.values())) == len(keys)  # no two (seed, step, layer) share a key
+    again = {(seed, step, name): _key_data(layer_key(jax.random.fold_in(jax.random.key(seed), step),
+                                                     name))
+             for seed, step, name in keys}
+    assert again == keys
+
+
+def _operands() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [32, 64], w [64, 64] and the upstream gradient g [32, 64] of one linear call."""
+    x = jax.random.normal(jax.random.key(4), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(5), (64, 64), jnp.float32) * 0.1
+    g = jax.random.normal(jax.random.key(6), (32, 64), jnp.float32)
+    return x, w, g
+
+
+def _dx(linear, name: str) -> np.ndarray:
+    """d(sum(y * g))/dx of one linear call: the dgrad GEMM quantizes g (SR when enabled)."""
+    x, w, g = _operands()
+    return np.asarray(jax.grad(lambda x: jnp.sum(linear(x, w, None, name=name) * g))(x))
+
+
+@pytest.mark.parametrize("sr", [True, False])
+def test_make_linear_rounds_each_layer_and_step_with_its_own_key(sr: bool):
+    """The key make_linear derives is the one the gradient uses: the same layer and step key give
+    the same bits; another layer or step key changes them (only with stochastic rounding)."""
+    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0,
+                          stochastic_rounding=sr)
+    pmap = precision_map(recipe, CONFIG)
+    a, b = "model.layers.2.self_attn.o_proj", "model.layers.3.self_attn.o_proj"
+    step1, step2 = (jax.random.fold_in(jax.random.key(7), step) for step in (1, 2))
+    base = _dx(make_linear(recipe, pmap, step1), a)
+    np.testing.assert_array_equal(_dx(make_linear(recipe, pmap, step1), a), base)
+    for other in (_dx(make_linear(recipe, pmap, step1), b), _dx(make_linear(recipe, pmap, step2), a)):
+        assert (not np.array_equal(other, base)) == sr
+    if sr:  # and it is exactly nvfp4_dot with the derived key
+        def direct(x, w_NxK, b_N, *, name):
+            y = nvfp4_dot(x.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16),
+                          layer_key(step1, name), None, NVFP4Options())
+            return y.astype(x.dtype)
+
+        np.testing.assert_array_equal(base, _dx(direct, a))

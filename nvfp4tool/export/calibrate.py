@@ -29,6 +29,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import forward
 from nvfp4tool.model.weights import model_from_tensors
+from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import COMPUTE_DTYPE
 
 BATCH = 8  # windows per forward
@@ -86,15 +87,10 @@ def _input_amax(graphdef, state, ids_BxT, names: tuple[str, ...]) -> dict[str, j
     recorded: dict[str, jax.Array] = {}
 
     def linear(x, w_NxK, b_N, *, name):
-        x_lp = x.astype(COMPUTE_DTYPE)
         if name in names:
-            amax = jnp.max(jnp.abs(x_lp)).astype(jnp.float32)
+            amax = tensor_amax(x.astype(COMPUTE_DTYPE))
             recorded[name] = jnp.maximum(recorded[name], amax) if name in recorded else amax
-        y = jnp.einsum("...k,nk->...n", x_lp, w_NxK.astype(COMPUTE_DTYPE),
-                       preferred_element_type=jnp.float32)
-        if b_N is not None:
-            y = y + b_N.astype(jnp.float32)
-        return y.astype(x.dtype)
+        return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
 
     forward(nnx.merge(graphdef, state), ids_BxT, linear=linear)
     missing = [n for n in names if n not in recorded]

@@ -16,6 +16,8 @@ formula `e2m1(code) * fp32(block_scale) * S_dec`, so every engine loads it):
   `mse_radius=0` reproduces "rtn" bit for bit (tested).
 With 2D (16x16) blocks the choice is made per tile (summed error of its 16 rows), so the result is
 still one scale per tile.
+The search (candidates, errors, the choice) is this module's; every piece of format math it
+uses is numerics' (block amax, block scales, the E2M1 encoder, the decode product, packing).
 
 Peak memory: the [N, K] input plus one chunk of about `CHUNK_ELEMENTS` fp32 temporaries (the
 outputs are 0.28x of a bf16 input); the weight error is accumulated chunk by chunk.
@@ -31,17 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import NVFP4Array, dequantize_nvfp4, quantize_nvfp4
-from nvfp4tool.numerics.blocks import exact_divide, flush_subnormal
-from nvfp4tool.numerics.constants import E2M1_MAX, E4M3_MAX, FLT_MAX, NVFP4_BLOCK
-from nvfp4tool.numerics.nvfp4 import nvfp4_global_scales
+from nvfp4tool import numerics
+from nvfp4tool.numerics import NVFP4Array
+from nvfp4tool.numerics.blocks import flush_subnormal
+from nvfp4tool.numerics.constants import E4M3_MAX_CODE, NVFP4_BLOCK
 
 METHODS = ("rtn", "4over6", "mse")
 CHUNK_ELEMENTS = 1 << 22  # ~4M elements (16 MiB fp32) per jitted step
 FOUR_OVER_SIX_AMAX_FACTOR = np.float32(1.75)  # 2688 / 1536: global E4M3 bound 448 -> 256
-_ONE_QUARTER = np.float32(0.25)
-_ONE_SIXTH = np.float32(1.0 / 6.0)
-_E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
+FOUR_OVER_SIX_TARGETS = (6.0, 4.0)  # the block amax maps to 6 (standard) or to 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,67 +107,45 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
 def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
     """(packed, scales, [sum err^2, sum rtn err^2, sum x^2]) of one row chunk."""
     x32 = flush_subnormal(x_RxK.astype(jnp.float32))
-    rtn = quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
-    rtn_err = jnp.sum(jnp.square(dequantize_nvfp4(rtn) - x32))
+    rtn = numerics.quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
+    rtn_err = jnp.sum(jnp.square(numerics.dequantize_nvfp4(rtn) - x32))
     norm = jnp.sum(jnp.square(x32))
     if method == "rtn":
         return rtn.packed, rtn.scales, jnp.stack([rtn_err, rtn_err, norm])
-    s_enc, s_dec = nvfp4_global_scales(record_amax)
+    s_enc, s_dec = numerics.nvfp4_global_scales(record_amax)
     x_Bx16 = x32.reshape(*x32.shape[:-1], -1, NVFP4_BLOCK)
     if method == "4over6":
-        bamax = _block_amax(x_Bx16, block)
-        candidates = [_e4m3(bamax * (s_enc * ratio)) for ratio in (_ONE_SIXTH, _ONE_QUARTER)]
+        bamax = numerics.nvfp4_block_amax(x32, block)
+        candidates = [numerics.nvfp4_block_scales(bamax, s_enc, block_max=target)
+                      for target in FOUR_OVER_SIX_TARGETS]
     else:  # mse: neighbouring E4M3 codes of the RTN scale (positive codes are ordered)
         codes = jax.lax.bitcast_convert_type(rtn.scales, jnp.uint8).astype(jnp.int32)
         candidates = [jax.lax.bitcast_convert_type(
-            jnp.clip(codes + d, 0, _E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
+            jnp.clip(codes + d, 0, E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
             for d in sorted(offsets, key=abs)]  # offset 0 first: RTN wins ties
-    best_scale = best_f4 = best_err = None
+    best_scale = best_codes = best_err = None
     for scale in candidates:
-        f4, err = _encode_with_scale(x_Bx16, scale, s_dec, block)
+        codes, err = _encode_with_scale(x_Bx16, scale, s_dec, block)
         if best_err is None:
-            best_scale, best_f4, best_err = scale, f4, err
+            best_scale, best_codes, best_err = scale, codes, err
         else:
             better = err < best_err
             best_scale = jnp.where(better, scale, best_scale)
-            best_f4 = jnp.where(better[..., None], f4, best_f4)
+            best_codes = jnp.where(better[..., None], codes, best_codes)
             best_err = jnp.where(better, err, best_err)
-    f4_RxK = best_f4.reshape(x32.shape)
-    packed = jax.lax.bitcast_convert_type(f4_RxK.reshape(*x32.shape[:-1], -1, 2), jnp.uint8)
+    packed = numerics.pack_codes(best_codes.reshape(x32.shape))
     total = jnp.sum(best_err) / (NVFP4_BLOCK if block == "2d" else 1)  # 2d: tile error repeated
     return packed, best_scale, jnp.stack([total, rtn_err, norm])
 
 
-def _block_amax(x_Bx16, block: str):
-    """max|x| per 1x16 block, or per 16x16 tile written to each of its 16 rows."""
-    bamax = jnp.abs(x_Bx16).max(axis=-1)
-    if block == "2d":
-        r, nb = bamax.shape
-        tile = bamax.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, nb).max(axis=1, keepdims=True)
-        bamax = jnp.broadcast_to(tile, (r // NVFP4_BLOCK, NVFP4_BLOCK, nb)).reshape(r, nb)
-    return bamax
-
-
-def _e4m3(sdb):
-    return jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
-
-
 def _encode_with_scale(x_Bx16, scale, s_dec, block: str):
-    """(E2M1 values [R, K/16, 16], squared error per block or per tile) with the given scales.
-
-    Same encode as the numerics: enc = min(1 / (fp32(scale) * S_dec), FLT_MAX), RNE to E2M1 with
-    saturation at 6 (the float4_e2m1fn cast rounds to nearest even; the sign of a value that
-    rounds to zero is kept, code 8), and decode (value * scale) * S_dec.
-    """
-    scale32 = scale.astype(jnp.float32)
-    denom = flush_subnormal(scale32 * s_dec)
-    enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)
-    y = jnp.clip(x_Bx16 * enc[..., None], -E2M1_MAX, E2M1_MAX)
-    f4 = y.astype(jnp.float4_e2m1fn)
-    deq = flush_subnormal((f4.astype(jnp.float32) * scale32[..., None]) * s_dec)
+    """(E2M1 codes [R, K/16, 16], squared error per block or per tile) with the given scales,
+    by the numerics' own encoder and decode product."""
+    codes, values = numerics.encode_nvfp4_blocks(x_Bx16, scale, s_dec)
+    deq = numerics.decode_nvfp4_blocks(values, scale, s_dec)
     err = jnp.sum(jnp.square(deq - x_Bx16), axis=-1)
     if block == "2d":
         r, nb = err.shape
         tile = err.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, nb).sum(axis=1, keepdims=True)
         err = jnp.broadcast_to(tile, (r // NVFP4_BLOCK, NVFP4_BLOCK, nb)).reshape(r, nb)
-    return f4, err
+    return codes, err

@@ -4,12 +4,14 @@
     model = exported.model(dtype=jnp.float32)               # CausalLM with the dequantized weights
     logits = forward(model, ids, linear=exported.linear())  # W4A4: inputs fake-quantized too
 
-Weights: NVFP4 modules are decoded from the stored bytes, `e2m1(code) * fp32(block_scale) *
-S_dec` in fp32 with the stored global decode scale (bit for bit `dequantize_nvfp4` of the
-exported record; tested); FP8 modules `fp32(e4m3) * weight_scale`; everything else is the stored
-BF16. Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16
-dynamic block scales (RNE) against the static input global scale (global amax = 2688 * stored
-input decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back.
+All the math is numerics': weights of NVFP4 modules are decoded from the stored bytes with
+`numerics.decode_nvfp4`, `e2m1(code) * fp32(block_scale) * S_dec` in fp32 with the stored global
+decode scale (bit for bit `dequantize_nvfp4` of the exported record; tested); FP8 modules with
+`numerics.decode_fp8`, `fp32(e4m3) * weight_scale`; everything else is the stored BF16.
+Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16 dynamic
+block scales (RNE) against the static input global scale (global amax = 2688 * stored input
+decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back
+(`fake_quantize_fp8(scale=)`, a true division). The GEMM is `numerics.dense`.
 Weight-only exports leave the activations alone. The GEMM itself runs in fp32 (or the model's
 compute dtype) on the dequantized values, which is what the emulation paths of vLLM and
 transformers + compressed-tensors do.
@@ -27,9 +29,14 @@ from converters.hf import HFFolderSource
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.numerics import decode_e2m1, fake_quantize_nvfp4, unpack_codes
-from nvfp4tool.numerics.blocks import flush_subnormal
-from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+from nvfp4tool.numerics import (
+    decode_fp8,
+    decode_nvfp4,
+    dense,
+    fake_quantize_fp8,
+    fake_quantize_nvfp4,
+)
+from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
 
 
 @dataclasses.dataclass
@@ -87,25 +94,14 @@ def load_export(folder: str) -> ExportedModel:
                          input_scales=input_scales, quantized=tuple(quantized))
 
 
-def decode_nvfp4(packed_NxK2: jax.Array, scales_NxKb: jax.Array, s_dec: jax.Array) -> jax.Array:
-    """fp32 [N, K] from stored bytes: (e2m1(code) * fp32(scale)) * S_dec, subnormals flushed."""
-    value_K = decode_e2m1(unpack_codes(jnp.asarray(packed_NxK2)))
-    value_Bx16 = value_K.reshape(*value_K.shape[:-1], -1, NVFP4_BLOCK)
-    scaled = value_Bx16 * jnp.asarray(scales_NxKb).astype(jnp.float32)[..., None]
-    return flush_subnormal(scaled * jnp.float32(s_dec)).reshape(value_K.shape)
-
-
 def simulated_linear(quant: str, input_scales: dict[str, float]) -> LinearFn:
     """LinearFn for an export: inputs of modules in `input_scales` fake-quantized (static scale)."""
     scales = dict(input_scales)
 
     def linear(x, w_NxK, b_N, *, name):
         if name in scales:
-            x = _fake_quantize_input(x, scales[name], quant)
-        y = jnp.einsum("...k,nk->...n", x, w_NxK.astype(x.dtype), preferred_element_type=jnp.float32)
-        if b_N is not None:
-            y = y + b_N.astype(jnp.float32)
-        return y.astype(x.dtype)
+            x = _fake_quantize_input(x, scales[name], quant, name)
+        return dense(x, w_NxK, b_N)
 
     return linear
 
@@ -117,15 +113,15 @@ def simulated_linear(quant: str, input_scales: dict[str, float]) -> LinearFn:
 def _dequantize(module: str, group: dict[str, np.ndarray], quant: str) -> jax.Array:
     weight = group[f"{module}.weight"]
     if quant == "fp8":
-        scale = np.float32(group[f"{module}.weight_scale"])
-        return flush_subnormal(jnp.asarray(weight).astype(jnp.float32) * scale)
-    return decode_nvfp4(weight, group[f"{module}.weight_scale"], group[f"{module}.weight_scale_2"])
+        return decode_fp8(weight, np.float32(group[f"{module}.weight_scale"]))
+    return decode_nvfp4(weight, group[f"{module}.weight_scale"],
+                        np.float32(group[f"{module}.weight_scale_2"]), name=f"{module}.weight")
 
 
-def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str) -> jax.Array:
+def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str, module: str) -> jax.Array:
+    name = f"input of {module}"  # errors name the activation (and its static scale's problem)
     if quant == "fp8":
-        scale = jnp.float32(input_scale)
-        y = jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-        return (y.astype(jnp.float32) * scale).astype(x.dtype)
+        return fake_quantize_fp8(x, fmt="e4m3", scale=np.float32(input_scale), dtype=x.dtype,
+                                 name=name)
     global_amax = np.float32(np.float32(input_scale) * np.float32(NVFP4_GLOBAL_RANGE))
-    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype)
+    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=name)

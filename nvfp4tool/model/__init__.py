@@ -10,7 +10,7 @@ Every linear layer goes through one pluggable `LinearFn` (see `linear.py`).
 from nvfp4tool.model.generate import generate
 from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import CausalLM, KVCache, default_positions, forward
-from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors, model_to_tensors
+from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors
 
 __all__ = ["CausalLM", "KVCache", "LinearFn", "ModelTensorSource", "default_linear",
-           "default_positions", "forward", "generate", "model_from_tensors", "model_to_tensors"]
+           "default_positions", "forward", "generate", "model_from_tensors"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
+
+from nvfp4tool.numerics import dense
 
 
 class LinearFn(Protocol):
@@ -26,7 +27,4 @@ class LinearFn(Protocol):
 def default_linear(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *, name: str) -> jax.Array:
     """Plain dot in the compute dtype (= x.dtype) with fp32 accumulation; bias added in fp32."""
     del name  # every layer is treated the same
-    y = jnp.einsum("...k,nk->...n", x, w_NxK.astype(x.dtype), preferred_element_type=jnp.float32)
-    if b_N is not None:
-        y = y + b_N.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return dense(x, w_NxK, b_N)

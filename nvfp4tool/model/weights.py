@@ -9,8 +9,6 @@ the model itself is the only full copy held.
 from __future__ import annotations
 
 import re
-from typing import Iterator
-
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -51,14 +49,6 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
         if layer == config.num_layers - 1:
             variable.value = jnp.asarray(stacked.pop(suffix))
     return model
-
-
-def model_to_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy array in the parameter dtype) for every tensor, in the config's order."""
-    for name in model.config.expected_tensor_shapes():
-        variable, layer = _locate(model, name)
-        value = variable[...]
-        yield name, np.asarray(value if layer is None else value[layer])
 
 
 class ModelTensorSource:

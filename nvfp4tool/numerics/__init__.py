@@ -1,17 +1,30 @@
-"""Exact NVFP4 / FP8 numerics in JAX: quantizers, Hadamard transform, block-scaled GEMM."""
+"""Exact NVFP4 / FP8 numerics in JAX: quantizers, Hadamard transform, block-scaled GEMM, and the
+one fp32-accumulating GEMM body every linear layer uses (`dot`). All such math lives here."""
 
 from __future__ import annotations
 
-from nvfp4tool.numerics.blocks import check_finite
-from nvfp4tool.numerics.fp8 import FP8Array, dequantize_fp8, fake_quantize_fp8, quantize_fp8
+from nvfp4tool.numerics.blocks import check_finite, tensor_amax
+from nvfp4tool.numerics.dot import dense, dot_nt, linear_output
+from nvfp4tool.numerics.fp8 import (
+    FP8Array,
+    decode_fp8,
+    dequantize_fp8,
+    fake_quantize_fp8,
+    fp8_decode_scale,
+    quantize_fp8,
+)
 from nvfp4tool.numerics.gemm import native_fp4_available, nvfp4_matmul
-from nvfp4tool.numerics.hadamard import inverse_rht16, rht16, rht_matrix
+from nvfp4tool.numerics.hadamard import rht16, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
     NVFP4Array,
     decode_e2m1,
+    decode_nvfp4,
+    decode_nvfp4_blocks,
     dequantize_nvfp4,
-    e2m1_code_values,
+    encode_nvfp4_blocks,
     fake_quantize_nvfp4,
+    nvfp4_block_amax,
+    nvfp4_block_scales,
     nvfp4_global_scales,
     pack_codes,
     quantize_nvfp4,
@@ -23,19 +36,28 @@ __all__ = [
     "NVFP4Array",
     "check_finite",
     "decode_e2m1",
+    "decode_fp8",
+    "decode_nvfp4",
+    "decode_nvfp4_blocks",
+    "dense",
     "dequantize_fp8",
     "dequantize_nvfp4",
-    "e2m1_code_values",
+    "dot_nt",
+    "encode_nvfp4_blocks",
     "fake_quantize_fp8",
     "fake_quantize_nvfp4",
-    "inverse_rht16",
+    "fp8_decode_scale",
+    "linear_output",
     "native_fp4_available",
-    "nvfp4_matmul",
+    "nvfp4_block_amax",
+    "nvfp4_block_scales",
     "nvfp4_global_scales",
+    "nvfp4_matmul",
     "pack_codes",
     "quantize_fp8",
     "quantize_nvfp4",
     "rht16",
     "rht_matrix",
+    "tensor_amax",
     "unpack_codes",
 ]

@@ -1,4 +1,4 @@
-"""Shared block machinery: tile amax reduction and expansion, subnormal flushing, input checks.
+"""Shared block machinery: tensor and tile amax, tile expansion, subnormal flushing, input checks.
 
 Division: use `exact_divide`, never `/` with a scalar or repeated divisor (see its docstring).
 
@@ -52,11 +52,33 @@ def check_finite(x: jax.Array | np.ndarray, name: str = "tensor") -> None:
                              "non-finite values cannot be quantized")
 
 
+def check_scale_scalar(value, what: str, name: str, *, positive: bool = False) -> jax.Array:
+    """`value` as an fp32 scalar, or NVFP4ToolError naming the tensor unless it is one finite
+    value >= 0 (> 0 when `positive`). Traced values get only the shape check."""
+    value = jnp.asarray(value, jnp.float32)
+    if value.ndim != 0:
+        raise NVFP4ToolError(f"tensor '{name}': {what} must be a scalar, got shape "
+                             f"{tuple(value.shape)}")
+    if isinstance(value, jax.core.Tracer):
+        return value
+    number = float(value)
+    if not np.isfinite(number) or number < 0 or (positive and number == 0):
+        raise NVFP4ToolError(f"tensor '{name}': {what} must be finite and "
+                             f"{'> 0' if positive else '>= 0'}, got {number}")
+    return value
+
+
 def normalize_axis(axis: int, ndim: int, name: str) -> int:
     """`axis` as a non-negative index, or NVFP4ToolError naming the tensor."""
     if not -ndim <= axis < ndim:
         raise NVFP4ToolError(f"tensor '{name}': axis {axis} out of range for {ndim}-D input")
     return axis % ndim
+
+
+def tensor_amax(x: jax.Array) -> jax.Array:
+    """max|x| as an fp32 scalar: a tensor's (or, maxed over members, a fused group's) global amax,
+    and the input amax that static activation scales come from. Exact in any float dtype."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def tile_amax(abs_x: jax.Array, tile_rows: int, tile_cols: int) -> jax.Array:

@@ -16,14 +16,13 @@ E2M1_SIGN_BIT = 0x8  # bit 3 of a code; code 8 is -0
 
 # --- E4M3 (block scale, FP8 data) ----------------------------------------------------------
 E4M3_MAX = 448.0  # float8_e4m3fn max
-E4M3_MIN_SUBNORMAL = 2.0**-9  # 0.001953125, smallest positive float8_e4m3fn
+E4M3_MAX_CODE = 0x7E  # bit pattern of 448, the largest finite float8_e4m3fn (0x7F is NaN)
 E5M2_MAX = 57344.0  # float8_e5m2 max
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
 
 # --- NVFP4 two-level scaling ---------------------------------------------------------------
 NVFP4_BLOCK = 16  # elements per block scale along K
 NVFP4_GLOBAL_RANGE = E2M1_MAX * E4M3_MAX  # 2688.0 = 6 * 448, S_enc = 2688 / amax
-ONE_SIXTH_F32 = np.float32(1.0 / 6.0)  # 0.16666667 (fp32(1/6), TE >= 2.15 product order)
 
 # --- FP32 limits -----------------------------------------------------------------------------
 FLT_MAX = float(np.finfo(np.float32).max)  # 3.4028235e38

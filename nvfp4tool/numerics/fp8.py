@@ -1,6 +1,7 @@
 """FP8 (E4M3 / E5M2) current-scaling quantizers: the FP8 baselines the NVFP4 recipe is compared to.
 
-    scale = amax / fmt_max        (fp32 decode scale; 1 where amax is 0 or scale underflows)
+    scale = amax / fmt_max        (fp32 decode scale; 1 where amax is 0 or scale underflows;
+                                   `fp8_decode_scale`), or a given static scale (`scale=`)
     data  = fp8_rne(clamp(x / scale, -fmt_max, fmt_max))   # clamp first: e4m3fn overflow is NaN
     x~    = fp32(data) * scale
 
@@ -25,6 +26,7 @@ import numpy as np
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import (
     check_finite,
+    check_scale_scalar,
     exact_divide,
     expand_tiles,
     flush_subnormal,
@@ -72,18 +74,40 @@ def quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
 
 def dequantize_fp8(q: FP8Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """fp32(data) * scale, cast to `dtype`."""
-    return _dequantize(q.data, q.scale, granularity=q.granularity, dtype=jnp.dtype(dtype))
+    return decode_fp8(q.data, q.scale, granularity=q.granularity, dtype=dtype)
+
+
+def decode_fp8(data: jax.Array | np.ndarray, scale: jax.Array | np.ndarray | float, *,
+               granularity: Granularity = "tensor", dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Decode stored FP8 bytes with their stored decode scale(s): fp32(data) * scale (flushed)."""
+    return _dequantize(jnp.asarray(data), jnp.asarray(scale, jnp.float32),
+                       granularity=granularity, dtype=jnp.dtype(dtype))
 
 
 def fake_quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
                       granularity: Granularity = "tensor", dtype: jnp.dtype | None = None,
-                      name: str = "tensor") -> jax.Array:
-    """Quantize-dequantize in one pass; equals dequantize_fp8(quantize_fp8(x), dtype)."""
+                      scale: jax.Array | float | None = None, name: str = "tensor") -> jax.Array:
+    """Quantize-dequantize in one pass; equals dequantize_fp8(quantize_fp8(x), dtype).
+
+    `scale` given (granularity "tensor" only): a static decode scale (e.g. a stored
+    `input_scale`, what a serving engine applies to activations) instead of amax / fmt_max.
+    """
     x = jnp.asarray(x)
     _validate(x, fmt, granularity, name)
     check_finite(x, name)
+    if scale is not None:
+        if granularity != "tensor":
+            raise NVFP4ToolError(f"tensor '{name}': a static FP8 scale needs granularity "
+                                 f"'tensor', got {granularity!r}")
+        scale = check_scale_scalar(scale, "static FP8 scale", name, positive=True)
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-    return _fake_quantize(x, fmt=fmt, granularity=granularity, dtype=out_dtype)
+    return _fake_quantize(x, scale, fmt=fmt, granularity=granularity, dtype=out_dtype)
+
+
+def fp8_decode_scale(amax: jax.Array | float, fmt: Fmt = "e4m3") -> jax.Array:
+    """fp32 decode scale amax / fmt_max (flushed); 1 where that is 0 (all-zero input)."""
+    scale = flush_subnormal(exact_divide(jnp.asarray(amax, jnp.float32), jnp.float32(FP8_MAX[fmt])))
+    return jnp.where(scale == 0, jnp.float32(1.0), scale)
 
 
 # ------------------------------------------------------------------------------------------
@@ -115,17 +139,18 @@ def _scale_per_element(scale: jax.Array, granularity: str, shape: tuple[int, ...
     return expand_tiles(scale, *_tile(granularity, shape), shape)
 
 
-def _encode(x: jax.Array, fmt: str, granularity: str) -> tuple[jax.Array, jax.Array]:
-    """(fp8 data, decode scale) for x."""
+def _encode(x: jax.Array, fmt: str, granularity: str,
+            scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(fp8 data, decode scale) for x; the scale from the amax unless a static one is given."""
     x32 = flush_subnormal(x.astype(jnp.float32))
-    abs_x = jnp.abs(x32)
-    if granularity == "tensor":
-        amax = abs_x.max()
-    else:
-        amax = tile_amax(abs_x, *_tile(granularity, x.shape))
+    if scale is None:
+        abs_x = jnp.abs(x32)
+        if granularity == "tensor":
+            amax = abs_x.max()
+        else:
+            amax = tile_amax(abs_x, *_tile(granularity, x.shape))
+        scale = fp8_decode_scale(amax, fmt)
     fmt_max = jnp.float32(FP8_MAX[fmt])
-    scale = flush_subnormal(exact_divide(amax, fmt_max))
-    scale = jnp.where(scale == 0, jnp.float32(1.0), scale)
     scaled = exact_divide(x32, _scale_per_element(scale, granularity, x.shape))
     data = jnp.clip(scaled, -fmt_max, fmt_max).astype(_FP8_DTYPES[fmt])
     return data, scale
@@ -147,5 +172,5 @@ def _dequantize(data, scale, *, granularity, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity", "dtype"))
-def _fake_quantize(x, *, fmt, granularity, dtype):
-    return _decode(*_encode(x, fmt, granularity), granularity).astype(dtype)
+def _fake_quantize(x, scale, *, fmt, granularity, dtype):
+    return _decode(*_encode(x, fmt, granularity, scale), granularity).astype(dtype)

@@ -5,8 +5,9 @@ global decode scales (S_dec_a * S_dec_b, i.e. amax_a * amax_b / 2688^2 up to fp3
 the reciprocals, the same S_dec that `dequantize_nvfp4` uses) multiply the result once at the end.
 
 Backends:
-  "emulated"  dequantize code * block scale (no global) in fp32, `lax.dot_general` with fp32
-              accumulation (precision HIGHEST: no TF32), then the global factor. Runs everywhere.
+  "emulated"  decode code * block scale (`decode_nvfp4` with S_dec = 1) in fp32, `dot.dot_nt`
+              with fp32 accumulation (precision HIGHEST: no TF32), then the global factor.
+              Runs everywhere.
   "native"    `jax.nn.scaled_matmul` on float4_e2m1fn data and float8_e4m3fn scales. Needs a
               CUDA GPU (no CPU lowering in jax 0.10); on Hopper XLA rewrites it to a dequantize +
               dot, on Blackwell (compute capability >= 10) cuDNN runs it on FP4 tensor cores.
@@ -23,12 +24,8 @@ import jax.numpy as jnp
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import flush_subnormal
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
-from nvfp4tool.numerics.nvfp4 import (
-    NVFP4Array,
-    decode_e2m1,
-    nvfp4_global_scales,
-    unpack_codes,
-)
+from nvfp4tool.numerics.dot import dot_nt
+from nvfp4tool.numerics.nvfp4 import NVFP4Array, decode_nvfp4, nvfp4_global_scales
 
 Backend = Literal["auto", "emulated", "native"]
 
@@ -88,19 +85,16 @@ def _global_factor(amax_a: jax.Array, amax_b: jax.Array) -> jax.Array:
 
 
 def _scaled_values(packed: jax.Array, scales: jax.Array) -> jax.Array:
-    """e2m1(code) * fp32(block scale), without the global scale, [..., K] in fp32 (exact)."""
-    values = decode_e2m1(unpack_codes(packed))
-    values_Bx16 = values.reshape(*scales.shape, NVFP4_BLOCK) * scales.astype(jnp.float32)[..., None]
-    return values_Bx16.reshape(values.shape)
+    """e2m1(code) * fp32(block scale), without the global scale, [..., K] in fp32 (exact: the
+    stored-bytes decode with S_dec = 1)."""
+    return decode_nvfp4(packed, scales, jnp.float32(1.0))
 
 
 @jax.jit
 def _matmul_emulated(a_packed, a_scales, a_amax, b_packed, b_scales, b_amax):
     a_MxK = _scaled_values(a_packed, a_scales)
     b_NxK = _scaled_values(b_packed, b_scales)
-    out_MxN = jax.lax.dot_general(a_MxK, b_NxK, (((a_MxK.ndim - 1,), (1,)), ((), ())),
-                                  precision=jax.lax.Precision.HIGHEST,
-                                  preferred_element_type=jnp.float32)
+    out_MxN = dot_nt(a_MxK, b_NxK, precision=jax.lax.Precision.HIGHEST)
     return out_MxN * _global_factor(a_amax, b_amax)
 
 

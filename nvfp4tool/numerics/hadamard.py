@@ -31,18 +31,14 @@ def rht_matrix(dtype: jnp.dtype = jnp.float32) -> jax.Array:
 
 def rht16(x: jax.Array | np.ndarray, axis: int = -1, *, inverse: bool = False,
           name: str = "tensor") -> jax.Array:
-    """Apply `chunk @ H` (or `chunk @ H.T` when `inverse`) to 16-element chunks along `axis`."""
+    """Apply `chunk @ H` (or `chunk @ H.T` when `inverse`: H is orthonormal, so that undoes it)
+    to 16-element chunks along `axis`."""
     x = jnp.asarray(x)
     axis = normalize_axis(axis, x.ndim, name)
     if x.shape[axis] % RHT_SIZE != 0:
         raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of "
                              f"axis {axis} is not a multiple of {RHT_SIZE} (RHT chunks)")
     return _rht16(x, axis=axis, inverse=inverse)
-
-
-def inverse_rht16(x: jax.Array | np.ndarray, axis: int = -1, *, name: str = "tensor") -> jax.Array:
-    """Undo `rht16` (H is orthonormal: the inverse is H.T)."""
-    return rht16(x, axis, inverse=True, name=name)
 
 
 # ------------------------------------------------------------------------------------------

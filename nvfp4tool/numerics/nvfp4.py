@@ -7,6 +7,13 @@ Semantics (sheet section 2), all in IEEE fp32 with round-to-nearest-even:
     scale = e4m3_rne(clamp(sdb, 0, 448))         # stored block scale
     enc   = min(1 / (fp32(scale) * S_dec), FLT_MAX)
     code  = e2m1_rne_satfinite(x * enc)
+    x~    = (e2m1(code) * fp32(scale)) * S_dec   # flushed; the decode of stored bytes too
+
+Each line has one implementation here, and every caller in the package uses it: the tensor-level
+API (`quantize_nvfp4`, `dequantize_nvfp4`, `fake_quantize_nvfp4`), `decode_nvfp4` for stored
+bytes with a stored S_dec (the serving simulation), and the block-level pieces for callers that
+choose their own scales (export's scale search): `nvfp4_block_amax`, `nvfp4_block_scales`,
+`encode_nvfp4_blocks` (the one E2M1 encoder) and `decode_nvfp4_blocks` (the one decode product).
 
 Choices this module makes (and the tests pin down):
 * Sign: the code's sign bit is the sign bit of x, so a negative value that rounds to zero gets
@@ -39,9 +46,11 @@ import numpy as np
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import (
     check_finite,
+    check_scale_scalar,
     exact_divide,
     flush_subnormal,
     normalize_axis,
+    tensor_amax,
     tile_amax,
 )
 from nvfp4tool.numerics.constants import (
@@ -54,7 +63,6 @@ from nvfp4tool.numerics.constants import (
     FLT_MAX,
     NVFP4_BLOCK,
     NVFP4_GLOBAL_RANGE,
-    ONE_SIXTH_F32,
 )
 
 Block = Literal["1d", "2d"]
@@ -111,7 +119,8 @@ def quantize_nvfp4(
 
 def dequantize_nvfp4(q: NVFP4Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Decode `q`: e2m1(code) * fp32(block_scale) * S_dec, computed in fp32, cast to `dtype`."""
-    return _dequantize(q.packed, q.scales, q.global_amax, axis=q.axis, dtype=jnp.dtype(dtype))
+    _, s_dec = nvfp4_global_scales(q.global_amax)
+    return decode_nvfp4(q.packed, q.scales, s_dec, axis=q.axis, dtype=dtype)
 
 
 def fake_quantize_nvfp4(
@@ -146,11 +155,6 @@ def nvfp4_global_scales(global_amax: jax.Array | float) -> tuple[jax.Array, jax.
     return s_enc, s_dec
 
 
-def e2m1_code_values() -> jax.Array:
-    """fp32 values of the 16 E2M1 codes (code 8 is -0.0)."""
-    return decode_e2m1(jnp.arange(16, dtype=jnp.uint8))
-
-
 def decode_e2m1(codes: jax.Array) -> jax.Array:
     """fp32 value of uint8 codes 0..15 (bit 3 = sign; code 8 gives -0.0)."""
     magnitude = _e2m1_magnitude(codes & 0x7)
@@ -171,6 +175,85 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def nvfp4_block_amax(x_K: jax.Array, block: Block = "1d") -> jax.Array:
+    """max|x| per 1x16 block along the last axis, [..., K/16], of fp32 `x_K` [..., K].
+
+    block="2d": the max of the 16x16 tile (16 rows of the second-to-last axis x 16 along K),
+    written into each of the tile's 1x16 slots; ragged edge tiles use the rows that exist.
+    """
+    if block == "2d":
+        bamax = tile_amax(jnp.abs(x_K), NVFP4_BLOCK, NVFP4_BLOCK)
+        return jnp.repeat(bamax, NVFP4_BLOCK, axis=-2)[..., : x_K.shape[-2], :]
+    return jnp.abs(_blocks(x_K)).max(axis=-1)
+
+
+def nvfp4_block_scales(block_amax: jax.Array, s_enc: jax.Array, *,
+                       block_max: float = E2M1_MAX) -> jax.Array:
+    """E4M3 block scales mapping each block amax to `block_max`: e4m3(clamp(amax * (S_enc * r)))
+
+    with r = fp32(1 / block_max) (TE >= 2.15 product order; fp32(1/6) for the standard 6, 0.25 for
+    the "4" candidate of 4over6). min(sdb, FLT_MAX) is subsumed by the clamp to [0, 448].
+    """
+    sdb = block_amax * (s_enc * np.float32(1.0 / block_max))
+    return jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
+
+
+def encode_nvfp4_blocks(x_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array, *,
+                        rounding: Rounding = "rne",
+                        key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The one E2M1 encoder: fp32 blocks [..., K/16, 16] against given E4M3 scales [..., K/16].
+
+    enc = min(1 / (fp32(scale) * S_dec), FLT_MAX); code = e2m1(x * enc), RNE (or stochastic)
+    saturating at 6, sign bit = sign bit of x. Returns (uint8 codes 0..15, their signed fp32
+    values, -0.0 for code 8); XLA drops whichever the caller does not use. Traced callers only:
+    no checks (x finite and flushed, see the module docstring).
+    """
+    denom = flush_subnormal(scales.astype(jnp.float32) * s_dec)
+    enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)  # 1/0 = inf -> FLT_MAX
+    # Materialize the per-block values: fused into the per-element loop, XLA would redo the
+    # (slow on CPU) E4M3 conversion for each of the 16 elements of a block.
+    scales, enc = jax.lax.optimization_barrier((scales, enc))
+    abs_y = jnp.abs(x_Bx16 * enc[..., None])
+    if rounding == "rne":
+        index, magnitude = _e2m1_rne(abs_y)
+    else:
+        index, magnitude = _e2m1_stochastic(abs_y, key)
+    sign = jnp.signbit(x_Bx16)
+    codes = index | jnp.where(sign, jnp.uint8(E2M1_SIGN_BIT), jnp.uint8(0))
+    return codes, jnp.where(sign, -magnitude, magnitude)
+
+
+def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array) -> jax.Array:
+    """The one decode product: (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order,
+    subnormals flushed; values [..., K/16, 16], scales [..., K/16] -> fp32 [..., K/16, 16]."""
+    scale32 = jax.lax.optimization_barrier(scales.astype(jnp.float32))  # convert once per block
+    return flush_subnormal((values_Bx16 * scale32[..., None]) * s_dec)
+
+
+def decode_nvfp4(packed: jax.Array | np.ndarray, scales: jax.Array | np.ndarray,
+                 s_dec: jax.Array | float, *, axis: int = -1, dtype: jnp.dtype = jnp.float32,
+                 name: str = "tensor") -> jax.Array:
+    """Decode stored NVFP4 bytes with a stored global decode scale (what a serving engine reads):
+
+    packed uint8 [..., K/2 at axis], scales float8_e4m3fn [..., K/16 at axis], S_dec fp32 scalar;
+    returns `e2m1(code) * fp32(scale) * S_dec` as `dtype`. `dequantize_nvfp4` is this with
+    S_dec derived from the record's global amax. Wrong dtypes or shapes: NVFP4ToolError naming
+    `name`.
+    """
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    axis = normalize_axis(axis, packed.ndim, name)
+    expected = (*packed.shape[:axis], packed.shape[axis] * 2 // NVFP4_BLOCK, *packed.shape[axis + 1:])
+    if packed.dtype != jnp.uint8 or scales.dtype != jnp.float8_e4m3fn:
+        raise NVFP4ToolError(f"tensor '{name}': NVFP4 needs uint8 codes and float8_e4m3fn scales, "
+                             f"got {packed.dtype} and {scales.dtype}")
+    if packed.shape[axis] % (NVFP4_BLOCK // 2) != 0 or tuple(scales.shape) != expected:
+        raise NVFP4ToolError(f"tensor '{name}': codes {tuple(packed.shape)} need scales "
+                             f"{expected} (one per 16 elements along axis {axis}), "
+                             f"got {tuple(scales.shape)}")
+    return _decode(packed, scales, jnp.asarray(s_dec, jnp.float32), axis=axis,
+                   dtype=jnp.dtype(dtype))
+
+
 # ------------------------------------------------------------------------------------------
 # helpers
 
@@ -182,8 +265,7 @@ def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Arra
     axis = _validate(x, axis, block, rounding, key, name)
     check_finite(x, name)
     if global_amax is not None:
-        global_amax = jnp.asarray(global_amax, jnp.float32)
-        _check_global_amax(global_amax, name)
+        global_amax = check_scale_scalar(global_amax, "global_amax", name)
     return x, axis, global_amax
 
 
@@ -213,53 +295,20 @@ def _validate(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array
     return axis
 
 
-def _check_global_amax(global_amax: jax.Array, name: str) -> None:
-    """A given global amax must be a finite, non-negative scalar."""
-    if global_amax.ndim != 0:
-        raise NVFP4ToolError(f"tensor '{name}': global_amax must be a scalar, "
-                             f"got shape {tuple(global_amax.shape)}")
-    if isinstance(global_amax, jax.core.Tracer):
-        return
-    value = float(global_amax)
-    if not np.isfinite(value) or value < 0:
-        raise NVFP4ToolError(f"tensor '{name}': global_amax must be finite and >= 0, got {value}")
-
-
 def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int,
             block: str, rounding: str):
-    """Shared core with K moved last: (index, magnitude, sign, scales e4m3, S_dec, gamax).
+    """Shared core with K moved last: (codes, values, scales e4m3, S_dec, gamax).
 
-    index (uint8 0..7), magnitude (its fp32 value) and sign (bool) are blocked [..., K/16, 16];
-    scales [..., K/16].
+    codes (uint8 with sign bit) and values (their signed fp32 E2M1 value) are blocked
+    [..., K/16, 16]; scales [..., K/16].
     """
     x_K = flush_subnormal(jnp.moveaxis(x, axis, -1).astype(jnp.float32))
-    gamax = jnp.max(jnp.abs(x_K)) if global_amax is None else global_amax
+    gamax = tensor_amax(x_K) if global_amax is None else global_amax
     gamax = flush_subnormal(gamax.astype(jnp.float32))
     s_enc, s_dec = nvfp4_global_scales(gamax)
-
-    # Work on blocks [..., K/16, 16] and broadcast per-block values: XLA fuses this much better
-    # than repeating them to [..., K] (2-3x faster on CPU).
-    x_Bx16 = _blocks(x_K)
-    if block == "2d":  # one scale per 16x16 tile, written into each 1x16 slot (row) of the tile
-        bamax = tile_amax(jnp.abs(x_K), NVFP4_BLOCK, NVFP4_BLOCK)
-        bamax = jnp.repeat(bamax, NVFP4_BLOCK, axis=-2)[..., : x_K.shape[-2], :]
-    else:
-        bamax = jnp.abs(x_Bx16).max(axis=-1)
-    # TE >= 2.15 order: bamax * (S_enc * fp32(1/6)). min(sdb, FLT_MAX) is subsumed by the clamp.
-    sdb = bamax * (s_enc * ONE_SIXTH_F32)
-    scales = jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
-    denom = flush_subnormal(scales.astype(jnp.float32) * s_dec)
-    enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)  # 1/0 = inf -> FLT_MAX
-    # Materialize the per-block values: fused into the per-element loop, XLA would redo the
-    # (slow on CPU) E4M3 conversion for each of the 16 elements of a block.
-    scales, enc = jax.lax.optimization_barrier((scales, enc))
-    y_Bx16 = x_Bx16 * enc[..., None]
-
-    if rounding == "rne":
-        index, magnitude = _e2m1_rne(jnp.abs(y_Bx16))
-    else:
-        index, magnitude = _e2m1_stochastic(jnp.abs(y_Bx16), key)
-    return index, magnitude, jnp.signbit(x_Bx16), scales, s_dec, gamax
+    scales = nvfp4_block_scales(nvfp4_block_amax(x_K, block), s_enc)
+    codes, values = encode_nvfp4_blocks(_blocks(x_K), scales, s_dec, rounding=rounding, key=key)
+    return codes, values, scales, s_dec, gamax
 
 
 def _e2m1_rne(abs_y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -307,9 +356,8 @@ def _e2m1_magnitude(index: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("axis", "block", "rounding"))
 def _quantize_packed(x, global_amax, key, *, axis, block, rounding):
     """Quantize and pack; outputs with K (halved / sixteenth) back at `axis`."""
-    index, _, sign, scales_K, _, gamax = _encode(x, global_amax, key, axis=axis, block=block,
-                                                 rounding=rounding)
-    codes_Bx16 = index | jnp.where(sign, jnp.uint8(E2M1_SIGN_BIT), jnp.uint8(0))
+    codes_Bx16, _, scales_K, _, gamax = _encode(x, global_amax, key, axis=axis, block=block,
+                                                rounding=rounding)
     codes_K = codes_Bx16.reshape(*codes_Bx16.shape[:-2], -1)
     packed = jnp.moveaxis(pack_codes(codes_K), -1, axis)
     return packed, jnp.moveaxis(scales_K, -1, axis), gamax
@@ -317,29 +365,26 @@ def _quantize_packed(x, global_amax, key, *, axis, block, rounding):
 
 @functools.partial(jax.jit, static_argnames=("axis", "block", "rounding", "dtype"))
 def _fake_quantize(x, global_amax, key, *, axis, block, rounding, dtype):
-    """Quantize-dequantize without packing; same fp32 decode product as `_dequantize`."""
-    _, magnitude, sign, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis,
-                                                     block=block, rounding=rounding)
-    value_Bx16 = jnp.where(sign, -magnitude, magnitude)  # -0.0 for code 8, as in dequantize
-    out_K = _decode_product(value_Bx16, scales_K, s_dec)
+    """Quantize-dequantize without packing; the same decode product as `decode_nvfp4`."""
+    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block,
+                                                 rounding=rounding)
+    out_K = _unblock(decode_nvfp4_blocks(values_Bx16, scales_K, s_dec))
     return jnp.moveaxis(out_K, -1, axis).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "dtype"))
-def _dequantize(packed, scales, global_amax, *, axis, dtype):
+def _decode(packed, scales, s_dec, *, axis, dtype):
     codes_K = unpack_codes(jnp.moveaxis(packed, axis, -1))
-    _, s_dec = nvfp4_global_scales(global_amax)
-    out_K = _decode_product(decode_e2m1(_blocks(codes_K)), jnp.moveaxis(scales, axis, -1), s_dec)
+    values_Bx16 = decode_e2m1(_blocks(codes_K))
+    out_K = _unblock(decode_nvfp4_blocks(values_Bx16, jnp.moveaxis(scales, axis, -1), s_dec))
     return jnp.moveaxis(out_K, -1, axis).astype(dtype)
-
-
-def _decode_product(value_Bx16: jax.Array, scales_K: jax.Array, s_dec: jax.Array) -> jax.Array:
-    """[..., K] = (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order, flushed."""
-    scale_K = jax.lax.optimization_barrier(scales_K.astype(jnp.float32))  # convert once per block
-    out_Bx16 = flush_subnormal((value_Bx16 * scale_K[..., None]) * s_dec)
-    return out_Bx16.reshape(*out_Bx16.shape[:-2], -1)
 
 
 def _blocks(x_K: jax.Array) -> jax.Array:
     """[..., K] -> [..., K/16, 16]."""
     return x_K.reshape(*x_K.shape[:-1], x_K.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+
+
+def _unblock(x_Bx16: jax.Array) -> jax.Array:
+    """[..., K/16, 16] -> [..., K]."""
+    return x_Bx16.reshape(*x_Bx16.shape[:-2], -1)

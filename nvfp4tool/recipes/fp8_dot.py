@@ -17,8 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.numerics import fake_quantize_fp8
-from nvfp4tool.recipes.nvfp4_dot import plain_dot
+from nvfp4tool.numerics import dot_nt, fake_quantize_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +38,8 @@ def fp8_dot(x_TxK: jax.Array, w_NxK: jax.Array, options: FP8Options = FP8Options
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_dot(x_TxK, w_NxK, options):
     if not options.quantize_fprop:
-        return plain_dot(x_TxK, w_NxK)
-    return _dot_nt(_fq(x_TxK, "activation", options), _fq(w_NxK, "weight", options))
+        return dot_nt(x_TxK, w_NxK)
+    return _dot_hi(_fq(x_TxK, "activation", options), _fq(w_NxK, "weight", options))
 
 
 def _fp8_dot_fwd(x_TxK, w_NxK, options):
@@ -51,9 +50,9 @@ def _fp8_dot_bwd(options, residuals, dy_TxN):
     x_TxK, w_NxK = residuals
     dy_TxN = dy_TxN.astype(jnp.float32)
     # dgrad dX = dY W: contraction over N (the last axis of dY and of W^T).
-    dx_TxK = _dot_nt(_fq(dy_TxN, "gradient", options), _fq(w_NxK.T, "weight", options))
+    dx_TxK = _dot_hi(_fq(dy_TxN, "gradient", options), _fq(w_NxK.T, "weight", options))
     # wgrad dW = dY^T X: contraction over T.
-    dw_NxK = _dot_nt(_fq(dy_TxN.T, "gradient", options), _fq(x_TxK.T, "activation", options))
+    dw_NxK = _dot_hi(_fq(dy_TxN.T, "gradient", options), _fq(x_TxK.T, "activation", options))
     return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_NxK.dtype)
 
 
@@ -76,7 +75,6 @@ def _fq(x: jax.Array, role: str, options: FP8Options) -> jax.Array:
     return fake_quantize_fp8(x, fmt=fmt, granularity=granularity, dtype=jnp.float32)
 
 
-def _dot_nt(a_MxK: jax.Array, b_NxK: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(a_MxK, b_NxK, (((1,), (1,)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+def _dot_hi(a_MxK: jax.Array, b_NxK: jax.Array) -> jax.Array:
+    """fp32 operands: contract at full fp32 precision (no TF32)."""
+    return dot_nt(a_MxK, b_NxK, precision=jax.lax.Precision.HIGHEST)

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.numerics import nvfp4_matmul, quantize_nvfp4, rht16
+from nvfp4tool.numerics import dot_nt, nvfp4_matmul, quantize_nvfp4, rht16, tensor_amax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
     K, N and the token count must be multiples of 16.
     """
     if w_global_amax is None:
-        w_global_amax = jnp.max(jnp.abs(w_NxK)).astype(jnp.float32)
+        w_global_amax = tensor_amax(w_NxK)
     lead_shape = x_TxK.shape[:-1]
     y_TxN = _nvfp4_dot(x_TxK.reshape(-1, x_TxK.shape[-1]), w_NxK, key,
                        jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)), options)
@@ -60,7 +60,7 @@ def _nvfp4_dot(x_TxK, w_NxK, key, w_amax, options):
 
 def _fprop(x_TxK, w_NxK, w_amax, options):
     if not options.quantize_fprop:
-        return plain_dot(x_TxK, w_NxK)
+        return dot_nt(x_TxK, w_NxK)
     x_q = quantize_nvfp4(x_TxK, axis=-1, block="1d")
     w_q = quantize_nvfp4(w_NxK, axis=-1, block=_weight_block(options), global_amax=w_amax)
     return nvfp4_matmul(x_q, w_q)
@@ -93,12 +93,6 @@ def _nvfp4_dot_bwd(options, residuals, dy_TxN):
 
 
 _nvfp4_dot.defvjp(_nvfp4_dot_fwd, _nvfp4_dot_bwd)
-
-
-def plain_dot(x_TxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
-    """`x @ w.T` in the inputs' dtype with fp32 accumulation (the unquantized GEMM)."""
-    return jax.lax.dot_general(x_TxK, w_NxK.astype(x_TxK.dtype), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
 
 
 def _weight_block(options: NVFP4Options) -> str:

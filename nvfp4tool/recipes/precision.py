@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.numerics import dot_nt, linear_output, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
 from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
 
@@ -99,10 +100,17 @@ def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Fused group -> joint amax of its members' BF16 weights (module name -> weight [N, K])."""
     result: dict[str, jax.Array] = {}
     for name, w in weights.items():
-        amax = jnp.max(jnp.abs(w.astype(COMPUTE_DTYPE))).astype(jnp.float32)
+        amax = tensor_amax(w.astype(COMPUTE_DTYPE))
         group = fused_group(name)
         result[group] = amax if group not in result else jnp.maximum(result[group], amax)
     return result
+
+
+def layer_key(step_key: jax.Array, name: str) -> jax.Array:
+    """The stochastic-rounding key of linear `name` in one step: `step_key` folded with a stable
+    hash of the name (crc32, not Python's per-process `hash`), so every layer gets its own stream
+    and the same (seed, step, layer) reproduces across runs and resumes."""
+    return jax.random.fold_in(step_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
 def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | None = None,
@@ -111,7 +119,7 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
                 bf16_scope: Literal["none", "forward", "all"] = "none") -> LinearFn:
     """The LinearFn of one step: each layer by its precision in `pmap`.
 
-    key: this step's randomness (SR), folded with a hash of the layer name;
+    key: this step's randomness (SR), folded with a hash of the layer name (`layer_key`);
     amax_by_group: the fused groups' weight amax (from `group_amax`), else each weight's own;
     input_amax_sink: receives max|x| of each quantized layer's input (for export's input scales);
     bf16_scope: after `switch_to_bf16_at`, "forward" runs fprop in BF16 (gradients stay in the
@@ -129,20 +137,17 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
         x_lp = x.astype(COMPUTE_DTYPE)
         w_lp = w_NxK.astype(COMPUTE_DTYPE)
         if precision != "bf16" and input_amax_sink is not None:
-            input_amax_sink[name] = jnp.max(jnp.abs(x_lp)).astype(jnp.float32)
+            input_amax_sink[name] = tensor_amax(x_lp)
         if precision == "bf16":
-            y = jnp.einsum("...k,nk->...n", x_lp, w_lp, preferred_element_type=jnp.float32)
+            y = dot_nt(x_lp, w_lp)
         elif precision == "nvfp4":
             if key is None and recipe.stochastic_rounding:
                 raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
-            layer_key = jax.random.fold_in(key if key is not None else jax.random.key(0),
-                                           zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            layer = layer_key(key if key is not None else jax.random.key(0), name)
             amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
-            y = nvfp4_dot(x_lp, w_lp, layer_key, amax, nvfp4_options)
+            y = nvfp4_dot(x_lp, w_lp, layer, amax, nvfp4_options)
         else:
             y = fp8_dot(x_lp, w_lp, fp8_options)
-        if b_N is not None:
-            y = y + b_N.astype(jnp.float32)
-        return y.astype(x.dtype)
+        return linear_output(y, b_N, x.dtype)
 
     return linear

@@ -1,0 +1,61 @@
+"""The one GEMM body (numerics.dot): fp32 accumulation, compute dtype, bias in fp32, dtype out."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nvfp4tool.numerics import dense, dot_nt, linear_output
+
+F32 = np.float32
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 3, 64)).astype(F32)
+W = RNG.standard_normal((24, 64)).astype(F32)
+B = RNG.standard_normal(24).astype(F32)
+
+
+def _as(a: np.ndarray, dtype) -> np.ndarray:
+    """`a` rounded to `dtype` (None: unchanged), back in float64."""
+    return a.astype(np.float64) if dtype is None else a.astype(dtype).astype(np.float64)
+
+
+# (x dtype, compute dtype, bias?, output tolerance relative to the fp64 product of the rounded
+# operands: the fp32 sum order, plus the final rounding to the output dtype)
+CASES = [(jnp.float32, None, True, 1e-5), (jnp.float32, jnp.bfloat16, True, 1e-5),
+         (jnp.bfloat16, None, False, 2**-7), (jnp.bfloat16, None, True, 2**-7)]
+
+
+@pytest.mark.parametrize("x_dtype, compute_dtype, bias, rtol", CASES)
+def test_dense_rounds_operands_to_the_compute_dtype_and_adds_bias_in_fp32(x_dtype, compute_dtype,
+                                                                        bias, rtol):
+    x = jnp.asarray(X, x_dtype)
+    y = dense(x, jnp.asarray(W), jnp.asarray(B) if bias else None, compute_dtype=compute_dtype)
+    assert y.dtype == x_dtype and y.shape == (2, 3, 24)
+    operand = {jnp.bfloat16: ml_dtypes.bfloat16}.get(compute_dtype or x_dtype)
+    want = _as(np.asarray(x, F32), operand) @ _as(W, operand).T + (B if bias else 0)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=rtol, atol=rtol * 8)
+
+
+def test_dot_nt_accumulates_in_fp32_and_highest_is_full_fp32():
+    xb = jnp.asarray(X, jnp.bfloat16)
+    y = dot_nt(xb, jnp.asarray(W))  # w cast to bf16: bf16 products are exact in fp32
+    assert y.dtype == jnp.float32
+    want = _as(X, ml_dtypes.bfloat16) @ _as(W, ml_dtypes.bfloat16).T
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-5)
+    hi = jax.jit(lambda a, b: dot_nt(a, b, precision=jax.lax.Precision.HIGHEST))(X, W)
+    np.testing.assert_allclose(np.asarray(hi), X.astype(np.float64) @ W.T.astype(np.float64),
+                               rtol=1e-6, atol=1e-5)
+
+
+def test_linear_output_adds_the_bias_before_the_cast():
+    """1 + 2^-8 is a bf16 tie (rounds to 1.0); with the bias 2^-12 added in fp32 first it rounds
+    up to 1 + 2^-7. Casting first and adding in bf16 would give 1.0."""
+    y = jnp.full((2, 3), 1.0 + 2.0**-8, jnp.float32)
+    b = jnp.full((3,), 2.0**-12, jnp.float32)
+    out = linear_output(y, b, jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and np.all(np.asarray(out, F32) == 1.0 + 2.0**-7)
+    assert np.all(np.asarray(linear_output(y, None, jnp.bfloat16), F32) == 1.0)
+    assert np.all(np.asarray(linear_output(y, b, jnp.float32)) == F32(1.0 + 2.0**-8 + 2.0**-12))
