@@ -36,11 +36,11 @@ import numpy as np
 
 from converters.atomic import atomic_output_dir
 from converters.hf import AUX_FILE_PATTERNS, INDEX_FILE, SINGLE_FILE, parse_size, plan_shards, write_safetensors
+from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import compressed_tensors, modelopt, provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
-from nvfp4tool.export.source import ExportSource, open_source
 from nvfp4tool.numerics import dequantize_fp8, quantize_fp8
 
 FORMATS = {"modelopt": modelopt, "compressed-tensors": compressed_tensors}
@@ -94,8 +94,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     """Export `src` to the serving folder `out` (see the module docstring)."""
     start = time.perf_counter()
     _check_options(options)
-    source = open_source(src, step=options.step, model_config=options.model_config,
-                         rope_layout=options.rope_layout)
+    source = open_checkpoint(src, step=options.step, model_config=options.model_config,
+                             rope_layout=options.rope_layout)
     fmt = FORMATS[options.format]
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
@@ -223,7 +223,7 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
     return result
 
 
-def _input_amax(source: ExportSource, plan: ExportPlan, options: ExportOptions):
+def _input_amax(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
     """(input amax per quantized module or None, origin, calibration record or None)."""
     if not plan.has_input_scales or not plan.quantized:
         return None, "none (weight-only)", None
@@ -271,7 +271,7 @@ def _bf16_copy(tensors, name: str) -> np.ndarray:
     return array
 
 
-def _write_configs(folder: str, source: ExportSource, plan: ExportPlan, fmt) -> None:
+def _write_configs(folder: str, source: Checkpoint, plan: ExportPlan, fmt) -> None:
     hf = source.config.to_hf_config()
     hf["dtype"] = "bfloat16"
     hf["quantization_config"] = fmt.quantization_config(plan)
