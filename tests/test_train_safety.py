@@ -111,7 +111,7 @@ def test_resume_that_cannot_continue_bit_exactly_is_refused_without_side_effects
                ({"steps": 3}, "steps 2 -> 3"),
                ({"seed": 7}, "seed 0 -> 7")]
     for overrides, expected in refused:
-        result = _train(*_base(inputs, out, **base, **overrides), "resume=true")
+        result = _train(*_base(inputs, out, **{**base, **overrides}), "resume=true")
         assert result.exit_code == 1, (overrides, result.output)
         assert "cannot resume bit-exactly" in result.output and expected in result.output, result.output
         assert _tree(out) == before, overrides

@@ -289,7 +289,9 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
         documents = data_lib.iter_documents(config.data, config.text_field)
-        return train_bpe_tokenizer(documents, config.vocab_size, scratch), True
+        train_bpe_tokenizer(documents, config.vocab_size, scratch)
+        # as read back from its files: what a resume loads (and hashes) is the same tokenizer
+        return load_tokenizer(scratch), True
 
 
 def _model(config: TrainConfig, tokenizer: TextTokenizer,
