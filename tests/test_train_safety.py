@@ -137,3 +137,12 @@ def test_resume_that_cannot_continue_bit_exactly_is_refused_without_side_effects
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == f"Error: {out}: no checkpoint for step 1 (have: 2)"
     assert not (tmp_path / "x").exists()
+
+
+def test_plot_names_a_broken_metrics_line(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss"\n')
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path / "a"), "-o", str(tmp_path / "p.png")])
+    assert result.exit_code == 1
+    assert f"{tmp_path / 'a' / 'metrics.jsonl'}:2: not valid JSON" in result.output
+    assert not (tmp_path / "p.png").exists()

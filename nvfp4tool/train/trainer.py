@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters.atomic import check_output_path
+from converters.atomic import atomic_output_dir, check_output_path
 from nvfp4tool import progress
 from nvfp4tool.checkpoints import TRAIN_OPTIONS, Checkpoint, open_checkpoint, run_steps
 from nvfp4tool.config import ModelConfig
@@ -236,11 +235,16 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
                      mesh=mesh, resume_step=resume_step)
 
 
+def _inputs(config: TrainConfig) -> list[str]:
+    """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
+    paths = [config.data, config.eval_data, config.model_config,
+             None if config.model in PRESETS else config.model,
+             None if config.tokenizer in (None, "train") else config.tokenizer]
+    return [p for p in paths if p is not None and Path(p).exists()]
+
+
 def _check_out(config: TrainConfig, out: Path) -> None:
-    inputs = [config.data, config.eval_data, config.model_config,
-              None if config.model in PRESETS else config.model,
-              None if config.tokenizer in (None, "train") else config.tokenizer]
-    check_output_path(out, [p for p in inputs if p is not None and Path(p).exists()], flag="out")
+    check_output_path(out, _inputs(config), flag="out")
     if out.exists() and not out.is_dir():
         raise NVFP4ToolError(f"{out}: exists and is not a folder")
     if config.resume:
@@ -382,16 +386,16 @@ def _barrier(name: str) -> None:
 
 
 def _write_start(out: Path, config: TrainConfig, job: _Prepared) -> None:
-    """Create (or, with force, replace) the run folder: run.json and a tokenizer trained here.
-    A resume writes nothing here: its run.json stays as the run started."""
+    """Create (or, with force, replace) the run folder atomically with run.json and a tokenizer
+    trained here. A resume writes nothing here: its run.json stays as the run started."""
     if config.resume:
         return
-    if out.exists():
-        shutil.rmtree(out)  # force=true (checked in _prepare)
-    out.mkdir(parents=True)
-    if job.save_tokenizer:
-        save_tokenizer(job.tokenizer.tokenizer, out / TOKENIZER_DIR)
-    job.record.write(out)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty folder is no run to protect
+    with atomic_output_dir(out, force=config.force, inputs=_inputs(config), flag="out") as tmp:
+        if job.save_tokenizer:
+            save_tokenizer(job.tokenizer.tokenizer, Path(tmp) / TOKENIZER_DIR)
+        job.record.write(tmp)
 
 
 def _report_precision_map(pmap: dict[str, str], recipe: str) -> None:

@@ -191,7 +191,8 @@ def run_validation(export_dir: str, options: ValidateOptions, loaded: Loaded | N
     flat_layers = [{"name": r.name, **{f"{k}_weight_sqnr_db": v for k, v in r.weight_sqnr_db.items()},
                     **{f"{k}_output_sqnr_db": v for k, v in r.output_sqnr_db.items()}} for r in layers]
     failures = check_thresholds({"models": models, "layers": flat_layers}, options.thresholds, label=label)
-    top = max([1e-7, *(float(np.max(v)) for v in kl_tokens.values() if v.size)]) * 1.0001
+    finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
+    top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
     return ValidationRecord(
         export=Named.of(export_dir, _folder_hashes(export_dir)),
         quant=loaded.nvfp4.exported.quant,
@@ -303,10 +304,11 @@ def _generation(loaded: Loaded, candidates: list[Candidate], options: ValidateOp
 
 
 def _histogram(values: np.ndarray, top: float) -> Histogram:
-    """Counts of KL values over log-spaced bins from 1e-8 nats to `top` (values below go into the
-    first); every label shares `top`, so their bins line up."""
+    """Counts of the finite KL values over log-spaced bins from 1e-8 nats to `top` (values below go
+    into the first); every label shares `top`, so their bins line up. A non-finite KL fails the
+    kl_mean threshold; it has no bin."""
     edges = np.geomspace(1e-8, top, KL_BINS + 1)
-    counts, _ = np.histogram(np.clip(values, edges[0], edges[-1]), bins=edges)
+    counts, _ = np.histogram(np.clip(values[np.isfinite(values)], edges[0], edges[-1]), bins=edges)
     return Histogram(edges=edges.tolist(), counts=counts.tolist())
 
 
