@@ -44,12 +44,10 @@ import numpy as np
 from converters.tensor_source import DictTensorSource, TensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.records.run import InputAmaxRecord, PrecisionMapRecord, RunRecord
+from nvfp4tool.records.run import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
 
 KINDS = ("hf", "maxtext", "run")
 ROPE_LAYOUTS = ("half", "interleaved")
-RUN_WEIGHTS_DIR = "hf"  # a run's final weights
-RUN_CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +99,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
                               f"choose one of {', '.join(ROPE_LAYOUTS)}")
     if step is not None and kind != "run":
         raise NVFP4UsageError(f"{shown}: {options.step.format(step)} needs an nvfp4tool training run "
-                              f"(a folder with {RunRecord.FILE_NAME} and {RUN_WEIGHTS_DIR}/)")
+                              f"(a folder with {RunRecord.FILE_NAME} and {WEIGHTS_DIR}/)")
     absolute = os.path.abspath(shown)
     given = resolve_model_config(model_config, options) if model_config is not None else None
     maxtext_name = given[1] if given else None
@@ -131,8 +129,8 @@ def checkpoint_kind(path: str) -> str:
     if not os.path.exists(path):
         raise NVFP4ToolError(f"{path}: not found")
     if RunRecord.exists(path):
-        if not os.path.isdir(os.path.join(path, RUN_WEIGHTS_DIR)):
-            raise NVFP4ToolError(f"{path}: a training run without final weights ({RUN_WEIGHTS_DIR}/ is "
+        if not os.path.isdir(os.path.join(path, WEIGHTS_DIR)):
+            raise NVFP4ToolError(f"{path}: a training run without final weights ({WEIGHTS_DIR}/ is "
                                  "missing): it has not finished; resume it with resume=true")
         return "run"
     if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(glob.escape(path),
@@ -142,7 +140,7 @@ def checkpoint_kind(path: str) -> str:
         return "maxtext"
     raise NVFP4ToolError(f"{path}: neither an HF folder (config.json + *.safetensors), a MaxText Orbax "
                          f"checkpoint (<base>/<step>/items) nor an nvfp4tool training run "
-                         f"({RunRecord.FILE_NAME} + {RUN_WEIGHTS_DIR}/)")
+                         f"({RunRecord.FILE_NAME} + {WEIGHTS_DIR}/)")
 
 
 def resolve_model_config(spec: str, options: OptionNames = CLI_OPTIONS) -> tuple[ModelConfig, str | None]:
@@ -180,7 +178,7 @@ def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
 
 def run_steps(run_dir: str) -> list[int]:
     """The steps of a run with a usable checkpoint (a `<step>/state` folder), ascending."""
-    base = os.path.join(run_dir, RUN_CHECKPOINTS_DIR)
+    base = os.path.join(run_dir, CHECKPOINTS_DIR)
     names = os.listdir(base) if os.path.isdir(base) else []
     return sorted(int(n) for n in names
                   if re.fullmatch(r"\d+", n) and os.path.isdir(os.path.join(base, n, "state")))
@@ -213,7 +211,7 @@ def _open_run(run_dir: str, step: int | None) -> Checkpoint:
     from converters.hf import HFFolderSource
 
     record = RunRecord.read(run_dir)
-    hf_dir = os.path.join(run_dir, RUN_WEIGHTS_DIR)
+    hf_dir = os.path.join(run_dir, WEIGHTS_DIR)
     pmap: dict[str, str] | None = PrecisionMapRecord.read(hf_dir).precisions
     input_amax: dict[str, float] | None = InputAmaxRecord.read(hf_dir).amax
     source: TensorSource = HFFolderSource(hf_dir)
@@ -243,7 +241,7 @@ def _restore_step(run_dir: str, step: int, hf_source: TensorSource):
     if step not in steps:
         raise NVFP4ToolError(f"{run_dir}: no checkpoint for step {step} "
                              f"(have: {', '.join(map(str, steps)) or 'none'})")
-    state_dir = os.path.join(run_dir, RUN_CHECKPOINTS_DIR, str(step), "state")
+    state_dir = os.path.join(run_dir, CHECKPOINTS_DIR, str(step), "state")
     state = ocp.StandardCheckpointer().restore(state_dir)
     model = model_from_tensors(hf_source.config, hf_source)
     graphdef, params = nnx.split(model)

@@ -7,6 +7,10 @@
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
     PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "fp8" | "fp8-block"}
 
+A run folder: `run.json`, `WEIGHTS_DIR` (`hf/`: the final BF16 weights with the two map files),
+`CHECKPOINTS_DIR` (`checkpoints/<step>/state`, Orbax), `TOKENIZER_DIR` (a tokenizer trained by
+the run); the trainer writes it, the checkpoint opener reads it.
+
 Schemas. run.json is an object with exactly the keys of `RunRecord` (`config` holds every
 `TrainConfig` key, no more, no fewer). The two map files keep their flat JSON shape
 `{module name: value}` (what a user reads at a glance), with strict typed readers: input_amax
@@ -23,6 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import Record, RecordError, _convert, _json_type
+
+WEIGHTS_DIR = "hf"  # a run's final weights
+CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
+TOKENIZER_DIR = "tokenizer"  # a tokenizer trained by the run
 
 if TYPE_CHECKING:
     from nvfp4tool.recipes.precision import RecipeConfig

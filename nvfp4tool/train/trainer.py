@@ -38,7 +38,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
-from nvfp4tool.records.run import InputAmaxRecord, PrecisionMapRecord, RunRecord
+from nvfp4tool.records.run import CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
 from nvfp4tool.train import data as data_lib
 from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
@@ -48,7 +48,6 @@ from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
 from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
-TOKENIZER_DIR = "tokenizer"  # a tokenizer trained by the run
 # Keys a resume may change: they do not touch the training math (the data and the tokenizer are
 # compared by content instead of by path).
 RESUME_FREE_KEYS = frozenset({"out", "resume", "force", "eval_every", "eval_batches", "checkpoint_every",
@@ -105,21 +104,21 @@ def train(config: TrainConfig) -> TrainResult:
     fns = StepFns(graphdef, recipe, pmap, optimizer, config.grad_accum)
     host_state = fns.init_state(params.to_pure_dict(), config.amax_history)
     shardings = mesh_lib.state_shardings(mesh, host_state)
-    start_step = 0
-    if job.resume_step is not None:
-        restored, _ = Checkpoints(out, config.keep_checkpoints).restore(
-            job.resume_step, abstract_like(host_state, shardings))
+    start_step, checkpoints = 0, None
+    if job.resume_step is not None:  # the run folder exists: opening its checkpoints changes nothing
+        checkpoints = Checkpoints(out, config.keep_checkpoints)
+        restored, _ = checkpoints.restore(job.resume_step, abstract_like(host_state, shardings))
         start_step = job.resume_step
     if is_main:
         _write_start(out, config, job)
         if config.resume:
             truncate_metrics(out, start_step)
-            progress.info(f"resumed from {out}/checkpoints/{start_step}" if start_step else
+            progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
                           f"{out}: no checkpoint yet; restarting the run from step 0")
         _report_precision_map(pmap, recipe.name)
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
-    checkpoints = Checkpoints(out, config.keep_checkpoints)
+    checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
     train_windows, eval_windows = job.train_windows, job.eval_windows
     tokenizer, source = job.tokenizer, job.source
     del host_state, params, job
@@ -155,7 +154,7 @@ def train(config: TrainConfig) -> TrainResult:
                     raise NVFP4ToolError(
                         f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
                         f"stopped. Last good checkpoint: "
-                        f"{out / 'checkpoints' / str(last) if last is not None else 'none'} "
+                        f"{out / CHECKPOINTS_DIR / str(last) if last is not None else 'none'} "
                         "(set on_nonfinite=skip to skip such steps)")
                 record["skipped"] = True
                 new_state = jax.tree.map(lambda old, new: old, state, new_state)
@@ -413,7 +412,7 @@ def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, grap
 
     params = jax.tree.map(np.asarray, state["params"])
     model = nnx.merge(graphdef, params)
-    hf_dir = out / "hf"
+    hf_dir = out / WEIGHTS_DIR
     tokenizer_dir = out / TOKENIZER_DIR
     write_hf_folder(hf_dir, model_config, ModelTensorSource(model, path=str(out)), dtype="bf16",
                     copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (
