@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -266,11 +267,12 @@ def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None
 
 
 def _check_same_run(saved: RunRecord, now: RunRecord, out: Path) -> None:
-    """Refuse a resume on other data, another tokenizer or another device count."""
+    """Refuse a resume on other data, another tokenizer or model, or another device count."""
     changed = [what for what, a, b in (
         ("the training data", saved.data_sha256, now.data_sha256),
         ("the eval data", saved.eval_data_sha256, now.eval_data_sha256),
         ("the tokenizer", saved.tokenizer_sha256, now.tokenizer_sha256),
+        ("the model config", saved.model_config, json.loads(json.dumps(now.model_config))),  # as stored
         (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
         (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
     ) if a != b]
