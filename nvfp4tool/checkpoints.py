@@ -46,7 +46,6 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.records.run import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
 
-KINDS = ("hf", "maxtext", "run")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 
@@ -80,7 +79,7 @@ class Checkpoint:
     precision_map: dict[str, str] | None = None
     input_amax: dict[str, float] | None = None
     weight_block: str = "1d"
-    recipe: dict[str, Any] | None = None  # a run's RecipeConfig as JSON (for provenance records)
+    recipe: dict[str, Any] | None = None  # a run's recipe as the provenance record states it
     step: int | None = None
 
     def maxtext_rope_layout(self) -> str:
@@ -94,9 +93,8 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
     """Open `path` (see the module docstring for what is accepted and the errors)."""
     shown = os.fspath(path)
     kind = checkpoint_kind(shown)
-    if rope_layout is not None and rope_layout not in ROPE_LAYOUTS:
-        raise NVFP4UsageError(f"{options.rope_layout.format(rope_layout)}: unknown RoPE layout; "
-                              f"choose one of {', '.join(ROPE_LAYOUTS)}")
+    if rope_layout is not None:
+        _check_rope_layout(rope_layout, options)
     if step is not None and kind != "run":
         raise NVFP4UsageError(f"{shown}: {options.step.format(step)} needs an nvfp4tool training run "
                               f"(a folder with {RunRecord.FILE_NAME} and {WEIGHTS_DIR}/)")
@@ -162,10 +160,7 @@ def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
     from converters import maxtext_models
 
     if explicit is not None:
-        if explicit not in ROPE_LAYOUTS:
-            raise NVFP4UsageError(f"{options.rope_layout.format(explicit)}: unknown RoPE layout; "
-                                  f"choose one of {', '.join(ROPE_LAYOUTS)}")
-        return explicit
+        return _check_rope_layout(explicit, options)
     if maxtext_name is not None:
         return maxtext_models.rope_layout_for(maxtext_name)
     where = f"{path}: " if path else ""
@@ -186,6 +181,13 @@ def run_steps(run_dir: str) -> list[int]:
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _check_rope_layout(value: str, options: OptionNames) -> str:
+    if value not in ROPE_LAYOUTS:
+        raise NVFP4UsageError(f"{options.rope_layout.format(value)}: unknown RoPE layout; "
+                              f"choose one of {', '.join(ROPE_LAYOUTS)}")
+    return value
 
 
 def _needs_model_config(path: str, options: OptionNames) -> str:
@@ -224,7 +226,9 @@ def _open_run(run_dir: str, step: int | None) -> Checkpoint:
         # post-training quantization with the default plan (calibrate with --calib-data).
         pmap, input_amax = None, None
     recipe = record.recipe_config()
-    recipe_json = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(recipe).items()}
+    recipe_json = {"recipe": recipe.name, "rht": recipe.rht, "stochastic_rounding": recipe.stochastic_rounding,
+                   "weight_2d": recipe.weight_2d, "bf16_first_layers": recipe.bf16_first_layers,
+                   "bf16_last_layers": recipe.bf16_last_layers, "bf16_patterns": list(recipe.bf16_patterns)}
     return Checkpoint(tensors=source, config=config, path=run_dir, kind="run", weight_files=files,
                       aux_dir=hf_dir, run=record, precision_map=pmap, input_amax=input_amax,
                       weight_block=record.weight_block, recipe=recipe_json, step=step)

@@ -59,15 +59,16 @@ def test_unknown_reference_is_one_line_error(paths):
 def test_bad_counts_are_one_line_errors(paths):
     result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--data", paths["ids"], *SMALL,
                                       "--gen-tokens", "0"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a count < 1 is bad usage
     assert result.output.strip().splitlines()[-1] == "Error: --gen-tokens must be >= 1, got 0"
 
 
-def test_bad_sample_count_names_the_validate_flag(paths):
+@pytest.mark.parametrize("flag", ["--samples", "--seq-len"])
+def test_bad_sample_count_names_the_validate_flag(paths, flag):
     result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "bf16", "--source",
-                                      paths["src"], "--data", paths["ids"], *SMALL, "--samples", "0"])
+                                      paths["src"], "--data", paths["ids"], *SMALL, flag, "0"])
     assert result.exit_code == 2, result.output
-    assert "--samples must be >= 1, got 0" in result.output and "--calib" not in result.output
+    assert f"{flag} must be >= 1, got 0" in result.output and "--calib" not in result.output
 
 
 def test_json_copy_into_a_missing_folder_is_refused_before_anything_runs(paths, tmp_path):

@@ -109,10 +109,11 @@ def load_models(export_dir: str, options: ValidateOptions) -> Loaded:
     from nvfp4tool.export.calibrate import load_calibration_ids
     from nvfp4tool.model.weights import model_from_tensors
 
-    for flag, value in (("--batch-size", options.batch_size), ("--prompts", options.prompts),
+    for flag, value in (("--samples", options.samples), ("--seq-len", options.seq_len),
+                        ("--batch-size", options.batch_size), ("--prompts", options.prompts),
                         ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens)):
         if value < 1:
-            raise NVFP4ToolError(f"{flag} must be >= 1, got {value}")
+            raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
     if options.reference not in ("fp8", "bf16") and not os.path.isdir(options.reference):
         raise NVFP4ToolError(f"--reference {options.reference}: not fp8, bf16 or an export folder")
     progress.info(f"loading {export_dir}")
