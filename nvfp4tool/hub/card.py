@@ -6,7 +6,8 @@ Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model
 quantized, library_name, pipeline_tag, tags, license), what was quantized and what kept in
 BF16 (from the check report and the configs), the validation table (`validation.md` as written
 by `nvfp4tool validate`, else the metrics of its `ValidationRecord`), the recipe and provenance
-(`nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors; vLLM / TensorRT-LLM / SGLang for ModelOpt).
+(`nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors;
+vLLM / TensorRT-LLM / SGLang for ModelOpt).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Nothing is created or changed before the whole job is known to be runnable (`_pr
 output path, the model (opened by `nvfp4tool.checkpoints`), the tokenizer, the data (read,
 tokenized, packed and split), the batch size against the data and the devices. A resume
 (`resume=true`) is refused without side effects unless it can continue bit-exactly: the same
-configuration (apart from `RESUME_FREE_KEYS`), the same data bytes and the same tokenizer as the
-run record says, and the same device count; `run.json` is never rewritten by a resume.
+configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer and model config as
+the run record says, and the same device and process count; `run.json` is never rewritten by a
+resume. The run folder itself is created atomically (`atomic_output_dir`).
 Progress and status lines go through `nvfp4tool.progress`.
 """
 
@@ -39,7 +40,8 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
-from nvfp4tool.records.run import CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
+from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
+                                  PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
 from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
