@@ -148,7 +148,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
 
 
 @cli.command("convert")
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True,
               help="Output format.")
@@ -175,11 +175,9 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
     """
     from converters.convert import convert_checkpoint
 
-    with progress.task("convert", unit="tensor") as task:
-        summary = convert_checkpoint(src, dst, to=to, model_config=model_config,
-                                     scan_layers=scan_layers, rope_layout=rope_layout, dtype=dtype,
-                                     max_shard_size=max_shard_size, force=force,
-                                     on_tensor=lambda name, nbytes: task.advance(description=name, nbytes=nbytes))
+    summary = convert_checkpoint(src, dst, to=to, model_config=model_config, scan_layers=scan_layers,
+                                 rope_layout=rope_layout, dtype=dtype, max_shard_size=max_shard_size,
+                                 force=force)
     click.echo(summary.line())
 
 
@@ -271,7 +269,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 
 
 @cli.command("export")
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=click.Path())
 @click.option("--to", "to", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
               help="Output container.")
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
@@ -388,7 +386,7 @@ def _threshold_default(field: str):
 @click.option("--reference", default="fp8", show_default=True, callback=_reference,
               help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
                    "or the folder of an `export --quant fp8`.")
-@click.option("--source", type=click.Path(exists=True), default=None,
+@click.option("--source", type=click.Path(), default=None,
               help="The BF16 source (default: named by the export's nvfp4tool_export.json).")
 @click.option("--json", "json_copy", type=_NewFile(), default=None,
               help="Also write validation.json here.")
@@ -434,21 +432,20 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
         thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
                               max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
     console = Console()
-    with progress.task("validate", unit="stage") as task:
-        record = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None,
-                                 progress=lambda status: task.advance(description=status))
+    run = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None)
+    record = run.record
     print_report(record, console)
-    if "sensitivity" in record:
-        found = record["sensitivity"]
-        console.print(f"sensitivity: KL target {kl_target} {'met' if found['met'] else 'NOT met'} "
-                      f"keeping {len(found['keep_bf16'])} group(s) in BF16 "
-                      f"(KL {found['trajectory'][0]['kl_mean']:.4g} -> {found['trajectory'][-1]['kl_mean']:.4g})")
-        for line in command_lines(found, record["source"]):
+    if record.sensitivity is not None:
+        found = record.sensitivity
+        console.print(f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
+                      f"keeping {len(found.keep_bf16)} group(s) in BF16 "
+                      f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g})")
+        for line in command_lines(found, run.source_path):
             click.echo(line)
-    click.echo(f"wrote {', '.join(record['files'])}")
-    if not record["passed"]:
+    click.echo(f"wrote {', '.join(run.files)}")
+    if not record.passed:
         raise NVFP4ToolError(f"{export}: validation failed: " +
-                             "; ".join(f"{f['metric']} ({f['detail']}) off by {f['by']:.4g}" for f in record["failures"]))
+                             "; ".join(f"{f.metric} ({f.detail}) off by {f.by:.4g}" for f in record.failures))
 
 
 @cli.command("quickstart")

@@ -187,7 +187,11 @@ class ModelConfig:
                 hf = json.load(f)
         except FileNotFoundError:
             raise NVFP4ToolError(f"{config_path}: no such file (an HF model folder needs config.json)") from None
-        except ValueError as bad:  # invalid JSON or not UTF-8 (binary data)
+        except IsADirectoryError:
+            raise NVFP4ToolError(f"{config_path}: is a folder, expected a JSON file") from None
+        except UnicodeDecodeError:
+            raise NVFP4ToolError(f"{config_path}: not UTF-8 text (binary data?)") from None
+        except json.JSONDecodeError as bad:
             raise NVFP4ToolError(f"{config_path}: not valid JSON ({bad})") from None
         except OSError as bad:  # a folder named config.json, no permission
             raise NVFP4ToolError(f"{config_path}: cannot be read ({bad.strerror or bad})") from None

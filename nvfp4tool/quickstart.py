@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.validation import ValidationRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,7 @@ class QuickstartOptions:
     force: bool = False
 
 
-def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = progress.info) -> dict[str, Any]:
     """Run every stage; return (and write to `<out>/quickstart.json`) the figures of each."""
     from nvfp4tool.check import check_checkpoint
     from nvfp4tool.export import ExportOptions, export_checkpoint
@@ -56,7 +58,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pri
         result = train(TrainConfig(model="tiny", tokenizer="train", vocab_size=options.vocab_size,
                                    recipe="bf16", steps=options.pretrain_steps, lr=3e-3, warmup_steps=20,
                                    eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
-                                   **common), show_progress=True)
+                                   **common))
         record.update(_train_figures(result))
         echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
              f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
@@ -65,7 +67,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pri
         result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
                                    steps=options.finetune_steps, lr=1e-3, warmup_steps=10,
                                    eval_every=max(1, options.finetune_steps // 2),
-                                   out=str(out / "finetune-nvfp4"), **common), show_progress=True)
+                                   out=str(out / "finetune-nvfp4"), **common))
         record.update(_train_figures(result))
         echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
              f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
@@ -86,17 +88,18 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pri
         echo("  " + summary.line())
 
     with _stage(echo, "5/7 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
-        validation = validate_export(str(nvfp4_dir), ValidateOptions(
+        run = validate_export(str(nvfp4_dir), ValidateOptions(
             data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
             prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
-        record.update(passed=validation["passed"], metrics=_validation_figures(validation),
-                      files=validation.get("files", []))
+        validation = run.record
+        record.update(passed=validation.passed, metrics=_validation_figures(validation), files=run.files)
         for model, metrics in record["metrics"].items():
             echo(f"  {model}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in metrics.items()))
-        echo(f"  {'PASSED' if validation['passed'] else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
-        if not validation["passed"]:
-            raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: {validation['failures']}")
+        echo(f"  {'PASSED' if validation.passed else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
+        if not validation.passed:
+            raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: "
+                                 + "; ".join(f"{f.metric} ({f.detail})" for f in validation.failures))
 
     with _stage(echo, "6/7 check the export", figures, "check") as record:
         report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
@@ -157,8 +160,7 @@ def _train_figures(result) -> dict[str, Any]:
             "run": str(result.out)}
 
 
-def _validation_figures(validation: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _validation_figures(validation: ValidationRecord) -> dict[str, dict[str, Any]]:
     """The headline metric of each compared model (whatever the record holds of them)."""
     keys = ("kl_mean", "kl_p99", "top1", "ppl", "ppl_increase")
-    models = validation.get("models", {})
-    return {name: {k: m[k] for k in keys if k in m} for name, m in models.items()}
+    return {name: {k: m[k] for k in keys if k in m} for name, m in validation.models.items()}

@@ -68,8 +68,7 @@ def main() -> None:
     names = args.runs.split(",")
     for name in names:
         t0 = time.perf_counter()
-        result = train(load_train_config(None, common + RUNS[name] + [f"out={out / name}"]),
-                       show_progress=True)
+        result = train(load_train_config(None, common + RUNS[name] + [f"out={out / name}"]))
         last = max(result.losses)
         results[name] = {"train_loss": result.losses[last], "eval_loss": result.eval_losses[last],
                          "tokens_per_s": result.tokens_per_s, "seconds": time.perf_counter() - t0}

@@ -141,6 +141,14 @@ def test_from_hf_folder_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(NVFP4ToolError, match="not valid JSON"):
         ModelConfig.from_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(NVFP4ToolError, match="config.json: not UTF-8 text"):
+        ModelConfig.from_hf_folder(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(NVFP4ToolError, match="config.json: is a folder"):
+        ModelConfig.from_hf_folder(tmp_path)
+    (tmp_path / "config.json").rmdir()
     (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B_V01))
     assert ModelConfig.from_hf_folder(tmp_path).family == "mistral"
 

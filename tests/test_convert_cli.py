@@ -130,9 +130,9 @@ def test_shape_that_disagrees_with_the_config_is_named(maxtext_ckpt, tmp_path):
     assert _siblings(str(tmp_path / "x")) == ["config.json"]
 
 
-def test_unknown_model_name_and_bad_source_are_input_errors(hf_folder, tmp_path):
-    out = _fails(1, "convert", hf_folder, str(tmp_path / "x"), "--to", "maxtext", "--model-config", "llama9")
-    assert "llama9" in out
+def test_unknown_model_name_is_usage_and_bad_source_an_input_error(hf_folder, tmp_path):
+    out = _fails(2, "convert", hf_folder, str(tmp_path / "x"), "--to", "maxtext", "--model-config", "llama9")
+    assert "--model-config llama9: neither a file/folder nor a known MaxText model name" in out
     (tmp_path / "empty").mkdir()
     out = _fails(1, "convert", str(tmp_path / "empty"), str(tmp_path / "x"), "--to", "hf")
     assert "neither an HF folder" in out

@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
     args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(root / "tok"),
                 recipe="nvfp4", steps=3, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=1,
                 eval_every=3, eval_batches=1, checkpoint_every=3, out=str(root / "run"), seed=1)
-    train(load_train_config(None, [f"{k}={v}" for k, v in args.items()]), show_progress=False)
+    train(load_train_config(None, [f"{k}={v}" for k, v in args.items()]))
     return root / "run"
 
 
@@ -111,8 +111,7 @@ def test_a_bf16_run_exports_as_post_training_quantization(tmp_path):
     train_txt, _ = embedded_corpus()
     run = train(load_train_config(None, [
         "model=tiny", f"data={train_txt}", "tokenizer=train", "vocab_size=300", "recipe=bf16",
-        "steps=1", "seq_len=32", "batch_size=8", "eval_every=0", f"out={tmp_path / 'run'}"]),
-        show_progress=False)
+        "steps=1", "seq_len=32", "batch_size=8", "eval_every=0", f"out={tmp_path / 'run'}"]))
     with pytest.raises(NVFP4ToolError, match="--calib-data"):
         export_checkpoint(str(run.out), str(tmp_path / "w4a4"), ExportOptions(show_progress=False))
     summary = export_checkpoint(str(run.out), str(tmp_path / "w4a16"),

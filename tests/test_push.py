@@ -24,6 +24,7 @@ from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
 from nvfp4tool.hub.card import source_repo_id
 from serving_fixtures import build_checkpoint, write_checkpoint, write_export_record
+from validate_fixtures import validation_record
 
 TOKEN = "hf_testTOKENdo-not-print-7f3a9c"  # distinctive, so a leak anywhere in output is found
 REPO = "test-org/tiny-nvfp4"
@@ -97,11 +98,7 @@ def _write_export(folder, fmt, *, validation=True, passed=True, broken=False):
     with open(os.path.join(folder, "plots", "sqnr.png"), "wb") as f:  # nested and LFS-sized
         f.write(np.random.default_rng(0).bytes(3 * LFS_THRESHOLD))
     if validation:
-        # the shape `nvfp4tool validate` writes (nvfp4tool/validate/report.py), trimmed
-        failures = [] if passed else [{"metric": "kl_mean", "value": 0.2, "limit": 0.05, "by": 0.15}]
-        _write_json(os.path.join(folder, "validation.json"),
-                    {"passed": passed, "failures": failures,
-                     "models": {"bf16": {"ppl": 9.5}, "nvfp4": {"kl_mean": 0.0123, "top1": 0.97}}})
+        validation_record(passed).write(folder)
         with open(os.path.join(folder, "validation.md"), "w", encoding="utf-8") as f:
             f.write("## Validation\n\nMeasured by `nvfp4tool validate`.\n\n"
                     "| metric (vs BF16) | NVFP4 | FP8 |\n|---|---:|---:|\n| KL mean (nats) | 0.0123 | 0.0011 |\n")

@@ -40,7 +40,7 @@ def _args(tokenizer_dir, out, **extra):
 
 
 def _run(tokenizer_dir, out, **extra):
-    return train(load_train_config(None, _args(tokenizer_dir, out, **extra)), show_progress=False)
+    return train(load_train_config(None, _args(tokenizer_dir, out, **extra)))
 
 
 def test_run_outputs_and_bit_exact_resume(tokenizer_dir, tmp_path):
@@ -123,7 +123,7 @@ def _subprocess_run(args: list[str], env_extra: dict[str, str]) -> subprocess.Po
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_extra}
     code = ("import sys, json; from nvfp4tool.train.config import load_train_config; "
             "from nvfp4tool.train.trainer import train; "
-            "r = train(load_train_config(None, sys.argv[1:]), show_progress=False); "
+            "r = train(load_train_config(None, sys.argv[1:])); "
             "print('LOSSES=' + json.dumps(r.losses))")
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,10 +14,13 @@ import pytest
 from flax import nnx
 
 from converters.hf import HFFolderSource
+from nvfp4tool.checkpoints import open_checkpoint
+from nvfp4tool.export.provenance import sha256_file
 from nvfp4tool.export.simulate import ExportedModel
 from nvfp4tool.model import default_linear, forward
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.recipes.precision import fused_group
+from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from nvfp4tool.validate.runner import Candidate, Loaded, ValidateOptions, load_models, run_validation
 from nvfp4tool.validate.sensitivity import _mixed_logits_fn, group_pattern, sensitivity
@@ -58,45 +61,58 @@ def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths):
     model = model_from_tensors(CONFIG, source, dtype=jnp.float32)
     same = Candidate("nvfp4", exported, model, default_linear)
     ids = np.load(paths["ids"]).astype(np.int32)
-    loaded = Loaded(export_dir=paths["src"], source_path=paths["src"], bf16_model=model,
+    loaded = Loaded(export_dir=paths["src"], source=open_checkpoint(paths["src"]), bf16_model=model,
                     bf16_weights={m: jnp.asarray(tensors[f"{m}.weight"]) for m in quantized},
-                    nvfp4=same, fp8=None, reference_label="bf16", ids_SxL=ids)
+                    nvfp4=same, fp8=None, reference="bf16", reference_export=None, ids_SxL=ids)
     record = run_validation(paths["src"], _options(paths, reference="bf16"), loaded=loaded)
-    m = record["models"]["nvfp4"]
+    m = record.models["nvfp4"]
     assert (m["kl_mean"], m["kl_p99"], m["top1"], m["logit_max_err"]) == (0.0, 0.0, 1.0, 0.0)
-    assert m["ppl"] == record["models"]["bf16"]["ppl"] and m["ppl_increase"] == 0.0
-    assert record["generation"]["nvfp4_first_divergence"] == [None, None]
-    assert all(r["nvfp4_weight_sqnr_db"] == math.inf and r["nvfp4_output_sqnr_db"] == math.inf
-               for r in record["layers"])
-    assert record["passed"] and record["failures"] == []
+    assert m["ppl"] == record.models["bf16"]["ppl"] and m["ppl_increase"] == 0.0
+    assert record.generation.first_divergence["nvfp4"] == [None, None]
+    assert all(r.weight_sqnr_db["nvfp4"] == math.inf and r.output_sqnr_db["nvfp4"] == math.inf
+               for r in record.layers)
+    assert record.passed and record.failures == []
 
 
 def test_good_export_passes_and_fp8_is_closer_than_nvfp4(good):
     _, record = good
-    nv, fp8 = record["models"]["nvfp4"], record["models"]["fp8"]
-    assert record["passed"], record["failures"]
+    nv, fp8 = record.models["nvfp4"], record.models["fp8"]
+    assert record.passed, record.failures
     assert 0 < fp8["kl_mean"] < nv["kl_mean"] < 0.1
     assert nv["kl_p99"] >= nv["kl_mean"]
     assert 0.5 < nv["top1"] <= 1.0
-    for row in record["layers"]:
+    for row in record.layers:
         # RTN NVFP4 on Gaussian weights: ~20.5 dB (relative L2 error 0.094); FP8 ~31 dB
-        assert 18 < row["nvfp4_weight_sqnr_db"] < row["fp8_weight_sqnr_db"]
-        assert row["nvfp4_output_sqnr_db"] < row["fp8_output_sqnr_db"]
-    assert len(record["generation"]["fp8_first_divergence"]) == 2
-    assert record["data"] == {"path": os.path.abspath(record["data"]["path"]), "sequences": 8,
-                              "seq_len": SEQ_LEN, "tokens": 8 * SEQ_LEN}
+        assert 18 < row.weight_sqnr_db["nvfp4"] < row.weight_sqnr_db["fp8"]
+        assert row.output_sqnr_db["nvfp4"] < row.output_sqnr_db["fp8"]
+    assert len(record.generation.first_divergence["fp8"]) == 2
+    assert (record.data.sequences, record.data.seq_len, record.data.tokens) == (8, SEQ_LEN, 8 * SEQ_LEN)
+
+
+def test_the_record_names_no_local_path_and_hashes_what_it_names(paths, good):
+    """validation.json is published with the export: folder / file names and hashes only."""
+    _, record = good
+    text = json.dumps(record.to_json())
+    root = os.path.dirname(paths["src"])
+    assert root not in text and os.sep + "tmp" not in text
+    assert (record.export.name, record.source.name, record.data.file.name) == ("nvfp4", "src", "ids.npy")
+    assert record.reference == "fp8 export" and record.reference_export.name == "fp8"
+    assert record.source.sha256 == {"model.safetensors": sha256_file(os.path.join(paths["src"], "model.safetensors"))}
+    assert record.data.file.sha256 == {"ids.npy": sha256_file(paths["ids"])}
+    assert "model.safetensors" in record.export.sha256 and "config.json" in record.export.sha256
+    assert ValidationRecord.from_json(json.loads(text)) == record
 
 
 def test_broken_block_scale_fails_and_names_the_layer(good, broken):
     _, record = broken
-    assert not record["passed"]
-    assert record["layers"][0]["name"] == BROKEN_MODULE
-    failed = [f for f in record["failures"] if f["metric"] == "layer_weight_sqnr_db"]
-    assert [f["detail"] for f in failed] == [BROKEN_MODULE]
-    assert failed[0]["by"] == pytest.approx(failed[0]["limit"] - failed[0]["value"])
-    good_row = next(r for r in good[1]["layers"] if r["name"] == BROKEN_MODULE)
-    assert record["layers"][0]["nvfp4_weight_sqnr_db"] < good_row["nvfp4_weight_sqnr_db"] - 10
-    assert record["models"]["nvfp4"]["kl_mean"] > good[1]["models"]["nvfp4"]["kl_mean"]
+    assert not record.passed
+    assert record.layers[0].name == BROKEN_MODULE
+    failed = [f for f in record.failures if f.metric == "layer_weight_sqnr_db"]
+    assert [f.detail for f in failed] == [BROKEN_MODULE]
+    assert failed[0].by == pytest.approx(failed[0].limit - failed[0].value)
+    good_row = next(r for r in good[1].layers if r.name == BROKEN_MODULE)
+    assert record.layers[0].weight_sqnr_db["nvfp4"] < good_row.weight_sqnr_db["nvfp4"] - 10
+    assert record.models["nvfp4"]["kl_mean"] > good[1].models["nvfp4"]["kl_mean"]
     assert "FAILED" in report.markdown(record) and BROKEN_MODULE in report.verdict(record)
 
 
@@ -105,12 +121,11 @@ def test_reports_are_written_into_the_export(good, tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
     paths = report.write_reports(record, str(folder), json_copy=str(tmp_path / "copy.json"))
-    assert sorted(os.path.basename(p) for p in paths) == sorted(
-        [report.VALIDATION_JSON, report.VALIDATION_MD, "copy.json", report.SQNR_PNG, report.KL_PNG])
-    saved = json.loads((folder / report.VALIDATION_JSON).read_text())
-    assert saved == json.loads((tmp_path / "copy.json").read_text())
-    assert saved["models"]["nvfp4"]["kl_mean"] == record["models"]["nvfp4"]["kl_mean"]
-    assert sum(saved["kl_histogram"]["nvfp4"]["counts"]) == len(record["kl_tokens"]["nvfp4"])
+    assert sorted(os.path.basename(p) for p in paths) == sorted([*report.REPORT_FILES, "copy.json"])
+    saved = ValidationRecord.read(folder)
+    assert saved == ValidationRecord.read_file(tmp_path / "copy.json")
+    assert saved.models["nvfp4"]["kl_mean"] == record.models["nvfp4"]["kl_mean"]
+    assert sum(saved.kl_histogram["nvfp4"].counts) == record.data.tokens  # one KL per position
     md = (folder / report.VALIDATION_MD).read_text()
     assert "| KL mean (nats) |" in md and "PASSED" in md
     for png in (report.SQNR_PNG, report.KL_PNG):
@@ -129,15 +144,15 @@ def test_mixed_model_without_kept_layers_is_the_served_export(good):
 
 def test_sensitivity_keeps_the_broken_layer_first(good, broken):
     # between the correct export's KL and the broken one's: keeping the broken layer suffices
-    target = 0.5 * (good[1]["models"]["nvfp4"]["kl_mean"] + broken[1]["models"]["nvfp4"]["kl_mean"])
+    target = 0.5 * (good[1].models["nvfp4"]["kl_mean"] + broken[1].models["nvfp4"]["kl_mean"])
     found = sensitivity(broken[0], kl_target=target, batch_size=4)
-    assert found["harm"][0]["group"] == fused_group(BROKEN_MODULE)
-    assert found["keep_bf16"][0] == BROKEN_MODULE
-    assert found["met"] and found["trajectory"][-1]["kl_mean"] <= target < found["trajectory"][0]["kl_mean"]
-    assert found["precision_map"][BROKEN_MODULE] == "bf16"
-    assert list(found["precision_map"].values()).count("bf16") == sum(
-        len([m for m in found["precision_map"] if fused_group(m) == g])
-        for g in {fused_group(m) for m, p in found["precision_map"].items() if p == "bf16"})
+    assert found.harm[0].group == fused_group(BROKEN_MODULE)
+    assert found.keep_bf16[0] == BROKEN_MODULE
+    assert found.met and found.trajectory[-1].kl_mean <= target < found.trajectory[0].kl_mean
+    assert found.precision_map[BROKEN_MODULE] == "bf16"
+    assert list(found.precision_map.values()).count("bf16") == sum(
+        len([m for m in found.precision_map if fused_group(m) == g])
+        for g in {fused_group(m) for m, p in found.precision_map.items() if p == "bf16"})
 
 
 def test_group_patterns_match_exactly_their_members():
@@ -156,6 +171,6 @@ def test_threshold_options_are_reported_with_their_limits(paths, good):
 
     strict = dataclasses.replace(_options(paths), thresholds=Thresholds(max_kl_mean=1e-9))
     record = run_validation(paths["nvfp4"], strict, loaded=loaded)
-    assert [f["metric"] for f in record["failures"]] == ["kl_mean"]
-    f = record["failures"][0]
-    assert f["by"] == pytest.approx(record["models"]["nvfp4"]["kl_mean"] - 1e-9)
+    assert [f.metric for f in record.failures] == ["kl_mean"]
+    f = record.failures[0]
+    assert f.by == pytest.approx(record.models["nvfp4"]["kl_mean"] - 1e-9)

@@ -3,13 +3,13 @@ the layer on an export with one block scale x16."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
+from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from validate_fixtures import BROKEN_MODULE, SEQ_LEN, build_exports
 
@@ -29,11 +29,11 @@ def test_good_export_exits_0_and_writes_the_reports(paths, tmp_path):
     result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "fp8", "--data",
                                       paths["ids"], "--json", str(copy), *SMALL])
     assert result.exit_code == 0, result.output
-    for name in (report.VALIDATION_JSON, report.VALIDATION_MD, report.SQNR_PNG, report.KL_PNG):
+    for name in report.REPORT_FILES:
         assert os.path.isfile(os.path.join(paths["nvfp4"], name)), name
-    saved = json.loads(copy.read_text())
-    assert saved["passed"] and saved["reference"].startswith("fp8")
-    assert set(saved["models"]) == {"bf16", "nvfp4", "fp8"}
+    saved = ValidationRecord.read_file(copy)
+    assert saved.passed and saved.reference.startswith("fp8")
+    assert set(saved.models) == {"bf16", "nvfp4", "fp8"}
     assert "KL mean" in result.output and "PASSED" in result.output
 
 
@@ -45,8 +45,8 @@ def test_broken_export_exits_1_and_names_the_layer(paths):
     assert "validation failed: layer_weight_sqnr_db" in result.output
     assert BROKEN_MODULE in result.output.splitlines()[-1]
     assert "sensitivity: KL target 1.0 met" in result.output
-    saved = json.loads(open(os.path.join(paths["broken"], report.VALIDATION_JSON)).read())
-    assert not saved["passed"] and saved["layers"][0]["name"] == BROKEN_MODULE
+    saved = ValidationRecord.read(paths["broken"])
+    assert not saved.passed and saved.layers[0].name == BROKEN_MODULE
 
 
 def test_unknown_reference_is_one_line_error(paths):
@@ -62,3 +62,20 @@ def test_bad_counts_are_one_line_errors(paths):
                                       "--gen-tokens", "0"])
     assert result.exit_code == 2  # bad usage, refused by the option type before anything loads
     assert result.output.strip().splitlines()[-1] == "Error: Invalid value for '--gen-tokens': 0 is not in the range x>=1."
+
+
+@pytest.mark.parametrize("flag", ["--samples", "--seq-len"])
+def test_bad_sample_count_names_the_validate_flag(paths, flag):
+    result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--reference", "bf16", "--source",
+                                      paths["src"], "--data", paths["ids"], *SMALL, flag, "0"])
+    assert result.exit_code == 2, result.output
+    assert f"'{flag}'" in result.output and "--calib" not in result.output
+
+
+def test_json_copy_into_a_missing_folder_is_refused_before_anything_runs(paths, tmp_path):
+    before = sorted(os.listdir(paths["nvfp4"]))
+    result = CliRunner().invoke(cli, ["validate", paths["nvfp4"], "--data", paths["ids"], *SMALL,
+                                      "--json", str(tmp_path / "missing" / "v.json")])
+    assert result.exit_code == 2, result.output
+    assert "--json" in result.output
+    assert sorted(os.listdir(paths["nvfp4"])) == before and not (tmp_path / "missing").exists()

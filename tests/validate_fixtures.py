@@ -74,3 +74,21 @@ def _write_source(folder: str) -> None:
     write_safetensors(os.path.join(folder, SINGLE_FILE), [(n, CONFIG.dtype, s) for n, s in shapes.items()], make)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(CONFIG.to_hf_config(), f, indent=2)
+
+
+def validation_record(passed: bool = True):
+    """A small, complete ValidationRecord (for tests of what reads validation.json: push, the card)."""
+    from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
+                                              ValidationRecord)
+
+    failures = [] if passed else [Failure(metric="kl_mean", value=0.2, limit=0.05, by=0.15, detail="nvfp4 vs bf16")]
+    return ValidationRecord(
+        export=Named("llama-nvfp4", {"model.safetensors": "0" * 64}), quant="nvfp4", format="compressed-tensors",
+        source=Named("meta-llama/Llama-3.2-1B", {"model.safetensors": "1" * 64}), source_kind="hf",
+        source_step=None, reference="bf16", reference_export=None,
+        data=DataRef(file=Named("val.txt", {"val.txt": "2" * 64}), sequences=2, seq_len=8, tokens=16),
+        models={"bf16": {"ppl": 9.5}, "nvfp4": {"kl_mean": 0.0123, "top1": 0.97}},
+        layers=[LayerSQNR("model.layers.0.mlp.up_proj", {"nvfp4": 20.5}, {"nvfp4": 19.0})],
+        generation=Generation(prompts=2, prompt_len=4, tokens=8, first_divergence={"nvfp4": [None, 5]}),
+        kl_histogram={"nvfp4": Histogram(edges=[1e-8, 1.0], counts=[16])},
+        thresholds={"max_kl_mean": 0.05}, failures=failures, passed=passed)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from converters.tensor_source import TensorSource
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model import forward
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
@@ -57,10 +57,13 @@ def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Seque
 
 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
-                         vocab_size: int) -> np.ndarray:
-    """Token ids [S, L] (S <= samples) from a .txt / .jsonl / .npy calibration file."""
-    if samples < 1 or seq_len < 1:
-        raise NVFP4ToolError("--calib-samples and --calib-seq-len must be >= 1")
+                         vocab_size: int,
+                         flags: tuple[str, str] = ("--calib-samples", "--calib-seq-len")) -> np.ndarray:
+    """Token ids [S, L] (S <= samples) from a .txt / .jsonl / .npy calibration file; `flags` names
+    the samples and sequence-length options as the calling command spells them."""
+    for flag, value in zip(flags, (samples, seq_len)):
+        if value < 1:
+            raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
     if not os.path.isfile(path):
         raise NVFP4ToolError(f"{path}: calibration data not found")
     if path.endswith(".npy"):

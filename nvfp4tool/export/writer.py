@@ -40,11 +40,11 @@ from converters.atomic import atomic_output_dir, check_output_path
 from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, parse_size,
                            plan_shards, write_safetensors)
 from nvfp4tool import formats, progress
+from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
-from nvfp4tool.export.source import ExportSource, open_source
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales,
                                 quantize_fp8)
@@ -102,8 +102,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     _check_options(options)
     inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
     check_output_path(out, inputs, flag="--out")  # before any work (atomic_output_dir checks again)
-    source = open_source(src, step=options.step, model_config=options.model_config,
-                         rope_layout=options.rope_layout)
+    source = open_checkpoint(src, step=options.step, model_config=options.model_config,
+                             rope_layout=options.rope_layout)
     spec = formats.get(options.format, options.quant)
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
@@ -290,7 +290,7 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
     return result
 
 
-def _input_amax(source: ExportSource, plan: ExportPlan, options: ExportOptions):
+def _input_amax(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
     """(input amax per quantized module or None, origin, calibration record or None)."""
     if not plan.has_input_scales or not plan.quantized:
         return None, "none (weight-only)", None
@@ -336,7 +336,7 @@ def _bf16_copy(tensors, name: str) -> np.ndarray:
     return array
 
 
-def _write_configs(folder: str, source: ExportSource, plan: ExportPlan, spec: LayoutSpec) -> None:
+def _write_configs(folder: str, source: Checkpoint, plan: ExportPlan, spec: LayoutSpec) -> None:
     hf = source.config.to_hf_config()
     hf["dtype"] = "bfloat16"
     hf["quantization_config"] = spec.quantization_config(plan.excluded)

@@ -5,8 +5,9 @@
 Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model_relation:
 quantized, library_name, pipeline_tag, tags, license), what was quantized and what kept in
 BF16 (from the check report and the configs), the validation table (`validation.md` as written
-by `nvfp4tool validate`), the recipe and provenance (`nvfp4tool_export.json`), and how to
-serve it (vLLM / transformers for compressed-tensors; vLLM / TensorRT-LLM / SGLang for ModelOpt).
+by `nvfp4tool validate`, else the metrics of its `ValidationRecord`), the recipe and provenance
+(`nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors;
+vLLM / TensorRT-LLM / SGLang for ModelOpt).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from typing import Any
 from huggingface_hub import ModelCardData
 
 from nvfp4tool.errors import NVFP4ToolError
-
-PROVENANCE_FILE = "nvfp4tool_export.json"  # written by nvfp4tool export (export/provenance.py)
-VALIDATION_JSON = "validation.json"  # written by nvfp4tool validate
-VALIDATION_MD = "validation.md"
+from nvfp4tool.export.provenance import PROVENANCE_FILE
+from nvfp4tool.records.validation import ValidationRecord, source_repo_id
+from nvfp4tool.validate.report import VALIDATION_MD
 # library_name per format: compressed-tensors checkpoints load in transformers; ModelOpt ones do not.
 LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
 _QUANT_TAGS = {"nvfp4": ["nvfp4", "fp4", "w4a4"], "nvfp4-weight-only": ["nvfp4", "fp4", "w4a16"],
@@ -30,16 +30,14 @@ _QUANT_TAGS = {"nvfp4": ["nvfp4", "fp4", "w4a4"], "nvfp4-weight-only": ["nvfp4",
 _QUANT_TEXT = {"nvfp4": "NVFP4 weights and activations (W4A4)",
                "nvfp4-weight-only": "NVFP4 weights, BF16 activations (W4A16)",
                "fp8": "FP8 E4M3 weights and activations, per-tensor scales (W8A8)"}
-_HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/\\]+?)--(?P<name>[^/\\]+?)(?:[/\\]|$)")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def build_model_card(folder: str, report: Any, *, repo_id: str, validation: dict[str, Any] | None,
+def build_model_card(folder: str, report: Any, *, repo_id: str, validation: ValidationRecord | None,
                      base_model: str | None = None, license: str | None = None) -> str:
     """README.md text for the export in `folder`, checked as `report` (a check.CheckReport).
 
     `base_model` / `license` override what the provenance record and the source folder say;
-    `validation` is validation.json's content (None: published without validation)."""
+    `validation` is the export's validation record (None: published without validation)."""
     config = read_json(folder, "config.json") or {}
     provenance = read_json(folder, PROVENANCE_FILE) or {}
     source_path = str((provenance.get("source") or {}).get("name") or "")  # ExportRecord.source.name
@@ -64,17 +62,6 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: dict
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 
 
-def source_repo_id(source_path: str) -> str | None:
-    """The Hub repo id a source path names: a Hub cache snapshot (`.../models--org--name/...`) or a
-    bare `org/name` that is not a local folder; None for other local paths."""
-    cached = _HF_CACHE_REPO.search(source_path)
-    if cached:
-        return f"{cached['org']}/{cached['name']}"
-    if _REPO_ID.match(source_path) and not os.path.exists(source_path):
-        return source_path
-    return None
-
-
 # ---------------------------------------------------------------------------------------- helpers
 
 
@@ -97,23 +84,22 @@ def _quantized_section(folder: str, report: Any, config: dict, provenance: dict)
     return "\n".join(lines)
 
 
-def _validation_section(folder: str, validation: dict[str, Any] | None) -> str:
+def _validation_section(folder: str, validation: ValidationRecord | None) -> str:
     if validation is None:
         return ("## Validation\n\nNot validated: published with `--no-validation`. Run "
                 "`nvfp4tool validate` against the BF16 and FP8 references before relying on it.")
-    verdict = "passed" if validation.get("passed") else "did not pass"
+    verdict = "passed" if validation.passed else "did not pass"
     md_path = os.path.join(folder, VALIDATION_MD)
     if os.path.isfile(md_path):
         with open(md_path, encoding="utf-8") as f:
             table = f.read().strip()
         table = re.sub(r"\A## Validation\s*\n", "", table).strip()  # validate writes its own heading
-    else:  # no Markdown beside the JSON: one row per NVFP4 metric (validate's "models" -> "nvfp4")
-        metrics = (validation.get("models") or {}).get("nvfp4") or validation.get("metrics") or {}
+    else:  # no Markdown beside the JSON: one row per metric of the export vs BF16
+        metrics = validation.models.get(validation.quant, {})
         table = "\n".join(["| metric (vs BF16) | value |", "|---|---|",
-                           *(f"| {k} | {_fmt_value(v)} |" for k, v in metrics.items()
-                             if isinstance(v, (int, float, str)))])
+                           *(f"| {k} | {_fmt_value(v)} |" for k, v in metrics.items())])
     return (f"## Validation\n\n`nvfp4tool validate` {verdict} its thresholds against the BF16 and FP8 "
-            f"references (full report: `{VALIDATION_JSON}`).\n\n{table}")
+            f"references (full report: `{ValidationRecord.FILE_NAME}`).\n\n{table}")
 
 
 def _provenance_section(provenance: dict) -> str:

@@ -41,7 +41,8 @@ from urllib.parse import urlparse
 
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.hub.card import VALIDATION_JSON, build_model_card, read_json
+from nvfp4tool.hub.card import build_model_card
+from nvfp4tool.records.validation import ValidationRecord
 
 CARD_FILE = "README.md"
 _SKIPPED_DIRS = {".git", ".cache"}  # what upload_folder leaves out by default (.git, .cache/huggingface)
@@ -144,19 +145,17 @@ def _check_options(options: PushOptions) -> None:
         raise NVFP4UsageError("--create-pr opens a pull request against main: do not combine it with --revision")
 
 
-def _read_validation(folder: str, required: bool) -> dict | None:
-    """validation.json's content; None when absent and not required; refuses a failed one."""
-    path = os.path.join(folder, VALIDATION_JSON)
-    if not os.path.isfile(path):
+def _read_validation(folder: str, required: bool) -> ValidationRecord | None:
+    """The export's validation record; None when absent and not required; refuses a failed one."""
+    path = ValidationRecord.path(folder)
+    if not ValidationRecord.exists(folder):
         if required:
             raise NVFP4ToolError(f"{path}: no validation report; run `nvfp4tool validate` on the export first, "
                                  "or pass --no-validation to publish without one")
         return None
-    validation = read_json(folder, VALIDATION_JSON)
-    if not isinstance(validation.get("passed"), bool):
-        raise NVFP4ToolError(f"{path}: expected a JSON object with a boolean \"passed\"")
-    if not validation["passed"]:
-        failed = ", ".join(str(f.get("metric")) for f in validation.get("failures") or [] if isinstance(f, dict))
+    validation = ValidationRecord.read(folder)
+    if not validation.passed:
+        failed = ", ".join(f.metric for f in validation.failures)
         raise NVFP4ToolError(f"{path}: the export failed validation{f' ({failed})' if failed else ''}; "
                              "fix it (see validation.md) before publishing")
     return validation

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from nvfp4tool.records.run import CHECKPOINTS_DIR
+
 
 class Checkpoints:
     """Periodic/final checkpoints of one run folder."""
@@ -22,7 +24,7 @@ class Checkpoints:
     def __init__(self, run_dir: str | Path, keep: int) -> None:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints",
+        self._manager = ocp.CheckpointManager(Path(run_dir).absolute() / CHECKPOINTS_DIR,
                                               options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:

@@ -24,7 +24,22 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise NVFP4ToolError(f"{run_dir}: no {METRICS_FILE} (not an nvfp4tool training run)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise NVFP4ToolError(f"{path}: not UTF-8 text (binary data?)") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as bad:
+            raise NVFP4ToolError(f"{path}:{number}: not valid JSON ({bad.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise NVFP4ToolError(f"{path}:{number}: expected an object with an integer \"step\"")
+        records.append(record)
+    return records
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> None:

@@ -2,19 +2,29 @@
 
     result = train(load_train_config("run.yaml", ["recipe=nvfp4", "steps=60"]))
 
-The run folder `out` ends up holding: `run.json` (config, model config, precision map),
-`metrics.jsonl` and `loss.png`, `checkpoints/<step>` (Orbax: params, optimizer, amax history),
-`tokenizer/` (when trained here), and the final weights as an HF folder `hf/` (BF16, with
-tokenizer, `precision_map.json` and `input_amax.json` for export) and, on request, `maxtext/`.
+The run folder `out` ends up holding: `run.json` (`nvfp4tool.records.run.RunRecord`: the config,
+model config and the hashes of data and tokenizer), `metrics.jsonl` and `loss.png`,
+`checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
+and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
+`input_amax.json` for export) and, on request, `maxtext/`.
+
+Nothing is created or changed before the whole job is known to be runnable (`_prepare`): the
+output path, the model (opened by `nvfp4tool.checkpoints`), the tokenizer, the data (read,
+tokenized, packed and split), the batch size against the data and the devices. A resume
+(`resume=true`) is refused without side effects unless it can continue bit-exactly: the same
+configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer and model config as
+the run record says, and the same device and process count; `run.json` is never rewritten by a
+resume. The run folder itself is created atomically (`atomic_output_dir`).
+Progress and status lines go through `nvfp4tool.progress`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import shutil
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from converters.atomic import atomic_output_dir, check_output_path
+from nvfp4tool import progress
+from nvfp4tool.checkpoints import TRAIN_OPTIONS, Checkpoint, open_checkpoint, run_steps
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
-from nvfp4tool.recipes.precision import precision_map
+from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
+                                  PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
 from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
@@ -34,11 +49,13 @@ from nvfp4tool.train.config import TrainConfig
 from nvfp4tool.train.metrics import append_metrics, plot_runs, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
-from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, train_bpe_tokenizer
+from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
-RUN_FILE = "run.json"
-INPUT_AMAX_FILE = "input_amax.json"
-PRECISION_MAP_FILE = "precision_map.json"
+# Keys a resume may change: they do not touch the training math (the data and the tokenizer are
+# compared by content instead of by path).
+RESUME_FREE_KEYS = frozenset({"out", "resume", "force", "eval_every", "eval_batches", "checkpoint_every",
+                              "keep_checkpoints", "export_maxtext", "coordinator_address", "process_id",
+                              "data", "eval_data", "tokenizer"})
 
 
 @dataclasses.dataclass
@@ -53,47 +70,61 @@ class TrainResult:
     tokens_per_s: float
 
 
-def train(config: TrainConfig, *, show_progress: bool = True,
-          on_step: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+@dataclasses.dataclass
+class _Prepared:
+    """Everything checked and loaded before the run folder is touched."""
+
+    record: RunRecord  # the run record (a resume: the one on disk)
+    tokenizer: TextTokenizer
+    save_tokenizer: bool  # trained here: save it into the run folder
+    source: Checkpoint | None  # the opened model (None: a preset size from scratch)
+    model_config: ModelConfig
+    model: CausalLM
+    train_windows: np.ndarray
+    eval_windows: np.ndarray
+    recipe: RecipeConfig
+    pmap: dict[str, str]
+    mesh: Any
+    resume_step: int | None  # the checkpoint a resume continues from (None: from the start)
+
+
+def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) the training job `config` and write its outputs under `config.out`."""
     _init_distributed(config)
     out = Path(config.out)
     is_main = jax.process_index() == 0
-    _prepare_out(out, config, is_main)
-
-    tokenizer = _tokenizer(config, out)
-    model_config, model = _model(config, tokenizer)
-    train_windows, eval_windows = _windows(config, tokenizer)
-    recipe = config.recipe_config()
-    pmap = precision_map(recipe, model_config)
+    job = _prepare(config, out)  # every check; nothing written yet
+    _barrier("prepared")
+    model_config, recipe, pmap, mesh = job.model_config, job.recipe, job.pmap, job.mesh
     switch_step = recipe.switch_step(config.steps)
-    if is_main:
-        _write_run_record(out, config, model_config, pmap, len(train_windows), len(eval_windows))
-        _print_precision_map(pmap, recipe.name)
 
     schedule = make_schedule(config.schedule, lr=config.lr, steps=config.steps,
                              warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
                              decay_fraction=config.decay_fraction)
     optimizer = make_optimizer(schedule, weight_decay=config.weight_decay, beta1=config.beta1,
                                beta2=config.beta2, eps=config.eps, clip_norm=config.clip_norm)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(job.model)
     fns = StepFns(graphdef, recipe, pmap, optimizer, config.grad_accum)
-    mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
-    mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
     host_state = fns.init_state(params.to_pure_dict(), config.amax_history)
     shardings = mesh_lib.state_shardings(mesh, host_state)
-    checkpoints = Checkpoints(out, config.keep_checkpoints)
-    start_step = 0
-    if config.resume and checkpoints.latest_step() is not None:
-        start_step = checkpoints.latest_step()
-        state, meta = checkpoints.restore(start_step, abstract_like(host_state, shardings))
-        _check_resumable(meta, config, out)
-        if is_main:
+    start_step, checkpoints = 0, None
+    if job.resume_step is not None:  # the run folder exists: opening its checkpoints changes nothing
+        checkpoints = Checkpoints(out, config.keep_checkpoints)
+        restored, _ = checkpoints.restore(job.resume_step, abstract_like(host_state, shardings))
+        start_step = job.resume_step
+    if is_main:
+        _write_start(out, config, job)
+        if config.resume:
             truncate_metrics(out, start_step)
-            print(f"resumed from {out}/checkpoints/{start_step}")
-    else:
-        state = mesh_lib.place_state(host_state, shardings)
-    del host_state, params, model
+            progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
+                          f"{out}: no checkpoint yet; restarting the run from step 0")
+        _report_precision_map(pmap, recipe.name)
+    _barrier("started")
+    state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
+    checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
+    train_windows, eval_windows = job.train_windows, job.eval_windows
+    tokenizer, source = job.tokenizer, job.source
+    del host_state, params, job
 
     metric_sharding = mesh_lib.replicated(mesh)
     step_fn = jax.jit(fns.train_step, static_argnames="bf16_scope", donate_argnums=(),
@@ -106,7 +137,7 @@ def train(config: TrainConfig, *, show_progress: bool = True,
 
     losses, eval_losses = {}, {}
     run_start, run_tokens = time.perf_counter(), 0
-    with _progress(show_progress and is_main, config.steps, start_step) as advance:
+    with progress.task("train", total=config.steps - start_step, unit="step") as task:
         for step in range(start_step + 1, config.steps + 1):
             scope = _bf16_scope(step, switch_step, recipe.switch_scope)
             indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
@@ -126,7 +157,7 @@ def train(config: TrainConfig, *, show_progress: bool = True,
                     raise NVFP4ToolError(
                         f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
                         f"stopped. Last good checkpoint: "
-                        f"{out / 'checkpoints' / str(last) if last is not None else 'none'} "
+                        f"{out / CHECKPOINTS_DIR / str(last) if last is not None else 'none'} "
                         "(set on_nonfinite=skip to skip such steps)")
                 record["skipped"] = True
                 new_state = jax.tree.map(lambda old, new: old, state, new_state)
@@ -140,12 +171,10 @@ def train(config: TrainConfig, *, show_progress: bool = True,
                 eval_losses[step] = record["eval_loss"]
             if is_main:
                 append_metrics(out, record)
-            if on_step is not None:
-                on_step(record)
             if _due(step, config.checkpoint_every, config.steps):
                 checkpoints.save(step, state, {"step": step, "seed": config.seed,
                                                "batches_seen": step, "config": config.to_dict()})
-            advance(record)
+            task.advance(fields={"loss": f"{loss:.4f}", "tokens/s": f"{record['tokens_per_s']:,.0f}"})
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
 
@@ -153,13 +182,13 @@ def train(config: TrainConfig, *, show_progress: bool = True,
     if is_main:
         if losses:
             plot_runs([out], out / "loss.png")
-        hf_dir = _write_final(out, config, model_config, graphdef, state, pmap, tokenizer)
+        hf_dir = _write_final(out, config, model_config, graphdef, state, pmap, tokenizer, source)
     return TrainResult(out=out, losses=losses, eval_losses=eval_losses, final_step=config.steps,
                        hf_dir=hf_dir, tokens_per_s=run_tokens / max(elapsed, 1e-9))
 
 
 # ------------------------------------------------------------------------------------------
-# setup
+# setup: every check before anything is written
 
 
 def _init_distributed(config: TrainConfig) -> None:
@@ -170,78 +199,128 @@ def _init_distributed(config: TrainConfig) -> None:
                                    num_processes=config.num_processes, process_id=config.process_id)
 
 
-def _prepare_out(out: Path, config: TrainConfig, is_main: bool) -> None:
+def _prepare(config: TrainConfig, out: Path) -> _Prepared:
+    """Check and load everything the run needs, in the order a user's mistakes are best reported;
+    reads only (a tokenizer trained here lives in memory until `_write_start`)."""
+    _check_out(config, out)
+    saved = RunRecord.read(out) if config.resume else None
+    if saved is not None:
+        _check_same_config(saved, config, out)
+    source = None
+    if config.model not in PRESETS:
+        source = open_checkpoint(config.model, model_config=config.model_config,
+                                 rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
+    tokenizer, trained_here = _tokenizer(config, out, source)
+    model_config, model = _model(config, tokenizer, source)
+    train_windows, eval_windows = _windows(config, tokenizer)
+    data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
+    recipe = config.recipe_config()
+    mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
+    mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
+    if len(eval_windows) < mesh.size:
+        raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
+    record = RunRecord(
+        config=config.to_dict(), model_config=model_config.to_hf_config(),
+        data_sha256=_data_sha256(config.data),
+        eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
+        tokenizer_sha256=_tokenizer_sha256(tokenizer), train_windows=len(train_windows),
+        eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count())
+    resume_step = None
+    if saved is not None:
+        _check_same_run(saved, record, out)
+        steps = run_steps(str(out))
+        resume_step = steps[-1] if steps else None
+        record = saved
+    return _Prepared(record=record, tokenizer=tokenizer, save_tokenizer=trained_here, source=source,
+                     model_config=model_config, model=model, train_windows=train_windows,
+                     eval_windows=eval_windows, recipe=recipe, pmap=precision_map(recipe, model_config),
+                     mesh=mesh, resume_step=resume_step)
+
+
+def _inputs(config: TrainConfig) -> list[str]:
+    """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
+    paths = [config.data, config.eval_data, config.model_config,
+             None if config.model in PRESETS else config.model,
+             None if config.tokenizer in (None, "train") else config.tokenizer]
+    return [p for p in paths if p is not None and Path(p).exists()]
+
+
+def _check_out(config: TrainConfig, out: Path) -> None:
+    check_output_path(out, _inputs(config), flag="out")
+    if out.exists() and not out.is_dir():
+        raise NVFP4ToolError(f"{out}: exists and is not a folder")
     if config.resume:
-        if not (out / RUN_FILE).is_file():
-            raise NVFP4ToolError(f"{out}: resume=true but this is not a run folder (no {RUN_FILE})")
-        return
-    if out.exists() and any(out.iterdir()):
-        if not config.force:
-            raise NVFP4ToolError(f"{out}: already exists (resume=true to continue it, force=true to "
-                                 "replace it)")
-        if is_main:
-            shutil.rmtree(out)
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-    _barrier("prepare_out")
+        if not RunRecord.exists(out):
+            raise NVFP4ToolError(f"{out}: resume=true but this is not a run folder "
+                                 f"(no {RunRecord.FILE_NAME})")
+    elif out.exists() and any(out.iterdir()) and not config.force:
+        raise NVFP4ToolError(f"{out}: already exists (resume=true to continue it, force=true to "
+                             "replace it)")
 
 
-def _tokenizer(config: TrainConfig, out: Path) -> TextTokenizer:
-    saved = out / "tokenizer"
+def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None:
+    """Refuse a resume whose configuration differs in a key that changes the training math."""
+    before, now = saved.train_config().to_dict(), config.to_dict()
+    changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now
+               if k not in RESUME_FREE_KEYS and before[k] != now[k]]
+    if changed:
+        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {'; '.join(changed)} since the run "
+                             "started (nothing was changed; use another out= for a new run)")
+
+
+def _check_same_run(saved: RunRecord, now: RunRecord, out: Path) -> None:
+    """Refuse a resume on other data, another tokenizer or model, or another device count."""
+    changed = [what for what, a, b in (
+        ("the training data", saved.data_sha256, now.data_sha256),
+        ("the eval data", saved.eval_data_sha256, now.eval_data_sha256),
+        ("the tokenizer", saved.tokenizer_sha256, now.tokenizer_sha256),
+        ("the model config", saved.model_config, json.loads(json.dumps(now.model_config))),  # as stored
+        (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
+        (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
+    ) if a != b]
+    if changed:
+        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since the "
+                             "run started (nothing was changed; use another out= for a new run)")
+
+
+def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tuple[TextTokenizer, bool]:
+    """(the tokenizer, whether it was trained here and still has to be saved into the run)."""
+    saved = out / TOKENIZER_DIR
     if config.resume and (saved / "tokenizer.json").is_file():
-        return load_tokenizer(saved)
+        return load_tokenizer(saved), False  # checked against the run record's hash in _prepare
     if config.tokenizer not in (None, "train"):
-        return load_tokenizer(config.tokenizer)
-    model_path = Path(config.model)
-    if config.tokenizer is None and (model_path / "tokenizer.json").is_file():
-        return load_tokenizer(model_path)
-    if config.tokenizer is None and config.model not in PRESETS:
+        return load_tokenizer(config.tokenizer), False
+    if config.tokenizer is None and source is not None:
+        if source.aux_dir is not None and (Path(source.aux_dir) / "tokenizer.json").is_file():
+            return load_tokenizer(source.aux_dir), False
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
-    documents = data_lib.iter_documents(config.data, config.text_field)
-    return train_bpe_tokenizer(documents, config.vocab_size, saved)
+    with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
+        documents = data_lib.iter_documents(config.data, config.text_field)
+        train_bpe_tokenizer(documents, config.vocab_size, scratch)
+        # as read back from its files: what a resume loads (and hashes) is the same tokenizer
+        return load_tokenizer(scratch), True
 
 
-def _model(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[ModelConfig, CausalLM]:
+def _model(config: TrainConfig, tokenizer: TextTokenizer,
+           source: Checkpoint | None) -> tuple[ModelConfig, CausalLM]:
     kwargs = dict(compute_dtype=jnp.bfloat16)
-    if config.model in PRESETS:
+    if source is None:
         model_config = preset_config(config.model, tokenizer.vocab_size, max(config.seq_len, 2048))
         model_config = dataclasses.replace(model_config, eos_token_id=tokenizer.eos_id,
                                            bos_token_id=tokenizer.eos_id)
         return model_config, CausalLM(model_config, param_dtype=jnp.float32,
                                       rngs=nnx.Rngs(config.seed), **kwargs)
-    from converters.convert import detect_format, load_model_config
-    from converters.hf import HFFolderSource
-    from converters.maxtext import MaxTextSource
-
-    if detect_format(config.model) == "hf":
-        source = HFFolderSource(config.model)
-        model_config = source.config
-    else:
-        if config.model_config is None:
-            raise NVFP4ToolError(f"{config.model}: a MaxText checkpoint carries no config; pass "
-                                 "model_config=<HF config.json | MaxText model name>")
-        model_config, _ = load_model_config(config.model_config)
-        layout = _maxtext_rope_layout(config)
-        if layout is None:
-            raise NVFP4UsageError(f"{config.model}: which RoPE layout does this MaxText checkpoint use? "
-                                  "set rope_layout=interleaved|half or give a MaxText model name as "
-                                  "model_config (llama3.1-* are interleaved)")
-        source = MaxTextSource(config.model, model_config, layout)
-    if tokenizer.vocab_size > model_config.vocab_size:
+    if tokenizer.vocab_size > source.config.vocab_size:
         raise NVFP4ToolError(f"tokenizer has {tokenizer.vocab_size} tokens but {config.model} "
-                             f"embeds only {model_config.vocab_size}")
-    return model_config, model_from_tensors(model_config, source, dtype=jnp.float32, **kwargs)
+                             f"embeds only {source.config.vocab_size}")
+    return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32, **kwargs)
 
 
-def _maxtext_rope_layout(config: TrainConfig) -> str | None:
-    """The MaxText side's RoPE layout: the explicit key, else the MaxText model name's, else None."""
-    from converters.maxtext_models import MAXTEXT_MODELS, rope_layout_for
-
-    if config.rope_layout is not None:
-        return config.rope_layout
-    if config.model_config in MAXTEXT_MODELS:
-        return rope_layout_for(config.model_config)
-    return None
+def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
+    """The RoPE layout of the `export_maxtext` output: the source's MaxText side, else half."""
+    if source is not None and (source.rope_layout or source.maxtext_name):
+        return source.maxtext_rope_layout()
+    return config.rope_layout or "half"
 
 
 def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -254,13 +333,23 @@ def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray,
     return data_lib.split_eval(windows_of(config.data), config.eval_fraction)
 
 
-def _check_resumable(meta: dict[str, Any], config: TrainConfig, out: Path) -> None:
-    saved = meta.get("config", {})
-    changed = [k for k in ("model", "data", "recipe", "seq_len", "batch_size", "grad_accum", "seed",
-                           "steps", "lr", "schedule") if saved.get(k) != getattr(config, k)]
-    if changed:
-        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since "
-                             "the checkpoint")
+def _data_sha256(path: str) -> str:
+    """sha256 of the data's bytes (a folder: each file's relative name and bytes, in reading order)."""
+    root = Path(path)
+    files = (sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES)
+             if root.is_dir() else [root])
+    digest = hashlib.sha256()
+    for file in files:
+        if root.is_dir():  # a folder's layout is part of its data; a single file's name is not
+            digest.update(str(file.relative_to(root)).encode() + b"\0")
+        with file.open("rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _tokenizer_sha256(tokenizer: TextTokenizer) -> str:
+    return hashlib.sha256(tokenizer.tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------
@@ -299,74 +388,47 @@ def _barrier(name: str) -> None:
 # outputs
 
 
-def _write_run_record(out: Path, config: TrainConfig, model_config: ModelConfig, pmap: dict,
-                      num_train: int, num_eval: int) -> None:
-    record = {"config": config.to_dict(), "model_config": model_config.to_hf_config(),
-              "precision_map": pmap, "train_windows": num_train, "eval_windows": num_eval,
-              "devices": jax.device_count(), "processes": jax.process_count()}
-    (out / RUN_FILE).write_text(json.dumps(record, indent=2))
+def _write_start(out: Path, config: TrainConfig, job: _Prepared) -> None:
+    """Create (or, with force, replace) the run folder atomically with run.json and a tokenizer
+    trained here. A resume writes nothing here: its run.json stays as the run started."""
+    if config.resume:
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty folder is no run to protect
+    with atomic_output_dir(out, force=config.force, inputs=_inputs(config), flag="out") as tmp:
+        if job.save_tokenizer:
+            save_tokenizer(job.tokenizer.tokenizer, Path(tmp) / TOKENIZER_DIR)
+        job.record.write(tmp)
 
 
-def _print_precision_map(pmap: dict[str, str], recipe: str) -> None:
+def _report_precision_map(pmap: dict[str, str], recipe: str) -> None:
     counts: dict[str, int] = {}
     for precision in pmap.values():
         counts[precision] = counts.get(precision, 0) + 1
     kept = sorted({n.rsplit(".", 2)[0] for n, p in pmap.items() if p == "bf16" and n != "lm_head"})
-    print(f"recipe {recipe}: " + ", ".join(f"{n} linear layers in {p}" for p, n in sorted(counts.items()))
-          + f"; kept in bf16: lm_head{', ' if kept else ''}{', '.join(kept)}")
+    progress.info(f"recipe {recipe}: " + ", ".join(f"{n} linear layers in {p}" for p, n in sorted(counts.items()))
+                  + f"; kept in bf16: lm_head{', ' if kept else ''}{', '.join(kept)}")
 
 
 def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, graphdef, state,
-                 pmap: dict, tokenizer: TextTokenizer) -> Path:
+                 pmap: dict[str, str], tokenizer: TextTokenizer, source: Checkpoint | None) -> Path:
     from converters.hf import write_hf_folder
 
     params = jax.tree.map(np.asarray, state["params"])
     model = nnx.merge(graphdef, params)
-    hf_dir = out / "hf"
-    tokenizer_dir = out / "tokenizer"
+    hf_dir = out / WEIGHTS_DIR
+    tokenizer_dir = out / TOKENIZER_DIR
     write_hf_folder(hf_dir, model_config, ModelTensorSource(model, path=str(out)), dtype="bf16",
                     copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (
-                        config.model if Path(config.model).is_dir() else None), force=True)
-    if not tokenizer_dir.is_dir() and not (hf_dir / "tokenizer.json").is_file():
-        from nvfp4tool.train.tokenizer import save_tokenizer
-
+                        source.aux_dir if source is not None else None), force=True)
+    if not (hf_dir / "tokenizer.json").is_file():
         save_tokenizer(tokenizer.tokenizer, hf_dir)
-    amax = {n: float(np.max(np.asarray(h))) for n, h in state["amax"].items()}
-    (hf_dir / INPUT_AMAX_FILE).write_text(json.dumps(amax, indent=1))
-    (hf_dir / PRECISION_MAP_FILE).write_text(json.dumps(pmap, indent=1))
+    InputAmaxRecord({n: float(np.max(np.asarray(h))) for n, h in state["amax"].items()}).write(hf_dir)
+    PrecisionMapRecord(dict(pmap)).write(hf_dir)
     if config.export_maxtext:
         from converters.hf import HFFolderSource
         from converters.maxtext import write_maxtext
 
         write_maxtext(out / "maxtext", model_config, HFFolderSource(hf_dir), scan_layers=True,
-                      rope_layout=_maxtext_rope_layout(config) or "half", force=True)
+                      rope_layout=_output_rope_layout(config, source), force=True)
     return hf_dir
-
-
-class _progress:
-    """A rich progress bar with loss, tokens/s and ETA (or nothing when disabled)."""
-
-    def __init__(self, enabled: bool, total: int, completed: int) -> None:
-        self.enabled, self.total, self.completed = enabled, total, completed
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda record: None
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._bar = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                             TimeRemainingColumn())
-        self._bar.__enter__()
-        task = self._bar.add_task("train", total=self.total, completed=self.completed, loss="-", tps="-")
-
-        def advance(record: dict) -> None:
-            self._bar.update(task, advance=1, loss=f"{record['loss']:.4f}",
-                             tps=f"{record['tokens_per_s']:,.0f}")
-
-        return advance
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._bar.__exit__(*exc)
-        return False

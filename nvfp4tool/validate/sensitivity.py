@@ -1,8 +1,8 @@
 """Which layers to keep in BF16 so that the NVFP4 export meets a KL target (greedy search).
 
-    result = sensitivity(loaded, kl_target=0.02, batch_size=4)
-    result["keep_bf16"]        # fnmatch patterns for `nvfp4tool export --keep-bf16`
-    result["precision_map"]    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
+    found = sensitivity(loaded, kl_target=0.02, batch_size=4)   # records.validation.Sensitivity
+    found.keep_bf16        # fnmatch patterns for `nvfp4tool export --keep-bf16`
+    found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
 
 The unit is a fused group (q/k/v, gate/up: one GEMM in serving engines, kept or quantized whole).
 Each group's harm is the mean KL to BF16 when only that group is quantized; groups are then kept
@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nvfp4tool import progress
 from nvfp4tool.model import default_linear, forward
 from nvfp4tool.recipes.precision import fused_group
+from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.validate import metrics
 
 
-def sensitivity(loaded, *, kl_target: float, batch_size: int, progress=None) -> dict[str, Any]:
+def sensitivity(loaded, *, kl_target: float, batch_size: int) -> Sensitivity:
     """The greedy search (see the module docstring); `loaded` is runner.load_models' result."""
-    say = progress or (lambda _: None)
     quantized = list(loaded.nvfp4.exported.quantized)
     groups: dict[str, list[str]] = {}
     for m in quantized:
@@ -50,24 +50,24 @@ def sensitivity(loaded, *, kl_target: float, batch_size: int, progress=None) -> 
 
     names = list(groups)
     harm = {}
-    for i, g in enumerate(names):
-        say(f"sensitivity: harm of {g} ({i + 1}/{len(names)})")
-        harm[g] = mean_kl(set(names) - {g})
+    with progress.task("sensitivity", total=len(names), unit="group") as task:
+        for g in names:
+            harm[g] = mean_kl(set(names) - {g})
+            task.advance(description=g)
     order = sorted(names, key=lambda g: -harm[g])
     kept: list[str] = []
-    trajectory = [{"kept": [], "kl_mean": mean_kl(set())}]
+    trajectory = [SearchStep(kept=[], kl_mean=mean_kl(set()))]
     for g in order:
-        if trajectory[-1]["kl_mean"] <= kl_target:
+        if trajectory[-1].kl_mean <= kl_target:
             break
         kept.append(g)
-        say(f"sensitivity: keeping {g} in BF16")
-        trajectory.append({"kept": list(kept), "kl_mean": mean_kl(set(kept))})
-    patterns = [group_pattern(g, groups[g]) for g in kept]
-    return {"kl_target": kl_target, "met": trajectory[-1]["kl_mean"] <= kl_target,
-            "harm": [{"group": g, "kl_mean_alone": harm[g]} for g in order],
-            "trajectory": trajectory, "keep_bf16": patterns,
-            "precision_map": {m: ("bf16" if fused_group(m) in kept else loaded.nvfp4.label)
-                              for m in quantized}}
+        progress.info(f"sensitivity: keeping {g} in BF16")
+        trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
+    return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
+                       harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
+                       trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
+                       precision_map={m: ("bf16" if fused_group(m) in kept else loaded.nvfp4.label)
+                                      for m in quantized})
 
 
 def group_pattern(group: str, members: list[str]) -> str:
@@ -83,11 +83,11 @@ def group_pattern(group: str, members: list[str]) -> str:
     return f"{prefix}.{{{','.join(suffixes)}}}"
 
 
-def command_lines(result: dict[str, Any], source: str) -> list[str]:
+def command_lines(found: Sensitivity, source: str) -> list[str]:
     """The export flags and the training override (precision map) that realise the result."""
-    keep = " ".join(f"--keep-bf16 '{p}'" for p in result["keep_bf16"])
+    keep = " ".join(f"--keep-bf16 '{p}'" for p in found.keep_bf16)
     return [f"nvfp4tool export {source} --out OUT {keep}".rstrip(),
-            f"nvfp4tool train ... bf16_patterns='{json.dumps(result['keep_bf16'])}'"]
+            f"nvfp4tool train ... bf16_patterns='{json.dumps(found.keep_bf16)}'"]
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,260 @@
+"""The one checkpoint opener: an HF folder, a MaxText checkpoint or an nvfp4tool training run.
+
+    ckpt = open_checkpoint(path, model_config=None, rope_layout=None, step=None, options=CLI_OPTIONS)
+    ckpt.tensors        TensorSource with HF names (one tensor at a time)
+    ckpt.config         ModelConfig
+    ckpt.kind           "hf" | "maxtext" | "run"
+    ckpt.run            the RunRecord of a training run (None otherwise)
+    ckpt.precision_map  a run's {linear: precision} (None: plain checkpoints, BF16 runs)
+    ckpt.input_amax     a run's tracked {linear: max|input|} (None: calibrate)
+    ckpt.weight_block   "2d" for a run trained with 16x16 weight scaling, else "1d"
+    ckpt.maxtext_rope_layout()   the MaxText side's RoPE layout (exit 2 if it cannot be told)
+
+convert, train (`model=`), export, validate (`--source`) and calibration open their inputs here
+and nowhere else, so one mistake gets one message and one exit code in every command; messages
+spell the options as the caller's user types them (`OptionNames`: `--model-config X` on the
+command line, `model_config=X` in train):
+
+    PATH does not exist                          exit 2  "PATH: not found" (as click says of any
+                                                          path argument that names nothing)
+    PATH is none of the three kinds              exit 1  "PATH: neither an HF folder ..."
+    a MaxText checkpoint without a model config  exit 2  "PATH: a MaxText checkpoint carries no model
+                                                          config; pass --model-config CONFIG ..."
+    a model config that is neither a file/folder nor a MaxText model name   exit 2
+    an unknown RoPE layout, or none given where the model config cannot tell   exit 2
+    a step for something that is not a training run                         exit 2
+    a step without a usable checkpoint  exit 1  "PATH: no checkpoint for step 8 (have: 4, 12)"
+    an HF folder / run whose config.json disagrees with the model config given   exit 1
+
+A training run is `<run>/run.json` + `<run>/hf/` (the final BF16 weights with `input_amax.json`
+and `precision_map.json`, see `nvfp4tool.records.run`). `step=N` restores `<run>/checkpoints/N`
+instead: its FP32 master weights rounded to BF16 (what the trainer's quantizers read) and the amax
+history of that state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from converters.tensor_source import DictTensorSource, TensorSource
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.records.run import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
+
+ROPE_LAYOUTS = ("half", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionNames:
+    """How the caller's user spells the options, as format strings of the option and its value."""
+
+    model_config: str | None = "--model-config {}"  # None: the command cannot take one
+    rope_layout: str = "--rope-layout {}"
+    step: str = "--step {}"
+
+
+CLI_OPTIONS = OptionNames()
+TRAIN_OPTIONS = OptionNames(model_config="model_config={}", rope_layout="rope_layout={}", step="step={}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint (see the module docstring)."""
+
+    tensors: TensorSource
+    config: ModelConfig
+    path: str  # absolute
+    kind: str  # "hf" | "maxtext" | "run"
+    weight_files: list[str]  # the files holding the weights (hashed into provenance records)
+    aux_dir: str | None  # folder with the tokenizer / generation config files, if any
+    options: OptionNames = CLI_OPTIONS
+    maxtext_name: str | None = None  # the MaxText model name given as the model config
+    rope_layout: str | None = None  # the MaxText side's RoPE layout as given (or of a MaxText source)
+    run: RunRecord | None = None
+    precision_map: dict[str, str] | None = None
+    input_amax: dict[str, float] | None = None
+    weight_block: str = "1d"
+    recipe: dict[str, Any] | None = None  # a run's recipe as the provenance record states it
+    step: int | None = None
+
+    def maxtext_rope_layout(self) -> str:
+        """The RoPE layout of the MaxText side (the given one, else the MaxText model name's)."""
+        return resolve_rope_layout(self.rope_layout, self.maxtext_name, self.options, self.path)
+
+
+def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
+                    rope_layout: str | None = None, step: int | None = None,
+                    options: OptionNames = CLI_OPTIONS) -> Checkpoint:
+    """Open `path` (see the module docstring for what is accepted and the errors)."""
+    shown = os.fspath(path)
+    kind = checkpoint_kind(shown)
+    if rope_layout is not None:
+        _check_rope_layout(rope_layout, options)
+    if step is not None and kind != "run":
+        raise NVFP4UsageError(f"{shown}: {options.step.format(step)} needs an nvfp4tool training run "
+                              f"(a folder with {RunRecord.FILE_NAME} and {WEIGHTS_DIR}/)")
+    absolute = os.path.abspath(shown)
+    given = resolve_model_config(model_config, options) if model_config is not None else None
+    maxtext_name = given[1] if given else None
+    if kind == "maxtext":
+        if given is None:
+            raise NVFP4UsageError(_needs_model_config(shown, options))
+        from converters.maxtext import MaxTextSource
+
+        layout = resolve_rope_layout(rope_layout, maxtext_name, options, shown)
+        files = sorted(f for f in glob.glob(os.path.join(absolute, "**", "*"), recursive=True)
+                       if os.path.isfile(f))
+        aux = model_config if model_config is not None and os.path.isdir(model_config) else None
+        return Checkpoint(tensors=MaxTextSource(absolute, given[0], layout), config=given[0],
+                          path=absolute, kind=kind, weight_files=files, aux_dir=aux, options=options,
+                          maxtext_name=maxtext_name, rope_layout=layout)
+    opened = _open_run(absolute, step) if kind == "run" else _open_hf(absolute)
+    if given is not None and given[0].expected_tensor_shapes() != opened.config.expected_tensor_shapes():
+        raise NVFP4ToolError(f"{shown}: its config.json describes a different model than "
+                             f"{options.model_config.format(model_config)}")
+    return dataclasses.replace(opened, options=options, maxtext_name=maxtext_name, rope_layout=rope_layout)
+
+
+def checkpoint_kind(path: str) -> str:
+    """"run", "hf" or "maxtext"; NVFP4ToolError "PATH: not found" / "PATH: neither ..." otherwise."""
+    from converters.maxtext import is_maxtext_checkpoint
+
+    if not os.path.exists(path):
+        raise NVFP4UsageError(f"{path}: not found")
+    if RunRecord.exists(path):
+        if not os.path.isdir(os.path.join(path, WEIGHTS_DIR)):
+            raise NVFP4ToolError(f"{path}: a training run without final weights ({WEIGHTS_DIR}/ is "
+                                 "missing): it has not finished; resume it with resume=true")
+        return "run"
+    if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(glob.escape(path),
+                                                                                     "*.safetensors")):
+        return "hf"
+    if is_maxtext_checkpoint(path):
+        return "maxtext"
+    raise NVFP4ToolError(f"{path}: neither an HF folder (config.json + *.safetensors), a MaxText Orbax "
+                         f"checkpoint (<base>/<step>/items) nor an nvfp4tool training run "
+                         f"({RunRecord.FILE_NAME} + {WEIGHTS_DIR}/)")
+
+
+def resolve_model_config(spec: str, options: OptionNames = CLI_OPTIONS) -> tuple[ModelConfig, str | None]:
+    """(config, MaxText model name or None) from a MaxText model name, an HF config.json or folder."""
+    from converters import maxtext_models
+
+    if spec in maxtext_models.MAXTEXT_MODELS:
+        hf = maxtext_models.maxtext_hf_config(spec)
+        return ModelConfig.from_hf_config(hf, source=f"MaxText model {spec}"), spec
+    if os.path.exists(spec):
+        return ModelConfig.from_hf_folder(spec), None
+    raise NVFP4UsageError(f"{(options.model_config or '{}').format(spec)}: neither a file/folder nor a "
+                          f"known MaxText model name ({', '.join(maxtext_models.MAXTEXT_MODELS)})")
+
+
+def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
+                        options: OptionNames = CLI_OPTIONS, path: str | None = None) -> str:
+    """The MaxText side's RoPE layout: `explicit`, else the MaxText model name's; else exit 2."""
+    from converters import maxtext_models
+
+    if explicit is not None:
+        return _check_rope_layout(explicit, options)
+    if maxtext_name is not None:
+        return maxtext_models.rope_layout_for(maxtext_name)
+    where = f"{path}: " if path else ""
+    config_hint = (f", or a MaxText model name as {options.model_config.format('NAME')}"
+                   if options.model_config else "")
+    raise NVFP4UsageError(f"{where}which RoPE layout does the MaxText side use? pass "
+                          f"{options.rope_layout.format('interleaved|half')}{config_hint} "
+                          "(llama3.1-* are interleaved, the others half)")
+
+
+def run_steps(run_dir: str) -> list[int]:
+    """The steps of a run with a usable checkpoint (a `<step>/state` folder), ascending."""
+    base = os.path.join(run_dir, CHECKPOINTS_DIR)
+    names = os.listdir(base) if os.path.isdir(base) else []
+    return sorted(int(n) for n in names
+                  if re.fullmatch(r"\d+", n) and os.path.isdir(os.path.join(base, n, "state")))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_rope_layout(value: str, options: OptionNames) -> str:
+    if value not in ROPE_LAYOUTS:
+        raise NVFP4UsageError(f"{options.rope_layout.format(value)}: unknown RoPE layout; "
+                              f"choose one of {', '.join(ROPE_LAYOUTS)}")
+    return value
+
+
+def _needs_model_config(path: str, options: OptionNames) -> str:
+    if options.model_config is None:
+        return (f"{path}: a MaxText checkpoint carries no model config, which this command cannot "
+                "take; convert it to an HF folder first (nvfp4tool convert PATH OUT --to hf "
+                "--model-config CONFIG)")
+    return (f"{path}: a MaxText checkpoint carries no model config; pass "
+            f"{options.model_config.format('CONFIG')} (an HF config.json / folder, or a MaxText "
+            "model name such as llama3.1-8b)")
+
+
+def _open_hf(path: str) -> Checkpoint:
+    from converters.hf import HFFolderSource
+
+    source = HFFolderSource(path)
+    return Checkpoint(tensors=source, config=source.config, path=path, kind="hf",
+                      weight_files=sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))),
+                      aux_dir=path)
+
+
+def _open_run(run_dir: str, step: int | None) -> Checkpoint:
+    from converters.hf import HFFolderSource
+
+    record = RunRecord.read(run_dir)
+    hf_dir = os.path.join(run_dir, WEIGHTS_DIR)
+    pmap: dict[str, str] | None = PrecisionMapRecord.read(hf_dir).precisions
+    input_amax: dict[str, float] | None = InputAmaxRecord.read(hf_dir).amax
+    source: TensorSource = HFFolderSource(hf_dir)
+    config = source.config
+    files = sorted(glob.glob(os.path.join(glob.escape(hf_dir), "*.safetensors")))
+    if step is not None:
+        source, input_amax, files = _restore_step(run_dir, step, source)
+    if all(p == "bf16" for n, p in pmap.items() if n != "lm_head"):
+        # A BF16 run trained nothing in low precision and tracked no input amax: its export is
+        # post-training quantization with the default plan (calibrate with --calib-data).
+        pmap, input_amax = None, None
+    recipe = record.recipe_config()
+    recipe_json = {"recipe": recipe.name, "rht": recipe.rht, "stochastic_rounding": recipe.stochastic_rounding,
+                   "weight_2d": recipe.weight_2d, "bf16_first_layers": recipe.bf16_first_layers,
+                   "bf16_last_layers": recipe.bf16_last_layers, "bf16_patterns": list(recipe.bf16_patterns)}
+    return Checkpoint(tensors=source, config=config, path=run_dir, kind="run", weight_files=files,
+                      aux_dir=hf_dir, run=record, precision_map=pmap, input_amax=input_amax,
+                      weight_block=record.weight_block, recipe=recipe_json, step=step)
+
+
+def _restore_step(run_dir: str, step: int, hf_source: TensorSource):
+    """(BF16 tensor source of the step's master weights, its input amax, its files)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors
+
+    steps = run_steps(run_dir)
+    if step not in steps:
+        raise NVFP4ToolError(f"{run_dir}: no checkpoint for step {step} "
+                             f"(have: {', '.join(map(str, steps)) or 'none'})")
+    state_dir = os.path.join(run_dir, CHECKPOINTS_DIR, str(step), "state")
+    state = ocp.StandardCheckpointer().restore(state_dir)
+    model = model_from_tensors(hf_source.config, hf_source)
+    graphdef, params = nnx.split(model)
+    params.replace_by_pure_dict(state["params"])
+    master = ModelTensorSource(nnx.merge(graphdef, params), path=state_dir)
+    # The trainer's quantizers read the BF16 rounding of the FP32 master weights.
+    tensors = {n: np.asarray(master.get(n)).astype("bfloat16") for n in master.names()}
+    amax = {n: float(np.max(np.asarray(h))) for n, h in state.get("amax", {}).items()}
+    files = sorted(f for f in glob.glob(os.path.join(glob.escape(state_dir), "**", "*"), recursive=True)
+                   if os.path.isfile(f))
+    return DictTensorSource(tensors, path=state_dir), amax, files

@@ -1,0 +1,157 @@
+"""The records of a training run: `run.json`, and the export hand-off `input_amax.json` and
+`precision_map.json` (written by `nvfp4tool train`, read by resume, export and validate).
+
+    RunRecord.read(run_dir)              <run>/run.json: the run's configuration and data hashes
+    record.train_config()                the TrainConfig it ran with (typed, strict)
+    record.recipe_config()               its RecipeConfig; record.weight_block: "2d" | "1d"
+    InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
+    PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "fp8" | "fp8-block"}
+
+A run folder: `run.json`, `WEIGHTS_DIR` (`hf/`: the final BF16 weights with the two map files),
+`CHECKPOINTS_DIR` (`checkpoints/<step>/state`, Orbax), `TOKENIZER_DIR` (a tokenizer trained by
+the run); the trainer writes it, the checkpoint opener reads it.
+
+Schemas. run.json is an object with exactly the keys of `RunRecord` (`config` holds every
+`TrainConfig` key, no more, no fewer). The two map files keep their flat JSON shape
+`{module name: value}` (what a user reads at a glance), with strict typed readers: input_amax
+values are finite numbers >= 0, precision_map values one of the recipe names
+(`nvfp4tool.recipes.precision.RECIPES`). Any other content is a `RecordError` naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.base import Record, RecordError, _convert, _json_type
+
+WEIGHTS_DIR = "hf"  # a run's final weights
+CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
+TOKENIZER_DIR = "tokenizer"  # a tokenizer trained by the run
+
+if TYPE_CHECKING:
+    from nvfp4tool.recipes.precision import RecipeConfig
+    from nvfp4tool.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord(Record):
+    """`<run>/run.json`: what a run was started with (written once, before its first step)."""
+
+    FILE_NAME: ClassVar[str] = "run.json"
+
+    config: dict[str, Any]  # every TrainConfig key (TrainConfig.to_dict())
+    model_config: dict[str, Any]  # the model's HF config.json dict
+    data_sha256: str  # of the training data's bytes (its files in reading order)
+    eval_data_sha256: str | None  # of `eval_data` (None: split off the training data)
+    tokenizer_sha256: str  # of the tokenizer's serialized tokenizer.json
+    train_windows: int
+    eval_windows: int
+    devices: int
+    processes: int
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        fields = super()._from_json_fields(obj, label)
+        _train_config(fields["config"], label)  # the config must be one TrainConfig accepts
+        return fields
+
+    def train_config(self) -> TrainConfig:
+        """The run's TrainConfig (every key checked; a RecordError names run.json if one is off)."""
+        return _train_config(self.config, self.FILE_NAME)
+
+    def recipe_config(self) -> RecipeConfig:
+        return self.train_config().recipe_config()
+
+    @property
+    def weight_block(self) -> str:
+        """"2d" when the run trained NVFP4 with 16x16 weight scaling (its export must match), else "1d"."""
+        recipe = self.recipe_config()
+        return "2d" if recipe.name == "nvfp4" and recipe.weight_2d else "1d"
+
+
+class _FlatMap(Record):
+    """A record stored as a flat JSON object {module name: value} (see the module docstring)."""
+
+    def _values(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _check_value(cls, value: Any, label: str) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        (field,) = dataclasses.fields(cls)
+        return {field.name: {name: cls._check_value(value, f"{label}: {name}") for name, value in obj.items()}}
+
+    def to_json(self) -> dict[str, Any]:
+        values = self._values()
+        for name, value in values.items():
+            self._check_value(value, f"{self.FILE_NAME}: {name}")
+        return dict(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputAmaxRecord(_FlatMap):
+    """`input_amax.json` beside a run's final weights: each quantized linear's tracked max|input|."""
+
+    FILE_NAME: ClassVar[str] = "input_amax.json"
+
+    amax: dict[str, float]
+
+    def _values(self) -> dict[str, Any]:
+        return self.amax
+
+    @classmethod
+    def _check_value(cls, value: Any, label: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecordError(f"{label}: expected a number, got {_json_type(value)}")
+        if not math.isfinite(value) or value < 0:
+            raise RecordError(f"{label}: input amax must be a finite number >= 0, got {value}")
+        return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionMapRecord(_FlatMap):
+    """`precision_map.json` beside a run's final weights: each linear's training precision."""
+
+    FILE_NAME: ClassVar[str] = "precision_map.json"
+
+    precisions: dict[str, str]
+
+    def _values(self) -> dict[str, Any]:
+        return self.precisions
+
+    @classmethod
+    def _check_value(cls, value: Any, label: str) -> str:
+        from nvfp4tool.recipes.precision import RECIPES
+
+        if value not in RECIPES:
+            raise RecordError(f"{label}: {value!r} is not a precision ({', '.join(RECIPES)})")
+        return value
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _train_config(values: dict[str, Any], label: str) -> TrainConfig:
+    from nvfp4tool.train.config import TrainConfig
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise RecordError(f"{label}: config: unknown key {unknown[0]!r}")
+    missing = [name for name in fields if name not in values]
+    if missing:
+        raise RecordError(f"{label}: config: missing key {missing[0]!r}")
+    hints = typing.get_type_hints(TrainConfig)
+    typed = {k: _convert(v, hints[k], f"{label}: config: {k}") for k, v in values.items()}
+    try:
+        return TrainConfig(**typed)
+    except NVFP4ToolError as bad:
+        raise RecordError(f"{label}: config: {bad}") from None

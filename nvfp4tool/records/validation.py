@@ -1,0 +1,212 @@
+"""The validation result `validation.json` (written by `nvfp4tool validate` into the export, read by
+the hub card and `push`).
+
+    record = ValidationRecord.read(export_dir)
+    record.passed, record.failures, record.models["nvfp4"]["kl_mean"], record.layers[0].name
+
+Nothing in it names a path of the machine it was made on (it is uploaded with the export): the
+export, the BF16 source, an FP8 reference folder and the evaluation data are each a `Named`: a Hub
+repo id or the folder / file name, plus the sha256 of its files relative to it.
+
+Metric values are floats and may be non-finite in memory (an infinite SQNR of identical weights, a
+NaN metric of a broken model, which fails validation); the file stores those as the strings
+"inf", "-inf" and "nan" (strict JSON has no Infinity), and reading turns them back into floats
+in the metric places (models, layers, thresholds, failures, sensitivity) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, ClassVar
+
+from nvfp4tool.records.base import Record
+
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+_HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/\\]+?)--(?P<name>[^/\\]+?)(?:[/\\]|$)")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Named(Record):
+    """A folder or file named without a local path: a Hub repo id or its base name, plus hashes."""
+
+    name: str
+    sha256: dict[str, str]  # {file path relative to the folder (a file: its name): sha256}
+
+    @classmethod
+    def of(cls, path: str, hashes: dict[str, str]) -> Named:
+        """`path` named portably (`portable_name`), with `hashes` {absolute file: sha256} made
+        relative to it."""
+        root = os.path.abspath(path)
+        base = os.path.dirname(root) if os.path.isfile(root) else root
+        return cls(name=portable_name(path),
+                   sha256={os.path.relpath(os.path.abspath(f), base): h for f, h in sorted(hashes.items())})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataRef(Record):
+    """The evaluation data: the file (named, hashed) and the token windows read from it."""
+
+    file: Named
+    sequences: int
+    seq_len: int
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSQNR(Record):
+    """One quantized linear: weight and output SQNR (dB) per compared model label."""
+
+    name: str
+    weight_sqnr_db: dict[str, float]
+    output_sqnr_db: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation(Record):
+    """Greedy continuations: the first position where each model leaves BF16's tokens (None: never)."""
+
+    prompts: int
+    prompt_len: int
+    tokens: int
+    first_divergence: dict[str, list[int | None]]  # {model label: one entry per prompt}
+
+
+@dataclasses.dataclass(frozen=True)
+class Histogram(Record):
+    edges: list[float]
+    counts: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure(Record):
+    """A failed limit: `by` is how far past the limit the value lies."""
+
+    metric: str
+    value: float
+    limit: float
+    by: float
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupHarm(Record):
+    group: str
+    kl_mean_alone: float  # mean KL when only this fused group is quantized
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchStep(Record):
+    kept: list[str]
+    kl_mean: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Sensitivity(Record):
+    """The greedy search for the layers to keep in BF16 (`validate --sensitivity`)."""
+
+    kl_target: float
+    met: bool
+    harm: list[GroupHarm]  # most harmful first
+    trajectory: list[SearchStep]
+    keep_bf16: list[str]  # fnmatch patterns for `export --keep-bf16`
+    precision_map: dict[str, str]  # {linear: "bf16" | quant}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationRecord(Record):
+    """`validation.json`: the NVFP4 export against its BF16 source (and an FP8 reference)."""
+
+    FILE_NAME: ClassVar[str] = "validation.json"
+
+    export: Named
+    quant: str  # the export's quant: its label in `models` ("nvfp4", "nvfp4-weight-only")
+    format: str
+    source: Named
+    source_kind: str  # "hf" | "maxtext" | "run"
+    source_step: int | None
+    reference: str  # "bf16" | "fp8 (exported on the fly from the source)" | "fp8 export"
+    reference_export: Named | None  # the --reference folder, when one was given
+    data: DataRef
+    models: dict[str, dict[str, float]]  # {"bf16": {"ppl"}, <label>: {kl_mean, kl_p99, top1, ...}}
+    layers: list[LayerSQNR]  # worst output SQNR of the export first
+    generation: Generation
+    kl_histogram: dict[str, Histogram]  # per-token KL to BF16 over log-spaced bins, per label
+    thresholds: dict[str, float | None]
+    failures: list[Failure]
+    passed: bool
+    sensitivity: Sensitivity | None = None
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        return super()._from_json_fields(_decode(obj), label)
+
+    def to_json(self) -> dict[str, Any]:
+        return _encode(dataclasses.asdict(self))
+
+    @property
+    def labels(self) -> list[str]:
+        """The compared models other than BF16, the export first."""
+        return [k for k in self.models if k != "bf16"]
+
+
+def source_repo_id(path: str) -> str | None:
+    """The Hub repo id a path names: a Hub cache snapshot (`.../models--org--name/...`) or a bare
+    `org/name` that is not a local folder; None for other local paths."""
+    cached = _HF_CACHE_REPO.search(path)
+    if cached:
+        return f"{cached['org']}/{cached['name']}"
+    if _REPO_ID.match(path) and not os.path.exists(path):
+        return path
+    return None
+
+
+def portable_name(path: str) -> str:
+    """A name for `path` that may be published: its Hub repo id, else its base name."""
+    return source_repo_id(path) or os.path.basename(os.path.abspath(path).rstrip(os.sep))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+def _decode(obj: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object with "inf" / "-inf" / "nan" turned into floats in the numeric places."""
+    obj = dict(obj)
+    if isinstance(obj.get("models"), dict):
+        obj["models"] = {k: _numbers(v) for k, v in obj["models"].items()}
+    if "thresholds" in obj:
+        obj["thresholds"] = _numbers(obj["thresholds"])
+    if isinstance(obj.get("layers"), list):
+        obj["layers"] = [{**row, **{k: _numbers(row.get(k)) for k in ("weight_sqnr_db", "output_sqnr_db")
+                                    if k in row}} if isinstance(row, dict) else row
+                         for row in obj["layers"]]
+    if isinstance(obj.get("failures"), list):
+        obj["failures"] = [_numbers(f, ("value", "limit", "by")) for f in obj["failures"]]
+    found = obj.get("sensitivity")
+    if isinstance(found, dict):
+        found = dict(found)
+        for key, field in (("harm", "kl_mean_alone"), ("trajectory", "kl_mean")):
+            if isinstance(found.get(key), list):
+                found[key] = [_numbers(item, (field,)) for item in found[key]]
+        obj["sensitivity"] = found
+    return obj
+
+
+def _numbers(mapping: Any, keys: tuple[str, ...] | None = None) -> Any:
+    if not isinstance(mapping, dict):
+        return mapping
+    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) and (keys is None or k in keys) else v
+            for k, v in mapping.items()}
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
