@@ -74,8 +74,10 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool = False, *,
 
 
 def check_output_path(out_dir: str | os.PathLike, inputs: Iterable[str | os.PathLike], *,
-                      flag: str = "output") -> None:
-    """NVFP4UsageError if `out_dir` is, contains or lies inside any of `inputs` (real paths)."""
+                      flag: str = "output", force: bool | None = None) -> None:
+    """NVFP4UsageError if `out_dir` is, contains or lies inside any of `inputs` (real paths); with
+    `force` given, also the existing-output refusal of `atomic_output_dir`, so a writer can say both
+    before any long work (atomic_output_dir checks again when it starts)."""
     out_real = os.path.realpath(os.fspath(out_dir))
     for source in inputs:
         if source is None:
@@ -91,6 +93,8 @@ def check_output_path(out_dir: str | os.PathLike, inputs: Iterable[str | os.Path
             continue
         raise NVFP4UsageError(f"{flag} {os.fspath(out_dir)}: {relation} the input {os.fspath(source)}; "
                               f"writing there would destroy the source (choose another folder)")
+    if force is not None:
+        _check_replaceable(os.path.abspath(os.fspath(out_dir)), force)
 
 
 def clean_stale_siblings(out_dir: str) -> list[str]:

@@ -65,7 +65,7 @@ def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None 
     start = time.perf_counter()
     source = open_checkpoint(src, model_config=model_config, rope_layout=rope_layout)
     inputs = [src] + ([model_config] if model_config and os.path.exists(model_config) else [])
-    check_output_path(dst, inputs, flag="DST")
+    check_output_path(dst, inputs, flag="DST", force=force)
     target_layout = source.maxtext_rope_layout() if to == "maxtext" else None
     config = source.config
     with progress.task("convert", total=len(source.tensors.names()), unit="tensor") as task:

@@ -120,6 +120,13 @@ class HFFolderSource:
     def names(self) -> list[str]:
         return list(self._entries)
 
+    def shard_files(self) -> dict[str, list[str]]:
+        """{safetensors file name: its tensors in file order} (from the validated headers)."""
+        files: dict[str, list[str]] = {}
+        for entry in sorted(self._entries.values(), key=lambda e: (e.file, e.start)):
+            files.setdefault(os.path.basename(entry.file), []).append(entry.name)
+        return files
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
 
@@ -132,10 +139,6 @@ class HFFolderSource:
         array = read_tensor(entry)
         check_finite(array, f"{entry.file}: tensor {name!r}")
         return array
-
-    def aux_files(self) -> list[str]:
-        """Names of the tokenizer / generation-config files in the folder (copied on write)."""
-        return _aux_files(self._path)
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -159,7 +162,8 @@ class HFFolderSource:
 def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
                     dtype: str | None = "bf16", max_shard_size: int | str = "5GB",
                     copy_from: str | os.PathLike | None = None, force: bool = False,
-                    inputs: Iterable[str | os.PathLike] = (), flag: str = "output") -> list[str]:
+                    inputs: Iterable[str | os.PathLike] = (), flag: str = "output",
+                    finish: Callable[[str], None] | None = None) -> list[str]:
     """Write `source` as an HF model folder; return the weight file names written.
 
     dtype: "bf16" / "fp32" cast every floating tensor (round to nearest even), None keeps each
@@ -169,7 +173,9 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     checked against `config.expected_tensor_shapes()` first; a non-finite value (one the source
     holds, or one the cast overflows to) is an error and nothing is written. `inputs` (the folders
     the source reads) and `copy_from` must not overlap `out_dir`, which messages call `flag` (see
-    `converters.atomic`). Memory: one tensor at a time.
+    `converters.atomic`). `finish(tmp_dir)` writes more files (a training run's records) into the
+    folder before it is published, so they appear together or not at all. Memory: one tensor at a
+    time.
     """
     target_dtype = _parse_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
@@ -210,6 +216,8 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
         if copy_from is not None:
             for file_name in _aux_files(os.fspath(copy_from)):
                 shutil.copy2(os.path.join(copy_from, file_name), os.path.join(tmp_dir, file_name))
+        if finish is not None:
+            finish(tmp_dir)
     return file_names
 
 

@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 
+from nvfp4tool import export
 from nvfp4tool.check import check_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
 
-export = pytest.importorskip("nvfp4tool.export")
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2,
                           dtype="bfloat16")

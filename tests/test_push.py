@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from hub_server import HubServer, SilentServer
 from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
-from nvfp4tool.hub.card import source_repo_id
+from nvfp4tool.records.names import source_repo_id
 from serving_fixtures import build_checkpoint, write_checkpoint, write_export_record
 from validate_fixtures import validation_record
 

@@ -15,7 +15,6 @@ it); the export itself streams.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
@@ -67,7 +66,10 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
     if not os.path.isfile(path):
         raise NVFP4ToolError(f"{path}: calibration data not found")
     if path.endswith(".npy"):
-        ids = np.load(path)
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError, OSError) as bad:  # not an .npy array, pickled objects, truncated
+            raise NVFP4ToolError(f"{path}: not a NumPy token-id array ({bad})") from None
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise NVFP4ToolError(f"{path}: expected an integer array [samples, seq_len], "
                                  f"got {ids.dtype}{list(ids.shape)}")
@@ -106,17 +108,17 @@ def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) 
     if tokenizer_dir is None or not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise NVFP4ToolError(f"{path}: text calibration data needs the source's tokenizer.json "
                              f"(not found in {tokenizer_dir}); or pass token ids as .npy")
+    from nvfp4tool.train.data import iter_documents
     from nvfp4tool.train.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            rows = [tokenizer.encode(json.loads(line)["text"])[:seq_len]
-                    for line in f if line.strip()][:samples]
-            rows = [r for r in rows if len(r) == seq_len] or rows[:1]
-            width = min(len(r) for r in rows) if rows else 0
-            return np.array([r[:width] for r in rows], np.int64).reshape(len(rows), width)
-        stream = tokenizer.encode(f.read())
+    documents = iter_documents(path)  # the training data reader: one-line errors naming file and line
+    if path.endswith(".jsonl"):
+        rows = [tokenizer.encode(doc)[:seq_len] for _, doc in zip(range(samples), documents)]
+        rows = [r for r in rows if len(r) == seq_len] or rows[:1]
+        width = min(len(r) for r in rows) if rows else 0
+        return np.array([r[:width] for r in rows], np.int64).reshape(len(rows), width)
+    stream = tokenizer.encode("".join(documents))
     count = min(samples, len(stream) // seq_len)
     if count == 0:
         raise NVFP4ToolError(f"{path}: {len(stream)} tokens, fewer than one window of {seq_len}")

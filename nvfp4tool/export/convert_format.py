@@ -27,8 +27,9 @@ import time
 import numpy as np
 
 from converters.atomic import atomic_output_dir, check_output_path
-from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, HFFolderSource, write_safetensors
+from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES, HFFolderSource, write_safetensors
 from nvfp4tool import formats, progress
+from nvfp4tool.config import read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.export import ExportRecord, TensorRecord
 
@@ -40,7 +41,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     start = time.perf_counter()
     if to not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(formats.FORMATS)}")
-    check_output_path(out, (src,), flag="OUT")  # before any work (atomic_output_dir checks again)
+    check_output_path(out, (src,), flag="OUT", force=force)  # before any work (atomic_output_dir checks again)
     layout = formats.describe(src)
     if layout.format == to:
         raise NVFP4ToolError(f"{src}: already in the {to} layout")
@@ -52,7 +53,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
     amax = _weight_amax(record, source_spec)
     records: dict[str, TensorRecord] = {}
-    files = _shard_files(src)
+    files = source.shard_files()
     with atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp, \
             progress.task("convert-format", total=len(source.names()), unit="tensor") as task:
         weight_map = {}
@@ -92,8 +93,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
                 index = json.load(f)
             index["weight_map"] = weight_map
             _write_json(os.path.join(tmp, INDEX_FILE), index)
-        with open(os.path.join(src, formats.CONFIG_FILE)) as f:
-            hf = json.load(f)
+        hf = read_hf_config(src)[1]
         hf["quantization_config"] = target.quantization_config(layout.exclude)
         _write_json(os.path.join(tmp, formats.CONFIG_FILE), hf)
         from nvfp4tool import __version__
@@ -148,20 +148,6 @@ def _units(names: list[str], quantized: set[str]):
         elif module not in done:
             done.add(module)
             yield module, members[module]
-
-
-def _shard_files(folder: str) -> dict[str, list[str]]:
-    from converters.hf import read_safetensors_header
-
-    index_path = os.path.join(folder, INDEX_FILE)
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files: dict[str, list[str]] = {}
-        for name, file_name in weight_map.items():
-            files.setdefault(file_name, []).append(name)
-        return files
-    return {SINGLE_FILE: list(read_safetensors_header(os.path.join(folder, SINGLE_FILE)))}
 
 
 def _write_json(path: str, obj) -> None:

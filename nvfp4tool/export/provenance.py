@@ -10,15 +10,14 @@ to the export.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import nvfp4tool
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.names import portable_name
 from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, LayerErrorRecord, SourceRecord,
                                       TensorRecord, ToolRecord, sha256_file)
 
-_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
 def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, input_amax_origin: str,
@@ -28,7 +27,7 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
-        source=SourceRecord(name=source_name(source.path), kind=source.kind, step=source.step,
+        source=SourceRecord(name=portable_name(source.path), kind=source.kind, step=source.step,
                             files={os.path.relpath(f, source.path): sha256_file(f)
                                    for f in source.weight_files}),
         format=options.format,
@@ -52,13 +51,6 @@ def calibration_record(path: str, *, samples: int, seq_len: int) -> CalibrationR
     """The calibration data by file name and sha256."""
     return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
                              seq_len=seq_len)
-
-
-def source_name(path: str) -> str:
-    """"ORG/NAME" for a Hub cache snapshot folder, else the folder's own name."""
-    path = os.path.abspath(path).replace(os.sep, "/")
-    match = _HUB_SNAPSHOT.search(path)
-    return f"{match.group(1)}/{match.group(2)}" if match else os.path.basename(path.rstrip("/"))
 
 
 def locate_source(export_dir: str) -> tuple[str, int | None]:

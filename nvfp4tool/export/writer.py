@@ -101,7 +101,7 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     start = time.perf_counter()
     _check_options(options)
     inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
-    check_output_path(out, inputs, flag="--out")  # before any work (atomic_output_dir checks again)
+    check_output_path(out, inputs, flag="--out", force=options.force)  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config,
                              rope_layout=options.rope_layout)
     spec = formats.get(options.format, options.quant)

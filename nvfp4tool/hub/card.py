@@ -6,7 +6,7 @@ Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model
 quantized, library_name, pipeline_tag, tags, license), what was quantized and what kept in
 BF16 (from the check report and the configs), the validation table (`validation.md` as written
 by `nvfp4tool validate`, else the metrics of its `ValidationRecord`), the recipe and provenance
-(`nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors;
+(the typed `ExportRecord`, `nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors;
 vLLM / TensorRT-LLM / SGLang for ModelOpt).
 """
 
@@ -19,10 +19,13 @@ from typing import Any
 
 from huggingface_hub import ModelCardData
 
-from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.provenance import PROVENANCE_FILE
-from nvfp4tool.records.validation import ValidationRecord, source_repo_id
+from nvfp4tool import formats
+from nvfp4tool.config import read_hf_config
+from nvfp4tool.records.export import ExportRecord
+from nvfp4tool.records.names import portable_name, source_repo_id
+from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate.report import VALIDATION_MD
+
 # library_name per format: compressed-tensors checkpoints load in transformers; ModelOpt ones do not.
 LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
 _QUANT_TAGS = {"nvfp4": ["nvfp4", "fp4", "w4a4"], "nvfp4-weight-only": ["nvfp4", "fp4", "w4a16"],
@@ -38,11 +41,11 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
 
     `base_model` / `license` override what the provenance record and the source folder say;
     `validation` is the export's validation record (None: published without validation)."""
-    config = read_json(folder, "config.json") or {}
-    provenance = read_json(folder, PROVENANCE_FILE) or {}
-    source_path = str((provenance.get("source") or {}).get("name") or "")  # ExportRecord.source.name
-    base_model = base_model or source_repo_id(source_path)
-    license = license or _source_license(source_path, config)
+    layout = formats.describe(folder)
+    provenance = ExportRecord.read(folder) if ExportRecord.exists(folder) else None
+    source_name = provenance.source.name if provenance is not None else ""
+    base_model = base_model or source_repo_id(source_name)
+    license = license or _source_license(source_name, read_hf_config(folder)[1])
     data = ModelCardData(
         base_model=base_model, base_model_relation="quantized" if base_model else None,
         library_name=LIBRARY_NAME.get(report.format, report.format), pipeline_tag="text-generation",
@@ -54,7 +57,7 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
         f" in the **{report.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
         f"before upload ({report.tensors_checked} tensors, {len(report.modules)} quantized modules, "
         "no problems found).",
-        _quantized_section(folder, report, config, provenance),
+        _quantized_section(report, layout, provenance),
         _validation_section(folder, validation),
         _provenance_section(provenance),
         _serving_section(repo_id, report.format, report.quant),
@@ -65,12 +68,9 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _quantized_section(folder: str, report: Any, config: dict, provenance: dict) -> str:
+def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: ExportRecord | None) -> str:
     quantized = _collapse_layers(m.module for m in report.modules)
-    qc = config.get("quantization_config") or {}
-    hf_quant = (read_json(folder, "hf_quant_config.json") or {}).get("quantization") or {}
-    kept = list(dict.fromkeys([*(qc.get("ignore") or []), *(hf_quant.get("exclude_modules") or []),
-                               *(provenance.get("exclude_modules") or [])]))
+    kept = list(dict.fromkeys([*layout.exclude, *(provenance.exclude_modules if provenance else ())]))
     lines = ["## What was quantized", "",
              f"{len(report.modules)} linear modules in {_QUANT_TEXT.get(report.quant, report.quant)}, "
              "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor."
@@ -102,38 +102,32 @@ def _validation_section(folder: str, validation: ValidationRecord | None) -> str
             f"references (full report: `{ValidationRecord.FILE_NAME}`).\n\n{table}")
 
 
-def _provenance_section(provenance: dict) -> str:
-    if not provenance:
-        return "## Recipe and provenance\n\nNo provenance record (`nvfp4tool_export.json`) in the export."
-    source = provenance.get("source") or {}
-    calibration = provenance.get("calibration") or {}
-    tool = provenance.get("tool") or {}
-    source_path = str(source.get("name") or "")  # ExportRecord.source.name (no path)
-    # a Hub repo id, else only the folder name: the card does not publish local paths
-    source_name = source_repo_id(source_path) or os.path.basename(source_path.rstrip("/"))
-    step = f", step {source['step']}" if source.get("step") is not None else ""
+def _provenance_section(provenance: ExportRecord | None) -> str:
+    if provenance is None:
+        return f"## Recipe and provenance\n\nNo provenance record (`{ExportRecord.FILE_NAME}`) in the export."
+    source, calibration, tool = provenance.source, provenance.calibration, provenance.tool
+    step = f", step {source.step}" if source.step is not None else ""
     rows = [
-        ("tool", f"{tool.get('name', 'nvfp4tool')} {tool.get('version', '')}".strip()),
-        ("source", f"{source_name} ({source.get('kind', '?')}{step})"),
-        ("format / quant", f"{provenance.get('format')} / {provenance.get('quant')}"),
-        ("scale search", provenance.get("scale_search")),
-        ("weight block scaling", provenance.get("weight_block")),
-        ("input scales from", provenance.get("input_amax_origin")),
-        ("calibration", ", ".join(f"{k} {calibration[k]}" for k in ("samples", "seq_len", "sha256")
-                                  if k in calibration) or None),
-        ("seed", provenance.get("seed")),
+        ("tool", f"{tool.name} {tool.version}"),
+        # a Hub repo id, else only the folder name: the card publishes no local path
+        ("source", f"{portable_name(source.name)} ({source.kind}{step})"),
+        ("format / quant", f"{provenance.format} / {provenance.quant}"),
+        ("scale search", provenance.scale_search),
+        ("weight block scaling", provenance.weight_block),
+        ("input scales from", provenance.input_amax_origin),
+        ("calibration", None if calibration is None else
+         f"samples {calibration.samples}, seq_len {calibration.seq_len}, sha256 {calibration.sha256}"),
     ]
-    recipe = provenance.get("recipe")
-    if recipe:
-        rows.append(("training recipe", json.dumps(recipe, sort_keys=True) if isinstance(recipe, dict) else recipe))
-    errors = [v.get("rel_l2") for v in (provenance.get("layers") or {}).values()
-              if isinstance(v, dict) and isinstance(v.get("rel_l2"), (int, float))]
+    if provenance.recipe:
+        rows.append(("training recipe", json.dumps(provenance.recipe, sort_keys=True)))
+    errors = [layer.rel_l2 for layer in provenance.layers.values()]
     if errors:
         rows.append(("weight rel. L2 error", f"mean {sum(errors) / len(errors):.4g}, max {max(errors):.4g} "
                                              f"over {len(errors)} layers"))
     body = "\n".join(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))
     return ("## Recipe and provenance\n\n| | |\n|---|---|\n" + body +
-            f"\n\nThe full record, with the sha256 of every source weight file, is `{PROVENANCE_FILE}`.")
+            f"\n\nThe full record, with the sha256 of every source weight file and written tensor, is "
+            f"`{ExportRecord.FILE_NAME}`.")
 
 
 def _serving_section(repo_id: str, fmt: str, quant: str) -> str:
@@ -154,9 +148,10 @@ def _serving_section(repo_id: str, fmt: str, quant: str) -> str:
             f"--quantization {vllm_quant}\n```")
 
 
-def _source_license(source_path: str, config: dict) -> str | None:
-    """`license` from the source folder's README.md metadata, else from config.json, else None."""
-    readme = os.path.join(source_path, "README.md") if source_path else ""
+def _source_license(source_name: str, config: dict) -> str | None:
+    """`license` from the source folder's README.md metadata (the folder the record names, relative
+    to the working directory), else from config.json, else None."""
+    readme = os.path.join(source_name, "README.md") if source_name else ""
     if readme and os.path.isfile(readme):
         from huggingface_hub import metadata_load
 
@@ -187,17 +182,3 @@ def _collapse_names(names: list[str]) -> list[str]:
 
 def _fmt_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def read_json(folder: str, name: str) -> dict | None:
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise NVFP4ToolError(f"{path}: not readable JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise NVFP4ToolError(f"{path}: expected a JSON object")
-    return value

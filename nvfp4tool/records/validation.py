@@ -19,14 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Any, ClassVar
 
 from nvfp4tool.records.base import Record
+from nvfp4tool.records.names import portable_name
 
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-_HF_CACHE_REPO = re.compile(r"models--(?P<org>[^/\\]+?)--(?P<name>[^/\\]+?)(?:[/\\]|$)")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,22 +149,6 @@ class ValidationRecord(Record):
     def labels(self) -> list[str]:
         """The compared models other than BF16, the export first."""
         return [k for k in self.models if k != "bf16"]
-
-
-def source_repo_id(path: str) -> str | None:
-    """The Hub repo id a path names: a Hub cache snapshot (`.../models--org--name/...`) or a bare
-    `org/name` that is not a local folder; None for other local paths."""
-    cached = _HF_CACHE_REPO.search(path)
-    if cached:
-        return f"{cached['org']}/{cached['name']}"
-    if _REPO_ID.match(path) and not os.path.exists(path):
-        return path
-    return None
-
-
-def portable_name(path: str) -> str:
-    """A name for `path` that may be published: its Hub repo id, else its base name."""
-    return source_repo_id(path) or os.path.basename(os.path.abspath(path).rstrip(os.sep))
 
 
 # ------------------------------------------------------------------------------------------

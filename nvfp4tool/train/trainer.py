@@ -418,13 +418,17 @@ def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, grap
     model = nnx.merge(graphdef, params)
     hf_dir = out / WEIGHTS_DIR
     tokenizer_dir = out / TOKENIZER_DIR
+    amax = InputAmaxRecord({n: float(np.max(np.asarray(h))) for n, h in state["amax"].items()})
+
+    def finish(folder: str) -> None:  # published together with the weights, or not at all
+        if not (Path(folder) / "tokenizer.json").is_file():
+            save_tokenizer(tokenizer.tokenizer, Path(folder))
+        amax.write(folder)
+        PrecisionMapRecord(dict(pmap)).write(folder)
+
     write_hf_folder(hf_dir, model_config, ModelTensorSource(model, path=str(out)), dtype="bf16",
                     copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (
-                        source.aux_dir if source is not None else None), force=True)
-    if not (hf_dir / "tokenizer.json").is_file():
-        save_tokenizer(tokenizer.tokenizer, hf_dir)
-    InputAmaxRecord({n: float(np.max(np.asarray(h))) for n, h in state["amax"].items()}).write(hf_dir)
-    PrecisionMapRecord(dict(pmap)).write(hf_dir)
+                        source.aux_dir if source is not None else None), force=True, finish=finish)
     if config.export_maxtext:
         from converters.hf import HFFolderSource
         from converters.maxtext import write_maxtext

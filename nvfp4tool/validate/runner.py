@@ -70,6 +70,13 @@ class Candidate:
 
     @classmethod
     def load(cls, folder: str, label: str | None = None) -> Candidate:
+        """The export in `folder` as served; refused (exit 1, its first problem) if `check` fails,
+        so validate never reports numbers for a checkpoint no engine should load."""
+        from nvfp4tool.check import check_checkpoint
+
+        report = check_checkpoint(folder)
+        if not report.ok:
+            raise NVFP4ToolError(report.failure("not validated"))
         exported = load_export(folder)
         return cls(label or exported.quant, exported, exported.model(dtype=jnp.float32), exported.linear())
 
