@@ -14,7 +14,6 @@ Supported families and options (anything else raises `NVFP4ToolError` naming wha
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -362,22 +361,14 @@ def _sliding_window_from_hf(hf: Mapping[str, Any], family: str) -> int | None:
 def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
     """(path read, the JSON object) of `<path>/config.json` (or `path` itself when it is a file);
     NVFP4ToolError naming the file when it is missing, a folder, binary, not JSON or not an object."""
+    from nvfp4tool.records.base import read_json_file
+
     config_path = os.fspath(path)
     if os.path.isdir(config_path):
         config_path = os.path.join(config_path, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise NVFP4ToolError(f"{config_path}: no such file (an HF model folder needs config.json)") from None
-    except IsADirectoryError:
-        raise NVFP4ToolError(f"{config_path}: is a folder, expected a JSON file") from None
-    except UnicodeDecodeError:
-        raise NVFP4ToolError(f"{config_path}: not UTF-8 text (binary data?)") from None
-    except json.JSONDecodeError as bad:
-        raise NVFP4ToolError(f"{config_path}: not valid JSON ({bad})") from None
-    except OSError as bad:  # a folder named config.json, no permission
-        raise NVFP4ToolError(f"{config_path}: cannot be read ({bad.strerror or bad})") from None
+    if not os.path.lexists(config_path):
+        raise NVFP4ToolError(f"{config_path}: no such file (an HF model folder needs config.json)")
+    hf = read_json_file(config_path)
     if not isinstance(hf, dict):
         raise NVFP4ToolError(f"{config_path}: expected a JSON object")
     return config_path, hf

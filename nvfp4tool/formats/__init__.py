@@ -24,11 +24,11 @@ test (export, check, convert-format) then covers it by iterating `SPECS`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.base import RecordError, read_json_file
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (CONFIG_FILE, GLOBAL_ROLES, HF_QUANT_CONFIG_FILE, QUANTS, ROLES,
                                     LayoutSpec, TensorSpec)
@@ -134,17 +134,13 @@ def _patterns(value: Any, source: str, problems: list[tuple[str, str]]) -> tuple
 
 def _read_json(folder: str, name: str, problems: list[tuple[str, str]]) -> dict | None:
     path = os.path.join(folder, name)
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         problems.append((name, "missing"))
         return None
-    except IsADirectoryError:
-        problems.append((name, "is a directory, expected a JSON file"))
-        return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as bad:
-        problems.append((name, f"not valid JSON ({bad})"))
+    try:
+        value = read_json_file(path)
+    except RecordError as bad:  # a folder, binary, not JSON: the reason without the path
+        problems.append((name, str(bad).removeprefix(f"{path}: ")))
         return None
     if not isinstance(value, dict):
         problems.append((name, "is not a JSON object"))

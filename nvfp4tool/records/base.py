@@ -30,6 +30,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar
 
 from nvfp4tool.errors import NVFP4ToolError
@@ -64,20 +65,7 @@ class Record:
     @classmethod
     def read_file(cls: type[R], path: str | os.PathLike) -> R:
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                obj = json.load(f, parse_constant=_refuse_constant)
-        except FileNotFoundError:
-            raise RecordError(f"{path}: not found") from None
-        except IsADirectoryError:
-            raise RecordError(f"{path}: is a directory, expected a JSON file") from None
-        except UnicodeDecodeError:
-            raise RecordError(f"{path}: not UTF-8 text (binary data?)") from None
-        except (json.JSONDecodeError, _NonFinite) as bad:
-            raise RecordError(f"{path}: not valid JSON ({bad})") from None
-        except OSError as bad:
-            raise RecordError(f"{path}: cannot read ({bad.strerror or bad})") from None
-        return cls.from_json(obj, path=path)
+        return cls.from_json(read_json_file(path), path=path)
 
     @classmethod
     def from_json(cls: type[R], obj: Any, *, path: str = "") -> R:
@@ -111,6 +99,48 @@ class Record:
         path = self.path(folder)
         write_json(path, self.to_json(), indent=indent)
         return path
+
+
+def read_json_file(path: str | os.PathLike) -> Any:
+    """The parsed JSON of `path` (NaN / Infinity refused); RecordError naming the file when it is
+    missing, a folder, binary, unreadable or not JSON. The one JSON-file reader of the package."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f, parse_constant=_refuse_constant)
+    except FileNotFoundError:
+        raise RecordError(f"{path}: not found") from None
+    except IsADirectoryError:
+        raise RecordError(f"{path}: is a folder, expected a JSON file") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: not UTF-8 text (binary data?)") from None
+    except (json.JSONDecodeError, _NonFinite) as bad:
+        raise RecordError(f"{path}: not valid JSON ({bad})") from None
+    except OSError as bad:
+        raise RecordError(f"{path}: cannot read ({bad.strerror or bad})") from None
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file, read line by line;
+    RecordError naming `file:line` for a line that is not UTF-8 (binary data) or not JSON."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    raise RecordError(f"{path}:{number}: not UTF-8 text (byte {raw[bad.start]:#04x}); "
+                                      "binary data given as text?") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line, parse_constant=_refuse_constant)
+                except (json.JSONDecodeError, _NonFinite) as bad:
+                    raise RecordError(f"{path}:{number}: not valid JSON "
+                                      f"({getattr(bad, 'msg', bad)})") from None
+    except OSError as bad:
+        raise RecordError(f"{path}: cannot read ({bad.strerror or bad})") from None
 
 
 def write_json(path: str, obj: Any, *, indent: int = 1) -> None:

@@ -123,6 +123,14 @@ class TrainConfig:
         _require("text_field", self.text_field, bool(self.text_field), "cannot be empty")
         if not self.data:
             raise NVFP4UsageError("train config: data=PATH is required")
+        try:
+            self.recipe_config()
+        except NVFP4ToolError as bad:  # the recipe's own checks, reported as the keys they are
+            raise NVFP4UsageError(f"train config: {bad}") from None
+
+    def check_paths(self) -> None:
+        """The paths a run reads exist (usage error naming the key). Not part of construction: a
+        finished run's recorded config stays readable after its data moved."""
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             _require(name, path, path is None or os.path.exists(path), "not found")
@@ -130,10 +138,6 @@ class TrainConfig:
                  f"not found (and not a preset: {', '.join(PRESETS)})")
         _require("tokenizer", self.tokenizer, self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
                  "expected train or a folder with tokenizer.json: no such folder")
-        try:
-            self.recipe_config()
-        except NVFP4ToolError as bad:  # the recipe's own checks, reported as the keys they are
-            raise NVFP4UsageError(f"train config: {bad}") from None
 
     def recipe_config(self) -> RecipeConfig:
         return RecipeConfig(name=self.recipe, rht=self.rht, stochastic_rounding=self.stochastic_rounding,
@@ -198,7 +202,9 @@ def _build(values: dict[str, Any], source: str) -> TrainConfig:
     if unknown:
         raise NVFP4UsageError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: "
                               f"{', '.join(sorted(fields))}")
-    return TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+    config = TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+    config.check_paths()
+    return config
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:

@@ -16,7 +16,6 @@ deterministic, resumable order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.records.base import iter_jsonl
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
@@ -120,19 +120,11 @@ def _decode(data: bytes, file: Path, line_number: int | None = None) -> str:
 
 
 def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
-    with file.open("rb") as fh:
-        for line_number, raw in enumerate(fh, 1):
-            line = _decode(raw, file, line_number)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise NVFP4ToolError(f"{file}:{line_number}: not valid JSON ({exc.msg})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise NVFP4ToolError(f"{file}:{line_number}: no string field '{text_field}'")
-            yield text
+    for line_number, record in iter_jsonl(file):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise NVFP4ToolError(f"{file}:{line_number}: no string field '{text_field}'")
+        yield text
 
 
 def _read_parquet(file: Path, text_field: str) -> Iterator[str]:

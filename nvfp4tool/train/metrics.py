@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.base import iter_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -24,18 +25,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise NVFP4ToolError(f"{run_dir}: no {METRICS_FILE} (not an nvfp4tool training run)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise NVFP4ToolError(f"{path}: not UTF-8 text (binary data?)") from None
     records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as bad:
-            raise NVFP4ToolError(f"{path}:{number}: not valid JSON ({bad.msg})") from None
+    for number, record in iter_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise NVFP4ToolError(f"{path}:{number}: expected an object with an integer \"step\"")
         records.append(record)

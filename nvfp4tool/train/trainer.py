@@ -202,6 +202,7 @@ def _init_distributed(config: TrainConfig) -> None:
 def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     """Check and load everything the run needs, in the order a user's mistakes are best reported;
     reads only (a tokenizer trained here lives in memory until `_write_start`)."""
+    config.check_paths()
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
     if saved is not None:
