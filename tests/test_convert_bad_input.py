@@ -115,7 +115,7 @@ DATA_CASES = [
     ("empty weights file", "hf", lambda f: weights(f).write_bytes(b""), to_hf(), 1, "truncated: 0 bytes"),
     ("trailing bytes", "hf", lambda f: weights(f).write_bytes(weights(f).read_bytes() + b"\0" * 16), to_hf(), 1,
      "16 bytes after the last tensor's data"),
-    ("config.json binary", "hf", write_config(b"\xff\xfe\0binary"), to_hf(), 1, "config.json: not valid JSON"),
+    ("config.json binary", "hf", write_config(b"\xff\xfe\0binary"), to_hf(), 1, "config.json: not UTF-8 text"),
     ("config.json invalid JSON", "hf", write_config(b"{"), TO_MAXTEXT, 1, "config.json: not valid JSON"),
     ("config.json a list", "hf", write_config(b"[]"), to_hf(), 1, "config.json: expected a JSON object"),
     ("bad index", "hf", lambda f: (f / "model.safetensors.index.json").write_text("{"), to_hf(), 1,

@@ -58,13 +58,13 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 # (case, overrides of the base command, exit code)
 EARLY_FAILURES = [
-    ("missing data", {"data": "{tmp}/nope.txt"}, 1),
+    ("missing data", {"data": "{tmp}/nope.txt"}, 2),
     ("empty data", {"data": "{in}/empty.txt"}, 1),
     ("empty data, tokenizer trained here", {"data": "{in}/empty.txt", "tokenizer": "train"}, 1),
     ("binary data", {"data": "{in}/binary.txt"}, 1),
     ("bad JSONL line", {"data": "{in}/bad.jsonl"}, 1),
     ("batch larger than the data", {"batch_size": 4096}, 1),
-    ("missing model", {"model": "{tmp}/no-model"}, 1),
+    ("missing model", {"model": "{tmp}/no-model"}, 2),
     ("model folder without a tokenizer", {"model": "{in}/hf_no_tokenizer", "tokenizer": "None"}, 1),
     ("output inside the data folder", {"data": "{in}/corpus_dir", "out": "{in}/corpus_dir/run"}, 2),
     ("output is the model folder", {"model": "{in}/hf_no_tokenizer", "out": "{in}/hf_no_tokenizer"}, 2),
@@ -91,7 +91,7 @@ def test_early_failures_create_nothing_and_the_corrected_run_works(inputs, tmp_p
 
 def test_missing_model_folder_is_not_found_not_no_tokenizer(inputs, tmp_path):
     result = _train(*_base(inputs, tmp_path / "run", model=tmp_path / "llama", tokenizer="train"))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a path that names nothing is bad usage, in every command
     assert result.output.strip().splitlines()[-1] == f"Error: {tmp_path / 'llama'}: not found"
 
 

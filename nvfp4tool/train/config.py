@@ -129,13 +129,12 @@ class TrainConfig:
             raise NVFP4UsageError(f"train config: {bad}") from None
 
     def check_paths(self) -> None:
-        """The paths a run reads exist (usage error naming the key). Not part of construction: a
+        """The data and tokenizer paths a run reads exist (usage error naming the key); `model` is
+        checked by the one checkpoint opener, as in every command. Not part of construction: a
         finished run's recorded config stays readable after its data moved."""
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             _require(name, path, path is None or os.path.exists(path), "not found")
-        _require("model", self.model, self.model in PRESETS or os.path.exists(self.model),
-                 f"not found (and not a preset: {', '.join(PRESETS)})")
         _require("tokenizer", self.tokenizer, self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
                  "expected train or a folder with tokenizer.json: no such folder")
 
