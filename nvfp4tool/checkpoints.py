@@ -54,13 +54,15 @@ ROPE_LAYOUTS = ("half", "interleaved")
 class OptionNames:
     """How the caller's user spells the options, as format strings of the option and its value."""
 
+    path: str = "{}"  # the checkpoint argument itself (positional on the command line)
     model_config: str | None = "--model-config {}"  # None: the command cannot take one
     rope_layout: str = "--rope-layout {}"
     step: str = "--step {}"
 
 
 CLI_OPTIONS = OptionNames()
-TRAIN_OPTIONS = OptionNames(model_config="model_config={}", rope_layout="rope_layout={}", step="step={}")
+TRAIN_OPTIONS = OptionNames(path="model={}", model_config="model_config={}", rope_layout="rope_layout={}",
+                            step="step={}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
                     options: OptionNames = CLI_OPTIONS) -> Checkpoint:
     """Open `path` (see the module docstring for what is accepted and the errors)."""
     shown = os.fspath(path)
-    kind = checkpoint_kind(shown)
+    kind = checkpoint_kind(shown, options)
     if rope_layout is not None:
         _check_rope_layout(rope_layout, options)
     if step is not None and kind != "run":
@@ -121,12 +123,13 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
     return dataclasses.replace(opened, options=options, maxtext_name=maxtext_name, rope_layout=rope_layout)
 
 
-def checkpoint_kind(path: str) -> str:
-    """"run", "hf" or "maxtext"; NVFP4ToolError "PATH: not found" / "PATH: neither ..." otherwise."""
+def checkpoint_kind(path: str, options: OptionNames = CLI_OPTIONS) -> str:
+    """"run", "hf" or "maxtext"; NVFP4UsageError "PATH: not found" (the path spelled as the user
+    gave it, e.g. `model=PATH`) / NVFP4ToolError "PATH: neither ..." otherwise."""
     from converters.maxtext import is_maxtext_checkpoint
 
     if not os.path.exists(path):
-        raise NVFP4UsageError(f"{path}: not found")
+        raise NVFP4UsageError(f"{options.path.format(path)}: not found")
     if RunRecord.exists(path):
         if not os.path.isdir(os.path.join(path, WEIGHTS_DIR)):
             raise NVFP4ToolError(f"{path}: a training run without final weights ({WEIGHTS_DIR}/ is "

@@ -21,8 +21,9 @@ from nvfp4tool.export import ExportOptions, export_checkpoint
 
 CONFIG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=16, dtype="float32")
-CLI_SPELLING = {"model_config": "--model-config {}", "rope_layout": "--rope-layout {}"}
-TRAIN_SPELLING = {"model_config": "model_config={}", "rope_layout": "rope_layout={}"}
+CLI_SPELLING = {"src": "{}", "model_config": "--model-config {}", "rope_layout": "--rope-layout {}"}
+TRAIN_SPELLING = {"src": "model={}", "model_config": "model_config={}", "rope_layout": "rope_layout={}"}
+VALIDATE_SPELLING = {**CLI_SPELLING, "src": "--source {}"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def _command(command: str, path: str, options: dict[str, str], inputs, out: str)
 
 # (case, path key, options, exit code, message template: {path} and the spelled options)
 CASES = [
-    ("missing path", "missing", {}, 2, "{path}: not found"),
+    ("missing path", "missing", {}, 2, "{src:{path}}: not found"),
     ("no checkpoint at all", "empty", {}, 1,
      "{path}: neither an HF folder (config.json + *.safetensors), a MaxText Orbax checkpoint "
      "(<base>/<step>/items) nor an nvfp4tool training run (run.json + hf/)"),
@@ -106,7 +107,8 @@ def test_same_mistake_same_message_and_exit_code_in_every_command(inputs, tmp_pa
         assert not os.path.exists(out), command  # nothing created
         assert sorted(os.listdir(inputs["root"])) == before
     spelled = {k: _expected(template.replace("HF_CONFIG", options.get("model_config", "")), path,
-                            TRAIN_SPELLING if k == "train" else CLI_SPELLING) for k in commands}
+                            {"train": TRAIN_SPELLING, "validate": VALIDATE_SPELLING}.get(k, CLI_SPELLING))
+               for k in commands}
     for command in commands:
         assert lines[command] == "Error: " + spelled[command], command
 

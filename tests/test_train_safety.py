@@ -92,7 +92,7 @@ def test_early_failures_create_nothing_and_the_corrected_run_works(inputs, tmp_p
 def test_missing_model_folder_is_not_found_not_no_tokenizer(inputs, tmp_path):
     result = _train(*_base(inputs, tmp_path / "run", model=tmp_path / "llama", tokenizer="train"))
     assert result.exit_code == 2  # a path that names nothing is bad usage, in every command
-    assert result.output.strip().splitlines()[-1] == f"Error: {tmp_path / 'llama'}: not found"
+    assert result.output.strip().splitlines()[-1] == f"Error: model={tmp_path / 'llama'}: not found"
 
 
 @pytest.mark.slow  # two short training runs of the tiny model

@@ -329,7 +329,7 @@ def _folder_hashes(folder: str) -> dict[str, str]:
 
 
 # validate takes no --model-config: a MaxText --source must be converted to HF first
-_VALIDATE_OPTIONS = dataclasses.replace(CLI_OPTIONS, model_config=None)
+_VALIDATE_OPTIONS = dataclasses.replace(CLI_OPTIONS, path="--source {}", model_config=None)
 
 
 def _source_of(export_dir: str, source: str | None) -> tuple[str, int | None]:
