@@ -19,21 +19,9 @@ from converters import atomic
 from converters.atomic import MARKER_FILE, atomic_output_dir, clean_stale_siblings
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from file_fixtures import Recorder, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Recorder:
-    """A progress reporter that keeps the status lines."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def start(self, name, total, unit):
-        return progress.QuietReporter().start(name, total, unit)
-
-    def info(self, message):
-        self.lines.append(message)
 
 
 @pytest.fixture
@@ -42,17 +30,6 @@ def said():
     previous = progress.use_reporter(recorder)
     yield recorder.lines
     progress.use_reporter(previous)
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under root (symlinks not followed) -> its bytes (None for folders and links)."""
-    found = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            found[os.path.relpath(path, root)] = (None if os.path.isdir(path) or os.path.islink(path)
-                                                  else open(path, "rb").read())
-    return found
 
 
 def dead_pid() -> int:

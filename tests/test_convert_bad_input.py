@@ -20,6 +20,7 @@ from converters.maxtext import write_maxtext
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from file_fixtures import rewrite_header, snapshot
 
 CONFIG = ModelConfig(family="llama", vocab_size=48, hidden_size=32, intermediate_size=40, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -44,14 +45,7 @@ def weights(folder: Path) -> Path:
 
 
 def edit_header(folder: Path, edit) -> None:
-    path = weights(folder)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header, data = json.loads(f.read(n)), f.read()
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    rewrite_header(weights(folder), edit)
 
 
 def poke(folder: Path, name: str, value, dtype=np.float32, index: int = 5) -> None:
@@ -139,16 +133,6 @@ USAGE_CASES = [  # (id, the command from (src, tmp folder), words): outputs over
     ("zero --max-shard-size", lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "0MB"],
      "--max-shard-size '0MB': not a size"),
 ]
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    found = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            found[os.path.relpath(path, root)] = (None if os.path.isdir(path) or os.path.islink(path)
-                                                  else open(path, "rb").read())
-    return found
 
 
 def run_and_check(root: Path, args: list[str], code: int) -> str:

@@ -16,6 +16,7 @@ import safetensors.numpy
 from converters.hf import HFFolderSource, parse_size, write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
+from file_fixtures import rewrite_header
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
@@ -141,18 +142,6 @@ def test_parse_size():
 
 
 # ------------------------------------------------------------------------------ bad input errors
-
-
-def rewrite_header(path: str, edit) -> None:
-    """Apply `edit` to a safetensors file's JSON header, keeping the data bytes."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header, data = json.loads(f.read(n)), f.read()
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + data)
 
 
 def error_of(folder: str) -> str:

@@ -29,6 +29,7 @@ from converters.tensor_source import DictTensorSource
 from nvfp4tool import progress
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from file_fixtures import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -102,17 +103,6 @@ def _kill_at(point: str, args: list[str], ready: Path) -> tuple[str, int]:
     return ready.read_text(), child.pid
 
 
-class _Recorder:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def start(self, name, total, unit):
-        return progress.QuietReporter().start(name, total, unit)
-
-    def info(self, message):
-        self.lines.append(message)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("command, point", CASES, ids=[f"{c}@{p}" for c, p in CASES])
 def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path, command, point):
@@ -136,7 +126,7 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
     else:
         assert "out" not in left, left  # never a complete-looking broken output
 
-    recorder = _Recorder()
+    recorder = Recorder()
     previous = progress.use_reporter(recorder)
     try:
         result = _cli(args)
@@ -174,7 +164,7 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
     assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
     assert not (run / "hf").exists()  # no complete-looking broken folder
 
-    recorder = _Recorder()
+    recorder = Recorder()
     previous = progress.use_reporter(recorder)
     try:
         result = _cli(args + ["resume=true"])
@@ -208,7 +198,7 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     assert [p for p in scratch[0].iterdir() if p.name != MARKER_FILE]  # re-chunked stacks left behind
 
     monkeypatch.setattr("tempfile.tempdir", str(system_tmp))
-    recorder = _Recorder()
+    recorder = Recorder()
     previous = progress.use_reporter(recorder)
     try:
         _cli(args)
