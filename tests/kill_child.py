@@ -24,6 +24,7 @@ from converters import atomic, hf, maxtext
 
 POINT, READY = sys.argv[1], sys.argv[2]
 MID_AT = int(os.environ.get("MID_AT", "12"))
+TMP_PREFIX = os.environ.get("TMP_PREFIX", ".")  # which temporary folder counts (train makes two)
 _state = {"tmp": None, "reads": 0}
 
 
@@ -36,7 +37,8 @@ def _stop_here() -> None:
 
 def _write_marker(folder: str) -> None:
     _real_write_marker(folder)
-    if ".tmp-" in os.path.basename(folder) and _state["tmp"] is None:
+    name = os.path.basename(folder)
+    if ".tmp-" in name and name.startswith(TMP_PREFIX) and _state["tmp"] is None:
         _state["tmp"] = folder
         if POINT == "start":
             _stop_here()
@@ -53,7 +55,7 @@ def _counting(read):
 
 
 def _publish(tmp_dir: str, out_dir: str) -> None:
-    if POINT == "publish":
+    if POINT == "publish" and tmp_dir == _state["tmp"]:
         _stop_here()
     _real_publish(tmp_dir, out_dir)
 

@@ -83,10 +83,12 @@ def _tensors(folder: str, kind: str) -> dict[str, bytes]:
     return {n: source.get(n).tobytes() for n in source.names()}
 
 
-def _kill_at(point: str, args: list[str], ready: Path) -> tuple[str, int]:
-    """Run kill_child.py until it reaches `point`, SIGKILL it; (its temporary folder, its pid)."""
+def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str = ".") -> tuple[str, int]:
+    """Run kill_child.py until it reaches `point` in the first temporary folder whose name starts
+    with `tmp_prefix`, SIGKILL it; (that temporary folder, its pid)."""
     child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill_child.py"), point, str(ready), *args],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                                                TMP_PREFIX=tmp_prefix),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -160,7 +162,7 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
     run = tmp_path / "run"
     args = ["train", "model=tiny", f"data={train_txt}", f"eval_data={val_txt}", f"tokenizer={tokenizer_dir}",
             "recipe=bf16", "steps=2", "seq_len=32", "batch_size=8", "eval_every=0", f"out={run}", "seed=1"]
-    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+    tmp, pid = _kill_at(point, args, tmp_path / "ready", tmp_prefix=".hf.tmp-")  # not the run folder's
     assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
     assert not (run / "hf").exists()  # no complete-looking broken folder
 
@@ -201,9 +203,10 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     recorder = Recorder()
     previous = progress.use_reporter(recorder)
     try:
-        _cli(args)
+        result = _cli(args)
     finally:
         progress.use_reporter(previous)
-    assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in recorder.lines
+    said = "\n".join(recorder.lines) + result.output  # the CLI renders status lines itself
+    assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in said, said
     assert not scratch[0].exists()
     assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")

@@ -32,7 +32,32 @@ def build_exports(root: str) -> dict[str, str]:
             quant=quant, calib_data=paths["ids"], calib_seq_len=SEQ_LEN, show_progress=False))
     shutil.copytree(paths["nvfp4"], paths["broken"])
     break_block_scale(paths["broken"], BROKEN_MODULE, factor_log2=4)
+    rerecord(paths["broken"], BROKEN_MODULE)
     return paths
+
+
+def rerecord(folder: str, module: str) -> None:
+    """Update the export record for `module`'s tensors as if the export itself had written the bytes
+    now in the file: a consistent (check-clean) export with one badly quantized layer, which only
+    validate's numbers can catch."""
+    import dataclasses
+    import hashlib
+
+    from nvfp4tool import formats
+    from nvfp4tool.check.record import decoded_amax
+    from nvfp4tool.records.export import ExportRecord
+
+    record, spec = ExportRecord.read(folder), formats.describe(folder).spec
+    entries = read_safetensors_header(os.path.join(folder, SINGLE_FILE))
+    tensors = dict(record.tensors)
+    for name in [n for n in tensors if n.rpartition(".")[0] == module]:
+        entry = entries[name]
+        with open(entry.file, "rb") as f:
+            f.seek(entry.start)
+            digest = hashlib.sha256(f.read(entry.nbytes)).hexdigest()
+        amax = decoded_amax(module, entries, spec) if tensors[name].amax is not None else None
+        tensors[name] = dataclasses.replace(tensors[name], sha256=digest, amax=amax)
+    dataclasses.replace(record, tensors=tensors).write(folder)
 
 
 def break_block_scale(folder: str, module: str, factor_log2: int) -> int:

@@ -120,9 +120,10 @@ def read_json_file(path: str | os.PathLike) -> Any:
         raise RecordError(f"{path}: cannot read ({bad.strerror or bad})") from None
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | os.PathLike, *, allow_nan: bool = False) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of each non-blank line of a JSON-lines file, read line by line;
-    RecordError naming `file:line` for a line that is not UTF-8 (binary data) or not JSON."""
+    RecordError naming `file:line` for a line that is not UTF-8 (binary data) or not JSON.
+    `allow_nan`: accept NaN / Infinity (a training log records the loss of a skipped step as is)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -135,7 +136,8 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    yield number, json.loads(line, parse_constant=_refuse_constant)
+                    yield number, (json.loads(line) if allow_nan
+                                   else json.loads(line, parse_constant=_refuse_constant))
                 except (json.JSONDecodeError, _NonFinite) as bad:
                     raise RecordError(f"{path}:{number}: not valid JSON "
                                       f"({getattr(bad, 'msg', bad)})") from None

@@ -26,7 +26,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise NVFP4ToolError(f"{run_dir}: no {METRICS_FILE} (not an nvfp4tool training run)")
     records = []
-    for number, record in iter_jsonl(path):
+    for number, record in iter_jsonl(path, allow_nan=True):  # a skipped step's loss is NaN
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise NVFP4ToolError(f"{path}:{number}: expected an object with an integer \"step\"")
         records.append(record)
