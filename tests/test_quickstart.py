@@ -37,3 +37,8 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
         assert (out / name).is_file(), name
     card = (out / "MODEL_CARD.md").read_text()
     assert "| KL mean (nats) |" in card and "**PASSED**" in card  # the validation table is on the card
+    # nothing push uploads names a path of this machine (issue 9): the export folder's files and the card
+    uploaded = [p for p in (out / "export-nvfp4").iterdir() if p.is_file()] + [out / "MODEL_CARD.md"]
+    for path in uploaded:
+        data = path.read_bytes()
+        assert str(tmp_path).encode() not in data and str(out.resolve()).encode() not in data, path.name
