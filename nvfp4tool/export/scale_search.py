@@ -50,6 +50,7 @@ class WeightError:
 
     rel_l2: float
     rtn_rel_l2: float
+    decoded_amax: float = 0.0  # max |dequant(q)|: what the stored bytes decode to (export records it)
 
     @property
     def reduction_vs_rtn(self) -> float:
@@ -80,20 +81,23 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
     packed = np.empty((n, k // 2), np.uint8)
     scales = np.empty((n, k // NVFP4_BLOCK), jnp.float8_e4m3fn)
     sums = np.zeros(3, np.float64)  # sum err^2, sum rtn_err^2, sum w^2
+    peak = np.float32(0.0)  # max |dequant(q)| (zero padding rows decode to zero)
     offsets = tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
     for start in range(0, n, rows):
         chunk = w_NxK[start:start + rows]
         if chunk.shape[0] < rows:  # pad with zero rows: same compiled shape, tile maxima unchanged
             chunk = np.concatenate([chunk, np.zeros((rows - chunk.shape[0], k), chunk.dtype)])
-        p, s, chunk_sums = _quantize_chunk(jnp.asarray(chunk), gamax, record_amax, method=method,
-                                           block=block, offsets=offsets)
+        p, s, chunk_sums, chunk_peak = _quantize_chunk(jnp.asarray(chunk), gamax, record_amax,
+                                                       method=method, block=block, offsets=offsets)
         stop = min(start + rows, n)
         packed[start:stop] = np.asarray(p)[: stop - start]
         scales[start:stop] = np.asarray(s)[: stop - start]
         sums += np.asarray(chunk_sums, np.float64)
+        peak = max(peak, np.float32(chunk_peak))
     norm = float(np.sqrt(sums[2]))
     error = WeightError(rel_l2=float(np.sqrt(sums[0])) / norm if norm else 0.0,
-                        rtn_rel_l2=float(np.sqrt(sums[1])) / norm if norm else 0.0)
+                        rtn_rel_l2=float(np.sqrt(sums[1])) / norm if norm else 0.0,
+                        decoded_amax=float(peak))
     record = NVFP4Array(packed=packed, scales=scales, global_amax=np.float32(record_amax),
                         shape=(n, k), dtype=np.dtype(w_NxK.dtype), axis=1, block=block)
     return record, error
@@ -105,13 +109,14 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
 
 @functools.partial(jax.jit, static_argnames=("method", "block", "offsets"))
 def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
-    """(packed, scales, [sum err^2, sum rtn err^2, sum x^2]) of one row chunk."""
+    """(packed, scales, [sum err^2, sum rtn err^2, sum x^2], max |dequant|) of one row chunk."""
     x32 = flush_subnormal(x_RxK.astype(jnp.float32))
     rtn = numerics.quantize_nvfp4(x_RxK, block=block, global_amax=gamax)
-    rtn_err = jnp.sum(jnp.square(numerics.dequantize_nvfp4(rtn) - x32))
+    rtn_deq = numerics.dequantize_nvfp4(rtn)
+    rtn_err = jnp.sum(jnp.square(rtn_deq - x32))
     norm = jnp.sum(jnp.square(x32))
     if method == "rtn":
-        return rtn.packed, rtn.scales, jnp.stack([rtn_err, rtn_err, norm])
+        return rtn.packed, rtn.scales, jnp.stack([rtn_err, rtn_err, norm]), jnp.max(jnp.abs(rtn_deq))
     s_enc, s_dec = numerics.nvfp4_global_scales(record_amax)
     x_Bx16 = x32.reshape(*x32.shape[:-1], -1, NVFP4_BLOCK)
     if method == "4over6":
@@ -123,29 +128,31 @@ def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
         candidates = [jax.lax.bitcast_convert_type(
             jnp.clip(codes + d, 0, E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
             for d in sorted(offsets, key=abs)]  # offset 0 first: RTN wins ties
-    best_scale = best_codes = best_err = None
+    best_scale = best_codes = best_err = best_peak = None
     for scale in candidates:
-        codes, err = _encode_with_scale(x_Bx16, scale, s_dec, block)
+        codes, err, peak = _encode_with_scale(x_Bx16, scale, s_dec, block)
         if best_err is None:
-            best_scale, best_codes, best_err = scale, codes, err
+            best_scale, best_codes, best_err, best_peak = scale, codes, err, peak
         else:
             better = err < best_err
             best_scale = jnp.where(better, scale, best_scale)
             best_codes = jnp.where(better[..., None], codes, best_codes)
             best_err = jnp.where(better, err, best_err)
+            best_peak = jnp.where(better, peak, best_peak)
     packed = numerics.pack_codes(best_codes.reshape(x32.shape))
     total = jnp.sum(best_err) / (NVFP4_BLOCK if block == "2d" else 1)  # 2d: tile error repeated
-    return packed, best_scale, jnp.stack([total, rtn_err, norm])
+    return packed, best_scale, jnp.stack([total, rtn_err, norm]), jnp.max(best_peak)
 
 
 def _encode_with_scale(x_Bx16, scale, s_dec, block: str):
-    """(E2M1 codes [R, K/16, 16], squared error per block or per tile) with the given scales,
-    by the numerics' own encoder and decode product."""
+    """(E2M1 codes [R, K/16, 16], squared error per block or per tile, max |decoded| per block)
+    with the given scales, by the numerics' own encoder and decode product."""
     codes, values = numerics.encode_nvfp4_blocks(x_Bx16, scale, s_dec)
     deq = numerics.decode_nvfp4_blocks(values, scale, s_dec)
     err = jnp.sum(jnp.square(deq - x_Bx16), axis=-1)
+    peak = jnp.max(jnp.abs(deq), axis=-1)
     if block == "2d":
         r, nb = err.shape
         tile = err.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, nb).sum(axis=1, keepdims=True)
         err = jnp.broadcast_to(tile, (r // NVFP4_BLOCK, NVFP4_BLOCK, nb)).reshape(r, nb)
-    return codes, err
+    return codes, err, peak

@@ -46,7 +46,7 @@ from nvfp4tool.export import provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
 from nvfp4tool.formats import LayoutSpec
-from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales,
+from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, nvfp4_global_scales, tensor_amax,
                                 quantize_fp8)
 from nvfp4tool.numerics.constants import E4M3_MAX
 from nvfp4tool.records.export import TensorRecord
@@ -207,7 +207,7 @@ class _ModuleLoader:
             if self.options.scale_search != "rtn":
                 self.layer_errors[module].update(rtn_rel_l2=error.rtn_rel_l2,
                                                  reduction_vs_rtn=error.reduction_vs_rtn)
-            amax = _nvfp4_decoded_amax(q)
+            amax = error.decoded_amax
         del w
         input_amax = None
         if plan.has_input_scales:
@@ -244,19 +244,6 @@ def _input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
     return _nvfp4_decode_scale(input_amax)
 
 
-def _nvfp4_decoded_amax(q: NVFP4Array) -> float:
-    """max |dequantize_nvfp4(q)|, decoded one row chunk at a time (bounded memory)."""
-    n, k = q.shape
-    rows = max(1, _AMAX_CHUNK_ELEMENTS // 4 // max(1, k))
-    amax = 0.0
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        part = dataclasses.replace(q, packed=q.packed[start:stop], scales=q.scales[start:stop],
-                                   shape=(stop - start, k))
-        amax = max(amax, float(jnp.max(jnp.abs(dequantize_nvfp4(part)))))
-    return amax
-
-
 def _check_options(options: ExportOptions) -> None:
     if options.format not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of "
@@ -280,7 +267,7 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
         rows = max(1, _AMAX_CHUNK_ELEMENTS // max(1, w.shape[-1]))
         amax = np.float32(0.0)
         for start in range(0, w.shape[0], rows):  # max|x| is exact in the source dtype
-            chunk_amax = np.float32(jnp.max(jnp.abs(jnp.asarray(w[start:start + rows]))))
+            chunk_amax = np.float32(tensor_amax(jnp.asarray(w[start:start + rows])))
             if not np.isfinite(chunk_amax):
                 raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
             amax = max(amax, chunk_amax)
