@@ -77,17 +77,7 @@ class Record:
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(obj) - set(fields))
-        if unknown:
-            raise RecordError(f"{label}: unknown key {unknown[0]!r} (expected: {', '.join(fields)})")
-        missing = [name for name, f in fields.items() if name not in obj
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise RecordError(f"{label}: missing key {missing[0]!r}")
-        hints = typing.get_type_hints(cls)
-        return {name: _convert(value, hints.get(name, Any), f"{label}: {name}")
-                for name, value in obj.items()}
+        return fields_from_json(cls, obj, label)
 
     # ---------------------------------------------------------------- writing
     def to_json(self) -> dict[str, Any]:
@@ -99,6 +89,22 @@ class Record:
         path = self.path(folder)
         write_json(path, self.to_json(), indent=indent)
         return path
+
+
+def fields_from_json(cls: type, obj: dict[str, Any], label: str, *, require_all: bool = False) -> dict[str, Any]:
+    """The keyword arguments of dataclass `cls` from a JSON object, each checked against its field's
+    annotation; RecordError naming `label` and the key for an unknown key or a missing one (a field
+    without a default, or any field with `require_all`)."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(obj) - set(fields))
+    if unknown:
+        raise RecordError(f"{label}: unknown key {unknown[0]!r} (expected: {', '.join(fields)})")
+    missing = [name for name, f in fields.items() if name not in obj and (
+        require_all or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))]
+    if missing:
+        raise RecordError(f"{label}: missing key {missing[0]!r}")
+    hints = typing.get_type_hints(cls)
+    return {name: _convert(value, hints.get(name, Any), f"{label}: {name}") for name, value in obj.items()}
 
 
 def read_json_file(path: str | os.PathLike) -> Any:

@@ -14,7 +14,9 @@ machine it was made on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import os
 from typing import Any, ClassVar
 
 from nvfp4tool.records.base import Record
@@ -90,7 +92,15 @@ class ExportRecord(Record):
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:
-    """sha256 hex digest of a file, read `chunk` bytes at a time."""
+    """sha256 hex digest of a file, read `chunk` bytes at a time; remembered for the process while
+    the file's size and modification time stay the same (validate hashes a source once to find it
+    and once to record it; a large source is read once)."""
+    stat = os.stat(path)
+    return _sha256_file(os.path.realpath(path), (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns), chunk)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_file(path: str, identity: tuple[int, int, int, int], chunk: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

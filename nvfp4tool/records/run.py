@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.base import Record, RecordError, _convert, _json_type
+from nvfp4tool.records.base import Record, RecordError, _json_type, fields_from_json
 
 WEIGHTS_DIR = "hf"  # a run's final weights
 CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
@@ -77,7 +76,8 @@ class _FlatMap(Record):
     """A record stored as a flat JSON object {module name: value} (see the module docstring)."""
 
     def _values(self) -> dict[str, Any]:
-        raise NotImplementedError
+        (field,) = dataclasses.fields(self)
+        return getattr(self, field.name)
 
     @classmethod
     def _check_value(cls, value: Any, label: str) -> Any:
@@ -103,9 +103,6 @@ class InputAmaxRecord(_FlatMap):
 
     amax: dict[str, float]
 
-    def _values(self) -> dict[str, Any]:
-        return self.amax
-
     @classmethod
     def _check_value(cls, value: Any, label: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -123,9 +120,6 @@ class PrecisionMapRecord(_FlatMap):
 
     precisions: dict[str, str]
 
-    def _values(self) -> dict[str, Any]:
-        return self.precisions
-
     @classmethod
     def _check_value(cls, value: Any, label: str) -> str:
         from nvfp4tool.recipes.precision import RECIPES
@@ -142,15 +136,7 @@ class PrecisionMapRecord(_FlatMap):
 def _train_config(values: dict[str, Any], label: str) -> TrainConfig:
     from nvfp4tool.train.config import TrainConfig
 
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise RecordError(f"{label}: config: unknown key {unknown[0]!r}")
-    missing = [name for name in fields if name not in values]
-    if missing:
-        raise RecordError(f"{label}: config: missing key {missing[0]!r}")
-    hints = typing.get_type_hints(TrainConfig)
-    typed = {k: _convert(v, hints[k], f"{label}: config: {k}") for k, v in values.items()}
+    typed = fields_from_json(TrainConfig, values, f"{label}: config", require_all=True)
     try:
         return TrainConfig(**typed)
     except NVFP4ToolError as bad:
