@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -21,12 +20,10 @@ from click.testing import CliRunner
 from converters.hf import SAFETENSORS_DTYPES, write_safetensors
 from nvfp4tool import formats
 from nvfp4tool.cli import cli
-from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export import export_checkpoint
 from nvfp4tool.records.export import ExportRecord
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=128, head_dim=16, kv_heads=2, dtype="bfloat16")
 INDEX = "model.safetensors.index.json"
@@ -41,16 +38,12 @@ EMBED = "model.embed_tokens.weight"
 def exports(tmp_path_factory):
     """{format: folder} of one tiny model exported W4A4, sharded (so the index is checked too)."""
     root = tmp_path_factory.mktemp("corrupt")
-    src = str(root / "hf")
-    write_synthetic_hf_folder(src, CONFIG, seed=11)
-    calib = str(root / "ids.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 16)))
+    src, calib = synthetic_source(root, CONFIG, seed=11)
     out = {}
     for fmt in formats.FORMATS:
         out[fmt] = str(root / fmt)
-        export_checkpoint(src, out[fmt], ExportOptions(format=fmt, quant="nvfp4", calib_data=calib,
-                                                       calib_samples=2, calib_seq_len=16,
-                                                       max_shard_size="60KB", show_progress=False))
+        export_checkpoint(src, out[fmt], export_options(calib, format=fmt, quant="nvfp4",
+                                                        max_shard_size="60KB"))
         assert len([f for f in os.listdir(out[fmt]) if f.endswith(".safetensors")]) >= 2
     return out
 

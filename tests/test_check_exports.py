@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
-import numpy as np
 import pytest
 
 from nvfp4tool import export
 from nvfp4tool.check import check_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2,
@@ -36,20 +32,14 @@ CASES = [  # (format, quant, extra export options); the scale-search and 2D case
 def export_to(tmp_path_factory):
     """export_to(fmt, quant, **extra) -> the folder of that export of one tiny synthetic model."""
     root = tmp_path_factory.mktemp("check_exports")
-    src = str(root / "hf")
-    write_synthetic_hf_folder(src, CONFIG, seed=5)
-    calib = str(root / "ids.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 16)))
+    src, calib = synthetic_source(root, CONFIG, seed=5)
     done: dict[tuple, str] = {}
 
     def run(fmt: str, quant: str, **extra) -> str:
         key = (fmt, quant, repr(sorted(extra.items())))
         if key not in done:
             folder = str(root / f"{len(done)}-{fmt}-{quant}")
-            options = export.ExportOptions(format=fmt, quant=quant, calib_data=calib,
-                                           calib_samples=2, calib_seq_len=16,
-                                           show_progress=False, **extra)
-            export.export_checkpoint(src, folder, options)
+            export.export_checkpoint(src, folder, export_options(calib, format=fmt, quant=quant, **extra))
             done[key] = folder
         return done[key]
 

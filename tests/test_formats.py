@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 
 import numpy as np
 import pytest
@@ -18,13 +17,11 @@ from converters.hf import HFFolderSource
 from nvfp4tool import formats
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export import export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.records.export import ExportRecord
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=1, vocab=128, head_dim=16, kv_heads=2, dtype="bfloat16")
 COMBOS = sorted(formats.SPECS)  # (format, quant) x 6
@@ -35,16 +32,11 @@ OTHER = {"modelopt": "compressed-tensors", "compressed-tensors": "modelopt"}
 def built(tmp_path_factory):
     """{(format, quant): export folder} of one tiny model, plus "src"."""
     root = tmp_path_factory.mktemp("formats")
-    src = str(root / "hf")
-    write_synthetic_hf_folder(src, CONFIG, seed=7)
-    calib = str(root / "ids.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 16)))
+    src, calib = synthetic_source(root, CONFIG, seed=7)
     out = {"src": src}
     for fmt, quant in COMBOS:
         folder = str(root / f"{fmt}-{quant}")
-        export_checkpoint(src, folder, ExportOptions(format=fmt, quant=quant, calib_data=calib,
-                                                     calib_samples=2, calib_seq_len=16,
-                                                     show_progress=False))
+        export_checkpoint(src, folder, export_options(calib, format=fmt, quant=quant))
         out[(fmt, quant)] = folder
     return out
 

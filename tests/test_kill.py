@@ -78,6 +78,18 @@ def _cli(args: list[str]):
     return result
 
 
+def _rerun(args: list[str]) -> str:
+    """Run the command again in process (exit 0); what it said: status lines, from a recording
+    reporter or rendered by the CLI itself, and its output."""
+    recorder = Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        result = _cli(args)
+    finally:
+        progress.use_reporter(previous)
+    return "\n".join(recorder.lines) + result.output
+
+
 def _tensors(folder: str, kind: str) -> dict[str, bytes]:
     source = HFFolderSource(folder, check_config=False) if kind == "hf" else MaxTextSource(folder, CONFIG, "half")
     return {n: source.get(n).tobytes() for n in source.names()}
@@ -128,13 +140,7 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
     else:
         assert "out" not in left, left  # never a complete-looking broken output
 
-    recorder = Recorder()
-    previous = progress.use_reporter(recorder)
-    try:
-        result = _cli(args)
-    finally:
-        progress.use_reporter(previous)
-    said = "\n".join(recorder.lines) + result.output
+    said = _rerun(args)
     assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
     assert sorted(os.listdir(out.parent)) == ["out"]
     assert not (out / "previous.txt").exists()
@@ -166,13 +172,7 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
     assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
     assert not (run / "hf").exists()  # no complete-looking broken folder
 
-    recorder = Recorder()
-    previous = progress.use_reporter(recorder)
-    try:
-        result = _cli(args + ["resume=true"])
-    finally:
-        progress.use_reporter(previous)
-    said = "\n".join(recorder.lines) + result.output
+    said = _rerun(args + ["resume=true"])
     assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
     assert not any(name.startswith(".hf.") for name in os.listdir(run))
     assert len(HFFolderSource(run / "hf").names()) == len(HFFolderSource(run / "hf").config.expected_tensor_shapes())
@@ -200,13 +200,7 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     assert [p for p in scratch[0].iterdir() if p.name != MARKER_FILE]  # re-chunked stacks left behind
 
     monkeypatch.setattr("tempfile.tempdir", str(system_tmp))
-    recorder = Recorder()
-    previous = progress.use_reporter(recorder)
-    try:
-        result = _cli(args)
-    finally:
-        progress.use_reporter(previous)
-    said = "\n".join(recorder.lines) + result.output  # the CLI renders status lines itself
+    said = _rerun(args)
     assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in said, said
     assert not scratch[0].exists()
     assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")

@@ -1,0 +1,31 @@
+"""A tiny synthetic HF model and calibration ids for export tests, and `export_options` filling
+the calibration settings every such test uses (2 samples of 16 tokens, no progress)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.export import ExportOptions
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402,F401 (synthetic_config: re-exported)
+
+CALIB_SAMPLES, CALIB_SEQ_LEN = 2, 16
+
+
+def synthetic_source(root, config: ModelConfig, *, seed: int) -> tuple[str, str]:
+    """(HF folder of random weights, .npy calibration ids) under `root`."""
+    src, calib = os.path.join(root, "hf"), os.path.join(root, "ids.npy")
+    write_synthetic_hf_folder(src, config, seed=seed)
+    np.save(calib, np.random.default_rng(0).integers(0, config.vocab_size, (CALIB_SAMPLES, CALIB_SEQ_LEN)))
+    return src, calib
+
+
+def export_options(calib: str, **options) -> ExportOptions:
+    """ExportOptions calibrated on `calib` as `synthetic_source` made it, plus `options`."""
+    return ExportOptions(calib_data=calib, calib_samples=CALIB_SAMPLES, calib_seq_len=CALIB_SEQ_LEN,
+                         show_progress=False, **options)
