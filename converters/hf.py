@@ -323,8 +323,9 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
         out = np.empty(entry.shape, entry.dtype)
         rows = max(1, _READ_CHUNK_BYTES // (entry.nbytes // entry.shape[0]))
         for start in range(0, entry.shape[0], rows):
+            stop = min(start + rows, entry.shape[0])  # safetensors >= 0.8 refuses a slice past the end
             with safe_open(entry.file, framework="numpy") as f:
-                out[start:start + rows] = f.get_slice(entry.name)[start:start + rows]
+                out[start:stop] = f.get_slice(entry.name)[start:stop]
         return out
     except (SafetensorError, OSError) as bad:  # the file changed since its header was checked
         raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad})") from None

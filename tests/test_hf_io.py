@@ -320,3 +320,17 @@ def test_transformers_loads_what_we_write(tmp_path, key, class_name):
         stored = "model.embed_tokens.weight" if name == "lm_head.weight" and key == "llama_tied" else name
         expected = source.get(stored).astype(ml_dtypes.bfloat16)
         assert tensor.view(torch.int16).numpy().tobytes() == expected.tobytes(), name
+
+
+@pytest.mark.parametrize("rows", [7, 8, 9, 1])
+def test_row_chunked_read_covers_a_last_partial_chunk(tmp_path, monkeypatch, rows):
+    """A tensor larger than one read chunk whose rows are not a multiple of the chunk's (the
+    embedding of a 32000- or 128256-token vocabulary) reads whole and bit-exact."""
+    import converters.hf as hf
+
+    monkeypatch.setattr(hf, "_READ_CHUNK_BYTES", 3 * 16 * 4)  # 3 rows of 16 fp32 per chunk
+    array = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
+    path = str(tmp_path / "t.safetensors")
+    safetensors.numpy.save_file({"t": array}, path)
+    entry = hf.read_safetensors_header(path)["t"]
+    assert same_bytes(hf.read_tensor(entry), array)
