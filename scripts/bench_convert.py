@@ -26,12 +26,13 @@ from nvfp4tool.config import ModelConfig  # noqa: E402
 
 
 def synthetic_config(*, hidden: int, mlp: int, layers: int, vocab: int, head_dim: int = 128,
-                     kv_heads: int | None = None, dtype: str = "bfloat16") -> ModelConfig:
-    """A Llama-shaped config (untied lm_head) with the given sizes."""
+                     kv_heads: int | None = None, dtype: str = "bfloat16", **fields) -> ModelConfig:
+    """A Llama-shaped config (untied lm_head, hidden // head_dim query heads) with the given sizes;
+    `fields`: further ModelConfig fields (e.g. rope_scaling, max_position_embeddings)."""
     heads = hidden // head_dim
     return ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
                        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads or heads,
-                       head_dim=head_dim, dtype=dtype, rope_theta=500000.0)
+                       head_dim=head_dim, dtype=dtype, rope_theta=500000.0, **fields)
 
 
 def write_synthetic_hf_folder(out_dir: str, config: ModelConfig, *, seed: int = 0) -> str:
