@@ -82,6 +82,10 @@ class _NewFile(click.Path):
 
 
 _COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
+_OFFLOAD = click.option(
+    "--offload", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+    help="Run the model held in memory (never), streamed layer by layer from its files (always: peak = "
+         "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).")
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -282,6 +286,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales.")
 @click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
+@_OFFLOAD
 @click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
@@ -292,7 +297,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
               help="MaxText source with an HF --model-config: its RoPE row layout.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
-def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, keep_bf16,
+def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, keep_bf16,
                    scale_search, weight_block, max_shard_size, step, model_config, rope_layout,
                    force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
@@ -306,7 +311,7 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
     del to  # safetensors is the only container
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
-                            calib_seq_len=calib_seq_len, max_shard_size=max_shard_size, step=step,
+                            calib_seq_len=calib_seq_len, offload=offload, max_shard_size=max_shard_size, step=step,
                             model_config=model_config, rope_layout=rope_layout, force=force)
     click.echo(export_checkpoint(src, out, options).line())
 
@@ -404,12 +409,13 @@ def _threshold_default(field: str):
               show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
 @click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
               show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
+@_OFFLOAD
 @click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
 @click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
               help="KL mean target of --sensitivity.")
 def validate_command(export, data, reference, source, json_copy, samples, seq_len, batch_size, prompts,
                      prompt_len, gen_tokens, max_kl_mean, max_kl_p99, min_top1, max_ppl_increase,
-                     min_layer_sqnr, sensitivity, kl_target) -> None:
+                     min_layer_sqnr, offload, sensitivity, kl_target) -> None:
     """Prove an NVFP4 export against its BF16 source and an FP8 reference; exit 1 if it fails.
 
     Writes validation.json, validation.md and PNG plots into EXPORT.
@@ -428,7 +434,7 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
 
     options = ValidateOptions(
         data=data, reference=reference, source=source, samples=samples, seq_len=seq_len,
-        batch_size=batch_size, prompts=prompts, prompt_len=prompt_len, gen_tokens=gen_tokens,
+        batch_size=batch_size, prompts=prompts, prompt_len=prompt_len, gen_tokens=gen_tokens, offload=offload,
         thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
                               max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
     console = Console()

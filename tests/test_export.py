@@ -21,8 +21,8 @@ from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.calibrate import calibrate_input_amax
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.scale_search import quantize_weight
-from nvfp4tool.export.simulate import load_export
-from nvfp4tool.numerics import (dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales, quantize_fp8,
+from nvfp4tool.export.simulate import load_export, served_linear
+from nvfp4tool.numerics import (dense, dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales, quantize_fp8,
                                 quantize_nvfp4)
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.export import ExportRecord, sha256_file
@@ -219,7 +219,7 @@ def test_weight_only_and_fp8_layouts(hf_dir, calib, tmp_path):
     exported = load_export(str(tmp_path / "fp8"))
     w = "model.layers.0.mlp.down_proj.weight"
     ref = quantize_fp8(src[w], fmt="e4m3", granularity="tensor")
-    assert _bytes(exported.tensors[w]) == _bytes(np.asarray(dequantize_fp8(ref)))
+    assert _bytes(exported.dequantized(w.removesuffix(".weight"))) == _bytes(np.asarray(dequantize_fp8(ref)))
 
 
 def test_keep_bf16_excludes_whole_fused_groups(hf_dir, tmp_path):
@@ -303,7 +303,7 @@ def test_provenance_record(hf_dir, calib, exports, tmp_path):
         assert entry.sha256 == hashlib.sha256(_bytes(array)).hexdigest(), name
     exported = load_export(exports["modelopt"])
     for module in QUANTIZED:
-        decoded = np.abs(exported.tensors[f"{module}.weight"]).max()
+        decoded = np.abs(exported.dequantized(module)).max()
         assert record.tensors[f"{module}.weight"].amax == pytest.approx(float(decoded), rel=1e-7)
     assert record.tensors["lm_head.weight"].amax is None
     # no absolute path of this machine anywhere in the record
@@ -322,13 +322,17 @@ def test_simulate_decodes_exactly_dequantize_nvfp4(hf_dir, exports, fmt):
     assert exported.quant == "nvfp4" and set(exported.quantized) == set(QUANTIZED)
     for module in QUANTIZED:
         ref = quantize_nvfp4(src[f"{module}.weight"], global_amax=_group_amax(src, module))
-        assert _bytes(exported.tensors[f"{module}.weight"]) == _bytes(np.asarray(dequantize_nvfp4(ref)))
+        assert _bytes(exported.dequantized(module)) == _bytes(np.asarray(dequantize_nvfp4(ref)))
     # the W4A4 LinearFn changes the logits (activations are fake-quantized), weight decode alone not
     from nvfp4tool.model import forward
 
-    model = exported.model(dtype=jnp.float32)
+    model = exported.model(jnp.float32)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)))
-    plain, simulated = forward(model, ids), forward(model, ids, linear=exported.linear())
+
+    def decode_only(x, w, b, *, name):  # the weights as served, the activations left alone
+        return dense(x, w.dequantize() if hasattr(w, "dequantize") else w, b)
+
+    plain, simulated = forward(model, ids, linear=decode_only), forward(model, ids, linear=served_linear)
     assert np.isfinite(np.asarray(simulated)).all()
     assert 0 < float(jnp.abs(plain - simulated).max())
 

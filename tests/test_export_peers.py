@@ -11,6 +11,7 @@ quantization moves them by ~0.5, so the comparison can fail.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.simulate import load_export
 from nvfp4tool.model import forward
-from nvfp4tool.numerics import dequantize_nvfp4, quantize_nvfp4
+from nvfp4tool.numerics import dense, dequantize_nvfp4, quantize_nvfp4
 from nvfp4tool.recipes.precision import fused_group
 
 pytestmark = pytest.mark.peers
@@ -72,11 +73,17 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
         p.data = p.data.float()
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.float().numpy()
-    ours.tensors = {n: (np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) if n.rpartition(".")[0] in ours.quantized
-                        else v) for n, v in ours.tensors.items()}  # the BF16 weights transformers holds
-    jax_model = ours.model(dtype=jnp.float32)
-    simulated = np.asarray(forward(jax_model, jnp.asarray(ids), linear=ours.linear()))
-    weights_only = np.asarray(forward(jax_model, jnp.asarray(ids)))
+    def as_transformers(x, w, b, *, name, quantize_input=True):
+        """Our served linear with the decoded weight rounded to the BF16 transformers holds."""
+        if hasattr(w, "dequantize"):
+            x = w.quantize_input(x, name) if quantize_input else x
+            w = w.dequantize().astype(jnp.bfloat16)
+        return dense(x, w, b)
+
+    jax_model = ours.model(jnp.float32)
+    simulated = np.asarray(forward(jax_model, jnp.asarray(ids), linear=as_transformers))
+    weights_only = np.asarray(forward(jax_model, jnp.asarray(ids),
+                                      linear=functools.partial(as_transformers, quantize_input=False)))
     np.testing.assert_allclose(simulated, theirs, rtol=0, atol=LOGIT_ATOL)
     assert np.abs(weights_only - theirs).max() > 100 * LOGIT_ATOL  # activation quantization matters
 

@@ -14,16 +14,14 @@ import pytest
 from flax import nnx
 
 from converters.hf import HFFolderSource
-from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.export.provenance import sha256_file
-from nvfp4tool.export.simulate import ExportedModel
-from nvfp4tool.model import default_linear, forward
-from nvfp4tool.model.weights import model_from_tensors
+from nvfp4tool.export.simulate import served_linear
+from nvfp4tool.model.layerwise import LayerwiseModel, Plain
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
-from nvfp4tool.validate.runner import Candidate, Loaded, ValidateOptions, load_models, run_validation
-from nvfp4tool.validate.sensitivity import _mixed_logits_fn, group_pattern, sensitivity
+from nvfp4tool.validate.runner import Candidate, ValidateOptions, open_inputs, run_validation
+from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, group_pattern, sensitivity
 from validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, build_exports
 
 GEN_TOKENS = 12
@@ -42,33 +40,50 @@ def _options(paths, **kw):
 
 @pytest.fixture(scope="module")
 def good(paths):
-    loaded = load_models(paths["nvfp4"], _options(paths))
-    return loaded, run_validation(paths["nvfp4"], _options(paths), loaded=loaded)
+    with open_inputs(paths["nvfp4"], _options(paths)) as inputs:
+        yield inputs, run_validation(inputs)
 
 
 @pytest.fixture(scope="module")
 def broken(paths):
-    loaded = load_models(paths["broken"], _options(paths))
-    return loaded, run_validation(paths["broken"], _options(paths), loaded=loaded)
+    with open_inputs(paths["broken"], _options(paths)) as inputs:
+        yield inputs, run_validation(inputs)
 
 
-def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths):
-    source = HFFolderSource(paths["src"])
-    tensors = {n: source.get(n).astype(np.float32) for n in source.names()}
-    quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
-    exported = ExportedModel(config=CONFIG, format="modelopt", quant="nvfp4", tensors=tensors,
-                             input_scales={}, quantized=quantized)
-    model = model_from_tensors(CONFIG, source, dtype=jnp.float32)
-    same = Candidate("nvfp4", exported, model, default_linear)
-    ids = np.load(paths["ids"]).astype(np.int32)
-    loaded = Loaded(export_dir=paths["src"], source=open_checkpoint(paths["src"]), bf16_model=model,
-                    bf16_weights={m: jnp.asarray(tensors[f"{m}.weight"]) for m in quantized},
-                    nvfp4=same, fp8=None, reference="bf16", reference_export=None, ids_SxL=ids)
-    record = run_validation(paths["src"], _options(paths, reference="bf16"), loaded=loaded)
+class _SourceServedAsIs:
+    """The BF16 source standing in for an export whose every linear is "quantized" losslessly."""
+
+    def __init__(self, folder):
+        from nvfp4tool.model.weights import model_from_tensors
+
+        self.source, self.config, self.quant, self.format = HFFolderSource(folder), CONFIG, "nvfp4", "modelopt"
+        self.quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
+        self.get = self.source.get
+        self.model = lambda compute_dtype=jnp.float32: model_from_tensors(
+            CONFIG, self.source, dtype=None, compute_dtype=compute_dtype)
+
+    def stored_bytes(self):
+        return 0
+
+    def dequantized(self, module):
+        return self.source.get(f"{module}.weight").astype(np.float32)
+
+
+@pytest.mark.parametrize("offload", ["never", "always"])
+def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths, offload):
+    with open_inputs(paths["nvfp4"], _options(paths, reference="bf16", offload=offload)) as inputs:
+        inputs = dataclasses.replace(inputs, nvfp4=Candidate("nvfp4", _SourceServedAsIs(paths["src"])))
+        record = run_validation(inputs)
     m = record.models["nvfp4"]
     assert (m["kl_mean"], m["kl_p99"], m["top1"], m["logit_max_err"]) == (0.0, 0.0, 1.0, 0.0)
     assert m["ppl"] == record.models["bf16"]["ppl"] and m["ppl_increase"] == 0.0
-    assert record.generation.first_divergence["nvfp4"] == [None, None]
+    if offload == "never":
+        assert record.generation.first_divergence["nvfp4"] == [None, None]
+        assert record.generation.skipped is None
+    else:  # a streamed model cannot generate: said, not omitted
+        assert record.generation.first_divergence == {}
+        assert "streamed layer by layer (--offload always)" in record.generation.skipped
+        assert "skipped" in report.markdown(record)
     assert all(r.weight_sqnr_db["nvfp4"] == math.inf and r.output_sqnr_db["nvfp4"] == math.inf
                for r in record.layers)
     assert record.passed and record.failures == []
@@ -132,20 +147,36 @@ def test_reports_are_written_into_the_export(good, tmp_path):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_mixed_model_without_kept_layers_is_the_served_export(good):
-    loaded, _ = good
-    ids = jnp.asarray(loaded.ids_SxL[:2])
-    c = loaded.nvfp4
-    _, state = nnx.split(c.model)
-    flags = {m: jnp.asarray(False) for m in c.exported.quantized}
-    mixed = _mixed_logits_fn(c)(state, loaded.bf16_weights, flags, ids)
-    np.testing.assert_array_equal(np.asarray(mixed), np.asarray(forward(c.model, ids, linear=c.linear)))
+@pytest.mark.parametrize("keep", [False, True])
+def test_mixed_model_is_the_served_export_or_the_bf16_source(good, keep):
+    """Keep flags all off: the export as served; all on: the BF16 source (lm_head is BF16 in both)."""
+    from nvfp4tool.model import default_linear
+    from nvfp4tool.model.weights import model_from_tensors
+
+    inputs, _ = good
+    exported, source = inputs.nvfp4.exported, inputs.source.tensors
+    quantized = list(exported.quantized)
+
+    def aux(layer):
+        bf16 = _layer_bf16(source, quantized, layer)
+        return {"bf16": bf16, "keep": {n: jnp.asarray(keep) for n in bf16}}
+
+    ids = inputs.ids_SxL[:4]
+    (_, mixed), = LayerwiseModel.held(exported.model()).logits(ids, 4, tap=_Mixed(), aux=aux)
+    expected_model = (model_from_tensors(CONFIG, source, dtype=None, compute_dtype=jnp.float32) if keep
+                      else exported.model())
+    (_, expected), = LayerwiseModel.held(expected_model).logits(
+        ids, 4, tap=Plain(default_linear if keep else served_linear))
+    np.testing.assert_array_equal(np.asarray(mixed), np.asarray(expected))
 
 
-def test_sensitivity_keeps_the_broken_layer_first(good, broken):
+@pytest.mark.parametrize("offload", ["never", "always"])
+def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
     # between the correct export's KL and the broken one's: keeping the broken layer suffices
     target = 0.5 * (good[1].models["nvfp4"]["kl_mean"] + broken[1].models["nvfp4"]["kl_mean"])
-    found = sensitivity(broken[0], kl_target=target, batch_size=4)
+    inputs = dataclasses.replace(broken[0], options=dataclasses.replace(broken[0].options, offload=offload))
+    found = sensitivity(inputs, kl_target=target)
+    assert inputs.ran["sensitivity"] == {"never": "held", "always": "streamed"}[offload]
     assert found.harm[0].group == fused_group(BROKEN_MODULE)
     assert found.keep_bf16[0] == BROKEN_MODULE
     assert found.met and found.trajectory[-1].kl_mean <= target < found.trajectory[0].kl_mean
@@ -166,11 +197,30 @@ def test_group_patterns_match_exactly_their_members():
 
 
 def test_threshold_options_are_reported_with_their_limits(paths, good):
-    loaded, _ = good
+    inputs, _ = good
     from nvfp4tool.validate.thresholds import Thresholds
 
     strict = dataclasses.replace(_options(paths), thresholds=Thresholds(max_kl_mean=1e-9))
-    record = run_validation(paths["nvfp4"], strict, loaded=loaded)
+    record = run_validation(dataclasses.replace(inputs, options=strict))
     assert [f.metric for f in record.failures] == ["kl_mean"]
     f = record.failures[0]
     assert f.by == pytest.approx(record.models["nvfp4"]["kl_mean"] - 1e-9)
+
+
+def test_streamed_validation_reports_the_held_numbers(paths, good):
+    """--offload always (every model streamed layer by layer) gives the held run's numbers."""
+    held = good[1]
+    with open_inputs(paths["nvfp4"], _options(paths, offload="always")) as inputs:
+        record = run_validation(inputs)
+        assert inputs.ran == {"bf16": "streamed", "nvfp4": "streamed", "fp8": "streamed"}
+    assert held.generation.skipped is None and good[0].ran == {"bf16": "held", "nvfp4": "held", "fp8": "held"}
+    assert record.models.keys() == held.models.keys()
+    for label, metrics in held.models.items():
+        for key, value in metrics.items():
+            assert record.models[label][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (label, key)
+    assert [r.name for r in record.layers] == [r.name for r in held.layers]
+    for streamed_row, held_row in zip(record.layers, held.layers):
+        for label, value in held_row.output_sqnr_db.items():
+            assert streamed_row.output_sqnr_db[label] == pytest.approx(value, rel=1e-6)
+        assert streamed_row.weight_sqnr_db == held_row.weight_sqnr_db
+    assert record.kl_histogram == held.kl_histogram

@@ -4,29 +4,30 @@
                                 tokenizer_dir=hf_folder)
 
 The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint computes); each linear in
-`names` records max|x| of its BF16 input. The recorded values are returned by our own `jax.jit`
-(not written into Python containers from inside a traced forward), maxed over batches.
+`names` records max|x| of its BF16 input (a `model.layerwise` tap: the values come back from the
+jitted layer program, maxed over batches here). The model is held whole in BF16, or streamed layer
+by layer (`offload`: "always", or "auto" when it would not fit, `memory.choose_offload`): all windows
+through layer i, then layer i+1, so the peak is one layer + embeddings / LM head + the windows'
+activations. Both modes give the same amax.
 
 Calibration data: a `.txt` file (tokenized as one stream, cut into `samples` windows of `seq_len`
 tokens), a `.jsonl` file with a "text" field per line (one window per line, truncated), or a
-`.npy` int array [S, L] of token ids. The whole model is held in memory here (calibration needs
-it); the export itself streams.
+`.npy` int array [S, L] of token ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from converters.tensor_source import TensorSource
+from nvfp4tool import memory
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.model import forward
+from nvfp4tool.model.layerwise import LayerwiseModel
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import COMPUTE_DTYPE
@@ -36,19 +37,33 @@ BATCH = 8  # windows per forward
 
 def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Sequence[str],
                          data_path: str, *, samples: int, seq_len: int,
-                         tokenizer_dir: str | None) -> dict[str, float]:
+                         tokenizer_dir: str | None, offload: str = "auto") -> dict[str, float]:
     """{linear name: max|input|} over the calibration windows, for every name in `names`."""
     ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
                                    tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
-    model = model_from_tensors(config, source, dtype=COMPUTE_DTYPE)
-    graphdef, state = nnx.split(model)
-    del model
-    amax_step = jax.jit(lambda st, ids: _input_amax(graphdef, st, ids, tuple(names)))
+    itemsize = np.dtype(COMPUTE_DTYPE).itemsize
+    model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
+    working = 2 * 4 * BATCH * ids_SxL.shape[1] * (config.vocab_size + 4 * config.intermediate_size)
+    streamed = memory.choose_offload(offload, need=model_bytes + working,
+                                     what=f"calibration ({model_bytes / 1e9:.2f} GB in BF16)")
+    if streamed:
+        model = LayerwiseModel.streamed(config, _Cast(source), compute_dtype=COMPUTE_DTYPE)
+    else:
+        model = LayerwiseModel.held(model_from_tensors(config, source, dtype=COMPUTE_DTYPE))
+    wanted = set(names)
     amax = {n: 0.0 for n in names}
-    for start in range(0, len(ids_SxL), BATCH):
-        batch = amax_step(state, jnp.asarray(ids_SxL[start:start + BATCH]))
-        for name, value in batch.items():
+    seen: set[str] = set()
+
+    def record(name: str, value) -> None:
+        if name in wanted:
+            seen.add(name)
             amax[name] = max(amax[name], float(value))
+
+    for _ in model.logits(ids_SxL, BATCH, tap=_InputAmax(), on_record=record, label="calibration"):
+        pass
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise NVFP4ToolError(f"calibration: linear {missing[0]} was never called by the model")
     for name, value in amax.items():
         if not np.isfinite(value):
             raise NVFP4ToolError(f"calibration: the input of {name} has a non-finite amax ({value})")
@@ -87,21 +102,23 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
 # helpers
 
 
-def _input_amax(graphdef, state, ids_BxT, names: tuple[str, ...]) -> dict[str, jax.Array]:
-    """Traced: run the model, return {name: max|bf16 input|} (recorded at trace time, returned)."""
-    recorded: dict[str, jax.Array] = {}
+@dataclasses.dataclass(frozen=True)
+class _InputAmax:
+    """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input."""
 
-    def linear(x, w_NxK, b_N, *, name):
-        if name in names:
-            amax = tensor_amax(x.astype(COMPUTE_DTYPE))
-            recorded[name] = jnp.maximum(recorded[name], amax) if name in recorded else amax
-        return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE), tensor_amax(x.astype(COMPUTE_DTYPE))
 
-    forward(nnx.merge(graphdef, state), ids_BxT, linear=linear)
-    missing = [n for n in names if n not in recorded]
-    if missing:
-        raise NVFP4ToolError(f"calibration: linear {missing[0]} was never called by the model")
-    return recorded
+
+class _Cast:
+    """The source with every tensor cast to the compute dtype as it is read (what the held model
+    holds), so that both modes compute on the same values."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self._source = source
+
+    def get(self, name: str) -> np.ndarray:
+        return np.asarray(self._source.get(name)).astype(COMPUTE_DTYPE)
 
 
 def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) -> np.ndarray:

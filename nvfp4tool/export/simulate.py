@@ -1,20 +1,25 @@
-"""What a serving engine computes from an export folder, run by our JAX model.
+"""What a serving engine computes from an export folder, run by our JAX model, weights held as stored.
 
-    exported = load_export("out/model-nvfp4")              # either format, any --quant
-    model = exported.model(dtype=jnp.float32)               # CausalLM with the dequantized weights
-    logits = forward(model, ids, linear=exported.linear())  # W4A4: inputs fake-quantized too
+    exported = load_export("out/model-nvfp4")          # either format, any --quant
+    exported.get("model.layers.0.mlp.up_proj.weight")  # an NVFP4Weight / FP8Weight: the stored bytes
+    model = exported.model()                           # CausalLM holding the weights as stored
+    logits = forward(model, ids, linear=served_linear) # decode + (W4A4) activation quantization
 
-All the math is numerics': weights of NVFP4 modules are decoded from the stored bytes with
-`numerics.decode_nvfp4`, `e2m1(code) * fp32(block_scale) * S_dec` in fp32 with the stored global
-decode scale (bit for bit `dequantize_nvfp4` of the exported record; tested); FP8 modules with
-`numerics.decode_fp8`, `fp32(e4m3) * weight_scale`; everything else is the stored BF16.
-Activations (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16 dynamic
-block scales (RNE) against the static input global scale (global amax = 2688 * stored input
-decode scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back
-(`fake_quantize_fp8(scale=)`, a true division). The GEMM is `numerics.dense`.
-Weight-only exports leave the activations alone. The GEMM itself runs in fp32 (or the model's
-compute dtype) on the dequantized values, which is what the emulation paths of vLLM and
-transformers + compressed-tensors do.
+A quantized module's weight stays in memory as the export stores it, a pytree the linear seam
+decodes inside the jitted forward (what vLLM's kernels do), so a model costs its stored size, never
+an fp32 copy: `NVFP4Weight` (packed E2M1 codes, E4M3 block scales, S_dec) or `FP8Weight` (E4M3
+data, decode scale), each with its static input decode scale (W4A4 / W8A8; None weight-only).
+Everything else is the stored BF16.
+
+All the math is numerics': `NVFP4Weight.dequantize` is `numerics.decode_nvfp4`,
+`e2m1(code) * fp32(block_scale) * S_dec` in fp32 (bit for bit `dequantize_nvfp4` of the exported
+record; tested); `FP8Weight.dequantize` is `numerics.decode_fp8`, `fp32(e4m3) * weight_scale`.
+`quantize_input` (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16 dynamic
+block scales (RNE) against the static input global scale (global amax = 2688 * stored input decode
+scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back (`fake_quantize_fp8(scale=)`,
+a true division). Weight-only exports leave the activations alone. The GEMM is `numerics.dense` in
+the model's compute dtype (fp32 for validation) on the decoded values, which is what the emulation
+paths of vLLM and transformers + compressed-tensors do.
 """
 
 from __future__ import annotations
@@ -26,102 +31,147 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.hf import HFFolderSource
-from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.numerics import (
-    decode_fp8,
-    decode_nvfp4,
-    dense,
-    fake_quantize_fp8,
-    fake_quantize_nvfp4,
-)
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, fake_quantize_fp8, fake_quantize_nvfp4
 from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
 
 
-@dataclasses.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight:
+    """An NVFP4 linear weight [N, K] as stored: packed uint8 [N, K/2], float8_e4m3fn block scales
+    [N, K/16], the fp32 global decode scale S_dec [], and the input's decode scale [] (W4A4) or None."""
+
+    packed: jax.Array
+    scales: jax.Array
+    s_dec: jax.Array
+    input_scale: jax.Array | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
+
+    def dequantize(self) -> jax.Array:
+        """The served weight, fp32 [N, K]."""
+        return decode_nvfp4(self.packed, self.scales, self.s_dec)
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        """x as the engine's activation quantizer leaves it (unchanged when weight-only)."""
+        if self.input_scale is None:
+            return x
+        global_amax = jnp.asarray(self.input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
+        return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype,
+                                   name=f"input of {name}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Weight:
+    """An FP8 (E4M3, per-tensor) linear weight [N, K] as stored: data, its fp32 decode scale [], and
+    the input's static decode scale [] (W8A8) or None."""
+
+    data: jax.Array
+    scale: jax.Array
+    input_scale: jax.Array | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
+
+    def dequantize(self) -> jax.Array:
+        return decode_fp8(self.data, self.scale)
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        if self.input_scale is None:
+            return x
+        return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype,
+                                 name=f"input of {name}")
+
+
+StoredWeight = NVFP4Weight | FP8Weight
+
+
+def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
+    """The LinearFn of an export as served: a stored quantized weight quantizes its input (W4A4 /
+    W8A8) and is decoded; a plain (BF16) weight is used as it is. `numerics.dense` either way."""
+    if isinstance(w_NxK, NVFP4Weight | FP8Weight):
+        return dense(w_NxK.quantize_input(x, name), w_NxK.dequantize(), b_N)
+    return dense(x, w_NxK, b_N)
+
+
 class ExportedModel:
-    """An export folder read back: config, dequantized tensors, and per-module activation scales."""
+    """An export folder opened for serving: config, layout, and its tensors read on demand (`get`)."""
 
-    config: ModelConfig
-    format: str  # "modelopt" | "compressed-tensors"
-    quant: str  # "nvfp4" | "nvfp4-weight-only" | "fp8"
-    tensors: dict[str, np.ndarray]  # HF names; quantized weights dequantized to fp32
-    input_scales: dict[str, float]  # quantized module -> static input decode scale (W4A4 / FP8)
-    quantized: tuple[str, ...]
+    def __init__(self, folder: str, config: ModelConfig, spec, source: HFFolderSource,
+                 quantized: tuple[str, ...]) -> None:
+        self.folder, self.config, self.quantized = folder, config, quantized
+        self.format: str = spec.format  # "modelopt" | "compressed-tensors"
+        self.quant: str = spec.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+        self._spec, self._source, self._quantized_set = spec, source, frozenset(quantized)
 
-    def model(self, dtype: jnp.dtype = jnp.float32, compute_dtype: jnp.dtype | None = None):
-        """A CausalLM holding the dequantized weights (cast to `dtype`)."""
+    @property
+    def path(self) -> str:
+        return self.folder
+
+    def names(self) -> list[str]:
+        """The model's HF tensor names (a quantized module's weight stands for its stored group)."""
+        return list(self.config.expected_tensor_shapes())
+
+    def get(self, name: str):
+        """One tensor as stored: a quantized module's `<m>.weight` is its `NVFP4Weight` /
+        `FP8Weight` (numpy arrays); anything else the stored array (BF16 as BF16)."""
+        module, _, suffix = name.rpartition(".")
+        if module not in self._quantized_set or suffix != "weight":
+            return self._source.get(name)
+        group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in self._spec.tensors}
+        roles = self._spec.to_roles(module, group)
+        input_scale = (np.asarray(roles["input_global"], np.float32).reshape(())
+                       if "input_global" in roles else None)
+        s_dec = np.asarray(roles["weight_global"], np.float32).reshape(())
+        if self.quant == "fp8":
+            return FP8Weight(data=roles["weight"], scale=s_dec, input_scale=input_scale)
+        return NVFP4Weight(packed=roles["weight"], scales=roles["block_scale"], s_dec=s_dec,
+                           input_scale=input_scale)
+
+    def dequantized(self, module: str) -> np.ndarray:
+        """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""
+        return np.asarray(self.get(f"{module}.weight").dequantize())
+
+    def stored_bytes(self) -> int:
+        """The model's weights as stored (what holding it costs)."""
+        return sum(int(np.prod(self._source.shape(n))) * np.dtype(self._source.dtype(n)).itemsize
+                   for n in self._source.names())
+
+    def model(self, compute_dtype: jnp.dtype = jnp.float32):
+        """A CausalLM holding every weight as stored (run it with `linear=served_linear`)."""
         from nvfp4tool.model.weights import model_from_tensors
 
-        return model_from_tensors(self.config, DictTensorSource(self.tensors), dtype=dtype,
-                                  compute_dtype=compute_dtype)
-
-    def linear(self) -> LinearFn:
-        """The LinearFn: activation fake-quantization of the quantized modules, then the GEMM."""
-        return simulated_linear(self.quant, self.input_scales)
+        return model_from_tensors(self.config, self, dtype=None, compute_dtype=compute_dtype, check=False)
 
 
 def load_export(folder: str) -> ExportedModel:
-    """Read an export folder written by `nvfp4tool export` (or `convert-format`), in any layout
+    """Open an export folder written by `nvfp4tool export` (or `convert-format`), in any layout
     `nvfp4tool.formats` declares: each quantized module's tensors are read by role with the
-    folder's spec (decode scales whatever the stored convention)."""
+    folder's spec (decode scales whatever the stored convention). Tensors are read when asked for."""
     from nvfp4tool import formats
 
     spec = formats.describe(folder).spec
-    decode_names = formats.get("modelopt", spec.quant)  # the names `_dequantize` reads
     source = HFFolderSource(folder, check_config=False)
     config = ModelConfig.from_hf_folder(folder)
     marker = spec.suffix("weight_global")
-    quantized = [n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker]
-    quantized_set = set(quantized)
-    by_module: dict[str, dict[str, np.ndarray]] = {}
-    tensors: dict[str, np.ndarray] = {}
-    for name in source.names():
+    quantized = tuple(n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker)
+    expected = config.expected_tensor_shapes()
+    for name in expected:
         module = name.rpartition(".")[0]
-        if module in quantized_set:
-            by_module.setdefault(module, {})[name] = source.get(name)
-        else:
-            tensors[name] = source.get(name)
-    input_scales: dict[str, float] = {}
-    for module, group in by_module.items():
-        roles = spec.to_roles(module, group)
-        tensors[f"{module}.weight"] = np.asarray(_dequantize(module, decode_names.from_roles(module, roles),
-                                                             spec.quant))
-        if "input_global" in roles:
-            input_scales[module] = float(roles["input_global"])
-    return ExportedModel(config=config, format=spec.format, quant=spec.quant, tensors=tensors,
-                         input_scales=input_scales, quantized=tuple(quantized))
-
-
-def simulated_linear(quant: str, input_scales: dict[str, float]) -> LinearFn:
-    """LinearFn for an export: inputs of modules in `input_scales` fake-quantized (static scale)."""
-    scales = dict(input_scales)
-
-    def linear(x, w_NxK, b_N, *, name):
-        if name in scales:
-            x = _fake_quantize_input(x, scales[name], quant, name)
-        return dense(x, w_NxK, b_N)
-
-    return linear
-
-
-# ------------------------------------------------------------------------------------------
-# helpers
-
-
-def _dequantize(module: str, group: dict[str, np.ndarray], quant: str) -> jax.Array:
-    weight = group[f"{module}.weight"]
-    if quant == "fp8":
-        return decode_fp8(weight, np.float32(group[f"{module}.weight_scale"]))
-    return decode_nvfp4(weight, group[f"{module}.weight_scale"],
-                        np.float32(group[f"{module}.weight_scale_2"]), name=f"{module}.weight")
-
-
-def _fake_quantize_input(x: jax.Array, input_scale: float, quant: str, module: str) -> jax.Array:
-    name = f"input of {module}"  # errors name the activation (and its static scale's problem)
-    if quant == "fp8":
-        return fake_quantize_fp8(x, fmt="e4m3", scale=np.float32(input_scale), dtype=x.dtype,
-                                 name=name)
-    global_amax = np.float32(np.float32(input_scale) * np.float32(NVFP4_GLOBAL_RANGE))
-    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=name)
+        if module not in quantized and name not in source.names():
+            raise NVFP4ToolError(f"{folder}: tensor {name!r} missing; the config expects it")
+    return ExportedModel(folder, config, spec, source, quantized)

@@ -67,6 +67,7 @@ class ExportOptions:
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
+    offload: str = "auto"  # calibration: auto | never | always stream the model layer by layer
     max_shard_size: int | str = "5GB"
     step: int | None = None  # a training run's checkpoint step (default: its final hf/ weights)
     model_config: str | None = None  # MaxText sources: model name or HF config
@@ -298,7 +299,7 @@ def _input_amax(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
 
     amax = calibrate_input_amax(source.config, source.tensors, plan.quantized, options.calib_data,
                                 samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                tokenizer_dir=source.aux_dir)
+                                tokenizer_dir=source.aux_dir, offload=options.offload)
     return amax, "calibration", provenance.calibration_record(
         options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len)
 

@@ -51,7 +51,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, linear: LinearFn) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return linear(x, self.weight[...], bias, name=self.name)
+        # get_value(): the weight may be an array or a stored (quantized) pytree the seam decodes
+        return linear(x, self.weight.get_value(), bias, name=self.name)
 
 
 class RMSNorm(nnx.Module):
@@ -238,9 +239,8 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
                        linear: LinearFn) -> tuple[jax.Array, KVCache | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own)."""
-    config, dtype = model.config, model.compute_dtype
-    x_BxTxE = model.embed_tokens(input_ids_BxT).astype(dtype)
-    cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, inverse_frequencies(config), dtype)
+    x_BxTxE = embed(model, input_ids_BxT)
+    cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
     layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
     if model.scan_layers:
         graphdef, stacked_state = nnx.split(model.layers)
@@ -259,12 +259,27 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
             x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear)
             if cache is not None:  # an in-place update of layer i under jit
                 new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
+    return lm_logits(model, x_BxTxE, linear), new_cache
+
+
+def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
+    """The first layer's input [B, T, E] in the compute dtype."""
+    return model.embed_tokens(input_ids_BxT).astype(model.compute_dtype)
+
+
+def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, D] of the positions, in the compute dtype."""
+    return rope_cos_sin(positions_BxT, inverse_frequencies(model.config), model.compute_dtype)
+
+
+def lm_logits(model: CausalLM, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
+    """The last layer's output -> final norm -> LM head (or the tied embedding): fp32 [B, T, V]."""
     x_BxTxE = model.norm(x_BxTxE)
     if model.lm_head is not None:
         logits_BxTxV = model.lm_head(x_BxTxE, linear)
     else:
         logits_BxTxV = linear(x_BxTxE, model.embed_tokens.weight[...], None, name="lm_head")
-    return logits_BxTxV.astype(jnp.float32), new_cache
+    return logits_BxTxV.astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))

@@ -9,6 +9,8 @@ the model itself is the only full copy held.
 from __future__ import annotations
 
 import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -22,33 +24,49 @@ from nvfp4tool.model.transformer import CausalLM
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype = jnp.float32,
+def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype | None = jnp.float32,
                        compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                       linear: LinearFn = default_linear) -> CausalLM:
+                       linear: LinearFn = default_linear, check: bool = True) -> CausalLM:
     """Build the model from HF-named tensors (every shape checked against `config` first).
 
-    dtype: parameter dtype (values are cast exactly when widening, e.g. bf16 -> fp32);
-    compute_dtype: activations / matmul inputs (default: dtype).
+    dtype: parameter dtype (values are cast exactly when widening, e.g. bf16 -> fp32); None keeps
+    each tensor as stored (a model held in its stored dtypes: a BF16 checkpoint stays BF16, and a
+    `get` that returns a stored quantized weight, a pytree the linear seam decodes, is kept as
+    it is). compute_dtype: activations / matmul inputs (default: dtype, required when dtype is
+    None). check=False skips the shape check (for sources already checked, e.g. an export).
     """
+    if dtype is None and compute_dtype is None:
+        raise ValueError("model_from_tensors: dtype=None (as stored) needs a compute_dtype")
     expected = config.expected_tensor_shapes()
-    check_against_config(source, expected,
-                         ignore_extra=("lm_head.weight",) if config.tie_word_embeddings else ())
-    model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype, compute_dtype=compute_dtype,
-                                            scan_layers=scan_layers, linear=linear))
+    if check:
+        check_against_config(source, expected,
+                             ignore_extra=("lm_head.weight",) if config.tie_word_embeddings else ())
+    model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype or jnp.float32,
+                                            compute_dtype=compute_dtype, scan_layers=scan_layers,
+                                            linear=linear))
     stacked: dict[str, np.ndarray] = {}  # scanned: layer-suffix -> [L, ...] buffer being filled
     for name in expected:
-        array = np.asarray(source.get(name))
+        value = source.get(name)
         variable, layer = _locate(model, name)
         if layer is None:
-            variable.value = jnp.asarray(array, dtype=dtype)
+            variable.set_value(as_param(value, dtype))
             continue
+        array = np.asarray(value)
         suffix = _LAYER_NAME.fullmatch(name).group(2)
         if suffix not in stacked:
-            stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype))
+            stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
         stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
         if layer == config.num_layers - 1:
-            variable.value = jnp.asarray(stacked.pop(suffix))
+            variable.set_value(jnp.asarray(stacked.pop(suffix)))
     return model
+
+
+def as_param(value, dtype: jnp.dtype | None):
+    """A tensor as a parameter value: a device array cast to `dtype` (None: as stored); a stored
+    quantized weight (a pytree) with each of its arrays on the device, unchanged."""
+    if isinstance(value, np.ndarray | jax.Array):
+        return jnp.asarray(value, dtype=dtype)
+    return jax.tree.map(jnp.asarray, value)
 
 
 class ModelTensorSource:

@@ -71,6 +71,7 @@ class Generation(Record):
     prompt_len: int
     tokens: int
     first_divergence: dict[str, list[int | None]]  # {model label: one entry per prompt}
+    skipped: str | None = None  # why no generation ran (a model too large to hold), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,16 @@ class Sensitivity(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Resources(Record):
+    """What the validation cost: how each model ran and the process's peak memory."""
+
+    offload: str  # the --offload mode asked for: auto | never | always
+    models: dict[str, str]  # {model label ("bf16", "nvfp4", "fp8", "sensitivity"): "held" | "streamed"}
+    peak_rss_bytes: int  # the validating process's peak resident set (VmHWM)
+    seconds: float  # wall time of the whole validation
+
+
+@dataclasses.dataclass(frozen=True)
 class ValidationRecord(Record):
     """`validation.json`: the NVFP4 export against its BF16 source (and an FP8 reference)."""
 
@@ -137,6 +148,7 @@ class ValidationRecord(Record):
     failures: list[Failure]
     passed: bool
     sensitivity: Sensitivity | None = None
+    resources: Resources | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """Pure metrics comparing a model's logits, weights, outputs and generations to a reference.
 
-Every function takes arrays and returns arrays or numbers; nothing here runs a model.
+Every function takes arrays and returns arrays or numbers; nothing here runs a model. The per-token
+functions work through the tokens in chunks of at most `CHUNK_BYTES` of float64 per temporary, so
+a batch of a 128k-vocabulary model costs a few chunks, not several float64 copies of its logits;
+each token's value is the same whatever the chunking.
 
     kl_T = token_kl(ref_logits_BxTxV, logits_BxTxV).ravel()     # nats, KL(P_ref || P)
     agree_T = top1_agree(ref_logits_BxTxV, logits_BxTxV).ravel()
@@ -12,16 +15,21 @@ Every function takes arrays and returns arrays or numbers; nothing here runs a m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
+
+CHUNK_BYTES = 64 * 2**20  # float64 bytes per temporary of the per-token math
 
 
 def token_kl(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """KL(softmax(ref) || softmax(logits)) over the last axis, in nats, computed in float64."""
-    log_p = _log_softmax(ref_logits)
-    log_q = _log_softmax(logits)
-    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
-    return np.maximum(kl, 0.0)  # rounding can leave -1e-17 where the distributions are equal
+
+    def kl(ref_NxV, logits_NxV):
+        log_p, log_q = _log_softmax(ref_NxV), _log_softmax(logits_NxV)
+        return np.maximum(np.sum(np.exp(log_p) * (log_p - log_q), axis=-1), 0.0)  # rounding: -1e-17
+
+    return _per_token(kl, ref_logits, logits)
 
 
 def top1_agree(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
@@ -31,9 +39,12 @@ def top1_agree(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
 
 def next_token_nll(logits_BxTxV: np.ndarray, ids_BxT: np.ndarray) -> np.ndarray:
     """-log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: shape [B, T-1], nats."""
-    log_q = _log_softmax(logits_BxTxV[:, :-1])
+
+    def nll(logits_NxV, targets_Nx1):
+        return -np.take_along_axis(_log_softmax(logits_NxV), targets_Nx1.astype(np.int64), axis=-1)[:, 0]
+
     targets = np.asarray(ids_BxT)[:, 1:, None]
-    return -np.take_along_axis(log_q, targets, axis=-1)[..., 0]
+    return _per_token(nll, logits_BxTxV[:, :-1], targets)
 
 
 def perplexity(nll: np.ndarray) -> float:
@@ -43,8 +54,13 @@ def perplexity(nll: np.ndarray) -> float:
 
 def logit_errors(ref_logits: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
     """(max |logits - ref|, mean |logits - ref|) over every token and vocabulary entry."""
-    err = np.abs(np.asarray(logits, np.float64) - np.asarray(ref_logits, np.float64))
-    return float(err.max()), float(err.mean())
+
+    def errors(ref_NxV, logits_NxV):
+        err = np.abs(np.asarray(logits_NxV, np.float64) - np.asarray(ref_NxV, np.float64))
+        return np.stack([err.max(axis=-1), err.sum(axis=-1)], axis=-1)
+
+    per_token = _per_token(errors, ref_logits, logits).reshape(-1, 2)
+    return float(per_token[:, 0].max()), float(per_token[:, 1].sum() / np.size(ref_logits))
 
 
 def sqnr_db(ref: np.ndarray, approx: np.ndarray) -> float:
@@ -79,6 +95,17 @@ def percentile(values: np.ndarray, q: float) -> float:
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _per_token(fn: Callable[..., np.ndarray], *arrays: np.ndarray) -> np.ndarray:
+    """fn over [N, last] row chunks of arrays shaped [..., last] (same leading shape); the
+    per-token results reshaped to the leading shape (plus fn's trailing axes)."""
+    lead = np.shape(arrays[0])[:-1]
+    flat = [np.reshape(a, (-1, np.shape(a)[-1])) for a in arrays]
+    rows = max(1, CHUNK_BYTES // (8 * max(flat[0].shape[1], 1)))
+    parts = [fn(*(a[i:i + rows] for a in flat)) for i in range(0, len(flat[0]), rows)]
+    out = np.concatenate(parts) if parts else fn(*flat)
+    return out.reshape(*lead, *out.shape[1:])
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

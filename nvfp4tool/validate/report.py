@@ -54,8 +54,7 @@ def markdown(record: ValidationRecord) -> str:
     lines.append(f"| BF16 perplexity | {_fmt(record.models['bf16']['ppl'], '{:.4g}')} |" + " |" * (len(labels) - 1))
     gen = record.generation
     lines.append(f"| first divergence from BF16 (greedy, {gen.tokens} tokens, median of "
-                 f"{gen.prompts}) | " + " | ".join(_divergence(gen.first_divergence.get(l), gen.tokens)
-                                                   for l in labels) + " |")
+                 f"{gen.prompts}) | " + " | ".join(_divergence(gen, l) for l in labels) + " |")
     lines += ["", "Worst layers (SQNR in dB, BF16 input activations):", "",
               "| layer | " + " | ".join(f"{_title(l)} weight | {_title(l)} output" for l in labels) + " |",
               "|---|" + "---:|" * (2 * len(labels))]
@@ -69,8 +68,20 @@ def markdown(record: ValidationRecord) -> str:
                       f"({'met' if found.met else 'not met'}, "
                       f"KL {found.trajectory[-1].kl_mean:.4g}): "
                       + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none")]
+    if gen.skipped:
+        lines += ["", f"Greedy generation skipped: {gen.skipped}."]
+    if record.resources is not None:
+        lines += ["", resources_line(record)]
     lines += ["", verdict(record), ""]
     return "\n".join(lines)
+
+
+def resources_line(record: ValidationRecord) -> str:
+    """How each model ran (held / streamed), the peak memory and the wall time."""
+    used = record.resources
+    return (f"Ran with --offload {used.offload} ("
+            + ", ".join(f"{label} {how}" for label, how in used.models.items())
+            + f"); peak memory {used.peak_rss_bytes / 1e9:.2f} GB, {used.seconds:.0f} s.")
 
 
 def verdict(record: ValidationRecord) -> str:
@@ -94,9 +105,12 @@ def print_report(record: ValidationRecord, console) -> None:
     for key, title, fmt in _COLUMNS:
         table.add_row(title, *(_fmt(record.models[l].get(key), fmt) for l in labels))
     gen = record.generation
-    table.add_row(f"first divergence (of {gen.tokens})",
-                  *(_divergence(gen.first_divergence.get(l), gen.tokens) for l in labels))
+    table.add_row(f"first divergence (of {gen.tokens})", *(_divergence(gen, l) for l in labels))
     console.print(table)
+    if gen.skipped:
+        console.print(f"greedy generation skipped: {gen.skipped}")
+    if record.resources is not None:
+        console.print(resources_line(record))
     layers = Table(title="worst layers (SQNR dB)")
     layers.add_column("layer", overflow="fold")
     for label in labels:
@@ -162,9 +176,10 @@ def _fmt(value: float | None, fmt: str) -> str:
     return fmt.format(value)
 
 
-def _divergence(positions: list[int | None] | None, tokens: int) -> str:
+def _divergence(gen, label: str) -> str:
+    positions, tokens = gen.first_divergence.get(label), gen.tokens
     if positions is None:
-        return "-"
+        return "skipped" if gen.skipped else "-"
     filled = [tokens if p is None else p for p in positions]
     median = float(np.median(filled))
     text = "never" if median >= tokens else f"{median:.0f}"

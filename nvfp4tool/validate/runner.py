@@ -1,46 +1,61 @@
-"""Run the BF16 source, the FP8 reference and the NVFP4 export on the same token batches.
+"""Run the BF16 source, the FP8 reference and the NVFP4 export on the same token windows, one model
+at a time, each held as stored (or streamed layer by layer).
 
-    record = run_validation("out/m-nvfp4", ValidateOptions(data="val.txt", reference="fp8"))
-    record.models["nvfp4"]["kl_mean"], record.failures, record.passed   # a ValidationRecord
+    with open_inputs("out/m-nvfp4", ValidateOptions(data="val.txt", reference="fp8")) as inputs:
+        record = run_validation(inputs)    # a ValidationRecord
     run = validate_export("out/m-nvfp4", options, json_copy="v.json")  # + validation.json etc.
 
-The NVFP4 export runs as served (`export.simulate`: weights decoded from the stored bytes, W4A4
-inputs fake-quantized with the stored input scale). The BF16 source is found through the export's
-provenance record (or `source=`). The FP8 reference is an FP8 export folder (`reference=PATH`), or
-made on the fly from the source by `nvfp4tool export --quant fp8` into a temporary folder and run
-through the same simulation (`reference="fp8"`); `reference="bf16"` compares against BF16 only.
-Every model computes in fp32 on its (dequantized) weights, so the only differences are the ones
-quantization makes. The source is opened by `nvfp4tool.checkpoints`; the record names the export,
-the source, the reference and the data by Hub id or folder / file name plus sha256 (never a local
-path: it is published with the export). Progress goes through `nvfp4tool.progress`.
+The NVFP4 export runs as served (`export.simulate`: weights decoded from the stored bytes inside
+the forward, W4A4 inputs fake-quantized with the stored input scale). The BF16 source is found
+through the export's provenance record (or `source=`). The FP8 reference is an FP8 export folder
+(`reference=PATH`), or made on the fly from the source by `nvfp4tool export --quant fp8` into a
+temporary folder and run through the same simulation (`reference="fp8"`); `reference="bf16"`
+compares against BF16 only. Every model computes in fp32 on its weights as stored (BF16, or decoded
+per layer inside the jitted forward), so the only differences are the ones quantization makes.
+
+Memory: one model at a time. The BF16 source runs first; its fp32 logits (what every metric
+compares against) are spooled to a temporary file, batch by batch, and the per-layer output SQNR of
+every candidate is measured in the same pass (each quantized linear's BF16 input also goes through
+the candidate's served GEMM, that layer's stored weights read for it). The source is then dropped;
+each candidate runs and is compared against the spool batch by batch, the float64 metric math in
+chunks of tokens (`metrics`), never a [samples, seq, vocab] tensor in memory. Each model is held
+whole in its stored dtypes (`model.layerwise`, "held") or streamed layer by layer ("streamed";
+`offload`: auto decides from the model's size and the available memory, `memory.choose_offload`).
+Greedy generation needs a held model; with a streamed one it is skipped and the report says why.
+The record names the export, the source, the reference and the data by Hub id or folder / file
+name plus sha256 (never a local path: it is published with the export), and records how each model
+ran and the peak memory. Progress (layers, tokens/s) goes through `nvfp4tool.progress`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
+import time
+from collections.abc import Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from nvfp4tool import progress
+from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export.provenance import locate_source
+from nvfp4tool.export.simulate import ExportedModel, load_export, served_linear
+from nvfp4tool.model import default_linear, model_from_tensors
+from nvfp4tool.model.layerwise import STAR, LayerwiseModel, Plain
 from nvfp4tool.records.export import sha256_file
-from nvfp4tool.export.simulate import ExportedModel, load_export
-from nvfp4tool.model import default_linear, forward
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
-                                          ValidationRecord)
+                                          Resources, ValidationRecord)
 from nvfp4tool.validate import metrics
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
 
 KL_BINS = 40  # log-spaced bins of the per-token KL histogram
+COMPUTE_DTYPE = jnp.float32  # every validated model computes in fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +72,15 @@ class ValidateOptions:
     prompt_len: int = 32
     gen_tokens: int = 256  # greedy continuation length
     thresholds: Thresholds = Thresholds()
+    offload: str = "auto"  # auto | never | always (memory.choose_offload)
 
 
 @dataclasses.dataclass
 class Candidate:
-    """A quantized model as served: the export read back, its model and its LinearFn."""
+    """A quantized model as served: the export opened (tensors read when asked for)."""
 
     label: str  # "nvfp4" / "fp8"
     exported: ExportedModel
-    model: Any
-    linear: Any
 
     @classmethod
     def load(cls, folder: str, label: str | None = None) -> Candidate:
@@ -78,27 +92,96 @@ class Candidate:
         if not report.ok:
             raise NVFP4ToolError(report.failure("not validated"))
         exported = load_export(folder)
-        return cls(label or exported.quant, exported, exported.model(dtype=jnp.float32), exported.linear())
-
-    def weights(self) -> dict[str, jax.Array]:
-        """{quantized module: its dequantized fp32 weight [N, K]}."""
-        return {m: jnp.asarray(self.exported.tensors[f"{m}.weight"], jnp.float32)
-                for m in self.exported.quantized}
+        return cls(label or exported.quant, exported)
 
 
 @dataclasses.dataclass
-class Loaded:
-    """Everything a validation (or a sensitivity search) runs on."""
+class Inputs:
+    """Everything a validation (or a sensitivity search) runs on: opened, not loaded."""
 
     export_dir: str
+    options: ValidateOptions
     source: Checkpoint  # the BF16 source, opened
-    bf16_model: Any
-    bf16_weights: dict[str, jax.Array]  # {linear module: fp32 weight} of the source
     nvfp4: Candidate
     fp8: Candidate | None
     reference: str  # what the FP8 column is (see ValidationRecord.reference)
     reference_export: Named | None  # the --reference folder, named and hashed
     ids_SxL: np.ndarray
+    scratch: str  # a temporary folder for this validation (the reference logits, an FP8 export)
+    reference_logits: LogitSpool | None = None  # the BF16 logits, once the source has run
+    ran: dict[str, str] = dataclasses.field(default_factory=dict)  # {label: "held" | "streamed"}
+
+    @property
+    def batches(self) -> list[tuple[int, np.ndarray]]:
+        size = self.options.batch_size
+        return [(i, self.ids_SxL[i:i + size]) for i in range(0, len(self.ids_SxL), size)]
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return [c for c in (self.nvfp4, self.fp8) if c is not None]
+
+    def working_bytes(self) -> int:
+        """Memory a forward of one batch needs besides the weights (fp32 logits, their float64
+        metric chunks, the activations and the attention scores), with a 2x margin."""
+        config, (batch, seq) = self.source.config, (self.options.batch_size, self.ids_SxL.shape[1])
+        per_token = config.vocab_size + 4 * config.intermediate_size + 8 * config.hidden_size
+        scores = batch * config.num_heads * seq * seq
+        return 2 * 4 * (batch * seq * per_token + scores) + 2 * metrics.CHUNK_BYTES
+
+
+@contextlib.contextmanager
+def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
+    """Open the export, its BF16 source, the FP8 reference and read the token windows; the scratch
+    folder (reference logits, an FP8 export made on the fly) is removed on exit."""
+    from nvfp4tool.export.calibrate import load_calibration_ids
+
+    for flag, value in (("--samples", options.samples), ("--seq-len", options.seq_len),
+                        ("--batch-size", options.batch_size), ("--prompts", options.prompts),
+                        ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens)):
+        if value < 1:
+            raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
+    if options.offload not in memory.OFFLOAD_MODES:
+        raise NVFP4UsageError(f"--offload {options.offload}: expected one of {', '.join(memory.OFFLOAD_MODES)}")
+    if options.reference not in ("fp8", "bf16") and not os.path.isdir(options.reference):
+        raise NVFP4ToolError(f"--reference {options.reference}: not fp8, bf16 or an export folder")
+    progress.info(f"opening {export_dir}")
+    nvfp4 = Candidate.load(export_dir)
+    if not nvfp4.exported.quantized:
+        raise NVFP4ToolError(f"{export_dir}: no quantized linear modules (everything is BF16): nothing to validate")
+    if nvfp4.exported.quant == "fp8" and options.reference != "bf16":
+        raise NVFP4ToolError(f"{export_dir}: an FP8 export; validate it with --reference bf16")
+    source_path, step = _source_of(export_dir, options.source)
+    progress.info(f"opening the BF16 source {source_path}")
+    source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
+    tokenizer_dir = export_dir if os.path.isfile(os.path.join(export_dir, "tokenizer.json")) else source.aux_dir
+    ids = load_calibration_ids(options.data, samples=options.samples, seq_len=options.seq_len,
+                               tokenizer_dir=tokenizer_dir, vocab_size=nvfp4.exported.config.vocab_size,
+                               flags=("--samples", "--seq-len"))
+    with tempfile.TemporaryDirectory(prefix="nvfp4tool-validate-") as scratch:
+        fp8, reference, reference_export = _reference(options, source, scratch)
+        yield Inputs(export_dir=export_dir, options=options, source=source, nvfp4=nvfp4, fp8=fp8,
+                     reference=reference, reference_export=reference_export, ids_SxL=ids, scratch=scratch)
+
+
+def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str | None = None,
+                    kl_target: float | None = None) -> ValidationRun:
+    """Validate, optionally search the layers to keep in BF16 (`kl_target`), write the reports
+    (validation.json / .md and the plots into the export, a copy of the JSON at `json_copy`)."""
+    from nvfp4tool.validate.report import write_reports
+    from nvfp4tool.validate.sensitivity import sensitivity
+
+    if json_copy is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_copy))):
+        raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
+    started = time.perf_counter()
+    with open_inputs(export_dir, options) as inputs:
+        record = run_validation(inputs)
+        if kl_target is not None:
+            record = dataclasses.replace(record, sensitivity=sensitivity(inputs, kl_target=kl_target))
+        record = dataclasses.replace(record, resources=Resources(
+            offload=options.offload, models=dict(inputs.ran), peak_rss_bytes=memory.peak_rss_bytes(),
+            seconds=time.perf_counter() - started))
+    files = write_reports(record, export_dir, json_copy)
+    return ValidationRun(record=record, files=files, source_path=inputs.source.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,108 +194,86 @@ class ValidationRun:
     source_path: str
 
 
-def load_models(export_dir: str, options: ValidateOptions) -> Loaded:
-    """Load the export, its BF16 source, the FP8 reference and the token batches."""
-    from nvfp4tool.export.calibrate import load_calibration_ids
-    from nvfp4tool.model.weights import model_from_tensors
-
-    for flag, value in (("--samples", options.samples), ("--seq-len", options.seq_len),
-                        ("--batch-size", options.batch_size), ("--prompts", options.prompts),
-                        ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens)):
-        if value < 1:
-            raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
-    if options.reference not in ("fp8", "bf16") and not os.path.isdir(options.reference):
-        raise NVFP4ToolError(f"--reference {options.reference}: not fp8, bf16 or an export folder")
-    progress.info(f"loading {export_dir}")
-    nvfp4 = Candidate.load(export_dir)
-    if not nvfp4.exported.quantized:
-        raise NVFP4ToolError(f"{export_dir}: no quantized linear modules (everything is BF16): nothing to validate")
-    if nvfp4.exported.quant == "fp8" and options.reference != "bf16":
-        raise NVFP4ToolError(f"{export_dir}: an FP8 export; validate it with --reference bf16")
-    source_path, step = _source_of(export_dir, options.source)
-    progress.info(f"loading the BF16 source {source_path}")
-    source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
-    bf16_model = model_from_tensors(source.config, source.tensors, dtype=jnp.float32)
-    bf16_weights = {m: jnp.asarray(source.tensors.get(f"{m}.weight"), jnp.float32)
-                    for m in nvfp4.exported.quantized}
-    tokenizer_dir = export_dir if os.path.isfile(os.path.join(export_dir, "tokenizer.json")) else source.aux_dir
-    ids = load_calibration_ids(options.data, samples=options.samples, seq_len=options.seq_len,
-                               tokenizer_dir=tokenizer_dir, vocab_size=nvfp4.exported.config.vocab_size,
-                               flags=("--samples", "--seq-len"))
-    fp8, reference, reference_export = _reference(options, source)
-    return Loaded(export_dir=export_dir, source=source, bf16_model=bf16_model, bf16_weights=bf16_weights,
-                  nvfp4=nvfp4, fp8=fp8, reference=reference, reference_export=reference_export, ids_SxL=ids)
-
-
-def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str | None = None,
-                    kl_target: float | None = None) -> ValidationRun:
-    """Validate, optionally search the layers to keep in BF16 (`kl_target`), write the reports
-    (validation.json / .md and the plots into the export, a copy of the JSON at `json_copy`)."""
-    from nvfp4tool.validate.report import write_reports
-    from nvfp4tool.validate.sensitivity import sensitivity
-
-    if json_copy is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_copy))):
-        raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
-    loaded = load_models(export_dir, options)
-    record = run_validation(export_dir, options, loaded)
-    if kl_target is not None:
-        record = dataclasses.replace(record, sensitivity=sensitivity(
-            loaded, kl_target=kl_target, batch_size=options.batch_size))
-    files = write_reports(record, export_dir, json_copy)
-    return ValidationRun(record=record, files=files, source_path=loaded.source.path)
-
-
-def run_validation(export_dir: str, options: ValidateOptions, loaded: Loaded | None = None) -> ValidationRecord:
+def run_validation(inputs: Inputs) -> ValidationRecord:
     """The validation record; `passed` is False if a threshold fails. <label> below is the
     export's quant ("nvfp4", "nvfp4-weight-only") and "fp8": models {bf16: {ppl}, <label>:
     {kl_mean, kl_p99, top1, ppl, ppl_increase, logit_max_err, logit_mean_err}}, layers (weight and
     output SQNR per label, worst output first), generation (first divergence per prompt and
     label), kl_histogram, thresholds, failures [metric, value, limit, by, detail], passed.
     """
-    loaded = loaded or load_models(export_dir, options)
-    candidates = [c for c in (loaded.nvfp4, loaded.fp8) if c is not None]
-    batches = [loaded.ids_SxL[i:i + options.batch_size]
-               for i in range(0, len(loaded.ids_SxL), options.batch_size)]
+    options = inputs.options
+    prompt_len = min(options.prompt_len, inputs.ids_SxL.shape[1])
+    prompts = inputs.ids_SxL[:options.prompts, :prompt_len]
 
-    stats = {c.label: _LogitStats() for c in candidates}
+    # 1. the BF16 source: reference logits (spooled), its perplexity, every layer's output SQNR
+    source = inputs.source
+    spool = inputs.reference_logits = LogitSpool(os.path.join(inputs.scratch, "bf16.logits"),
+                                                 inputs.ids_SxL.shape, source.config.vocab_size)
+    model, held = _open_model("bf16", inputs, source_bytes(source), lambda: model_from_tensors(
+        source.config, source.tensors, dtype=None, compute_dtype=COMPUTE_DTYPE), source.tensors, source.config)
+    powers = _OutputPowers(labels=tuple(c.label for c in inputs.candidates))
+    totals: dict[str, dict[str, np.ndarray]] = {}
+
+    def add_powers(name: str, record: dict[str, Any]) -> None:
+        for label, pair in record.items():
+            by_label = totals.setdefault(label, {})
+            by_label[name] = by_label.get(name, 0.0) + np.asarray(pair, np.float64)
+
     bf16_nll = []
-    with progress.task("logits", total=len(batches), unit="batch") as task:
-        for ids in batches:
-            ref = np.asarray(forward(loaded.bf16_model, ids))
-            bf16_nll.append(metrics.next_token_nll(ref, ids).ravel())
-            for c in candidates:
-                stats[c.label].add(ref, np.asarray(forward(c.model, ids, linear=c.linear)), ids)
-            task.advance()
+    for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=powers,
+                                      aux=lambda i: _layer_weights(inputs.candidates, source.config, i),
+                                      on_record=add_powers, label="bf16 logits"):
+        logits = np.asarray(logits)
+        spool.write(start, logits)
+        bf16_nll.append(metrics.next_token_nll(logits, inputs.ids_SxL[start:start + len(logits)]).ravel())
     bf16_ppl = metrics.perplexity(np.concatenate(bf16_nll))
+    reference_tokens = _greedy("bf16", held, default_linear, prompts, options)
+    del model, held
+
+    # 2. each candidate against the spooled reference
     models: dict[str, Any] = {"bf16": {"ppl": bf16_ppl}}
     kl_tokens: dict[str, np.ndarray] = {}
-    for c in candidates:
-        models[c.label], kl_tokens[c.label] = stats[c.label].summary(bf16_ppl)
+    divergence: dict[str, list[int | None]] = {}
+    skipped = None if reference_tokens is not None else _skip_reason(inputs)
+    for c in inputs.candidates:
+        stats = _LogitStats()
+        model, held = _open_model(c.label, inputs, c.exported.stored_bytes(), c.exported.model,
+                                  c.exported, c.exported.config)
+        for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=Plain(served_linear),
+                                          label=f"{c.label} logits"):
+            logits = np.asarray(logits)
+            stats.add(spool.read(start, len(logits)), logits, inputs.ids_SxL[start:start + len(logits)])
+        models[c.label], kl_tokens[c.label] = stats.summary(bf16_ppl)
+        tokens = _greedy(c.label, held, served_linear, prompts, options) if skipped is None else None
+        if tokens is None:
+            skipped = skipped or _skip_reason(inputs)
+        else:
+            divergence[c.label] = [metrics.first_divergence(r, t) for r, t in zip(reference_tokens, tokens)]
+        del model, held
+    generation = Generation(prompts=int(len(prompts)), prompt_len=int(prompt_len), tokens=int(options.gen_tokens),
+                            first_divergence={} if skipped else divergence, skipped=skipped)
+    if skipped:
+        progress.info(f"greedy generation skipped: {skipped}")
 
-    progress.info("per-layer SQNR")
-    layers = layer_sqnr(loaded, candidates, batches)
-
-    progress.info(f"greedy generation: {options.prompts} prompts x {options.gen_tokens} tokens")
-    generation = _generation(loaded, candidates, options)
-
-    label = loaded.nvfp4.label
+    layers = layer_sqnr(inputs, totals)
+    label = inputs.nvfp4.label
     flat_layers = [{"name": r.name, **{f"{k}_weight_sqnr_db": v for k, v in r.weight_sqnr_db.items()},
                     **{f"{k}_output_sqnr_db": v for k, v in r.output_sqnr_db.items()}} for r in layers]
     failures = check_thresholds({"models": models, "layers": flat_layers}, options.thresholds, label=label)
     finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
     top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
     return ValidationRecord(
-        export=Named.of(export_dir, _folder_hashes(export_dir)),
-        quant=loaded.nvfp4.exported.quant,
-        format=loaded.nvfp4.exported.format,
-        source=Named.of(loaded.source.path, {f: sha256_file(f) for f in loaded.source.weight_files}),
-        source_kind=loaded.source.kind,
-        source_step=loaded.source.step,
-        reference=loaded.reference,
-        reference_export=loaded.reference_export,
+        export=Named.of(inputs.export_dir, _folder_hashes(inputs.export_dir)),
+        quant=inputs.nvfp4.exported.quant,
+        format=inputs.nvfp4.exported.format,
+        source=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
+        source_kind=source.kind,
+        source_step=source.step,
+        reference=inputs.reference,
+        reference_export=inputs.reference_export,
         data=DataRef(file=Named.of(options.data, {options.data: sha256_file(options.data)}),
-                     sequences=int(loaded.ids_SxL.shape[0]), seq_len=int(loaded.ids_SxL.shape[1]),
-                     tokens=int(loaded.ids_SxL.size)),
+                     sequences=int(inputs.ids_SxL.shape[0]), seq_len=int(inputs.ids_SxL.shape[1]),
+                     tokens=int(inputs.ids_SxL.size)),
         models=models,
         layers=layers,
         generation=generation,
@@ -223,34 +284,114 @@ def run_validation(export_dir: str, options: ValidateOptions, loaded: Loaded | N
     )
 
 
-def layer_sqnr(loaded: Loaded, candidates: list[Candidate], batches: list[np.ndarray]) -> list[LayerSQNR]:
+def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) -> list[LayerSQNR]:
     """Per quantized module of the NVFP4 export: weight and output SQNR (dB), worst output first.
 
-    Output SQNR: the BF16 model runs on the batches; at each quantized linear its own input goes
-    through both the BF16 GEMM and the candidate's served GEMM (quantized weight, and for W4A4 the
-    fake-quantized input), so each layer's error is measured on real activations, in isolation.
+    Output SQNR (from the BF16 pass's sums): at each quantized linear the BF16 model's own input
+    went through both the BF16 GEMM and the candidate's served GEMM (quantized weight, and for
+    W4A4 the fake-quantized input), so each layer's error is measured on real activations, in
+    isolation. Weight SQNR: source vs decoded weight, one module at a time.
     """
-    rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in loaded.nvfp4.exported.quantized}
-    graphdef, state = nnx.split(loaded.bf16_model)
-    for c in candidates:
-        weights = c.weights()
+    rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in inputs.nvfp4.exported.quantized}
+    for c in inputs.candidates:
         for m, row in rows.items():
-            if m in weights:
-                row.weight_sqnr_db[c.label] = metrics.sqnr_db(loaded.bf16_weights[m], weights[m])
-        powers = _output_power_fn(graphdef, c.linear)
-        totals: dict[str, np.ndarray] = {}
-        for ids in batches:
-            for m, sums in powers(state, weights, jnp.asarray(ids)).items():
-                totals[m] = totals.get(m, 0.0) + np.asarray(sums, np.float64)
-        for m, (signal, noise) in totals.items():
+            if m in c.exported.quantized:
+                row.weight_sqnr_db[c.label] = metrics.sqnr_db(inputs.source.tensors.get(f"{m}.weight"),
+                                                              c.exported.dequantized(m))
+        for m, (signal, noise) in output_powers.get(c.label, {}).items():
             if m in rows:
                 rows[m].output_sqnr_db[c.label] = metrics.sqnr_from_sums(float(signal), float(noise))
-    label = loaded.nvfp4.label
+    label = inputs.nvfp4.label
     return sorted(rows.values(), key=lambda r: (r.output_sqnr_db.get(label, np.inf), r.name))
+
+
+def source_bytes(source: Checkpoint) -> int:
+    """The source's weights as stored (what holding it costs)."""
+    tensors = source.tensors
+    return sum(int(np.prod(tensors.shape(n))) * np.dtype(tensors.dtype(n)).itemsize
+               for n in source.config.expected_tensor_shapes())
+
+
+class LogitSpool:
+    """fp32 logits [S, T, V] of the reference model in a temporary file, written and read a batch at
+    a time with plain file I/O (page cache, not this process's memory)."""
+
+    def __init__(self, path: str, shape_SxT: tuple[int, int], vocab: int) -> None:
+        self.path, (self.samples, self.seq_len), self.vocab = path, shape_SxT, vocab
+        self._row_bytes = self.seq_len * vocab * 4
+        with open(path, "wb"):
+            pass
+        progress.info(f"reference logits: {self.samples * self._row_bytes / 1e9:.2f} GB in a temporary file")
+
+    def write(self, start: int, logits_BxTxV: np.ndarray) -> None:
+        with open(self.path, "r+b") as f:
+            f.seek(start * self._row_bytes)
+            f.write(np.ascontiguousarray(logits_BxTxV, np.float32).tobytes())
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            f.seek(start * self._row_bytes)
+            data = np.fromfile(f, np.float32, count * self.seq_len * self.vocab)
+        return data.reshape(count, self.seq_len, self.vocab)
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
+    """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so."""
+    need = stored + inputs.working_bytes()
+    streamed = memory.choose_offload(inputs.options.offload, need=need,
+                                     what=f"{label} ({stored / 1e9:.2f} GB as stored)")
+    inputs.ran[label] = "streamed" if streamed else "held"
+    if streamed:
+        return LayerwiseModel.streamed(config, source, compute_dtype=COMPUTE_DTYPE), None
+    progress.info(f"loading {label} ({stored / 1e9:.2f} GB as stored)")
+    held = build()
+    return LayerwiseModel.held(held), held
+
+
+def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOptions) -> np.ndarray | None:
+    """Greedy continuations of the prompts by a held model (None for a streamed one)."""
+    if held is None:
+        return None
+    progress.info(f"greedy generation ({label}): {len(prompts)} prompts x {options.gen_tokens} tokens")
+    return greedy_continuations(held, linear, prompts, options.gen_tokens)
+
+
+def _skip_reason(inputs: Inputs) -> str:
+    streamed = [label for label, how in inputs.ran.items() if how == "streamed"]
+    why = ("--offload always" if inputs.options.offload == "always"
+           else "not enough memory to hold it in its stored dtype")
+    return f"{', '.join(streamed)} streamed layer by layer ({why}); greedy generation needs the whole model"
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputPowers:
+    """Tap of the BF16 pass: the BF16 GEMM, and for each candidate whose weights `aux` holds for this
+    layer, [sum y_bf16^2, sum (y_bf16 - y_served)^2] of its served GEMM on the same input."""
+
+    labels: tuple[str, ...]
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        y = default_linear(x, w_NxK, b_N, name=name)
+        record = {}
+        for label in self.labels:
+            if name in (aux or {}).get(label, {}):
+                y32 = y.astype(jnp.float32)
+                y_q = served_linear(x, aux[label][name], b_N, name=name).astype(jnp.float32)
+                record[label] = jnp.stack([jnp.sum(y32 ** 2), jnp.sum((y32 - y_q) ** 2)])
+        return y, (record or None)
+
+
+def _layer_weights(candidates: list[Candidate], config, layer: int | None) -> dict[str, dict[str, Any]]:
+    """{label: {name as the block program sees it: stored weight}} of layer `layer` (None: the LM
+    head) for every candidate."""
+    prefix = "lm_head" if layer is None else f"model.layers.{layer}."
+    return {c.label: {(m if layer is None else STAR + m[len(prefix) - 1:]): c.exported.get(f"{m}.weight")
+                      for m in c.exported.quantized if (m == prefix if layer is None else m.startswith(prefix))}
+            for c in candidates}
 
 
 class _LogitStats:
@@ -276,39 +417,6 @@ class _LogitStats:
                 "top1": float(np.concatenate(self.agree).mean()), "ppl": ppl,
                 "ppl_increase": ppl / bf16_ppl - 1.0, "logit_max_err": self.max_err,
                 "logit_mean_err": self.abs_err_sum / max(self.count, 1)}, kl
-
-
-def _output_power_fn(graphdef, candidate_linear):
-    """jit(state, weights, ids) -> {module: [sum y_bf16^2, sum (y_bf16 - y_served)^2]}."""
-
-    def powers(state, weights, ids_BxT):
-        sums: dict[str, jax.Array] = {}
-
-        def linear(x, w_NxK, b_N, *, name):
-            y = default_linear(x, w_NxK, b_N, name=name)
-            if name in weights:
-                y_q = candidate_linear(x, weights[name], b_N, name=name)
-                y32 = y.astype(jnp.float32)
-                pair = jnp.stack([jnp.sum(y32 ** 2), jnp.sum((y32 - y_q.astype(jnp.float32)) ** 2)])
-                sums[name] = sums[name] + pair if name in sums else pair
-            return y
-
-        forward(nnx.merge(graphdef, state), ids_BxT, linear=linear)
-        return sums
-
-    return jax.jit(powers)
-
-
-def _generation(loaded: Loaded, candidates: list[Candidate], options: ValidateOptions) -> Generation:
-    prompt_len = min(options.prompt_len, loaded.ids_SxL.shape[1])
-    prompts = loaded.ids_SxL[:options.prompts, :prompt_len]
-    ref = greedy_continuations(loaded.bf16_model, None, prompts, options.gen_tokens)
-    divergence = {}
-    for c in candidates:
-        tokens = greedy_continuations(c.model, c.linear, prompts, options.gen_tokens)
-        divergence[c.label] = [metrics.first_divergence(r, t) for r, t in zip(ref, tokens)]
-    return Generation(prompts=int(len(prompts)), prompt_len=int(prompt_len), tokens=int(options.gen_tokens),
-                      first_divergence=divergence)
 
 
 def _histogram(values: np.ndarray, top: float) -> Histogram:
@@ -339,7 +447,7 @@ def _source_of(export_dir: str, source: str | None) -> tuple[str, int | None]:
     return locate_source(export_dir)
 
 
-def _reference(options: ValidateOptions, source: Checkpoint) -> tuple[Candidate | None, str, Named | None]:
+def _reference(options: ValidateOptions, source: Checkpoint, scratch: str) -> tuple[Candidate | None, str, Named | None]:
     """(the FP8 candidate or None, what it is, the --reference folder named and hashed)."""
     if options.reference == "bf16":
         return None, "bf16", None
@@ -354,9 +462,8 @@ def _reference(options: ValidateOptions, source: Checkpoint) -> tuple[Candidate 
     progress.info("making the FP8 reference (export --quant fp8)")
     # A training run brings its tracked input amax; other sources calibrate on the data.
     calib = None if source.kind == "run" else options.data
-    with tempfile.TemporaryDirectory(prefix="nvfp4tool-fp8-") as tmp:
-        out = os.path.join(tmp, "fp8")
-        export_checkpoint(source.path, out, ExportOptions(
-            quant="fp8", step=source.step, calib_data=calib, calib_samples=options.samples,
-            calib_seq_len=options.seq_len, show_progress=False))
-        return Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None
+    out = os.path.join(scratch, "fp8")
+    export_checkpoint(source.path, out, ExportOptions(
+        quant="fp8", step=source.step, calib_data=calib, calib_samples=options.samples,
+        calib_seq_len=options.seq_len, show_progress=False, offload=options.offload))
+    return Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None

@@ -1,6 +1,6 @@
 """Which layers to keep in BF16 so that the NVFP4 export meets a KL target (greedy search).
 
-    found = sensitivity(loaded, kl_target=0.02, batch_size=4)   # records.validation.Sensitivity
+    found = sensitivity(inputs, kl_target=0.02)   # records.validation.Sensitivity
     found.keep_bf16        # fnmatch patterns for `nvfp4tool export --keep-bf16`
     found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
 
@@ -10,43 +10,64 @@ in BF16 one at a time, most harmful first, re-measuring the whole model's KL aft
 KL target is met. The model is the export as served; a kept group runs its BF16 source weights
 with unquantized inputs. One compiled program serves every combination (the keep flags are
 traced), so the search costs one forward per step, not one compilation.
+
+Memory: the reference is the BF16 logits validation spooled (`runner.LogitSpool`); the mixed model
+is the export as stored plus the source's BF16 weights of the quantized modules (about 1.3x the
+BF16 model), held, or streamed a layer of each at a time (`--offload`), never N copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from nvfp4tool import progress
-from nvfp4tool.model import default_linear, forward
+from nvfp4tool import memory, progress
+from nvfp4tool.export.simulate import served_linear
+from nvfp4tool.model import default_linear
+from nvfp4tool.model.layerwise import STAR, LayerwiseModel
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.validate import metrics
 
 
-def sensitivity(loaded, *, kl_target: float, batch_size: int) -> Sensitivity:
-    """The greedy search (see the module docstring); `loaded` is runner.load_models' result."""
-    quantized = list(loaded.nvfp4.exported.quantized)
+def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
+    """The greedy search (see the module docstring); `inputs` is the validation's
+    (`runner.open_inputs`), after `run_validation` spooled the BF16 logits."""
+    from nvfp4tool.validate.runner import COMPUTE_DTYPE
+
+    exported, source = inputs.nvfp4.exported, inputs.source.tensors
+    quantized = list(exported.quantized)
     groups: dict[str, list[str]] = {}
     for m in quantized:
         groups.setdefault(fused_group(m), []).append(m)
-    batches = [loaded.ids_SxL[i:i + batch_size] for i in range(0, len(loaded.ids_SxL), batch_size)]
-    refs = [np.asarray(forward(loaded.bf16_model, ids)) for ids in batches]
-    mixed = _mixed_logits_fn(loaded.nvfp4)
-    graphdef, state = nnx.split(loaded.nvfp4.model)
-    del graphdef
-    weights = {m: loaded.bf16_weights[m] for m in quantized}
+    config = exported.config
+    bf16_bytes = sum(int(np.prod(source.shape(f"{m}.weight"))) * np.dtype(source.dtype(f"{m}.weight")).itemsize
+                     for m in quantized)
+    stored = exported.stored_bytes() + bf16_bytes
+    streamed = memory.choose_offload(inputs.options.offload, need=stored + inputs.working_bytes(),
+                                     what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)")
+    inputs.ran["sensitivity"] = "streamed" if streamed else "held"
+    if streamed:
+        model = LayerwiseModel.streamed(config, exported, compute_dtype=COMPUTE_DTYPE)
+        weights = lambda layer: _layer_bf16(source, quantized, layer)  # noqa: E731
+    else:
+        model = LayerwiseModel.held(exported.model(COMPUTE_DTYPE))
+        held = {layer: _layer_bf16(source, quantized, layer) for layer in [None, *range(config.num_layers)]}
+        weights = held.__getitem__
 
     def mean_kl(kept: set[str]) -> float:
-        flags = {m: jnp.asarray(fused_group(m) in kept) for m in quantized}
-        kl = [metrics.token_kl(ref, np.asarray(mixed(state, weights, flags, jnp.asarray(ids))))
-              for ref, ids in zip(refs, batches)]
-        return float(np.concatenate([k.ravel() for k in kl]).mean())
+        def aux(layer):
+            bf16 = weights(layer)
+            return {"bf16": bf16, "keep": {n: jnp.asarray(fused_group(_real(n, layer)) in kept) for n in bf16}}
+
+        kl = [metrics.token_kl(inputs.reference_logits.read(start, len(logits)), np.asarray(logits)).ravel()
+              for start, logits in model.logits(inputs.ids_SxL, inputs.options.batch_size, tap=_Mixed(),
+                                                aux=aux, label="sensitivity")]
+        return float(np.concatenate(kl).mean())
 
     names = list(groups)
     harm = {}
@@ -66,7 +87,7 @@ def sensitivity(loaded, *, kl_target: float, batch_size: int) -> Sensitivity:
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
                        trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
-                       precision_map={m: ("bf16" if fused_group(m) in kept else loaded.nvfp4.label)
+                       precision_map={m: ("bf16" if fused_group(m) in kept else inputs.nvfp4.label)
                                       for m in quantized})
 
 
@@ -94,19 +115,27 @@ def command_lines(found: Sensitivity, source: str) -> list[str]:
 # helpers
 
 
-def _mixed_logits_fn(candidate):
-    """jit(state, bf16 weights, keep flags, ids) -> logits of the export with kept modules in BF16."""
-    graphdef, _ = nnx.split(candidate.model)
-    served_linear = candidate.linear
+@dataclasses.dataclass(frozen=True)
+class _Mixed:
+    """Tap of the mixed model: the export as served, except that a module whose keep flag is set
+    runs its BF16 source weight on its unquantized input."""
 
-    def logits(state, weights, flags, ids_BxT):
-        def linear(x, w_NxK, b_N, *, name):
-            y_served = served_linear(x, w_NxK, b_N, name=name)
-            if name not in flags:
-                return y_served
-            y_bf16 = default_linear(x, weights[name], b_N, name=name)
-            return jnp.where(flags[name], y_bf16, y_served)
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        y_served = served_linear(x, w_NxK, b_N, name=name)
+        if name not in aux["bf16"]:
+            return y_served, None
+        y_bf16 = default_linear(x, aux["bf16"][name], b_N, name=name)
+        return jnp.where(aux["keep"][name], y_bf16, y_served), None
 
-        return forward(nnx.merge(graphdef, state), ids_BxT, linear=linear)
 
-    return jax.jit(logits)
+def _layer_bf16(source, quantized: list[str], layer: int | None) -> dict[str, np.ndarray]:
+    """{name as the block program sees it: BF16 source weight} of the quantized modules of `layer`
+    (None: the LM head)."""
+    if layer is None:
+        return {m: source.get(f"{m}.weight") for m in quantized if m == "lm_head"}
+    prefix = f"model.layers.{layer}."
+    return {STAR + "." + m[len(prefix):]: source.get(f"{m}.weight") for m in quantized if m.startswith(prefix)}
+
+
+def _real(name: str, layer: int | None) -> str:
+    return name if layer is None else name.replace(STAR, f"model.layers.{layer}")

@@ -1,0 +1,73 @@
+"""How much memory there is, how much this process has used, and whether a model fits (`--offload`).
+
+    memory.peak_rss_bytes()           # this process's peak resident set (VmHWM), for the reports
+    memory.available_bytes()          # what a new allocation can use: host MemAvailable, or the
+                                      # free memory of every accelerator of the default backend
+    streamed = memory.choose_offload("auto", need=model_bytes, what="validate: the BF16 source")
+
+`choose_offload` decides whether a model is held whole or streamed layer by layer: "never" holds
+it, "always" streams it, "auto" holds it when `need` (its stored size plus working memory, from
+the caller) is within `HEADROOM` of what is available, and says what it chose and why.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import jax
+
+from nvfp4tool import progress
+from nvfp4tool.errors import NVFP4UsageError
+
+OFFLOAD_MODES = ("auto", "never", "always")
+HEADROOM = 0.8  # auto holds a model when it needs at most this share of the available memory
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux VmHWM; getrusage elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def available_bytes() -> int:
+    """Memory a new allocation can use now: the accelerators' free memory (summed: a model is
+    sharded over all of them), else the host's MemAvailable."""
+    if jax.default_backend() != "cpu":
+        free = 0
+        for device in jax.local_devices():
+            stats = device.memory_stats() or {}
+            free += int(stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0))
+        if free > 0:
+            return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def choose_offload(mode: str, *, need: int, what: str) -> bool:
+    """True to stream `what` layer by layer. `need`: bytes holding it takes (model + working set)."""
+    if mode not in OFFLOAD_MODES:
+        raise NVFP4UsageError(f"--offload {mode}: expected one of {', '.join(OFFLOAD_MODES)}")
+    if mode != "auto":
+        return mode == "always"
+    available = available_bytes()
+    streamed = need > HEADROOM * available
+    progress.info(f"--offload auto: {what} needs {need / 1e9:.2f} GB held, {available / 1e9:.2f} GB "
+                  f"available -> {'streaming it layer by layer' if streamed else 'holding it in memory'}")
+    return streamed
+
+
+def gb(nbytes: int | float) -> str:
+    return f"{nbytes / 1e9:.2f} GB"

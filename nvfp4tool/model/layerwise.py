@@ -1,0 +1,218 @@
+"""Run a model layer by layer over token windows, its weights held whole or read one layer at a time.
+
+    model = LayerwiseModel.held(causal_lm)                      # a model in memory (as stored)
+    model = LayerwiseModel.streamed(config, source, compute_dtype=jnp.float32)  # read per layer
+    for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):
+        ...
+
+Every use of a model that is not generation (validate's logits and per-layer SQNR, export
+calibration, the sensitivity search) runs here, in one of two modes with the same numbers:
+* held: the whole model is in memory (a `CausalLM`, its weights in their stored dtypes); windows
+  go through it `batch_size` at a time, layer after layer;
+* streamed (`--offload`): all windows go through layer i, then layer i+1; layer i's weights are
+  read from the source (`get(HF name)`: an array or a stored quantized weight) just before and
+  dropped just after, so the peak is one layer + embeddings / final norm / LM head + the
+  activations of the windows.
+Each batch runs the same compiled block program in both modes (one program for every layer: the
+blocks are built with the scanned-layer names `model.layers.*....`), so the modes agree exactly.
+
+A `Tap` is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
+`aux` is what the caller hands each layer (`aux(i)`, `aux(None)` for the LM head: e.g. another
+model's weights of that layer). Records come back per batch through `on_record(name, record)`
+with the layer's real name (`model.layers.3.mlp.up_proj`). With a `mesh`, weights are laid out
+over it as training lays out its state (`train.mesh.state_shardings`: fsdp), so a model larger than
+one device runs on several; windows are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nvfp4tool import progress
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.model.transformer import (Block, CausalLM, attention_allowed, default_positions, embed,
+                                         lm_logits, rope)
+from nvfp4tool.model.weights import as_param
+
+STAR = "model.layers.*"  # the layer prefix of the names a block program sees
+
+
+class Tap(Protocol):
+    """A linear seam that may record: (y, record) where record is None or a pytree of arrays."""
+
+    def __call__(self, x: jax.Array, w_NxK: Any, b_N: jax.Array | None, *, name: str,
+                 aux: Any) -> tuple[jax.Array, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """A LinearFn as a Tap that records nothing."""
+
+    linear: LinearFn
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        return self.linear(x, w_NxK, b_N, name=name), None
+
+
+class LayerwiseModel:
+    """A decoder whose layers run one at a time (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, outer: CausalLM, layer: Callable[[int], nnx.State], *,
+                 streamed: bool, mesh: jax.sharding.Mesh | None = None) -> None:
+        self.config, self.streamed, self.mesh = config, streamed, mesh
+        self._layer = layer
+        self._outer_graphdef, self._outer_state = nnx.split(outer)
+        self._outer_state = self._place(self._outer_state)
+        self._block_graphdef = nnx.split(_abstract_block(config, outer.compute_dtype))[0]
+
+    @classmethod
+    def held(cls, model: CausalLM, *, mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
+        """A model in memory (unscanned), run layer by layer `batch_size` windows at a time."""
+        if model.scan_layers:
+            raise ValueError("LayerwiseModel.held: a scanned model (build it unscanned)")
+        layers = model.layers
+        outer = nnx.merge(*nnx.split(model))  # a shallow copy whose layers we drop
+        outer.layers = nnx.List([])
+        return cls(model.config, outer, lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh)
+
+    @classmethod
+    def streamed(cls, config: ModelConfig, source: Any, *, compute_dtype: jnp.dtype,
+                 mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
+        """Weights read from `source.get(HF name)` (arrays kept in their stored dtype, stored
+        quantized weights as they are): the outer tensors once, each layer when it runs."""
+        outer = nnx.eval_shape(lambda: CausalLM(config, param_dtype=jnp.float32, compute_dtype=compute_dtype))
+        outer.layers = nnx.List([])
+        for name in config.expected_tensor_shapes():
+            if not name.startswith("model.layers."):
+                _variable(outer, name.removeprefix("model.") if name.startswith("model.") else name
+                          ).set_value(as_param(source.get(name), None))
+
+        def layer(i: int) -> nnx.State:
+            block = _abstract_block(config, compute_dtype)
+            for path in _param_paths(block):
+                _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None))
+            return nnx.state(block)
+
+        return cls(config, outer, layer, streamed=True, mesh=mesh)
+
+    def logits(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, aux: Callable[[int | None], Any] | None = None,
+               on_record: Callable[[str, Any], None] | None = None,
+               label: str = "forward") -> Iterator[tuple[int, jax.Array]]:
+        """(first window index, fp32 logits [B, T, V]) of every batch of `batch_size` windows, in
+        order; records of the tap go to `on_record(name, record)` (one call per batch)."""
+        ids_SxT = np.asarray(ids_SxT, np.int32)
+        S, T = ids_SxT.shape
+        wave = S if self.streamed else batch_size
+        layers = self.config.num_layers
+        aux = aux or (lambda i: None)
+        with progress.task(label, total=layers * -(-S // wave), unit="layer") as task:
+            start_time = time.perf_counter()
+            for w0 in range(0, S, wave):
+                starts = list(range(w0, min(w0 + wave, S), batch_size))
+                carry = [self._embed(ids_SxT[s:s + batch_size]) for s in starts]
+                for i in range(layers):
+                    state = self._place(self._layer(i))
+                    layer_aux = self._place(aux(i))
+                    for b, (x, cos, sin, allowed) in enumerate(carry):
+                        y, records = _block_step(self._block_graphdef, state, x, cos, sin, allowed,
+                                                 layer_aux, tap=tap)
+                        carry[b] = (y, cos, sin, allowed)
+                        _deliver(records, on_record, f"model.layers.{i}")
+                    del state, layer_aux
+                    done = (w0 + sum(len(ids_SxT[s:s + batch_size]) for s in starts)) * T
+                    task.advance(description=f"layer {i}", fields={
+                        "tok/s": f"{done * (i + 1) / layers / (time.perf_counter() - start_time):.0f}"})
+                head_aux = self._place(aux(None))
+                for s, (x, _, _, _) in zip(starts, carry):
+                    logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap)
+                    _deliver(records, on_record, None)
+                    yield s, logits
+                del carry
+
+    def _embed(self, ids_BxT: np.ndarray):
+        ids = self._place(jnp.asarray(ids_BxT))
+        return _embed_step(self._outer_graphdef, self._outer_state, ids)
+
+    def _place(self, tree: Any) -> Any:
+        """On the mesh (fsdp layout of every weight) or the default device."""
+        if tree is None:
+            return None
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        from nvfp4tool.train.mesh import state_shardings
+
+        return jax.device_put(tree, state_shardings(self.mesh, tree))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _abstract_block(config: ModelConfig, compute_dtype: jnp.dtype) -> Block:
+    del compute_dtype  # a block computes in its input's dtype
+    return nnx.eval_shape(lambda: Block(config, STAR, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+
+
+def _param_paths(module: nnx.Module) -> list[str]:
+    """Dotted attribute paths of a module's parameters (= HF name suffixes)."""
+    return [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+
+
+def _variable(module: nnx.Module, path: str) -> nnx.Variable:
+    node = module
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
+
+
+def _deliver(records: dict[str, Any], on_record, layer_prefix: str | None) -> None:
+    if on_record is None:
+        return
+    for name, record in records.items():
+        on_record(name.replace(STAR, layer_prefix) if layer_prefix else name, record)
+
+
+def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:
+    def linear(x, w_NxK, b_N, *, name):
+        y, record = tap(x, w_NxK, b_N, name=name, aux=aux)
+        if record is not None:
+            records[name] = record
+        return y
+
+    return linear
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _embed_step(graphdef, state, ids_BxT):
+    model = nnx.merge(graphdef, state)
+    mask_BxT = jnp.ones(ids_BxT.shape, bool)
+    positions_BxT = default_positions(mask_BxT)
+    cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
+    allowed_BxTxS = attention_allowed(jnp.arange(ids_BxT.shape[1]), mask_BxT, model.config.sliding_window,
+                                      positions_BxT, positions_BxT)
+    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, allowed_BxTxS
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tap"))
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap):
+    records: dict[str, Any] = {}
+    y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, None, 0,
+                                            _recording(tap, aux, records))
+    return y_BxTxE, records
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tap"))
+def _head_step(graphdef, state, x_BxTxE, aux, *, tap):
+    records: dict[str, Any] = {}
+    logits = lm_logits(nnx.merge(graphdef, state), x_BxTxE, _recording(tap, aux, records))
+    return logits, records
