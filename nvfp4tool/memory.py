@@ -26,14 +26,8 @@ HEADROOM = 0.8  # auto holds a model when it needs at most this share of the ava
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux VmHWM; getrusage elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = _proc_bytes("/proc/self/status", "VmHWM:")
+    return peak if peak is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def available_bytes() -> int:
@@ -46,14 +40,8 @@ def available_bytes() -> int:
             free += int(stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0))
         if free > 0:
             return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = _proc_bytes("/proc/meminfo", "MemAvailable:")
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def choose_offload(mode: str, *, need: int, what: str) -> bool:
@@ -69,5 +57,14 @@ def choose_offload(mode: str, *, need: int, what: str) -> bool:
     return streamed
 
 
-def gb(nbytes: int | float) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A "key: N kB" line of a Linux /proc file in bytes (None where there is no such file or line)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -121,6 +121,16 @@ def test_scale_search_lowers_the_error_and_decodes_with_the_standard_formula(met
         assert (per_block(decoded) <= per_block(rtn)).all()
 
 
+def test_calibration_streamed_layer_by_layer_gives_the_held_amax(hf_dir, calib):
+    """--offload always (all windows through layer i, then i+1, weights read per layer) and a held
+    model record the same input amax, bit for bit."""
+    held, streamed = (calibrate_input_amax(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3,
+                                           seq_len=24, tokenizer_dir=None, offload=mode)
+                      for mode in ("never", "always"))
+    assert set(held) == set(QUANTIZED) and all(v > 0 for v in held.values())
+    assert held == streamed
+
+
 # ------------------------------------------------------------------------------------- layouts
 
 

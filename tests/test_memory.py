@@ -1,0 +1,70 @@
+"""nvfp4tool.memory: the --offload decision (auto from the needed and the available memory), peak
+RSS, and the CLI's refusal of an unknown mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nvfp4tool import memory, progress
+from nvfp4tool.errors import NVFP4UsageError
+
+GB = 10**9
+
+
+class _Lines:
+    def __init__(self):
+        self.lines = []
+
+    def start(self, name, total, unit):
+        return progress.QuietReporter().start(name, total, unit)
+
+    def info(self, message):
+        self.lines.append(message)
+
+
+@pytest.mark.parametrize("mode, need, available, streamed", [
+    ("never", 100 * GB, 1 * GB, False),
+    ("always", 1, 100 * GB, True),
+    ("auto", 7 * GB, 10 * GB, False),   # within the headroom (80%)
+    ("auto", 9 * GB, 10 * GB, True),    # beyond it
+])
+def test_choose_offload(monkeypatch, mode, need, available, streamed):
+    monkeypatch.setattr(memory, "available_bytes", lambda: available)
+    lines = _Lines()
+    previous = progress.use_reporter(lines)
+    try:
+        assert memory.choose_offload(mode, need=need, what="the model") is streamed
+    finally:
+        progress.use_reporter(previous)
+    if mode == "auto":  # auto says what it chose and why
+        (line,) = lines.lines
+        assert f"{need / GB:.2f} GB" in line and f"{available / GB:.2f} GB" in line
+        assert ("streaming" if streamed else "holding") in line
+    else:
+        assert lines.lines == []
+
+
+def test_unknown_mode_is_bad_usage():
+    with pytest.raises(NVFP4UsageError, match="--offload sometimes"):
+        memory.choose_offload("sometimes", need=1, what="x")
+
+
+def test_peak_rss_and_available_memory_are_measured():
+    before = memory.peak_rss_bytes()
+    block = np.ones(256 * 2**20, np.uint8)  # 256 MiB touched: resident now
+    assert memory.peak_rss_bytes() >= max(before, block.nbytes)
+    assert 0 < memory.available_bytes()
+
+
+@pytest.mark.parametrize("command", [["validate", "EXPORT", "--data", "DATA"], ["export", "SRC", "--out", "OUT"]])
+def test_cli_refuses_an_unknown_offload_mode(tmp_path, command):
+    from click.testing import CliRunner
+
+    from nvfp4tool.cli import cli
+
+    (tmp_path / "EXPORT").mkdir()
+    (tmp_path / "DATA").write_text("x")
+    args = [str(tmp_path / a) if a.isupper() else a for a in command] + ["--offload", "sometimes"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "--offload" in result.output
