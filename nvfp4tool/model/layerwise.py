@@ -73,7 +73,7 @@ class LayerwiseModel:
         self._layer = layer
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
-        self._block_graphdef = nnx.split(_abstract_block(config, outer.compute_dtype))[0]
+        self._block_graphdef = nnx.split(_abstract_block(config))[0]
 
     @classmethod
     def held(cls, model: CausalLM, *, mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
@@ -98,7 +98,7 @@ class LayerwiseModel:
                           ).set_value(as_param(source.get(name), None))
 
         def layer(i: int) -> nnx.State:
-            block = _abstract_block(config, compute_dtype)
+            block = _abstract_block(config)
             for path in _param_paths(block):
                 _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None))
             return nnx.state(block)
@@ -112,26 +112,25 @@ class LayerwiseModel:
         order; records of the tap go to `on_record(name, record)` (one call per batch)."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         S, T = ids_SxT.shape
-        wave = S if self.streamed else batch_size
+        wave = S if self.streamed else batch_size  # windows that go through one layer together
         layers = self.config.num_layers
         aux = aux or (lambda i: None)
         with progress.task(label, total=layers * -(-S // wave), unit="layer") as task:
-            start_time = time.perf_counter()
+            started, layer_tokens = time.perf_counter(), 0
             for w0 in range(0, S, wave):
                 starts = list(range(w0, min(w0 + wave, S), batch_size))
                 carry = [self._embed(ids_SxT[s:s + batch_size]) for s in starts]
                 for i in range(layers):
-                    state = self._place(self._layer(i))
-                    layer_aux = self._place(aux(i))
+                    state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
                     for b, (x, cos, sin, allowed) in enumerate(carry):
                         y, records = _block_step(self._block_graphdef, state, x, cos, sin, allowed,
                                                  layer_aux, tap=tap)
                         carry[b] = (y, cos, sin, allowed)
                         _deliver(records, on_record, f"model.layers.{i}")
-                    del state, layer_aux
-                    done = (w0 + sum(len(ids_SxT[s:s + batch_size]) for s in starts)) * T
-                    task.advance(description=f"layer {i}", fields={
-                        "tok/s": f"{done * (i + 1) / layers / (time.perf_counter() - start_time):.0f}"})
+                    del state, layer_aux  # a streamed layer's weights go now
+                    layer_tokens += (min(w0 + wave, S) - w0) * T
+                    rate = layer_tokens / layers / (time.perf_counter() - started)
+                    task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
                     logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap)
@@ -158,8 +157,9 @@ class LayerwiseModel:
 # helpers
 
 
-def _abstract_block(config: ModelConfig, compute_dtype: jnp.dtype) -> Block:
-    del compute_dtype  # a block computes in its input's dtype
+def _abstract_block(config: ModelConfig) -> Block:
+    """A block with no values (its parameters are set from a source), named `model.layers.*`;
+    it computes in its input's dtype."""
     return nnx.eval_shape(lambda: Block(config, STAR, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
 
 
