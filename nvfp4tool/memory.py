@@ -3,11 +3,13 @@
     memory.peak_rss_bytes()           # this process's peak resident set (VmHWM), for the reports
     memory.available_bytes()          # what a new allocation can use: host MemAvailable, or the
                                       # free memory of every accelerator of the default backend
-    streamed = memory.choose_offload("auto", need=model_bytes, what="validate: the BF16 source")
+    streamed = memory.choose_offload("auto", weights=model_bytes, working=activation_bytes,
+                                     what="validate: the BF16 source", devices=jax.device_count())
 
 `choose_offload` decides whether a model is held whole or streamed layer by layer: "never" holds
-it, "always" streams it, "auto" holds it when `need` (its stored size plus working memory, from
-the caller) is within `HEADROOM` of what is available, and says what it chose and why.
+it, "always" streams it, "auto" holds it when what it needs (its stored size, sharded over the
+devices, plus the working memory of each device, from the caller) is within `HEADROOM` of what is
+available, and says what it chose and why.
 """
 
 from __future__ import annotations
@@ -44,18 +46,23 @@ def available_bytes() -> int:
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def choose_offload(mode: str, *, need: int, what: str) -> bool:
-    """True to stream `what` layer by layer. `need`: bytes holding it takes (model + working set)."""
+def choose_offload(mode: str, *, weights: int, working: int, what: str, devices: int = 1) -> bool:
+    """True to stream `what` layer by layer. `weights`: its bytes as stored, sharded over `devices`
+    (`train.mesh.model_mesh`: each holds 1/devices of them); `working`: what a forward needs besides
+    the weights, on every device (activations are replicated). Held costs weights + devices x working
+    in all, compared with `available_bytes` (the sum over the accelerators, or the host's memory that
+    host devices share): per accelerator, weights / devices + working against its free memory."""
     if mode not in OFFLOAD_MODES:
         raise NVFP4UsageError(f"--offload {mode}: expected one of {', '.join(OFFLOAD_MODES)}")
     if mode != "auto":
         return mode == "always"
+    need = weights + devices * working
     available = available_bytes()
     streamed = need > HEADROOM * available
-    progress.info(f"--offload auto: {what} needs {need / 1e9:.2f} GB held, {available / 1e9:.2f} GB "
+    over = f" over {devices} devices" if devices > 1 else ""
+    progress.info(f"--offload auto: {what} needs {need / 1e9:.2f} GB held{over}, {available / 1e9:.2f} GB "
                   f"available -> {'streaming it layer by layer' if streamed else 'holding it in memory'}")
     return streamed
-
 
 
 def _proc_bytes(path: str, key: str) -> int | None:

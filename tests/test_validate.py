@@ -59,8 +59,8 @@ class _SourceServedAsIs:
         self.source, self.config, self.quant, self.format = HFFolderSource(folder), CONFIG, "nvfp4", "modelopt"
         self.quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
         self.get = self.source.get
-        self.model = lambda compute_dtype=jnp.float32: model_from_tensors(
-            CONFIG, self.source, dtype=None, compute_dtype=compute_dtype)
+        self.model = lambda compute_dtype=jnp.float32, mesh=None: model_from_tensors(
+            CONFIG, self.source, dtype=None, compute_dtype=compute_dtype, mesh=mesh)
 
     def stored_bytes(self):
         return 0

@@ -8,7 +8,8 @@ The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint compute
 jitted layer program, maxed over batches here). The model is held whole in BF16, or streamed layer
 by layer (`offload`: "always", or "auto" when it would not fit, `memory.choose_offload`): all windows
 through layer i, then layer i+1, so the peak is one layer + embeddings / LM head + the windows'
-activations. Both modes give the same amax.
+activations. Both modes give the same amax. On several devices the weights are sharded over all
+of them (`LayerwiseModel.open`), with the same amax as on one.
 
 Calibration data: a `.txt` file (tokenized as one stream, cut into `samples` windows of `seq_len`
 tokens), a `.jsonl` file with a "text" field per line (one window per line, truncated), or a
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from converters.tensor_source import TensorSource
-from nvfp4tool import memory
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.layerwise import LayerwiseModel
@@ -44,12 +44,10 @@ def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Seque
     itemsize = np.dtype(COMPUTE_DTYPE).itemsize
     model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
     working = 2 * 4 * BATCH * ids_SxL.shape[1] * (config.vocab_size + 4 * config.intermediate_size)
-    streamed = memory.choose_offload(offload, need=model_bytes + working,
-                                     what=f"calibration ({model_bytes / 1e9:.2f} GB in BF16)")
-    if streamed:
-        model = LayerwiseModel.streamed(config, _Cast(source), compute_dtype=COMPUTE_DTYPE)
-    else:
-        model = LayerwiseModel.held(model_from_tensors(config, source, dtype=COMPUTE_DTYPE))
+    model = LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=COMPUTE_DTYPE,
+                                                                             mesh=mesh),
+                                source=_Cast(source), offload=offload, weights=model_bytes, working=working,
+                                what=f"calibration ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=COMPUTE_DTYPE)
     wanted = set(names)
     amax = {n: 0.0 for n in names}
     seen: set[str] = set()

@@ -151,11 +151,13 @@ class ExportedModel:
         return sum(int(np.prod(self._source.shape(n))) * np.dtype(self._source.dtype(n)).itemsize
                    for n in self._source.names())
 
-    def model(self, compute_dtype: jnp.dtype = jnp.float32):
-        """A CausalLM holding every weight as stored (run it with `linear=served_linear`)."""
+    def model(self, compute_dtype: jnp.dtype = jnp.float32, mesh: jax.sharding.Mesh | None = None):
+        """A CausalLM holding every weight as stored (run it with `linear=served_linear`), sharded
+        over `mesh` when given (`model_from_tensors`)."""
         from nvfp4tool.model.weights import model_from_tensors
 
-        return model_from_tensors(self.config, self, dtype=None, compute_dtype=compute_dtype, check=False)
+        return model_from_tensors(self.config, self, dtype=None, compute_dtype=compute_dtype, check=False,
+                                  mesh=mesh)
 
 
 def load_export(folder: str) -> ExportedModel:

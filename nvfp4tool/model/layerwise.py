@@ -2,6 +2,7 @@
 
     model = LayerwiseModel.held(causal_lm)                      # a model in memory (as stored)
     model = LayerwiseModel.streamed(config, source, compute_dtype=jnp.float32)  # read per layer
+    model = LayerwiseModel.open(config, build=..., source=..., offload="auto", ...)  # either, decided
     for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):
         ...
 
@@ -19,9 +20,14 @@ blocks are built with the scanned-layer names `model.layers.*....`), so the mode
 A `Tap` is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
 `aux` is what the caller hands each layer (`aux(i)`, `aux(None)` for the LM head: e.g. another
 model's weights of that layer). Records come back per batch through `on_record(name, record)`
-with the layer's real name (`model.layers.3.mlp.up_proj`). With a `mesh`, weights are laid out
-over it as training lays out its state (`train.mesh.state_shardings`: fsdp), so a model larger than
-one device runs on several; windows are replicated.
+with the layer's real name (`model.layers.3.mlp.up_proj`).
+
+Devices: `open` runs on every device when there are several (`train.mesh.model_mesh`). With a
+`mesh`, each weight is laid out over it as training lays out its state (fsdp: sharded over its
+largest divisible axis; held: as the model is built, streamed: as each layer is read), so a model
+larger than one device's memory runs on several. Each step all-gathers the weights it uses (its
+layer, the embeddings / LM head) and runs replicated on replicated windows, as FSDP does: memory
+is 1/N of the weights + one layer whole per device, and the numbers are exactly those of one device.
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nvfp4tool import progress
+from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.model.transformer import (Block, CausalLM, attention_allowed, default_positions, embed,
                                          lm_logits, rope)
 from nvfp4tool.model.weights import as_param
+from nvfp4tool.train.mesh import model_mesh, replicated, shard
 
 STAR = "model.layers.*"  # the layer prefix of the names a block program sees
 
@@ -68,12 +75,29 @@ class LayerwiseModel:
     """A decoder whose layers run one at a time (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, outer: CausalLM, layer: Callable[[int], nnx.State], *,
-                 streamed: bool, mesh: jax.sharding.Mesh | None = None) -> None:
+                 streamed: bool, mesh: jax.sharding.Mesh | None = None, whole: CausalLM | None = None) -> None:
         self.config, self.streamed, self.mesh = config, streamed, mesh
+        self.whole = whole  # the held CausalLM (for generation); None when streamed
         self._layer = layer
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
         self._block_graphdef = nnx.split(_abstract_block(config))[0]
+        self._gather = None if mesh is None else replicated(mesh)
+
+    @classmethod
+    def open(cls, config: ModelConfig, *, build: Callable[[jax.sharding.Mesh | None], CausalLM], source: Any,
+             offload: str, what: str, weights: int, working: int, compute_dtype: jnp.dtype) -> LayerwiseModel:
+        """Held (`build(mesh)`, unscanned) or streamed from `source`, as `memory.choose_offload`
+        decides for `weights` bytes as stored and `working` bytes per device; on several devices,
+        sharded over all of them (`train.mesh.model_mesh`; said)."""
+        mesh = model_mesh()
+        devices = 1 if mesh is None else mesh.size
+        if mesh is not None:
+            progress.info(f"{what}: sharded over {devices} devices (fsdp)")
+        if memory.choose_offload(offload, weights=weights, working=working, what=what, devices=devices):
+            return cls.streamed(config, source, compute_dtype=compute_dtype, mesh=mesh)
+        progress.info(f"loading {what}")
+        return cls.held(build(mesh), mesh=mesh)
 
     @classmethod
     def held(cls, model: CausalLM, *, mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
@@ -83,7 +107,7 @@ class LayerwiseModel:
         layers = model.layers
         outer = nnx.merge(*nnx.split(model))  # a shallow copy whose layers we drop
         outer.layers = nnx.List([])
-        return cls(model.config, outer, lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh)
+        return cls(model.config, outer, lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh, whole=model)
 
     @classmethod
     def streamed(cls, config: ModelConfig, source: Any, *, compute_dtype: jnp.dtype,
@@ -95,12 +119,12 @@ class LayerwiseModel:
         for name in config.expected_tensor_shapes():
             if not name.startswith("model.layers."):
                 _variable(outer, name.removeprefix("model.") if name.startswith("model.") else name
-                          ).set_value(as_param(source.get(name), None))
+                          ).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
             block = _abstract_block(config)
             for path in _param_paths(block):
-                _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None))
+                _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None, mesh))
             return nnx.state(block)
 
         return cls(config, outer, layer, streamed=True, mesh=mesh)
@@ -124,7 +148,7 @@ class LayerwiseModel:
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
                     for b, (x, cos, sin, allowed) in enumerate(carry):
                         y, records = _block_step(self._block_graphdef, state, x, cos, sin, allowed,
-                                                 layer_aux, tap=tap)
+                                                 layer_aux, tap=tap, gather=self._gather)
                         carry[b] = (y, cos, sin, allowed)
                         _deliver(records, on_record, f"model.layers.{i}")
                     del state, layer_aux  # a streamed layer's weights go now
@@ -133,24 +157,23 @@ class LayerwiseModel:
                     task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
-                    logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap)
+                    logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap,
+                                                  gather=self._gather)
                     _deliver(records, on_record, None)
                     yield s, logits
                 del carry
 
     def _embed(self, ids_BxT: np.ndarray):
-        ids = self._place(jnp.asarray(ids_BxT))
-        return _embed_step(self._outer_graphdef, self._outer_state, ids)
+        ids = jnp.asarray(ids_BxT) if self.mesh is None else jax.device_put(ids_BxT, replicated(self.mesh))
+        return _embed_step(self._outer_graphdef, self._outer_state, ids, gather=self._gather)
 
     def _place(self, tree: Any) -> Any:
-        """On the mesh (fsdp layout of every weight) or the default device."""
+        """Weights on the mesh (fsdp layout; already placed ones stay) or the default device."""
         if tree is None:
             return None
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, tree)
-        from nvfp4tool.train.mesh import state_shardings
-
-        return jax.device_put(tree, state_shardings(self.mesh, tree))
+        return shard(self.mesh, tree)
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,8 +215,9 @@ def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:
     return linear
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def _embed_step(graphdef, state, ids_BxT):
+@partial(jax.jit, static_argnames=("graphdef", "gather"))
+def _embed_step(graphdef, state, ids_BxT, *, gather):
+    state = _gathered(state, gather)
     model = nnx.merge(graphdef, state)
     mask_BxT = jnp.ones(ids_BxT.shape, bool)
     positions_BxT = default_positions(mask_BxT)
@@ -203,16 +227,24 @@ def _embed_step(graphdef, state, ids_BxT):
     return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, allowed_BxTxS
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tap"))
-def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap):
+@partial(jax.jit, static_argnames=("graphdef", "tap", "gather"))
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap, gather):
+    state, aux = _gathered((state, aux), gather)
     records: dict[str, Any] = {}
     y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, None, 0,
                                             _recording(tap, aux, records))
     return y_BxTxE, records
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tap"))
-def _head_step(graphdef, state, x_BxTxE, aux, *, tap):
+@partial(jax.jit, static_argnames=("graphdef", "tap", "gather"))
+def _head_step(graphdef, state, x_BxTxE, aux, *, tap, gather):
+    state, aux = _gathered((state, aux), gather)
     records: dict[str, Any] = {}
     logits = lm_logits(nnx.merge(graphdef, state), x_BxTxE, _recording(tap, aux, records))
     return logits, records
+
+
+def _gathered(tree: Any, gather: jax.sharding.NamedSharding | None) -> Any:
+    """Inside a step: the weights all-gathered (FSDP: sharded at rest, whole while their layer
+    runs), so each device computes exactly what one device computes."""
+    return tree if gather is None else jax.lax.with_sharding_constraint(tree, gather)

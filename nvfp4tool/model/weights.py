@@ -20,13 +20,15 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import CausalLM
+from nvfp4tool.train.mesh import shard
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype | None = jnp.float32,
                        compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                       linear: LinearFn = default_linear, check: bool = True) -> CausalLM:
+                       linear: LinearFn = default_linear, check: bool = True,
+                       mesh: jax.sharding.Mesh | None = None) -> CausalLM:
     """Build the model from HF-named tensors (every shape checked against `config` first).
 
     dtype: parameter dtype (values are cast exactly when widening, e.g. bf16 -> fp32); None keeps
@@ -34,6 +36,8 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
     `get` that returns a stored quantized weight, a pytree the linear seam decodes, is kept as
     it is). compute_dtype: activations / matmul inputs (default: dtype, required when dtype is
     None). check=False skips the shape check (for sources already checked, e.g. an export).
+    mesh: each tensor goes from the host straight to its shards over the mesh's devices as it is
+    read (`as_param`), so the model is never whole on one device.
     """
     if dtype is None and compute_dtype is None:
         raise ValueError("model_from_tensors: dtype=None (as stored) needs a compute_dtype")
@@ -49,7 +53,7 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
         value = source.get(name)
         variable, layer = _locate(model, name)
         if layer is None:
-            variable.set_value(as_param(value, dtype))
+            variable.set_value(as_param(value, dtype, mesh))
             continue
         array = np.asarray(value)
         suffix = _LAYER_NAME.fullmatch(name).group(2)
@@ -57,16 +61,21 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
             stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
         stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
         if layer == config.num_layers - 1:
-            variable.set_value(jnp.asarray(stacked.pop(suffix)))
+            variable.set_value(as_param(stacked.pop(suffix), None, mesh))
     return model
 
 
-def as_param(value, dtype: jnp.dtype | None):
-    """A tensor as a parameter value: a device array cast to `dtype` (None: as stored); a stored
-    quantized weight (a pytree) with each of its arrays on the device, unchanged."""
+def as_param(value, dtype: jnp.dtype | None, mesh: jax.sharding.Mesh | None = None):
+    """A tensor as a parameter value: an array cast to `dtype` (None: as stored), or a stored
+    quantized weight (a pytree) unchanged; on the default device, or with a `mesh` sent from the
+    host straight to its fsdp shards (`train.mesh.shard`)."""
+    if mesh is None:
+        if isinstance(value, np.ndarray | jax.Array):
+            return jnp.asarray(value, dtype=dtype)
+        return jax.tree.map(jnp.asarray, value)
     if isinstance(value, np.ndarray | jax.Array):
-        return jnp.asarray(value, dtype=dtype)
-    return jax.tree.map(jnp.asarray, value)
+        value = np.asarray(value, dtype=dtype)  # the same cast (widening exact, narrowing RNE) on the host
+    return shard(mesh, value)
 
 
 class ModelTensorSource:

@@ -5,6 +5,8 @@ Parameters and optimizer state: each array's largest axis that the fsdp size div
 over "fsdp" (fully sharded data parallel); everything else is replicated. Batches: the sequence
 axis is sharded over both axes. Host data (numpy, identical on every process) becomes a global
 array with `jax.make_array_from_callback`, so each process hands over only its own shards.
+Outside training (validate, calibration: `model_mesh`) every device is on the fsdp axis and the
+model's weights are laid out as the train state is (`shard`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,20 @@ def make_mesh(data: int = -1, fsdp: int = 1) -> Mesh:
     if data * fsdp != len(devices):
         raise NVFP4ToolError(f"mesh: data={data} x fsdp={fsdp} != {len(devices)} devices")
     return Mesh(np.asarray(devices).reshape(data, fsdp), DATA_AXES)
+
+
+def model_mesh() -> Mesh | None:
+    """The mesh a model runs on outside training (validate, calibration, the sensitivity search):
+    None on one device, else every device on the fsdp axis (data=1), the weights sharded as training
+    shards them, so a model larger than one device's memory runs on several."""
+    count = jax.device_count()
+    return make_mesh(data=1, fsdp=count) if count > 1 else None
+
+
+def shard(mesh: Mesh, tree: Any) -> Any:
+    """Every array of `tree` on the mesh in the fsdp layout (`state_shardings`); a host array goes
+    straight to its shards, never whole onto one device."""
+    return jax.device_put(tree, state_shardings(mesh, tree))
 
 
 def state_shardings(mesh: Mesh, abstract_state: Any) -> Any:

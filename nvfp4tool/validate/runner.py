@@ -209,8 +209,9 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     source = inputs.source
     spool = inputs.reference_logits = LogitSpool(os.path.join(inputs.scratch, "bf16.logits"),
                                                  inputs.ids_SxL.shape, source.config.vocab_size)
-    model, held = _open_model("bf16", inputs, source_bytes(source), lambda: model_from_tensors(
-        source.config, source.tensors, dtype=None, compute_dtype=COMPUTE_DTYPE), source.tensors, source.config)
+    model, held = _open_model("bf16", inputs, source_bytes(source), lambda mesh: model_from_tensors(
+        source.config, source.tensors, dtype=None, compute_dtype=COMPUTE_DTYPE, mesh=mesh), source.tensors,
+        source.config)
     powers = _OutputPowers(labels=tuple(c.label for c in inputs.candidates))
     totals: dict[str, dict[str, np.ndarray]] = {}
 
@@ -237,8 +238,9 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     skipped = None if reference_tokens is not None else _skip_reason(inputs)
     for c in inputs.candidates:
         stats = _LogitStats()
-        model, held = _open_model(c.label, inputs, c.exported.stored_bytes(), c.exported.model,
-                                  c.exported, c.exported.config)
+        model, held = _open_model(c.label, inputs, c.exported.stored_bytes(),
+                                  lambda mesh, c=c: c.exported.model(COMPUTE_DTYPE, mesh), c.exported,
+                                  c.exported.config)
         for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=Plain(served_linear),
                                           label=f"{c.label} logits"):
             logits = np.asarray(logits)
@@ -340,16 +342,13 @@ class LogitSpool:
 
 
 def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
-    """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so."""
-    need = stored + inputs.working_bytes()
-    streamed = memory.choose_offload(inputs.options.offload, need=need,
-                                     what=f"{label} ({stored / 1e9:.2f} GB as stored)")
-    inputs.ran[label] = "streamed" if streamed else "held"
-    if streamed:
-        return LayerwiseModel.streamed(config, source, compute_dtype=COMPUTE_DTYPE), None
-    progress.info(f"loading {label} ({stored / 1e9:.2f} GB as stored)")
-    held = build()
-    return LayerwiseModel.held(held), held
+    """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so, over every
+    device when there are several (`LayerwiseModel.open`)."""
+    model = LayerwiseModel.open(config, build=build, source=source, offload=inputs.options.offload,
+                                what=f"{label} ({stored / 1e9:.2f} GB as stored)", weights=stored,
+                                working=inputs.working_bytes(), compute_dtype=COMPUTE_DTYPE)
+    inputs.ran[label] = "streamed" if model.streamed else "held"
+    return model, model.whole
 
 
 def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOptions) -> np.ndarray | None:

@@ -25,7 +25,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool import memory, progress
+from nvfp4tool import progress
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.model import default_linear
 from nvfp4tool.model.layerwise import STAR, LayerwiseModel
@@ -48,14 +48,14 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     bf16_bytes = sum(int(np.prod(source.shape(f"{m}.weight"))) * np.dtype(source.dtype(f"{m}.weight")).itemsize
                      for m in quantized)
     stored = exported.stored_bytes() + bf16_bytes
-    streamed = memory.choose_offload(inputs.options.offload, need=stored + inputs.working_bytes(),
-                                     what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)")
-    inputs.ran["sensitivity"] = "streamed" if streamed else "held"
-    if streamed:
-        model = LayerwiseModel.streamed(config, exported, compute_dtype=COMPUTE_DTYPE)
+    model = LayerwiseModel.open(config, build=lambda mesh: exported.model(COMPUTE_DTYPE, mesh), source=exported,
+                                offload=inputs.options.offload, weights=stored, working=inputs.working_bytes(),
+                                what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)",
+                                compute_dtype=COMPUTE_DTYPE)
+    inputs.ran["sensitivity"] = "streamed" if model.streamed else "held"
+    if model.streamed:
         weights = lambda layer: _layer_bf16(source, quantized, layer)  # noqa: E731
     else:
-        model = LayerwiseModel.held(exported.model(COMPUTE_DTYPE))
         held = {layer: _layer_bf16(source, quantized, layer) for layer in [None, *range(config.num_layers)]}
         weights = held.__getitem__
 
