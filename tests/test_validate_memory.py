@@ -1,0 +1,101 @@
+"""Peak memory of calibration and validate stays bounded by the model as stored (held, `--offload
+never`) or by one decoder layer (streamed, `--offload always`), and both modes give the same numbers.
+
+Child processes (`scripts/bench_validate.py`) run `calibrate_input_amax` and `validate_export` (FP8
+reference: an FP8 export made beforehand) on a tiny warm-up model (its peak is the fixed overhead:
+imports, XLA compilation, thread pools), then on a synthetic BF16 model of 1.08 GB (hidden 2048,
+mlp 5632, 8 layers, vocab 32000; largest layer 103 MB, embeddings + LM head 262 MB) exported NVFP4
+W4A4 beforehand, on 4 windows of 64 tokens, and report their peak RSS (VmHWM). Every bound is
+computed from the sizes the child measured (safetensors headers):
+* held:     peak - overhead <= 1.3 x the stored model + the working set;
+* streamed: peak - overhead <= the largest decoder layer + embeddings / final norm / LM head
+            + the windows' activations + the working set;
+working set: one fp32 copy of the largest weight (the LM head widened for the fp32 GEMM, or a read
+buffer), one batch's logits and activations in fp32, two float64 metric temporaries.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_validate import KINDS, Setup  # noqa: E402
+
+SHAPE = dict(hidden=2048, mlp=5632, layers=8, vocab=32000)
+HELD_FACTOR = 1.3
+CHUNK_BYTES = 64 * 2**20  # nvfp4tool.validate.metrics.CHUNK_BYTES (not imported: no JAX in this process)
+
+# validate: XLA:CPU materialises every weight of a layer program decoded to fp32 before the first
+# GEMM (the BF16 pass decodes the source and both candidates: 621 MB of temporaries for a 103 MB
+# layer; a candidate pass 212 MB; the LM head program 264 MB), see the helper's report.
+_VALIDATE_OVER = pytest.mark.xfail(strict=True, reason="validate's layer programs decode a whole layer "
+                                   "(x3 models in the BF16 pass) to fp32 at once")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    setup = Setup(str(tmp_path_factory.mktemp("validate_memory")), **SHAPE, samples=4, seq_len=64,
+                  batch_size=4, gen_tokens=4, reference="prebuilt")
+    return {kind: setup.measure(kind) for kind in KINDS}
+
+
+def _bound(report: dict) -> tuple[int, str]:
+    """(bytes, how they were computed) of the kind's bound."""
+    s = report["sizes"]
+    working = 2 * s["largest_tensor_bytes"] + s["logits_bytes"] + s["batch_bytes"] + 2 * CHUNK_BYTES
+    if report["kind"].endswith("never"):
+        return (int(HELD_FACTOR * s["model_bytes"]) + working,
+                f"{HELD_FACTOR} x model {s['model_bytes']} + working set {working}")
+    layer = s["largest_layer_bytes"] + s["outer_bytes"] + s["carry_bytes"]
+    return (layer + working, f"largest layer {s['largest_layer_bytes']} + embeddings/lm_head "
+                             f"{s['outer_bytes']} + activations {s['carry_bytes']} + working set {working}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [
+    "calibrate-never", "calibrate-always",
+    pytest.param("validate-never", marks=_VALIDATE_OVER),
+    pytest.param("validate-always", marks=_VALIDATE_OVER),
+])
+def test_peak_rss_is_bounded(runs, kind):
+    report = runs[kind]
+    bound, how = _bound(report)
+    used = report["peak_bytes"] - report["overhead_bytes"]
+    print(f"{kind}: peak {report['peak_bytes'] / 1e9:.3f} GB, overhead {report['overhead_bytes'] / 1e9:.3f} GB, "
+          f"peak - overhead {used / 1e9:.3f} GB, bound {bound / 1e9:.3f} GB, {report['seconds']:.1f} s")
+    assert used <= bound, (f"{kind}: peak {report['peak_bytes']} - overhead {report['overhead_bytes']} "
+                           f"= {used} > bound {bound} = {how}")
+
+
+@pytest.mark.slow
+def test_the_bounds_tell_held_from_streamed(runs):
+    sizes = runs["calibrate-always"]["sizes"]
+    assert 0.9e9 < sizes["model_bytes"] < 1.3e9
+    streamed, _ = _bound(runs["calibrate-always"])
+    held, _ = _bound(runs["calibrate-never"])
+    assert streamed < sizes["model_bytes"] < held  # a held model cannot pass the streamed bound
+
+
+@pytest.mark.slow
+def test_held_and_streamed_give_the_same_numbers(runs):
+    assert runs["calibrate-never"]["amax"] == runs["calibrate-always"]["amax"]
+    held, streamed = runs["validate-never"], runs["validate-always"]
+    assert held["resources"]["models"] == {"bf16": "held", "nvfp4": "held", "fp8": "held"}
+    assert streamed["resources"]["models"] == {"bf16": "streamed", "nvfp4": "streamed", "fp8": "streamed"}
+    assert held["models"].keys() == streamed["models"].keys()
+    for label, metrics in held["models"].items():
+        for name, value in metrics.items():
+            np.testing.assert_allclose(streamed["models"][label][name], value, rtol=1e-6, err_msg=f"{label} {name}")
+    assert [r["name"] for r in held["layers"]] == [r["name"] for r in streamed["layers"]]
+    for h, s in zip(held["layers"], streamed["layers"]):
+        for key in ("weight_sqnr_db", "output_sqnr_db"):
+            assert h[key].keys() == s[key].keys()
+            for label in h[key]:
+                np.testing.assert_allclose(s[key][label], h[key][label], rtol=1e-6, err_msg=f"{h['name']} {key}")
+    assert streamed["generation"]["skipped"] and not held["generation"]["skipped"]
