@@ -1,6 +1,7 @@
 """How much memory there is, how much this process has used, and whether a model fits (`--offload`).
 
     memory.peak_rss_bytes()           # this process's peak resident set (VmHWM), for the reports
+    memory.release()                  # after dropping a model: its memory back to the system
     memory.available_bytes()          # what a new allocation can use: host MemAvailable, or the
                                       # free memory of every accelerator of the default backend
     streamed = memory.choose_offload("auto", weights=model_bytes, working=activation_bytes,
@@ -14,6 +15,9 @@ available, and says what it chose and why.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import resource
 
@@ -30,6 +34,18 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux VmHWM; getrusage elsewhere)."""
     peak = _proc_bytes("/proc/self/status", "VmHWM:")
     return peak if peak is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def release() -> None:
+    """Collect garbage (a model's arrays may sit in reference cycles) and hand the memory the C
+    allocator keeps after frees back to the system (glibc `malloc_trim`; elsewhere nothing), so that
+    the next model starts where the last one did instead of on top of its freed pages."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def available_bytes() -> int:

@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
-TINY = dict(hidden=256, mlp=512, layers=1, vocab=512)
+TINY = dict(hidden=256, mlp=512, vocab=512)  # the warm-up model (with the measured model's depth)
 KINDS = ("calibrate-never", "calibrate-always", "validate-never", "validate-always")
 
 
@@ -76,7 +76,8 @@ class Setup:
                  seq_len: int, batch_size: int = 4, gen_tokens: int = 4, reference: str = "fp8") -> None:
         self.workdir, self.reference = workdir, reference
         self.run_options = dict(samples=samples, seq_len=seq_len, batch_size=batch_size, gen_tokens=gen_tokens)
-        self.tiny = self._prepare("tiny", **TINY, samples=samples, seq_len=seq_len)
+        # the warm-up model has the big one's depth: the same programs compile (their memory is overhead)
+        self.tiny = self._prepare(f"tiny{layers}", **dict(TINY, layers=layers), samples=samples, seq_len=seq_len)
         self.big = self._prepare("big", hidden=hidden, mlp=mlp, layers=layers, vocab=vocab, samples=samples,
                                  seq_len=seq_len)
 

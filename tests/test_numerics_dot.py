@@ -59,3 +59,34 @@ def test_linear_output_adds_the_bias_before_the_cast():
     assert out.dtype == jnp.bfloat16 and np.all(np.asarray(out, F32) == 1.0 + 2.0**-7)
     assert np.all(np.asarray(linear_output(y, None, jnp.bfloat16), F32) == 1.0)
     assert np.all(np.asarray(linear_output(y, b, jnp.float32)) == F32(1.0 + 2.0**-8 + 2.0**-12))
+
+
+def test_computed_after_widens_one_weight_at_a_time_with_the_same_values():
+    """A chain of GEMMs on BF16 weights in fp32: widening each weight after its input exists keeps
+    one widened weight in the program's temporaries instead of all of them, and changes no value."""
+    import jax
+
+    from nvfp4tool.numerics import computed_after, dense
+
+    k, count = 512, 6
+    widen = lambda w: w.astype(jnp.float32)  # noqa: E731
+
+    def chain(ws, x, after):
+        for w in ws:
+            x = dense(x, computed_after(x, widen, w) if after else widen(w))
+        return x
+
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal((k, k)) / np.sqrt(k), jnp.bfloat16) for _ in range(count)]
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.float32)
+    temp = {}
+    for after in (False, True):
+        compiled = jax.jit(lambda ws, x: chain(ws, x, after)).lower(ws, x).compile()
+        temp[after] = compiled.memory_analysis().temp_size_in_bytes
+        out = compiled(ws, x)
+        if after:
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(previous))
+        previous = out
+    one_weight = k * k * 4
+    assert temp[False] >= count * one_weight  # XLA widens every weight up front
+    assert temp[True] < 2 * one_weight + 8 * k * 4 * 4, temp

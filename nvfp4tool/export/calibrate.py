@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from converters.tensor_source import TensorSource
+from nvfp4tool import memory
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.layerwise import LayerwiseModel
@@ -59,6 +60,8 @@ def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Seque
 
     for _ in model.logits(ids_SxL, BATCH, tap=_InputAmax(), on_record=record, label="calibration"):
         pass
+    del model
+    memory.release()
     missing = [n for n in names if n not in seen]
     if missing:
         raise NVFP4ToolError(f"calibration: linear {missing[0]} was never called by the model")

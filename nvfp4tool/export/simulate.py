@@ -33,7 +33,8 @@ import numpy as np
 from converters.hf import HFFolderSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, fake_quantize_fp8, fake_quantize_nvfp4
+from nvfp4tool.numerics import (computed_after, decode_fp8, decode_nvfp4, dense, fake_quantize_fp8,
+                                fake_quantize_nvfp4)
 from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
 
 
@@ -101,10 +102,15 @@ StoredWeight = NVFP4Weight | FP8Weight
 
 
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
-    """The LinearFn of an export as served: a stored quantized weight quantizes its input (W4A4 /
-    W8A8) and is decoded; a plain (BF16) weight is used as it is. `numerics.dense` either way."""
+    """The LinearFn of a model held as stored: a stored quantized weight quantizes its input (W4A4 /
+    W8A8) and is decoded; a plain weight (BF16) is used as it is. `numerics.dense` either way (the
+    plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
+    input exists (`numerics.computed_after`), so a program holds one linear's wide copy at a time."""
     if isinstance(w_NxK, NVFP4Weight | FP8Weight):
-        return dense(w_NxK.quantize_input(x, name), w_NxK.dequantize(), b_N)
+        x = w_NxK.quantize_input(x, name)
+        return dense(x, computed_after(x, lambda w: w.dequantize(), w_NxK), b_N)
+    if w_NxK.dtype != x.dtype:
+        w_NxK = computed_after(x, lambda w: w.astype(x.dtype), w_NxK)
     return dense(x, w_NxK, b_N)
 
 

@@ -45,8 +45,9 @@ from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, load_export, served_linear
-from nvfp4tool.model import default_linear, model_from_tensors
+from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.layerwise import STAR, LayerwiseModel, Plain
+from nvfp4tool.numerics import computed_after
 from nvfp4tool.records.export import sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
@@ -91,6 +92,7 @@ class Candidate:
         report = check_checkpoint(folder)
         if not report.ok:
             raise NVFP4ToolError(report.failure("not validated"))
+        memory.release()  # what the check decoded
         exported = load_export(folder)
         return cls(label or exported.quant, exported)
 
@@ -121,12 +123,15 @@ class Inputs:
         return [c for c in (self.nvfp4, self.fp8) if c is not None]
 
     def working_bytes(self) -> int:
-        """Memory a forward of one batch needs besides the weights (fp32 logits, their float64
-        metric chunks, the activations and the attention scores), with a 2x margin."""
+        """Memory a held model needs besides its weights: a forward of one batch (fp32 logits, their
+        float64 metric chunks, the activations and the attention scores, with a 2x margin) and the
+        two fp32 copies of the LM head greedy generation makes (its prefill and its decode loop
+        each widen it)."""
         config, (batch, seq) = self.source.config, (self.options.batch_size, self.ids_SxL.shape[1])
         per_token = config.vocab_size + 4 * config.intermediate_size + 8 * config.hidden_size
         scores = batch * config.num_heads * seq * seq
-        return 2 * 4 * (batch * seq * per_token + scores) + 2 * metrics.CHUNK_BYTES
+        head = 2 * 4 * config.vocab_size * config.hidden_size
+        return 2 * 4 * (batch * seq * per_token + scores) + 2 * metrics.CHUNK_BYTES + head
 
 
 @contextlib.contextmanager
@@ -228,8 +233,9 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         spool.write(start, logits)
         bf16_nll.append(metrics.next_token_nll(logits, inputs.ids_SxL[start:start + len(logits)]).ravel())
     bf16_ppl = metrics.perplexity(np.concatenate(bf16_nll))
-    reference_tokens = _greedy("bf16", held, default_linear, prompts, options)
+    reference_tokens = _greedy("bf16", held, served_linear, prompts, options)
     del model, held
+    memory.release()
 
     # 2. each candidate against the spooled reference
     models: dict[str, Any] = {"bf16": {"ppl": bf16_ppl}}
@@ -252,6 +258,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         else:
             divergence[c.label] = [metrics.first_divergence(r, t) for r, t in zip(reference_tokens, tokens)]
         del model, held
+        memory.release()
     generation = Generation(prompts=int(len(prompts)), prompt_len=int(prompt_len), tokens=int(options.gen_tokens),
                             first_divergence={} if skipped else divergence, skipped=skipped)
     if skipped:
@@ -374,12 +381,14 @@ class _OutputPowers:
     labels: tuple[str, ...]
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
-        y = default_linear(x, w_NxK, b_N, name=name)
-        record = {}
+        y = served_linear(x, w_NxK, b_N, name=name)  # the BF16 source's plain GEMM
+        record, last = {}, y
         for label in self.labels:
             if name in (aux or {}).get(label, {}):
-                y32 = y.astype(jnp.float32)
-                y_q = served_linear(x, aux[label][name], b_N, name=name).astype(jnp.float32)
+                # one model's decoded weight at a time: this GEMM's input is taken after the last one ran
+                x_after = computed_after(last, lambda v: v, x)
+                last = served_linear(x_after, aux[label][name], b_N, name=name)
+                y32, y_q = y.astype(jnp.float32), last.astype(jnp.float32)
                 record[label] = jnp.stack([jnp.sum(y32 ** 2), jnp.sum((y32 - y_q) ** 2)])
         return y, (record or None)
 
@@ -465,4 +474,5 @@ def _reference(options: ValidateOptions, source: Checkpoint, scratch: str) -> tu
     export_checkpoint(source.path, out, ExportOptions(
         quant="fp8", step=source.step, calib_data=calib, calib_samples=options.samples,
         calib_seq_len=options.seq_len, show_progress=False, offload=options.offload))
+    memory.release()
     return Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None

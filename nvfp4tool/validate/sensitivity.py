@@ -25,9 +25,8 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool import progress
+from nvfp4tool import memory, progress
 from nvfp4tool.export.simulate import served_linear
-from nvfp4tool.model import default_linear
 from nvfp4tool.model.layerwise import STAR, LayerwiseModel
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
@@ -84,6 +83,8 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
         kept.append(g)
         progress.info(f"sensitivity: keeping {g} in BF16")
         trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
+    del model
+    memory.release()
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
                        trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
@@ -124,7 +125,7 @@ class _Mixed:
         y_served = served_linear(x, w_NxK, b_N, name=name)
         if name not in aux["bf16"]:
             return y_served, None
-        y_bf16 = default_linear(x, aux["bf16"][name], b_N, name=name)
+        y_bf16 = served_linear(x, aux["bf16"][name], b_N, name=name)  # the plain BF16 GEMM
         return jnp.where(aux["keep"][name], y_bf16, y_served), None
 
 
