@@ -138,7 +138,7 @@ def _child(spec: dict) -> None:
             overhead = _vm_hwm()
     peak = _vm_hwm()
     print(json.dumps({"kind": spec["kind"], "seconds": seconds, "peak_bytes": peak, "overhead_bytes": overhead,
-                      "sizes": sizes(spec["big"]["src"], spec["samples"], spec["seq_len"], spec["batch_size"]),
+                      "sizes": sizes(spec["big"], spec["samples"], spec["seq_len"], spec["batch_size"]),
                       **numbers}))
 
 
@@ -168,22 +168,29 @@ def _validate(paths: dict, mode: str, spec: dict) -> dict:
             "resources": dataclasses.asdict(record.resources), "generation": dataclasses.asdict(record.generation)}
 
 
-def sizes(src: str, samples: int, seq_len: int, batch_size: int) -> dict:
-    """What the memory bounds are made of, from the source's headers: its stored size, its largest
-    decoder layer, the outer tensors (embeddings, final norm, LM head), and per activation kind the
-    bytes of the windows in fp32: `carry` (every window's hidden state, all held between layers
-    when streamed), `batch` (one batch's largest intermediates: q/k/v/o, gate/up, attention scores)
-    and `logits` (one batch's logits)."""
+def sizes(paths: dict, samples: int, seq_len: int, batch_size: int) -> dict:
+    """What the memory bounds are made of, from the safetensors headers: the source's stored size,
+    its largest decoder layer, the outer tensors (embeddings, final norm, LM head), its largest
+    tensor, the largest layer of the exports (NVFP4, and FP8 when prebuilt) as stored, and per
+    activation kind the bytes of the windows in fp32: `carry` (every window's hidden state, all
+    held between layers when streamed), `batch` (one batch's largest intermediates: q/k/v/o,
+    gate/up, attention scores) and `logits` (one batch's logits)."""
     import numpy as np
 
     from converters.hf import HFFolderSource
 
-    source = HFFolderSource(src)
-    config = source.config
-    nbytes = {n: int(np.prod(source.shape(n))) * np.dtype(source.dtype(n)).itemsize for n in source.names()}
-    layers = [sum(b for n, b in nbytes.items() if n.startswith(f"model.layers.{i}.")) for i in range(config.num_layers)]
+    def layer_bytes(folder: str, check_config: bool = True) -> tuple[dict, list[int]]:
+        source = HFFolderSource(folder, check_config=check_config)
+        nbytes = {n: int(np.prod(source.shape(n))) * np.dtype(source.dtype(n)).itemsize for n in source.names()}
+        count = 1 + max(int(n.split(".")[2]) for n in nbytes if n.startswith("model.layers."))
+        return nbytes, [sum(b for n, b in nbytes.items() if n.startswith(f"model.layers.{i}.")) for i in range(count)]
+
+    nbytes, layers = layer_bytes(paths["src"])
+    config = HFFolderSource(paths["src"]).config
+    exports = [max(layer_bytes(paths[q], check_config=False)[1]) for q in ("nvfp4", "fp8") if os.path.isdir(paths[q])]
     batch = min(batch_size, samples)
     return {"model_bytes": sum(nbytes.values()), "largest_layer_bytes": max(layers),
+            "export_layer_bytes": sum(exports),
             "outer_bytes": sum(b for n, b in nbytes.items() if not n.startswith("model.layers.")),
             "largest_tensor_bytes": max(nbytes.values()),
             "carry_bytes": 4 * samples * seq_len * config.hidden_size,

@@ -90,3 +90,31 @@ def test_computed_after_widens_one_weight_at_a_time_with_the_same_values():
     one_weight = k * k * 4
     assert temp[False] >= count * one_weight  # XLA widens every weight up front
     assert temp[True] < 2 * one_weight + 8 * k * 4 * 4, temp
+
+
+@pytest.mark.parametrize("n, rows, exact", [(1024, 128, True), (1000, 96, False)])
+def test_dense_widening_in_row_blocks_is_dense(monkeypatch, n, rows, exact):
+    """A weight widened a block of rows at a time gives the one-GEMM values (bit for bit where the
+    CPU kernel blocks the same way, as for power-of-two blocks; else within fp32 rounding), bias and
+    stored-weight decoders included, and never holds the whole weight widened."""
+    import jax
+
+    from nvfp4tool.numerics import dense, dense_widening, dot
+
+    rng = np.random.default_rng(1)
+    k = 256
+    monkeypatch.setattr(dot, "WIDEN_BYTES", rows * k * 4)
+    x = jnp.asarray(rng.standard_normal((2, 5, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+    expected = np.asarray(dense(x, w.astype(jnp.float32), b))
+    compiled = jax.jit(dense_widening).lower(x, w, b).compile()
+    got = np.asarray(compiled(x, w, b))
+    if exact:
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)  # sums of 256 products of ~N(0, 1)
+    assert compiled.memory_analysis().temp_size_in_bytes < n * k * 4 / 2  # never the whole weight widened
+    doubled = jax.jit(lambda x, w: dense_widening(
+        x, w, widen_rows=lambda w, start, stop: 2 * w[start:stop].astype(jnp.float32)))(x, w)
+    np.testing.assert_allclose(np.asarray(doubled), 2 * np.asarray(dense(x, w.astype(jnp.float32))),
+                               rtol=1e-5, atol=2e-4)

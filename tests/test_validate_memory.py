@@ -29,13 +29,20 @@ from bench_validate import KINDS, Setup  # noqa: E402
 
 SHAPE = dict(hidden=2048, mlp=5632, layers=8, vocab=32000)
 HELD_FACTOR = 1.3
-CHUNK_BYTES = 64 * 2**20  # nvfp4tool.validate.metrics.CHUNK_BYTES (not imported: no JAX in this process)
+# not imported (no JAX in this process): nvfp4tool.validate.metrics.CHUNK_BYTES (the float64 per-token
+# math holds at most ~6 such temporaries: log-softmax of both models, exp, difference, product) and
+# nvfp4tool.numerics.dot.WIDEN_BYTES (the most of a weight held widened to fp32 at once)
+CHUNK_BYTES = 16 * 2**20
+WIDEN_BYTES = 64 * 2**20
 
-# validate: XLA:CPU materialises every weight of a layer program decoded to fp32 before the first
-# GEMM (the BF16 pass decodes the source and both candidates: 621 MB of temporaries for a 103 MB
-# layer; a candidate pass 212 MB; the LM head program 264 MB), see the helper's report.
-_VALIDATE_OVER = pytest.mark.xfail(strict=True, reason="validate's layer programs decode a whole layer "
-                                   "(x3 models in the BF16 pass) to fp32 at once")
+
+# Measured on the 2-core CI-sized machine: validate held 2.02 GB over the overhead (bound 1.83), streamed
+# 0.98 GB (bound 0.87); calibration within both. What the bounds do not yet explain (~0.1-0.2 GB) is
+# spent while the first layer program of the BF16 pass runs (its compilation at the model's shapes,
+# the GEMMs' packed copies of their widened operands); until it is, the two validate bounds are
+# expected to fail, strictly (a run within them fails this file and says so).
+_VALIDATE_OVER = pytest.mark.xfail(strict=True, reason="validate's first layer program of the BF16 pass "
+                                   "uses ~0.1-0.2 GB more than the bound's terms account for")
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +53,23 @@ def runs(tmp_path_factory):
 
 
 def _bound(report: dict) -> tuple[int, str]:
-    """(bytes, how they were computed) of the kind's bound."""
+    """(bytes, how they were computed) of the kind's bound.
+
+    working set: one tensor read from its file while its device copy is made (the largest), one
+    block of a weight widened for its GEMM, a batch's logits three times (on the device, the host
+    copy spooled or compared, the shifted copy the NLL takes), a batch's intermediates, the float64
+    metric temporaries. Streamed, the BF16 pass also holds the same layer of each export as stored
+    (for the per-layer SQNR)."""
     s = report["sizes"]
-    working = 2 * s["largest_tensor_bytes"] + s["logits_bytes"] + s["batch_bytes"] + 2 * CHUNK_BYTES
+    working = (s["largest_tensor_bytes"] + WIDEN_BYTES + 3 * s["logits_bytes"] + s["batch_bytes"]
+               + 6 * CHUNK_BYTES)
     if report["kind"].endswith("never"):
         return (int(HELD_FACTOR * s["model_bytes"]) + working,
                 f"{HELD_FACTOR} x model {s['model_bytes']} + working set {working}")
-    layer = s["largest_layer_bytes"] + s["outer_bytes"] + s["carry_bytes"]
-    return (layer + working, f"largest layer {s['largest_layer_bytes']} + embeddings/lm_head "
-                             f"{s['outer_bytes']} + activations {s['carry_bytes']} + working set {working}")
+    layer = s["largest_layer_bytes"] + s["export_layer_bytes"] + s["outer_bytes"] + s["carry_bytes"]
+    return (layer + working, f"largest layer {s['largest_layer_bytes']} + the exports' layer "
+                             f"{s['export_layer_bytes']} + embeddings/lm_head {s['outer_bytes']} + activations "
+                             f"{s['carry_bytes']} + working set {working}")
 
 
 @pytest.mark.slow

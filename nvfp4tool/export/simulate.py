@@ -33,7 +33,7 @@ import numpy as np
 from converters.hf import HFFolderSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import (computed_after, decode_fp8, decode_nvfp4, dense, fake_quantize_fp8,
+from nvfp4tool.numerics import (decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8,
                                 fake_quantize_nvfp4)
 from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
 
@@ -57,9 +57,9 @@ class NVFP4Weight:
     def nbytes(self) -> int:
         return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
 
-    def dequantize(self) -> jax.Array:
-        """The served weight, fp32 [N, K]."""
-        return decode_nvfp4(self.packed, self.scales, self.s_dec)
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        """The served weight (rows start:stop), fp32 [N, K]."""
+        return decode_nvfp4(self.packed[start:stop], self.scales[start:stop], self.s_dec)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         """x as the engine's activation quantizer leaves it (unchanged when weight-only)."""
@@ -88,8 +88,9 @@ class FP8Weight:
     def nbytes(self) -> int:
         return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
 
-    def dequantize(self) -> jax.Array:
-        return decode_fp8(self.data, self.scale)
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        """The served weight (rows start:stop), fp32 [N, K]."""
+        return decode_fp8(self.data[start:stop], self.scale)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         if self.input_scale is None:
@@ -105,12 +106,13 @@ def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> j
     """The LinearFn of a model held as stored: a stored quantized weight quantizes its input (W4A4 /
     W8A8) and is decoded; a plain weight (BF16) is used as it is. `numerics.dense` either way (the
     plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
-    input exists (`numerics.computed_after`), so a program holds one linear's wide copy at a time."""
+    input exists and a block of rows at a time (`numerics.dense_widening`), so a program holds at most
+    `numerics.dot.WIDEN_BYTES` of widened weight at a time."""
     if isinstance(w_NxK, NVFP4Weight | FP8Weight):
         x = w_NxK.quantize_input(x, name)
-        return dense(x, computed_after(x, lambda w: w.dequantize(), w_NxK), b_N)
+        return dense_widening(x, w_NxK, b_N, widen_rows=lambda w, start, stop: w.dequantize(start, stop))
     if w_NxK.dtype != x.dtype:
-        w_NxK = computed_after(x, lambda w: w.astype(x.dtype), w_NxK)
+        return dense_widening(x, w_NxK, b_N)
     return dense(x, w_NxK, b_N)
 
 

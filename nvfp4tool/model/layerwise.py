@@ -152,6 +152,8 @@ class LayerwiseModel:
                         carry[b] = (y, cos, sin, allowed)
                         _deliver(records, on_record, f"model.layers.{i}")
                     del state, layer_aux  # a streamed layer's weights go now
+                    if self.streamed:
+                        memory.release()
                     layer_tokens += (min(w0 + wave, S) - w0) * T
                     rate = layer_tokens / layers / (time.perf_counter() - started)
                     task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})

@@ -4,7 +4,7 @@ one fp32-accumulating GEMM body every linear layer uses (`dot`). All such math l
 from __future__ import annotations
 
 from nvfp4tool.numerics.blocks import check_finite, tensor_amax
-from nvfp4tool.numerics.dot import computed_after, dense, dot_nt, linear_output
+from nvfp4tool.numerics.dot import computed_after, dense, dense_widening, dot_nt, linear_output
 from nvfp4tool.numerics.fp8 import (
     FP8Array,
     decode_fp8,
@@ -43,6 +43,7 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_nvfp4",
     "computed_after",
+    "dense_widening",
     "dot_nt",
     "encode_nvfp4_blocks",
     "fake_quantize_fp8",

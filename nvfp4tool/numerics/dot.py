@@ -10,19 +10,24 @@ contract their dequantized fp32 operands with `dot_nt(..., precision=HIGHEST)` (
 `precision=None` (XLA's default) is what a BF16 GEMM uses: bf16 products are exact in fp32.
 
     w32 = computed_after(x, lambda w: w.astype(jnp.float32), w_bf16)   # widened once x exists
+    y = dense_widening(x, w_bf16, b_N)              # dense, w widened a block of rows at a time
 
 `computed_after` is for programs that widen or decode many stored weights (a model held as stored,
 run in fp32): XLA schedules a conversion that depends only on a parameter at the start of the
 program, so every weight of a layer would sit converted in memory at once; computed inside a
 conditional on `x` (both branches the same), each is made only when its GEMM's input exists and
 freed after it. The values are the same either way. (A conversion inside a loop whose `x` does not
-change between iterations is still hoisted out of it.)
+change between iterations is still hoisted out of it.) `dense_widening` goes one step further for a
+large weight (the LM head of a large vocabulary): it widens and multiplies `WIDEN_BYTES` of rows at a
+time, each block after the previous block's product, so one block is widened at a time.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+WIDEN_BYTES = 64 * 2**20  # dense_widening: the most of a weight held widened at once
 
 
 def dot_nt(a: jax.Array, b_NxK: jax.Array, *,
@@ -51,3 +56,25 @@ def computed_after(x: jax.Array, fn, *args):
     """`fn(*args)`, scheduled after `x` is computed (see the module docstring); same values."""
     first = x.reshape(-1)[0]
     return jax.lax.cond(first == first, fn, fn, *args)  # `a == a` cannot be folded (NaN != NaN)
+
+
+def dense_widening(x: jax.Array, w_NxK, b_N: jax.Array | None = None, *, widen_rows=None) -> jax.Array:
+    """`dense(x, w, b)` for a weight stored narrower than x (BF16 weights in fp32 compute, or a
+    stored quantized weight): w is widened to x's dtype only once x exists, in blocks of rows of at
+    most WIDEN_BYTES widened, each block after the previous block's product (`computed_after`); the
+    blocks' products are concatenated. Each output element is the same dot product; whether its
+    bits equal one whole GEMM's depends on how the backend's kernel blocks the problem (equal on the
+    CPU for the LM heads and MLPs of Llama shapes, 32000x2048, 128256x4096, 14336x4096; else within
+    fp32 rounding). A weight within one block is one GEMM, as `dense`.
+    `widen_rows(w, start, stop)` gives rows start:stop of w in x's dtype (default: a cast of w's
+    rows; a stored weight passes its decoder); w needs a `.shape` (N, K)."""
+    widen_rows = widen_rows or (lambda w, start, stop: w[start:stop].astype(x.dtype))
+    n, k = w_NxK.shape
+    rows = max(1, WIDEN_BYTES // (k * jnp.dtype(x.dtype).itemsize))
+    parts, last = [], x
+    for start in range(0, n, rows):
+        # sliced inside the conditional: a slice taken outside would be copied at the program's start
+        block = computed_after(last, lambda w, s=start: widen_rows(w, s, min(s + rows, n)), w_NxK)
+        last = dot_nt(x, block)
+        parts.append(last)
+    return linear_output(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1), b_N, x.dtype)

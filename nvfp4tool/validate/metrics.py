@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-CHUNK_BYTES = 64 * 2**20  # float64 bytes per temporary of the per-token math
+CHUNK_BYTES = 16 * 2**20  # float64 bytes per temporary of the per-token math (KL holds ~6 at once)
 
 
 def token_kl(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:

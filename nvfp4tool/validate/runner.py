@@ -48,6 +48,7 @@ from nvfp4tool.export.simulate import ExportedModel, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.layerwise import STAR, LayerwiseModel, Plain
 from nvfp4tool.numerics import computed_after
+from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
@@ -123,15 +124,15 @@ class Inputs:
         return [c for c in (self.nvfp4, self.fp8) if c is not None]
 
     def working_bytes(self) -> int:
-        """Memory a held model needs besides its weights: a forward of one batch (fp32 logits, their
-        float64 metric chunks, the activations and the attention scores, with a 2x margin) and the
-        two fp32 copies of the LM head greedy generation makes (its prefill and its decode loop
-        each widen it)."""
+        """Memory a held model needs besides its weights, with a 2x margin: a forward of one batch
+        (fp32 logits and their float64 metric chunks, the activations, the attention scores), the
+        weight blocks widened for their GEMMs (`numerics.dense_widening`; greedy generation's
+        prefill and decode loop each widen the LM head), the largest tensor read from its file."""
         config, (batch, seq) = self.source.config, (self.options.batch_size, self.ids_SxL.shape[1])
         per_token = config.vocab_size + 4 * config.intermediate_size + 8 * config.hidden_size
         scores = batch * config.num_heads * seq * seq
-        head = 2 * 4 * config.vocab_size * config.hidden_size
-        return 2 * 4 * (batch * seq * per_token + scores) + 2 * metrics.CHUNK_BYTES + head
+        largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
+        return 2 * (4 * (batch * seq * per_token + scores) + 6 * metrics.CHUNK_BYTES + 3 * WIDEN_BYTES + largest)
 
 
 @contextlib.contextmanager
