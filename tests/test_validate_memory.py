@@ -40,8 +40,8 @@ WIDEN_BYTES = 64 * 2**20
 # 0.98 GB (bound 0.87); calibration within both. What the bounds do not yet explain (~0.1-0.2 GB) is
 # spent while the first layer program of the BF16 pass runs (its compilation at the model's shapes,
 # the GEMMs' packed copies of their widened operands); until it is, the two validate bounds are
-# expected to fail, strictly (a run within them fails this file and says so).
-_VALIDATE_OVER = pytest.mark.xfail(strict=True, reason="validate's first layer program of the BF16 pass "
+# expected to fail (not strictly: a run on a quieter machine may come in under them, and says so).
+_VALIDATE_OVER = pytest.mark.xfail(strict=False, reason="validate's first layer program of the BF16 pass "
                                    "uses ~0.1-0.2 GB more than the bound's terms account for")
 
 
