@@ -63,9 +63,9 @@ def dense_widening(x: jax.Array, w_NxK, b_N: jax.Array | None = None, *, widen_r
     stored quantized weight): w is widened to x's dtype only once x exists, in blocks of rows of at
     most WIDEN_BYTES widened, each block after the previous block's product (`computed_after`); the
     blocks' products are concatenated. Each output element is the same dot product; whether its
-    bits equal one whole GEMM's depends on how the backend's kernel blocks the problem (equal on the
-    CPU for the LM heads and MLPs of Llama shapes, 32000x2048, 128256x4096, 14336x4096; else within
-    fp32 rounding). A weight within one block is one GEMM, as `dense`.
+    bits equal one whole GEMM's depends on how the backend's kernel blocks the problem: on the CPU
+    they do for LM heads (32000x2048, 128256x4096) and 14336x4096 projections, not for a 4096x14336
+    down_proj on 256 input rows (fp32 rounding). A weight within one block is one GEMM, as `dense`.
     `widen_rows(w, start, stop)` gives rows start:stop of w in x's dtype (default: a cast of w's
     rows; a stored weight passes its decoder); w needs a `.shape` (N, K)."""
     widen_rows = widen_rows or (lambda w, start, stop: w[start:stop].astype(x.dtype))
