@@ -115,11 +115,6 @@ class Inputs:
     ran: dict[str, str] = dataclasses.field(default_factory=dict)  # {label: "held" | "streamed"}
 
     @property
-    def batches(self) -> list[tuple[int, np.ndarray]]:
-        size = self.options.batch_size
-        return [(i, self.ids_SxL[i:i + size]) for i in range(0, len(self.ids_SxL), size)]
-
-    @property
     def candidates(self) -> list[Candidate]:
         return [c for c in (self.nvfp4, self.fp8) if c is not None]
 
@@ -183,6 +178,7 @@ def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str
         record = run_validation(inputs)
         if kl_target is not None:
             record = dataclasses.replace(record, sensitivity=sensitivity(inputs, kl_target=kl_target))
+            memory.release()  # the search's model
         record = dataclasses.replace(record, resources=Resources(
             offload=options.offload, models=dict(inputs.ran), peak_rss_bytes=memory.peak_rss_bytes(),
             seconds=time.perf_counter() - started))

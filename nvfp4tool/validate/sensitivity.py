@@ -25,7 +25,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool import memory, progress
+from nvfp4tool import progress
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.model.layerwise import STAR, LayerwiseModel
 from nvfp4tool.recipes.precision import fused_group
@@ -83,8 +83,6 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
         kept.append(g)
         progress.info(f"sensitivity: keeping {g} in BF16")
         trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
-    del model
-    memory.release()
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
                        trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
