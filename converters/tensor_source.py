@@ -78,6 +78,11 @@ class DictTensorSource:
             raise NVFP4ToolError(f"{self._path}: no tensor {name!r}") from None
 
 
+def tensor_bytes(source: TensorSource, name: str) -> int:
+    """Bytes of one tensor as stored (from its shape and dtype, without loading it)."""
+    return int(np.prod(source.shape(name))) * np.dtype(source.dtype(name)).itemsize
+
+
 def check_finite(array: np.ndarray, where: str, *, after: str = "") -> None:
     """NVFP4ToolError unless every value of a floating `array` is finite (other dtypes pass).
 

@@ -33,6 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+from bench_export import _vm_hwm  # noqa: E402
+
 TINY = dict(hidden=256, mlp=512, vocab=512)  # the warm-up model (with the measured model's depth)
 KINDS = ("calibrate-never", "calibrate-always", "validate-never", "validate-always")
 
@@ -197,14 +199,6 @@ def sizes(paths: dict, samples: int, seq_len: int, batch_size: int) -> dict:
             "batch_bytes": 4 * batch * seq_len * (4 * config.hidden_size + 2 * config.intermediate_size
                                                   + config.num_heads * seq_len),
             "logits_bytes": 4 * batch * seq_len * config.vocab_size}
-
-
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 _RUNNERS = {"calibrate": _calibrate, "validate": _validate}

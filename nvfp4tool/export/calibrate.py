@@ -119,7 +119,7 @@ class _Cast:
         self._source = source
 
     def get(self, name: str) -> np.ndarray:
-        return np.asarray(self._source.get(name)).astype(COMPUTE_DTYPE)
+        return np.asarray(self._source.get(name)).astype(COMPUTE_DTYPE, copy=False)
 
 
 def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) -> np.ndarray:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.hf import HFFolderSource
+from converters.tensor_source import tensor_bytes
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8,
@@ -156,8 +157,7 @@ class ExportedModel:
 
     def stored_bytes(self) -> int:
         """The model's weights as stored (what holding it costs)."""
-        return sum(int(np.prod(self._source.shape(n))) * np.dtype(self._source.dtype(n)).itemsize
-                   for n in self._source.names())
+        return sum(tensor_bytes(self._source, n) for n in self._source.names())
 
     def model(self, compute_dtype: jnp.dtype = jnp.float32, mesh: jax.sharding.Mesh | None = None):
         """A CausalLM holding every weight as stored (run it with `linear=served_linear`), sharded

@@ -150,7 +150,7 @@ class LayerwiseModel:
                         y, records = _block_step(self._block_graphdef, state, x, cos, sin, allowed,
                                                  layer_aux, tap=tap, gather=self._gather)
                         carry[b] = (y, cos, sin, allowed)
-                        _deliver(records, on_record, f"model.layers.{i}")
+                        _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
                     if self.streamed:
                         memory.release()
@@ -182,6 +182,20 @@ class LayerwiseModel:
 # helpers
 
 
+def layer_modules(modules, layer: int | None) -> dict[str, str]:
+    """{name as the block program sees it: module} of the `modules` in decoder layer `layer` (None:
+    the LM head, whose program sees its own name)."""
+    if layer is None:
+        return {m: m for m in modules if m == "lm_head"}
+    prefix = f"model.layers.{layer}."
+    return {f"{STAR}.{m[len(prefix):]}": m for m in modules if m.startswith(prefix)}
+
+
+def real_name(name: str, layer: int | None) -> str:
+    """The module a block program's `name` stands for in layer `layer` (None: the LM head)."""
+    return name if layer is None else name.replace(STAR, f"model.layers.{layer}")
+
+
 def _abstract_block(config: ModelConfig) -> Block:
     """A block with no values (its parameters are set from a source), named `model.layers.*`;
     it computes in its input's dtype."""
@@ -200,11 +214,11 @@ def _variable(module: nnx.Module, path: str) -> nnx.Variable:
     return node
 
 
-def _deliver(records: dict[str, Any], on_record, layer_prefix: str | None) -> None:
+def _deliver(records: dict[str, Any], on_record, layer: int | None) -> None:
     if on_record is None:
         return
     for name, record in records.items():
-        on_record(name.replace(STAR, layer_prefix) if layer_prefix else name, record)
+        on_record(real_name(name, layer), record)
 
 
 def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:

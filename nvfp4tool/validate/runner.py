@@ -40,13 +40,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from converters.tensor_source import tensor_bytes
 from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
-from nvfp4tool.model.layerwise import STAR, LayerwiseModel, Plain
+from nvfp4tool.model.layerwise import LayerwiseModel, Plain, layer_modules
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import sha256_file
@@ -314,8 +315,7 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
 def source_bytes(source: Checkpoint) -> int:
     """The source's weights as stored (what holding it costs)."""
     tensors = source.tensors
-    return sum(int(np.prod(tensors.shape(n))) * np.dtype(tensors.dtype(n)).itemsize
-               for n in source.config.expected_tensor_shapes())
+    return sum(tensor_bytes(tensors, n) for n in source.config.expected_tensor_shapes())
 
 
 class LogitSpool:
@@ -393,9 +393,8 @@ class _OutputPowers:
 def _layer_weights(candidates: list[Candidate], config, layer: int | None) -> dict[str, dict[str, Any]]:
     """{label: {name as the block program sees it: stored weight}} of layer `layer` (None: the LM
     head) for every candidate."""
-    prefix = "lm_head" if layer is None else f"model.layers.{layer}."
-    return {c.label: {(m if layer is None else STAR + m[len(prefix) - 1:]): c.exported.get(f"{m}.weight")
-                      for m in c.exported.quantized if (m == prefix if layer is None else m.startswith(prefix))}
+    return {c.label: {name: c.exported.get(f"{m}.weight") for name, m in layer_modules(c.exported.quantized,
+                                                                                         layer).items()}
             for c in candidates}
 
 

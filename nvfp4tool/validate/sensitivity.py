@@ -27,7 +27,8 @@ import numpy as np
 
 from nvfp4tool import progress
 from nvfp4tool.export.simulate import served_linear
-from nvfp4tool.model.layerwise import STAR, LayerwiseModel
+from converters.tensor_source import tensor_bytes
+from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules, real_name
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.validate import metrics
@@ -44,8 +45,7 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     for m in quantized:
         groups.setdefault(fused_group(m), []).append(m)
     config = exported.config
-    bf16_bytes = sum(int(np.prod(source.shape(f"{m}.weight"))) * np.dtype(source.dtype(f"{m}.weight")).itemsize
-                     for m in quantized)
+    bf16_bytes = sum(tensor_bytes(source, f"{m}.weight") for m in quantized)
     stored = exported.stored_bytes() + bf16_bytes
     model = LayerwiseModel.open(config, build=lambda mesh: exported.model(COMPUTE_DTYPE, mesh), source=exported,
                                 offload=inputs.options.offload, weights=stored, working=inputs.working_bytes(),
@@ -61,7 +61,7 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     def mean_kl(kept: set[str]) -> float:
         def aux(layer):
             bf16 = weights(layer)
-            return {"bf16": bf16, "keep": {n: jnp.asarray(fused_group(_real(n, layer)) in kept) for n in bf16}}
+            return {"bf16": bf16, "keep": {n: jnp.asarray(fused_group(real_name(n, layer)) in kept) for n in bf16}}
 
         kl = [metrics.token_kl(inputs.reference_logits.read(start, len(logits)), np.asarray(logits)).ravel()
               for start, logits in model.logits(inputs.ids_SxL, inputs.options.batch_size, tap=_Mixed(),
@@ -130,11 +130,4 @@ class _Mixed:
 def _layer_bf16(source, quantized: list[str], layer: int | None) -> dict[str, np.ndarray]:
     """{name as the block program sees it: BF16 source weight} of the quantized modules of `layer`
     (None: the LM head)."""
-    if layer is None:
-        return {m: source.get(f"{m}.weight") for m in quantized if m == "lm_head"}
-    prefix = f"model.layers.{layer}."
-    return {STAR + "." + m[len(prefix):]: source.get(f"{m}.weight") for m in quantized if m.startswith(prefix)}
-
-
-def _real(name: str, layer: int | None) -> str:
-    return name if layer is None else name.replace(STAR, f"model.layers.{layer}")
+    return {name: source.get(f"{m}.weight") for name, m in layer_modules(quantized, layer).items()}
