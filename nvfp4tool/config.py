@@ -10,6 +10,13 @@ Supported families and options (anything else raises `NVFP4ToolError` naming wha
   mistral Mistral: optional `sliding_window` (every layer, as HF's MistralModel applies it).
   qwen2   Qwen2 / Qwen2.5: bias on q/k/v (never on o_proj); no per-layer sliding window.
   qwen3   Qwen3 (dense): RMSNorm over each head of q and k (`qk_norm`); optional attention_bias.
+  qwen3_moe  Qwen3-MoE: Qwen3 attention; sparse MLP blocks (`mlp.gate` router, `mlp.experts.{e}.
+          {gate,up,down}_proj` of width `moe_intermediate_size`, top-k of the softmax, renormalised
+          when `norm_topk_prob`); dense MLP (`intermediate_size`) in `mlp_only_layers` and in layers
+          where (i + 1) % decoder_sparse_step != 0, as transformers decides.
+  mixtral Mixtral: Mistral attention; every MLP sparse (`block_sparse_moe.gate`,
+          `block_sparse_moe.experts.{e}.{w1,w3,w2}` = gate/up/down of width `intermediate_size`),
+          top-k renormalised.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Any, Mapping
 
 from nvfp4tool.errors import NVFP4ToolError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -31,7 +39,15 @@ ARCHITECTURE_BY_FAMILY = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# Names of a sparse MLP's modules per MoE family: (block attribute, expert (gate, up, down) names).
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
 _FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.items()}
 
 # config.json keys that ModelConfig models itself; every other key goes to `hf_extra` untouched.
@@ -42,6 +58,8 @@ _MODELED_KEYS = frozenset({
     "tie_word_embeddings", "attention_bias", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "pad_token_id", "hidden_act", "mlp_bias",
+    *_EXPERT_COUNT_KEYS, "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
 })
 
 
@@ -67,9 +85,10 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-family transformer (pre-norm, RMSNorm, GQA attention, SwiGLU MLP)."""
+    """A decoder-only Llama-family transformer (pre-norm, RMSNorm, GQA attention, SwiGLU MLP or a
+    sparse mixture of SwiGLU experts)."""
 
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" (HF model_type)
+    family: str  # one of SUPPORTED_FAMILIES (HF model_type)
     vocab_size: int  # V: rows of the embedding and of lm_head
     hidden_size: int  # E: residual stream width
     intermediate_size: int  # F: SwiGLU hidden width (gate_proj / up_proj rows)
@@ -90,10 +109,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json becomes a tuple
     pad_token_id: int | None = None
+    # Mixture of experts (MOE_FAMILIES only; 0 / defaults for dense families)
+    num_experts: int = 0  # experts of a sparse MLP
+    num_experts_per_tok: int = 0  # k of the top-k routing
+    moe_intermediate_size: int = 0  # an expert's SwiGLU width (qwen3_moe; mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1 (mixtral: always)
+    decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
     # How config.json spells RoPE and dtype, kept on write-back: "transformers4" (top-level
     # rope_theta / rope_scaling, torch_dtype: read by transformers 4.x and 5.x and vLLM) or
     # "transformers5" (rope_parameters, dtype).
     hf_config_style: str = field(default="transformers4", compare=False)
+    # The key the source config.json names the expert count with ("num_experts" on the Hub for
+    # qwen3_moe, "num_local_experts" for mixtral and as transformers 5 writes both), kept on write-back.
+    hf_experts_key: str = field(default="", compare=False)
     # Keys of the source config.json that are not modeled above, written back unchanged.
     hf_extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -155,13 +185,14 @@ class ModelConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v bias and never o_proj bias; Llama/Qwen3 put it on all four.
                 attention_bias=True if family == "qwen2" else attention_bias,
-                o_proj_bias=False if family in ("qwen2", "mistral") else attention_bias,
-                qk_norm=family == "qwen3",
+                o_proj_bias=False if family in ("qwen2", "mistral", "mixtral") else attention_bias,
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window_from_hf(hf, family),
                 dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch."),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
                 pad_token_id=hf.get("pad_token_id"),
+                **_moe_from_hf(hf, family),
                 hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
                 else "transformers4",
                 hf_extra={k: v for k, v in hf.items() if k not in _MODELED_KEYS},
@@ -205,13 +236,20 @@ class ModelConfig:
             else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         })
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.attention_bias
         if self.family == "llama":
             hf["mlp_bias"] = False
-        if self.family == "mistral":
+        if self.family in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
-        if self.family in ("qwen2", "qwen3"):
+        if self.is_moe:
+            hf[self.hf_experts_key or _EXPERT_COUNT_KEYS[self.family == "mixtral"]] = self.num_experts
+            hf["num_experts_per_tok"] = self.num_experts_per_tok
+            hf["router_aux_loss_coef"] = self.router_aux_loss_coef
+        if self.family == "qwen3_moe":
+            hf.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
+        if self.family in ("qwen2", "qwen3", "qwen3_moe"):
             hf["use_sliding_window"] = False
             hf["sliding_window"] = None
             hf["layer_types"] = ["full_attention"] * self.num_layers
@@ -231,11 +269,44 @@ class ModelConfig:
 
     # ------------------------------------------------------------------------------------ tensors
 
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts family (its sparse layers route tokens to experts)."""
+        return self.family in MOE_FAMILIES
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a sparse MLP (router + experts), as transformers decides."""
+        if not self.is_moe:
+            return False
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """An expert's SwiGLU width (mixtral's experts use intermediate_size)."""
+        return self.moe_intermediate_size if self.family == "qwen3_moe" else self.intermediate_size
+
+    def mlp_prefix(self, layer: int) -> str:
+        """The HF module path of layer `layer`'s MLP (dense or sparse): `model.layers.{i}.mlp` or
+        mixtral's `model.layers.{i}.block_sparse_moe`."""
+        attr = _MOE_NAMES[self.family][0] if self.is_sparse_layer(layer) else "mlp"
+        return f"model.layers.{layer}.{attr}"
+
+    @property
+    def expert_projections(self) -> tuple[str, str, str]:
+        """Names of an expert's (gate, up, down) projections: gate_proj/up_proj/down_proj, or
+        mixtral's w1/w3/w2."""
+        return _MOE_NAMES[self.family][1] if self.is_moe else ("gate_proj", "up_proj", "down_proj")
+
+    def router_names(self) -> list[str]:
+        """The router (gate) linear of every sparse layer: never quantized."""
+        return [f"{self.mlp_prefix(i)}.gate" for i in range(self.num_layers) if self.is_sparse_layer(i)]
+
     def expected_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF tensor name of this model -> its shape, weights as [out_features, in_features].
 
-        Order: embedding, layers 0..L-1 (norm, q, k, v, o, q/k norms, norm, gate, up, down), final
-        norm, lm_head (absent when tied).
+        Order: embedding, layers 0..L-1 (norm, q, k, v, o, q/k norms, norm, then the dense MLP's
+        gate, up, down, or the router and every expert's gate, up, down), final norm, lm_head
+        (absent when tied).
         """
         E, F, D = self.hidden_size, self.intermediate_size, self.head_dim
         q_out, kv_out = self.num_heads * D, self.num_kv_heads * D
@@ -254,9 +325,19 @@ class ModelConfig:
                 shapes[p + "self_attn.q_norm.weight"] = (D,)
                 shapes[p + "self_attn.k_norm.weight"] = (D,)
             shapes[p + "post_attention_layernorm.weight"] = (E,)
-            shapes[p + "mlp.gate_proj.weight"] = (F, E)
-            shapes[p + "mlp.up_proj.weight"] = (F, E)
-            shapes[p + "mlp.down_proj.weight"] = (E, F)
+            mlp = self.mlp_prefix(i)
+            if self.is_sparse_layer(i):
+                shapes[f"{mlp}.gate.weight"] = (self.num_experts, E)
+                gate, up, down = self.expert_projections
+                Fe = self.expert_intermediate_size
+                for e in range(self.num_experts):
+                    shapes[f"{mlp}.experts.{e}.{gate}.weight"] = (Fe, E)
+                    shapes[f"{mlp}.experts.{e}.{up}.weight"] = (Fe, E)
+                    shapes[f"{mlp}.experts.{e}.{down}.weight"] = (E, Fe)
+            else:
+                shapes[f"{mlp}.gate_proj.weight"] = (F, E)
+                shapes[f"{mlp}.up_proj.weight"] = (F, E)
+                shapes[f"{mlp}.down_proj.weight"] = (E, F)
         shapes["model.norm.weight"] = (E,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, E)
@@ -264,9 +345,10 @@ class ModelConfig:
 
     def linear_names(self) -> list[str]:
         """Names (HF module paths, no `.weight`) of every linear layer the model routes through its
-        linear seam, in forward order; `lm_head` last (also when tied: it then reuses the embedding)."""
+        linear seam, in forward order (a sparse layer: its router, then each expert's gate, up,
+        down); `lm_head` last (also when tied: it then reuses the embedding)."""
         names = [n.removesuffix(".weight") for n, s in self.expected_tensor_shapes().items()
-                 if len(s) == 2 and n.endswith("_proj.weight")]
+                 if len(s) == 2 and n.startswith("model.layers.")]
         return names + ["lm_head"]
 
     def num_parameters(self) -> int:
@@ -278,20 +360,69 @@ class ModelConfig:
     def _check_family_options(self) -> None:
         """Only combinations the family's HF config can express (so to_hf_config is faithful)."""
         problems = []
-        if self.qk_norm != (self.family == "qwen3"):
-            problems.append("qk_norm is on exactly for qwen3")
+        if self.qk_norm != (self.family in ("qwen3", "qwen3_moe")):
+            problems.append("qk_norm is on exactly for qwen3 and qwen3_moe")
         if self.family == "qwen2" and not (self.attention_bias and not self.o_proj_bias):
             problems.append("qwen2 has q/k/v bias and no o_proj bias")
-        if self.family == "mistral" and (self.attention_bias or self.o_proj_bias):
-            problems.append("mistral has no attention bias")
-        if self.family in ("llama", "qwen3") and self.attention_bias != self.o_proj_bias:
+        if self.family in ("mistral", "mixtral") and (self.attention_bias or self.o_proj_bias):
+            problems.append(f"{self.family} has no attention bias")
+        if self.family in ("llama", "qwen3", "qwen3_moe") and self.attention_bias != self.o_proj_bias:
             problems.append(f"{self.family} attention_bias puts a bias on q/k/v and o_proj together")
-        if self.sliding_window is not None and self.family != "mistral":
-            problems.append("sliding_window is supported for mistral only")
+        if self.sliding_window is not None and self.family not in ("mistral", "mixtral"):
+            problems.append("sliding_window is supported for mistral and mixtral only")
+        problems += self._moe_problems()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             problems.append("rope_scaling must be a RopeScaling")
         if problems:
             raise NVFP4ToolError(f"model config ({self.family}): {'; '.join(problems)}")
+
+
+    def _moe_problems(self) -> list[str]:
+        if not self.is_moe:
+            moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
+                   self.norm_topk_prob, self.decoder_sparse_step, self.mlp_only_layers, self.router_aux_loss_coef)
+            return [] if moe == (0, 0, 0, False, 1, (), 0.0) else ["mixture-of-experts fields are for "
+                                                                  f"{' and '.join(MOE_FAMILIES)} only"]
+        problems = []
+        if not (isinstance(self.num_experts, int) and self.num_experts >= 1):
+            problems.append(f"num_experts must be a positive integer, got {self.num_experts!r}")
+        elif not (isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts):
+            problems.append(f"num_experts_per_tok must be in 1..num_experts={self.num_experts}, "
+                            f"got {self.num_experts_per_tok!r}")
+        if not (isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step >= 1):
+            problems.append(f"decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
+        bad_layers = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad_layers:
+            problems.append(f"mlp_only_layers {bad_layers[0]!r} is not a layer index in 0..{self.num_layers - 1}")
+        if not (self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef)):
+            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {self.router_aux_loss_coef}")
+        if self.family == "qwen3_moe" and not (isinstance(self.moe_intermediate_size, int)
+                                               and self.moe_intermediate_size > 0):
+            problems.append(f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size!r}")
+        if self.family == "mixtral" and (self.moe_intermediate_size or not self.norm_topk_prob
+                                         or self.decoder_sparse_step != 1 or self.mlp_only_layers):
+            problems.append("mixtral experts are intermediate_size wide, renormalise the top-k "
+                            "(norm_topk_prob) and every layer is sparse")
+        return problems
+
+
+def _moe_from_hf(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from config.json (none for a dense family)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if hf.get("router_jitter_noise"):
+        raise NVFP4ToolError(f"router_jitter_noise={hf['router_jitter_noise']} unsupported; supported: 0")
+    key = next((k for k in _EXPERT_COUNT_KEYS if k in hf), None)
+    if key is None:
+        raise KeyError(" or ".join(_EXPERT_COUNT_KEYS))
+    fields = dict(num_experts=int(hf[key]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), hf_experts_key=key)
+    if family == "mixtral":
+        return dict(fields, norm_topk_prob=True)
+    return dict(fields, moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
 
 
 def _family_of(hf: Mapping[str, Any], source: str) -> str:
@@ -316,7 +447,7 @@ def _reject_unsupported_options(hf: Mapping[str, Any], family: str, source: str)
     if partial != 1.0:
         raise NVFP4ToolError(f"{source}: partial_rotary_factor={partial} unsupported; supported: 1.0 "
                              f"(RoPE over the whole head)")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         sliding = hf.get("use_sliding_window") or any(
             t != "full_attention" for t in hf.get("layer_types") or ())
         if sliding:
@@ -352,7 +483,7 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
 
 
 def _sliding_window_from_hf(hf: Mapping[str, Any], family: str) -> int | None:
-    if family != "mistral":
+    if family not in ("mistral", "mixtral"):
         return None  # Qwen with use_sliding_window was rejected above; its window value is unused
     window = hf.get("sliding_window")
     return None if window is None else int(window)

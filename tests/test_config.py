@@ -71,6 +71,77 @@ def test_round_trip_other_families(hf):
         assert out["rope_parameters"]["rope_theta"] == hf["rope_parameters"]["rope_theta"]
         assert "rope_theta" not in out and out["dtype"] == hf["dtype"] and "torch_dtype" not in out
 
+QWEN3_30B_A3B = {  # Qwen3-30B-A3B's config.json (transformers 4.51 style, the Hub's "num_experts")
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936}
+MIXTRAL_8X7B = {  # Mixtral-8x7B-v0.1's config.json
+    "architectures": ["MixtralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("hf, params, linears, experts_key", [
+    (QWEN3_30B_A3B, 30_532_122_624, 48 * (4 + 1 + 128 * 3) + 1, "num_experts"),  # published counts
+    (MIXTRAL_8X7B, 46_702_792_704, 32 * (4 + 1 + 8 * 3) + 1, "num_local_experts"),
+    ({**QWEN3_30B_A3B, "num_experts": None, "num_local_experts": 128}, 30_532_122_624, None, "num_local_experts"),
+], ids=["qwen3_moe", "mixtral", "qwen3_moe-transformers5"])
+def test_moe_fields_sizes_and_round_trip(hf, params, linears, experts_key):
+    config = ModelConfig.from_hf_config({k: v for k, v in hf.items() if v is not None})
+    assert config.is_moe and config.num_parameters() == params
+    if linears is not None:
+        assert len(config.linear_names()) == linears
+    out = config.to_hf_config()
+    assert out[experts_key] == config.num_experts and out["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
+    assert ModelConfig.from_hf_config(json.loads(json.dumps(out))) == config
+    assert config.router_names()[0] == f"{config.mlp_prefix(0)}.gate"
+
+
+def test_moe_layer_names_follow_transformers():
+    qwen = ModelConfig.from_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                       "mlp_only_layers": [3], "num_experts": 2,
+                                       "num_experts_per_tok": 1})
+    assert [qwen.is_sparse_layer(i) for i in range(4)] == [False, True, False, False]
+    shapes = qwen.expected_tensor_shapes()
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (6144, 2048)
+    assert shapes["model.layers.1.mlp.gate.weight"] == (2, 2048)
+    assert shapes["model.layers.1.mlp.experts.1.down_proj.weight"] == (2048, 768)
+    assert qwen.linear_names()[4:9] == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                                        "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                                        "model.layers.1.self_attn.k_proj"]
+    mixtral = ModelConfig.from_hf_config({**MIXTRAL_8X7B, "num_hidden_layers": 1})
+    assert mixtral.linear_names()[4:8] == ["model.layers.0.block_sparse_moe.gate",
+                                           "model.layers.0.block_sparse_moe.experts.0.w1",
+                                           "model.layers.0.block_sparse_moe.experts.0.w3",
+                                           "model.layers.0.block_sparse_moe.experts.0.w2"]
+    assert mixtral.expected_tensor_shapes()["model.layers.0.block_sparse_moe.experts.7.w2.weight"] == (4096, 14336)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be in 1..num_experts=128"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok must be in 1..num_experts=128"),
+    ({"num_experts": None}, "missing required key 'num_experts or num_local_experts'"),
+    ({"moe_intermediate_size": None}, "missing required key 'moe_intermediate_size'"),
+    ({"mlp_only_layers": [48]}, "mlp_only_layers 48 is not a layer index in 0..47"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+    ({"router_jitter_noise": 0.01}, "router_jitter_noise=0.01 unsupported"),
+], ids=lambda v: str(v)[:30])
+def test_moe_rejections_name_the_problem(change, fragment):
+    hf = {k: v for k, v in {**QWEN3_30B_A3B, **change}.items() if v is not None}
+    with pytest.raises(NVFP4ToolError) as error:
+        ModelConfig.from_hf_config(hf, source="/m/config.json")
+    assert fragment in str(error.value) and str(error.value).startswith("/m/config.json: ")
+    with pytest.raises(NVFP4ToolError, match="mixture-of-experts fields are for qwen3_moe and mixtral only"):
+        dataclasses.replace(ModelConfig.from_hf_config(QWEN3_06B), num_experts=4)
+
 
 def test_family_specific_options():
     qwen3 = ModelConfig.from_hf_config(QWEN3_06B)
@@ -131,7 +202,7 @@ def test_inconsistent_dataclass_rejected():
     config = ModelConfig.from_hf_config(QWEN3_06B)
     with pytest.raises(NVFP4ToolError, match="qk_norm is on exactly for qwen3"):
         dataclasses.replace(config, family="llama")
-    with pytest.raises(NVFP4ToolError, match="sliding_window is supported for mistral only"):
+    with pytest.raises(NVFP4ToolError, match="sliding_window is supported for mistral and mixtral only"):
         dataclasses.replace(config, sliding_window=8)
 
 
@@ -156,7 +227,7 @@ def test_from_hf_folder_errors(tmp_path):
 def test_transformers_reads_what_we_write():
     """transformers' own config classes parse our config.json to the same numbers."""
     transformers = pytest.importorskip("transformers")
-    for hf in (LLAMA31_8B, QWEN3_06B, QWEN25_05B, MISTRAL_7B_V01):
+    for hf in (LLAMA31_8B, QWEN3_06B, QWEN25_05B, MISTRAL_7B_V01, QWEN3_30B_A3B, MIXTRAL_8X7B):
         ours = ModelConfig.from_hf_config(hf).to_hf_config()
         theirs = transformers.AutoConfig.for_model(**{k: v for k, v in ours.items() if k != "model_type"},
                                                    model_type=ours["model_type"])

@@ -4,7 +4,7 @@
     pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
     linear = make_linear(recipe, pmap, key, group_amax)    # plugs into the model's linear seam
 
-Precision map: `lm_head` always stays BF16 (as do embeddings, norms and attention math, which
+Precision map: `lm_head` and MoE routers always stay BF16 (as do embeddings, norms and attention math, which
 never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
 `bf16_last_layers` (default: ceil(15% of the blocks)) stay BF16, plus every module matching one
 of `bf16_patterns` (fnmatch, e.g. "*.mlp.down_proj"); the rest run the recipe.
@@ -39,7 +39,9 @@ from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
 COMPUTE_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
-_FUSED = re.compile(r"(.*)\.(?:self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)$")
+# q/k/v of an attention; gate/up of a dense MLP or of one expert (mixtral's w1/w3)
+_QKV = re.compile(r"(.*\.self_attn)\.[qkv]_proj$")
+_GATE_UP = re.compile(r"(.*\.(?:mlp|experts\.\d+))\.(?:gate_proj|up_proj|w1|w3)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -79,9 +81,10 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
     last = math.ceil(0.15 * L) if recipe.bf16_last_layers is None else recipe.bf16_last_layers
     kept_layers = set(range(min(recipe.bf16_first_layers, L))) | set(range(max(0, L - last), L))
     result = {}
+    routers = set(config.router_names())
     for name in config.linear_names():
         layer = _LAYER.match(name)
-        keep = (recipe.name == "bf16" or name == "lm_head"
+        keep = (recipe.name == "bf16" or name == "lm_head" or name in routers
                 or (layer is not None and int(layer.group(1)) in kept_layers)
                 or any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.bf16_patterns))
         result[name] = "bf16" if keep else recipe.name
@@ -89,11 +92,13 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
 
 
 def fused_group(name: str) -> str:
-    """The fused GEMM a linear belongs to: `<block>.self_attn.qkv`, `<block>.mlp.gate_up`, or itself."""
-    match = _FUSED.match(name)
-    if match is None:
-        return name
-    return f"{match.group(1)}.self_attn.qkv" if match.group(2) else f"{match.group(1)}.mlp.gate_up"
+    """The fused GEMM a linear belongs to: `<block>.self_attn.qkv`, `<block>.mlp.gate_up`,
+    `<block>.<moe>.experts.<e>.gate_up` (an expert's gate/up, mixtral's w1/w3), or itself."""
+    for pattern, fused in ((_QKV, "qkv"), (_GATE_UP, "gate_up")):
+        match = pattern.match(name)
+        if match is not None:
+            return f"{match.group(1)}.{fused}"
+    return name
 
 
 def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
