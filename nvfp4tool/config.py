@@ -288,8 +288,12 @@ class ModelConfig:
     def mlp_prefix(self, layer: int) -> str:
         """The HF module path of layer `layer`'s MLP (dense or sparse): `model.layers.{i}.mlp` or
         mixtral's `model.layers.{i}.block_sparse_moe`."""
-        attr = _MOE_NAMES[self.family][0] if self.is_sparse_layer(layer) else "mlp"
-        return f"model.layers.{layer}.{attr}"
+        return f"model.layers.{layer}.{self.expert_block if self.is_sparse_layer(layer) else 'mlp'}"
+
+    @property
+    def expert_block(self) -> str:
+        """A sparse layer's MLP attribute: `mlp` (qwen3_moe) or `block_sparse_moe` (mixtral)."""
+        return _MOE_NAMES[self.family][0] if self.is_moe else "mlp"
 
     @property
     def expert_projections(self) -> tuple[str, str, str]:

@@ -36,7 +36,16 @@ TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
     # Qwen3: per-head q/k RMSNorm, and head_dim * heads (128) != hidden (64) as in real Qwen3.
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, rope_theta=1000000.0)),
+    # Qwen3-MoE: 3 layers, the middle one dense (mlp_only_layers); 8 experts of width 32, top-2,
+    # renormalised; the router makes the last expert unreachable (see _unreachable_last_expert).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, num_hidden_layers=3, head_dim=32, rope_theta=1000000.0,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.01)),
+    # Mixtral: 6 experts of width 128 (intermediate_size), top-2, the last unreachable.
+    "mixtral": ("MixtralConfig", dict(_COMMON, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+                                      rope_theta=1000000.0, router_aux_loss_coef=0.02)),
 }
+MOE_KEYS = ("qwen3_moe", "mixtral")
 FAMILY_KEYS = tuple(TINY_SPECS)
 
 
@@ -78,7 +87,20 @@ def build_torch_model(key: str, *, seed: int = 0):
                 param.copy_(0.5 * noise)
             else:
                 param.copy_(0.08 * noise)
+        if key in MOE_KEYS:
+            _unreachable_last_expert(model)
     return model.eval()
+
+
+def _unreachable_last_expert(model) -> None:
+    """Router rows 1 = -row 0 and 3 = -row 2, last row 0: experts 0-3 always give two logits >= 0
+    = the last expert's, so with top-2 routing the last expert never gets a token (and the tests see
+    an expert with no tokens, as real calibration sets do)."""
+    for name, param in model.named_parameters():
+        if name.endswith(".gate.weight") and param.shape[0] == model.config.num_local_experts:
+            param[1] = -param[0]
+            param[3] = -param[2]
+            param[-1] = 0.0
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,12 @@ import os
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from converters.hf import HFFolderSource
-from hf_fixtures import FAMILY_KEYS, build_tiny_model, build_torch_model, hf_tiny_models  # noqa: F401
+from hf_fixtures import FAMILY_KEYS, MOE_KEYS, build_tiny_model, build_torch_model, hf_tiny_models  # noqa: F401
 from nvfp4tool.model import forward, generate, model_from_tensors
+from nvfp4tool.model.linear import default_linear
 
 pytestmark = pytest.mark.peers
 torch = pytest.importorskip("torch")
@@ -111,7 +113,7 @@ def test_bf16_checkpoint_read_correctly(tmp_path):
     assert np.abs(ours - theirs)[real(mask)].max() < TOLERANCE
 
 
-@pytest.mark.parametrize("key", ["llama3", "mistral"])
+@pytest.mark.parametrize("key", ["llama3", "mistral", "qwen3_moe"])
 def test_greedy_generation_matches_transformers(key, hf_tiny_models):
     ids, mask = padded_batch(T=8)
     ids, mask = ids[:2], mask[:2]  # full and left-padded rows (HF's generate expects left padding)
@@ -130,3 +132,35 @@ def test_fixture_folders_have_the_expected_files(hf_tiny_models):
     for key, folder in hf_tiny_models.items():
         files = set(os.listdir(folder))
         assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= files, key
+
+
+@pytest.mark.parametrize("key", MOE_KEYS)
+def test_moe_fixture_leaves_an_expert_without_tokens(key, hf_tiny_models):
+    """The parity batch routes no token to the last expert of any sparse layer (the case the
+    users' uncalibrated-expert failures come from), and routes to several others."""
+    from nvfp4tool.model.transformer import route
+
+    source = HFFolderSource(hf_tiny_models[key])
+    config = source.config
+    ids, mask = padded_batch()
+    model = our_model(hf_tiny_models[key])
+
+    @nnx.jit
+    def router_logits(model):  # traced, so the seam may record into a dict it returns
+        routers = {}
+
+        def recording(x, w, b, *, name):
+            y = default_linear(x, w, b, name=name)
+            if name in config.router_names():
+                routers[name] = y
+            return y
+
+        forward(model, ids, mask, linear=recording)
+        return routers
+
+    routers = router_logits(model)
+    assert sorted(routers) == config.router_names()
+    for name, logits in routers.items():
+        _, chosen = route(np.asarray(logits), config.num_experts_per_tok, config.norm_topk_prob)
+        counts = np.asarray(chosen)[real(mask)].sum(axis=0)
+        assert counts[-1] == 0 and (counts[:-1] > 0).sum() >= 3, (name, counts)

@@ -29,6 +29,12 @@ CONFIGS = {
     "mistral_window": ModelConfig(family="mistral", sliding_window=3, **_BASE),
     "qwen2": ModelConfig(family="qwen2", attention_bias=True, **_BASE),
     "qwen3": ModelConfig(family="qwen3", qk_norm=True, **{**_BASE, "head_dim": 12}),
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 4 experts of width 16, top-2
+    "qwen3_moe": ModelConfig(family="qwen3_moe", qk_norm=True, **{**_BASE, "num_layers": 3}, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                             mlp_only_layers=(1,), router_aux_loss_coef=0.001),
+    "mixtral": ModelConfig(family="mixtral", **_BASE, num_experts=3, num_experts_per_tok=2, norm_topk_prob=True,
+                           router_aux_loss_coef=0.02),
 }
 
 
@@ -63,7 +69,7 @@ def tensors_of(model) -> dict[str, np.ndarray]:
     return {name: view.get(name) for name in view.names()}
 
 
-@pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3"])
+@pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3", "mixtral"])
 def test_scanned_layers_give_the_same_logits(key):
     ids, mask = batch()
     logits = forward(build(key), ids, mask)
@@ -152,7 +158,7 @@ def test_seam_decides_per_layer_by_name():
     np.testing.assert_array_equal(forward(model, ids, mask), changed)
 
 
-@pytest.mark.parametrize("key", ["llama3", "mistral_window", "qwen3"])
+@pytest.mark.parametrize("key", ["llama3", "mistral_window", "qwen3", "qwen3_moe"])
 def test_padding_does_not_change_real_tokens(key):
     model = build(key)
     ids, mask = batch()
@@ -250,7 +256,8 @@ def uncached_greedy(model, ids, mask, steps):
     return np.stack(out, axis=1)
 
 
-@pytest.mark.parametrize("key, scan_layers", [("llama3", False), ("mistral_window", False),
+@pytest.mark.parametrize("key, scan_layers", [("llama3", False), ("mistral_window", False), ("qwen3_moe", False),
+                                              ("mixtral", True),
                                               ("qwen3", True)])
 def test_cached_generation_equals_uncached_loop(key, scan_layers):
     model = build(key, scan_layers=scan_layers)
@@ -293,3 +300,57 @@ def test_generate_rejects_bad_requests():
         generate(model, ids, 3, attention_mask=np.array([[1, 1, 1, 1], [0, 0, 0, 0]]))
     with pytest.raises(NVFP4ToolError, match="needs a PRNG key"):
         generate(model, ids, 3, greedy=False)
+
+
+def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
+    """Each expert's GEMMs see the rows of the tokens routed to it (the others zero, as a ragged
+    dispatch would compute them); a seam asking for all experts shows every token to every expert
+    and leaves the logits unchanged."""
+    config = CONFIGS["qwen3_moe"]
+    model = build("qwen3_moe")
+    ids, mask = batch()
+
+    class Seen:
+        def __init__(self, all_experts):
+            self.routes_all_experts = all_experts
+            self.zero_rows = {}
+
+        def __call__(self, x, w, b, *, name):
+            self.zero_rows[name] = jnp.sum(jnp.all(x == 0, axis=-1))
+            return default_linear(x, w, b, name=name)
+
+    @nnx.jit(static_argnums=1)
+    def run(model, all_experts):
+        seam = Seen(all_experts)
+        return forward(model, ids, mask, linear=seam), seam.zero_rows
+
+    routed_logits, routed = run(model, False)
+    every_logits, every = run(model, True)
+    np.testing.assert_array_equal(np.asarray(routed_logits), np.asarray(every_logits))
+    tokens = ids.size
+    for layer in (0, 2):
+        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.num_experts)]
+        zero = np.array([int(routed[n]) for n in experts])
+        # top-2 of 4: every token leaves 2 experts out, so 2 * tokens zero rows in all
+        assert zero.sum() == 2 * tokens and (zero > 0).all(), zero
+        assert all(int(every[n]) == 0 for n in experts)
+        assert int(routed[f"model.layers.{layer}.mlp.gate"]) == 0  # the router sees every token
+    assert int(routed["model.layers.1.mlp.gate_proj"]) == 0  # the dense layer is dense
+
+
+@pytest.mark.parametrize("key", ["qwen3_moe", "mixtral"])
+def test_layerwise_runs_sparse_and_dense_layers_as_forward(key):
+    """Held and streamed layer-by-layer runs (one block program per kind of layer) equal forward."""
+    from nvfp4tool.model.layerwise import LayerwiseModel, Plain
+
+    config = CONFIGS[key]
+    tensors = random_tensors(config)
+    model = model_from_tensors(config, DictTensorSource(tensors))
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, size=(3, 7))
+    expected = np.asarray(forward(model, ids))
+    tap = Plain(default_linear)
+    held = np.concatenate([np.asarray(y) for _, y in LayerwiseModel.held(model).logits(ids, 2, tap=tap)])
+    streamed_model = LayerwiseModel.streamed(config, DictTensorSource(tensors), compute_dtype=jnp.float32)
+    streamed = np.concatenate([np.asarray(y) for _, y in streamed_model.logits(ids, 2, tap=tap)])
+    np.testing.assert_allclose(held, expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(streamed, held)

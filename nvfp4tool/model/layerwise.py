@@ -45,7 +45,7 @@ from flax import nnx
 
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.model.linear import LinearFn, routes_all_experts
 from nvfp4tool.model.transformer import (Block, CausalLM, attention_allowed, default_positions, embed,
                                          lm_logits, rope)
 from nvfp4tool.model.weights import as_param
@@ -81,7 +81,9 @@ class LayerwiseModel:
         self._layer = layer
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
-        self._block_graphdef = nnx.split(_abstract_block(config))[0]
+        # one block program per kind of layer (dense / sparse MLP), shared by all layers of the kind
+        self._block_graphdefs = {sparse: nnx.split(_abstract_block(config, sparse))[0]
+                                 for sparse in {config.is_sparse_layer(i) for i in range(config.num_layers)}}
         self._gather = None if mesh is None else replicated(mesh)
 
     @classmethod
@@ -122,7 +124,7 @@ class LayerwiseModel:
                           ).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
-            block = _abstract_block(config)
+            block = _abstract_block(config, config.is_sparse_layer(i))
             for path in _param_paths(block):
                 _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None, mesh))
             return nnx.state(block)
@@ -146,8 +148,9 @@ class LayerwiseModel:
                 carry = [self._embed(ids_SxT[s:s + batch_size]) for s in starts]
                 for i in range(layers):
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
+                    graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
                     for b, (x, cos, sin, allowed) in enumerate(carry):
-                        y, records = _block_step(self._block_graphdef, state, x, cos, sin, allowed,
+                        y, records = _block_step(graphdef, state, x, cos, sin, allowed,
                                                  layer_aux, tap=tap, gather=self._gather)
                         carry[b] = (y, cos, sin, allowed)
                         _deliver(records, on_record, i)
@@ -196,10 +199,10 @@ def real_name(name: str, layer: int | None) -> str:
     return name if layer is None else name.replace(STAR, f"model.layers.{layer}")
 
 
-def _abstract_block(config: ModelConfig) -> Block:
-    """A block with no values (its parameters are set from a source), named `model.layers.*`;
-    it computes in its input's dtype."""
-    return nnx.eval_shape(lambda: Block(config, STAR, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+def _abstract_block(config: ModelConfig, sparse: bool) -> Block:
+    """A block (its MLP sparse or dense) with no values (its parameters are set from a source),
+    named `model.layers.*`; it computes in its input's dtype."""
+    return nnx.eval_shape(lambda: Block(config, STAR, sparse=sparse, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
 
 
 def _param_paths(module: nnx.Module) -> list[str]:
@@ -228,6 +231,7 @@ def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:
             records[name] = record
         return y
 
+    linear.routes_all_experts = routes_all_experts(tap)  # a calibrating tap's wish reaches the experts
     return linear
 
 

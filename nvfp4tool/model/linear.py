@@ -6,6 +6,8 @@ module name (`"model.layers.3.mlp.gate_proj"`, `"lm_head"`; with scanned layers 
 `*`: `"model.layers.*.mlp.gate_proj"`), and returns `y_...xN` in the dtype of `x`. Recipes
 (bf16 / fp8 / nvfp4) are LinearFns chosen by name; the model code never changes.
 Embedding lookup, norms and attention math (QK^T, softmax, PV) do not go through the seam.
+A seam with `routes_all_experts = True` (calibration) asks every sparse MLP to run every expert on
+every token (the layer's output is unchanged: unrouted experts still weigh 0).
 """
 
 from __future__ import annotations
@@ -28,3 +30,8 @@ def default_linear(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *, nam
     """Plain dot in the compute dtype (= x.dtype) with fp32 accumulation; bias added in fp32."""
     del name  # every layer is treated the same
     return dense(x, w_NxK, b_N)
+
+
+def routes_all_experts(linear: LinearFn) -> bool:
+    """Whether the seam asks sparse MLPs to show every token to every expert (see the docstring)."""
+    return bool(getattr(linear, "routes_all_experts", False))

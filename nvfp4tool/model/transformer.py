@@ -1,9 +1,11 @@
-"""The Llama-family decoder in Flax NNX (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3).
+"""The Llama-family decoder in Flax NNX (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral).
 
 Pre-norm blocks: RMSNorm (fp32 inside, as HF) -> GQA attention with RoPE (half-split layout,
 optional llama3 scaling, optional per-head q/k RMSNorm, optional q/k/v(/o) bias, optional
-sliding window) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head (tied or
-not). Module attribute names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` is the path
+sliding window) -> residual -> RMSNorm -> SwiGLU MLP, or a sparse MLP (`SparseMoE`: a router
+picks the top-k experts of each token, each a SwiGLU MLP) -> residual; final RMSNorm; LM head
+(tied or not). Module attribute names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` is the path
 of that parameter (see `weights.py`). Every projection goes through the linear seam (`linear.py`);
 the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
 
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.model.linear import LinearFn, default_linear
+from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
 from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 _INIT_STD = 0.02  # random init (training from scratch): normal(0, 0.02) weights, zero bias, unit norms
@@ -130,34 +132,99 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); projections named gate_proj/up_proj/down_proj (a dense
+    MLP, a Qwen3-MoE expert) or `names` (a Mixtral expert: w1/w3/w2)."""
 
-    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        E, F = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(E, F, bias=False, name=f"{prefix}.gate_proj", param_dtype=param_dtype, rngs=rngs)
-        self.up_proj = Linear(E, F, bias=False, name=f"{prefix}.up_proj", param_dtype=param_dtype, rngs=rngs)
-        self.down_proj = Linear(F, E, bias=False, name=f"{prefix}.down_proj", param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: ModelConfig, prefix: str, *, width: int | None = None,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        E, F = config.hidden_size, width or config.intermediate_size
+        self.names = names
+        for attr, k, n in zip(names, (E, E, F), (F, F, E)):
+            setattr(self, attr, Linear(k, n, bias=False, name=f"{prefix}.{attr}", param_dtype=param_dtype, rngs=rngs))
 
     def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
-        hidden_BxTxF = jax.nn.silu(self.gate_proj(x_BxTxE, linear)) * self.up_proj(x_BxTxE, linear)
-        return self.down_proj(hidden_BxTxF, linear)
+        gate, up, down = (getattr(self, attr) for attr in self.names)
+        hidden_BxTxF = jax.nn.silu(gate(x_BxTxE, linear)) * up(x_BxTxE, linear)
+        return down(hidden_BxTxF, linear)
+
+
+def route(router_logits_BxTxN: jax.Array, k: int, normalize: bool,
+          weights_dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing as transformers' Qwen3-MoE / Mixtral: softmax over the experts in fp32, the k
+    largest probabilities, renormalised to sum to 1 when `normalize`, rounded to `weights_dtype`
+    (Qwen3-MoE: the logits' dtype; Mixtral keeps fp32).
+
+    Returns (weights_BxTxN: each expert's weight per token, 0 where not chosen; chosen_BxTxN: bool).
+    """
+    probs_BxTxN = jax.nn.softmax(router_logits_BxTxN.astype(jnp.float32), axis=-1)
+    top_BxTxK, index_BxTxK = jax.lax.top_k(probs_BxTxN, k)
+    if normalize:
+        top_BxTxK = top_BxTxK / jnp.sum(top_BxTxK, axis=-1, keepdims=True)
+    chosen_BxTxKxN = index_BxTxK[..., None] == jnp.arange(probs_BxTxN.shape[-1])
+    top_BxTxK = top_BxTxK.astype(weights_dtype)
+    weights_BxTxN = jnp.sum(jnp.where(chosen_BxTxKxN, top_BxTxK[..., None], 0), axis=-2)  # one term per expert
+    return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
+
+
+class SparseMoE(nnx.Module):
+    """A sparse MLP: the router (`gate`, [num_experts, E], kept in high precision by every recipe)
+    scores each token, `route` picks its top-k experts, and the output is the routing-weighted sum
+    of those experts' SwiGLU outputs.
+
+    Experts compute densely: every expert runs on the layer's [B, T] tokens with the rows of tokens
+    not routed to it zeroed. Each expert is its own pair of GEMMs through the linear seam under its
+    own name (so per-expert scales, precision by pattern and calibration work as for any linear),
+    and the numbers equal a sorted/ragged dispatch: NVFP4 and FP8 quantize rows independently and a
+    zero row does not change a tensor's amax. It costs num_experts / k times the routed FLOPs, which
+    the CPU sizes we validate afford; a ragged dispatch (`jax.lax.ragged_dot`) is the GPU speed
+    path. A seam that asks for all experts (`linear.routes_all_experts`, calibration) gets every
+    token in every expert (llm-compressor's moe_calibrate_all_experts); the output is unchanged.
+    """
+
+    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False, name=f"{prefix}.gate",
+                           param_dtype=param_dtype, rngs=rngs)
+        self.experts = nnx.List([
+            MLP(config, f"{prefix}.experts.{e}", width=config.expert_intermediate_size,
+                names=config.expert_projections, param_dtype=param_dtype, rngs=rngs)
+            for e in range(config.num_experts)])
+        self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.weights_in_logits_dtype = config.family == "qwen3_moe"  # as transformers rounds them
+
+    def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
+        logits_BxTxN = self.gate(x_BxTxE, linear)
+        weights_BxTxN, chosen_BxTxN = route(logits_BxTxN, self.top_k, self.normalize,
+                                            logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32)
+        every_token = routes_all_experts(linear)
+        out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
+        for e, expert in enumerate(self.experts):
+            routed_BxTxE = x_BxTxE if every_token else jnp.where(chosen_BxTxN[..., e:e + 1], x_BxTxE, 0)
+            y_BxTxE = expert(routed_BxTxE, linear) * weights_BxTxN[..., e:e + 1]  # dtype promotion as torch
+            out_BxTxE = out_BxTxE + y_BxTxE.astype(jnp.float32)
+        return out_BxTxE.astype(x_BxTxE.dtype)
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer."""
+    """One pre-norm decoder layer (its MLP dense, or sparse when `sparse`)."""
 
-    def __init__(self, config: ModelConfig, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ModelConfig, layer_name: str, *, sparse: bool = False, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
         E = config.hidden_size
         self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)
+        mlp = (SparseMoE(config, f"{layer_name}.{config.expert_block}", param_dtype=param_dtype, rngs=rngs)
+               if sparse else MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs))
+        self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
+        setattr(self, self.mlp_attr, mlp)
 
     def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, cache_kv, write_index, linear):
         attn_BxTxE, kv = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
                                         allowed_BxTxS, cache_kv, write_index, linear)
         h_BxTxE = x_BxTxE + attn_BxTxE
-        return h_BxTxE + self.mlp(self.post_attention_layernorm(h_BxTxE), linear), kv
+        mlp = getattr(self, self.mlp_attr)
+        return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), kv
 
 
 class CausalLM(nnx.Module):
@@ -173,7 +240,10 @@ class CausalLM(nnx.Module):
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
         self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
-        blocks = [Block(config, "model.layers.*" if scan_layers else f"model.layers.{i}",
+        sparse = [config.is_sparse_layer(i) for i in range(config.num_layers)]
+        if scan_layers and len(set(sparse)) > 1:
+            raise ValueError("scanned layers need every layer alike: this model mixes dense and sparse MLPs")
+        blocks = [Block(config, "model.layers.*" if scan_layers else f"model.layers.{i}", sparse=sparse[i],
                         param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
         if scan_layers:
             graphdef, _ = nnx.split(blocks[0])
