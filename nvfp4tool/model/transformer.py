@@ -175,8 +175,10 @@ class SparseMoE(nnx.Module):
     Experts compute densely: every expert runs on the layer's [B, T] tokens with the rows of tokens
     not routed to it zeroed. Each expert is its own pair of GEMMs through the linear seam under its
     own name (so per-expert scales, precision by pattern and calibration work as for any linear),
-    and the numbers equal a sorted/ragged dispatch: NVFP4 and FP8 quantize rows independently and a
-    zero row does not change a tensor's amax. It costs num_experts / k times the routed FLOPs, which
+    and the forward numbers equal a sorted/ragged dispatch: NVFP4 and FP8 quantize rows independently
+    and a zero row does not change a tensor's amax (in NVFP4 training, the weight gradient's 16-token
+    Hadamard groups and stochastic rounding run over the zero rows too: same distribution, other
+    bits than a compacted dispatch). It costs num_experts / k times the routed FLOPs, which
     the CPU sizes we validate afford; a ragged dispatch (`jax.lax.ragged_dot`) is the GPU speed
     path. A seam that asks for all experts (`linear.routes_all_experts`, calibration) gets every
     token in every expert (llm-compressor's moe_calibrate_all_experts); the output is unchanged.
