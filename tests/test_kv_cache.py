@@ -115,7 +115,8 @@ def test_convert_format_carries_kv_scales_byte_identical(exports, tmp_path):
                             ("compressed-tensors", "modelopt", "modelopt")):
         out = str(tmp_path / f"from-{src}")
         convert_format(exports[src], out, to=to)
-        with open(os.path.join(out, SINGLE_FILE), "rb") as a, open(os.path.join(exports[direct], SINGLE_FILE), "rb") as b:
+        with open(os.path.join(out, SINGLE_FILE), "rb") as a, \
+                open(os.path.join(exports[direct], SINGLE_FILE), "rb") as b:
             assert a.read() == b.read()
         assert formats.describe(out).kv_cache == "fp8"
         assert ExportRecord.read(out).kv_amax == ExportRecord.read(exports[direct]).kv_amax
@@ -239,8 +240,10 @@ def test_default_kv_seam_is_an_exact_no_op(source):
     mask = jnp.ones(ids.shape, bool)
     positions = default_positions(mask)
     allowed = attention_allowed(jnp.arange(ids.shape[1]), mask, None, positions, positions)
-    run = lambda *kv: np.asarray(forward_with_cache(model, ids, positions, allowed, None, 0, default_linear, *kv)[0])  # noqa: E731
     seen = []
+
+    def run(*kv):
+        return np.asarray(forward_with_cache(model, ids, positions, allowed, None, 0, default_linear, *kv)[0])
 
     def identity(k, v, *, name):
         seen.append(name)

@@ -1,14 +1,14 @@
 """`check_checkpoint`: verify an NVFP4 / FP8 serving folder before anyone serves or publishes it.
 
-Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index
--> each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions)
--> fused groups (shared global scales) -> KV-cache scales against the configs (`kv.py`) -> the tensors config.json's model needs (supported
-families) -> every tensor's data, streamed one chunk at a time (all-zero tensors, NaN /
-non-finite values) -> unquantized tensors' dtypes against config.json's dtype -> where the
-export's provenance record (`nvfp4tool_export.json`) is present, every tensor against it (dtype,
-shape, sha256 of its bytes, decoded amax of quantized weights). Problems are collected, never
-raised: the report lists them all; only a folder that declares no supported format raises
-NVFP4ToolError.
+Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index ->
+each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions) ->
+fused groups (shared global scales) -> KV-cache scales against the configs (`kv.py`) -> the tensors
+config.json's model needs (supported families) -> every tensor's data, streamed one chunk at a time
+(all-zero tensors, NaN / non-finite values) -> unquantized tensors' dtypes against config.json's
+dtype -> where the export's provenance record (`nvfp4tool_export.json`) is present, every tensor
+against it (dtype, shape, sha256 of its bytes, decoded amax of quantized weights). Problems are
+collected, never raised: the report lists them all; only a folder that declares no supported format
+raises NVFP4ToolError.
 
 Plausible magnitude. A linear layer's decoded weights must stay below the element range of its
 layout (`LayoutSpec.element_range`: 2688 = 6 x 448 for NVFP4, 448 for FP8), i.e. the global decode

@@ -72,7 +72,8 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
                     unit = [(n, source.dtype(n), tuple(source.shape(n))) for n in group_names]
                 entries.extend(unit)
                 origin.update({entry[0]: (module, group_names) for entry in unit})
-            for target_name in (t for t, n in kv_names.items() if n in names):  # after the modules, as export writes them
+            # KV-cache scales after the modules, as export writes them
+            for target_name in (t for t, n in kv_names.items() if n in names):
                 entries.append((target_name, "float32", target.kv_scales.shape))
                 origin[target_name] = (None, [kv_names[target_name]])
 

@@ -13,8 +13,9 @@ temporary folder and run through the same simulation (`reference="fp8"`); `refer
 compares against BF16 only. An export with FP8 KV-cache scales (`export --kv-cache fp8`) runs twice:
 as "<quant>" with a plain KV cache, and as "<quant>+fp8-kv" with its keys and values quantized to
 E4M3 with the stored per-layer scales as vLLM caches them (`export.simulate.served_kv`), so the KV
-cache's own effect is the difference of the two rows. Every model computes in fp32 on its weights as stored (BF16, or decoded
-per layer inside the jitted forward), so the only differences are the ones quantization makes.
+cache's own effect is the difference of the two rows. Every model computes in fp32 on its weights as
+stored (BF16, or decoded per layer inside the jitted forward), so the only differences are the ones
+quantization makes.
 
 Memory: one model at a time. The BF16 source runs first; its fp32 logits (what every metric
 compares against) are spooled to a temporary file, batch by batch, and the per-layer output SQNR of
