@@ -110,6 +110,16 @@ def test_weight_only_export_calibrates_only_the_kv_cache(source, tmp_path):
     assert load_export(out).kv_cache == "fp8"
 
 
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_model_card_says_the_kv_cache(exports, fmt):
+    from nvfp4tool.check import check_checkpoint
+    from nvfp4tool.hub.card import build_model_card
+
+    for folder, said in ((exports[fmt], True), (exports[f"{fmt}-plain"], False)):
+        card = build_model_card(folder, check_checkpoint(folder), repo_id="org/m", validation=None)
+        assert ("`--kv-cache-dtype fp8`" in card) == said
+
+
 def test_convert_format_carries_kv_scales_byte_identical(exports, tmp_path):
     for src, to, direct in (("modelopt", "compressed-tensors", "compressed-tensors"),
                             ("compressed-tensors", "modelopt", "modelopt")):
