@@ -283,10 +283,13 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales.")
+              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input (and KV-cache) scales.")
 @click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
 @click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
 @_OFFLOAD
+@click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
+              help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
+              "scales (amax / 448) and the config keys engines read (needs --calib-data).")
 @click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
@@ -297,7 +300,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
               help="MaxText source with an HF --model-config: its RoPE row layout.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
-def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, keep_bf16,
+def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
                    scale_search, weight_block, max_shard_size, step, model_config, rope_layout,
                    force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
@@ -305,13 +308,15 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
     \b
     Example:
       nvfp4tool export runs/a --to safetensors --out out/a-nvfp4 --format compressed-tensors
+      nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
     """
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
     del to  # safetensors is the only container
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
-                            calib_seq_len=calib_seq_len, offload=offload, max_shard_size=max_shard_size, step=step,
+                            calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,
+                            max_shard_size=max_shard_size, step=step,
                             model_config=model_config, rope_layout=rope_layout, force=force)
     click.echo(export_checkpoint(src, out, options).line())
 

@@ -7,7 +7,7 @@ layer, on a synthetic BF16 Llama-shaped model exported NVFP4 (W4A4) beforehand.
 Made outside any measurement (by child processes): the BF16 source, token ids (.npy), its NVFP4
 W4A4 export (calibrated on the ids) and, for `--reference prebuilt`, its FP8 export. Then each kind
 runs in its own child process (peak RSS = VmHWM of that child):
-* calibrate-<mode>: `calibrate_input_amax(..., offload=<mode>)` of every quantized linear;
+* calibrate-<mode>: `calibrate(..., offload=<mode>)` of every quantized linear;
 * validate-<mode>:  `validate_export(..., ValidateOptions(reference=..., offload=<mode>))`: with
                     `--reference fp8` the FP8 reference is exported on the fly (which calibrates
                     too), with `prebuilt` it is the FP8 folder made beforehand;
@@ -146,13 +146,13 @@ def _child(spec: dict) -> None:
 
 def _calibrate(paths: dict, mode: str, spec: dict) -> dict:
     from nvfp4tool.checkpoints import open_checkpoint
-    from nvfp4tool.export.calibrate import calibrate_input_amax
+    from nvfp4tool.export.calibrate import calibrate
     from nvfp4tool.export.plan import make_plan
 
     source = open_checkpoint(paths["src"])
     names = make_plan(source.config, "nvfp4").quantized
-    amax = calibrate_input_amax(source.config, source.tensors, names, paths["ids"], samples=spec["samples"],
-                                seq_len=spec["seq_len"], tokenizer_dir=None, offload=mode)
+    amax = calibrate(source.config, source.tensors, names, paths["ids"], samples=spec["samples"],
+                     seq_len=spec["seq_len"], tokenizer_dir=None, offload=mode).input_amax
     return {"amax": amax}
 
 

@@ -22,7 +22,7 @@ import jax
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
 from converters.hf import HFFolderSource  # noqa: E402
-from nvfp4tool.export.calibrate import calibrate_input_amax  # noqa: E402
+from nvfp4tool.export.calibrate import calibrate  # noqa: E402
 from nvfp4tool.model.layerwise import LayerwiseModel  # noqa: E402
 from nvfp4tool.validate.runner import ValidateOptions, open_inputs, run_validation  # noqa: E402
 from nvfp4tool.validate.sensitivity import sensitivity  # noqa: E402
@@ -63,9 +63,9 @@ for offload in ("never", "always"):
     result["validate"][offload] = {"record": record.to_json(), "sensitivity": dataclasses.asdict(found),
                                    "ran": dict(inputs.ran)}
     names = [n for n in CONFIG.linear_names() if n != "lm_head"]
-    result["amax"][offload] = calibrate_input_amax(CONFIG, HFFolderSource(os.path.join(ROOT, "src")), names,
-                                                   os.path.join(ROOT, "ids.npy"), samples=8, seq_len=SEQ_LEN,
-                                                   tokenizer_dir=None, offload=offload)
+    result["amax"][offload] = calibrate(CONFIG, HFFolderSource(os.path.join(ROOT, "src")), names,
+                                        os.path.join(ROOT, "ids.npy"), samples=8, seq_len=SEQ_LEN,
+                                        tokenizer_dir=None, offload=offload).input_amax
 result["opened"], result["messages"] = opened, messages
 with open(OUT, "w") as f:
     json.dump(result, f)

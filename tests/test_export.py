@@ -18,7 +18,7 @@ from converters.hf import HFFolderSource, read_safetensors_header
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import ExportOptions, export_checkpoint
-from nvfp4tool.export.calibrate import calibrate_input_amax
+from nvfp4tool.export.calibrate import calibrate
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.export.simulate import load_export, served_linear
@@ -124,10 +124,11 @@ def test_scale_search_lowers_the_error_and_decodes_with_the_standard_formula(met
 def test_calibration_streamed_layer_by_layer_gives_the_held_amax(hf_dir, calib):
     """--offload always (all windows through layer i, then i+1, weights read per layer) and a held
     model record the same input amax, bit for bit."""
-    held, streamed = (calibrate_input_amax(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3,
-                                           seq_len=24, tokenizer_dir=None, offload=mode)
+    held, streamed = (calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
+                                tokenizer_dir=None, kv_cache=True, offload=mode)
                       for mode in ("never", "always"))
-    assert set(held) == set(QUANTIZED) and all(v > 0 for v in held.values())
+    assert set(held.input_amax) == set(QUANTIZED) and all(v > 0 for v in held.input_amax.values())
+    assert len(held.kv_amax) == CONFIG.num_layers and all(min(kv) > 0 for kv in held.kv_amax.values())
     assert held == streamed
 
 
@@ -138,8 +139,8 @@ def test_modelopt_layout_bytes_fused_groups_and_configs(hf_dir, calib, exports):
     out = exports["modelopt"]
     header = read_safetensors_header(os.path.join(out, "model.safetensors"))
     tensors, src = _tensors(out), _tensors(hf_dir)
-    amax_in = calibrate_input_amax(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3,
-                                   seq_len=24, tokenizer_dir=None)
+    amax_in = calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
+                        tokenizer_dir=None).input_amax
     for module in QUANTIZED:
         n, k = src[f"{module}.weight"].shape
         assert header[f"{module}.weight"].dtype == "uint8" and header[f"{module}.weight"].shape == (n, k // 2)
@@ -209,8 +210,8 @@ def test_weight_only_and_fp8_layouts(hf_dir, calib, tmp_path):
 
     _export(hf_dir, tmp_path / "fp8", quant="fp8", calib_data=calib, calib_samples=3, calib_seq_len=24)
     fp8 = _tensors(str(tmp_path / "fp8"))
-    amax_in = calibrate_input_amax(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3,
-                                   seq_len=24, tokenizer_dir=None)
+    amax_in = calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
+                        tokenizer_dir=None).input_amax
     for module in QUANTIZED:
         ref = quantize_fp8(src[f"{module}.weight"], fmt="e4m3", granularity="tensor")
         assert fp8[f"{module}.weight"].dtype.name == "float8_e4m3fn"

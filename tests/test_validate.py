@@ -57,6 +57,7 @@ class _SourceServedAsIs:
         from nvfp4tool.model.weights import model_from_tensors
 
         self.source, self.config, self.quant, self.format = HFFolderSource(folder), CONFIG, "nvfp4", "modelopt"
+        self.kv_cache = None  # no FP8 KV cache
         self.quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
         self.get = self.source.get
         self.model = lambda compute_dtype=jnp.float32, mesh=None: model_from_tensors(

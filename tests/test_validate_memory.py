@@ -1,7 +1,7 @@
 """Peak memory of calibration and validate stays bounded by the model as stored (held, `--offload
 never`) or by one decoder layer (streamed, `--offload always`), and both modes give the same numbers.
 
-Child processes (`scripts/bench_validate.py`) run `calibrate_input_amax` and `validate_export` (FP8
+Child processes (`scripts/bench_validate.py`) run `calibrate` and `validate_export` (FP8
 reference: an FP8 export made beforehand) on a tiny warm-up model (its peak is the fixed overhead:
 imports, XLA compilation, thread pools), then on a synthetic BF16 model of 1.08 GB (hidden 2048,
 mlp 5632, 8 layers, vocab 32000; largest layer 103 MB, embeddings + LM head 262 MB) exported NVFP4

@@ -1,14 +1,14 @@
 """`check_checkpoint`: verify an NVFP4 / FP8 serving folder before anyone serves or publishes it.
 
-Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index
--> each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions)
--> fused groups (shared global scales) -> the tensors config.json's model needs (supported
-families) -> every tensor's data, streamed one chunk at a time (all-zero tensors, NaN /
-non-finite values) -> unquantized tensors' dtypes against config.json's dtype -> where the
-export's provenance record (`nvfp4tool_export.json`) is present, every tensor against it (dtype,
-shape, sha256 of its bytes, decoded amax of quantized weights). Problems are collected, never
-raised: the report lists them all; only a folder that declares no supported format raises
-NVFP4ToolError.
+Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index ->
+each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions) ->
+fused groups (shared global scales) -> KV-cache scales against the configs (`kv.py`) -> the tensors
+config.json's model needs (supported families) -> every tensor's data, streamed one chunk at a time
+(all-zero tensors, NaN / non-finite values) -> unquantized tensors' dtypes against config.json's
+dtype -> where the export's provenance record (`nvfp4tool_export.json`) is present, every tensor
+against it (dtype, shape, sha256 of its bytes, decoded amax of quantized weights). Problems are
+collected, never raised: the report lists them all; only a folder that declares no supported format
+raises NVFP4ToolError.
 
 Plausible magnitude. A linear layer's decoded weights must stay below the element range of its
 layout (`LayoutSpec.element_range`: 2688 = 6 x 448 for NVFP4, 448 for FP8), i.e. the global decode
@@ -33,6 +33,7 @@ from nvfp4tool.formats import FolderLayout, LayoutSpec
 
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
 from nvfp4tool.check.formats import QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
+from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
 from nvfp4tool.check.model import check_against_model, check_dtypes
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
@@ -70,6 +71,7 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
             quantized[module] = stats
     if spec.is_nvfp4:
         report.problems += _check_fused_groups(quantized, status, spec)
+    report.problems += check_kv_scales(entries, layout)
     reported = {p.module for p in report.problems} | {p.tensor for p in report.problems}
     model_problems = check_against_model(folder, entries, quantized, reported)
     report.model_checked = model_problems is not None
@@ -334,7 +336,7 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
 def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan]) -> list[Problem]:
     """Every tensor streamed once: none all zero, no non-finite float values. Block scales and
     global scales are judged by their own checks."""
-    own_checks = set(SCALE_SUFFIXES)
+    own_checks = set(SCALE_SUFFIXES) | set(KV_SCALE_SUFFIXES)
     problems = []
     for name in sorted(entries, key=_natural_key):
         entry = entries[name]

@@ -2,9 +2,10 @@
 and the simulation of what a serving engine computes from an export.
 
 One module per concern: `plan` (what is quantized), `scale_search` (how a weight is quantized),
-`calibrate` (input amax), `writer` (the streaming atomic export), `provenance` (the ExportRecord
-it writes), `simulate`, `convert_format`. What is read is opened by `nvfp4tool.checkpoints`; how a
-layout is stored (names, dtypes, shapes, configs) is declared in `nvfp4tool.formats`, not here.
+`calibrate` (input amax; K / V amax for an FP8 KV cache), `writer` (the streaming atomic export),
+`provenance` (the ExportRecord it writes), `simulate`, `convert_format`. What is read is opened by
+`nvfp4tool.checkpoints`; how a layout is stored (names, dtypes, shapes, configs) is declared in
+`nvfp4tool.formats`, not here.
 """
 
 from __future__ import annotations

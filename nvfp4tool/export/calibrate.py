@@ -1,11 +1,15 @@
-"""Calibration: the amax of every quantized linear's input, by running our JAX model on text.
+"""Calibration: the amax of every quantized linear's input (and, for an FP8 KV cache, of every
+attention layer's keys and values), by running our JAX model on text.
 
-    amax = calibrate_input_amax(config, source, names, "calib.txt", samples=64, seq_len=512,
-                                tokenizer_dir=hf_folder)
+    found = calibrate(config, source, names, "calib.txt", kv_cache=True, samples=64, seq_len=512,
+                      tokenizer_dir=hf_folder)
+    found.input_amax["model.layers.0.mlp.up_proj"], found.kv_amax["model.layers.0.self_attn"]
 
 The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint computes); each linear in
 `names` records max|x| of its BF16 input (a `model.layerwise` tap: the values come back from the
-jitted layer program, maxed over batches here). The model is held whole in BF16, or streamed layer
+jitted layer program, maxed over batches here). With `kv_cache`, every attention layer records
+max|k| and max|v| of what it caches (K after k_norm and RoPE, as the engines quantize it; the
+layer's KV seam, `model.kv`) in the same pass. The model is held whole in BF16, or streamed layer
 by layer (`offload`: "always", or "auto" when it would not fit, `memory.choose_offload`): all windows
 through layer i, then layer i+1, so the peak is one layer + embeddings / LM head + the windows'
 activations. Both modes give the same amax. On several devices the weights are sharded over all
@@ -22,6 +26,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from converters.tensor_source import TensorSource
@@ -36,10 +41,19 @@ from nvfp4tool.recipes.precision import COMPUTE_DTYPE
 BATCH = 8  # windows per forward
 
 
-def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Sequence[str],
-                         data_path: str, *, samples: int, seq_len: int,
-                         tokenizer_dir: str | None, offload: str = "auto") -> dict[str, float]:
-    """{linear name: max|input|} over the calibration windows, for every name in `names`."""
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a calibration pass measured (max |.| over every calibration token)."""
+
+    input_amax: dict[str, float]  # linear module -> max |input|
+    kv_amax: dict[str, tuple[float, float]]  # attention module -> (max |K| after RoPE, max |V|); {} without kv_cache
+
+
+def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], data_path: str, *,
+              samples: int, seq_len: int, tokenizer_dir: str | None, kv_cache: bool = False,
+              offload: str = "auto") -> Calibration:
+    """Input amax of every linear in `names` over the calibration windows, and with `kv_cache` the
+    K / V amax of every attention layer."""
     ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
                                    tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
     itemsize = np.dtype(COMPUTE_DTYPE).itemsize
@@ -49,26 +63,29 @@ def calibrate_input_amax(config: ModelConfig, source: TensorSource, names: Seque
                                                                              mesh=mesh),
                                 source=_Cast(source), offload=offload, weights=model_bytes, working=working,
                                 what=f"calibration ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=COMPUTE_DTYPE)
-    wanted = set(names)
-    amax = {n: 0.0 for n in names}
+    attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
+    amax = {n: np.zeros(2 if n in attentions else 1) for n in (*names, *attentions)}
     seen: set[str] = set()
 
     def record(name: str, value) -> None:
-        if name in wanted:
+        if name in amax:
             seen.add(name)
-            amax[name] = max(amax[name], float(value))
+            amax[name] = np.maximum(amax[name], np.asarray(value, np.float64).reshape(-1))
 
-    for _ in model.logits(ids_SxL, BATCH, tap=_InputAmax(), on_record=record, label="calibration"):
+    for _ in model.logits(ids_SxL, BATCH, tap=_InputAmax(), on_record=record, label="calibration",
+                          kv_tap=_KVAmax() if kv_cache else None):
         pass
     del model
     memory.release()
-    missing = [n for n in names if n not in seen]
+    missing = [n for n in amax if n not in seen]
     if missing:
-        raise NVFP4ToolError(f"calibration: linear {missing[0]} was never called by the model")
+        raise NVFP4ToolError(f"calibration: {missing[0]} was never called by the model")
     for name, value in amax.items():
-        if not np.isfinite(value):
-            raise NVFP4ToolError(f"calibration: the input of {name} has a non-finite amax ({value})")
-    return amax
+        if not np.isfinite(value).all():
+            what = "keys / values" if name in attentions else "input"
+            raise NVFP4ToolError(f"calibration: the {what} of {name} have a non-finite amax ({value.tolist()})")
+    return Calibration(input_amax={n: float(amax[n][0]) for n in names},
+                       kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions})
 
 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
@@ -109,6 +126,14 @@ class _InputAmax:
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE), tensor_amax(x.astype(COMPUTE_DTYPE))
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVAmax:
+    """KV tap: keys and values cached unchanged, recording [max|k|, max|v|] as computed."""
+
+    def __call__(self, k, v, *, name, aux):
+        return (k, v), jnp.stack([tensor_amax(k), tensor_amax(v)]).astype(jnp.float32)
 
 
 class _Cast:

@@ -7,7 +7,9 @@ tensors are read by role with the source layout's spec and named by the target's
 (`LayoutSpec.to_roles` / `from_roles`, the one rename table): data (`weight` <-> `weight_packed`)
 and block-scale bytes are copied unchanged; NVFP4 global scales are reciprocated in fp32 (ModelOpt
 stores decode scales, compressed-tensors encode scales; the same `1 / x` as compressed-tensors'
-`ModelOptNvfp4Converter`) and reshaped [] <-> [1]; FP8 scales are only reshaped.
+`ModelOptNvfp4Converter`) and reshaped [] <-> [1]; FP8 scales are only reshaped. FP8 KV-cache scales
+(decode scales in both layouts) are renamed (`self_attn.k_proj.k_scale` <-> `self_attn.k_scale`,
+`LayoutSpec.kv_scales`) and reshaped, and the configs announce the same KV cache.
 config.json's `quantization_config` is rewritten (and ModelOpt's `hf_quant_config.json` written or
 dropped); the provenance record, when present, is carried over with the new tensor names and
 hashes; other files are copied. For exports of ours the round trip is exact: their decode scales
@@ -50,6 +52,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     source = HFFolderSource(src, check_config=False)
     marker = source_spec.suffix("weight_global")
     quantized = {n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker}
+    kv_names = _kv_names(source.names(), source_spec, target)  # target name -> source name
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
     amax = _weight_amax(record, source_spec)
     records: dict[str, TensorRecord] = {}
@@ -60,7 +63,8 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
         for file_name, names in files.items():
             cache: dict[str, np.ndarray] = {}
             entries, origin = [], {}
-            for module, group_names in _units(names, quantized):
+            kv_source = set(kv_names.values())
+            for module, group_names in _units([n for n in names if n not in kv_source], quantized):
                 if module:
                     weight_shape = source.shape(f"{module}.{source_spec.suffix('weight')}")
                     unit = target.layout(module, *source_spec.nk(weight_shape))
@@ -68,6 +72,10 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
                     unit = [(n, source.dtype(n), tuple(source.shape(n))) for n in group_names]
                 entries.extend(unit)
                 origin.update({entry[0]: (module, group_names) for entry in unit})
+            # KV-cache scales after the modules, as export writes them
+            for target_name in (t for t, n in kv_names.items() if n in names):
+                entries.append((target_name, "float32", target.kv_scales.shape))
+                origin[target_name] = (None, [kv_names[target_name]])
 
             def load(name, origin=origin, cache=cache, file_name=file_name):
                 if name not in cache:
@@ -76,6 +84,8 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
                     task.advance(len(group_names), description=name)
                     if module:
                         group = target.from_roles(module, source_spec.to_roles(module, group))
+                    elif name in kv_names:
+                        group = {name: np.asarray(group[kv_names[name]], np.float32).reshape(target.kv_scales.shape)}
                     cache.update(group)
                 array = cache.pop(name)
                 data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -94,11 +104,12 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
             index["weight_map"] = weight_map
             _write_json(os.path.join(tmp, INDEX_FILE), index)
         hf = read_hf_config(src)[1]
-        hf["quantization_config"] = target.quantization_config(layout.exclude)
+        hf["quantization_config"] = target.quantization_config(layout.exclude, layout.kv_cache)
         _write_json(os.path.join(tmp, formats.CONFIG_FILE), hf)
         from nvfp4tool import __version__
 
-        hf_quant = target.hf_quant_config(layout.exclude, {"name": "nvfp4tool", "version": __version__})
+        hf_quant = target.hf_quant_config(layout.exclude, {"name": "nvfp4tool", "version": __version__},
+                                          layout.kv_cache)
         if hf_quant is not None:
             _write_json(os.path.join(tmp, formats.HF_QUANT_CONFIG_FILE), hf_quant)
         skip = (*source_spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
@@ -131,6 +142,17 @@ def _weight_amax(record: ExportRecord | None, spec: formats.LayoutSpec) -> dict[
     suffix = "." + (spec.suffix("weight") or "")
     return {name.removesuffix(suffix): t.amax for name, t in record.tensors.items()
             if t.amax is not None and name.endswith(suffix)}
+
+
+def _kv_names(names: list[str], source: formats.LayoutSpec, target: formats.LayoutSpec) -> dict[str, str]:
+    """{target name: source name} of the source's KV-cache scales."""
+    renamed = {}
+    for name in names:
+        found = source.kv_scales.attention_of(name)
+        if found is not None:
+            attention, which = found
+            renamed[target.kv_scales.names(attention)[which == "v"]] = name
+    return renamed
 
 
 def _units(names: list[str], quantized: set[str]):

@@ -23,7 +23,8 @@ from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, LayerErro
 def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, input_amax_origin: str,
                  calibration: CalibrationRecord | None, layer_errors: dict[str, dict[str, float]],
                  input_amax: dict[str, float] | None, files_written: list[str],
-                 tensors: dict[str, TensorRecord]) -> ExportRecord:
+                 tensors: dict[str, TensorRecord],
+                 kv_amax: dict[str, tuple[float, float]] | None = None) -> ExportRecord:
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
@@ -44,11 +45,13 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
         layers={m: LayerErrorRecord(**e) for m, e in layer_errors.items()},
         files=tuple(files_written),
         tensors=dict(tensors),
+        kv_cache=options.kv_cache,
+        kv_amax=kv_amax,
     )
 
 
 def calibration_record(path: str, *, samples: int, seq_len: int) -> CalibrationRecord:
-    """The calibration data by file name and sha256."""
+    """The calibration data (of the input scales and / or the KV-cache scales) by file name and sha256."""
     return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
                              seq_len=seq_len)
 

@@ -20,6 +20,13 @@ scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back (`fake_qua
 a true division). Weight-only exports leave the activations alone. The GEMM is `numerics.dense` in
 the model's compute dtype (fp32 for validation) on the decoded values, which is what the emulation
 paths of vLLM and transformers + compressed-tensors do.
+
+FP8 KV cache (an export with KV-cache scales, `--kv-cache fp8`): each attention's keys (after RoPE)
+and values are quantized as vLLM writes them into its cache, E4M3(sat(x / scale)) with the stored
+per-layer scale (`__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, E4M3)`), and read back as
+e4m3 * scale for attention (`served_kv`: `fake_quantize_fp8(scale=)`); through the KV seam
+(`model.kv`): `ServedKVTap` for a layer-by-layer run (the layer's scales come as its aux),
+`ServedKV` for a whole model (scales by attention name, e.g. for generation).
 """
 
 from __future__ import annotations
@@ -101,6 +108,34 @@ class FP8Weight:
 
 
 StoredWeight = NVFP4Weight | FP8Weight
+KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []
+
+
+def served_kv(k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, scales: KVScales) -> tuple[jax.Array, jax.Array]:
+    """K and V as an FP8 KV cache with static per-tensor decode scales serves them: E4M3 of
+    clamp(x / scale) times scale, in the input's dtype."""
+    k_scale, v_scale = scales
+    return (fake_quantize_fp8(k_BxTxKVxD, fmt="e4m3", scale=k_scale, dtype=k_BxTxKVxD.dtype, name="K cache"),
+            fake_quantize_fp8(v_BxTxKVxD, fmt="e4m3", scale=v_scale, dtype=v_BxTxKVxD.dtype, name="V cache"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedKVTap:
+    """`model.layerwise.KVTap` of the FP8 KV cache: the layer's `KVScales` come as its aux."""
+
+    def __call__(self, k, v, *, name, aux):
+        return served_kv(k, v, aux), None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedKV:
+    """`model.kv.KVFn` of the FP8 KV cache of a whole model: ((attention name, k scale, v scale), ...)."""
+
+    scales: tuple[tuple[str, float, float], ...]
+
+    def __call__(self, k, v, *, name):
+        _, k_scale, v_scale = next(s for s in self.scales if s[0] == name)
+        return served_kv(k, v, (k_scale, v_scale))
 
 
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
@@ -121,10 +156,11 @@ class ExportedModel:
     """An export folder opened for serving: config, layout, and its tensors read on demand (`get`)."""
 
     def __init__(self, folder: str, config: ModelConfig, spec, source: HFFolderSource,
-                 quantized: tuple[str, ...]) -> None:
+                 quantized: tuple[str, ...], kv_cache: str | None = None) -> None:
         self.folder, self.config, self.quantized = folder, config, quantized
         self.format: str = spec.format  # "modelopt" | "compressed-tensors"
         self.quant: str = spec.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+        self.kv_cache = kv_cache  # "fp8" when the configs announce a quantized KV cache, else None
         self._spec, self._source, self._quantized_set = spec, source, frozenset(quantized)
 
     @property
@@ -151,6 +187,18 @@ class ExportedModel:
         return NVFP4Weight(packed=roles["weight"], scales=roles["block_scale"], s_dec=s_dec,
                            input_scale=input_scale)
 
+    def kv_scales(self, layer: int) -> KVScales:
+        """The stored (k scale, v scale) of attention layer `layer`, fp32 [] each (an export with
+        an FP8 KV cache)."""
+        names = self._spec.kv_scales.names(f"model.layers.{layer}.self_attn")
+        k_scale, v_scale = (np.asarray(self._source.get(n), np.float32).reshape(()) for n in names)
+        return k_scale, v_scale
+
+    def served_kv(self) -> ServedKV:
+        """The KV seam of this export's FP8 KV cache, for a whole model (e.g. generation)."""
+        return ServedKV(tuple((f"model.layers.{i}.self_attn", *map(float, self.kv_scales(i)))
+                              for i in range(self.config.num_layers)))
+
     def dequantized(self, module: str) -> np.ndarray:
         """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""
         return np.asarray(self.get(f"{module}.weight").dequantize())
@@ -174,7 +222,8 @@ def load_export(folder: str) -> ExportedModel:
     folder's spec (decode scales whatever the stored convention). Tensors are read when asked for."""
     from nvfp4tool import formats
 
-    spec = formats.describe(folder).spec
+    layout = formats.describe(folder)
+    spec = layout.spec
     source = HFFolderSource(folder, check_config=False)
     config = ModelConfig.from_hf_folder(folder)
     marker = spec.suffix("weight_global")
@@ -184,4 +233,4 @@ def load_export(folder: str) -> ExportedModel:
         module = name.rpartition(".")[0]
         if module not in quantized and name not in source.names():
             raise NVFP4ToolError(f"{folder}: tensor {name!r} missing; the config expects it")
-    return ExportedModel(folder, config, spec, source, quantized)
+    return ExportedModel(folder, config, spec, source, quantized, layout.kv_cache)

@@ -7,7 +7,9 @@ Streaming and atomic:
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
 2. Input amax: the run's tracked amax, else calibration (`calibrate.py`); a fused group shares
-   the max over its members (one input scale per GEMM).
+   the max over its members (one input scale per GEMM). `--kv-cache fp8` calibrates every
+   attention layer's K (after RoPE) / V amax in the same pass and writes the layout's KV-cache
+   scales (F32 decode scales amax / 448, `LayoutSpec.kv_scales`) and the config keys announcing them.
 3. The output layout (names, dtypes, shapes) comes from the layout's spec (`nvfp4tool.formats`)
    up front and is split into shards of at most `max_shard_size` (a module's tensors stay
    together); each shard is written tensor by tensor: a quantized module is read, quantized
@@ -41,13 +43,13 @@ from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_DTYPES, SI
                            plan_shards, write_safetensors)
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
 from nvfp4tool.formats import LayoutSpec
-from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, nvfp4_global_scales, tensor_amax,
-                                quantize_fp8)
+from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, fp8_decode_scale, nvfp4_global_scales,
+                                tensor_amax, quantize_fp8)
 from nvfp4tool.numerics.constants import E4M3_MAX
 from nvfp4tool.records.export import TensorRecord
 
@@ -68,6 +70,7 @@ class ExportOptions:
     calib_samples: int = 64
     calib_seq_len: int = 512
     offload: str = "auto"  # calibration: auto | never | always stream the model layer by layer
+    kv_cache: str = "none"  # none | fp8: calibrate K / V and write FP8 KV-cache scales (needs calib_data)
     max_shard_size: int | str = "5GB"
     step: int | None = None  # a training run's checkpoint step (default: its final hf/ weights)
     model_config: str | None = None  # MaxText sources: model name or HF config
@@ -112,13 +115,15 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     tensors = source.tensors
     names = tensors.names()
     group_amax = _group_amax(tensors, plan)
-    input_amax, origin, calibration = _input_amax(source, plan, options)
+    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
 
     units = [_unit_layout(name, tensors, plan, spec) for name in names]
+    kv_scales = _kv_scales(kv_amax, spec)
+    units += [(a, spec.kv_scales.layout(a)) for a in kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
                          parse_size(options.max_shard_size))
-    loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options)
+    loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options, kv_scales)
     files: list[str] = []
     with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp, _task(
             options.show_progress, len(names)) as task:
@@ -136,11 +141,11 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
             total = sum(_nbytes(d, s) for unit in units for _, d, s in unit[1])
             _write_json(os.path.join(tmp, INDEX_FILE),
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_configs(tmp, source, plan, spec)
+        _write_configs(tmp, source, plan, spec, _kv(options))
         provenance.build_record(
             source=source, options=options, plan=plan, weight_block=block, input_amax_origin=origin,
             calibration=calibration, layer_errors=loader.layer_errors, input_amax=input_amax,
-            files_written=files, tensors=loader.records).write(tmp)
+            files_written=files, tensors=loader.records, kv_amax=kv_amax or None).write(tmp)
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
@@ -154,10 +159,11 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
 
 class _ModuleLoader:
     """`load(name)` for write_safetensors: one quantized module's tensors cached at a time; keeps
-    each written tensor's record (file, dtype, shape, sha256, decoded amax) and layer errors."""
+    each written tensor's record (file, dtype, shape, sha256, decoded amax) and layer errors;
+    `kv_scales` are the KV-cache scale tensors, by name."""
 
     def __init__(self, tensors, plan: ExportPlan, spec: LayoutSpec, group_amax, input_amax, block,
-                 options: ExportOptions) -> None:
+                 options: ExportOptions, kv_scales: dict[str, np.ndarray]) -> None:
         self.tensors, self.plan, self.spec, self.block, self.options = tensors, plan, spec, block, options
         self.group_amax, self.input_amax = group_amax, input_amax
         self.layer_errors: dict[str, dict[str, float]] = {}
@@ -170,17 +176,20 @@ class _ModuleLoader:
                 self.module_of[name] = module
         self.cache: dict[str, np.ndarray] = {}
         self.amax: dict[str, float] = {}  # stored weight tensor -> decoded amax
+        self.kv_scales = kv_scales
 
     def load(self, name: str, task: progress.Task) -> np.ndarray:
-        if name not in self.cache:
-            module = self.module_of.get(name)
-            if module is None:
-                self.cache = {name: _bf16_copy(self.tensors, name)}
-            else:
-                self.cache = self._quantize(module)
-            task.advance(description=name if module is None else f"{module}.weight",
-                         nbytes=sum(a.nbytes for a in self.cache.values()))
-        array = self.cache.pop(name)
+        array = self.kv_scales.get(name)
+        if array is None:
+            if name not in self.cache:
+                module = self.module_of.get(name)
+                if module is None:
+                    self.cache = {name: _bf16_copy(self.tensors, name)}
+                else:
+                    self.cache = self._quantize(module)
+                task.advance(description=name if module is None else f"{module}.weight",
+                             nbytes=sum(a.nbytes for a in self.cache.values()))
+            array = self.cache.pop(name)
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.records[name] = TensorRecord(file=self.file_name, dtype=_CODE_OF_DTYPE[array.dtype.name],
                                           shape=tuple(int(d) for d in array.shape),
@@ -245,7 +254,25 @@ def _input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
     return _nvfp4_decode_scale(input_amax)
 
 
+def _kv(options: ExportOptions) -> str | None:
+    """The quantized KV cache to announce (`formats.KV_CACHES`), None for --kv-cache none."""
+    return None if options.kv_cache == "none" else options.kv_cache
+
+
+def _kv_scales(kv_amax: dict[str, tuple[float, float]], spec: LayoutSpec) -> dict[str, np.ndarray]:
+    """{tensor name: F32 scale} of every attention's K and V: the FP8 decode scale amax / 448
+    (`numerics.fp8_decode_scale`: ModelOpt's k/v_bmm_quantizer amax / 448), in the layout's shape."""
+    scales = {}
+    for attention, amax_kv in kv_amax.items():
+        for name, amax in zip(spec.kv_scales.names(attention), amax_kv):
+            scales[name] = np.asarray(fp8_decode_scale(amax), np.float32).reshape(spec.kv_scales.shape)
+    return scales
+
+
 def _check_options(options: ExportOptions) -> None:
+    if options.kv_cache not in ("none", *formats.KV_CACHES):
+        raise NVFP4UsageError(f"unknown --kv-cache {options.kv_cache!r}; choose one of "
+                              f"{', '.join(('none', *formats.KV_CACHES))}")
     if options.format not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of "
                              f"{', '.join(formats.FORMATS)}")
@@ -278,30 +305,52 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
     return result
 
 
-def _input_amax(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
-    """(input amax per quantized module or None, origin, calibration record or None)."""
-    if not plan.has_input_scales or not plan.quantized:
-        return None, "none (weight-only)", None
-    if source.input_amax is not None and options.calib_data is None:
-        missing = [m for m in plan.quantized if m not in source.input_amax]
-        if missing:
-            raise NVFP4ToolError(f"{source.path}: no tracked input amax for {missing[0]} (it trained "
-                                 f"in BF16?); keep it in BF16 or pass --calib-data")
-        bad = [m for m in plan.quantized if not (source.input_amax[m] > 0 and np.isfinite(source.input_amax[m]))]
-        if bad:
-            raise NVFP4ToolError(f"{source.path}: tracked input amax of {bad[0]} is "
-                                 f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate")
-        return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run", None
+def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
+    """(input amax per quantized module or None, its origin, calibration record or None, K / V amax
+    per attention ({} without --kv-cache)): the run's tracked input amax unless --calib-data is
+    given; the KV cache is always calibrated."""
+    kv_cache = _kv(options) is not None
+    if kv_cache and options.calib_data is None:
+        raise NVFP4ToolError(f"{source.path}: --kv-cache {options.kv_cache} calibrates the K / V amax of "
+                             f"every attention layer: pass --calib-data PATH")
+    needs_inputs = plan.has_input_scales and bool(plan.quantized)
+    if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
+        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
+        if not kv_cache:
+            return input_amax, origin, None, {}
+        found = _calibration(source, [], options, kv_cache=True)
+        return input_amax, origin, _calibration_record(options), found.kv_amax
     if options.calib_data is None:
         raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
                              "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
-    from nvfp4tool.export.calibrate import calibrate_input_amax
+    found = _calibration(source, plan.quantized, options, kv_cache=kv_cache)
+    return found.input_amax, "calibration", _calibration_record(options), found.kv_amax
 
-    amax = calibrate_input_amax(source.config, source.tensors, plan.quantized, options.calib_data,
-                                samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                tokenizer_dir=source.aux_dir, offload=options.offload)
-    return amax, "calibration", provenance.calibration_record(
-        options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len)
+
+def _calibration(source: Checkpoint, names, options: ExportOptions, *, kv_cache: bool):
+    from nvfp4tool.export.calibrate import calibrate
+
+    return calibrate(source.config, source.tensors, names, options.calib_data, samples=options.calib_samples,
+                     seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir, kv_cache=kv_cache,
+                     offload=options.offload)
+
+
+def _calibration_record(options: ExportOptions):
+    return provenance.calibration_record(options.calib_data, samples=options.calib_samples,
+                                         seq_len=options.calib_seq_len)
+
+
+def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str, float], str]:
+    """(the training run's tracked input amax of every quantized module, checked, "training run")."""
+    missing = [m for m in plan.quantized if m not in source.input_amax]
+    if missing:
+        raise NVFP4ToolError(f"{source.path}: no tracked input amax for {missing[0]} (it trained "
+                             f"in BF16?); keep it in BF16 or pass --calib-data")
+    bad = [m for m in plan.quantized if not (source.input_amax[m] > 0 and np.isfinite(source.input_amax[m]))]
+    if bad:
+        raise NVFP4ToolError(f"{source.path}: tracked input amax of {bad[0]} is "
+                             f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate")
+    return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run"
 
 
 def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec) -> tuple[str, list]:
@@ -324,12 +373,13 @@ def _bf16_copy(tensors, name: str) -> np.ndarray:
     return array
 
 
-def _write_configs(folder: str, source: Checkpoint, plan: ExportPlan, spec: LayoutSpec) -> None:
+def _write_configs(folder: str, source: Checkpoint, plan: ExportPlan, spec: LayoutSpec,
+                   kv_cache: str | None) -> None:
     hf = source.config.to_hf_config()
     hf["dtype"] = "bfloat16"
-    hf["quantization_config"] = spec.quantization_config(plan.excluded)
+    hf["quantization_config"] = spec.quantization_config(plan.excluded, kv_cache)
     _write_json(os.path.join(folder, formats.CONFIG_FILE), hf)
-    hf_quant = spec.hf_quant_config(plan.excluded, {"name": "nvfp4tool", "version": _version()})
+    hf_quant = spec.hf_quant_config(plan.excluded, {"name": "nvfp4tool", "version": _version()}, kv_cache)
     if hf_quant is not None:
         _write_json(os.path.join(folder, formats.HF_QUANT_CONFIG_FILE), hf_quant)
     if source.aux_dir is not None:

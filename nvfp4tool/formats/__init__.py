@@ -3,7 +3,8 @@
     spec = get("compressed-tensors", "nvfp4")
     spec.layout("model.layers.0.mlp.up_proj", n, k)      # [(name, dtype, shape), ...]
     spec.from_roles(module, {"weight": packed, "block_scale": scales, "weight_global": s_dec, ...})
-    spec.quantization_config(excluded)                   # config.json["quantization_config"]
+    spec.quantization_config(excluded, kv_cache="fp8")   # config.json["quantization_config"]
+    spec.kv_scales.names("model.layers.0.self_attn")     # where its FP8 KV-cache scales go
     layout = describe("out/llama-nvfp4")                 # what a folder is: .format, .quant, .spec
 
     modelopt            ModelOpt NVFP4 (W4A4) / W4A16_NVFP4 / FP8, config.json + hf_quant_config.json
@@ -14,7 +15,8 @@
 Who reads this: export's writer (names, dtypes, shapes, configs), convert-format (one layout's
 roles onto another's), the export simulation (decode scales of any layout), `check` (what a
 folder must hold: it shares these declarations, never the writer's code) and the hub card
-(`describe`). None of them keeps its own copy of a name, key or convention.
+(`describe`). KV-cache scales (`spec.kv_scales`, the config keys announcing them) live here too.
+None of them keeps its own copy of a name, key or convention.
 
 Adding a layout = one new spec (a `LayoutSpec` in the family module, with its config builder and
 its branch of `parse`) + its peer test (the real loader loading our export of it); the cross-product
@@ -30,8 +32,8 @@ from typing import Any
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import RecordError, read_json_file
 from nvfp4tool.formats import compressed_tensors, modelopt
-from nvfp4tool.formats.spec import (CONFIG_FILE, GLOBAL_ROLES, HF_QUANT_CONFIG_FILE, QUANTS, ROLES,
-                                    LayoutSpec, TensorSpec)
+from nvfp4tool.formats.spec import (CONFIG_FILE, GLOBAL_ROLES, HF_QUANT_CONFIG_FILE, KV_CACHES, QUANTS,
+                                    ROLES, KVScaleSpec, LayoutSpec, TensorSpec)
 
 FORMATS = (modelopt.FORMAT, compressed_tensors.FORMAT)
 SPECS: dict[tuple[str, str], LayoutSpec] = {
@@ -39,8 +41,8 @@ SPECS: dict[tuple[str, str], LayoutSpec] = {
     **{(compressed_tensors.FORMAT, q): s for q, s in compressed_tensors.SPECS.items()},
 }
 
-__all__ = ["CONFIG_FILE", "FORMATS", "GLOBAL_ROLES", "HF_QUANT_CONFIG_FILE", "QUANTS", "ROLES", "SPECS",
-           "FolderLayout", "LayoutSpec", "TensorSpec", "describe", "get"]
+__all__ = ["CONFIG_FILE", "FORMATS", "GLOBAL_ROLES", "HF_QUANT_CONFIG_FILE", "KV_CACHES", "QUANTS", "ROLES",
+           "SPECS", "FolderLayout", "KVScaleSpec", "LayoutSpec", "TensorSpec", "describe", "get"]
 
 
 def get(fmt: str, quant: str) -> LayoutSpec:
@@ -61,6 +63,7 @@ class FolderLayout:
     exclude_source: str  # the file the exclusion list came from
     targets: tuple[str, ...]  # compressed-tensors config_groups targets ("Linear" for ModelOpt)
     problems: tuple[tuple[str, str], ...]  # (file, message) of every config defect found
+    kv_cache: str | None = None  # the quantized KV cache the configs announce (KV_CACHES), or None
 
     @property
     def format(self) -> str:
@@ -99,24 +102,26 @@ def describe(folder: str) -> FolderLayout:
             raise NVFP4ToolError(f"{folder}: ModelOpt quant_algo {algo!r} is not supported; supported: "
                                  f"{', '.join(modelopt.QUANT_OF_ALGO)}")
         spec, targets = modelopt.SPECS[quant], ("Linear",)
+        kv_cache, kv_problems = modelopt.parse_kv_cache(qc, hf_quant)
     elif compressed_tensors.claims(qc):
         quant, exclude, targets, found, named = compressed_tensors.parse(qc)
         if quant is None:
             raise NVFP4ToolError(f"{folder}: compressed-tensors format {named} is not supported; "
                                  f"supported: {', '.join(sorted(set(compressed_tensors.CT_FORMAT.values())))}")
         spec, source = compressed_tensors.SPECS[quant], CONFIG_FILE
+        kv_cache, kv_problems = compressed_tensors.parse_kv_cache(qc)
     else:
         detail = next((m for f, m in problems if f == CONFIG_FILE), None)
         raise NVFP4ToolError(f"{os.path.join(folder, CONFIG_FILE)}: " + (
             detail or f"no quantization_config with quant_method modelopt or compressed-tensors (and no "
                       f"{HF_QUANT_CONFIG_FILE}): not an NVFP4/FP8 serving checkpoint"))
-    problems += found
+    problems += found + kv_problems
     patterns = _patterns(exclude, source, problems)
     problems += [(source, f"exclusion list: {why}") for p in patterns if (why := spec.pattern_problem(p))]
     problems += [(CONFIG_FILE, f"config_groups targets: {why}") for t in targets
                  if (why := spec.pattern_problem(t))]
     return FolderLayout(spec=spec, exclude=patterns, exclude_source=source, targets=targets,
-                        problems=tuple(problems))
+                        problems=tuple(problems), kv_cache=kv_cache)
 
 
 # ------------------------------------------------------------------------------------------

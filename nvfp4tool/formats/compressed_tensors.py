@@ -6,6 +6,11 @@ NVFP4 W4A4 / W4A16 (`nvfp4-pack-quantized`) and FP8 per tensor (`float-quantized
            <m>.input_global_scale F32 [1] (1 / input S_dec; W4A4 only)
     FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [1], <m>.input_scale F32 [1] (decode)
 
+    KV     <a>.k_scale, <a>.v_scale F32 [1] (amax / 448 of K after RoPE, of V; decode scales) for
+           every attention <a> = model.layers.{i}.self_attn (the module compressed-tensors'
+           kv_cache_scheme targets), announced by quantization_config.kv_cache_scheme
+           {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
+
 Global scales have shape [1] (transformers refuses []); NVFP4 ones are encode scales. The format
 is declared in config.json["quantization_config"] (quant_method "compressed-tensors", `format`,
 `config_groups`); `ignore` and `targets` are exact names or `re:` regexes anchored at the start,
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfp4tool.formats.spec import CONFIG_FILE, LayoutSpec, TensorSpec
+from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec
 from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "compressed-tensors"
@@ -31,16 +36,21 @@ NVFP4_KEYS = ("num_bits", "type", "strategy", "group_size")
 FP8_ARGS = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
             "group_size": None, "observer": "minmax"}
 FP8_KEYS = ("num_bits", "type", "strategy")
+# --kv-cache -> kv_cache_scheme (what llm-compressor writes for a static per-tensor FP8 KV cache)
+KV_CACHE_SCHEME = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                           "symmetric": True}}
+KV_SCALES = KVScaleSpec(k_suffix="k_scale", v_suffix="v_scale", shape=(1,))
 
 
-def _config(spec: LayoutSpec, excluded: tuple[str, ...]) -> dict[str, Any]:
+def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
     group: dict[str, Any] = {"targets": ["Linear"],
                              "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
     if spec.has_input_scales:
         group["input_activations"] = dict(NVFP4_ARGS, dynamic="local") if spec.is_nvfp4 else dict(FP8_ARGS)
     group["format"] = CT_FORMAT[spec.quant]
     return {"quant_method": FORMAT, "format": CT_FORMAT[spec.quant], "quantization_status": "compressed",
-            "ignore": list(excluded), "config_groups": {"group_0": group}, "kv_cache_scheme": None}
+            "ignore": list(excluded), "config_groups": {"group_0": group},
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME[kv_cache]) if kv_cache else None}
 
 
 def _one(n: int, k: int) -> tuple[int, ...]:
@@ -61,7 +71,7 @@ def _spec(quant: str) -> LayoutSpec:
     return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors),
                       convention="decode" if quant == "fp8" else "encode", pattern_style="exact-or-re",
                       element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-                      packing=1 if quant == "fp8" else 2, build_config=_config,
+                      packing=1 if quant == "fp8" else 2, kv_scales=KV_SCALES, build_config=_config,
                       build_hf_quant_config=None)
 
 
@@ -108,3 +118,17 @@ def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, s
         problems.append((CONFIG_FILE, "quantization_config has no config_groups"))
     quant = ("nvfp4" if has_input else "nvfp4-weight-only") if nvfp4 else "fp8"
     return quant, qc.get("ignore"), tuple(targets), problems, fmt
+
+
+def parse_kv_cache(qc: dict) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the quantized KV cache quantization_config.kv_cache_scheme announces, or None;
+    [(file, problem)]): a scheme must have the FP8 static per-tensor values of KV_CACHE_SCHEME."""
+    scheme = qc.get("kv_cache_scheme")
+    if scheme is None:
+        return None, []
+    want = KV_CACHE_SCHEME["fp8"]
+    wrong = {k: scheme.get(k) for k in want if scheme.get(k) != want[k]} if isinstance(scheme, dict) else scheme
+    if wrong:
+        return None, [(CONFIG_FILE, f"quantization_config.kv_cache_scheme has {wrong}; the FP8 KV cache "
+                                    f"needs {want} (or null: no quantized KV cache)")]
+    return "fp8", []

@@ -5,6 +5,13 @@ SGLang): NVFP4 W4A4, W4A16 and FP8, their configs, and how a folder's configs ar
            <m>.weight_scale_2 F32 [] (S_dec = amax / 2688), <m>.input_scale F32 [] (W4A4 only)
     FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [] (amax / 448), <m>.input_scale F32 []
 
+    KV     <a>.k_proj.k_scale, <a>.v_proj.v_scale F32 [] (amax / 448 of K after RoPE, of V), for
+           every attention <a> = model.layers.{i}.self_attn, announced by
+           hf_quant_config.json quantization.kv_cache_quant_algo "FP8" and config.json
+           quantization_config.kv_cache_scheme {dynamic: false, num_bits: 8, type: float}
+           (ModelOpt's unified_export_hf / convert_hf_config; vLLM remaps the names to
+           self_attn.attn.k_scale and reads either config)
+
 Global scales are stored as decode scales, shape []. The format is declared twice in a folder:
 config.json["quantization_config"] (quant_method "modelopt", what transformers and vLLM detect)
 and hf_quant_config.json (what vLLM's modelopt loader and TensorRT-LLM read; vLLM requires its four
@@ -15,33 +22,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfp4tool.formats.spec import CONFIG_FILE, HF_QUANT_CONFIG_FILE, LayoutSpec, TensorSpec
+from nvfp4tool.formats.spec import CONFIG_FILE, HF_QUANT_CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec
 from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "modelopt"
 QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8"}
 QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
 # Keys vLLM reads from hf_quant_config.json["quantization"] (it refuses NVFP4 without group_size).
+KV_CACHE_ALGO = {"fp8": "FP8"}  # --kv-cache -> kv_cache_quant_algo
+KV_CACHE_SCHEME = {"fp8": {"dynamic": False, "num_bits": 8, "type": "float"}}  # config.json's form
+KV_SCALES = KVScaleSpec(k_suffix="k_proj.k_scale", v_suffix="v_proj.v_scale", shape=())
 REQUIRED_KEYS = {"nvfp4": ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"),
                  "fp8": ("quant_algo", "kv_cache_quant_algo", "exclude_modules")}
 
 
-def _config(spec: LayoutSpec, excluded: tuple[str, ...]) -> dict[str, Any]:
+def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
     weights: dict[str, Any] = ({"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK, "dynamic": False}
                                if spec.is_nvfp4 else {"num_bits": 8, "type": "float", "dynamic": False})
     group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
     if spec.has_input_scales:
         group["input_activations"] = dict(weights)
     config: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": QUANT_ALGO[spec.quant],
-                              "kv_cache_quant_algo": None, "ignore": list(excluded),
+                              "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
+                              "kv_cache_scheme": KV_CACHE_SCHEME.get(kv_cache), "ignore": list(excluded),
                               "exclude_modules": list(excluded), "config_groups": {"group_0": group}}
     if spec.is_nvfp4:
         config["group_size"] = NVFP4_BLOCK
     return config
 
 
-def _hf_quant_config(spec: LayoutSpec, excluded: tuple[str, ...], producer: dict[str, str]) -> dict[str, Any]:
-    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGO[spec.quant], "kv_cache_quant_algo": None,
+def _hf_quant_config(spec: LayoutSpec, excluded: tuple[str, ...], producer: dict[str, str],
+                     kv_cache: str | None) -> dict[str, Any]:
+    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGO[spec.quant],
+                                    "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
                                     "exclude_modules": list(excluded)}
     if spec.is_nvfp4:
         quantization["group_size"] = NVFP4_BLOCK
@@ -65,7 +78,7 @@ def _spec(quant: str) -> LayoutSpec:
     return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors), convention="decode",
                       pattern_style="fnmatch",
                       element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-                      packing=1 if quant == "fp8" else 2, build_config=_config,
+                      packing=1 if quant == "fp8" else 2, kv_scales=KV_SCALES, build_config=_config,
                       build_hf_quant_config=_hf_quant_config)
 
 
@@ -122,3 +135,28 @@ def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tu
 
 def _sorted(value: Any) -> Any:
     return sorted(value, key=str) if isinstance(value, list) else value
+
+
+def parse_kv_cache(qc: Any, hf_quant: Any) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the quantized KV cache a ModelOpt folder announces, one of KV_CACHES, or None;
+    [(file, problem)]): hf_quant_config.json's kv_cache_quant_algo (what vLLM's modelopt loader and
+    TensorRT-LLM read) and config.json's kv_cache_scheme / kv_cache_quant_algo must agree."""
+    problems: list[tuple[str, str]] = []
+    quantization = (hf_quant or {}).get("quantization") if isinstance(hf_quant, dict) else None
+    algo = quantization.get("kv_cache_quant_algo") if isinstance(quantization, dict) else None
+    of_algo = {a: kv for kv, a in KV_CACHE_ALGO.items()}
+    kv = of_algo.get(algo) if isinstance(algo, str) else None
+    if algo is not None and kv is None:
+        problems.append((HF_QUANT_CONFIG_FILE, f"kv_cache_quant_algo {algo!r} is not supported; "
+                                               f"supported: {', '.join(KV_CACHE_ALGO.values())} or null"))
+    if isinstance(qc, dict):
+        scheme, qc_algo = qc.get("kv_cache_scheme"), qc.get("kv_cache_quant_algo")
+        by_scheme = next((k for k, v in KV_CACHE_SCHEME.items() if scheme == v), None)
+        if scheme is not None and by_scheme is None:
+            problems.append((CONFIG_FILE, f"quantization_config.kv_cache_scheme {scheme!r} is not "
+                                          f"{KV_CACHE_SCHEME['fp8']} (FP8) or null"))
+        elif by_scheme != kv or (qc_algo is not None and qc_algo != algo):
+            problems.append((CONFIG_FILE, f"quantization_config.kv_cache_scheme {scheme!r} / "
+                                          f"kv_cache_quant_algo {qc_algo!r} disagree with "
+                                          f"{HF_QUANT_CONFIG_FILE} kv_cache_quant_algo {algo!r}"))
+    return kv, problems

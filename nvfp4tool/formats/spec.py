@@ -17,6 +17,10 @@ simulation all go through them. The reciprocal is computed in fp32 (`1 / x`, as 
 own `ModelOptNvfp4Converter` does); for our decode scales fl(1 / fl(1 / s)) == s, so a round trip
 is lossless.
 
+KV-cache scales (`--kv-cache fp8`) are per attention layer, not per linear: `KVScaleSpec` says
+where a layout stores the two F32 decode scales (amax / 448, one for K after RoPE and one for V)
+of attention `model.layers.{i}.self_attn`; `KV_CACHES` lists what a folder may announce.
+
 Exclusion lists are matched as their loaders match them: `fnmatch` wildcards (ModelOpt
 `exclude_modules`, vLLM's `is_layer_excluded`) or exact names and `re:` regexes anchored at the
 start (compressed-tensors `ignore` / `targets`, `compressed_tensors.utils.match`).
@@ -39,6 +43,7 @@ CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
 QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")  # W4A4, W4A16, FP8 W8A8 per tensor
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
+KV_CACHES = ("fp8",)  # quantized KV caches an export can carry scales for (None: the engine's default)
 GLOBAL_ROLES = ("weight_global", "input_global")
 
 
@@ -58,6 +63,34 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVScaleSpec:
+    """Where a layout stores the FP8 KV-cache scales of one attention module `<a>`
+    (`model.layers.{i}.self_attn`): `<a>.<k_suffix>` and `<a>.<v_suffix>`, F32 of `shape`, each the
+    decode scale amax / 448 the engine divides K / V by before the E4M3 cache write."""
+
+    k_suffix: str  # "k_proj.k_scale" (ModelOpt) | "k_scale" (compressed-tensors)
+    v_suffix: str
+    shape: tuple[int, ...]  # () | (1,)
+    code: str = "F32"
+
+    def names(self, attention: str) -> tuple[str, str]:
+        """(k scale, v scale) tensor names of `attention`."""
+        return f"{attention}.{self.k_suffix}", f"{attention}.{self.v_suffix}"
+
+    def layout(self, attention: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype name, shape) of `attention`'s two scales, in file order."""
+        return [(name, SAFETENSORS_DTYPES[self.code], self.shape) for name in self.names(attention)]
+
+    def attention_of(self, name: str) -> tuple[str, str] | None:
+        """(attention module, "k" | "v") when `name` is a KV scale in this layout, else None."""
+        for which, suffix in (("k", self.k_suffix), ("v", self.v_suffix)):
+            attention = name.removesuffix(f".{suffix}")
+            if attention != name and attention.endswith(".self_attn"):
+                return attention, which
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
 class LayoutSpec:
     """One serving layout: its tensors, scale convention, configs and exclusion rules."""
 
@@ -68,8 +101,10 @@ class LayoutSpec:
     pattern_style: str  # "fnmatch" | "exact-or-re" (how exclusion lists / targets match)
     element_range: float  # 2688 = 6 * 448 (NVFP4) or 448 (FP8): decoded amax = range * S_dec
     packing: int  # elements per stored weight item along K (2 for packed E2M1, 1 for FP8)
-    build_config: Callable[[LayoutSpec, tuple[str, ...]], dict[str, Any]]
-    build_hf_quant_config: Callable[[LayoutSpec, tuple[str, ...], dict[str, str]], dict[str, Any]] | None
+    kv_scales: KVScaleSpec  # where FP8 KV-cache scales go (written only with --kv-cache fp8)
+    build_config: Callable[[LayoutSpec, tuple[str, ...], str | None], dict[str, Any]]
+    build_hf_quant_config: Callable[[LayoutSpec, tuple[str, ...], dict[str, str], str | None],
+                                    dict[str, Any]] | None
 
     # ---------------------------------------------------------------- tensors
     @property
@@ -151,15 +186,17 @@ class LayoutSpec:
                 for t in self.tensors}
 
     # ---------------------------------------------------------------- configs
-    def quantization_config(self, excluded: tuple[str, ...]) -> dict[str, Any]:
-        """config.json["quantization_config"] for an export excluding the modules `excluded`."""
-        return self.build_config(self, tuple(excluded))
+    def quantization_config(self, excluded: tuple[str, ...], kv_cache: str | None = None) -> dict[str, Any]:
+        """config.json["quantization_config"] for an export excluding the modules `excluded`,
+        announcing a quantized KV cache (`kv_cache`: one of KV_CACHES) or none."""
+        return self.build_config(self, tuple(excluded), kv_cache)
 
-    def hf_quant_config(self, excluded: tuple[str, ...], producer: dict[str, str]) -> dict[str, Any] | None:
+    def hf_quant_config(self, excluded: tuple[str, ...], producer: dict[str, str],
+                        kv_cache: str | None = None) -> dict[str, Any] | None:
         """hf_quant_config.json (ModelOpt layouts), None for layouts without one."""
         if self.build_hf_quant_config is None:
             return None
-        return self.build_hf_quant_config(self, tuple(excluded), producer)
+        return self.build_hf_quant_config(self, tuple(excluded), producer, kv_cache)
 
     @property
     def config_files(self) -> tuple[str, ...]:

@@ -81,6 +81,10 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
     lines += ["", "Kept in BF16: embeddings, norms"
               + (", and the excluded modules " + ", ".join(f"`{k}`" for k in _collapse_names(kept))
                  if kept else "") + "."]
+    if layout.kv_cache is not None:
+        lines += ["", f"KV cache: {layout.kv_cache.upper()} (E4M3) with one calibrated K and one V scale per "
+                      "attention layer (amax / 448, keys after RoPE); vLLM applies them with "
+                      f"`--kv-cache-dtype {layout.kv_cache}`."]
     return "\n".join(lines)
 
 

@@ -4,13 +4,15 @@
     logits_BxTxV = forward(model, ids_BxT, attention_mask_BxT)
     new_tokens_BxN = generate(model, ids_BxT, 16, attention_mask=mask_BxT)
 
-Every linear layer goes through one pluggable `LinearFn` (see `linear.py`).
+Every linear layer goes through one pluggable `LinearFn` (see `linear.py`), every attention's keys
+and values through one `KVFn` (see `kv.py`).
 """
 
 from nvfp4tool.model.generate import generate
+from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import CausalLM, KVCache, default_positions, forward
 from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors
 
-__all__ = ["CausalLM", "KVCache", "LinearFn", "ModelTensorSource", "default_linear",
+__all__ = ["CausalLM", "KVCache", "KVFn", "LinearFn", "ModelTensorSource", "default_kv", "default_linear",
            "default_positions", "forward", "generate", "model_from_tensors"]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.model.transformer import (CausalLM, KVCache, attention_allowed, default_positions,
                                          forward_with_cache)
@@ -25,7 +26,8 @@ from nvfp4tool.model.transformer import (CausalLM, KVCache, attention_allowed, d
 def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
              attention_mask: jax.Array | None = None, greedy: bool = True, temperature: float = 1.0,
              top_k: int | None = None, key: jax.Array | None = None, eos_token_id: int | None = None,
-             pad_token_id: int | None = None, linear: LinearFn | None = None) -> jax.Array:
+             pad_token_id: int | None = None, linear: LinearFn | None = None,
+             kv: KVFn = default_kv) -> jax.Array:
     """New tokens [B, max_new_tokens] (int32) continuing each prompt row.
 
     attention_mask: 1 = prompt token, 0 = padding (every row needs at least one token).
@@ -33,6 +35,7 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
     logits when given (ties at the k-th value are all kept), using `key` (required).
     eos_token_id: once a row emits it, the row continues with pad_token_id (default: the EOS id).
     Sampling options are traced, so changing them reuses the compiled program.
+    kv: the KV seam every layer's new keys / values pass before they are cached (`model.kv`).
     """
     prompt_ids_BxT = jnp.asarray(prompt_ids_BxT, jnp.int32)
     B, T = prompt_ids_BxT.shape
@@ -57,7 +60,7 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, prompt_ids_BxT, mask_BxT,
                      key if key is not None else jax.random.key(0), options,
-                     max_new_tokens=max_new_tokens, linear=linear or model.linear)
+                     max_new_tokens=max_new_tokens, linear=linear or model.linear, kv=kv)
 
 
 class _SamplingOptions(NamedTuple):
@@ -68,8 +71,8 @@ class _SamplingOptions(NamedTuple):
     pad_token_id: jax.Array  # int32: emitted after EOS
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "linear"))
-def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_new_tokens, linear):
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "linear", "kv"))
+def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_new_tokens, linear, kv):
     model = nnx.merge(graphdef, state)
     config = model.config
     B, T = prompt_ids_BxT.shape
@@ -86,7 +89,7 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     allowed = attention_allowed(jnp.arange(T), key_valid_BxS, window, prompt_positions_BxT,
                                 key_positions_BxS)
     logits_BxTxV, cache = forward_with_cache(model, prompt_ids_BxT, prompt_positions_BxT, allowed,
-                                             cache, 0, linear)
+                                             cache, 0, linear, kv)
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).
     last_index_B = T - 1 - jnp.argmax(mask_BxT[:, ::-1], axis=-1)
     next_logits_BxV = jnp.take_along_axis(logits_BxTxV, last_index_B[:, None, None], axis=1)[:, 0]
@@ -104,7 +107,7 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         position_Bx1 = (first_position_B + i)[:, None]
         allowed = attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS)
         logits_Bx1xV, cache = forward_with_cache(model, token_B[:, None], position_Bx1, allowed, cache,
-                                                 slot, linear)
+                                                 slot, linear, kv)
         key, step_key = jax.random.split(key)
         next_B, done_B = pick(logits_Bx1xV[:, 0], step_key, done_B)
         return (next_B, done_B, cache, key), token_B

@@ -20,7 +20,9 @@ blocks are built with the scanned-layer names `model.layers.*....`), so the mode
 A `Tap` is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
 `aux` is what the caller hands each layer (`aux(i)`, `aux(None)` for the LM head: e.g. another
 model's weights of that layer). Records come back per batch through `on_record(name, record)`
-with the layer's real name (`model.layers.3.mlp.up_proj`).
+with the layer's real name (`model.layers.3.mlp.up_proj`). A `KVTap` is the KV seam (`model.kv`)
+with a recorder, `kv_tap(k, v, name=, aux=) -> ((k, v), record | None)`, its records delivered the
+same way under the attention's name (`model.layers.3.self_attn`).
 
 Devices: `open` runs on every device when there are several (`train.mesh.model_mesh`). With a
 `mesh`, each weight is laid out over it as training lays out its state (fsdp: sharded over its
@@ -45,6 +47,7 @@ from flax import nnx
 
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, routes_all_experts
 from nvfp4tool.model.transformer import (Block, CausalLM, attention_allowed, default_positions, embed,
                                          lm_logits, rope)
@@ -59,6 +62,13 @@ class Tap(Protocol):
 
     def __call__(self, x: jax.Array, w_NxK: Any, b_N: jax.Array | None, *, name: str,
                  aux: Any) -> tuple[jax.Array, Any]: ...
+
+
+class KVTap(Protocol):
+    """A KV seam that may record: ((k, v), record) where record is None or a pytree of arrays."""
+
+    def __call__(self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str,
+                 aux: Any) -> tuple[tuple[jax.Array, jax.Array], Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +142,11 @@ class LayerwiseModel:
         return cls(config, outer, layer, streamed=True, mesh=mesh)
 
     def logits(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, aux: Callable[[int | None], Any] | None = None,
-               on_record: Callable[[str, Any], None] | None = None,
+               on_record: Callable[[str, Any], None] | None = None, kv_tap: KVTap | None = None,
                label: str = "forward") -> Iterator[tuple[int, jax.Array]]:
         """(first window index, fp32 logits [B, T, V]) of every batch of `batch_size` windows, in
-        order; records of the tap go to `on_record(name, record)` (one call per batch)."""
+        order; records of the tap (and of `kv_tap`, keys and values as they are cached; None: the
+        identity) go to `on_record(name, record)` (one call per batch)."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         S, T = ids_SxT.shape
         wave = S if self.streamed else batch_size  # windows that go through one layer together
@@ -151,7 +162,7 @@ class LayerwiseModel:
                     graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
                     for b, (x, cos, sin, allowed) in enumerate(carry):
                         y, records = _block_step(graphdef, state, x, cos, sin, allowed,
-                                                 layer_aux, tap=tap, gather=self._gather)
+                                                 layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather)
                         carry[b] = (y, cos, sin, allowed)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
@@ -235,6 +246,19 @@ def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:
     return linear
 
 
+def _recording_kv(kv_tap: KVTap | None, aux: Any, records: dict[str, Any]) -> KVFn:
+    if kv_tap is None:
+        return default_kv
+
+    def kv(k, v, *, name):
+        cached, record = kv_tap(k, v, name=name, aux=aux)
+        if record is not None:
+            records[name] = record
+        return cached
+
+    return kv
+
+
 @partial(jax.jit, static_argnames=("graphdef", "gather"))
 def _embed_step(graphdef, state, ids_BxT, *, gather):
     state = _gathered(state, gather)
@@ -247,12 +271,12 @@ def _embed_step(graphdef, state, ids_BxT, *, gather):
     return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, allowed_BxTxS
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tap", "gather"))
-def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap, gather):
+@partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather"))
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap, kv_tap, gather):
     state, aux = _gathered((state, aux), gather)
     records: dict[str, Any] = {}
     y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, None, 0,
-                                            _recording(tap, aux, records))
+                                            _recording(tap, aux, records), _recording_kv(kv_tap, aux, records))
     return y_BxTxE, records
 
 

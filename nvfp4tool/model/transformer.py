@@ -8,6 +8,8 @@ picks the top-k experts of each token, each a SwiGLU MLP) -> residual; final RMS
 (tied or not). Module attribute names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` is the path
 of that parameter (see `weights.py`). Every projection goes through the linear seam (`linear.py`);
 the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
+Keys (after RoPE) and values go through the KV seam (`kv.py`, identity by default) before they are
+cached and used, under the attention's name ("model.layers.3.self_attn").
 
 Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
 layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
 from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -98,10 +101,11 @@ class Attention(nnx.Module):
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
+        self.name = prefix  # the KV seam's name of this layer
 
     def __call__(self, x_BxTxE: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array,
                  allowed_BxTxS: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
-                 write_index: jax.Array | int, linear: LinearFn):
+                 write_index: jax.Array | int, linear: LinearFn, kv: KVFn = default_kv):
         """Returns (y_BxTxE, (k, v)): k/v the updated cache [B, S, KV, D] (or this chunk's, no cache)."""
         B, T, _ = x_BxTxE.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -112,6 +116,7 @@ class Attention(nnx.Module):
             q_BxTxHxD, k_BxTxKVxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxTxKVxD)
         q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
         k_BxTxKVxD = apply_rope(k_BxTxKVxD, cos_BxTxD, sin_BxTxD)
+        k_BxTxKVxD, v_BxTxKVxD = kv(k_BxTxKVxD, v_BxTxKVxD, name=self.name)
         if cache_kv is None:
             k_BxSxKVxD, v_BxSxKVxD = k_BxTxKVxD, v_BxTxKVxD
         else:
@@ -221,12 +226,13 @@ class Block(nnx.Module):
         self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
         setattr(self, self.mlp_attr, mlp)
 
-    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, cache_kv, write_index, linear):
-        attn_BxTxE, kv = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
-                                        allowed_BxTxS, cache_kv, write_index, linear)
+    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, cache_kv, write_index, linear,
+                 kv: KVFn = default_kv):
+        attn_BxTxE, cached = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
+                                            allowed_BxTxS, cache_kv, write_index, linear, kv)
         h_BxTxE = x_BxTxE + attn_BxTxE
         mlp = getattr(self, self.mlp_attr)
-        return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), kv
+        return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), cached
 
 
 class CausalLM(nnx.Module):
@@ -308,9 +314,10 @@ def attention_allowed(query_index_T: jax.Array, key_valid_BxS: jax.Array, slidin
 
 def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
                        allowed_BxTxS: jax.Array, cache: KVCache | None, write_index: jax.Array | int,
-                       linear: LinearFn) -> tuple[jax.Array, KVCache | None]:
+                       linear: LinearFn, kv: KVFn = default_kv) -> tuple[jax.Array, KVCache | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
-    `write_index` (None in, None out: keys are then this chunk's own)."""
+    `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
+    KV seam `kv` before they are written."""
     x_BxTxE = embed(model, input_ids_BxT)
     cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
     layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
@@ -319,8 +326,8 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
 
         def body(x, per_layer):
             state, cache_kv = per_layer
-            x, kv = nnx.merge(graphdef, state)(x, *layer_args, cache_kv, write_index, linear)
-            return x, (kv if cache_kv is not None else None)
+            x, cached = nnx.merge(graphdef, state)(x, *layer_args, cache_kv, write_index, linear, kv)
+            return x, (cached if cache_kv is not None else None)
 
         x_BxTxE, kvs = jax.lax.scan(body, x_BxTxE, (stacked_state, cache))
         new_cache = None if cache is None else KVCache(*kvs)
@@ -328,7 +335,7 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
         new_cache = cache
         for i, block in enumerate(model.layers):
             cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[i], new_cache.v_LxBxSxKVxD[i])
-            x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear)
+            x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear, kv)
             if cache is not None:  # an in-place update of layer i under jit
                 new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
     return lm_logits(model, x_BxTxE, linear), new_cache

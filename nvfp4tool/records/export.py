@@ -4,7 +4,8 @@
 What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
 with the sha256 of each weight file (relative to the source); format / quant / scale search /
 weight block; recipe and precision map; calibration data by file name + sha256 (or the run's
-tracked amax); per quantized layer its relative L2 weight error; and per written tensor its file
+tracked amax); with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are
+amax / 448); per quantized layer its relative L2 weight error; and per written tensor its file
 (relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
 amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
 a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
@@ -89,6 +90,8 @@ class ExportRecord(Record):
     layers: dict[str, LayerErrorRecord]  # quantized module -> weight error
     files: tuple[str, ...]  # safetensors files written, relative to the export
     tensors: dict[str, TensorRecord]  # every written tensor
+    kv_cache: str = "none"  # "none" | "fp8": the KV-cache scales written (--kv-cache)
+    kv_amax: dict[str, tuple[float, float]] | None = None  # attention -> calibrated (max |K| after RoPE, max |V|)
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:

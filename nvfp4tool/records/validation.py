@@ -162,6 +162,11 @@ class ValidationRecord(Record):
         """The compared models other than BF16, the export first."""
         return [k for k in self.models if k != "bf16"]
 
+    @property
+    def layer_labels(self) -> list[str]:
+        """The labels with per-layer SQNR (not the export's FP8-KV-cache run: the same weights)."""
+        return [k for k in self.labels if any(k in r.weight_sqnr_db or k in r.output_sqnr_db for r in self.layers)]
+
 
 # ------------------------------------------------------------------------------------------
 # helpers

@@ -55,13 +55,19 @@ def markdown(record: ValidationRecord) -> str:
     gen = record.generation
     lines.append(f"| first divergence from BF16 (greedy, {gen.tokens} tokens, median of "
                  f"{gen.prompts}) | " + " | ".join(_divergence(gen, l) for l in labels) + " |")
+    kv = [l for l in labels if l not in record.layer_labels]
+    if kv:
+        lines += ["", ", ".join(_title(l) for l in kv) + ": the export served with its FP8 KV cache (keys "
+                  "after RoPE and values quantized to E4M3 with the stored per-layer scales, as vLLM "
+                  "caches them); its difference to the plain column is the KV cache's effect."]
+    layer_labels = record.layer_labels
     lines += ["", "Worst layers (SQNR in dB, BF16 input activations):", "",
-              "| layer | " + " | ".join(f"{_title(l)} weight | {_title(l)} output" for l in labels) + " |",
-              "|---|" + "---:|" * (2 * len(labels))]
+              "| layer | " + " | ".join(f"{_title(l)} weight | {_title(l)} output" for l in layer_labels) + " |",
+              "|---|" + "---:|" * (2 * len(layer_labels))]
     for row in record.layers[:8]:
         lines.append(f"| `{row.name}` | " + " | ".join(
             f"{_fmt(row.weight_sqnr_db.get(l), '{:.1f}')} | {_fmt(row.output_sqnr_db.get(l), '{:.1f}')}"
-            for l in labels) + " |")
+            for l in layer_labels) + " |")
     if record.sensitivity is not None:
         found = record.sensitivity
         lines += ["", f"Layers to keep in BF16 for a mean KL of {found.kl_target:g} nats "
@@ -113,11 +119,11 @@ def print_report(record: ValidationRecord, console) -> None:
         console.print(resources_line(record))
     layers = Table(title="worst layers (SQNR dB)")
     layers.add_column("layer", overflow="fold")
-    for label in labels:
+    for label in record.layer_labels:
         layers.add_column(f"{_title(label)} weight", justify="right")
         layers.add_column(f"{_title(label)} output", justify="right")
     for row in record.layers[:8]:
-        layers.add_row(row.name, *(_fmt(sqnr.get(l), "{:.1f}") for l in labels
+        layers.add_row(row.name, *(_fmt(sqnr.get(l), "{:.1f}") for l in record.layer_labels
                                    for sqnr in (row.weight_sqnr_db, row.output_sqnr_db)))
     console.print(layers)
     console.print(verdict(record).replace("**", ""))
@@ -130,7 +136,7 @@ def plot(record: ValidationRecord, folder: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = record.labels
+    labels = record.layer_labels
     rows = record.layers
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(rows)), 4))
     width = 0.8 / max(len(labels), 1)

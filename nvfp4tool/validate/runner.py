@@ -10,8 +10,12 @@ the forward, W4A4 inputs fake-quantized with the stored input scale). The BF16 s
 through the export's provenance record (or `source=`). The FP8 reference is an FP8 export folder
 (`reference=PATH`), or made on the fly from the source by `nvfp4tool export --quant fp8` into a
 temporary folder and run through the same simulation (`reference="fp8"`); `reference="bf16"`
-compares against BF16 only. Every model computes in fp32 on its weights as stored (BF16, or decoded
-per layer inside the jitted forward), so the only differences are the ones quantization makes.
+compares against BF16 only. An export with FP8 KV-cache scales (`export --kv-cache fp8`) runs twice:
+as "<quant>" with a plain KV cache, and as "<quant>+fp8-kv" with its keys and values quantized to
+E4M3 with the stored per-layer scales as vLLM caches them (`export.simulate.served_kv`), so the KV
+cache's own effect is the difference of the two rows. Every model computes in fp32 on its weights as
+stored (BF16, or decoded per layer inside the jitted forward), so the only differences are the ones
+quantization makes.
 
 Memory: one model at a time. The BF16 source runs first; its fp32 logits (what every metric
 compares against) are spooled to a temporary file, batch by batch, and the per-layer output SQNR of
@@ -45,8 +49,9 @@ from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export.provenance import locate_source
-from nvfp4tool.export.simulate import ExportedModel, load_export, served_linear
+from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
+from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, Plain, layer_modules
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.numerics.dot import WIDEN_BYTES
@@ -58,6 +63,7 @@ from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
 
 KL_BINS = 40  # log-spaced bins of the per-token KL histogram
+KV_SUFFIX = "+fp8-kv"  # label of the export run with its FP8 KV cache ("nvfp4+fp8-kv")
 COMPUTE_DTYPE = jnp.float32  # every validated model computes in fp32
 
 
@@ -82,8 +88,9 @@ class ValidateOptions:
 class Candidate:
     """A quantized model as served: the export opened (tensors read when asked for)."""
 
-    label: str  # "nvfp4" / "fp8"
+    label: str  # "nvfp4" / "fp8" / "nvfp4+fp8-kv"
     exported: ExportedModel
+    fp8_kv: bool = False  # run with the export's FP8 KV cache (its stored K / V scales)
 
     @classmethod
     def load(cls, folder: str, label: str | None = None) -> Candidate:
@@ -117,7 +124,16 @@ class Inputs:
 
     @property
     def candidates(self) -> list[Candidate]:
+        """The quantized models compared per layer: the export (plain KV cache) and the FP8 reference."""
         return [c for c in (self.nvfp4, self.fp8) if c is not None]
+
+    @property
+    def runs(self) -> list[Candidate]:
+        """Every model compared with BF16: the candidates, then the export with its FP8 KV cache
+        when it carries KV-cache scales."""
+        kv = self.nvfp4.exported.kv_cache is not None
+        return self.candidates + ([Candidate(self.nvfp4.label + KV_SUFFIX, self.nvfp4.exported, fp8_kv=True)]
+                                  if kv else [])
 
     def working_bytes(self) -> int:
         """Memory a held model needs besides its weights, with a 2x margin: a forward of one batch
@@ -199,7 +215,8 @@ class ValidationRun:
 
 def run_validation(inputs: Inputs) -> ValidationRecord:
     """The validation record; `passed` is False if a threshold fails. <label> below is the
-    export's quant ("nvfp4", "nvfp4-weight-only") and "fp8": models {bf16: {ppl}, <label>:
+    export's quant ("nvfp4", "nvfp4-weight-only"), "fp8" and, for an export with an FP8 KV cache,
+    "<quant>+fp8-kv" (metrics and generation only; thresholds judge "<quant>"): models {bf16: {ppl}, <label>:
     {kl_mean, kl_p99, top1, ppl, ppl_increase, logit_max_err, logit_mean_err}}, layers (weight and
     output SQNR per label, worst output first), generation (first divergence per prompt and
     label), kl_histogram, thresholds, failures [metric, value, limit, by, detail], passed.
@@ -240,17 +257,20 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     kl_tokens: dict[str, np.ndarray] = {}
     divergence: dict[str, list[int | None]] = {}
     skipped = None if reference_tokens is not None else _skip_reason(inputs)
-    for c in inputs.candidates:
+    for c in inputs.runs:
         stats = _LogitStats()
         model, held = _open_model(c.label, inputs, c.exported.stored_bytes(),
                                   lambda mesh, c=c: c.exported.model(COMPUTE_DTYPE, mesh), c.exported,
                                   c.exported.config)
+        kv_scales = (lambda i, c=c: None if i is None else c.exported.kv_scales(i)) if c.fp8_kv else None
         for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=Plain(served_linear),
+                                          aux=kv_scales, kv_tap=ServedKVTap() if c.fp8_kv else None,
                                           label=f"{c.label} logits"):
             logits = np.asarray(logits)
             stats.add(spool.read(start, len(logits)), logits, inputs.ids_SxL[start:start + len(logits)])
         models[c.label], kl_tokens[c.label] = stats.summary(bf16_ppl)
-        tokens = _greedy(c.label, held, served_linear, prompts, options) if skipped is None else None
+        tokens = (_greedy(c.label, held, served_linear, prompts, options,
+                          c.exported.served_kv() if c.fp8_kv else default_kv) if skipped is None else None)
         if tokens is None:
             skipped = skipped or _skip_reason(inputs)
         else:
@@ -355,12 +375,13 @@ def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
     return model, model.whole
 
 
-def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOptions) -> np.ndarray | None:
+def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOptions,
+            kv: KVFn = default_kv) -> np.ndarray | None:
     """Greedy continuations of the prompts by a held model (None for a streamed one)."""
     if held is None:
         return None
     progress.info(f"greedy generation ({label}): {len(prompts)} prompts x {options.gen_tokens} tokens")
-    return greedy_continuations(held, linear, prompts, options.gen_tokens)
+    return greedy_continuations(held, linear, prompts, options.gen_tokens, kv)
 
 
 def _skip_reason(inputs: Inputs) -> str:
