@@ -10,11 +10,12 @@ published HF configs (Llama-3.2-1B / -3B config.json: tied embeddings, llama3 Ro
 factor 32), as are the llama3 RoPE scaling parameters of 3.1 (factor 8) and the token ids.
 Mixture of experts: mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b and qwen3-480b-a35b
 take emb dim, heads, kv heads, layers, head dim, vocab, norm epsilon, experts, experts per token,
-(moe) mlp dim, norm_topk_prob and rope_max_timescale (-> rope_theta) from the same ymls. The Qwen3
-ymls' base_mlp_dim equals the expert width (every layer is sparse, so intermediate_size is unused);
-their rope_max_timescale (1e7, 5e6, 1e7) is that of the -2507 / Qwen3-Coder HF releases (the first
-Qwen3-30B-A3B / -235B-A22B configs say 1e6: pass their config.json instead). Context length, token
-ids and router_aux_loss_coef, which the ymls do not carry, are those published HF configs'.
+(moe) mlp dim, norm_topk_prob and rope_max_timescale (-> rope_theta) from the same ymls (now under
+src/maxtext/configs/models/). The Qwen3 ymls' base_mlp_dim equals the expert width (every layer is
+sparse, so intermediate_size is unused); their rope_max_timescale (1e7, 5e6, 1e7) is that of the
+-2507 / Qwen3-Coder HF releases (the first Qwen3-30B-A3B / -235B-A22B configs say 1e6: pass their
+config.json instead). Context length, token ids and router_aux_loss_coef, which the ymls do not
+carry, are those published HF configs'.
 RoPE layout: reference sheet section 6 -- `llama3.1-*` interleaved, every other name half-split
 (MaxText's Mixtral and Qwen3-MoE conversions permute no q/k rows: see `converters.layout`).
 """

@@ -1,6 +1,7 @@
 """MaxText <-> HF conversion of mixture-of-experts models (Mixtral, Qwen3-MoE), scanned and unscanned.
 
-* HF -> MaxText -> HF is byte-identical (bf16 and fp32 sources, fp32 MaxText storage).
+* HF -> MaxText -> HF is byte-identical (bf16 and fp32 sources, fp32 MaxText storage; fp32 only
+  because the fixtures' query scales are exact: mixtral's head_dim 16 gives 1/4, qwen3_moe none).
 * The MaxText side, checked independently of our reader: our writer's checkpoint restores with
   plain Orbax to exactly the tree `maxtext_fixture` builds from transformers' in-memory (fused)
   experts with its own layout code; and that fixture tree, saved by a plain CheckpointManager
