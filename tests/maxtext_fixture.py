@@ -58,8 +58,9 @@ def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int
             },
         }
         if p + "self_attn.q_norm.weight" in state_dict:
-            params["self_attention"]["query_norm"] = {"scale": np32(state_dict[p + "self_attn.q_norm.weight"])}
-            params["self_attention"]["key_norm"] = {"scale": np32(state_dict[p + "self_attn.k_norm.weight"])}
+            attention = params["self_attention"]
+            attention["query_norm"] = {"scale": np32(state_dict[p + "self_attn.q_norm.weight"])}
+            attention["key_norm"] = {"scale": np32(state_dict[p + "self_attn.k_norm.weight"])}
         if moe_block is None:
             params["mlp"] = {
                 "wi_0": {"kernel": np32(state_dict[p + "mlp.gate_proj.weight"].t())},

@@ -3,7 +3,8 @@
 A child process converts a synthetic fp32 model to a scanned MaxText checkpoint and back, then
 reports its peak RSS (VmHWM): a Llama (~1.3 GB; largest stacked tensor, mlp wi_0/wi_1/wo
 [1024, 16, 4096], 268 MB) and a Mixtral (~1.2 GB; largest, the experts stacks wi_0/wi_1/wo
-[8 experts, 8 layers, 1024, 1024], 268 MB, assembled and read back one expert at a time). The fixed overhead is measured in the same child first: the peak after importing
+[8 experts, 8 layers, 1024, 1024], 268 MB, assembled and read back one expert at a time). The
+fixed overhead is measured in the same child first: the peak after importing
 jax/orbax/tensorstore and converting a tiny model both ways (thread pools, allocator arenas).
 The bound asserted: peak - overhead < 2.5 x the largest stacked tensor.
 """

@@ -139,8 +139,8 @@ def test_moe_rules_cover_every_tensor_with_maxtexts_shapes_and_round_trip(family
 def test_qwen3_moe_with_dense_layers_has_no_maxtext_layout(overrides, option):
     from nvfp4tool.errors import NVFP4ToolError
 
-    with pytest.raises(NVFP4ToolError, match=f"ckpt: qwen3_moe with dense layers .*{re.escape(option)}.* has no "
-                                             "MaxText layout"):
+    pattern = f"ckpt: qwen3_moe with dense layers .*{re.escape(option)}.* has no MaxText layout"
+    with pytest.raises(NVFP4ToolError, match=pattern):
         layout.check_supported(_moe_config("qwen3_moe", **overrides), "ckpt")
 
 

@@ -10,6 +10,7 @@
 * The tiny qwen3_moe fixture has a dense layer (`mlp_only_layers=[1]`), which MaxText's Qwen3-MoE
   decoder cannot hold: both directions refuse it with one line naming the option. The
   Qwen3-MoE round trips use the same config with `mlp_only_layers=[]` (built here).
+* A NaN in one expert's stored values is one line naming the array, the expert and the layer.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(moe_mode
         _assert_folders_identical(folder, str(tmp_path / f"back-{name}"))
 
     config = ModelConfig.from_hf_folder(folder_fp32)
-    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(str(tmp_path / "mt-fp32" / "0" / "items"))
+    items = str(tmp_path / "mt-fp32" / "0" / "items")
+    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(items)
     _assert_trees_equal(restored["params"]["params"], _fixture_params(torch_model, config, key, scanned))
 
     # Read back expert by expert: our writer chunks experts arrays one expert (and layer) per chunk,
@@ -134,4 +136,41 @@ def test_qwen3_moe_with_dense_layers_is_refused_naming_the_option(moe_models, tm
     assert result.exit_code == 1, result.output
     message = result.output.strip().splitlines()[-1]
     assert "dense layers [1] (mlp_only_layers=[1], decoder_sparse_step=1) has no MaxText layout" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scanned,where", [(True, "decoder/layers/MoeBlock_0/wi_1 expert 2 layer 1"),
+                                           (False, "decoder/layers_1/MoeBlock_0/wi_1 expert 2")])
+def test_a_non_finite_expert_value_is_one_line_naming_array_expert_and_layer(tmp_path, scanned, where):
+    import glob
+    import os
+
+    from converters.hf import write_hf_folder
+    from converters.maxtext import write_maxtext
+    from converters.tensor_source import DictTensorSource
+    from nvfp4tool.config import ModelConfig
+
+    config = ModelConfig(family="mixtral", vocab_size=48, hidden_size=32, intermediate_size=24,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=3,
+                         num_experts_per_tok=2, norm_topk_prob=True, dtype="float32")
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32)
+               for n, s in config.expected_tensor_shapes().items()}
+    write_hf_folder(str(tmp_path / "hf"), config, DictTensorSource(tensors), dtype=None)
+    mt = str(tmp_path / "mt")
+    write_maxtext(mt, config, DictTensorSource(tensors), rope_layout="half", scan_layers=scanned)
+    # expert 2's w3 (up) of layer 1 as stored: transposed, [E, F]; find its first values on disk
+    w3 = tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    pattern = np.ascontiguousarray(w3.T).tobytes()[:16]
+    hits = [(path, data.find(pattern)) for path in glob.glob(os.path.join(mt, "**", "d", "*"), recursive=True)
+            for data in [open(path, "rb").read()] if pattern in data]
+    assert len(hits) == 1, hits
+    with open(hits[0][0], "r+b") as f:
+        f.seek(hits[0][1])
+        f.write(np.float32(np.nan).tobytes())
+    result = CliRunner().invoke(cli, ["convert", mt, str(tmp_path / "out"), "--to", "hf", "--model-config",
+                                      str(tmp_path / "hf"), "--rope-layout", "half"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (f"Error: {mt}: parameter params/params/{where} has 1 non-finite "
+                                     "value (NaN or inf), e.g. nan at index [0, 0]")
     assert not (tmp_path / "out").exists()
