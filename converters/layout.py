@@ -60,8 +60,6 @@ ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
 SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
-
-
 MAXTEXT_FAMILIES = ("llama", "mistral", "qwen3_moe", "mixtral")
 _SCALED_QUERY = ("llama", "mistral", "mixtral")  # attention with scale 1: the kernel carries 1/sqrt(D)
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
@@ -89,7 +87,8 @@ class Rule:
         return "{e}" in self.hf
 
 
-def _moe_rules(family: str, block: str, hf_block: str, projections: tuple[str, str, str]) -> tuple[Rule, ...]:
+def _moe_rules(family: str, block: str, hf_block: str,
+               projections: tuple[str, str, str]) -> tuple[Rule, ...]:
     """Router and experts of one MoE family (see the module docstring for the sources)."""
     gate, up, down = projections
     experts = f"model.layers.{{i}}.{hf_block}.experts.{{e}}"
