@@ -1,22 +1,48 @@
-"""The one HF <-> MaxText name and transform table (Llama family), used by both directions.
+"""The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
+directions.
 
-Each `Rule` names an HF tensor, the MaxText parameter path it lives at (under `params/params/`)
-and the transform between the two orientations. Per-layer rules are written relative to a decoder
-layer: scanned checkpoints keep every layer in one stacked array under `decoder/layers/` with the
-layer axis at position 1, unscanned ones use `decoder/layers_{i}/` (reference sheet section 6).
+Each `Rule` names an HF tensor, the MaxText parameter path it lives at (under `params/params/`),
+the families it applies to and the transform between the two orientations. Per-layer rules are
+written relative to a decoder layer: scanned checkpoints keep every layer in one stacked array under
+`decoder/layers/` with the layer axis at position 1, unscanned ones use `decoder/layers_{i}/`
+(reference sheet section 6).
 
 Transforms (HF -> MaxText; `maxtext_to_hf` is the exact inverse):
-  identity     embedding, norms
-  transpose    [out, in] -> [in, out]                       lm_head, gate/up/down
+  identity     embedding, norms (also Qwen3-MoE's per-head q/k norms)
+  transpose    [out, in] -> [in, out]                       lm_head, gate/up/down, routers, experts
   heads_in     [N*D, E] -> [E, N, D]                        q, k, v
   heads_out    [E, H*D] -> [H, D, E]                        o
 plus, on q and k only, the RoPE rule (`interleaved` layout: rows of each head go half-split ->
-interleaved pairs), and on q only the query scale: MaxText attention uses scale 1, so the stored
-query kernel is pre-multiplied by 1/sqrt(head_dim). The scale is applied in fp32 and undone in fp32
-(divide by the same fp32 constant): bf16 -> fp32 * s -> / s -> bf16 returns every bf16 value
-exactly (tests/test_maxtext_layout.py checks all of them); stored as bf16 (`--dtype bf16`) the
-scaled query is rounded to bf16 and the way back is no longer exact unless sqrt(head_dim) is a
-power of two (head_dim 64, 256).
+interleaved pairs), and on q only the query scale where the family's MaxText attention uses scale 1
+(llama, mistral, mixtral): the stored query kernel is pre-multiplied by 1/sqrt(head_dim). The scale
+is applied in fp32 and undone in fp32 (divide by the same fp32 constant): bf16 -> fp32 * s -> / s ->
+bf16 returns every bf16 value exactly (tests/test_maxtext_layout.py checks all of them); stored as
+bf16 (`--dtype bf16`) the scaled query is rounded to bf16 and the way back is no longer exact unless
+sqrt(head_dim) is a power of two (head_dim 64, 256).
+
+Mixture of experts (read in AI-Hypercomputer/maxtext, 2026-11-30; no code copied):
+  * Names: Mixtral's decoder layer holds its `RoutedMoE` as `MoeBlock_0` (models/mixtral.py
+    `MixtralDecoderLayer`), Qwen3-MoE's as `moe_block` (models/qwen3.py `Qwen3MoeDecoderLayer`).
+    Under it: the router `gate/kernel [E, X]` (layers/moe.py `GateLogit`, no bias unless
+    `routed_bias`, which neither family sets) and the experts as bare arrays, no `/kernel`:
+    `wi_0`, `wi_1 [X, E, F]` and `wo [X, F, E]` (layers/moe.py `RoutedMoE.__init__`), i.e. every
+    expert's HF [out, in] weight transposed and stacked on a leading experts axis. HF gate/up/down =
+    MaxText wi_0/wi_1/wo; Mixtral's w1/w3/w2 = wi_0/wi_1/wo (checkpoint_conversion/standalone_scripts/
+    llama_or_mistral_ckpt.py `_convert_huggingface_to_jax_weights`; for Qwen3-MoE
+    standalone_scripts/convert_qwen3_moe.py `convert_hf_to_maxtext` and utils/param_mapping.py
+    `QWEN_MAXTEXT_TO_HF_PARAM_MAPPING` / `..._HOOK_FN` `reshape_expert_kernel`).
+  * Scanned: the layer axis goes at position 1 as for every stacked parameter (`param_scan_axis: 1`
+    in configs/base.yml), so the router is `gate/kernel [E, L, X]` and the experts `[X, L, E, F]`
+    (experts axis 0, layers axis 1: the same two scripts build `(num_experts, num_layers, ...)`).
+    Unscanned: `decoder/layers_{i}/<block>/wi_0 [X, E, F]` (param_mapping.py, unscanned branch).
+  * Qwen3-MoE's q/k norms: `self_attention/query_norm/scale`, `key_norm/scale [D]` (identity;
+    convert_qwen3_moe.py). Its attention scales queries itself (`query_pre_attn_scalar =
+    head_dim**-0.5` in models/qwen3.py `AttentionWithNorm`), so its query kernel is stored
+    unscaled; neither the conversion scripts nor MaxText's Qwen3 RoPE permute q/k rows (half-split).
+  * MaxText's Qwen3-MoE decoder makes every layer sparse: a qwen3_moe config with dense layers
+    (`mlp_only_layers`, `decoder_sparse_step` > 1) has no MaxText layout and is rejected.
+Each expert tensor is one slice of its stored array: the reader reads one expert (and layer) at a
+time, the writer assembles the array expert by expert (converters/maxtext.py).
 """
 
 from __future__ import annotations
@@ -34,15 +60,19 @@ ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
 SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
+MAXTEXT_FAMILIES = ("llama", "mistral", "qwen3_moe", "mixtral")
+_SCALED_QUERY = ("llama", "mistral", "mixtral")  # attention with scale 1: the kernel carries 1/sqrt(D)
+EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """One HF tensor <-> one MaxText parameter."""
+    """One HF tensor <-> one MaxText parameter (or, for an expert, one slice of it)."""
 
-    hf: str  # HF name; per-layer rules contain "{i}"
+    hf: str  # HF name; per-layer rules contain "{i}", per-expert rules "{e}"
     maxtext: str  # path under params/params; per-layer rules: relative to the decoder layer
     transform: str  # "identity" | "transpose" | "heads_in" | "heads_out"
+    families: tuple[str, ...] = MAXTEXT_FAMILIES  # the model families the rule applies to
     rope: bool = False  # q and k: the RoPE row layout may differ (interleaved vs half-split)
     query_scale: bool = False  # q: MaxText stores it pre-multiplied by 1/sqrt(head_dim)
     untied_only: bool = False  # lm_head: absent when the embedding is tied
@@ -51,7 +81,25 @@ class Rule:
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        """An expert weight: slice `e` (axis 0) of a parameter that stacks all experts."""
+        return "{e}" in self.hf
 
+
+def _moe_rules(family: str, block: str, hf_block: str,
+               projections: tuple[str, str, str]) -> tuple[Rule, ...]:
+    """Router and experts of one MoE family (see the module docstring for the sources)."""
+    gate, up, down = projections
+    experts = f"model.layers.{{i}}.{hf_block}.experts.{{e}}"
+    return (Rule(f"model.layers.{{i}}.{hf_block}.gate.weight", f"{block}/gate/kernel", "transpose",
+                 (family,)),
+            Rule(f"{experts}.{gate}.weight", f"{block}/wi_0", "transpose", (family,)),
+            Rule(f"{experts}.{up}.weight", f"{block}/wi_1", "transpose", (family,)),
+            Rule(f"{experts}.{down}.weight", f"{block}/wo", "transpose", (family,)))
+
+
+_Q = "model.layers.{i}.self_attn.q_proj.weight"
 TABLE: tuple[Rule, ...] = (
     Rule("model.embed_tokens.weight", "token_embedder/embedding", "identity"),
     Rule("model.norm.weight", "decoder/decoder_norm/scale", "identity"),
@@ -59,27 +107,44 @@ TABLE: tuple[Rule, ...] = (
     Rule("model.layers.{i}.input_layernorm.weight", "pre_self_attention_layer_norm/scale", "identity"),
     Rule("model.layers.{i}.post_attention_layernorm.weight", "post_self_attention_layer_norm/scale",
          "identity"),
-    Rule("model.layers.{i}.self_attn.q_proj.weight", "self_attention/query/kernel", "heads_in",
-         rope=True, query_scale=True),
+    Rule(_Q, "self_attention/query/kernel", "heads_in", _SCALED_QUERY, rope=True, query_scale=True),
+    Rule(_Q, "self_attention/query/kernel", "heads_in", ("qwen3_moe",), rope=True),
     Rule("model.layers.{i}.self_attn.k_proj.weight", "self_attention/key/kernel", "heads_in", rope=True),
     Rule("model.layers.{i}.self_attn.v_proj.weight", "self_attention/value/kernel", "heads_in"),
     Rule("model.layers.{i}.self_attn.o_proj.weight", "self_attention/out/kernel", "heads_out"),
-    Rule("model.layers.{i}.mlp.gate_proj.weight", "mlp/wi_0/kernel", "transpose"),
-    Rule("model.layers.{i}.mlp.up_proj.weight", "mlp/wi_1/kernel", "transpose"),
-    Rule("model.layers.{i}.mlp.down_proj.weight", "mlp/wo/kernel", "transpose"),
+    Rule("model.layers.{i}.self_attn.q_norm.weight", "self_attention/query_norm/scale", "identity",
+         ("qwen3_moe",)),
+    Rule("model.layers.{i}.self_attn.k_norm.weight", "self_attention/key_norm/scale", "identity",
+         ("qwen3_moe",)),
+    Rule("model.layers.{i}.mlp.gate_proj.weight", "mlp/wi_0/kernel", "transpose", ("llama", "mistral")),
+    Rule("model.layers.{i}.mlp.up_proj.weight", "mlp/wi_1/kernel", "transpose", ("llama", "mistral")),
+    Rule("model.layers.{i}.mlp.down_proj.weight", "mlp/wo/kernel", "transpose", ("llama", "mistral")),
+    *_moe_rules("qwen3_moe", "moe_block", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    *_moe_rules("mixtral", "MoeBlock_0", "block_sparse_moe", ("w1", "w3", "w2")),
 )
 
 
 def check_supported(config: ModelConfig, label: str) -> None:
-    """Raise unless the table describes `config` (plain Llama/Mistral: no biases, no q/k norm)."""
-    if config.attention_bias or config.o_proj_bias or config.qk_norm:
-        raise NVFP4ToolError(f"{label}: the MaxText converter supports Llama-family models without "
-                             f"attention biases or q/k norms; this {config.family} model has them")
+    """Raise unless the table describes `config` (Llama/Mistral without biases, Qwen3-MoE or
+    Mixtral with every layer sparse)."""
+    if config.family not in MAXTEXT_FAMILIES:
+        raise NVFP4ToolError(f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} "
+                             f"models; this one is {config.family}")
+    if config.attention_bias or config.o_proj_bias:
+        raise NVFP4ToolError(f"{label}: the MaxText converter supports models without attention "
+                             f"biases; this {config.family} model has them")
+    dense = [i for i in range(config.num_layers) if not config.is_sparse_layer(i)]
+    if config.is_moe and dense:
+        raise NVFP4ToolError(
+            f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
+            f"{list(config.mlp_only_layers)}, decoder_sparse_step={config.decoder_sparse_step}) has no "
+            f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse")
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
-    """The rules that apply to `config` (lm_head dropped when the embedding is tied)."""
-    return [r for r in TABLE if not (r.untied_only and config.tie_word_embeddings)]
+    """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied)."""
+    return [r for r in TABLE
+            if config.family in r.families and not (r.untied_only and config.tie_word_embeddings)]
 
 
 def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
@@ -90,17 +155,40 @@ def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tupl
     return tuple(f"{prefix}/{rule.maxtext}".split("/"))
 
 
-def hf_name(rule: Rule, layer: int | None = None) -> str:
-    return rule.hf.format(i=layer) if rule.per_layer else rule.hf
+def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
+    return rule.hf.format(i=layer, e=expert) if rule.per_layer else rule.hf
+
+
+def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
+    """The expert indices one parameter of `rule` holds ([None]: not an expert weight)."""
+    return list(range(config.num_experts)) if rule.per_expert else [None]
 
 
 def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
-    """Shape of the stored parameter (the whole stack when scanned and per-layer)."""
-    hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0)]
+    """Shape of the stored parameter (the whole stack when scanned and per-layer; every expert)."""
+    hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
     shape = _forward_shape(rule, hf_shape, config)
+    if rule.per_expert:
+        shape = (config.num_experts,) + shape
     if rule.per_layer and scanned:
         shape = shape[:LAYER_AXIS] + (config.num_layers,) + shape[LAYER_AXIS:]
     return shape
+
+
+def sliced_axes(rule: Rule, *, scanned: bool) -> tuple[int, ...]:
+    """Axes of the stored parameter that one HF tensor takes a single index of: the experts axis
+    (0) and, in a scanned stack, the layer axis (1). The writer asks Orbax for chunks of size 1
+    along them, so that the reader can read one HF tensor without the rest."""
+    axes = (EXPERTS_AXIS,) if rule.per_expert else ()
+    return axes + ((LAYER_AXIS,) if rule.per_layer and scanned else ())
+
+
+def slice_index(rule: Rule, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
+    """Index of one HF tensor (layer `layer`, expert `expert`) in the stored parameter."""
+    index = (expert,) if rule.per_expert else ()
+    if rule.per_layer and scanned:
+        index = (index[0] if index else slice(None), layer)
+    return index
 
 
 def query_scale(config: ModelConfig) -> np.float32:

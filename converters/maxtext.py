@@ -4,11 +4,12 @@ Reading: `MaxTextSource(path, model_config, rope_layout)` is a `TensorSource` wi
 `<base>/<step>/items`, `<base>/<step>` or `<base>` (latest step). The tree comes from Orbax's
 metadata (nothing loaded); only `params/params` leaves are ever read (an `opt_state` is never
 touched), each straight from its zarr array in the OCDBT store with tensorstore, so one request
-reads one array -- or, for a scanned stack whose chunks hold one layer each (what `write_maxtext`
-writes), only that layer's chunks. A stack whose chunks span layers (MaxText's own saves chunk by
-bytes, not by layer) is read whole once and re-chunked one layer per chunk into a scratch folder
-(system temp, `atomic.scratch_dir`: deleted with the source, or by the next run if killed), so
-memory stays bounded by one stacked tensor and per-layer reads in any order cost one layer.
+reads one array -- or, for a scanned stack or an experts array whose chunks hold one layer / one
+expert each (what `write_maxtext` writes), only that layer's (expert's) chunks. An array whose
+chunks span layers or experts (MaxText's own saves chunk by bytes) is read whole once and re-chunked
+one layer / expert per chunk into a scratch folder (system temp, `atomic.scratch_dir`: deleted with
+the source, or by the next run if killed), so memory stays bounded by one stored array and reads in
+any order cost one HF tensor each.
 
 Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_path` expects:
 `{step, params: {params: ...}}`, OCDBT + zarr3, and the step's custom metadata `{"scan_layers":
@@ -17,8 +18,11 @@ Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_pa
 the largest one) is saved by Orbax on its own into a scratch checkpoint whose per-process OCDBT
 database is moved into the output as `ocdbt.process_<k>`; the tree metadata entries are merged and
 Orbax's own `merge_ocdbt_per_process_files` (what a multi-host save runs) joins the databases.
-Memory: one parameter group (<= the largest stacked tensor) plus Orbax's encoded copy of it, plus
-one source tensor; the result restores with plain Orbax (tests/test_maxtext.py).
+An experts array (`wi_0` etc., all experts of a layer, or of every layer when scanned) is
+assembled one source expert tensor at a time into the array it is saved from.
+Memory: one parameter group (<= the largest stored array: a scanned stack, for a MoE model the
+`[experts, layers, E, F]` experts stack) plus Orbax's encoded copy of it, plus one source tensor;
+the result restores with plain Orbax (tests/test_maxtext.py).
 
 `dtype="fp32"` (default, MaxText's weight dtype) stores every HF bf16/fp32 value exactly and the
 query scale round trip is exact for bf16 sources; `dtype="bf16"` halves the size but rounds fp32
@@ -53,7 +57,7 @@ _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # Orbax's step metadata (custom_me
 
 
 class MaxTextSource:
-    """TensorSource with HF names over a MaxText Orbax checkpoint (Llama family)."""
+    """TensorSource with HF names over a MaxText Orbax checkpoint (the families of `converters.layout`)."""
 
     def __init__(self, path: str | os.PathLike, model_config: ModelConfig, rope_layout: str) -> None:
         self._label = os.fspath(path)
@@ -83,21 +87,23 @@ class MaxTextSource:
         return list(self._index)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name)[2]
+        return self._entry(name)[3]
 
     def dtype(self, name: str) -> str:
-        return self._entry(name)[3]
+        return self._entry(name)[4]
 
     def get(self, name: str) -> np.ndarray:
         """One HF tensor; its stored values and the converted ones must be finite."""
-        rule, layer, _, dtype = self._entry(name)
+        rule, layer, expert, _, dtype = self._entry(name)
         key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
         where = f"{self._label}: parameter {_where(key)}"
+        if expert is not None:
+            where += f" expert {expert}"
         if self.scanned and rule.per_layer:
             where += f" layer {layer}"
-            y = self._read_layer(key, layer, where)
-        else:
-            y = self._read(key, where)
+        axes = layout.sliced_axes(rule, scanned=self.scanned)
+        index = layout.slice_index(rule, scanned=self.scanned, layer=layer, expert=expert)
+        y = self._read_slice(key, axes, index, where) if axes else self._read(key, where)
         check_finite(y, where)
         hf = layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
         check_finite(hf, where, after=f"after its conversion to HF tensor {name!r}")
@@ -112,8 +118,8 @@ class MaxTextSource:
             raise NVFP4ToolError(f"{self._label}: no tensor {name!r}") from None
 
     def _build_index(self, params: dict) -> dict[str, tuple]:
-        """HF name -> (rule, layer, HF shape, dtype); every parameter present with the config's
-        shape, and none the config does not describe."""
+        """HF name -> (rule, layer, expert, HF shape, dtype); every parameter present with the
+        config's shape, and none the config does not describe."""
         config = self.config
         hf_shapes = config.expected_tensor_shapes()
         index: dict[str, tuple] = {}
@@ -135,8 +141,9 @@ class MaxTextSource:
                 if dtype not in ("float32", "bfloat16", "float16"):
                     raise NVFP4ToolError(f"{self._label}: parameter {where} has dtype {dtype}; "
                                          f"expected a float type")
-                name = layout.hf_name(rule, layer)
-                index[name] = (rule, layer, hf_shapes[name], dtype)
+                for expert in layout.experts_of(rule, config):
+                    name = layout.hf_name(rule, layer, expert)
+                    index[name] = (rule, layer, expert, hf_shapes[name], dtype)
                 self._meta[key] = meta
         extra = sorted(set(_leaf_paths(params)) - set(self._meta))
         if extra:  # e.g. logits_dense with a tied config, or more layers than the config has
@@ -169,17 +176,21 @@ class MaxTextSource:
     def _read(self, key: tuple[str, ...], where: str) -> np.ndarray:
         return _fetch(self._open(key), where)
 
-    def _read_layer(self, key: tuple[str, ...], layer: int, where: str) -> np.ndarray:
+    def _read_slice(self, key: tuple[str, ...], axes: tuple[int, ...], index: tuple,
+                    where: str) -> np.ndarray:
+        """One HF tensor's slice (`index`, taking one index along each of `axes`) of a stack."""
         handle = self._open(key)
-        if handle.chunk_layout.read_chunk.shape[layout.LAYER_AXIS] != 1:
-            handle = self._restaged(key, where)
-        return _fetch(handle[(slice(None), layer)], where)
+        chunk = handle.chunk_layout.read_chunk.shape
+        if any(chunk[axis] != 1 for axis in axes):
+            handle = self._restaged(key, axes, where)
+        return _fetch(handle[index], where)
 
-    def _restaged(self, key: tuple[str, ...], where: str):
-        """A scratch copy of a stack whose chunks span layers, re-chunked one layer per chunk.
+    def _restaged(self, key: tuple[str, ...], axes: tuple[int, ...], where: str):
+        """A scratch copy of an array whose chunks span layers or experts (`axes`), re-chunked
+        one index of each of `axes` per chunk.
 
-        Each such stack is read whole once (one stacked tensor in memory) and written to the
-        scratch folder, so per-layer reads in any order cost one layer, not the whole stack.
+        Each such array is read whole once (one stored array in memory) and written to the
+        scratch folder, so reads in any order cost one HF tensor, not the whole array.
         """
         if key not in self._restaged_handles:
             import tensorstore as ts
@@ -188,8 +199,7 @@ class MaxTextSource:
                 self._scratch_dir = atomic.scratch_dir("nvfp4tool-maxtext-")
                 weakref.finalize(self, shutil.rmtree, self._scratch_dir, True)
             stacked = self._read(key, where)
-            chunk = list(stacked.shape)
-            chunk[layout.LAYER_AXIS] = 1
+            chunk = [1 if axis in axes else n for axis, n in enumerate(stacked.shape)]
             spec = {"driver": "zarr3",
                     "kvstore": {"driver": "file", "path": os.path.join(self._scratch_dir, ".".join(key))},
                     "metadata": {"shape": list(stacked.shape), "data_type": stacked.dtype.name,
@@ -235,9 +245,8 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
                                     scan_layers)
                 _set(tree, layout.PARAMS_PREFIX + key, array.view(_Borrowed))
                 del array  # the tree holds it now; dropped with the tree once saved
-                stacked = scan_layers and rule.per_layer
                 _set(save_args, layout.PARAMS_PREFIX + key, ocp.SaveArgs(
-                    chunk_byte_size=_CHUNK_BYTES, shard_axes=(layout.LAYER_AXIS,) if stacked else ()))
+                    chunk_byte_size=_CHUNK_BYTES, shard_axes=layout.sliced_axes(rule, scanned=scan_layers)))
             _save_group(ocp, tree, save_args, os.path.join(scratch, str(group_index)), items_dir,
                         group_index, tree_metadata)
             del tree, save_args
@@ -313,19 +322,21 @@ def _groups(leaves: list[tuple], budget: int) -> Iterator[list[tuple]]:
 
 def _build_leaf(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
                 shape: tuple[int, ...], out_dtype: str, rope_layout: str, scanned: bool) -> np.ndarray:
-    """The stored array of one parameter; a scanned stack is filled one source layer at a time.
-    Each converted layer must be finite."""
-    if scanned and rule.per_layer:
-        stacked = np.empty(shape, dtype=out_dtype)
-        for i in range(config.num_layers):
-            stacked[:, i] = _converted(source, config, rule, i, rope_layout, out_dtype)
-        return stacked
-    return _converted(source, config, rule, layer, rope_layout, out_dtype)
+    """The stored array of one parameter; a scanned stack or an experts array is filled one source
+    tensor (layer, expert) at a time. Each converted tensor must be finite."""
+    if not layout.sliced_axes(rule, scanned=scanned):
+        return _converted(source, config, rule, layer, None, rope_layout, out_dtype)
+    stacked = np.empty(shape, dtype=out_dtype)
+    for i in range(config.num_layers) if scanned and rule.per_layer else [layer]:
+        for e in layout.experts_of(rule, config):
+            index = layout.slice_index(rule, scanned=scanned, layer=i, expert=e)
+            stacked[index] = _converted(source, config, rule, i, e, rope_layout, out_dtype)
+    return stacked
 
 
 def _converted(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
-               rope_layout: str, out_dtype: str) -> np.ndarray:
-    name = layout.hf_name(rule, layer)
+               expert: int | None, rope_layout: str, out_dtype: str) -> np.ndarray:
+    name = layout.hf_name(rule, layer, expert)
     y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
     check_finite(y, f"{source.path}: tensor {name!r}", after=f"as stored in MaxText ({out_dtype})")
     return y

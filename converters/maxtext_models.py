@@ -8,7 +8,16 @@ llama3.1-70b and mistral-7b (no `rope_max_timescale` there -> MaxText's default 
 Mistral-7B-v0.1). llama3.2-1b/3b have no yml in the copy we could read: their numbers are Meta's
 published HF configs (Llama-3.2-1B / -3B config.json: tied embeddings, llama3 RoPE scaling
 factor 32), as are the llama3 RoPE scaling parameters of 3.1 (factor 8) and the token ids.
-RoPE layout: reference sheet section 6 -- `llama3.1-*` interleaved, every other name half-split.
+Mixture of experts: mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b and qwen3-480b-a35b
+take emb dim, heads, kv heads, layers, head dim, vocab, norm epsilon, experts, experts per token,
+(moe) mlp dim, norm_topk_prob and rope_max_timescale (-> rope_theta) from the same ymls (now under
+src/maxtext/configs/models/). The Qwen3 ymls' base_mlp_dim equals the expert width (every layer is
+sparse, so intermediate_size is unused); their rope_max_timescale (1e7, 5e6, 1e7) is that of the
+-2507 / Qwen3-Coder HF releases (the first Qwen3-30B-A3B / -235B-A22B configs say 1e6: pass their
+config.json instead). Context length, token ids and router_aux_loss_coef, which the ymls do not
+carry, are those published HF configs'.
+RoPE layout: reference sheet section 6 -- `llama3.1-*` interleaved, every other name half-split
+(MaxText's Mixtral and Qwen3-MoE conversions permute no q/k rows: see `converters.layout`).
 """
 
 from __future__ import annotations
@@ -39,7 +48,34 @@ def _llama(shape: tuple[int, int, int, int, int, int], base: dict[str, Any], **e
 _LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling=_llama3_scaling(8.0))
 _LLAMA32 = dict(_LLAMA31, tie_word_embeddings=True, rope_scaling=_llama3_scaling(32.0))
 
-# name -> HF config.json dict; (hidden, heads, kv heads, layers, mlp, head_dim)
+
+def _mixtral(shape: tuple[int, int, int, int, int, int], vocab: int, context: int,
+             aux_loss: float) -> dict[str, Any]:
+    hidden, heads, kv_heads, layers, mlp, experts = shape
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+            "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "num_hidden_layers": layers, "intermediate_size": mlp, "head_dim": 128, "vocab_size": vocab,
+            "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": context,
+            "sliding_window": None, "num_local_experts": experts, "num_experts_per_tok": 2,
+            "router_aux_loss_coef": aux_loss, "bos_token_id": 1, "eos_token_id": 2,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def _qwen3_moe(shape: tuple[int, int, int, int, int, int], rope_theta: float) -> dict[str, Any]:
+    hidden, heads, kv_heads, layers, expert_mlp, experts = shape
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+            "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "num_hidden_layers": layers, "intermediate_size": expert_mlp, "head_dim": 128,
+            "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": rope_theta,
+            "max_position_embeddings": 262144, "num_experts": experts, "num_experts_per_tok": 8,
+            "moe_intermediate_size": expert_mlp, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "attention_bias": False,
+            "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+
+
+# name -> HF config.json dict; (hidden, heads, kv heads, layers, mlp, head_dim); mixtral: (hidden,
+# heads, kv heads, layers, mlp, experts); qwen3 MoE: (hidden, heads, kv heads, layers, expert mlp, experts)
 MAXTEXT_MODELS: dict[str, dict[str, Any]] = {
     "llama2-7b": _llama((4096, 32, 32, 32, 11008, 128), _LLAMA2),
     "llama2-13b": _llama((5120, 40, 40, 40, 13824, 128), _LLAMA2),
@@ -54,6 +90,11 @@ MAXTEXT_MODELS: dict[str, dict[str, Any]] = {
                    "head_dim": 128, "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                    "max_position_embeddings": 32768, "sliding_window": 4096, "bos_token_id": 1,
                    "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "mixtral-8x7b": _mixtral((4096, 32, 8, 32, 14336, 8), 32000, 32768, 0.02),
+    "mixtral-8x22b": _mixtral((6144, 48, 8, 56, 16384, 8), 32768, 65536, 0.001),
+    "qwen3-30b-a3b": _qwen3_moe((2048, 32, 4, 48, 768, 128), 1e7),
+    "qwen3-235b-a22b": _qwen3_moe((4096, 64, 4, 94, 1536, 128), 5e6),
+    "qwen3-480b-a35b": _qwen3_moe((6144, 96, 8, 62, 2560, 160), 1e7),
 }
 
 

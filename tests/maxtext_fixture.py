@@ -2,7 +2,11 @@
 
 From a transformers model's state dict (torch tensors) it builds the MaxText parameter tree straight
 from the reference sheet's layout table (section 6) with its own transpose / reshape / RoPE / scale
-code, wraps it in a TrainState-like dict `{step, params: {params: ...}, opt_state: ...}` (a fake
+code -- for a mixture of experts from transformers' in-memory fused experts (`mlp.experts.gate_up_proj
+[X, 2F, E]`, gate rows first, and `down_proj [X, E, F]`; not the per-expert names of the files) into
+MaxText's RoutedMoE arrays as MaxText's conversion scripts lay them out (router `<block>/gate/kernel
+[E, X]`, experts `<block>/wi_0`, `wi_1 [X, E, F]`, `wo [X, F, E]`; scanned: layers on axis 1 after the
+experts), wraps it in a TrainState-like dict `{step, params: {params: ...}, opt_state: ...}` (a fake
 Adam state, so a reader that loaded it would be caught), and saves it with a plain Orbax
 `CheckpointManager` using Orbax's default handler options (OCDBT, and whatever zarr version the
 installed Orbax defaults to), scanned or unscanned.
@@ -17,8 +21,14 @@ import numpy as np
 
 
 def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int, scanned: bool,
-                                   interleaved: bool, tied: bool) -> dict:
-    """MaxText `params` collection (nested dict of fp32 numpy arrays) from an HF state dict."""
+                                   interleaved: bool, tied: bool, moe_block: str | None = None,
+                                   scale_query: bool = True) -> dict:
+    """MaxText `params` collection (nested dict of fp32 numpy arrays) from an HF state dict.
+
+    moe_block: the MaxText name of a sparse layer's RoutedMoE ("MoeBlock_0" Mixtral, "moe_block"
+    Qwen3-MoE; every layer sparse), None for a dense model. scale_query: whether the query kernel
+    carries 1/sqrt(head_dim) (not for Qwen3-MoE, whose attention scales itself). q/k norms are
+    stored when the state dict has them."""
     import torch
 
     def np32(t: "torch.Tensor") -> np.ndarray:
@@ -30,14 +40,14 @@ def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int
         if rope and interleaved:  # row j of the interleaved head is half-split row perm[j]
             perm = [j // 2 + (j % 2) * (head_dim // 2) for j in range(head_dim)]
             per_head = per_head[:, perm, :]
-        if scale:
+        if scale and scale_query:
             per_head = per_head * torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
         return np32(per_head.permute(2, 0, 1))  # [E, N, D]
 
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
         o = state_dict[p + "self_attn.o_proj.weight"]  # [E, H*D]
-        return {
+        params = {
             "pre_self_attention_layer_norm": {"scale": np32(state_dict[p + "input_layernorm.weight"])},
             "post_self_attention_layer_norm": {"scale": np32(state_dict[p + "post_attention_layernorm.weight"])},
             "self_attention": {
@@ -46,12 +56,27 @@ def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int
                 "value": {"kernel": heads_in(state_dict[p + "self_attn.v_proj.weight"], False, False)},
                 "out": {"kernel": np32(o.reshape(o.shape[0], -1, head_dim).permute(1, 2, 0))},  # [H, D, E]
             },
-            "mlp": {
+        }
+        if p + "self_attn.q_norm.weight" in state_dict:
+            attention = params["self_attention"]
+            attention["query_norm"] = {"scale": np32(state_dict[p + "self_attn.q_norm.weight"])}
+            attention["key_norm"] = {"scale": np32(state_dict[p + "self_attn.k_norm.weight"])}
+        if moe_block is None:
+            params["mlp"] = {
                 "wi_0": {"kernel": np32(state_dict[p + "mlp.gate_proj.weight"].t())},
                 "wi_1": {"kernel": np32(state_dict[p + "mlp.up_proj.weight"].t())},
                 "wo": {"kernel": np32(state_dict[p + "mlp.down_proj.weight"].t())},
-            },
-        }
+            }
+        else:
+            gate_up = state_dict[p + "mlp.experts.gate_up_proj"]  # [X, 2F, E]: gate rows, then up rows
+            F = gate_up.shape[1] // 2
+            params[moe_block] = {
+                "gate": {"kernel": np32(state_dict[p + "mlp.gate.weight"].t())},  # [E, X]
+                "wi_0": np32(gate_up[:, :F].permute(0, 2, 1)),  # [X, E, F]
+                "wi_1": np32(gate_up[:, F:].permute(0, 2, 1)),
+                "wo": np32(state_dict[p + "mlp.experts.down_proj"].permute(0, 2, 1)),  # [X, F, E]
+            }
+        return params
 
     decoder: dict = {"decoder_norm": {"scale": np32(state_dict["model.norm.weight"])}}
     if not tied:

@@ -1,8 +1,10 @@
 """Peak memory of HF -> MaxText -> HF stays bounded by the largest stacked tensor.
 
-A child process converts a synthetic fp32 model (~1.3 GB; largest stacked tensor, mlp wi_0/wi_1/wo
-[1024, 16, 4096], 268 MB) to a scanned MaxText checkpoint and back, then reports its peak RSS
-(VmHWM). The fixed overhead is measured in the same child first: the peak after importing
+A child process converts a synthetic fp32 model to a scanned MaxText checkpoint and back, then
+reports its peak RSS (VmHWM): a Llama (~1.3 GB; largest stacked tensor, mlp wi_0/wi_1/wo
+[1024, 16, 4096], 268 MB) and a Mixtral (~1.2 GB; largest, the experts stacks wi_0/wi_1/wo
+[8 experts, 8 layers, 1024, 1024], 268 MB, assembled and read back one expert at a time). The
+fixed overhead is measured in the same child first: the peak after importing
 jax/orbax/tensorstore and converting a tiny model both ways (thread pools, allocator arenas).
 The bound asserted: peak - overhead < 2.5 x the largest stacked tensor.
 """
@@ -19,16 +21,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# family -> (tiny, big) config fields beyond hidden/mlp/layers/vocab
+_MIXTRAL = dict(family="mixtral", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+CASES = {"llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
+         "mixtral": ((256, 256, 2, 512, _MIXTRAL), (1024, 1024, 8, 32768, _MIXTRAL))}
+
+
 @pytest.mark.slow
-def test_hf_maxtext_hf_peak_rss_is_bounded_by_the_largest_stacked_tensor(tmp_path):
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path)],
+@pytest.mark.parametrize("family", CASES)
+def test_hf_maxtext_hf_peak_rss_is_bounded_by_the_largest_stacked_tensor(tmp_path, family):
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path), family],
                             capture_output=True, text=True, timeout=600, cwd=ROOT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     print(report)
     largest = report["largest_stacked_bytes"]
-    assert largest == 1024 * 16 * 4096 * 4
+    assert largest == 1024 * 16 * 4096 * 4 == 8 * 8 * 1024 * 1024 * 4
     assert report["tensors_equal"]
     used = report["peak_bytes"] - report["overhead_bytes"]
     assert used < 2.5 * largest, report
@@ -42,9 +51,11 @@ def _rss(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _child(workdir: str) -> None:
+def _child(workdir: str, family: str) -> None:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import dataclasses
+
     import numpy as np
     import orbax.checkpoint  # noqa: F401
     import tensorstore  # noqa: F401
@@ -53,16 +64,16 @@ def _child(workdir: str) -> None:
     from converters.convert import convert_checkpoint
     from converters.hf import HFFolderSource
 
-    tiny = synthetic_config(hidden=256, mlp=512, layers=2, vocab=512, dtype="float32")
-    big = synthetic_config(hidden=1024, mlp=4096, layers=16, vocab=32768, dtype="float32")
+    tiny, big = (dataclasses.replace(synthetic_config(hidden=h, mlp=f, layers=n, vocab=v, dtype="float32"),
+                                     **fields) for h, f, n, v, fields in CASES[family])
     for name, config in (("tiny", tiny), ("big", big)):
         # the source is written in a separate process so its tensors never count here
         subprocess.run([sys.executable, "-c", (
-            "import sys; sys.path[:0] = [%r, %r]; from bench_convert import *; "
-            "write_synthetic_hf_folder(%r, synthetic_config(hidden=%d, mlp=%d, layers=%d, vocab=%d, "
-            "dtype='float32'))") % (ROOT, os.path.join(ROOT, "scripts"), os.path.join(workdir, name),
-                                   config.hidden_size, config.intermediate_size, config.num_layers,
-                                   config.vocab_size)], check=True)
+            "import sys, json; sys.path[:0] = [%r, %r]; from bench_convert import *; "
+            "from nvfp4tool.config import ModelConfig; "
+            "write_synthetic_hf_folder(%r, ModelConfig.from_hf_config(json.loads(%r)))")
+            % (ROOT, os.path.join(ROOT, "scripts"), os.path.join(workdir, name),
+               json.dumps(config.to_hf_config()))], check=True)
     report = {"rss_after_imports": _rss("VmRSS")}
     for name in ("tiny", "big"):
         hf = os.path.join(workdir, name)
@@ -71,7 +82,8 @@ def _child(workdir: str) -> None:
         if name == "tiny":
             report["overhead_bytes"] = _rss("VmHWM")
     report["peak_bytes"] = _rss("VmHWM")
-    report["largest_stacked_bytes"] = big.hidden_size * big.num_layers * big.intermediate_size * 4
+    report["largest_stacked_bytes"] = (max(big.num_experts, 1) * big.hidden_size * big.num_layers
+                                       * big.intermediate_size * 4)
     original, back = HFFolderSource(os.path.join(workdir, "big")), HFFolderSource(os.path.join(workdir, "big-back"))
     report["tensors_equal"] = all(
         np.array_equal(original.get(n), back.get(n)) if not n.endswith("q_proj.weight") else
@@ -81,4 +93,4 @@ def _child(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    _child(sys.argv[1], sys.argv[2])

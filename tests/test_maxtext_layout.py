@@ -4,6 +4,7 @@ the RoPE permutation, and the MaxText model-name configs (no torch, no Orbax).""
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -91,11 +92,65 @@ def test_kernel_orientation_matches_the_sheet():
     np.testing.assert_allclose(np.einsum("hd,hde->e", a_HxD, out_HxDxE), w_o @ a_HxD.reshape(-1), atol=1e-12)
 
 
+def _moe_config(family: str, **overrides) -> ModelConfig:
+    """3 experts of width 20, 2 layers, head_dim 8 (mixtral: experts use intermediate_size)."""
+    base = dict(family=family, vocab_size=40, hidden_size=24, intermediate_size=20, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=8, num_experts=3, num_experts_per_tok=2,
+                norm_topk_prob=True)
+    if family == "qwen3_moe":
+        base.update(qk_norm=True, moe_intermediate_size=20)
+    return ModelConfig(**{**base, **overrides})
+
+
+# MaxText's RoutedMoE arrays (E 24, X 3 experts, F 20, L 2), as MaxText's conversion scripts
+# build them: router kernel [E, X], experts [X, E, F] / [X, F, E]; scanned: layers at axis 1.
+_MOE_SHAPES = {"gate/kernel": ((24, 3), (24, 2, 3)), "wi_0": ((3, 24, 20), (3, 2, 24, 20)),
+               "wi_1": ((3, 24, 20), (3, 2, 24, 20)), "wo": ((3, 20, 24), (3, 2, 20, 24))}
+
+
+@pytest.mark.parametrize("family,block,query_scaled", [("mixtral", "MoeBlock_0", True),
+                                                       ("qwen3_moe", "moe_block", False)])
+def test_moe_rules_cover_every_tensor_with_maxtexts_shapes_and_round_trip(family, block, query_scaled):
+    config = _moe_config(family)
+    rules = layout.rules_for(config)
+    names = [layout.hf_name(r, i, e) for r in rules for i in ([None] if not r.per_layer else range(2))
+             for e in layout.experts_of(r, config)]
+    assert sorted(names) == sorted(config.expected_tensor_shapes())  # every tensor once, none extra
+    rng = np.random.default_rng(2)
+    for rule in rules:
+        if rule.maxtext.startswith(block):
+            part = rule.maxtext.removeprefix(block + "/")
+            assert (layout.maxtext_shape(rule, config, scanned=False),
+                    layout.maxtext_shape(rule, config, scanned=True)) == _MOE_SHAPES[part]
+            assert layout.sliced_axes(rule, scanned=True) == ((0, 1) if rule.per_expert else (1,))
+        x = rng.standard_normal(config.expected_tensor_shapes()[layout.hf_name(rule, 0, 2)])
+        x = x.astype(ml_dtypes.bfloat16)
+        y = layout.hf_to_maxtext(rule, x, config, "half", "float32")
+        back = layout.maxtext_to_hf(rule, y, config, "half", "bfloat16")
+        assert back.view(np.uint16).tolist() == x.view(np.uint16).tolist(), rule.hf
+        if rule.hf.endswith("q_proj.weight"):  # qwen3's attention scales queries itself
+            unscaled = x.astype(np.float32).T.reshape(24, 4, 8)
+            scale = np.float32(1 / math.sqrt(8)) if query_scaled else np.float32(1)
+            np.testing.assert_array_equal(y, unscaled * scale)
+
+
+@pytest.mark.parametrize("overrides,option", [(dict(mlp_only_layers=(1,)), "mlp_only_layers=[1]"),
+                                              (dict(decoder_sparse_step=2), "decoder_sparse_step=2")])
+def test_qwen3_moe_with_dense_layers_has_no_maxtext_layout(overrides, option):
+    from nvfp4tool.errors import NVFP4ToolError
+
+    pattern = f"ckpt: qwen3_moe with dense layers .*{re.escape(option)}.* has no MaxText layout"
+    with pytest.raises(NVFP4ToolError, match=pattern):
+        layout.check_supported(_moe_config("qwen3_moe", **overrides), "ckpt")
+
+
 # Published parameter counts (HF model cards / config arithmetic), tied embeddings counted once.
 _PARAMETERS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama3-8b": 8_030_261_248,
                "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
                "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
-               "mistral-7b": 7_241_732_096}
+               "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
+               "mixtral-8x22b": 140_630_071_296, "qwen3-30b-a3b": 30_532_122_624,
+               "qwen3-235b-a22b": 235_093_634_560, "qwen3-480b-a35b": 480_154_875_392}
 
 
 @pytest.mark.parametrize("name", sorted(maxtext_models.MAXTEXT_MODELS))
