@@ -74,7 +74,8 @@ class StepFns:
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
         # which parts the loss reports (none, or the MoE aux loss): from its shapes, traced only
-        part_shapes = jax.eval_shape(self.loss, state["params"], windows_AxBxT1[0], key, bf16_scope)[1][1]
+        part_shapes = jax.eval_shape(lambda p, w: self.loss(p, w, key, bf16_scope), state["params"],
+                                     windows_AxBxT1[0])[1][1]
         no_parts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), part_shapes)
         no_amax = {n: jnp.zeros((), jnp.float32) for n in self.quantized}
         (grad_sum, loss_sum, parts_sum, amax_now), _ = jax.lax.scan(
