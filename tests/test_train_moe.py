@@ -88,10 +88,11 @@ def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_
                 assert value == 0.0 if e == last else value > 0, (layer, e, proj)
 
 
-# (model: an HF fixture key or a preset name, rebuilt with the tokenizer's vocabulary)
+# model: an HF fixture (rebuilt with the tokenizer's vocabulary) or a preset; ~2.5 min each on 2 CPUs
 RUNS = ["qwen3_moe", "mixtral", "tiny-moe"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", RUNS)
 def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
     source = model if model.startswith("tiny") else build_tiny_model(
