@@ -7,7 +7,8 @@ The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
                   newest first (export takes the max),
      "step":      int32, optimizer steps taken}
 A step runs `grad_accum` micro-batches (a `lax.scan`), averages their gradients, clips, updates,
-and reports loss, gradient norm and whether both were finite; the caller decides what a
+and reports loss (an MoE model: with its weighted load-balancing loss, also reported unweighted as
+"aux_loss"), gradient norm and whether both were finite; the caller decides what a
 non-finite step means (the returned state is then not to be used).
 """
 
@@ -130,7 +131,8 @@ def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn) -> tupl
     load-balancing loss (transformers' model loss with `output_router_logits=True`).
 
     Returns (loss, parts): parts = {"aux_loss": the unweighted load-balancing loss} for an MoE
-    model, {} otherwise.
+    model, {} otherwise. Call it under a transformation (jit / grad), as the steps do: the router
+    logits are recorded at trace time.
     """
     config = model.config
     router_logits: dict[str, jax.Array] = {}
