@@ -50,14 +50,15 @@ FAMILY_KEYS = tuple(TINY_SPECS)
 
 
 def build_tiny_model(key: str, out_dir: str, *, dtype: str = "float32", seed: int = 0,
-                     max_shard_size: str | None = None) -> str:
-    """Build the tiny `key` model (seeded), save it with `save_pretrained` into `out_dir`.
+                     max_shard_size: str | None = None, overrides: dict[str, Any] | None = None) -> str:
+    """Build the tiny `key` model (seeded; config kwargs `overrides` on top of its spec), save it with
+    `save_pretrained` into `out_dir`.
 
     Also writes a small tokenizer_config.json so folder copies can be checked. Returns out_dir.
     """
     import torch
 
-    model = build_torch_model(key, seed=seed)
+    model = build_torch_model(key, seed=seed, overrides=overrides)
     model = model.to(getattr(torch, dtype))
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
@@ -67,13 +68,13 @@ def build_tiny_model(key: str, out_dir: str, *, dtype: str = "float32", seed: in
     return out_dir
 
 
-def build_torch_model(key: str, *, seed: int = 0):
+def build_torch_model(key: str, *, seed: int = 0, overrides: dict[str, Any] | None = None):
     """The tiny `key` model as a transformers fp32 `*ForCausalLM` in eval mode (eager attention)."""
     import torch
     import transformers
 
     config_class_name, kwargs = TINY_SPECS[key]
-    config = getattr(transformers, config_class_name)(**kwargs)
+    config = getattr(transformers, config_class_name)(**dict(kwargs, **(overrides or {})))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -1,7 +1,9 @@
 """Run metrics: `metrics.jsonl` (one JSON object per step), loss-curve PNGs, run overlays.
 
 Each line: {"step" (from 1), "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} plus
-"eval_loss" on evaluation steps and "skipped": true for a skipped non-finite step.
+"aux_loss" for an MoE model (the routers' load-balancing loss, unweighted; "loss" includes it times
+`router_aux_loss_coef`), "eval_loss" on evaluation steps and "skipped": true for a skipped
+non-finite step.
 """
 
 from __future__ import annotations

@@ -1,24 +1,23 @@
-"""Named model sizes for pretraining from scratch (Llama 3 shape: GQA, SwiGLU, RoPE 500k), and
-tiny mixture-of-experts shapes of the two MoE families (Qwen3-MoE, Mixtral) for quick MoE runs."""
+"""Named model sizes for pretraining from scratch (Llama 3 shape: GQA, SwiGLU, RoPE 500k; the MoE
+sizes swap each MLP for 8 SwiGLU experts with top-2 routing: Qwen3-MoE or Mixtral)."""
 
 from __future__ import annotations
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 
-# name -> (family, hidden E, layers L, heads H, kv heads KV, head dim D, MLP / expert width F,
-#          MoE fields); every width a multiple of 16 (NVFP4 blocks)
-PRESETS = {
-    "tiny": ("llama", 128, 4, 4, 2, 32, 384, {}),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
-    "100m": ("llama", 768, 12, 12, 4, 64, 2048, {}),  # ~85M + embeddings: a GPU-sized pretraining run
-    # Qwen3-MoE: 8 experts of width 64, top-2 renormalised (q/k norm as Qwen3)
-    "tiny-moe": ("qwen3_moe", 128, 4, 4, 2, 32, 64, dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-        qk_norm=True, router_aux_loss_coef=0.001)),
-    # Mixtral: 4 experts of width 128, top-2
-    "tiny-mixtral": ("mixtral", 128, 4, 4, 2, 32, 128, dict(
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02)),
+# name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP width F); all multiples of 16
+_SHAPES = {
+    "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
+    "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
 }
+# MoE sizes: name -> (shape, ModelConfig fields); experts 96 wide (F: mixtral's experts use it)
+_TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
+_MOE = {
+    "tiny-moe": ("tiny", dict(_TINY_EXPERTS, family="qwen3_moe", qk_norm=True, moe_intermediate_size=96)),
+    "tiny-mixtral": ("tiny", dict(_TINY_EXPERTS, family="mixtral", intermediate_size=96)),
+}
+PRESETS = (*_SHAPES, *_MOE)
 
 
 def preset_config(name: str, vocab_size: int, max_position_embeddings: int) -> ModelConfig:
@@ -26,8 +25,10 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int) -> M
     if name not in PRESETS:
         raise NVFP4ToolError(f"unknown model size {name!r}; sizes: {', '.join(PRESETS)} (or pass an "
                              "HF folder or a MaxText checkpoint)")
-    family, E, L, H, KV, D, F, moe = PRESETS[name]
-    return ModelConfig(family=family, vocab_size=vocab_size, hidden_size=E, intermediate_size=F,
-                       num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
-                       tie_word_embeddings=False, dtype="bfloat16", **moe)
+    shape, fields = _MOE.get(name, (name, {}))
+    E, L, H, KV, D, F = _SHAPES[shape]
+    llama = dict(family="llama", vocab_size=vocab_size, hidden_size=E, intermediate_size=F,
+                 num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
+                 tie_word_embeddings=False, dtype="bfloat16")
+    return ModelConfig(**dict(llama, **fields))

@@ -7,7 +7,8 @@ The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
                   newest first (export takes the max),
      "step":      int32, optimizer steps taken}
 A step runs `grad_accum` micro-batches (a `lax.scan`), averages their gradients, clips, updates,
-and reports loss, gradient norm and whether both were finite; the caller decides what a
+and reports loss (an MoE model: with its weighted load-balancing loss, also reported unweighted as
+"aux_loss"), gradient norm and whether both were finite; the caller decides what a
 non-finite step means (the returned state is then not to be used).
 """
 
@@ -23,7 +24,9 @@ import optax
 from flax import nnx
 
 from nvfp4tool.model import forward
+from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.recipes.precision import RecipeConfig, group_amax, make_linear
+from nvfp4tool.train.moe_loss import load_balancing_loss, recording_router_logits
 
 State = dict[str, Any]
 
@@ -48,13 +51,13 @@ class StepFns:
                 "step": jnp.zeros((), jnp.int32)}
 
     def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none"):
-        """(mean next-token cross-entropy in fp32, {quantized linear: max|input|})."""
+        """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts))."""
         model = nnx.merge(self.graphdef, params)
         amax_by_group = group_amax({n: linear_weight(model, n) for n in self.quantized})
         input_amax: dict[str, jax.Array] = {}
         linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope)
-        logits_BxTxV = forward(model, windows_BxT1[:, :-1], linear=linear)
-        return cross_entropy(logits_BxTxV, windows_BxT1[:, 1:]), input_amax
+        loss, parts = training_loss(model, windows_BxT1, linear)
+        return loss, (input_amax, parts)
 
     def train_step(self, state: State, windows_AxBxT1: jax.Array, key: jax.Array,
                    bf16_scope: str = "none") -> tuple[State, dict[str, jax.Array]]:
@@ -62,17 +65,22 @@ class StepFns:
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
 
         def micro(carry, inputs):
-            grad_sum, loss_sum, amax_max = carry
+            grad_sum, loss_sum, parts_sum, amax_max = carry
             index, windows = inputs
-            (loss, amax), grads = grad_fn(state["params"], windows, jax.random.fold_in(key, index),
-                                          bf16_scope)
+            (loss, (amax, parts)), grads = grad_fn(state["params"], windows,
+                                                   jax.random.fold_in(key, index), bf16_scope)
             amax_max = {n: jnp.maximum(amax_max[n], amax.get(n, 0.0)) for n in amax_max}
-            return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, amax_max), None
+            return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss,
+                    jax.tree.map(jnp.add, parts_sum, parts), amax_max), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        # which parts the loss reports (none, or the MoE aux loss): from its shapes, traced only
+        part_shapes = jax.eval_shape(lambda p, w: self.loss(p, w, key, bf16_scope), state["params"],
+                                     windows_AxBxT1[0])[1][1]
+        no_parts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), part_shapes)
         no_amax = {n: jnp.zeros((), jnp.float32) for n in self.quantized}
-        (grad_sum, loss_sum, amax_now), _ = jax.lax.scan(
-            micro, (zeros, jnp.zeros((), jnp.float32), no_amax),
+        (grad_sum, loss_sum, parts_sum, amax_now), _ = jax.lax.scan(
+            micro, (zeros, jnp.zeros((), jnp.float32), no_parts, no_amax),
             (jnp.arange(self.grad_accum), windows_AxBxT1))
         grads = jax.tree.map(lambda g: g / self.grad_accum, grad_sum)
         loss = loss_sum / self.grad_accum
@@ -85,7 +93,8 @@ class StepFns:
             "step": state["step"] + 1,
         }
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        parts = {n: total / self.grad_accum for n, total in parts_sum.items()}
+        return new_state, {"loss": loss, **parts, "grad_norm": grad_norm, "finite": finite}
 
     def eval_loss(self, params, windows_BxT1: jax.Array, bf16_scope: str = "none") -> jax.Array:
         """The recipe's forward (no gradient, so no stochastic rounding) on held-out windows."""
@@ -114,6 +123,27 @@ def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr
     return optax.join_schedules(
         [optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr),
          optax.linear_schedule(lr, end, decay)], [max(warmup, 1), max(warmup, 1) + stable])
+
+
+def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn) -> tuple[jax.Array, dict]:
+    """The loss the optimizer minimizes on windows [B, T+1] (tokens 0..T-1 predict 1..T): the mean
+    next-token cross-entropy, plus, for an MoE model, `router_aux_loss_coef` x the routers'
+    load-balancing loss (transformers' model loss with `output_router_logits=True`).
+
+    Returns (loss, parts): parts = {"aux_loss": the unweighted load-balancing loss} for an MoE
+    model, {} otherwise. Call it under a transformation (jit / grad), as the steps do: the router
+    logits are recorded at trace time.
+    """
+    config = model.config
+    router_logits: dict[str, jax.Array] = {}
+    if config.is_moe:
+        linear = recording_router_logits(linear, config.router_names(), router_logits)
+    logits_BxTxV = forward(model, windows_BxT1[:, :-1], linear=linear)
+    loss = cross_entropy(logits_BxTxV, windows_BxT1[:, 1:])
+    if not config.is_moe:
+        return loss, {}
+    aux = load_balancing_loss(list(router_logits.values()), config.num_experts_per_tok)
+    return loss + config.router_aux_loss_coef * aux, {"aux_loss": aux}
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

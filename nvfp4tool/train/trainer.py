@@ -118,7 +118,7 @@ def train(config: TrainConfig) -> TrainResult:
             truncate_metrics(out, start_step)
             progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
                           f"{out}: no checkpoint yet; restarting the run from step 0")
-        _report_precision_map(pmap, recipe.name)
+        _report_precision_map(pmap, recipe.name, model_config.router_names())
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
     checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
@@ -151,6 +151,8 @@ def train(config: TrainConfig) -> TrainResult:
             record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
                       "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time,
                       "step_time_s": step_time}
+            if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
+                record["aux_loss"] = float(metrics["aux_loss"])
             if not finite:
                 if config.on_nonfinite == "stop":
                     last = checkpoints.latest_step()
@@ -174,7 +176,9 @@ def train(config: TrainConfig) -> TrainResult:
             if _due(step, config.checkpoint_every, config.steps):
                 checkpoints.save(step, state, {"step": step, "seed": config.seed,
                                                "batches_seen": step, "config": config.to_dict()})
-            task.advance(fields={"loss": f"{loss:.4f}", "tokens/s": f"{record['tokens_per_s']:,.0f}"})
+            aux_field = {"aux": f"{record['aux_loss']:.4f}"} if "aux_loss" in record else {}
+            task.advance(fields={"loss": f"{loss:.4f}", **aux_field,
+                                 "tokens/s": f"{record['tokens_per_s']:,.0f}"})
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
 
@@ -402,13 +406,16 @@ def _write_start(out: Path, config: TrainConfig, job: _Prepared) -> None:
         job.record.write(tmp)
 
 
-def _report_precision_map(pmap: dict[str, str], recipe: str) -> None:
+def _report_precision_map(pmap: dict[str, str], recipe: str, routers: list[str]) -> None:
     counts: dict[str, int] = {}
     for precision in pmap.values():
         counts[precision] = counts.get(precision, 0) + 1
-    kept = sorted({n.rsplit(".", 2)[0] for n, p in pmap.items() if p == "bf16" and n != "lm_head"})
+    always = ["lm_head"] + (["the MoE routers"] if routers else [])
+    # the blocks holding a BF16 linear (apart from the routers, which always are)
+    kept = sorted({".".join(n.split(".")[:3]) for n, p in pmap.items()
+                   if p == "bf16" and n != "lm_head" and n not in routers}, key=lambda b: int(b.split(".")[2]))
     progress.info(f"recipe {recipe}: " + ", ".join(f"{n} linear layers in {p}" for p, n in sorted(counts.items()))
-                  + f"; kept in bf16: lm_head{', ' if kept else ''}{', '.join(kept)}")
+                  + f"; kept in bf16: {', '.join(always + kept)}")
 
 
 def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, graphdef, state,
