@@ -89,7 +89,7 @@ def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_
 
 
 # model: an HF fixture (rebuilt with the tokenizer's vocabulary) or a preset; ~2.5 min each on 2 CPUs
-RUNS = ["qwen3_moe", "mixtral", "tiny-moe"]
+RUNS = ["mixtral"]  # the Qwen3-MoE preset trains in tests/test_moe_pipeline.py
 
 
 @pytest.mark.slow
