@@ -6,8 +6,9 @@ Streaming and atomic:
 1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
-2. Input amax: the run's tracked amax, else calibration (`calibrate.py`); a fused group shares
-   the max over its members (one input scale per GEMM).
+2. Input amax: the run's tracked amax, else calibration (`calibrate.py`; MoE experts calibrate
+   on all their layer's tokens); a fused group shares the max over its members (one input scale
+   per GEMM).
 3. The output layout (names, dtypes, shapes) comes from the layout's spec (`nvfp4tool.formats`)
    up front and is split into shards of at most `max_shard_size` (a module's tensors stay
    together); each shard is written tensor by tensor: a quantized module is read, quantized
@@ -295,13 +296,14 @@ def _input_amax(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
     if options.calib_data is None:
         raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
                              "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
-    from nvfp4tool.export.calibrate import calibrate_input_amax
+    from nvfp4tool.export.calibrate import calibrate
 
-    amax = calibrate_input_amax(source.config, source.tensors, plan.quantized, options.calib_data,
-                                samples=options.calib_samples, seq_len=options.calib_seq_len,
-                                tokenizer_dir=source.aux_dir, offload=options.offload)
-    return amax, "calibration", provenance.calibration_record(
-        options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len)
+    result = calibrate(source.config, source.tensors, plan.quantized, options.calib_data,
+                       samples=options.calib_samples, seq_len=options.calib_seq_len,
+                       tokenizer_dir=source.aux_dir, offload=options.offload)
+    return result.input_amax, "calibration", provenance.calibration_record(
+        options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
+        routed_tokens=result.routed_tokens)
 
 
 def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec) -> tuple[str, list]:
