@@ -16,6 +16,7 @@ the source; transformers + compressed-tensors loads the export (what it does wit
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 
@@ -343,3 +344,19 @@ def test_transformers_loads_our_moe_export(moe, key):
     if not scaled_right:
         pytest.skip("transformers 5.24 + compressed-tensors 0.20.1 load fused MoE experts without their "
                     "weight_global_scale and drop their input_global_scale (peer limitation)")
+
+
+# ------------------------------------------------------------------------------------ validate
+
+
+@pytest.mark.slow
+def test_validate_runs_on_a_moe_export(moe):
+    """validate (layerwise BF16 source vs the served export, experts routed as the model routes)."""
+    fmt = "compressed-tensors"  # the layout whose global scales are reciprocals (~1 min per layout)
+    result = CliRunner().invoke(cli, ["validate", moe["qwen3_moe", fmt], "--reference", "bf16", "--source",
+                                      moe["qwen3_moe"], "--data", moe["calib"], "--samples", str(SAMPLES),
+                                      "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--prompts", "1",
+                                      "--prompt-len", "4", "--gen-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(open(os.path.join(moe["qwen3_moe", fmt], "validation.json")).read())
+    assert any(".experts.7." in layer["name"] for layer in record["layers"])  # the unrouted expert too
