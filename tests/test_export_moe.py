@@ -34,6 +34,7 @@ from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.simulate import load_export
+from nvfp4tool.hub.card import build_model_card
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.records.export import ExportRecord
 from test_check_corruptions import Folder
@@ -119,7 +120,10 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
         prefix = router.removesuffix(".gate") + ".experts."
         counts = [n for x, n in calibration.routed_tokens.items() if x.startswith(prefix)]
         assert sum(counts) == SAMPLES * SEQ_LEN * config.num_experts_per_tok
-    assert check_checkpoint(folder).ok
+    report = check_checkpoint(folder)
+    assert report.ok
+    card = build_model_card(folder, report, repo_id="org/tiny-moe", validation=None)
+    assert f"| MoE experts | all-experts calibration; {len(calibration.unrouted_experts)} of " in card
 
 
 def test_export_names_the_experts_without_routed_tokens(moe, tmp_path):
