@@ -138,6 +138,27 @@ def test_export_names_the_experts_without_routed_tokens(moe, tmp_path):
     assert result.output.count("warning: calibration routed no token to ") == config.num_layers
 
 
+def test_export_refuses_an_input_that_calibration_saw_only_as_zeros(moe, tmp_path):
+    """An expert whose gate and up weights are zero feeds its down projection only zeros, even with
+    all experts calibrated: no input scale can be calibrated (a placeholder 1.0 would be served)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = str(tmp_path / "src")
+    shutil.copytree(moe["qwen3_moe"], src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for proj in ("gate_proj", "up_proj"):
+        tensors[f"model.layers.2.mlp.experts.3.{proj}.weight"] = torch.zeros_like(
+            tensors[f"model.layers.2.mlp.experts.3.{proj}.weight"])
+    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "out"), "--calib-data", moe["calib"],
+                                      "--calib-samples", str(SAMPLES), "--calib-seq-len", str(SEQ_LEN)])
+    assert result.exit_code == 1, result.output
+    assert ("calibration: the input of model.layers.2.mlp.experts.3.down_proj was zero on every calibration "
+            "token") in result.output
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize("key,fmt", CASES)
 def test_fp8_export_of_moe(moe, tmp_path, key, fmt):
     out = str(tmp_path / "fp8")

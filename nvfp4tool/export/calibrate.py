@@ -101,6 +101,9 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     for name, value in amax.items():
         if not np.isfinite(value):
             raise NVFP4ToolError(f"calibration: the input of {name} has a non-finite amax ({value})")
+        if value == 0:  # its input scale would be a placeholder (1.0), silently wrong when served
+            raise NVFP4ToolError(f"calibration: the input of {name} was zero on every calibration token; "
+                                 f"pass other --calib-data or keep it in BF16 (--keep-bf16)")
     for expert, count in routed.items():
         if count == 0:
             progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
