@@ -258,13 +258,17 @@ def test_compressed_tensors_converter_on_our_modelopt_moe_export_gives_our_ct_ex
         assert other.dtype == tensor.dtype, name
         assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
         assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name
-    # our convert-format gives the direct export, byte for byte (every shard)
-    converted = str(tmp_path / "ct")
-    result = CliRunner().invoke(cli, ["convert-format", moe[key, "modelopt"], converted, "--to", "compressed-tensors"])
-    assert result.exit_code == 0, result.output
-    for shard in sorted(glob.glob(os.path.join(moe[key, "compressed-tensors"], "*.safetensors"))):
-        with open(shard, "rb") as a, open(os.path.join(converted, os.path.basename(shard)), "rb") as b:
-            assert a.read() == b.read(), shard
+    # our convert-format gives the direct export, byte for byte (every shard), both ways
+    for src, to in (("modelopt", "compressed-tensors"), ("compressed-tensors", "modelopt")):
+        converted = str(tmp_path / to)
+        result = CliRunner().invoke(cli, ["convert-format", moe[key, src], converted, "--to", to])
+        assert result.exit_code == 0, result.output
+        shards = sorted(glob.glob(os.path.join(moe[key, to], "*.safetensors")))
+        assert [os.path.basename(f) for f in shards] == sorted(
+            os.path.basename(f) for f in glob.glob(os.path.join(converted, "*.safetensors")))
+        for shard in shards:
+            with open(shard, "rb") as a, open(os.path.join(converted, os.path.basename(shard)), "rb") as b:
+                assert a.read() == b.read(), shard
 
 
 @pytest.mark.peers
