@@ -217,11 +217,27 @@ def _expert_missing(d: Folder, config: ModelConfig) -> str:
     return f"{expert}.{config.expert_projections[0]}.weight"
 
 
+def _expert_unquantized(d: Folder, config: ModelConfig) -> str:
+    """One expert shipped in BF16 although the exclusion lists do not name it."""
+    expert = _experts(config)[3][2]
+    shapes = config.expected_tensor_shapes()
+    for proj in config.expert_projections:
+        module = f"{expert}.{proj}"
+        d.add(f"{module}.weight_bf16", np.zeros(shapes[f"{module}.weight"], "bfloat16") + 0.01,
+              like=d.name(module, "weight"))
+        for suffix in d.spec.suffixes:
+            d.drop(f"{module}.{suffix}")
+            d.edit_json("model.safetensors.index.json", lambda j: j["weight_map"].pop(f"{module}.{suffix}"))
+        d.rename(f"{module}.weight_bf16", f"{module}.weight")
+    return f"{expert}.{config.expert_projections[0]}.weight"
+
+
 DEFECTS = [  # (id, corrupt(folder, config) -> the tensor / module the output must name, words it must say)
     ("expert-input-scale-zero", _zero_input_scale, "must be finite and > 0"),
     ("expert-gate-up-global-scales-differ", _gate_up_differ, "fused group's"),
     ("router-quantized", _router_quantized, "MoE router is quantized"),
     ("expert-missing", _expert_missing, "missing: config.json's model needs"),
+    ("expert-unquantized-not-excluded", _expert_unquantized, "neither quantized nor listed"),
 ]
 
 
