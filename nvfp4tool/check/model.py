@@ -1,10 +1,12 @@
 """The folder's tensors against the model its config.json describes (supported families only).
 
-When config.json parses as a `ModelConfig` (Llama / Mistral / Qwen2 / Qwen3), every tensor the
-model needs must be in the folder with its shape: a non-linear tensor (embedding, norm, bias) as
-is, a linear layer either unquantized with its [N, K] weight or quantized with N x K (unpacked)
-equal to the model's. This catches layers an exporter silently skipped and transposed or
-mis-sized packed weights. Other architectures (MoE, vision) are skipped: `None` is returned.
+When config.json parses as a `ModelConfig` (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral),
+every tensor the model needs must be in the folder with its shape: a non-linear tensor (embedding,
+norm, bias) as is, a linear layer either unquantized with its [N, K] weight or quantized with N x K
+(unpacked) equal to the model's. This catches layers (or MoE experts) an exporter silently skipped
+and transposed or mis-sized packed weights. A MoE router must not be quantized (engines compute
+the routing from its BF16 weight; a too-broad pattern quantizes it). Other architectures (vision)
+are skipped: `None` is returned.
 `check_dtypes`: the unquantized tensors' dtypes against the dtype config.json declares.
 """
 
@@ -33,7 +35,10 @@ def check_against_model(folder: str, entries: Mapping[str, TensorEntry],
         config = ModelConfig.from_hf_folder(os.path.join(folder, CONFIG))
     except NVFP4ToolError:
         return None
-    problems = []
+    problems = [Problem(router, ", ".join(sorted(n for n in entries if n.rpartition(".")[0] == router)),
+                        "MoE router is quantized: routers must stay BF16 (keep it out of the quantized "
+                        "modules and list it in the exclusion list)")
+                for router in config.router_names() if router in quantized]
     for name, shape in config.expected_tensor_shapes().items():
         module = name.rpartition(".")[0]
         if module in reported or name in reported:

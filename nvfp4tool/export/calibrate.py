@@ -4,6 +4,7 @@ attention layer's keys and values), by running our JAX model on text.
     found = calibrate(config, source, names, "calib.txt", kv_cache=True, samples=64, seq_len=512,
                       tokenizer_dir=hf_folder)
     found.input_amax["model.layers.0.mlp.up_proj"], found.kv_amax["model.layers.0.self_attn"]
+    found.routed_tokens["model.layers.0.mlp.experts.7"]  # MoE: tokens the router sent expert 7
 
 The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint computes); each linear in
 `names` records max|x| of its BF16 input (a `model.layerwise` tap: the values come back from the
@@ -15,6 +16,12 @@ through layer i, then layer i+1, so the peak is one layer + embeddings / LM head
 activations. Both modes give the same amax. On several devices the weights are sharded over all
 of them (`LayerwiseModel.open`), with the same amax as on one.
 
+MoE models calibrate all experts (llm-compressor's moe_calibrate_all_experts): the tap asks every
+sparse MLP to run every expert on every token of its layer (`model.linear.routes_all_experts`; the
+layer's output is unchanged), so an expert the router never picks still gets an input amax. The
+tap also sees each router's logits and counts, with the model's own `route`, how many tokens the
+router actually sent to each expert (`Calibration.routed_tokens`, recorded in the provenance).
+
 Calibration data: a `.txt` file (tokenized as one stream, cut into `samples` windows of `seq_len`
 tokens), a `.jsonl` file with a "text" field per line (one window per line, truncated), or a
 `.npy` int array [S, L] of token ids.
@@ -25,15 +32,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 
 from converters.tensor_source import TensorSource
-from nvfp4tool import memory
+from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.layerwise import LayerwiseModel
+from nvfp4tool.model.transformer import route
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import COMPUTE_DTYPE
@@ -47,13 +56,14 @@ class Calibration:
 
     input_amax: dict[str, float]  # linear module -> max |input|
     kv_amax: dict[str, tuple[float, float]]  # attention module -> (max |K| after RoPE, max |V|); {} without kv_cache
+    routed_tokens: dict[str, int]  # MoE expert ("model.layers.0.mlp.experts.7") -> tokens routed to it; {} dense
 
 
 def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], data_path: str, *,
               samples: int, seq_len: int, tokenizer_dir: str | None, kv_cache: bool = False,
               offload: str = "auto") -> Calibration:
-    """Input amax of every linear in `names` over the calibration windows, and with `kv_cache` the
-    K / V amax of every attention layer."""
+    """Input amax of every linear in `names` over the calibration windows, with `kv_cache` the
+    K / V amax of every attention layer, and the routed-token counts of every MoE expert."""
     ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
                                    tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
     itemsize = np.dtype(COMPUTE_DTYPE).itemsize
@@ -66,13 +76,20 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
     amax = {n: np.zeros(2 if n in attentions else 1) for n in (*names, *attentions)}
     seen: set[str] = set()
+    routers = config.router_names()  # in layer order, and so is `routed`
+    routed = {f"{r.removesuffix('.gate')}.experts.{e}": 0 for r in routers for e in range(config.num_experts)}
 
     def record(name: str, value) -> None:
-        if name in amax:
+        if name in routers:
+            for e, count in enumerate(np.asarray(value)):
+                routed[f"{name.removesuffix('.gate')}.experts.{e}"] += int(count)
+        elif name in amax:
             seen.add(name)
             amax[name] = np.maximum(amax[name], np.asarray(value, np.float64).reshape(-1))
 
-    for _ in model.logits(ids_SxL, BATCH, tap=_InputAmax(), on_record=record, label="calibration",
+    tap = _InputAmax(router=f"{config.expert_block}.gate" if config.is_moe else None,
+                     top_k=config.num_experts_per_tok)
+    for _ in model.logits(ids_SxL, BATCH, tap=tap, on_record=record, label="calibration",
                           kv_tap=_KVAmax() if kv_cache else None):
         pass
     del model
@@ -81,11 +98,19 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     if missing:
         raise NVFP4ToolError(f"calibration: {missing[0]} was never called by the model")
     for name, value in amax.items():
+        what = "keys / values" if name in attentions else "input"
         if not np.isfinite(value).all():
-            what = "keys / values" if name in attentions else "input"
             raise NVFP4ToolError(f"calibration: the {what} of {name} have a non-finite amax ({value.tolist()})")
+        if not value.all():  # its scale would be a placeholder (1.0), silently wrong when served
+            raise NVFP4ToolError(f"calibration: the {what} of {name} was zero on every calibration token; "
+                                 f"pass other --calib-data or keep it in BF16 (--keep-bf16)")
+    for expert, count in routed.items():
+        if count == 0:
+            progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
+                          f"from all-experts calibration)")
     return Calibration(input_amax={n: float(amax[n][0]) for n in names},
-                       kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions})
+                       kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions},
+                       routed_tokens=routed)
 
 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
@@ -122,10 +147,20 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
 
 @dataclasses.dataclass(frozen=True)
 class _InputAmax:
-    """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input."""
+    """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input; a router (a linear named
+    `*.{router}`) records instead how many tokens `route` sends to each expert. Every sparse MLP
+    runs all its experts on all tokens (`routes_all_experts`)."""
+
+    router: str | None = None  # "mlp.gate" / "block_sparse_moe.gate"; None: a dense model
+    top_k: int = 0
+    routes_all_experts: ClassVar[bool] = True
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
-        return dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE), tensor_amax(x.astype(COMPUTE_DTYPE))
+        y = dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
+        if self.router is not None and name.endswith(f".{self.router}"):
+            _, chosen_BxTxN = route(y, self.top_k, normalize=False)  # the choice ignores normalisation
+            return y, jnp.sum(chosen_BxTxN, axis=(0, 1), dtype=jnp.int32)
+        return y, tensor_amax(x.astype(COMPUTE_DTYPE))
 
 
 @dataclasses.dataclass(frozen=True)

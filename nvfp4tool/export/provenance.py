@@ -50,10 +50,13 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
     )
 
 
-def calibration_record(path: str, *, samples: int, seq_len: int) -> CalibrationRecord:
-    """The calibration data (of the input scales and / or the KV-cache scales) by file name and sha256."""
+def calibration_record(path: str, *, samples: int, seq_len: int,
+                       routed_tokens: dict[str, int] | None = None) -> CalibrationRecord:
+    """The calibration data (of the input scales and / or the KV-cache scales) by file name and
+    sha256; with `routed_tokens` (MoE: expert -> tokens its router sent it), all-experts calibration
+    and those counts."""
     return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
-                             seq_len=seq_len)
+                             seq_len=seq_len, all_experts=bool(routed_tokens), routed_tokens=routed_tokens or None)
 
 
 def locate_source(export_dir: str) -> tuple[str, int | None]:

@@ -6,10 +6,11 @@ Streaming and atomic:
 1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
-2. Input amax: the run's tracked amax, else calibration (`calibrate.py`); a fused group shares
-   the max over its members (one input scale per GEMM). `--kv-cache fp8` calibrates every
-   attention layer's K (after RoPE) / V amax in the same pass and writes the layout's KV-cache
-   scales (F32 decode scales amax / 448, `LayoutSpec.kv_scales`) and the config keys announcing them.
+2. Input amax: the run's tracked amax, else calibration (`calibrate.py`; MoE experts calibrate
+   on all their layer's tokens); a fused group shares the max over its members (one input scale
+   per GEMM). `--kv-cache fp8` calibrates every attention layer's K (after RoPE) / V amax in the
+   same pass and writes the layout's KV-cache scales (F32 decode scales amax / 448,
+   `LayoutSpec.kv_scales`) and the config keys announcing them.
 3. The output layout (names, dtypes, shapes) comes from the layout's spec (`nvfp4tool.formats`)
    up front and is split into shards of at most `max_shard_size` (a module's tensors stay
    together); each shard is written tensor by tensor: a quantized module is read, quantized
@@ -324,7 +325,7 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
         raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
                              "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
     found = _calibration(source, plan.quantized, options, kv_cache=kv_cache)
-    return found.input_amax, "calibration", _calibration_record(options), found.kv_amax
+    return found.input_amax, "calibration", _calibration_record(options, found.routed_tokens), found.kv_amax
 
 
 def _calibration(source: Checkpoint, names, options: ExportOptions, *, kv_cache: bool):
@@ -335,9 +336,10 @@ def _calibration(source: Checkpoint, names, options: ExportOptions, *, kv_cache:
                      offload=options.offload)
 
 
-def _calibration_record(options: ExportOptions):
+def _calibration_record(options: ExportOptions, routed_tokens: dict[str, int] | None = None):
+    """The record of the calibration data; `routed_tokens` when it calibrated MoE experts' inputs."""
     return provenance.calibration_record(options.calib_data, samples=options.calib_samples,
-                                         seq_len=options.calib_seq_len)
+                                         seq_len=options.calib_seq_len, routed_tokens=routed_tokens)
 
 
 def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str, float], str]:

@@ -121,6 +121,9 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         ("input scales from", provenance.input_amax_origin),
         ("calibration", None if calibration is None else
          f"samples {calibration.samples}, seq_len {calibration.seq_len}, sha256 {calibration.sha256}"),
+        ("MoE experts", None if calibration is None or not calibration.all_experts else
+         f"all-experts calibration; {len(calibration.unrouted_experts)} of {len(calibration.routed_tokens)} "
+         f"experts got no routed calibration token"),
     ]
     if provenance.recipe:
         rows.append(("training recipe", json.dumps(provenance.recipe, sort_keys=True)))

@@ -4,8 +4,9 @@
 What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
 with the sha256 of each weight file (relative to the source); format / quant / scale search /
 weight block; recipe and precision map; calibration data by file name + sha256 (or the run's
-tracked amax); with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are
-amax / 448); per quantized layer its relative L2 weight error; and per written tensor its file
+tracked amax), for MoE models with all-experts calibration and each expert's routed-token count;
+with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
+per quantized layer its relative L2 weight error; and per written tensor its file
 (relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
 amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
 a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
@@ -41,12 +42,19 @@ class SourceRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationRecord(Record):
-    """The calibration data of the input scales."""
+    """The calibration data of the input scales; for MoE models, how each expert was calibrated."""
 
     file: str  # file name (no folder)
     sha256: str
     samples: int
     seq_len: int
+    all_experts: bool = False  # MoE: every expert ran on every token of its layer
+    routed_tokens: dict[str, int] | None = None  # MoE expert -> tokens its router sent it (may be 0)
+
+    @property
+    def unrouted_experts(self) -> tuple[str, ...]:
+        """Experts the router sent no calibration token (their scales come from all-experts runs)."""
+        return tuple(e for e, n in (self.routed_tokens or {}).items() if n == 0)
 
 
 @dataclasses.dataclass(frozen=True)
