@@ -354,3 +354,51 @@ def test_layerwise_runs_sparse_and_dense_layers_as_forward(key):
     streamed = np.concatenate([np.asarray(y) for _, y in streamed_model.logits(ids, 2, tap=tap)])
     np.testing.assert_allclose(held, expected, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(streamed, held)
+
+
+def _bf16_held(config: ModelConfig):
+    """A model held in BF16 (its tensors as stored), computing in fp32: validate's held models."""
+    tensors = random_tensors(config, dtype=ml_dtypes.bfloat16)
+    return model_from_tensors(config, DictTensorSource(tensors), dtype=None, compute_dtype=jnp.float32)
+
+
+def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
+    """XLA:CPU gathers from a BF16 table through an fp32 copy of it; the decode loop must keep that
+    copy inside the gather, not hoist it out of the loop and hold it whole (it did: 262 MB on a
+    32000 x 2048 table). The LM head is widened 1/8 of its rows at a time here."""
+    import importlib
+
+    from nvfp4tool.export.simulate import served_linear
+    from nvfp4tool.numerics import dot
+
+    config = ModelConfig(family="llama", **{**_BASE, "vocab_size": 16384})
+    table_f32 = config.vocab_size * config.hidden_size * 4
+    monkeypatch.setattr(dot, "WIDEN_BYTES", table_f32 // 8)
+    graphdef, state = nnx.split(_bf16_held(config))
+    gen = importlib.import_module("nvfp4tool.model.generate")
+    options = gen._SamplingOptions(jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size),
+                                   jnp.asarray(-1), jnp.asarray(0))
+    compiled = gen._generate.lower(graphdef, state, jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 4), bool),
+                                   jax.random.key(0), options, max_new_tokens=3, linear=served_linear).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < table_f32  # 1.6 MB; 3.7 MB with the table hoisted
+
+
+def test_a_layer_program_widens_one_linear_at_a_time():
+    """validate's layer program on BF16 weights in fp32: gate and up share their input, yet their
+    weights are widened one after the other (each linear after the previous one's output), never
+    both at once; the values are the model's forward."""
+    from nvfp4tool.export.simulate import served_linear
+    from nvfp4tool.model.layerwise import LayerwiseModel, Plain, _block_step
+
+    config = ModelConfig(family="llama", vocab_size=97, hidden_size=256, intermediate_size=1024, num_layers=1,
+                         num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5)
+    model = LayerwiseModel.held(_bf16_held(config))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
+    x, cos, sin, allowed = model._embed(ids)
+    compiled = _block_step.lower(model._block_graphdef, model._layer(0), x, cos, sin, allowed, None,
+                                 tap=Plain(served_linear), gather=None).compile()
+    one_weight_f32 = config.hidden_size * config.intermediate_size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * one_weight_f32  # 1.2 MB; 2.1 MB both at once
+    (_, logits), = model.logits(ids, batch_size=2, tap=Plain(served_linear))
+    expected = forward(model.whole, ids, linear=served_linear)  # one program: other fusions, fp32 rounding
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -33,6 +33,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
 from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from nvfp4tool.numerics import computed_after
 
 _INIT_STD = 0.02  # random init (training from scratch): normal(0, 0.02) weights, zero bias, unit norms
 
@@ -80,7 +81,13 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype))
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids_BxT, axis=0)
+        table_VxE = self.weight[...]
+        if table_VxE.dtype == jnp.float32:  # training's parameters
+            return jnp.take(table_VxE, ids_BxT, axis=0)
+        # A table held as stored (BF16): XLA:CPU gathers from it through an fp32 copy of the whole
+        # table, which generation's decode loop hoisted out of the loop and held (262 MB for 32000 x
+        # 2048, 2.1 GB for 128256 x 4096); looked up once the ids exist, the copy stays inside the gather.
+        return computed_after(ids_BxT, lambda table: jnp.take(table, ids_BxT, axis=0), table_VxE)
 
 
 class Attention(nnx.Module):

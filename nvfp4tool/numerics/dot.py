@@ -17,7 +17,9 @@ run in fp32): XLA schedules a conversion that depends only on a parameter at the
 program, so every weight of a layer would sit converted in memory at once; computed inside a
 conditional on `x` (both branches the same), each is made only when its GEMM's input exists and
 freed after it. The values are the same either way. (A conversion inside a loop whose `x` does not
-change between iterations is still hoisted out of it.) `dense_widening` goes one step further for a
+change between iterations is still hoisted out of it. A conditional that computes nothing, an
+identity `fn`, is removed by XLA and orders nothing: put the work that has to wait, e.g. the GEMM
+itself, in `fn`.) `dense_widening` goes one step further for a
 large weight (the LM head of a large vocabulary): it widens and multiplies `WIDEN_BYTES` of rows at a
 time, each block after the previous block's product, so one block is widened at a time.
 """
@@ -54,8 +56,8 @@ def dense(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None = None, *,
 
 def computed_after(x: jax.Array, fn, *args):
     """`fn(*args)`, scheduled after `x` is computed (see the module docstring); same values."""
-    first = x.reshape(-1)[0]
-    return jax.lax.cond(first == first, fn, fn, *args)  # `a == a` cannot be folded (NaN != NaN)
+    first = x.reshape(-1)[0].astype(jnp.float32)  # integers too: XLA folds an integer's `a == a`
+    return jax.lax.cond(first == first, fn, fn, *args)  # a float's `a == a` cannot be folded (NaN != NaN)
 
 
 def dense_widening(x: jax.Array, w_NxK, b_N: jax.Array | None = None, *, widen_rows=None) -> jax.Array:

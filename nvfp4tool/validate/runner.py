@@ -403,9 +403,8 @@ class _OutputPowers:
         record, last = {}, y
         for label in self.labels:
             if name in (aux or {}).get(label, {}):
-                # one model's decoded weight at a time: this GEMM's input is taken after the last one ran
-                x_after = computed_after(last, lambda v: v, x)
-                last = served_linear(x_after, aux[label][name], b_N, name=name)
+                # one model's decoded weight at a time: this served GEMM runs after the last one
+                last = computed_after(last, lambda x, w: served_linear(x, w, b_N, name=name), x, aux[label][name])
                 y32, y_q = y.astype(jnp.float32), last.astype(jnp.float32)
                 record[label] = jnp.stack([jnp.sum(y32 ** 2), jnp.sum((y32 - y_q) ** 2)])
         return y, (record or None)
