@@ -369,6 +369,7 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     import importlib
 
     from nvfp4tool.export.simulate import served_linear
+    from nvfp4tool.model.kv import default_kv
     from nvfp4tool.numerics import dot
 
     config = ModelConfig(family="llama", **{**_BASE, "vocab_size": 16384})
@@ -379,7 +380,7 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     options = gen._SamplingOptions(jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size),
                                    jnp.asarray(-1), jnp.asarray(0))
     compiled = gen._generate.lower(graphdef, state, jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 4), bool),
-                                   jax.random.key(0), options, max_new_tokens=3, linear=served_linear).compile()
+                                   jax.random.key(0), options, max_new_tokens=3, linear=served_linear, kv=default_kv).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < table_f32  # 1.6 MB; 3.7 MB with the table hoisted
 
 
@@ -395,8 +396,8 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     model = LayerwiseModel.held(_bf16_held(config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
     x, cos, sin, allowed = model._embed(ids)
-    compiled = _block_step.lower(model._block_graphdef, model._layer(0), x, cos, sin, allowed, None,
-                                 tap=Plain(served_linear), gather=None).compile()
+    compiled = _block_step.lower(model._block_graphdefs[False], model._layer(0), x, cos, sin, allowed, None,
+                                 tap=Plain(served_linear), kv_tap=None, gather=None).compile()
     one_weight_f32 = config.hidden_size * config.intermediate_size * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * one_weight_f32  # 1.2 MB; 2.1 MB both at once
     (_, logits), = model.logits(ids, batch_size=2, tap=Plain(served_linear))
