@@ -29,3 +29,17 @@ def export_options(calib: str, **options) -> ExportOptions:
     """ExportOptions calibrated on `calib` as `synthetic_source` made it, plus `options`."""
     return ExportOptions(calib_data=calib, calib_samples=CALIB_SAMPLES, calib_seq_len=CALIB_SEQ_LEN,
                          show_progress=False, **options)
+
+
+def assert_converted_tensors_equal(theirs: dict, ours: dict) -> None:
+    """compressed-tensors' ModelOpt converter output (`theirs`, torch tensors) equals our
+    compressed-tensors export (`ours`) byte for byte; the converter keeps ModelOpt's scalar shape
+    [] where ours is [1] (transformers refuses [])."""
+    import torch
+
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in ours.items():
+        other = theirs[name]
+        assert other.dtype == tensor.dtype, name
+        assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
+        assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name

@@ -116,3 +116,20 @@ def _stack_on_axis_1(layers: list[dict]) -> dict:
 
 def _map(tree, fn):
     return {k: _map(v, fn) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def record_array_opens(monkeypatch) -> list[str]:
+    """The paths of the arrays a reader opens for data from now on (tensorstore.open with a dict
+    spec; Orbax's own metadata opens pass a ts.Spec and are not counted)."""
+    import tensorstore
+
+    opened: list[str] = []
+    real_open = tensorstore.open
+
+    def spy_open(spec, *args, **kwargs):
+        if isinstance(spec, dict):
+            opened.append(spec["kvstore"]["path"])
+        return real_open(spec, *args, **kwargs)
+
+    monkeypatch.setattr(tensorstore, "open", spy_open)
+    return opened

@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 import nvfp4_oracle as oracle
 from converters.hf import SAFETENSORS_DTYPES
+from export_fixtures import assert_converted_tensors_equal
 from hf_fixtures import MOE_KEYS, build_tiny_model
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
@@ -260,20 +261,13 @@ def test_check_catches_moe_defects(moe, tmp_path, key, fmt, defect):
 @pytest.mark.peers
 @pytest.mark.parametrize("key", MOE_KEYS)
 def test_compressed_tensors_converter_on_our_modelopt_moe_export_gives_our_ct_export(moe, tmp_path, key):
-    import torch
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
 
     config = _config(moe[key])
     ours = _tensors(moe[key, "compressed-tensors"])
     converter = ModelOptNvfp4Converter(ignore=["lm_head", *config.router_names()],
                                        targets=[r"re:.*(_proj|\.w[123])$"])
-    theirs = converter.validate(_tensors(moe[key, "modelopt"]))
-    assert sorted(theirs) == sorted(ours)
-    for name, tensor in ours.items():
-        other = theirs[name]
-        assert other.dtype == tensor.dtype, name
-        assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
-        assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name
+    assert_converted_tensors_equal(converter.validate(_tensors(moe[key, "modelopt"])), ours)
     # our convert-format gives the direct export, byte for byte (every shard), both ways
     for src, to in (("modelopt", "compressed-tensors"), ("compressed-tensors", "modelopt")):
         converted = str(tmp_path / to)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from export_fixtures import assert_converted_tensors_equal
 from hf_fixtures import build_tiny_model
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
@@ -89,20 +90,13 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
 
 
 def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_ct_export(exported, tmp_path):
-    import torch
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from safetensors.torch import load_file
 
     modelopt = load_file(os.path.join(exported["modelopt"], "model.safetensors"))
     ours = load_file(os.path.join(exported["compressed-tensors"], "model.safetensors"))
     theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
-    assert sorted(theirs) == sorted(ours)
-    for name, tensor in ours.items():
-        other = theirs[name]
-        assert other.dtype == tensor.dtype, name
-        # the converter keeps ModelOpt's scalar shape []; ours is [1] (transformers refuses [])
-        assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
-        assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name
+    assert_converted_tensors_equal(theirs, ours)
     # and our convert-format output is byte-identical to our direct export, both ways
     convert_format(exported["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
     convert_format(exported["compressed-tensors"], str(tmp_path / "mo"), to="modelopt")

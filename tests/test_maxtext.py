@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from maxtext_fixture import maxtext_params_from_state_dict, save_maxtext_checkpoint
+from maxtext_fixture import maxtext_params_from_state_dict, record_array_opens, save_maxtext_checkpoint
 from nvfp4tool.cli import cli
 
 pytestmark = pytest.mark.peers
@@ -70,8 +70,6 @@ def _our_logits(config, source) -> np.ndarray:
 @pytest.mark.parametrize("scanned,rope_layout", VARIANTS)
 def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(hf_models, tmp_path, scanned,
                                                                     rope_layout, monkeypatch):
-    import tensorstore
-
     from converters.hf import HFFolderSource
     from converters.maxtext import MaxTextSource
     from nvfp4tool.config import ModelConfig
@@ -84,15 +82,7 @@ def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(hf_models, t
         scanned=scanned, interleaved=rope_layout == "interleaved", tied=config.tie_word_embeddings)
     items = save_maxtext_checkpoint(str(tmp_path / "mt"), params, scanned=scanned)
 
-    opened = []  # every array our reader opens for data (Orbax's own metadata opens pass ts.Spec)
-    real_open = tensorstore.open
-
-    def spy_open(spec, *args, **kwargs):
-        if isinstance(spec, dict):
-            opened.append(spec["kvstore"]["path"])
-        return real_open(spec, *args, **kwargs)
-
-    monkeypatch.setattr(tensorstore, "open", spy_open)
+    opened = record_array_opens(monkeypatch)
     # accepted forms: <base>, <base>/<step>, <base>/<step>/items
     src = {0: str(tmp_path / "mt"), 1: os.path.dirname(items), 2: items}[len(rope_layout) % 3]
     _convert(src, str(tmp_path / "hf"), "--to", "hf", "--model-config", folder,

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 import hf_fixtures
-from maxtext_fixture import maxtext_params_from_state_dict, save_maxtext_checkpoint
+from maxtext_fixture import maxtext_params_from_state_dict, record_array_opens, save_maxtext_checkpoint
 from nvfp4tool.cli import cli
 from test_maxtext import _assert_trees_equal, _convert, _our_logits, _torch_logits
 
@@ -73,7 +73,6 @@ def _assert_folders_identical(original_dir: str, back_dir: str) -> None:
 def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(moe_models, tmp_path, key, scanned,
                                                                          monkeypatch):
     import orbax.checkpoint as ocp
-    import tensorstore
 
     from converters.maxtext import MaxTextSource
     from nvfp4tool.config import ModelConfig
@@ -93,15 +92,7 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(moe_mode
 
     # Read back expert by expert: our writer chunks experts arrays one expert (and layer) per chunk,
     # so no array is re-chunked into scratch and each is opened once.
-    opened = []
-    real_open = tensorstore.open
-
-    def spy_open(spec, *args, **kwargs):
-        if isinstance(spec, dict):
-            opened.append(spec["kvstore"]["path"])
-        return real_open(spec, *args, **kwargs)
-
-    monkeypatch.setattr(tensorstore, "open", spy_open)
+    opened = record_array_opens(monkeypatch)
     source = MaxTextSource(str(tmp_path / "mt-fp32"), config, "half")
     assert source.scanned is scanned
     np.testing.assert_allclose(_our_logits(config, source), _torch_logits(torch_model), rtol=0, atol=1e-4)
