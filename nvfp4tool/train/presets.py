@@ -9,6 +9,7 @@ from nvfp4tool.errors import NVFP4ToolError
 # name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP width F); all multiples of 16
 _SHAPES = {
     "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
+    "small": (384, 6, 6, 2, 64, 1024),  # ~9.4M + embeddings: the accuracy study's model on a CPU
     "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
 }
 # MoE sizes: name -> (shape, ModelConfig fields); experts 96 wide (F: mixtral's experts use it)

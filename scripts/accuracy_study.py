@@ -1,0 +1,161 @@
+"""Accuracy beyond round-to-nearest: export one pretrained model with every weight-rounding method
+and compare each, as served, against the BF16 model on held-out text.
+
+    python scripts/accuracy_study.py --data ../shared/data/shakespeare --out runs/accuracy
+
+1. Pretrain (BF16 recipe) the `--model` preset on `train.txt` until its eval loss (the last 5% of
+   train.txt) flattens at the end of the cosine schedule; or reuse `--pretrained RUN`.
+2. Export it (`--quant`, default W4A4 NVFP4, 1D blocks) with RTN, 4over6, MSE, GPTQ and GPTQ+4over6;
+   calibration windows come from the START of train.txt (the exports' input scales and GPTQ's
+   Hessians).
+3. QAD: fine-tune the BF16 model as an NVFP4 student (every block quantized, 1D weight blocks, as
+   the exports) against itself as the frozen BF16 teacher (pure KL), and export the run with RTN.
+4. Validate every export against the pretrained BF16 model on `val.txt`, which neither
+   pretraining, calibration nor QAD ever read: KL mean / p99, top-1 agreement, perplexity increase.
+Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_study.png`.
+Nothing is tuned on val.txt: every setting above is fixed before the study runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4tool.cli import cli  # noqa: E402
+from nvfp4tool.validate.runner import ValidateOptions, validate_export  # noqa: E402
+from nvfp4tool.validate.thresholds import Thresholds  # noqa: E402
+
+# export name -> export flags (the QAD row is exported from its run with RTN)
+EXPORTS = {
+    "rtn": ["--scale-search", "rtn"],
+    "4over6": ["--scale-search", "4over6"],
+    "mse": ["--scale-search", "mse"],
+    "gptq": ["--weight-rounding", "gptq"],
+    "gptq+4over6": ["--weight-rounding", "gptq", "--scale-search", "4over6"],
+}
+QAD = "qad"
+METRICS = ("kl_mean", "kl_p99", "top1", "ppl_increase")
+
+
+def _cli(args: list[str]) -> None:
+    print("$ nvfp4tool " + " ".join(args), flush=True)
+    cli.main(args=args, prog_name="nvfp4tool", standalone_mode=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="folder with train.txt and val.txt")
+    parser.add_argument("--out", default="runs/accuracy")
+    parser.add_argument("--model", default="small", help="preset pretrained from scratch (GPU: 100m)")
+    parser.add_argument("--pretrained", default=None, help="reuse this BF16 run (its hf/ folder) instead")
+    parser.add_argument("--pretrain-steps", type=int, default=800)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--quant", default="nvfp4", choices=["nvfp4", "nvfp4-weight-only"])
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--qad-steps", type=int, default=200)
+    parser.add_argument("--qad-batch-size", type=int, default=8)
+    parser.add_argument("--qad-lr", type=float, default=1e-4)
+    parser.add_argument("--eval-samples", type=int, default=64, help="val.txt windows of --seq-len")
+    parser.add_argument("--runs", default=",".join([*EXPORTS, QAD]))
+    parser.add_argument("--docs", default="docs")
+    args = parser.parse_args()
+
+    data, out = Path(args.data), Path(args.out)
+    train_file, val_file = data / "train.txt", data / "val.txt"
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        timings[name] = time.perf_counter() - t0
+
+    run = Path(args.pretrained) if args.pretrained else out / "pretrain"
+    if not (run / "hf" / "config.json").is_file():
+        timed("pretrain", lambda: _cli([
+            "train", f"model={args.model}", f"data={train_file}", "recipe=bf16",
+            f"steps={args.pretrain_steps}", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
+            f"lr={args.lr}", "warmup_steps=40", f"eval_every={max(1, args.pretrain_steps // 8)}",
+            "eval_batches=8", "seed=0", f"out={run}", "force=true"]))
+    bf16 = str(run / "hf")
+    calib = ["--calib-data", str(train_file), "--calib-samples", str(args.calib_samples),
+             "--calib-seq-len", str(args.seq_len)]
+    names = args.runs.split(",")
+    exports: dict[str, Path] = {}
+    for name in names:
+        folder = out / f"export-{name}"
+        if name == QAD:
+            qad_run = out / "qad"
+            timed("qad", lambda: _cli([
+                "train", f"model={bf16}", f"teacher={bf16}", "distill=kl", "recipe=nvfp4",
+                "bf16_first_layers=0", "bf16_last_layers=0", "weight_2d=false", f"data={train_file}",
+                f"steps={args.qad_steps}", f"seq_len={args.seq_len}", f"batch_size={args.qad_batch_size}",
+                f"lr={args.qad_lr}", "warmup_steps=10", "eval_every=0", "eval_batches=4", "seed=0",
+                f"out={qad_run}", "force=true"]))
+            source, flags = str(qad_run), ["--weight-block", "1d"]
+        else:
+            source, flags = bf16, EXPORTS[name]
+        timed(f"export {name}", lambda: _cli(["export", source, "--out", str(folder), "--quant", args.quant,
+                                              *calib, *flags, "--force"]))
+        exports[name] = folder
+
+    options = ValidateOptions(data=str(val_file), reference="bf16", source=bf16, samples=args.eval_samples,
+                              seq_len=args.seq_len, batch_size=8, prompts=1, gen_tokens=16,
+                              thresholds=Thresholds(max_kl_mean=None, max_kl_p99=None, min_top1=None,
+                                                    max_ppl_increase=None, min_layer_sqnr_db=None))
+    results: dict[str, dict[str, float]] = {}
+    for name, folder in exports.items():
+        t0 = time.perf_counter()
+        record = validate_export(str(folder), options).record
+        timings[f"validate {name}"] = time.perf_counter() - t0
+        results[name] = {m: record.models[record.quant][m] for m in METRICS}
+        print(name, results[name], flush=True)
+    if "rtn" in results:
+        for r in results.values():
+            r["kl_mean_reduction_vs_rtn"] = 1.0 - r["kl_mean"] / results["rtn"]["kl_mean"]
+
+    docs = Path(args.docs)
+    docs.mkdir(exist_ok=True)
+    (docs / "accuracy_study.json").write_text(json.dumps(
+        {"args": vars(args), "results": results, "seconds": timings}, indent=1))
+    _plot(results, docs / "accuracy_study.png", args.quant)
+    print("\n| method | KL mean | KL p99 | top-1 | ppl increase | KL mean vs RTN |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        reduction = r.get("kl_mean_reduction_vs_rtn")
+        print(f"| {name} | {r['kl_mean']:.4g} | {r['kl_p99']:.4g} | {r['top1']:.2%} | "
+              f"{r['ppl_increase']:+.2%} | {'' if reduction is None else f'{-reduction:+.1%}'} |")
+    print(f"\nseconds: {json.dumps({k: round(v) for k, v in timings.items()})}")
+
+
+def _plot(results: dict[str, dict[str, float]], path: Path, quant: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (metric, label) in zip(axes, (("kl_mean", "KL mean to BF16 (nats)"), ("top1", "top-1 agreement"),
+                                           ("ppl_increase", "perplexity increase"))):
+        values = [results[n][metric] for n in names]
+        ax.bar(names, values, color=["#888" if n == "rtn" else "#4a7" for n in names])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+        if metric == "top1":
+            ax.set_ylim(min(values) - 0.02, 1.0)
+    fig.suptitle(f"{quant} export of one BF16 model, held-out text")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
