@@ -15,7 +15,9 @@ Streaming and atomic:
    up front and is split into shards of at most `max_shard_size` (a module's tensors stay
    together); each shard is written tensor by tensor: a quantized module is read, quantized
    (`scale_search.py`) and its roles (packed weight, block scales, decode scales) named by the
-   spec; other tensors are copied in BF16. Only one module's tensors are held at a time: peak
+   spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran after step 2 and
+   spilled every record to a temporary folder next to the output: the module's record is read
+   back from it); other tensors are copied in BF16. Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`

@@ -14,6 +14,8 @@ calibration, the sensitivity search) runs here, in one of two modes with the sam
   read from the source (`get(HF name)`: an array or a stored quantized weight) just before and
   dropped just after, so the peak is one layer + embeddings / final norm / LM head + the
   activations of the windows.
+`sequential` is GPTQ's pass (all windows through layer i, then the caller replaces some of layer
+i's weights and the windows go through it again for layer i+1), in either mode.
 Each batch runs the same compiled block program in both modes (one program for every layer: the
 blocks are built with the scanned-layer names `model.layers.*....`), so the modes agree exactly.
 
