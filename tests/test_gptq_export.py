@@ -50,6 +50,7 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
     assert report.ok, [p.line() for p in report.problems]
     record = ExportRecord.read(out)
     assert record.weight_rounding == "gptq"
+    assert record.calibration.file == os.path.basename(calib)  # also weight-only: the data GPTQ used
     assert (record.gptq.damp, record.gptq.block_size) == (0.05, 128)
     assert len(record.layers) == 14
     after = np.array([e.output_rel_err for e in record.layers.values()])

@@ -125,6 +125,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
+    if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
+        calibration = _calibration_record(options)
     with _spill_dir(options, out) as spill_dir:
         gptq = None if spill_dir is None else _gptq(source, plan, group_amax, options, block, spill_dir)
         summary = _write(source, out, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
