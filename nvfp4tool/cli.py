@@ -292,6 +292,11 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               "scales (amax / 448) and the config keys engines read (needs --calib-data).")
 @click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
+@click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
+              help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
+              "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
+@click.option("--gptq-damp", type=float, default=0.05, show_default=True,
+              help="GPTQ damping: H += damp * mean(diag H) * I (> 0).")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_size)
@@ -301,19 +306,21 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="MaxText source with an HF --model-config: its RoPE row layout.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   scale_search, weight_block, max_shard_size, step, model_config, rope_layout,
-                   force) -> None:
+                   scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step, model_config,
+                   rope_layout, force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
 
     \b
     Example:
       nvfp4tool export runs/a --to safetensors --out out/a-nvfp4 --format compressed-tensors
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
+      nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
     """
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
     del to  # safetensors is the only container
-    options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_block=weight_block,
+    options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
+                            gptq_damp=gptq_damp, weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
                             calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,
                             max_shard_size=max_shard_size, step=step,

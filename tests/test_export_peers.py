@@ -29,6 +29,7 @@ from nvfp4tool.recipes.precision import fused_group
 
 pytestmark = pytest.mark.peers
 LOGIT_ATOL = 1e-5
+ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: GPTQ's codes load the same way
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +39,22 @@ def exported(tmp_path_factory):
     np.save(root / "calib.npy", np.random.default_rng(0).integers(0, 256, (4, 16)))
     out = {}
     for fmt in ("modelopt", "compressed-tensors"):
-        out[fmt] = str(root / fmt)
-        export_checkpoint(src, out[fmt], ExportOptions(format=fmt, calib_data=str(root / "calib.npy"),
-                                                       calib_samples=4, calib_seq_len=16,
-                                                       show_progress=False))
+        for rounding in ROUNDINGS:
+            out[fmt, rounding] = str(root / f"{fmt}-{rounding}")
+            export_checkpoint(src, out[fmt, rounding], ExportOptions(
+                format=fmt, calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16,
+                weight_rounding=rounding, show_progress=False))
     out["src"] = src
     return out
 
 
-def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exported):
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exported, rounding):
     import torch
     import transformers
     from safetensors.numpy import load_file
 
-    folder = exported["compressed-tensors"]
+    folder = exported["compressed-tensors", rounding]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     ids = np.random.default_rng(1).integers(3, 256, (2, 12))
     model(torch.tensor(ids))  # the first forward decompresses the weights
@@ -65,7 +68,10 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
         assert theirs.dtype == torch.bfloat16
         members = [m for m in ours.quantized if fused_group(m) == fused_group(name)]
         amax = max(np.float32(np.abs(src[f"{m}.weight"]).max()) for m in members)
-        expected = dequantize_nvfp4(quantize_nvfp4(src[f"{name}.weight"], global_amax=amax), jnp.bfloat16)
+        if rounding == "rtn":  # the independent RTN; GPTQ's codes: our decode of the stored bytes
+            expected = dequantize_nvfp4(quantize_nvfp4(src[f"{name}.weight"], global_amax=amax), jnp.bfloat16)
+        else:
+            expected = ours.dequantized(name).astype(jnp.bfloat16)
         assert theirs.view(torch.int16).numpy().tobytes() == np.asarray(expected).view(np.int16).tobytes(), name
         checked += 1
     assert checked == len(ours.quantized) == 14
@@ -89,18 +95,19 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
     assert np.abs(weights_only - theirs).max() > 100 * LOGIT_ATOL  # activation quantization matters
 
 
-def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_ct_export(exported, tmp_path):
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_ct_export(exported, rounding, tmp_path):
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from safetensors.torch import load_file
 
-    modelopt = load_file(os.path.join(exported["modelopt"], "model.safetensors"))
-    ours = load_file(os.path.join(exported["compressed-tensors"], "model.safetensors"))
+    modelopt = load_file(os.path.join(exported["modelopt", rounding], "model.safetensors"))
+    ours = load_file(os.path.join(exported["compressed-tensors", rounding], "model.safetensors"))
     theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
     assert_converted_tensors_equal(theirs, ours)
     # and our convert-format output is byte-identical to our direct export, both ways
-    convert_format(exported["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
-    convert_format(exported["compressed-tensors"], str(tmp_path / "mo"), to="modelopt")
+    convert_format(exported["modelopt", rounding], str(tmp_path / "ct"), to="compressed-tensors")
+    convert_format(exported["compressed-tensors", rounding], str(tmp_path / "mo"), to="modelopt")
     for converted, direct in (("ct", "compressed-tensors"), ("mo", "modelopt")):
         with open(tmp_path / converted / "model.safetensors", "rb") as a, \
-                open(os.path.join(exported[direct], "model.safetensors"), "rb") as b:
+                open(os.path.join(exported[direct, rounding], "model.safetensors"), "rb") as b:
             assert a.read() == b.read()

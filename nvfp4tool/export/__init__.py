@@ -1,7 +1,8 @@
 """Serving checkpoints: export (ModelOpt / compressed-tensors, NVFP4 / FP8), format conversion,
 and the simulation of what a serving engine computes from an export.
 
-One module per concern: `plan` (what is quantized), `scale_search` (how a weight is quantized),
+One module per concern: `plan` (what is quantized), `scale_search` (how a weight is quantized), `gptq` (GPTQ rounding
+with fixed scales) and `gptq_pass` (its sequential calibration),
 `calibrate` (input amax; K / V amax for an FP8 KV cache), `writer` (the streaming atomic export),
 `provenance` (the ExportRecord it writes), `simulate`, `convert_format`. What is read is opened by
 `nvfp4tool.checkpoints`; how a layout is stored (names, dtypes, shapes, configs) is declared in

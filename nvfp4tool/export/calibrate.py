@@ -66,13 +66,7 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     K / V amax of every attention layer, and the routed-token counts of every MoE expert."""
     ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
                                    tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
-    itemsize = np.dtype(COMPUTE_DTYPE).itemsize
-    model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
-    working = 2 * 4 * BATCH * ids_SxL.shape[1] * (config.vocab_size + 4 * config.intermediate_size)
-    model = LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=COMPUTE_DTYPE,
-                                                                             mesh=mesh),
-                                source=_Cast(source), offload=offload, weights=model_bytes, working=working,
-                                what=f"calibration ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=COMPUTE_DTYPE)
+    model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="calibration")
     attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
     amax = {n: np.zeros(2 if n in attentions else 1) for n in (*names, *attentions)}
     seen: set[str] = set()
@@ -111,6 +105,19 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     return Calibration(input_amax={n: float(amax[n][0]) for n in names},
                        kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions},
                        routed_tokens=routed)
+
+
+def open_bf16_model(config: ModelConfig, source: TensorSource, *, seq_len: int, offload: str,
+                    what: str) -> LayerwiseModel:
+    """The source in BF16 as a `LayerwiseModel`, held or streamed as `offload` and the memory
+    decide (the model calibration and GPTQ run)."""
+    itemsize = np.dtype(COMPUTE_DTYPE).itemsize
+    model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
+    working = 2 * 4 * BATCH * seq_len * (config.vocab_size + 4 * config.intermediate_size)
+    return LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=COMPUTE_DTYPE,
+                                                                            mesh=mesh),
+                               source=_Cast(source), offload=offload, weights=model_bytes, working=working,
+                               what=f"{what} ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=COMPUTE_DTYPE)
 
 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,

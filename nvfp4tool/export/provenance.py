@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 import nvfp4tool
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.names import portable_name
-from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, LayerErrorRecord, SourceRecord,
-                                      TensorRecord, ToolRecord, sha256_file)
+from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, GPTQRecord, LayerErrorRecord,
+                                      SourceRecord, TensorRecord, ToolRecord, sha256_file)
 
 
 
@@ -24,7 +26,8 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
                  calibration: CalibrationRecord | None, layer_errors: dict[str, dict[str, float]],
                  input_amax: dict[str, float] | None, files_written: list[str],
                  tensors: dict[str, TensorRecord],
-                 kv_amax: dict[str, tuple[float, float]] | None = None) -> ExportRecord:
+                 kv_amax: dict[str, tuple[float, float]] | None = None,
+                 gptq: GPTQRecord | None = None) -> ExportRecord:
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
@@ -47,7 +50,18 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
         tensors=dict(tensors),
         kv_cache=options.kv_cache,
         kv_amax=kv_amax,
+        weight_rounding=options.weight_rounding,
+        gptq=gptq,
     )
+
+
+def gptq_record(*, damp: float, block_size: int, errors: dict[str, Any]) -> GPTQRecord:
+    """The GPTQ settings and the mean output-error reduction over the quantized linears (`errors`:
+    module -> `gptq.GPTQError`)."""
+    reductions = [1.0 - e.output_rel_err / e.rtn_output_rel_err for e in errors.values() if e.rtn_output_rel_err]
+    return GPTQRecord(damp=float(damp), block_size=block_size,
+                      act_order="static: 16-column blocks by descending sum of diag(H)",
+                      mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0)
 
 
 def calibration_record(path: str, *, samples: int, seq_len: int,

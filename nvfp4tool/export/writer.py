@@ -15,7 +15,9 @@ Streaming and atomic:
    up front and is split into shards of at most `max_shard_size` (a module's tensors stay
    together); each shard is written tensor by tensor: a quantized module is read, quantized
    (`scale_search.py`) and its roles (packed weight, block scales, decode scales) named by the
-   spec; other tensors are copied in BF16. Only one module's tensors are held at a time: peak
+   spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran after step 2 and
+   spilled every record to a temporary folder next to the output: the module's record is read
+   back from it); other tensors are copied in BF16. Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
@@ -33,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -46,6 +49,8 @@ from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
+from nvfp4tool.export.gptq import BLOCK_COLUMNS, DEFAULT_DAMP
+from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
 from nvfp4tool.formats import LayoutSpec
@@ -65,6 +70,8 @@ class ExportOptions:
     format: str = "modelopt"  # modelopt | compressed-tensors
     quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
     scale_search: str = "rtn"  # rtn | 4over6 | mse
+    weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
+    gptq_damp: float = DEFAULT_DAMP  # GPTQ: H += damp * mean(diag H) * I
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
@@ -90,6 +97,7 @@ class ExportSummary:
     bf16_bytes_in: int  # the source's size in BF16 (2 bytes per parameter)
     bytes_written: int
     seconds: float
+    gptq_reduction: float | None = None  # GPTQ: mean output-error reduction vs RTN over the linears
 
     @property
     def gb_per_s(self) -> float:
@@ -98,7 +106,9 @@ class ExportSummary:
     def line(self) -> str:
         return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
                 f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s "
-                f"({self.gb_per_s:.3f} GB/s of bf16 in)")
+                f"({self.gb_per_s:.3f} GB/s of bf16 in)"
+                + ("" if self.gptq_reduction is None else
+                   f"; GPTQ output error {100 * self.gptq_reduction:.1f}% below RTN's (mean over linears)"))
 
 
 def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions()) -> ExportSummary:
@@ -113,18 +123,34 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
+    group_amax = _group_amax(source.tensors, plan)
+    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
+    if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
+        calibration = _calibration_record(options)
+    with _spill_dir(options, out) as spill_dir:
+        gptq = None if spill_dir is None else _gptq(source, plan, group_amax, options, block, spill_dir)
+        summary = _write(source, out, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
+                         options, inputs, gptq)
+    return dataclasses.replace(summary, seconds=time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, block: str, group_amax,
+           input_amax, origin: str, calibration, kv_amax, options: ExportOptions, inputs,
+           gptq: GPTQResult | None) -> ExportSummary:
+    """Write the export (steps 3-4 of the module docstring); `seconds` left 0 for the caller."""
     tensors = source.tensors
     names = tensors.names()
-    group_amax = _group_amax(tensors, plan)
-    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
-
     units = [_unit_layout(name, tensors, plan, spec) for name in names]
     kv_scales = _kv_scales(kv_amax, spec)
     units += [(a, spec.kv_scales.layout(a)) for a in kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
                          parse_size(options.max_shard_size))
-    loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options, kv_scales)
+    loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options, kv_scales, gptq)
     files: list[str] = []
     with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp, _task(
             options.show_progress, len(names)) as task:
@@ -146,16 +172,42 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
         provenance.build_record(
             source=source, options=options, plan=plan, weight_block=block, input_amax_origin=origin,
             calibration=calibration, layer_errors=loader.layer_errors, input_amax=input_amax,
-            files_written=files, tensors=loader.records, kv_amax=kv_amax or None).write(tmp)
+            files_written=files, tensors=loader.records, kv_amax=kv_amax or None,
+            gptq=None if gptq is None else _gptq_record(gptq, options)).write(tmp)
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
                          quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,
-                         bytes_written=written, seconds=time.perf_counter() - start)
+                         bytes_written=written, seconds=0.0,
+                         gptq_reduction=None if gptq is None else _gptq_record(gptq, options).mean_output_err_reduction)
 
 
-# ------------------------------------------------------------------------------------------
-# helpers
+@contextlib.contextmanager
+def _spill_dir(options: ExportOptions, out: str):
+    """A temporary folder next to the output for GPTQ's spilled records (removed at the end), or
+    None without GPTQ."""
+    if options.weight_rounding != "gptq":
+        yield None
+        return
+    parent = os.path.dirname(os.path.abspath(out))
+    with tempfile.TemporaryDirectory(prefix=".nvfp4tool-gptq-", dir=parent) as folder:
+        yield folder
+
+
+def _gptq(source: Checkpoint, plan: ExportPlan, group_amax, options: ExportOptions, block: str,
+          spill_dir: str) -> GPTQResult:
+    """Run the GPTQ pass (`gptq_pass.py`) and say its mean output-error reduction."""
+    result = run_gptq(source.config, source.tensors, plan, group_amax, options.calib_data, spill_dir=spill_dir,
+                      samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
+                      offload=options.offload, method=options.scale_search, block=block, damp=options.gptq_damp)
+    reduction = _gptq_record(result, options).mean_output_err_reduction
+    progress.info(f"GPTQ: {len(result.errors)} linears, output error on the calibration inputs "
+                  f"{100 * reduction:.1f}% below RTN's with the same scales (mean)")
+    return result
+
+
+def _gptq_record(gptq: GPTQResult, options: ExportOptions):
+    return provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors)
 
 
 class _ModuleLoader:
@@ -164,8 +216,9 @@ class _ModuleLoader:
     `kv_scales` are the KV-cache scale tensors, by name."""
 
     def __init__(self, tensors, plan: ExportPlan, spec: LayoutSpec, group_amax, input_amax, block,
-                 options: ExportOptions, kv_scales: dict[str, np.ndarray]) -> None:
+                 options: ExportOptions, kv_scales: dict[str, np.ndarray], gptq: GPTQResult | None) -> None:
         self.tensors, self.plan, self.spec, self.block, self.options = tensors, plan, spec, block, options
+        self.gptq = gptq
         self.group_amax, self.input_amax = group_amax, input_amax
         self.layer_errors: dict[str, dict[str, float]] = {}
         self.records: dict[str, TensorRecord] = {}
@@ -211,6 +264,11 @@ class _ModuleLoader:
             self.layer_errors[module] = {"rel_l2": err}
             amax = float(np.max(np.abs(decoded))) if decoded.size else 0.0
             del decoded, w32
+        elif self.gptq is not None:  # quantized by the GPTQ pass, read back from its spill folder
+            q, error = self.gptq.records.get(module), self.gptq.errors[module]
+            self.layer_errors[module] = {"rel_l2": error.rel_l2, "output_rel_err": error.output_rel_err,
+                                         "rtn_output_rel_err": error.rtn_output_rel_err}
+            amax = error.decoded_amax
         else:
             q, error = quantize_weight(w, method=self.options.scale_search, block=self.block,
                                        global_amax=self.group_amax[group], name=weight_name)
@@ -282,6 +340,16 @@ def _check_options(options: ExportOptions) -> None:
                              f"{', '.join(METHODS)}")
     if options.quant == "fp8" and options.scale_search != "rtn":
         raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
+    if options.weight_rounding not in ("rtn", "gptq"):
+        raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
+    if not options.gptq_damp > 0:
+        raise NVFP4UsageError(f"--gptq-damp must be > 0, got {options.gptq_damp}")
+    if options.weight_rounding == "gptq" and options.quant == "fp8":
+        raise NVFP4UsageError("--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or "
+                              "nvfp4-weight-only, not fp8")
+    if options.weight_rounding == "gptq" and options.calib_data is None:
+        raise NVFP4UsageError("--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
+                              "input comes from the calibration text)")
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 

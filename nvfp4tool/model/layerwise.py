@@ -14,6 +14,8 @@ calibration, the sensitivity search) runs here, in one of two modes with the sam
   read from the source (`get(HF name)`: an array or a stored quantized weight) just before and
   dropped just after, so the peak is one layer + embeddings / final norm / LM head + the
   activations of the windows.
+`sequential` is GPTQ's pass (all windows through layer i, then the caller replaces some of layer
+i's weights and the windows go through it again for layer i+1), in either mode.
 Each batch runs the same compiled block program in both modes (one program for every layer: the
 blocks are built with the scanned-layer names `model.layers.*....`), so the modes agree exactly.
 
@@ -179,6 +181,44 @@ class LayerwiseModel:
                     _deliver(records, on_record, None)
                     yield s, logits
                 del carry
+
+    def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap,
+                   on_record: Callable[[str, Any], None],
+                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential") -> None:
+        """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
+        stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
+        `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
+        "self_attn.q_proj.weight": array}); when it gives any, the windows go through layer i
+        again with them (records dropped) to make layer i+1's inputs. So layer i+1's records see
+        the replaced earlier layers. Held or streamed alike; the peak is one layer (twice while it
+        is replaced) + the activations of all windows. The LM head is not run."""
+        ids_SxT = np.asarray(ids_SxT, np.int32)
+        carry = [self._embed(ids_SxT[s:s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
+        with progress.task(label, total=self.config.num_layers, unit="layer") as task:
+            for i in range(self.config.num_layers):
+                graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
+                state = self._place(self._layer(i))
+                outputs = []
+                for x, cos, sin, allowed in carry:
+                    y, records = _block_step(graphdef, state, x, cos, sin, allowed, None, tap=tap, kv_tap=None,
+                                             gather=self._gather)
+                    _deliver(records, on_record, i)
+                    outputs.append(y)
+                new = replace(i)
+                if new:
+                    block = nnx.merge(graphdef, state)
+                    for path, value in new.items():
+                        variable = _variable(block, path)
+                        variable.set_value(jnp.asarray(value, variable.get_value().dtype))
+                    state = self._place(nnx.state(block))
+                    del block
+                    outputs = [_block_step(graphdef, state, x, cos, sin, allowed, None, tap=tap, kv_tap=None,
+                                           gather=self._gather)[0] for x, cos, sin, allowed in carry]
+                carry = [(y, cos, sin, allowed) for y, (_, cos, sin, allowed) in zip(outputs, carry)]
+                del state, outputs
+                if self.streamed:
+                    memory.release()
+                task.advance(description=f"layer {i}")
 
     def _embed(self, ids_BxT: np.ndarray):
         ids = jnp.asarray(ids_BxT) if self.mesh is None else jax.device_put(ids_BxT, replicated(self.mesh))

@@ -6,7 +6,9 @@ with the sha256 of each weight file (relative to the source); format / quant / s
 weight block; recipe and precision map; calibration data by file name + sha256 (or the run's
 tracked amax), for MoE models with all-experts calibration and each expert's routed-token count;
 with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
-per quantized layer its relative L2 weight error; and per written tensor its file
+per quantized layer its relative L2 weight error (with `--weight-rounding gptq`, the GPTQ settings and
+per layer also the relative output error on the calibration inputs, after GPTQ and for nearest
+rounding with the same scales); and per written tensor its file
 (relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
 amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
 a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
@@ -64,6 +66,20 @@ class LayerErrorRecord(Record):
     rel_l2: float  # ||decode(q) - w|| / ||w||
     rtn_rel_l2: float | None = None  # the same for round-to-nearest (scale search only)
     reduction_vs_rtn: float | None = None  # 1 - rel_l2 / rtn_rel_l2 (scale search only)
+    # GPTQ: relative output error on the calibration inputs sqrt(tr(D H D^T) / tr(W H W^T)),
+    # D = W - decode(q), H = X^T X undamped; after GPTQ and for nearest rounding with the same scales
+    output_rel_err: float | None = None
+    rtn_output_rel_err: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQRecord(Record):
+    """How `--weight-rounding gptq` rounded the weights (`export/gptq.py`)."""
+
+    damp: float  # H += damp * mean(diag H) * I
+    block_size: int  # columns per lazy-batch block
+    act_order: str  # the static column order
+    mean_output_err_reduction: float  # mean over quantized linears of 1 - output_rel_err / rtn_output_rel_err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +116,8 @@ class ExportRecord(Record):
     tensors: dict[str, TensorRecord]  # every written tensor
     kv_cache: str = "none"  # "none" | "fp8": the KV-cache scales written (--kv-cache)
     kv_amax: dict[str, tuple[float, float]] | None = None  # attention -> calibrated (max |K| after RoPE, max |V|)
+    weight_rounding: str = "rtn"  # "rtn" | "gptq" (--weight-rounding)
+    gptq: GPTQRecord | None = None  # with gptq: its settings
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:

@@ -1,0 +1,181 @@
+"""GPTQ for NVFP4 weights: error-compensating rounding with fixed scales (Frantar et al. 2022).
+
+    q, err = gptq_quantize(w_NxK, h_KxK, method="rtn", block="1d", global_amax=group_amax, damp=0.05)
+
+Round-to-nearest (RTN) rounds each weight on its own. GPTQ rounds the columns of W [N, K] one after
+another and, after each, spreads the column's rounding error over the columns not yet rounded, in
+the proportions that minimise the layer's output error ||(W - Q) X^T|| on the calibration inputs X
+(through the Hessian H = X^T X). Here, for NVFP4:
+1. The scales are fixed first, on the ORIGINAL weight: the global scale from the weight's (fused
+   group's) amax exactly as the RTN export, the block scales by `--scale-search`
+   (`scale_search.quantize_weight`, which also gives 4over6's record global amax). Only the E2M1
+   codes change, so the result is a plain NVFP4 record that every engine reads.
+2. H (fp32 K x K, undamped, accumulated by the caller) is damped: dead columns (diag 0: an input
+   that was zero on every token) get H_jj = 1 and W[:, j] = 0, as GPTQ does; then
+   H += damp * mean(diag H) * I (`damp` 0.05 by default: llm-compressor's NVFP4 sweep, #2922,
+   measured it best).
+3. Static activation order that keeps the 16-element blocks whole: the 16-column blocks are
+   permuted by descending sum of diag(H) over the block (stable on ties). A 2D (16 x 16) tile is
+   16 rows of one column block, so it stays valid too.
+4. U = upper Cholesky factor of H^-1. Column blocks of `block_size` (128; lazy batch updates):
+   within a block, column j is rounded to the nearest code with its FIXED block scale (the
+   numerics E2M1 encoder and decode product), err_j = (w_j - deq(q_j)) / U_jj, and err_j * U[j]
+   is subtracted from the block's later columns; after the block, its errors reach all later
+   columns in one matmul. (jit; `lax.fori_loop` over the blocks and over a block's columns.)
+5. The codes are un-permuted and packed (`numerics.pack_codes`).
+Every piece of format math (block scales, the E2M1 encoder, the decode, packing) is numerics'.
+
+The error recorded per linear is the relative output error on the calibration inputs,
+sqrt(tr(D H D^T) / tr(W H W^T)) with D = W - decode(Q) and the undamped H, for GPTQ and for RTN
+with the same scales (`GPTQError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool import numerics
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export.scale_search import quantize_weight
+from nvfp4tool.numerics import NVFP4Array
+from nvfp4tool.numerics.blocks import flush_subnormal
+from nvfp4tool.numerics.constants import NVFP4_BLOCK
+from nvfp4tool.recipes.precision import fused_group
+
+BLOCK_COLUMNS = 128  # columns per lazy-batch block
+DEFAULT_DAMP = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQError:
+    """Errors of one GPTQ-quantized linear."""
+
+    rel_l2: float  # weight error ||decode(q) - w|| / ||w||
+    output_rel_err: float  # sqrt(tr(D H D^T) / tr(W H W^T)), D = w - decode(q)
+    rtn_output_rel_err: float  # the same for nearest rounding with the same scales
+    decoded_amax: float  # max |decode(q)|
+
+
+def hessian_key(module: str) -> str:
+    """The input a linear reads, as the Hessian it shares: its fused group (q/k/v, gate/up), and
+    one for the gate/up of all experts of a MoE layer (all-experts calibration gives every expert
+    every token of its layer, so their inputs are the same)."""
+    return re.sub(r"\.experts\.\d+\.gate_up$", ".experts.gate_up", fused_group(module))
+
+
+def block_order(diag_K: np.ndarray) -> np.ndarray:
+    """Column permutation [K] of the static activation order: 16-column blocks by descending sum
+    of diag(H) (`diag_K`, dead columns' set to 1) over the block, stable on ties, each block's
+    columns in order."""
+    sums = np.asarray(diag_K, np.float64).reshape(-1, NVFP4_BLOCK).sum(axis=1)
+    blocks = np.argsort(-sums, kind="stable")
+    return (blocks[:, None] * NVFP4_BLOCK + np.arange(NVFP4_BLOCK)).reshape(-1)
+
+
+def gptq_quantize(w_NxK: np.ndarray | jax.Array, h_KxK: np.ndarray | jax.Array, *, method: str = "rtn",
+                  block: str = "1d", global_amax: float, damp: float = DEFAULT_DAMP, act_order: bool = True,
+                  block_size: int = BLOCK_COLUMNS, mse_radius: int = 2,
+                  name: str = "weight") -> tuple[NVFP4Array, GPTQError]:
+    """NVFP4 of `w_NxK` by GPTQ with Hessian `h_KxK` (undamped X^T X), scales by `method` (see the
+    module docstring). Returns the record (numpy arrays) and its errors."""
+    rtn, _ = quantize_weight(w_NxK, method=method, block=block, global_amax=global_amax,
+                             mse_radius=mse_radius, name=name)
+    n, k = rtn.shape
+    h = np.asarray(h_KxK, np.float32)
+    if h.shape != (k, k):
+        raise NVFP4ToolError(f"tensor '{name}': Hessian {h.shape} does not match in_features {k}")
+    if not np.isfinite(h).all():
+        raise NVFP4ToolError(f"tensor '{name}': the calibration Hessian has non-finite values")
+    diag = np.diagonal(h).copy()
+    diag[diag == 0] = 1  # dead columns, as the damping sees them
+    perm = block_order(diag) if act_order else np.arange(k)
+    _, s_dec = numerics.nvfp4_global_scales(rtn.global_amax)
+    codes, finite = _gptq_codes(jnp.asarray(w_NxK), jnp.asarray(h), jnp.asarray(rtn.scales), s_dec,
+                                jnp.asarray(perm, jnp.int32), jnp.float32(damp), block_size=block_size)
+    if not bool(finite):
+        raise NVFP4ToolError(f"tensor '{name}': the damped Hessian is not positive definite; "
+                             f"raise --gptq-damp")
+    record = dataclasses.replace(rtn, packed=np.asarray(numerics.pack_codes(codes)))
+    errors = _errors(jnp.asarray(w_NxK), jnp.asarray(h), record, rtn)
+    return record, GPTQError(*(float(e) for e in np.asarray(errors)))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _gptq_codes(w_NxK, h_KxK, scales_NxKb, s_dec, perm_K, damp, *, block_size):
+    """(uint8 codes [N, K] in the original column order, whether the Cholesky was finite)."""
+    n, k = w_NxK.shape
+    w = flush_subnormal(w_NxK.astype(jnp.float32))
+    dead = jnp.diagonal(h_KxK) == 0
+    h = h_KxK + jnp.diag(dead.astype(jnp.float32))
+    w = jnp.where(dead[None, :], jnp.float32(0), w)
+    h = h + jnp.eye(k, dtype=jnp.float32) * (damp * jnp.mean(jnp.diagonal(h)))
+    # permute: columns of w, rows and columns of h, the per-column block scale
+    w = w[:, perm_K]
+    h = h[perm_K][:, perm_K]
+    scales_NxK = jnp.repeat(scales_NxKb, NVFP4_BLOCK, axis=1)[:, perm_K]
+    # pad K to whole blocks: zero weights, identity Hessian (nothing flows into or out of them)
+    kp = -(-k // block_size) * block_size
+    w = jnp.pad(w, ((0, 0), (0, kp - k)))
+    h = jnp.pad(h, ((0, kp - k), (0, kp - k))) + jnp.diag((jnp.arange(kp) >= k).astype(jnp.float32))
+    scales_NxK = jnp.pad(scales_NxK.astype(jnp.float32), ((0, 0), (0, kp - k)),
+                         constant_values=1.0).astype(jnp.float8_e4m3fn)
+    lower = jnp.linalg.cholesky(h)
+    h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(kp, dtype=jnp.float32))
+    u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
+    ok = jnp.all(jnp.isfinite(u))
+
+    def one_block(b, carry):
+        w, codes = carry
+        i = b * block_size
+        w_blk = jax.lax.dynamic_slice_in_dim(w, i, block_size, axis=1)
+        u_blk = jax.lax.dynamic_slice(u, (i, i), (block_size, block_size))
+        s_blk = jax.lax.dynamic_slice_in_dim(scales_NxK, i, block_size, axis=1)
+
+        def one_column(j, carry):
+            w_blk, q_blk, e_blk = carry
+            w_j = flush_subnormal(jax.lax.dynamic_slice_in_dim(w_blk, j, 1, axis=1))  # [N, 1]
+            s_j = jax.lax.dynamic_slice_in_dim(s_blk, j, 1, axis=1)[:, 0]  # [N]: one "block" per row
+            q_j, v_j = numerics.encode_nvfp4_blocks(w_j, s_j, s_dec)
+            e_j = (w_j - numerics.decode_nvfp4_blocks(v_j, s_j, s_dec)) / u_blk[j, j]
+            u_row = jnp.where(jnp.arange(block_size) > j, u_blk[j], jnp.float32(0))
+            w_blk = w_blk - e_j * u_row[None, :]
+            return (w_blk, jax.lax.dynamic_update_slice_in_dim(q_blk, q_j, j, axis=1),
+                    jax.lax.dynamic_update_slice_in_dim(e_blk, e_j, j, axis=1))
+
+        zeros = jnp.zeros((n, block_size), jnp.float32)
+        _, q_blk, e_blk = jax.lax.fori_loop(0, block_size, one_column,
+                                            (w_blk, zeros.astype(jnp.uint8), zeros))
+        u_rows = jax.lax.dynamic_slice_in_dim(u, i, block_size, axis=0)
+        later = jnp.where(jnp.arange(kp)[None, :] >= i + block_size, u_rows, jnp.float32(0))
+        w = w - jnp.matmul(e_blk, later, precision=jax.lax.Precision.HIGHEST)
+        return w, jax.lax.dynamic_update_slice_in_dim(codes, q_blk, i, axis=1)
+
+    _, codes = jax.lax.fori_loop(0, kp // block_size, one_block, (w, jnp.zeros((n, kp), jnp.uint8)))
+    return codes[:, :k][:, jnp.argsort(perm_K)], ok
+
+
+@jax.jit
+def _errors(w_NxK, h_KxK, q: NVFP4Array, rtn: NVFP4Array):
+    """[weight rel L2, output rel error, RTN output rel error, max |decode(q)|]."""
+    w = flush_subnormal(w_NxK.astype(jnp.float32))
+    deq, deq_rtn = numerics.dequantize_nvfp4(q), numerics.dequantize_nvfp4(rtn)
+
+    def quad(d):  # tr(D H D^T)
+        return jnp.sum(jnp.matmul(d, h_KxK, precision=jax.lax.Precision.HIGHEST) * d)
+
+    def rel(err, norm):
+        return jnp.where(norm > 0, jnp.sqrt(err / jnp.where(norm > 0, norm, 1)), 0.0)
+
+    norm = quad(w)
+    return jnp.stack([rel(jnp.sum(jnp.square(deq - w)), jnp.sum(jnp.square(w))),
+                      rel(quad(w - deq), norm), rel(quad(w - deq_rtn), norm), jnp.max(jnp.abs(deq))])

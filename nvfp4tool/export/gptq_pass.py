@@ -1,0 +1,121 @@
+"""The GPTQ pass of an export (`--weight-rounding gptq`): sequential calibration, layer by layer.
+
+    result = run_gptq(config, tensors, plan, group_amax, "calib.txt", spill_dir=tmp, samples=64,
+                      seq_len=512, tokenizer_dir=hf, offload="auto", method="rtn", block="1d", damp=0.05)
+    result.records.get("model.layers.0.mlp.up_proj")  # NVFP4Array, read back from spill_dir
+    result.errors["model.layers.0.mlp.up_proj"]       # GPTQError
+
+As GPTQ implementations do (llm-compressor's sequential pipeline), on the source in BF16 run layer
+by layer (`LayerwiseModel.sequential`, held or streamed): all calibration windows go through
+layer i with its ORIGINAL weights while a tap accumulates X^T X (fp32) of each linear's input;
+then layer i's quantized linears are GPTQ-quantized (`gptq.py`) with those Hessians; then the
+windows go through layer i again with the quantized (decoded) weights to make layer i+1's inputs,
+so layer i+1's Hessians see the already-quantized earlier layers. Linears reading the same input
+share one Hessian (`gptq.hessian_key`: q/k/v, gate/up; in a MoE layer the gate/up of all experts,
+since the tap asks every expert to run on every token of its layer, `routes_all_experts`, as
+llm-compressor's moe_calibrate_all_experts; each expert's down_proj has its own, over all tokens).
+
+Memory: one layer's weights + its Hessians + the windows' activations. Each quantized record is
+spilled to `spill_dir` (packed codes and scales as .npy) as soon as it is made and read back by the
+writer when it writes the module, so the records are never all held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export.calibrate import BATCH, load_calibration_ids, open_bf16_model
+from nvfp4tool.export.gptq import GPTQError, gptq_quantize, hessian_key
+from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.model.layerwise import layer_modules
+from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4
+from nvfp4tool.recipes.precision import COMPUTE_DTYPE
+
+
+class SpilledRecords:
+    """NVFP4 records kept on disk in `folder` (packed and scales as .npy), their scalars in memory."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._meta: dict[str, NVFP4Array] = {}  # module -> the record without its arrays
+
+    def put(self, module: str, q: NVFP4Array) -> None:
+        np.save(self._file(module, "packed"), np.asarray(q.packed))
+        np.save(self._file(module, "scales"), np.asarray(q.scales).view(np.uint8))
+        self._meta[module] = dataclasses.replace(q, packed=None, scales=None)
+
+    def get(self, module: str) -> NVFP4Array:
+        scales = np.load(self._file(module, "scales")).view(jnp.float8_e4m3fn)
+        return dataclasses.replace(self._meta[module], packed=np.load(self._file(module, "packed")), scales=scales)
+
+    def _file(self, module: str, role: str) -> str:
+        return os.path.join(self.folder, f"{module}.{role}.npy")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQResult:
+    records: SpilledRecords  # quantized module -> its record (on disk)
+    errors: dict[str, GPTQError]  # quantized module -> its errors
+
+
+def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
+             data_path: str, *, spill_dir: str, samples: int, seq_len: int, tokenizer_dir: str | None,
+             offload: str, method: str, block: str, damp: float) -> GPTQResult:
+    """GPTQ records of every quantized module of `plan` (see the module docstring)."""
+    ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir,
+                                   vocab_size=config.vocab_size)
+    model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="GPTQ")
+    representative: dict[str, str] = {}  # Hessian key -> the linear whose input is recorded
+    for module in plan.quantized:
+        representative.setdefault(hessian_key(module), module)
+    recorded = frozenset(name for i in range(config.num_layers)
+                         for name in layer_modules(representative.values(), i))
+    hessians: dict[str, np.ndarray] = {}
+    records, errors = SpilledRecords(spill_dir), {}
+
+    def on_record(module: str, xtx) -> None:
+        key = hessian_key(module)
+        hessians[key] = hessians[key] + np.asarray(xtx) if key in hessians else np.asarray(xtx, np.float32)
+
+    def replace(layer: int) -> dict[str, np.ndarray]:
+        new = {}
+        prefix = f"model.layers.{layer}."
+        for module in (m for m in plan.quantized if m.startswith(prefix)):
+            h = hessians.get(hessian_key(module))
+            if h is None:
+                raise NVFP4ToolError(f"GPTQ: {module} was never called by the model")
+            name = f"{module}.weight"
+            q, error = gptq_quantize(source.get(name), h, method=method, block=block, damp=damp,
+                                     global_amax=group_amax[plan.group_of(module)], name=name)
+            records.put(module, q)
+            errors[module] = error
+            new[f"{name[len(prefix):]}"] = np.asarray(dequantize_nvfp4(q, COMPUTE_DTYPE))
+        hessians.clear()
+        return new
+
+    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), on_record=on_record, replace=replace, label="GPTQ")
+    return GPTQResult(records=records, errors=errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hessians:
+    """Tap: the plain BF16 GEMM; the linears in `names` (block-program names) record X^T X (fp32)
+    of their input. Every sparse MLP runs all its experts on all tokens (`routes_all_experts`)."""
+
+    names: frozenset[str]
+    routes_all_experts: ClassVar[bool] = True
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        y = dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
+        if name not in self.names:
+            return y, None
+        x_TxK = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return y, jnp.matmul(x_TxK.T, x_TxK, precision=jax.lax.Precision.HIGHEST)
