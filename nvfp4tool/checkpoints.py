@@ -63,6 +63,7 @@ class OptionNames:
 CLI_OPTIONS = OptionNames()
 TRAIN_OPTIONS = OptionNames(path="model={}", model_config="model_config={}", rope_layout="rope_layout={}",
                             step="step={}")
+TEACHER_OPTIONS = dataclasses.replace(TRAIN_OPTIONS, path="teacher={}")  # train's distillation teacher
 
 
 @dataclasses.dataclass(frozen=True)

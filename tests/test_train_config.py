@@ -45,6 +45,9 @@ BAD_OVERRIDES = [
     ("text_field=", "text_field"),  # model=: the checkpoint opener, tests/test_checkpoints.py
     ("tokenizer=no/such/folder", "tokenizer"), ("eval_data=missing.txt", "eval_data"),
     ("stepz=10", "stepz"), ("=3", "'=3'"), ("steps", "'steps'"),
+    ("distill=kl", "distill"), ("teacher=t", "teacher"), ("distill=mse teacher=t", "distill"),
+    ("temperature=0", "temperature"), ("temperature=-1", "temperature"),
+    ("distill_weight=1.5", "distill_weight"), ("distill_weight=-0.1", "distill_weight"),
 ]
 
 

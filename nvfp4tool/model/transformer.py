@@ -325,6 +325,29 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
     KV seam `kv` before they are written."""
+    x_BxTxE, new_cache = _blocks(model, input_ids_BxT, positions_BxT, allowed_BxTxS, cache, write_index,
+                                 linear, kv)
+    return lm_logits(model, x_BxTxE, linear), new_cache
+
+
+def final_hidden(model: CausalLM, input_ids_BxT: jax.Array, linear: LinearFn) -> jax.Array:
+    """The LM head's input [B, T, E] (the last block's output after the final norm) of unpadded
+    rows, for a loss that applies the head itself (distillation, chunked over the vocabulary with
+    `head_weight`). Call it under a transformation (jit / grad), as the train step does."""
+    positions_BxT = default_positions(jnp.ones(input_ids_BxT.shape, bool))
+    allowed_BxTxS = attention_allowed(jnp.arange(input_ids_BxT.shape[1]), jnp.ones(input_ids_BxT.shape, bool),
+                                      model.config.sliding_window, positions_BxT, positions_BxT)
+    x_BxTxE, _ = _blocks(model, input_ids_BxT, positions_BxT, allowed_BxTxS, None, 0, linear, default_kv)
+    return model.norm(x_BxTxE)
+
+
+def head_weight(model: CausalLM) -> jax.Array:
+    """The LM head's weight [V, E] (the embedding table when tied)."""
+    return model.lm_head.weight.get_value() if model.lm_head is not None else model.embed_tokens.weight[...]
+
+
+def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, allowed_BxTxS, cache, write_index, linear, kv):
+    """Embedding and the blocks: (the last block's output [B, T, E], the updated cache)."""
     x_BxTxE = embed(model, input_ids_BxT)
     cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
     layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
@@ -345,7 +368,7 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
             x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear, kv)
             if cache is not None:  # an in-place update of layer i under jit
                 new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
-    return lm_logits(model, x_BxTxE, linear), new_cache
+    return x_BxTxE, new_cache
 
 
 def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
@@ -360,12 +383,7 @@ def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def lm_logits(model: CausalLM, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
     """The last layer's output -> final norm -> LM head (or the tied embedding): fp32 [B, T, V]."""
-    x_BxTxE = model.norm(x_BxTxE)
-    if model.lm_head is not None:
-        logits_BxTxV = model.lm_head(x_BxTxE, linear)
-    else:
-        logits_BxTxV = linear(x_BxTxE, model.embed_tokens.weight[...], None, name="lm_head")
-    return logits_BxTxV.astype(jnp.float32)
+    return linear(model.norm(x_BxTxE), head_weight(model), None, name="lm_head").astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))

@@ -52,6 +52,11 @@ class TrainConfig:
     switch_to_bf16_at: float | None = None  # step, or fraction of `steps` when < 1
     switch_scope: str = "forward"  # forward | all
     amax_history: int = 16  # steps over which each quantized input's amax is tracked (max)
+    # quantization-aware distillation (nvfp4tool.train.distill)
+    teacher: str | None = None  # frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run
+    distill: str = "none"  # none | kl (KL to the teacher; needs teacher)
+    temperature: float = 1.0  # softmax temperature of the KL
+    distill_weight: float = 1.0  # loss = w T^2 KL + (1 - w) next-token CE
     # optimisation
     steps: int = 100
     seq_len: int = 128
@@ -91,6 +96,14 @@ class TrainConfig:
         _check_choice("schedule", self.schedule, ("cosine", "wsd"))
         _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _check_choice("switch_scope", self.switch_scope, ("forward", "all"))
+        _check_choice("distill", self.distill, ("none", "kl"))
+        _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
+                 "needs teacher=PATH (the model to distill from)")
+        _require("teacher", self.teacher, self.teacher is None or self.distill != "none",
+                 "needs distill=kl (a teacher is used only for distillation)")
+        _require("temperature", self.temperature, self.temperature > 0, "expected a number > 0")
+        _require("distill_weight", self.distill_weight, 0 <= self.distill_weight <= 1,
+                 "expected a number in [0, 1]")
         if self.rope_layout is not None:
             _check_choice("rope_layout", self.rope_layout, ("interleaved", "half"))
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches",
@@ -130,7 +143,7 @@ class TrainConfig:
 
     def check_paths(self) -> None:
         """The data and tokenizer paths a run reads exist (usage error naming the key); `model` is
-        checked by the one checkpoint opener, as in every command. Not part of construction: a
+        checked by the one checkpoint opener, as in every command (and so is `teacher`). Not part of construction: a
         finished run's recorded config stays readable after its data moved."""
         for name in ("data", "eval_data"):
             path = getattr(self, name)

@@ -2,8 +2,10 @@
 
 Each line: {"step" (from 1), "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} plus
 "aux_loss" for an MoE model (the routers' load-balancing loss, unweighted; "loss" includes it times
-`router_aux_loss_coef`), "eval_loss" on evaluation steps and "skipped": true for a skipped
-non-finite step.
+`router_aux_loss_coef`), "kl" for a distillation run (the KL to the teacher; "ce", the next-token
+cross-entropy, when `distill_weight` < 1 mixes it in), "eval_loss" on evaluation steps (the
+next-token cross-entropy, also for distillation, plus "eval_kl" there) and "skipped": true for a
+skipped non-finite step.
 """
 
 from __future__ import annotations

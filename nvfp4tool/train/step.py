@@ -8,8 +8,13 @@ The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
      "step":      int32, optimizer steps taken}
 A step runs `grad_accum` micro-batches (a `lax.scan`), averages their gradients, clips, updates,
 and reports loss (an MoE model: with its weighted load-balancing loss, also reported unweighted as
-"aux_loss"), gradient norm and whether both were finite; the caller decides what a
-non-finite step means (the returned state is then not to be used).
+"aux_loss"; a distillation run: also "kl" to the teacher, and "ce" when mixed with it), gradient
+norm and whether both were finite; the caller decides what a non-finite step means (the returned
+state is then not to be used).
+
+Distillation (`distill`, `nvfp4tool.train.distill`): the teacher's parameters (BF16, frozen) are an
+argument of the steps beside the state, never part of it (so never in the optimizer state nor in a
+checkpoint).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from flax import nnx
 from nvfp4tool.model import forward
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.recipes.precision import RecipeConfig, group_amax, make_linear
+from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.moe_loss import load_balancing_loss, recording_router_logits
 
 State = dict[str, Any]
@@ -40,6 +46,7 @@ class StepFns:
     pmap: dict[str, str]
     optimizer: optax.GradientTransformation
     grad_accum: int
+    distill: Distillation | None = None  # None: the next-token loss
 
     @property
     def quantized(self) -> list[str]:
@@ -50,33 +57,35 @@ class StepFns:
                 "amax": {n: jnp.zeros((amax_history,), jnp.float32) for n in self.quantized},
                 "step": jnp.zeros((), jnp.int32)}
 
-    def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none"):
+    def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none",
+             teacher: Any = None):
         """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts))."""
         model = nnx.merge(self.graphdef, params)
         amax_by_group = group_amax({n: linear_weight(model, n) for n in self.quantized})
         input_amax: dict[str, jax.Array] = {}
         linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope)
-        loss, parts = training_loss(model, windows_BxT1, linear)
+        loss, parts = training_loss(model, windows_BxT1, linear, self.distill, teacher)
         return loss, (input_amax, parts)
 
     def train_step(self, state: State, windows_AxBxT1: jax.Array, key: jax.Array,
-                   bf16_scope: str = "none") -> tuple[State, dict[str, jax.Array]]:
-        """One optimizer step over `grad_accum` micro-batches [A, B/A, T+1]."""
+                   bf16_scope: str = "none", teacher: Any = None) -> tuple[State, dict[str, jax.Array]]:
+        """One optimizer step over `grad_accum` micro-batches [A, B/A, T+1] (`teacher`: the
+        teacher's parameters of a distillation run)."""
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
 
         def micro(carry, inputs):
             grad_sum, loss_sum, parts_sum, amax_max = carry
             index, windows = inputs
             (loss, (amax, parts)), grads = grad_fn(state["params"], windows,
-                                                   jax.random.fold_in(key, index), bf16_scope)
+                                                   jax.random.fold_in(key, index), bf16_scope, teacher)
             amax_max = {n: jnp.maximum(amax_max[n], amax.get(n, 0.0)) for n in amax_max}
             return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss,
                     jax.tree.map(jnp.add, parts_sum, parts), amax_max), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
         # which parts the loss reports (none, or the MoE aux loss): from its shapes, traced only
-        part_shapes = jax.eval_shape(lambda p, w: self.loss(p, w, key, bf16_scope), state["params"],
-                                     windows_AxBxT1[0])[1][1]
+        part_shapes = jax.eval_shape(lambda p, w, t: self.loss(p, w, key, bf16_scope, t), state["params"],
+                                     windows_AxBxT1[0], teacher)[1][1]
         no_parts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), part_shapes)
         no_amax = {n: jnp.zeros((), jnp.float32) for n in self.quantized}
         (grad_sum, loss_sum, parts_sum, amax_now), _ = jax.lax.scan(
@@ -96,9 +105,15 @@ class StepFns:
         parts = {n: total / self.grad_accum for n, total in parts_sum.items()}
         return new_state, {"loss": loss, **parts, "grad_norm": grad_norm, "finite": finite}
 
-    def eval_loss(self, params, windows_BxT1: jax.Array, bf16_scope: str = "none") -> jax.Array:
-        """The recipe's forward (no gradient, so no stochastic rounding) on held-out windows."""
-        return self.loss(params, windows_BxT1, jax.random.key(0), bf16_scope)[0]
+    def eval_metrics(self, params, windows_BxT1: jax.Array, bf16_scope: str = "none",
+                     teacher: Any = None) -> dict[str, jax.Array]:
+        """The recipe's forward (no gradient, so no stochastic rounding) on held-out windows:
+        {"loss": the training loss}; a distillation run: {"loss": the next-token cross-entropy
+        (comparable with any run's), "kl": the KL to the teacher}."""
+        loss, (_, parts) = self.loss(params, windows_BxT1, jax.random.key(0), bf16_scope, teacher)
+        if self.distill is None:
+            return {"loss": loss}
+        return {"loss": parts["ce"], "kl": parts["kl"]}
 
 
 def make_optimizer(schedule: Callable[[int], float], *, weight_decay: float, beta1: float,
@@ -125,25 +140,32 @@ def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr
          optax.linear_schedule(lr, end, decay)], [max(warmup, 1), max(warmup, 1) + stable])
 
 
-def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn) -> tuple[jax.Array, dict]:
+def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn, distill: Distillation | None = None,
+                  teacher: Any = None) -> tuple[jax.Array, dict]:
     """The loss the optimizer minimizes on windows [B, T+1] (tokens 0..T-1 predict 1..T): the mean
-    next-token cross-entropy, plus, for an MoE model, `router_aux_loss_coef` x the routers'
-    load-balancing loss (transformers' model loss with `output_router_logits=True`).
+    next-token cross-entropy, or with `distill` the distillation loss against the teacher whose
+    parameters are `teacher` (`Distillation.loss`); plus, for an MoE model,
+    `router_aux_loss_coef` x the routers' load-balancing loss (transformers' model loss with
+    `output_router_logits=True`).
 
-    Returns (loss, parts): parts = {"aux_loss": the unweighted load-balancing loss} for an MoE
-    model, {} otherwise. Call it under a transformation (jit / grad), as the steps do: the router
-    logits are recorded at trace time.
+    Returns (loss, parts): parts holds "aux_loss" (the unweighted load-balancing loss) for an MoE
+    model, "kl" and "ce" (`Distillation.terms`) for distillation. Call it under a transformation
+    (jit / grad), as the steps do: the router logits are recorded at trace time.
     """
     config = model.config
     router_logits: dict[str, jax.Array] = {}
     if config.is_moe:
         linear = recording_router_logits(linear, config.router_names(), router_logits)
-    logits_BxTxV = forward(model, windows_BxT1[:, :-1], linear=linear)
-    loss = cross_entropy(logits_BxTxV, windows_BxT1[:, 1:])
+    inputs_BxT, targets_BxT = windows_BxT1[:, :-1], windows_BxT1[:, 1:]
+    if distill is None:
+        loss, parts = cross_entropy(forward(model, inputs_BxT, linear=linear), targets_BxT), {}
+    else:
+        parts = distill.terms(model, teacher, inputs_BxT, targets_BxT, linear)
+        loss = distill.loss(parts)
     if not config.is_moe:
-        return loss, {}
+        return loss, parts
     aux = load_balancing_loss(list(router_logits.values()), config.num_experts_per_tok)
-    return loss + config.router_aux_loss_coef * aux, {"aux_loss": aux}
+    return loss + config.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

@@ -2,6 +2,11 @@
 
     result = train(load_train_config("run.yaml", ["recipe=nvfp4", "steps=60"]))
 
+Distillation (`teacher=PATH distill=kl`): the teacher is opened by the same opener as the model
+(with its `model_config` / `rope_layout`), checked to share the student's vocabulary and tokenizer,
+held in BF16 on the training mesh in the state's layout, and handed to every step beside the state
+(`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again).
+
 The run folder `out` ends up holding: `run.json` (`nvfp4tool.records.run.RunRecord`: the config,
 model config and the hashes of data and tokenizer), `metrics.jsonl` and `loss.png`,
 `checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
@@ -35,7 +40,7 @@ from flax import nnx
 
 from converters.atomic import atomic_output_dir, check_output_path
 from nvfp4tool import progress
-from nvfp4tool.checkpoints import TRAIN_OPTIONS, Checkpoint, open_checkpoint, run_steps
+from nvfp4tool.checkpoints import TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, open_checkpoint, run_steps
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -46,6 +51,7 @@ from nvfp4tool.train import data as data_lib
 from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.config import TrainConfig
+from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
@@ -80,6 +86,7 @@ class _Prepared:
     source: Checkpoint | None  # the opened model (None: a preset size from scratch)
     model_config: ModelConfig
     model: CausalLM
+    teacher: CausalLM | None  # a distillation run's teacher (BF16)
     train_windows: np.ndarray
     eval_windows: np.ndarray
     recipe: RecipeConfig
@@ -104,7 +111,14 @@ def train(config: TrainConfig) -> TrainResult:
     optimizer = make_optimizer(schedule, weight_decay=config.weight_decay, beta1=config.beta1,
                                beta2=config.beta2, eps=config.eps, clip_norm=config.clip_norm)
     graphdef, params = nnx.split(job.model)
-    fns = StepFns(graphdef, recipe, pmap, optimizer, config.grad_accum)
+    distill, teacher = None, None
+    if job.teacher is not None:
+        teacher_graphdef, teacher_params = nnx.split(job.teacher)
+        distill = Distillation(teacher_graphdef, config.temperature, config.distill_weight)
+        host_teacher = teacher_params.to_pure_dict()
+        teacher = mesh_lib.place_state(host_teacher, mesh_lib.state_shardings(mesh, host_teacher))
+        del teacher_params, host_teacher
+    fns = StepFns(graphdef, recipe, pmap, optimizer, config.grad_accum, distill)
     host_state = fns.init_state(params.to_pure_dict(), config.amax_history)
     shardings = mesh_lib.state_shardings(mesh, host_state)
     start_step, checkpoints = 0, None
@@ -129,7 +143,7 @@ def train(config: TrainConfig) -> TrainResult:
     metric_sharding = mesh_lib.replicated(mesh)
     step_fn = jax.jit(fns.train_step, static_argnames="bf16_scope", donate_argnums=(),
                       out_shardings=(shardings, metric_sharding))
-    eval_fn = jax.jit(fns.eval_loss, static_argnames="bf16_scope", out_shardings=metric_sharding)
+    eval_fn = jax.jit(fns.eval_metrics, static_argnames="bf16_scope", out_shardings=metric_sharding)
     batch_sharding = mesh_lib.batch_sharding(mesh, 3, batch_axis=1)
     eval_sharding = mesh_lib.batch_sharding(mesh, 2, batch_axis=0)
     tokens_per_step = config.batch_size * config.seq_len
@@ -144,7 +158,8 @@ def train(config: TrainConfig) -> TrainResult:
             windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
             t0 = time.perf_counter()
             new_state, metrics = step_fn(state, mesh_lib.to_global(windows, batch_sharding),
-                                         jax.random.fold_in(base_key, step), bf16_scope=scope)
+                                         jax.random.fold_in(base_key, step), bf16_scope=scope,
+                                         teacher=teacher)
             loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]),
                                        bool(metrics["finite"]))
             step_time = time.perf_counter() - t0
@@ -153,6 +168,10 @@ def train(config: TrainConfig) -> TrainResult:
                       "step_time_s": step_time}
             if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
                 record["aux_loss"] = float(metrics["aux_loss"])
+            if distill is not None:  # the KL to the teacher, and the next-token CE when mixed in
+                record["kl"] = float(metrics["kl"])
+                if distill.weight < 1:
+                    record["ce"] = float(metrics["ce"])
             if not finite:
                 if config.on_nonfinite == "stop":
                     last = checkpoints.latest_step()
@@ -168,16 +187,18 @@ def train(config: TrainConfig) -> TrainResult:
             losses[step] = loss
             run_tokens += tokens_per_step
             if _due(step, config.eval_every, config.steps):
-                record["eval_loss"] = _evaluate(eval_fn, state["params"], eval_windows, config,
-                                                eval_sharding, mesh, scope)
+                evaluated = _evaluate(eval_fn, state["params"], teacher, eval_windows, config,
+                                      eval_sharding, mesh, scope)
+                record.update({f"eval_{name}": value for name, value in evaluated.items()})
                 eval_losses[step] = record["eval_loss"]
             if is_main:
                 append_metrics(out, record)
             if _due(step, config.checkpoint_every, config.steps):
                 checkpoints.save(step, state, {"step": step, "seed": config.seed,
                                                "batches_seen": step, "config": config.to_dict()})
-            aux_field = {"aux": f"{record['aux_loss']:.4f}"} if "aux_loss" in record else {}
-            task.advance(fields={"loss": f"{loss:.4f}", **aux_field,
+            extra = {name: f"{record[key]:.4f}" for name, key in (("aux", "aux_loss"), ("kl", "kl"), ("ce", "ce"))
+                     if key in record}
+            task.advance(fields={"loss": f"{loss:.4f}", **extra,
                                  "tokens/s": f"{record['tokens_per_s']:,.0f}"})
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
@@ -217,6 +238,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
                                  rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
     tokenizer, trained_here = _tokenizer(config, out, source)
     model_config, model = _model(config, tokenizer, source)
+    teacher = _teacher(config, model_config, tokenizer) if config.teacher is not None else None
     train_windows, eval_windows = _windows(config, tokenizer)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
     recipe = config.recipe_config()
@@ -237,14 +259,14 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         resume_step = steps[-1] if steps else None
         record = saved
     return _Prepared(record=record, tokenizer=tokenizer, save_tokenizer=trained_here, source=source,
-                     model_config=model_config, model=model, train_windows=train_windows,
+                     model_config=model_config, model=model, teacher=teacher, train_windows=train_windows,
                      eval_windows=eval_windows, recipe=recipe, pmap=precision_map(recipe, model_config),
                      mesh=mesh, resume_step=resume_step)
 
 
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
-    paths = [config.data, config.eval_data, config.model_config,
+    paths = [config.data, config.eval_data, config.model_config, config.teacher,
              None if config.model in PRESETS else config.model,
              None if config.tokenizer in (None, "train") else config.tokenizer]
     return [p for p in paths if p is not None and Path(p).exists()]
@@ -321,6 +343,21 @@ def _model(config: TrainConfig, tokenizer: TextTokenizer,
     return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32, **kwargs)
 
 
+def _teacher(config: TrainConfig, model_config: ModelConfig, tokenizer: TextTokenizer) -> CausalLM:
+    """The distillation teacher in BF16, opened as the model is; it must predict over the student's
+    vocabulary with the student's tokenizer (a bad-data error naming the teacher otherwise)."""
+    opened = open_checkpoint(config.teacher, model_config=config.model_config, rope_layout=config.rope_layout,
+                             options=TEACHER_OPTIONS)
+    if opened.config.vocab_size != model_config.vocab_size:
+        raise NVFP4ToolError(f"teacher={config.teacher}: vocabulary of {opened.config.vocab_size} tokens, "
+                             f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer")
+    if opened.aux_dir is not None and (Path(opened.aux_dir) / "tokenizer.json").is_file():
+        if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
+            raise NVFP4ToolError(f"teacher={config.teacher}: its tokenizer.json differs from the run's "
+                                 "tokenizer; distillation needs the same tokenizer")
+    return model_from_tensors(opened.config, opened.tensors, dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+
+
 def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     """The RoPE layout of the `export_maxtext` output: the source's MaxText side, else half."""
     if source is not None and (source.rope_layout or source.maxtext_name):
@@ -369,17 +406,20 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _evaluate(eval_fn, params, eval_windows, config: TrainConfig, sharding, mesh, scope: str) -> float:
-    """Mean loss over up to `eval_batches` full batches of held-out windows (trimmed to the mesh)."""
+def _evaluate(eval_fn, params, teacher, eval_windows, config: TrainConfig, sharding, mesh,
+              scope: str) -> dict[str, float]:
+    """Mean eval metrics (`StepFns.eval_metrics`: "loss", and "kl" to a teacher) over up to
+    `eval_batches` full batches of held-out windows (trimmed to the mesh)."""
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
-    losses, weights = [], []
+    results, weights = [], []
     for chunk in list(data_lib.eval_batches(eval_windows[:usable], batch))[:config.eval_batches]:
-        losses.append(float(eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope)))
+        metrics = eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope, teacher=teacher)
+        results.append({name: float(value) for name, value in metrics.items()})
         weights.append(len(chunk))
-    if not losses:
+    if not results:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
-    return float(np.average(losses, weights=weights))
+    return {name: float(np.average([r[name] for r in results], weights=weights)) for name in results[0]}
 
 
 def _barrier(name: str) -> None:

@@ -1,0 +1,104 @@
+"""Quantization-aware distillation's loss: the student (trained with the run's recipe) against a
+frozen BF16 teacher's next-token distribution, from the two models' final hidden states.
+
+    loss = w * T^2 * KL(p_teacher^T || p_student^T) + (1 - w) * CE(next token)
+
+mean over the tokens (the plain cross-entropy's tokens: every position of the windows), with
+p^T = softmax(logits / T), w = `distill_weight`, T = `temperature`. The reported "kl" is the mean
+KL at temperature T (not scaled by T^2), "ce" the student's plain next-token cross-entropy.
+
+Memory: neither model's [tokens, V] logits exist whole. `chunked_terms` walks the vocabulary in
+chunks of the two LM heads' rows (a `lax.scan`), keeping per token online log-sum-exps of both
+models and the running sum of p_t (t - s), rescaled as the teacher's log-sum-exp grows; then
+KL = sum p_t (t - s) - lse_t + lse_s (t, s: logits / T). Each chunk's body is rematerialised in
+the backward pass (`jax.checkpoint`), so the gradient also holds one [tokens, chunk] block at a time.
+The last chunk is the last `chunk` rows (overlapping its predecessor; the rows seen before are
+masked out), so a vocabulary that the chunk does not divide needs no padded copy of the heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nvfp4tool.model.linear import LinearFn, default_linear
+from nvfp4tool.model.transformer import final_hidden, head_weight
+
+VOCAB_CHUNK = 8192  # LM-head rows per chunk: [tokens, 8192] fp32 blocks
+_NEG = -1e30  # a logit that is no candidate (finite, so masked terms stay 0 rather than nan)
+
+# (hidden [N, E], head rows [C, E]) -> fp32 logits [N, C]
+Head = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """The teacher's structure and the loss settings of one run (its parameters travel separately,
+    as an argument of the jitted step, laid out on the training mesh)."""
+
+    teacher_graphdef: Any
+    temperature: float
+    weight: float  # distill_weight: the KL's share of the loss
+    chunk: int = VOCAB_CHUNK
+
+    def terms(self, student: Any, teacher_params: Any, inputs_BxT: jax.Array, targets_BxT: jax.Array,
+              linear: LinearFn) -> dict[str, jax.Array]:
+        """{"kl", "ce"} of the student (its linears through `linear`) against the teacher (plain
+        BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`."""
+        teacher = nnx.merge(self.teacher_graphdef, jax.lax.stop_gradient(teacher_params))
+        h_student = final_hidden(student, inputs_BxT, linear)
+        h_teacher = final_hidden(teacher, inputs_BxT, default_linear)
+        flat = (lambda h: h.reshape(-1, h.shape[-1]))
+        return chunked_terms(
+            flat(h_student), head_weight(student), flat(h_teacher), head_weight(teacher),
+            targets_BxT.reshape(-1), temperature=self.temperature, chunk=self.chunk,
+            student_head=lambda h, w: linear(h, w, None, name="lm_head").astype(jnp.float32),
+            teacher_head=lambda h, w: default_linear(h, w, None, name="lm_head").astype(jnp.float32))
+
+    def loss(self, terms: dict[str, jax.Array]) -> jax.Array:
+        return self.weight * self.temperature ** 2 * terms["kl"] + (1.0 - self.weight) * terms["ce"]
+
+
+def chunked_terms(h_student_NxE: jax.Array, w_student_VxE: jax.Array, h_teacher_NxE: jax.Array,
+                  w_teacher_VxE: jax.Array, targets_N: jax.Array, *, temperature: float, chunk: int,
+                  student_head: Head, teacher_head: Head) -> dict[str, jax.Array]:
+    """{"kl": mean KL(p_t^T || p_s^T), "ce": mean CE(student logits, targets)} over the N tokens,
+    one vocabulary chunk of both heads at a time (see the module docstring)."""
+    vocab = w_student_VxE.shape[0]
+    if w_teacher_VxE.shape[0] != vocab:
+        raise ValueError(f"teacher vocabulary {w_teacher_VxE.shape[0]} != student's {vocab}")
+    size = min(chunk, vocab)
+    count = -(-vocab // size)
+    n = h_student_NxE.shape[0]
+    inv_t = 1.0 / temperature
+
+    def body(carry, index):
+        lse_s, lse_t, cross, lse_1, target_logit = carry
+        first = index * size  # the chunk's first new row
+        start = jnp.minimum(first, vocab - size)  # the last chunk ends at the vocabulary's end
+        rows_C = start + jnp.arange(size)
+        new_C = rows_C >= first
+        z_s = jnp.where(new_C, student_head(h_student_NxE, jax.lax.dynamic_slice_in_dim(w_student_VxE, start, size)),
+                        _NEG)
+        z_t = jnp.where(new_C, teacher_head(h_teacher_NxE, jax.lax.dynamic_slice_in_dim(w_teacher_VxE, start, size)),
+                        _NEG)
+        s, t = jnp.where(new_C, z_s * inv_t, _NEG), jnp.where(new_C, z_t * inv_t, _NEG)
+        lse_s_new = jnp.logaddexp(lse_s, jax.nn.logsumexp(s, axis=-1))
+        lse_t_new = jnp.logaddexp(lse_t, jax.nn.logsumexp(t, axis=-1))
+        # sum over the rows so far of p_t (t - s), with p_t normalised by the log-sum-exp so far
+        cross = (cross * jnp.exp(lse_t - lse_t_new)
+                 + jnp.sum(jnp.exp(t - lse_t_new[:, None]) * (t - s), axis=-1))
+        lse_1 = jnp.logaddexp(lse_1, jax.nn.logsumexp(z_s, axis=-1))
+        target_logit = target_logit + jnp.sum(jnp.where(rows_C[None, :] == targets_N[:, None], z_s, 0.0), axis=-1)
+        return (lse_s_new, lse_t_new, cross, lse_1, target_logit), None
+
+    empty = jnp.full((n,), _NEG, jnp.float32)
+    zero = jnp.zeros((n,), jnp.float32)
+    (lse_s, lse_t, cross, lse_1, target_logit), _ = jax.lax.scan(
+        jax.checkpoint(body), (empty, empty, zero, empty, zero), jnp.arange(count))
+    return {"kl": jnp.mean(cross - lse_t + lse_s), "ce": jnp.mean(lse_1 - target_logit)}

@@ -1,0 +1,116 @@
+"""Quantization-aware distillation in `nvfp4tool train` (teacher=PATH distill=kl): an NVFP4 student
+learns the frozen teacher's distribution (the KL to it falls) from each kind of teacher the opener
+reads (HF folder, training run, MaxText checkpoint); the teacher's weights stay as they were and
+are never part of the checkpointed state; a resumed run replays its steps to the last bit; a
+missing teacher is a usage error (exit 2), a teacher with another vocabulary bad data (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from nvfp4tool.cli import cli
+from nvfp4tool.train.config import load_train_config
+from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.metrics import read_metrics
+from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+from nvfp4tool.train.trainer import train
+
+
+def _args(tokenizer_dir, out, **extra):
+    train_txt, val_txt = embedded_corpus()
+    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(tokenizer_dir),
+                recipe="bf16", steps=30, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=0,
+                eval_batches=2, out=str(out), seed=1)
+    args.update(extra)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def _run(tokenizer_dir, out, **extra):
+    return train(load_train_config(None, _args(tokenizer_dir, out, **extra)))
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    """The tiny preset trained 30 steps, as a run folder, its HF folder and a MaxText checkpoint."""
+    from converters.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("teachers")
+    tokenizer_dir = root / "tokenizer"
+    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, tokenizer_dir)
+    base = _run(tokenizer_dir, root / "run")
+    convert_checkpoint(str(base.hf_dir), str(root / "maxtext"), to="maxtext", rope_layout="half")
+    return {"tokenizer": tokenizer_dir, "run": root / "run", "hf": base.hf_dir, "maxtext": root / "maxtext",
+            "maxtext_options": dict(model_config=str(base.hf_dir / "config.json"), rope_layout="half")}
+
+
+def _weights(folder) -> bytes:
+    return (folder / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("run", marks=pytest.mark.slow),
+                                  pytest.param("maxtext", marks=pytest.mark.slow)])
+def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
+    """An NVFP4 student from scratch (every block quantized) against the trained teacher: the KL
+    falls, the reported eval loss is the next-token CE, the teacher's files are untouched and its
+    weights are in no checkpoint; the HF row also resumes bit-exactly."""
+    teacher_bytes = _weights(teachers["hf"])
+    extra = teachers["maxtext_options"] if kind == "maxtext" else {}
+    out = tmp_path / "qad"
+    args = dict(teacher=str(teachers[kind]), distill="kl", recipe="nvfp4", bf16_first_layers=0,
+                bf16_last_layers=0, temperature=2.0, distill_weight=0.75, steps=12, eval_every=6,
+                checkpoint_every=6, **extra)
+    result = _run(teachers["tokenizer"], out, **args)
+    records = read_metrics(out)
+    assert {"kl", "ce"} <= set(records[0]) and {"eval_loss", "eval_kl"} <= set(records[5])
+    first, last = records[0]["kl"], np.mean([r["kl"] for r in records[-3:]])
+    assert last < 0.7 * first, (first, last)
+    assert records[-1]["eval_kl"] < records[5]["eval_kl"]
+    assert 0 < records[-1]["eval_loss"] < records[0]["ce"]  # the next-token CE, not the mixed loss
+    run_config = json.loads((out / "run.json").read_text())["config"]
+    assert {k: run_config[k] for k in ("teacher", "distill", "temperature", "distill_weight")} == {
+        "teacher": str(teachers[kind]), "distill": "kl", "temperature": 2.0, "distill_weight": 0.75}
+    assert _weights(teachers["hf"]) == teacher_bytes
+
+    import orbax.checkpoint as ocp
+
+    state = ocp.StandardCheckpointer().restore(out / "checkpoints" / "12" / "state")
+    assert sorted(state) == ["amax", "opt_state", "params", "step"]  # no teacher beside the student
+    if kind != "hf":
+        return
+    shutil.rmtree(out / "checkpoints" / "12")
+    final_weights = _weights(result.hf_dir)
+    resumed = _run(teachers["tokenizer"], out, resume=True, **args)
+    assert sorted(resumed.losses) == list(range(7, 13))
+    for step in range(7, 13):
+        assert resumed.losses[step] == result.losses[step], step  # to the last bit
+    assert resumed.eval_losses[12] == result.eval_losses[12]
+    assert read_metrics(out)[-1]["eval_kl"] == records[-1]["eval_kl"]
+    assert _weights(result.hf_dir) == final_weights
+
+
+def _cli_error(teachers, tmp_path, monkeypatch, **extra):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["train", *_args(teachers["tokenizer"], "runs/a", distill="kl", steps=1,
+                                                      **extra)])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "runs").exists()
+    return result.exit_code, errors[0]
+
+
+def test_missing_teacher_is_a_usage_error(teachers, tmp_path, monkeypatch):
+    code, error = _cli_error(teachers, tmp_path, monkeypatch, teacher="no/such/teacher")
+    assert code == 2 and "teacher=no/such/teacher: not found" in error
+
+
+def test_teacher_with_another_vocabulary_is_bad_data(teachers, tmp_path, monkeypatch):
+    from hf_fixtures import build_tiny_model
+
+    other = build_tiny_model("llama3", str(tmp_path / "other"))  # 256 tokens, the student 384
+    code, error = _cli_error(teachers, tmp_path, monkeypatch, teacher=other)
+    assert code == 1 and f"teacher={other}" in error and "vocabulary" in error
