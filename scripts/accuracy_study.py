@@ -12,7 +12,10 @@ and compare each, as served, against the BF16 model on held-out text.
    the exports) against itself as the frozen BF16 teacher (pure KL), and export the run with RTN.
 4. Validate every export against the pretrained BF16 model on `val.txt`, which neither
    pretraining, calibration nor QAD ever read: KL mean / p99, top-1 agreement, perplexity increase.
-Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_study.png`.
+Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_study.png`
+(`accuracy_study_nvfp4-weight-only.*` for `--quant nvfp4-weight-only`). A finished pretraining or
+QAD run in `--out` is reused, so a second `--quant` reruns only the exports and validations.
+Validate refuses an export that fails `check`, so every row also passed `check`.
 Nothing is tuned on val.txt: every setting above is fixed before the study runs.
 """
 
@@ -90,15 +93,11 @@ def main() -> None:
     names = args.runs.split(",")
     exports: dict[str, Path] = {}
     for name in names:
-        folder = out / f"export-{name}"
+        folder = out / args.quant / f"export-{name}"
         if name == QAD:
-            qad_run = out / "qad"
-            timed("qad", lambda: _cli([
-                "train", f"model={bf16}", f"teacher={bf16}", "distill=kl", "recipe=nvfp4",
-                "bf16_first_layers=0", "bf16_last_layers=0", "weight_2d=false", f"data={train_file}",
-                f"steps={args.qad_steps}", f"seq_len={args.seq_len}", f"batch_size={args.qad_batch_size}",
-                f"lr={args.qad_lr}", "warmup_steps=10", "eval_every=0", "eval_batches=4", "seed=0",
-                f"out={qad_run}", "force=true"]))
+            qad_run = out / f"qad-{args.qad_steps}"
+            if not (qad_run / "hf" / "config.json").is_file():  # a finished QAD run is reused
+                timed("qad", lambda: _cli(_qad_command(args, bf16, train_file, qad_run)))
             source, flags = str(qad_run), ["--weight-block", "1d"]
         else:
             source, flags = bf16, EXPORTS[name]
@@ -123,9 +122,10 @@ def main() -> None:
 
     docs = Path(args.docs)
     docs.mkdir(exist_ok=True)
-    (docs / "accuracy_study.json").write_text(json.dumps(
+    stem = "accuracy_study" + ("" if args.quant == "nvfp4" else f"_{args.quant}")
+    (docs / f"{stem}.json").write_text(json.dumps(
         {"args": vars(args), "results": results, "seconds": timings}, indent=1))
-    _plot(results, docs / "accuracy_study.png", args.quant)
+    _plot(results, docs / f"{stem}.png", args.quant)
     print("\n| method | KL mean | KL p99 | top-1 | ppl increase | KL mean vs RTN |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -133,6 +133,16 @@ def main() -> None:
         print(f"| {name} | {r['kl_mean']:.4g} | {r['kl_p99']:.4g} | {r['top1']:.2%} | "
               f"{r['ppl_increase']:+.2%} | {'' if reduction is None else f'{-reduction:+.1%}'} |")
     print(f"\nseconds: {json.dumps({k: round(v) for k, v in timings.items()})}")
+
+
+def _qad_command(args: argparse.Namespace, bf16: str, train_file: Path, run: Path) -> list[str]:
+    """The BF16 model as an NVFP4 student (every block quantized, 1D weight blocks as the exports)
+    distilled from itself as the frozen teacher, pure KL."""
+    return ["train", f"model={bf16}", f"teacher={bf16}", "distill=kl", "recipe=nvfp4",
+            "bf16_first_layers=0", "bf16_last_layers=0", "weight_2d=false", f"data={train_file}",
+            f"steps={args.qad_steps}", f"seq_len={args.seq_len}", f"batch_size={args.qad_batch_size}",
+            f"lr={args.qad_lr}", "warmup_steps=10", "eval_every=0", "eval_batches=4", "seed=0",
+            f"out={run}", "force=true"]
 
 
 def _plot(results: dict[str, dict[str, float]], path: Path, quant: str) -> None:
