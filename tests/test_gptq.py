@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import nvfp4_oracle as oracle
-from nvfp4tool.export.gptq import gptq_quantize, hessian_key
+from nvfp4tool.export.gptq import block_order, gptq_quantize, hessian_key
 from nvfp4tool.numerics import dequantize_nvfp4, quantize_nvfp4
 
 F32 = np.float32
@@ -96,7 +96,14 @@ def test_lower_output_error_than_rtn(method):
                                                        rel=1e-4)
 
 
-def test_damping_matters_and_ordering_is_by_block():
+def test_block_order_keeps_16_column_blocks_whole_and_is_stable():
+    diag = np.concatenate([np.full(16, 1.0), np.full(16, 3.0), np.full(16, 1.0), np.r_[np.full(15, 0.0), 48.0]])
+    perm = block_order(diag)  # block sums 16, 48, 16, 48: blocks 1, 3, 0, 2
+    np.testing.assert_array_equal(perm, np.concatenate([np.arange(16, 32), np.arange(48, 64), np.arange(16),
+                                                        np.arange(32, 48)]))
+
+
+def test_damping_matters():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((16, 64)).astype(F32)
     x = _correlated_inputs(rng, 32, 64)  # fewer tokens than columns: H is singular without damping
