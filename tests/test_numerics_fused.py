@@ -1,4 +1,4 @@
-"""The fused Pallas quantizers (interpret mode on the CPU) against the XLA quantizers and the oracle.
+"""The fused Pallas quantizers (interpret mode on the CPU) vs the XLA quantizers and the oracle.
 
 Every case compares bytes: packed codes and E4M3 scales with `quantize_nvfp4` of the same operand
 (x, x.T, and/or rht16 of it) and with the independent oracle (RNE), and the bf16 operand with the
@@ -15,9 +15,15 @@ import pytest
 
 import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import decode_nvfp4, dequantize_nvfp4, quantize_nvfp4, rht16, tensor_amax
+from nvfp4tool.numerics import (
+    decode_nvfp4,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+    rht16,
+    stochastic_bits,
+    tensor_amax,
+)
 from nvfp4tool.numerics.fused import fused_quantize
-from nvfp4tool.numerics.nvfp4 import stochastic_bits
 
 # (block, rht, transpose, dtype, x shape, global amax / max|op|); rows of the operand that are not
 # a multiple of the 32-row kernel tile (or of 16 for 2d) exercise the ragged last tile.
@@ -73,6 +79,8 @@ def test_fused_rne_equals_xla_and_oracle(block, rht, transpose, dtype, shape, am
     ref = oracle.quantize(np.asarray(op, np.float32), block=block, global_amax=np.float32(gamax))
     np.testing.assert_array_equal(np.asarray(packed.packed), ref["packed"])
     np.testing.assert_array_equal(_bytes(packed.scales), ref["scales"])
+    ref_operand = oracle.decode(ref["packed"], ref["scales"], np.float32(1.0))
+    np.testing.assert_array_equal(np.asarray(operand, np.float32), ref_operand)  # exact in bf16
 
 
 @pytest.mark.parametrize("block,rht,transpose,dtype,shape", [
@@ -119,6 +127,7 @@ def test_fused_stochastic_is_unbiased():
     (np.zeros((16, 40), np.float32), {}, "not a multiple of 16"),
     (np.zeros((40, 16), np.float32), {"transpose": True}, "not a multiple of 16"),
     (np.zeros((16, 16), np.int32), {}, "dtype"),
+    (np.full((16, 16), np.inf, np.float32), {}, "inf or NaN"),
     (np.zeros((16, 16), np.float32), {"mode": "fp4"}, "mode"),
     (np.zeros((16, 16), np.float32), {"rounding": "stochastic"}, "uint32 bits"),
     (np.zeros((16, 32), np.float32),

@@ -36,8 +36,11 @@ before a 2d tile max (they cannot raise a max of |x|) and their outputs are drop
 
 Interpret mode: on the CPU, Pallas has no compiler; `interpret=None` runs the kernels with
 `interpret=True` there (the kernel body is evaluated as XLA ops, tile by tile), which is how the
-tests prove them bit-exact. On GPU they compile through Pallas' GPU lowering. Nothing in training
-calls these kernels yet: the XLA quantizers remain the CPU path and the reference.
+tests prove them bit-exact. On GPU they are meant to compile through Pallas' GPU lowering, which
+has not been tried yet: the shared helpers hold `lax.optimization_barrier`s (XLA-only guards, see
+`blocks.exact_divide`), 3-D tile reshapes and fp8 conversions, the first things a GPU run must
+check. Nothing in training calls these kernels yet: the XLA quantizers remain the CPU path and
+the reference.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics.blocks import check_scale_scalar, flush_subnormal
+from nvfp4tool.numerics.blocks import check_finite, check_scale_scalar, flush_subnormal
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.numerics.hadamard import rht16_last_axis, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
@@ -89,10 +92,12 @@ def fused_quantize(
     Returns an `NVFP4Array` (mode "packed") or the bf16 operand without S_dec (mode "operand"),
     equal bit for bit to `quantize_nvfp4(op, block=, global_amax=, rounding=, key=)` with
     op = rht16(x or x.T) or x or x.T, when `bits == stochastic_bits(key, op.shape)`.
-    `interpret=None`: interpret mode on the CPU backend, compiled elsewhere.
+    `interpret=None`: interpret mode on the CPU backend, compiled elsewhere. Bad options, shapes,
+    bits, or a concrete non-finite `x`: NVFP4ToolError naming `name`.
     """
     x = jnp.asarray(x)
     op_shape = _check(x, mode, rounding, bits, block, transpose, name)
+    check_finite(x, name)
     gamax = check_scale_scalar(global_amax, "global_amax", name)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
