@@ -16,7 +16,9 @@ Cases (each one jitted, warmed up, median of --runs timed calls with block_until
                        of the size (1.0 s per call at 1024^2, 13 s at 2048^2 on the 2-core machine): skipped there unless --fused is
                        given (with a small --size), and then timed once each, which only shows
                        that they run
-GB/s counts those minimal bytes; "vs x*2" is the case's time divided by the x*2 time.
+GB/s counts those minimal bytes; "vs x*2" is the case's time divided by the x*2 time. A fused
+kernel that fails (e.g. does not lower on this GPU) is reported as FAILED with its error, the
+other rows still print, and the exit status is 1.
 
 Usage: PYTHONPATH=. python3 scripts/bench_quantize.py [--size 4096] [--runs 7] [--json OUT]
 [--fused/--no-fused] (default size: 4096 on CPU, 16384 on GPU; fused cases by default off CPU).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -66,12 +69,17 @@ def main() -> None:
           f"runs={args.runs} jax={jax.__version__}")
     print(f"{'case':<20} {'median ms':>10} {'GB/s':>9} {'vs x*2':>8}")
     for row in results:
+        if "error" in row:
+            print(f"{row['case']:<20} FAILED: {row['error']}")
+            continue
         print(f"{row['case']:<20} {row['median_ms']:>10.2f} {row['gb_per_s']:>9.1f} "
               f"{row['time_vs_copy']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": backend, "device": jax.devices()[0].device_kind, "size": size,
                        "runs": args.runs, "jax": jax.__version__, "results": results}, f, indent=2)
+    if any("error" in row for row in results):
+        sys.exit(1)
 
 
 def run_benchmarks(size: int, runs: int, *, fused: bool) -> list[dict]:
@@ -111,12 +119,21 @@ def run_benchmarks(size: int, runs: int, *, fused: bool) -> list[dict]:
     results = []
     for name, fn, fn_args, bytes_per_element in cases + (fused_cases if fused else []):
         case_runs = 1 if interpreted and name.startswith("fused") else runs
-        median_s = _median_time(fn, fn_args, case_runs)
+        try:
+            median_s = _median_time(fn, fn_args, case_runs)
+        except Exception as error:  # noqa: BLE001  (a kernel that fails to lower on this GPU)
+            if not name.startswith("fused"):
+                raise
+            # Recorded and reported (exit 1), so the other rows of the run are not lost.
+            results.append({"case": name, "error": f"{type(error).__name__}: "
+                                                   f"{str(error).splitlines()[0][:200]}"})
+            continue
         results.append({"case": name, "runs": case_runs, "median_ms": median_s * 1e3,
                         "gb_per_s": elements * bytes_per_element / median_s / 1e9})
     copy_ms = results[0]["median_ms"]
     for row in results:
-        row["time_vs_copy"] = row["median_ms"] / copy_ms
+        if "error" not in row:
+            row["time_vs_copy"] = row["median_ms"] / copy_ms
     return results
 
 
