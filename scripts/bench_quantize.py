@@ -8,12 +8,14 @@ Cases (each one jitted, warmed up, median of --runs timed calls with block_until
   dequantize           packed + scales -> bf16 (0.5625 in + 2 out)
   fake-quantize 1d     quantize-dequantize without packing (2 in + 2 out)
   fused ...            the Pallas kernels of numerics/fused.py, given the global amax
-                       (computed once outside, as the recipe's amax would be): packed 1d / 2d / RHT+1d / transposed 1d (x
+                       (computed once outside, as the recipe's amax would be): packed 1d / 2d /
+                       RHT+1d / transposed 1d (x
                        [K, N] quantized along K into the [N, K] layout), SR (the 4-byte random
                        bits per element are read too: 2 + 4 in + 0.5625 out), and the bf16
                        operand for the emulated GEMM (1d, transposed 1d: 2 in + 2 out).
                        On CPU they run in Pallas interpret mode, whose time grows with the square
-                       of the size (1.0 s per call at 1024^2, 13 s at 2048^2 on the 2-core machine): skipped there unless --fused is
+                       of the size (1.0 s per call at 1024^2, 13 s at 2048^2 on the 2-core
+                       machine): skipped there unless --fused is
                        given (with a small --size), and then timed once each, which only shows
                        that they run
 GB/s counts those minimal bytes; "vs x*2" is the case's time divided by the x*2 time. A fused

@@ -122,6 +122,21 @@ def test_fused_stochastic_is_unbiased():
     assert np.abs(y_samples.mean(axis=0) - y).max() > 0  # it is random, not RNE
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"mode": "packed", "rounding": "stochastic", "block": "2d", "rht": True, "transpose": True},
+    {"mode": "operand"},
+])
+def test_fused_lowers_for_cuda_through_triton(kwargs):
+    """Cross-lowering on the CPU: every op of the kernel has a Pallas Triton lowering rule (the
+    compile of that Triton IR for a GPU needs a GPU and is left to the device check)."""
+    x = jnp.zeros((64, 256), jnp.bfloat16)
+    shape = (256, 64) if kwargs.get("transpose") else (64, 256)
+    bits = jnp.zeros(shape, jnp.uint32) if kwargs.get("rounding") == "stochastic" else None
+    fn = jax.jit(lambda v, a, b: fused_quantize(v, a, bits=b, interpret=False, **kwargs))
+    lowered = fn.trace(x, jnp.float32(1.0), bits).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
 @pytest.mark.parametrize("x,kwargs,match", [
     (np.zeros((2, 16, 16), np.float32), {}, "2-D"),
     (np.zeros((16, 40), np.float32), {}, "not a multiple of 16"),

@@ -36,24 +36,33 @@ before a 2d tile max (they cannot raise a max of |x|) and their outputs are drop
 
 Interpret mode: on the CPU, Pallas has no compiler; `interpret=None` runs the kernels with
 `interpret=True` there (the kernel body is evaluated as XLA ops, tile by tile), which is how the
-tests prove them bit-exact. On GPU they are meant to compile through Pallas' GPU lowering, which
-has not been tried yet: the shared helpers hold `lax.optimization_barrier`s (XLA-only guards, see
-`blocks.exact_divide`), 3-D tile reshapes and fp8 conversions, the first things a GPU run must
-check. Nothing in training calls these kernels yet: the XLA quantizers remain the CPU path and
+tests prove them bit-exact. Compiled, they go through Pallas' Triton lowering (chosen explicitly:
+jax's default GPU lowering, Mosaic GPU, wants warpgroup-sized copies and refuses the scalar amax
+block); the kernel body is traced without the XLA-only `xla_barrier`s there, which Triton cannot
+lower and does not need (it has no algebraic simplifier to guard against). The tests cross-lower
+the kernels for CUDA on the CPU; compiling that Triton IR and running it needs a GPU (not done
+yet). Nothing in training calls these kernels yet: the XLA quantizers remain the CPU path and
 the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics.blocks import check_finite, check_scale_scalar, flush_subnormal
+from nvfp4tool.numerics.blocks import (
+    check_finite,
+    check_scale_scalar,
+    flush_subnormal,
+    without_xla_barriers,
+)
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.numerics.hadamard import rht16_last_axis, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
@@ -170,13 +179,21 @@ def _fused_call(x, gamax_1, bits, *, mode, rounding, block, rht, transpose, inte
                      jax.ShapeDtypeStruct((rows, k // NVFP4_BLOCK), jnp.float8_e4m3fn))
         out_specs = (pl.BlockSpec((tile_rows, tile_cols // 2), lambda i, j: (i, j)),
                      pl.BlockSpec((tile_rows, tile_cols // NVFP4_BLOCK), lambda i, j: (i, j)))
-    kernel = functools.partial(_kernel, n_rows=rows, mode=mode, rounding=rounding, block=block,
-                               rht=rht, transpose=transpose)
+    kernel = functools.partial(_kernel, xla=interpret, n_rows=rows, mode=mode,
+                               rounding=rounding, block=block, rht=rht, transpose=transpose)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                          out_specs=out_specs, interpret=interpret)(*inputs)
+                          out_specs=out_specs, interpret=interpret,
+                          compiler_params=pltriton.CompilerParams())(*inputs)
 
 
-def _kernel(gamax_ref, x_ref, *refs, n_rows, mode, rounding, block, rht, transpose):
+def _kernel(*refs, xla, **options):
+    """The tile body, traced with the XLA guards when XLA compiles it (interpret mode) and
+    without them for the Triton lowering (which has no barrier and no rewrites to guard against)."""
+    with contextlib.nullcontext() if xla else without_xla_barriers():
+        _tile(*refs, **options)
+
+
+def _tile(gamax_ref, x_ref, *refs, n_rows, mode, rounding, block, rht, transpose):
     """One tile: [rows, cols] of the quantized operand, cols a whole number of 16-blocks."""
     refs = list(refs)
     h_ref = refs.pop(0) if rht else None

@@ -47,8 +47,8 @@ def rht16_last_axis(x_K: jax.Array, h_16x16: jax.Array) -> jax.Array:
     checks, for traced callers such as a fused kernel working on a tile whose last axis starts at
     a multiple of 16 (a kernel takes `h` as an input: it cannot capture array constants)."""
     x32_K = x_K.astype(jnp.float32)
-    chunks = x32_K.reshape(*x32_K.shape[:-1], x32_K.shape[-1] // RHT_SIZE, RHT_SIZE)
-    return _chunk_matmul(chunks, h_16x16).reshape(x32_K.shape).astype(x_K.dtype)
+    chunks_Cx16 = x32_K.reshape(-1, RHT_SIZE)  # a 2-D product: what a Triton kernel can lower
+    return _chunk_matmul(chunks_Cx16, h_16x16).reshape(x32_K.shape).astype(x_K.dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -57,8 +57,8 @@ def rht16_last_axis(x_K: jax.Array, h_16x16: jax.Array) -> jax.Array:
 
 @jax.jit
 def _chunk_matmul(chunks_Cx16: jax.Array, h_16x16: jax.Array) -> jax.Array:
-    return jnp.einsum("...ci,ij->...cj", chunks_Cx16, h_16x16,
-                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(chunks_Cx16, h_16x16, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
 
 
 def _rht16(x: jax.Array, *, axis: int, inverse: bool) -> jax.Array:

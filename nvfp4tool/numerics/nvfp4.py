@@ -52,6 +52,7 @@ from nvfp4tool.numerics.blocks import (
     normalize_axis,
     tensor_amax,
     tile_amax,
+    xla_barrier,
 )
 from nvfp4tool.numerics.constants import (
     E2M1_MAGNITUDES,
@@ -217,7 +218,7 @@ def encode_nvfp4_blocks(x_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array, 
     enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)  # 1/0 = inf -> FLT_MAX
     # Materialize the per-block values: fused into the per-element loop, XLA would redo the
     # (slow on CPU) E4M3 conversion for each of the 16 elements of a block.
-    scales, enc = jax.lax.optimization_barrier((scales, enc))
+    scales, enc = xla_barrier((scales, enc))
     abs_y = jnp.abs(x_Bx16 * enc[..., None])
     if rounding == "rne":
         index, magnitude = _e2m1_rne(abs_y)
@@ -243,7 +244,7 @@ def stochastic_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array) -> jax.Array:
     """The one decode product: (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order,
     subnormals flushed; values [..., K/16, 16], scales [..., K/16] -> fp32 [..., K/16, 16]."""
-    scale32 = jax.lax.optimization_barrier(scales.astype(jnp.float32))  # convert once per block
+    scale32 = xla_barrier(scales.astype(jnp.float32))  # convert once per block
     return flush_subnormal((values_Bx16 * scale32[..., None]) * s_dec)
 
 
