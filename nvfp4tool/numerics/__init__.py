@@ -28,6 +28,7 @@ from nvfp4tool.numerics.nvfp4 import (
     nvfp4_global_scales,
     pack_codes,
     quantize_nvfp4,
+    stochastic_bits,
     unpack_codes,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "quantize_nvfp4",
     "rht16",
     "rht_matrix",
+    "stochastic_bits",
     "tensor_amax",
     "unpack_codes",
 ]

@@ -11,6 +11,10 @@ down otherwise backend-dependent corner cases.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +37,28 @@ def exact_divide(numerator: jax.Array, divisor: jax.Array) -> jax.Array:
     optimization barrier hides the broadcast so the division stays a division.
     """
     shape = jnp.broadcast_shapes(jnp.shape(numerator), jnp.shape(divisor))
-    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(divisor, shape))
+    divisor = xla_barrier(jnp.broadcast_to(divisor, shape))
     return numerator / divisor
+
+
+def xla_barrier(x):
+    """`lax.optimization_barrier(x)`: a guard against XLA's rewrites (`exact_divide`) and fusion
+    choices; the identity while tracing under `without_xla_barriers`."""
+    return jax.lax.optimization_barrier(x) if _XLA_BARRIERS.get() else x
+
+
+@contextlib.contextmanager
+def without_xla_barriers() -> Iterator[None]:
+    """Trace without `xla_barrier`s: for a kernel compiled by a compiler that has neither XLA's
+    algebraic simplifier nor its fusion (Pallas' Triton lowering, which has no barrier either)."""
+    token = _XLA_BARRIERS.set(False)
+    try:
+        yield
+    finally:
+        _XLA_BARRIERS.reset(token)
+
+
+_XLA_BARRIERS = contextvars.ContextVar("xla_barriers", default=True)
 
 
 def check_finite(x: jax.Array | np.ndarray, name: str = "tensor") -> None:

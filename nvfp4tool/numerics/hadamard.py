@@ -41,20 +41,27 @@ def rht16(x: jax.Array | np.ndarray, axis: int = -1, *, inverse: bool = False,
     return _rht16(x, axis=axis, inverse=inverse)
 
 
+def rht16_last_axis(x_K: jax.Array, h_16x16: jax.Array) -> jax.Array:
+    """`chunk @ h` for the 16-element chunks along the last axis (a multiple of 16), computed in
+    fp32 and cast back to x's dtype: `rht16` with `h = rht_matrix()` (or its transpose), without
+    checks, for traced callers such as a fused kernel working on a tile whose last axis starts at
+    a multiple of 16 (a kernel takes `h` as an input: it cannot capture array constants)."""
+    x32_K = x_K.astype(jnp.float32)
+    chunks_Cx16 = x32_K.reshape(-1, RHT_SIZE)  # a 2-D product: what a Triton kernel can lower
+    return _chunk_matmul(chunks_Cx16, h_16x16).reshape(x32_K.shape).astype(x_K.dtype)
+
+
 # ------------------------------------------------------------------------------------------
 # helpers
 
 
 @jax.jit
 def _chunk_matmul(chunks_Cx16: jax.Array, h_16x16: jax.Array) -> jax.Array:
-    return jnp.einsum("...ci,ij->...cj", chunks_Cx16, h_16x16,
-                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(chunks_Cx16, h_16x16, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
 
 
 def _rht16(x: jax.Array, *, axis: int, inverse: bool) -> jax.Array:
     h = rht_matrix()
-    h = h.T if inverse else h
-    x_K = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
-    chunks = x_K.reshape(*x_K.shape[:-1], x_K.shape[-1] // RHT_SIZE, RHT_SIZE)
-    out_K = _chunk_matmul(chunks, h).reshape(x_K.shape)
-    return jnp.moveaxis(out_K, -1, axis).astype(x.dtype)
+    out_K = rht16_last_axis(jnp.moveaxis(x, axis, -1), h.T if inverse else h)
+    return jnp.moveaxis(out_K, -1, axis)

@@ -52,6 +52,7 @@ from nvfp4tool.numerics.blocks import (
     normalize_axis,
     tensor_amax,
     tile_amax,
+    xla_barrier,
 )
 from nvfp4tool.numerics.constants import (
     E2M1_MAGNITUDES,
@@ -164,9 +165,12 @@ def decode_e2m1(codes: jax.Array) -> jax.Array:
 def pack_codes(codes: jax.Array) -> jax.Array:
     """uint8 codes [..., K] (values 0..15) -> bytes [..., K/2]: code[2i] | code[2i+1] << 4."""
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    # A weighted sum over the pair axis (max 15 + 15 * 16 = 255: no overflow) instead of two
-    # strided slices: XLA would otherwise recompute the whole fused encoder once per slice.
-    return (pairs * jnp.array([1, 16], jnp.uint8)).sum(axis=-1, dtype=jnp.uint8)
+    # A sum over the pair axis of code << 0 and code << 4 (max 15 + 15 * 16 = 255: no overflow)
+    # instead of two strided slices: XLA would otherwise recompute the whole fused encoder once
+    # per slice. The shifts come from an iota, not an array constant, so a Pallas kernel can call
+    # this too (kernels cannot capture constants).
+    shift = jax.lax.broadcasted_iota(jnp.uint8, pairs.shape, pairs.ndim - 1) * jnp.uint8(4)
+    return (pairs << shift).sum(axis=-1, dtype=jnp.uint8)
 
 
 def unpack_codes(packed: jax.Array) -> jax.Array:
@@ -199,34 +203,48 @@ def nvfp4_block_scales(block_amax: jax.Array, s_enc: jax.Array, *,
 
 
 def encode_nvfp4_blocks(x_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array, *,
-                        rounding: Rounding = "rne",
-                        key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                        rounding: Rounding = "rne", key: jax.Array | None = None,
+                        bits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The one E2M1 encoder: fp32 blocks [..., K/16, 16] against given E4M3 scales [..., K/16].
 
     enc = min(1 / (fp32(scale) * S_dec), FLT_MAX); code = e2m1(x * enc), RNE (or stochastic)
     saturating at 6, sign bit = sign bit of x. Returns (uint8 codes 0..15, their signed fp32
-    values, -0.0 for code 8); XLA drops whichever the caller does not use. Traced callers only:
-    no checks (x finite and flushed, see the module docstring).
+    values, -0.0 for code 8); XLA drops whichever the caller does not use. Stochastic rounding
+    consumes uint32 `bits` shaped like `x_Bx16`, drawn from `key` by `stochastic_bits` when not
+    given (a kernel that works on tiles is handed its tile of the same draw). Traced callers
+    only: no checks (x finite and flushed, see the module docstring).
     """
     denom = flush_subnormal(scales.astype(jnp.float32) * s_dec)
     enc = jnp.minimum(exact_divide(jnp.float32(1.0), denom), FLT_MAX)  # 1/0 = inf -> FLT_MAX
     # Materialize the per-block values: fused into the per-element loop, XLA would redo the
     # (slow on CPU) E4M3 conversion for each of the 16 elements of a block.
-    scales, enc = jax.lax.optimization_barrier((scales, enc))
+    scales, enc = xla_barrier((scales, enc))
     abs_y = jnp.abs(x_Bx16 * enc[..., None])
     if rounding == "rne":
         index, magnitude = _e2m1_rne(abs_y)
     else:
-        index, magnitude = _e2m1_stochastic(abs_y, key)
+        bits = stochastic_bits(key, x_Bx16.shape) if bits is None else bits
+        index, magnitude = _e2m1_stochastic(abs_y, bits)
     sign = jnp.signbit(x_Bx16)
     codes = index | jnp.where(sign, jnp.uint8(E2M1_SIGN_BIT), jnp.uint8(0))
     return codes, jnp.where(sign, -magnitude, magnitude)
 
 
+def stochastic_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The uint32 random bits stochastic rounding consumes, one per element of `shape`.
+
+    The draw does not depend on how `shape` is blocked: the bits of [..., K] reshaped to
+    [..., K/16, 16] are the bits of [..., K/16, 16] (jax's default partitionable threefry draws
+    each element from its flat index), so a fused kernel can be handed `stochastic_bits(key,
+    [..., K])` and match the keyed XLA path bit for bit.
+    """
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
 def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array) -> jax.Array:
     """The one decode product: (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order,
     subnormals flushed; values [..., K/16, 16], scales [..., K/16] -> fp32 [..., K/16, 16]."""
-    scale32 = jax.lax.optimization_barrier(scales.astype(jnp.float32))  # convert once per block
+    scale32 = xla_barrier(scales.astype(jnp.float32))  # convert once per block
     return flush_subnormal((values_Bx16 * scale32[..., None]) * s_dec)
 
 
@@ -327,8 +345,10 @@ def _e2m1_rne(abs_y: jax.Array) -> tuple[jax.Array, jax.Array]:
     return index, magnitude
 
 
-def _e2m1_stochastic(abs_y: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(index, magnitude): |y| rounds up with probability (|y| - lo) / (hi - lo); saturates at 6."""
+def _e2m1_stochastic(abs_y: jax.Array, bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(index, magnitude): |y| rounds up with probability (|y| - lo) / (hi - lo); saturates at 6.
+
+    `bits`: uint32 random bits shaped like `abs_y` (`stochastic_bits`)."""
     abs_y = jnp.minimum(abs_y, E2M1_MAX)
     lower = jnp.zeros(abs_y.shape, jnp.uint8)
     for value in E2M1_MAGNITUDES[1:]:
@@ -339,7 +359,6 @@ def _e2m1_stochastic(abs_y: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.A
     p_up = jnp.where(gap > 0, (abs_y - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
     # u uniform on [0, 1) in steps of 2^-24 from the top 24 random bits (exact in fp32); cheaper
     # than jax.random.uniform on CPU. P(round up) = p_up to within 2^-24.
-    bits = jax.random.bits(key, abs_y.shape, jnp.uint32)
     u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
     up = u < p_up
     return lower + up.astype(jnp.uint8), jnp.where(up, hi, lo)
