@@ -130,17 +130,26 @@ class Attention(nnx.Module):
             start = (0, write_index, 0, 0)
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
-        q_BxTxKVxGxD = q_BxTxHxD.reshape(B, T, KV, H // KV, D)  # query head h uses kv head h // G
-        scores_BxKVxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKVxGxD, k_BxSxKVxD.astype(x_BxTxE.dtype),
-                                       preferred_element_type=jnp.float32) * (D ** -0.5)
-        # A large finite negative (not -inf) keeps fully masked (padding) query rows NaN-free.
-        scores_BxKVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKVxGxTxS,
-                                      jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores_BxKVxGxTxS, axis=-1).astype(x_BxTxE.dtype)
-        out_BxTxKVxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKVxD.astype(x_BxTxE.dtype),
-                                    preferred_element_type=jnp.float32).astype(x_BxTxE.dtype)
-        y_BxTxE = self.o_proj(out_BxTxKVxGxD.reshape(B, T, H * D), linear)
+        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype),
+                             allowed_BxTxS)
+        y_BxTxE = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), linear)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD)
+
+
+def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array,
+           allowed_BxTxS: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D), masked to `allowed_BxTxS`) v: [B, T, H, D] in q's dtype, through
+    `jax.nn.dot_product_attention` (query head h uses kv head h // (H / KV)).
+
+    Scores and softmax are fp32 (the probabilities then cast to k/v's dtype, which must be q's);
+    masked scores get a large finite negative, so a fully masked (padding) query row is the mean of
+    v rather than NaN. The mask is explicit ([B, T, S]: causal, padding, sliding window, a decode
+    step against a cache), so `implementation=None`: in jax 0.10.2 that is XLA's einsum / softmax /
+    einsum on every backend (cuDNN's flash kernel is only taken when asked for, with its own causal /
+    sequence-length mask types).
+    """
+    return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, mask=allowed_BxTxS[:, None],
+                                        scale=q_BxTxHxD.shape[-1] ** -0.5)
 
 
 class MLP(nnx.Module):
