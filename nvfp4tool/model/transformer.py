@@ -9,7 +9,8 @@ picks the top-k experts of each token, each a SwiGLU MLP) -> residual; final RMS
 of that parameter (see `weights.py`). Every projection goes through the linear seam (`linear.py`);
 the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
 Keys (after RoPE) and values go through the KV seam (`kv.py`, identity by default) before they are
-cached and used, under the attention's name ("model.layers.3.self_attn").
+cached and used, under the attention's name ("model.layers.3.self_attn"). The attention math itself
+(`attend`) is `jax.nn.dot_product_attention` with an explicit [B, T, S] mask (`attention_allowed`).
 
 Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
 layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
