@@ -14,6 +14,9 @@ cached and used, under the attention's name ("model.layers.3.self_attn").
 Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
 layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
 
+Remat (`remat="block"|"full"`, `remat.py`): each block runs under `jax.checkpoint`; every linear's
+output is tagged (`linear_output`) for the `block` policy to keep.
+
 Padding: `attention_mask_BxT` (1 = token, 0 = padding, left or right) hides padded keys; padded
 query rows produce garbage that callers ignore. Default positions are `cumsum(mask) - 1`, so a
 left-padded row starts at position 0 like HF's `generate` (HF's plain forward uses 0..T-1 instead:
