@@ -117,6 +117,7 @@ def test_valid_config_builds(data):
     (["eval_fraction=0"], "eval_fraction"),
     (["data=missing.txt"], "data='missing.txt'"),
     (["no_such_key=1"], "no_such_key"),
+    (["remat=layer"], "remat='layer'"),
 ])
 def test_cli_train_usage_errors_exit_2_and_create_nothing(tmp_path, data, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)

@@ -15,6 +15,9 @@ cached and used, under the attention's name ("model.layers.3.self_attn"). The at
 Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
 layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
 
+Remat (`remat="block"|"full"`, `remat.py`): each block runs under `jax.checkpoint`; every linear's
+output is tagged (`linear_output`) for the `block` policy to keep.
+
 Padding: `attention_mask_BxT` (1 = token, 0 = padding, left or right) hides padded keys; padded
 query rows produce garbage that callers ignore. Default positions are `cumsum(mask) - 1`, so a
 left-padded row starts at position 0 like HF's `generate` (HF's plain forward uses 0..T-1 instead:
@@ -33,6 +36,7 @@ from flax import nnx
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
+from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed, linear_output
 from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nvfp4tool.numerics import computed_after
 
@@ -59,7 +63,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, linear: LinearFn) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
         # get_value(): the weight may be an array or a stored (quantized) pytree the seam decodes
-        return linear(x, self.weight.get_value(), bias, name=self.name)
+        return linear_output(linear(x, self.weight.get_value(), bias, name=self.name))
 
 
 class RMSNorm(nnx.Module):
@@ -257,11 +261,14 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, param_dtype: jnp.dtype = jnp.float32,
                  compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                 linear: LinearFn = default_linear, rngs: nnx.Rngs | None = None) -> None:
+                 remat: str = "none", linear: LinearFn = default_linear, rngs: nnx.Rngs | None = None) -> None:
+        if remat not in REMAT_LEVELS:
+            raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMAT_LEVELS)}")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype or param_dtype)
         self.scan_layers = scan_layers
+        self.remat = remat  # what the backward pass recomputes (`remat.py`)
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
         self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
@@ -361,12 +368,19 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, allowed_BxTxS, cache,
     x_BxTxE = embed(model, input_ids_BxT)
     cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
     layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
+
+    def run_block(graphdef, state, x_BxTxE, cache_kv):
+        """One block, under the model's remat policy."""
+        def call(state, x_BxTxE, cache_kv, layer_args):
+            return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, linear, kv)
+        return checkpointed(call, model.remat, linear)(state, x_BxTxE, cache_kv, layer_args)
+
     if model.scan_layers:
         graphdef, stacked_state = nnx.split(model.layers)
 
         def body(x, per_layer):
             state, cache_kv = per_layer
-            x, cached = nnx.merge(graphdef, state)(x, *layer_args, cache_kv, write_index, linear, kv)
+            x, cached = run_block(graphdef, state, x, cache_kv)
             return x, (cached if cache_kv is not None else None)
 
         x_BxTxE, kvs = jax.lax.scan(body, x_BxTxE, (stacked_state, cache))
@@ -375,7 +389,7 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, allowed_BxTxS, cache,
         new_cache = cache
         for i, block in enumerate(model.layers):
             cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[i], new_cache.v_LxBxSxKVxD[i])
-            x_BxTxE, (k, v) = block(x_BxTxE, *layer_args, cache_kv, write_index, linear, kv)
+            x_BxTxE, (k, v) = run_block(*nnx.split(block), x_BxTxE, cache_kv)
             if cache is not None:  # an in-place update of layer i under jit
                 new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
     return x_BxTxE, new_cache

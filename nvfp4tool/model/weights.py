@@ -27,7 +27,7 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype | None = jnp.float32,
                        compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                       linear: LinearFn = default_linear, check: bool = True,
+                       remat: str = "none", linear: LinearFn = default_linear, check: bool = True,
                        mesh: jax.sharding.Mesh | None = None) -> CausalLM:
     """Build the model from HF-named tensors (every shape checked against `config` first).
 
@@ -35,7 +35,8 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
     each tensor as stored (a model held in its stored dtypes: a BF16 checkpoint stays BF16, and a
     `get` that returns a stored quantized weight, a pytree the linear seam decodes, is kept as
     it is). compute_dtype: activations / matmul inputs (default: dtype, required when dtype is
-    None). check=False skips the shape check (for sources already checked, e.g. an export).
+    None). remat: what training's backward pass recomputes (`remat.py`). check=False skips the
+    shape check (for sources already checked, e.g. an export).
     mesh: each tensor goes from the host straight to its shards over the mesh's devices as it is
     read (`as_param`), so the model is never whole on one device.
     """
@@ -47,7 +48,7 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
                              ignore_extra=("lm_head.weight",) if config.tie_word_embeddings else ())
     model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype or jnp.float32,
                                             compute_dtype=compute_dtype, scan_layers=scan_layers,
-                                            linear=linear))
+                                            remat=remat, linear=linear))
     stacked: dict[str, np.ndarray] = {}  # scanned: layer-suffix -> [L, ...] buffer being filled
     for name in expected:
         value = source.get(name)

@@ -155,4 +155,5 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
             y = fp8_dot(x_lp, w_lp, fp8_options)
         return linear_output(y, b_N, x.dtype)
 
+    linear.sinks = () if input_amax_sink is None else (input_amax_sink,)  # filled at trace time (model.remat)
     return linear

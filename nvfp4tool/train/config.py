@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 from nvfp4tool.train.presets import PRESETS
 
@@ -52,6 +53,7 @@ class TrainConfig:
     switch_to_bf16_at: float | None = None  # step, or fraction of `steps` when < 1
     switch_scope: str = "forward"  # forward | all
     amax_history: int = 16  # steps over which each quantized input's amax is tracked (max)
+    remat: str = "none"  # none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)
     # quantization-aware distillation (nvfp4tool.train.distill)
     teacher: str | None = None  # frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run
     distill: str = "none"  # none | kl (KL to the teacher; needs teacher)
@@ -97,6 +99,7 @@ class TrainConfig:
         _check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _check_choice("switch_scope", self.switch_scope, ("forward", "all"))
         _check_choice("distill", self.distill, ("none", "kl"))
+        _check_choice("remat", self.remat, REMAT_LEVELS)
         _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
                  "needs teacher=PATH (the model to distill from)")
         _require("teacher", self.teacher, self.teacher is None or self.distill != "none",

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.model.remat import sinks
 from nvfp4tool.model.transformer import route
 
 
@@ -57,4 +58,5 @@ def recording_router_logits(linear: LinearFn, router_names: Iterable[str],
             sink[name] = y
         return y
 
+    recording.sinks = (*sinks(linear), sink)  # filled at trace time (model.remat)
     return recording

@@ -1,4 +1,5 @@
-"""Named model sizes for pretraining from scratch (Llama 3 shape: GQA, SwiGLU, RoPE 500k; the MoE
+"""Named model sizes for pretraining from scratch (Llama 3 shape: GQA, SwiGLU, RoPE 500k without
+Llama 3.1's long-context scaling; `1b` has Llama-3.2-1B's dimensions and tied embeddings; the MoE
 sizes swap each MLP for 8 SwiGLU experts with top-2 routing: Qwen3-MoE or Mixtral)."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ _SHAPES = {
     "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
     "small": (384, 6, 6, 2, 64, 1024),  # ~9.4M + embeddings: the accuracy study's model on a CPU
     "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
+    "1b": (2048, 16, 32, 8, 64, 8192),  # Llama-3.2-1B: 973M + embeddings (263M at its 128256 tokens)
 }
+_TIED = {"1b"}  # embeddings tied to the LM head, as Llama-3.2-1B
 # MoE sizes: name -> (shape, ModelConfig fields); experts 96 wide (F: mixtral's experts use it)
 _TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
 _MOE = {
@@ -31,5 +34,5 @@ def preset_config(name: str, vocab_size: int, max_position_embeddings: int) -> M
     llama = dict(family="llama", vocab_size=vocab_size, hidden_size=E, intermediate_size=F,
                  num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, rms_norm_eps=1e-5,
                  rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
-                 tie_word_embeddings=False, dtype="bfloat16")
+                 tie_word_embeddings=name in _TIED, dtype="bfloat16")
     return ModelConfig(**dict(llama, **fields))
