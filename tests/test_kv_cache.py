@@ -21,7 +21,8 @@ from nvfp4tool.export import export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.simulate import load_export, served_kv
 from nvfp4tool.model.linear import default_linear
-from nvfp4tool.model.transformer import attention_allowed, default_positions, forward_with_cache
+from nvfp4tool.model.attention import AttentionMask
+from nvfp4tool.model.transformer import default_positions, forward_with_cache
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.records.export import ExportRecord
 
@@ -247,13 +248,12 @@ def test_default_kv_seam_is_an_exact_no_op(source):
     src, _ = source
     model = model_from_tensors(CONFIG, HFFolderSource(src), dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, 9)), jnp.int32)
-    mask = jnp.ones(ids.shape, bool)
-    positions = default_positions(mask)
-    allowed = attention_allowed(jnp.arange(ids.shape[1]), mask, None, positions, positions)
+    positions = default_positions(jnp.ones(ids.shape, bool))
     seen = []
 
     def run(*kv):
-        return np.asarray(forward_with_cache(model, ids, positions, allowed, None, 0, default_linear, *kv)[0])
+        return np.asarray(forward_with_cache(model, ids, positions, AttentionMask.causal(), None, 0,
+                                             default_linear, *kv)[0])
 
     def identity(k, v, *, name):
         seen.append(name)

@@ -51,8 +51,8 @@ from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, routes_all_experts
-from nvfp4tool.model.transformer import (Block, CausalLM, attention_allowed, default_positions, embed,
-                                         lm_logits, rope)
+from nvfp4tool.model.attention import AttentionMask
+from nvfp4tool.model.transformer import Block, CausalLM, default_positions, embed, lm_logits, rope
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.train.mesh import model_mesh, replicated, shard
@@ -163,10 +163,10 @@ class LayerwiseModel:
                 for i in range(layers):
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
                     graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
-                    for b, (x, cos, sin, allowed) in enumerate(carry):
-                        y, records = _block_step(graphdef, state, x, cos, sin, allowed,
+                    for b, (x, cos, sin, mask) in enumerate(carry):
+                        y, records = _block_step(graphdef, state, x, cos, sin, mask,
                                                  layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather)
-                        carry[b] = (y, cos, sin, allowed)
+                        carry[b] = (y, cos, sin, mask)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
                     if self.streamed:
@@ -199,8 +199,8 @@ class LayerwiseModel:
                 graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
                 state = self._place(self._layer(i))
                 outputs = []
-                for x, cos, sin, allowed in carry:
-                    y, records = _block_step(graphdef, state, x, cos, sin, allowed, None, tap=tap, kv_tap=None,
+                for x, cos, sin, mask in carry:
+                    y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
                                              gather=self._gather)
                     _deliver(records, on_record, i)
                     outputs.append(y)
@@ -212,9 +212,9 @@ class LayerwiseModel:
                         variable.set_value(jnp.asarray(value, variable.get_value().dtype))
                     state = self._place(nnx.state(block))
                     del block
-                    outputs = [_block_step(graphdef, state, x, cos, sin, allowed, None, tap=tap, kv_tap=None,
-                                           gather=self._gather)[0] for x, cos, sin, allowed in carry]
-                carry = [(y, cos, sin, allowed) for y, (_, cos, sin, allowed) in zip(outputs, carry)]
+                    outputs = [_block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
+                                           gather=self._gather)[0] for x, cos, sin, mask in carry]
+                carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
                 del state, outputs
                 if self.streamed:
                     memory.release()
@@ -315,19 +315,15 @@ def _recording_kv(kv_tap: KVTap | None, aux: Any, records: dict[str, Any]) -> KV
 def _embed_step(graphdef, state, ids_BxT, *, gather):
     state = _gathered(state, gather)
     model = nnx.merge(graphdef, state)
-    mask_BxT = jnp.ones(ids_BxT.shape, bool)
-    positions_BxT = default_positions(mask_BxT)
-    cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
-    allowed_BxTxS = attention_allowed(jnp.arange(ids_BxT.shape[1]), mask_BxT, model.config.sliding_window,
-                                      positions_BxT, positions_BxT)
-    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, allowed_BxTxS
+    cos_BxTxD, sin_BxTxD = rope(model, default_positions(jnp.ones(ids_BxT.shape, bool)))
+    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal(model.config.sliding_window)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather"))
-def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, aux, *, tap, kv_tap, gather):
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, aux, *, tap, kv_tap, gather):
     state, aux = _gathered((state, aux), gather)
     records: dict[str, Any] = {}
-    y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, None, 0,
+    y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, mask, None, 0,
                                             _recording(tap, aux, records), _recording_kv(kv_tap, aux, records))
     return y_BxTxE, records
 

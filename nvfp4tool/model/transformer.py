@@ -10,7 +10,9 @@ of that parameter (see `weights.py`). Every projection goes through the linear s
 the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
 Keys (after RoPE) and values go through the KV seam (`kv.py`, identity by default) before they are
 cached and used, under the attention's name ("model.layers.3.self_attn"). The attention math itself
-(`attend`) is `jax.nn.dot_product_attention` with an explicit [B, T, S] mask (`attention_allowed`).
+is `attention.attend` (`jax.nn.dot_product_attention`, cuDNN flash attention on a CUDA GPU) under an
+`AttentionMask`: causal (with the sliding window) for unpadded rows without a cache, the training
+path; an explicit [B, T, S] array (`attention_allowed`) for padding and cached generation.
 
 Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
 layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.model.attention import AttentionMask, attend, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed, linear_output
@@ -116,7 +119,7 @@ class Attention(nnx.Module):
         self.name = prefix  # the KV seam's name of this layer
 
     def __call__(self, x_BxTxE: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array,
-                 allowed_BxTxS: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+                 mask: AttentionMask, cache_kv: tuple[jax.Array, jax.Array] | None,
                  write_index: jax.Array | int, linear: LinearFn, kv: KVFn = default_kv):
         """Returns (y_BxTxE, (k, v)): k/v the updated cache [B, S, KV, D] (or this chunk's, no cache)."""
         B, T, _ = x_BxTxE.shape
@@ -136,25 +139,9 @@ class Attention(nnx.Module):
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
         out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype),
-                             allowed_BxTxS)
+                             mask)
         y_BxTxE = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), linear)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD)
-
-
-def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array,
-           allowed_BxTxS: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D), masked to `allowed_BxTxS`) v: [B, T, H, D] in q's dtype, through
-    `jax.nn.dot_product_attention` (query head h uses kv head h // (H / KV)).
-
-    Scores and softmax are fp32 (the probabilities then cast to k/v's dtype, which must be q's);
-    masked scores get a large finite negative, so a fully masked (padding) query row is the mean of
-    v rather than NaN. The mask is explicit ([B, T, S]: causal, padding, sliding window, a decode
-    step against a cache), so `implementation=None`: in jax 0.10.2 that is XLA's einsum / softmax /
-    einsum on every backend (cuDNN's flash kernel is only taken when asked for, with its own causal /
-    sequence-length mask types).
-    """
-    return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, mask=allowed_BxTxS[:, None],
-                                        scale=q_BxTxHxD.shape[-1] ** -0.5)
 
 
 class MLP(nnx.Module):
@@ -247,10 +234,10 @@ class Block(nnx.Module):
         self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
         setattr(self, self.mlp_attr, mlp)
 
-    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, allowed_BxTxS, cache_kv, write_index, linear,
+    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, linear,
                  kv: KVFn = default_kv):
         attn_BxTxE, cached = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
-                                            allowed_BxTxS, cache_kv, write_index, linear, kv)
+                                            mask, cache_kv, write_index, linear, kv)
         h_BxTxE = x_BxTxE + attn_BxTxE
         mlp = getattr(self, self.mlp_attr)
         return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), cached
@@ -295,12 +282,15 @@ class CausalLM(nnx.Module):
 def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
             positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
     """Logits [B, T, V] in float32 (no cache). Mask: 1 = token, 0 = padding (left or right).
+    With neither a mask nor positions (unpadded rows at 0..T-1, the training loss) attention is
+    causal by structure (`AttentionMask.causal`: flash attention on a GPU), else explicit.
 
     Called under a transformation (the caller's jit / grad / scan) it runs inline, so a `linear`
     may record into Python containers at trace time. Called eagerly, it compiles itself with
     jax.jit (model structure and `linear` static; op-by-op dispatch would be ~100x slower).
     """
     input_ids_BxT = jnp.asarray(input_ids_BxT)
+    unpadded = attention_mask_BxT is None and positions_BxT is None
     mask_BxT = (jnp.ones(input_ids_BxT.shape, bool) if attention_mask_BxT is None
                 else jnp.asarray(attention_mask_BxT).astype(bool))
     if positions_BxT is None:
@@ -310,7 +300,8 @@ def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.A
     traced = any(isinstance(leaf, jax.core.Tracer)
                  for leaf in (input_ids_BxT, mask_BxT, positions_BxT, *jax.tree.leaves(state)))
     run = _forward.__wrapped__ if traced else _forward
-    return run(graphdef, state, input_ids_BxT, mask_BxT, jnp.asarray(positions_BxT), linear=linear)
+    return run(graphdef, state, input_ids_BxT, None if unpadded else mask_BxT, jnp.asarray(positions_BxT),
+               linear=linear)
 
 
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
@@ -318,31 +309,13 @@ def default_positions(mask_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def attention_allowed(query_index_T: jax.Array, key_valid_BxS: jax.Array, sliding_window: int | None,
-                      query_positions_BxT: jax.Array | None = None,
-                      key_positions_BxS: jax.Array | None = None) -> jax.Array:
-    """[B, T, S] bool: query at sequence slot q may see the key in slot k iff k <= q and slot k is
-    not padding, and (sliding window W) the key's position is within W - 1 of the query's.
-
-    The window is measured in positions (positions needed only then): for unpadded and
-    left-padded rows that equals HF's slot distance; for right-padded rows continued by
-    `generate` it keeps the padding from eating into the window.
-    """
-    key_index_S = jnp.arange(key_valid_BxS.shape[-1])
-    allowed_BxTxS = (key_index_S[None, :] <= query_index_T[:, None])[None] & key_valid_BxS[:, None, :].astype(bool)
-    if sliding_window is not None:
-        distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
-        allowed_BxTxS &= distance_BxTxS < sliding_window
-    return allowed_BxTxS
-
-
 def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
-                       allowed_BxTxS: jax.Array, cache: KVCache | None, write_index: jax.Array | int,
+                       mask: AttentionMask, cache: KVCache | None, write_index: jax.Array | int,
                        linear: LinearFn, kv: KVFn = default_kv) -> tuple[jax.Array, KVCache | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
     KV seam `kv` before they are written."""
-    x_BxTxE, new_cache = _blocks(model, input_ids_BxT, positions_BxT, allowed_BxTxS, cache, write_index,
+    x_BxTxE, new_cache = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index,
                                  linear, kv)
     return lm_logits(model, x_BxTxE, linear), new_cache
 
@@ -352,9 +325,8 @@ def final_hidden(model: CausalLM, input_ids_BxT: jax.Array, linear: LinearFn) ->
     rows, for a loss that applies the head itself (distillation, chunked over the vocabulary with
     `head_weight`). Call it under a transformation (jit / grad), as the train step does."""
     positions_BxT = default_positions(jnp.ones(input_ids_BxT.shape, bool))
-    allowed_BxTxS = attention_allowed(jnp.arange(input_ids_BxT.shape[1]), jnp.ones(input_ids_BxT.shape, bool),
-                                      model.config.sliding_window, positions_BxT, positions_BxT)
-    x_BxTxE, _ = _blocks(model, input_ids_BxT, positions_BxT, allowed_BxTxS, None, 0, linear, default_kv)
+    mask = AttentionMask.causal(model.config.sliding_window)
+    x_BxTxE, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, linear, default_kv)
     return model.norm(x_BxTxE)
 
 
@@ -363,11 +335,11 @@ def head_weight(model: CausalLM) -> jax.Array:
     return model.lm_head.weight.get_value() if model.lm_head is not None else model.embed_tokens.weight[...]
 
 
-def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, allowed_BxTxS, cache, write_index, linear, kv):
+def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_index, linear, kv):
     """Embedding and the blocks: (the last block's output [B, T, E], the updated cache)."""
     x_BxTxE = embed(model, input_ids_BxT)
     cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
-    layer_args = (cos_BxTxD, sin_BxTxD, allowed_BxTxS)
+    layer_args = (cos_BxTxD, sin_BxTxD, mask)
 
     def run_block(graphdef, state, x_BxTxE, cache_kv):
         """One block, under the model's remat policy."""
@@ -412,8 +384,10 @@ def lm_logits(model: CausalLM, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Arra
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))
 def _forward(graphdef, state, input_ids_BxT, mask_BxT, positions_BxT, *, linear):
+    """`forward`'s body; `mask_BxT` None: unpadded rows (causal attention)."""
     model = nnx.merge(graphdef, state)
-    allowed_BxTxS = attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT,
-                                      model.config.sliding_window, positions_BxT, positions_BxT)
-    logits, _ = forward_with_cache(model, input_ids_BxT, positions_BxT, allowed_BxTxS, None, 0, linear)
+    window = model.config.sliding_window
+    mask = AttentionMask.causal(window) if mask_BxT is None else AttentionMask.explicit(attention_allowed(
+        jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window, positions_BxT, positions_BxT))
+    logits, _ = forward_with_cache(model, input_ids_BxT, positions_BxT, mask, None, 0, linear)
     return logits

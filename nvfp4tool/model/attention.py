@@ -1,0 +1,114 @@
+"""Attention: which keys each query may see (`AttentionMask`), and the attention math (`attend`,
+through `jax.nn.dot_product_attention`) on the implementation `attention_implementation` picks.
+
+A mask is either structured or explicit:
+  causal(window)    unpadded rows, no cache (training, the loss, `final_hidden`, layer-by-layer
+                    runs): query t sees keys s <= t, and with a sliding window W only those with
+                    t - s < W (HF's `sliding_window`). Given to jax as `is_causal=True,
+                    local_window_size=(W - 1, 0)` (jax allows `left` keys before the query, so
+                    W - 1 of them and the query itself are W keys; cuDNN's
+                    `sliding_window_length` = left + 1 = W), so no [B, T, S] array exists.
+  explicit(allowed) anything else (padding on either side, a prefill or a decode step against a
+                    cache): a [B, T, S] bool array from `attention_allowed`.
+
+Implementations: "cudnn" (cuDNN's fused flash attention: never materialises the [T, S] scores,
+skips the blocks above the diagonal and outside the window) where it applies, else "xla" (einsum,
+softmax in fp32, einsum). What cuDNN accepts through jax 0.10.2: q/k/v of one dtype, bf16 or fp16;
+head dim a multiple of 8, at most 128 (256 from Hopper on; we keep 128 so the choice does not
+depend on the GPU); an even sequence length (jax's check for the gradient treats its placeholder
+bias as a bias, and cuDNN needs even lengths with a bias); GQA natively; masks only as a causal
+flag, right-padding sequence lengths and a left window with causal, so an explicit mask always
+takes XLA. Both give the same attention up to
+fp32 summation order and the bf16 rounding of the probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_CUDNN_MAX_HEAD_DIM = 128  # jax's check: <= 128 before Hopper, <= 256 from Hopper (sm90) on
+_CUDNN_HEAD_DIM_MULTIPLE = 8
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["allowed_BxTxS"], meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query may see: build with `causal(window)` or `explicit(allowed_BxTxS)`.
+    A pytree (the array a leaf, the window static), so it passes through jit, scan and checkpoint."""
+
+    allowed_BxTxS: jax.Array | None  # explicit: True = may see; None: causal
+    window: int | None = None  # causal only: keys at distance < window (None: unbounded)
+
+    @classmethod
+    def causal(cls, window: int | None = None) -> AttentionMask:
+        """Causal over unpadded rows with no cache (T = S), within a sliding window if given."""
+        return cls(None, window)
+
+    @classmethod
+    def explicit(cls, allowed_BxTxS: jax.Array) -> AttentionMask:
+        """An explicit [B, T, S] bool mask (`attention_allowed`)."""
+        return cls(allowed_BxTxS)
+
+    @property
+    def kind(self) -> str:
+        return "explicit" if self.allowed_BxTxS is not None else "causal"
+
+
+def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array,
+           mask: AttentionMask) -> jax.Array:
+    """softmax(q k^T / sqrt(D), masked by `mask`) v: [B, T, H, D] in q's dtype (query head h uses
+    kv head h // (H / KV)); k and v must have q's dtype.
+
+    XLA: scores and softmax in fp32, the probabilities cast to v's dtype; masked scores get a large
+    finite negative, so a fully masked (padding) query row of an explicit mask is the mean of v
+    rather than NaN. cuDNN: the same math in one fused kernel (online softmax in fp32).
+    """
+    implementation = attention_implementation(_platform(), q_BxTxHxD.dtype, q_BxTxHxD.shape[-1],
+                                              q_BxTxHxD.shape[1], mask.kind)
+    scale = q_BxTxHxD.shape[-1] ** -0.5
+    if mask.allowed_BxTxS is not None:
+        return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, mask=mask.allowed_BxTxS[:, None],
+                                            scale=scale, implementation=implementation)
+    window = None if mask.window is None else (mask.window - 1, 0)  # (keys before, keys after)
+    return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, scale=scale, is_causal=True,
+                                        local_window_size=window, implementation=implementation)
+
+
+def attention_implementation(platform: str, dtype: jnp.dtype, head_dim: int, seq_len: int, mask_kind: str) -> str:
+    """"cudnn" on a CUDA GPU for a causal mask over an even `seq_len`, bf16/fp16 q/k/v and a head
+    dim cuDNN's flash kernel takes (a multiple of 8, <= 128); "xla" otherwise (the CPU, fp32, an
+    explicit mask)."""
+    cudnn = (platform == "cuda" and mask_kind == "causal" and jnp.dtype(dtype) in _CUDNN_DTYPES
+             and head_dim % _CUDNN_HEAD_DIM_MULTIPLE == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+             and seq_len % 2 == 0)
+    return "cudnn" if cudnn else "xla"
+
+
+def attention_allowed(query_index_T: jax.Array, key_valid_BxS: jax.Array, sliding_window: int | None,
+                      query_positions_BxT: jax.Array | None = None,
+                      key_positions_BxS: jax.Array | None = None) -> jax.Array:
+    """[B, T, S] bool: query at sequence slot q may see the key in slot k iff k <= q and slot k is
+    not padding, and (sliding window W) the key's position is within W - 1 of the query's.
+
+    The window is measured in positions (positions needed only then): for unpadded and
+    left-padded rows that equals HF's slot distance; for right-padded rows continued by
+    `generate` it keeps the padding from eating into the window.
+    """
+    key_index_S = jnp.arange(key_valid_BxS.shape[-1])
+    allowed_BxTxS = (key_index_S[None, :] <= query_index_T[:, None])[None] & key_valid_BxS[:, None, :].astype(bool)
+    if sliding_window is not None:
+        distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
+        allowed_BxTxS &= distance_BxTxS < sliding_window
+    return allowed_BxTxS
+
+
+def _platform() -> str:
+    """The default backend: "cuda" for an NVIDIA GPU (jax names CUDA and ROCm GPUs both "gpu")."""
+    backend = jax.extend.backend.get_backend()
+    return "cuda" if "cuda" in backend.platform_version.lower() else backend.platform
