@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.transformer import CausalLM, KVCache, default_positions, forward_with_cache
 
 
@@ -86,9 +86,9 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     key_positions_BxS = jnp.concatenate(
         [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1)
     window = config.sliding_window
-    allowed = AttentionMask.explicit(attention_allowed(jnp.arange(T), key_valid_BxS, window, prompt_positions_BxT,
-                                                       key_positions_BxS))
-    logits_BxTxV, cache = forward_with_cache(model, prompt_ids_BxT, prompt_positions_BxT, allowed,
+    prompt_mask = AttentionMask.explicit(attention_allowed(jnp.arange(T), key_valid_BxS, window,
+                                                           prompt_positions_BxT, key_positions_BxS))
+    logits_BxTxV, cache = forward_with_cache(model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask,
                                              cache, 0, linear, kv)
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).
     last_index_B = T - 1 - jnp.argmax(mask_BxT[:, ::-1], axis=-1)
@@ -105,9 +105,9 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         token_B, done_B, cache, key = carry
         slot = T + i  # cache slot of `token_B`
         position_Bx1 = (first_position_B + i)[:, None]
-        allowed = AttentionMask.explicit(
+        step_mask = AttentionMask.explicit(
             attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS))
-        logits_Bx1xV, cache = forward_with_cache(model, token_B[:, None], position_Bx1, allowed, cache,
+        logits_Bx1xV, cache = forward_with_cache(model, token_B[:, None], position_Bx1, step_mask, cache,
                                                  slot, linear, kv)
         key, step_key = jax.random.split(key)
         next_B, done_B = pick(logits_Bx1xV[:, 0], step_key, done_B)
