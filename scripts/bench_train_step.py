@@ -1,8 +1,8 @@
 """Step time, throughput, model FLOP utilization and memory of each recipe's train step.
 
 Each recipe's step (`StepFns.train_step`, jitted as the trainer does: no donation) is compiled once
-ahead of time from the state's shapes, then run once to warm up and `--iters` times (median,
-block_until_ready). On a CPU or Hopper the FP4/FP8 GEMMs are emulated, so the ratio to bf16
+ahead of time from the state's shapes (all recipes before any runs), then run once to warm up and
+`--iters` times (median, block_until_ready). On a CPU or Hopper the FP4/FP8 GEMMs are emulated, so the ratio to bf16
 measures the quantizers' cost; on Blackwell the nvfp4 GEMM runs natively.
 
 Figures per recipe (printed as a table; `--json` writes them all):
@@ -75,7 +75,10 @@ def main() -> None:
     batch = args.batch_size
     while True:
         try:
-            results = [bench_recipe(name, args, batch) for name in recipes]
+            # Compiled last recipe first (nvfp4 by default, the largest step): a batch that does
+            # not fit shows at the first compile; every step is compiled before any runs.
+            steps = {name: compile_step(name, args, batch) for name in reversed(recipes)}
+            results = [run_step(steps[name], args) for name in recipes]
             break
         except DoesNotFit as error:
             if not args.fit or batch == 1:
@@ -88,8 +91,9 @@ def main() -> None:
     report(args, batch, results)
 
 
-def bench_recipe(name: str, args, batch: int) -> dict:
-    """Compile, warm up and time one recipe's step at `batch`; its figures as a dict."""
+def compile_step(name: str, args, batch: int) -> dict:
+    """One recipe's step compiled ahead of time from the state's shapes at `batch`, with what
+    running it needs; DoesNotFit when it needs more than the device has free."""
     model_config = preset_config(args.model, args.vocab_size, max(args.seq_len, 2048))
     recipe = RecipeConfig(name=name)
     abstract = nnx.eval_shape(lambda: _model(model_config, args.remat, nnx.Rngs(0)))
@@ -102,25 +106,35 @@ def bench_recipe(name: str, args, batch: int) -> dict:
     rng = np.random.default_rng(0)
     windows = jnp.asarray(rng.integers(0, args.vocab_size, (1, batch, args.seq_len + 1)), jnp.int32)
     keys = [jax.random.fold_in(jax.random.key(0), i) for i in range(args.iters + 1)]
-
     start = time.perf_counter()
     compiled = jax.jit(fns.train_step).lower(state_shapes, windows, keys[0]).compile()
     compile_s = time.perf_counter() - start
     compiled_bytes = _compiled_bytes(compiled)
-    device = jax.devices()[0]
-    stats = device.memory_stats()
+    stats = jax.devices()[0].memory_stats()
     if stats and compiled_bytes is not None:
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         if compiled_bytes > free:
             raise DoesNotFit(f"{name} needs {compiled_bytes / 1e9:.1f} GB, "
                              f"{free / 1e9:.1f} GB free")
-    peak_before = stats.get("peak_bytes_in_use") if stats else None
+    print(f"{name}: compiled in {compile_s:.1f} s"
+          + ("" if compiled_bytes is None else f", needs {compiled_bytes / 1e9:.2f} GB"), flush=True)
+    return {"recipe": name, "fns": fns, "model_config": model_config, "compiled": compiled,
+            "windows": windows, "keys": keys, "batch_size": batch, "compile_s": compile_s,
+            "compiled_bytes": compiled_bytes, "abstract_params": abstract_params}
 
+
+def run_step(step: dict, args) -> dict:
+    """Warm up and time a compiled step (`compile_step`) on freshly initialized parameters; its
+    figures as a dict."""
+    name, model_config = step["recipe"], step["model_config"]
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    peak_before = stats.get("peak_bytes_in_use") if stats else None
     params = nnx.split(_model(model_config, args.remat, nnx.Rngs(0)))[1].to_pure_dict()
-    state = fns.init_state(params, AMAX_HISTORY)
+    state = step["fns"].init_state(params, AMAX_HISTORY)
     del params
     try:
-        times = _time_steps(compiled, state, windows, keys)
+        times = _time_steps(step["compiled"], state, step["windows"], step["keys"])
     except Exception as error:  # noqa: BLE001  (XlaRuntimeError's class moves between releases)
         if "RESOURCE_EXHAUSTED" in str(error):
             raise DoesNotFit(f"{name}: {str(error).splitlines()[0][:200]}") from None
@@ -128,14 +142,16 @@ def bench_recipe(name: str, args, batch: int) -> dict:
     stats = device.memory_stats()
     peak = stats.get("peak_bytes_in_use") if stats else None
     seconds = statistics.median(times)
+    batch = step["batch_size"]
     tokens = batch * args.seq_len
-    flops = model_flops(model_config, abstract_params, tokens, args.seq_len)
+    flops = model_flops(model_config, step["abstract_params"], tokens, args.seq_len)
     on_cpu = jax.default_backend() == "cpu"
+    print(f"{name}: {1e3 * seconds:.1f} ms per step", flush=True)
     return {"recipe": name, "batch_size": batch, "seq_len": args.seq_len, "tokens_per_step": tokens,
             "step_time_s": seconds, "step_times_s": times, "tokens_per_s": tokens / seconds,
             "model_flops_per_step": flops,
             "mfu": None if on_cpu else flops / seconds / (args.peak_tflops * 1e12),
-            "compile_s": compile_s, "compiled_bytes": compiled_bytes,
+            "compile_s": step["compile_s"], "compiled_bytes": step["compiled_bytes"],
             "peak_bytes_in_use": peak,
             "peak_is_own": None if peak is None else peak > (peak_before or 0)}
 
