@@ -1,9 +1,11 @@
 """Step time, throughput, model FLOP utilization and memory of each recipe's train step.
 
 Each recipe's step (`StepFns.train_step`, jitted as the trainer does: no donation) is compiled once
-ahead of time from the state's shapes (all recipes before any runs), then run once to warm up and
-`--iters` times (median, block_until_ready). On a CPU or Hopper the FP4/FP8 GEMMs are emulated, so the ratio to bf16
-measures the quantizers' cost; on Blackwell the nvfp4 GEMM runs natively.
+ahead of time from the state's shapes, then run once to warm up and `--iters` times (median,
+block_until_ready); one recipe after the other, `--json` rewritten after each ("complete": false
+until the last), so a run cut short keeps the recipes it finished. On a CPU or Hopper the FP4/FP8
+GEMMs are emulated, so the ratio to bf16 measures the quantizers' cost; on Blackwell the nvfp4
+GEMM runs natively.
 
 Figures per recipe (printed as a table; `--json` writes them all):
 * step time (median s), tokens/s (batch x seq-len / step time), the ratio to the bf16 step;
@@ -20,7 +22,9 @@ Figures per recipe (printed as a table; `--json` writes them all):
   (`peak_is_own` is False then).
 
 `--fit`: when a compiled step needs more than the device has free (or running it exhausts device
-memory), halve the batch and start over, down to 1; the batch used is reported.
+memory), halve the batch and start over, down to 1; the batch used is reported. Listing the
+smallest step first and the largest second (bf16,nvfp4,...) gives both their own peak and finds
+a batch that does not fit early.
 
     python scripts/bench_train_step.py --model tiny --seq-len 128 --batch-size 16
     python scripts/bench_train_step.py --model 1b --vocab-size 128256 --seq-len 4096 \\
@@ -74,21 +78,18 @@ def main() -> None:
     recipes = args.recipes.split(",")
     batch = args.batch_size
     while True:
+        results = []
         try:
-            # Compiled last recipe first (nvfp4 by default, the largest step): a batch that does
-            # not fit shows at the first compile; every step is compiled before any runs.
-            steps = {name: compile_step(name, args, batch) for name in reversed(recipes)}
-            results = [run_step(steps[name], args) for name in recipes]
+            for name in recipes:  # one compile + run at a time: a timeout keeps the rows done
+                results.append(run_step(compile_step(name, args, batch), args))
+                write_json(args, batch, results, complete=len(results) == len(recipes))
             break
         except DoesNotFit as error:
             if not args.fit or batch == 1:
                 raise SystemExit(f"batch {batch}: {error}") from None
             print(f"batch {batch} does not fit ({error}); trying {batch // 2}", flush=True)
             batch //= 2
-    base = next((r["step_time_s"] for r in results if r["recipe"] == "bf16"), None)
-    for row in results:
-        row["x_bf16"] = None if base is None else row["step_time_s"] / base
-    report(args, batch, results)
+    print_table(args, batch, results)
 
 
 def compile_step(name: str, args, batch: int) -> dict:
@@ -164,12 +165,24 @@ def model_flops(config, abstract_params, tokens: int, seq_len: int) -> float:
     return float((6 * (n_params - embedding) + attention) * tokens)
 
 
-def report(args, batch: int, results: list[dict]) -> None:
-    """Print the table; write the JSON."""
-    kind = jax.devices()[0].device_kind
-    print(f"device: {kind}; model {args.model}, remat {args.remat}; batch {batch} x seq "
-          f"{args.seq_len} = {batch * args.seq_len} tokens/step; MFU vs {args.peak_tflops:g} "
-          "TFLOP/s")
+def write_json(args, batch: int, results: list[dict], *, complete: bool) -> None:
+    """Set each row's ratio to the bf16 step; write the JSON (`complete`: every recipe ran)."""
+    base = next((r["step_time_s"] for r in results if r["recipe"] == "bf16"), None)
+    for row in results:
+        row["x_bf16"] = None if base is None else row["step_time_s"] / base
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch_size": batch,
+            "peak_tflops": args.peak_tflops, "complete": complete,
+            "step_time_s": {r["recipe"]: r["step_time_s"] for r in results},
+            "results": results}, indent=1))
+
+
+def print_table(args, batch: int, results: list[dict]) -> None:
+    print(f"device: {jax.devices()[0].device_kind}; model {args.model}, remat {args.remat}; batch "
+          f"{batch} x seq {args.seq_len} = {batch * args.seq_len} tokens/step; MFU vs "
+          f"{args.peak_tflops:g} TFLOP/s")
     print("| recipe | step time (ms) | tokens/s | MFU | peak GB | x bf16 step time |")
     print("|---|---|---|---|---|---|")
     for r in results:
@@ -179,12 +192,6 @@ def report(args, batch: int, results: list[dict]) -> None:
         ratio = "-" if r["x_bf16"] is None else f"{r['x_bf16']:.2f}"
         print(f"| {r['recipe']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
               f"| {peak} | {ratio} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": vars(args), "backend": jax.default_backend(), "device": kind,
-            "jax": jax.__version__, "batch_size": batch, "peak_tflops": args.peak_tflops,
-            "step_time_s": {r["recipe"]: r["step_time_s"] for r in results},
-            "results": results}, indent=1))
 
 
 def _model(config, remat: str, rngs: nnx.Rngs) -> CausalLM:
