@@ -27,7 +27,9 @@
 # Without a GPU (jax.default_backend() == "cpu") or with DEVICE_CHECK_SMOKE=1 it runs as a smoke
 # test at tiny sizes (tests/test_device_check.py runs it in CI so that it cannot rot): small
 # quantizer shapes, a 256^2 benchmark, the tiny preset at seq 64, one numerics test file.
-# DEVICE_CHECK_STEPS="train_1b bench_quantize" runs only those steps (e.g. to rerun one).
+# DEVICE_CHECK_STEPS="train_1b bench_quantize" runs only those steps (e.g. to rerun one; on the GPU
+# compiles are cached in JAX_COMPILATION_CACHE_DIR, /tmp/nvfp4tool-jax-cache by default, so a rerun
+# skips them). PYTHON: the interpreter (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -93,6 +95,8 @@ else
   train_1b_4096=(--model 1b --vocab-size 128256 --seq-len 4096 --batch-size 2 --iters 1
                  --remat block --recipes nvfp4)
   pytest_files=(tests/test_numerics_*.py)
+  # a rerun on the same machine (DEVICE_CHECK_STEPS=...) loads the compiles instead of redoing them
+  export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/nvfp4tool-jax-cache}"
 fi
 # the train steps may use 95% of the device's memory (jax takes 75% by default)
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
@@ -364,11 +368,11 @@ PYEOF
 
 run_step bench_quantize 60 "$python" scripts/bench_quantize.py "${bench_args[@]}" --fused \
   --json "$OUT/bench_quantize.json"
-run_step train_1b 160 "$python" scripts/bench_train_step.py "${train_1b[@]}" --fit \
+run_step train_1b 200 "$python" scripts/bench_train_step.py "${train_1b[@]}" --fit \
   --json "$OUT/train_1b.json"
-run_step train_1b_4096 80 "$python" scripts/bench_train_step.py "${train_1b_4096[@]}" --fit \
+run_step train_1b_4096 100 "$python" scripts/bench_train_step.py "${train_1b_4096[@]}" --fit \
   --json "$OUT/train_1b_4096.json"
-run_step train_100m 90 "$python" scripts/bench_train_step.py "${train_100m[@]}" --fit \
+run_step train_100m 100 "$python" scripts/bench_train_step.py "${train_100m[@]}" --fit \
   --json "$OUT/train_100m.json"
 
 # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly
