@@ -85,8 +85,9 @@ if [ "$smoke" = 1 ]; then
 else
   bench_args=(--size 16384 --runs 5)
   # bf16 first, nvfp4 (the largest step) second: both get their own peak memory (see
-  # bench_train_step.py). Batches: 1b at 4 x 2048 needed 157 GB (bf16) / 194 GB (nvfp4) in XLA's
-  # CPU memory analysis (fp32 attention scores of every layer are kept for the backward pass).
+  # bench_train_step.py). Batches from XLA's CPU memory analysis (a guide only: a GPU's fusions
+  # differ, and the CPU ignores remat): 1b at 4 x 2048 needs 157 GB (bf16) / 194 GB (nvfp4), so 2;
+  # 100m at 8 x 2048 nvfp4 92 GB (fp32 attention scores of every layer are kept for backward).
   recipes=bf16,nvfp4,fp8,fp8-block
   train_100m=(--model 100m --vocab-size 32000 --seq-len 2048 --batch-size 8 --iters 3
               --recipes "$recipes")
