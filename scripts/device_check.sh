@@ -431,7 +431,7 @@ def bench_quantize(data):
         text += (f"; worst {worst['case']} {100 * worst['bw_vs_copy']:.0f}% of x*2's GB/s, "
                  f"{met}/{len(fused)} fused >= 80%")
     sub = [(r["case"], "FAILED: " + r["error"] if "error" in r else
-            f"{r['gb_per_s']:.0f} GB/s, {100 * r['bw_vs_copy']:.0f}% of x*2") for r in fused]
+            f"{r['gb_per_s']:.1f} GB/s, {100 * r['bw_vs_copy']:.0f}% of x*2") for r in fused]
     return [text], sub
 
 
