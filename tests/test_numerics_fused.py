@@ -2,8 +2,8 @@
 
 Every case compares bytes: packed codes and E4M3 scales with `quantize_nvfp4` of the same operand
 (x, x.T, and/or rht16 of it) and with the independent oracle (RNE), and the bf16 operand with the
-decode of those bytes at S_dec = 1 and with `nvfp4_operand` (the XLA operand). Stochastic rounding: the same bits give the keyed XLA result,
-and the mean of many draws is unbiased. Shapes are small: interpret mode compiles each case.
+decode of those bytes at S_dec = 1 and with `nvfp4_operand` (the XLA operand). Stochastic rounding:
+the same bits give the keyed XLA result, and the mean of many draws is unbiased. Shapes are small: interpret mode compiles each case.
 """
 
 from __future__ import annotations

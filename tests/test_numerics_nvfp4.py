@@ -315,7 +315,8 @@ def test_operand_values_are_exact_in_bf16_for_every_code_and_scale():
     products = np.asarray(decode_nvfp4_blocks(values, scales, jnp.float32(1.0)))
     as_bf16 = np.asarray(jnp.asarray(products).astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(_bits(as_bf16), _bits(products))  # -0.0 (code 8) kept too
-    want = np.asarray(values, np.float64) * scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, None]
+    scales64 = scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = np.asarray(values, np.float64) * scales64[:, None]
     np.testing.assert_array_equal(products, want)  # the fp32 product itself is exact
     magnitudes = np.abs(products[products != 0])
     assert magnitudes.min() == 2.0**-10 and magnitudes.max() == 2688.0

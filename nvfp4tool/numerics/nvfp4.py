@@ -348,7 +348,6 @@ def check_nvfp4_args(x: jax.Array, axis: int, block: str, rounding: str, key: ja
     return axis
 
 
-
 # ------------------------------------------------------------------------------------------
 # helpers
 
