@@ -2,8 +2,8 @@
 
 Every case compares bytes: packed codes and E4M3 scales with `quantize_nvfp4` of the same operand
 (x, x.T, and/or rht16 of it) and with the independent oracle (RNE), and the bf16 operand with the
-decode of those bytes at S_dec = 1. Stochastic rounding: the same bits give the keyed XLA result,
-and the mean of many draws is unbiased. Shapes are small: interpret mode compiles each case.
+decode of those bytes at S_dec = 1 and with `nvfp4_operand` (the XLA operand). Stochastic rounding:
+the same bits give the keyed XLA result, and the mean of many draws is unbiased. Shapes are small: interpret mode compiles each case.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     decode_nvfp4,
     dequantize_nvfp4,
+    nvfp4_global_scales,
+    nvfp4_operand,
     quantize_nvfp4,
     rht16,
     stochastic_bits,
@@ -57,12 +59,16 @@ def _x(shape, dtype, seed=0):
     return jnp.asarray(x, dtype)
 
 
-def _assert_same(fused_packed, fused_operand, want):
+def _assert_same(fused_packed, fused_operand, want, want_operand):
+    """Packed bytes equal `want` (quantize_nvfp4); the operand equals the decode of those bytes at
+    S_dec = 1 and `want_operand` (nvfp4_operand), S_dec included."""
     np.testing.assert_array_equal(np.asarray(fused_packed.packed), np.asarray(want.packed))
     np.testing.assert_array_equal(_bytes(fused_packed.scales), _bytes(want.scales))
-    want_operand = decode_nvfp4(want.packed, want.scales, 1.0, dtype=jnp.bfloat16)
-    assert fused_operand.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(_bytes(fused_operand), _bytes(want_operand))
+    decoded = decode_nvfp4(want.packed, want.scales, 1.0, dtype=jnp.bfloat16)
+    assert fused_operand.values.dtype == jnp.bfloat16 and fused_operand.axis == 1
+    np.testing.assert_array_equal(_bytes(fused_operand.values), _bytes(decoded))
+    np.testing.assert_array_equal(_bytes(fused_operand.values), _bytes(want_operand.values))
+    assert fused_operand.s_dec == want_operand.s_dec == nvfp4_global_scales(want.global_amax)[1]
 
 
 @pytest.mark.parametrize("block,rht,transpose,dtype,shape,amax_factor", RNE_CASES)
@@ -74,13 +80,13 @@ def test_fused_rne_equals_xla_and_oracle(block, rht, transpose, dtype, shape, am
     packed = fused_quantize(x, gamax, mode="packed", **kwargs)
     operand = fused_quantize(x, gamax, mode="operand", **kwargs)
     want = quantize_nvfp4(op, block=block, global_amax=gamax)
-    _assert_same(packed, operand, want)
+    _assert_same(packed, operand, want, nvfp4_operand(op, block=block, global_amax=gamax))
     assert (packed.shape, packed.axis, packed.dtype) == (op.shape, 1, op.dtype)
     ref = oracle.quantize(np.asarray(op, np.float32), block=block, global_amax=np.float32(gamax))
     np.testing.assert_array_equal(np.asarray(packed.packed), ref["packed"])
     np.testing.assert_array_equal(_bytes(packed.scales), ref["scales"])
     ref_operand = oracle.decode(ref["packed"], ref["scales"], np.float32(1.0))
-    np.testing.assert_array_equal(np.asarray(operand, np.float32), ref_operand)  # exact in bf16
+    np.testing.assert_array_equal(np.asarray(operand.values, np.float32), ref_operand)  # exact in bf16
 
 
 @pytest.mark.parametrize("block,rht,transpose,dtype,shape", [
@@ -96,7 +102,8 @@ def test_fused_stochastic_equals_xla_with_the_same_bits(block, rht, transpose, d
     packed = fused_quantize(x, gamax, mode="packed", **kwargs)
     operand = fused_quantize(x, gamax, mode="operand", **kwargs)
     want = quantize_nvfp4(op, block=block, global_amax=gamax, rounding="stochastic", key=key)
-    _assert_same(packed, operand, want)
+    _assert_same(packed, operand, want, nvfp4_operand(op, block=block, global_amax=gamax,
+                                                      rounding="stochastic", key=key))
     assert (np.asarray(packed.packed) != np.asarray(quantize_nvfp4(
         op, block=block, global_amax=gamax).packed)).any()  # it is not RNE
 

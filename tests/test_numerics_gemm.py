@@ -1,4 +1,6 @@
-"""nvfp4_matmul: emulated path vs the fp64 product of the dequantized operands; dispatch."""
+"""nvfp4_matmul / nvfp4_operand_matmul: the BF16 emulation vs the fp32 HIGHEST product of the same
+dequantized operands (bit-equal on the CPU, within an fp32 summation bound everywhere) and the
+fp64 product; dispatch and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +10,52 @@ import numpy as np
 import pytest
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import dequantize_nvfp4, native_fp4_available, nvfp4_matmul, quantize_nvfp4
+from nvfp4tool.numerics import (
+    NVFP4Operand,
+    decode_nvfp4,
+    dequantize_nvfp4,
+    native_fp4_available,
+    nvfp4_global_scales,
+    nvfp4_matmul,
+    nvfp4_operand,
+    nvfp4_operand_matmul,
+    quantize_nvfp4,
+)
+from nvfp4tool.numerics.blocks import flush_subnormal
+
+
+def fp32_highest_matmul(a_q, b_q):
+    """The previous emulation: code x block scale decoded to fp32, an fp32 dot at precision
+    HIGHEST, then the global factor S_dec_a * S_dec_b. Returns (result, a32, b32, factor)."""
+    a32, b32 = (decode_nvfp4(q.packed, q.scales, 1.0) for q in (a_q, b_q))
+    out = jax.lax.dot_general(a32, b32, (((a32.ndim - 1,), (1,)), ((), ())),
+                              precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    factor = flush_subnormal(nvfp4_global_scales(a_q.global_amax)[1] *
+                             nvfp4_global_scales(b_q.global_amax)[1])
+    return out * factor, a32, b32, factor
+
+
+@pytest.mark.parametrize("a_shape,n", [((8, 64), 24), ((2, 3, 64), 24), ((64, 4096), 48),
+                                       ((2, 16, 1024), 32)])
+def test_bf16_emulation_equals_fp32_highest_path(a_shape, n):
+    """New (bf16 operands, DEFAULT precision) == old (fp32, HIGHEST): the products are the same
+    exact values, only the summation order may differ: |new - old| <= K 2^-24 sum_k |a_k b_k| (x
+    the global factor); on the CPU XLA sums in the same order: bit-equal."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(a_shape).astype(np.float32) * 3
+    b = rng.standard_normal((n, a_shape[-1])).astype(np.float32) * 0.02
+    a_q, b_q = quantize_nvfp4(a), quantize_nvfp4(b, block="2d")
+    new = np.asarray(nvfp4_matmul(a_q, b_q, backend="emulated"))
+    old, a32, b32, factor = fp32_highest_matmul(a_q, b_q)
+    old = np.asarray(old)
+    abs_products = np.abs(np.asarray(a32, np.float64)) @ np.abs(np.asarray(b32, np.float64)).T
+    bound = a_shape[-1] * 2.0**-24 * abs_products * np.float64(factor)
+    assert np.all(np.abs(new.astype(np.float64) - old) <= bound + 1e-30)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(new.view(np.uint32), old.view(np.uint32))
+    # the operand-level entry (what training uses) is the same function
+    by_operand = np.asarray(nvfp4_operand_matmul(nvfp4_operand(a), nvfp4_operand(b, block="2d")))
+    np.testing.assert_array_equal(by_operand.view(np.uint32), new.view(np.uint32))
 
 
 @pytest.mark.parametrize("a_shape", [(8, 64), (2, 3, 64)])
@@ -46,6 +93,13 @@ def test_shape_errors():
         nvfp4_matmul(a_q, quantize_nvfp4(np.ones((4, 64), np.float32)))
     with pytest.raises(NVFP4ToolError, match="along K"):
         nvfp4_matmul(a_q, quantize_nvfp4(np.ones((32, 16), np.float32), axis=0))
+    a_op = nvfp4_operand(np.ones((4, 32), np.float32))
+    with pytest.raises(NVFP4ToolError, match="nvfp4_operand_matmul: K differs"):
+        nvfp4_operand_matmul(a_op, nvfp4_operand(np.ones((4, 64), np.float32)))
+    with pytest.raises(NVFP4ToolError, match="last axis"):
+        nvfp4_operand_matmul(nvfp4_operand(np.ones((32, 16), np.float32), axis=0), a_op)
+    with pytest.raises(NVFP4ToolError, match="bfloat16"):
+        nvfp4_operand_matmul(a_op, NVFP4Operand(a_op.values.astype(jnp.float32), a_op.s_dec, 1))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")

@@ -14,9 +14,11 @@ from nvfp4tool.numerics import (
     check_finite,
     decode_e2m1,
     decode_nvfp4,
+    decode_nvfp4_blocks,
     dequantize_nvfp4,
     fake_quantize_nvfp4,
     nvfp4_global_scales,
+    nvfp4_operand,
     pack_codes,
     quantize_nvfp4,
     unpack_codes,
@@ -300,6 +302,46 @@ def test_fake_quantize_equals_dequantize_of_quantize(kwargs, dtype):
     np.testing.assert_array_equal(_bits(jitted), _bits(want))
 
 
+# ------------------------------------------------------------------ the emulated GEMM's operand
+
+
+def test_operand_values_are_exact_in_bf16_for_every_code_and_scale():
+    """e2m1(code) * fp32(e4m3 scale) for all 16 codes x all 126 finite positive E4M3 scales
+    (subnormal scales 2^-9 * m included): the bf16 cast changes nothing (<= 6 significant bits,
+    nonzero magnitudes in [2^-10, 2688], far from bf16's subnormals)."""
+    scale_bytes = np.arange(1, 127, dtype=np.uint8)  # 0x7F is NaN; 0x80.. are negative
+    scales = jnp.asarray(scale_bytes.view(ml_dtypes.float8_e4m3fn))
+    values = jnp.broadcast_to(decode_e2m1(jnp.arange(16, dtype=jnp.uint8)), (126, 16))
+    products = np.asarray(decode_nvfp4_blocks(values, scales, jnp.float32(1.0)))
+    as_bf16 = np.asarray(jnp.asarray(products).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(_bits(as_bf16), _bits(products))  # -0.0 (code 8) kept too
+    scales64 = scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = np.asarray(values, np.float64) * scales64[:, None]
+    np.testing.assert_array_equal(products, want)  # the fp32 product itself is exact
+    magnitudes = np.abs(products[products != 0])
+    assert magnitudes.min() == 2.0**-10 and magnitudes.max() == 2688.0
+
+
+@pytest.mark.parametrize(("kwargs", "dtype"), [
+    ({}, jnp.bfloat16), ({"block": "2d", "global_amax": 3.0}, jnp.float32),
+    ({"axis": 0}, jnp.float16),
+    ({"rounding": "stochastic", "key": jax.random.key(0), "block": "2d"}, jnp.bfloat16),
+])
+def test_operand_is_the_decode_of_quantize_without_the_global_scale(kwargs, dtype):
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((48, 32)) * 3, dtype)
+    op = nvfp4_operand(x, **kwargs)
+    q = quantize_nvfp4(x, **kwargs)
+    assert op.values.dtype == jnp.bfloat16 and op.values.shape == x.shape and op.axis == q.axis
+    want = decode_nvfp4(q.packed, q.scales, 1.0, axis=q.axis, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(_bits(op.values), _bits(want))
+    assert _bits(np.float32(op.s_dec)) == _bits(np.float32(nvfp4_global_scales(q.global_amax)[1]))
+    # times S_dec: the fake-quantized tensor (the same decode product, in the same order)
+    fake = fake_quantize_nvfp4(x, dtype=jnp.float32, **kwargs)
+    np.testing.assert_array_equal(_bits(op.values.astype(jnp.float32) * op.s_dec), _bits(fake))
+    jitted = jax.jit(lambda v: nvfp4_operand(v, **kwargs))(x)
+    np.testing.assert_array_equal(_bits(jitted.values), _bits(op.values))
+
+
 @pytest.mark.parametrize(("block", "low", "high"), [("1d", 0.093, 0.097), ("2d", 0.109, 0.114)])
 def test_reference_error_normal(block, low, high):
     x = np.random.default_rng(12).standard_normal((512, 1024)).astype(np.float32)
@@ -367,6 +409,8 @@ def test_k_not_multiple_of_16_raises_with_shape():
         quantize_nvfp4(np.ones((4, 24), np.float32), name="w")
     with pytest.raises(NVFP4ToolError, match=r"shape \(24, 4\)"):
         quantize_nvfp4(np.ones((24, 4), np.float32), axis=1)
+    with pytest.raises(NVFP4ToolError, match=r"'x' shape \(4, 24\).*not a multiple of 16"):
+        nvfp4_operand(np.ones((4, 24), np.float32), name="x")  # the same checks
 
 
 def test_bad_options_raise():

@@ -1,12 +1,17 @@
-"""The recipes' custom VJPs: each of the three GEMMs equals the GEMM of explicitly quantized operands."""
+"""The recipes' custom VJPs: each of the three GEMMs equals the GEMM of explicitly quantized operands
+(and, for NVFP4, the previous fp32 HIGHEST emulation of them); the fused Pallas quantizers
+(interpret mode) give the XLA quantizers' values bit for bit; the packed (native) branch."""
 
 from __future__ import annotations
+
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     dequantize_nvfp4,
     fake_quantize_fp8,
@@ -15,6 +20,9 @@ from nvfp4tool.numerics import (
     rht16,
 )
 from nvfp4tool.recipes import FP8Options, NVFP4Options, fp8_dot, nvfp4_dot
+from test_numerics_gemm import fp32_highest_matmul
+
+nvfp4_dot_module = importlib.import_module("nvfp4tool.recipes.nvfp4_dot")  # the package exports the function
 
 T, K, N = 64, 96, 48
 
@@ -50,6 +58,18 @@ def test_nvfp4_gemms_equal_explicit_quantized_gemms_rne(operands, rht, weight_2d
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_ref))
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_ref))
+
+    # ... equal to the previous emulation (fp32 operands, precision HIGHEST): bit-equal on the
+    # CPU, else within the fp32 summation bound K 2^-24 sum_k |a_k b_k| (x the global factor).
+    for got, (a_q, b_q) in ((y, (quantize_nvfp4(x), quantize_nvfp4(w, block=block))),
+                            (dx, (quantize_nvfp4(dy), quantize_nvfp4(w.T, block=block))),
+                            (dw, (quantize_nvfp4(dy_t), quantize_nvfp4(x_t)))):
+        old, a32, b32, factor = fp32_highest_matmul(a_q, b_q)
+        abs_products = np.abs(np.asarray(a32, np.float64)) @ np.abs(np.asarray(b32, np.float64)).T
+        bound = a32.shape[-1] * 2.0**-24 * abs_products * np.float64(factor)
+        assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(old)) <= bound + 1e-30)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(old).view(np.uint32))
 
     # ... and those GEMMs are the products of the dequantized operands (fp64 reference).
     def deq64(q):
@@ -95,6 +115,70 @@ def test_nvfp4_stochastic_rounding_gradients_are_unbiased(operands):
     # correlation of keys and the scales (which are RNE, not random).
     assert err_mean < err_one / 8, (err_one, err_mean)
     assert err_one > 0.01  # SR is really on
+
+
+def _small_operands(lead=(48,)):
+    """bf16 x and w as the recipe receives them (T = 48: not a multiple of the 32-row kernel
+    tile), fp32 dY."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((*lead, 64)) * 2, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((32, 64)) * 0.05, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((*lead, 32)), jnp.float32)
+    return x, w, dy
+
+
+def _bytes(values):
+    return [np.asarray(v).view(np.uint16 if v.dtype == jnp.bfloat16 else np.uint32) for v in values]
+
+
+def _recipe_vjp(x, w, dy, **options):
+    key = jax.random.key(3)
+    return _vjp(jax.jit(lambda a, b: nvfp4_dot(a, b, key, options=NVFP4Options(**options))), x, w, dy)
+
+
+@pytest.mark.parametrize("rht,stochastic_rounding,weight_2d,lead", [
+    (True, True, True, (48,)),  # NVIDIA's recipe: SR and RHT on
+    (False, False, False, (2, 24)),  # every piece off; 3-D x
+    (False, True, False, (48,)),
+])
+def test_nvfp4_pallas_quantizers_equal_xla_bit_for_bit(rht, stochastic_rounding, weight_2d, lead):
+    """y, dx, dw with every operand made by one fused kernel call (interpret mode on the CPU)
+    are the XLA quantizers' results bit for bit: same amax, same SR bits, same RHT."""
+    x, w, dy = _small_operands(lead)
+    switches = dict(rht=rht, stochastic_rounding=stochastic_rounding, weight_2d=weight_2d)
+    xla = _recipe_vjp(x, w, dy, quantizer="xla", **switches)
+    pallas = _recipe_vjp(x, w, dy, quantizer="pallas", **switches)
+    for name, a, b in zip(("y", "dx", "dw"), _bytes(xla), _bytes(pallas)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert NVFP4Options().quantizer == "auto"
+
+
+def test_nvfp4_packed_branch_where_the_fp4_gemm_is_native(monkeypatch):
+    """Where the FP4 GEMM is native, every operand is a packed NVFP4Array (the fused kernels in
+    mode "packed") and goes to nvfp4_matmul(backend="native"): on the CPU, with the emulated
+    backend standing in for it, both quantizers give the operand path's values bit for bit."""
+    x, w, dy = _small_operands()
+    want = _bytes(_recipe_vjp(x, w, dy, quantizer="xla"))
+    calls = []
+
+    def matmul(a, b, *, backend):
+        calls.append((type(a).__name__, type(b).__name__, backend))
+        return nvfp4_matmul(a, b, backend="emulated")
+
+    monkeypatch.setattr(nvfp4_dot_module, "native_fp4_available", lambda: True)
+    monkeypatch.setattr(nvfp4_dot_module, "nvfp4_matmul", matmul)
+    for quantizer in ("xla", "pallas"):
+        calls.clear()
+        got = _bytes(_recipe_vjp(x, w, dy, quantizer=quantizer))
+        for name, a, b in zip(("y", "dx", "dw"), want, got):
+            np.testing.assert_array_equal(a, b, err_msg=f"{quantizer} {name}")
+        # fprop, dgrad, wgrad (jax may trace the forward twice)
+        assert len(calls) >= 3 and set(calls) == {("NVFP4Array", "NVFP4Array", "native")}, calls
+
+
+def test_nvfp4_options_reject_an_unknown_quantizer():
+    with pytest.raises(NVFP4ToolError, match="quantizer must be one of auto, xla, pallas"):
+        NVFP4Options(quantizer="triton")
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "block"])

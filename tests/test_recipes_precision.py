@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, forward
+from nvfp4tool.numerics import dot_nt
 from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
 from nvfp4tool.recipes.precision import (
     RecipeConfig,
@@ -163,3 +166,18 @@ def test_make_linear_rounds_each_layer_and_step_with_its_own_key(sr: bool):
             return y.astype(x.dtype)
 
         np.testing.assert_array_equal(base, _dx(direct, a))
+
+
+@pytest.mark.parametrize("quantizer", ["xla", "pallas"])
+def test_quantizer_flows_from_the_recipe_to_nvfp4_options(monkeypatch, quantizer):
+    seen = []
+    precision_module = importlib.import_module("nvfp4tool.recipes.precision")
+    monkeypatch.setattr(precision_module, "nvfp4_dot",
+                        lambda x, w, key, amax, options: seen.append(options) or dot_nt(x, w))
+    recipe = RecipeConfig(name="nvfp4", quantizer=quantizer)
+    name = "model.layers.2.mlp.up_proj"
+    linear = make_linear(recipe, {name: "nvfp4"}, jax.random.key(0))
+    linear(jnp.ones((16, 64)), jnp.ones((128, 64)), None, name=name)
+    assert [o.quantizer for o in seen] == [quantizer]
+    with pytest.raises(NVFP4ToolError, match="quantizer must be one of"):
+        RecipeConfig(name="nvfp4", quantizer="triton")

@@ -109,6 +109,9 @@ def test_yaml_values_are_checked_like_overrides(tmp_path, data):
 def test_valid_config_builds(data):
     config = load_train_config(None, [f"data={data}", "recipe=nvfp4", "steps=10", "switch_to_bf16_at=8"])
     assert isinstance(config, TrainConfig) and config.switch_to_bf16_at == 8.0
+    assert config.recipe_config().quantizer == "auto"
+    config = load_train_config(None, [f"data={data}", "recipe=nvfp4", "quantizer=pallas"])
+    assert config.recipe_config().quantizer == "pallas"  # -> NVFP4Options (make_linear)
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -118,6 +121,7 @@ def test_valid_config_builds(data):
     (["data=missing.txt"], "data='missing.txt'"),
     (["no_such_key=1"], "no_such_key"),
     (["remat=layer"], "remat='layer'"),
+    (["quantizer=triton"], "quantizer='triton'"),
 ])
 def test_cli_train_usage_errors_exit_2_and_create_nothing(tmp_path, data, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)

@@ -13,10 +13,11 @@ from nvfp4tool.numerics.fp8 import (
     fp8_decode_scale,
     quantize_fp8,
 )
-from nvfp4tool.numerics.gemm import native_fp4_available, nvfp4_matmul
+from nvfp4tool.numerics.gemm import native_fp4_available, nvfp4_matmul, nvfp4_operand_matmul
 from nvfp4tool.numerics.hadamard import rht16, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
     NVFP4Array,
+    NVFP4Operand,
     decode_e2m1,
     decode_nvfp4,
     decode_nvfp4_blocks,
@@ -26,6 +27,7 @@ from nvfp4tool.numerics.nvfp4 import (
     nvfp4_block_amax,
     nvfp4_block_scales,
     nvfp4_global_scales,
+    nvfp4_operand,
     pack_codes,
     quantize_nvfp4,
     stochastic_bits,
@@ -35,6 +37,7 @@ from nvfp4tool.numerics.nvfp4 import (
 __all__ = [
     "FP8Array",
     "NVFP4Array",
+    "NVFP4Operand",
     "check_finite",
     "decode_e2m1",
     "decode_fp8",
@@ -56,6 +59,8 @@ __all__ = [
     "nvfp4_block_scales",
     "nvfp4_global_scales",
     "nvfp4_matmul",
+    "nvfp4_operand",
+    "nvfp4_operand_matmul",
     "pack_codes",
     "quantize_fp8",
     "quantize_nvfp4",

@@ -5,9 +5,13 @@
     y = dense(x, w_NxK, b_N, compute_dtype=bf16)    # the plain (BF16) linear layer: both of the above
 
 Every unquantized linear (the model's default seam, the BF16 layers of a recipe, calibration, the
-serving simulation) is `dense`; the quantized GEMMs (FP8 baselines, the emulated NVFP4 matmul)
-contract their dequantized fp32 operands with `dot_nt(..., precision=HIGHEST)` (no TF32 on GPU).
-`precision=None` (XLA's default) is what a BF16 GEMM uses: bf16 products are exact in fp32.
+serving simulation) is `dense`. The emulated quantized GEMMs take BF16 operands too, with `dot_nt`
+at `precision=None` (XLA's default: the BF16 tensor-core GEMM on a GPU): the NVFP4 matmul
+(`numerics.gemm`) contracts e2m1(code) x e4m3(block scale), exact in bf16, and applies the global
+decode factor to the fp32 result; the FP8 baselines (`recipes.fp8_dot`) likewise feed BF16
+operands. A bf16 x bf16 product is exact in fp32, so these equal the fp32 products of the same
+values up to summation order: no quantized training GEMM needs precision HIGHEST (fp32
+products, as the RHT and GPTQ's fp32 math use, still do).
 
     w32 = computed_after(x, lambda w: w.astype(jnp.float32), w_bf16)   # widened once x exists
     y = dense_widening(x, w_bf16, b_N)              # dense, w widened a block of rows at a time

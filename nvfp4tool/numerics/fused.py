@@ -17,10 +17,9 @@
 Outputs (`mode`):
 * "packed": an `NVFP4Array` of the operand (x, or x.T) along its last axis: uint8 codes two per
   byte (`pack_codes` order) and float8_e4m3fn block scales (the native Blackwell operands).
-* "operand": bf16 e2m1(code) * e4m3(block scale) WITHOUT the global decode factor S_dec, for the
-  emulated GEMM, which multiplies its fp32 result by S_dec. Exact in bf16: an E2M1 value has at
-  most 2 significant bits and an E4M3 scale 4, so the product has at most 6 bits and lies in
-  [2^-10, 2688].
+* "operand": an `NVFP4Operand`, what `nvfp4_operand` gives: bf16 e2m1(code) * e4m3(block scale)
+  WITHOUT the global decode factor S_dec (exact in bf16, see `numerics.nvfp4`), and S_dec, for the
+  emulated GEMM (`nvfp4_operand_matmul`), which multiplies its fp32 result by S_dec.
 
 The global amax is an input (an fp32 scalar: the tensor's or a fused group's amax; the kernel does
 not reduce over the whole tensor), turned into S_enc / S_dec by `nvfp4_global_scales`. Every
@@ -41,7 +40,8 @@ jax's default GPU lowering, Mosaic GPU, wants warpgroup-sized copies and refuses
 block); the kernel body is traced without the XLA-only `xla_barrier`s there, which Triton cannot
 lower and does not need (it has no algebraic simplifier to guard against). The tests cross-lower
 the kernels for CUDA on the CPU; compiling that Triton IR and running it needs a GPU (not done
-yet). Nothing in training calls these kernels yet: the XLA quantizers remain the CPU path and
+yet). The NVFP4 recipe (`recipes.nvfp4_dot`, `quantizer="pallas"`, the default on a GPU) quantizes
+every GEMM operand with one call of `fused_quantize`; the XLA quantizers remain the CPU path and
 the reference.
 """
 
@@ -68,8 +68,9 @@ from nvfp4tool.numerics.hadamard import rht16_last_axis, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
     Block,
     NVFP4Array,
+    NVFP4Operand,
     Rounding,
-    _validate,
+    check_nvfp4_args,
     decode_nvfp4_blocks,
     encode_nvfp4_blocks,
     nvfp4_block_amax,
@@ -95,12 +96,13 @@ def fused_quantize(
     transpose: bool = False,
     interpret: bool | None = None,
     name: str = "tensor",
-) -> NVFP4Array | jax.Array:
+) -> NVFP4Array | NVFP4Operand:
     """Quantize the 2-D `x` (or x.T when `transpose`) along its last axis in one Pallas kernel.
 
-    Returns an `NVFP4Array` (mode "packed") or the bf16 operand without S_dec (mode "operand"),
-    equal bit for bit to `quantize_nvfp4(op, block=, global_amax=, rounding=, key=)` with
-    op = rht16(x or x.T) or x or x.T, when `bits == stochastic_bits(key, op.shape)`.
+    Returns an `NVFP4Array` (mode "packed") or an `NVFP4Operand` (mode "operand"), equal bit for
+    bit to `quantize_nvfp4` (or `nvfp4_operand`) of op with the same block=, global_amax=,
+    rounding=, key=, where op = rht16(x or x.T) or x or x.T, when
+    `bits == stochastic_bits(key, op.shape)`.
     `interpret=None`: interpret mode on the CPU backend, compiled elsewhere. Bad options, shapes,
     bits, or a concrete non-finite `x`: NVFP4ToolError naming `name`.
     """
@@ -113,7 +115,7 @@ def fused_quantize(
     outs = _fused_call(x, gamax.reshape(1), bits, mode=mode, rounding=rounding, block=block,
                        rht=rht, transpose=transpose, interpret=interpret)
     if mode == "operand":
-        return outs
+        return NVFP4Operand(values=outs, s_dec=nvfp4_global_scales(gamax)[1], axis=1)
     packed, scales = outs
     return NVFP4Array(packed=packed, scales=scales, global_amax=gamax, shape=op_shape,
                       dtype=jnp.dtype(x.dtype), axis=1, block=block)
@@ -129,7 +131,7 @@ def _check(x: jax.Array, mode: str, rounding: str, bits: jax.Array | None, block
     if x.ndim != 2:
         raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: the fused quantizers take "
                              "a 2-D matrix (flatten batch axes first)")
-    _validate(x, 0 if transpose else 1, block, "rne", None, name)
+    check_nvfp4_args(x, 0 if transpose else 1, block, "rne", None, name)
     op_shape = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
     if mode not in ("packed", "operand"):
         raise NVFP4ToolError(f"tensor '{name}': mode must be 'packed' or 'operand', got {mode!r}")

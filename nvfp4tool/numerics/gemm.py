@@ -4,10 +4,19 @@ Semantics: every element is e2m1(code) * fp32(block scale); products are summed 
 global decode scales (S_dec_a * S_dec_b, i.e. amax_a * amax_b / 2688^2 up to fp32 rounding of
 the reciprocals, the same S_dec that `dequantize_nvfp4` uses) multiply the result once at the end.
 
-Backends:
-  "emulated"  decode code * block scale (`decode_nvfp4` with S_dec = 1) in fp32, `dot.dot_nt`
-              with fp32 accumulation (precision HIGHEST: no TF32), then the global factor.
-              Runs everywhere.
+    y = nvfp4_operand_matmul(a_op, b_op)   # NVFP4Operands (nvfp4_operand / fused_quantize): training
+    y = nvfp4_matmul(a_q, b_q)             # packed NVFP4Arrays: emulated, or native on Blackwell
+
+The emulation (`nvfp4_operand_matmul`, and `nvfp4_matmul`'s "emulated" backend, which decodes the
+packed codes to the same operand) contracts BF16 operands e2m1(code) * e4m3(block scale), exact in
+bf16 (see `numerics.nvfp4`), in one BF16 `dot_general` with fp32 accumulation (precision DEFAULT:
+the BF16 tensor-core GEMM on a GPU; a bf16 x bf16 product is exact in fp32, so nothing is lost
+against an fp32 HIGHEST product of the same values), then multiplies by S_dec_a * S_dec_b. The sums
+are those of the fp32 dequantized operands up to summation order (on the CPU the same bits: tested).
+
+Backends of `nvfp4_matmul`:
+  "emulated"  decode code * block scale (`decode_nvfp4` with S_dec = 1, to bf16: exact), then the
+              emulation above. Runs everywhere.
   "native"    `jax.nn.scaled_matmul` on float4_e2m1fn data and float8_e4m3fn scales. Needs a
               CUDA GPU (no CPU lowering in jax 0.10); on Hopper XLA rewrites it to a dequantize +
               dot, on Blackwell (compute capability >= 10) cuDNN runs it on FP4 tensor cores.
@@ -25,7 +34,7 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics.blocks import flush_subnormal
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.numerics.dot import dot_nt
-from nvfp4tool.numerics.nvfp4 import NVFP4Array, decode_nvfp4, nvfp4_global_scales
+from nvfp4tool.numerics.nvfp4 import NVFP4Array, NVFP4Operand, decode_nvfp4, nvfp4_global_scales
 
 Backend = Literal["auto", "emulated", "native"]
 
@@ -33,7 +42,7 @@ Backend = Literal["auto", "emulated", "native"]
 def nvfp4_matmul(a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp.float32,
                  backend: Backend = "auto") -> jax.Array:
     """`a @ b.T` for a [..., M, K] and b [N, K], both NVFP4 along K; returns [..., M, N]."""
-    _validate(a_q, b_q)
+    _check_layout("nvfp4_matmul", a_q.shape, a_q.axis, b_q.shape, b_q.axis)
     if backend == "auto":
         backend = "native" if native_fp4_available() else "emulated"
     if backend == "emulated":
@@ -49,6 +58,19 @@ def nvfp4_matmul(a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp
         raise NVFP4ToolError(f"nvfp4_matmul: backend must be 'auto', 'emulated' or 'native', "
                              f"got {backend!r}")
     out = fn(a_q.packed, a_q.scales, a_q.global_amax, b_q.packed, b_q.scales, b_q.global_amax)
+    return out.astype(out_dtype)
+
+
+def nvfp4_operand_matmul(a_op: NVFP4Operand, b_op: NVFP4Operand, *,
+                         out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """`a @ b.T` for operands a [..., M, K] and b [N, K], both along K (`nvfp4_operand`, or a
+    fused quantizer's mode "operand"): the BF16 emulation (module docstring); [..., M, N]."""
+    _check_layout("nvfp4_operand_matmul", a_op.values.shape, a_op.axis, b_op.values.shape,
+                  b_op.axis)
+    if a_op.values.dtype != jnp.bfloat16 or b_op.values.dtype != jnp.bfloat16:
+        raise NVFP4ToolError(f"nvfp4_operand_matmul: operand values must be bfloat16, got "
+                             f"{a_op.values.dtype} and {b_op.values.dtype}")
+    out = _operand_matmul(a_op.values, a_op.s_dec, b_op.values, b_op.s_dec)
     return out.astype(out_dtype)
 
 
@@ -68,15 +90,16 @@ def native_fp4_available() -> bool:
 # helpers
 
 
-def _validate(a_q: NVFP4Array, b_q: NVFP4Array) -> None:
-    if len(a_q.shape) < 2 or a_q.axis != len(a_q.shape) - 1:
-        raise NVFP4ToolError(f"nvfp4_matmul: operand a (shape {a_q.shape}) must be [..., M, K] "
-                             f"quantized along its last axis, got axis {a_q.axis}")
-    if len(b_q.shape) != 2 or b_q.axis != 1:
-        raise NVFP4ToolError(f"nvfp4_matmul: operand b (shape {b_q.shape}) must be [N, K] "
-                             f"quantized along K (axis 1), got axis {b_q.axis}")
-    if a_q.shape[-1] != b_q.shape[-1]:
-        raise NVFP4ToolError(f"nvfp4_matmul: K differs: a {a_q.shape} vs b {b_q.shape}")
+def _check_layout(fn: str, a_shape: tuple[int, ...], a_axis: int, b_shape: tuple[int, ...],
+                  b_axis: int) -> None:
+    if len(a_shape) < 2 or a_axis != len(a_shape) - 1:
+        raise NVFP4ToolError(f"{fn}: operand a (shape {tuple(a_shape)}) must be [..., M, K] "
+                             f"quantized along its last axis, got axis {a_axis}")
+    if len(b_shape) != 2 or b_axis != 1:
+        raise NVFP4ToolError(f"{fn}: operand b (shape {tuple(b_shape)}) must be [N, K] "
+                             f"quantized along K (axis 1), got axis {b_axis}")
+    if a_shape[-1] != b_shape[-1]:
+        raise NVFP4ToolError(f"{fn}: K differs: a {tuple(a_shape)} vs b {tuple(b_shape)}")
 
 
 def _global_factor(amax_a: jax.Array, amax_b: jax.Array) -> jax.Array:
@@ -84,18 +107,20 @@ def _global_factor(amax_a: jax.Array, amax_b: jax.Array) -> jax.Array:
     return flush_subnormal(nvfp4_global_scales(amax_a)[1] * nvfp4_global_scales(amax_b)[1])
 
 
-def _scaled_values(packed: jax.Array, scales: jax.Array) -> jax.Array:
-    """e2m1(code) * fp32(block scale), without the global scale, [..., K] in fp32 (exact: the
-    stored-bytes decode with S_dec = 1)."""
-    return decode_nvfp4(packed, scales, jnp.float32(1.0))
+@jax.jit
+def _operand_matmul(a_values, a_s_dec, b_values, b_s_dec):
+    """The emulation: bf16 operands, DEFAULT precision, fp32 accumulation; then S_dec_a * S_dec_b."""
+    out_MxN = dot_nt(a_values, b_values)
+    return out_MxN * flush_subnormal(a_s_dec * b_s_dec)
 
 
 @jax.jit
 def _matmul_emulated(a_packed, a_scales, a_amax, b_packed, b_scales, b_amax):
-    a_MxK = _scaled_values(a_packed, a_scales)
-    b_NxK = _scaled_values(b_packed, b_scales)
-    out_MxN = dot_nt(a_MxK, b_NxK, precision=jax.lax.Precision.HIGHEST)
-    return out_MxN * _global_factor(a_amax, b_amax)
+    # The operands without the global scale (S_dec = 1): exact in bf16.
+    a_MxK = decode_nvfp4(a_packed, a_scales, jnp.float32(1.0), dtype=jnp.bfloat16)
+    b_NxK = decode_nvfp4(b_packed, b_scales, jnp.float32(1.0), dtype=jnp.bfloat16)
+    return _operand_matmul(a_MxK, nvfp4_global_scales(a_amax)[1], b_NxK,
+                           nvfp4_global_scales(b_amax)[1])
 
 
 @jax.jit

@@ -10,7 +10,8 @@ Semantics (sheet section 2), all in IEEE fp32 with round-to-nearest-even:
     x~    = (e2m1(code) * fp32(scale)) * S_dec   # flushed; the decode of stored bytes too
 
 Each line has one implementation here, and every caller in the package uses it: the tensor-level
-API (`quantize_nvfp4`, `dequantize_nvfp4`, `fake_quantize_nvfp4`), `decode_nvfp4` for stored
+API (`quantize_nvfp4`, `dequantize_nvfp4`, `fake_quantize_nvfp4`, and `nvfp4_operand`, the BF16
+operand of the emulated GEMM, see below), `decode_nvfp4` for stored
 bytes with a stored S_dec (the serving simulation), and the block-level pieces for callers that
 choose their own scales (export's scale search): `nvfp4_block_amax`, `nvfp4_block_scales`,
 `encode_nvfp4_blocks` (the one E2M1 encoder) and `decode_nvfp4_blocks` (the one decode product).
@@ -31,6 +32,17 @@ Choices this module makes (and the tests pin down):
 * Subnormal fp32 values are flushed to signed zero (blocks.flush_subnormal), on every backend.
 * Packing: element 2i in the low nibble, 2i+1 in the high nibble, along K (the order
   `lax.bitcast_convert_type` gives for float4_e2m1fn pairs; tested).
+
+The GEMM operand (`nvfp4_operand` -> `NVFP4Operand`): e2m1(code) * fp32(block scale) WITHOUT the
+global decode factor, in bf16, plus that S_dec; the emulated GEMM contracts the bf16 values with
+fp32 accumulation and multiplies by S_dec_a * S_dec_b after. The bf16 values are exact: an E2M1
+magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6) has at most 2 significant bits and an E4M3 scale at most 4
+(a subnormal one, m * 2^-9 with m = 1..7, at most 3), so their product has at most 6 significant
+bits (bf16 keeps 8); nonzero products lie in [0.5 * 2^-9, 6 * 448] = [2^-10, 2688], far inside
+bf16's normal range (2^-126 .. 3.4e38). So no rounding, no subnormal and no flush happens in the
+cast (tested over all 16 codes x all 126 finite positive E4M3 scales), and a bf16 x bf16 product
+(at most 12 significant bits) is exact in the fp32 accumulator: the sums are those of the fp32
+dequantized operands, up to the order in which the GEMM adds them.
 """
 
 from __future__ import annotations
@@ -96,6 +108,24 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class NVFP4Operand:
+    """What the emulated NVFP4 GEMM consumes (a pytree; nothing packed):
+
+    values  bfloat16, the input's shape: e2m1(code) * e4m3(block scale), exact, WITHOUT S_dec
+    s_dec   float32 scalar: the global decode factor, applied to the GEMM's fp32 result
+    axis    static: the quantized axis (>= 0)
+    """
+
+    values: jax.Array
+    s_dec: jax.Array
+    axis: int
+
+
+jax.tree_util.register_dataclass(NVFP4Operand, data_fields=["values", "s_dec"],
+                                 meta_fields=["axis"])
+
+
 def quantize_nvfp4(
     x: jax.Array | np.ndarray,
     *,
@@ -144,6 +174,25 @@ def fake_quantize_nvfp4(
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     return _fake_quantize(x, global_amax, key, axis=axis, block=block, rounding=rounding,
                           dtype=out_dtype)
+
+
+def nvfp4_operand(
+    x: jax.Array | np.ndarray,
+    *,
+    axis: int = -1,
+    block: Block = "1d",
+    global_amax: jax.Array | float | None = None,
+    rounding: Rounding = "rne",
+    key: jax.Array | None = None,
+    name: str = "tensor",
+) -> NVFP4Operand:
+    """The emulated GEMM's operand of `x` (see the module docstring): quantized exactly as
+    `quantize_nvfp4(x, ...)` (same arguments), not packed; `values` equal
+    `decode_nvfp4(q.packed, q.scales, 1.0, axis=, dtype=bfloat16)` of that quantization bit for
+    bit, and `s_dec` is its S_dec. No gradient is defined here: recipes wrap it."""
+    x, axis, global_amax = _prepare(x, axis, block, global_amax, rounding, key, name)
+    values, s_dec = _operand(x, global_amax, key, axis=axis, block=block, rounding=rounding)
+    return NVFP4Operand(values=values, s_dec=s_dec, axis=axis)
 
 
 def nvfp4_global_scales(global_amax: jax.Array | float) -> tuple[jax.Array, jax.Array]:
@@ -272,24 +321,10 @@ def decode_nvfp4(packed: jax.Array | np.ndarray, scales: jax.Array | np.ndarray,
                    dtype=jnp.dtype(dtype))
 
 
-# ------------------------------------------------------------------------------------------
-# helpers
-
-
-def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Array | None,
-             name: str) -> tuple[jax.Array, int, jax.Array | None]:
-    """Validate the public arguments; (x as a jax array, axis >= 0, global_amax as fp32 or None)."""
-    x = jnp.asarray(x)
-    axis = _validate(x, axis, block, rounding, key, name)
-    check_finite(x, name)
-    if global_amax is not None:
-        global_amax = check_scale_scalar(global_amax, "global_amax", name)
-    return x, axis, global_amax
-
-
-def _validate(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array | None,
-              name: str) -> int:
-    """Check options and shape; return the non-negative axis."""
+def check_nvfp4_args(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array | None,
+                     name: str) -> int:
+    """The quantizers' argument checks (dtype, shape, axis, block, rounding, key): NVFP4ToolError
+    naming `name`, else the non-negative axis. Values are not looked at (see `check_finite`)."""
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise NVFP4ToolError(f"tensor '{name}': dtype {x.dtype} cannot be quantized to NVFP4 "
                              "(expected float32, bfloat16 or float16)")
@@ -311,6 +346,21 @@ def _validate(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array
     if rounding == "stochastic" and key is None:
         raise NVFP4ToolError(f"tensor '{name}': stochastic rounding needs a jax.random key")
     return axis
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Array | None,
+             name: str) -> tuple[jax.Array, int, jax.Array | None]:
+    """Validate the public arguments; (x as a jax array, axis >= 0, global_amax as fp32 or None)."""
+    x = jnp.asarray(x)
+    axis = check_nvfp4_args(x, axis, block, rounding, key, name)
+    check_finite(x, name)
+    if global_amax is not None:
+        global_amax = check_scale_scalar(global_amax, "global_amax", name)
+    return x, axis, global_amax
 
 
 def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int,
@@ -389,6 +439,15 @@ def _fake_quantize(x, global_amax, key, *, axis, block, rounding, dtype):
                                                  rounding=rounding)
     out_K = _unblock(decode_nvfp4_blocks(values_Bx16, scales_K, s_dec))
     return jnp.moveaxis(out_K, -1, axis).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "block", "rounding"))
+def _operand(x, global_amax, key, *, axis, block, rounding):
+    """(bf16 e2m1 value * block scale without S_dec, S_dec): the decode product at S_dec = 1."""
+    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block,
+                                                 rounding=rounding)
+    out_K = _unblock(decode_nvfp4_blocks(values_Bx16, scales_K, jnp.float32(1.0)))
+    return jnp.moveaxis(out_K, -1, axis).astype(jnp.bfloat16), s_dec
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "dtype"))

@@ -5,31 +5,66 @@
     wgrad  dW = dY^T X   dY^T: RHT, 1x16 along T, SR   X^T: RHT, 1x16 along T, RNE
 
 T is the number of tokens (all leading axes of x flattened). Each piece can be switched off for
-ablations (`NVFP4Options`). Every GEMM is `nvfp4_matmul` on quantized operands: per-block scales,
-fp32 accumulation, global decode scales applied once; emulated on CPU/Hopper, native on Blackwell.
-Gradients are straight-through: the quantizers' rounding has no derivative of its own, and the
-(fused-group) weight amax gets no gradient.
+ablations (`NVFP4Options`). Gradients are straight-through: the quantizers' rounding has no
+derivative of its own, and the (fused-group) weight amax gets no gradient.
+
+The GEMMs: where the FP4 GEMM is native (Blackwell, `native_fp4_available()`), each operand is
+quantized to a packed `NVFP4Array` and multiplied by `nvfp4_matmul(backend="native")`; everywhere
+else (CPU, Hopper) nothing is packed: each operand is an `NVFP4Operand` (bf16 code x block scale,
+exact, plus its S_dec) and `nvfp4_operand_matmul` runs a BF16 GEMM with fp32 accumulation and
+applies the global decode factors after. Both compute the same sums (`numerics.gemm`).
+
+Who quantizes (`NVFP4Options.quantizer`): "xla" builds each operand with the XLA quantizers
+(`nvfp4_operand` / `quantize_nvfp4` of x, x.T or rht16(x.T)); "pallas" makes each operand in ONE
+fused kernel call (`numerics.fused.fused_quantize`: the transpose and the RHT of the wgrad operands
+happen inside the kernel, SR bits are `stochastic_bits` of the same key, so the bytes are the XLA
+path's bit for bit); "auto" is "pallas" on a GPU and "xla" elsewhere (interpret-mode Pallas on the
+CPU is only for tests). The fused kernels take the global amax as an input: the weight's is given
+(the fused group's), X's and dY's is `tensor_amax` of the tensor, and the RHT'd wgrad operands'
+is `tensor_amax(rht16(...))` computed in XLA: one extra read of the tensor, as TE's amax kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.numerics import dot_nt, nvfp4_matmul, quantize_nvfp4, rht16, tensor_amax
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.numerics import (
+    dot_nt,
+    native_fp4_available,
+    nvfp4_matmul,
+    nvfp4_operand,
+    nvfp4_operand_matmul,
+    quantize_nvfp4,
+    rht16,
+    stochastic_bits,
+    tensor_amax,
+)
+from nvfp4tool.numerics.fused import fused_quantize
+
+Quantizer = Literal["auto", "xla", "pallas"]
+QUANTIZERS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Options:
-    """Switches of the recipe (all on = NVIDIA's recipe; off = an ablation)."""
+    """Switches of the recipe (all on = NVIDIA's recipe; off = an ablation), and who quantizes."""
 
     rht: bool = True  # random Hadamard transform on both wgrad operands (along tokens)
     stochastic_rounding: bool = True  # SR on the gradient dY (dgrad and wgrad)
     weight_2d: bool = True  # 16x16 weight scales (else 1x16 along K in fprop, along N in dgrad)
     quantize_fprop: bool = True  # False: fprop in the input dtype (the late switch to BF16)
+    quantizer: Quantizer = "auto"  # "xla" | "pallas" (fused kernels) | "auto": pallas on a GPU
+
+    def __post_init__(self) -> None:
+        if self.quantizer not in QUANTIZERS:
+            raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, "
+                                 f"got {self.quantizer!r}")
 
 
 def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
@@ -61,9 +96,10 @@ def _nvfp4_dot(x_TxK, w_NxK, key, w_amax, options):
 def _fprop(x_TxK, w_NxK, w_amax, options):
     if not options.quantize_fprop:
         return dot_nt(x_TxK, w_NxK)
-    x_q = quantize_nvfp4(x_TxK, axis=-1, block="1d")
-    w_q = quantize_nvfp4(w_NxK, axis=-1, block=_weight_block(options), global_amax=w_amax)
-    return nvfp4_matmul(x_q, w_q)
+    gemm = _Gemms.of(options)
+    x_q = gemm.operand(x_TxK)
+    w_q = gemm.operand(w_NxK, block=_weight_block(options), global_amax=w_amax)
+    return gemm.matmul(x_q, w_q)
 
 
 def _nvfp4_dot_fwd(x_TxK, w_NxK, key, w_amax, options):
@@ -73,26 +109,66 @@ def _nvfp4_dot_fwd(x_TxK, w_NxK, key, w_amax, options):
 def _nvfp4_dot_bwd(options, residuals, dy_TxN):
     x_TxK, w_NxK, key, w_amax = residuals
     dgrad_key, wgrad_key = jax.random.split(key)
-    rounding = "stochastic" if options.stochastic_rounding else "rne"
+    if not options.stochastic_rounding:
+        dgrad_key = wgrad_key = None
     dy_TxN = dy_TxN.astype(jnp.float32)
+    gemm = _Gemms.of(options)
 
     # dgrad: dX = dY W, contracting over N: both operands quantized along N.
-    dy_q = quantize_nvfp4(dy_TxN, axis=-1, rounding=rounding, key=dgrad_key)
-    w_t_q = quantize_nvfp4(w_NxK.T, axis=-1, block=_weight_block(options), global_amax=w_amax)
-    dx_TxK = nvfp4_matmul(dy_q, w_t_q)
+    dy_q = gemm.operand(dy_TxN, key=dgrad_key)
+    w_t_q = gemm.operand(w_NxK, transpose=True, block=_weight_block(options), global_amax=w_amax)
+    dx_TxK = gemm.matmul(dy_q, w_t_q)
 
     # wgrad: dW = dY^T X, contracting over T: both operands (RHT'd) quantized along T.
-    dy_t_NxT, x_t_KxT = dy_TxN.T, x_TxK.T
-    if options.rht:
-        dy_t_NxT, x_t_KxT = rht16(dy_t_NxT, axis=-1), rht16(x_t_KxT, axis=-1)
-    dy_t_q = quantize_nvfp4(dy_t_NxT, axis=-1, rounding=rounding, key=wgrad_key)
-    x_t_q = quantize_nvfp4(x_t_KxT, axis=-1)
-    dw_NxK = nvfp4_matmul(dy_t_q, x_t_q)
+    dy_t_q = gemm.operand(dy_TxN, transpose=True, rht=options.rht, key=wgrad_key)
+    x_t_q = gemm.operand(x_TxK, transpose=True, rht=options.rht)
+    dw_NxK = gemm.matmul(dy_t_q, x_t_q)
 
     return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_NxK.dtype), None, None
 
 
 _nvfp4_dot.defvjp(_nvfp4_dot_fwd, _nvfp4_dot_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gemms:
+    """How this trace quantizes (fused Pallas kernels or XLA ops) and multiplies (packed arrays
+    and the native FP4 GEMM, or operands and the BF16 emulation); see the module docstring."""
+
+    pallas: bool
+    native: bool
+
+    @classmethod
+    def of(cls, options: NVFP4Options) -> _Gemms:
+        quantizer = options.quantizer
+        if quantizer == "auto":
+            quantizer = "pallas" if jax.default_backend() == "gpu" else "xla"
+        return cls(pallas=quantizer == "pallas", native=native_fp4_available())
+
+    def operand(self, x_RxC: jax.Array, *, transpose: bool = False, rht: bool = False,
+                block: str = "1d", global_amax: jax.Array | None = None,
+                key: jax.Array | None = None):
+        """The GEMM operand of op = [rht16 of] (x.T if transpose else x), quantized along its last
+        axis; stochastic rounding with `key` when given; `global_amax` None: op's own amax."""
+        rounding = "rne" if key is None else "stochastic"
+        if self.pallas:
+            op_shape = x_RxC.shape[::-1] if transpose else x_RxC.shape
+            if global_amax is None:  # max|op|: a transpose does not change it, an RHT does
+                global_amax = tensor_amax(rht16(x_RxC, axis=0 if transpose else -1) if rht
+                                          else x_RxC)
+            bits = None if key is None else stochastic_bits(key, op_shape)
+            return fused_quantize(x_RxC, global_amax, mode="packed" if self.native else "operand",
+                                  rounding=rounding, bits=bits, block=block, rht=rht,
+                                  transpose=transpose)
+        op = x_RxC.T if transpose else x_RxC
+        if rht:
+            op = rht16(op, axis=-1)
+        quantize = quantize_nvfp4 if self.native else nvfp4_operand
+        return quantize(op, block=block, global_amax=global_amax, rounding=rounding, key=key)
+
+    def matmul(self, a, b):
+        """`a @ b.T` of two operands from `operand`, fp32."""
+        return nvfp4_matmul(a, b, backend="native") if self.native else nvfp4_operand_matmul(a, b)
 
 
 def _weight_block(options: NVFP4Options) -> str:

@@ -34,7 +34,7 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.numerics import dot_nt, linear_output, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
-from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
+from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS, NVFP4Options, Quantizer, nvfp4_dot
 
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
@@ -53,6 +53,7 @@ class RecipeConfig:
     rht: bool = True  # nvfp4: Hadamard transform on the wgrad operands
     stochastic_rounding: bool = True  # nvfp4: SR on gradients
     weight_2d: bool = True  # nvfp4: 16x16 weight scaling
+    quantizer: Quantizer = "auto"  # nvfp4: who quantizes: xla | pallas (fused kernels) | auto (pallas on GPU)
     bf16_first_layers: int = 1  # leading decoder blocks kept in BF16
     bf16_last_layers: int | None = None  # trailing blocks kept in BF16 (None: ceil(15% of L))
     bf16_patterns: tuple[str, ...] = ()  # fnmatch patterns of modules kept in BF16
@@ -62,6 +63,8 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         if self.name not in RECIPES:
             raise NVFP4ToolError(f"unknown recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+        if self.quantizer not in QUANTIZERS:
+            raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {self.quantizer!r}")
         if self.switch_scope not in ("forward", "all"):
             raise NVFP4ToolError(f"switch_scope must be 'forward' or 'all', got {self.switch_scope!r}")
         if self.bf16_first_layers < 0 or (self.bf16_last_layers or 0) < 0:
@@ -131,7 +134,8 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
     recipe), "all" runs the whole layer in BF16.
     """
     nvfp4_options = NVFP4Options(rht=recipe.rht, stochastic_rounding=recipe.stochastic_rounding,
-                                 weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none")
+                                 weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none",
+                                 quantizer=recipe.quantizer)
     fp8_options = FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
                              quantize_fprop=bf16_scope == "none")
 

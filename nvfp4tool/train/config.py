@@ -24,6 +24,7 @@ import yaml
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
+from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 from nvfp4tool.train.presets import PRESETS
 
@@ -47,6 +48,7 @@ class TrainConfig:
     rht: bool = True
     stochastic_rounding: bool = True
     weight_2d: bool = True
+    quantizer: str = "auto"  # auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)
     bf16_first_layers: int = 1
     bf16_last_layers: int | None = None  # None: ceil(15% of the blocks)
     bf16_patterns: tuple[str, ...] = ()
@@ -100,6 +102,7 @@ class TrainConfig:
         _check_choice("switch_scope", self.switch_scope, ("forward", "all"))
         _check_choice("distill", self.distill, ("none", "kl"))
         _check_choice("remat", self.remat, REMAT_LEVELS)
+        _check_choice("quantizer", self.quantizer, QUANTIZERS)
         _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
                  "needs teacher=PATH (the model to distill from)")
         _require("teacher", self.teacher, self.teacher is None or self.distill != "none",
@@ -156,7 +159,8 @@ class TrainConfig:
 
     def recipe_config(self) -> RecipeConfig:
         return RecipeConfig(name=self.recipe, rht=self.rht, stochastic_rounding=self.stochastic_rounding,
-                            weight_2d=self.weight_2d, bf16_first_layers=self.bf16_first_layers,
+                            weight_2d=self.weight_2d, quantizer=self.quantizer,
+                            bf16_first_layers=self.bf16_first_layers,
                             bf16_last_layers=self.bf16_last_layers, bf16_patterns=tuple(self.bf16_patterns),
                             switch_to_bf16_at=self.switch_to_bf16_at, switch_scope=self.switch_scope)
 
