@@ -5,7 +5,8 @@ ahead of time from the state's shapes, then run once to warm up and `--iters` ti
 block_until_ready); one recipe after the other, `--json` rewritten after each ("complete": false
 until the last), so a run cut short keeps the recipes it finished. On a CPU or Hopper the FP4/FP8
 GEMMs are emulated, so the ratio to bf16 measures the quantizers' cost; on Blackwell the nvfp4
-GEMM runs natively.
+GEMM runs natively. A recipe name may end in `:xla` or `:pallas` (e.g. `nvfp4:xla`) to choose who
+quantizes (`RecipeConfig.quantizer`; default "auto": the fused Pallas kernels on a GPU).
 
 Figures per recipe (printed as a table; `--json` writes them all):
 * step time (median s), tokens/s (batch x seq-len / step time), the ratio to the bf16 step;
@@ -96,7 +97,8 @@ def compile_step(name: str, args, batch: int) -> dict:
     """One recipe's step compiled ahead of time from the state's shapes at `batch`, with what
     running it needs; DoesNotFit when it needs more than the device has free."""
     model_config = preset_config(args.model, args.vocab_size, max(args.seq_len, 2048))
-    recipe = RecipeConfig(name=name)
+    recipe_name, _, quantizer = name.partition(":")
+    recipe = RecipeConfig(name=recipe_name, quantizer=quantizer or "auto")
     abstract = nnx.eval_shape(lambda: _model(model_config, args.remat, nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95,
