@@ -30,6 +30,7 @@ CASES = [
     ((2, 67), 200, 384, ("e4m3", "block128"), ("e4m3", "block128x128")),
     ((130,), 70, 4096, ("e4m3", "block128"), ("e4m3", "block128")),  # wgrad
     ((67,), 200, 200, ("e4m3", "block128"), ("e4m3", "block128x128")),  # ragged last chunk
+    ((67,), 70, 96, ("e4m3", "block128"), ("e4m3", "block128x128")),  # no whole chunk
     ((2, 130), 70, 256, ("e4m3", "block128x128"), ("e4m3", "block128")),
 ]
 

@@ -16,10 +16,10 @@ applied in fp32 after the dot; where they vary along K they cannot be factored o
 
 The scale product is flushed to zero below 2**-126, as `gemm.nvfp4_matmul`'s global factor, so it
 is the same on every backend. A ragged last chunk (K not a multiple of 128) holds the elements
-that exist, as `quantize_fp8`'s block128 amax does: the data is zero-padded to whole chunks and the
-padding adds exact zeros to the last chunk's partial.
+that exist, as `quantize_fp8`'s block128 amax does: it is one more, shorter dot after the loop
+(not zero padding, which costs a copy of both operands).
 
-The block path is a `lax.fori_loop` over the chunks, one [..., M, 128] x [N, 128] BF16 dot each,
+The block path is a `lax.fori_loop` over the whole chunks, one [..., M, 128] x [N, 128] BF16 dot each,
 accumulated into one fp32 [..., M, N]: memory is bounded by one output and one partial for any K
 (a batched dot over all chunks would hold [K/128, ..., M, N]). On a GPU each chunk is a K=128 GEMM
 plus an [M, N] fp32 read-modify-write, so this path runs below the tensor cores' peak; the
@@ -90,30 +90,29 @@ def _matmul_per_row(a_data, a_scale, b_data, b_scale):
 
 @functools.partial(jax.jit, static_argnames=("a_tiled", "b_tiled"))
 def _matmul_blocked(a_data, a_scale, b_data, b_scale, *, a_tiled, b_tiled):
-    k = a_data.shape[-1]
-    chunks = -(-k // FP8_BLOCK)
-    a_data, b_data = _pad_k(a_data, chunks), _pad_k(b_data, chunks)
     a_scale_MxC = _per_row(a_scale, a_tiled, a_data.shape[-2])  # [..., M, C]
     b_scale_CxN = _per_row(b_scale, b_tiled, b_data.shape[-2]).T  # [C, N]
 
-    def add_chunk(c, acc_MxN):
-        start = c * FP8_BLOCK
-        partial_MxN = _bf16_dot(jax.lax.dynamic_slice_in_dim(a_data, start, FP8_BLOCK, axis=-1),
-                                jax.lax.dynamic_slice_in_dim(b_data, start, FP8_BLOCK, axis=-1))
+    def chunk_term(a_chunk, b_chunk, c):
+        """Chunk c's partial dot, scaled by scale_a[:, c] * scale_b[:, c]."""
         a_scale_Mx1 = jax.lax.dynamic_slice_in_dim(a_scale_MxC, c, 1, axis=-1)
         b_scale_N = jax.lax.dynamic_index_in_dim(b_scale_CxN, c, axis=0, keepdims=False)
-        return acc_MxN + partial_MxN * flush_subnormal(a_scale_Mx1 * b_scale_N)
+        return _bf16_dot(a_chunk, b_chunk) * flush_subnormal(a_scale_Mx1 * b_scale_N)
 
+    def add_chunk(c, acc_MxN):
+        start = c * FP8_BLOCK
+        return acc_MxN + chunk_term(jax.lax.dynamic_slice_in_dim(a_data, start, FP8_BLOCK, axis=-1),
+                                    jax.lax.dynamic_slice_in_dim(b_data, start, FP8_BLOCK, axis=-1), c)
+
+    full, k = a_data.shape[-1] // FP8_BLOCK, a_data.shape[-1]
     out_shape = (*a_data.shape[:-1], b_data.shape[0])
-    return jax.lax.fori_loop(0, chunks, add_chunk, jnp.zeros(out_shape, jnp.float32))
-
-
-def _pad_k(data: jax.Array, chunks: int) -> jax.Array:
-    """Zero-pad the last axis to whole chunks (a ragged last block holds what exists)."""
-    extra = chunks * FP8_BLOCK - data.shape[-1]
-    if extra == 0:
-        return data
-    return jnp.pad(data, [(0, 0)] * (data.ndim - 1) + [(0, extra)])
+    acc_MxN = jnp.zeros(out_shape, jnp.float32)
+    if full:  # a loop of no trips still traces its body, which needs a whole chunk
+        acc_MxN = jax.lax.fori_loop(0, full, add_chunk, acc_MxN)
+    if k % FP8_BLOCK:  # the ragged last chunk: what exists of it, as quantize_fp8's amax
+        start = full * FP8_BLOCK
+        acc_MxN = acc_MxN + chunk_term(a_data[..., start:], b_data[:, start:], full)
+    return acc_MxN
 
 
 def _per_row(scale: jax.Array, tiled: bool, rows: int) -> jax.Array:
