@@ -209,3 +209,18 @@ def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int 
     scaled = np.array([div(a, s) for a, s in zip(x2.ravel(), scale.ravel())], np.float32)
     data = np.clip(scaled, -fmt_max, fmt_max).astype(fp8_dtype).astype(np.float32)
     return data.reshape(x32.shape), scale.reshape(x32.shape)
+
+
+# ---------------------------------------------------------------- GEMM reference
+
+
+def gemm_with_bound(a: np.ndarray, b: np.ndarray, roundings: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a @ b.T in float64, a bound on the error of an fp32 evaluation of it) for a [..., M, K],
+    b [N, K]. The bound holds for any evaluation in which each term a_k * b_k passes through at
+    most `roundings` fp32 roundings (operand rounding, product, summation in any order, scaling):
+    gamma_n * sum_k |a_k| |b_k| with gamma_n = n u / (1 - n u), u = 2**-24 (Higham, Accuracy and
+    Stability of Numerical Algorithms, section 3.1). Subnormals are not modelled.
+    """
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nu = roundings * 2.0**-24
+    return a64 @ b64.T, nu / (1 - nu) * (np.abs(a64) @ np.abs(b64).T)

@@ -11,11 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
+    dequantize_fp8,
     dequantize_nvfp4,
-    fake_quantize_fp8,
+    dot_nt,
+    fp8_matmul,
     nvfp4_matmul,
+    quantize_fp8,
     quantize_nvfp4,
     rht16,
 )
@@ -181,20 +185,39 @@ def test_nvfp4_options_reject_an_unknown_quantizer():
         NVFP4Options(quantizer="triton")
 
 
+# (fmt, granularity) of activation, weight, gradient per FP8 scaling mode
+FP8_SPECS = {"tensor": (("e4m3", "tensor"), ("e4m3", "tensor"), ("e5m2", "tensor")),
+             "block": (("e4m3", "block128"), ("e4m3", "block128x128"), ("e4m3", "block128"))}
+
+
+@pytest.fixture(scope="module")
+def fp8_operands():
+    """Contraction lengths 300 (fprop), 136 (dgrad), 200 (wgrad): ragged 128-chunks in each."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((200, 300)) * np.geomspace(0.1, 10, 300)).astype(np.float32)
+    w = (rng.standard_normal((136, 300)) * 0.05).astype(np.float32)
+    dy = rng.standard_normal((200, 136)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
+
+
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
-def test_fp8_gemms_equal_explicit_quantized_gemms(operands, scaling):
-    x, w, dy = operands
-    options = FP8Options(scaling=scaling)
-    y, dx, dw = _vjp(jax.jit(lambda a, b: fp8_dot(a, b, options)), x, w, dy)
-    act, wgt, grad = (("e4m3", "tensor"), ("e4m3", "tensor"), ("e5m2", "tensor")) \
-        if scaling == "tensor" else (("e4m3", "block128"), ("e4m3", "block128x128"), ("e4m3", "block128"))
-
-    def fq(t, spec):
-        return np.asarray(fake_quantize_fp8(t, fmt=spec[0], granularity=spec[1], dtype=jnp.float32),
-                          np.float64)
-
-    np.testing.assert_allclose(np.asarray(y), fq(x, act) @ fq(w, wgt).T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dx), fq(dy, grad) @ fq(w.T, wgt).T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dw), fq(dy.T, grad) @ fq(x.T, act).T, rtol=1e-5, atol=1e-5)
+def test_fp8_gemms_equal_explicit_quantized_gemms(fp8_operands, scaling):
+    x, w, dy = fp8_operands
+    y, dx, dw = _vjp(jax.jit(lambda a, b: fp8_dot(a, b, FP8Options(scaling=scaling))), x, w, dy)
+    act, wgt, grad = FP8_SPECS[scaling]
+    gemms = {"fprop": (y, (x, act), (w, wgt)), "dgrad": (dx, (dy, grad), (w.T, wgt)),
+             "wgrad": (dw, (dy.T, grad), (x.T, act))}
+    for name, (got, (a, a_spec), (b, b_spec)) in gemms.items():
+        a_q = quantize_fp8(a, fmt=a_spec[0], granularity=a_spec[1])
+        b_q = quantize_fp8(b, fmt=b_spec[0], granularity=b_spec[1])
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(fp8_matmul(a_q, b_q)), err_msg=name)
+        # ... and the former formulation (fake-quantized fp32 operands, one fp32 dot) within the
+        # fp32 rounding bounds of both (tests/test_numerics_fp8_gemm.py derives them).
+        k = a.shape[-1]
+        chunks, chunk_len = (-(-k // 128), 128) if scaling == "block" else (1, k)
+        a_deq, b_deq = dequantize_fp8(a_q), dequantize_fp8(b_q)
+        old = dot_nt(a_deq, b_deq, precision=jax.lax.Precision.HIGHEST)
+        _, bound = oracle.gemm_with_bound(a_deq, b_deq, (chunk_len + chunks + 2) + k)
+        assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(old)) <= bound), name
     # and they really are quantized: not the fp32 product
     assert np.abs(np.asarray(y) - np.asarray(x @ w.T)).max() > 1e-4

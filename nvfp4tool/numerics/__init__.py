@@ -33,6 +33,7 @@ from nvfp4tool.numerics.nvfp4 import (
     stochastic_bits,
     unpack_codes,
 )
+from nvfp4tool.numerics.fp8_gemm import fp8_matmul
 
 __all__ = [
     "FP8Array",
@@ -69,4 +70,5 @@ __all__ = [
     "stochastic_bits",
     "tensor_amax",
     "unpack_codes",
+    "fp8_matmul",
 ]

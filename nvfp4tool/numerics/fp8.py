@@ -11,6 +11,7 @@ amax is taken per granularity, always with K = the last axis:
   "block128"      1x128 along K, shape [..., N, ceil(K/128)]    (paper: activations, gradients)
   "block128x128"  128x128 tiles, shape [..., ceil(N/128), ceil(K/128)]  (paper: weights)
 Ragged edge blocks use the elements that exist. Subnormals are flushed as in blocks.py.
+Two FP8Arrays quantized along K multiply with `fp8_gemm.fp8_matmul` (BF16 operands, fp32 sums).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
     "tensor" (TE Float8CurrentScaling)   X, W: E4M3 per tensor;  dY: E5M2 per tensor
     "block"  (the paper's FP8 baseline)  X, dY: E4M3 1x128 along the contraction axis;
                                          W: E4M3 128x128 tiles
-Every GEMM dequantizes its FP8 operands and contracts them with fp32 accumulation: the products
-of two FP8 values are exact in fp32, so this is what an FP8 tensor-core GEMM computes up to the
+Every GEMM quantizes its two operands along the contraction axis (`quantize_fp8`) and contracts
+the FP8 data as BF16 operands with fp32 accumulation, applying the scales in fp32 (`fp8_matmul`:
+after the whole sum per tensor, after each 128-wide K chunk for block scaling): the products of
+two FP8 values are exact in fp32, so this is what an FP8 tensor-core GEMM computes up to the
 order of the fp32 sum.
 """
 
@@ -17,7 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.numerics import dot_nt, fake_quantize_fp8
+from nvfp4tool.numerics import FP8Array, dot_nt, fp8_matmul, quantize_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ def fp8_dot(x_TxK: jax.Array, w_NxK: jax.Array, options: FP8Options = FP8Options
 def _fp8_dot(x_TxK, w_NxK, options):
     if not options.quantize_fprop:
         return dot_nt(x_TxK, w_NxK)
-    return _dot_hi(_fq(x_TxK, "activation", options), _fq(w_NxK, "weight", options))
+    return fp8_matmul(_q(x_TxK, "activation", options), _q(w_NxK, "weight", options))
 
 
 def _fp8_dot_fwd(x_TxK, w_NxK, options):
@@ -50,9 +52,9 @@ def _fp8_dot_bwd(options, residuals, dy_TxN):
     x_TxK, w_NxK = residuals
     dy_TxN = dy_TxN.astype(jnp.float32)
     # dgrad dX = dY W: contraction over N (the last axis of dY and of W^T).
-    dx_TxK = _dot_hi(_fq(dy_TxN, "gradient", options), _fq(w_NxK.T, "weight", options))
+    dx_TxK = fp8_matmul(_q(dy_TxN, "gradient", options), _q(w_NxK.T, "weight", options))
     # wgrad dW = dY^T X: contraction over T.
-    dw_NxK = _dot_hi(_fq(dy_TxN.T, "gradient", options), _fq(x_TxK.T, "activation", options))
+    dw_NxK = fp8_matmul(_q(dy_TxN.T, "gradient", options), _q(x_TxK.T, "activation", options))
     return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_NxK.dtype)
 
 
@@ -69,12 +71,7 @@ _OPERAND_FORMATS = {
 }
 
 
-def _fq(x: jax.Array, role: str, options: FP8Options) -> jax.Array:
-    """Fake-quantize one GEMM operand (quantized along its last axis) to fp32 values."""
+def _q(x: jax.Array, role: str, options: FP8Options) -> FP8Array:
+    """Quantize one GEMM operand to FP8 along its last axis (the contraction axis)."""
     fmt, granularity = _OPERAND_FORMATS[(options.scaling, role)]
-    return fake_quantize_fp8(x, fmt=fmt, granularity=granularity, dtype=jnp.float32)
-
-
-def _dot_hi(a_MxK: jax.Array, b_NxK: jax.Array) -> jax.Array:
-    """fp32 operands: contract at full fp32 precision (no TF32)."""
-    return dot_nt(a_MxK, b_NxK, precision=jax.lax.Precision.HIGHEST)
+    return quantize_fp8(x, fmt=fmt, granularity=granularity, name=role)
