@@ -25,7 +25,6 @@ import yaml
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
-from nvfp4tool.train.presets import PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
