@@ -124,6 +124,10 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
                      keep_bf16=options.keep_bf16)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)
+    # with gptq too, the input amax comes from calibration, not from GPTQ's pass: calibrate() runs the
+    # ORIGINAL weights throughout, while GPTQ's first pass through layer i sees inputs made by the
+    # already-quantized layers 0..i-1, so its amax differs from layer 1 on (measured: a tiny model's
+    # layers.1.o_proj, 0.00684 vs 0.00681); the router counts and K / V amax are calibrate()'s too
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
     if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
         calibration = _calibration_record(options)
