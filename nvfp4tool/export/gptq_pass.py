@@ -9,11 +9,12 @@ As GPTQ implementations do (llm-compressor's sequential pipeline), on the source
 by layer (`LayerwiseModel.sequential`, held or streamed): all calibration windows go through
 layer i with its ORIGINAL weights while a tap accumulates X^T X (fp32) of each linear's input;
 then layer i's quantized linears are GPTQ-quantized (`gptq.py`) with those Hessians; then the
-windows go through layer i again with the quantized (decoded) weights to make layer i+1's inputs,
-so layer i+1's Hessians see the already-quantized earlier layers. Linears reading the same input
-share one Hessian (`gptq.hessian_key`: q/k/v, gate/up; in a MoE layer the gate/up of all experts,
-since the tap asks every expert to run on every token of its layer, `routes_all_experts`, as
-llm-compressor's moe_calibrate_all_experts; each expert's down_proj has its own, over all tokens).
+windows go through layer i again with the quantized (decoded) weights (a tap that records nothing)
+to make layer i+1's inputs, so layer i+1's Hessians see the already-quantized earlier layers.
+Linears reading the same input share one Hessian (`gptq.hessian_key`: q/k/v, gate/up; in a MoE
+layer the gate/up of all experts, since the tap asks every expert to run on every token of its
+layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
+down_proj has its own, over all tokens).
 
 Memory: one layer's weights + its Hessians + the windows' activations. Each quantized record is
 spilled to `spill_dir` (packed codes and scales as .npy) as soon as it is made and read back by the
@@ -101,7 +102,10 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
         hessians.clear()
         return new
 
-    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), on_record=on_record, replace=replace, label="GPTQ")
+    # the second pass through a layer (quantized weights) only makes the next layer's inputs: the
+    # same GEMMs, every expert on every token as in the first, no X^T X
+    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=on_record,
+                     replace=replace, label="GPTQ")
     return GPTQResult(records=records, errors=errors)
 
 

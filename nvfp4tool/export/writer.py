@@ -57,7 +57,7 @@ from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, fp8_decode_scale, nvfp4_global_scales,
                                 tensor_amax, quantize_fp8)
 from nvfp4tool.numerics.constants import E4M3_MAX
-from nvfp4tool.records.export import TensorRecord
+from nvfp4tool.records.export import GPTQRecord, TensorRecord
 
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
@@ -124,13 +124,18 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
                      keep_bf16=options.keep_bf16)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)
+    # with gptq too, the input amax comes from calibration, not from GPTQ's pass: calibrate() runs the
+    # ORIGINAL weights throughout, while GPTQ's first pass through layer i sees inputs made by the
+    # already-quantized layers 0..i-1, so its amax differs from layer 1 on (measured: a tiny model's
+    # layers.1.o_proj, 0.00684 vs 0.00681); the router counts and K / V amax are calibrate()'s too
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
     if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
         calibration = _calibration_record(options)
     with _spill_dir(options, out) as spill_dir:
         gptq = None if spill_dir is None else _gptq(source, plan, group_amax, options, block, spill_dir)
+        gptq_record = None if gptq is None else _gptq_record(gptq, options)
         summary = _write(source, out, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
-                         options, inputs, gptq)
+                         options, inputs, gptq, gptq_record)
     return dataclasses.replace(summary, seconds=time.perf_counter() - start)
 
 
@@ -140,7 +145,7 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
 
 def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, block: str, group_amax,
            input_amax, origin: str, calibration, kv_amax, options: ExportOptions, inputs,
-           gptq: GPTQResult | None) -> ExportSummary:
+           gptq: GPTQResult | None, gptq_record: GPTQRecord | None) -> ExportSummary:
     """Write the export (steps 3-4 of the module docstring); `seconds` left 0 for the caller."""
     tensors = source.tensors
     names = tensors.names()
@@ -173,13 +178,13 @@ def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, blo
             source=source, options=options, plan=plan, weight_block=block, input_amax_origin=origin,
             calibration=calibration, layer_errors=loader.layer_errors, input_amax=input_amax,
             files_written=files, tensors=loader.records, kv_amax=kv_amax or None,
-            gptq=None if gptq is None else _gptq_record(gptq, options)).write(tmp)
+            gptq=gptq_record).write(tmp)
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
                          quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,
                          bytes_written=written, seconds=0.0,
-                         gptq_reduction=None if gptq is None else _gptq_record(gptq, options).mean_output_err_reduction)
+                         gptq_reduction=None if gptq_record is None else gptq_record.mean_output_err_reduction)
 
 
 @contextlib.contextmanager
@@ -196,18 +201,18 @@ def _spill_dir(options: ExportOptions, out: str):
 
 def _gptq(source: Checkpoint, plan: ExportPlan, group_amax, options: ExportOptions, block: str,
           spill_dir: str) -> GPTQResult:
-    """Run the GPTQ pass (`gptq_pass.py`) and say its mean output-error reduction."""
-    result = run_gptq(source.config, source.tensors, plan, group_amax, options.calib_data, spill_dir=spill_dir,
-                      samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
-                      offload=options.offload, method=options.scale_search, block=block, damp=options.gptq_damp)
-    reduction = _gptq_record(result, options).mean_output_err_reduction
-    progress.info(f"GPTQ: {len(result.errors)} linears, output error on the calibration inputs "
-                  f"{100 * reduction:.1f}% below RTN's with the same scales (mean)")
-    return result
+    """Run the GPTQ pass (`gptq_pass.py`)."""
+    return run_gptq(source.config, source.tensors, plan, group_amax, options.calib_data, spill_dir=spill_dir,
+                    samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
+                    offload=options.offload, method=options.scale_search, block=block, damp=options.gptq_damp)
 
 
-def _gptq_record(gptq: GPTQResult, options: ExportOptions):
-    return provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors)
+def _gptq_record(gptq: GPTQResult, options: ExportOptions) -> GPTQRecord:
+    """The GPTQ provenance record (settings, mean output-error reduction), said as it is made."""
+    record = provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors)
+    progress.info(f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
+                  f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)")
+    return record
 
 
 class _ModuleLoader:

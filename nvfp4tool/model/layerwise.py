@@ -182,14 +182,15 @@ class LayerwiseModel:
                     yield s, logits
                 del carry
 
-    def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap,
+    def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, replay: Tap,
                    on_record: Callable[[str, Any], None],
                    replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential") -> None:
         """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
         stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
         `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
         "self_attn.q_proj.weight": array}); when it gives any, the windows go through layer i
-        again with them (records dropped) to make layer i+1's inputs. So layer i+1's records see
+        again with them and the tap `replay` (meant to record nothing; its records are dropped) to
+        make layer i+1's inputs. So layer i+1's records see
         the replaced earlier layers. Held or streamed alike; the peak is one layer (twice while it
         is replaced) + the activations of all windows. The LM head is not run."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
@@ -212,7 +213,7 @@ class LayerwiseModel:
                         variable.set_value(jnp.asarray(value, variable.get_value().dtype))
                     state = self._place(nnx.state(block))
                     del block
-                    outputs = [_block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
+                    outputs = [_block_step(graphdef, state, x, cos, sin, mask, None, tap=replay, kv_tap=None,
                                            gather=self._gather)[0] for x, cos, sin, mask in carry]
                 carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
                 del state, outputs

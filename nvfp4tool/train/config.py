@@ -26,7 +26,6 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
-from nvfp4tool.train.presets import PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
