@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +180,27 @@ def test_nvfp4_packed_branch_where_the_fp4_gemm_is_native(monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=f"{quantizer} {name}")
         # fprop, dgrad, wgrad (jax may trace the forward twice)
         assert len(calls) >= 3 and set(calls) == {("NVFP4Array", "NVFP4Array", "native")}, calls
+
+
+def test_nvfp4_pallas_recipe_lowers_for_cuda_through_triton(monkeypatch):
+    """The recipe's forward and backward with quantizer="pallas", lowered for CUDA on this CPU
+    (the kernels compiled, not interpreted): each of the six operands (X, W, dY, W for dgrad,
+    RHT'd dY^T and X^T) is one Triton kernel, the three GEMMs are bf16 x bf16 -> f32 dots."""
+    monkeypatch.setattr(nvfp4_dot_module, "fused_quantize",
+                        functools.partial(nvfp4_dot_module.fused_quantize, interpret=False))
+    x, w, dy = _small_operands()
+    key = jax.random.key(3)
+
+    def fwd_bwd(a, b, g):
+        return _vjp(lambda a, b: nvfp4_dot(a, b, key, options=NVFP4Options(quantizer="pallas")), a, b, g)
+
+    hlo = jax.jit(fwd_bwd).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 6, hlo.count("__gpu$xla.gpu.triton")
+    # the three GEMMs; the other dots are the RHT's [.., 16] x [16, 16] in fp32 (the amax of the
+    # RHT'd wgrad operands, computed in XLA)
+    gemms = re.findall(r"stablehlo.dot_general .*: \(tensor<\w+xbf16>, tensor<\w+xbf16>\) -> tensor<\w+xf32>", hlo)
+    rht = re.findall(r"stablehlo.dot_general .*: \(tensor<\w+x16xf32>, tensor<16x16xf32>\)", hlo)
+    assert len(gemms) == 3 and len(rht) == 2 and hlo.count("stablehlo.dot_general") == 5, (gemms, rht)
 
 
 def test_nvfp4_options_reject_an_unknown_quantizer():
