@@ -41,7 +41,7 @@ def test_smoke_run_passes_every_step(tmp_path):
     for name in STEPS:  # one JSON per step
         json.loads((tmp_path / f"{name}.json").read_text())
     train = json.loads((tmp_path / "train_100m.json").read_text())
-    assert [r["recipe"] for r in train["results"]] == ["bf16", "fp8"]
+    assert [r["recipe"] for r in train["results"]] == ["bf16", "nvfp4"]
     assert train["results"][1]["x_bf16"] > 0
 
 
