@@ -149,6 +149,9 @@ class ValidationRecord(Record):
     passed: bool
     sensitivity: Sensitivity | None = None
     resources: Resources | None = None
+    # True when `validate --source-mismatch-ok` ran against a source whose weight hashes differ
+    # from the export's provenance record (shown on the card); False when they agree
+    source_mismatch_ok: bool = False
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
