@@ -1,17 +1,25 @@
-"""The model card (README.md) of a published export: Hub metadata, what was quantized, the proof.
+"""The model card (README.md) of a published export: Hub metadata, what was quantized and how, the proof.
 
+    base_model, license = card_identity(folder)          # what the metadata will say (None: unknown)
     card = build_model_card(folder, report, repo_id="org/llama-nvfp4", validation=validation)
 
 Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model_relation:
-quantized, library_name, pipeline_tag, tags, license), what was quantized and what kept in
-BF16 (from the check report and the configs), the validation table (`validation.md` as written
-by `nvfp4tool validate`, else the metrics of its `ValidationRecord`), the recipe and provenance
-(the typed `ExportRecord`, `nvfp4tool_export.json`), and how to serve it (vLLM / transformers for compressed-tensors;
-vLLM / TensorRT-LLM / SGLang for ModelOpt).
+quantized, library_name, pipeline_tag, tags, license), what was quantized and kept in BF16 and
+every method that shaped the bytes (block-scale search, GPTQ with its settings, the FP8 KV cache,
+the layers kept in BF16; from the check report, the configs and the typed `ExportRecord`,
+`nvfp4tool_export.json`), the validation (rendered from `validation.json` by
+`validate.report.markdown`, the owner of that table, with exactly the references that ran and every
+threshold used, each one that differs from `validate.thresholds.Thresholds`' defaults marked, and
+a verdict that says when limits were loosened), the recipe and provenance, and how to serve it for
+the quant actually exported. What each quant is (NVFP4 or FP8 weights, quantized or BF16
+activations) comes from the layout's `formats.LayoutSpec`, never from a table here. The source is
+named once: push refuses a validation of another source (`hub.custody`) unless the record says
+`source_mismatch_ok`, which the card then shows at its top and in the validation section.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,18 +29,24 @@ from huggingface_hub import ModelCardData
 
 from nvfp4tool import formats
 from nvfp4tool.config import read_hf_config
+from nvfp4tool.formats import modelopt
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.records.names import portable_name, source_repo_id
 from nvfp4tool.records.validation import ValidationRecord
-from nvfp4tool.validate.report import VALIDATION_MD
 
 # library_name per format: compressed-tensors checkpoints load in transformers; ModelOpt ones do not.
 LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
-_QUANT_TAGS = {"nvfp4": ["nvfp4", "fp4", "w4a4"], "nvfp4-weight-only": ["nvfp4", "fp4", "w4a16"],
-               "fp8": ["fp8", "w8a8"]}
-_QUANT_TEXT = {"nvfp4": "NVFP4 weights and activations (W4A4)",
-               "nvfp4-weight-only": "NVFP4 weights, BF16 activations (W4A16)",
-               "fp8": "FP8 E4M3 weights and activations, per-tensor scales (W8A8)"}
+
+
+def card_identity(folder: str, base_model: str | None = None, license: str | None = None
+                  ) -> tuple[str | None, str | None]:
+    """(base_model, license) the card's metadata gives: the arguments when set, else the
+    provenance's source repo id and the source's license; None where unknown."""
+    provenance = _provenance(folder)
+    source_name = provenance.source.name if provenance is not None else ""
+    base_model = base_model or source_repo_id(source_name)
+    license = license or _source_license(source_name, read_hf_config(folder)[1])
+    return base_model, license
 
 
 def build_model_card(folder: str, report: Any, *, repo_id: str, validation: ValidationRecord | None,
@@ -42,40 +56,89 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
     `base_model` / `license` override what the provenance record and the source folder say;
     `validation` is the export's validation record (None: published without validation)."""
     layout = formats.describe(folder)
-    provenance = ExportRecord.read(folder) if ExportRecord.exists(folder) else None
-    source_name = provenance.source.name if provenance is not None else ""
-    base_model = base_model or source_repo_id(source_name)
-    license = license or _source_license(source_name, read_hf_config(folder)[1])
+    spec = layout.spec
+    provenance = _provenance(folder)
+    base_model, license = card_identity(folder, base_model, license)
     data = ModelCardData(
         base_model=base_model, base_model_relation="quantized" if base_model else None,
-        library_name=LIBRARY_NAME.get(report.format, report.format), pipeline_tag="text-generation",
-        tags=[*_QUANT_TAGS.get(report.quant, [report.quant]), report.format, "nvfp4tool"], license=license)
+        library_name=LIBRARY_NAME.get(spec.format, spec.format), pipeline_tag="text-generation",
+        tags=[*quant_tags(spec), spec.format, "nvfp4tool"], license=license)
     name = repo_id.split("/")[-1]
+    model_type = read_hf_config(folder)[1].get("model_type")
+    what = f"a `{model_type}` model" if isinstance(model_type, str) else "a model"
     sections = [
-        f"# {name}\n\n{_QUANT_TEXT.get(report.quant, report.quant)} export of "
-        f"{f'[{base_model}](https://huggingface.co/{base_model})' if base_model else 'a Llama-family model'}"
-        f" in the **{report.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
+        f"# {name}\n\n{quant_text(spec)} export of "
+        f"{f'[{base_model}](https://huggingface.co/{base_model})' if base_model else what}"
+        f" in the **{spec.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
         f"before upload ({report.tensors_checked} tensors, {len(report.modules)} quantized modules, "
         "no problems found).",
+        *([_mismatch_banner(validation, provenance)] if validation is not None and validation.source_mismatch_ok
+          else []),
         _quantized_section(report, layout, provenance),
-        _validation_section(folder, validation),
+        _validation_section(validation, provenance),
         _provenance_section(provenance),
-        _serving_section(repo_id, report.format, report.quant),
+        _serving_section(repo_id, spec, layout.kv_cache),
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+
+
+def quant_text(spec: formats.LayoutSpec) -> str:
+    """What a layout stores, in words: "NVFP4 weights and activations (W4A4)", ..."""
+    weights = "NVFP4" if spec.is_nvfp4 else "FP8 E4M3"
+    scales = "" if spec.is_nvfp4 else ", per-tensor scales"
+    activations = "weights and activations" if spec.has_input_scales else "weights, BF16 activations"
+    return f"{weights} {activations}{scales} ({_wa(spec).upper()})"
+
+
+def quant_tags(spec: formats.LayoutSpec) -> list[str]:
+    return [*(["nvfp4", "fp4"] if spec.is_nvfp4 else ["fp8"]), _wa(spec)]
+
+
+def threshold_changes(validation: ValidationRecord) -> list[tuple[str, float | None, float | None, str]]:
+    """(limit, used, default, "loosened" | "tightened") for each recorded threshold that differs
+    from `Thresholds`' default; a `max_` limit is loosened upwards, a `min_` one downwards, and a
+    limit turned off is loosened."""
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    defaults = dataclasses.asdict(Thresholds())
+    changes = []
+    for key, default in defaults.items():
+        used = validation.thresholds.get(key, default)
+        if used == default:
+            continue
+        if used is None:
+            how = "loosened"
+        elif default is None:
+            how = "tightened"
+        else:
+            how = "loosened" if (used > default) == key.startswith("max_") else "tightened"
+        changes.append((key, used, default, how))
+    return changes
 
 
 # ---------------------------------------------------------------------------------------- helpers
 
 
+def _provenance(folder: str) -> ExportRecord | None:
+    return ExportRecord.read(folder) if ExportRecord.exists(folder) else None
+
+
+def _wa(spec: formats.LayoutSpec) -> str:
+    """"w4a4" / "w4a16" / "w8a8": weight bits, activation bits (16: BF16, not quantized)."""
+    weight_bits = 4 if spec.is_nvfp4 else 8
+    return f"w{weight_bits}a{weight_bits if spec.has_input_scales else 16}"
+
+
 def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: ExportRecord | None) -> str:
+    spec = layout.spec
     quantized = _collapse_layers(m.module for m in report.modules)
     kept = list(dict.fromkeys([*layout.exclude, *(provenance.exclude_modules if provenance else ())]))
+    blocks = ("16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor"
+              if spec.is_nvfp4 else "one FP32 scale per tensor")
+    activations = ("; activations quantized on the fly with a calibrated per-tensor input scale"
+                   if spec.has_input_scales else "; activations stay BF16 (weight-only, no input scales)")
     lines = ["## What was quantized", "",
-             f"{len(report.modules)} linear modules in {_QUANT_TEXT.get(report.quant, report.quant)}, "
-             "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor."
-             if report.quant != "fp8" else
-             f"{len(report.modules)} linear modules in {_QUANT_TEXT['fp8']}.", "",
+             f"{len(report.modules)} linear modules in {quant_text(spec)}, {blocks}{activations}.", "",
              "| modules | count |", "|---|---|"]
     lines += [f"| `{pattern}` | {count} |" for pattern, count in quantized]
     lines += ["", "Kept in BF16: embeddings, norms"
@@ -85,25 +148,110 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
         lines += ["", f"KV cache: {layout.kv_cache.upper()} (E4M3) with one calibrated K and one V scale per "
                       "attention layer (amax / 448, keys after RoPE); vLLM applies them with "
                       f"`--kv-cache-dtype {layout.kv_cache}`."]
+    if provenance is not None:
+        lines += ["", "Methods that shaped the bytes: " + "; ".join(_methods(provenance)) + "."]
     return "\n".join(lines)
 
 
-def _validation_section(folder: str, validation: ValidationRecord | None) -> str:
+def _methods(provenance: ExportRecord) -> list[str]:
+    """Every choice of the export that changed the written bytes, in words."""
+    methods = [f"block-scale search {_scale_search(provenance.scale_search)}",
+               f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks",
+               _rounding(provenance)]
+    if provenance.quant != "nvfp4-weight-only" and provenance.input_amax_origin:
+        methods.append(f"input scales from {provenance.input_amax_origin}")
+    if provenance.kv_cache != "none":
+        methods.append(f"{provenance.kv_cache.upper()} KV-cache scales calibrated per attention layer")
+    if provenance.exclude_modules:
+        methods.append(f"{len(provenance.exclude_modules)} module(s) kept in BF16 ("
+                       + ", ".join(f"`{k}`" for k in _collapse_names(list(provenance.exclude_modules))) + ")")
+    return methods
+
+
+def _scale_search(scale_search: str) -> str:
+    return "none (rtn: each block's scale from its amax)" if scale_search == "rtn" else f"`{scale_search}`"
+
+
+def _rounding(provenance: ExportRecord) -> str:
+    if provenance.weight_rounding != "gptq":
+        return "round-to-nearest weight codes"
+    gptq = provenance.gptq
+    if gptq is None:
+        return "GPTQ weight rounding (settings not recorded)"
+    return (f"GPTQ weight rounding (damp {gptq.damp:g} x mean diag(H), {gptq.block_size}-column blocks, "
+            f"act order {gptq.act_order}; output error on the calibration inputs "
+            f"{gptq.mean_output_err_reduction:.1%} below round-to-nearest's, mean over the linears)")
+
+
+def _mismatch_banner(validation: ValidationRecord, provenance: ExportRecord | None) -> str:
+    exported = (f"the export's source `{portable_name(provenance.source.name)}` (nvfp4tool_export.json)"
+                if provenance is not None else "the source the export was made from")
+    return (f"> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
+            f"below measure this export against `{validation.source.name}`, whose weights are not those of "
+            f"{exported}.")
+
+
+def _validation_section(validation: ValidationRecord | None, provenance: ExportRecord | None) -> str:
+    from nvfp4tool.validate.report import markdown, verdict
+
     if validation is None:
         return ("## Validation\n\nNot validated: published with `--no-validation`. Run "
-                "`nvfp4tool validate` against the BF16 and FP8 references before relying on it.")
-    verdict = "passed" if validation.passed else "did not pass"
-    md_path = os.path.join(folder, VALIDATION_MD)
-    if os.path.isfile(md_path):
-        with open(md_path, encoding="utf-8") as f:
-            table = f.read().strip()
-        table = re.sub(r"\A## Validation\s*\n", "", table).strip()  # validate writes its own heading
-    else:  # no Markdown beside the JSON: one row per metric of the export vs BF16
-        metrics = validation.models.get(validation.quant, {})
-        table = "\n".join(["| metric (vs BF16) | value |", "|---|---|",
-                           *(f"| {k} | {_fmt_value(v)} |" for k, v in metrics.items())])
-    return (f"## Validation\n\n`nvfp4tool validate` {verdict} its thresholds against the BF16 and FP8 "
-            f"references (full report: `{ValidationRecord.FILE_NAME}`).\n\n{table}")
+                "`nvfp4tool validate` against the BF16 source and an FP8 reference before relying on it.")
+    outcome = "passed" if validation.passed else "did not pass"
+    table = re.sub(r"\A## Validation\s*\n", "", markdown(validation)).strip()  # validate writes its own heading
+    table = table.replace(verdict(validation), _verdict(validation)) if verdict(validation) in table else \
+        table + "\n\n" + _verdict(validation)
+    lines = ["## Validation", "",
+             f"`nvfp4tool validate` {outcome} its thresholds, measured against {_references(validation)}. "
+             f"Full report: `{ValidationRecord.FILE_NAME}`.", ""]
+    if validation.source_mismatch_ok:
+        lines += [_mismatch_banner(validation, provenance), ""]
+    lines += [table, "", _thresholds_table(validation)]
+    return "\n".join(lines)
+
+
+def _references(validation: ValidationRecord) -> str:
+    """Exactly the models compared: the BF16 source, and an FP8 reference only when one ran."""
+    source = f"the BF16 source `{validation.source.name}`"
+    if "fp8" not in validation.models:
+        return f"{source} only (no FP8 reference was run: `--reference bf16`)"
+    named = f" `{validation.reference_export.name}`" if validation.reference_export is not None else ""
+    return f"{source} and the FP8 reference{named} ({validation.reference})"
+
+
+def _verdict(validation: ValidationRecord) -> str:
+    from nvfp4tool.validate.report import verdict
+
+    if not validation.passed:
+        return verdict(validation)
+    changes = threshold_changes(validation)
+    loosened = [c for c in changes if c[3] == "loosened"]
+    tightened = [c for c in changes if c[3] == "tightened"]
+    if loosened:
+        text = ("**PASSED** its thresholds, **some loosened from the defaults**: "
+                + "; ".join(f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in loosened))
+    else:
+        text = "**PASSED** all thresholds" + (" at their defaults" if not tightened else "")
+    if tightened:
+        text += (", tightened: " if loosened else " (tightened from the defaults: ") + "; ".join(
+            f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in tightened) + ("" if loosened else ")")
+    return text + "."
+
+
+def _thresholds_table(validation: ValidationRecord) -> str:
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    changed = {k: how for k, _, _, how in threshold_changes(validation)}
+    rows = ["| threshold | used | default |", "|---|---:|---:|"]
+    for key, default in dataclasses.asdict(Thresholds()).items():
+        used = validation.thresholds.get(key, default)
+        mark = f" (**{changed[key]}**)" if key in changed else ""
+        rows.append(f"| `{key}` | {_limit(used)}{mark} | {_limit(default)} |")
+    return "\n".join(rows)
+
+
+def _limit(value: float | None) -> str:
+    return "off" if value is None else f"{value:g}"
 
 
 def _provenance_section(provenance: ExportRecord | None) -> str:
@@ -116,11 +264,17 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         # a Hub repo id, else only the folder name: the card publishes no local path
         ("source", f"{portable_name(source.name)} ({source.kind}{step})"),
         ("format / quant", f"{provenance.format} / {provenance.quant}"),
-        ("scale search", provenance.scale_search),
+        ("block-scale search", _scale_search(provenance.scale_search)),
+        ("weight rounding", _rounding(provenance)),
         ("weight block scaling", provenance.weight_block),
         ("input scales from", provenance.input_amax_origin),
+        ("KV cache", None if provenance.kv_cache == "none" else
+         f"{provenance.kv_cache.upper()} E4M3, one K and one V scale (amax / 448) per attention layer, "
+         f"{len(provenance.kv_amax or {})} layers calibrated"),
+        ("kept in BF16", ", ".join(f"`{k}`" for k in _collapse_names(list(provenance.exclude_modules))) or "none"),
         ("calibration", None if calibration is None else
-         f"samples {calibration.samples}, seq_len {calibration.seq_len}, sha256 {calibration.sha256}"),
+         f"{calibration.file}: samples {calibration.samples}, seq_len {calibration.seq_len}, "
+         f"sha256 {calibration.sha256}"),
         ("MoE experts", None if calibration is None or not calibration.all_experts else
          f"all-experts calibration; {len(calibration.unrouted_experts)} of {len(calibration.routed_tokens)} "
          f"experts got no routed calibration token"),
@@ -137,19 +291,36 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
             f"`{ExportRecord.FILE_NAME}`.")
 
 
-def _serving_section(repo_id: str, fmt: str, quant: str) -> str:
-    if fmt == "compressed-tensors":
-        return ("## How to serve it\n\nvLLM (compressed-tensors; native W4A4 on Blackwell, weight-only "
-                "Marlin fallback on Hopper/Ampere):\n\n"
-                f"```bash\nvllm serve {repo_id}\n```\n\n"
+def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | None) -> str:
+    """How to serve what this layout stores (W4A4 / W4A16 / W8A8 from the spec)."""
+    kv_flag = f" --kv-cache-dtype {kv_cache}" if kv_cache else ""
+    if spec.is_nvfp4 and spec.has_input_scales:
+        kernels = ("NVFP4 W4A4: FP4 tensor-core GEMMs on Blackwell; on Hopper/Ampere the weights run through "
+                   "weight-only FP4 Marlin kernels with BF16 activations")
+    elif spec.is_nvfp4:
+        kernels = ("NVFP4 W4A16: weight-only FP4 Marlin kernels, activations in BF16 on every GPU; no FP4 "
+                   "activation GEMMs, also on Blackwell")
+    else:
+        kernels = "FP8 W8A8 per tensor: FP8 GEMMs on Ada, Hopper and Blackwell; weight-only FP8 Marlin on Ampere"
+    if spec.format == "compressed-tensors":
+        return (f"## How to serve it\n\nvLLM (compressed-tensors; {kernels}):\n\n"
+                f"```bash\nvllm serve {repo_id}{kv_flag}\n```\n\n"
                 "transformers (with `compressed-tensors` installed; decompresses to BF16, runs on CPU):\n\n"
                 "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
                 f"tokenizer = AutoTokenizer.from_pretrained(\"{repo_id}\")\n```")
-    vllm_quant = "modelopt" if quant == "fp8" else "modelopt_fp4"
-    return ("## How to serve it\n\nModelOpt unified checkpoint (not loadable by transformers; "
-            "`nvfp4tool convert-format DIR OUT --to compressed-tensors` converts it losslessly).\n\n"
-            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization {vllm_quant}\n```\n\n"
+    algo = modelopt.QUANT_ALGO[spec.quant]
+    convert = ("`nvfp4tool convert-format DIR OUT --to compressed-tensors` converts it losslessly")
+    if not spec.has_input_scales and spec.is_nvfp4:
+        return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` (not loadable by "
+                f"transformers). vLLM's ModelOpt loader reads `{modelopt.QUANT_ALGO['nvfp4']}` (W4A4) and "
+                f"`{modelopt.QUANT_ALGO['fp8']}` checkpoints, not this weight-only one: to serve it with vLLM, "
+                f"{convert} and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
+                f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```")
+    vllm_quant = "modelopt_fp4" if spec.is_nvfp4 else "modelopt"
+    return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}). Not "
+            f"loadable by transformers: {convert}.\n\n"
+            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization {vllm_quant}{kv_flag}\n```\n\n"
             f"TensorRT-LLM:\n\n```bash\ntrtllm-serve {repo_id}\n```\n\n"
             f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {repo_id} "
             f"--quantization {vllm_quant}\n```")

@@ -2,11 +2,16 @@
 
     result = push_checkpoint("out/llama-nvfp4", PushOptions(repo_id="org/llama-nvfp4"))
 
-Order: repo id and options -> `check_checkpoint` (any problem refuses: nothing is contacted) ->
-`validation.json` (missing refuses unless `require_validation=False`; a failed one always
-refuses) -> model card -> the upload plan (every file of the folder + README.md) -> with
-`dry_run` stop here (no token, no network) -> token (`HF_TOKEN` or the saved login, never
-printed) -> `create_repo` (exist_ok), `create_branch` for a new `revision`, `upload_folder`.
+Order: repo id and options -> `validation.json` when present (a failed one refuses) and its chain
+of custody (`hub.custody.verify_custody`: every file to upload is one validate hashed, unchanged,
+and the validated source is the provenance record's, unless the record says
+`source_mismatch_ok`) -> `check_checkpoint` (any problem refuses: nothing is contacted) -> a
+missing validation.json refuses unless `require_validation=False` -> the record's own claims
+(`verify_claims`: quant and format, passed vs its metrics and thresholds, validation.md) ->
+model card (one `Warning:` line each when it has no base_model or no license) -> the upload plan
+(every file of the folder + README.md) -> with `dry_run` stop here (no token, no network) ->
+token (`HF_TOKEN` or the saved login, never printed) -> `create_repo` (exist_ok),
+`create_branch` for a new `revision`, `upload_folder`. Every refusal comes before any staging.
 
 The user's folder is never written: the upload goes from a staging folder of symlinks to the
 export's files plus the generated README.md (a README.md already in the export is replaced in
@@ -41,7 +46,8 @@ from urllib.parse import urlparse
 
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.hub.card import build_model_card
+from nvfp4tool.hub.card import build_model_card, card_identity
+from nvfp4tool.hub.custody import verify_custody, verify_claims
 from nvfp4tool.records.validation import ValidationRecord
 
 CARD_FILE = "README.md"
@@ -97,16 +103,32 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
     _check_options(options)
     from nvfp4tool.check import check_checkpoint
 
+    files = _folder_files(folder)
+    validation = _read_validation(folder)
+    notices = (verify_custody(folder, validation, sorted(files), skip=(CARD_FILE,))
+               if validation is not None else [])
     report = check_checkpoint(folder)
     if not report.ok:
         for problem in report.problems:
             echo(problem.line())
         raise NVFP4ToolError(report.failure("nothing uploaded"))
     echo(report.summary_line())
-    validation = _read_validation(folder, options.require_validation)
+    if validation is None and options.require_validation:
+        raise NVFP4ToolError(f"{ValidationRecord.path(folder)}: no validation report; run `nvfp4tool validate` "
+                             "on the export first, or pass --no-validation to publish without one")
+    if validation is not None:
+        verify_claims(folder, validation, report)
+    for notice in notices:
+        echo(notice)
+    base_model, license = card_identity(folder, options.base_model, options.license)
+    if base_model is None:
+        echo("Warning: the model card has no base_model (the provenance names no Hub repo as the source); "
+             "pass --base-model ORG/NAME")
+    if license is None:
+        echo("Warning: the model card has no license (none in the source's README.md or config.json); "
+             "pass --license ID")
     card = build_model_card(folder, report, repo_id=options.repo_id, validation=validation,
-                            base_model=options.base_model, license=options.license)
-    files = _folder_files(folder)
+                            base_model=base_model, license=license)
     replaced = CARD_FILE in files
     files[CARD_FILE] = len(card.encode("utf-8"))
     result = PushResult(options.repo_id, sorted(files.items()), card, replaced, options.dry_run)
@@ -145,13 +167,10 @@ def _check_options(options: PushOptions) -> None:
         raise NVFP4UsageError("--create-pr opens a pull request against main: do not combine it with --revision")
 
 
-def _read_validation(folder: str, required: bool) -> ValidationRecord | None:
-    """The export's validation record; None when absent and not required; refuses a failed one."""
+def _read_validation(folder: str) -> ValidationRecord | None:
+    """The export's validation record (None when absent); refuses a failed one."""
     path = ValidationRecord.path(folder)
-    if not ValidationRecord.exists(folder):
-        if required:
-            raise NVFP4ToolError(f"{path}: no validation report; run `nvfp4tool validate` on the export first, "
-                                 "or pass --no-validation to publish without one")
+    if not os.path.lexists(path):
         return None
     validation = ValidationRecord.read(folder)
     if not validation.passed:

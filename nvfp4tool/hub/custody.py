@@ -1,0 +1,194 @@
+"""The chain of custody `push` enforces: what it uploads is what `nvfp4tool validate` validated,
+and what was validated is the source the export was made from.
+
+    notices = verify_custody(folder, validation, upload_paths)   # before check, card, staging
+    verify_claims(folder, validation, report)                           # after check: the record's own story
+
+`verify_custody` (each refusal is one `NVFP4ToolError` naming the first offending file):
+
+* the export's files against `validation.json`'s `export.sha256`: every file listed there must
+  exist with that sha256, and every file push would upload must be listed, except validate's own
+  reports (`validate.report.REPORT_FILES`, the owner of that list) and the README.md that push
+  replaces with the generated card. A weight byte changed, `nvfp4tool_export.json` edited or
+  removed, a file added after validation: refused. A listed path that is not a plain relative
+  path inside the export (`../x`, `/etc/x`) is refused as a malformed record.
+* `validation.json`'s `source` (name, kind, step and the sha256 of each weight file) against the
+  provenance record's `source`: validating one model and publishing its numbers on another's
+  export is refused, unless the record says `source_mismatch_ok` (`validate --source-mismatch-ok`):
+  then the mismatch is returned as a notice (push prints it; the card shows the flag). Without a
+  provenance record there is nothing to compare; the validation's source is the only one named.
+
+`verify_claims` checks that validation.json tells one consistent story about this export: its
+quant and format are the export's, a `passed: true` lists no failure and its own metrics meet its
+own recorded thresholds (re-checked with `validate.thresholds.check_thresholds`, the owner of the
+rule), every threshold of `Thresholds` is recorded, and the FP8 column is there exactly when a
+reference other than `bf16` ran. It also requires validation.md, when present, to be what
+validation.json renders (`validate.report.markdown`): it is uploaded beside the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.records.export import ExportRecord, sha256_file
+from nvfp4tool.records.validation import ValidationRecord
+
+REVALIDATE = "rerun `nvfp4tool validate` on the export"
+
+
+def verify_custody(folder: str, validation: ValidationRecord, upload: list[str], *,
+                   skip: tuple[str, ...] = ()) -> list[str]:
+    """Refuse (NVFP4ToolError) an export whose files are not the validated ones or a validation of
+    another source; returns the notices to print (a source mismatch the record allows). `upload`:
+    the paths (POSIX, relative to `folder`) push would send; `skip`: paths push replaces itself.
+    The provenance record is read only once its bytes are known to be the validated ones."""
+    _verify_files(folder, validation, upload, skip)
+    provenance = ExportRecord.read(folder) if ExportRecord.exists(folder) else None
+    return _verify_source(folder, validation, provenance)
+
+
+def verify_claims(folder: str, validation: ValidationRecord, report: Any) -> None:
+    """Refuse a validation.json that contradicts itself or the checked export (`report`: the
+    check.CheckReport of `folder`), or a validation.md that is not its rendering."""
+    where = ValidationRecord.path(folder)
+    if (validation.quant, validation.format) != (report.quant, report.format):
+        raise NVFP4ToolError(f"{where}: validated a {validation.format} {validation.quant} export, but "
+                             f"{folder} is {report.format} {report.quant}; {REVALIDATE}")
+    for label in ("bf16", validation.quant):
+        if label not in validation.models:
+            raise NVFP4ToolError(f"{where}: models: no metrics of {label!r}; {REVALIDATE}")
+    has_fp8 = "fp8" in validation.models
+    if (validation.reference == "bf16") == has_fp8:
+        raise NVFP4ToolError(f"{where}: reference {validation.reference!r} but "
+                             f"{'an' if has_fp8 else 'no'} FP8 column in models; {REVALIDATE}")
+    thresholds = recorded_thresholds(validation, where)
+    if validation.passed and validation.failures:
+        raise NVFP4ToolError(f"{where}: passed is true but it lists {len(validation.failures)} failed limit(s) "
+                             f"({', '.join(f.metric for f in validation.failures)}); {REVALIDATE}")
+    if validation.passed:
+        failed = _recheck(validation, thresholds, where)
+        if failed:
+            first = failed[0]
+            raise NVFP4ToolError(f"{where}: passed is true but its own metrics fail its thresholds: "
+                                 f"{first['metric']} ({first['detail']}) = {first['value']:.4g}, limit "
+                                 f"{first['limit']:.4g}; {REVALIDATE}")
+    _verify_markdown(folder, validation)
+
+
+def recorded_thresholds(validation: ValidationRecord, where: str = ValidationRecord.FILE_NAME):
+    """The `Thresholds` validation.json records (every field; NVFP4ToolError naming the first
+    missing or unknown one)."""
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    fields = [f.name for f in dataclasses.fields(Thresholds)]
+    unknown = [k for k in validation.thresholds if k not in fields]
+    missing = [k for k in fields if k not in validation.thresholds]
+    if unknown or missing:
+        raise NVFP4ToolError(f"{where}: thresholds: " + (f"unknown limit {unknown[0]!r}" if unknown else
+                                                         f"missing limit {missing[0]!r}")
+                             + f" (expected: {', '.join(fields)}); {REVALIDATE}")
+    return Thresholds(**{k: validation.thresholds[k] for k in fields})
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], skip: tuple[str, ...]) -> None:
+    from nvfp4tool.validate.report import REPORT_FILES
+
+    where = ValidationRecord.path(folder)
+    validated = validation.export.sha256
+    for name in validated:
+        if (not name or os.path.isabs(name) or "\\" in name
+                or posixpath.normpath(name) != name or name.split("/")[0] == ".."):
+            raise NVFP4ToolError(f"{where}: export.sha256 lists {name!r}, not a file inside the export "
+                                 f"(a malformed record); {REVALIDATE}")
+    uploaded = set(upload)
+    for name in sorted(set(validated) | (uploaded - set(REPORT_FILES))):
+        if name in skip:
+            continue
+        path = os.path.join(folder, *name.split("/"))
+        if name not in validated:
+            raise NVFP4ToolError(f"{path}: not validated (validation.json does not list it: added or renamed "
+                                 f"after validation?); {REVALIDATE}, or remove the file")
+        if not os.path.isfile(path):
+            raise NVFP4ToolError(f"{path}: validated (listed in validation.json) but missing from the export; "
+                                 f"restore it, or {REVALIDATE}")
+        digest = sha256_file(path)
+        if digest != validated[name]:
+            raise NVFP4ToolError(f"{path}: changed since validation (sha256 {digest[:12]}..., validation.json "
+                                 f"recorded {validated[name][:12]}...); {REVALIDATE}")
+
+
+def _verify_source(folder: str, validation: ValidationRecord, provenance: ExportRecord | None) -> list[str]:
+    if provenance is None:
+        return []
+    problem = source_difference(validation, provenance)
+    if problem is None:
+        return []
+    where = ValidationRecord.path(folder)
+    if validation.source_mismatch_ok:
+        return [f"Warning: {where}: validated against a source that is not the export's ({problem}); "
+                "published as `validate --source-mismatch-ok` recorded it, and the card says so"]
+    raise NVFP4ToolError(f"{where}: not a validation of this export's source: {problem}; rerun `nvfp4tool "
+                         "validate` with the source the export was made from")
+
+
+def source_difference(validation: ValidationRecord, provenance: ExportRecord) -> str | None:
+    """How validation.json's source differs from the provenance record's (the first difference),
+    or None when they are the same: same name, kind, step and weight-file hashes."""
+    record, named = provenance.source, validation.source
+    prov = ExportRecord.FILE_NAME
+    if named.name != record.name:
+        same = " (same weight files)" if named.sha256 == record.files else ""
+        return f"it names {named.name!r}, {prov} names {record.name!r}{same}"
+    if (validation.source_kind, validation.source_step) != (record.kind, record.step):
+        return (f"{_kind(validation.source_kind, validation.source_step)} in validation.json, "
+                f"{_kind(record.kind, record.step)} in {prov}")
+    for name in sorted(set(named.sha256) | set(record.files)):
+        if name not in named.sha256:
+            return f"weight file {name!r} of {prov} is not among the validated source's files"
+        if name not in record.files:
+            return f"weight file {name!r} of the validated source is not in {prov}"
+        if named.sha256[name] != record.files[name]:
+            return (f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
+                    f"{record.files[name][:12]}... in {prov})")
+    return None
+
+
+def _kind(kind: str, step: int | None) -> str:
+    return f"{kind} source" + (f" at step {step}" if step is not None else "")
+
+
+def _recheck(validation: ValidationRecord, thresholds: Any, where: str) -> list[dict[str, Any]]:
+    """The record's metrics against its own thresholds, as validate judged them (the flat rows
+    `check_thresholds` reads: `<label>_weight_sqnr_db` per layer)."""
+    from nvfp4tool.validate.thresholds import check_thresholds
+
+    layers = [{"name": row.name, **{f"{k}_weight_sqnr_db": v for k, v in row.weight_sqnr_db.items()},
+               **{f"{k}_output_sqnr_db": v for k, v in row.output_sqnr_db.items()}} for row in validation.layers]
+    try:
+        return check_thresholds({"models": validation.models, "layers": layers}, thresholds, label=validation.quant)
+    except KeyError as missing:
+        raise NVFP4ToolError(f"{where}: models.{validation.quant}: no {missing.args[0]!r} metric though its "
+                             f"limit is set; {REVALIDATE}") from None
+
+
+def _verify_markdown(folder: str, validation: ValidationRecord) -> None:
+    from nvfp4tool.validate.report import VALIDATION_MD, markdown
+
+    path = os.path.join(folder, VALIDATION_MD)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as bad:
+        raise NVFP4ToolError(f"{path}: cannot read ({getattr(bad, 'strerror', None) or bad})") from None
+    if text != markdown(validation):
+        raise NVFP4ToolError(f"{path}: differs from what {ValidationRecord.FILE_NAME} says (edited after "
+                             f"validation?); {REVALIDATE}, or remove {VALIDATION_MD}")
