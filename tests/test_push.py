@@ -9,6 +9,7 @@ contacts no server; the token never appears in the output nor, with -v, in any l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -85,24 +86,55 @@ def export(tmp_path):
     return _write_export(tmp_path / "export", "compressed-tensors")
 
 
-def _write_export(folder, fmt, *, validation=True, passed=True, broken=False):
-    ckpt = build_checkpoint(fmt, "nvfp4")
+def _write_export(folder, fmt, *, validation=True, passed=True, broken=False, quant="nvfp4",
+                  source_name="meta-llama/Llama-3.2-1B"):
+    ckpt = build_checkpoint(fmt, quant)
     if broken:  # a zero global scale: loads in every engine and serves garbage
         name = "model.layers.0.mlp.down_proj." + ("weight_global_scale" if fmt == "compressed-tensors"
                                                   else "weight_scale_2")
         ckpt.tensors[name] = np.zeros_like(ckpt.tensors[name])
     folder = write_checkpoint(folder, ckpt)
-    write_export_record(folder, ckpt, fmt, "nvfp4", source_name="meta-llama/Llama-3.2-1B")
+    write_export_record(folder, ckpt, fmt, quant, source_name=source_name)
     _write_json(os.path.join(folder, "tokenizer_config.json"), {"model_max_length": 128})
     os.makedirs(os.path.join(folder, "plots"))
     with open(os.path.join(folder, "plots", "sqnr.png"), "wb") as f:  # nested and LFS-sized
         f.write(np.random.default_rng(0).bytes(3 * LFS_THRESHOLD))
     if validation:
-        validation_record(passed).write(folder)
-        with open(os.path.join(folder, "validation.md"), "w", encoding="utf-8") as f:
-            f.write("## Validation\n\nMeasured by `nvfp4tool validate`.\n\n"
-                    "| metric (vs BF16) | NVFP4 | FP8 |\n|---|---:|---:|\n| KL mean (nats) | 0.0123 | 0.0011 |\n")
+        bind_validation(folder, passed=passed)
     return folder
+
+
+def bind_validation(folder, *, passed=True, **changes):
+    """Write validation.json (+ validation.md, as validate renders it) for `folder` as it is now: a
+    small passing record (`validate_fixtures.validation_record`, every metric and threshold filled
+    in) whose export hashes are the folder's files and whose source is the provenance record's, as
+    `nvfp4tool validate` would write it; `changes` replace record fields. Returns the record."""
+    from nvfp4tool import formats
+    from nvfp4tool.records.export import ExportRecord, sha256_file
+    from nvfp4tool.records.validation import Named
+    from nvfp4tool.validate.report import REPORT_FILES, markdown
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    layout, provenance = formats.describe(folder), ExportRecord.read(folder)
+    files = {rel: sha256_file(os.path.join(folder, rel)) for rel in _folder_bytes(folder)
+             if rel not in (*REPORT_FILES, "README.md")}
+    base = validation_record(passed)
+    metrics = {"kl_mean": 0.0123, "kl_p99": 0.05, "top1": 0.97, "ppl": 9.6, "ppl_increase": 0.0105,
+               "logit_max_err": 0.5, "logit_mean_err": 0.01}
+    record = dataclasses.replace(base, **{
+        "export": Named(os.path.basename(folder), files), "quant": layout.quant, "format": layout.format,
+        "source": Named(provenance.source.name, dict(provenance.source.files)),
+        "source_kind": provenance.source.kind, "source_step": provenance.source.step,
+        "models": {"bf16": {"ppl": 9.5}, layout.quant: metrics},
+        "layers": [dataclasses.replace(row, weight_sqnr_db={layout.quant: 20.5},
+                                       output_sqnr_db={layout.quant: 19.0}) for row in base.layers],
+        "generation": dataclasses.replace(base.generation, first_divergence={layout.quant: [None, 5]}),
+        "kl_histogram": {layout.quant: base.kl_histogram["nvfp4"]},
+        "thresholds": dataclasses.asdict(Thresholds()), **changes})
+    record.write(folder)
+    with open(os.path.join(folder, "validation.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(record))
+    return record
 
 
 def _push(*args, verbose=False):
@@ -175,15 +207,16 @@ def test_card_metadata_and_sections(export):
                     "tags": ["nvfp4", "fp4", "w4a4", "compressed-tensors", "nvfp4tool"]}
     assert "| `model.layers.{0,1}.mlp.down_proj` | 2 |" in body  # 2 layers in the fixture, named
     assert "`lm_head`" in body
-    assert "| KL mean (nats) | 0.0123 | 0.0011 |" in body  # validation.md verbatim, under one heading
+    assert "| KL mean (nats) | 0.0123 |" in body  # the table validate renders, under one heading
     assert body.count("## Validation") == 1
     assert f"vllm serve {REPO}\n" in body and f'AutoModelForCausalLM.from_pretrained("{REPO}")' in body
 
 
-def test_card_without_validation_md_lists_the_nvfp4_metrics(export):
+def test_card_without_validation_md_renders_the_record(export):
+    with_md = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
     os.remove(os.path.join(export, "validation.md"))
     card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
-    assert "| kl_mean | 0.0123 |" in card and "| top1 | 0.97 |" in card
+    assert card == with_md and "| KL mean (nats) | 0.0123 |" in card and "| top-1 agreement | 97.00% |" in card
 
 
 def test_modelopt_card_serving_commands(tmp_path):
@@ -212,6 +245,7 @@ def test_license_from_source_readme(tmp_path):
         provenance = json.load(f)
     provenance["source"]["name"] = str(source)
     _write_json(provenance_path, provenance)
+    bind_validation(folder)  # validated after the edit, of the renamed source
     card = push_checkpoint(folder, PushOptions(repo_id=REPO, dry_run=True), echo=lambda _: None).card
     meta = yaml.safe_load(card.split("---\n")[1])
     assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a local source names no repo

@@ -94,6 +94,12 @@ def quant_tags(spec: formats.LayoutSpec) -> list[str]:
     return [*(["nvfp4", "fp4"] if spec.is_nvfp4 else ["fp8"]), _wa(spec)]
 
 
+def fp8_reference_ran(validation: ValidationRecord) -> bool:
+    """Whether validate compared against an FP8 reference: its "fp8" column (an FP8 export is
+    itself labelled "fp8" and has none)."""
+    return validation.quant != "fp8" and "fp8" in validation.models
+
+
 def threshold_changes(validation: ValidationRecord) -> list[tuple[str, float | None, float | None, str]]:
     """(limit, used, default, "loosened" | "tightened") for each recorded threshold that differs
     from `Thresholds`' default; a `max_` limit is loosened upwards, a `min_` one downwards, and a
@@ -213,7 +219,7 @@ def _validation_section(validation: ValidationRecord | None, provenance: ExportR
 def _references(validation: ValidationRecord) -> str:
     """Exactly the models compared: the BF16 source, and an FP8 reference only when one ran."""
     source = f"the BF16 source `{validation.source.name}`"
-    if "fp8" not in validation.models:
+    if not fp8_reference_ran(validation):
         return f"{source} only (no FP8 reference was run: `--reference bf16`)"
     named = f" `{validation.reference_export.name}`" if validation.reference_export is not None else ""
     return f"{source} and the FP8 reference{named} ({validation.reference})"
@@ -315,7 +321,7 @@ def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | Non
         return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` (not loadable by "
                 f"transformers). vLLM's ModelOpt loader reads `{modelopt.QUANT_ALGO['nvfp4']}` (W4A4) and "
                 f"`{modelopt.QUANT_ALGO['fp8']}` checkpoints, not this weight-only one: to serve it with vLLM, "
-                f"{convert} and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
+                f"convert it losslessly and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
                 f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```")
     vllm_quant = "modelopt_fp4" if spec.is_nvfp4 else "modelopt"
     return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}). Not "

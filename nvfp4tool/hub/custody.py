@@ -34,6 +34,7 @@ import posixpath
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.hub.card import fp8_reference_ran
 from nvfp4tool.records.export import ExportRecord, sha256_file
 from nvfp4tool.records.validation import ValidationRecord
 
@@ -61,8 +62,8 @@ def verify_claims(folder: str, validation: ValidationRecord, report: Any) -> Non
     for label in ("bf16", validation.quant):
         if label not in validation.models:
             raise NVFP4ToolError(f"{where}: models: no metrics of {label!r}; {REVALIDATE}")
-    has_fp8 = "fp8" in validation.models
-    if (validation.reference == "bf16") == has_fp8:
+    has_fp8 = fp8_reference_ran(validation)
+    if validation.quant != "fp8" and (validation.reference == "bf16") == has_fp8:
         raise NVFP4ToolError(f"{where}: reference {validation.reference!r} but "
                              f"{'an' if has_fp8 else 'no'} FP8 column in models; {REVALIDATE}")
     thresholds = recorded_thresholds(validation, where)
