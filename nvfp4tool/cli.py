@@ -358,15 +358,18 @@ def convert_format_command(src, out, to, force) -> None:
 @click.option("--timeout", type=_FiniteFloat(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).")
 @click.option("--no-validation", is_flag=True,
-              help="Publish without a validation.json from `nvfp4tool validate` (the card says so).")
+              help="Publish without a validation.json from `nvfp4tool validate` (the card says so); "
+                   "a validation.json present is still checked against the files. Default: off.")
 @click.option("--base-model", default=None, help="Source repo id for the card (default: from the provenance).")
 @click.option("--license", "license_", default=None, help="License for the card (default: the source's).")
 def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation,
                  base_model, license_) -> None:
     """Check an export, write its model card and upload both to the Hugging Face Hub.
 
-    Refuses a checkpoint that fails `nvfp4tool check`, and one without validation.json unless
-    --no-validation. The export folder is not modified: README.md is added in the upload only.
+    Refuses a checkpoint that fails `nvfp4tool check`, one without validation.json unless
+    --no-validation, and one whose files or source are not what validation.json validated (a file
+    changed, added or removed after validation; a validation of another source). The export folder
+    is not modified: README.md is added in the upload only.
     Token: HF_TOKEN or the saved login (never printed).
 
     \b
