@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.hub.card import build_model_card, card_identity
-from nvfp4tool.hub.custody import verify_custody, verify_claims
+from nvfp4tool.hub.custody import verify_claims, verify_custody
 from nvfp4tool.records.validation import ValidationRecord
 
 CARD_FILE = "README.md"
