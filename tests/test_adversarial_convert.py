@@ -220,6 +220,41 @@ def _(w):
                                                              "non-finite")
 
 
+@case("convert/fused-down-proj-inf-in-the-last-expert", 1)
+def _(w):
+    # Qwen3-MoE down_proj [8, 64, 32] float32: +inf in the very last value (expert 7, row 63)
+    src = _edited(w, "qwen-fused", lambda p: poke(p, f"{QWEN_L2}.down_proj",
+                                                   lambda _: np.float32(np.inf).tobytes(), index=8 * 64 * 32 * 4 - 4,
+                                                   size=4))
+    return _to_hf(w, src), (f"{QWEN_L2}.down_proj", "expert 7", "rows 0-63", "non-finite")
+
+
+@case("convert/fused-gate-up-flattened", 1)
+def _(w):
+    src = _edited(w, "qwen-fused", _reshape(f"{QWEN_L2}.gate_up_proj", [8, 64 * 64]))
+    return _to_hf(w, src), (f"{QWEN_L2}.gate_up_proj", "[8, 4096]", "[8, 64, 64]")
+
+
+@case("export/fused-router-wrong-shape", 1)
+def _(w):
+    # Qwen3-MoE's router keeps its name in both layouts: [8, 64] stored as [4, 128]
+    src = _edited(w, "qwen-fused", _reshape("model.layers.2.mlp.gate.weight", [4, 128]))
+    return _export(w, src, "--quant", "nvfp4-weight-only"), ("model.layers.2.mlp.gate.weight", "[4, 128]", "[8, 64]")
+
+
+@case("convert/fused-weights-truncated-inside-gate-up", 1)
+def _(w):
+    def cut(path: str) -> None:
+        from adversarial_harness import read_st
+
+        header, data = read_st(path)
+        begin, end = header[f"{QWEN_L0}.gate_up_proj"]["data_offsets"]
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - len(data) + (begin + end) // 2)
+    src = _edited(w, "qwen-fused", cut)
+    return _to_hf(w, src), (ST, f"{QWEN_L0}.gate_up_proj")
+
+
 # ---- the RoPE layout Mixtral's and Qwen3-MoE's MaxText decoders fix --------------------------------------
 
 @case("convert/interleaved-rope-for-mixtral", 2)
@@ -250,6 +285,18 @@ def _(w):
 def _(w):
     return (_export(w, w.copy("mixtral-mt"), "--model-config", w.copy("mixtral"), "--rope-layout", "interleaved",
                     "--quant", "nvfp4-weight-only"), ("--rope-layout interleaved", "mixtral"))
+
+
+@case("export/interleaved-rope-for-an-hf-qwen3-moe-source", 2)
+def _(w):
+    return (_export(w, w.copy("qwen-fused"), "--rope-layout", "interleaved", "--quant", "nvfp4-weight-only"),
+            ("--rope-layout interleaved", "qwen3_moe"))
+
+
+@case("convert/interleaved-rope-with-a-qwen3-moe-maxtext-name", 2)
+def _(w):
+    return (["convert", w.copy("mixtral-mt"), w.path("out"), "--to", "hf", "--model-config", "qwen3-30b-a3b",
+             "--rope-layout", "interleaved"], ("--rope-layout interleaved", "qwen3_moe"))
 
 
 @case("train/interleaved-rope-for-a-mixtral-model", 2)
