@@ -6,7 +6,8 @@ Each source is read by `converters.hf.HFFolderSource` / `nvfp4tool.checkpoints.o
 the one opener of convert, export, validate `--source` and train `model=` / `teacher=`, so each
 refusal is tried through more than one of those commands. The fixtures are module-scoped and tiny
 (hf_fixtures' Qwen3-MoE, 3 layers with the middle one dense, and Mixtral, saved both ways by
-transformers itself; a MaxText Mixtral checkpoint; a W4A16 export of Mixtral to validate).
+transformers itself; a 300-token Mixtral student for train; a MaxText Mixtral checkpoint; a W4A16
+export of Mixtral to validate).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def paths(tmp_path_factory):
     out = {"qwen-fused": build_tiny_model("qwen3_moe", str(root / "qwen-fused"), fused=True),
            "mixtral-fused": build_tiny_model("mixtral", str(root / "mixtral-fused"), fused=True),
            "mixtral": build_tiny_model("mixtral", str(root / "mixtral")),
+           # a student for `tokenizer=train vocab_size=300` (a trained tokenizer has at least 257 tokens)
+           "mixtral-v300": build_tiny_model("mixtral", str(root / "mixtral-v300"), overrides={"vocab_size": 300}),
            "ids": str(root / "ids.npy"), "mixtral-mt": str(root / "mixtral-mt"),
            "mixtral-w4a16": str(root / "mixtral-w4a16")}
     np.save(out["ids"], np.random.default_rng(0).integers(3, 256, (8, SEQ)))
@@ -164,6 +167,14 @@ def _(w):
 def _(w):
     src = _edited(w, "mixtral-fused", lambda p: drop_tensor(p, "model.layers.0.mlp.gate.weight"))
     return _train(w, f"model={src}"), ("model.layers.0.mlp.gate.weight", "missing")
+
+
+@case("train/teacher-fused-gate-up-wrong-shape", 1)
+def _(w):
+    # the student (per-expert Mixtral) is fine; the distillation teacher's fused layout is not
+    teacher = _edited(w, "mixtral-fused", _reshape(f"{MIX_L1}.gate_up_proj", [6, 64, 256]))
+    return (_train(w, f"model={w.copy('mixtral-v300')}", f"teacher={teacher}", "distill=kl"),
+            (f"{MIX_L1}.gate_up_proj", "[6, 64, 256]", "[6, 256, 64]"))
 
 
 @case("convert/fused-and-per-expert-layers-mixed", 1)
