@@ -12,7 +12,6 @@ export of Mixtral to validate).
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
