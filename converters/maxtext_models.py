@@ -122,3 +122,13 @@ FAMILY_ROPE_LAYOUTS = {"mixtral": "half", "qwen3_moe": "half"}
 def family_rope_layout(family: str) -> str | None:
     """The RoPE row layout MaxText's decoder for `family` fixes, or None where the model decides."""
     return FAMILY_ROPE_LAYOUTS.get(family)
+
+
+def check_family_rope_layout(family: str, rope_layout: str, label: str) -> None:
+    """NVFP4ToolError if `family` fixes another RoPE layout than `rope_layout` (the library's guard
+    under the reader and the writer; the commands refuse the option first, exit 2, in
+    `nvfp4tool.checkpoints.resolve_rope_layout`)."""
+    fixed = family_rope_layout(family)
+    if fixed is not None and rope_layout != fixed:
+        raise NVFP4ToolError(f"{label}: RoPE layout {rope_layout!r} for {family}, whose MaxText decoder "
+                             f"fixes {fixed!r}")
