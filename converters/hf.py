@@ -18,6 +18,13 @@ tensor must be finite (`tensor_source.check_finite`). With `check_config=True` (
 config.json is parsed into `ModelConfig` and every tensor must be present with the shape the
 config implies and a floating dtype agreeing with the config's (`check_against_config`).
 
+Mixture-of-experts folders in transformers 5's fused expert layout (`mlp.experts.gate_up_proj
+[E, 2F, H]`, `mlp.experts.down_proj [E, H, F]`, see `converters.layout`) are read as the per-expert
+layout: each per-expert name becomes a view of its expert's rows of the fused tensor (one contiguous
+byte run, read with `get_slice`), so `get` loads one expert's weight and never the whole fused
+tensor. A fused tensor of the wrong shape or dtype, one missing, or a folder mixing the two layouts
+is an error naming the tensor.
+
 Writing: `write_hf_folder` writes shards tensor by tensor with our own `write_safetensors` (the
 safetensors library only saves a whole dict of tensors; ours computes the header from shapes and
 dtypes and then streams), so it holds ONE source tensor (plus its cast copy) in memory at a time,
@@ -41,6 +48,7 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" / float8 names with numpy)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from converters import layout
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import WEIGHT_DTYPES, TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
@@ -78,10 +86,25 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
+    # A view of part of another tensor (the fused expert layout): the tensor's name in the file, the
+    # leading indices selecting the part (the expert) and its first row there.
+    stored: str | None = None
+    lead: tuple[int, ...] = ()
+    row_offset: int = 0
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(SAFETENSORS_DTYPES[self.code])
+
+    @property
+    def label(self) -> str:
+        """How messages name the tensor: its name, or the part of the stored tensor it views."""
+        if self.stored is None:
+            return repr(self.name)
+        if not self.lead:
+            return repr(self.stored)
+        return (f"{self.stored!r} (expert {self.lead[0]}, rows {self.row_offset}-"
+                f"{self.row_offset + self.shape[0] - 1}: {self.name})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +129,7 @@ class HFFolderSource:
         self.config: ModelConfig | None = ModelConfig.from_hf_folder(self._path) if check_config else None
         self._entries = self._read_headers()
         if self.config is not None:
+            self._entries = _unfuse_experts(self._entries, self.config, self._path)
             # Tolerated and dropped: a tied lm_head.weight some exports keep, and the RoPE buffer
             # `rotary_emb.inv_freq` older conversions stored (we recompute it from the config).
             ignore = tuple(n for n in self._entries if n.endswith(".rotary_emb.inv_freq"))
@@ -138,7 +162,7 @@ class HFFolderSource:
         """One tensor, checked finite if floating (NVFP4ToolError naming file and tensor if not)."""
         entry = self._entry(name)
         array = read_tensor(entry)
-        check_finite(array, f"{entry.file}: tensor {name!r}")
+        check_finite(array, f"{entry.file}: tensor {entry.label}")
         return array
 
     # ------------------------------------------------------------------------------------ helpers
@@ -316,19 +340,21 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     raised export's peak memory by ~0.45x the largest tensor (tests/test_export_memory.py)."""
     if entry.code in _HAND_READ_CODES:
         return _read_by_hand(entry)
+    key = entry.stored or entry.name
     try:
-        if len(entry.shape) < 2 or entry.nbytes <= _READ_CHUNK_BYTES:
+        if not entry.lead and (len(entry.shape) < 2 or entry.nbytes <= _READ_CHUNK_BYTES):
             with safe_open(entry.file, framework="numpy") as f:
-                return f.get_tensor(entry.name)
+                return f.get_tensor(key)
         out = np.empty(entry.shape, entry.dtype)
-        rows = max(1, _READ_CHUNK_BYTES // (entry.nbytes // entry.shape[0]))
+        rows = max(1, _READ_CHUNK_BYTES // max(1, entry.nbytes // max(1, entry.shape[0])))
         for start in range(0, entry.shape[0], rows):
             stop = min(start + rows, entry.shape[0])  # safetensors >= 0.8 refuses a slice past the end
+            index = (*entry.lead, slice(entry.row_offset + start, entry.row_offset + stop))
             with safe_open(entry.file, framework="numpy") as f:
-                out[start:stop] = f.get_slice(entry.name)[start:stop]
+                out[start:stop] = f.get_slice(key)[index]
         return out
     except (SafetensorError, OSError) as bad:  # the file changed since its header was checked
-        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad})") from None
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.label} cannot be read ({bad})") from None
 
 
 def parse_size(size: int | str, flag: str = "--max-shard-size") -> int:
@@ -373,6 +399,51 @@ def _read_sharded(index_path: str) -> dict[str, TensorEntry]:
                                  f"{INDEX_FILE} says it is")
         entries[name] = shard_headers[shard_name][name]
     return entries
+
+
+def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig,
+                    folder: str) -> dict[str, TensorEntry]:
+    """`entries` with transformers 5's fused expert tensors replaced by per-expert views (see the
+    module docstring); unchanged when the folder has no fused tensor."""
+    fused = [n for n in entries if re.search(layout.FUSED_TENSOR_RE, n)]
+    if not fused:
+        return entries
+    views = layout.fused_expert_views(config)
+    per_expert = next((n for n in entries if n in views and views[n].fused != n), None)
+    if per_expert is not None:
+        raise NVFP4ToolError(f"{folder}: tensor {fused[0]!r} is in transformers 5's fused expert layout "
+                             f"but {per_expert!r} in the per-expert one; a checkpoint must use one layout")
+    for name, want in layout.fused_expert_shapes(config).items():
+        entry = entries.get(name)
+        if entry is None:
+            raise NVFP4ToolError(f"{folder}: tensor {name!r} missing; the config expects it in "
+                                 f"transformers 5's fused expert layout, which {fused[0]!r} is in")
+        if entry.shape != want:
+            axes = ("experts x (gate + up rows) x hidden" if name.endswith(layout.FUSED_GATE_UP) else
+                    "experts x hidden x expert width" if name.endswith(layout.FUSED_DOWN) else
+                    "experts x hidden, the router")
+            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, the config "
+                                 f"expects {list(want)} (transformers 5's fused expert layout: {axes})")
+        if entry.dtype.name not in WEIGHT_DTYPES:
+            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype.name}, the config "
+                                 f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})")
+        if {entry.dtype.name, config.dtype} == {"float16", "bfloat16"}:
+            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} is {entry.dtype.name} but config.json "
+                                 f"declares {config.dtype} (a relabelled header?)")
+    stored = {view.fused for view in views.values()}
+    out = {n: e for n, e in entries.items() if n not in stored}
+    for name, view in views.items():
+        whole = entries[view.fused]
+        if view.expert is None:  # the router: Mixtral's renamed, Qwen3-MoE's as it is
+            out[name] = whole if whole.name == name else dataclasses.replace(whole, name=name, stored=whole.name)
+            continue
+        row_bytes = math.prod(whole.shape[2:]) * whole.dtype.itemsize
+        start = whole.start + (view.expert * whole.shape[1] + view.row_start) * row_bytes
+        out[name] = TensorEntry(name=name, file=whole.file, code=whole.code,
+                                shape=(view.rows, *whole.shape[2:]), start=start,
+                                nbytes=view.rows * row_bytes, stored=whole.name, lead=(view.expert,),
+                                row_offset=view.row_start)
+    return out
 
 
 class _Unreadable(Exception):

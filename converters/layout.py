@@ -1,5 +1,5 @@
 """The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
-directions.
+directions, and the HF side's two mixture-of-experts layouts (per-expert and fused, at the end).
 
 Each `Rule` names an HF tensor, the MaxText parameter path it lives at (under `params/params/`),
 the families it applies to and the transform between the two orientations. Per-layer rules are
@@ -43,6 +43,25 @@ Mixture of experts (read in AI-Hypercomputer/maxtext, 2026-11-30; no code copied
     (`mlp_only_layers`, `decoder_sparse_step` > 1) has no MaxText layout and is rejected.
 Each expert tensor is one slice of its stored array: the reader reads one expert (and layer) at a
 time, the writer assembles the array expert by expert (converters/maxtext.py).
+
+HF expert layouts (the HF side's names, both kept here; `ModelConfig.expected_tensor_shapes` names
+the per-expert one, which is what every reader hands on and every writer writes):
+  * per-expert (what transformers < 5 and `save_pretrained()` by default write): one tensor per
+    expert and projection, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, Mixtral's
+    `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` and router
+    `block_sparse_moe.gate.weight`.
+  * fused (transformers 5's in-memory layout, written by `save_pretrained(save_original_format=
+    False)`; read in transformers 5.24 `conversion_mapping.py` and checked by saving tiny models both
+    ways): per sparse layer `model.layers.{i}.mlp.experts.gate_up_proj [E, 2F, H]` (the experts'
+    [F, H] gate weights stacked on axis 0, `MergeModulelist(dim=0)`, then the up weights
+    concatenated after them on axis 1, `Concatenate(dim=1)`: rows [0, F) of expert e are its gate,
+    rows [F, 2F) its up; the experts' forward `linear(x, gate_up_proj[e]).chunk(2, dim=-1)` agrees)
+    and `model.layers.{i}.mlp.experts.down_proj [E, H, F]` (the [H, F] down weights stacked); the
+    router keeps its name, `model.layers.{i}.mlp.gate.weight`. For Mixtral w1 = gate, w3 = up,
+    w2 = down, and `WeightRenaming(".block_sparse_moe.", ".mlp.")` renames the whole block, router
+    included. `fused_expert_views` maps every per-expert name onto its slice of a fused tensor:
+    expert e's rows of one [E, R, C] tensor are one contiguous run of bytes, so a reader reads
+    one expert's weight without the rest (converters/hf.py).
 """
 
 from __future__ import annotations
@@ -122,6 +141,56 @@ TABLE: tuple[Rule, ...] = (
     *_moe_rules("qwen3_moe", "moe_block", "mlp", ("gate_proj", "up_proj", "down_proj")),
     *_moe_rules("mixtral", "MoeBlock_0", "block_sparse_moe", ("w1", "w3", "w2")),
 )
+
+
+FUSED_BLOCK = "mlp"  # the sparse block's name in the fused layout, every family (Mixtral's renamed)
+FUSED_GATE_UP = "experts.gate_up_proj"  # [E, 2F, H]: per expert, its gate rows then its up rows
+FUSED_DOWN = "experts.down_proj"  # [E, H, F]
+FUSED_TENSOR_RE = r"\.experts\.(gate_up_proj|down_proj)$"  # a name only the fused layout has
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertView:
+    """One per-expert HF tensor as rows `[row_start, row_start + rows)` of expert `expert` in the
+    fused tensor `fused`; `expert` None: the whole tensor under another name (Mixtral's router)."""
+
+    fused: str
+    expert: int | None = None
+    row_start: int = 0
+    rows: int = 0
+
+
+def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors the fused layout stores instead of the per-expert ones -> their shapes: per sparse
+    layer, the router (renamed for Mixtral), gate_up_proj [E, 2F, H] and down_proj [E, H, F]."""
+    E, H, F = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_layers):
+        if config.is_sparse_layer(i):
+            block = f"model.layers.{i}.{FUSED_BLOCK}"
+            shapes[f"{block}.gate.weight"] = (E, H)
+            shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
+            shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
+    return shapes
+
+
+def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
+    """Every per-expert name `ModelConfig.expected_tensor_shapes` gives a sparse layer -> where the
+    fused layout keeps it (see the module docstring). Empty for a dense model."""
+    F = config.expert_intermediate_size
+    gate, up, down = config.expert_projections
+    views: dict[str, ExpertView] = {}
+    for i in range(config.num_layers):
+        if not config.is_sparse_layer(i):
+            continue
+        mlp, fused = config.mlp_prefix(i), f"model.layers.{i}.{FUSED_BLOCK}"
+        views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
+        for e in range(config.num_experts):
+            views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
+            views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
+            views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0,
+                                                                   config.hidden_size)
+    return views
 
 
 def check_supported(config: ModelConfig, label: str) -> None:

@@ -43,7 +43,7 @@ from typing import Iterable, Iterator
 import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
 import numpy as np
 
-from converters import atomic, layout
+from converters import atomic, layout, maxtext_models
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
@@ -61,6 +61,7 @@ class MaxTextSource:
 
     def __init__(self, path: str | os.PathLike, model_config: ModelConfig, rope_layout: str) -> None:
         self._label = os.fspath(path)
+        maxtext_models.check_family_rope_layout(model_config.family, rope_layout, self._label)
         self._items_dir, step_dir = resolve_items_dir(self._label)
         self.config = model_config
         self.rope_layout = rope_layout
@@ -225,6 +226,7 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
     if out_dtype is None:
         raise NVFP4ToolError(f"MaxText dtype {dtype!r} unsupported; supported: fp32, bf16")
     layout.check_supported(config, source.path)
+    maxtext_models.check_family_rope_layout(config.family, rope_layout, source.path)
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
     check_against_config(source, config.expected_tensor_shapes(), ignore_extra=ignore)
     if rope_layout not in layout.ROPE_LAYOUTS:

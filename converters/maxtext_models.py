@@ -17,7 +17,10 @@ sparse, so intermediate_size is unused); their rope_max_timescale (1e7, 5e6, 1e7
 config.json instead). Context length, token ids and router_aux_loss_coef, which the ymls do not
 carry, are those published HF configs'.
 RoPE layout: reference sheet section 6 -- `llama3.1-*` interleaved, every other name half-split
-(MaxText's Mixtral and Qwen3-MoE conversions permute no q/k rows: see `converters.layout`).
+(MaxText's Mixtral and Qwen3-MoE conversions permute no q/k rows: see `converters.layout`). For
+those two families the layout is fixed by the family, whatever the model config
+(`FAMILY_ROPE_LAYOUTS`): MaxText has one decoder each, half-split, so an interleaved checkpoint of
+them would be misread (`family_rope_layout`).
 """
 
 from __future__ import annotations
@@ -110,3 +113,22 @@ def maxtext_hf_config(name: str) -> dict[str, Any]:
 def rope_layout_for(name: str) -> str:
     """RoPE row layout MaxText uses for model `name`: "interleaved" for llama3.1-*, else "half"."""
     return "interleaved" if name.startswith("llama3.1-") else "half"
+
+
+# Families whose MaxText decoder fixes the RoPE row layout (any model of the family, named or not).
+FAMILY_ROPE_LAYOUTS = {"mixtral": "half", "qwen3_moe": "half"}
+
+
+def family_rope_layout(family: str) -> str | None:
+    """The RoPE row layout MaxText's decoder for `family` fixes, or None where the model decides."""
+    return FAMILY_ROPE_LAYOUTS.get(family)
+
+
+def check_family_rope_layout(family: str, rope_layout: str, label: str) -> None:
+    """NVFP4ToolError if `family` fixes another RoPE layout than `rope_layout` (the library's guard
+    under the reader and the writer; the commands refuse the option first, exit 2, in
+    `nvfp4tool.checkpoints.resolve_rope_layout`)."""
+    fixed = family_rope_layout(family)
+    if fixed is not None and rope_layout != fixed:
+        raise NVFP4ToolError(f"{label}: RoPE layout {rope_layout!r} for {family}, whose MaxText decoder "
+                             f"fixes {fixed!r}")

@@ -22,6 +22,7 @@ command line, `model_config=X` in train):
                                                           config; pass --model-config CONFIG ..."
     a model config that is neither a file/folder nor a MaxText model name   exit 2
     an unknown RoPE layout, or none given where the model config cannot tell   exit 2
+    a RoPE layout other than the one the family fixes (Mixtral, Qwen3-MoE: half)   exit 2
     a step for something that is not a training run                         exit 2
     a step without a usable checkpoint  exit 1  "PATH: no checkpoint for step 8 (have: 4, 12)"
     an HF folder / run whose config.json disagrees with the model config given   exit 1
@@ -88,7 +89,8 @@ class Checkpoint:
 
     def maxtext_rope_layout(self) -> str:
         """The RoPE layout of the MaxText side (the given one, else the MaxText model name's)."""
-        return resolve_rope_layout(self.rope_layout, self.maxtext_name, self.options, self.path)
+        return resolve_rope_layout(self.rope_layout, self.maxtext_name, self.options, self.path,
+                                   family=self.config.family)
 
 
 def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
@@ -110,7 +112,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
             raise NVFP4UsageError(_needs_model_config(shown, options))
         from converters.maxtext import MaxTextSource
 
-        layout = resolve_rope_layout(rope_layout, maxtext_name, options, shown)
+        layout = resolve_rope_layout(rope_layout, maxtext_name, options, shown, family=given[0].family)
         files = sorted(f for f in glob.glob(os.path.join(absolute, "**", "*"), recursive=True)
                        if os.path.isfile(f))
         aux = model_config if model_config is not None and os.path.isdir(model_config) else None
@@ -118,6 +120,8 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
                           path=absolute, kind=kind, weight_files=files, aux_dir=aux, options=options,
                           maxtext_name=maxtext_name, rope_layout=layout)
     opened = _open_run(absolute, step) if kind == "run" else _open_hf(absolute)
+    if rope_layout is not None:  # the MaxText side this source will be written to, if any
+        resolve_rope_layout(rope_layout, maxtext_name, options, shown, family=opened.config.family)
     if given is not None and given[0].expected_tensor_shapes() != opened.config.expected_tensor_shapes():
         raise NVFP4ToolError(f"{shown}: its config.json describes a different model than "
                              f"{options.model_config.format(model_config)}")
@@ -160,10 +164,20 @@ def resolve_model_config(spec: str, options: OptionNames = CLI_OPTIONS) -> tuple
 
 
 def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
-                        options: OptionNames = CLI_OPTIONS, path: str | None = None) -> str:
-    """The MaxText side's RoPE layout: `explicit`, else the MaxText model name's; else exit 2."""
+                        options: OptionNames = CLI_OPTIONS, path: str | None = None, *,
+                        family: str | None = None) -> str:
+    """The MaxText side's RoPE layout: the one `family`'s MaxText decoder fixes (an `explicit` other
+    one is exit 2), else `explicit`, else the MaxText model name's; else exit 2."""
     from converters import maxtext_models
 
+    fixed = maxtext_models.family_rope_layout(family) if family is not None else None
+    if fixed is not None:
+        if explicit is not None and explicit != fixed:
+            _check_rope_layout(explicit, options)
+            raise NVFP4UsageError(f"{options.rope_layout.format(explicit)}: MaxText's {family} decoder "
+                                  f"uses the {fixed}-split RoPE layout, fixed by the family; drop the "
+                                  f"option (or pass {options.rope_layout.format(fixed)})")
+        return fixed
     if explicit is not None:
         return _check_rope_layout(explicit, options)
     if maxtext_name is not None:

@@ -162,7 +162,8 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
               help="HF config.json, HF folder, or MaxText model name (e.g. llama3.1-8b). "
                    "Required for a MaxText source.")
 @click.option("--rope-layout", type=click.Choice(["interleaved", "half"]), default=None,
-              help="RoPE row layout on the MaxText side (default: from the MaxText model name).")
+              help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
+                   "Mixtral and Qwen3-MoE: always half, fixed by the family).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
               help="Output dtype (MaxText default fp32; HF default: the model config's).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_size, help="HF output shard size.")

@@ -50,9 +50,11 @@ FAMILY_KEYS = tuple(TINY_SPECS)
 
 
 def build_tiny_model(key: str, out_dir: str, *, dtype: str = "float32", seed: int = 0,
-                     max_shard_size: str | None = None, overrides: dict[str, Any] | None = None) -> str:
+                     max_shard_size: str | None = None, overrides: dict[str, Any] | None = None,
+                     fused: bool = False) -> str:
     """Build the tiny `key` model (seeded; config kwargs `overrides` on top of its spec), save it with
-    `save_pretrained` into `out_dir`.
+    `save_pretrained` into `out_dir`. `fused`: save transformers 5's own layout
+    (`save_original_format=False`: MoE experts fused into `mlp.experts.gate_up_proj` / `down_proj`).
 
     Also writes a small tokenizer_config.json so folder copies can be checked. Returns out_dir.
     """
@@ -61,6 +63,8 @@ def build_tiny_model(key: str, out_dir: str, *, dtype: str = "float32", seed: in
     model = build_torch_model(key, seed=seed, overrides=overrides)
     model = model.to(getattr(torch, dtype))
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    if fused:
+        kwargs["save_original_format"] = False
     model.save_pretrained(out_dir, **kwargs)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"model_max_length": 512, "tokenizer_class": "PreTrainedTokenizerFast",

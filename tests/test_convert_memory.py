@@ -74,11 +74,15 @@ def _child(workdir: str, family: str) -> None:
             "write_synthetic_hf_folder(%r, ModelConfig.from_hf_config(json.loads(%r)))")
             % (ROOT, os.path.join(ROOT, "scripts"), os.path.join(workdir, name),
                json.dumps(config.to_hf_config()))], check=True)
+    from converters.maxtext_models import family_rope_layout
+
+    # interleaved (the permuting layout) where the model may choose; Mixtral's family fixes half
+    rope = None if family_rope_layout(big.family) else "interleaved"
     report = {"rss_after_imports": _rss("VmRSS")}
     for name in ("tiny", "big"):
         hf = os.path.join(workdir, name)
-        convert_checkpoint(hf, hf + "-mt", to="maxtext", rope_layout="interleaved")
-        convert_checkpoint(hf + "-mt", hf + "-back", to="hf", model_config=hf, rope_layout="interleaved")
+        convert_checkpoint(hf, hf + "-mt", to="maxtext", rope_layout=rope)
+        convert_checkpoint(hf + "-mt", hf + "-back", to="hf", model_config=hf, rope_layout=rope)
         if name == "tiny":
             report["overhead_bytes"] = _rss("VmHWM")
     report["peak_bytes"] = _rss("VmHWM")

@@ -165,3 +165,38 @@ def test_a_non_finite_expert_value_is_one_line_naming_array_expert_and_layer(tmp
     assert result.output.strip() == (f"Error: {mt}: parameter params/params/{where} has 1 non-finite "
                                      "value (NaN or inf), e.g. nan at index [0, 0]")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_the_family_fixes_the_rope_layout(moe_models, tmp_path, key):
+    """MaxText's Mixtral and Qwen3-MoE decoders are half-split: both directions take the layout from
+    the family without `--rope-layout` (an HF config, not a MaxText name), writing what
+    `--rope-layout half` writes; `--rope-layout interleaved` is refused (test_adversarial_convert.py)."""
+    import orbax.checkpoint as ocp
+
+    folder = moe_models[key][0]
+    _convert(folder, str(tmp_path / "mt"), "--to", "maxtext")
+    _convert(folder, str(tmp_path / "mt-half"), "--to", "maxtext", "--rope-layout", "half")
+    restore = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore
+    _assert_trees_equal(restore(str(tmp_path / "mt" / "0" / "items"))["params"]["params"],
+                        restore(str(tmp_path / "mt-half" / "0" / "items"))["params"]["params"])
+    _convert(str(tmp_path / "mt"), str(tmp_path / "back"), "--to", "hf", "--model-config", folder)
+    _assert_folders_identical(folder, str(tmp_path / "back"))
+
+
+def test_the_reader_and_the_writer_refuse_interleaved_for_a_fixed_family(tmp_path):
+    """Under the commands' exit-2 refusal, the library guards itself too: nothing is read or written."""
+    from converters import maxtext_models
+    from converters.maxtext import MaxTextSource, write_maxtext
+    from converters.tensor_source import DictTensorSource
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.errors import NVFP4ToolError
+
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config(name))
+        with pytest.raises(NVFP4ToolError, match=f"RoPE layout 'interleaved' for {config.family}, whose "
+                                                 "MaxText decoder fixes 'half'"):
+            write_maxtext(str(tmp_path / "out"), config, DictTensorSource({}), rope_layout="interleaved")
+        with pytest.raises(NVFP4ToolError, match="RoPE layout 'interleaved'"):
+            MaxTextSource(str(tmp_path / "nowhere"), config, "interleaved")
+    assert list(tmp_path.iterdir()) == []

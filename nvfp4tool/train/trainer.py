@@ -40,7 +40,8 @@ from flax import nnx
 
 from converters.atomic import atomic_output_dir, check_output_path
 from nvfp4tool import progress
-from nvfp4tool.checkpoints import TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, open_checkpoint, run_steps
+from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, open_checkpoint, resolve_rope_layout,
+                                   run_steps)
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -238,6 +239,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
                                  rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
     tokenizer, trained_here = _tokenizer(config, out, source)
     model_config, model = _model(config, tokenizer, source)
+    if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
+        resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
     teacher = _teacher(config, model_config, tokenizer) if config.teacher is not None else None
     train_windows, eval_windows = _windows(config, tokenizer)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
