@@ -152,8 +152,8 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
         ids = ids[:samples, :seq_len]
     else:
         ids = _tokenize(path, samples, seq_len, tokenizer_dir)
-    if len(ids) == 0:
-        raise NVFP4ToolError(f"{path}: no calibration tokens")
+    if ids.size == 0:  # no rows, or rows of no token
+        raise NVFP4ToolError(f"{path}: no calibration tokens ({ids.shape[0]} windows of {ids.shape[1]})")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise NVFP4ToolError(f"{path}: token ids outside [0, {vocab_size})")
     return ids.astype(np.int32)
