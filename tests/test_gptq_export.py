@@ -51,13 +51,15 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
     record = ExportRecord.read(out)
     assert record.weight_rounding == "gptq"
     assert record.calibration.file == os.path.basename(calib)  # also weight-only: the data GPTQ used
+    assert (record.calibration.samples, record.calibration.tokens) == (CALIB_SAMPLES, CALIB_SAMPLES * CALIB_SEQ_LEN)
     assert (record.gptq.damp, record.gptq.block_size) == (0.05, 128)
     assert len(record.layers) == 14
     after = np.array([e.output_rel_err for e in record.layers.values()])
     before = np.array([e.rtn_output_rel_err for e in record.layers.values()])
     assert (before > 0).all() and after.mean() < 0.8 * before.mean(), (after, before)
     assert record.gptq.mean_output_err_reduction == pytest.approx(float(np.mean(1 - after / before)))
-    assert not [f for f in os.listdir(root) if f.startswith(".nvfp4tool-gptq-")]  # spill folder removed
+    assert not [f for f in os.listdir(root) if f.startswith(".")]  # no temporary folder or spill left
+    assert ".gptq-spill" not in os.listdir(out)
 
 
 @pytest.mark.parametrize("argv, message", [
