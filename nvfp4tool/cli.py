@@ -299,9 +299,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input (and KV-cache) scales.")
-@click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
-@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
+              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ and the KV-cache "
+              "scales (an error where none of them is needed).")
+@click.option("--calib-samples", type=_COUNT, default=64, show_default=True,
+              help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.")
+@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.")
 @_OFFLOAD
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
