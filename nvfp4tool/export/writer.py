@@ -7,9 +7,9 @@ Streaming and atomic:
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
 2. Input amax: the run's tracked amax, else calibration (`calibrate.py`: the windows read from
-   --calib-data before any weight; fewer or shorter than asked is said and recorded, the record
-   holds the windows and tokens that ran; --calib-data that nothing would use, or --kv-cache fp8
-   without it, is bad usage up front; MoE experts calibrate
+   --calib-data once; fewer or shorter than asked is said and recorded, the record holds the
+   windows and tokens that ran; --calib-data that nothing would use is bad usage, --kv-cache fp8
+   without it too, up front; MoE experts calibrate
    on all their layer's tokens); a fused group shares the max over its members (one input scale
    per GEMM). `--kv-cache fp8` calibrates every attention layer's K (after RoPE) / V amax in the
    same pass and writes the layout's KV-cache scales (F32 decode scales amax / 448,
@@ -126,10 +126,10 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     spec = formats.get(options.format, options.quant)
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
-    _check_calibration_used(plan, options)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
-    ids = _calibration_ids(source, options)  # before any weight is read
-    group_amax = _group_amax(source.tensors, plan)
+    group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
+    _check_calibration_used(plan, options)
+    ids = _calibration_ids(source, options)
     # with gptq too, the input amax comes from calibration, not from GPTQ's pass: calibrate() runs the
     # ORIGINAL weights throughout, while GPTQ's first pass through layer i sees inputs made by the
     # already-quantized layers 0..i-1, so its amax differs from layer 1 on (measured: a tiny model's
@@ -442,7 +442,8 @@ def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_toke
 
 def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
     """--calib-data given where nothing uses it (no input scales to calibrate, no GPTQ, no KV
-    cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored."""
+    cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored. Checked
+    after the weight pass (the source's own errors come first), before any calibration or output."""
     if options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None:
         return
     if plan.has_input_scales and plan.quantized:
