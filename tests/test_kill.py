@@ -5,7 +5,9 @@ removes the temporary folder the kill left and says so.
 Per command and point: the child runs the command on a tiny model and is SIGKILLed at the point;
 then the output folder must be absent (or the previous output, unchanged), and the rerun (in
 process, with --force where an output existed) must leave exactly the output, equal to an
-uninterrupted run's, next to nothing else.
+uninterrupted run's, next to nothing else. A GPTQ export is killed during its GPTQ pass, during the
+write and before the rename (its spill lies inside the output's temporary folder, so the same
+cleaning covers it), and SIGTERM'd (cli.main: nothing left at all, without a rerun).
 """
 
 from __future__ import annotations
