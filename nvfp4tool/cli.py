@@ -5,6 +5,9 @@ naming a file: one `Error:` line naming the file); 2 bad usage (a bad option val
 unknown choice, a missing path, `NVFP4UsageError`), rejected by the click types below before any
 library code runs wherever an option can be checked on its own. A traceback only with `-v`.
 
+Signals: `main` turns SIGTERM into SystemExit (as SIGINT is KeyboardInterrupt), so a terminated
+command cleans up like an interrupted one.
+
 Output: every command runs with a `nvfp4tool.progress` reporter installed (`RichReporter`: bars
 and status lines on stderr; `QuietReporter` with `--quiet`), restored afterwards; the command's
 result lines (summaries, tables, reports) go to stdout either way.
@@ -15,7 +18,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from urllib.parse import urlparse
 
 import click
@@ -107,6 +112,17 @@ def _tp(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ..
         return parse_tp(value)
     except NVFP4UsageError as bad:
         raise click.BadParameter(str(bad), ctx, param) from None
+
+
+def _damp(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """export --gptq-damp: finite, in nvfp4tool.export.gptq.DAMP_RANGE (0 < damp <= 1, the owner)."""
+    from nvfp4tool.export.gptq import DAMP_RANGE
+
+    low, high = DAMP_RANGE
+    if not low < value <= high:  # also nan (and inf, 1e300)
+        raise click.BadParameter(f"{value!r} is not > {low:g} and <= {high:g} (a fraction of the mean "
+                                 f"Hessian diagonal; default 0.05).", ctx, param)
+    return value
 
 
 def _reference(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -284,9 +300,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input (and KV-cache) scales.")
-@click.option("--calib-samples", type=_COUNT, default=64, show_default=True)
-@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True)
+              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ and the KV-cache "
+              "scales (an error where none of them is needed).")
+@click.option("--calib-samples", type=_COUNT, default=64, show_default=True,
+              help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.")
+@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.")
 @_OFFLOAD
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
@@ -296,8 +315,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
               "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
-@click.option("--gptq-damp", type=float, default=0.05, show_default=True,
-              help="GPTQ damping: H += damp * mean(diag H) * I (> 0).")
+@click.option("--gptq-damp", type=float, default=0.05, show_default=True, callback=_damp,
+              help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_size)
@@ -320,6 +339,11 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
     del to  # safetensors is the only container
+    ctx = click.get_current_context()
+    for name in ("calib_samples", "calib_seq_len"):  # said, not silently ignored
+        if calib_data is None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
                             gptq_damp=gptq_damp, weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
@@ -492,8 +516,17 @@ def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point. SIGTERM ends any command the way Ctrl-C (SIGINT,
+    KeyboardInterrupt) does, by an exception (SystemExit 143) that unwinds it, so every temporary
+    folder and file is removed on the way out (`converters.atomic`); the default SIGTERM action
+    would leave them behind."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     cli.main(args=argv, prog_name="nvfp4tool")
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -101,8 +101,10 @@ def main() -> None:
             source, flags = str(qad_run), ["--weight-block", "1d"]
         else:
             source, flags = bf16, EXPORTS[name]
+        # W4A16 with RTN uses no calibration (export refuses --calib-data it would not use)
+        used = args.quant == "nvfp4" or "gptq" in flags
         timed(f"export {name}", lambda: _cli(["export", source, "--out", str(folder), "--quant", args.quant,
-                                              *calib, *flags, "--force"]))
+                                              *(calib if used else []), *flags, "--force"]))
         exports[name] = folder
 
     options = ValidateOptions(data=str(val_file), reference="bf16", source=bf16, samples=args.eval_samples,

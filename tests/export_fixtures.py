@@ -26,9 +26,13 @@ def synthetic_source(root, config: ModelConfig, *, seed: int) -> tuple[str, str]
 
 
 def export_options(calib: str, **options) -> ExportOptions:
-    """ExportOptions calibrated on `calib` as `synthetic_source` made it, plus `options`."""
-    return ExportOptions(calib_data=calib, calib_samples=CALIB_SAMPLES, calib_seq_len=CALIB_SEQ_LEN,
-                         show_progress=False, **options)
+    """ExportOptions calibrated on `calib` as `synthetic_source` made it, plus `options`; without
+    `calib` where the export would not use it (W4A16 with RTN and no KV cache: export refuses unused
+    --calib-data)."""
+    unused = (options.get("quant") == "nvfp4-weight-only" and options.get("weight_rounding", "rtn") == "rtn"
+              and options.get("kv_cache", "none") == "none")
+    return ExportOptions(calib_data=None if unused else calib, calib_samples=CALIB_SAMPLES,
+                         calib_seq_len=CALIB_SEQ_LEN, show_progress=False, **options)
 
 
 def assert_converted_tensors_equal(theirs: dict, ours: dict) -> None:

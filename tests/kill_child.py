@@ -9,9 +9,12 @@ sleeps until the test kills it (SIGKILL):
     publish  the output is complete in its temporary folder, not yet renamed into place
     replace  (with --force over an existing output) the previous output has been moved aside and
              the new one not yet moved in
+    gptq     (export --weight-rounding gptq) the GPTQ_AT-th linear (env, default 3) is about to be
+             rounded: the earlier ones' records are spilled inside the temporary output folder
+    write    (export) the WRITE_AT-th tensor (env, default 12) is handed to the safetensors writer
 The points are reached by wrapping module attributes from here (converters.atomic's marker writer,
-publisher and `os`; the tensor readers of converters.hf and converters.maxtext): the code under
-test is unchanged and carries no test hook.
+publisher and `os`; the tensor readers of converters.hf and converters.maxtext; export's GPTQ
+rounding and tensor loader): the code under test is unchanged and carries no test hook.
 """
 
 from __future__ import annotations
@@ -77,6 +80,27 @@ _real_write_marker, _real_publish = atomic._write_marker, atomic._publish
 atomic._write_marker, atomic._publish, atomic.os = _write_marker, _publish, _RenameStops()
 hf.read_tensor = _counting(hf.read_tensor)
 maxtext._fetch = _counting(maxtext._fetch)
+
+
+def _stop_at_call(function, point: str, at: int):
+    """`function`, stopping (at `point`) on its `at`-th call once the temporary folder exists."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        if POINT == point and _state["tmp"] is not None:
+            calls["n"] += 1
+            if calls["n"] == at:
+                _stop_here()
+        return function(*args, **kwargs)
+    return wrapped
+
+
+if POINT in ("gptq", "write"):  # export's own points (importing them costs jax: only when asked)
+    from nvfp4tool.export import gptq_pass, writer
+
+    gptq_pass.gptq_quantize = _stop_at_call(gptq_pass.gptq_quantize, "gptq", int(os.environ.get("GPTQ_AT", "3")))
+    writer._ModuleLoader.load = _stop_at_call(writer._ModuleLoader.load, "write",
+                                              int(os.environ.get("WRITE_AT", "12")))
 
 if __name__ == "__main__":
     from nvfp4tool.cli import main

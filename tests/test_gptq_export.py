@@ -51,21 +51,22 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
     record = ExportRecord.read(out)
     assert record.weight_rounding == "gptq"
     assert record.calibration.file == os.path.basename(calib)  # also weight-only: the data GPTQ used
+    assert (record.calibration.samples, record.calibration.tokens) == (CALIB_SAMPLES, CALIB_SAMPLES * CALIB_SEQ_LEN)
     assert (record.gptq.damp, record.gptq.block_size) == (0.05, 128)
     assert len(record.layers) == 14
     after = np.array([e.output_rel_err for e in record.layers.values()])
     before = np.array([e.rtn_output_rel_err for e in record.layers.values()])
     assert (before > 0).all() and after.mean() < 0.8 * before.mean(), (after, before)
     assert record.gptq.mean_output_err_reduction == pytest.approx(float(np.mean(1 - after / before)))
-    assert not [f for f in os.listdir(root) if f.startswith(".nvfp4tool-gptq-")]  # spill folder removed
+    assert not [f for f in os.listdir(root) if f.startswith(".")]  # no temporary folder or spill left
+    assert ".gptq-spill" not in os.listdir(out)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--weight-rounding", "gptq"], "--weight-rounding gptq needs --calib-data"),
     (["--weight-rounding", "gptq", "--quant", "fp8", "--calib-data", "CALIB"], "--quant nvfp4 or nvfp4-weight-only"),
-    (["--weight-rounding", "gptq", "--gptq-damp", "0", "--calib-data", "CALIB"], "--gptq-damp must be > 0"),
-    (["--weight-rounding", "gptq", "--gptq-damp", "-1", "--calib-data", "CALIB"], "--gptq-damp must be > 0"),
-    (["--weight-rounding", "gptq", "--gptq-damp", "nan", "--calib-data", "CALIB"], "--gptq-damp must be > 0"),
+    *[(["--weight-rounding", "gptq", "--gptq-damp", damp, "--calib-data", "CALIB"],
+       "Invalid value for '--gptq-damp'") for damp in ("0", "-1", "nan", "inf", "1e300", "1.5")],
 ])
 def test_bad_options_are_usage_errors(tiny, argv, message):
     root, src, calib = tiny
@@ -73,6 +74,18 @@ def test_bad_options_are_usage_errors(tiny, argv, message):
     result = CliRunner().invoke(cli, ["export", src, "--out", str(root / "bad"), *argv])
     assert result.exit_code == 2, result.output
     assert len([line for line in result.output.splitlines() if message in line]) == 1, result.output
+    assert not os.path.exists(root / "bad")
+
+
+@pytest.mark.parametrize("damp", [0.0, -1.0, float("nan"), float("inf"), 1e300, 1.0000001])
+def test_the_library_refuses_a_damp_outside_0_1_too(tiny, damp):
+    from nvfp4tool.errors import NVFP4UsageError
+    from nvfp4tool.export import ExportOptions, export_checkpoint
+
+    root, src, calib = tiny
+    with pytest.raises(NVFP4UsageError, match="--gptq-damp must be > 0.0 and <= 1.0"):
+        export_checkpoint(src, str(root / "bad"), ExportOptions(weight_rounding="gptq", gptq_damp=damp,
+                                                                calib_data=calib, show_progress=False))
     assert not os.path.exists(root / "bad")
 
 

@@ -5,7 +5,9 @@ removes the temporary folder the kill left and says so.
 Per command and point: the child runs the command on a tiny model and is SIGKILLed at the point;
 then the output folder must be absent (or the previous output, unchanged), and the rerun (in
 process, with --force where an output existed) must leave exactly the output, equal to an
-uninterrupted run's, next to nothing else.
+uninterrupted run's, next to nothing else. A GPTQ export is killed during its GPTQ pass, during the
+write and before the rename (its spill lies inside the output's temporary folder, so the same
+cleaning covers it), and SIGTERM'd (cli.main: nothing left at all, without a rerun).
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ def _tensors(folder: str, kind: str) -> dict[str, bytes]:
     return {n: source.get(n).tobytes() for n in source.names()}
 
 
-def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str = ".") -> tuple[str, int]:
+def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str = ".", *,
+             sig: signal.Signals = signal.SIGKILL, returncode: list | None = None) -> tuple[str, int]:
     """Run kill_child.py until it reaches `point` in the first temporary folder whose name starts
-    with `tmp_prefix`, SIGKILL it; (that temporary folder, its pid)."""
+    with `tmp_prefix`, send it `sig` (SIGKILL) and wait; (that temporary folder, its pid); its exit
+    status is appended to `returncode` when given."""
     child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill_child.py"), point, str(ready), *args],
                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                                                 TMP_PREFIX=tmp_prefix),
@@ -111,8 +115,10 @@ def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str = ".") ->
             assert time.monotonic() < deadline, f"{point!r} not reached in 300 s"
             time.sleep(0.02)
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        child.send_signal(sig)
+        child.wait(timeout=120)
+        if returncode is not None:
+            returncode.append((child.returncode, child.stdout.read()))
         child.stdout.close()
     return ready.read_text(), child.pid
 
@@ -204,3 +210,56 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     assert f"removed {scratch[0]}: scratch folder of an interrupted run (pid {pid})" in said, said
     assert not scratch[0].exists()
     assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")
+
+
+GPTQ_EXPORT = ["export", "{hf}", "--out", "{out}", "--quant", "nvfp4-weight-only", "--weight-rounding", "gptq",
+               "--calib-data", "{ids}", "--calib-samples", "4", "--calib-seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def gptq_reference(inputs) -> dict[str, str]:
+    """The inputs plus calibration ids ({ids}) and an uninterrupted GPTQ export of {hf} ("reference")."""
+    root = Path(inputs["hf"]).parent
+    paths = dict(inputs, ids=str(root / "gptq-ids.npy"), reference=str(root / "reference" / "gptq"))
+    np.save(paths["ids"], np.random.default_rng(1).integers(0, CONFIG.vocab_size, (4, 16)))
+    _cli(_fill(GPTQ_EXPORT, paths, paths["reference"]))
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["gptq", "write", "publish"])
+def test_kill_9_during_a_gptq_export_leaves_only_what_the_rerun_cleans(gptq_reference, tmp_path, point):
+    """GPTQ's spilled records lie inside the output's temporary folder: killed during the GPTQ
+    pass, during the write or after it (before the rename), the run leaves that one marked folder
+    (spill included), and the rerun into the same output removes it and writes the clean bytes."""
+    out = tmp_path / "outs" / "out"
+    args = _fill(GPTQ_EXPORT, gptq_reference, str(out))
+
+    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+
+    assert sorted(os.listdir(out.parent)) == [os.path.basename(tmp)]  # nothing else next to the output
+    assert os.path.basename(tmp).startswith(".out.tmp-") and (Path(tmp) / MARKER_FILE).exists()
+    spill = Path(tmp) / ".gptq-spill"
+    if point == "publish":
+        assert not spill.exists()  # removed before publishing
+    else:
+        assert len(list(spill.iterdir())) >= 2 * 2  # the first two linears' codes and scales at least
+    assert (Path(tmp) / "model.safetensors").exists() == (point != "gptq")
+
+    said = _rerun(args)
+    assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
+    assert sorted(os.listdir(out.parent)) == ["out"]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(gptq_reference["reference"]))
+    assert _tensors(str(out), "hf") == _tensors(gptq_reference["reference"], "hf")
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_gptq_export_removes_every_temporary(gptq_reference, tmp_path, point="gptq"):
+    """SIGTERM (cli.main turns it into SystemExit) unwinds the export: no output, no temporary
+    folder, no spill, without a rerun; exit status 143."""
+    out = tmp_path / "outs" / "out"
+    ended: list = []
+    _kill_at(point, _fill(GPTQ_EXPORT, gptq_reference, str(out)), tmp_path / "ready", sig=signal.SIGTERM,
+             returncode=ended)
+    assert ended[0][0] == 128 + signal.SIGTERM, ended
+    assert not out.parent.exists() or os.listdir(out.parent) == [], os.listdir(out.parent)

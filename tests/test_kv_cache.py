@@ -97,7 +97,7 @@ def test_kv_cache_needs_calibration_data(source, tmp_path):
     src, _ = source
     result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "o"), "--quant", "nvfp4-weight-only",
                                       "--kv-cache", "fp8"])
-    assert result.exit_code == 1 and "--kv-cache fp8" in result.output and "--calib-data" in result.output
+    assert result.exit_code == 2 and "--kv-cache fp8" in result.output and "--calib-data" in result.output
     result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "o"), "--kv-cache", "nvfp4"])
     assert result.exit_code == 2 and "--kv-cache" in result.output  # only none | fp8 are offered
 

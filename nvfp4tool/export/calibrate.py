@@ -61,11 +61,13 @@ class Calibration:
 
 def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], data_path: str, *,
               samples: int, seq_len: int, tokenizer_dir: str | None, kv_cache: bool = False,
-              offload: str = "auto") -> Calibration:
+              offload: str = "auto", ids_SxL: np.ndarray | None = None) -> Calibration:
     """Input amax of every linear in `names` over the calibration windows, with `kv_cache` the
-    K / V amax of every attention layer, and the routed-token counts of every MoE expert."""
-    ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
-                                   tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
+    K / V amax of every attention layer, and the routed-token counts of every MoE expert.
+    `ids_SxL`: the windows already read from `data_path` (`load_calibration_ids`), else read here."""
+    if ids_SxL is None:
+        ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
+                                       tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="calibration")
     attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
     amax = {n: np.zeros(2 if n in attentions else 1) for n in (*names, *attentions)}
@@ -92,12 +94,7 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     if missing:
         raise NVFP4ToolError(f"calibration: {missing[0]} was never called by the model")
     for name, value in amax.items():
-        what = "keys / values" if name in attentions else "input"
-        if not np.isfinite(value).all():
-            raise NVFP4ToolError(f"calibration: the {what} of {name} have a non-finite amax ({value.tolist()})")
-        if not value.all():  # its scale would be a placeholder (1.0), silently wrong when served
-            raise NVFP4ToolError(f"calibration: the {what} of {name} was zero on every calibration token; "
-                                 f"pass other --calib-data or keep it in BF16 (--keep-bf16)")
+        check_calibrated(name, value, what="keys / values" if name in attentions else "input")
     for expert, count in routed.items():
         if count == 0:
             progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
@@ -105,6 +102,19 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     return Calibration(input_amax={n: float(amax[n][0]) for n in names},
                        kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions},
                        routed_tokens=routed)
+
+
+def check_calibrated(name: str, amax, *, what: str = "input") -> None:
+    """Refuse a calibrated amax (`what` of linear / attention `name`, one value or several) that is
+    non-finite or zero: a zero input's scale would be a placeholder (1.0), silently wrong when
+    served, and GPTQ would round the weight to zeros (its Hessian is 0). The owner of this refusal's
+    wording, for calibration and the GPTQ pass alike."""
+    value = np.asarray(amax, np.float64).reshape(-1)
+    if not np.isfinite(value).all():
+        raise NVFP4ToolError(f"calibration: the {what} of {name} have a non-finite amax ({value.tolist()})")
+    if not value.all():
+        raise NVFP4ToolError(f"calibration: the {what} of {name} was zero on every calibration token; "
+                             f"pass other --calib-data or keep it in BF16 (--keep-bf16)")
 
 
 def open_bf16_model(config: ModelConfig, source: TensorSource, *, seq_len: int, offload: str,
@@ -123,8 +133,9 @@ def open_bf16_model(config: ModelConfig, source: TensorSource, *, seq_len: int, 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
                          vocab_size: int,
                          flags: tuple[str, str] = ("--calib-samples", "--calib-seq-len")) -> np.ndarray:
-    """Token ids [S, L] (S <= samples) from a .txt / .jsonl / .npy calibration file; `flags` names
-    the samples and sequence-length options as the calling command spells them."""
+    """Token ids [S, L] (S <= samples, L <= seq_len: what the file has, at most what was asked;
+    the caller says and records a shortfall) from a .txt / .jsonl / .npy calibration file; `flags`
+    names the samples and sequence-length options as the calling command spells them."""
     for flag, value in zip(flags, (samples, seq_len)):
         if value < 1:
             raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
@@ -141,8 +152,8 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
         ids = ids[:samples, :seq_len]
     else:
         ids = _tokenize(path, samples, seq_len, tokenizer_dir)
-    if len(ids) == 0:
-        raise NVFP4ToolError(f"{path}: no calibration tokens")
+    if ids.size == 0:  # no rows, or rows of no token
+        raise NVFP4ToolError(f"{path}: no calibration tokens ({ids.shape[0]} windows of {ids.shape[1]})")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise NVFP4ToolError(f"{path}: token ids outside [0, {vocab_size})")
     return ids.astype(np.int32)

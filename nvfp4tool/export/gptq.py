@@ -13,7 +13,7 @@ the proportions that minimise the layer's output error ||(W - Q) X^T|| on the ca
 2. H (fp32 K x K, undamped, accumulated by the caller) is damped: dead columns (diag 0: an input
    that was zero on every token) get H_jj = 1 and W[:, j] = 0, as GPTQ does; then
    H += damp * mean(diag H) * I (`damp` 0.05 by default: llm-compressor's NVFP4 sweep, #2922,
-   measured it best).
+   measured it best; `DAMP_RANGE`: 0 < damp <= 1).
 3. Static activation order that keeps the 16-element blocks whole: the 16-column blocks are
    permuted by descending sum of diag(H) over the block (stable on ties). A 2D (16 x 16) tile is
    16 rows of one column block, so it stays valid too.
@@ -50,6 +50,10 @@ from nvfp4tool.recipes.precision import fused_group
 
 BLOCK_COLUMNS = 128  # columns per lazy-batch block
 DEFAULT_DAMP = 0.05
+# --gptq-damp: 0 < damp <= 1 (GPTQ's percdamp, a fraction of mean(diag H); implementations use
+# 0.01-0.1). As damp grows, H tends to c * I, which spreads no rounding error (GPTQ tends to RTN), and
+# an inf or huge one overflows H: beyond 1 it is a mistake, not a setting.
+DAMP_RANGE = (0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

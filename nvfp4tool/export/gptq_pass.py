@@ -16,6 +16,9 @@ layer the gate/up of all experts, since the tap asks every expert to run on ever
 layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
 down_proj has its own, over all tokens).
 
+A linear whose input was zero on every calibration token (its Hessian is 0: GPTQ would round it to
+zeros) is refused as calibration refuses it (`calibrate.check_calibrated`), naming the linear.
+
 Memory: one layer's weights + its Hessians + the windows' activations. Each quantized record is
 spilled to `spill_dir` (packed codes and scales as .npy) as soon as it is made and read back by the
 writer when it writes the module, so the records are never all held.
@@ -33,7 +36,7 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.calibrate import BATCH, load_calibration_ids, open_bf16_model
+from nvfp4tool.export.calibrate import BATCH, check_calibrated, load_calibration_ids, open_bf16_model
 from nvfp4tool.export.gptq import GPTQError, gptq_quantize, hessian_key
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.model.layerwise import layer_modules
@@ -69,10 +72,13 @@ class GPTQResult:
 
 def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
              data_path: str, *, spill_dir: str, samples: int, seq_len: int, tokenizer_dir: str | None,
-             offload: str, method: str, block: str, damp: float) -> GPTQResult:
-    """GPTQ records of every quantized module of `plan` (see the module docstring)."""
-    ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir,
-                                   vocab_size=config.vocab_size)
+             offload: str, method: str, block: str, damp: float,
+             ids_SxL: np.ndarray | None = None) -> GPTQResult:
+    """GPTQ records of every quantized module of `plan` (see the module docstring); `ids_SxL`: the
+    windows already read from `data_path` (`load_calibration_ids`), else read here."""
+    if ids_SxL is None:
+        ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir,
+                                       vocab_size=config.vocab_size)
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="GPTQ")
     representative: dict[str, str] = {}  # Hessian key -> the linear whose input is recorded
     for module in plan.quantized:
@@ -93,6 +99,8 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
             h = hessians.get(hessian_key(module))
             if h is None:
                 raise NVFP4ToolError(f"GPTQ: {module} was never called by the model")
+            # an input zero on every token (diag H = sum of x^2 all 0) would round the weight to zeros
+            check_calibrated(module, np.max(np.diagonal(h)), what="input")
             name = f"{module}.weight"
             q, error = gptq_quantize(source.get(name), h, method=method, block=block, damp=damp,
                                      global_amax=group_amax[plan.group_of(module)], name=name)

@@ -64,13 +64,17 @@ def gptq_record(*, damp: float, block_size: int, errors: dict[str, Any]) -> GPTQ
                       mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0)
 
 
-def calibration_record(path: str, *, samples: int, seq_len: int,
+def calibration_record(path: str, ids_SxL: np.ndarray, *, requested: tuple[int, int],
                        routed_tokens: dict[str, int] | None = None) -> CalibrationRecord:
     """The calibration data (of the input scales and / or the KV-cache scales) by file name and
-    sha256; with `routed_tokens` (MoE: expert -> tokens its router sent it), all-experts calibration
-    and those counts."""
+    sha256, the windows that ran (`ids_SxL`, as read) and what was asked (`requested`: samples,
+    seq_len); with `routed_tokens` (MoE: expert -> tokens its router sent it), all-experts
+    calibration and those counts."""
+    samples, seq_len = (int(d) for d in ids_SxL.shape)
     return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
-                             seq_len=seq_len, all_experts=bool(routed_tokens), routed_tokens=routed_tokens or None)
+                             seq_len=seq_len, tokens=samples * seq_len, requested_samples=int(requested[0]),
+                             requested_seq_len=int(requested[1]), all_experts=bool(routed_tokens),
+                             routed_tokens=routed_tokens or None)
 
 
 def locate_source(export_dir: str) -> tuple[str, int | None]:

@@ -6,7 +6,10 @@ Streaming and atomic:
 1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
-2. Input amax: the run's tracked amax, else calibration (`calibrate.py`; MoE experts calibrate
+2. Input amax: the run's tracked amax, else calibration (`calibrate.py`: the windows read from
+   --calib-data once; fewer or shorter than asked is said and recorded, the record holds the
+   windows and tokens that ran; --calib-data that nothing would use is bad usage, --kv-cache fp8
+   without it too, up front; MoE experts calibrate
    on all their layer's tokens); a fused group shares the max over its members (one input scale
    per GEMM). `--kv-cache fp8` calibrates every attention layer's K (after RoPE) / V amax in the
    same pass and writes the layout's KV-cache scales (F32 decode scales amax / 448,
@@ -16,8 +19,9 @@ Streaming and atomic:
    together); each shard is written tensor by tensor: a quantized module is read, quantized
    (`scale_search.py`) and its roles (packed weight, block scales, decode scales) named by the
    spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran after step 2 and
-   spilled every record to a temporary folder next to the output: the module's record is read
-   back from it); other tensors are copied in BF16. Only one module's tensors are held at a time: peak
+   spilled every record to `.gptq-spill/` inside the output's temporary folder of step 4, so a
+   killed run's spill is cleaned with it by the next run: the module's record is read back from
+   it, and the spill removed before publishing); other tensors are copied in BF16. Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
@@ -35,7 +39,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -49,7 +52,7 @@ from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
-from nvfp4tool.export.gptq import BLOCK_COLUMNS, DEFAULT_DAMP
+from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
@@ -59,6 +62,7 @@ from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, fp8_decode
 from nvfp4tool.numerics.constants import E4M3_MAX
 from nvfp4tool.records.export import GPTQRecord, TensorRecord
 
+GPTQ_SPILL_DIR = ".gptq-spill"  # GPTQ's spilled records: inside the output's temporary folder, removed before publishing
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
@@ -123,30 +127,41 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
-    group_amax = _group_amax(source.tensors, plan)
+    group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
+    _check_calibration_used(plan, options)
+    ids = _calibration_ids(source, options)
     # with gptq too, the input amax comes from calibration, not from GPTQ's pass: calibrate() runs the
     # ORIGINAL weights throughout, while GPTQ's first pass through layer i sees inputs made by the
     # already-quantized layers 0..i-1, so its amax differs from layer 1 on (measured: a tiny model's
     # layers.1.o_proj, 0.00684 vs 0.00681); the router counts and K / V amax are calibrate()'s too
-    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options)
+    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
     if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
-        calibration = _calibration_record(options)
-    with _spill_dir(options, out) as spill_dir:
-        gptq = None if spill_dir is None else _gptq(source, plan, group_amax, options, block, spill_dir)
-        gptq_record = None if gptq is None else _gptq_record(gptq, options)
-        summary = _write(source, out, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
-                         options, inputs, gptq, gptq_record)
-    return dataclasses.replace(summary, seconds=time.perf_counter() - start)
+        calibration = _calibration_record(options, ids)
+    with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp:
+        gptq = gptq_record = None
+        if options.weight_rounding == "gptq":  # its spill folder lies inside the output's temporary one
+            spill_dir = os.path.join(tmp, GPTQ_SPILL_DIR)
+            os.mkdir(spill_dir)
+            gptq = _gptq(source, plan, group_amax, options, block, spill_dir, ids)
+            gptq_record = _gptq_record(gptq, options)
+        summary = _write(source, tmp, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
+                         options, gptq, gptq_record)
+        if gptq is not None:
+            shutil.rmtree(spill_dir)  # not published
+    written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    return dataclasses.replace(summary, out=os.path.abspath(out), bytes_written=written,
+                               seconds=time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
 
 
-def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, block: str, group_amax,
-           input_amax, origin: str, calibration, kv_amax, options: ExportOptions, inputs,
+def _write(source: Checkpoint, tmp: str, plan: ExportPlan, spec: LayoutSpec, block: str, group_amax,
+           input_amax, origin: str, calibration, kv_amax, options: ExportOptions,
            gptq: GPTQResult | None, gptq_record: GPTQRecord | None) -> ExportSummary:
-    """Write the export (steps 3-4 of the module docstring); `seconds` left 0 for the caller."""
+    """Write the export into the temporary output folder `tmp` (step 3 of the module docstring);
+    `out`, `bytes_written` and `seconds` are left for the caller."""
     tensors = source.tensors
     names = tensors.names()
     units = [_unit_layout(name, tensors, plan, spec) for name in names]
@@ -157,8 +172,7 @@ def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, blo
                          parse_size(options.max_shard_size))
     loader = _ModuleLoader(tensors, plan, spec, group_amax, input_amax, block, options, kv_scales, gptq)
     files: list[str] = []
-    with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp, _task(
-            options.show_progress, len(names)) as task:
+    with _task(options.show_progress, len(names)) as task:
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):
             file_name = (SINGLE_FILE if len(shards) == 1
@@ -179,32 +193,20 @@ def _write(source: Checkpoint, out: str, plan: ExportPlan, spec: LayoutSpec, blo
             calibration=calibration, layer_errors=loader.layer_errors, input_amax=input_amax,
             files_written=files, tensors=loader.records, kv_amax=kv_amax or None,
             gptq=gptq_record).write(tmp)
-    written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
-    return ExportSummary(out=os.path.abspath(out), tensors=sum(len(u[1]) for u in units),
+    return ExportSummary(out=tmp, tensors=sum(len(u[1]) for u in units),
                          quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,
-                         bytes_written=written, seconds=0.0,
+                         bytes_written=0, seconds=0.0,
                          gptq_reduction=None if gptq_record is None else gptq_record.mean_output_err_reduction)
 
 
-@contextlib.contextmanager
-def _spill_dir(options: ExportOptions, out: str):
-    """A temporary folder next to the output for GPTQ's spilled records (removed at the end), or
-    None without GPTQ."""
-    if options.weight_rounding != "gptq":
-        yield None
-        return
-    parent = os.path.dirname(os.path.abspath(out))
-    with tempfile.TemporaryDirectory(prefix=".nvfp4tool-gptq-", dir=parent) as folder:
-        yield folder
-
-
 def _gptq(source: Checkpoint, plan: ExportPlan, group_amax, options: ExportOptions, block: str,
-          spill_dir: str) -> GPTQResult:
-    """Run the GPTQ pass (`gptq_pass.py`)."""
+          spill_dir: str, ids_SxL: np.ndarray) -> GPTQResult:
+    """Run the GPTQ pass (`gptq_pass.py`) on the calibration windows `ids_SxL`."""
     return run_gptq(source.config, source.tensors, plan, group_amax, options.calib_data, spill_dir=spill_dir,
                     samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
-                    offload=options.offload, method=options.scale_search, block=block, damp=options.gptq_damp)
+                    offload=options.offload, method=options.scale_search, block=block, damp=options.gptq_damp,
+                    ids_SxL=ids_SxL)
 
 
 def _gptq_record(gptq: GPTQResult, options: ExportOptions) -> GPTQRecord:
@@ -347,11 +349,15 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
     if options.weight_rounding not in ("rtn", "gptq"):
         raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
-    if not options.gptq_damp > 0:
-        raise NVFP4UsageError(f"--gptq-damp must be > 0, got {options.gptq_damp}")
+    if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
+        raise NVFP4UsageError(f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
+                              f"(a fraction of the mean Hessian diagonal), got {options.gptq_damp}")
     if options.weight_rounding == "gptq" and options.quant == "fp8":
         raise NVFP4UsageError("--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or "
                               "nvfp4-weight-only, not fp8")
+    if _kv(options) is not None and options.calib_data is None:
+        raise NVFP4UsageError(f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
+                              f"amax of every attention layer)")
     if options.weight_rounding == "gptq" and options.calib_data is None:
         raise NVFP4UsageError("--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
                               "input comes from the calibration text)")
@@ -379,40 +385,73 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
     return result
 
 
-def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions):
+def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids_SxL: np.ndarray | None):
     """(input amax per quantized module or None, its origin, calibration record or None, K / V amax
     per attention ({} without --kv-cache)): the run's tracked input amax unless --calib-data is
-    given; the KV cache is always calibrated."""
+    given (its windows `ids_SxL`); the KV cache is always calibrated."""
     kv_cache = _kv(options) is not None
-    if kv_cache and options.calib_data is None:
-        raise NVFP4ToolError(f"{source.path}: --kv-cache {options.kv_cache} calibrates the K / V amax of "
-                             f"every attention layer: pass --calib-data PATH")
     needs_inputs = plan.has_input_scales and bool(plan.quantized)
     if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
         input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
         if not kv_cache:
             return input_amax, origin, None, {}
-        found = _calibration(source, [], options, kv_cache=True)
-        return input_amax, origin, _calibration_record(options), found.kv_amax
+        found = _calibration(source, [], options, ids_SxL, kv_cache=True)
+        return input_amax, origin, _calibration_record(options, ids_SxL), found.kv_amax
     if options.calib_data is None:
         raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
                              "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
-    found = _calibration(source, plan.quantized, options, kv_cache=kv_cache)
-    return found.input_amax, "calibration", _calibration_record(options, found.routed_tokens), found.kv_amax
+    found = _calibration(source, plan.quantized, options, ids_SxL, kv_cache=kv_cache)
+    return (found.input_amax, "calibration", _calibration_record(options, ids_SxL, found.routed_tokens),
+            found.kv_amax)
 
 
-def _calibration(source: Checkpoint, names, options: ExportOptions, *, kv_cache: bool):
+def _calibration(source: Checkpoint, names, options: ExportOptions, ids_SxL: np.ndarray, *, kv_cache: bool):
     from nvfp4tool.export.calibrate import calibrate
 
     return calibrate(source.config, source.tensors, names, options.calib_data, samples=options.calib_samples,
                      seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir, kv_cache=kv_cache,
-                     offload=options.offload)
+                     offload=options.offload, ids_SxL=ids_SxL)
 
 
-def _calibration_record(options: ExportOptions, routed_tokens: dict[str, int] | None = None):
-    """The record of the calibration data; `routed_tokens` when it calibrated MoE experts' inputs."""
-    return provenance.calibration_record(options.calib_data, samples=options.calib_samples,
-                                         seq_len=options.calib_seq_len, routed_tokens=routed_tokens)
+def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray | None:
+    """The calibration windows [S, L] read from --calib-data (None without it). The file may give
+    fewer windows or shorter ones than --calib-samples / --calib-seq-len ask (the samples are at
+    most that many; a library caller's default of 64 windows is common); that is said in one line
+    and recorded (`CalibrationRecord`: what ran and what was asked). Less than one token: refused."""
+    if options.calib_data is None:
+        return None
+    from nvfp4tool.export.calibrate import load_calibration_ids
+
+    ids = load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
+                               tokenizer_dir=source.aux_dir, vocab_size=source.config.vocab_size)
+    samples, seq_len = ids.shape
+    if (samples, seq_len) != (options.calib_samples, options.calib_seq_len):
+        progress.info(f"warning: {options.calib_data} gives {samples} calibration window(s) of {seq_len} tokens, "
+                      f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
+                      f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)")
+    return ids
+
+
+def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_tokens: dict[str, int] | None = None):
+    """The record of the calibration data and the windows that ran; `routed_tokens` when it
+    calibrated MoE experts' inputs."""
+    return provenance.calibration_record(options.calib_data, ids_SxL,
+                                         requested=(options.calib_samples, options.calib_seq_len),
+                                         routed_tokens=routed_tokens)
+
+
+def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
+    """--calib-data given where nothing uses it (no input scales to calibrate, no GPTQ, no KV
+    cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored. Checked
+    after the weight pass (the source's own errors come first), before any calibration or output."""
+    if options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None:
+        return
+    if plan.has_input_scales and plan.quantized:
+        return
+    why = (f"--quant {plan.quant} has no input scales" if not plan.has_input_scales
+           else "every linear module stays in BF16")
+    raise NVFP4UsageError(f"--calib-data {options.calib_data} would not be used: {why}, and neither "
+                          f"--weight-rounding gptq nor --kv-cache fp8 is asked; drop --calib-data (or add one of those)")
 
 
 def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str, float], str]:

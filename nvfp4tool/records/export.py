@@ -3,8 +3,8 @@
 
 What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
 with the sha256 of each weight file (relative to the source); format / quant / scale search /
-weight block; recipe and precision map; calibration data by file name + sha256 (or the run's
-tracked amax), for MoE models with all-experts calibration and each expert's routed-token count;
+weight block; recipe and precision map; calibration data by file name + sha256, the windows
+and tokens it actually gave and what was asked (or the run's tracked amax), for MoE models with all-experts calibration and each expert's routed-token count;
 with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
 per quantized layer its relative L2 weight error (with `--weight-rounding gptq`, the GPTQ settings and
 per layer also the relative output error on the calibration inputs, after GPTQ and for nearest
@@ -44,12 +44,17 @@ class SourceRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationRecord(Record):
-    """The calibration data of the input scales; for MoE models, how each expert was calibrated."""
+    """The calibration data of the input scales; for MoE models, how each expert was calibrated.
+    `samples` x `seq_len` = `tokens` are the windows that actually ran (what the file gave); the
+    `requested_*` what --calib-samples / --calib-seq-len asked (the file may hold fewer)."""
 
     file: str  # file name (no folder)
     sha256: str
-    samples: int
-    seq_len: int
+    samples: int  # windows used
+    seq_len: int  # tokens per window used
+    tokens: int | None = None  # samples * seq_len: calibration tokens used
+    requested_samples: int | None = None  # --calib-samples
+    requested_seq_len: int | None = None  # --calib-seq-len
     all_experts: bool = False  # MoE: every expert ran on every token of its layer
     routed_tokens: dict[str, int] | None = None  # MoE expert -> tokens its router sent it (may be 0)
 
