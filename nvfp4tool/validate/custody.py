@@ -6,8 +6,8 @@
 * The BF16 source validate opens must be the source the export was made from, as its provenance
   record (`nvfp4tool_export.json`, `records.export.SourceRecord`) names it: the same kind (HF folder
   or training run, at the recorded step) with exactly the recorded weight files (relative to the
-  source) and their sha256 (`records.export.sha256_file`, the one hasher). The first missing, extra
-  or differing file is named; for a differing file, also the first tensor that the export stored
+  source) and their sha256 (`records.export.sha256_file`, the one hasher). The first missing or
+  differing recorded file is named (then the first extra one); for a differing file, also the first tensor that the export stored
   unchanged (BF16 embeddings, norms, kept layers: same name, dtype and shape) whose bytes differ
   from the export's copy, when there is one (a changed quantized weight cannot be compared: its
   original bytes are not stored). A MaxText source cannot be compared: validate reads HF sources
@@ -46,15 +46,15 @@ def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -
         return (f"{source.path}: step {source.step}, but {where} records the source {name!r} at step "
                 f"{recorded.step}")
     actual = {os.path.relpath(f, source.path): f for f in source.weight_files}
-    for rel in sorted(set(recorded.files) | set(actual)):
+    for rel, digest in sorted(recorded.files.items()):  # the recorded files first, then any extra one
         if rel not in actual:
             return (f"{os.path.join(source.path, rel)}: missing; {where} records it among the weight files "
                     f"of the source {name!r}")
-        if rel not in recorded.files:
-            return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
-        if sha256_file(actual[rel]) != recorded.files[rel]:
+        if sha256_file(actual[rel]) != digest:
             return (f"{actual[rel]}: sha256 differs from the one {where} records for the source {name!r}"
                     + _first_tensor(actual[rel], record))
+    for rel in sorted(set(actual) - set(recorded.files)):
+        return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
     return None
 
 
