@@ -160,6 +160,20 @@ def _(w):
     return _validate(w, w.copy("mo"), "--source-mismatch-ok", "--force", source=hf), (f"{DOWN}.weight",)
 
 
+@case("validate/fp8-reference-of-another-source", 1)
+def _(w):
+    fp8 = w.copy("fp8")
+    edit_json(os.path.join(fp8, RECORD), lambda r: r["source"]["files"].update({WEIGHTS: "1" * 64}))
+    return _validate(w, w.copy("mo"), reference=fp8), (os.path.join(fp8, RECORD), WEIGHTS)
+
+
+@case("validate/fp8-reference-of-another-training-step", 1)
+def _(w):
+    fp8 = w.copy("fp8")
+    edit_json(os.path.join(fp8, RECORD), lambda r: r["source"].update(kind="run", step=3))
+    return _validate(w, w.copy("ct"), reference=fp8), (os.path.join(fp8, RECORD),)
+
+
 # ---- reports are outputs -------------------------------------------------------------------
 
 for _name in ("validation.json", "validation.md", "validation_layer_sqnr.png", "validation_kl_hist.png"):

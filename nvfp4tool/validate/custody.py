@@ -1,19 +1,22 @@
 """Chain of custody, validate's side: a validation is bound to the bytes it proves.
 
     problem = source_mismatch(export_dir, record, source)  # None, or one line naming the first differing file
+    problem = reference_mismatch(fp8_dir, record)            # the --reference FP8 export of another source?
     hashes = validated_files(export_dir)                    # {absolute path: sha256} recorded as `export`
 
 * The BF16 source validate opens must be the source the export was made from, as its provenance
   record (`nvfp4tool_export.json`, `records.export.SourceRecord`) names it: the same kind (HF folder
   or training run, at the recorded step) with exactly the recorded weight files (relative to the
   source) and their sha256 (`records.export.sha256_file`, the one hasher). The first missing or
-  differing recorded file is named (then the first extra one); for a differing file, also the first tensor that the export stored
-  unchanged (BF16 embeddings, norms, kept layers: same name, dtype and shape) whose bytes differ
-  from the export's copy, when there is one (a changed quantized weight cannot be compared: its
-  original bytes are not stored). A MaxText source cannot be compared: validate reads HF sources
+  differing recorded file is named (then the first extra one); for a differing file, also the
+  first tensor that the export stored unchanged (BF16 embeddings, norms, kept layers: same name,
+  dtype and shape) whose bytes differ from the export's copy, when there is one (a changed
+  quantized weight cannot be compared: its original bytes are not stored). A MaxText source cannot be compared: validate reads HF sources
   only (a MaxText checkpoint must be converted to HF first, with other bytes), so an export of a
   MaxText checkpoint is always a mismatch (`validate --source-mismatch-ok` runs it anyway and
   says so in the report).
+* An FP8 export given as `--reference` must record the same source (name aside: the same weight
+  files and sha256) as the export, when both carry provenance records.
 * validation.json's `export` hashes cover every file `push` uploads (`hub.upload._folder_files`,
   the owner of that list) except the reports validate itself writes into the export
   (`report.REPORT_FILES`) and the model card push generates (`hub.upload.CARD_FILE`).
@@ -55,6 +58,19 @@ def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -
                     + _first_tensor(actual[rel], record))
     for rel in sorted(set(actual) - set(recorded.files)):
         return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
+    return None
+
+
+def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
+    """None if the FP8 export `fp8_dir` records the same source weights as `record` (or records
+    nothing), else one line naming the first weight file they disagree on."""
+    if not ExportRecord.exists(fp8_dir):
+        return None
+    theirs, ours = ExportRecord.read(fp8_dir).source, record.source
+    for rel in sorted(set(theirs.files) | set(ours.files)):
+        if theirs.files.get(rel) != ours.files.get(rel) or (theirs.kind, theirs.step) != (ours.kind, ours.step):
+            return (f"{ExportRecord.path(fp8_dir)}: its source {theirs.name!r} differs from the export's "
+                    f"{ours.name!r} (weight file {rel})")
     return None
 
 

@@ -62,7 +62,7 @@ from nvfp4tool.records.export import ExportRecord, sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
 from nvfp4tool.validate import metrics
-from nvfp4tool.validate.custody import source_mismatch, validated_files
+from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
 
@@ -195,6 +195,11 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     if mismatch is not None and not options.source_mismatch_ok:
         raise NVFP4ToolError(f"{mismatch}: not the source the export was made from; pass the right --source, "
                              "or --source-mismatch-ok to validate against this one anyway (the report says so)")
+    if mismatch is None and record is not None and options.reference not in ("fp8", "bf16"):
+        mismatch = reference_mismatch(options.reference, record)
+        if mismatch is not None and not options.source_mismatch_ok:
+            raise NVFP4ToolError(f"{mismatch}: the FP8 reference must be an export of the same source; pass "
+                                 "another --reference, or --source-mismatch-ok to compare with it anyway")
     if mismatch is not None:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
