@@ -156,3 +156,38 @@ def test_sigterm_leaves_nothing_and_a_kill_9_scratch_is_removed_by_the_next_run(
     with open_inputs(export, ValidateOptions(data=ids, reference="bf16", source=source, samples=2, seq_len=SEQ)):
         assert not os.path.exists(scratch)  # removed by the next run's scratch folder
     assert os.listdir(system_tmp) == [] and _hashes(export) == before
+
+
+# ---- a training-run source -----------------------------------------------------------------
+
+@pytest.mark.slow  # trains a tiny run (2 steps, a checkpoint at step 2) and exports it twice
+def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
+    from nvfp4tool.export import ExportOptions, export_checkpoint
+    from nvfp4tool.train.config import load_train_config
+    from nvfp4tool.train.data import embedded_corpus, iter_documents
+    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+    from nvfp4tool.train.trainer import train
+
+    train_txt, val_txt = embedded_corpus()
+    train_bpe_tokenizer(iter_documents(train_txt), 384, tmp_path / "tok")
+    run = tmp_path / "run"
+    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(tmp_path / "tok"),
+                recipe="nvfp4", steps=2, seq_len=32, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=0,
+                checkpoint_every=2, out=str(run), seed=1)
+    train(load_train_config(None, [f"{k}={v}" for k, v in args.items()]))
+    for name, step in (("final", None), ("step2", 2)):
+        export_checkpoint(str(run), str(tmp_path / name), ExportOptions(step=step, show_progress=False))
+    ids = str(tmp_path / "ids.npy")
+    np.save(ids, np.random.default_rng(0).integers(0, 384, (2, 16)))
+
+    for name, step in (("final", None), ("step2", 2)):  # --source RUN: at the step the record names
+        options = ValidateOptions(data=ids, reference="fp8", source=str(run), samples=2, seq_len=16)
+        with open_inputs(str(tmp_path / name), options) as inputs:
+            assert inputs.source.step == step and inputs.source_mismatch is None
+            assert inputs.reference_calibration == "the training run's tracked input amax"
+
+    # the run's hf/ folder is other bytes' container than the recorded run: refused, by name
+    result = CliRunner().invoke(cli, ["validate", str(tmp_path / "final"), "--source", str(run / "hf"), "--data",
+                                      ids, "--reference", "bf16", "--samples", "2", "--seq-len", "16"])
+    assert result.exit_code == 1 and "an HF folder" in result.output and "a training run" in result.output, \
+        result.output
