@@ -424,6 +424,13 @@ def _threshold_default(field: str):
     return getattr(Thresholds(), field)
 
 
+def _calib_default(field: str):
+    """Default of a calibration option (kept in nvfp4tool.export.ExportOptions)."""
+    from nvfp4tool.export import ExportOptions
+
+    return getattr(ExportOptions(), field)
+
+
 @cli.command("validate")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
@@ -432,9 +439,23 @@ def _threshold_default(field: str):
               help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
                    "or the folder of an `export --quant fp8`.")
 @click.option("--source", type=click.Path(), default=None,
-              help="The BF16 source (default: named by the export's nvfp4tool_export.json).")
+              help="The BF16 source (default: named by the export's nvfp4tool_export.json). Its weight files "
+                   "must have the sha256 that record names.")
+@click.option("--source-mismatch-ok", is_flag=True,
+              help="Validate against a --source whose weights differ from the export's provenance record "
+                   "(default: refused); the report and the model card say so.")
+@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Calibration text (.txt/.jsonl) or ids (.npy) for the FP8 reference made on the fly "
+                   "(--reference fp8; default: the W4A4 export's own input amax or a training run's tracked "
+                   "amax; never --data).")
+@click.option("--calib-samples", type=_COUNT, default=_calib_default("calib_samples"), show_default=True,
+              help="Sequences of --calib-data read.")
+@click.option("--calib-seq-len", type=click.IntRange(min=2), default=_calib_default("calib_seq_len"),
+              show_default=True, help="Tokens per --calib-data sequence.")
 @click.option("--json", "json_copy", type=_NewFile(), default=None,
               help="Also write validation.json here.")
+@click.option("--force", is_flag=True,
+              help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.")
 @click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
 @click.option("--batch-size", type=_COUNT, default=4, show_default=True)
@@ -453,12 +474,14 @@ def _threshold_default(field: str):
 @click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
 @click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
               help="KL mean target of --sensitivity.")
-def validate_command(export, data, reference, source, json_copy, samples, seq_len, batch_size, prompts,
+def validate_command(export, data, reference, source, source_mismatch_ok, calib_data, calib_samples,
+                     calib_seq_len, json_copy, force, samples, seq_len, batch_size, prompts,
                      prompt_len, gen_tokens, max_kl_mean, max_kl_p99, min_top1, max_ppl_increase,
                      min_layer_sqnr, offload, sensitivity, kl_target) -> None:
     """Prove an NVFP4 export against its BF16 source and an FP8 reference; exit 1 if it fails.
 
-    Writes validation.json, validation.md and PNG plots into EXPORT.
+    Writes validation.json, validation.md and PNG plots into EXPORT (replacing them only with
+    --force). The source must be the one the export's provenance record names (same weight hashes).
 
     \b
     Example:
@@ -475,11 +498,15 @@ def validate_command(export, data, reference, source, json_copy, samples, seq_le
     options = ValidateOptions(
         data=data, reference=reference, source=source, samples=samples, seq_len=seq_len,
         batch_size=batch_size, prompts=prompts, prompt_len=prompt_len, gen_tokens=gen_tokens, offload=offload,
-        thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
+        source_mismatch_ok=source_mismatch_ok, calib_data=calib_data, calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len, thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
                               max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
     console = Console()
-    run = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None)
+    run = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None,
+                          force=force)
     record = run.record
+    if run.source_mismatch is not None:
+        click.echo(f"note: --source-mismatch-ok: {run.source_mismatch}; validation.json records it")
     print_report(record, console)
     if record.sensitivity is not None:
         found = record.sensitivity

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         "check": ["check", paths["export"], "--json-out", os.path.join(workdir, "check.json")],
         "validate": ["validate", paths["export"], "--data", val, "--samples", str(samples), "--seq-len",
                      str(seq_len), "--prompts", str(prompts), "--prompt-len", str(prompt_len), "--gen-tokens",
-                     str(gen_tokens), "--json", os.path.join(workdir, "validation.json")],
+                     str(gen_tokens), "--json", os.path.join(workdir, "validation.json"), "--force"],
     }
     cli = [sys.executable, "-c", "from nvfp4tool.cli import main; main()"]
     for i, stage in enumerate(stages):

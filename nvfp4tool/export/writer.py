@@ -89,6 +89,9 @@ class ExportOptions:
     rope_layout: str | None = None  # MaxText sources with an HF config: "half" | "interleaved"
     force: bool = False
     show_progress: bool = True  # False: report no progress task (library callers inside another task)
+    # library callers: the input amax of every quantized module, used instead of calibration when no
+    # calib_data is given (validate's FP8 reference takes a W4A4 export's calibrated amax)
+    input_amax: dict[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +394,9 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
     given (its windows `ids_SxL`); the KV cache is always calibrated."""
     kv_cache = _kv(options) is not None
     needs_inputs = plan.has_input_scales and bool(plan.quantized)
+    if needs_inputs and not kv_cache and options.input_amax is not None and options.calib_data is None:
+        given = dataclasses.replace(source, input_amax=dict(options.input_amax))
+        return _tracked_input_amax(given, plan)[0], "given (ExportOptions.input_amax)", None, {}
     if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
         input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
         if not kv_cache:

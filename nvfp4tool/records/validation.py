@@ -152,6 +152,10 @@ class ValidationRecord(Record):
     # True when `validate --source-mismatch-ok` ran against a source whose weight hashes differ
     # from the export's provenance record (shown on the card); False when they agree
     source_mismatch_ok: bool = False
+    # what calibrated the FP8 reference's input scales (`validate --calib-data`, the W4A4 export's
+    # input amax, a training run's tracked amax, an FP8 export's own record); None: no FP8 column,
+    # or a report written before this field
+    reference_calibration: str | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
+import shutil
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,10 +44,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from converters.atomic import scratch_dir
 from converters.tensor_source import tensor_bytes
 from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.export import ExportOptions
+from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
@@ -55,13 +58,16 @@ from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, Plain, layer_modules
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.numerics.dot import WIDEN_BYTES
-from nvfp4tool.records.export import sha256_file
+from nvfp4tool.records.export import ExportRecord, sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
 from nvfp4tool.validate import metrics
+from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
 
+_EXPORT_DEFAULTS = ExportOptions()  # the FP8 reference's calibration defaults are export's
+SCRATCH_PREFIX = "nvfp4tool-validate-"  # the scratch folder in the system temp folder (atomic.scratch_dir)
 KL_BINS = 40  # log-spaced bins of the per-token KL histogram
 KV_SUFFIX = "+fp8-kv"  # label of the export run with its FP8 KV cache ("nvfp4+fp8-kv")
 COMPUTE_DTYPE = jnp.float32  # every validated model computes in fp32
@@ -82,6 +88,10 @@ class ValidateOptions:
     gen_tokens: int = 256  # greedy continuation length
     thresholds: Thresholds = Thresholds()
     offload: str = "auto"  # auto | never | always (memory.choose_offload)
+    source_mismatch_ok: bool = False  # validate against a source that is not the export's recorded one
+    calib_data: str | None = None  # calibration of the on-the-fly FP8 reference (never `data`)
+    calib_samples: int = _EXPORT_DEFAULTS.calib_samples
+    calib_seq_len: int = _EXPORT_DEFAULTS.calib_seq_len
 
 
 @dataclasses.dataclass
@@ -120,6 +130,8 @@ class Inputs:
     ids_SxL: np.ndarray
     scratch: str  # a temporary folder for this validation (the reference logits, an FP8 export)
     reference_logits: LogitSpool | None = None  # the BF16 logits, once the source has run
+    source_mismatch: str | None = None  # why the source is not the export's recorded one (source_mismatch_ok)
+    reference_calibration: str | None = None  # what calibrated the FP8 reference (ValidationRecord)
     ran: dict[str, str] = dataclasses.field(default_factory=dict)  # {label: "held" | "streamed"}
 
     @property
@@ -150,46 +162,70 @@ class Inputs:
 @contextlib.contextmanager
 def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     """Open the export, its BF16 source, the FP8 reference and read the token windows; the scratch
-    folder (reference logits, an FP8 export made on the fly) is removed on exit."""
+    folder (reference logits, an FP8 export made on the fly) is removed on exit.
+
+    Refused up front, before any model runs: a source that is not the one the export's provenance
+    record names (`custody.source_mismatch`; unless `source_mismatch_ok`), an on-the-fly FP8
+    reference with nothing to calibrate it on (`_reference_calibration`), `calib_data` where no FP8
+    reference is made or that is the evaluation data itself."""
     from nvfp4tool.export.calibrate import load_calibration_ids
 
     for flag, value in (("--samples", options.samples), ("--seq-len", options.seq_len),
                         ("--batch-size", options.batch_size), ("--prompts", options.prompts),
-                        ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens)):
+                        ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens),
+                        ("--calib-samples", options.calib_samples), ("--calib-seq-len", options.calib_seq_len)):
         if value < 1:
             raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
     if options.offload not in memory.OFFLOAD_MODES:
         raise NVFP4UsageError(f"--offload {options.offload}: expected one of {', '.join(memory.OFFLOAD_MODES)}")
     if options.reference not in ("fp8", "bf16") and not os.path.isdir(options.reference):
         raise NVFP4ToolError(f"--reference {options.reference}: not fp8, bf16 or an export folder")
+    _check_calib_data(options)
     progress.info(f"opening {export_dir}")
     nvfp4 = Candidate.load(export_dir)
     if not nvfp4.exported.quantized:
         raise NVFP4ToolError(f"{export_dir}: no quantized linear modules (everything is BF16): nothing to validate")
     if nvfp4.exported.quant == "fp8" and options.reference != "bf16":
         raise NVFP4ToolError(f"{export_dir}: an FP8 export; validate it with --reference bf16")
-    source_path, step = _source_of(export_dir, options.source)
+    record = ExportRecord.read(export_dir) if ExportRecord.exists(export_dir) else None
+    source_path, step = _source_of(export_dir, options.source, record)
     progress.info(f"opening the BF16 source {source_path}")
     source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
+    mismatch = None if record is None else source_mismatch(export_dir, record, source)
+    if mismatch is not None and not options.source_mismatch_ok:
+        raise NVFP4ToolError(f"{mismatch}: not the source the export was made from; pass the right --source, "
+                             "or --source-mismatch-ok to validate against this one anyway (the report says so)")
+    if mismatch is None and record is not None and options.reference not in ("fp8", "bf16"):
+        mismatch = reference_mismatch(options.reference, record)
+        if mismatch is not None and not options.source_mismatch_ok:
+            raise NVFP4ToolError(f"{mismatch}: the FP8 reference must be an export of the same source; pass "
+                                 "another --reference, or --source-mismatch-ok to compare with it anyway")
+    if mismatch is not None:
+        progress.info(f"--source-mismatch-ok: {mismatch}")
+    calibration = _reference_calibration(options, record, source)
     tokenizer_dir = export_dir if os.path.isfile(os.path.join(export_dir, "tokenizer.json")) else source.aux_dir
+    vocab = nvfp4.exported.config.vocab_size
     ids = load_calibration_ids(options.data, samples=options.samples, seq_len=options.seq_len,
-                               tokenizer_dir=tokenizer_dir, vocab_size=nvfp4.exported.config.vocab_size,
-                               flags=("--samples", "--seq-len"))
-    with tempfile.TemporaryDirectory(prefix="nvfp4tool-validate-") as scratch:
-        fp8, reference, reference_export = _reference(options, source, scratch)
+                               tokenizer_dir=tokenizer_dir, vocab_size=vocab, flags=("--samples", "--seq-len"))
+    if options.calib_data is not None:  # read once here, so a bad file is refused before anything runs
+        load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
+                             tokenizer_dir=source.aux_dir, vocab_size=vocab)
+    with _scratch() as scratch:
+        fp8, reference, reference_export, reference_calibration = _reference(options, source, scratch, calibration)
         yield Inputs(export_dir=export_dir, options=options, source=source, nvfp4=nvfp4, fp8=fp8,
-                     reference=reference, reference_export=reference_export, ids_SxL=ids, scratch=scratch)
+                     reference=reference, reference_export=reference_export, ids_SxL=ids, scratch=scratch,
+                     source_mismatch=mismatch, reference_calibration=reference_calibration)
 
 
 def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str | None = None,
-                    kl_target: float | None = None) -> ValidationRun:
+                    kl_target: float | None = None, force: bool = False) -> ValidationRun:
     """Validate, optionally search the layers to keep in BF16 (`kl_target`), write the reports
-    (validation.json / .md and the plots into the export, a copy of the JSON at `json_copy`)."""
+    (validation.json / .md and the plots into the export, a copy of the JSON at `json_copy`).
+    Existing reports are replaced only with `force` (refused before anything runs otherwise)."""
     from nvfp4tool.validate.report import write_reports
     from nvfp4tool.validate.sensitivity import sensitivity
 
-    if json_copy is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_copy))):
-        raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
+    check_report_paths(export_dir, json_copy, force=force)
     started = time.perf_counter()
     with open_inputs(export_dir, options) as inputs:
         record = run_validation(inputs)
@@ -200,7 +236,28 @@ def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str
             offload=options.offload, models=dict(inputs.ran), peak_rss_bytes=memory.peak_rss_bytes(),
             seconds=time.perf_counter() - started))
     files = write_reports(record, export_dir, json_copy)
-    return ValidationRun(record=record, files=files, source_path=inputs.source.path)
+    return ValidationRun(record=record, files=files, source_path=inputs.source.path,
+                         source_mismatch=inputs.source_mismatch)
+
+
+def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool) -> None:
+    """Refuse (before any work) a `--json` copy into a missing folder or inside the export (push would
+    publish a file validation.json does not hash), and, without `force`, replacing any report
+    validate writes (validation.json / .md, the PNGs, the `--json` copy)."""
+    from nvfp4tool.validate.report import REPORT_FILES
+
+    if json_copy is not None:
+        folder = os.path.dirname(os.path.abspath(json_copy))
+        if not os.path.isdir(folder):
+            raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
+        if os.path.isdir(export_dir) and os.path.commonpath([os.path.realpath(folder), os.path.realpath(export_dir)]) \
+                == os.path.realpath(export_dir):
+            raise NVFP4UsageError(f"--json {json_copy}: inside the export {export_dir}, which already gets "
+                                  f"{REPORT_FILES[0]}; write the copy elsewhere")
+    for path in [os.path.join(export_dir, name) for name in REPORT_FILES] + ([json_copy] if json_copy else []):
+        if os.path.lexists(path) and (not force or os.path.isdir(path)):
+            raise NVFP4ToolError(f"{path}: already exists; pass --force to replace it" if not os.path.isdir(path)
+                                 else f"{path}: exists and is not a file; refusing to replace it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +268,7 @@ class ValidationRun:
     record: ValidationRecord
     files: list[str]
     source_path: str
+    source_mismatch: str | None = None  # the source differs from the export's record (source_mismatch_ok)
 
 
 def run_validation(inputs: Inputs) -> ValidationRecord:
@@ -290,7 +348,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
     top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
     return ValidationRecord(
-        export=Named.of(inputs.export_dir, _folder_hashes(inputs.export_dir)),
+        export=Named.of(inputs.export_dir, validated_files(inputs.export_dir)),
         quant=inputs.nvfp4.exported.quant,
         format=inputs.nvfp4.exported.format,
         source=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
@@ -308,6 +366,8 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         thresholds=dataclasses.asdict(options.thresholds),
         failures=[Failure(**f) for f in failures],
         passed=not failures,
+        source_mismatch_ok=inputs.source_mismatch is not None,
+        reference_calibration=inputs.reference_calibration,
     )
 
 
@@ -452,43 +512,113 @@ def _histogram(values: np.ndarray, top: float) -> Histogram:
     return Histogram(edges=edges.tolist(), counts=counts.tolist())
 
 
-def _folder_hashes(folder: str) -> dict[str, str]:
-    """{file: sha256} of an export's files, without the reports validate writes into it."""
-    from nvfp4tool.validate.report import REPORT_FILES
-
-    return {os.path.join(folder, f): sha256_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder))
-            if f not in REPORT_FILES and os.path.isfile(os.path.join(folder, f))}
-
-
 # validate takes no --model-config: a MaxText --source must be converted to HF first
 _VALIDATE_OPTIONS = dataclasses.replace(CLI_OPTIONS, path="--source {}", model_config=None)
 
 
-def _source_of(export_dir: str, source: str | None) -> tuple[str, int | None]:
-    """(the BF16 source's path, its step): `--source`, else the export's provenance record."""
+def _source_of(export_dir: str, source: str | None, record: ExportRecord | None) -> tuple[str, int | None]:
+    """(the BF16 source's path, its step): `--source` (at the step the export's record names), else
+    the source the provenance record names, found by its hashes."""
     if source is not None:
-        return source, None
+        return source, None if record is None or record.source.kind != "run" else record.source.step
     return locate_source(export_dir)
 
 
-def _reference(options: ValidateOptions, source: Checkpoint, scratch: str) -> tuple[Candidate | None, str, Named | None]:
-    """(the FP8 candidate or None, what it is, the --reference folder named and hashed)."""
+def _check_calib_data(options: ValidateOptions) -> None:
+    """`--calib-data` only calibrates the FP8 reference made on the fly, and never on the evaluation
+    text (the reference would be judged on its own calibration data)."""
+    if options.calib_data is None:
+        return
+    if options.reference != "fp8":
+        raise NVFP4UsageError(f"--calib-data {options.calib_data}: only calibrates the FP8 reference made on "
+                              f"the fly (--reference fp8); with --reference {options.reference} it would be unused")
+    if not os.path.isfile(options.calib_data):
+        raise NVFP4UsageError(f"--calib-data {options.calib_data}: not a file")
+    if sha256_file(options.calib_data) == sha256_file(options.data):
+        raise NVFP4UsageError(f"--calib-data {options.calib_data}: the same data as --data {options.data}; "
+                              "calibrate the FP8 reference on other text than it is evaluated on")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Calibration:
+    """How the on-the-fly FP8 reference gets its input scales."""
+
+    calib_data: str | None = None  # calibrate on this file
+    input_amax: dict[str, float] | None = None  # or take these (the W4A4 export's)
+    what: str = ""  # said in the record; "" until the FP8 export says what it used
+
+
+def _reference_calibration(options: ValidateOptions, record: ExportRecord | None,
+                           source: Checkpoint) -> _Calibration | None:
+    """What calibrates the FP8 reference (None: no FP8 reference is made): --calib-data, else a
+    training run's tracked input amax, else the W4A4 export's own calibrated input amax (its
+    provenance record), never the evaluation data. Nothing of these: exit 2 naming --calib-data."""
+    if options.reference != "fp8":
+        return None
+    if options.calib_data is not None:
+        return _Calibration(calib_data=options.calib_data)
+    if source.kind == "run" and source.input_amax is not None:
+        return _Calibration(what="the training run's tracked input amax")
+    plan = make_plan(source.config, "fp8", precision_map=source.precision_map)
+    amax = (record.input_amax if record is not None and record.quant == "nvfp4" and record.input_amax else {})
+    if plan.quantized and all(m in amax and np.isfinite(amax[m]) and amax[m] > 0 for m in plan.quantized):
+        calibrated = f"calibrated on `{record.calibration.file}`" if record.calibration else record.input_amax_origin
+        return _Calibration(input_amax={m: float(amax[m]) for m in plan.quantized},
+                            what=f"the export's input amax ({calibrated})")
+    why = ("a weight-only export carries no input scales" if record is None or record.quant != "nvfp4"
+           else "the export's provenance record has no usable input amax for every linear")
+    raise NVFP4UsageError(f"--reference fp8 makes an FP8 reference that needs calibration data ({why}); pass "
+                          "--calib-data PATH (calibration text, not the --data evaluation text), or "
+                          "--reference bf16 / an FP8 export folder")
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[str]:
+    """This validation's scratch folder (the BF16 logits spool, an FP8 export made on the fly):
+    `nvfp4tool-validate-*` in the system temporary folder, marked with this process's pid
+    (`atomic.scratch_dir`, which removes those of killed runs first); removed on exit, also when a
+    signal ends the run (the CLI turns SIGTERM into an exception)."""
+    folder = scratch_dir(SCRATCH_PREFIX)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calibration: _Calibration | None
+               ) -> tuple[Candidate | None, str, Named | None, str | None]:
+    """(the FP8 candidate or None, what it is, the --reference folder named and hashed, what
+    calibrated its input scales)."""
     if options.reference == "bf16":
-        return None, "bf16", None
+        return None, "bf16", None, None
     if options.reference != "fp8":
         candidate = Candidate.load(options.reference, label="fp8")
         if candidate.exported.quant != "fp8":
             raise NVFP4ToolError(f"{options.reference}: a {candidate.exported.quant} export, "
                                  "not an FP8 one (--reference wants an `export --quant fp8` folder)")
-        return candidate, "fp8 export", Named.of(options.reference, _folder_hashes(options.reference))
-    from nvfp4tool.export import ExportOptions, export_checkpoint
+        return (candidate, "fp8 export", Named.of(options.reference, validated_files(options.reference)),
+                _calibration_of(options.reference))
+    from nvfp4tool.export import export_checkpoint
 
+    assert calibration is not None
     progress.info("making the FP8 reference (export --quant fp8)")
-    # A training run brings its tracked input amax; other sources calibrate on the data.
-    calib = None if source.kind == "run" else options.data
     out = os.path.join(scratch, "fp8")
     export_checkpoint(source.path, out, ExportOptions(
-        quant="fp8", step=source.step, calib_data=calib, calib_samples=options.samples,
-        calib_seq_len=options.seq_len, show_progress=False, offload=options.offload))
+        quant="fp8", step=source.step, calib_data=calibration.calib_data, calib_samples=options.calib_samples,
+        calib_seq_len=options.calib_seq_len, input_amax=calibration.input_amax, show_progress=False,
+        offload=options.offload))
     memory.release()
-    return Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None
+    return (Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None,
+            calibration.what or _calibration_of(out))
+
+
+def _calibration_of(fp8_export: str) -> str | None:
+    """What calibrated an FP8 export's input scales, from its provenance record (None without one)."""
+    if not ExportRecord.exists(fp8_export):
+        return None
+    record = ExportRecord.read(fp8_export)
+    found = record.calibration
+    if found is None:
+        return record.input_amax_origin
+    return (f"calibration data `{found.file}` (sha256 {found.sha256[:12]}..., {found.samples} x "
+            f"{found.seq_len} tokens)")

@@ -1,0 +1,101 @@
+"""Chain of custody, validate's side: a validation is bound to the bytes it proves.
+
+    problem = source_mismatch(export_dir, record, source)  # None, or one line naming the first differing file
+    problem = reference_mismatch(fp8_dir, record)            # the --reference FP8 export of another source?
+    hashes = validated_files(export_dir)                    # {absolute path: sha256} recorded as `export`
+
+* The BF16 source validate opens must be the source the export was made from, as its provenance
+  record (`nvfp4tool_export.json`, `records.export.SourceRecord`) names it: the same kind (HF folder
+  or training run, at the recorded step) with exactly the recorded weight files (relative to the
+  source) and their sha256 (`records.export.sha256_file`, the one hasher). The first missing or
+  differing recorded file is named (then the first extra one); for a differing file, also the
+  first tensor that the export stored unchanged (BF16 embeddings, norms, kept layers: same name,
+  dtype and shape) whose bytes differ from the export's copy, when there is one (a changed
+  quantized weight cannot be compared: its original bytes are not stored). A MaxText source cannot be compared: validate reads HF sources
+  only (a MaxText checkpoint must be converted to HF first, with other bytes), so an export of a
+  MaxText checkpoint is always a mismatch (`validate --source-mismatch-ok` runs it anyway and
+  says so in the report).
+* An FP8 export given as `--reference` must record the same source (name aside: the same weight
+  files and sha256) as the export, when both carry provenance records.
+* validation.json's `export` hashes cover every file `push` uploads (`hub.upload._folder_files`,
+  the owner of that list) except the reports validate itself writes into the export
+  (`report.REPORT_FILES`) and the model card push generates (`hub.upload.CARD_FILE`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from converters.hf import read_safetensors_header
+from nvfp4tool.checkpoints import Checkpoint
+from nvfp4tool.records.export import ExportRecord, sha256_file
+
+_KINDS = {"hf": "an HF folder", "run": "a training run", "maxtext": "a MaxText checkpoint"}
+
+
+def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -> str | None:
+    """None if `source` is the export's recorded source, else one line naming the first difference."""
+    where = ExportRecord.path(export_dir)
+    recorded = record.source
+    name = recorded.name
+    if recorded.kind == "maxtext":
+        return (f"{where}: the export was made from the MaxText checkpoint {name!r}, which validate cannot "
+                f"open; the weight files of the HF --source {source.path} cannot be compared with the recorded ones")
+    if source.kind != recorded.kind:
+        return (f"{source.path}: {_KINDS.get(source.kind, source.kind)}, but {where} records the source "
+                f"{name!r} as {_KINDS.get(recorded.kind, recorded.kind)}")
+    if source.step != recorded.step:
+        return (f"{source.path}: step {source.step}, but {where} records the source {name!r} at step "
+                f"{recorded.step}")
+    actual = {os.path.relpath(f, source.path): f for f in source.weight_files}
+    for rel, digest in sorted(recorded.files.items()):  # the recorded files first, then any extra one
+        if rel not in actual:
+            return (f"{os.path.join(source.path, rel)}: missing; {where} records it among the weight files "
+                    f"of the source {name!r}")
+        if sha256_file(actual[rel]) != digest:
+            return (f"{actual[rel]}: sha256 differs from the one {where} records for the source {name!r}"
+                    + _first_tensor(actual[rel], record))
+    for rel in sorted(set(actual) - set(recorded.files)):
+        return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
+    return None
+
+
+def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
+    """None if the FP8 export `fp8_dir` records the same source weights as `record` (or records
+    nothing), else one line naming the first weight file they disagree on."""
+    if not ExportRecord.exists(fp8_dir):
+        return None
+    theirs, ours = ExportRecord.read(fp8_dir).source, record.source
+    for rel in sorted(set(theirs.files) | set(ours.files)):
+        if theirs.files.get(rel) != ours.files.get(rel) or (theirs.kind, theirs.step) != (ours.kind, ours.step):
+            return (f"{ExportRecord.path(fp8_dir)}: its source {theirs.name!r} differs from the export's "
+                    f"{ours.name!r} (weight file {rel})")
+    return None
+
+
+def validated_files(export_dir: str) -> dict[str, str]:
+    """{absolute file: sha256} of every file of the export that push uploads, without the reports
+    validate writes (validation.json, validation.md, the PNGs) and the model card push makes."""
+    from nvfp4tool.hub.upload import CARD_FILE, _folder_files
+    from nvfp4tool.validate.report import REPORT_FILES
+
+    skip = {*REPORT_FILES, CARD_FILE}
+    return {os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
+            for rel in sorted(_folder_files(export_dir)) if rel not in skip}
+
+
+def _first_tensor(file: str, record: ExportRecord) -> str:
+    """" (tensor NAME differs from the export's copy)" for the first tensor of `file` that the export
+    stored as it is in the source (same dtype and shape) and whose bytes differ; "" if none."""
+    for entry in read_safetensors_header(file).values():
+        stored = record.tensors.get(entry.name)
+        if stored is None or stored.amax is not None or stored.dtype != entry.code or \
+                tuple(stored.shape) != tuple(entry.shape):
+            continue
+        with open(file, "rb") as f:
+            f.seek(entry.start)
+            digest = hashlib.sha256(f.read(entry.nbytes)).hexdigest()
+        if digest != stored.sha256:
+            return f" (tensor {entry.name} differs from the export's copy)"
+    return ""
