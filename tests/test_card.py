@@ -65,6 +65,12 @@ def test_fp8_reference_is_named_with_how_it_was_made(tmp_path):
                     reference_export=Named("l-fp8", {"model.safetensors": "3" * 64}))
     card, _ = _push(folder)
     assert "and the FP8 reference `l-fp8` (fp8 export)" in card
+    what = "the export's input amax (calibrated on `calib.npy`)"
+    bind_validation(folder, reference=record.reference, models={**record.models, "fp8": FP8_METRICS},
+                    reference_calibration=what)
+    card, _ = _push(folder)
+    assert f"(fp8 (exported on the fly from the source); its input scales from {what})" in card
+    assert f"reference: {record.reference}; its input scales from {what}" in _section(card, "Validation")
 
 
 # ---------------------------------------------------------------------------------------- thresholds

@@ -222,7 +222,9 @@ def _references(validation: ValidationRecord) -> str:
     if not fp8_reference_ran(validation):
         return f"{source} only (no FP8 reference was run: `--reference bf16`)"
     named = f" `{validation.reference_export.name}`" if validation.reference_export is not None else ""
-    return f"{source} and the FP8 reference{named} ({validation.reference})"
+    calibrated = (f"; its input scales from {validation.reference_calibration}"
+                  if validation.reference_calibration else "")
+    return f"{source} and the FP8 reference{named} ({validation.reference}{calibrated})"
 
 
 def _verdict(validation: ValidationRecord) -> str:

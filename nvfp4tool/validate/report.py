@@ -43,6 +43,8 @@ def markdown(record: ValidationRecord) -> str:
     """A model-card section: the metric table vs BF16, generation divergence, worst layers, verdict."""
     labels = record.labels
     reference = record.reference + (f" `{record.reference_export.name}`" if record.reference_export else "")
+    if record.reference_calibration:
+        reference += f"; its input scales from {record.reference_calibration}"
     lines = ["## Validation", "",
              f"Measured by `nvfp4tool validate` on {record.data.sequences} sequences x "
              f"{record.data.seq_len} tokens of `{record.data.file.name}` "
