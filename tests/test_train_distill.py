@@ -147,3 +147,39 @@ def test_teacher_with_another_vocabulary_is_bad_data(teachers, tmp_path, monkeyp
     other = build_tiny_model("llama3", str(tmp_path / "other"))  # 256 tokens, the student 384
     code, error = _cli_error(teachers, tmp_path, monkeypatch, teacher=other)
     assert code == 1 and f"teacher={other}" in error and "vocabulary" in error
+
+
+def _teacher_record(tmp_path, **fields):
+    from nvfp4tool.records.export import SourceRecord
+    from nvfp4tool.train.config import TrainConfig
+
+    config = TrainConfig(data="corpus.txt", teacher="t", distill="kl").to_dict()
+    record = dict(config=config, model_config={"model_type": "llama"}, data_sha256="a" * 64,
+                  eval_data_sha256=None, tokenizer_sha256="b" * 64, train_windows=4, eval_windows=1,
+                  devices=1, processes=1,
+                  teacher=SourceRecord(name="t", kind="hf", step=None, files={"model.safetensors": "c" * 64}),
+                  teacher_model_config={"model_type": "llama"})
+    record.update(fields)
+    return RunRecord(**record)
+
+
+def test_run_record_teacher_round_trips_and_is_checked(tmp_path):
+    """run.json keeps the teacher's record (read back as a SourceRecord); a teacher recorded for a run
+    without one, or half of the pair, is a defect naming run.json and the key; an older run.json
+    without the two keys still reads (its resume is refused by the trainer instead)."""
+    _teacher_record(tmp_path).write(tmp_path)
+    back = RunRecord.read(tmp_path)
+    assert back == _teacher_record(tmp_path) and back.teacher.files == {"model.safetensors": "c" * 64}
+    obj = json.loads((tmp_path / "run.json").read_text())
+    for mutate, expected in ((lambda o: o["config"].update(teacher=None, distill="none"), "teacher: recorded for a run"),
+                             (lambda o: o.pop("teacher_model_config"), "recorded together"),
+                             (lambda o: o["teacher"].update(files={"model.safetensors": 3}), "teacher")):
+        bad = json.loads(json.dumps(obj))
+        mutate(bad)
+        (tmp_path / "run.json").write_text(json.dumps(bad))
+        with pytest.raises(NVFP4ToolError, match=expected) as raised:
+            RunRecord.read(tmp_path)
+        assert str(raised.value).startswith(str(tmp_path / "run.json"))
+    older = {k: v for k, v in obj.items() if k not in ("teacher", "teacher_model_config")}
+    (tmp_path / "run.json").write_text(json.dumps(older))
+    assert RunRecord.read(tmp_path).teacher is None
