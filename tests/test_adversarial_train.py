@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -61,7 +62,7 @@ def _qad_args(paths: dict[str, str], teacher: str, out: str, *extra: str) -> lis
 class _Paths:
     """The module fixture's paths, for the builders (set by the test before each case runs)."""
 
-    current: dict[str, str] = {}
+    current: ClassVar[dict[str, str]] = {}
 
 
 def _resume(w: World, *extra: str, teacher: str | None = None) -> list[str]:
@@ -229,14 +230,30 @@ def _(w):
     return [a if not a.startswith("out=") else f"out={teacher}" for a in args], (teacher,)
 
 
+@case("train/teacher-is-the-run-being-resumed", 2)
+def _(w):
+    run = w.copy("qad")
+    return _resume(w, teacher=run), ("qad",)
+
+
+@case("train/teacher-is-the-data-file", 1)
+def _(w):
+    return _fresh(w, teacher=w.file("notes.txt", TEXT)), ("notes.txt",)
+
+
+@case("train/teacher-hub-id-not-downloaded", 2)
+def _(w):
+    return _fresh(w, teacher="some-org/some-teacher"), ("teacher=some-org/some-teacher", "not found")
+
+
 # ---- distillation settings ----------------------------------------------------------------
 
-for _value, _code in (("0", 2), ("-1", 2), ("inf", 2), ("nan", 2), ("1e999", 2)):
+for _value, _code in (("0", 2), ("-1", 2), ("inf", 2), ("nan", 2), ("1e999", 2), ("hot", 2)):
     @case(f"train/temperature-{_value}", _code)
     def _(w, value=_value):
         return _fresh(w, f"temperature={value}"), ("temperature=",)
 
-for _value in ("1.5", "-0.1", "nan"):
+for _value in ("1.5", "-0.1", "nan", "half"):
     @case(f"train/distill-weight-{_value}", 2)
     def _(w, value=_value):
         return _fresh(w, f"distill_weight={value}"), ("distill_weight=",)

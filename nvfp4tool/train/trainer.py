@@ -20,7 +20,8 @@ tokenized, packed and split), the batch size against the data and the devices. A
 (`resume=true`) is refused without side effects unless it can continue bit-exactly: the same
 configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer, model config and
 teacher (its weight files' sha256 and its model config; wherever it now lies) as the run record
-says, and the same device and process count; `run.json` is never rewritten by a resume. The run folder itself is created atomically (`atomic_output_dir`).
+says, and the same device and process count; `run.json` is never rewritten by a resume. The run
+folder itself is created atomically (`atomic_output_dir`).
 Progress and status lines go through `nvfp4tool.progress`.
 """
 
