@@ -24,6 +24,7 @@ import os
 from typing import Any, ClassVar
 
 from nvfp4tool.records.base import Record
+from nvfp4tool.records.names import portable_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,13 @@ class SourceRecord(Record):
     kind: str  # "hf" | "maxtext" | "run"
     step: int | None  # a training run's checkpoint step (None: its final weights)
     files: dict[str, str]  # weight file, relative to the source folder -> sha256
+
+    @classmethod
+    def of(cls, checkpoint: Any) -> SourceRecord:
+        """An opened `nvfp4tool.checkpoints.Checkpoint` named portably, with its weight files hashed
+        (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)."""
+        return cls(name=portable_name(checkpoint.path), kind=checkpoint.kind, step=checkpoint.step,
+                   files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The records of a training run: `run.json`, and the export hand-off `input_amax.json` and
 `precision_map.json` (written by `nvfp4tool train`, read by resume, export and validate).
 
-    RunRecord.read(run_dir)              <run>/run.json: the run's configuration and data hashes
+    RunRecord.read(run_dir)              <run>/run.json: the run's configuration, data and teacher hashes
     record.train_config()                the TrainConfig it ran with (typed, strict)
     record.recipe_config()               its RecipeConfig; record.weight_block: "2d" | "1d"
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import Record, RecordError, _json_type, fields_from_json
+from nvfp4tool.records.export import SourceRecord
 
 WEIGHTS_DIR = "hf"  # a run's final weights
 CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
@@ -51,11 +52,22 @@ class RunRecord(Record):
     eval_windows: int
     devices: int
     processes: int
+    # a distillation run's teacher, named as an export names its source: portable name, kind, and
+    # the sha256 of each weight file (an HF folder's safetensors, a run's hf/ weights, every file of
+    # a MaxText checkpoint); with the HF config of the model it was read as. None: no teacher, or a
+    # run.json written before teachers were recorded (such a run cannot be resumed)
+    teacher: SourceRecord | None = None
+    teacher_model_config: dict[str, Any] | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
         fields = super()._from_json_fields(obj, label)
-        _train_config(fields["config"], label)  # the config must be one TrainConfig accepts
+        config = _train_config(fields["config"], label)  # the config must be one TrainConfig accepts
+        for key in ("teacher", "teacher_model_config"):
+            if fields.get(key) is not None and config.teacher is None:
+                raise RecordError(f"{label}: {key}: recorded for a run without a teacher (config.teacher is null)")
+        if (fields.get("teacher") is None) != (fields.get("teacher_model_config") is None):
+            raise RecordError(f"{label}: teacher and teacher_model_config must be recorded together")
         return fields
 
     def train_config(self) -> TrainConfig:

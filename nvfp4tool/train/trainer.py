@@ -5,10 +5,11 @@
 Distillation (`teacher=PATH distill=kl`): the teacher is opened by the same opener as the model
 (with its `model_config` / `rope_layout`), checked to share the student's vocabulary and tokenizer,
 held in BF16 on the training mesh in the state's layout, and handed to every step beside the state
-(`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again).
+(`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again, and must find the same
+weight files and model config as `run.json` records for it).
 
 The run folder `out` ends up holding: `run.json` (`nvfp4tool.records.run.RunRecord`: the config,
-model config and the hashes of data and tokenizer), `metrics.jsonl` and `loss.png`,
+model config and the hashes of data, tokenizer and teacher), `metrics.jsonl` and `loss.png`,
 `checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
 and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
 `input_amax.json` for export) and, on request, `maxtext/`.
@@ -17,9 +18,10 @@ Nothing is created or changed before the whole job is known to be runnable (`_pr
 output path, the model (opened by `nvfp4tool.checkpoints`), the tokenizer, the data (read,
 tokenized, packed and split), the batch size against the data and the devices. A resume
 (`resume=true`) is refused without side effects unless it can continue bit-exactly: the same
-configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer and model config as
-the run record says, and the same device and process count; `run.json` is never rewritten by a
-resume. The run folder itself is created atomically (`atomic_output_dir`).
+configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer, model config and
+teacher (its weight files' sha256 and its model config; wherever it now lies) as the run record
+says, and the same device and process count; `run.json` is never rewritten by a resume. The run
+folder itself is created atomically (`atomic_output_dir`).
 Progress and status lines go through `nvfp4tool.progress`.
 """
 
@@ -46,6 +48,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.records.export import SourceRecord
 from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
                                   PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
@@ -58,11 +61,11 @@ from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
 from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
-# Keys a resume may change: they do not touch the training math (the data and the tokenizer are
-# compared by content instead of by path).
+# Keys a resume may change: they do not touch the training math (the data, the tokenizer and the
+# teacher are compared by content instead of by path).
 RESUME_FREE_KEYS = frozenset({"out", "resume", "force", "eval_every", "eval_batches", "checkpoint_every",
                               "keep_checkpoints", "export_maxtext", "coordinator_address", "process_id",
-                              "data", "eval_data", "tokenizer"})
+                              "data", "eval_data", "tokenizer", "teacher"})
 
 
 @dataclasses.dataclass
@@ -241,7 +244,9 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
-    teacher = _teacher(config, model_config, tokenizer) if config.teacher is not None else None
+    teacher, teacher_record, teacher_config = None, None, None
+    if config.teacher is not None:
+        teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
     train_windows, eval_windows = _windows(config, tokenizer)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
     recipe = config.recipe_config()
@@ -254,10 +259,11 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         data_sha256=_data_sha256(config.data),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
         tokenizer_sha256=_tokenizer_sha256(tokenizer), train_windows=len(train_windows),
-        eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count())
+        eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count(),
+        teacher=teacher_record, teacher_model_config=teacher_config)
     resume_step = None
     if saved is not None:
-        _check_same_run(saved, record, out)
+        _check_same_run(saved, record, out, config.teacher)
         steps = run_steps(str(out))
         resume_step = steps[-1] if steps else None
         record = saved
@@ -298,13 +304,24 @@ def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None
                              "started (nothing was changed; use another out= for a new run)")
 
 
-def _check_same_run(saved: RunRecord, now: RunRecord, out: Path) -> None:
-    """Refuse a resume on other data, another tokenizer or model, or another device count."""
+def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | None) -> None:
+    """Refuse a resume on other data, another tokenizer, model or teacher, or another device count
+    (a distillation run whose run.json predates teacher records: the teacher cannot be compared)."""
+    if now.teacher is not None and saved.teacher is None:
+        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: its {RunRecord.FILE_NAME} records no teacher "
+                             f"weight hashes (written by an older nvfp4tool), so teacher={teacher} cannot be "
+                             "shown to be the teacher the run started with (nothing was changed; use another "
+                             "out= for a new run)")
     changed = [what for what, a, b in (
         ("the training data", saved.data_sha256, now.data_sha256),
         ("the eval data", saved.eval_data_sha256, now.eval_data_sha256),
         ("the tokenizer", saved.tokenizer_sha256, now.tokenizer_sha256),
         ("the model config", saved.model_config, json.loads(json.dumps(now.model_config))),  # as stored
+        (f"the teacher's weights (teacher={teacher}: {_first_changed_file(saved.teacher, now.teacher)})",
+         saved.teacher and (saved.teacher.kind, saved.teacher.files),
+         now.teacher and (now.teacher.kind, now.teacher.files)),
+        (f"the teacher's model config (teacher={teacher})", saved.teacher_model_config,
+         json.loads(json.dumps(now.teacher_model_config))),
         (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
         (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
     ) if a != b]
@@ -346,9 +363,12 @@ def _model(config: TrainConfig, tokenizer: TextTokenizer,
     return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32, **kwargs)
 
 
-def _teacher(config: TrainConfig, model_config: ModelConfig, tokenizer: TextTokenizer) -> CausalLM:
-    """The distillation teacher in BF16, opened as the model is; it must predict over the student's
-    vocabulary with the student's tokenizer (a bad-data error naming the teacher otherwise)."""
+def _teacher(config: TrainConfig, model_config: ModelConfig,
+             tokenizer: TextTokenizer) -> tuple[CausalLM, SourceRecord, dict[str, Any]]:
+    """(the distillation teacher in BF16, its record, its HF config), opened as the model is; it
+    must predict over the student's vocabulary with the student's tokenizer (a bad-data error
+    naming the teacher otherwise). The record names it as an export names its source (the sha256 of
+    each weight file), which a resume compares."""
     opened = open_checkpoint(config.teacher, model_config=config.model_config, rope_layout=config.rope_layout,
                              options=TEACHER_OPTIONS)
     if opened.config.vocab_size != model_config.vocab_size:
@@ -358,7 +378,25 @@ def _teacher(config: TrainConfig, model_config: ModelConfig, tokenizer: TextToke
         if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
             raise NVFP4ToolError(f"teacher={config.teacher}: its tokenizer.json differs from the run's "
                                  "tokenizer; distillation needs the same tokenizer")
-    return model_from_tensors(opened.config, opened.tensors, dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    model = model_from_tensors(opened.config, opened.tensors, dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    return model, SourceRecord.of(opened), opened.config.to_hf_config()
+
+
+def _first_changed_file(saved: SourceRecord | None, now: SourceRecord | None) -> str:
+    """The first weight file (in name order) whose hash differs between two teacher records, or
+    that only one of them has; a changed kind of checkpoint is named as such."""
+    if saved is None or now is None:
+        return "no teacher"
+    if saved.kind != now.kind:
+        return f"a {now.kind} checkpoint, the run started with a {saved.kind} checkpoint"
+    for name in sorted(set(saved.files) | set(now.files)):
+        if name not in now.files:
+            return f"{name} is missing"
+        if name not in saved.files:
+            return f"{name} is new"
+        if saved.files[name] != now.files[name]:
+            return f"{name} differs"
+    return "no file differs"
 
 
 def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
