@@ -17,6 +17,6 @@
 from __future__ import annotations
 
 from nvfp4tool.check.checker import check_checkpoint, parse_tp
-from nvfp4tool.check.report import CheckReport, ModuleStats, Problem, print_report
+from nvfp4tool.check.report import CheckReport, KVScaleStats, ModuleStats, Problem, print_report
 
-__all__ = ["CheckReport", "ModuleStats", "Problem", "check_checkpoint", "parse_tp", "print_report"]
+__all__ = ["CheckReport", "KVScaleStats", "ModuleStats", "Problem", "check_checkpoint", "parse_tp", "print_report"]
