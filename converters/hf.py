@@ -292,8 +292,14 @@ def read_safetensors_header(file_path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
+def scan_safetensors_header(file_path: str, *, serving: bool = False
+                            ) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
     """(well-formed entries, every defect) of one safetensors file's header.
+
+    `serving=True` (check, for the folders engines load) also requires what transformers 4.x's
+    loader requires of the metadata: absent, or with `format` "pt" (it refuses a `__metadata__`
+    without `format` or with another one, and reads "tf" / "flax" as other frameworks' weights;
+    transformers 5 no longer looks). A source is read by our own reader, which does not care.
 
     The entries are the well-formed ones (known dtype, integer shape, `dtype x shape` bytes between
     its offsets), including any whose bytes run past the end of the file (a truncated file: the
@@ -316,6 +322,9 @@ def scan_safetensors_header(file_path: str) -> tuple[dict[str, TensorEntry], lis
     if metadata is not None and not (isinstance(metadata, dict)
                                      and all(isinstance(v, str) for v in metadata.values())):
         defects.append(HeaderDefect(None, "__metadata__ is not a map of strings to strings"))
+    elif serving and metadata is not None and metadata.get("format") != "pt":
+        defects.append(HeaderDefect(None, f"__metadata__ format is {metadata.get('format')!r}, not 'pt': "
+                                          f"transformers refuses to load it as PyTorch weights"))
     data_start, data_size = 8 + header_len, file_size - 8 - header_len
     entries: dict[str, TensorEntry] = {}
     spans: list[tuple[int, int, str]] = []

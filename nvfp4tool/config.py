@@ -164,34 +164,38 @@ class ModelConfig:
         family = _family_of(hf, source)
         _reject_unsupported_options(hf, family, source)
         try:
-            num_heads = int(hf["num_attention_heads"])
-            hidden_size = int(hf["hidden_size"])
+            num_heads = _integer(hf, "num_attention_heads")
+            hidden_size = _integer(hf, "hidden_size")
             rope_theta, rope_scaling = _rope_from_hf(hf, source)
-            attention_bias = bool(hf.get("attention_bias", False))
+            attention_bias = _flag(hf, "attention_bias")
             eos = hf.get("eos_token_id")
+            if isinstance(eos, list):
+                eos = tuple(_integer({"eos_token_id": e}, "eos_token_id") for e in eos)
+            else:
+                eos = _integer(hf, "eos_token_id", None)
             return cls(
                 family=family,
-                vocab_size=int(hf["vocab_size"]),
+                vocab_size=_integer(hf, "vocab_size"),
                 hidden_size=hidden_size,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
+                intermediate_size=_integer(hf, "intermediate_size"),
+                num_layers=_integer(hf, "num_hidden_layers"),
                 num_heads=num_heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-                head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                num_kv_heads=_default(_integer(hf, "num_key_value_heads", None), num_heads),
+                head_dim=_default(_integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)),
+                rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_position_embeddings=_integer(hf, "max_position_embeddings", 2048),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
                 # Qwen2 always has q/k/v bias and never o_proj bias; Llama/Qwen3 put it on all four.
                 attention_bias=True if family == "qwen2" else attention_bias,
                 o_proj_bias=False if family in ("qwen2", "mistral", "mixtral") else attention_bias,
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window_from_hf(hf, family),
                 dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch."),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-                pad_token_id=hf.get("pad_token_id"),
+                bos_token_id=_integer(hf, "bos_token_id", None),
+                eos_token_id=eos,
+                pad_token_id=_integer(hf, "pad_token_id", None),
                 **_moe_from_hf(hf, family),
                 hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
                 else "transformers4",
@@ -416,29 +420,95 @@ def _moe_from_hf(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
         return {}
     if hf.get("router_jitter_noise"):
         raise NVFP4ToolError(f"router_jitter_noise={hf['router_jitter_noise']} unsupported; supported: 0")
-    key = next((k for k in _EXPERT_COUNT_KEYS if k in hf), None)
-    if key is None:
+    keys = [k for k in _EXPERT_COUNT_KEYS if k in hf]
+    if not keys:
         raise KeyError(" or ".join(_EXPERT_COUNT_KEYS))
-    fields = dict(num_experts=int(hf[key]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), hf_experts_key=key)
+    counts = {k: _integer(hf, k) for k in keys}
+    if len(set(counts.values())) > 1:  # transformers keeps one of them, which one depends on the family
+        raise NVFP4ToolError(" and ".join(f"{k}={v}" for k, v in counts.items())
+                             + " disagree: the expert count must be given once (or twice, equal)")
+    key = keys[0]
+    fields = dict(num_experts=counts[key], num_experts_per_tok=_integer(hf, "num_experts_per_tok"),
+                  router_aux_loss_coef=_number(hf, "router_aux_loss_coef", 0.001), hf_experts_key=key)
     if family == "mixtral":
         return dict(fields, norm_topk_prob=True)
-    return dict(fields, moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
+    only = hf.get("mlp_only_layers") or ()
+    if not isinstance(only, (list, tuple)):
+        raise NVFP4ToolError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+    return dict(fields, moe_intermediate_size=_integer(hf, "moe_intermediate_size"),
+                norm_topk_prob=_flag(hf, "norm_topk_prob"),
+                decoder_sparse_step=_integer(hf, "decoder_sparse_step", 1),
+                mlp_only_layers=tuple(_integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only))
+
+
+_REQUIRED = object()
+
+
+def _integer(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """`hf[key]` as an int: a JSON integer, never a bool, a float (2.0 included: transformers' strict
+    config classes refuse it) or a string; a missing key (or null, when `default` is given) is `default`;
+    missing without a default is KeyError (reported as a missing required key)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NVFP4ToolError(f"{key} must be an integer, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _number(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> float:
+    """`hf[key]` as a float: a JSON number (int or float, never a bool or a string); missing or null
+    is `default` (KeyError without one)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise NVFP4ToolError(f"{key} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _flag(hf: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """`hf[key]` as a bool: JSON true / false only (the string "false" is not false); missing or
+    null is `default`."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise NVFP4ToolError(f"{key} must be true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _family_of(hf: Mapping[str, Any], source: str) -> str:
+    """The family config.json's `model_type` names. It is required, as transformers' AutoConfig
+    (and so vLLM) picks the config class by it; `architectures` naming another family's model
+    class is refused (engines pick the model class by it)."""
     model_type = hf.get("model_type")
-    if model_type in SUPPORTED_FAMILIES:
-        return model_type
-    for arch in hf.get("architectures") or ():
-        if arch in _FAMILY_BY_ARCHITECTURE and model_type is None:
-            return _FAMILY_BY_ARCHITECTURE[arch]
-    shown = model_type or (hf.get("architectures") or ["<none>"])[0]
-    raise NVFP4ToolError(f"{source}: unsupported architecture {shown!r}; supported model_type: "
-                         f"{', '.join(SUPPORTED_FAMILIES)} ({', '.join(ARCHITECTURE_BY_FAMILY.values())})")
+    architectures = hf.get("architectures")
+    if model_type is None:
+        named = f" (architectures names {architectures[0]!r})" if isinstance(architectures, list) \
+            and architectures else ""
+        raise NVFP4ToolError(f"{source}: missing required key 'model_type'{named}: transformers and vLLM "
+                             f"choose the model by it; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise NVFP4ToolError(f"{source}: unsupported architecture {model_type!r}; supported model_type: "
+                             f"{', '.join(SUPPORTED_FAMILIES)} ({', '.join(ARCHITECTURE_BY_FAMILY.values())})")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        raise NVFP4ToolError(f"{source}: architectures must be a list of class names, got {architectures!r}")
+    other = [a for a in architectures or () if _FAMILY_BY_ARCHITECTURE.get(a, model_type) != model_type]
+    if other:
+        raise NVFP4ToolError(f"{source}: architectures {other[0]!r} is a "
+                             f"{_FAMILY_BY_ARCHITECTURE[other[0]]} model but model_type is {model_type!r} "
+                             f"({ARCHITECTURE_BY_FAMILY[model_type]})")
+    return model_type
 
 
 def _reject_unsupported_options(hf: Mapping[str, Any], family: str, source: str) -> None:
@@ -446,6 +516,9 @@ def _reject_unsupported_options(hf: Mapping[str, Any], family: str, source: str)
         raise NVFP4ToolError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; supported: silu")
     if hf.get("mlp_bias"):
         raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf.get(key) or {}, Mapping):
+            raise NVFP4ToolError(f"{source}: {key} must be an object, got {hf[key]!r}")
     rope_parameters = hf.get("rope_parameters") or {}
     partial = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -474,13 +547,13 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
         raise NVFP4ToolError(f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)")
     if rope_type == "default":
-        return float(theta), None
+        return _number({"rope_theta": theta}, "rope_theta", 10000.0), None
     try:
-        return float(theta), RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        return _number({"rope_theta": theta}, "rope_theta", 10000.0), RopeScaling(
+            factor=_number(scaling, "factor"),
+            low_freq_factor=_number(scaling, "low_freq_factor"),
+            high_freq_factor=_number(scaling, "high_freq_factor"),
+            original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings"),
         )
     except KeyError as missing:
         raise NVFP4ToolError(f"{source}: llama3 rope scaling lacks {missing.args[0]!r}") from None
@@ -489,8 +562,7 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
 def _sliding_window_from_hf(hf: Mapping[str, Any], family: str) -> int | None:
     if family not in ("mistral", "mixtral"):
         return None  # Qwen with use_sliding_window was rejected above; its window value is unused
-    window = hf.get("sliding_window")
-    return None if window is None else int(window)
+    return _integer(hf, "sliding_window", None)
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:

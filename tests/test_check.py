@@ -518,10 +518,12 @@ def test_norm_missing_and_unsupported_family(tmp_path):
     del ckpt.tensors["model.layers.1.post_attention_layernorm.weight"]
     _only(_check(tmp_path, ckpt, name="a"), "model.layers.1.post_attention_layernorm.weight",
           "missing")
-    ckpt.config["model_type"] = "mixtral"  # not a family ModelConfig models: nothing to compare
-    ckpt.config["architectures"] = ["MixtralForCausalLM"]
+    ckpt.config["model_type"] = "mixtral"  # a mixtral config without its expert keys: not loadable,
+    ckpt.config["architectures"] = ["MixtralForCausalLM"]  # so an error, never a skipped model check
     report = _check(tmp_path, ckpt, name="b")
-    assert report.ok and not report.model_checked
+    assert not report.model_checked
+    _only(report, "config.json", "missing required key 'num_experts or num_local_experts'",
+          "not loadable as a supported family")
 
 
 # ------------------------------------------------------------------------------------ streaming

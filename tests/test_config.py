@@ -133,6 +133,17 @@ def test_moe_layer_names_follow_transformers():
     ({"mlp_only_layers": [48]}, "mlp_only_layers 48 is not a layer index in 0..47"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
     ({"router_jitter_noise": 0.01}, "router_jitter_noise=0.01 unsupported"),
+    ({"num_experts_per_tok": 2.5}, "num_experts_per_tok must be an integer, got 2.5 (float)"),
+    ({"num_experts_per_tok": 8.0}, "num_experts_per_tok must be an integer, got 8.0 (float)"),
+    ({"num_experts_per_tok": None}, "missing required key 'num_experts_per_tok'"),
+    ({"num_experts": "128"}, "num_experts must be an integer"),
+    ({"num_local_experts": 64}, "num_experts=128 and num_local_experts=64 disagree"),
+    ({"decoder_sparse_step": False}, "decoder_sparse_step must be an integer, got False (bool)"),
+    ({"moe_intermediate_size": 768.0}, "moe_intermediate_size must be an integer"),
+    ({"mlp_only_layers": [1.0]}, "mlp_only_layers must be an integer, got 1.0"),
+    ({"mlp_only_layers": 3}, "mlp_only_layers must be a list of layer indices"),
+    ({"norm_topk_prob": "true"}, "norm_topk_prob must be true or false"),
+    ({"router_aux_loss_coef": "0.001"}, "router_aux_loss_coef must be a number"),
 ], ids=lambda v: str(v)[:30])
 def test_moe_rejections_name_the_problem(change, fragment):
     hf = {k: v for k, v in {**QWEN3_30B_A3B, **change}.items() if v is not None}
@@ -172,7 +183,12 @@ def test_linear_names_cover_every_projection():
 
 @pytest.mark.parametrize("change, fragment", [
     ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture 'gemma2'"),
-    ({"model_type": None, "architectures": ["FalconForCausalLM"]}, "unsupported architecture"),
+    ({"model_type": None, "architectures": ["FalconForCausalLM"]}, "missing required key 'model_type'"),
+    ({"model_type": None}, "missing required key 'model_type' (architectures names 'LlamaForCausalLM')"),
+    ({"architectures": ["MixtralForCausalLM"]}, "architectures 'MixtralForCausalLM' is a mixtral model but "
+                                                "model_type is 'llama'"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
+    ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' unsupported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' unsupported"),
@@ -180,7 +196,18 @@ def test_linear_names_cover_every_projection():
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"num_key_value_heads": 5}, "not a multiple of num_kv_heads=5"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
-    ({"hidden_size": "wide"}, "bad value"),
+    ({"hidden_size": "wide"}, "hidden_size must be an integer, got 'wide' (str)"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers must be an integer, got 2.0 (float)"),
+    ({"num_key_value_heads": True}, "num_key_value_heads must be an integer, got True (bool)"),
+    ({"max_position_embeddings": "8192"}, "max_position_embeddings must be an integer"),
+    ({"eos_token_id": [128001, 1.5]}, "eos_token_id must be an integer, got 1.5"),
+    ({"bos_token_id": "<s>"}, "bos_token_id must be an integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number, got '1e-5' (str)"),
+    ({"rope_theta": True}, "rope_theta must be a number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false' (str)"),
+    ({"attention_bias": 1}, "attention_bias must be true or false"),
+    ({"rope_scaling": {**LLAMA31_8B["rope_scaling"], "original_max_position_embeddings": 8192.5}},
+     "original_max_position_embeddings must be an integer"),
     ({"vocab_size": None}, "missing required key 'vocab_size'"),
 ], ids=lambda v: str(v)[:30])
 def test_rejections_name_the_problem(change, fragment):

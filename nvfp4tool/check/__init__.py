@@ -7,16 +7,18 @@
              compressed-tensors nvfp4-pack-quantized / float-quantized), its config problems
     files    safetensors headers and index checked against the files; chunked tensor reads
     scan     zero / NaN / sign counts of one tensor's data, streamed
-    model    the tensors against the model config.json describes (supported families), and
-             unquantized dtypes against config.json's dtype
+    model    config.json parsed as the loaders do (an unloadable config is a problem naming the
+             key), the tensors against the model it describes (all present, none it lacks beyond
+             the layout's quantization and KV-cache scale tensors), unquantized dtypes against its dtype
+    kv       FP8 KV-cache scales against the configs, each one listed in the report
     record   the tensors against the export's provenance record (sha256, dtype, decoded amax)
     checker  check_checkpoint: per-module, fused-group and data checks
-    report   Problem, ModuleStats, CheckReport (JSON, rich table)
+    report   Problem, ModuleStats, KVScaleStats, CheckReport (JSON, rich tables)
 """
 
 from __future__ import annotations
 
 from nvfp4tool.check.checker import check_checkpoint, parse_tp
-from nvfp4tool.check.report import CheckReport, ModuleStats, Problem, print_report
+from nvfp4tool.check.report import CheckReport, KVScaleStats, ModuleStats, Problem, print_report
 
-__all__ = ["CheckReport", "ModuleStats", "Problem", "check_checkpoint", "parse_tp", "print_report"]
+__all__ = ["CheckReport", "KVScaleStats", "ModuleStats", "Problem", "check_checkpoint", "parse_tp", "print_report"]

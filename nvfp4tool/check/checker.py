@@ -3,7 +3,8 @@
 Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index ->
 each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions) ->
 fused groups (shared global scales) -> KV-cache scales against the configs (`kv.py`) -> the tensors
-config.json's model needs (supported families) -> every tensor's data, streamed one chunk at a time
+config.json's model needs, and no tensor it does not have (`model.py`; config.json must parse as a
+supported family, read before anything else) -> every tensor's data, streamed one chunk at a time
 (all-zero tensors, NaN / non-finite values) -> unquantized tensors' dtypes against config.json's
 dtype -> where the export's provenance record (`nvfp4tool_export.json`) is present, every tensor
 against it (dtype, shape, sha256 of its bytes, decoded amax of quantized weights). Problems are
@@ -32,9 +33,9 @@ import numpy as np
 from nvfp4tool.formats import FolderLayout, LayoutSpec
 
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
-from nvfp4tool.check.formats import QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
+from nvfp4tool.check.formats import CONFIG, QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
 from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
-from nvfp4tool.check.model import check_against_model, check_dtypes
+from nvfp4tool.check.model import attention_modules, check_against_model, check_dtypes, read_model_config
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
@@ -59,23 +60,33 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
         raise NVFP4UsageError(f"tensor-parallel degrees must be >= 1, got {list(tp)}")
     layout, problems = detect_format(folder)
     spec = layout.spec
+    config, config_problems = read_model_config(folder, any(p.tensor == CONFIG for p in problems))
     entries, file_problems = read_tensor_table(folder)
     report = CheckReport(path=folder, format=layout.format, quant=layout.quant, tp=degrees,
-                         problems=problems + file_problems)
+                         problems=problems + config_problems + file_problems)
     scans: dict[str, TensorScan] = {}
     quantized: dict[str, ModuleStats] = {}
     status: dict[str, str] = {}  # linear module -> "quantized" / "excluded" / "plain"
+    # Modules config.json's model lacks are not judged as modules: model.py reports their tensors
+    # as not the model's (a lone scale of an expert 6 in a 4-expert layer is that, not a module
+    # missing its weight).
+    model_modules = None if config is None else {n.rpartition(".")[0] for n in config.expected_tensor_shapes()}
     for module, tensors in _modules(entries).items():
+        if model_modules is not None and module not in model_modules:
+            continue
         stats = _check_module(module, tensors, layout, degrees, scans, report.problems, status)
         if stats is not None:
             quantized[module] = stats
     if spec.is_nvfp4:
         report.problems += _check_fused_groups(quantized, status, spec)
-    report.problems += check_kv_scales(entries, layout)
+    kv_problems, report.kv_scales = check_kv_scales(
+        entries, layout, None if config is None else attention_modules(config))
+    report.problems += kv_problems
+    report.kv_cache = layout.kv_cache
     reported = {p.module for p in report.problems} | {p.tensor for p in report.problems}
-    model_problems = check_against_model(folder, entries, quantized, reported)
-    report.model_checked = model_problems is not None
-    report.problems += model_problems or []
+    if config is not None:
+        report.problems += check_against_model(config, entries, quantized, spec, reported)
+    report.model_checked = config is not None
     report.problems += _check_data(entries, scans)
     report.problems += check_dtypes(folder, entries, set(quantized), spec)
     report.problems += check_against_record(folder, entries, spec, set(quantized))

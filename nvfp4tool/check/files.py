@@ -155,8 +155,9 @@ def _merge_unique(per_file: dict[str, dict[str, TensorEntry]],
 
 def _read_header(path: str, problems: list[Problem]) -> dict[str, TensorEntry]:
     """The sound tensors of one file's header (`converters.hf.scan_safetensors_header`, the one
-    header parser); every defect appended to `problems`."""
+    header parser, with the serving rules: metadata `format` "pt"); every defect appended to
+    `problems`."""
     base = os.path.basename(path)
-    entries, defects = scan_safetensors_header(path)
+    entries, defects = scan_safetensors_header(path, serving=True)
     problems.extend(Problem(FILE_LEVEL, d.tensor or base, f"{base}: {d.problem}") for d in defects)
     return entries

@@ -7,17 +7,21 @@ folder's tensors name them) must carry its K and V scales under the layout's nam
 scale 1.0 for a missing one (an FP8 cache of unscaled values) and divides by a zero one. KV scales
 present without the configs announcing a quantized KV cache (or under the other layout's names)
 are an error too: no engine reads them, so the cache they were calibrated for is not what is served.
+The attention layers are those of config.json's model when it parses (`model.attention_modules`; a
+scale of a layer the model lacks is `model.py`'s to report), else those the folder's tensors name.
+Every KV scale found under the layout's names is listed (`KVScaleStats`: layer, k / v, dtype,
+value, whether it passed) for the report's table and JSON.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from nvfp4tool.check.files import TensorEntry, read_small
-from nvfp4tool.check.report import Problem
+from nvfp4tool.check.report import KVScaleStats, Problem
 from nvfp4tool.formats import SPECS, FolderLayout
 
 _ATTENTION = re.compile(r"^(?P<attention>.*\.self_attn)\.")
@@ -28,27 +32,41 @@ KV_SCALE_SUFFIXES = tuple(dict.fromkeys(s.rpartition(".")[2] for kv in _KV_SPECS
                                         for s in (kv.k_suffix, kv.v_suffix)))
 
 
-def check_kv_scales(entries: Mapping[str, TensorEntry], layout: FolderLayout) -> list[Problem]:
-    """Problems of the folder's KV-cache scales (see the module docstring)."""
+def check_kv_scales(entries: Mapping[str, TensorEntry], layout: FolderLayout,
+                    attentions: Sequence[str] | None = None) -> tuple[list[Problem], list[KVScaleStats]]:
+    """(problems, every KV scale checked) of the folder's KV-cache scales (see the module docstring);
+    `attentions`: the model's attention modules (None: those the folder's tensors name)."""
     kv = layout.spec.kv_scales
     announced = layout.kv_cache is not None
-    problems = []
+    if attentions is None:
+        attentions = sorted({m.group("attention") for n in entries if (m := _ATTENTION.match(n))})
+    problems: list[Problem] = []
+    checked: list[KVScaleStats] = []
     expected = set()
     if announced:
-        attentions = sorted({m.group("attention") for n in entries if (m := _ATTENTION.match(n))})
         for attention in attentions:
-            for name in kv.names(attention):
+            for which, name in zip("kv", kv.names(attention)):
                 expected.add(name)
-                problems += _scale_problems(attention, name, entries.get(name), kv.shape, layout.kv_cache)
+                found = _scale_problems(attention, name, entries.get(name), kv.shape, layout.kv_cache)
+                problems += found
+                if name in entries:
+                    checked.append(_stats(attention, which, entries[name], not found))
     for name in entries:
         owner = next((found for spec in _KV_SPECS if (found := spec.attention_of(name))), None)
-        if owner is None or name in expected:
+        if owner is None or name in expected or owner[0] not in attentions:
             continue
         why = (f"is not where {layout.format} keeps KV-cache scales ({kv.k_suffix} / {kv.v_suffix})"
                if announced else "is a KV-cache scale, but the configs announce no quantized KV cache "
                                  "(kv_cache_scheme / kv_cache_quant_algo): no engine reads it")
         problems.append(Problem(owner[0], name, why))
-    return problems
+    return problems, checked
+
+
+def _stats(attention: str, which: str, entry: TensorEntry, ok: bool) -> KVScaleStats:
+    value = (float(read_small(entry).reshape(-1)[0])
+             if entry.code == "F32" and entry.nbytes == 4 else None)
+    return KVScaleStats(attention=attention, which=which, tensor=entry.name, dtype=entry.code,
+                        shape=tuple(entry.shape), value=value, ok=ok)
 
 
 def _scale_problems(attention: str, name: str, entry: TensorEntry | None, shape: tuple[int, ...],

@@ -1,12 +1,22 @@
-"""The folder's tensors against the model its config.json describes (supported families only).
+"""The folder's tensors against the model its config.json describes, read as the loaders read it.
 
-When config.json parses as a `ModelConfig` (Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / Mixtral),
-every tensor the model needs must be in the folder with its shape: a non-linear tensor (embedding,
-norm, bias) as is, a linear layer either unquantized with its [N, K] weight or quantized with N x K
-(unpacked) equal to the model's. This catches layers (or MoE experts) an exporter silently skipped
-and transposed or mis-sized packed weights. A MoE router must not be quantized (engines compute
-the routing from its BF16 weight; a too-broad pattern quantizes it). Other architectures (vision)
-are skipped: `None` is returned.
+`read_model_config`: config.json parsed by the one config parser (`ModelConfig.from_hf_config`, the
+parser every reader of a source uses). A config that does not parse as a supported family (a
+missing or mistyped key, `num_experts_per_tok` outside 1..num_experts, `decoder_sparse_step` 0,
+no `model_type`, an architecture we do not model) is a problem naming the key: transformers and
+vLLM build the model from this file, so a folder whose config they cannot build is not servable,
+and check never skips the model check to print OK.
+
+`check_against_model`: every tensor the model needs must be in the folder with its shape (a
+non-linear tensor as is, a linear layer either unquantized with its [N, K] weight or quantized with
+N x K (unpacked) equal to the model's), which catches layers or MoE experts an exporter skipped and
+transposed or mis-sized packed weights; and every tensor of the folder must belong to that model
+(`ModelConfig.expected_tensor_shapes()`, the list the readers check a source against) or be one of
+the documented extras: the layout's quantization tensors of a linear the model has
+(`LayoutSpec.suffixes`), and the layout's KV-cache scales of an attention layer the model has
+(`LayoutSpec.kv_scales`). An expert 8 in an 8-expert layer, a layer 5 in a 2-layer model, a stray
+tensor: engines refuse them (vLLM) or drop them silently (transformers). A MoE router must not be
+quantized (engines compute the routing from its BF16 weight; a too-broad pattern quantizes it).
 `check_dtypes`: the unquantized tensors' dtypes against the dtype config.json declares.
 """
 
@@ -15,31 +25,52 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Collection, Mapping
 
 from nvfp4tool.check.files import TensorEntry
 from nvfp4tool.check.formats import CONFIG
-from nvfp4tool.check.report import ModuleStats, Problem
-from nvfp4tool.config import ModelConfig
+from nvfp4tool.check.report import CONFIG_LEVEL, ModuleStats, Problem
+from nvfp4tool.config import ModelConfig, read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.formats import LayoutSpec
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(?P<block>model\.layers\.\d+\.\w+)\.experts\.(?P<expert>\d+)\.")
 
-def check_against_model(folder: str, entries: Mapping[str, TensorEntry],
-                        quantized: Mapping[str, ModuleStats],
-                        reported: Collection[str] = ()) -> list[Problem] | None:
-    """Problems of the folder's tensors against config.json's model; None when it is not a
-    supported model family (nothing checked). Modules and tensors in `reported` (named by earlier
-    problems) are skipped: one root cause, one report."""
+
+def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig | None, list[Problem]]:
+    """(the model config.json describes, or None; its problem). A config.json that is not readable
+    JSON at all is reported by the format detection (`config_reported`), not twice."""
     try:
-        config = ModelConfig.from_hf_folder(os.path.join(folder, CONFIG))
-    except NVFP4ToolError:
-        return None
+        _, hf = read_hf_config(os.path.join(folder, CONFIG))
+    except NVFP4ToolError as unreadable:
+        return None, [] if config_reported else [Problem(CONFIG_LEVEL, CONFIG, str(unreadable))]
+    try:
+        return ModelConfig.from_hf_config(hf, source=CONFIG), []
+    except NVFP4ToolError as bad:
+        why = str(bad).removeprefix(f"{CONFIG}: ")
+        return None, [Problem(CONFIG_LEVEL, CONFIG, f"{why} (transformers and vLLM build the model "
+                                                    f"from {CONFIG}: not loadable as a supported family)")]
+
+
+def attention_modules(config: ModelConfig) -> list[str]:
+    """The attention module of every decoder layer of `config`'s model (where KV-cache scales go)."""
+    return [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
+
+
+def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
+                        quantized: Mapping[str, ModuleStats], spec: LayoutSpec,
+                        reported: Collection[str] = ()) -> list[Problem]:
+    """Problems of the folder's tensors against `config`'s model (see the module docstring).
+    Modules and tensors in `reported` (named by earlier problems) are skipped: one root cause, one
+    report."""
     problems = [Problem(router, ", ".join(sorted(n for n in entries if n.rpartition(".")[0] == router)),
                         "MoE router is quantized: routers must stay BF16 (keep it out of the quantized "
                         "modules and list it in the exclusion list)")
                 for router in config.router_names() if router in quantized]
-    for name, shape in config.expected_tensor_shapes().items():
+    expected = config.expected_tensor_shapes()
+    for name, shape in expected.items():
         module = name.rpartition(".")[0]
         if module in reported or name in reported:
             continue
@@ -54,7 +85,47 @@ def check_against_model(folder: str, entries: Mapping[str, TensorEntry],
         elif entries[name].shape != shape:
             problems.append(Problem(module, name, f"has shape {list(entries[name].shape)}, "
                                                   f"{CONFIG}'s model needs {list(shape)}"))
-    return problems
+    return problems + _extra_tensors(config, entries, expected, spec, reported)
+
+
+def _extra_tensors(config: ModelConfig, entries: Mapping[str, TensorEntry],
+                   expected: Mapping[str, tuple[int, ...]], spec: LayoutSpec,
+                   reported: Collection[str]) -> list[Problem]:
+    """One problem per module holding tensors that are neither the model's nor a documented extra."""
+    allowed = set(expected)
+    allowed |= {f"{name.removesuffix('.weight')}.{suffix}" for name, shape in expected.items()
+                if name.endswith(".weight") and len(shape) == 2 for suffix in spec.suffixes}
+    allowed |= {n for attention in attention_modules(config) for n in spec.kv_scales.names(attention)}
+    extra: dict[str, list[str]] = {}
+    for name in entries:
+        module = name.rpartition(".")[0]
+        if name not in allowed and name not in reported and module not in reported:
+            extra.setdefault(module, []).append(name)
+    return [Problem(module, ", ".join(sorted(names)), _why_not_in_model(names[0], config, spec))
+            for module, names in sorted(extra.items())]
+
+
+def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
+    refused = "engines refuse (vLLM) or silently drop (transformers) a tensor the model lacks"
+    layer = _LAYER.match(name)
+    if layer and int(layer.group(1)) >= config.num_layers:
+        return (f"layer {layer.group(1)}, but {CONFIG}'s model has {config.num_layers} layers "
+                f"(num_hidden_layers = {config.num_layers}, layers 0..{config.num_layers - 1}): {refused}")
+    expert = _EXPERT.match(name)
+    if expert and layer:
+        i, e = int(layer.group(1)), int(expert.group("expert"))
+        if not config.is_sparse_layer(i):
+            return (f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
+                    f"mlp_only_layers, or not a mixture-of-experts family): {refused}")
+        if e >= config.num_experts:
+            key = config.hf_experts_key or "num_experts"
+            return (f"expert {e}, but {CONFIG}'s model has {config.num_experts} experts per sparse layer "
+                    f"({key} = {config.num_experts}, experts 0..{config.num_experts - 1}): {refused}")
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return (f"{CONFIG} ties lm_head to the embedding (tie_word_embeddings = true), so the model has no "
+                f"lm_head.weight: {refused}")
+    return (f"not a tensor of {CONFIG}'s {config.family} model, nor a {spec.label} quantization tensor of "
+            f"one of its linear layers or a KV-cache scale of one of its attention layers: {refused}")
 
 
 def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Collection[str],

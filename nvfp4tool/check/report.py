@@ -1,4 +1,5 @@
-"""What a checkpoint check found: problems (one line each), per-module stats, JSON and a rich table."""
+"""What a checkpoint check found: problems (one line each), per-module stats, the KV-cache scales it
+verified, JSON and rich tables."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ class ModuleStats:
     problems: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class KVScaleStats:
+    """One FP8 KV-cache scale the check read (`kv.py`)."""
+
+    attention: str  # the attention module, e.g. model.layers.0.self_attn
+    which: str  # "k" or "v"
+    tensor: str  # full tensor name (the layout's: ModelOpt k_proj.k_scale, compressed-tensors k_scale)
+    dtype: str  # safetensors dtype code as stored (F32 expected)
+    shape: tuple[int, ...]
+    value: float | None  # the decode scale amax / 448 as stored; None when not one F32 value
+    ok: bool  # F32 of the layout's shape, finite and > 0
+
+
 @dataclasses.dataclass
 class CheckReport:
     """Everything `check_checkpoint` found in one folder."""
@@ -50,6 +64,8 @@ class CheckReport:
     tensors_checked: int = 0
     bytes_read: int = 0
     model_checked: bool = False  # tensors checked against config.json's model (supported family)
+    kv_cache: str | None = None  # the quantized KV cache the configs announce ("fp8"), or None
+    kv_scales: list[KVScaleStats] = dataclasses.field(default_factory=list)  # every KV scale checked
 
     @property
     def ok(self) -> bool:
@@ -61,6 +77,9 @@ class CheckReport:
             "ok": self.ok, "modules_checked": len(self.modules),
             "tensors_checked": self.tensors_checked, "bytes_read": self.bytes_read,
             "model_checked": self.model_checked,
+            "kv_cache": self.kv_cache,
+            "kv_scales": [{k: _json_number(v) for k, v in dataclasses.asdict(s).items()}
+                          for s in self.kv_scales],
             "problems": [dataclasses.asdict(p) for p in self.problems],
             "modules": [{k: _json_number(v) for k, v in dataclasses.asdict(m).items()}
                         for m in self.modules],
@@ -74,7 +93,9 @@ class CheckReport:
 
     def summary_line(self) -> str:
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
-        return (f"{self.path}: {self.format} {self.quant}, {len(self.modules)} quantized modules, "
+        kv = (f", {self.kv_cache.upper()} KV-cache scales of {len({s.attention for s in self.kv_scales})} "
+              f"layers" if self.kv_cache else "")
+        return (f"{self.path}: {self.format} {self.quant}, {len(self.modules)} quantized modules{kv}, "
                 f"{self.tensors_checked} tensors, TP {','.join(map(str, self.tp))}: {verdict}")
 
 
@@ -94,7 +115,29 @@ def print_report(report: CheckReport, console: Any) -> None:
                       _fmt(m.zero_scale_share, "{:.1%}"), _fmt(m.weight_global_scale, "{:.4g}"),
                       _fmt(m.input_global_scale, "{:.4g}"), str(m.problems))
     console.print(table)
+    if report.kv_cache:
+        console.print(_kv_table(report))
     console.print(report.summary_line(), markup=False, highlight=False, soft_wrap=True)
+
+
+def _kv_table(report: CheckReport) -> Any:
+    """One row per attention layer: its k and v scale as stored, their dtype, and whether both passed."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"{report.kv_cache.upper()} KV-cache scales", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    for column in ("attention", "k scale", "v scale", "dtype", "ok"):
+        table.add_column(column, justify="left" if column == "attention" else "right", no_wrap=True)
+    layers: dict[str, dict[str, KVScaleStats]] = {}
+    for scale in report.kv_scales:
+        layers.setdefault(scale.attention, {})[scale.which] = scale
+    for attention, scales in layers.items():
+        k, v = scales.get("k"), scales.get("v")
+        dtypes = "/".join(sorted({s.dtype for s in scales.values()}))
+        table.add_row(attention, _fmt(k.value if k else None, "{:.6g}"), _fmt(v.value if v else None, "{:.6g}"),
+                      dtypes, "yes" if k and v and k.ok and v.ok else "no")
+    return table
 
 
 def _json_number(value: Any) -> Any:
