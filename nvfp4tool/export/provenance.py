@@ -16,7 +16,6 @@ import numpy as np
 
 import nvfp4tool
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.names import portable_name
 from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, GPTQRecord, LayerErrorRecord,
                                       SourceRecord, TensorRecord, ToolRecord, sha256_file)
 
@@ -31,9 +30,7 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
-        source=SourceRecord(name=portable_name(source.path), kind=source.kind, step=source.step,
-                            files={os.path.relpath(f, source.path): sha256_file(f)
-                                   for f in source.weight_files}),
+        source=SourceRecord.of(source),
         format=options.format,
         quant=options.quant,
         scale_search=options.scale_search,
