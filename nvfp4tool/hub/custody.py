@@ -35,7 +35,7 @@ from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.hub.card import fp8_reference_ran
-from nvfp4tool.records.export import ExportRecord, sha256_file
+from nvfp4tool.records.export import ExportRecord, first_file_difference, sha256_file
 from nvfp4tool.records.validation import ValidationRecord
 
 REVALIDATE = "rerun `nvfp4tool validate` on the export"
@@ -150,15 +150,16 @@ def source_difference(validation: ValidationRecord, provenance: ExportRecord) ->
     if (validation.source_kind, validation.source_step) != (record.kind, record.step):
         return (f"{_kind(validation.source_kind, validation.source_step)} in validation.json, "
                 f"{_kind(record.kind, record.step)} in {prov}")
-    for name in sorted(set(named.sha256) | set(record.files)):
-        if name not in named.sha256:
-            return f"weight file {name!r} of {prov} is not among the validated source's files"
-        if name not in record.files:
-            return f"weight file {name!r} of the validated source is not in {prov}"
-        if named.sha256[name] != record.files[name]:
-            return (f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
-                    f"{record.files[name][:12]}... in {prov})")
-    return None
+    found = first_file_difference(record.files, named.sha256)
+    if found is None:
+        return None
+    name, how = found
+    if how == "missing":
+        return f"weight file {name!r} of {prov} is not among the validated source's files"
+    if how == "extra":
+        return f"weight file {name!r} of the validated source is not in {prov}"
+    return (f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
+            f"{record.files[name][:12]}... in {prov})")
 
 
 def _kind(kind: str, step: int | None) -> str:

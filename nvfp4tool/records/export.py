@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nvfp4tool.records.base import Record
@@ -48,6 +49,21 @@ class SourceRecord(Record):
         (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)."""
         return cls(name=portable_name(checkpoint.path), kind=checkpoint.kind, step=checkpoint.step,
                    files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files})
+
+
+def first_file_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> tuple[str, str] | None:
+    """The first file (in name order) on which two {relative file: sha256} maps disagree, as
+    (file, "missing" | "extra" | "differs"): missing from `actual`, only in `actual`, or another
+    sha256; None when they are equal. The one comparison of recorded weight hashes (validate's
+    FP8 reference, push's chain of custody, a resumed run's teacher)."""
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            return name, "missing"
+        if name not in expected:
+            return name, "extra"
+        if expected[name] != actual[name]:
+            return name, "differs"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

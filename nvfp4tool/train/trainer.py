@@ -48,7 +48,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
-from nvfp4tool.records.export import SourceRecord
+from nvfp4tool.records.export import SourceRecord, first_file_difference
 from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
                                   PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
@@ -389,14 +389,11 @@ def _first_changed_file(saved: SourceRecord | None, now: SourceRecord | None) ->
         return "no teacher"
     if saved.kind != now.kind:
         return f"a {now.kind} checkpoint, the run started with a {saved.kind} checkpoint"
-    for name in sorted(set(saved.files) | set(now.files)):
-        if name not in now.files:
-            return f"{name} is missing"
-        if name not in saved.files:
-            return f"{name} is new"
-        if saved.files[name] != now.files[name]:
-            return f"{name} differs"
-    return "no file differs"
+    found = first_file_difference(saved.files, now.files)
+    if found is None:
+        return "no file differs"
+    name, how = found
+    return f"{name} " + {"missing": "is missing", "extra": "is new", "differs": "differs"}[how]
 
 
 def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:

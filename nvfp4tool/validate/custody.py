@@ -29,7 +29,7 @@ import os
 
 from converters.hf import read_safetensors_header
 from nvfp4tool.checkpoints import Checkpoint
-from nvfp4tool.records.export import ExportRecord, sha256_file
+from nvfp4tool.records.export import ExportRecord, first_file_difference, sha256_file
 
 _KINDS = {"hf": "an HF folder", "run": "a training run", "maxtext": "a MaxText checkpoint"}
 
@@ -67,11 +67,14 @@ def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
     if not ExportRecord.exists(fp8_dir):
         return None
     theirs, ours = ExportRecord.read(fp8_dir).source, record.source
-    for rel in sorted(set(theirs.files) | set(ours.files)):
-        if theirs.files.get(rel) != ours.files.get(rel) or (theirs.kind, theirs.step) != (ours.kind, ours.step):
-            return (f"{ExportRecord.path(fp8_dir)}: its source {theirs.name!r} differs from the export's "
-                    f"{ours.name!r} (weight file {rel})")
-    return None
+    if not (theirs.files or ours.files):
+        return None
+    found = first_file_difference(ours.files, theirs.files)
+    if found is None and (theirs.kind, theirs.step) == (ours.kind, ours.step):
+        return None
+    what = (f"weight file {found[0]}" if found is not None else
+            f"{theirs.kind} at step {theirs.step}, the export's {ours.kind} at step {ours.step}")
+    return f"{ExportRecord.path(fp8_dir)}: its source {theirs.name!r} differs from the export's {ours.name!r} ({what})"
 
 
 def validated_files(export_dir: str) -> dict[str, str]:
