@@ -50,7 +50,7 @@ def _hashes(folder):
 
 @pytest.mark.slow  # two validations
 def test_chain_of_custody_validate_side(pair):
-    from nvfp4tool.hub.upload import _folder_files
+    from nvfp4tool.hub.upload import upload_files
 
     source, export, ids = pair
     result = _validate(export, source, ids)
@@ -58,7 +58,7 @@ def test_chain_of_custody_validate_side(pair):
     record = ValidationRecord.read(export)
     assert not record.source_mismatch_ok
     # the export's hashes: exactly what push uploads, less the reports and the generated card
-    uploaded = set(_folder_files(export)) - set(REPORT_FILES)
+    uploaded = set(upload_files(export)) - set(REPORT_FILES)
     assert set(record.export.sha256) == uploaded >= {WEIGHTS, "config.json", "nvfp4tool_export.json",
                                                      "hf_quant_config.json"}
     assert all(record.export.sha256[f] == sha256_file(os.path.join(export, f)) for f in uploaded)

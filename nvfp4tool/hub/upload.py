@@ -103,7 +103,7 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
     _check_options(options)
     from nvfp4tool.check import check_checkpoint
 
-    files = _folder_files(folder)
+    files = upload_files(folder)
     validation = _read_validation(folder)
     notices = (verify_custody(folder, validation, sorted(files), skip=(CARD_FILE,))
                if validation is not None else [])
@@ -180,7 +180,7 @@ def _read_validation(folder: str) -> ValidationRecord | None:
     return validation
 
 
-def _folder_files(folder: str) -> dict[str, int]:
+def upload_files(folder: str) -> dict[str, int]:
     """Path in repo (POSIX) -> size, for every file upload_folder would send."""
     files = {}
     for root, dirs, names in os.walk(folder):

@@ -17,7 +17,7 @@
   says so in the report).
 * An FP8 export given as `--reference` must record the same source (name aside: the same weight
   files and sha256) as the export, when both carry provenance records.
-* validation.json's `export` hashes cover every file `push` uploads (`hub.upload._folder_files`,
+* validation.json's `export` hashes cover every file `push` uploads (`hub.upload.upload_files`,
   the owner of that list) except the reports validate itself writes into the export
   (`report.REPORT_FILES`) and the model card push generates (`hub.upload.CARD_FILE`).
 """
@@ -80,12 +80,12 @@ def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
 def validated_files(export_dir: str) -> dict[str, str]:
     """{absolute file: sha256} of every file of the export that push uploads, without the reports
     validate writes (validation.json, validation.md, the PNGs) and the model card push makes."""
-    from nvfp4tool.hub.upload import CARD_FILE, _folder_files
+    from nvfp4tool.hub.upload import CARD_FILE, upload_files
     from nvfp4tool.validate.report import REPORT_FILES
 
     skip = {*REPORT_FILES, CARD_FILE}
     return {os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
-            for rel in sorted(_folder_files(export_dir)) if rel not in skip}
+            for rel in sorted(upload_files(export_dir)) if rel not in skip}
 
 
 def _first_tensor(file: str, record: ExportRecord) -> str:
