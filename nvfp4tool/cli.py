@@ -8,9 +8,10 @@ library code runs wherever an option can be checked on its own. A traceback only
 Signals: `main` turns SIGTERM into SystemExit (as SIGINT is KeyboardInterrupt), so a terminated
 command cleans up like an interrupted one.
 
-Output: every command runs with a `nvfp4tool.progress` reporter installed (`RichReporter`: bars
-and status lines on stderr; `QuietReporter` with `--quiet`), restored afterwards; the command's
-result lines (summaries, tables, reports) go to stdout either way.
+Output: every command runs with a `nvfp4tool.progress` reporter installed (`progress.for_cli`:
+rich bars on a terminal, timestamped or JSON lines otherwise or with `--log-format`; nothing with
+`--quiet`), restored afterwards; the command's result lines (summaries, tables, reports) go to
+stdout either way.
 """
 
 from __future__ import annotations
@@ -148,9 +149,15 @@ def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nvfp4tool")
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging and full tracebacks.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars or status lines; results and errors only.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress (bars, lines) or status lines; results and errors only.")
+@click.option("--log-format", type=click.Choice(progress.LOG_FORMATS), default="auto", show_default=True,
+              envvar=progress.LOG_FORMAT_ENV, show_envvar=True,
+              help="Progress and status on stderr: rich (bars), text (timestamped lines at most every "
+                   f"{progress.INTERVAL_S:g} s per stage: done/total, throughput, elapsed, ETA), json (the same "
+                   "as one JSON object a line), auto (rich on a terminal, text otherwise).")
 @click.pass_context
-def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
+def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None:
     """nvfp4tool: NVFP4 training, export and validation for Llama-family models in JAX.
 
     \b
@@ -163,7 +170,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool) -> None:
     ctx.obj["verbose"] = verbose
     logging.basicConfig(level=logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING,
                         format="%(message)s")
-    previous = progress.use_reporter(progress.QuietReporter() if quiet else progress.RichReporter())
+    previous = progress.use_reporter(progress.for_cli(quiet=quiet, log_format=log_format))
     ctx.call_on_close(lambda: progress.use_reporter(previous))
 
 

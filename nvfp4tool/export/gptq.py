@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool import numerics
+from nvfp4tool import numerics, progress
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.numerics import NVFP4Array
@@ -100,8 +100,10 @@ def gptq_quantize(w_NxK: np.ndarray | jax.Array, h_KxK: np.ndarray | jax.Array, 
     diag[diag == 0] = 1  # dead columns, as the damping sees them
     perm = block_order(diag) if act_order else np.arange(k)
     _, s_dec = numerics.nvfp4_global_scales(rtn.global_amax)
-    codes, finite = _gptq_codes(jnp.asarray(w_NxK), jnp.asarray(h), jnp.asarray(rtn.scales), s_dec,
-                                jnp.asarray(perm, jnp.int32), jnp.float32(damp), block_size=block_size)
+    with progress.compiling(f"GPTQ rounding of {n}x{k} weights",
+                            key=(_gptq_codes, n, k, str(w_NxK.dtype), block_size)):
+        codes, finite = _gptq_codes(jnp.asarray(w_NxK), jnp.asarray(h), jnp.asarray(rtn.scales), s_dec,
+                                    jnp.asarray(perm, jnp.int32), jnp.float32(damp), block_size=block_size)
     if not bool(finite):
         raise NVFP4ToolError(f"tensor '{name}': the damped Hessian is not positive definite; "
                              f"raise --gptq-damp")

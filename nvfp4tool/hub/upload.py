@@ -205,10 +205,14 @@ def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
             repo_url = api.create_repo(options.repo_id, private=options.private, exist_ok=True, repo_type="model")
             if options.revision not in (None, "main"):
                 api.create_branch(options.repo_id, branch=options.revision, exist_ok=True)
-            commit = api.upload_folder(
-                repo_id=options.repo_id, folder_path=staging, repo_type="model", revision=options.revision,
-                create_pr=options.create_pr,
-                commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)")
+            # huggingface_hub's bars show the upload where they may (a terminal); else our lines
+            with progress.task("upload", total=len(result.files), unit="file",
+                               enabled=not getattr(progress.reporter(), "external_bars", True)) as task:
+                commit = api.upload_folder(
+                    repo_id=options.repo_id, folder_path=staging, repo_type="model", revision=options.revision,
+                    create_pr=options.create_pr,
+                    commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)")
+                task.advance(len(result.files), nbytes=result.total_bytes)
         except Exception as exc:  # any failure of the upload: one line, the token masked
             no_answer = _cause(exc, _NoAnswer)
             if no_answer is not None:
@@ -273,10 +277,11 @@ def _bounded_http(timeout: float, tries: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _hub_bars_follow_reporter() -> Iterator[None]:
-    """huggingface_hub's own upload bars (tqdm) are off while the quiet reporter is installed."""
+    """huggingface_hub's own upload bars (tqdm) are off unless the reporter allows third-party bars
+    (`external_bars`: off with --quiet and in log lines, where tqdm's redraws would flood the log)."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    silence = isinstance(progress.reporter(), progress.QuietReporter) and not are_progress_bars_disabled()
+    silence = not getattr(progress.reporter(), "external_bars", True) and not are_progress_bars_disabled()
     if silence:
         disable_progress_bars()
     try:

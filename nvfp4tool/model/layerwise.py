@@ -164,8 +164,10 @@ class LayerwiseModel:
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
                     graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
                     for b, (x, cos, sin, mask) in enumerate(carry):
-                        y, records = _block_step(graphdef, state, x, cos, sin, mask,
-                                                 layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather)
+                        with progress.compiling(f"{label} layer program",
+                                                key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x)):
+                            y, records = _block_step(graphdef, state, x, cos, sin, mask,
+                                                     layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather)
                         carry[b] = (y, cos, sin, mask)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
@@ -176,8 +178,11 @@ class LayerwiseModel:
                     task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
-                    logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap,
-                                                  gather=self._gather)
+                    with progress.compiling(f"{label} LM head",
+                                            key=_program_key(_head_step, self._outer_graphdef, tap, None,
+                                                             self._gather, x)):
+                        logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap,
+                                                      gather=self._gather)
                     _deliver(records, on_record, None)
                     yield s, logits
                 del carry
@@ -201,8 +206,10 @@ class LayerwiseModel:
                 state = self._place(self._layer(i))
                 outputs = []
                 for x, cos, sin, mask in carry:
-                    y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
-                                             gather=self._gather)
+                    with progress.compiling(f"{label} layer program",
+                                            key=_program_key(_block_step, graphdef, tap, None, self._gather, x)):
+                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
+                                                 gather=self._gather)
                     _deliver(records, on_record, i)
                     outputs.append(y)
                 new = replace(i)
@@ -213,8 +220,12 @@ class LayerwiseModel:
                         variable.set_value(jnp.asarray(value, variable.get_value().dtype))
                     state = self._place(nnx.state(block))
                     del block
-                    outputs = [_block_step(graphdef, state, x, cos, sin, mask, None, tap=replay, kv_tap=None,
-                                           gather=self._gather)[0] for x, cos, sin, mask in carry]
+                    outputs = []
+                    for x, cos, sin, mask in carry:
+                        with progress.compiling(f"{label} layer program (replay)",
+                                                key=_program_key(_block_step, graphdef, replay, None, self._gather, x)):
+                            outputs.append(_block_step(graphdef, state, x, cos, sin, mask, None, tap=replay,
+                                                       kv_tap=None, gather=self._gather)[0])
                 carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
                 del state, outputs
                 if self.streamed:
@@ -268,6 +279,12 @@ def _variable(module: nnx.Module, path: str) -> nnx.Variable:
     for part in path.split("."):
         node = node[int(part)] if part.isdigit() else getattr(node, part)
     return node
+
+
+def _program_key(step, graphdef, tap, kv_tap, gather, x: jax.Array) -> tuple:
+    """What makes a step compile anew, for `progress.compiling`: the program and its static
+    arguments, and the batch's shape and dtype (the weights' shapes follow from the graphdef)."""
+    return step, graphdef, tap, kv_tap, gather, tuple(x.shape), str(x.dtype)
 
 
 def _deliver(records: dict[str, Any], on_record, layer: int | None) -> None:

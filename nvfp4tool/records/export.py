@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nvfp4tool import progress
 from nvfp4tool.records.base import Record
 from nvfp4tool.records.names import portable_name
 
@@ -157,10 +158,16 @@ def sha256_file(path: str, chunk: int = 1 << 24) -> str:
     return _sha256_file(os.path.realpath(path), (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns), chunk)
 
 
+HASH_TASK_BYTES = 1 << 30  # hashing a file this large (~1 s or more) reports a progress task
+
+
 @functools.lru_cache(maxsize=4096)
 def _sha256_file(path: str, identity: tuple[int, int, int, int], chunk: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    size = identity[2]
+    with open(path, "rb") as f, progress.task(f"sha256 {os.path.basename(path)}", total=-(-size // chunk),
+                                              unit="chunk", enabled=size >= HASH_TASK_BYTES) as task:
         while block := f.read(chunk):
             digest.update(block)
+            task.advance(nbytes=len(block))
     return digest.hexdigest()

@@ -161,9 +161,11 @@ def train(config: TrainConfig) -> TrainResult:
             indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
             windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
             t0 = time.perf_counter()
-            new_state, metrics = step_fn(state, mesh_lib.to_global(windows, batch_sharding),
-                                         jax.random.fold_in(base_key, step), bf16_scope=scope,
-                                         teacher=teacher)
+            with progress.compiling(_compile_label("train step", scope),
+                                    key=(step_fn, scope, windows.shape)):  # the first step of a scope compiles
+                new_state, metrics = step_fn(state, mesh_lib.to_global(windows, batch_sharding),
+                                             jax.random.fold_in(base_key, step), bf16_scope=scope,
+                                             teacher=teacher)
             loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]),
                                        bool(metrics["finite"]))
             step_time = time.perf_counter() - t0
@@ -440,6 +442,11 @@ def _bf16_scope(step: int, switch_step: int | None, scope: str) -> str:
     return "none" if switch_step is None or step < switch_step else scope
 
 
+def _compile_label(what: str, scope: str) -> str:
+    """What `progress.compiling` calls a step program ("train step", "train step (BF16 scope last)")."""
+    return what if scope == "none" else f"{what} (BF16 scope {scope})"
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
@@ -451,10 +458,14 @@ def _evaluate(eval_fn, params, teacher, eval_windows, config: TrainConfig, shard
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    for chunk in list(data_lib.eval_batches(eval_windows[:usable], batch))[:config.eval_batches]:
-        metrics = eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope, teacher=teacher)
-        results.append({name: float(value) for name, value in metrics.items()})
-        weights.append(len(chunk))
+    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[:config.eval_batches]
+    with progress.task("eval", total=len(chunks), unit="batch") as task:
+        for chunk in chunks:
+            with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
+                metrics = eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope, teacher=teacher)
+            results.append({name: float(value) for name, value in metrics.items()})
+            weights.append(len(chunk))
+            task.advance()
     if not results:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
     return {name: float(np.average([r[name] for r in results], weights=weights)) for name in results[0]}

@@ -441,7 +441,10 @@ def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOpti
     if held is None:
         return None
     progress.info(f"greedy generation ({label}): {len(prompts)} prompts x {options.gen_tokens} tokens")
-    return greedy_continuations(held, linear, prompts, options.gen_tokens, kv)
+    with progress.task(f"greedy generation ({label})", total=len(prompts), unit="prompt") as task:
+        tokens = greedy_continuations(held, linear, prompts, options.gen_tokens, kv)  # one program, compiled here
+        task.advance(len(prompts))
+    return tokens
 
 
 def _skip_reason(inputs: Inputs) -> str:

@@ -76,13 +76,16 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
             task.advance(description=g)
     order = sorted(names, key=lambda g: -harm[g])
     kept: list[str] = []
-    trajectory = [SearchStep(kept=[], kl_mean=mean_kl(set()))]
-    for g in order:
-        if trajectory[-1].kl_mean <= kl_target:
-            break
-        kept.append(g)
-        progress.info(f"sensitivity: keeping {g} in BF16")
-        trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
+    with progress.task("sensitivity search", total=None, unit="pass") as task:  # as many as groups kept, + 1
+        trajectory = [SearchStep(kept=[], kl_mean=mean_kl(set()))]
+        task.advance(description="nothing kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
+        for g in order:
+            if trajectory[-1].kl_mean <= kl_target:
+                break
+            kept.append(g)
+            progress.info(f"sensitivity: keeping {g} in BF16")
+            trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
+            task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
                        trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
