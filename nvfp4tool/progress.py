@@ -192,8 +192,8 @@ class LineReporter:
 class _LineTask:
     """A task's lines. A task started while another is open (a forward pass inside the sensitivity
     search, an evaluation inside training) is nested: it prints nothing until a progress line is
-    due (it lasted `interval`), and its end only if it printed, so short inner tasks, however many,
-    add no lines to their outer task's."""
+    due (it lasted `interval`), and its end only if it printed or lasted `interval`, so short inner
+    tasks, however many, add no lines to their outer task's."""
 
     def __init__(self, reporter: LineReporter, name: str, total: int | None, unit: str) -> None:
         self.reporter, self.name, self.total, self.unit = reporter, name, total, unit
@@ -214,7 +214,8 @@ class _LineTask:
             self.item = description
         if fields:
             self.fields = dict(fields)
-        if self.reporter.clock() - self.last_line >= self.reporter.interval:
+        finished = self.total is not None and self.count >= self.total  # its `done` line follows
+        if not finished and self.reporter.clock() - self.last_line >= self.reporter.interval:
             self._line("progress")
 
     def close(self) -> None:
@@ -230,7 +231,7 @@ class _LineTask:
         self.closed = True
         with self.reporter._lock:
             self.reporter._open -= 1
-        if self.printed or not self.nested:
+        if self.printed or not self.nested or self.reporter.clock() - self.started >= self.reporter.interval:
             self._line(event)
 
     def _line(self, event: str) -> None:

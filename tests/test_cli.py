@@ -101,9 +101,12 @@ def test_user_os_error_is_one_line_naming_the_file(failing_command):
 
 
 @pytest.mark.parametrize("flags, reporter, status_shown", [
-    ([], progress.RichReporter, True),
+    ([], progress.LineReporter, True),  # CliRunner's stderr is no terminal: auto = text lines
+    (["--log-format", "rich"], progress.RichReporter, True),
+    (["--log-format", "json"], progress.LineReporter, True),
     (["--quiet"], progress.QuietReporter, False),
     (["-q"], progress.QuietReporter, False),
+    (["--quiet", "--log-format", "json"], progress.QuietReporter, False),
 ])
 def test_each_command_runs_with_the_reporter_and_restores_the_previous(reporting_command, flags, reporter,
                                                                        status_shown):
