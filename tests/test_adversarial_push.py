@@ -46,6 +46,7 @@ def validated(pristine, tmp_path_factory):
         "--seq-len", str(SEQ), "--batch-size", "4", "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4",
         "--source", pristine["hf"]])
     assert result.exit_code == 0, result.output
+    assert result.stderr == "", result.stderr  # --quiet: no progress or compile lines (test_progress_lines.py)
     return {**pristine, "v": folder}
 
 

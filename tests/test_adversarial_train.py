@@ -47,6 +47,7 @@ def train_world(pristine, tmp_path_factory) -> dict[str, str]:
     shutil.copytree(paths["student"], paths["teacher"])
     result = CliRunner().invoke(cli, ["-q", "train", *_qad_args(paths, paths["teacher"], paths["qad"])])
     assert result.exit_code == 0, result.output
+    assert result.stderr == "", result.stderr  # --quiet: no progress or compile lines (test_progress_lines.py)
     assert RunRecord.read(paths["qad"]).teacher is not None
     build_tiny_model("mixtral", paths["moe"], dtype="bfloat16")
     return paths

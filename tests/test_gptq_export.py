@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -46,6 +47,8 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
                                       "--calib-data", calib, *CALIB, "--weight-rounding", "gptq", *extra])
     assert result.exit_code == 0, result.output
     assert "below RTN's" in result.output
+    # piped: the sequential pass reports progress lines, one layer a step (test_progress_lines.py)
+    assert re.search(r"Z GPTQ: done, 2/2 layer \(100%\).* elapsed ", result.stderr), result.stderr
     report = check_checkpoint(out)
     assert report.ok, [p.line() for p in report.problems]
     record = ExportRecord.read(out)

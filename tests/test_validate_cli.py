@@ -4,6 +4,7 @@ the layer on an export with one block scale x16."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -45,6 +46,12 @@ def test_broken_export_exits_1_and_names_the_layer(paths):
     assert "validation failed: layer_weight_sqnr_db" in result.output
     assert BROKEN_MODULE in result.output.splitlines()[-1]
     assert "sensitivity: KL target 1.0 met" in result.output
+    # piped: every pass reports timestamped progress lines, ending in a done line (test_progress_lines.py)
+    assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", line) for line in result.stderr.splitlines()
+               if not line.startswith("Error:")), result.stderr
+    for stage, unit in (("bf16 logits", "layer"), ("nvfp4 logits", "layer"), ("sensitivity", "group"),
+                        ("sensitivity search", "pass")):
+        assert re.search(rf"Z {stage}: done, \d+(/\d+)? {unit}\b.* elapsed ", result.stderr), (stage, result.stderr)
     saved = ValidationRecord.read(paths["broken"])
     assert not saved.passed and saved.layers[0].name == BROKEN_MODULE
 
