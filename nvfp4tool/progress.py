@@ -30,8 +30,9 @@ Library code never prints. Without a reporter installed (library use, tests) tas
   message}`; a compilation is `{time, event: "compile_start" | "compile_done", stage, elapsed_s}`;
 * `QuietReporter` (`--quiet`): nothing but errors.
 A reporter implements `start(name, total, unit)` -> a task object with `advance(n, description,
-nbytes, fields)` and `close()`, `info(message)`, and optionally `compiling(label, seconds)`
-(seconds None when it starts; a reporter without it gets the two events as status lines).
+nbytes, fields)`, `close()` and optionally `stop()` (the block raised; default: `close()`),
+`info(message)`, and optionally `compiling(label, seconds)` (seconds None when it starts; a
+reporter without it gets the two events as status lines).
 `external_bars` says whether third-party bars (huggingface_hub's tqdm) may show.
 """
 

@@ -32,7 +32,6 @@ Streaming and atomic:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -510,12 +509,7 @@ def _write_configs(folder: str, source: Checkpoint, plan: ExportPlan, spec: Layo
 
 def _task(enabled: bool, total: int):
     """The export's progress task (one step per source tensor), or a silent one."""
-    return progress.task("export", total=total, unit="tensor") if enabled else _silent()
-
-
-@contextlib.contextmanager
-def _silent():
-    yield progress.QuietReporter().start("export", None, "tensor")
+    return progress.task("export", total=total, unit="tensor", enabled=enabled)
 
 
 def _version() -> str:

@@ -608,7 +608,7 @@ def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calib
     out = os.path.join(scratch, "fp8")
     export_checkpoint(source.path, out, ExportOptions(
         quant="fp8", step=source.step, calib_data=calibration.calib_data, calib_samples=options.calib_samples,
-        calib_seq_len=options.calib_seq_len, input_amax=calibration.input_amax, show_progress=False,
+        calib_seq_len=options.calib_seq_len, input_amax=calibration.input_amax,
         offload=options.offload))
     memory.release()
     return (Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None,
