@@ -338,9 +338,9 @@ def info(message: str) -> None:
 def compiling(label: str, key: Hashable | None = None) -> Iterator[None]:
     """Around a call that compiles (a jitted function's first call with new static arguments or
     shapes): "compiling LABEL ..." before, "compiled LABEL in 41.2 s" after (the time of the whole
-    block: tracing, XLA compilation and the first run). With `key`, only the first block with that
+    block: tracing, XLA compilation, the first dispatch). With `key`, only the first block with that
     key in this process reports (mirror jit's cache key: the function, its static arguments, the
-    shapes); later ones run silently. Nothing is reported when the block raises."""
+    shapes); later ones run silently. No `compiled` line when the block raises."""
     if key is not None:
         if key in _compiled:
             yield

@@ -345,7 +345,9 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
         documents = data_lib.iter_documents(config.data, config.text_field)
-        train_bpe_tokenizer(documents, config.vocab_size, scratch)
+        with progress.task("tokenizer training", total=1, unit="tokenizer") as task:  # a large corpus: minutes
+            train_bpe_tokenizer(documents, config.vocab_size, scratch)
+            task.advance(description=f"{config.vocab_size} tokens")
         # as read back from its files: what a resume loads (and hashes) is the same tokenizer
         return load_tokenizer(scratch), True
 
