@@ -20,11 +20,11 @@ Library code never prints. Without a reporter installed (library use, tests) tas
   `start` line at once, then at most one `progress` line every `INTERVAL_S` seconds (10 s, measured
   from the task's previous line), then a `done` line; so a task of any length prints at most
   2 + its duration / 10 s lines. A task started inside another (a forward pass inside the
-  sensitivity search) prints only once it has lasted 10 s, so inner tasks add no lines of their own
-  to a stage that runs many short ones. Each carries the stage, done/total, unit, throughput (units/s, and
-  MB/s when the task counts bytes), elapsed and ETA. JSON keys, always all present (null when
-  unknown): `time` (UTC, ISO 8601), `event` (`start` | `progress` | `done`, or `stopped` when the
-  stage ended by an error or an interrupt), `stage`, `done`,
+  sensitivity search) prints only once it has lasted 10 s, so inner tasks add no lines of their
+  own to a stage that runs many short ones. Each line carries the stage, done/total, unit,
+  throughput (units/s, and MB/s when the task counts bytes), elapsed and ETA. JSON keys, always
+  all present (null when unknown): `time` (UTC, ISO 8601), `event` (`start` | `progress` |
+  `done`, or `stopped` when the stage ended by an error or an interrupt), `stage`, `done`,
   `total`, `unit`, `rate` (units/s), `bytes_per_s`, `elapsed_s`, `eta_s`, `item` (what was last
   done), `fields` (the task's own figures, e.g. loss); a status line is `{time, event: "info",
   message}`; a compilation is `{time, event: "compile_start" | "compile_done", stage, elapsed_s}`;
