@@ -57,6 +57,10 @@ def _convert_format(p, out, train):
     return ["convert-format", p["mo"], out, "--to", "compressed-tensors"]
 
 
+def _check(p, out, train):
+    return ["check", p["mo"], "--tp", "1,2"]
+
+
 def _export(p, out, train):
     return ["export", p["hf"], "--out", out, "--calib-data", p["ids"], "--calib-samples", "4",
             "--calib-seq-len", "32"]
@@ -72,6 +76,7 @@ def _train(p, out, train):
 COMMANDS = [
     ("convert", _convert, {"convert": "tensor"}, [], True),
     ("convert-format", _convert_format, {"convert-format": "tensor"}, [], True),
+    ("check", _check, {"check": "module"}, [], True),
     ("export", _export, {"calibration": "layer", "export": "tensor"}, ["loading calibration"], True),
     # a -q train run is test_adversarial_train's fixture (it asserts an empty stderr): not twice here
     ("train", _train, {"train": "step"}, ["compiling train step ...", "compiled train step in",

@@ -39,6 +39,7 @@ from nvfp4tool.check.model import attention_modules, check_against_model, check_
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
+from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
@@ -71,12 +72,14 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     # as not the model's (a lone scale of an expert 6 in a 4-expert layer is that, not a module
     # missing its weight).
     model_modules = None if config is None else {n.rpartition(".")[0] for n in config.expected_tensor_shapes()}
-    for module, tensors in _modules(entries).items():
-        if model_modules is not None and module not in model_modules:
-            continue
-        stats = _check_module(module, tensors, layout, degrees, scans, report.problems, status)
-        if stats is not None:
-            quantized[module] = stats
+    modules = _modules(entries)
+    with progress.task("check", total=len(modules), unit="module") as task:
+        for module, tensors in modules.items():
+            if model_modules is None or module in model_modules:
+                stats = _check_module(module, tensors, layout, degrees, scans, report.problems, status)
+                if stats is not None:
+                    quantized[module] = stats
+            task.advance(description=module)
     if spec.is_nvfp4:
         report.problems += _check_fused_groups(quantized, status, spec)
     kv_problems, report.kv_scales = check_kv_scales(
