@@ -48,7 +48,7 @@ def test_kv_scales_are_listed_in_the_report_the_json_and_the_table(tmp_path):
 
     result = CliRunner().invoke(cli, ["check", folder, "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["kv_cache"] == "fp8" and len(data["kv_scales"]) == 2 * LAYERS
     assert data["kv_scales"][0] == {"attention": "model.layers.0.self_attn", "which": "k",
                                     "tensor": "model.layers.0.self_attn.k_scale", "dtype": "F32",
