@@ -43,12 +43,11 @@ from typing import Any
 
 import numpy as np
 
+from converters.layout import ROPE_LAYOUTS
 from converters.tensor_source import DictTensorSource, TensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.records.run import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
-
-ROPE_LAYOUTS = ("half", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
