@@ -47,12 +47,12 @@ from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, o
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
+from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import SourceRecord, first_file_difference
 from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
                                   PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
-from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.config import TrainConfig
 from nvfp4tool.train.distill import Distillation
