@@ -194,7 +194,7 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
       nvfp4tool convert ./Llama-3.1-8B ./ckpt --to maxtext --model-config llama3.1-8b
       nvfp4tool convert ./ckpt/0/items ./hf --to hf --model-config llama3.1-8b
     """
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
 
     summary = convert_checkpoint(src, dst, to=to, model_config=model_config, scan_layers=scan_layers,
                                  rope_layout=rope_layout, dtype=dtype, max_shard_size=max_shard_size,

@@ -190,7 +190,7 @@ def test_plot_command_overlays_runs(tokenizer_dir, tmp_path):
 def test_fine_tune_from_a_maxtext_checkpoint_and_write_maxtext(tokenizer_dir, tmp_path):
     """Train from a MaxText checkpoint (converted from the tiny run's HF folder) and write the
     final weights as MaxText too; the MaxText output converts back to the run's HF weights."""
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
     from converters.hf import HFFolderSource
 
     base = _run(tokenizer_dir, tmp_path / "base", recipe="bf16", steps=1, eval_every=0)

@@ -42,7 +42,7 @@ def _run(tokenizer_dir, out, **extra):
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory):
     """The tiny preset trained 30 steps, as a run folder, its HF folder and a MaxText checkpoint."""
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("teachers")
     tokenizer_dir = root / "tokenizer"
