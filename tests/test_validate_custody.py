@@ -50,7 +50,7 @@ def _hashes(folder):
 
 @pytest.mark.slow  # two validations
 def test_chain_of_custody_validate_side(pair):
-    from nvfp4tool.hub.upload import upload_files
+    from nvfp4tool.validate.custody import upload_files
 
     source, export, ids = pair
     result = _validate(export, source, ids)
