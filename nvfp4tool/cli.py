@@ -215,7 +215,7 @@ def train_command(args: tuple[str, ...]) -> None:
       nvfp4tool train model=tiny data=corpus.txt recipe=nvfp4 steps=60 out=runs/a
       nvfp4tool train run.yaml lr=3e-4 resume=true
     """
-    from nvfp4tool.train.config import load_train_config
+    from nvfp4tool.run.config import load_train_config
     from nvfp4tool.train.trainer import train
 
     yaml_path = args[0] if args and "=" not in args[0] else None
