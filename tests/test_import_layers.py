@@ -38,6 +38,7 @@ code, not by listing it here.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -68,19 +69,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 EXEMPT: frozenset[tuple[str, str]] = frozenset()  # (importer, imported): must stay empty
 
 
-def modules() -> dict[str, pathlib.Path]:
-    """Dotted module name -> file, for every module of the two packages."""
+def modules(root: pathlib.Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of the packages under `root`."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
     return found
 
 
-def import_edges(mods: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[str]]:
+def import_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> dict[tuple[str, str], list[str]]:
     """(importer, imported) -> ["file:line", ...] for every import between our modules."""
 
     def deepest(name: str) -> str | None:
@@ -105,10 +106,15 @@ def import_edges(mods: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[st
                            for alias in node.names]
             for target in targets:
                 if target is not None and target != name:
-                    where = edges.setdefault((name, target), [])
-                    if f"{path.relative_to(ROOT)}:{node.lineno}" not in where:
-                        where.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                    where, at = edges.setdefault((name, target), []), f"{path.relative_to(root)}:{node.lineno}"
+                    if at not in where:
+                        where.append(at)
     return edges
+
+
+@functools.cache
+def _tree_edges() -> dict[tuple[str, str], list[str]]:
+    return import_edges(modules())
 
 
 def layer_of(module: str) -> int | None:
@@ -118,6 +124,12 @@ def layer_of(module: str) -> int | None:
             if (module == entry or module.startswith(entry + ".")) and len(entry) > best_len:
                 best, best_len = index, len(entry)
     return best
+
+
+def upward(edges) -> list[tuple[str, str]]:
+    """The edges from a lower layer to a higher one."""
+    return sorted((a, b) for a, b in edges if (a, b) not in EXEMPT and layer_of(a) is not None
+                  and layer_of(b) is not None and layer_of(a) < layer_of(b))
 
 
 def cycles(edges) -> list[list[str]]:
@@ -169,7 +181,7 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_cycle():
-    edges = import_edges(modules())
+    edges = _tree_edges()
     found = cycles(set(edges) - EXEMPT)
     report = "\n".join(f"cycle {' <-> '.join(c)}:\n" + _show(edges, [e for e in edges if e[0] in c and e[1] in c])
                        for c in found)
@@ -177,10 +189,9 @@ def test_no_import_cycle():
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():
-    edges = import_edges(modules())
-    upward = [(a, b) for a, b in edges if (a, b) not in EXEMPT
-              and layer_of(a) is not None and layer_of(b) is not None and layer_of(a) < layer_of(b)]
-    assert not upward, f"{len(upward)} upward import(s) (lower layer -> higher layer):\n{_show(edges, upward)}"
+    edges = _tree_edges()
+    found = upward(edges)
+    assert not found, f"{len(found)} upward import(s) (lower layer -> higher layer):\n{_show(edges, found)}"
 
 
 def test_exemptions_stay_empty():
@@ -203,9 +214,25 @@ def test_one_name_per_dtype_constant():
     assert not repeated, f"dtype constants defined more than once: {repeated}"
 
 
-def test_the_checker_sees_a_planted_cycle_and_an_upward_import():
-    """The checker itself: a cycle and an upward edge on a made-up graph are both reported."""
-    assert cycles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c"]]
-    assert layer_of("nvfp4tool.model.weights") < layer_of("nvfp4tool.train.trainer")
+def test_the_checker_sees_a_planted_cycle_and_an_upward_import(tmp_path):
+    """The checker itself, on a made-up tree: a function-level import, one under TYPE_CHECKING and
+    a relative one are all edges; the cycle they close and the upward edge are both reported."""
+    package = tmp_path / "nvfp4tool"
+    (package / "model").mkdir(parents=True)
+    (package / "train").mkdir()
+    for init in (package, package / "model", package / "train"):
+        (init / "__init__.py").write_text("")
+    (package / "model" / "weights.py").write_text("def f():\n    from nvfp4tool.train import trainer\n")
+    (package / "train" / "trainer.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import step\n")
+    (package / "train" / "step.py").write_text("from ..model.weights import f\n")
+    edges = import_edges(modules(tmp_path, ("nvfp4tool",)), tmp_path)
+    assert set(edges) == {("nvfp4tool.model.weights", "nvfp4tool.train.trainer"),
+                          ("nvfp4tool.train.trainer", "nvfp4tool.train.step"),
+                          ("nvfp4tool.train.step", "nvfp4tool.model.weights")}
+    assert edges[("nvfp4tool.model.weights", "nvfp4tool.train.trainer")] == [
+        str(pathlib.Path("nvfp4tool", "model", "weights.py")) + ":2"]
+    assert cycles(edges) == [["nvfp4tool.model.weights", "nvfp4tool.train.step", "nvfp4tool.train.trainer"]]
+    assert upward(edges) == [("nvfp4tool.model.weights", "nvfp4tool.train.trainer")]
     assert layer_of("nvfp4tool.errors") == layer_of("nvfp4tool") == 0
-    assert layer_of("converters.hf") < layer_of("nvfp4tool.checkpoints")
+    assert layer_of("converters.hf") < layer_of("nvfp4tool.checkpoints") < layer_of("nvfp4tool.train.trainer")
