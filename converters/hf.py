@@ -57,14 +57,14 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# safetensors dtype code -> numpy/ml_dtypes dtype name (and back).
+# safetensors dtype code -> numpy/ml_dtypes dtype name, and back (the one table every writer uses).
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }
-_CODE_BY_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
+SAFETENSORS_CODES = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 # Files besides weights and config.json that a model folder carries and a written copy keeps.
 AUX_FILE_PATTERNS = ("generation_config.json", "tokenizer*", "special_tokens_map.json",
@@ -259,11 +259,11 @@ def write_safetensors(path: str, layout: Iterable[tuple[str, str, tuple[int, ...
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, dtype, shape in layout:
-        if dtype not in _CODE_BY_DTYPE:
+        if dtype not in SAFETENSORS_CODES:
             raise NVFP4ToolError(f"{source_label}: tensor {name!r} has dtype {dtype} that "
                                  f"safetensors cannot store")
         nbytes = _nbytes(dtype, shape)
-        header[name] = {"dtype": _CODE_BY_DTYPE[dtype], "shape": list(shape),
+        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")

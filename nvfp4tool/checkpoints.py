@@ -28,7 +28,7 @@ command line, `model_config=X` in train):
     an HF folder / run whose config.json disagrees with the model config given   exit 1
 
 A training run is `<run>/run.json` + `<run>/hf/` (the final BF16 weights with `input_amax.json`
-and `precision_map.json`, see `nvfp4tool.records.run`). `step=N` restores `<run>/checkpoints/N`
+and `precision_map.json`, see `nvfp4tool.run.records`). `step=N` restores `<run>/checkpoints/N`
 instead: its FP32 master weights rounded to BF16 (what the trainer's quantizers read) and the amax
 history of that state.
 """
@@ -43,12 +43,11 @@ from typing import Any
 
 import numpy as np
 
+from converters.layout import ROPE_LAYOUTS
 from converters.tensor_source import DictTensorSource, TensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.records.run import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
-
-ROPE_LAYOUTS = ("half", "interleaved")
+from nvfp4tool.run.records import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
 
 
 @dataclasses.dataclass(frozen=True)

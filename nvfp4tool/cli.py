@@ -201,7 +201,7 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
       nvfp4tool convert ./Llama-3.1-8B ./ckpt --to maxtext --model-config llama3.1-8b
       nvfp4tool convert ./ckpt/0/items ./hf --to hf --model-config llama3.1-8b
     """
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
 
     summary = convert_checkpoint(src, dst, to=to, model_config=model_config, scan_layers=scan_layers,
                                  rope_layout=rope_layout, dtype=dtype, max_shard_size=max_shard_size,
@@ -222,7 +222,7 @@ def train_command(args: tuple[str, ...]) -> None:
       nvfp4tool train model=tiny data=corpus.txt recipe=nvfp4 steps=60 out=runs/a
       nvfp4tool train run.yaml lr=3e-4 resume=true
     """
-    from nvfp4tool.train.config import load_train_config
+    from nvfp4tool.run.config import load_train_config
     from nvfp4tool.train.trainer import train
 
     yaml_path = args[0] if args and "=" not in args[0] else None

@@ -64,7 +64,7 @@ def available_bytes() -> int:
 
 def choose_offload(mode: str, *, weights: int, working: int, what: str, devices: int = 1) -> bool:
     """True to stream `what` layer by layer. `weights`: its bytes as stored, sharded over `devices`
-    (`train.mesh.model_mesh`: each holds 1/devices of them); `working`: what a forward needs besides
+    (`model.sharding.model_mesh`: each holds 1/devices of them); `working`: what a forward needs besides
     the weights, on every device (activations are replicated). Held costs weights + devices x working
     in all, compared with `available_bytes` (the sum over the accelerators, or the host's memory that
     host devices share): per accelerator, weights / devices + working against its free memory."""

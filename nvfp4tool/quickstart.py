@@ -43,7 +43,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     from nvfp4tool.check import check_checkpoint
     from nvfp4tool.export import ExportOptions, export_checkpoint
     from nvfp4tool.hub.upload import PushOptions, push_checkpoint
-    from nvfp4tool.train.config import TrainConfig
+    from nvfp4tool.run.config import TrainConfig
     from nvfp4tool.train.data import embedded_corpus
     from nvfp4tool.train.trainer import train
     from nvfp4tool.validate.runner import ValidateOptions, validate_export

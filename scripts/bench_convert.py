@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from converters.convert import convert_checkpoint  # noqa: E402
+from nvfp4tool.convert import convert_checkpoint  # noqa: E402
 from converters.hf import write_safetensors  # noqa: E402
 from nvfp4tool.config import ModelConfig  # noqa: E402
 
@@ -101,7 +101,7 @@ def _append(lines: list[str], args: argparse.Namespace, config: ModelConfig) -> 
     command = f"python scripts/bench_convert.py --size-gb {args.size_gb:g} --dtype {args.dtype}"
     header = ("" if os.path.exists(path) and "## Convert throughput" in open(path).read() else
               "\n## Convert throughput\n\n"
-              "Converted with `converters.convert.convert_checkpoint` (what `nvfp4tool convert` runs), "
+              "Converted with `nvfp4tool.convert.convert_checkpoint` (what `nvfp4tool convert` runs), "
               "one tensor / one stacked parameter in memory at a time. GB/s = GB read (or written) / "
               "wall seconds.\n")
     with open(path, "a", encoding="utf-8") as f:

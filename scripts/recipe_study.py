@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nvfp4tool.train.config import load_train_config  # noqa: E402
+from nvfp4tool.run.config import load_train_config  # noqa: E402
 from nvfp4tool.train.data import iter_documents  # noqa: E402
 from nvfp4tool.train.metrics import plot_runs  # noqa: E402
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer  # noqa: E402

@@ -34,7 +34,7 @@ SEQ = 16
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """Read-only originals; each case works on copies."""
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
     root = tmp_path_factory.mktemp("layouts")

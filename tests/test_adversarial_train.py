@@ -20,7 +20,7 @@ from adversarial_harness import (BF16_INF, BF16_NAN, CONFIG, TEXT, WEIGHTS, Case
                                  registrar, run_case, truncate)
 from bench_convert import write_synthetic_hf_folder
 from nvfp4tool.cli import cli
-from nvfp4tool.records.run import RunRecord
+from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 CASES: list[Case] = []

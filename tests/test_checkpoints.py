@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from converters.convert import convert_checkpoint
+from nvfp4tool.convert import convert_checkpoint
 from converters.hf import write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.checkpoints import open_checkpoint, run_steps

@@ -61,7 +61,7 @@ def _child(workdir: str, family: str) -> None:
     import tensorstore  # noqa: F401
 
     from bench_convert import synthetic_config
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
     from converters.hf import HFFolderSource
 
     tiny, big = (dataclasses.replace(synthetic_config(hidden=h, mlp=f, layers=n, vocab=v, dtype="float32"),

@@ -14,7 +14,7 @@ from nvfp4tool.cli import cli
 
 # the library function each command calls (module, attribute), patched to fail if reached
 ENTRY_POINTS = [
-    ("converters.convert", "convert_checkpoint"),
+    ("nvfp4tool.convert", "convert_checkpoint"),
     ("nvfp4tool.train.trainer", "train"),
     ("nvfp4tool.train.metrics", "plot_runs"),
     ("nvfp4tool.check", "check_checkpoint"),

@@ -21,8 +21,8 @@ from converters.hf import HFFolderSource
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
-from nvfp4tool.recipes.precision import COMPUTE_DTYPE, fused_group, group_amax
-from nvfp4tool.train.config import load_train_config
+from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE, fused_group, group_amax
+from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.step import linear_weight
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
@@ -67,7 +67,7 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     weights = {n: linear_weight(model, n) for n in quantized}
     amax_by_group = group_amax(weights)  # the trainer's fused-group amax over BF16 weights
     for name in quantized:
-        trained = quantize_nvfp4(weights[name].astype(COMPUTE_DTYPE), block="2d",
+        trained = quantize_nvfp4(weights[name].astype(GEMM_INPUT_DTYPE), block="2d",
                                  global_amax=amax_by_group[fused_group(name)])
         assert np.array_equal(out.get(f"{name}.weight"), np.asarray(trained.packed)), name
         assert out.get(f"{name}.weight_scale").view(np.uint8).tobytes() == \

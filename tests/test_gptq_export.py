@@ -21,7 +21,7 @@ from nvfp4tool.export import gptq_pass
 from nvfp4tool.export.calibrate import load_calibration_ids, open_bf16_model
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.numerics import dequantize_nvfp4
-from nvfp4tool.recipes.precision import COMPUTE_DTYPE
+from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 from nvfp4tool.records.export import ExportRecord
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
@@ -114,7 +114,7 @@ def test_layer_1_hessian_comes_from_layer_0_quantized(tiny, monkeypatch):
                                 samples=CALIB_SAMPLES, seq_len=CALIB_SEQ_LEN, tokenizer_dir=None,
                                 offload="never", method="rtn", block="1d", damp=0.05)
     # the same Hessian recomputed independently: a streamed model whose layer 0 linears are the records
-    quantized = {f"{m}.weight": np.asarray(dequantize_nvfp4(result.records.get(m), COMPUTE_DTYPE))
+    quantized = {f"{m}.weight": np.asarray(dequantize_nvfp4(result.records.get(m), GEMM_INPUT_DTYPE))
                  for m in plan.quantized if m.startswith("model.layers.0.")}
 
     class Source:

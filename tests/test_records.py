@@ -9,10 +9,10 @@ import math
 import pytest
 
 from nvfp4tool.records import RecordError
-from nvfp4tool.records.run import InputAmaxRecord, PrecisionMapRecord, RunRecord
+from nvfp4tool.run.records import InputAmaxRecord, PrecisionMapRecord, RunRecord
 from nvfp4tool.records.names import portable_name
 from nvfp4tool.records.validation import ValidationRecord
-from nvfp4tool.train.config import TrainConfig
+from nvfp4tool.run.config import TrainConfig
 from validate_fixtures import validation_record
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.train.config import load_train_config
+from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
@@ -121,7 +121,7 @@ def _free_port() -> int:
 
 def _subprocess_run(args: list[str], env_extra: dict[str, str]) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_extra}
-    code = ("import sys, json; from nvfp4tool.train.config import load_train_config; "
+    code = ("import sys, json; from nvfp4tool.run.config import load_train_config; "
             "from nvfp4tool.train.trainer import train; "
             "r = train(load_train_config(None, sys.argv[1:])); "
             "print('LOSSES=' + json.dumps(r.losses))")
@@ -190,7 +190,7 @@ def test_plot_command_overlays_runs(tokenizer_dir, tmp_path):
 def test_fine_tune_from_a_maxtext_checkpoint_and_write_maxtext(tokenizer_dir, tmp_path):
     """Train from a MaxText checkpoint (converted from the tiny run's HF folder) and write the
     final weights as MaxText too; the MaxText output converts back to the run's HF weights."""
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
     from converters.hf import HFFolderSource
 
     base = _run(tokenizer_dir, tmp_path / "base", recipe="bf16", steps=1, eval_every=0)

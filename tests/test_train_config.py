@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.train.config import TrainConfig, load_train_config
+from nvfp4tool.run.config import TrainConfig, load_train_config
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.run import RunRecord
-from nvfp4tool.train.config import load_train_config
+from nvfp4tool.run.records import RunRecord
+from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
@@ -42,7 +42,7 @@ def _run(tokenizer_dir, out, **extra):
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory):
     """The tiny preset trained 30 steps, as a run folder, its HF folder and a MaxText checkpoint."""
-    from converters.convert import convert_checkpoint
+    from nvfp4tool.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("teachers")
     tokenizer_dir = root / "tokenizer"
@@ -151,7 +151,7 @@ def test_teacher_with_another_vocabulary_is_bad_data(teachers, tmp_path, monkeyp
 
 def _teacher_record(tmp_path, **fields):
     from nvfp4tool.records.export import SourceRecord
-    from nvfp4tool.train.config import TrainConfig
+    from nvfp4tool.run.config import TrainConfig
 
     config = TrainConfig(data="corpus.txt", teacher="t", distill="kl").to_dict()
     record = dict(config=config, model_config={"model_type": "llama"}, data_sha256="a" * 64,

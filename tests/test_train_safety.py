@@ -15,7 +15,7 @@ from converters.hf import write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.records.run import RunRecord
+from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer

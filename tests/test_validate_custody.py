@@ -50,7 +50,7 @@ def _hashes(folder):
 
 @pytest.mark.slow  # two validations
 def test_chain_of_custody_validate_side(pair):
-    from nvfp4tool.hub.upload import upload_files
+    from nvfp4tool.validate.custody import upload_files
 
     source, export, ids = pair
     result = _validate(export, source, ids)
@@ -163,7 +163,7 @@ def test_sigterm_leaves_nothing_and_a_kill_9_scratch_is_removed_by_the_next_run(
 @pytest.mark.slow  # trains a tiny run (2 steps, a checkpoint at step 2) and exports it twice
 def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
     from nvfp4tool.export import ExportOptions, export_checkpoint
-    from nvfp4tool.train.config import load_train_config
+    from nvfp4tool.run.config import load_train_config
     from nvfp4tool.train.data import embedded_corpus, iter_documents
     from nvfp4tool.train.tokenizer import train_bpe_tokenizer
     from nvfp4tool.train.trainer import train

@@ -45,7 +45,7 @@ from nvfp4tool.model.layerwise import LayerwiseModel
 from nvfp4tool.model.transformer import route
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
-from nvfp4tool.recipes.precision import COMPUTE_DTYPE
+from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 
 BATCH = 8  # windows per forward
 
@@ -121,13 +121,13 @@ def open_bf16_model(config: ModelConfig, source: TensorSource, *, seq_len: int, 
                     what: str) -> LayerwiseModel:
     """The source in BF16 as a `LayerwiseModel`, held or streamed as `offload` and the memory
     decide (the model calibration and GPTQ run)."""
-    itemsize = np.dtype(COMPUTE_DTYPE).itemsize
+    itemsize = np.dtype(GEMM_INPUT_DTYPE).itemsize
     model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
     working = 2 * 4 * BATCH * seq_len * (config.vocab_size + 4 * config.intermediate_size)
-    return LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=COMPUTE_DTYPE,
+    return LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=GEMM_INPUT_DTYPE,
                                                                             mesh=mesh),
                                source=_Cast(source), offload=offload, weights=model_bytes, working=working,
-                               what=f"{what} ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=COMPUTE_DTYPE)
+                               what=f"{what} ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=GEMM_INPUT_DTYPE)
 
 
 def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
@@ -174,11 +174,11 @@ class _InputAmax:
     routes_all_experts: ClassVar[bool] = True
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
-        y = dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
+        y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
         if self.router is not None and name.endswith(f".{self.router}"):
             _, chosen_BxTxN = route(y, self.top_k, normalize=False)  # the choice ignores normalisation
             return y, jnp.sum(chosen_BxTxN, axis=(0, 1), dtype=jnp.int32)
-        return y, tensor_amax(x.astype(COMPUTE_DTYPE))
+        return y, tensor_amax(x.astype(GEMM_INPUT_DTYPE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ class _Cast:
         self._source = source
 
     def get(self, name: str) -> np.ndarray:
-        return np.asarray(self._source.get(name)).astype(COMPUTE_DTYPE, copy=False)
+        return np.asarray(self._source.get(name)).astype(GEMM_INPUT_DTYPE, copy=False)
 
 
 def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) -> np.ndarray:

@@ -29,13 +29,11 @@ import time
 import numpy as np
 
 from converters.atomic import atomic_output_dir, check_output_path
-from converters.hf import INDEX_FILE, SAFETENSORS_DTYPES, HFFolderSource, write_safetensors
+from converters.hf import INDEX_FILE, SAFETENSORS_CODES, HFFolderSource, write_safetensors
 from nvfp4tool import formats, progress
 from nvfp4tool.config import read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.export import ExportRecord, TensorRecord
-
-_CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 
 def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float:
@@ -91,7 +89,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
                 data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
                 module = origin[name][0]
                 records[name] = TensorRecord(
-                    file=file_name, dtype=_CODE_OF_DTYPE[array.dtype.name], shape=tuple(array.shape),
+                    file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name], shape=tuple(array.shape),
                     sha256=hashlib.sha256(data).hexdigest(),
                     amax=amax.get(module) if module and name == f"{module}.{target.suffix('weight')}" else None)
                 return array

@@ -41,7 +41,7 @@ from nvfp4tool.export.gptq import GPTQError, gptq_quantize, hessian_key
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.model.layerwise import layer_modules
 from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4
-from nvfp4tool.recipes.precision import COMPUTE_DTYPE
+from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 
 
 class SpilledRecords:
@@ -106,7 +106,7 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
                                      global_amax=group_amax[plan.group_of(module)], name=name)
             records.put(module, q)
             errors[module] = error
-            new[f"{name[len(prefix):]}"] = np.asarray(dequantize_nvfp4(q, COMPUTE_DTYPE))
+            new[f"{name[len(prefix):]}"] = np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
         hessians.clear()
         return new
 
@@ -126,7 +126,7 @@ class _Hessians:
     routes_all_experts: ClassVar[bool] = True
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
-        y = dense(x, w_NxK, b_N, compute_dtype=COMPUTE_DTYPE)
+        y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
         if name not in self.names:
             return y, None
         x_TxK = x.reshape(-1, x.shape[-1]).astype(jnp.float32)

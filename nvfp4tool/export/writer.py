@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.atomic import atomic_output_dir, check_output_path
-from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, parse_size,
+from converters.hf import (AUX_FILE_PATTERNS, INDEX_FILE, SAFETENSORS_CODES, SINGLE_FILE, parse_size,
                            plan_shards, write_safetensors)
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
@@ -63,7 +63,6 @@ from nvfp4tool.records.export import GPTQRecord, TensorRecord
 
 GPTQ_SPILL_DIR = ".gptq-spill"  # GPTQ's spilled records: inside the output's temporary folder, removed before publishing
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
-_CODE_OF_DTYPE = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +253,7 @@ class _ModuleLoader:
                              nbytes=sum(a.nbytes for a in self.cache.values()))
             array = self.cache.pop(name)
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        self.records[name] = TensorRecord(file=self.file_name, dtype=_CODE_OF_DTYPE[array.dtype.name],
+        self.records[name] = TensorRecord(file=self.file_name, dtype=SAFETENSORS_CODES[array.dtype.name],
                                           shape=tuple(int(d) for d in array.shape),
                                           sha256=hashlib.sha256(data).hexdigest(),
                                           amax=self.amax.get(name))

@@ -49,9 +49,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.hub.card import build_model_card, card_identity
 from nvfp4tool.hub.custody import verify_claims, verify_custody
 from nvfp4tool.records.validation import ValidationRecord
-
-CARD_FILE = "README.md"
-_SKIPPED_DIRS = {".git", ".cache"}  # what upload_folder leaves out by default (.git, .cache/huggingface)
+from nvfp4tool.validate.custody import CARD_FILE, upload_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,17 +176,6 @@ def _read_validation(folder: str) -> ValidationRecord | None:
         raise NVFP4ToolError(f"{path}: the export failed validation{f' ({failed})' if failed else ''}; "
                              "fix it (see validation.md) before publishing")
     return validation
-
-
-def upload_files(folder: str) -> dict[str, int]:
-    """Path in repo (POSIX) -> size, for every file upload_folder would send."""
-    files = {}
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        for name in names:
-            path = os.path.join(root, name)
-            files[os.path.relpath(path, folder).replace(os.sep, "/")] = os.path.getsize(path)
-    return files
 
 
 def _upload(folder: str, result: PushResult, options: PushOptions) -> None:

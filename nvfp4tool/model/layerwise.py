@@ -26,7 +26,7 @@ with the layer's real name (`model.layers.3.mlp.up_proj`). A `KVTap` is the KV s
 with a recorder, `kv_tap(k, v, name=, aux=) -> ((k, v), record | None)`, its records delivered the
 same way under the attention's name (`model.layers.3.self_attn`).
 
-Devices: `open` runs on every device when there are several (`train.mesh.model_mesh`). With a
+Devices: `open` runs on every device when there are several (`model.sharding.model_mesh`). With a
 `mesh`, each weight is laid out over it as training lays out its state (fsdp: sharded over its
 largest divisible axis; held: as the model is built, streamed: as each layer is read), so a model
 larger than one device's memory runs on several. Each step all-gathers the weights it uses (its
@@ -52,10 +52,10 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, routes_all_experts
 from nvfp4tool.model.attention import AttentionMask
+from nvfp4tool.model.sharding import model_mesh, replicated, shard
 from nvfp4tool.model.transformer import Block, CausalLM, default_positions, embed, lm_logits, rope
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
-from nvfp4tool.train.mesh import model_mesh, replicated, shard
 
 STAR = "model.layers.*"  # the layer prefix of the names a block program sees
 
@@ -104,7 +104,7 @@ class LayerwiseModel:
              offload: str, what: str, weights: int, working: int, compute_dtype: jnp.dtype) -> LayerwiseModel:
         """Held (`build(mesh)`, unscanned) or streamed from `source`, as `memory.choose_offload`
         decides for `weights` bytes as stored and `working` bytes per device; on several devices,
-        sharded over all of them (`train.mesh.model_mesh`; said)."""
+        sharded over all of them (`model.sharding.model_mesh`; said)."""
         mesh = model_mesh()
         devices = 1 if mesh is None else mesh.size
         if mesh is not None:

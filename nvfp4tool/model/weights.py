@@ -20,7 +20,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import CausalLM
-from nvfp4tool.train.mesh import shard
+from nvfp4tool.model.sharding import shard
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -69,7 +69,7 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
 def as_param(value, dtype: jnp.dtype | None, mesh: jax.sharding.Mesh | None = None):
     """A tensor as a parameter value: an array cast to `dtype` (None: as stored), or a stored
     quantized weight (a pytree) unchanged; on the default device, or with a `mesh` sent from the
-    host straight to its fsdp shards (`train.mesh.shard`)."""
+    host straight to its fsdp shards (`model.sharding.shard`)."""
     if mesh is None:
         if isinstance(value, np.ndarray | jax.Array):
             return jnp.asarray(value, dtype=dtype)

@@ -38,7 +38,7 @@ from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS, NVFP4Options, Quantizer, nvf
 
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
-COMPUTE_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
+GEMM_INPUT_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
 # q/k/v of an attention; gate/up of a dense MLP or of one expert (mixtral's w1/w3)
 _QKV = re.compile(r"(.*\.self_attn)\.[qkv]_proj$")
 _GATE_UP = re.compile(r"(.*\.(?:mlp|experts\.\d+))\.(?:gate_proj|up_proj|w1|w3)$")
@@ -108,7 +108,7 @@ def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Fused group -> joint amax of its members' BF16 weights (module name -> weight [N, K])."""
     result: dict[str, jax.Array] = {}
     for name, w in weights.items():
-        amax = tensor_amax(w.astype(COMPUTE_DTYPE))
+        amax = tensor_amax(w.astype(GEMM_INPUT_DTYPE))
         group = fused_group(name)
         result[group] = amax if group not in result else jnp.maximum(result[group], amax)
     return result
@@ -143,8 +143,8 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
         if name not in pmap:
             raise NVFP4ToolError(f"linear layer {name!r} is not in the precision map")
         precision = "bf16" if bf16_scope == "all" else pmap[name]
-        x_lp = x.astype(COMPUTE_DTYPE)
-        w_lp = w_NxK.astype(COMPUTE_DTYPE)
+        x_lp = x.astype(GEMM_INPUT_DTYPE)
+        w_lp = w_NxK.astype(GEMM_INPUT_DTYPE)
         if precision != "bf16" and input_amax_sink is not None:
             input_amax_sink[name] = tensor_amax(x_lp)
         if precision == "bf16":

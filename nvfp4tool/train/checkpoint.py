@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from nvfp4tool.records.run import CHECKPOINTS_DIR
+from nvfp4tool.run.records import CHECKPOINTS_DIR
 
 
 class Checkpoints:

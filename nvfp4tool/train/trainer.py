@@ -8,7 +8,7 @@ held in BF16 on the training mesh in the state's layout, and handed to every ste
 (`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again, and must find the same
 weight files and model config as `run.json` records for it).
 
-The run folder `out` ends up holding: `run.json` (`nvfp4tool.records.run.RunRecord`: the config,
+The run folder `out` ends up holding: `run.json` (`nvfp4tool.run.records.RunRecord`: the config,
 model config and the hashes of data, tokenizer and teacher), `metrics.jsonl` and `loss.png`,
 `checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
 and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
@@ -47,14 +47,14 @@ from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, o
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
+from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import SourceRecord, first_file_difference
-from nvfp4tool.records.run import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
-                                  PrecisionMapRecord, RunRecord)
+from nvfp4tool.run.config import TrainConfig
+from nvfp4tool.run.records import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
+                                   PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
-from nvfp4tool.train import mesh as mesh_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
-from nvfp4tool.train.config import TrainConfig
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config

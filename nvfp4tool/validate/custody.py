@@ -17,9 +17,9 @@
   says so in the report).
 * An FP8 export given as `--reference` must record the same source (name aside: the same weight
   files and sha256) as the export, when both carry provenance records.
-* validation.json's `export` hashes cover every file `push` uploads (`hub.upload.upload_files`,
-  the owner of that list) except the reports validate itself writes into the export
-  (`report.REPORT_FILES`) and the model card push generates (`hub.upload.CARD_FILE`).
+* validation.json's `export` hashes cover every file `push` uploads (`upload_files`, owned here,
+  below both stages, and what `hub.upload` sends) except the reports validate itself writes into
+  the export (`report.REPORT_FILES`) and the model card push generates (`CARD_FILE`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from nvfp4tool.checkpoints import Checkpoint
 from nvfp4tool.records.export import ExportRecord, first_file_difference, sha256_file
 
 _KINDS = {"hf": "an HF folder", "run": "a training run", "maxtext": "a MaxText checkpoint"}
+CARD_FILE = "README.md"  # the model card push writes into the repository
+_SKIPPED_DIRS = {".git", ".cache"}  # what upload_folder leaves out by default (.git, .cache/huggingface)
 
 
 def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -> str | None:
@@ -80,12 +82,22 @@ def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
 def validated_files(export_dir: str) -> dict[str, str]:
     """{absolute file: sha256} of every file of the export that push uploads, without the reports
     validate writes (validation.json, validation.md, the PNGs) and the model card push makes."""
-    from nvfp4tool.hub.upload import CARD_FILE, upload_files
     from nvfp4tool.validate.report import REPORT_FILES
 
     skip = {*REPORT_FILES, CARD_FILE}
     return {os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
             for rel in sorted(upload_files(export_dir)) if rel not in skip}
+
+
+def upload_files(folder: str) -> dict[str, int]:
+    """Path in repo (POSIX) -> size, for every file `push` (huggingface_hub's upload_folder) would send."""
+    files = {}
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder).replace(os.sep, "/")] = os.path.getsize(path)
+    return files
 
 
 def _first_tensor(file: str, record: ExportRecord) -> str:

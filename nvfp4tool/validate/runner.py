@@ -70,7 +70,7 @@ _EXPORT_DEFAULTS = ExportOptions()  # the FP8 reference's calibration defaults a
 SCRATCH_PREFIX = "nvfp4tool-validate-"  # the scratch folder in the system temp folder (atomic.scratch_dir)
 KL_BINS = 40  # log-spaced bins of the per-token KL histogram
 KV_SUFFIX = "+fp8-kv"  # label of the export run with its FP8 KV cache ("nvfp4+fp8-kv")
-COMPUTE_DTYPE = jnp.float32  # every validated model computes in fp32
+VALIDATION_DTYPE = jnp.float32  # every validated model computes in fp32 (the source, the export, the reference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +138,11 @@ class Inputs:
     def candidates(self) -> list[Candidate]:
         """The quantized models compared per layer: the export (plain KV cache) and the FP8 reference."""
         return [c for c in (self.nvfp4, self.fp8) if c is not None]
+
+    @property
+    def compute_dtype(self):
+        """What every model of this validation computes in (`VALIDATION_DTYPE`, fp32)."""
+        return VALIDATION_DTYPE
 
     @property
     def runs(self) -> list[Candidate]:
@@ -288,7 +293,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     spool = inputs.reference_logits = LogitSpool(os.path.join(inputs.scratch, "bf16.logits"),
                                                  inputs.ids_SxL.shape, source.config.vocab_size)
     model, held = _open_model("bf16", inputs, source_bytes(source), lambda mesh: model_from_tensors(
-        source.config, source.tensors, dtype=None, compute_dtype=COMPUTE_DTYPE, mesh=mesh), source.tensors,
+        source.config, source.tensors, dtype=None, compute_dtype=VALIDATION_DTYPE, mesh=mesh), source.tensors,
         source.config)
     powers = _OutputPowers(labels=tuple(c.label for c in inputs.candidates))
     totals: dict[str, dict[str, np.ndarray]] = {}
@@ -318,7 +323,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     for c in inputs.runs:
         stats = _LogitStats()
         model, held = _open_model(c.label, inputs, c.exported.stored_bytes(),
-                                  lambda mesh, c=c: c.exported.model(COMPUTE_DTYPE, mesh), c.exported,
+                                  lambda mesh, c=c: c.exported.model(VALIDATION_DTYPE, mesh), c.exported,
                                   c.exported.config)
         kv_scales = (lambda i, c=c: None if i is None else c.exported.kv_scales(i)) if c.fp8_kv else None
         for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=Plain(served_linear),
@@ -430,7 +435,7 @@ def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
     device when there are several (`LayerwiseModel.open`)."""
     model = LayerwiseModel.open(config, build=build, source=source, offload=inputs.options.offload,
                                 what=f"{label} ({stored / 1e9:.2f} GB as stored)", weights=stored,
-                                working=inputs.working_bytes(), compute_dtype=COMPUTE_DTYPE)
+                                working=inputs.working_bytes(), compute_dtype=VALIDATION_DTYPE)
     inputs.ran[label] = "streamed" if model.streamed else "held"
     return model, model.whole
 

@@ -37,8 +37,6 @@ from nvfp4tool.validate import metrics
 def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     """The greedy search (see the module docstring); `inputs` is the validation's
     (`runner.open_inputs`), after `run_validation` spooled the BF16 logits."""
-    from nvfp4tool.validate.runner import COMPUTE_DTYPE
-
     exported, source = inputs.nvfp4.exported, inputs.source.tensors
     quantized = list(exported.quantized)
     groups: dict[str, list[str]] = {}
@@ -47,10 +45,10 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     config = exported.config
     bf16_bytes = sum(tensor_bytes(source, f"{m}.weight") for m in quantized)
     stored = exported.stored_bytes() + bf16_bytes
-    model = LayerwiseModel.open(config, build=lambda mesh: exported.model(COMPUTE_DTYPE, mesh), source=exported,
+    model = LayerwiseModel.open(config, build=lambda mesh: exported.model(inputs.compute_dtype, mesh), source=exported,
                                 offload=inputs.options.offload, weights=stored, working=inputs.working_bytes(),
                                 what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)",
-                                compute_dtype=COMPUTE_DTYPE)
+                                compute_dtype=inputs.compute_dtype)
     inputs.ran["sensitivity"] = "streamed" if model.streamed else "held"
     if model.streamed:
         weights = lambda layer: _layer_bf16(source, quantized, layer)  # noqa: E731

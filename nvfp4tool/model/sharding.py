@@ -1,4 +1,5 @@
-"""The device mesh and how the train state and batches are laid out on it (JAX's own sharding).
+"""The device mesh and how a model's weights, the train state and batches are laid out on it (JAX's
+own sharding). Below the model (`weights`, `layerwise` place weights with it) and the trainer.
 
 Mesh axes ("data", "fsdp") over `jax.devices()` (all processes' devices in multi-process runs).
 Parameters and optimizer state: each array's largest axis that the fsdp size divides is sharded

@@ -34,7 +34,7 @@ TOKENIZER_DIR = "tokenizer"  # a tokenizer trained by the run
 
 if TYPE_CHECKING:
     from nvfp4tool.recipes.precision import RecipeConfig
-    from nvfp4tool.train.config import TrainConfig
+    from nvfp4tool.run.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ class PrecisionMapRecord(_FlatMap):
 
 
 def _train_config(values: dict[str, Any], label: str) -> TrainConfig:
-    from nvfp4tool.train.config import TrainConfig
+    from nvfp4tool.run.config import TrainConfig
 
     typed = fields_from_json(TrainConfig, values, f"{label}: config", require_all=True)
     try:

@@ -1,4 +1,6 @@
 """`nvfp4tool convert`: open the source (`nvfp4tool.checkpoints`), dispatch to the writer, summarise.
+The convert stage sits with the other stages, above the opener; `converters/` below it holds only
+the checkpoint formats it writes with (`converters.hf`, `converters.maxtext`).
 
 Directions: HF -> MaxText, MaxText -> HF, and HF -> HF (reshard / change dtype). Every tensor goes
 through a `TensorSource` one at a time; the output is written into a temporary sibling folder and
