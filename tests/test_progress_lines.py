@@ -139,7 +139,7 @@ def test_json_lines_parse_with_the_documented_keys(how, pristine, tmp_path, monk
         if record["event"] in ("start", "progress", "done"):
             assert set(record) == TASK_KEYS, record
             assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record["time"])
-    done = next(r for r in records if r["event"] == "done")
+    done = next(r for r in records if r["event"] == "done" and r["stage"] == "convert-format")
     assert done["done"] == done["total"] > 0 and done["unit"] == "tensor" and done["elapsed_s"] >= 0
     assert done["eta_s"] == 0 and done["rate"] > 0
 
