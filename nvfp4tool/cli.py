@@ -71,6 +71,12 @@ class _FiniteFloat(click.FloatRange):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
 
+    def _describe_range(self) -> str:
+        """The range in --help: "finite" without bounds (click's own would print "x<=None")."""
+        if self.min is None and self.max is None:
+            return "any finite number"
+        return super()._describe_range()
+
 
 class _NewFile(click.Path):
     """A file the command writes: not a folder, and its folder must exist."""
@@ -202,13 +208,40 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
     click.echo(summary.line())
 
 
-@cli.command("train", context_settings={"ignore_unknown_options": True})
+class _TrainCommand(click.Command):
+    """`train --help`: the options, then every key of TrainConfig (type, default, one line)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from nvfp4tool.train.config import key_table
+
+        super().format_options(ctx, formatter)
+        with formatter.section("Keys (key=value, or in CONFIG.yaml; table: --list-keys)"):
+            formatter.write_dl([(key, f"{text}  [{kind}; default: {default}]")
+                                for key, kind, default, text in key_table()])
+
+
+def _list_keys(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """train --list-keys: the key table, in full, then exit."""
+    if not value or ctx.resilient_parsing:
+        return
+    from nvfp4tool.train.config import key_table
+
+    rows = [("key", "type", "default", "description")] + key_table()
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    ctx.exit(0)
+
+
+@cli.command("train", cls=_TrainCommand, context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
+@click.option("--list-keys", is_flag=True, is_eager=True, expose_value=False, callback=_list_keys,
+              help="Print every config key with its type, default and description, and exit.")
 def train_command(args: tuple[str, ...]) -> None:
     """Train or fine-tune with a precision recipe: [CONFIG.yaml] [key=value ...].
 
-    Every key of the YAML file can be overridden on the command line (see README for the keys:
-    model, data, recipe, steps, seq_len, batch_size, seed, out, checkpoint_every, resume, ...).
+    Every key of the YAML file can be overridden on the command line; the keys are listed below
+    (`--list-keys` prints them as a table).
 
     \b
     Example:
@@ -292,7 +325,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @cli.command("export")
 @click.argument("src", type=click.Path())
 @click.option("--to", "to", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
-              help="Output container.")
+              hidden=True, help="Output container; safetensors is the only one (accepted for older scripts).")
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option("--format", "fmt", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
               show_default=True, help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
@@ -310,8 +343,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
               "scales (amax / 448) and the config keys engines read (needs --calib-data).")
-@click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
-@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
+@click.option("--keep-bf16", multiple=True,
+              help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).")
+@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True,
+              help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
+              "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
+              "RTN one and its neighbours with the least squared error (the stored format is standard either way).")
 @click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
               "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
@@ -319,11 +356,15 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size)
-@click.option("--step", type=click.IntRange(min=0), default=None, help="Training run: export this checkpoint step.")
-@click.option("--model-config", default=None, help="MaxText source: model name or HF config.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
+              help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="Training run: export this checkpoint step (default: the final weights).")
+@click.option("--model-config", default=None,
+              help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
+                   "(required for a MaxText source; default: none).")
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
-              help="MaxText source with an HF --model-config: its RoPE row layout.")
+              help="MaxText source with an HF --model-config: its RoPE row layout (default: from the model name).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
                    scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step, model_config,
@@ -332,7 +373,7 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
 
     \b
     Example:
-      nvfp4tool export runs/a --to safetensors --out out/a-nvfp4 --format compressed-tensors
+      nvfp4tool export runs/a --out out/a-nvfp4 --format compressed-tensors
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
     """
@@ -356,7 +397,9 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
 @cli.command("convert-format")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True)
+@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True,
+              help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
+                   "(vLLM compressed-tensors / transformers).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def convert_format_command(src, out, to, force) -> None:
     """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
@@ -457,15 +500,21 @@ def _calib_default(field: str):
 @click.option("--force", is_flag=True,
               help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.")
 @click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
-@click.option("--batch-size", type=_COUNT, default=4, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Tokens per evaluated sequence.")
+@click.option("--batch-size", type=_COUNT, default=4, show_default=True,
+              help="Sequences per forward pass (memory, not results).")
 @click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
-@click.option("--prompt-len", type=_COUNT, default=32, show_default=True)
+@click.option("--prompt-len", type=_COUNT, default=32, show_default=True,
+              help="Tokens of --data each greedy prompt starts from.")
 @click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
-@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True)
-@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True)
+@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True,
+              help="Most mean KL(BF16 || NVFP4) per token, in nats.")
+@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True,
+              help="Most 99th-percentile per-token KL, in nats.")
 @click.option("--min-top1", type=_FiniteFloat(min=0, max=1), default=_threshold_default("min_top1"),
-              show_default=True)
+              show_default=True, help="Least fraction of tokens whose arg-max matches BF16's (default: no "
+              "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).")
 @click.option("--max-ppl-increase", type=_FiniteFloat(min=0), default=_threshold_default("max_ppl_increase"),
               show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
 @click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
@@ -523,8 +572,10 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
-@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True)
-@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True)
+@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True,
+              help="Steps of the BF16 pretraining stage.")
+@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True,
+              help="Steps of the NVFP4-recipe fine-tuning stage.")
 @click.option("--force", is_flag=True, help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.

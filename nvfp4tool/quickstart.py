@@ -5,13 +5,17 @@
     -> check -> push --dry-run (model card, no upload)
 
 Every stage is the library call its CLI command makes; each prints its result and where its files
-are, and the figures are collected in `<out>/quickstart.json`.
+are, and the figures are collected in `<out>/quickstart.json` (with the machine it ran on, the date,
+the wall time and the peak RSS: `scripts/quickstart_table.py` turns that file into the README's table).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -48,9 +52,12 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     from nvfp4tool.train.trainer import train
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
 
+    started = time.perf_counter()
     out = _prepare(Path(options.out), options.force)
     train_txt, val_txt = embedded_corpus()
     figures: dict[str, Any] = {}
+    machine = machine_description()
+    echo(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; {machine['date']}")
     common = dict(data=str(train_txt), eval_data=str(val_txt), seq_len=options.seq_len,
                   batch_size=options.batch_size, seed=options.seed, eval_batches=8, force=True)
 
@@ -117,10 +124,28 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
         record.update(files=len(result.files), card=str(card_path))
         echo(f"  {len(result.files)} files would be uploaded; model card written to {card_path}")
 
+    machine["wall_seconds"] = round(time.perf_counter() - started, 1)
+    machine["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # KiB on Linux
+    figures["machine"] = machine
     (out / "quickstart.json").write_text(json.dumps(figures, indent=1, default=str))
-    echo(f"\nall stages passed in {sum(s['seconds'] for s in figures.values()):.0f} s; "
+    echo(f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB); "
          f"figures in {out / 'quickstart.json'}")
     return figures
+
+
+def machine_description() -> dict[str, Any]:
+    """The machine the figures come from: CPU model, usable cores, JAX platform, date (UTC)."""
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "platform": jax.default_backend(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 # ------------------------------------------------------------------------------------------
