@@ -345,6 +345,10 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               "scales (amax / 448) and the config keys engines read (needs --calib-data).")
 @click.option("--keep-bf16", multiple=True,
               help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).")
+@click.option("--keep-bf16-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
+                   "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
+                   "Default: none.")
 @click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True,
               help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
               "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
@@ -367,7 +371,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="MaxText source with an HF --model-config: its RoPE row layout (default: from the model name).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step, model_config,
+                   keep_bf16_file, scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step,
+                   model_config,
                    rope_layout, force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
 
@@ -387,7 +392,8 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
                             gptq_damp=gptq_damp, weight_block=weight_block,
-                            keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
+                            keep_bf16=tuple(keep_bf16), keep_bf16_file=keep_bf16_file, calib_data=calib_data,
+                            calib_samples=calib_samples,
                             calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,
                             max_shard_size=max_shard_size, step=step,
                             model_config=model_config, rope_layout=rope_layout, force=force)
@@ -520,7 +526,9 @@ def _calib_default(field: str):
 @click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
               show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
 @_OFFLOAD
-@click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
+@click.option("--sensitivity", is_flag=True,
+              help="Also find the layers to keep in BF16 for --kl-target and write them to EXPORT/keep_bf16.txt "
+                   "(for `export --keep-bf16-file`).")
 @click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
               help="KL mean target of --sensitivity.")
 def validate_command(export, data, reference, source, source_mismatch_ok, calib_data, calib_samples,
@@ -541,7 +549,8 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 
     from nvfp4tool.validate.report import print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
-    from nvfp4tool.validate.sensitivity import command_lines
+    from nvfp4tool.validate.report import KEEP_BF16_TXT
+    from nvfp4tool.validate.sensitivity import export_with_file
     from nvfp4tool.validate.thresholds import Thresholds
 
     options = ValidateOptions(
@@ -562,8 +571,9 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
         console.print(f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
                       f"keeping {len(found.keep_bf16)} group(s) in BF16 "
                       f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g})")
-        for line in command_lines(found, run.source_path):
-            click.echo(line)
+        keep_file = os.path.join(export, KEEP_BF16_TXT)
+        click.echo(f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
+                   + export_with_file(run.source_path, keep_file))
     click.echo(f"wrote {', '.join(run.files)}")
     if not record.passed:
         raise NVFP4ToolError(f"{export}: validation failed: " +

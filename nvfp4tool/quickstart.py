@@ -67,8 +67,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
                                    eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
                                    **common))
         record.update(_train_figures(result))
-        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
-             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+        echo(f"  {train_line(record)}; run in {record['run']}")
 
     with _stage(echo, "2/7 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
         result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
@@ -76,8 +75,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
                                    eval_every=max(1, options.finetune_steps // 2),
                                    out=str(out / "finetune-nvfp4"), **common))
         record.update(_train_figures(result))
-        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
-             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+        echo(f"  {train_line(record)}; run in {record['run']}")
 
     run_dir = out / "finetune-nvfp4"
     nvfp4_dir, fp8_dir = out / "export-nvfp4", out / "export-fp8"
@@ -91,7 +89,8 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     with _stage(echo, "4/7 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
         summary = export_checkpoint(str(run_dir), str(fp8_dir), ExportOptions(
             format="modelopt", quant="fp8", force=True, show_progress=False))
-        record.update(out=str(fp8_dir), bytes_written=summary.bytes_written)
+        record.update(out=str(fp8_dir), quantized_modules=summary.quantized_modules,
+                      bytes_written=summary.bytes_written)
         echo("  " + summary.line())
 
     with _stage(echo, "5/7 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
@@ -99,10 +98,11 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
             data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
             prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
         validation = run.record
-        record.update(passed=validation.passed, metrics=_validation_figures(validation), files=run.files)
+        record.update(passed=validation.passed, sequences=validation.data.sequences,
+                      seq_len=validation.data.seq_len, metrics=_validation_figures(validation), files=run.files)
+        echo(f"  on {record['sequences']} x {record['seq_len']} tokens of held-out text:")
         for model, metrics in record["metrics"].items():
-            echo(f"  {model}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in metrics.items()))
+            echo("  " + model_line(model, metrics))
         echo(f"  {'PASSED' if validation.passed else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
         if not validation.passed:
             raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: "
@@ -110,7 +110,8 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
 
     with _stage(echo, "6/7 check the export", figures, "check") as record:
         report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
-        record.update(ok=report.ok, problems=[p.line() for p in report.problems])
+        record.update(ok=report.ok, problems=[p.line() for p in report.problems], modules=len(report.modules),
+                      tensors=report.tensors_checked, tp=list(report.tp))
         echo("  " + report.summary_line())
         if not report.ok:
             raise NVFP4ToolError(f"{nvfp4_dir}: check failed: {record['problems']}")
@@ -178,9 +179,27 @@ class _stage:
         return False
 
 
+def train_line(record: dict[str, Any]) -> str:
+    """A training stage's figures as the quickstart prints them (and the README table shows them)."""
+    return (f"{record['steps']} steps: loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, "
+            f"eval {record['eval_loss']:.3f}; {record['tokens_per_s']:,.0f} tokens/s (compilation and evaluation "
+            f"included)")
+
+
+def model_line(name: str, metrics: dict[str, Any]) -> str:
+    """One validated model's figures vs BF16 as the quickstart prints them (and the README table)."""
+    label = name.upper()
+    if set(metrics) == {"ppl"}:
+        return f"{label}: perplexity {metrics['ppl']:.2f}"
+    return (f"{label}: KL mean {metrics['kl_mean']:.2g}, p99 {metrics['kl_p99']:.2g}, "
+            f"top-1 {100 * metrics['top1']:.1f}%, perplexity {metrics['ppl']:.2f} "
+            f"({100 * metrics['ppl_increase']:+.2f}%)")
+
+
 def _train_figures(result) -> dict[str, Any]:
     last = max(result.losses)
-    return {"first_loss": result.losses[min(result.losses)], "final_loss": result.losses[last],
+    return {"steps": result.final_step, "first_loss": result.losses[min(result.losses)],
+            "final_loss": result.losses[last],
             "eval_loss": result.eval_losses[last], "tokens_per_s": result.tokens_per_s,
             "run": str(result.out)}
 

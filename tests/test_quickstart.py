@@ -25,7 +25,8 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     result = CliRunner().invoke(cli, ["quickstart", "--out", str(out)])
     assert result.exit_code == 0, result.output[-3000:]
     figures = json.loads((out / "quickstart.json").read_text())
-    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "check", "push", "machine"]
+    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "check", "push",
+                             "machine"]
     assert figures["machine"]["cores"] >= 1 and figures["machine"]["wall_seconds"] > 0
     # pretraining learns (a uniform model over the vocabulary would sit at ln(512) = 6.24 nats)
     assert figures["pretrain"]["final_loss"] < figures["pretrain"]["first_loss"] - 1.0
