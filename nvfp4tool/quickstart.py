@@ -127,10 +127,13 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
 
     machine["wall_seconds"] = round(time.perf_counter() - started, 1)
     machine["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # KiB on Linux
+    if hasattr(os, "getloadavg"):
+        machine["load_average"] = round(os.getloadavg()[0], 2)  # the machine's 1-minute load: figures vary with it
     figures["machine"] = machine
     (out / "quickstart.json").write_text(json.dumps(figures, indent=1, default=str))
-    echo(f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB); "
-         f"figures in {out / 'quickstart.json'}")
+    load = f", load average {machine['load_average']:.1f}" if "load_average" in machine else ""
+    echo(f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB"
+         f"{load}); figures in {out / 'quickstart.json'}")
     return figures
 
 

@@ -32,9 +32,10 @@ def table(figures: dict) -> str:
     nvfp4, fp8, val = figures["export_nvfp4"], figures["export_fp8"], figures["validate"]
     check, push = figures["check"], figures["push"]
     verdict = "OK" if check["ok"] else f"{len(check['problems'])} problem(s)"
+    load = f"; load average {m['load_average']:.1f} at the end" if "load_average" in m else ""
     lines = [
-        f"What `nvfp4tool quickstart` printed on {m['date']} on a {m['cpu']} with {m['cores']} cores (JAX on "
-        f"{m['platform']}): all stages in {m['wall_seconds']:.0f} s wall, peak RSS {m['peak_rss_gb']:.2f} GB. "
+        f"What `nvfp4tool quickstart` printed on {m['date']} (CPU: {m['cpu']}, {m['cores']} cores; JAX on "
+        f"{m['platform']}{load}): all stages in {m['wall_seconds']:.0f} s wall, peak RSS {m['peak_rss_gb']:.2f} GB. "
         "The figures vary with the machine and its load, the losses and metrics too (XLA's CPU kernels and "
         "thread counts change the rounding); rerun it for yours.",
         "",

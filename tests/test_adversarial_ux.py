@@ -101,7 +101,7 @@ def _(w):
             ("--min-top1", "0<=x<=1"))
 
 
-# ---------------------------------------------------------------------------------------- export --to, check, train, quickstart
+# ------------------------------------------------------------------------- export --to, check, train, quickstart
 
 
 @case("export/to-a-container-that-is-not-safetensors", 2)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -37,6 +40,13 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     for name in ("export-nvfp4/validation.md", "export-nvfp4/nvfp4tool_export.json",
                  "export-fp8/hf_quant_config.json", "finetune-nvfp4/loss.png", "MODEL_CARD.md"):
         assert (out / name).is_file(), name
+    # the README table made from quickstart.json shows only figures this run printed (issue 26)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import quickstart_table
+
+    for line in quickstart_table.table(figures).splitlines()[1:-1]:
+        for figure in re.findall(r"\d[\d,.]*(?:e-\d+)?%?", line):
+            assert figure in result.output, (figure, line)
     card = (out / "MODEL_CARD.md").read_text()
     assert "| KL mean (nats) |" in card and "**PASSED**" in card  # the validation table is on the card
     # nothing push uploads names a path of this machine (issue 9): the export folder's files and the card

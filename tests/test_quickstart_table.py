@@ -29,15 +29,15 @@ FIGURES = {
     "check": {"ok": True, "problems": [], "modules": 14, "tensors": 81, "tp": [1, 2], "seconds": 1.0},
     "push": {"files": 10, "card": "/x/MODEL_CARD.md", "seconds": 2.0},
     "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "platform": "cpu", "date": "2026-12-01",
-                "wall_seconds": 618.4, "peak_rss_gb": 1.13},
+                "wall_seconds": 618.4, "peak_rss_gb": 1.13, "load_average": 3.42},
 }
 
 
 def test_table_shows_the_printed_figures_and_the_machine():
     block = quickstart_table.table(FIGURES)
     assert block.startswith(quickstart_table.BEGIN) and block.endswith(quickstart_table.END)
-    assert "2026-12-01 on a AMD EPYC 7B13 with 2 cores (JAX on cpu): all stages in 618 s wall, peak RSS 1.13 GB" \
-        in block and "vary with the machine and its load" in block
+    assert "2026-12-01 (CPU: AMD EPYC 7B13, 2 cores; JAX on cpu; load average 3.4 at the end): all stages in 618 s " \
+        "wall, peak RSS 1.13 GB" in block and "vary with the machine and its load" in block
     rows = {line.split(" | ")[0].lstrip("| "): line for line in block.splitlines() if line.startswith("| ")}
     assert "300 steps: loss 6.271 -> 3.684, eval 3.944; 2,535 tokens/s" in rows["pretrain BF16"]
     assert "100 steps: loss 3.649 -> 3.490, eval 3.857; 441 tokens/s" in rows["fine-tune NVFP4 recipe"]
