@@ -126,8 +126,8 @@ class ExportSummary:
         timing = (f"read/quantize/write {self.bf16_bytes_in / 1e9:.3f} GB of bf16 in {self.write_seconds:.1f} s "
                   f"({self.gb_per_s:.3f} GB/s)")
         return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
-                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s "
-                f"({passes + '; ' if passes else ''}{timing})"
+                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s: "
+                f"{passes + '; ' if passes else ''}{timing}"
                 + ("" if self.gptq_reduction is None else
                    f"; GPTQ output error {100 * self.gptq_reduction:.1f}% below RTN's (mean over linears)"))
 
