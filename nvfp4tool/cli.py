@@ -368,7 +368,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
                    "(required for a MaxText source; default: none).")
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
-              help="MaxText source with an HF --model-config: its RoPE row layout (default: from the model name).")
+              help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
+                   "fixes, Mixtral and Qwen3-MoE half; else required).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
                    keep_bf16_file, scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step,
