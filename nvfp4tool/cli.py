@@ -10,7 +10,8 @@ command cleans up like an interrupted one.
 
 Output: every command runs with a `nvfp4tool.progress` reporter installed (`RichReporter`: bars
 and status lines on stderr; `QuietReporter` with `--quiet`), restored afterwards; the command's
-result lines (summaries, tables, reports) go to stdout either way.
+result lines (summaries, tables, reports) go to stdout either way, tables through
+`nvfp4tool.tables.print_table` (whole values when piped, wrapped on a terminal).
 """
 
 from __future__ import annotations
