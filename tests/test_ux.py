@@ -97,7 +97,7 @@ def test_export_with_calibration_times_it_apart(pristine, tmp_path):
     assert result.exit_code == 0, result.output
     total, calib, write = map(float, re.search(r"in ([\d.]+) s: calibration ([\d.]+) s; read/quantize/write "
                                                r"[\d.]+ GB of bf16 in ([\d.]+) s", result.output).groups())
-    assert calib > 0 and abs(total - calib - write) <= 0.11
+    assert calib > 0 and abs(total - calib - write) <= 0.16  # each rounded to 0.1 s
 
 
 def test_a_bf16_run_says_it_runs_bf16():
