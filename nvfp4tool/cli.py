@@ -11,7 +11,8 @@ command cleans up like an interrupted one.
 Output: every command runs with a `nvfp4tool.progress` reporter installed (`progress.for_cli`:
 rich bars on a terminal, timestamped or JSON lines otherwise or with `--log-format`; nothing with
 `--quiet`), restored afterwards; the command's result lines (summaries, tables, reports) go to
-stdout either way.
+stdout either way, tables through
+`nvfp4tool.tables.print_table` (whole values when piped, wrapped on a terminal).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class _FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
+
+    def _describe_range(self) -> str:
+        """The range in --help: "finite" without bounds (click's own would print "x<=None")."""
+        if self.min is None and self.max is None:
+            return "any finite number"
+        return super()._describe_range()
 
 
 class _NewFile(click.Path):
@@ -209,13 +216,40 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
     click.echo(summary.line())
 
 
-@cli.command("train", context_settings={"ignore_unknown_options": True})
+class _TrainCommand(click.Command):
+    """`train --help`: the options, then every key of TrainConfig (type, default, one line)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from nvfp4tool.run.config import key_table
+
+        super().format_options(ctx, formatter)
+        with formatter.section("Keys (key=value, or in CONFIG.yaml; table: --list-keys)"):
+            formatter.write_dl([(key, f"{text}  [{kind}; default: {default}]")
+                                for key, kind, default, text in key_table()])
+
+
+def _list_keys(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """train --list-keys: the key table, in full, then exit."""
+    if not value or ctx.resilient_parsing:
+        return
+    from nvfp4tool.run.config import key_table
+
+    rows = [("key", "type", "default", "description")] + key_table()
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    ctx.exit(0)
+
+
+@cli.command("train", cls=_TrainCommand, context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
+@click.option("--list-keys", is_flag=True, is_eager=True, expose_value=False, callback=_list_keys,
+              help="Print every config key with its type, default and description, and exit.")
 def train_command(args: tuple[str, ...]) -> None:
     """Train or fine-tune with a precision recipe: [CONFIG.yaml] [key=value ...].
 
-    Every key of the YAML file can be overridden on the command line (see README for the keys:
-    model, data, recipe, steps, seq_len, batch_size, seed, out, checkpoint_every, resume, ...).
+    Every key of the YAML file can be overridden on the command line; the keys are listed below
+    (`--list-keys` prints them as a table).
 
     \b
     Example:
@@ -299,7 +333,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @cli.command("export")
 @click.argument("src", type=click.Path())
 @click.option("--to", "to", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
-              help="Output container.")
+              hidden=True, help="Output container; safetensors is the only one (accepted for older scripts).")
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option("--format", "fmt", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
               show_default=True, help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
@@ -317,8 +351,16 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
               "scales (amax / 448) and the config keys engines read (needs --calib-data).")
-@click.option("--keep-bf16", multiple=True, help="fnmatch pattern of linear modules kept in BF16 (repeatable).")
-@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True)
+@click.option("--keep-bf16", multiple=True,
+              help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).")
+@click.option("--keep-bf16-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
+                   "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
+                   "Default: none.")
+@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True,
+              help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
+              "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
+              "RTN one and its neighbours with the least squared error (the stored format is standard either way).")
 @click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
               "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
@@ -326,20 +368,26 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size)
-@click.option("--step", type=click.IntRange(min=0), default=None, help="Training run: export this checkpoint step.")
-@click.option("--model-config", default=None, help="MaxText source: model name or HF config.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
+              help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="Training run: export this checkpoint step (default: the final weights).")
+@click.option("--model-config", default=None,
+              help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
+                   "(required for a MaxText source; default: none).")
 @click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
-              help="MaxText source with an HF --model-config: its RoPE row layout.")
+              help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
+                   "fixes, Mixtral and Qwen3-MoE half; else required).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step, model_config,
+                   keep_bf16_file, scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step,
+                   model_config,
                    rope_layout, force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
 
     \b
     Example:
-      nvfp4tool export runs/a --to safetensors --out out/a-nvfp4 --format compressed-tensors
+      nvfp4tool export runs/a --out out/a-nvfp4 --format compressed-tensors
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
     """
@@ -353,7 +401,8 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
                             gptq_damp=gptq_damp, weight_block=weight_block,
-                            keep_bf16=tuple(keep_bf16), calib_data=calib_data, calib_samples=calib_samples,
+                            keep_bf16=tuple(keep_bf16), keep_bf16_file=keep_bf16_file, calib_data=calib_data,
+                            calib_samples=calib_samples,
                             calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,
                             max_shard_size=max_shard_size, step=step,
                             model_config=model_config, rope_layout=rope_layout, force=force)
@@ -363,7 +412,9 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
 @cli.command("convert-format")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True)
+@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True,
+              help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
+                   "(vLLM compressed-tensors / transformers).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def convert_format_command(src, out, to, force) -> None:
     """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
@@ -464,21 +515,29 @@ def _calib_default(field: str):
 @click.option("--force", is_flag=True,
               help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.")
 @click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True)
-@click.option("--batch-size", type=_COUNT, default=4, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Tokens per evaluated sequence.")
+@click.option("--batch-size", type=_COUNT, default=4, show_default=True,
+              help="Sequences per forward pass (memory, not results).")
 @click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
-@click.option("--prompt-len", type=_COUNT, default=32, show_default=True)
+@click.option("--prompt-len", type=_COUNT, default=32, show_default=True,
+              help="Tokens of --data each greedy prompt starts from.")
 @click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
-@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True)
-@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True)
+@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True,
+              help="Most mean KL(BF16 || NVFP4) per token, in nats.")
+@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True,
+              help="Most 99th-percentile per-token KL, in nats.")
 @click.option("--min-top1", type=_FiniteFloat(min=0, max=1), default=_threshold_default("min_top1"),
-              show_default=True)
+              show_default=True, help="Least fraction of tokens whose arg-max matches BF16's (default: no "
+              "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).")
 @click.option("--max-ppl-increase", type=_FiniteFloat(min=0), default=_threshold_default("max_ppl_increase"),
               show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
 @click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
               show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
 @_OFFLOAD
-@click.option("--sensitivity", is_flag=True, help="Also find the layers to keep in BF16 for --kl-target.")
+@click.option("--sensitivity", is_flag=True,
+              help="Also find the layers to keep in BF16 for --kl-target and write them to EXPORT/keep_bf16.txt "
+                   "(for `export --keep-bf16-file`).")
 @click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
               help="KL mean target of --sensitivity.")
 def validate_command(export, data, reference, source, source_mismatch_ok, calib_data, calib_samples,
@@ -499,7 +558,8 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 
     from nvfp4tool.validate.report import print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
-    from nvfp4tool.validate.sensitivity import command_lines
+    from nvfp4tool.validate.report import KEEP_BF16_TXT
+    from nvfp4tool.validate.sensitivity import export_with_file
     from nvfp4tool.validate.thresholds import Thresholds
 
     options = ValidateOptions(
@@ -520,8 +580,9 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
         console.print(f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
                       f"keeping {len(found.keep_bf16)} group(s) in BF16 "
                       f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g})")
-        for line in command_lines(found, run.source_path):
-            click.echo(line)
+        keep_file = os.path.join(export, KEEP_BF16_TXT)
+        click.echo(f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
+                   + export_with_file(run.source_path, keep_file))
     click.echo(f"wrote {', '.join(run.files)}")
     if not record.passed:
         raise NVFP4ToolError(f"{export}: validation failed: " +
@@ -530,8 +591,10 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
-@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True)
-@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True)
+@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True,
+              help="Steps of the BF16 pretraining stage.")
+@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True,
+              help="Steps of the NVFP4-recipe fine-tuning stage.")
 @click.option("--force", is_flag=True, help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.

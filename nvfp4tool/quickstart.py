@@ -5,13 +5,17 @@
     -> check -> push --dry-run (model card, no upload)
 
 Every stage is the library call its CLI command makes; each prints its result and where its files
-are, and the figures are collected in `<out>/quickstart.json`.
+are, and the figures are collected in `<out>/quickstart.json` (with the machine it ran on, the date,
+the wall time and the peak RSS: `scripts/quickstart_table.py` turns that file into the README's table).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -48,9 +52,12 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     from nvfp4tool.train.trainer import train
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
 
+    started = time.perf_counter()
     out = _prepare(Path(options.out), options.force)
     train_txt, val_txt = embedded_corpus()
     figures: dict[str, Any] = {}
+    machine = machine_description()
+    echo(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; {machine['date']}")
     common = dict(data=str(train_txt), eval_data=str(val_txt), seq_len=options.seq_len,
                   batch_size=options.batch_size, seed=options.seed, eval_batches=8, force=True)
 
@@ -60,8 +67,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
                                    eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
                                    **common))
         record.update(_train_figures(result))
-        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
-             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+        echo(f"  {train_line(record)}; run in {record['run']}")
 
     with _stage(echo, "2/7 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
         result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
@@ -69,8 +75,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
                                    eval_every=max(1, options.finetune_steps // 2),
                                    out=str(out / "finetune-nvfp4"), **common))
         record.update(_train_figures(result))
-        echo(f"  loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, eval {record['eval_loss']:.3f}; "
-             f"{record['tokens_per_s']:,.0f} tokens/s; run in {result.out}")
+        echo(f"  {train_line(record)}; run in {record['run']}")
 
     run_dir = out / "finetune-nvfp4"
     nvfp4_dir, fp8_dir = out / "export-nvfp4", out / "export-fp8"
@@ -84,7 +89,8 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     with _stage(echo, "4/7 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
         summary = export_checkpoint(str(run_dir), str(fp8_dir), ExportOptions(
             format="modelopt", quant="fp8", force=True, show_progress=False))
-        record.update(out=str(fp8_dir), bytes_written=summary.bytes_written)
+        record.update(out=str(fp8_dir), quantized_modules=summary.quantized_modules,
+                      bytes_written=summary.bytes_written)
         echo("  " + summary.line())
 
     with _stage(echo, "5/7 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
@@ -92,10 +98,11 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
             data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
             prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
         validation = run.record
-        record.update(passed=validation.passed, metrics=_validation_figures(validation), files=run.files)
+        record.update(passed=validation.passed, sequences=validation.data.sequences,
+                      seq_len=validation.data.seq_len, metrics=_validation_figures(validation), files=run.files)
+        echo(f"  on {record['sequences']} x {record['seq_len']} tokens of held-out text:")
         for model, metrics in record["metrics"].items():
-            echo(f"  {model}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in metrics.items()))
+            echo("  " + model_line(model, metrics))
         echo(f"  {'PASSED' if validation.passed else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
         if not validation.passed:
             raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: "
@@ -103,7 +110,8 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
 
     with _stage(echo, "6/7 check the export", figures, "check") as record:
         report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
-        record.update(ok=report.ok, problems=[p.line() for p in report.problems])
+        record.update(ok=report.ok, problems=[p.line() for p in report.problems], modules=len(report.modules),
+                      tensors=report.tensors_checked, tp=list(report.tp))
         echo("  " + report.summary_line())
         if not report.ok:
             raise NVFP4ToolError(f"{nvfp4_dir}: check failed: {record['problems']}")
@@ -117,10 +125,31 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
         record.update(files=len(result.files), card=str(card_path))
         echo(f"  {len(result.files)} files would be uploaded; model card written to {card_path}")
 
+    machine["wall_seconds"] = round(time.perf_counter() - started, 1)
+    machine["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # KiB on Linux
+    if hasattr(os, "getloadavg"):
+        machine["load_average"] = round(os.getloadavg()[0], 2)  # the machine's 1-minute load: figures vary with it
+    figures["machine"] = machine
     (out / "quickstart.json").write_text(json.dumps(figures, indent=1, default=str))
-    echo(f"\nall stages passed in {sum(s['seconds'] for s in figures.values()):.0f} s; "
-         f"figures in {out / 'quickstart.json'}")
+    load = f", load average {machine['load_average']:.1f}" if "load_average" in machine else ""
+    echo(f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB"
+         f"{load}); figures in {out / 'quickstart.json'}")
     return figures
+
+
+def machine_description() -> dict[str, Any]:
+    """The machine the figures come from: CPU model, usable cores, JAX platform, date (UTC)."""
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "platform": jax.default_backend(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,9 +182,27 @@ class _stage:
         return False
 
 
+def train_line(record: dict[str, Any]) -> str:
+    """A training stage's figures as the quickstart prints them (and the README table shows them)."""
+    return (f"{record['steps']} steps: loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, "
+            f"eval {record['eval_loss']:.3f}; {record['tokens_per_s']:,.0f} tokens/s (compilation and evaluation "
+            f"included)")
+
+
+def model_line(name: str, metrics: dict[str, Any]) -> str:
+    """One validated model's figures vs BF16 as the quickstart prints them (and the README table)."""
+    label = name.upper()
+    if set(metrics) == {"ppl"}:
+        return f"{label}: perplexity {metrics['ppl']:.2f}"
+    return (f"{label}: KL mean {metrics['kl_mean']:.2g}, p99 {metrics['kl_p99']:.2g}, "
+            f"top-1 {100 * metrics['top1']:.1f}%, perplexity {metrics['ppl']:.2f} "
+            f"({100 * metrics['ppl_increase']:+.2f}%)")
+
+
 def _train_figures(result) -> dict[str, Any]:
     last = max(result.losses)
-    return {"first_loss": result.losses[min(result.losses)], "final_loss": result.losses[last],
+    return {"steps": result.final_step, "first_loss": result.losses[min(result.losses)],
+            "final_loss": result.losses[last],
             "eval_loss": result.eval_losses[last], "tokens_per_s": result.tokens_per_s,
             "run": str(result.out)}
 

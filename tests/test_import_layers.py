@@ -12,7 +12,8 @@ order follows the data flow (checkpoint in -> model -> train -> quantize -> expo
 publish) with the shared leaves at the bottom and the CLI at the top:
 
     nvfp4tool            the package root (`__version__`) and `errors`: imported by everything
-    progress, memory     the one output interface; available memory and the offload decision
+    progress, tables     the one output interface and its tables printed whole
+    memory               available memory and the offload decision
     numerics             all NVFP4/FP8 math
     records              the typed files stages hand each other (base reader, export, validation)
     config               ModelConfig (HF config.json)
@@ -46,7 +47,7 @@ PACKAGES = ("nvfp4tool", "converters")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvfp4tool", "nvfp4tool.errors"),
-    ("nvfp4tool.progress",),
+    ("nvfp4tool.progress", "nvfp4tool.tables"),
     ("nvfp4tool.memory",),
     ("nvfp4tool.numerics",),
     ("nvfp4tool.records",),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -25,7 +28,9 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     result = CliRunner().invoke(cli, ["quickstart", "--out", str(out)])
     assert result.exit_code == 0, result.output[-3000:]
     figures = json.loads((out / "quickstart.json").read_text())
-    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "check", "push"]
+    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "check", "push",
+                             "machine"]
+    assert figures["machine"]["cores"] >= 1 and figures["machine"]["wall_seconds"] > 0
     # pretraining learns (a uniform model over the vocabulary would sit at ln(512) = 6.24 nats)
     assert figures["pretrain"]["final_loss"] < figures["pretrain"]["first_loss"] - 1.0
     assert figures["finetune"]["eval_loss"] < figures["pretrain"]["first_loss"]
@@ -35,6 +40,13 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     for name in ("export-nvfp4/validation.md", "export-nvfp4/nvfp4tool_export.json",
                  "export-fp8/hf_quant_config.json", "finetune-nvfp4/loss.png", "MODEL_CARD.md"):
         assert (out / name).is_file(), name
+    # the README table made from quickstart.json shows only figures this run printed (issue 26)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import quickstart_table
+
+    for line in quickstart_table.table(figures).splitlines()[1:-1]:
+        for figure in re.findall(r"\d[\d,.]*(?:e-\d+)?%?", line):
+            assert figure in result.output, (figure, line)
     card = (out / "MODEL_CARD.md").read_text()
     assert "| KL mean (nats) |" in card and "**PASSED**" in card  # the validation table is on the card
     # nothing push uploads names a path of this machine (issue 9): the export folder's files and the card

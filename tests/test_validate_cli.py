@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
+from nvfp4tool.export.plan import read_keep_bf16_file
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from validate_fixtures import BROKEN_MODULE, SEQ_LEN, build_exports
@@ -31,6 +32,8 @@ def test_good_export_exits_0_and_writes_the_reports(paths, tmp_path):
                                       paths["ids"], "--json", str(copy), *SMALL])
     assert result.exit_code == 0, result.output
     for name in report.REPORT_FILES:
+        if name == report.KEEP_BF16_TXT:  # --sensitivity only
+            continue
         assert os.path.isfile(os.path.join(paths["nvfp4"], name)), name
     saved = ValidationRecord.read_file(copy)
     assert saved.passed and saved.reference.startswith("fp8")
@@ -54,6 +57,18 @@ def test_broken_export_exits_1_and_names_the_layer(paths):
         assert re.search(rf"Z {stage}: done, \d+(/\d+)? {unit}\b.* elapsed ", result.stderr), (stage, result.stderr)
     saved = ValidationRecord.read(paths["broken"])
     assert not saved.passed and saved.layers[0].name == BROKEN_MODULE
+    # issue 26: the tables whole when piped (CliRunner: no terminal, 80 columns), the sensitivity result
+    # as a keep-BF16 file and a short export command that reads it (not a long --keep-bf16 line)
+    assert "…" not in result.output
+    keep_file = os.path.join(paths["broken"], report.KEEP_BF16_TXT)
+    assert list(read_keep_bf16_file(keep_file)) == saved.sensitivity.keep_bf16
+    assert f"  nvfp4tool export {paths['src']} --out OUT --keep-bf16-file {keep_file}" in result.output.splitlines()
+    assert "--keep-bf16 '" not in result.output
+    for row in saved.layers[:8]:  # the worst-layers table: whole names and the record's values
+        weight, output = row.weight_sqnr_db["nvfp4"], row.output_sqnr_db["nvfp4"]
+        assert re.search(rf"{re.escape(row.name)}[\s│]+{weight:.1f}[\s│]+{output:.1f}", result.output), row.name
+    for harm in saved.sensitivity.harm:  # the sensitivity table: every group, its KL alone, not kept
+        assert re.search(rf"{re.escape(harm.group)}[\s│]+{harm.kl_mean_alone:.4g}[\s│]+no", result.output), harm
 
 
 def test_unknown_reference_is_one_line_error(paths):

@@ -104,6 +104,8 @@ def print_report(report: CheckReport, console: Any) -> None:
     from rich import box
     from rich.table import Table
 
+    from nvfp4tool.tables import print_table
+
     for problem in report.problems:
         console.print(problem.line(), markup=False, highlight=False, soft_wrap=True)
     table = Table(title=f"{report.format} {report.quant}", title_justify="left", box=box.SIMPLE_HEAD)
@@ -114,9 +116,9 @@ def print_report(report: CheckReport, console: Any) -> None:
         table.add_row(m.module, _fmt_shape(m.n, m.k), _fmt(m.bits_per_param, "{:.3g}"),
                       _fmt(m.zero_scale_share, "{:.1%}"), _fmt(m.weight_global_scale, "{:.4g}"),
                       _fmt(m.input_global_scale, "{:.4g}"), str(m.problems))
-    console.print(table)
+    print_table(console, table)
     if report.kv_cache:
-        console.print(_kv_table(report))
+        print_table(console, _kv_table(report))
     console.print(report.summary_line(), markup=False, highlight=False, soft_wrap=True)
 
 

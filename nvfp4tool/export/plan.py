@@ -9,6 +9,12 @@ Rules: `lm_head` and MoE routers (`*.mlp.gate`, `*.block_sparse_moe.gate`) are n
 training run's precision map, the modules it trained in BF16 stay BF16; `keep_bf16` fnmatch
 patterns exclude more. A fused group (q/k/v, gate/up) is one GEMM in serving engines, so it is
 quantized whole or not at all: excluding one member excludes the group.
+
+A keep-BF16 file (`export --keep-bf16-file`, written by `validate --sensitivity`) holds such
+patterns, one fnmatch pattern or module name per line, `#` starting a comment, blank lines ignored;
+its patterns act as repeated `--keep-bf16` (`read_keep_bf16_file` / `format_keep_bf16_file`, the
+one reader and writer of that format). A pattern of the file that matches no module is refused
+naming the file and line.
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ class ExportPlan:
 
 
 def make_plan(config: ModelConfig, quant: str, *, precision_map: Mapping[str, str] | None = None,
-              keep_bf16: Iterable[str] = ()) -> ExportPlan:
-    """The plan for `config` under `quant`; NVFP4ToolError for an unknown quant or a K % 16 != 0."""
+              keep_bf16: Iterable[str] = (), keep_bf16_origin: Mapping[str, str] | None = None) -> ExportPlan:
+    """The plan for `config` under `quant`; NVFP4ToolError for an unknown quant or a K % 16 != 0.
+    `keep_bf16_origin`: pattern -> "FILE:LINE" of the patterns read from a keep-BF16 file (a bad
+    one is then refused naming that line, exit 1, rather than as an option, exit 2)."""
     if quant not in QUANTS:
         raise NVFP4ToolError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
     patterns = tuple(keep_bf16)
@@ -55,6 +63,10 @@ def make_plan(config: ModelConfig, quant: str, *, precision_map: Mapping[str, st
             raise NVFP4ToolError(f"precision map has no entry for {missing[0]} "
                                  f"({len(missing)} linear modules missing)")
     unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    origin = keep_bf16_origin or {}
+    if unused and unused[0] in origin:
+        raise NVFP4ToolError(f"{origin[unused[0]]}: {unused[0]!r} matches no linear module of the model "
+                             f"(e.g. {names[0]}); patterns are fnmatch over full module names")
     if unused:
         raise NVFP4UsageError(f"--keep-bf16 {unused[0]!r} matches no linear module of the model "
                               f"(e.g. {names[0]}); patterns are fnmatch over full module names")
@@ -85,3 +97,35 @@ def _patterns_for(modules: list[str]) -> list[str]:
     same in_features in every layer of these models, so the pattern names exactly those)."""
     return list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in m.split("."))
                               for m in modules))
+
+
+def read_keep_bf16_file(path: str) -> dict[str, str]:
+    """The patterns of a keep-BF16 file, in order: {pattern: "PATH:LINE"} (see the module
+    docstring). NVFP4ToolError naming the file (and line) for a file that is not UTF-8 text or a
+    line holding more than one word; no pattern at all is allowed (nothing more kept in BF16)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a keep-BF16 file "
+                             f"(one fnmatch pattern or module name per line)") from None
+    patterns: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if len(words) > 1:
+            raise NVFP4ToolError(f"{path}:{number}: {line.strip()!r}: expected one fnmatch pattern or module "
+                                 f"name per line (# starts a comment)")
+        if words:
+            patterns.setdefault(words[0], f"{path}:{number}")
+    return patterns
+
+
+def format_keep_bf16_file(patterns: Iterable[str], comments: Iterable[str] = ()) -> str:
+    """The text of a keep-BF16 file: each comment line (prefixed "# "), then one pattern per line."""
+    lines = [f"# {c}" for c in comments]
+    lines += ["# one fnmatch pattern or module name per line (as repeated --keep-bf16); # starts a comment"]
+    for p in patterns:
+        if not p or p.split() != [p] or "#" in p:
+            raise ValueError(f"{p!r} cannot be written to a keep-BF16 file")  # module names have no space or #
+        lines.append(p)
+    return "\n".join(lines) + "\n"

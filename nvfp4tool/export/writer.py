@@ -53,7 +53,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
-from nvfp4tool.export.plan import ExportPlan, make_plan
+from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.scale_search import METHODS, quantize_weight
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import (FP8Array, NVFP4Array, dequantize_fp8, fp8_decode_scale, nvfp4_global_scales,
@@ -76,6 +76,7 @@ class ExportOptions:
     gptq_damp: float = DEFAULT_DAMP  # GPTQ: H += damp * mean(diag H) * I
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
+    keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -101,17 +102,30 @@ class ExportSummary:
     quantized_modules: int
     bf16_bytes_in: int  # the source's size in BF16 (2 bytes per parameter)
     bytes_written: int
-    seconds: float
+    seconds: float  # the whole export
     gptq_reduction: float | None = None  # GPTQ: mean output-error reduction vs RTN over the linears
+    calibration_seconds: float = 0.0  # reading --calib-data and running the model on it (0: none)
+    gptq_seconds: float = 0.0  # the GPTQ pass (0: none)
+
+    @property
+    def write_seconds(self) -> float:
+        """Reading, quantizing and writing the weights: the whole export but calibration and GPTQ."""
+        return max(self.seconds - self.calibration_seconds - self.gptq_seconds, 0.0)
 
     @property
     def gb_per_s(self) -> float:
-        return self.bf16_bytes_in / 1e9 / max(self.seconds, 1e-9)
+        """Throughput of read/quantize/write in GB of BF16 weights in per second (calibration and
+        GPTQ, which run the model on data, are timed apart)."""
+        return self.bf16_bytes_in / 1e9 / max(self.write_seconds, 1e-9)
 
     def line(self) -> str:
+        passes = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
+                           (("calibration", self.calibration_seconds), ("GPTQ", self.gptq_seconds)) if seconds)
+        timing = (f"read/quantize/write {self.bf16_bytes_in / 1e9:.3f} GB of bf16 in {self.write_seconds:.1f} s "
+                  f"({self.gb_per_s:.3f} GB/s)")
         return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
-                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s "
-                f"({self.gb_per_s:.3f} GB/s of bf16 in)"
+                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s: "
+                f"{passes + '; ' if passes else ''}{timing}"
                 + ("" if self.gptq_reduction is None else
                    f"; GPTQ output error {100 * self.gptq_reduction:.1f}% below RTN's (mean over linears)"))
 
@@ -120,16 +134,20 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     """Export `src` to the serving folder `out` (see the module docstring)."""
     start = time.perf_counter()
     _check_options(options)
-    inputs = (src,) + ((options.calib_data,) if options.calib_data else ())
+    inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file) if f)
+    from_file = {p: where for p, where in (read_keep_bf16_file(options.keep_bf16_file).items()
+                                           if options.keep_bf16_file else ()) if p not in options.keep_bf16}
     check_output_path(out, inputs, flag="--out", force=options.force)  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config,
                              rope_layout=options.rope_layout)
     spec = formats.get(options.format, options.quant)
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
-                     keep_bf16=options.keep_bf16)
+                     keep_bf16=options.keep_bf16 + tuple(from_file),
+                     keep_bf16_origin=from_file)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
+    calibration_start = time.perf_counter()
     ids = _calibration_ids(source, options)
     # with gptq too, the input amax comes from calibration, not from GPTQ's pass: calibrate() runs the
     # ORIGINAL weights throughout, while GPTQ's first pass through layer i sees inputs made by the
@@ -138,20 +156,25 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
     if options.weight_rounding == "gptq" and calibration is None:  # weight-only: the data GPTQ used
         calibration = _calibration_record(options, ids)
+    calibration_seconds = time.perf_counter() - calibration_start if options.calib_data else 0.0
+    gptq_seconds = 0.0
     with atomic_output_dir(out, force=options.force, inputs=inputs, flag="--out") as tmp:
         gptq = gptq_record = None
         if options.weight_rounding == "gptq":  # its spill folder lies inside the output's temporary one
             spill_dir = os.path.join(tmp, GPTQ_SPILL_DIR)
             os.mkdir(spill_dir)
+            gptq_start = time.perf_counter()
             gptq = _gptq(source, plan, group_amax, options, block, spill_dir, ids)
             gptq_record = _gptq_record(gptq, options)
+            gptq_seconds = time.perf_counter() - gptq_start
         summary = _write(source, tmp, plan, spec, block, group_amax, input_amax, origin, calibration, kv_amax,
                          options, gptq, gptq_record)
         if gptq is not None:
             shutil.rmtree(spill_dir)  # not published
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     return dataclasses.replace(summary, out=os.path.abspath(out), bytes_written=written,
-                               seconds=time.perf_counter() - start)
+                               seconds=time.perf_counter() - start, calibration_seconds=calibration_seconds,
+                               gptq_seconds=gptq_seconds)
 
 
 # ------------------------------------------------------------------------------------------

@@ -28,70 +28,80 @@ from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 
 
+def _key(default: Any, text: str) -> Any:
+    """A TrainConfig field with its one-line description (`train --help` and `--list-keys` print it)."""
+    return dataclasses.field(default=default, metadata={"help": text})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every option of `nvfp4tool train` (the names are the CLI's keys)."""
+    """Every option of `nvfp4tool train` (the names are the CLI's keys; each field's metadata["help"]
+    is its one-line description, shown by `nvfp4tool train --help` and `--list-keys`)."""
 
     # what to train
-    model: str = "tiny"  # "tiny" | "100m" (from scratch), an HF folder, or a MaxText checkpoint
-    model_config: str | None = None  # MaxText source: an HF config.json or a MaxText model name
-    rope_layout: str | None = None  # MaxText side: interleaved | half (default: from the MaxText name)
-    data: str = ""  # text / JSONL / Parquet file or folder
-    eval_data: str | None = None  # held-out data (default: the last eval_fraction of `data`)
-    eval_fraction: float = 0.05
-    text_field: str = "text"  # JSONL key / Parquet column holding the documents
-    tokenizer: str | None = None  # a folder with tokenizer.json, "train", or None (the model's, else train)
-    vocab_size: int = 1024  # of a trained tokenizer
+    model: str = _key("tiny",
+        "tiny | 100m (a preset trained from scratch), an HF folder, a MaxText checkpoint or a run")
+    model_config: str | None = _key(None, "MaxText source: an HF config.json or a MaxText model name")
+    rope_layout: str | None = _key(None, "MaxText side: interleaved | half (default: from the MaxText name)")
+    data: str = _key("", "training data: a text / JSONL / Parquet file or folder")
+    eval_data: str | None = _key(None, "held-out data (default: the last eval_fraction of `data`)")
+    eval_fraction: float = _key(0.05, "share of `data` held out for evaluation when eval_data is not given")
+    text_field: str = _key("text", "JSONL key / Parquet column holding the documents")
+    tokenizer: str | None = _key(None, "a folder with tokenizer.json, or train (default: the model's, else train)")
+    vocab_size: int = _key(1024, "vocabulary size of a tokenizer trained here (tokenizer=train)")
     # precision recipe (see nvfp4tool.recipes.precision)
-    recipe: str = "bf16"  # bf16 | fp8 | fp8-block | nvfp4
-    rht: bool = True
-    stochastic_rounding: bool = True
-    weight_2d: bool = True
-    quantizer: str = "auto"  # auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)
-    bf16_first_layers: int = 1
-    bf16_last_layers: int | None = None  # None: ceil(15% of the blocks)
-    bf16_patterns: tuple[str, ...] = ()
-    switch_to_bf16_at: float | None = None  # step, or fraction of `steps` when < 1
-    switch_scope: str = "forward"  # forward | all
-    amax_history: int = 16  # steps over which each quantized input's amax is tracked (max)
-    remat: str = "none"  # none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)
+    recipe: str = _key("bf16", "precision recipe: bf16 | fp8 | fp8-block | nvfp4 (nvfp4tool.recipes.precision)")
+    rht: bool = _key(True, "nvfp4 recipe: random Hadamard transform of the weight-gradient GEMM operands")
+    stochastic_rounding: bool = _key(True, "nvfp4 recipe: stochastic rounding of the gradients quantized to NVFP4")
+    weight_2d: bool = _key(True, "nvfp4 recipe: 16x16 (2D) weight blocks (the weight and its transpose share scales)")
+    quantizer: str = _key("auto", "auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)")
+    bf16_first_layers: int = _key(1, "recipes fp8/nvfp4: the first N transformer blocks stay BF16")
+    bf16_last_layers: int | None = _key(None,
+        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: 15% of the blocks, rounded up)")
+    bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
+    switch_to_bf16_at: float | None = _key(None,
+        "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)")
+    switch_scope: str = _key("forward",
+        "forward | all: what switch_to_bf16_at moves to BF16 (the forward GEMMs, or all)")
+    amax_history: int = _key(16, "steps over which each quantized input's amax is tracked (max)")
+    remat: str = _key("none", "none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)")
     # quantization-aware distillation (nvfp4tool.train.distill)
-    teacher: str | None = None  # frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run
-    distill: str = "none"  # none | kl (KL to the teacher; needs teacher)
-    temperature: float = 1.0  # softmax temperature of the KL
-    distill_weight: float = 1.0  # loss = w T^2 KL + (1 - w) next-token CE
+    teacher: str | None = _key(None, "frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run")
+    distill: str = _key("none", "none | kl (KL to the teacher; needs teacher)")
+    temperature: float = _key(1.0, "softmax temperature of the distillation KL")
+    distill_weight: float = _key(1.0, "loss = w T^2 KL + (1 - w) next-token CE")
     # optimisation
-    steps: int = 100
-    seq_len: int = 128
-    batch_size: int = 16  # sequences per optimizer step (global, over all devices)
-    grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    warmup_steps: int = 10
-    schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear decay over decay_fraction)
-    decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    seed: int = 0
+    steps: int = _key(100, "optimizer steps to run (the whole run; a resume continues up to it)")
+    seq_len: int = _key(128, "tokens per training sequence")
+    batch_size: int = _key(16, "sequences per optimizer step (global, over all devices)")
+    grad_accum: int = _key(1, "micro-batches per step (batch_size must divide by it)")
+    lr: float = _key(1e-3, "peak learning rate (after warmup)")
+    min_lr_ratio: float = _key(0.1, "final lr = lr * min_lr_ratio")
+    warmup_steps: int = _key(10, "steps of linear lr warmup from 0")
+    schedule: str = _key("cosine", "cosine | wsd (warmup, stable, linear decay over decay_fraction)")
+    decay_fraction: float = _key(0.2, "wsd schedule: share of the steps spent decaying the lr linearly")
+    weight_decay: float = _key(0.1, "AdamW decoupled weight decay")
+    beta1: float = _key(0.9, "AdamW first-moment decay")
+    beta2: float = _key(0.95, "AdamW second-moment decay")
+    eps: float = _key(1e-8, "AdamW epsilon")
+    clip_norm: float = _key(1.0, "global gradient-norm clip")
+    seed: int = _key(0, "seed of the initialisation, data order and stochastic rounding")
     # evaluation, checkpoints, output
-    eval_every: int = 50  # 0: only at the end
-    eval_batches: int = 8
-    checkpoint_every: int = 0  # 0: only the final checkpoint
-    keep_checkpoints: int = 3
-    out: str = "runs/run"
-    resume: bool = False  # continue from the latest checkpoint in `out`
-    force: bool = False  # replace an existing `out` (when not resuming)
-    export_maxtext: bool = False  # also write the final weights as a MaxText checkpoint
-    on_nonfinite: str = "stop"  # stop | skip (skip the step, keep the weights)
+    eval_every: int = _key(50, "steps between evaluations (0: only at the end)")
+    eval_batches: int = _key(8, "batches of the held-out data per evaluation")
+    checkpoint_every: int = _key(0, "steps between checkpoints (0: only the final one)")
+    keep_checkpoints: int = _key(3, "most recent checkpoints kept (older ones deleted)")
+    out: str = _key("runs/run", "run folder (metrics.jsonl, loss.png, checkpoints/, hf/)")
+    resume: bool = _key(False, "continue from the latest checkpoint in `out`")
+    force: bool = _key(False, "replace an existing `out` (when not resuming)")
+    export_maxtext: bool = _key(False, "also write the final weights as a MaxText checkpoint")
+    on_nonfinite: str = _key("stop", "stop | skip (skip the step, keep the weights)")
     # scale-out
-    mesh_data: int = -1  # devices on the data axis (-1: what fsdp leaves)
-    mesh_fsdp: int = 1  # devices on the fsdp axis (parameters and optimizer state sharded)
-    coordinator_address: str | None = None  # multi-process: host:port of process 0
-    num_processes: int = 1
-    process_id: int = 0
+    mesh_data: int = _key(-1, "devices on the data axis (-1: what mesh_fsdp leaves)")
+    mesh_fsdp: int = _key(1, "devices on the fsdp axis (parameters and optimizer state sharded)")
+    coordinator_address: str | None = _key(None, "multi-process: host:port of process 0")
+    num_processes: int = _key(1, "multi-process: number of processes (hosts)")
+    process_id: int = _key(0, "multi-process: this process's index, 0 .. num_processes - 1")
 
     def __post_init__(self) -> None:
         """Every key checked before anything is created: a bad one is a usage error naming it."""
@@ -165,6 +175,31 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def key_table() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) of every TrainConfig field, in declaration order: what
+    `nvfp4tool train --help` and `--list-keys` print (from the fields, so it cannot drift)."""
+    hints = typing.get_type_hints(TrainConfig)
+    rows = []
+    for field in dataclasses.fields(TrainConfig):
+        hint = hints[field.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+        kind = "list of text" if typing.get_origin(base) is tuple else {str: "text"}.get(base, base.__name__)
+        rows.append((field.name, kind, _show_default(field.default), field.metadata.get("help", "")))
+    return rows
+
+
+def _show_default(value: Any) -> str:
+    """A default as it would be typed in `key=value` (YAML)."""
+    if value is None:
+        return "unset"
+    if value == "" or value == ():
+        return "(required)" if value == "" else "[]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def load_train_config(yaml_path: str | None, overrides: list[str]) -> TrainConfig:

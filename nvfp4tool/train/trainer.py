@@ -136,7 +136,7 @@ def train(config: TrainConfig) -> TrainResult:
             truncate_metrics(out, start_step)
             progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
                           f"{out}: no checkpoint yet; restarting the run from step 0")
-        _report_precision_map(pmap, recipe.name, model_config.router_names())
+        progress.info(precision_summary(pmap, recipe.name, model_config.router_names()))
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
     checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
@@ -497,16 +497,19 @@ def _write_start(out: Path, config: TrainConfig, job: _Prepared) -> None:
         job.record.write(tmp)
 
 
-def _report_precision_map(pmap: dict[str, str], recipe: str, routers: list[str]) -> None:
+def precision_summary(pmap: dict[str, str], recipe: str, routers: list[str]) -> str:
+    """One line on what runs in which precision: a BF16 run says it runs BF16 (nothing is "kept")."""
     counts: dict[str, int] = {}
     for precision in pmap.values():
         counts[precision] = counts.get(precision, 0) + 1
+    if set(counts) <= {"bf16"}:
+        return f"recipe {recipe}: all {len(pmap)} linear layers run in BF16 (nothing quantized)"
     always = ["lm_head"] + (["the MoE routers"] if routers else [])
     # the blocks holding a BF16 linear (apart from the routers, which always are)
     kept = sorted({".".join(n.split(".")[:3]) for n, p in pmap.items()
                    if p == "bf16" and n != "lm_head" and n not in routers}, key=lambda b: int(b.split(".")[2]))
-    progress.info(f"recipe {recipe}: " + ", ".join(f"{n} linear layers in {p}" for p, n in sorted(counts.items()))
-                  + f"; kept in bf16: {', '.join(always + kept)}")
+    quantized = ", ".join(f"{n} of {len(pmap)} linear layers in {p}" for p, n in sorted(counts.items()) if p != "bf16")
+    return f"recipe {recipe}: {quantized}; kept in bf16: {', '.join(always + kept)}"
 
 
 def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, graphdef, state,

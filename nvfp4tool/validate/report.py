@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,9 @@ from nvfp4tool.records.validation import ValidationRecord
 VALIDATION_MD = "validation.md"
 SQNR_PNG = "validation_layer_sqnr.png"
 KL_PNG = "validation_kl_hist.png"
-REPORT_FILES = (ValidationRecord.FILE_NAME, VALIDATION_MD, SQNR_PNG, KL_PNG)  # what validate writes
+KEEP_BF16_TXT = "keep_bf16.txt"  # --sensitivity's result, an `export --keep-bf16-file`
+# what validate writes (KEEP_BF16_TXT with --sensitivity only; a stale one is removed with --force)
+REPORT_FILES = (ValidationRecord.FILE_NAME, VALIDATION_MD, SQNR_PNG, KL_PNG, KEEP_BF16_TXT)
 _COLUMNS = (("kl_mean", "KL mean (nats)", "{:.4g}"), ("kl_p99", "KL p99 (nats)", "{:.4g}"),
             ("top1", "top-1 agreement", "{:.2%}"), ("ppl", "perplexity", "{:.4g}"),
             ("ppl_increase", "ppl increase", "{:+.2%}"), ("logit_max_err", "max logit err", "{:.4g}"),
@@ -28,7 +31,11 @@ _COLUMNS = (("kl_mean", "KL mean (nats)", "{:.4g}"), ("kl_p99", "KL p99 (nats)",
 
 
 def write_reports(record: ValidationRecord, export_dir: str, json_copy: str | None = None) -> list[str]:
-    """Write validation.json/.md and the two PNGs into `export_dir` (+ a JSON copy); their paths."""
+    """Write validation.json/.md and the two PNGs into `export_dir` (+ a JSON copy), and with a
+    sensitivity result its keep-BF16 file (a stale one, from an earlier --sensitivity, is removed:
+    the caller checked that replacing reports is allowed); their paths."""
+    from nvfp4tool.validate.sensitivity import keep_bf16_file_text
+
     paths = [record.write(export_dir), os.path.join(export_dir, VALIDATION_MD)]
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(markdown(record))
@@ -36,6 +43,13 @@ def write_reports(record: ValidationRecord, export_dir: str, json_copy: str | No
         write_json(json_copy, record.to_json())
         paths.append(json_copy)
     paths += plot(record, export_dir)
+    keep_file = os.path.join(export_dir, KEEP_BF16_TXT)
+    if record.sensitivity is not None:
+        with open(keep_file, "w", encoding="utf-8") as f:
+            f.write(keep_bf16_file_text(record.sensitivity))
+        paths.append(keep_file)
+    elif os.path.isfile(keep_file):
+        os.remove(keep_file)
     return paths
 
 
@@ -105,6 +119,8 @@ def print_report(record: ValidationRecord, console) -> None:
     """The terminal tables (rich) and the verdict, on the console the CLI passes in."""
     from rich.table import Table
 
+    from nvfp4tool.tables import print_table
+
     labels = record.labels
     table = Table(title=f"{record.export.name} vs BF16 (bf16 ppl {_fmt(record.models['bf16']['ppl'], '{:.4g}')})")
     table.add_column("metric")
@@ -114,7 +130,7 @@ def print_report(record: ValidationRecord, console) -> None:
         table.add_row(title, *(_fmt(record.models[l].get(key), fmt) for l in labels))
     gen = record.generation
     table.add_row(f"first divergence (of {gen.tokens})", *(_divergence(gen, l) for l in labels))
-    console.print(table)
+    print_table(console, table)
     if gen.skipped:
         console.print(f"greedy generation skipped: {gen.skipped}")
     if record.resources is not None:
@@ -127,8 +143,27 @@ def print_report(record: ValidationRecord, console) -> None:
     for row in record.layers[:8]:
         layers.add_row(row.name, *(_fmt(sqnr.get(l), "{:.1f}") for l in record.layer_labels
                                    for sqnr in (row.weight_sqnr_db, row.output_sqnr_db)))
-    console.print(layers)
+    print_table(console, layers)
+    if record.sensitivity is not None:
+        print_table(console, _sensitivity_table(record.sensitivity))
     console.print(verdict(record).replace("**", ""))
+
+
+def _sensitivity_table(found) -> Any:
+    """--sensitivity: each fused group's harm (mean KL with only it quantized), most harmful first,
+    whether the search kept it in BF16, and the model's KL after each step of the search."""
+    from rich.table import Table
+
+    kept = found.trajectory[-1].kept
+    after = {step.kept[-1]: step.kl_mean for step in found.trajectory[1:]}
+    table = Table(title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
+                        f"KL {found.trajectory[0].kl_mean:.4g} with every group quantized)")
+    for column in ("group", "KL alone", "kept in BF16", "KL after keeping it"):
+        table.add_column(column, justify="left" if column == "group" else "right")
+    for harm in found.harm:
+        table.add_row(harm.group, f"{harm.kl_mean_alone:.4g}", "yes" if harm.group in kept else "no",
+                      f"{after[harm.group]:.4g}" if harm.group in after else "-")
+    return table
 
 
 def plot(record: ValidationRecord, folder: str) -> list[str]:

@@ -2,6 +2,7 @@
 
     found = sensitivity(inputs, kl_target=0.02)   # records.validation.Sensitivity
     found.keep_bf16        # fnmatch patterns for `nvfp4tool export --keep-bf16`
+    keep_bf16_file_text(found)  # them as a keep-BF16 file (validate writes it: keep_bf16.txt)
     found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
 
 The unit is a fused group (q/k/v, gate/up: one GEMM in serving engines, kept or quantized whole).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 
 import jax.numpy as jnp
 import numpy as np
@@ -104,11 +106,23 @@ def group_pattern(group: str, members: list[str]) -> str:
     return f"{prefix}.{{{','.join(suffixes)}}}"
 
 
-def command_lines(found: Sensitivity, source: str) -> list[str]:
-    """The export flags and the training override (precision map) that realise the result."""
-    keep = " ".join(f"--keep-bf16 '{p}'" for p in found.keep_bf16)
-    return [f"nvfp4tool export {source} --out OUT {keep}".rstrip(),
-            f"nvfp4tool train ... bf16_patterns='{json.dumps(found.keep_bf16)}'"]
+def keep_bf16_file_text(found: Sensitivity) -> str:
+    """The result as a keep-BF16 file (`export --keep-bf16-file`; the format is export.plan's): what
+    was searched, how to use it, then the patterns. No path of this machine (push uploads it)."""
+    from nvfp4tool.export.plan import format_keep_bf16_file
+
+    first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
+    return format_keep_bf16_file(found.keep_bf16, [
+        f"nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= {found.kl_target:g} nats",
+        f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
+        f"these {len(found.keep_bf16)} group(s))",
+        "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
+        f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'"])
+
+
+def export_with_file(source: str, keep_file: str) -> str:
+    """The short export command that realises the result from its keep-BF16 file."""
+    return f"nvfp4tool export {shlex.quote(source)} --out OUT --keep-bf16-file {shlex.quote(keep_file)}"
 
 
 # ------------------------------------------------------------------------------------------
