@@ -1,8 +1,9 @@
-"""A finished two-step NVFP4 training run (session-scoped, ~1 compile), shared by
+"""A finished two-step NVFP4 training run, built once per session and shared by
 tests/test_gemm_backend.py and tests/test_adversarial_backend.py (import `nvfp4_run` into the test
-module): a synthetic 2-layer HF student (the pristine model's shape, a 320-token vocabulary), a
-byte-level BPE tokenizer, a text file, and the run (every linear but lm_head in nvfp4, grad_accum=2,
-both checkpoints kept) trained with quantizer / gemm left "auto"."""
+module; pytest makes one fixture per importing module, so the built paths are kept here too): a
+synthetic 1-block HF student (the pristine model's widths, a 320-token vocabulary), a byte-level
+BPE tokenizer, a text file, and the run (every linear but lm_head in nvfp4, grad_accum=2, both
+checkpoints kept) trained with quantizer / gemm left "auto"."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from nvfp4tool.cli import cli
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 VOCAB = 320  # the student's embedding; the tokenizer has at most 300 tokens
-NVFP4_LINEARS = 2 * 7  # two blocks of q/k/v/o and gate/up/down; lm_head stays bf16
+_BUILT: dict[str, str] = {}  # the session's run, once built
 
 
 def run_args(paths: dict[str, str], out: str, *extra: str) -> list[str]:
@@ -31,14 +32,17 @@ def run_args(paths: dict[str, str], out: str, *extra: str) -> list[str]:
 def nvfp4_run(tmp_path_factory) -> dict[str, str]:
     """"data", "tok", "student" and "nvrun" (the finished run; the adversarial World copies these
     keys); "log" holds the run's output."""
+    if _BUILT:
+        return dict(_BUILT)
     root = tmp_path_factory.mktemp("nvfp4-run")
     paths = dict(data=str(root / "t.txt"), tok=str(root / "tok"), student=str(root / "student"),
                  nvrun=str(root / "nvrun"))
     with open(paths["data"], "w") as f:
         f.write(TEXT)
     train_bpe_tokenizer([TEXT], 300, paths["tok"])
-    write_synthetic_hf_folder(paths["student"], dataclasses.replace(CONFIG, vocab_size=VOCAB), seed=5)
+    write_synthetic_hf_folder(paths["student"], dataclasses.replace(CONFIG, vocab_size=VOCAB, num_layers=1), seed=5)
     result = CliRunner().invoke(cli, ["train", *run_args(paths, paths["nvrun"])])
     assert result.exit_code == 0, result.output
     paths["log"] = result.output
-    return paths
+    _BUILT.update(paths)
+    return dict(paths)

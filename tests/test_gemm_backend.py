@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from backend_fixtures import NVFP4_LINEARS, nvfp4_run  # noqa: F401  (the session fixture)
+from backend_fixtures import nvfp4_run  # noqa: F401  (the session fixture)
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model import CausalLM
 from nvfp4tool.numerics import nvfp4_operand, quantize_nvfp4, transpose_2d

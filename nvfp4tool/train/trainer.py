@@ -9,7 +9,8 @@ held in BF16 on the training mesh in the state's layout, and handed to every ste
 weight files and model config as `run.json` records for it).
 
 The run folder `out` ends up holding: `run.json` (`nvfp4tool.records.run.RunRecord`: the config,
-model config and the hashes of data, tokenizer and teacher), `metrics.jsonl` and `loss.png`,
+model config, the hashes of data, tokenizer and teacher, and the nvfp4 GEMM path resolved once at
+the start, `RecipeConfig.resolved`), `metrics.jsonl` (each step headed by that path) and `loss.png`,
 `checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
 and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
 `input_amax.json` for export) and, on request, `maxtext/`.
