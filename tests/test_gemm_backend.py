@@ -58,7 +58,7 @@ def test_gemm_native_is_refused_where_scaled_matmul_does_not_lower():
 
 # ---- the record: run.json, metrics.jsonl, the printed line --------------------------------
 
-def test_a_run_records_and_prints_its_backend(nvfp4_run):
+def test_a_run_records_and_prints_its_backend(nvfp4_run):  # noqa: F811
     record = RunRecord.read(nvfp4_run["nvrun"])
     assert record.gemm_backend == CPU and record.train_config().gemm == "auto"
     on = jax.default_backend()
@@ -69,7 +69,7 @@ def test_a_run_records_and_prints_its_backend(nvfp4_run):
         assert list(r)[:3] == ["step", "quantizer", "gemm"] and {k: r[k] for k in CPU} == CPU
 
 
-def test_a_run_json_written_before_the_backend_was_recorded_still_reads(nvfp4_run, tmp_path):
+def test_a_run_json_written_before_the_backend_was_recorded_still_reads(nvfp4_run, tmp_path):  # noqa: F811
     with open(RunRecord.path(nvfp4_run["nvrun"])) as f:
         old = json.load(f)
     del old["gemm_backend"], old["config"]["gemm"]

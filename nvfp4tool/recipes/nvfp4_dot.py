@@ -48,9 +48,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
-    dot_nt,
     NVFP4Array,
     NVFP4Operand,
+    dot_nt,
     native_fp4_available,
     nvfp4_matmul,
     nvfp4_operand,

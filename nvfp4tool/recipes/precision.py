@@ -42,8 +42,17 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
-from nvfp4tool.recipes.nvfp4_dot import (GEMMS, QUANTIZERS, Gemm, NVFP4Options, NVFP4Weight, Quantizer, nvfp4_dot,
-                                         quantize_weight, resolve_backend)
+from nvfp4tool.recipes.nvfp4_dot import (
+    GEMMS,
+    QUANTIZERS,
+    Gemm,
+    NVFP4Options,
+    NVFP4Weight,
+    Quantizer,
+    nvfp4_dot,
+    quantize_weight,
+    resolve_backend,
+)
 
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")

@@ -32,7 +32,12 @@ from flax import nnx
 
 from nvfp4tool.model import forward
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.recipes.precision import RecipeConfig, group_amax, make_linear, quantize_weights
+from nvfp4tool.recipes.precision import (
+    RecipeConfig,
+    group_amax,
+    make_linear,
+    quantize_weights,
+)
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.moe_loss import load_balancing_loss, recording_router_logits
 
