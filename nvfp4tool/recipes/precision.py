@@ -1,9 +1,8 @@
 """Which precision each linear layer trains in, and the `LinearFn` that applies it.
 
-    recipe = RecipeConfig(name="nvfp4")                    # NVIDIA's recipe, all pieces on
+    recipe = RecipeConfig(name="nvfp4").resolved()         # NVIDIA's recipe; quantizer / gemm "auto" -> this platform's
     pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
     linear = make_linear(recipe, pmap, key, group_amax)    # plugs into the model's linear seam
-    recipe = recipe.resolved()                             # quantizer / gemm "auto" -> this platform's
 
 Precision map: `lm_head` and MoE routers always stay BF16 (as do embeddings, norms and attention math, which
 never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
