@@ -159,33 +159,36 @@ def test_nvfp4_pallas_quantizers_equal_xla_bit_for_bit(rht, stochastic_rounding,
     assert NVFP4Options().quantizer == "auto"
 
 
-def test_nvfp4_packed_branch_where_the_fp4_gemm_is_native(monkeypatch):
-    """Where the FP4 GEMM is native, every operand is a packed NVFP4Array (the fused kernels in
-    mode "packed") and goes to nvfp4_matmul(backend="native"): on the CPU, with the emulated
-    backend standing in for it, both quantizers give the operand path's values bit for bit."""
+def test_nvfp4_packed_branch_where_the_fp4_gemm_is_native():
+    """gemm="native": every operand is a packed NVFP4Array (the fused kernels in mode "packed";
+    dgrad's 16x16 weight is fprop's repacked transposed) and goes to the injected `packed_matmul`
+    (`nvfp4_matmul(backend="native")` by default): on the CPU, with the emulated backend standing
+    in for it (no monkeypatching), both quantizers give the operand path's values bit for bit,
+    with 16x16 and with 1x16 weight scaling."""
     x, w, dy = _small_operands()
-    want = _bytes(_recipe_vjp(x, w, dy, quantizer="xla"))
     calls = []
 
-    def matmul(a, b, *, backend):
-        calls.append((type(a).__name__, type(b).__name__, backend))
+    def matmul(a, b):
+        calls.append((type(a).__name__, type(b).__name__))
         return nvfp4_matmul(a, b, backend="emulated")
 
-    monkeypatch.setattr(nvfp4_dot_module, "native_fp4_available", lambda: True)
-    monkeypatch.setattr(nvfp4_dot_module, "nvfp4_matmul", matmul)
-    for quantizer in ("xla", "pallas"):
-        calls.clear()
-        got = _bytes(_recipe_vjp(x, w, dy, quantizer=quantizer))
-        for name, a, b in zip(("y", "dx", "dw"), want, got):
-            np.testing.assert_array_equal(a, b, err_msg=f"{quantizer} {name}")
-        # fprop, dgrad, wgrad (jax may trace the forward twice)
-        assert len(calls) >= 3 and set(calls) == {("NVFP4Array", "NVFP4Array", "native")}, calls
+    for weight_2d, quantizers in ((True, ("xla", "pallas")), (False, ("xla",))):
+        want = _bytes(_recipe_vjp(x, w, dy, quantizer="xla", gemm="emulated", weight_2d=weight_2d))
+        for quantizer in quantizers:
+            calls.clear()
+            got = _bytes(_recipe_vjp(x, w, dy, quantizer=quantizer, gemm="native", packed_matmul=matmul,
+                                     weight_2d=weight_2d))
+            for name, a, b in zip(("y", "dx", "dw"), want, got):
+                np.testing.assert_array_equal(a, b, err_msg=f"{quantizer} 2d={weight_2d} {name}")
+            # fprop, dgrad, wgrad (jax may trace the forward twice)
+            assert len(calls) >= 3 and set(calls) == {("NVFP4Array", "NVFP4Array")}, calls
 
 
 def test_nvfp4_pallas_recipe_lowers_for_cuda_through_triton(monkeypatch):
     """The recipe's forward and backward with quantizer="pallas", lowered for CUDA on this CPU
-    (the kernels compiled, not interpreted): each of the six operands (X, W, dY, W for dgrad,
-    RHT'd dY^T and X^T) is one Triton kernel, the three GEMMs are bf16 x bf16 -> f32 dots."""
+    (the kernels compiled, not interpreted): each of the five operands (X, W, dY, RHT'd dY^T and
+    X^T) is one Triton kernel (dgrad's 16x16-scaled W is fprop's, transposed), the three GEMMs are
+    bf16 x bf16 -> f32 dots."""
     monkeypatch.setattr(nvfp4_dot_module, "fused_quantize",
                         functools.partial(nvfp4_dot_module.fused_quantize, interpret=False))
     x, w, dy = _small_operands()
@@ -195,7 +198,7 @@ def test_nvfp4_pallas_recipe_lowers_for_cuda_through_triton(monkeypatch):
         return _vjp(lambda a, b: nvfp4_dot(a, b, key, options=NVFP4Options(quantizer="pallas")), a, b, g)
 
     hlo = jax.jit(fwd_bwd).trace(x, w, dy).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 6, hlo.count("__gpu$xla.gpu.triton")
+    assert hlo.count("__gpu$xla.gpu.triton") == 5, hlo.count("__gpu$xla.gpu.triton")
     # the three GEMMs; the other dots are the RHT's [.., 16] x [16, 16] in fp32 (the amax of the
     # RHT'd wgrad operands, computed in XLA)
     gemms = re.findall(r"stablehlo.dot_general .*: \(tensor<\w+xbf16>, tensor<\w+xbf16>\) -> tensor<\w+xf32>", hlo)

@@ -173,11 +173,12 @@ def test_quantizer_flows_from_the_recipe_to_nvfp4_options(monkeypatch, quantizer
     seen = []
     precision_module = importlib.import_module("nvfp4tool.recipes.precision")
     monkeypatch.setattr(precision_module, "nvfp4_dot",
-                        lambda x, w, key, amax, options: seen.append(options) or dot_nt(x, w))
-    recipe = RecipeConfig(name="nvfp4", quantizer=quantizer)
+                        lambda x, w, key, amax, options, weight=None: seen.append(options) or dot_nt(x, w))
+    recipe = RecipeConfig(name="nvfp4", quantizer=quantizer, gemm="emulated")
     name = "model.layers.2.mlp.up_proj"
     linear = make_linear(recipe, {name: "nvfp4"}, jax.random.key(0))
     linear(jnp.ones((16, 64)), jnp.ones((128, 64)), None, name=name)
     assert [o.quantizer for o in seen] == [quantizer]
+    assert [o.gemm for o in seen] == ["emulated"]  # and so does the gemm
     with pytest.raises(NVFP4ToolError, match="quantizer must be one of"):
         RecipeConfig(name="nvfp4", quantizer="triton")

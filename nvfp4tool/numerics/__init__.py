@@ -13,7 +13,7 @@ from nvfp4tool.numerics.fp8 import (
     fp8_decode_scale,
     quantize_fp8,
 )
-from nvfp4tool.numerics.gemm import native_fp4_available, nvfp4_matmul, nvfp4_operand_matmul
+from nvfp4tool.numerics.gemm import native_fp4_available, native_gemm_lowers, nvfp4_matmul, nvfp4_operand_matmul
 from nvfp4tool.numerics.hadamard import rht16, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
     NVFP4Array,
@@ -31,6 +31,7 @@ from nvfp4tool.numerics.nvfp4 import (
     pack_codes,
     quantize_nvfp4,
     stochastic_bits,
+    transpose_2d,
     unpack_codes,
 )
 from nvfp4tool.numerics.fp8_gemm import fp8_matmul
@@ -56,6 +57,7 @@ __all__ = [
     "fp8_decode_scale",
     "linear_output",
     "native_fp4_available",
+    "native_gemm_lowers",
     "nvfp4_block_amax",
     "nvfp4_block_scales",
     "nvfp4_global_scales",
@@ -69,6 +71,7 @@ __all__ = [
     "rht_matrix",
     "stochastic_bits",
     "tensor_amax",
+    "transpose_2d",
     "unpack_codes",
     "fp8_matmul",
 ]

@@ -48,11 +48,10 @@ def nvfp4_matmul(a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp
     if backend == "emulated":
         fn = _matmul_emulated
     elif backend == "native":
-        platform = jax.default_backend()
-        if platform != "gpu":
+        if not native_gemm_lowers():
             raise NVFP4ToolError(
                 f"nvfp4_matmul backend='native' needs a CUDA GPU (jax.nn.scaled_matmul has no "
-                f"lowering on {platform!r}); use backend='emulated' or 'auto'")
+                f"lowering on {jax.default_backend()!r}); use backend='emulated' or 'auto'")
         fn = _matmul_native
     else:
         raise NVFP4ToolError(f"nvfp4_matmul: backend must be 'auto', 'emulated' or 'native', "
@@ -72,6 +71,13 @@ def nvfp4_operand_matmul(a_op: NVFP4Operand, b_op: NVFP4Operand, *,
                              f"{a_op.values.dtype} and {b_op.values.dtype}")
     out = _operand_matmul(a_op.values, a_op.s_dec, b_op.values, b_op.s_dec)
     return out.astype(out_dtype)
+
+
+def native_gemm_lowers() -> bool:
+    """True where backend "native" can run at all: `jax.nn.scaled_matmul` lowers on a CUDA GPU
+    (natively on compute capability >= 10, rewritten to a dequantize + dot on Hopper); on the CPU
+    it has no lowering."""
+    return jax.default_backend() == "gpu"
 
 
 def native_fp4_available() -> bool:

@@ -195,6 +195,28 @@ def nvfp4_operand(
     return NVFP4Operand(values=values, s_dec=s_dec, axis=axis)
 
 
+def transpose_2d(q: NVFP4Array | NVFP4Operand) -> NVFP4Array | NVFP4Operand:
+    """The quantization of W.T [K, N] along N from the 16x16 (block "2d") quantization `q` of a
+    matrix W [N, K] along K: a 16x16 tile has one amax whichever way it is read, so W.T's tiles
+    have the same scales and every element the same code (the recipe's dgrad weight operand is the
+    fprop one transposed, bit for bit). N must be a multiple of 16. An `NVFP4Operand` carries no
+    block: the caller vouches that it was quantized with block "2d"."""
+    if isinstance(q, NVFP4Operand):
+        if q.values.ndim != 2 or q.axis != 1:
+            raise NVFP4ToolError(f"transpose_2d: expected a [N, K] operand along K, got shape "
+                                 f"{tuple(q.values.shape)} axis {q.axis}")
+        return NVFP4Operand(values=q.values.T, s_dec=q.s_dec, axis=1)
+    if q.block != "2d" or len(q.shape) != 2 or q.axis != 1 or q.shape[0] % NVFP4_BLOCK != 0:
+        raise NVFP4ToolError(f"transpose_2d: expected a 16x16-scaled [N, K] array along K with N a "
+                             f"multiple of {NVFP4_BLOCK}, got shape {q.shape} axis {q.axis} block {q.block}")
+    n, k = q.shape
+    packed = pack_codes(unpack_codes(q.packed).T)  # [K, N/2]
+    # each 1x16 slot of a tile holds the tile's scale: one row per tile, transposed, repeated
+    scales = jnp.repeat(q.scales[::NVFP4_BLOCK].T, NVFP4_BLOCK, axis=0)  # [K, N/16]
+    return NVFP4Array(packed=packed, scales=scales, global_amax=q.global_amax, shape=(k, n),
+                      dtype=q.dtype, axis=1, block="2d")
+
+
 def nvfp4_global_scales(global_amax: jax.Array | float) -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) in fp32 for a tensor or fused-group amax: 2688 / amax and 1 / S_enc."""
     gamax = flush_subnormal(jnp.asarray(global_amax, jnp.float32))

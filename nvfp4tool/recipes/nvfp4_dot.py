@@ -8,33 +8,48 @@ T is the number of tokens (all leading axes of x flattened). Each piece can be s
 ablations (`NVFP4Options`). Gradients are straight-through: the quantizers' rounding has no
 derivative of its own, and the (fused-group) weight amax gets no gradient.
 
-The GEMMs: where the FP4 GEMM is native (Blackwell, `native_fp4_available()`), each operand is
-quantized to a packed `NVFP4Array` and multiplied by `nvfp4_matmul(backend="native")`; everywhere
-else (CPU, Hopper) nothing is packed: each operand is an `NVFP4Operand` (bf16 code x block scale,
-exact, plus its S_dec) and `nvfp4_operand_matmul` runs a BF16 GEMM with fp32 accumulation and
-applies the global decode factors after. Both compute the same sums (`numerics.gemm`).
+The GEMMs: with gemm "native" (the default where the FP4 GEMM is native: Blackwell), each
+operand is quantized to a packed `NVFP4Array` and multiplied by `nvfp4_matmul(backend="native")`;
+with "emulated" (the default elsewhere: CPU, Hopper) nothing is packed: each operand is an
+`NVFP4Operand` (bf16 code x block scale, exact, plus its S_dec) and `nvfp4_operand_matmul` runs a
+BF16 GEMM with fp32 accumulation and applies the global decode factors after. Both compute the
+same sums (`numerics.gemm`).
 
 Who quantizes (`NVFP4Options.quantizer`): "xla" builds each operand with the XLA quantizers
 (`nvfp4_operand` / `quantize_nvfp4` of x, x.T or rht16(x.T)); "pallas" makes each operand in ONE
 fused kernel call (`numerics.fused.fused_quantize`: the transpose and the RHT of the wgrad operands
 happen inside the kernel, SR bits are `stochastic_bits` of the same key, so the bytes are the XLA
-path's bit for bit); "auto" is "pallas" on a GPU and "xla" elsewhere (interpret-mode Pallas on the
-CPU is only for tests). The fused kernels take the global amax as an input: the weight's is given
-(the fused group's), X's and dY's is `tensor_amax` of the tensor, and the RHT'd wgrad operands'
+path's bit for bit). Which GEMM (`NVFP4Options.gemm`): "emulated" (operands, BF16 GEMM) or
+"native" (packed operands, `packed_matmul`: `nvfp4_matmul(backend="native")` unless a caller
+injects another, as the tests do with the emulated one on the CPU). "auto" is resolved by the
+platform (`resolve_backend`): quantizer "pallas" on a GPU, else "xla" (interpret-mode Pallas on
+the CPU is only for tests); gemm "native" where the FP4 GEMM is native (`native_fp4_available`),
+else "emulated". The trainer resolves both once, records them and passes them explicit.
+The fused kernels take the global amax as an input: the weight's is given (the fused group's), X's and dY's is `tensor_amax` of the tensor, and the RHT'd wgrad operands'
 is `tensor_amax(rht16(...))` computed in XLA: one extra read of the tensor, as TE's amax kernel.
+
+The weight's operands (`quantize_weight` -> `NVFP4Weight`): fprop's W along K and dgrad's W^T
+along N. With 16x16 scaling they are one quantization: dgrad's is fprop's transposed
+(`numerics.transpose_2d`, bit for bit), so W is quantized once. A caller may quantize them ahead
+(`nvfp4_dot(..., weight=)`: the trainer does, once per optimizer step, outside the micro-batch
+loop and outside any remat); otherwise the forward quantizes them and keeps them for the backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
+    NVFP4Array,
+    NVFP4Operand,
     dot_nt,
     native_fp4_available,
     nvfp4_matmul,
@@ -44,43 +59,102 @@ from nvfp4tool.numerics import (
     rht16,
     stochastic_bits,
     tensor_amax,
+    transpose_2d,
 )
 from nvfp4tool.numerics.fused import fused_quantize
 
 Quantizer = Literal["auto", "xla", "pallas"]
 QUANTIZERS = ("auto", "xla", "pallas")
+Gemm = Literal["auto", "emulated", "native"]
+GEMMS = ("auto", "emulated", "native")
+PackedMatmul = Callable[[NVFP4Array, NVFP4Array], jax.Array]
+NATIVE_MATMUL: PackedMatmul = functools.partial(nvfp4_matmul, backend="native")
+
+
+def resolve_backend(quantizer: str, gemm: str) -> tuple[str, str]:
+    """(quantizer, gemm) with each "auto" replaced by this platform's choice: quantizer "pallas"
+    on a GPU, else "xla"; gemm "native" where the FP4 GEMM is native, else "emulated"."""
+    if quantizer == "auto":
+        quantizer = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if gemm == "auto":
+        gemm = "native" if native_fp4_available() else "emulated"
+    return quantizer, gemm
 
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Options:
-    """Switches of the recipe (all on = NVIDIA's recipe; off = an ablation), and who quantizes."""
+    """Switches of the recipe (all on = NVIDIA's recipe; off = an ablation), who quantizes, and
+    which GEMM multiplies."""
 
     rht: bool = True  # random Hadamard transform on both wgrad operands (along tokens)
     stochastic_rounding: bool = True  # SR on the gradient dY (dgrad and wgrad)
     weight_2d: bool = True  # 16x16 weight scales (else 1x16 along K in fprop, along N in dgrad)
     quantize_fprop: bool = True  # False: fprop in the input dtype (the late switch to BF16)
     quantizer: Quantizer = "auto"  # "xla" | "pallas" (fused kernels) | "auto": pallas on a GPU
+    gemm: Gemm = "auto"  # "emulated" | "native" (packed operands) | "auto": native where it is
+    packed_matmul: PackedMatmul = NATIVE_MATMUL  # gemm "native"'s `a @ b.T` of two NVFP4Arrays
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
             raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, "
                                  f"got {self.quantizer!r}")
+        if self.gemm not in GEMMS:
+            raise NVFP4ToolError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight:
+    """A weight's GEMM operands, quantized once (`quantize_weight`; a pytree): `fprop`, W [N, K]
+    along K (None when fprop runs unquantized and scaling is 1x16), and `dgrad`, W^T [K, N] along
+    N (None with 16x16 scaling: it is `transpose_2d(fprop)`). Each an NVFP4Operand (gemm
+    emulated) or an NVFP4Array (native)."""
+
+    fprop: NVFP4Operand | NVFP4Array | None
+    dgrad: NVFP4Operand | NVFP4Array | None
+
+
+jax.tree_util.register_dataclass(NVFP4Weight, data_fields=["fprop", "dgrad"], meta_fields=[])
+
+
+WEIGHT_QUANTIZED = "nvfp4_weight_quantized"  # the checkpoint name tagging each quantize_weight result
+
+
+def quantize_weight(w_NxK: jax.Array, w_global_amax: jax.Array | None = None,
+                    options: NVFP4Options = NVFP4Options()) -> NVFP4Weight:
+    """The operands `nvfp4_dot` multiplies `w_NxK` with (see `NVFP4Weight`); `w_global_amax` as
+    in `nvfp4_dot`. No gradient flows through them (nvfp4_dot's gradient reaches w directly).
+    Each call tags one of its outputs `checkpoint_name(..., WEIGHT_QUANTIZED)` (an identity: one
+    `name` equation per call in a jaxpr, which the tests count; no remat policy saves it)."""
+    w_NxK = jax.lax.stop_gradient(w_NxK)
+    amax = jax.lax.stop_gradient(jnp.asarray(tensor_amax(w_NxK) if w_global_amax is None else w_global_amax,
+                                             jnp.float32))
+    gemm = _Gemms.of(options)
+    if options.weight_2d:
+        fprop, dgrad = gemm.operand(w_NxK, block="2d", global_amax=amax), None
+    else:
+        fprop = gemm.operand(w_NxK, global_amax=amax) if options.quantize_fprop else None
+        dgrad = gemm.operand(w_NxK, transpose=True, global_amax=amax)
+    leaves, tree = jax.tree.flatten(NVFP4Weight(fprop=fprop, dgrad=dgrad))
+    return jax.tree.unflatten(tree, [checkpoint_name(leaves[0], WEIGHT_QUANTIZED), *leaves[1:]])
 
 
 def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
               w_global_amax: jax.Array | None = None,
-              options: NVFP4Options = NVFP4Options()) -> jax.Array:
+              options: NVFP4Options = NVFP4Options(),
+              weight: NVFP4Weight | None = None) -> jax.Array:
     """`x @ w.T` in fp32 (x: [..., K], w: [N, K]) with the NVFP4 recipe's forward and backward.
 
     `key` seeds the stochastic rounding of this layer's gradient; `w_global_amax` is the shared
     amax of the weight's fused group (q/k/v, gate/up), or None for the weight's own amax.
+    `weight`: w's operands from `quantize_weight(w, w_global_amax, options)` (quantized ahead,
+    e.g. once per optimizer step), or None to quantize them here.
     K, N and the token count must be multiples of 16.
     """
     if w_global_amax is None:
         w_global_amax = tensor_amax(w_NxK)
     lead_shape = x_TxK.shape[:-1]
     y_TxN = _nvfp4_dot(x_TxK.reshape(-1, x_TxK.shape[-1]), w_NxK, key,
-                       jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)), options)
+                       jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)), weight, options)
     return y_TxN.reshape(*lead_shape, w_NxK.shape[0])
 
 
@@ -88,35 +162,38 @@ def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
 # the custom VJP: one block, forward then backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _nvfp4_dot(x_TxK, w_NxK, key, w_amax, options):
-    return _fprop(x_TxK, w_NxK, w_amax, options)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _nvfp4_dot(x_TxK, w_NxK, key, w_amax, weight, options):
+    return _fprop(x_TxK, w_NxK, w_amax, weight, options)
 
 
-def _fprop(x_TxK, w_NxK, w_amax, options):
+def _fprop(x_TxK, w_NxK, w_amax, weight, options):
     if not options.quantize_fprop:
         return dot_nt(x_TxK, w_NxK)
+    if weight is None:
+        weight = quantize_weight(w_NxK, w_amax, options)
     gemm = _Gemms.of(options)
-    x_q = gemm.operand(x_TxK)
-    w_q = gemm.operand(w_NxK, block=_weight_block(options), global_amax=w_amax)
-    return gemm.matmul(x_q, w_q)
+    return gemm.matmul(gemm.operand(x_TxK), weight.fprop)
 
 
-def _nvfp4_dot_fwd(x_TxK, w_NxK, key, w_amax, options):
-    return _fprop(x_TxK, w_NxK, w_amax, options), (x_TxK, w_NxK, key, w_amax)
+def _nvfp4_dot_fwd(x_TxK, w_NxK, key, w_amax, weight, options):
+    if weight is None:  # quantized once, for fprop and kept for dgrad
+        weight = quantize_weight(w_NxK, w_amax, options)
+    return _fprop(x_TxK, w_NxK, w_amax, weight, options), (x_TxK, w_NxK, key, weight)
 
 
 def _nvfp4_dot_bwd(options, residuals, dy_TxN):
-    x_TxK, w_NxK, key, w_amax = residuals
+    x_TxK, w_NxK, key, weight = residuals
     dgrad_key, wgrad_key = jax.random.split(key)
     if not options.stochastic_rounding:
         dgrad_key = wgrad_key = None
     dy_TxN = dy_TxN.astype(jnp.float32)
     gemm = _Gemms.of(options)
 
-    # dgrad: dX = dY W, contracting over N: both operands quantized along N.
+    # dgrad: dX = dY W, contracting over N: both operands quantized along N (16x16 scaling: W's
+    # is fprop's, transposed).
     dy_q = gemm.operand(dy_TxN, key=dgrad_key)
-    w_t_q = gemm.operand(w_NxK, transpose=True, block=_weight_block(options), global_amax=w_amax)
+    w_t_q = weight.dgrad if weight.dgrad is not None else transpose_2d(weight.fprop)
     dx_TxK = gemm.matmul(dy_q, w_t_q)
 
     # wgrad: dW = dY^T X, contracting over T: both operands (RHT'd) quantized along T.
@@ -124,7 +201,7 @@ def _nvfp4_dot_bwd(options, residuals, dy_TxN):
     x_t_q = gemm.operand(x_TxK, transpose=True, rht=options.rht)
     dw_NxK = gemm.matmul(dy_t_q, x_t_q)
 
-    return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_NxK.dtype), None, None
+    return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_NxK.dtype), None, None, None
 
 
 _nvfp4_dot.defvjp(_nvfp4_dot_fwd, _nvfp4_dot_bwd)
@@ -137,13 +214,13 @@ class _Gemms:
 
     pallas: bool
     native: bool
+    packed_matmul: PackedMatmul = NATIVE_MATMUL
 
     @classmethod
     def of(cls, options: NVFP4Options) -> _Gemms:
-        quantizer = options.quantizer
-        if quantizer == "auto":
-            quantizer = "pallas" if jax.default_backend() == "gpu" else "xla"
-        return cls(pallas=quantizer == "pallas", native=native_fp4_available())
+        quantizer, gemm = resolve_backend(options.quantizer, options.gemm)
+        return cls(pallas=quantizer == "pallas", native=gemm == "native",
+                   packed_matmul=options.packed_matmul)
 
     def operand(self, x_RxC: jax.Array, *, transpose: bool = False, rht: bool = False,
                 block: str = "1d", global_amax: jax.Array | None = None,
@@ -168,8 +245,4 @@ class _Gemms:
 
     def matmul(self, a, b):
         """`a @ b.T` of two operands from `operand`, fp32."""
-        return nvfp4_matmul(a, b, backend="native") if self.native else nvfp4_operand_matmul(a, b)
-
-
-def _weight_block(options: NVFP4Options) -> str:
-    return "2d" if options.weight_2d else "1d"
+        return self.packed_matmul(a, b) if self.native else nvfp4_operand_matmul(a, b)

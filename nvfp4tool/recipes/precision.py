@@ -1,6 +1,6 @@
 """Which precision each linear layer trains in, and the `LinearFn` that applies it.
 
-    recipe = RecipeConfig(name="nvfp4")                    # NVIDIA's recipe, all pieces on
+    recipe = RecipeConfig(name="nvfp4").resolved()         # NVIDIA's recipe; quantizer / gemm "auto" -> this platform's
     pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
     linear = make_linear(recipe, pmap, key, group_amax)    # plugs into the model's linear seam
 
@@ -13,7 +13,14 @@ Fused groups: q/k/v of a block and gate/up of a block are one GEMM in serving en
 take one global scale for the group. The weights of a group are therefore quantized against
 their joint amax (`group_amax`), so the values training uses are exactly the ones export writes.
 Weights are quantized from their BF16 rounding (the dtype the trained model is saved in), for
-the same reason.
+the same reason. `quantize_weights` quantizes every NVFP4 weight once (the trainer: once per
+optimizer step, outside the micro-batch loop); `make_linear(..., weights=)` then multiplies with
+those operands instead of quantizing the weight in each call.
+
+The GEMM backend (`quantizer` xla | pallas, `gemm` emulated | native, each "auto" by default) is
+resolved once, `RecipeConfig.resolved()` (auto as `nvfp4_dot.resolve_backend` picks it; gemm
+"native" refused where `jax.nn.scaled_matmul` has no lowering), and then travels explicit in the
+recipe; `backend()` is what a run records of it.
 """
 
 from __future__ import annotations
@@ -30,11 +37,21 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.numerics import dot_nt, linear_output, tensor_amax
+from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
-from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS, NVFP4Options, Quantizer, nvfp4_dot
+from nvfp4tool.recipes.nvfp4_dot import (
+    GEMMS,
+    QUANTIZERS,
+    Gemm,
+    NVFP4Options,
+    NVFP4Weight,
+    Quantizer,
+    nvfp4_dot,
+    quantize_weight,
+    resolve_backend,
+)
 
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
@@ -54,6 +71,7 @@ class RecipeConfig:
     stochastic_rounding: bool = True  # nvfp4: SR on gradients
     weight_2d: bool = True  # nvfp4: 16x16 weight scaling
     quantizer: Quantizer = "auto"  # nvfp4: who quantizes: xla | pallas (fused kernels) | auto (pallas on GPU)
+    gemm: Gemm = "auto"  # nvfp4: which GEMM: emulated (BF16) | native (FP4, jax.nn.scaled_matmul) | auto
     bf16_first_layers: int = 1  # leading decoder blocks kept in BF16
     bf16_last_layers: int | None = None  # trailing blocks kept in BF16 (None: ceil(15% of L))
     bf16_patterns: tuple[str, ...] = ()  # fnmatch patterns of modules kept in BF16
@@ -65,10 +83,32 @@ class RecipeConfig:
             raise NVFP4ToolError(f"unknown recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
         if self.quantizer not in QUANTIZERS:
             raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {self.quantizer!r}")
+        if self.gemm not in GEMMS:
+            raise NVFP4ToolError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
         if self.switch_scope not in ("forward", "all"):
             raise NVFP4ToolError(f"switch_scope must be 'forward' or 'all', got {self.switch_scope!r}")
         if self.bf16_first_layers < 0 or (self.bf16_last_layers or 0) < 0:
             raise NVFP4ToolError("bf16_first_layers / bf16_last_layers must be >= 0")
+
+    def resolved(self) -> RecipeConfig:
+        """This recipe with `quantizer` and `gemm` resolved for this platform ("auto": see
+        `resolve_backend`); gemm "native" where `jax.nn.scaled_matmul` has no lowering (no CUDA
+        GPU) is a usage error naming gemm."""
+        quantizer, gemm = resolve_backend(self.quantizer, self.gemm)
+        if gemm == "native" and not native_gemm_lowers():
+            raise NVFP4UsageError(f"gemm='native': jax.nn.scaled_matmul has no lowering on "
+                                  f"{jax.default_backend()!r} (the native FP4 GEMM needs a CUDA GPU); "
+                                  "use gemm=emulated or gemm=auto")
+        return dataclasses.replace(self, quantizer=quantizer, gemm=gemm)
+
+    def backend(self) -> dict[str, str] | None:
+        """{"quantizer": ..., "gemm": ...} of a resolved nvfp4 recipe (what a run records and
+        prints), None for the other recipes (they use neither)."""
+        if self.name != "nvfp4":
+            return None
+        if "auto" in (self.quantizer, self.gemm):
+            raise NVFP4ToolError("RecipeConfig.backend(): resolve the recipe first (resolved())")
+        return {"quantizer": self.quantizer, "gemm": self.gemm}
 
     def switch_step(self, total_steps: int) -> int | None:
         """The first step (1-based) that runs in BF16 after the switch, or None."""
@@ -121,21 +161,46 @@ def layer_key(step_key: jax.Array, name: str) -> jax.Array:
     return jax.random.fold_in(step_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
+def nvfp4_options(recipe: RecipeConfig, bf16_scope: Literal["none", "forward", "all"] = "none") -> NVFP4Options:
+    """The options of the recipe's nvfp4 layers (see `make_linear` for `bf16_scope`)."""
+    return NVFP4Options(rht=recipe.rht, stochastic_rounding=recipe.stochastic_rounding,
+                        weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none",
+                        quantizer=recipe.quantizer, gemm=recipe.gemm)
+
+
+def quantize_weights(recipe: RecipeConfig, pmap: Mapping[str, str], weights: Mapping[str, jax.Array],
+                     amax_by_group: Mapping[str, jax.Array] | None = None,
+                     bf16_scope: Literal["none", "forward", "all"] = "none") -> dict[str, NVFP4Weight]:
+    """The GEMM operands of each nvfp4 layer's weight (module name -> weight [N, K] in `weights`),
+    quantized from its BF16 rounding against its fused group's amax, as `make_linear`'s layers
+    would; for `make_linear(..., weights=)`. Empty when no layer runs nvfp4 GEMMs."""
+    if bf16_scope == "all":
+        return {}
+    options = nvfp4_options(recipe, bf16_scope)
+    result = {}
+    for name, w in weights.items():
+        if pmap.get(name) == "nvfp4":
+            amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
+            result[name] = quantize_weight(w.astype(GEMM_INPUT_DTYPE), amax, options)
+    return result
+
+
 def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | None = None,
                 amax_by_group: Mapping[str, jax.Array] | None = None,
                 input_amax_sink: MutableMapping[str, jax.Array] | None = None,
-                bf16_scope: Literal["none", "forward", "all"] = "none") -> LinearFn:
+                bf16_scope: Literal["none", "forward", "all"] = "none",
+                weights: Mapping[str, NVFP4Weight] | None = None) -> LinearFn:
     """The LinearFn of one step: each layer by its precision in `pmap`.
 
     key: this step's randomness (SR), folded with a hash of the layer name (`layer_key`);
     amax_by_group: the fused groups' weight amax (from `group_amax`), else each weight's own;
     input_amax_sink: receives max|x| of each quantized layer's input (for export's input scales);
     bf16_scope: after `switch_to_bf16_at`, "forward" runs fprop in BF16 (gradients stay in the
-    recipe), "all" runs the whole layer in BF16.
+    recipe), "all" runs the whole layer in BF16;
+    weights: the nvfp4 layers' weight operands from `quantize_weights` (same recipe, amax and
+    scope), used instead of quantizing each weight where it is multiplied.
     """
-    nvfp4_options = NVFP4Options(rht=recipe.rht, stochastic_rounding=recipe.stochastic_rounding,
-                                 weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none",
-                                 quantizer=recipe.quantizer)
+    nvfp4 = nvfp4_options(recipe, bf16_scope)
     fp8_options = FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
                              quantize_fprop=bf16_scope == "none")
 
@@ -154,7 +219,7 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
                 raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
             layer = layer_key(key if key is not None else jax.random.key(0), name)
             amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
-            y = nvfp4_dot(x_lp, w_lp, layer, amax, nvfp4_options)
+            y = nvfp4_dot(x_lp, w_lp, layer, amax, nvfp4, None if weights is None else weights.get(name))
         else:
             y = fp8_dot(x_lp, w_lp, fp8_options)
         return linear_output(y, b_N, x.dtype)

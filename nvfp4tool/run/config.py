@@ -24,7 +24,7 @@ import yaml
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
-from nvfp4tool.recipes.nvfp4_dot import QUANTIZERS
+from nvfp4tool.recipes.nvfp4_dot import GEMMS, QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 
 
@@ -55,6 +55,7 @@ class TrainConfig:
     stochastic_rounding: bool = _key(True, "nvfp4 recipe: stochastic rounding of the gradients quantized to NVFP4")
     weight_2d: bool = _key(True, "nvfp4 recipe: 16x16 (2D) weight blocks (the weight and its transpose share scales)")
     quantizer: str = _key("auto", "auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)")
+    gemm: str = _key("auto", "auto | emulated | native: nvfp4's GEMM (native needs a CUDA GPU; auto: native on Blackwell)")
     bf16_first_layers: int = _key(1, "recipes fp8/nvfp4: the first N transformer blocks stay BF16")
     bf16_last_layers: int | None = _key(None,
         "recipes fp8/nvfp4: the last N blocks stay BF16 (default: 15% of the blocks, rounded up)")
@@ -112,6 +113,7 @@ class TrainConfig:
         _check_choice("distill", self.distill, ("none", "kl"))
         _check_choice("remat", self.remat, REMAT_LEVELS)
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
+        _check_choice("gemm", self.gemm, GEMMS)
         _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
                  "needs teacher=PATH (the model to distill from)")
         _require("teacher", self.teacher, self.teacher is None or self.distill != "none",
@@ -168,10 +170,18 @@ class TrainConfig:
 
     def recipe_config(self) -> RecipeConfig:
         return RecipeConfig(name=self.recipe, rht=self.rht, stochastic_rounding=self.stochastic_rounding,
-                            weight_2d=self.weight_2d, quantizer=self.quantizer,
+                            weight_2d=self.weight_2d, quantizer=self.quantizer, gemm=self.gemm,
                             bf16_first_layers=self.bf16_first_layers,
                             bf16_last_layers=self.bf16_last_layers, bf16_patterns=tuple(self.bf16_patterns),
                             switch_to_bf16_at=self.switch_to_bf16_at, switch_scope=self.switch_scope)
+
+    def resolved_recipe(self) -> RecipeConfig:
+        """The recipe with quantizer and gemm resolved on this platform (`RecipeConfig.resolved`):
+        what the run trains with and records; gemm=native where it cannot run is a usage error."""
+        try:
+            return self.recipe_config().resolved()
+        except NVFP4UsageError as bad:
+            raise NVFP4UsageError(f"train config: {bad}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

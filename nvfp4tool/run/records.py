@@ -4,6 +4,8 @@
     RunRecord.read(run_dir)              <run>/run.json: the run's configuration, data and teacher hashes
     record.train_config()                the TrainConfig it ran with (typed, strict)
     record.recipe_config()               its RecipeConfig; record.weight_block: "2d" | "1d"
+    record.gemm_backend                  {"quantizer": xla | pallas, "gemm": emulated | native}: the
+                                         nvfp4 GEMM path it resolved and trained with (else None)
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
     PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "fp8" | "fp8-block"}
 
@@ -12,7 +14,8 @@ A run folder: `run.json`, `WEIGHTS_DIR` (`hf/`: the final BF16 weights with the 
 the run); the trainer writes it, the checkpoint opener reads it.
 
 Schemas. run.json is an object with exactly the keys of `RunRecord` (`config` holds every
-`TrainConfig` key, no more, no fewer). The two map files keep their flat JSON shape
+`TrainConfig` key, no more, no fewer; a run.json written before a key of `KEYS_ADDED_LATER` existed
+lacks it and reads as that key's default, which is what such a run did). The two map files keep their flat JSON shape
 `{module name: value}` (what a user reads at a glance), with strict typed readers: input_amax
 values are finite numbers >= 0, precision_map values one of the recipe names
 (`nvfp4tool.recipes.precision.RECIPES`). Any other content is a `RecordError` naming the file.
@@ -58,6 +61,10 @@ class RunRecord(Record):
     # run.json written before teachers were recorded (such a run cannot be resumed)
     teacher: SourceRecord | None = None
     teacher_model_config: dict[str, Any] | None = None
+    # the nvfp4 recipe's GEMM path as the run resolved it at its start (`RecipeConfig.backend()`):
+    # {"quantizer": "xla" | "pallas", "gemm": "emulated" | "native"}; None: another recipe, or a
+    # run.json written before it was recorded
+    gemm_backend: dict[str, str] | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -68,6 +75,7 @@ class RunRecord(Record):
                 raise RecordError(f"{label}: {key}: recorded for a run without a teacher (config.teacher is null)")
         if (fields.get("teacher") is None) != (fields.get("teacher_model_config") is None):
             raise RecordError(f"{label}: teacher and teacher_model_config must be recorded together")
+        _check_gemm_backend(fields.get("gemm_backend"), config, label)
         return fields
 
     def train_config(self) -> TrainConfig:
@@ -145,9 +153,36 @@ class PrecisionMapRecord(_FlatMap):
 # helpers
 
 
+# TrainConfig keys added after run.json files were written without them (read as the default)
+KEYS_ADDED_LATER = ("gemm",)
+# what a recorded gemm_backend may hold: the resolved choices (never "auto")
+_BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}
+
+
+def _check_gemm_backend(backend: dict[str, str] | None, config: TrainConfig, label: str) -> None:
+    """A recorded backend names both resolved choices, only for an nvfp4 run, and agrees with what
+    the config forced (a key not "auto")."""
+    if backend is None:
+        return
+    where = f"{label}: gemm_backend"
+    if config.recipe != "nvfp4":
+        raise RecordError(f"{where}: recorded for recipe {config.recipe!r} (only nvfp4 has one)")
+    if set(backend) != set(_BACKEND_CHOICES):
+        raise RecordError(f"{where}: expected the keys {', '.join(_BACKEND_CHOICES)}, got {', '.join(sorted(backend))}")
+    for key, choices in _BACKEND_CHOICES.items():
+        if backend[key] not in choices:
+            raise RecordError(f"{where}: {key}: expected one of {', '.join(choices)}, got {backend[key]!r}")
+        forced = getattr(config, key)
+        if forced != "auto" and forced != backend[key]:
+            raise RecordError(f"{where}: {key}: {backend[key]!r}, but config.{key} is {forced!r}")
+
+
 def _train_config(values: dict[str, Any], label: str) -> TrainConfig:
     from nvfp4tool.run.config import TrainConfig
 
+    if isinstance(values, dict):
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in KEYS_ADDED_LATER}
+        values = {**defaults, **values}
     typed = fields_from_json(TrainConfig, values, f"{label}: config", require_all=True)
     try:
         return TrainConfig(**typed)

@@ -1,6 +1,9 @@
 """Run metrics: `metrics.jsonl` (one JSON object per step), loss-curve PNGs, run overlays.
 
-Each line: {"step" (from 1), "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} plus
+Each line: {"step" (from 1), "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}, headed
+(`step_header`) by the step and, for the nvfp4 recipe, the GEMM path that step ran ("quantizer":
+xla | pallas, "gemm": emulated | native, as `run.json`'s `gemm_backend`: a resumed run may
+continue on another machine), plus
 "aux_loss" for an MoE model (the routers' load-balancing loss, unweighted; "loss" includes it times
 `router_aux_loss_coef`), "kl" for a distillation run (the KL to the teacher; "ce", the next-token
 cross-entropy, when `distill_weight` < 1 mixes it in), "eval_loss" on evaluation steps (the
@@ -18,6 +21,12 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import iter_jsonl
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def step_header(step: int, backend: dict[str, str] | None) -> dict[str, Any]:
+    """The first keys of a step's record: "step", then the resolved GEMM backend's "quantizer"
+    and "gemm" (`RecipeConfig.backend()`; None for a recipe without one: no keys)."""
+    return {"step": step, **(backend or {})}
 
 
 def append_metrics(run_dir: str | Path, record: dict[str, Any]) -> None:

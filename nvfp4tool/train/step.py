@@ -6,7 +6,9 @@ The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
      "amax":      {linear name: float32[amax_history]} max|x| of each quantized layer's input,
                   newest first (export takes the max),
      "step":      int32, optimizer steps taken}
-A step runs `grad_accum` micro-batches (a `lax.scan`), averages their gradients, clips, updates,
+A step quantizes the NVFP4 layers' weights once (`recipes.precision.quantize_weights`: the
+weights do not change within a step; with 16x16 scaling one quantization serves fprop and dgrad),
+then runs `grad_accum` micro-batches (a `lax.scan`) with those operands, averages their gradients, clips, updates,
 and reports loss (an MoE model: with its weighted load-balancing loss, also reported unweighted as
 "aux_loss"; a distillation run: also "kl" to the teacher, and "ce" when mixed with it), gradient
 norm and whether both were finite; the caller decides what a non-finite step means (the returned
@@ -30,7 +32,12 @@ from flax import nnx
 
 from nvfp4tool.model import forward
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.recipes.precision import RecipeConfig, group_amax, make_linear
+from nvfp4tool.recipes.precision import (
+    RecipeConfig,
+    group_amax,
+    make_linear,
+    quantize_weights,
+)
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.moe_loss import load_balancing_loss, recording_router_logits
 
@@ -58,26 +65,39 @@ class StepFns:
                 "step": jnp.zeros((), jnp.int32)}
 
     def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none",
-             teacher: Any = None):
-        """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts))."""
+             teacher: Any = None, quantized: tuple | None = None):
+        """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts)).
+        `quantized`: `quantize(params, bf16_scope)` of these params, made ahead (else here)."""
         model = nnx.merge(self.graphdef, params)
-        amax_by_group = group_amax({n: linear_weight(model, n) for n in self.quantized})
+        amax_by_group, weights = quantized if quantized is not None else self._quantize(model, bf16_scope)
         input_amax: dict[str, jax.Array] = {}
-        linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope)
+        linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope, weights)
         loss, parts = training_loss(model, windows_BxT1, linear, self.distill, teacher)
         return loss, (input_amax, parts)
+
+    def quantize(self, params, bf16_scope: str = "none") -> tuple:
+        """(the fused groups' weight amax, the nvfp4 layers' weight operands) of `params`: what
+        every micro-batch of one step multiplies with (no gradient flows through them)."""
+        return self._quantize(nnx.merge(self.graphdef, params), bf16_scope)
+
+    def _quantize(self, model, bf16_scope: str) -> tuple:
+        weights = {n: linear_weight(model, n) for n in self.quantized}
+        amax_by_group = group_amax(weights)
+        return amax_by_group, quantize_weights(self.recipe, self.pmap, weights, amax_by_group, bf16_scope)
 
     def train_step(self, state: State, windows_AxBxT1: jax.Array, key: jax.Array,
                    bf16_scope: str = "none", teacher: Any = None) -> tuple[State, dict[str, jax.Array]]:
         """One optimizer step over `grad_accum` micro-batches [A, B/A, T+1] (`teacher`: the
         teacher's parameters of a distillation run)."""
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        quantized = self.quantize(state["params"], bf16_scope)  # once per step, outside the scan
 
         def micro(carry, inputs):
             grad_sum, loss_sum, parts_sum, amax_max = carry
             index, windows = inputs
             (loss, (amax, parts)), grads = grad_fn(state["params"], windows,
-                                                   jax.random.fold_in(key, index), bf16_scope, teacher)
+                                                   jax.random.fold_in(key, index), bf16_scope, teacher,
+                                                   quantized)
             amax_max = {n: jnp.maximum(amax_max[n], amax.get(n, 0.0)) for n in amax_max}
             return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss,
                     jax.tree.map(jnp.add, parts_sum, parts), amax_max), None

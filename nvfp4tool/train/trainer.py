@@ -9,7 +9,8 @@ held in BF16 on the training mesh in the state's layout, and handed to every ste
 weight files and model config as `run.json` records for it).
 
 The run folder `out` ends up holding: `run.json` (`nvfp4tool.run.records.RunRecord`: the config,
-model config and the hashes of data, tokenizer and teacher), `metrics.jsonl` and `loss.png`,
+model config, the hashes of data, tokenizer and teacher, and the nvfp4 GEMM path resolved once at
+the start, `RecipeConfig.resolved`), `metrics.jsonl` (each step headed by that path) and `loss.png`,
 `checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
 and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
 `input_amax.json` for export) and, on request, `maxtext/`.
@@ -56,7 +57,7 @@ from nvfp4tool.run.records import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, 
 from nvfp4tool.train import data as data_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.distill import Distillation
-from nvfp4tool.train.metrics import append_metrics, plot_runs, truncate_metrics
+from nvfp4tool.train.metrics import append_metrics, plot_runs, step_header, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
 from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
@@ -137,6 +138,7 @@ def train(config: TrainConfig) -> TrainResult:
             progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
                           f"{out}: no checkpoint yet; restarting the run from step 0")
         progress.info(precision_summary(pmap, recipe.name, model_config.router_names()))
+        _report_backend(recipe, config)
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
     checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
@@ -152,6 +154,7 @@ def train(config: TrainConfig) -> TrainResult:
     eval_sharding = mesh_lib.batch_sharding(mesh, 2, batch_axis=0)
     tokens_per_step = config.batch_size * config.seq_len
     base_key = jax.random.key(config.seed)
+    backend = recipe.backend()  # the GEMM path every step runs (metrics.jsonl records it per step)
 
     losses, eval_losses = {}, {}
     run_start, run_tokens = time.perf_counter(), 0
@@ -169,7 +172,7 @@ def train(config: TrainConfig) -> TrainResult:
             loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]),
                                        bool(metrics["finite"]))
             step_time = time.perf_counter() - t0
-            record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
+            record = {**step_header(step, backend), "loss": loss, "lr": float(schedule(step - 1)),
                       "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time,
                       "step_time_s": step_time}
             if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
@@ -234,6 +237,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     """Check and load everything the run needs, in the order a user's mistakes are best reported;
     reads only (a tokenizer trained here lives in memory until `_write_start`)."""
     config.check_paths()
+    recipe = config.resolved_recipe()  # quantizer / gemm resolved once (gemm=native refused here where it cannot run)
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
     if saved is not None:
@@ -251,7 +255,6 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
     train_windows, eval_windows = _windows(config, tokenizer)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
-    recipe = config.recipe_config()
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
     if len(eval_windows) < mesh.size:
@@ -262,7 +265,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
         tokenizer_sha256=_tokenizer_sha256(tokenizer), train_windows=len(train_windows),
         eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count(),
-        teacher=teacher_record, teacher_model_config=teacher_config)
+        teacher=teacher_record, teacher_model_config=teacher_config, gemm_backend=recipe.backend())
     resume_step = None
     if saved is not None:
         _check_same_run(saved, record, out, config.teacher)
@@ -326,10 +329,16 @@ def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | 
          json.loads(json.dumps(now.teacher_model_config))),
         (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
         (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
+        # the GEMM sums in another order (a recorded gemm only; pallas and xla quantize bit for bit)
+        (f"the nvfp4 GEMM (gemm {_gemm(saved)} -> {_gemm(now)})", _gemm(saved), _gemm(now) if _gemm(saved) else None),
     ) if a != b]
     if changed:
         raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since the "
                              "run started (nothing was changed; use another out= for a new run)")
+
+
+def _gemm(record: RunRecord) -> str | None:
+    return None if record.gemm_backend is None else record.gemm_backend["gemm"]
 
 
 def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tuple[TextTokenizer, bool]:
@@ -510,6 +519,16 @@ def precision_summary(pmap: dict[str, str], recipe: str, routers: list[str]) -> 
                    if p == "bf16" and n != "lm_head" and n not in routers}, key=lambda b: int(b.split(".")[2]))
     quantized = ", ".join(f"{n} of {len(pmap)} linear layers in {p}" for p, n in sorted(counts.items()) if p != "bf16")
     return f"recipe {recipe}: {quantized}; kept in bf16: {', '.join(always + kept)}"
+
+
+def _report_backend(recipe: RecipeConfig, config: TrainConfig) -> None:
+    """One line: the nvfp4 GEMM path the run resolved (as run.json and metrics.jsonl record it)."""
+    backend = recipe.backend()
+    if backend is not None:
+        how = {key: "" if getattr(config, key) != "auto" else f" (auto on {jax.default_backend()})"
+               for key in backend}
+        progress.info(f"nvfp4 GEMMs: quantizer={backend['quantizer']}{how['quantizer']}, "
+                      f"gemm={backend['gemm']}{how['gemm']}")
 
 
 def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, graphdef, state,
