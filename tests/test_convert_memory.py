@@ -30,9 +30,12 @@ CASES = {"llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
 @pytest.mark.slow
 @pytest.mark.parametrize("family", CASES)
 def test_hf_maxtext_hf_peak_rss_is_bounded_by_the_largest_stacked_tensor(tmp_path, family):
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path), family],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    from conftest import default_xla_backend  # not at the top: this file is the child too
+
+    with default_xla_backend():
+        result = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path), family],
+                                capture_output=True, text=True, timeout=600, cwd=ROOT,
+                                env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     print(report)
