@@ -27,14 +27,33 @@ CASES = {"llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
          "mixtral": ((256, 256, 2, 512, _MIXTRAL), (1024, 1024, 8, 32768, _MIXTRAL))}
 
 
+@pytest.fixture(scope="module")
+def children(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """{family: (exit status, stdout, stderr)} of its child; both children run at once (VmHWM is per
+    process: a neighbour does not change a peak), one per core of a 2-core CI machine."""
+    from conftest import default_xla_backend  # not at the top: this file is the child too
+
+    with default_xla_backend():
+        procs = {family: subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                           str(tmp_path_factory.mktemp(family)), family],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                          env=dict(os.environ, JAX_PLATFORMS="cpu")) for family in CASES}
+    try:
+        outputs = {family: proc.communicate(timeout=600) for family, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {family: (procs[family].returncode, *outputs[family]) for family in CASES}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", CASES)
-def test_hf_maxtext_hf_peak_rss_is_bounded_by_the_largest_stacked_tensor(tmp_path, family):
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path), family],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+def test_hf_maxtext_hf_peak_rss_is_bounded_by_the_largest_stacked_tensor(children, family):
+    returncode, stdout, stderr = children[family]
+    assert returncode == 0, stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
     print(report)
     largest = report["largest_stacked_bytes"]
     assert largest == 1024 * 16 * 4096 * 4 == 8 * 8 * 1024 * 1024 * 4

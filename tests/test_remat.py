@@ -68,8 +68,8 @@ def test_remat_gives_the_same_loss_amax_and_gradients():
     default XLA may skip a BF16 rounding inside a fusion, and remat changes the fusions (measured
     with it on: the loss equal, gradients up to 2% (bf16) / 28% (nvfp4) of their largest entry
     apart), so the check runs in its own process with the flag off."""
-    env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     code = "import sys; sys.path.insert(0, 'tests'); import test_remat; test_remat.same_as_no_remat()"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -138,16 +138,25 @@ def _losses(proc: subprocess.Popen) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_same_losses_on_8_devices_and_2_processes(tokenizer_dir, tmp_path):
-    reference = _run(tokenizer_dir, tmp_path / "one", steps=3, eval_every=0).losses
-    eight = _losses(_subprocess_run(
+    # the children start first and compile while this process runs the one-device reference
+    eight_proc = _subprocess_run(
         _args(tokenizer_dir, tmp_path / "eight", steps=3, eval_every=0, mesh_fsdp=2),
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
+        {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"})
     port = _free_port()
     procs = [_subprocess_run(
         _args(tokenizer_dir, tmp_path / "two", steps=3, eval_every=0, mesh_fsdp=2, num_processes=2,
               process_id=i, coordinator_address=f"127.0.0.1:{port}"),
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}) for i in range(2)]
-    two = [_losses(p) for p in procs]
+        {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"})
+        for i in range(2)]
+    try:
+        reference = _run(tokenizer_dir, tmp_path / "one", steps=3, eval_every=0).losses
+        eight = _losses(eight_proc)
+        two = [_losses(p) for p in procs]
+    finally:
+        for p in (eight_proc, *procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert two[0] == two[1]
     for other in (eight, two[0]):
         assert sorted(other) == [1, 2, 3]
