@@ -77,7 +77,8 @@ COMMANDS = [
     ("convert", _convert, {"convert": "tensor"}, [], True),
     ("convert-format", _convert_format, {"convert-format": "tensor"}, [], True),
     ("check", _check, {"check": "module"}, [], True),
-    ("export", _export, {"calibration": "layer", "export": "tensor"}, ["loading calibration"], True),
+    ("export", _export, {"loading weights": "tensor", "calibration": "layer", "export": "tensor"},
+     ["loading calibration"], True),
     # a -q train run is test_adversarial_train's fixture (it asserts an empty stderr): not twice here
     ("train", _train, {"train": "step"}, ["compiling train step ...", "compiled train step in",
                                           "compiled eval step in"], False),

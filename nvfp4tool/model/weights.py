@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from converters.tensor_source import TensorSource, check_against_config
+from nvfp4tool import progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.linear import LinearFn, default_linear
@@ -50,20 +51,27 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
                                             compute_dtype=compute_dtype, scan_layers=scan_layers,
                                             remat=remat, linear=linear))
     stacked: dict[str, np.ndarray] = {}  # scanned: layer-suffix -> [L, ...] buffer being filled
-    for name in expected:
-        value = source.get(name)
-        variable, layer = _locate(model, name)
-        if layer is None:
-            variable.set_value(as_param(value, dtype, mesh))
-            continue
-        array = np.asarray(value)
-        suffix = _LAYER_NAME.fullmatch(name).group(2)
-        if suffix not in stacked:
-            stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
-        stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
-        if layer == config.num_layers - 1:
-            variable.set_value(as_param(stacked.pop(suffix), None, mesh))
+    with progress.task("loading weights", total=len(expected), unit="tensor") as task:
+        for name in expected:
+            value = source.get(name)
+            task.advance(description=name, nbytes=_nbytes(value))
+            variable, layer = _locate(model, name)
+            if layer is None:
+                variable.set_value(as_param(value, dtype, mesh))
+                continue
+            array = np.asarray(value)
+            suffix = _LAYER_NAME.fullmatch(name).group(2)
+            if suffix not in stacked:
+                stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
+            stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
+            if layer == config.num_layers - 1:
+                variable.set_value(as_param(stacked.pop(suffix), None, mesh))
     return model
+
+
+def _nbytes(value) -> int:
+    """The bytes of a tensor as read (an array, or a stored quantized weight's pytree)."""
+    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in jax.tree.leaves(value))
 
 
 def as_param(value, dtype: jnp.dtype | None, mesh: jax.sharding.Mesh | None = None):
