@@ -15,16 +15,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # ~6e-5 relative); the HLO passes (fusion, buffer assignment, sharding) still run. Set in the
 # environment, so the children tests start inherit it. The memory benches measure with the default
 # (`default_xla_backend`): their big models spend their time running.
+# `NVFP4TOOL_TESTS_XLA_DEFAULT=1` keeps XLA's defaults (and no cache): test_numerics_default_flags.py
+# reruns the bit-exact numerics files that way, so code generation with the LLVM passes stays tested.
 UNOPTIMIZED = "--xla_backend_optimization_level=0"
+XLA_DEFAULT = os.environ.get("NVFP4TOOL_TESTS_XLA_DEFAULT") == "1"
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-if UNOPTIMIZED not in XLA_FLAGS.split():
+if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
 # The same program (a tiny preset's train step, a validate pass) compiles in many tests and their
 # children: JAX's persistent compilation cache, in a folder of this session (empty at the start, as
 # on a fresh CI machine; removed at exit), serves it after the first compilation.
 _CACHE_VARS = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="nvfp4tool-tests-jax-cache-"),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if not XLA_DEFAULT and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.update(_CACHE_VARS)
     atexit.register(shutil.rmtree, _CACHE_VARS["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 else:
