@@ -1,12 +1,9 @@
 """Shared pytest setup: force JAX onto the CPU with exact fp32 matmuls, compile without XLA's
-backend (LLVM) optimization passes and once per program (a compilation cache for this session),
-common fixtures."""
+backend (LLVM) optimization passes, common fixtures. (No persistent compilation cache: writing
+one entry, a train step's executable, aborted the whole process in jax 0.10.2.)"""
 
-import atexit
 import contextlib
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -15,24 +12,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # ~6e-5 relative); the HLO passes (fusion, buffer assignment, sharding) still run. Set in the
 # environment, so the children tests start inherit it. The memory benches measure with the default
 # (`default_xla_backend`): their big models spend their time running.
-# `NVFP4TOOL_TESTS_XLA_DEFAULT=1` keeps XLA's defaults (and no cache): test_numerics_default_flags.py
+# `NVFP4TOOL_TESTS_XLA_DEFAULT=1` keeps XLA's defaults: test_numerics_default_flags.py
 # reruns the bit-exact numerics files that way, so code generation with the LLVM passes stays tested.
 UNOPTIMIZED = "--xla_backend_optimization_level=0"
 XLA_DEFAULT = os.environ.get("NVFP4TOOL_TESTS_XLA_DEFAULT") == "1"
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
-# The same program (a tiny preset's train step, a validate pass) compiles in many tests and their
-# children: JAX's persistent compilation cache, in a folder of this session (empty at the start, as
-# on a fresh CI machine; removed at exit), serves it after the first compilation.
-_CACHE_VARS = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="nvfp4tool-tests-jax-cache-"),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
-if not XLA_DEFAULT and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ.update(_CACHE_VARS)
-    atexit.register(shutil.rmtree, _CACHE_VARS["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-else:
-    os.rmdir(_CACHE_VARS["JAX_COMPILATION_CACHE_DIR"])
-
 
 import jax  # noqa: E402
 
@@ -45,15 +31,13 @@ import pytest  # noqa: E402
 @contextlib.contextmanager
 def default_xla_backend():
     """The children started inside run with the XLA_FLAGS the suite was started with (the LLVM
-    passes on) and no compilation cache: for the memory benches, whose peaks must be those of a
+    passes on): for the memory benches, whose peaks must be those of a
     plain run (their measured runs are big models, not compilation)."""
     with pytest.MonkeyPatch.context() as patch:
         if XLA_FLAGS:
             patch.setenv("XLA_FLAGS", XLA_FLAGS)
         else:
             patch.delenv("XLA_FLAGS", raising=False)
-        for name in _CACHE_VARS:
-            patch.delenv(name, raising=False)
         yield
 
 
