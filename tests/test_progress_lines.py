@@ -245,17 +245,9 @@ def test_compiling_reports_the_first_call_of_a_key_once():
 
 
 def test_compiling_without_a_compiling_method_falls_back_to_status_lines():
-    class Lines:
-        def __init__(self):
-            self.lines = []
+    from test_memory import _Lines  # a reporter that records status lines and has no `compiling`
 
-        def start(self, name, total, unit):
-            return progress.QuietReporter().start(name, total, unit)
-
-        def info(self, message):
-            self.lines.append(message)
-
-    lines = Lines()
+    lines = _Lines()
     with _installed(lines), progress.compiling("eval step"):
         pass
     assert lines.lines[0] == "compiling eval step ..." and lines.lines[1].startswith("compiled eval step in ")
