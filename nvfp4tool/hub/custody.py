@@ -99,6 +99,7 @@ def recorded_thresholds(validation: ValidationRecord, where: str = ValidationRec
 
 
 def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], skip: tuple[str, ...]) -> None:
+    from nvfp4tool.validate.eval_report import EVAL_FILES
     from nvfp4tool.validate.report import REPORT_FILES
 
     where = ValidationRecord.path(folder)
@@ -109,7 +110,7 @@ def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], 
             raise NVFP4ToolError(f"{where}: export.sha256 lists {name!r}, not a file inside the export "
                                  f"(a malformed record); {REVALIDATE}")
     uploaded = set(upload)
-    for name in sorted(set(validated) | (uploaded - set(REPORT_FILES))):
+    for name in sorted(set(validated) | (uploaded - set(REPORT_FILES) - set(EVAL_FILES))):
         if name in skip:
             continue
         path = os.path.join(folder, *name.split("/"))

@@ -200,6 +200,7 @@ class NVFP4ToolLM(TemplateLM):
         if len(self.tokenizer) > variant.config.vocab_size:
             raise NVFP4ToolError(f"{variant.tokenizer_dir}: the tokenizer has {len(self.tokenizer)} tokens, the "
                                  f"model's vocabulary {variant.config.vocab_size}")
+        self.generated: dict[str, tuple[list[int], bool]] = {}  # gen_key(args) -> (output tokens, ran to max)
         self.timing: dict[str, float] = {}  # request type -> seconds
         self.counts: dict[str, int] = {}  # request type -> requests
 
@@ -361,9 +362,13 @@ class NVFP4ToolLM(TemplateLM):
                                                      kv=self.variant.gen_kv or _default_kv()))
                     for r, i in enumerate(chunk):
                         row = tokens[r].tolist()
-                        if self.eot_token_id in row:
+                        ended = self.eot_token_id in row
+                        if ended:
                             row = row[:row.index(self.eot_token_id)]
-                        text = postprocess_generated_text(self.tok_decode(row), until, None)
+                        decoded = self.tok_decode(row)
+                        text = postprocess_generated_text(decoded, until, None)
+                        self.generated[gen_key(requests[i].args)] = (
+                            self.tok_encode(text) if text != decoded else row, not ended and text == decoded)
                         results[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
                     rate = sum(r is not None for r in results) / (time.perf_counter() - started)
@@ -374,6 +379,11 @@ class NVFP4ToolLM(TemplateLM):
     def _count(self, kind: str, n: int, started: float) -> None:
         self.timing[kind] = self.timing.get(kind, 0.0) + time.perf_counter() - started
         self.counts[kind] = self.counts.get(kind, 0) + n
+
+
+def gen_key(arguments) -> str:
+    """The key of a generation request's (context, generation kwargs) in `NVFP4ToolLM.generated`."""
+    return json.dumps([arguments[0], arguments[1]], sort_keys=True, default=str)
 
 
 def _served_tap():
