@@ -1,10 +1,12 @@
-"""The tiny model the eval tests run: a transformers Llama (hidden 64, 2 layers) with a byte-level BPE
-tokenizer trained on Shakespeare, saved in BF16 with `save_pretrained`, its NVFP4 W4A4 export and
-its FP8 export (made by the CLI, calibrated on the same ids), and a second, different model for the
-refusals. `build_eval_models(root)` builds them all (~15 s); a module-scoped fixture calls it once."""
+"""The tiny model the eval tests run: a Llama (hidden 64, 2 layers, BF16 safetensors) with a byte-level
+BPE tokenizer trained on Shakespeare, its NVFP4 W4A4 and FP8 exports (made by the CLI, calibrated
+on the same ids), and a second, different model (its own tokenizer) with its FP8 export, for the
+refusals. `build_eval_models(root)` builds them all (~20 s); the session fixture `eval_models`
+builds them once per test process."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -18,10 +20,11 @@ TASKS = ("nvfp4tool_mc", "nvfp4tool_gsm", "nvfp4tool_text")
 
 
 def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = None) -> str:
-    """A tiny Llama in BF16 with its tokenizer (trained on `tokenizer_text`: Shakespeare by default)."""
-    import torch
-
-    from hf_fixtures import build_torch_model
+    """A tiny Llama in BF16 (random weights drawn with numpy, norms around one, a large LM head so the
+    logits are decisive: greedy choices far from ties between fp32 implementations) with its
+    tokenizer (trained on `tokenizer_text`: Shakespeare by default), loadable by transformers."""
+    from adversarial_harness import synthetic_config
+    from converters.hf import write_safetensors
     from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
     if tokenizer_text is None:
@@ -30,13 +33,22 @@ def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = No
             tokenizer_text = f.read()[:50_000]
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = train_bpe_tokenizer([tokenizer_text], VOCAB, out_dir)
-    eos = tokenizer.eos_id
-    model = build_torch_model("llama3", seed=seed, overrides=dict(
-        vocab_size=tokenizer.vocab_size, rope_scaling=None, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-        max_position_embeddings=256))
-    with torch.no_grad():  # decisive logits: greedy choices far from ties between fp32 implementations
-        model.lm_head.weight.mul_(6.0)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    config = synthetic_config(hidden=64, mlp=128, layers=2, vocab=tokenizer.vocab_size, head_dim=16, kv_heads=2,
+                              dtype="bfloat16", max_position_embeddings=256)
+    shapes = config.expected_tensor_shapes()
+    rng = np.random.default_rng(seed)
+
+    def make(name: str) -> np.ndarray:
+        noise = rng.standard_normal(shapes[name], dtype=np.float32)
+        scale = 0.5 if name == "lm_head.weight" else 0.08
+        return (1.0 + 0.2 * noise if name.endswith("norm.weight") else scale * noise).astype(config.dtype)
+
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), [(n, config.dtype, s) for n, s in shapes.items()],
+                      make)
+    hf = config.to_hf_config()
+    hf.update(bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
     return out_dir
 
 
@@ -56,11 +68,15 @@ def build_eval_models(root: str) -> dict[str, str]:
              "nvfp4": os.path.join(root, "nvfp4"), "fp8": os.path.join(root, "fp8"),
              "other": os.path.join(root, "other")}
     write_tiny_llama(paths["hf"], seed=5)
-    np.save(paths["ids"], np.random.default_rng(0).integers(0, VOCAB, (4, 32)))
+    np.save(paths["ids"], np.random.default_rng(0).integers(0, 256, (4, 32)))
     runner = CliRunner()
     for key, quant in (("nvfp4", "nvfp4"), ("fp8", "fp8")):
         result = runner.invoke(cli, ["-q", "export", paths["hf"], "--out", paths[key], "--quant", quant,
                                      "--calib-data", paths["ids"], "--calib-samples", "4", "--calib-seq-len", "32"])
         assert result.exit_code == 0, result.output
-    write_tiny_llama(paths["other"], seed=6)
+    write_tiny_llama(paths["other"], seed=6, tokenizer_text="A different corpus, a different tokenizer. " * 300)
+    paths["other_fp8"] = os.path.join(root, "other_fp8")
+    result = runner.invoke(cli, ["-q", "export", paths["other"], "--out", paths["other_fp8"], "--quant", "fp8",
+                                 "--calib-data", paths["ids"], "--calib-samples", "4", "--calib-seq-len", "32"])
+    assert result.exit_code == 0, result.output
     return paths

@@ -135,13 +135,32 @@ def resolve_tasks(specs: tuple[str, ...]) -> tuple[list[str], Any]:
             names.append(spec)
     include = list(dict.fromkeys(include))
     manager = task_manager(tuple(include), defaults=False)
-    if any(n not in manager.all_tasks for n in names):
-        manager = task_manager(tuple(include), defaults=True)  # lm-eval's own tasks (indexing takes seconds)
-    unknown = [n for n in names if n not in manager.all_tasks]
+    missing = [n for n in names if n not in manager.all_tasks]
+    unknown = [n for n in missing if not _in_lm_eval_yaml(n)]
+    if missing and not unknown:
+        manager = task_manager(tuple(include), defaults=True)  # lm-eval's own tasks (indexing takes ~20 s)
+        unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise NVFP4UsageError(f"--tasks {unknown[0]}: unknown task (not an lm-eval task name, nor a task YAML "
                               "file or folder)")
     return list(dict.fromkeys(names)), manager
+
+
+def _in_lm_eval_yaml(name: str) -> bool:
+    """Whether any of lm-eval's own task YAML files contains `name` (a task, group or tag name is
+    written in its file): a byte search, so an unknown name is refused without parsing lm-eval's
+    thousands of task files into its index."""
+    import lm_eval.tasks
+
+    needle = name.encode()
+    root = os.path.dirname(os.path.abspath(lm_eval.tasks.__file__))
+    for folder, _, files in os.walk(root):
+        for file in files:
+            if file.endswith((".yaml", ".yml")):
+                with open(os.path.join(folder, file), "rb") as f:
+                    if needle in f.read():
+                        return True
+    return False
 
 
 def _build_tasks(names: list[str], manager) -> dict[str, Any]:
@@ -225,8 +244,6 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
 
     if options.limit is not None and options.limit < 1:
         raise NVFP4UsageError(f"--limit must be >= 1, got {options.limit}")
-    if options.max_gen_toks >= options.max_length:
-        raise NVFP4UsageError(f"--max-gen-toks {options.max_gen_toks} must be below --max-length {options.max_length}")
     names, manager = resolve_tasks(options.tasks)
     if not is_export(export_dir):
         raise NVFP4ToolError(f"{export_dir}: not an export (its config.json declares no quantization); "
@@ -268,6 +285,12 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     from nvfp4tool import formats
 
     tasks = _build_tasks(names, manager)
+    for name, task in tasks.items():
+        if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
+            wanted = (task.config.generation_kwargs or {}).get("max_gen_toks", options.max_gen_toks)
+            if int(wanted) >= options.max_length:
+                raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to {wanted} "
+                                      "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
     limits = {name: len(list(task.eval_docs)) if options.limit is None else min(options.limit, len(list(task.eval_docs)))
               for name, task in tasks.items()}
     return _Inputs(export_dir=export_dir, source_path=source.path, source_step=source.step,
