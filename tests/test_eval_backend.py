@@ -23,6 +23,7 @@ def _samples(model, model_args=None, **kwargs):
     return out["samples"]
 
 
+@pytest.mark.slow
 @pytest.mark.peers
 def test_bf16_backend_equals_lm_eval_hf_backend(eval_models):
     from nvfp4tool.validate.lm_backend import NVFP4ToolLM

@@ -426,9 +426,14 @@ def _bool(value: Any) -> bool:
 
 
 def main() -> None:  # pragma: no cover - a thin wrapper over lm-eval's own CLI
-    """`python -m nvfp4tool.validate.lm_backend ARGS`: lm-eval's command line with `nvfp4tool` registered."""
+    """`python -m nvfp4tool.validate.lm_backend [run] ARGS`: lm-eval's command line with the model
+    `nvfp4tool` registered (this module) and the shipped tasks on the include path (unless given)."""
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
+    if "--include_path" not in sys.argv and (len(sys.argv) < 2 or sys.argv[1] not in ("ls", "validate")):
+        sys.argv += ["--include_path", TASKS_DIR]
     cli_evaluate()
 
 
