@@ -80,3 +80,25 @@ def build_eval_models(root: str) -> dict[str, str]:
                                  "--calib-data", paths["ids"], "--calib-samples", "4", "--calib-seq-len", "32"])
     assert result.exit_code == 0, result.output
     return paths
+
+
+def write_eval_reports(export: str) -> None:
+    """eval.json / eval_items.json / eval.md / eval.png for `export` with made-up per-item scores (no
+    model runs): a record that names the export's present bytes, as `nvfp4tool eval` writes it."""
+    from nvfp4tool.records.evaluation import EvalItems, EvalRecord
+    from nvfp4tool.records.validation import Named
+    from nvfp4tool.validate.custody import validated_files
+    from nvfp4tool.validate.eval_report import write_reports
+    from nvfp4tool.validate.evaluate import _paired_dict
+    from nvfp4tool.validate.paired import mean_stderr, paired
+
+    scores = {"bf16": np.array([1, 1, 0, 1, 0, 1.0]), "nvfp4": np.array([1, 0, 0, 1, 1, 1.0])}
+    task = {"metric": "acc", "paired": {"nvfp4-bf16": _paired_dict(paired(scores["nvfp4"], scores["bf16"]))},
+            **{k: {"acc": float(v.mean()), "n": len(v), "stderr": mean_stderr(v)} for k, v in scores.items()}}
+    record = EvalRecord(export=Named.of(export, validated_files(export)), quant="nvfp4",
+                        source=Named(name="hf", sha256={}), reference=None, labels=["bf16", "nvfp4"],
+                        tasks={"nvfp4tool_mc": task}, overall={"paired": {}}, limit=6, seed=0, max_drop=None,
+                        failures=[], passed=True, lm_eval_version="0.4.13", resources={})
+    items = EvalItems(tasks={"nvfp4tool_mc": {"doc_id": list(range(6)), "prompt_hash": [str(i) for i in range(6)],
+                                              **{k: v.tolist() for k, v in scores.items()}}})
+    write_reports(record, items, export)

@@ -1,5 +1,6 @@
-"""Adversarial cases of `nvfp4tool eval` (issue 24): each bad input is refused with one `Error:` line
-naming it, exit 1 (bad data) or 2 (bad usage), before any model runs, and nothing is written."""
+"""Adversarial cases of `nvfp4tool eval` (issue 24) and of `push` with eval reports: each bad input is
+refused with one `Error:` line naming it, exit 1 (bad data) or 2 (bad usage), before any model runs
+or anything is staged, and nothing is written."""
 
 import json
 import os
@@ -174,6 +175,52 @@ def _(w):
 def _(w):
     return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--max-length", "24"],
             ("--max-length 24", "nvfp4tool_gsm"))
+
+
+
+
+# ---------------------------------------------------------------- push and the eval reports
+
+
+def _evaluated(w: World) -> str:
+    from eval_fixtures import write_eval_reports
+
+    export = w.copy("nvfp4", "evaluated")
+    write_eval_reports(export)
+    return export
+
+
+def _dry(export: str) -> list[str]:
+    return ["push", export, "--repo-id", "org/m", "--dry-run", "--no-validation"]
+
+
+@case("push/eval-json-of-other-bytes", 1)
+def _(w):
+    export = _evaluated(w)
+    edit_json(os.path.join(export, "tokenizer_config.json"), lambda c: c.update(model_max_length=99))
+    return _dry(export), ("eval.json", "measured other bytes", "tokenizer_config.json")
+
+
+@case("push/eval-md-edited", 1)
+def _(w):
+    export = _evaluated(w)
+    with open(os.path.join(export, "eval.md"), "a") as f:
+        f.write("| made_up | acc | 6 | 99 |\n")
+    return _dry(export), ("eval.md", "differs from what eval.json says")
+
+
+@case("push/eval-md-without-eval-json", 1)
+def _(w):
+    export = _evaluated(w)
+    os.remove(os.path.join(export, "eval.json"))
+    return _dry(export), ("eval", "without eval.json")
+
+
+@case("push/eval-json-not-a-record", 1)
+def _(w):
+    export = _evaluated(w)
+    edit_json(os.path.join(export, "eval.json"), lambda r: r.pop("tasks"))
+    return _dry(export), ("eval.json", "tasks")
 
 
 @pytest.fixture

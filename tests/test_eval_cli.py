@@ -80,3 +80,17 @@ def test_record_refuses_a_task_without_paired_fields(tmp_path):
     write_json(str(tmp_path / "eval.json"), obj)
     with pytest.raises(RecordError, match="paired.nvfp4-bf16: missing se"):
         EvalRecord.read(str(tmp_path))
+
+
+def test_push_card_shows_the_eval_table(eval_models, tmp_path):
+    from eval_fixtures import write_eval_reports
+
+    export = str(shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4"))
+    write_eval_reports(export)
+    result = CliRunner().invoke(cli, ["push", export, "--repo-id", "org/m", "--dry-run", "--no-validation"])
+    assert result.exit_code == 0, result.output
+    card = result.output.split("model card (README.md):", 1)[1]
+    with open(os.path.join(export, "eval.md")) as f:
+        table = f.read().strip()
+    assert table in card and "| nvfp4tool_mc | acc | 6 |" in card
+    assert "eval.json" in result.output and "eval_items.json" in result.output  # published with the export

@@ -288,6 +288,9 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     for name, task in tasks.items():
         if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
             wanted = (task.config.generation_kwargs or {}).get("max_gen_toks", options.max_gen_toks)
+            if options.offload == "always":
+                raise NVFP4UsageError(f"--offload always: task {name} generates text, which needs each model held "
+                                      "whole (--offload auto or never)")
             if int(wanted) >= options.max_length:
                 raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to {wanted} "
                                       "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
@@ -392,8 +395,8 @@ def _per_item(task: str, rows: list[dict], label: str) -> tuple[str | None, dict
     metric = None
     for name in rows[0]["metrics"]:
         values = [r.get(name) for r in rows]
-        if all(isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) or isinstance(v, bool)
-               for v in values) and all(0 <= float(v) <= 1 for v in values):
+        if all(isinstance(v, (bool, int, float, np.number)) for v in values) and \
+                all(0 <= float(v) <= 1 for v in values):
             metric = name
             break
     if metric is None:
