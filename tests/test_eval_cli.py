@@ -94,3 +94,22 @@ def test_push_card_shows_the_eval_table(eval_models, tmp_path):
         table = f.read().strip()
     assert table in card and "| nvfp4tool_mc | acc | 6 |" in card
     assert "eval.json" in result.output and "eval_items.json" in result.output  # published with the export
+
+
+def test_a_user_task_file_with_local_data_resolves_and_builds(tmp_path):
+    """--tasks takes a YAML file reading a local JSONL (dataset_path: json + data_files): no network."""
+    from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
+
+    data = tmp_path / "mc.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"{i}+1?", "options": [str(i + 1), str(i)], "answer_index": 0})
+                              for i in range(3)) + "\n")
+    task = tmp_path / "tasks" / "mine.yaml"
+    task.parent.mkdir()
+    task.write_text(f"task: my_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Q: {{question}}\\nA:\"\n"
+                    "doc_to_choice: \"{{options}}\"\ndoc_to_target: answer_index\n")
+    names, manager = resolve_tasks((str(task), "nvfp4tool_mc"))
+    assert names == ["my_local_mc", "nvfp4tool_mc"]
+    built = _build_tasks(names, manager)
+    assert len(list(built["my_local_mc"].eval_docs)) == 3 and len(list(built["nvfp4tool_mc"].eval_docs)) == 40
+    assert resolve_tasks((str(task.parent),))[0] == ["my_local_mc"]
