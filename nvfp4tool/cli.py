@@ -605,7 +605,7 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 @click.option("--seed", type=int, default=0, show_default=True,
               help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.")
 @click.option("--max-drop", type=_FiniteFloat(min=0, max=1), default=None,
-              help="Fail (exit 1) when the lower end of the 95%% interval of NVFP4 - BF16 (per task and "
+              help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
                    "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
               help="Few-shot examples per prompt (default: each task's own).")
