@@ -616,12 +616,14 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 @click.option("--max-gen-toks", type=_COUNT, default=256, show_default=True,
               help="Most new tokens of a generative request whose task sets none.")
 @_OFFLOAD
+@click.option("--chat-template/--no-chat-template", default=True, show_default=True,
+              help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.")
 @click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write eval.json here.")
 @click.option("--force", is_flag=True,
               help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); "
                    "default: refused.")
 def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fewshot, batch_size, max_length,
-                 max_gen_toks, offload, json_copy, force) -> None:
+                 max_gen_toks, offload, chat_template, json_copy, force) -> None:
     """Task accuracy as served: the same lm-eval tasks on BF16, FP8 and NVFP4, paired item by item.
 
     Writes eval.json (with eval_items.json, the per-item scores), eval.md (the model-card table)
@@ -642,7 +644,7 @@ def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fe
         raise NVFP4UsageError("--tasks: no task given")
     options = EvalOptions(tasks=names, reference=reference, source=source, limit=limit, seed=seed, max_drop=max_drop,
                           batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
-                          num_fewshot=num_fewshot, offload=offload)
+                          num_fewshot=num_fewshot, offload=offload, chat_template=chat_template)
     run = evaluate_export(export, options, json_copy=json_copy, force=force)
     print_report(run.record, Console())
     click.echo(f"wrote {', '.join(run.files)}")

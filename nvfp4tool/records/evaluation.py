@@ -45,6 +45,7 @@ class EvalRecord(Record):
     passed: bool
     lm_eval_version: str
     resources: dict[str, Any]  # seconds, peak_rss_bytes, models {label: held|streamed}, items_per_s
+    chat_template: bool = False  # prompts went through the tokenizer's chat template
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -95,7 +95,8 @@ def markdown(record: EvalRecord) -> str:
              f"Measured by `nvfp4tool eval` (lm-evaluation-harness {record.lm_eval_version}) on {limit}: the BF16 "
              f"source `{record.source.name}`, {reference} and this {record.quant} export as served, on the same "
              "items. Scores in percent; differences are paired (the same items), with the paired standard "
-             "error's 95% interval, McNemar's exact p and the flips between the models.", "",
+             "error's 95% interval, McNemar's exact p and the flips between the models"
+             + (" (prompts in the tokenizer's chat template)." if record.chat_template else "."), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     generative = [(t, e) for t, e in record.tasks.items() if "mean_output_tokens" in e.get(record.labels[0], {})]
@@ -133,8 +134,9 @@ def plot(record: EvalRecord, path: str) -> None:
             if stats is None:
                 continue
             ci = stats["ci95"] or [stats["diff"], stats["diff"]]
-            ax.errorbar([100 * stats["diff"]], [y], xerr=[[100 * (stats["diff"] - ci[0])], [100 * (ci[1] - stats["diff"])]],
-                        fmt="o", capsize=4, color=f"C{k}", label=pair if task == entries[0][0] else None)
+            spread = [[100 * (stats["diff"] - ci[0])], [100 * (ci[1] - stats["diff"])]]
+            ax.errorbar([100 * stats["diff"]], [y], xerr=spread, fmt="o", capsize=4, color=f"C{k}",
+                        label=pair if task == entries[0][0] else None)
             ticks.append(y)
             names.append(f"{task} ({pair})")
             y += 1

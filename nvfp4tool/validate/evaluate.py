@@ -66,6 +66,7 @@ class EvalOptions:
     max_gen_toks: int = 256
     num_fewshot: int | None = None
     offload: str = "auto"
+    chat_template: bool = True  # apply the tokenizer's chat template where it has one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +255,8 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     memory.release()
     record = ExportRecord.read(export_dir) if ExportRecord.exists(export_dir) else None
     if record is None and options.source is None:
-        raise NVFP4UsageError(f"{export_dir}: no {ExportRecord.FILE_NAME}; pass --source (the BF16 model it was made from)")
+        raise NVFP4UsageError(f"{export_dir}: no {ExportRecord.FILE_NAME}; pass --source (the BF16 model it was "
+                              "made from)")
     source_path, step = _source_of(export_dir, options.source, record)
     source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
@@ -294,8 +296,8 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
             if int(wanted) >= options.max_length:
                 raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to {wanted} "
                                       "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
-    limits = {name: len(list(task.eval_docs)) if options.limit is None else min(options.limit, len(list(task.eval_docs)))
-              for name, task in tasks.items()}
+    sizes = {name: len(list(task.eval_docs)) for name, task in tasks.items()}
+    limits = {name: size if options.limit is None else min(options.limit, size) for name, size in sizes.items()}
     return _Inputs(export_dir=export_dir, source_path=source.path, source_step=source.step,
                    source_named=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
                    reference_named=reference_named, quant=formats.describe(export_dir).quant,
@@ -341,6 +343,8 @@ def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, ste
                      max_gen_toks=options.max_gen_toks, seed=options.seed)
     with _quiet_lm_eval():
         out = lm_eval.simple_evaluate(model=lm, tasks=list(inputs.task_names), task_manager=inputs.manager,
+                                      apply_chat_template=options.chat_template and bool(
+                                          lm.tokenizer.chat_template),
                                       limit=options.limit, num_fewshot=options.num_fewshot, log_samples=True,
                                       bootstrap_iters=0, random_seed=options.seed, numpy_random_seed=options.seed,
                                       torch_random_seed=options.seed, fewshot_random_seed=options.seed)
@@ -365,6 +369,7 @@ def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | N
         t0 = time.perf_counter()
         results[label], samples[label], lm = _run_model(label, path, inputs, options, step)
         how[label] = lm.variant.how
+        chat = bool(lm.tokenizer.chat_template)
         items = sum(inputs.limits.values())
         rates[label] = items / (time.perf_counter() - t0)
         progress.info(f"eval: {label} done, {items} items in {time.perf_counter() - t0:.1f} s "
@@ -375,9 +380,10 @@ def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | N
         del lm
         memory.release()
     record, items = _record(inputs, options, results, samples, [r[0] for r in runs])
-    record = dataclasses.replace(record, export=Named.of(export_dir, validated_files(export_dir)), resources={
-        "seconds": time.perf_counter() - started, "peak_rss_bytes": memory.peak_rss_bytes(), "models": how,
-        "items_per_s": rates})
+    record = dataclasses.replace(
+        record, chat_template=options.chat_template and chat, export=Named.of(export_dir, validated_files(export_dir)),
+        resources={"seconds": time.perf_counter() - started, "peak_rss_bytes": memory.peak_rss_bytes(),
+                   "models": how, "items_per_s": rates})
     files = write_reports(record, items, export_dir, json_copy)
     return EvalRun(record=record, files=files)
 

@@ -24,8 +24,9 @@ present. Every model computes in fp32 on its stored weights (`runner.VALIDATION_
 * generate_until: greedy, or sampled (`do_sample` with `temperature` / `top_k`, keyed by `seed`),
   through `model.generate` (one prefill + a scanned decode with the KV cache, the export's FP8 KV
   cache when it has one), contexts left-truncated to `max_length - max_gen_toks` and left-padded to
-  the bucket of the longest context of their generation settings (one compiled program for them); the text is cut at EOS and at the first stop string (`until`). Generation needs a
-  held model (a streamed one is refused).
+  the bucket of the longest context of their generation settings (one compiled program for them);
+  the text is cut at EOS and at the first stop string (`until`). Generation needs a held model (a
+  streamed one is refused).
 The tokenizer is the folder's own (transformers' `AutoTokenizer`), its chat template applied when
 lm-eval asks for it (`--apply_chat_template`).
 """
