@@ -57,14 +57,13 @@ except ImportError as missing:  # pragma: no cover - exercised only without the 
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")  # the shipped offline tasks
 MIN_BUCKET = 32  # the shortest padded length of a loglikelihood / generation bucket
-LABELS = ("bf16", "fp8", "nvfp4")  # what a variant is reported as (the export's quant otherwise)
 
 
 @dataclasses.dataclass
 class Variant:
     """One model of an evaluation, opened and ready to run (see the module docstring)."""
 
-    label: str  # "bf16" | "fp8" | "nvfp4" (or the export's quant, e.g. "nvfp4-weight-only")
+    label: str  # "bf16" | "fp8" | "nvfp4" (default: the export's quant, e.g. "nvfp4-weight-only")
     path: str
     config: Any  # ModelConfig
     model: Any  # LayerwiseModel (held or streamed)
@@ -144,7 +143,6 @@ def open_variant(path: str, *, label: str | None = None, offload: str = "auto", 
     if kv:
         variant.kv_aux = lambda i: None if i is None else exported.kv_scales(i)
         variant.kv_tap, variant.gen_kv = ServedKVTap(), exported.served_kv()
-        variant.label = label + "+fp8-kv" if label not in LABELS else label
     return variant
 
 
