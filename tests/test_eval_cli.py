@@ -113,3 +113,17 @@ def test_a_user_task_file_with_local_data_resolves_and_builds(tmp_path):
     built = _build_tasks(names, manager)
     assert len(list(built["my_local_mc"].eval_docs)) == 3 and len(list(built["nvfp4tool_mc"].eval_docs)) == 40
     assert resolve_tasks((str(task.parent),))[0] == ["my_local_mc"]
+
+
+def test_a_task_file_takes_its_fields_from_its_include(tmp_path):
+    from nvfp4tool.errors import NVFP4ToolError
+    from nvfp4tool.validate.evaluate import _task_file
+
+    (tmp_path / "_template.yaml").write_text("dataset_path: json\noutput_type: multiple_choice\n"
+                                             "doc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n")
+    (tmp_path / "mine.yaml").write_text("include: _template.yaml\ntask: mine\ndoc_to_text: mine\n")
+    config = _task_file(str(tmp_path / "mine.yaml"))
+    assert config["task"] == "mine" and config["doc_to_text"] == "mine" and config["output_type"] == "multiple_choice"
+    (tmp_path / "bad.yaml").write_text("include: _missing.yaml\ntask: bad\n")
+    with pytest.raises(NVFP4ToolError, match="_missing.yaml: cannot read"):
+        _task_file(str(tmp_path / "bad.yaml"))

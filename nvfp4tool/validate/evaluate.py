@@ -86,15 +86,33 @@ _TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: loader.const
                                   if isinstance(node, yaml.ScalarNode) else None)
 
 
-def _task_file(path: str) -> dict[str, Any]:
-    """A task YAML file, its required fields checked (NVFP4ToolError naming the file and the field)."""
+def _read_task_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A task YAML mapping with its `include:` files merged under it (lm-eval's rule: the file's own
+    keys win), relative to its folder."""
+    if os.path.abspath(path) in seen:
+        raise NVFP4ToolError(f"{path}: includes itself")
     try:
         with open(path, "rb") as f:
             config = yaml.load(f.read().decode("utf-8"), Loader=_TaskLoader)
+    except OSError as bad:
+        raise NVFP4ToolError(f"{path}: cannot read ({bad.strerror})") from None
     except (UnicodeDecodeError, yaml.YAMLError) as bad:
         raise NVFP4ToolError(f"{path}: not a valid task YAML file ({str(bad).splitlines()[0]})") from None
     if not isinstance(config, dict):
         raise NVFP4ToolError(f"{path}: not a task (expected a YAML mapping with task, output_type, ...)")
+    includes = config.pop("include", None)
+    merged: dict[str, Any] = {}
+    for name in [includes] if isinstance(includes, str) else includes or []:
+        merged.update(_read_task_yaml(os.path.join(os.path.dirname(os.path.abspath(path)), str(name)),
+                                      seen + (os.path.abspath(path),)))
+    merged.update(config)
+    return merged
+
+
+def _task_file(path: str) -> dict[str, Any]:
+    """A task YAML file (with its includes), its required fields checked (NVFP4ToolError naming the
+    file and the field)."""
+    config = _read_task_yaml(path)
     if "group" in config and "task" in config and isinstance(config["task"], list):
         return config  # a group of tasks: lm-eval resolves its members
     for field in REQUIRED_FIELDS:
