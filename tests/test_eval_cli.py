@@ -1,4 +1,4 @@
-"""`nvfp4tool eval` end to end on the tiny model: BF16, FP8 and NVFP4 as served on a shipped task,
+"""`nvfp4tool eval` end to end on the tiny model: BF16, FP8 and NVFP4 as served on the shipped tasks,
 the records it writes (eval.json typed and consistent with the per-item side file, eval.md, the
 PNG, the --json copy) and the --max-drop verdict."""
 
@@ -24,7 +24,7 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
     shutil.copytree(eval_models["hf"], tmp_path / "hf")
     export = str(shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4"))
     copy = str(tmp_path / "e.json")
-    result = CliRunner().invoke(cli, ["eval", export, "--tasks", "nvfp4tool_mc", "--reference", eval_models["fp8"],
+    result = CliRunner().invoke(cli, ["eval", export, "--tasks", "nvfp4tool_mc,nvfp4tool_gsm", "--reference", eval_models["fp8"],
                                       "--limit", str(LIMIT), "--batch-size", "4", "--max-length", "64",
                                       "--json", copy])
     assert result.exit_code == 0, result.output
@@ -44,6 +44,13 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
         again = paired(np.array(items["nvfp4"]), np.array(items[pair.split("-")[1]]))
         assert stats["diff"] == pytest.approx(again.diff)
         assert (stats["right_to_wrong"], stats["wrong_to_right"]) == (again.right_to_wrong, again.wrong_to_right)
+    gsm = record.tasks["nvfp4tool_gsm"]
+    assert gsm["metric"] == "exact_match" and set(gsm["paired"]) == {"nvfp4-bf16", "nvfp4-fp8"}
+    for label in record.labels:
+        signs = gsm[label]
+        assert 0 < signs["mean_output_tokens"] <= 24 and 0 <= signs["hit_max_gen_toks"] <= 1
+        assert 0 <= signs["repeated_4gram_rate"] < 1
+    assert record.overall["bf16"]["n"] == 2 * LIMIT and "nvfp4-bf16" in record.overall["paired"]
     assert record.resources["models"] == {"bf16": "held", "fp8": "held", "nvfp4": "held"}
     assert record.resources["seconds"] > 0 and record.resources["peak_rss_bytes"] > 0
     assert record.source.name == "hf" and record.reference.name == "fp8"
@@ -51,7 +58,8 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
         assert json.load(f) == record.to_json()
     with open(os.path.join(export, "eval.md")) as f:
         md = f.read()
-    assert "## Task accuracy" in md and "| nvfp4tool_mc | acc | 4 |" in md
+    assert "## Task accuracy" in md and "| nvfp4tool_mc | acc | 4 |" in md and "| nvfp4tool_gsm |" in md
+    assert "| overall | pooled | 8 |" in md and "Generation (degeneration signs)" in md
     with open(os.path.join(export, "eval.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
