@@ -589,6 +589,69 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
                              "; ".join(f"{f.metric} ({f.detail}) off by {f.by:.4g}" for f in record.failures))
 
 
+@cli.command("eval")
+@click.argument("export", type=click.Path(exists=True, file_okay=False))
+@click.option("--tasks", required=True,
+              help="Comma-separated lm-eval task names, task YAML files or folders of them (lm-eval's "
+                   "include_path); shipped offline: nvfp4tool_mc, nvfp4tool_gsm, nvfp4tool_text.")
+@click.option("--reference", type=click.Path(exists=True, file_okay=False), default=None,
+              help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 "
+                   "column (default: none).")
+@click.option("--source", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The BF16 source (default: named by the export's nvfp4tool_export.json; its weight files "
+                   "must have the sha256 that record names).")
+@click.option("--limit", type=_COUNT, default=None,
+              help="Evaluate only the first N items of each task (recorded in eval.json; default: all).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.")
+@click.option("--max-drop", type=_FiniteFloat(min=0, max=1), default=None,
+              help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
+                   "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
+              help="Few-shot examples per prompt (default: each task's own).")
+@click.option("--batch-size", type=_COUNT, default=8, show_default=True,
+              help="Requests per forward pass / generation batch (memory and speed, not results).")
+@click.option("--max-length", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="Most tokens of context a request sees (longer ones are left-truncated).")
+@click.option("--max-gen-toks", type=_COUNT, default=256, show_default=True,
+              help="Most new tokens of a generative request whose task sets none.")
+@_OFFLOAD
+@click.option("--chat-template/--no-chat-template", default=True, show_default=True,
+              help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.")
+@click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write eval.json here.")
+@click.option("--force", is_flag=True,
+              help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); "
+                   "default: refused.")
+def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fewshot, batch_size, max_length,
+                 max_gen_toks, offload, chat_template, json_copy, force) -> None:
+    """Task accuracy as served: the same lm-eval tasks on BF16, FP8 and NVFP4, paired item by item.
+
+    Writes eval.json (with eval_items.json, the per-item scores), eval.md (the model-card table)
+    and eval.png into EXPORT; exit 1 if --max-drop fails.
+
+    \b
+    Example:
+      nvfp4tool eval out/m-nvfp4 --tasks nvfp4tool_mc,nvfp4tool_gsm --reference out/m-fp8 --limit 200
+      nvfp4tool eval out/m-nvfp4 --tasks ./mmlu_pro_local/ --max-drop 0.01 --json e.json
+    """
+    from rich.console import Console
+
+    from nvfp4tool.validate.eval_report import print_report
+    from nvfp4tool.validate.evaluate import EvalOptions, evaluate_export
+
+    names = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not names:
+        raise NVFP4UsageError("--tasks: no task given")
+    options = EvalOptions(tasks=names, reference=reference, source=source, limit=limit, seed=seed, max_drop=max_drop,
+                          batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
+                          num_fewshot=num_fewshot, offload=offload, chat_template=chat_template)
+    run = evaluate_export(export, options, json_copy=json_copy, force=force)
+    print_report(run.record, Console())
+    click.echo(f"wrote {', '.join(run.files)}")
+    if not run.record.passed:
+        raise NVFP4ToolError(f"{export}: eval failed: " + "; ".join(run.record.failures))
+
+
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
 @click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True,

@@ -84,6 +84,15 @@ CASES = [
     (["convert-format", "{m}", "{d}/o", "--to", "modelopt"], "{m}"),
     (["convert-format", "{f}", "{d}/o", "--to", "modelopt"], "{f}"),
     # validate
+    # eval (option types reject these before lm-eval or a model is touched)
+    (["eval", "{d}"], "--tasks"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--limit", "0"], "--limit"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--max-drop", "-0.1"], "--max-drop"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--max-drop", "inf"], "--max-drop"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--batch-size", "0"], "--batch-size"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--num-fewshot", "-1"], "--num-fewshot"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--offload", "sometimes"], "--offload"),
+    (["eval", "{d}", "--tasks", "nvfp4tool_mc", "--reference", "{d}/missing"], "--reference"),
     (["validate", "{d}", "--data", "{f}", "--samples", "0"], "--samples"),
     (["validate", "{d}", "--data", "{f}", "--seq-len", "0"], "--seq-len"),
     (["validate", "{d}", "--data", "{f}", "--seq-len", "1"], "--seq-len"),

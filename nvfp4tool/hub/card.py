@@ -76,6 +76,7 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
           else []),
         _quantized_section(report, layout, provenance),
         _validation_section(validation, provenance),
+        *_eval_section(folder),
         _provenance_section(provenance),
         _serving_section(repo_id, spec, layout.kv_cache),
     ]
@@ -195,6 +196,18 @@ def _mismatch_banner(validation: ValidationRecord, provenance: ExportRecord | No
     return (f"> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
             f"below measure this export against `{validation.source.name}`, whose weights are not those of "
             f"{exported}.")
+
+
+def _eval_section(folder: str) -> list[str]:
+    """The task-accuracy table `nvfp4tool eval` measured (`validate.eval_report.markdown`, the owner of
+    that table), when eval.json is present (push's custody has checked it describes these bytes)."""
+    from nvfp4tool.records.evaluation import EvalRecord
+    from nvfp4tool.validate.eval_report import markdown
+
+    if not EvalRecord.exists(folder):
+        return []
+    return [markdown(EvalRecord.read(folder)).strip() + f"\n\nPer-item scores: `eval_items.json`; full report: "
+            f"`{EvalRecord.FILE_NAME}`."]
 
 
 def _validation_section(validation: ValidationRecord | None, provenance: ExportRecord | None) -> str:

@@ -99,6 +99,7 @@ def recorded_thresholds(validation: ValidationRecord, where: str = ValidationRec
 
 
 def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], skip: tuple[str, ...]) -> None:
+    from nvfp4tool.validate.eval_report import EVAL_FILES
     from nvfp4tool.validate.report import REPORT_FILES
 
     where = ValidationRecord.path(folder)
@@ -109,7 +110,7 @@ def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], 
             raise NVFP4ToolError(f"{where}: export.sha256 lists {name!r}, not a file inside the export "
                                  f"(a malformed record); {REVALIDATE}")
     uploaded = set(upload)
-    for name in sorted(set(validated) | (uploaded - set(REPORT_FILES))):
+    for name in sorted(set(validated) | (uploaded - set(REPORT_FILES) - set(EVAL_FILES))):
         if name in skip:
             continue
         path = os.path.join(folder, *name.split("/"))
@@ -178,6 +179,44 @@ def _recheck(validation: ValidationRecord, thresholds: Any, where: str) -> list[
     except KeyError as missing:
         raise NVFP4ToolError(f"{where}: models.{validation.quant}: no {missing.args[0]!r} metric though its "
                              f"limit is set; {REVALIDATE}") from None
+
+
+def verify_eval(folder: str, validation: ValidationRecord | None) -> None:
+    """Refuse eval reports that do not describe these bytes: an `eval.json` (strictly read) whose
+    export hashes are not the validated ones (or, without a validation, not the files' current
+    ones), an `eval.md` that is not its rendering, an unreadable `eval_items.json`, or eval reports
+    without `eval.json`. Nothing to check when `nvfp4tool eval` never ran."""
+    from nvfp4tool.records.evaluation import EvalItems, EvalRecord
+    from nvfp4tool.validate.custody import validated_files
+    from nvfp4tool.validate.eval_report import EVAL_FILES, EVAL_MD, markdown
+
+    rerun = "rerun `nvfp4tool eval --force` on the export, or remove the eval files"
+    if not EvalRecord.exists(folder):
+        stray = [n for n in EVAL_FILES if os.path.exists(os.path.join(folder, n))]
+        if stray:
+            raise NVFP4ToolError(f"{os.path.join(folder, stray[0])}: an eval report without "
+                                 f"{EvalRecord.FILE_NAME}; {rerun}")
+        return
+    record = EvalRecord.read(folder)
+    expected = (validation.export.sha256 if validation is not None else
+                {os.path.relpath(f, folder).replace(os.sep, "/"): h for f, h in validated_files(folder).items()})
+    if record.export.sha256 != expected:
+        changed = sorted(set(record.export.sha256) ^ set(expected)) or sorted(
+            n for n in expected if record.export.sha256.get(n) != expected[n])
+        raise NVFP4ToolError(f"{EvalRecord.path(folder)}: measured other bytes than the "
+                             f"{'validated' if validation is not None else 'present'} export "
+                             f"(first: {changed[0] if changed else '?'}); {rerun}")
+    if EvalItems.exists(folder):
+        EvalItems.read(folder)
+    path = os.path.join(folder, EVAL_MD)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as bad:
+            raise NVFP4ToolError(f"{path}: cannot read ({getattr(bad, 'strerror', None) or bad})") from None
+        if text != markdown(record):
+            raise NVFP4ToolError(f"{path}: differs from what {EvalRecord.FILE_NAME} says (edited?); {rerun}")
 
 
 def _verify_markdown(folder: str, validation: ValidationRecord) -> None:

@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.hub.card import build_model_card, card_identity
-from nvfp4tool.hub.custody import verify_claims, verify_custody
+from nvfp4tool.hub.custody import verify_claims, verify_custody, verify_eval
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate.custody import CARD_FILE, upload_files
 
@@ -116,6 +116,7 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
                              "on the export first, or pass --no-validation to publish without one")
     if validation is not None:
         verify_claims(folder, validation, report)
+    verify_eval(folder, validation)
     for notice in notices:
         echo(notice)
     base_model, license = card_identity(folder, options.base_model, options.license)

@@ -81,10 +81,12 @@ def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
 
 def validated_files(export_dir: str) -> dict[str, str]:
     """{absolute file: sha256} of every file of the export that push uploads, without the reports
-    validate writes (validation.json, validation.md, the PNGs) and the model card push makes."""
+    validate writes (validation.json, validation.md, the PNGs), those eval writes (eval.json, ...) and
+    the model card push makes."""
+    from nvfp4tool.validate.eval_report import EVAL_FILES
     from nvfp4tool.validate.report import REPORT_FILES
 
-    skip = {*REPORT_FILES, CARD_FILE}
+    skip = {*REPORT_FILES, *EVAL_FILES, CARD_FILE}
     return {os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
             for rel in sorted(upload_files(export_dir)) if rel not in skip}
 

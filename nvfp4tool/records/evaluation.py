@@ -1,0 +1,73 @@
+"""The task-accuracy result `eval.json` and its per-item side file `eval_items.json` (written by
+`nvfp4tool eval` into the export; users and scripts parse them).
+
+    record = EvalRecord.read(export_dir)
+    record.tasks["nvfp4tool_mc"]["nvfp4"]["acc"], record.tasks[t]["paired"]["nvfp4-bf16"]["ci95"]
+
+`tasks` maps each task to {label: {METRIC: value, "n": items, "stderr": ..., [generative tasks:
+"mean_output_tokens", "hit_max_gen_toks", "repeated_4gram_rate"]} for label in bf16 / fp8 /
+nvfp4, "metric": METRIC (the lm-eval metric name: acc, exact_match, ...), "paired": {"nvfp4-bf16" |
+"nvfp4-fp8": {diff, se, ci95, unpaired_se, mcnemar_p, right_to_wrong, wrong_to_right, flip_rate,
+min_detectable}} (empty for a task without per-item 0/1 scores, e.g. perplexity)}; `overall` is the
+same for every paired item of every task pooled. As in validation.json nothing names a local path:
+the export, the source and the reference are `Named` (base name + sha256 of their files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from nvfp4tool.records.base import Record, RecordError
+from nvfp4tool.records.validation import Named
+
+PAIRED_KEYS = ("diff", "se", "ci95", "unpaired_se", "mcnemar_p", "right_to_wrong", "wrong_to_right", "flip_rate",
+               "min_detectable")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRecord(Record):
+    """`eval.json`: lm-eval task accuracy of the export as served, its BF16 source and an FP8 reference."""
+
+    FILE_NAME: ClassVar[str] = "eval.json"
+
+    export: Named
+    quant: str
+    source: Named
+    reference: Named | None  # the FP8 reference export (None: no FP8 column)
+    labels: list[str]  # the models evaluated, in order ("bf16", ["fp8"], "nvfp4")
+    tasks: dict[str, dict[str, Any]]
+    overall: dict[str, Any]
+    limit: int | None  # items per task (the first `limit` doc_ids of each task's test split)
+    seed: int
+    max_drop: float | None  # the threshold: most accepted drop of the 95% interval's lower end
+    failures: list[str]
+    passed: bool
+    lm_eval_version: str
+    resources: dict[str, Any]  # seconds, peak_rss_bytes, models {label: held|streamed}, items_per_s
+    chat_template: bool = False  # prompts went through the tokenizer's chat template
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        fields = super()._from_json_fields(obj, label)
+        for task, entry in fields["tasks"].items():
+            for model in fields["labels"]:
+                if not isinstance(entry.get(model), dict) or "n" not in entry[model]:
+                    raise RecordError(f"{label}: tasks.{task}.{model}: missing (or without n)")
+            paired = entry.get("paired")
+            if not isinstance(paired, dict):
+                raise RecordError(f"{label}: tasks.{task}.paired: missing")
+            for pair, stats in paired.items():
+                missing = [k for k in PAIRED_KEYS if not isinstance(stats, dict) or k not in stats]
+                if missing:
+                    raise RecordError(f"{label}: tasks.{task}.paired.{pair}: missing {', '.join(missing)}")
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalItems(Record):
+    """`eval_items.json`: per task, the paired items (doc_id, prompt hash) and each model's score."""
+
+    FILE_NAME: ClassVar[str] = "eval_items.json"
+
+    tasks: dict[str, dict[str, list]]  # {task: {"doc_id": [...], "prompt_hash": [...], label: [score...]}}

@@ -1,0 +1,169 @@
+"""The eval record rendered: the terminal table, eval.md (the model-card table), eval.png (paired
+differences with their 95% intervals per task), and the files written (eval.json, eval_items.json).
+
+    paths = write_reports(record, items, export_dir, json_copy="e.json")
+    print_report(record, console)
+
+Every file is written to a temporary sibling first and renamed once all of them are complete, so
+an interrupted eval leaves the previous reports (or none), never half of a new set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nvfp4tool.records.base import write_json
+from nvfp4tool.records.evaluation import EvalItems, EvalRecord
+
+EVAL_MD = "eval.md"
+EVAL_PNG = "eval.png"
+# what eval writes into the export (the per-item correctness is EvalItems' file)
+EVAL_FILES = (EvalRecord.FILE_NAME, EVAL_MD, EVAL_PNG, EvalItems.FILE_NAME)
+_TITLES = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
+
+
+def write_reports(record: EvalRecord, items: EvalItems, export_dir: str, json_copy: str | None = None) -> list[str]:
+    """eval.json, eval_items.json, eval.md and eval.png into `export_dir` (+ a JSON copy); their paths."""
+    finals = [EvalRecord.path(export_dir), EvalItems.path(export_dir), os.path.join(export_dir, EVAL_MD),
+              os.path.join(export_dir, EVAL_PNG)] + ([json_copy] if json_copy else [])
+    temps = [f"{os.path.dirname(p) or '.'}/.tmp-{os.getpid()}-{os.path.basename(p)}" for p in finals]
+    try:
+        write_json(temps[0], record.to_json())
+        write_json(temps[1], items.to_json(), indent=None)
+        with open(temps[2], "w", encoding="utf-8") as f:
+            f.write(markdown(record))
+        plot(record, temps[3])
+        if json_copy:
+            write_json(temps[4], record.to_json())
+        for temp, final in zip(temps, finals):
+            os.replace(temp, final)
+    finally:
+        for temp in temps:
+            if os.path.exists(temp):
+                os.remove(temp)
+    return finals
+
+
+def _pct(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:+.2f}" if signed else f"{100 * value:.2f}"
+
+
+def rows(record: EvalRecord) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows: one per task (and `overall`), scores in percent."""
+    labels = record.labels
+    header = ["task", "metric", "n"] + [f"{_TITLES.get(label, label)} (± se)" for label in labels]
+    pairs = [f"nvfp4-{label}" for label in labels[:-1]]
+    for pair in pairs:
+        header += [f"{pair.upper().replace('-', ' - ')} [95% CI]", "McNemar p", "flips r->w / w->r", "min detectable"]
+    out = []
+    entries = list(record.tasks.items()) + ([("overall", record.overall)] if len(
+        [t for t in record.tasks.values() if t["paired"]]) > 1 else [])
+    for task, entry in entries:
+        metric = entry.get("metric", "score") if task != "overall" else "pooled"
+        key = metric if task != "overall" else "score"
+        first = entry.get(labels[0], {})
+        row = [task, str(metric), str(first.get("n", ""))]
+        for label in labels:
+            model = entry.get(label, {})
+            if key in model:
+                row.append(f"{_pct(model[key])} ± {_pct(model.get('stderr'))}")
+            else:  # no per-item scores: lm-eval's aggregates
+                row.append(", ".join(f"{k} {v:.4g}" for k, v in model.items() if k != "n") or "-")
+        for pair in pairs:
+            stats = entry["paired"].get(pair)
+            if stats is None:
+                row += ["-", "-", "-", "-"]
+                continue
+            ci = stats["ci95"]
+            row += [f"{_pct(stats['diff'], True)} [{_pct(ci[0], True)}, {_pct(ci[1], True)}]" if ci else
+                    _pct(stats["diff"], True), f"{stats['mcnemar_p']:.3g}",
+                    f"{stats['right_to_wrong']} / {stats['wrong_to_right']} ({100 * stats['flip_rate']:.1f}%)",
+                    _pct(stats["min_detectable"])]
+        out.append(row)
+    return header, out
+
+
+def markdown(record: EvalRecord) -> str:
+    """The model-card section: what ran, the paired table (points), degeneration signs, the verdict."""
+    header, body = rows(record)
+    reference = f"the FP8 reference `{record.reference.name}`" if record.reference else "no FP8 reference"
+    limit = f"the first {record.limit} items of each task" if record.limit else "every item of each task"
+    lines = ["## Task accuracy", "",
+             f"Measured by `nvfp4tool eval` (lm-evaluation-harness {record.lm_eval_version}) on {limit}: the BF16 "
+             f"source `{record.source.name}`, {reference} and this {record.quant} export as served, on the same "
+             "items. Scores in percent; differences are paired (the same items), with the paired standard "
+             "error's 95% interval, McNemar's exact p and the flips between the models"
+             + (" (prompts in the tokenizer's chat template)." if record.chat_template else "."), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    generative = [(t, e) for t, e in record.tasks.items() if "mean_output_tokens" in e.get(record.labels[0], {})]
+    if generative:
+        lines += ["", "Generation (degeneration signs): mean output tokens, share hitting max_gen_toks, repeated "
+                  "4-gram rate.", "", "| task | " + " | ".join(_TITLES.get(x, x) for x in record.labels) + " |",
+                  "|" + "---|" * (len(record.labels) + 1)]
+        for task, entry in generative:
+            cells = [f"{entry[x]['mean_output_tokens']:.1f} tok, {100 * entry[x]['hit_max_gen_toks']:.0f}% max, "
+                     f"{100 * entry[x]['repeated_4gram_rate']:.1f}% rep" for x in record.labels]
+            lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    verdict = ("PASSED" if record.passed else "FAILED: " + "; ".join(record.failures)) if record.max_drop is not None \
+        else "no --max-drop threshold set"
+    lines += ["", f"Verdict: {verdict}.", ""]
+    return "\n".join(lines)
+
+
+def plot(record: EvalRecord, path: str) -> None:
+    """Paired differences (points) with 95% intervals, per task and pair, as a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [(t, e) for t, e in record.tasks.items() if e["paired"]]
+    if len([1 for _ in entries]) > 1:
+        entries.append(("overall", record.overall))
+    pairs = [f"nvfp4-{label}" for label in record.labels[:-1]]
+    fig, ax = plt.subplots(figsize=(6, 1.2 + 0.5 * max(1, len(entries)) * max(1, len(pairs))))
+    y = 0
+    ticks, names = [], []
+    for task, entry in entries:
+        for k, pair in enumerate(pairs):
+            stats = entry["paired"].get(pair)
+            if stats is None:
+                continue
+            ci = stats["ci95"] or [stats["diff"], stats["diff"]]
+            spread = [[100 * (stats["diff"] - ci[0])], [100 * (ci[1] - stats["diff"])]]
+            ax.errorbar([100 * stats["diff"]], [y], xerr=spread, fmt="o", capsize=4, color=f"C{k}",
+                        label=pair if task == entries[0][0] else None)
+            ticks.append(y)
+            names.append(f"{task} ({pair})")
+            y += 1
+    ax.axvline(0, color="gray", lw=0.8)
+    if record.max_drop is not None:
+        ax.axvline(-100 * record.max_drop, color="red", lw=0.8, ls="--", label="-max drop")
+    ax.set_yticks(ticks, names, fontsize=7)
+    ax.set_xlabel("paired difference (points), 95% interval")
+    if ticks:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
+def print_report(record: EvalRecord, console: Any) -> None:
+    """The paired table on the terminal (whole when piped, `tables.print_table`)."""
+    from rich.table import Table
+
+    from nvfp4tool.tables import print_table
+
+    header, body = rows(record)
+    table = Table(title="task accuracy (percent), paired differences")
+    for name in header:
+        table.add_column(name)
+    for row in body:
+        table.add_row(*row)
+    print_table(console, table)
+    if record.max_drop is not None:
+        console.print("eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
