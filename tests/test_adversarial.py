@@ -581,6 +581,11 @@ def _validate(w: World, export: str, *args: str, data: str | None = None) -> lis
             w.copy("hf"), *args]
 
 
+@case("eval/unknown-task-on-a-modelopt-export", 2)
+def _(w):  # the eval command's own corpus is tests/test_adversarial_eval.py
+    return ["eval", w.copy("mo"), "--tasks", "no_such_task_24"], ("no_such_task_24",)
+
+
 @case("validate/json-into-a-missing-folder", 2)
 def _(w):
     return _validate(w, w.copy("mo"), "--json", w.path("reports/v.json")), ("--json",)
