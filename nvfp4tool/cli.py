@@ -682,11 +682,28 @@ def main(argv: list[str] | None = None) -> None:
     would leave them behind."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
+        if sys.unraisablehook is not _redeliver_swallowed_exit:
+            global _previous_unraisablehook
+            _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _redeliver_swallowed_exit
     cli.main(args=argv, prog_name="nvfp4tool")
 
 
 def _exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
+def _redeliver_swallowed_exit(unraisable) -> None:
+    """A SIGTERM that arrives while Python runs a gc callback or a `__del__` (JAX has a gc
+    callback) raises its SystemExit there, where Python only prints it and goes on: the command
+    would then finish as if never signalled. Send the signal again, so it lands outside."""
+    exc = unraisable.exc_value
+    if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _previous_unraisablehook(unraisable)
 
 
 if __name__ == "__main__":  # pragma: no cover

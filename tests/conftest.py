@@ -17,7 +17,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # reruns the bit-exact numerics files that way, so code generation with the LLVM passes stays tested.
 UNOPTIMIZED = "--xla_backend_optimization_level=0"
 XLA_DEFAULT = os.environ.get("NVFP4TOOL_TESTS_XLA_DEFAULT") == "1"
-XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+# The flags the suite was started with, kept in the environment: pytest-xdist's workers inherit the
+# controller's environment, where this file has already added UNOPTIMIZED.
+XLA_FLAGS = os.environ.setdefault("NVFP4TOOL_TESTS_ORIGINAL_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
 
