@@ -232,20 +232,11 @@ class _Inputs:
 
 def check_outputs(export_dir: str, json_copy: str | None, *, force: bool) -> None:
     """Refuse (before any work) a --json copy inside the export or in a missing folder, and, without
-    `force`, replacing any report eval writes."""
+    `force`, replacing any report eval writes (validate's check, over eval's files)."""
     from nvfp4tool.validate.eval_report import EVAL_FILES
+    from nvfp4tool.validate.runner import check_report_paths
 
-    if json_copy is not None:
-        folder = os.path.dirname(os.path.abspath(json_copy))
-        if not os.path.isdir(folder):
-            raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
-        if os.path.commonpath([os.path.realpath(folder), os.path.realpath(export_dir)]) == os.path.realpath(export_dir):
-            raise NVFP4UsageError(f"--json {json_copy}: inside the export {export_dir}, which already gets "
-                                  f"{EVAL_FILES[0]}; write the copy elsewhere")
-    for path in [os.path.join(export_dir, name) for name in EVAL_FILES] + ([json_copy] if json_copy else []):
-        if os.path.lexists(path) and (not force or os.path.isdir(path)):
-            raise NVFP4ToolError(f"{path}: already exists; pass --force to replace it" if not os.path.isdir(path)
-                                 else f"{path}: exists and is not a file; refusing to replace it")
+    check_report_paths(export_dir, json_copy, force=force, files=EVAL_FILES)
 
 
 def tokenizer_hashes(folder: str) -> dict[str, str]:

@@ -245,11 +245,15 @@ def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str
                          source_mismatch=inputs.source_mismatch)
 
 
-def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool) -> None:
+def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool,
+                       files: tuple[str, ...] | None = None) -> None:
     """Refuse (before any work) a `--json` copy into a missing folder or inside the export (push would
     publish a file validation.json does not hash), and, without `force`, replacing any report
-    validate writes (validation.json / .md, the PNGs, the `--json` copy)."""
+    written (`files`, the first being the record the copy copies: validate's REPORT_FILES by
+    default, eval passes its EVAL_FILES; and the `--json` copy)."""
     from nvfp4tool.validate.report import REPORT_FILES
+
+    names = files or REPORT_FILES
 
     if json_copy is not None:
         folder = os.path.dirname(os.path.abspath(json_copy))
@@ -258,8 +262,8 @@ def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool) -
         if os.path.isdir(export_dir) and os.path.commonpath([os.path.realpath(folder), os.path.realpath(export_dir)]) \
                 == os.path.realpath(export_dir):
             raise NVFP4UsageError(f"--json {json_copy}: inside the export {export_dir}, which already gets "
-                                  f"{REPORT_FILES[0]}; write the copy elsewhere")
-    for path in [os.path.join(export_dir, name) for name in REPORT_FILES] + ([json_copy] if json_copy else []):
+                                  f"{names[0]}; write the copy elsewhere")
+    for path in [os.path.join(export_dir, name) for name in names] + ([json_copy] if json_copy else []):
         if os.path.lexists(path) and (not force or os.path.isdir(path)):
             raise NVFP4ToolError(f"{path}: already exists; pass --force to replace it" if not os.path.isdir(path)
                                  else f"{path}: exists and is not a file; refusing to replace it")
