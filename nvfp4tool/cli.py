@@ -615,6 +615,12 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
               help="Most tokens of context a request sees (longer ones are left-truncated).")
 @click.option("--max-gen-toks", type=_COUNT, default=256, show_default=True,
               help="Most new tokens of a generative request whose task sets none.")
+@click.option("--gen-kwargs", default=None,
+              help="Generation settings over every generative task's own, lm-eval's form: "
+                   "do_sample=true,temperature=0.7,top_k=50 (also until, max_gen_toks).")
+@click.option("--samples", type=_COUNT, default=1, show_default=True,
+              help="Generations per item of a sampled task (seeds SEED, SEED+1, ...), its score their mean; "
+                   "needs sampled decoding.")
 @_OFFLOAD
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True,
               help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.")
@@ -623,7 +629,7 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
               help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); "
                    "default: refused.")
 def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fewshot, batch_size, max_length,
-                 max_gen_toks, offload, chat_template, json_copy, force) -> None:
+                 max_gen_toks, gen_kwargs, samples, offload, chat_template, json_copy, force) -> None:
     """Task accuracy as served: the same lm-eval tasks on BF16, FP8 and NVFP4, paired item by item.
 
     Writes eval.json (with eval_items.json, the per-item scores), eval.md (the model-card table)
@@ -644,12 +650,25 @@ def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fe
         raise NVFP4UsageError("--tasks: no task given")
     options = EvalOptions(tasks=names, reference=reference, source=source, limit=limit, seed=seed, max_drop=max_drop,
                           batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
-                          num_fewshot=num_fewshot, offload=offload, chat_template=chat_template)
+                          num_fewshot=num_fewshot, offload=offload, chat_template=chat_template,
+                          gen_kwargs=_gen_kwargs(gen_kwargs), samples=samples)
     run = evaluate_export(export, options, json_copy=json_copy, force=force)
     print_report(run.record, Console())
     click.echo(f"wrote {', '.join(run.files)}")
     if not run.record.passed:
         raise NVFP4ToolError(f"{export}: eval failed: " + "; ".join(run.record.failures))
+
+
+def _gen_kwargs(text: str | None) -> dict | None:
+    """--gen-kwargs "k=v,k=v" as lm-eval parses it (values typed: true / 0.7 / 50), or None."""
+    if text is None:
+        return None
+    pairs = [p for p in text.split(",") if p.strip()]
+    if not pairs or any("=" not in p or not p.split("=", 1)[0].strip() for p in pairs):
+        raise NVFP4UsageError(f"--gen-kwargs {text!r}: expected KEY=VALUE[,KEY=VALUE...]")
+    from lm_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(text)
 
 
 @cli.command("quickstart")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from nvfp4tool.cli import cli
 
 VOCAB = 300
-TASKS = ("nvfp4tool_mc", "nvfp4tool_gsm", "nvfp4tool_text")
+TASKS = ("nvfp4tool_mc", "nvfp4tool_mc_letter", "nvfp4tool_gsm", "nvfp4tool_text")
 
 
 def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = None) -> str:

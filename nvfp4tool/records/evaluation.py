@@ -46,6 +46,9 @@ class EvalRecord(Record):
     lm_eval_version: str
     resources: dict[str, Any]  # seconds, peak_rss_bytes, models {label: held|streamed}, items_per_s
     chat_template: bool = False  # prompts went through the tokenizer's chat template
+    gen_kwargs: dict[str, Any] | None = None  # generation settings given over the tasks' own (--gen-kwargs)
+    samples: int = 1  # generations per item of a sampled task, its per-item scores their mean
+    sampled_tasks: list[str] = dataclasses.field(default_factory=list)  # the tasks `samples` applied to
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -96,7 +96,9 @@ def markdown(record: EvalRecord) -> str:
              f"source `{record.source.name}`, {reference} and this {record.quant} export as served, on the same "
              "items. Scores in percent; differences are paired (the same items), with the paired standard "
              "error's 95% interval, McNemar's exact p and the flips between the models"
-             + (" (prompts in the tokenizer's chat template)." if record.chat_template else "."), "",
+             + (" (prompts in the tokenizer's chat template)." if record.chat_template else ".")
+             + (f" Sampled tasks ({', '.join(record.sampled_tasks)}): {record.samples} generations per item, each "
+                "item's score their mean." if record.samples > 1 and record.sampled_tasks else ""), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     generative = [(t, e) for t, e in record.tasks.items() if "mean_output_tokens" in e.get(record.labels[0], {})]

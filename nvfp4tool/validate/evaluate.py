@@ -22,6 +22,12 @@ all tasks (`overall`). A task without per-item scores (perplexity) reports each 
 aggregate only. Generative tasks also report degeneration signs per model: mean output length in
 tokens, the share of outputs that ran to `max_gen_toks`, and the repeated 4-gram rate.
 
+Sampled decoding (a task's own `do_sample`, or `gen_kwargs` over every generative task's settings):
+with `samples` = k > 1 each sampled task runs k times with the sampling key seeded `seed`, `seed +
+1`, ... (the same prompts; `average_passes` refuses otherwise) and each item's score is the mean of
+its k scores, so the paired statistics compare per-item expected correctness; degeneration signs
+cover all k generations.
+
 `max_drop` (a fraction: 0.02 = 2 accuracy points) fails the run when the lower end of a paired
 95% interval of nvfp4-bf16 (per task and overall) is below -max_drop.
 """
@@ -67,6 +73,8 @@ class EvalOptions:
     num_fewshot: int | None = None
     offload: str = "auto"
     chat_template: bool = True  # apply the tokenizer's chat template where it has one
+    gen_kwargs: dict[str, Any] | None = None  # generation settings over every generative task's own
+    samples: int = 1  # sampled generative tasks: generations per item, scores averaged per item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +236,7 @@ class _Inputs:
     task_names: list[str]
     manager: Any
     limits: dict[str, int]  # items evaluated per task
+    sampled: list[str]  # generative tasks that sample (run `samples` times, averaged per item)
 
 
 def check_outputs(export_dir: str, json_copy: str | None, *, force: bool) -> None:
@@ -295,22 +304,35 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         reference_named = Named.of(options.reference, validated_files(options.reference))
     from nvfp4tool import formats
 
+    from nvfp4tool.validate.lm_backend import decoding
+
     tasks = _build_tasks(names, manager)
+    generative, sampled = [], []
     for name, task in tasks.items():
         if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
-            wanted = (task.config.generation_kwargs or {}).get("max_gen_toks", options.max_gen_toks)
+            how = decoding({**(task.config.generation_kwargs or {}), **(options.gen_kwargs or {})},
+                           options.max_gen_toks)
+            generative.append(name)
+            if how.sample:
+                sampled.append(name)
+            wanted = how.max_gen_toks
             if options.offload == "always":
                 raise NVFP4UsageError(f"--offload always: task {name} generates text, which needs each model held "
                                       "whole (--offload auto or never)")
             if int(wanted) >= options.max_length:
                 raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to {wanted} "
                                       "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
+    if options.gen_kwargs and not generative:
+        raise NVFP4UsageError(f"--gen-kwargs: none of the tasks ({', '.join(tasks)}) generates text")
+    if options.samples > 1 and not sampled:
+        raise NVFP4UsageError(f"--samples {options.samples}: no task samples (greedy decoding gives the same "
+                              "text every time); sample with --gen-kwargs do_sample=true,temperature=T")
     sizes = {name: len(list(task.eval_docs)) for name, task in tasks.items()}
     limits = {name: size if options.limit is None else min(options.limit, size) for name, size in sizes.items()}
     return _Inputs(export_dir=export_dir, source_path=source.path, source_step=source.step,
                    source_named=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
                    reference_named=reference_named, quant=formats.describe(export_dir).quant,
-                   task_names=list(tasks), manager=manager, limits=limits)
+                   task_names=list(tasks), manager=manager, limits=limits, sampled=sampled)
 
 
 def _same_tokenizer(export_dir: str, other: str, what: str) -> None:
@@ -340,9 +362,9 @@ def _quiet_lm_eval() -> Iterator[None]:
 
 def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, step: int | None = None
                ) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """(lm-eval results, logged samples, the backend) of one model on every task."""
-    import lm_eval
-
+    """(lm-eval results, logged samples, the backend) of one model on every task. With `samples` > 1
+    the sampled generative tasks run that many times, the sampling key seeded `seed + pass` (prompts
+    and few-shot examples the same each time), and their per-item scores are averaged."""
     from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
 
     progress.info(f"eval: {label} on {', '.join(inputs.task_names)}")
@@ -350,14 +372,52 @@ def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, ste
                            max_length=options.max_length)
     lm = NVFP4ToolLM(variant=variant, batch_size=options.batch_size, max_length=options.max_length,
                      max_gen_toks=options.max_gen_toks, seed=options.seed)
+    results, samples = _simple_evaluate(lm, inputs.task_names, inputs, options)
+    passes = {task: [samples.get(task, [])] for task in inputs.sampled}
+    for k in range(1, options.samples if inputs.sampled else 1):
+        progress.info(f"eval: {label}: sample {k + 1} of {options.samples} on {', '.join(inputs.sampled)}")
+        lm.seed = options.seed + k
+        _, again = _simple_evaluate(lm, inputs.sampled, inputs, options)
+        for task in inputs.sampled:
+            passes[task].append(again.get(task, []))
+    for task, rows in passes.items():
+        if len(rows) > 1:
+            samples[task] = average_passes(task, rows)
+    return results, samples, lm
+
+
+def _simple_evaluate(lm, tasks: list[str], inputs: _Inputs, options: EvalOptions):
+    import lm_eval
+
     with _quiet_lm_eval():
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(inputs.task_names), task_manager=inputs.manager,
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=inputs.manager,
                                       apply_chat_template=options.chat_template and bool(
-                                          lm.tokenizer.chat_template),
+                                          lm.tokenizer.chat_template), gen_kwargs=options.gen_kwargs or None,
                                       limit=options.limit, num_fewshot=options.num_fewshot, log_samples=True,
                                       bootstrap_iters=0, random_seed=options.seed, numpy_random_seed=options.seed,
                                       torch_random_seed=options.seed, fewshot_random_seed=options.seed)
-    return out["results"], out["samples"], lm
+    return out["results"], out["samples"]
+
+
+def average_passes(task: str, passes: list[list[dict]]) -> list[dict]:
+    """One sample row per (item, filter) whose metrics are the mean over the passes (each pass one
+    sampled generation per item); the passes must have asked the same prompts of the same items."""
+    first = passes[0]
+    keyed = [{(r["doc_id"], r.get("filter")): r for r in rows} for rows in passes]
+    out = []
+    for row in first:
+        key = (row["doc_id"], row.get("filter"))
+        same = [k.get(key) for k in keyed]
+        if any(r is None or r["prompt_hash"] != row["prompt_hash"] for r in same):
+            raise NVFP4ToolError(f"task {task}: doc_id {row['doc_id']}: a sampling pass asked another prompt; "
+                                 "cannot average")
+        averaged = dict(row)
+        for name in row["metrics"]:
+            values = [r.get(name) for r in same]
+            if all(isinstance(v, (bool, int, float, np.number)) for v in values):
+                averaged[name] = float(np.mean([float(v) for v in values]))
+        out.append(averaged)
+    return out
 
 
 def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | None = None,
@@ -477,7 +537,8 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
         export=Named(name="", sha256={}), quant=inputs.quant, source=inputs.source_named,
         reference=inputs.reference_named, labels=labels, tasks=tasks, overall=overall, limit=options.limit,
         seed=options.seed, max_drop=options.max_drop, failures=failures, passed=not failures,
-        lm_eval_version=version("lm_eval"), resources={})
+        lm_eval_version=version("lm_eval"), resources={}, gen_kwargs=options.gen_kwargs or None,
+        samples=options.samples if inputs.sampled else 1, sampled_tasks=list(inputs.sampled))
     return record, EvalItems(tasks=item_file)
 
 
@@ -491,9 +552,12 @@ def _degeneration(samples: dict[str, list[dict]], lm) -> dict[str, dict[str, flo
 
     out = {}
     for task, rows in samples.items():
-        outputs = [lm.generated.get(gen_key(a)) for r in rows for a in r["arguments"]
-                   if isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[1], dict)]
-        outputs = [o for o in outputs if o is not None]
+        first = {}
+        for r in rows:
+            first.setdefault(r["doc_id"], r)  # one row per item (a task with several filters repeats it)
+        outputs = [o for r in first.values() for a in r["arguments"]
+                   if isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[1], dict)
+                   for o in lm.generated.get(gen_key(a), [])]
         if not outputs:
             continue
         lengths = [len(tokens) for tokens, _ in outputs]

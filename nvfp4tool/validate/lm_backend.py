@@ -19,7 +19,10 @@ present. Every model computes in fp32 on its stored weights (`runner.VALIDATION_
   `MIN_BUCKET` tokens, at most `max_length`), each bucket right-padded and run in full batches of
   `batch_size` rows, so one compiled program serves a bucket (a causal model's padding after a row
   never changes its logits); the continuation's log-probabilities summed in float64 and whether
-  each continuation token is the argmax, as lm-eval's `hf` backend computes them;
+  each continuation token is the argmax, as lm-eval's `hf` backend computes them. Requests of one
+  context whose input is a prefix of another's (every choice of a letter-answer item: one-token
+  continuations) are read from that one row's logits (`shared_rows`, `share_prefixes`), as lm-eval's
+  `hf` backend groups one-token continuations;
 * loglikelihood_rolling: lm-eval's disjoint rolling windows of `max_length` tokens, scored as above;
 * generate_until: greedy, or sampled (`do_sample` with `temperature` / `top_k`, keyed by `seed`),
   through `model.generate` (one prefill + a scanned decode with the KV cache, the export's FP8 KV
@@ -169,18 +172,19 @@ class NVFP4ToolLM(TemplateLM):
 
     model_args: path=FOLDER (export or BF16 source; `export=` is an alias), label=, offload=auto,
     fp8_kv=true, batch_size=8, max_length (default: the config's max_position_embeddings, at most
-    4096), max_gen_toks=256, seed=0, add_bos_token=."""
+    4096), max_gen_toks=256, seed=0, add_bos_token=, share_prefixes=true (`shared_rows`)."""
 
     def __init__(self, path: str | None = None, export: str | None = None, variant: Variant | None = None,
                  label: str | None = None, offload: str = "auto", fp8_kv: Any = True, batch_size: Any = 8,
                  max_length: Any = None, max_gen_toks: Any = 256, seed: Any = 0, add_bos_token: Any = None,
-                 step: Any = None, **ignored: Any) -> None:
+                 step: Any = None, share_prefixes: Any = True, **ignored: Any) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
         self.batch_size = _positive("batch_size", batch_size if batch_size not in (None, "auto") else 8)
         self._max_gen_toks = _positive("max_gen_toks", max_gen_toks)
         self.seed = int(seed)
+        self.share_prefixes = _bool(share_prefixes)
         self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token)
         if variant is None:
             path = path or export
@@ -199,7 +203,8 @@ class NVFP4ToolLM(TemplateLM):
         if len(self.tokenizer) > variant.config.vocab_size:
             raise NVFP4ToolError(f"{variant.tokenizer_dir}: the tokenizer has {len(self.tokenizer)} tokens, the "
                                  f"model's vocabulary {variant.config.vocab_size}")
-        self.generated: dict[str, tuple[list[int], bool]] = {}  # gen_key(args) -> (output tokens, ran to max)
+        # gen_key(args) -> [(output tokens, ran to max_gen_toks)], one per time it was generated
+        self.generated: dict[str, list[tuple[list[int], bool]]] = {}
         self.timing: dict[str, float] = {}  # request type -> seconds
         self.counts: dict[str, int] = {}  # request type -> requests
 
@@ -262,9 +267,11 @@ class NVFP4ToolLM(TemplateLM):
                 raise NVFP4ToolError("loglikelihood: a request has an empty continuation")
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             rows.append((whole[:-1], whole[1:], min(len(continuation), len(whole) - 1)))
+        answered_by = shared_rows([tuple(context) for _, context, _ in requests], [r[0] for r in rows]) \
+            if self.share_prefixes else {i: [i] for i in range(len(rows))}
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         by_bucket: dict[int, list[int]] = {}
-        for i in sorted(range(len(rows)), key=lambda i: -len(rows[i][0])):
+        for i in sorted(answered_by, key=lambda i: -len(rows[i][0])):
             by_bucket.setdefault(buckets(len(rows[i][0]), self.max_length), []).append(i)
         with progress.task("loglikelihood", total=len(rows), unit="request") as task:
             for length, members in by_bucket.items():
@@ -276,24 +283,18 @@ class NVFP4ToolLM(TemplateLM):
                                                                aux=self.variant.kv_aux, kv_tap=self.variant.kv_tap,
                                                                label=f"{self.variant.label} forward"):
                     logits = np.asarray(logits)
-                    for b in range(len(logits)):
-                        if start + b >= len(members):
-                            break
-                        i = members[start + b]
-                        inputs, targets, n = rows[i]
-                        positions = np.arange(len(inputs) - n, len(inputs))
-                        picked = logits[b, positions].astype(np.float64)
-                        logp = picked - _logsumexp(picked)
-                        wanted = np.asarray(targets[-n:])
-                        results[i] = (float(logp[np.arange(n), wanted].sum()),
-                                      bool(np.all(np.argmax(picked, axis=-1) == wanted)))
-                    done = min(self.batch_size, max(0, len(members) - start))
+                    done = 0
+                    for b in range(min(len(logits), len(members) - start)):
+                        for i in answered_by[members[start + b]]:
+                            results[i] = _score(logits[b], *rows[i])
+                            done += 1
                     rate = (sum(r is not None for r in results)) / (time.perf_counter() - started)
                     task.advance(done, fields={"requests/s": f"{rate:.1f}"})
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         self._count("loglikelihood", len(rows), started)
+        self.counts["loglikelihood_rows_run"] = self.counts.get("loglikelihood_rows_run", 0) + len(answered_by)
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -332,12 +333,9 @@ class NVFP4ToolLM(TemplateLM):
         key = jax.random.key(self.seed)
         with progress.task("generate", total=len(requests), unit="request") as task:
             for members in groups.values():
-                kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-                max_gen = int(kwargs.pop("max_gen_toks"))
-                sample = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 0.0)) > 0
-                temperature = float(kwargs.pop("temperature", 0.0) or 1.0)
-                top_k = kwargs.pop("top_k", None)
+                how = decoding(requests[members[0]].args[1], self.max_gen_toks)
+                until = handle_stop_sequences(how.until, eos=eos)
+                max_gen, sample, temperature, top_k = how.max_gen_toks, how.sample, how.temperature, how.top_k
                 if max_gen >= self.max_length:
                     raise NVFP4UsageError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
                 encoded = {i: self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
@@ -366,8 +364,8 @@ class NVFP4ToolLM(TemplateLM):
                             row = row[:row.index(self.eot_token_id)]
                         decoded = self.tok_decode(row)
                         text = postprocess_generated_text(decoded, until, None)
-                        self.generated[gen_key(requests[i].args)] = (
-                            self.tok_encode(text) if text != decoded else row, not ended and text == decoded)
+                        self.generated.setdefault(gen_key(requests[i].args), []).append(
+                            (self.tok_encode(text) if text != decoded else row, not ended and text == decoded))
                         results[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
                     rate = sum(r is not None for r in results) / (time.perf_counter() - started)
@@ -378,6 +376,70 @@ class NVFP4ToolLM(TemplateLM):
     def _count(self, kind: str, n: int, started: float) -> None:
         self.timing[kind] = self.timing.get(kind, 0.0) + time.perf_counter() - started
         self.counts[kind] = self.counts.get(kind, 0) + n
+
+
+def shared_rows(contexts: list[tuple], inputs: list[list[int]]) -> dict[int, list[int]]:
+    """{row to run: the requests its logits answer}. Requests sharing a context (lm-eval's choices of
+    one item) whose input ids are a prefix of another's are answered by that longer row: a causal
+    model's logits at a position depend only on the tokens up to it. With one-token continuations
+    (letter answers) every choice of an item is one row."""
+    answered_by: dict[int, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, context in enumerate(contexts):
+        groups.setdefault(context, []).append(i)
+    for members in groups.values():
+        runs: list[int] = []
+        for i in sorted(members, key=lambda i: -len(inputs[i])):
+            n = len(inputs[i])
+            carrier = next((j for j in runs if inputs[j][:n] == inputs[i]), None)
+            if carrier is None:
+                runs.append(i)
+                answered_by[i] = [i]
+            else:
+                answered_by[carrier].append(i)
+    return answered_by
+
+
+def _score(logits_TxV: np.ndarray, inputs: list[int], targets: list[int], n: int) -> tuple[float, bool]:
+    """(sum of the last n targets' log-probabilities in float64, whether each is the argmax), read at
+    the positions of `inputs` in a row of logits (of `inputs` or of a row that starts with them)."""
+    positions = np.arange(len(inputs) - n, len(inputs))
+    picked = logits_TxV[positions].astype(np.float64)
+    logp = picked - _logsumexp(picked)
+    wanted = np.asarray(targets[-n:])
+    return float(logp[np.arange(n), wanted].sum()), bool(np.all(np.argmax(picked, axis=-1) == wanted))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How a generation request decodes (lm-eval's generation kwargs, normalized as its backends do)."""
+
+    until: Any  # stop strings (before EOS is added)
+    max_gen_toks: int
+    sample: bool  # do_sample with a temperature > 0 (do_sample at temperature 0 is greedy, as in lm-eval)
+    temperature: float
+    top_k: int | None
+
+
+NEUTRAL_GEN_KWARGS = {"top_p": 1.0, "num_beams": 1, "repetition_penalty": 1.0, "typical_p": 1.0}
+
+
+def decoding(gen_kwargs: dict[str, Any], default_max_gen_toks: int) -> Decoding:
+    """The `Decoding` of a request's generation kwargs; a setting this backend does not implement
+    (top_p < 1, beams, penalties, ...) is refused, naming it, rather than silently ignored."""
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks)
+    until = kwargs.pop("until", None)
+    max_gen = int(kwargs.pop("max_gen_toks"))
+    temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+    sample = bool(kwargs.pop("do_sample", False)) and temperature > 0
+    top_k = kwargs.pop("top_k", None)
+    unsupported = {k: v for k, v in kwargs.items() if NEUTRAL_GEN_KWARGS.get(k, object()) != v}
+    if unsupported:
+        raise NVFP4UsageError("generation kwargs " + ", ".join(f"{k}={v}" for k, v in sorted(unsupported.items()))
+                              + ": not supported (nvfp4tool decodes greedily or samples with do_sample, "
+                              "temperature, top_k; stop strings until, max_gen_toks)")
+    return Decoding(until=until, max_gen_toks=max_gen, sample=sample, temperature=temperature if sample else 1.0,
+                    top_k=None if top_k is None or not sample else int(top_k))
 
 
 def gen_key(arguments) -> str:

@@ -4,7 +4,8 @@ Each reads a file inside the package (nothing is downloaded): `data/mc.jsonl` (m
 MMLU-Pro's schema: question_id, question, options, answer, answer_index, cot_content, category,
 src), `data/gsm.jsonl` (generative, GSM8K's schema: question, answer ending in `#### N`), and the
 held-out Shakespeare text `nvfp4tool/data/shakespeare_val.txt` in pages of `PAGE_LINES` lines
-(rolling loglikelihood). The items were written for the tests: they exercise the code paths, they
+(rolling loglikelihood). `lettered` / `letters` ask the multiple-choice items as MMLU does (options
+listed A, B, ...; the answer a letter). The items were written for the tests: they exercise the code paths, they
 do not measure a model's knowledge.
 """
 
@@ -46,3 +47,17 @@ def text(**kwargs):
         lines = f.read().splitlines()
     pages = ["\n".join(lines[i * PAGE_LINES:(i + 1) * PAGE_LINES]) for i in range(PAGES)]
     return _split([{"page": p} for p in pages if p.strip()])
+
+
+LETTERS = "ABCDEFGHIJ"  # MMLU-Pro's up to ten options
+
+
+def lettered(doc: dict) -> str:
+    """The question with its options listed by letter, ending at "Answer:"."""
+    options = "\n".join(f"{LETTERS[i]}. {option}" for i, option in enumerate(doc["options"]))
+    return f"Question: {doc['question']}\n{options}\nAnswer:"
+
+
+def letters(doc: dict) -> list[str]:
+    """The answer letters of an item's options."""
+    return list(LETTERS[:len(doc["options"])])
