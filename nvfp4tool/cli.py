@@ -593,7 +593,8 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option("--tasks", required=True,
               help="Comma-separated lm-eval task names, task YAML files or folders of them (lm-eval's "
-                   "include_path); shipped offline: nvfp4tool_mc, nvfp4tool_gsm, nvfp4tool_text.")
+                   "include_path); shipped offline: nvfp4tool_mc, nvfp4tool_mc_letter, nvfp4tool_gsm, "
+                   "nvfp4tool_text.")
 @click.option("--reference", type=click.Path(exists=True, file_okay=False), default=None,
               help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 "
                    "column (default: none).")
@@ -607,6 +608,8 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 @click.option("--max-drop", type=_FiniteFloat(min=0, max=1), default=None,
               help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
                    "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).")
+@click.option("--max-drop-fp8", type=_FiniteFloat(min=0, max=1), default=None,
+              help="The same threshold for NVFP4 - FP8 (needs --reference; default: none).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
               help="Few-shot examples per prompt (default: each task's own).")
 @click.option("--batch-size", type=_COUNT, default=8, show_default=True,
@@ -628,7 +631,7 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
 @click.option("--force", is_flag=True,
               help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); "
                    "default: refused.")
-def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fewshot, batch_size, max_length,
+def eval_command(export, tasks, reference, source, limit, seed, max_drop, max_drop_fp8, num_fewshot, batch_size, max_length,
                  max_gen_toks, gen_kwargs, samples, offload, chat_template, json_copy, force) -> None:
     """Task accuracy as served: the same lm-eval tasks on BF16, FP8 and NVFP4, paired item by item.
 
@@ -649,7 +652,7 @@ def eval_command(export, tasks, reference, source, limit, seed, max_drop, num_fe
     if not names:
         raise NVFP4UsageError("--tasks: no task given")
     options = EvalOptions(tasks=names, reference=reference, source=source, limit=limit, seed=seed, max_drop=max_drop,
-                          batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
+                          max_drop_fp8=max_drop_fp8, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
                           num_fewshot=num_fewshot, offload=offload, chat_template=chat_template,
                           gen_kwargs=_gen_kwargs(gen_kwargs), samples=samples)
     run = evaluate_export(export, options, json_copy=json_copy, force=force)

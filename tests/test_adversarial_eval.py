@@ -177,6 +177,39 @@ def _(w):
             ("--max-length 24", "nvfp4tool_gsm"))
 
 
+@case("eval/samples-without-sampling", 2)
+def _(w):
+    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "4"],
+            ("--samples 4", "no task samples", "--gen-kwargs"))
+
+
+@case("eval/gen-kwargs-without-a-generative-task", 2)
+def _(w):
+    return _eval(w, "--gen-kwargs", "do_sample=true,temperature=0.7"), ("--gen-kwargs", "generates text")
+
+
+@case("eval/gen-kwargs-not-key-value", 2)
+def _(w):
+    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "temperature"],
+            ("--gen-kwargs", "KEY=VALUE"))
+
+
+@case("eval/gen-kwargs-unsupported-top-p", 2)
+def _(w):
+    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "do_sample=true,temperature=1,top_p=0.9"],
+            ("top_p=0.9", "not supported"))
+
+
+@case("eval/max-drop-fp8-without-reference", 2)
+def _(w):
+    return _eval(w, "--max-drop-fp8", "0.01"), ("--max-drop-fp8", "--reference")
+
+
+@case("eval/samples-zero", 2)
+def _(w):
+    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "0"], ("--samples",))
+
+
 
 
 # ---------------------------------------------------------------- push and the eval reports

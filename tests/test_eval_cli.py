@@ -26,11 +26,14 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
     copy = str(tmp_path / "e.json")
     result = CliRunner().invoke(cli, ["eval", export, "--tasks", "nvfp4tool_mc,nvfp4tool_gsm", "--reference", eval_models["fp8"],
                                       "--limit", str(LIMIT), "--batch-size", "4", "--max-length", "64",
-                                      "--json", copy])
+                                      "--max-drop-fp8", "0.5", "--json", copy])
     assert result.exit_code == 0, result.output
     assert "NVFP4 - BF16" in result.output and "McNemar p" in result.output
     record = EvalRecord.read(export)
-    assert record.labels == ["bf16", "fp8", "nvfp4"] and record.limit == LIMIT and record.passed
+    assert record.labels == ["bf16", "fp8", "nvfp4"] and record.limit == LIMIT
+    assert record.max_drop is None and record.max_drop_fp8 == 0.5
+    lows = [e["paired"]["nvfp4-fp8"]["ci95"][0] for e in (*record.tasks.values(), record.overall)]
+    assert record.passed == all(low >= -0.5 for low in lows) == (not record.failures)
     task = record.tasks["nvfp4tool_mc"]
     assert task["metric"] == "acc"
     assert {k: task[k]["n"] for k in record.labels} == {"bf16": LIMIT, "fp8": LIMIT, "nvfp4": LIMIT}
@@ -65,14 +68,20 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
 
 
 def test_max_drop_judges_the_interval_lower_end():
-    from nvfp4tool.validate.evaluate import _drop_failures
+    from nvfp4tool.validate.evaluate import EvalOptions, _drop_failures
 
     stats = {"diff": -0.004, "ci95": [-0.012, 0.004]}
-    assert _drop_failures("t", stats, None) == []
-    assert _drop_failures("t", stats, 0.02) == []
-    (failure,) = _drop_failures("t", stats, 0.01)
-    assert "-0.0120" in failure and "--max-drop" in failure
-    assert _drop_failures("t", {"diff": -0.5, "ci95": None}, 0.1)  # n = 1: the difference itself
+    both = {"nvfp4-bf16": stats, "nvfp4-fp8": {"diff": -0.03, "ci95": [-0.05, -0.01]}}
+    judged = lambda **kw: _drop_failures("t", both, EvalOptions(tasks=("t",), **kw))  # noqa: E731
+    assert judged() == []
+    assert judged(max_drop=0.02) == []
+    (failure,) = judged(max_drop=0.01)
+    assert "nvfp4 - bf16" in failure and "-0.0120" in failure and "(--max-drop)" in failure
+    (failure,) = judged(max_drop=0.02, max_drop_fp8=0.04)
+    assert "nvfp4 - fp8" in failure and "-0.0500" in failure and "--max-drop-fp8" in failure
+    assert judged(max_drop_fp8=0.06) == []
+    assert _drop_failures("t", {"nvfp4-bf16": {"diff": -0.5, "ci95": None}},  # n = 1: the difference itself
+                          EvalOptions(tasks=("t",), max_drop=0.1))
 
 
 def test_record_refuses_a_task_without_paired_fields(tmp_path):

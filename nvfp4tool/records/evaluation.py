@@ -40,13 +40,14 @@ class EvalRecord(Record):
     overall: dict[str, Any]
     limit: int | None  # items per task (the first `limit` doc_ids of each task's test split)
     seed: int
-    max_drop: float | None  # the threshold: most accepted drop of the 95% interval's lower end
+    max_drop: float | None  # the threshold: most accepted drop of nvfp4-bf16's 95% interval's lower end
     failures: list[str]
     passed: bool
     lm_eval_version: str
     resources: dict[str, Any]  # seconds, peak_rss_bytes, models {label: held|streamed}, items_per_s
     chat_template: bool = False  # prompts went through the tokenizer's chat template
     gen_kwargs: dict[str, Any] | None = None  # generation settings given over the tasks' own (--gen-kwargs)
+    max_drop_fp8: float | None = None  # the same threshold for nvfp4-fp8
     samples: int = 1  # generations per item of a sampled task, its per-item scores their mean
     sampled_tasks: list[str] = dataclasses.field(default_factory=list)  # the tasks `samples` applied to
 

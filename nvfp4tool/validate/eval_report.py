@@ -110,7 +110,7 @@ def markdown(record: EvalRecord) -> str:
             cells = [f"{entry[x]['mean_output_tokens']:.1f} tok, {100 * entry[x]['hit_max_gen_toks']:.0f}% max, "
                      f"{100 * entry[x]['repeated_4gram_rate']:.1f}% rep" for x in record.labels]
             lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    verdict = ("PASSED" if record.passed else "FAILED: " + "; ".join(record.failures)) if record.max_drop is not None \
+    verdict = ("PASSED" if record.passed else "FAILED: " + "; ".join(record.failures)) if _judged(record) \
         else "no --max-drop threshold set"
     lines += ["", f"Verdict: {verdict}.", ""]
     return "\n".join(lines)
@@ -143,8 +143,9 @@ def plot(record: EvalRecord, path: str) -> None:
             names.append(f"{task} ({pair})")
             y += 1
     ax.axvline(0, color="gray", lw=0.8)
-    if record.max_drop is not None:
-        ax.axvline(-100 * record.max_drop, color="red", lw=0.8, ls="--", label="-max drop")
+    for k, (limit, name) in enumerate(((record.max_drop, "-max drop (BF16)"), (record.max_drop_fp8, "-max drop (FP8)"))):
+        if limit is not None:
+            ax.axvline(-100 * limit, color="red", lw=0.8, ls="--" if k == 0 else ":", label=name)
     ax.set_yticks(ticks, names, fontsize=7)
     ax.set_xlabel("paired difference (points), 95% interval")
     if ticks:
@@ -167,5 +168,10 @@ def print_report(record: EvalRecord, console: Any) -> None:
     for row in body:
         table.add_row(*row)
     print_table(console, table)
-    if record.max_drop is not None:
+    if _judged(record):
         console.print("eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
+
+
+def _judged(record: EvalRecord) -> bool:
+    """A threshold was set (--max-drop / --max-drop-fp8): the record carries a verdict."""
+    return record.max_drop is not None or record.max_drop_fp8 is not None

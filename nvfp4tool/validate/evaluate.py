@@ -29,7 +29,8 @@ its k scores, so the paired statistics compare per-item expected correctness; de
 cover all k generations.
 
 `max_drop` (a fraction: 0.02 = 2 accuracy points) fails the run when the lower end of a paired
-95% interval of nvfp4-bf16 (per task and overall) is below -max_drop.
+95% interval of nvfp4-bf16 (per task and overall) is below -max_drop; `max_drop_fp8` the same for
+nvfp4-fp8 (it needs the FP8 reference).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class EvalOptions:
     source: str | None = None  # the BF16 source (default: the export's provenance record)
     limit: int | None = None  # the first `limit` items of each task
     seed: int = 0  # lm-eval's seeds and the sampling key
-    max_drop: float | None = None
+    max_drop: float | None = None  # most accepted drop of nvfp4-bf16's 95% interval lower end
+    max_drop_fp8: float | None = None  # the same for nvfp4-fp8
     batch_size: int = 8
     max_length: int = 2048
     max_gen_toks: int = 256
@@ -261,6 +263,8 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     from nvfp4tool.validate.lm_backend import is_export
     from nvfp4tool.validate.runner import _VALIDATE_OPTIONS, _source_of
 
+    if options.max_drop_fp8 is not None and options.reference is None:
+        raise NVFP4UsageError("--max-drop-fp8: there is no FP8 column to judge without --reference")
     if options.limit is not None and options.limit < 1:
         raise NVFP4UsageError(f"--limit must be >= 1, got {options.limit}")
     names, manager = resolve_tasks(options.tasks)
@@ -522,7 +526,7 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
         item_file[task] = {"doc_id": docs, "prompt_hash": [per_model[labels[0]][1][d][0] for d in docs],
                            **{label: scores[label].tolist() for label in labels}}
         tasks[task] = entry
-        failures += _drop_failures(task, entry["paired"].get("nvfp4-bf16"), options.max_drop)
+        failures += _drop_failures(task, entry["paired"], options)
     overall: dict[str, Any] = {"paired": {}}
     if pooled[labels[0]]:
         for label in labels:
@@ -532,11 +536,12 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
             overall["paired"][f"nvfp4-{label}"] = _paired_dict(paired(np.array(pooled["nvfp4"]),
                                                                       np.array(pooled[label])))
         if len([t for t in tasks.values() if t["paired"]]) > 1:
-            failures += _drop_failures("overall", overall["paired"].get("nvfp4-bf16"), options.max_drop)
+            failures += _drop_failures("overall", overall["paired"], options)
     record = EvalRecord(
         export=Named(name="", sha256={}), quant=inputs.quant, source=inputs.source_named,
         reference=inputs.reference_named, labels=labels, tasks=tasks, overall=overall, limit=options.limit,
-        seed=options.seed, max_drop=options.max_drop, failures=failures, passed=not failures,
+        seed=options.seed, max_drop=options.max_drop, max_drop_fp8=options.max_drop_fp8, failures=failures,
+        passed=not failures,
         lm_eval_version=version("lm_eval"), resources={}, gen_kwargs=options.gen_kwargs or None,
         samples=options.samples if inputs.sampled else 1, sampled_tasks=list(inputs.sampled))
     return record, EvalItems(tasks=item_file)
@@ -593,11 +598,19 @@ def _paired_dict(stats) -> dict[str, Any]:
     return values
 
 
-def _drop_failures(task: str, stats: dict[str, Any] | None, max_drop: float | None) -> list[str]:
-    if max_drop is None or stats is None:
-        return []
-    low = stats["ci95"][0] if stats["ci95"] is not None else stats["diff"]
-    if low < -max_drop:
-        return [f"{task}: nvfp4 - bf16 95% interval reaches {low:+.4f} (diff {stats['diff']:+.4f}), below "
-                f"-{max_drop:g} (--max-drop)"]
-    return []
+DROP_FLAGS = {"nvfp4-bf16": ("max_drop", "--max-drop"), "nvfp4-fp8": ("max_drop_fp8", "--max-drop-fp8")}
+
+
+def _drop_failures(task: str, paired_stats: dict[str, Any], options: EvalOptions) -> list[str]:
+    """The thresholds' verdict on one task's (or overall's) paired differences: a line per pair whose
+    95% interval's lower end (the difference itself when n = 1) is below -its max drop."""
+    out = []
+    for pair, (field, flag) in DROP_FLAGS.items():
+        max_drop, stats = getattr(options, field), paired_stats.get(pair)
+        if max_drop is None or stats is None:
+            continue
+        low = stats["ci95"][0] if stats["ci95"] is not None else stats["diff"]
+        if low < -max_drop:
+            out.append(f"{task}: {pair.replace('-', ' - ')} 95% interval reaches {low:+.4f} "
+                       f"(diff {stats['diff']:+.4f}), below -{max_drop:g} ({flag})")
+    return out

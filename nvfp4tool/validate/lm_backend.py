@@ -151,7 +151,7 @@ def open_variant(path: str, *, label: str | None = None, offload: str = "auto", 
 
 def task_manager(include: tuple[str, ...] = (), *, defaults: bool = True):
     """lm-eval's TaskManager over the shipped offline tasks (`TASKS_DIR`: nvfp4tool_mc,
-    nvfp4tool_gsm, nvfp4tool_text), the task YAML files / folders in `include` and, with
+    nvfp4tool_mc_letter, nvfp4tool_gsm, nvfp4tool_text), the task YAML files / folders in `include` and, with
     `defaults`, lm-eval's own tasks (indexing those takes seconds)."""
     from lm_eval.tasks import TaskManager
 
