@@ -2,7 +2,8 @@
 
     pretrain (BF16) -> fine-tune (NVFP4 recipe) -> export NVFP4 (compressed-tensors, W4A4)
     -> export FP8 (ModelOpt W8A8, the reference) -> validate NVFP4 against FP8 and BF16
-    -> check -> push --dry-run (model card, no upload)
+    -> task accuracy (the shipped lm-eval tasks, paired; skipped without lm-eval) -> check
+    -> push --dry-run (model card with both tables, no upload)
 
 Every stage is the library call its CLI command makes; each prints its result and where its files
 are, and the figures are collected in `<out>/quickstart.json` (with the machine it ran on, the date,
@@ -38,6 +39,8 @@ class QuickstartOptions:
     batch_size: int = 16
     vocab_size: int = 512
     gen_tokens: int = 128  # greedy continuation length compared in validation
+    eval_tasks: tuple[str, ...] = ("nvfp4tool_mc_letter", "nvfp4tool_gsm")  # the shipped offline tasks
+    eval_limit: int | None = None  # items per task (None: all: 40 multiple-choice, 24 generative)
     seed: int = 0
     force: bool = False
 
@@ -61,7 +64,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     common = dict(data=str(train_txt), eval_data=str(val_txt), seq_len=options.seq_len,
                   batch_size=options.batch_size, seed=options.seed, eval_batches=8, force=True)
 
-    with _stage(echo, "1/7 pretrain a tiny Llama in BF16", figures, "pretrain") as record:
+    with _stage(echo, "1/8 pretrain a tiny Llama in BF16", figures, "pretrain") as record:
         result = train(TrainConfig(model="tiny", tokenizer="train", vocab_size=options.vocab_size,
                                    recipe="bf16", steps=options.pretrain_steps, lr=3e-3, warmup_steps=20,
                                    eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
@@ -69,7 +72,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
         record.update(_train_figures(result))
         echo(f"  {train_line(record)}; run in {record['run']}")
 
-    with _stage(echo, "2/7 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
+    with _stage(echo, "2/8 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
         result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
                                    steps=options.finetune_steps, lr=1e-3, warmup_steps=10,
                                    eval_every=max(1, options.finetune_steps // 2),
@@ -79,21 +82,21 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
 
     run_dir = out / "finetune-nvfp4"
     nvfp4_dir, fp8_dir = out / "export-nvfp4", out / "export-fp8"
-    with _stage(echo, "3/7 export NVFP4 (compressed-tensors, W4A4)", figures, "export_nvfp4") as record:
+    with _stage(echo, "3/8 export NVFP4 (compressed-tensors, W4A4)", figures, "export_nvfp4") as record:
         summary = export_checkpoint(str(run_dir), str(nvfp4_dir), ExportOptions(
             format="compressed-tensors", quant="nvfp4", force=True, show_progress=False))
         record.update(out=str(nvfp4_dir), quantized_modules=summary.quantized_modules,
                       bytes_written=summary.bytes_written)
         echo("  " + summary.line())
 
-    with _stage(echo, "4/7 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
+    with _stage(echo, "4/8 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
         summary = export_checkpoint(str(run_dir), str(fp8_dir), ExportOptions(
             format="modelopt", quant="fp8", force=True, show_progress=False))
         record.update(out=str(fp8_dir), quantized_modules=summary.quantized_modules,
                       bytes_written=summary.bytes_written)
         echo("  " + summary.line())
 
-    with _stage(echo, "5/7 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
+    with _stage(echo, "5/8 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
         run = validate_export(str(nvfp4_dir), ValidateOptions(
             data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
             prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
@@ -108,7 +111,13 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
             raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: "
                                  + "; ".join(f"{f.metric} ({f.detail})" for f in validation.failures))
 
-    with _stage(echo, "6/7 check the export", figures, "check") as record:
+    with _stage(echo, "6/8 task accuracy: lm-eval tasks on BF16, FP8 and NVFP4, paired item by item", figures,
+                "eval") as record:
+        record.update(_eval_stage(nvfp4_dir, fp8_dir, options))
+        for line in eval_lines(record):
+            echo("  " + line)
+
+    with _stage(echo, "7/8 check the export", figures, "check") as record:
         report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
         record.update(ok=report.ok, problems=[p.line() for p in report.problems], modules=len(report.modules),
                       tensors=report.tensors_checked, tp=list(report.tp))
@@ -116,7 +125,7 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
         if not report.ok:
             raise NVFP4ToolError(f"{nvfp4_dir}: check failed: {record['problems']}")
 
-    with _stage(echo, "7/7 push --dry-run (model card, nothing uploaded)", figures, "push") as record:
+    with _stage(echo, "8/8 push --dry-run (model card, nothing uploaded)", figures, "push") as record:
         lines: list[str] = []
         result = push_checkpoint(nvfp4_dir, PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4",
                                                         dry_run=True), echo=lines.append)
@@ -197,6 +206,47 @@ def model_line(name: str, metrics: dict[str, Any]) -> str:
     return (f"{label}: KL mean {metrics['kl_mean']:.2g}, p99 {metrics['kl_p99']:.2g}, "
             f"top-1 {100 * metrics['top1']:.1f}%, perplexity {metrics['ppl']:.2f} "
             f"({100 * metrics['ppl_increase']:+.2f}%)")
+
+
+def _eval_stage(nvfp4_dir: Path, fp8_dir: Path, options: QuickstartOptions) -> dict[str, Any]:
+    """`nvfp4tool eval` of the export against its source and the FP8 reference on the shipped tasks
+    (the figures: per task the metric, n, each model's score and the paired differences), or the
+    reason it was skipped (lm-eval, the `eval` extra, not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        return {"skipped": "lm-eval is not installed (pip install 'nvfp4tool[eval]')"}
+    from nvfp4tool.validate.evaluate import EvalOptions, evaluate_export
+
+    run = evaluate_export(str(nvfp4_dir), EvalOptions(tasks=options.eval_tasks, reference=str(fp8_dir),
+                                                      limit=options.eval_limit, seed=options.seed,
+                                                      max_length=4 * options.seq_len))
+    record = run.record
+    keep = ("diff", "ci95", "mcnemar_p", "right_to_wrong", "wrong_to_right")
+    return {"tasks": {task: {"metric": entry["metric"], "n": entry[record.labels[0]]["n"],
+                             **{label: entry[label][entry["metric"]] for label in record.labels},
+                             "paired": {pair: {k: stats[k] for k in keep} for pair, stats in entry["paired"].items()}}
+                      for task, entry in record.tasks.items() if entry["metric"] is not None},
+            "items_per_s": record.resources["items_per_s"], "seconds": record.resources["seconds"],
+            "files": run.files}
+
+
+def eval_lines(record: dict[str, Any]) -> list[str]:
+    """The task-accuracy stage's figures as the quickstart prints them (and the README table shows
+    them): per task each model's score and NVFP4 - BF16 / NVFP4 - FP8 paired, in points."""
+    if "skipped" in record:
+        return [f"skipped: {record['skipped']}"]
+    lines = []
+    for task, entry in record["tasks"].items():
+        scores = ", ".join(f"{label.upper()} {100 * entry[label]:.1f}%" for label in ("bf16", "fp8", "nvfp4"))
+        pairs = []
+        for pair, stats in entry["paired"].items():
+            low, high = stats["ci95"] or (stats["diff"], stats["diff"])
+            pairs.append(f"{pair.upper().replace('-', ' - ')} {100 * stats['diff']:+.1f} points "
+                         f"[{100 * low:+.1f}, {100 * high:+.1f}], flips {stats['right_to_wrong']}/"
+                         f"{stats['wrong_to_right']}, McNemar p {stats['mcnemar_p']:.2g}")
+        lines.append(f"{task} ({entry['metric']}, {entry['n']} items): {scores}; " + "; ".join(pairs))
+    return lines
 
 
 def _train_figures(result) -> dict[str, Any]:

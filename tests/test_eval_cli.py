@@ -29,6 +29,7 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
                                       "--max-drop-fp8", "0.5", "--json", copy])
     assert result.exit_code == 0, result.output
     assert "NVFP4 - BF16" in result.output and "McNemar p" in result.output
+    assert "it/s]" not in result.output and "Tokenizing inputs" not in result.output  # lm-eval's tqdm bars off
     record = EvalRecord.read(export)
     assert record.labels == ["bf16", "fp8", "nvfp4"] and record.limit == LIMIT
     assert record.max_drop is None and record.max_drop_fp8 == 0.5

@@ -108,3 +108,25 @@ def test_sampled_generation_is_averaged_over_k_samples_per_item(eval_models, tmp
         assert gsm[label]["mean_output_tokens"] <= 12
     with open(f"{export}/eval.md") as f:
         assert "3 generations per item" in f.read()
+
+
+def test_streamed_weights_give_the_held_loglikelihoods_and_refuse_generation(eval_models):
+    """offload=always reads each layer of the NVFP4 export as it runs (validate's streamed model):
+    the same log-likelihoods as the held model; generation, which needs it whole, is refused."""
+    from nvfp4tool.errors import NVFP4ToolError
+    from nvfp4tool.validate.lm_backend import NVFP4ToolLM
+
+    rng = np.random.default_rng(4)
+    requests = [(None, rng.integers(1, 250, n).tolist(), rng.integers(1, 250, 3).tolist()) for n in (5, 17, 40)]
+    held = NVFP4ToolLM(path=eval_models["nvfp4"], max_length=64, batch_size=2, offload="never")
+    streamed = NVFP4ToolLM(path=eval_models["nvfp4"], max_length=64, batch_size=2, offload="always")
+    assert (held.variant.how, streamed.variant.how) == ("held", "streamed")
+    a, b = held._loglikelihood_tokens(requests), streamed._loglikelihood_tokens(requests)
+    np.testing.assert_allclose([x[0] for x in a], [x[0] for x in b], rtol=0, atol=1e-5)
+    assert [x[1] for x in a] == [x[1] for x in b]
+
+    class Request:
+        args = ("Question: 1+1?\nAnswer:", {"until": ["\n"], "max_gen_toks": 4})
+
+    with pytest.raises(NVFP4ToolError, match="streamed layer by layer"):
+        streamed.generate_until([Request()])

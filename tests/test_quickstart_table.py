@@ -26,6 +26,13 @@ FIGURES = {
                                        "ppl_increase": 0.000363},
                              "fp8": {"kl_mean": 4.21e-05, "kl_p99": 0.0003025, "top1": 0.99316, "ppl": 46.8547,
                                      "ppl_increase": 3.59e-05}}},
+    "eval": {"tasks": {"nvfp4tool_mc_letter": {
+        "metric": "acc", "n": 40, "bf16": 0.275, "fp8": 0.275, "nvfp4": 0.3,
+        "paired": {"nvfp4-bf16": {"diff": 0.025, "ci95": [-0.024, 0.074], "mcnemar_p": 1.0, "right_to_wrong": 0,
+                                  "wrong_to_right": 1},
+                   "nvfp4-fp8": {"diff": 0.025, "ci95": [-0.024, 0.074], "mcnemar_p": 1.0, "right_to_wrong": 0,
+                                 "wrong_to_right": 1}}}},
+             "items_per_s": {"bf16": 1.0}, "seconds": 60.0, "files": []},
     "check": {"ok": True, "problems": [], "modules": 14, "tensors": 81, "tp": [1, 2], "seconds": 1.0},
     "push": {"files": 10, "card": "/x/MODEL_CARD.md", "seconds": 2.0},
     "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "platform": "cpu", "date": "2026-12-01",
@@ -46,6 +53,8 @@ def test_table_shows_the_printed_figures_and_the_machine():
     assert ("NVFP4: KL mean 0.00079, p99 0.0054, top-1 97.0%, perplexity 46.87 (+0.04%)" in validate
             and "FP8: KL mean 4.2e-05" in validate and "BF16: perplexity 46.85" in validate
             and validate.endswith(": PASSED |"))
+    assert ("nvfp4tool_mc_letter (acc, 40 items): BF16 27.5%, FP8 27.5%, NVFP4 30.0%; NVFP4 - BF16 +2.5 points "
+            "[-2.4, +7.4], flips 0/1, McNemar p 1" in rows["task accuracy (lm-eval, paired)"])
     assert "14 quantized modules, 81 tensors, TP 1,2: OK" in rows["check"]
     assert "10 files would be uploaded" in rows["push --dry-run"]
     assert "diverge" not in block  # the quickstart prints no greedy-divergence figures

@@ -208,21 +208,20 @@ def verify_eval(folder: str, validation: ValidationRecord | None) -> None:
                              f"(first: {changed[0] if changed else '?'}); {rerun}")
     if EvalItems.exists(folder):
         EvalItems.read(folder)
-    path = os.path.join(folder, EVAL_MD)
-    if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as bad:
-            raise NVFP4ToolError(f"{path}: cannot read ({getattr(bad, 'strerror', None) or bad})") from None
-        if text != markdown(record):
-            raise NVFP4ToolError(f"{path}: differs from what {EvalRecord.FILE_NAME} says (edited?); {rerun}")
+    _verify_rendering(os.path.join(folder, EVAL_MD), markdown(record),
+                      f"differs from what {EvalRecord.FILE_NAME} says (edited?); {rerun}")
 
 
 def _verify_markdown(folder: str, validation: ValidationRecord) -> None:
     from nvfp4tool.validate.report import VALIDATION_MD, markdown
 
-    path = os.path.join(folder, VALIDATION_MD)
+    _verify_rendering(os.path.join(folder, VALIDATION_MD), markdown(validation),
+                      f"differs from what {ValidationRecord.FILE_NAME} says (edited after validation?); "
+                      f"{REVALIDATE}, or remove {VALIDATION_MD}")
+
+
+def _verify_rendering(path: str, expected: str, problem: str) -> None:
+    """A report's Markdown (when present) must be exactly its record's rendering; else `path: problem`."""
     if not os.path.isfile(path):
         return
     try:
@@ -230,6 +229,5 @@ def _verify_markdown(folder: str, validation: ValidationRecord) -> None:
             text = f.read()
     except (OSError, UnicodeDecodeError) as bad:
         raise NVFP4ToolError(f"{path}: cannot read ({getattr(bad, 'strerror', None) or bad})") from None
-    if text != markdown(validation):
-        raise NVFP4ToolError(f"{path}: differs from what {ValidationRecord.FILE_NAME} says (edited after "
-                             f"validation?); {REVALIDATE}, or remove {VALIDATION_MD}")
+    if text != expected:
+        raise NVFP4ToolError(f"{path}: {problem}")

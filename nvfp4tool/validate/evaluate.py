@@ -354,14 +354,32 @@ def _same_tokenizer(export_dir: str, other: str, what: str) -> None:
 
 @contextlib.contextmanager
 def _quiet_lm_eval() -> Iterator[None]:
-    """lm-eval's own INFO / WARNING logging off (our progress lines say what runs)."""
+    """lm-eval's own INFO / WARNING logging and its tqdm bars off (our progress lines say what runs,
+    with rates, and stay lines when piped), and its `git describe` of the working directory not run
+    (a hash of wherever the user stands, recorded nowhere here; outside a repository git prints
+    "fatal: not a git repository" to the terminal)."""
+    import functools
+
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    import tqdm
+
     logger = logging.getLogger("lm_eval")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    quiet = functools.partial(tqdm.tqdm, disable=True)
+    patched = [(lm_eval.api.task, "tqdm", quiet), (lm_eval.api.model, "tqdm", quiet),
+               (lm_eval.evaluator, "get_git_commit_hash", lambda: None)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
     try:
         yield
     finally:
         logger.setLevel(level)
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, step: int | None = None
