@@ -358,8 +358,6 @@ def _quiet_lm_eval() -> Iterator[None]:
     with rates, and stay lines when piped), and its `git describe` of the working directory not run
     (a hash of wherever the user stands, recorded nowhere here; outside a repository git prints
     "fatal: not a git repository" to the terminal)."""
-    import functools
-
     import lm_eval.api.model
     import lm_eval.api.task
     import lm_eval.evaluator
@@ -368,7 +366,9 @@ def _quiet_lm_eval() -> Iterator[None]:
     logger = logging.getLogger("lm_eval")
     level = logger.level
     logger.setLevel(logging.ERROR)
-    quiet = functools.partial(tqdm.tqdm, disable=True)
+    def quiet(*args, **kwargs):  # lm-eval passes its own disable=False to some bars
+        return tqdm.tqdm(*args, **{**kwargs, "disable": True})
+
     patched = [(lm_eval.api.task, "tqdm", quiet), (lm_eval.api.model, "tqdm", quiet),
                (lm_eval.evaluator, "get_git_commit_hash", lambda: None)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
