@@ -23,9 +23,11 @@ opened as `evaluate._run_model` opens it (`lm_backend.open_variant` + `NVFP4Tool
   `share_prefixes` on (a first run, then a steady one) and off (steady: same rows, same programs),
   the rows run and seconds of each, and the ratio; the per-item acc of the two must be identical
   (the run fails otherwise).
-Items/s is the task's items over the wall time of its simple_evaluate call (lm-eval's request
-building and scoring included); requests/s counts the backend's requests (loglikelihood or
-generate_until), `backend_s` is the time spent inside the backend. A printed table; `--json` writes
+Items/s is the task's items over the wall time of its simple_evaluate call (lm-eval's task and
+request building and its scoring included); requests/s counts the backend's requests
+(loglikelihood or generate_until), `rows_run` the forward rows the loglikelihood requests took
+(share_prefixes is on, the backend's default, for nvfp4tool_mc too: an option whose tokens are a
+prefix of another's rides on that row), `backend_s` the time spent inside the backend. A printed table; `--json` writes
 machine facts (`bench_scale.machine_facts`: cores, RAM, load average, commit), the preset's model,
 the parameters and every figure.
 """
@@ -270,19 +272,21 @@ def print_table(result: dict) -> None:
           f"{p['max_length']}, limit {p['limit'] or 'all'}; {machine['cores']} cores, load average "
           f"{machine['loadavg_1m']:.2f} at the start, {machine['loadavg_1m_end']:.2f} at the end; "
           f"commit {machine['commit']}")
-    print("| model | task | run | items | requests | s | items/s | requests/s | backend s |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("| model | task | run | items | requests | rows run | s | items/s | requests/s | backend s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for label, figures in result["models"].items():
         for task, runs in figures["tasks"].items():
             for run, r in runs.items():
-                print(f"| {label} | {task} | {run} | {r['items']} | {r['requests']} | {r['seconds']:.1f} | "
+                print(f"| {label} | {task} | {run} | {r['items']} | {r['requests']} | {r['rows_run'] or '-'} | "
+                      f"{r['seconds']:.1f} | "
                       f"{r['items_per_s']:.2f} | {r['requests_per_s']:.1f} | {r['backend_s']:.1f} |")
     print(f"\n| model | {LETTER} | rows run | s | items/s | backend s |\n|---|---|---|---|---|---|")
     for label, figures in result["models"].items():
         s = figures["shared_rows"]
-        for run in ("first_shared", "shared", "unshared"):
+        for run, name in (("first_shared", "shared (first)"), ("shared", "shared (steady)"),
+                          ("unshared", "unshared (steady)")):
             r = s[run]
-            print(f"| {label} | {run.replace('_', ' ')} | {r['rows_run']} | {r['seconds']:.1f} | "
+            print(f"| {label} | {name} | {r['rows_run']} | {r['seconds']:.1f} | "
                   f"{r['items_per_s']:.2f} | {r['backend_s']:.1f} |")
         print(f"| {label} | unshared / shared | {s['rows_ratio']:.1f}x | {s['seconds_ratio']:.2f}x | | "
               f"{s['backend_seconds_ratio']:.2f}x |")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import bench_eval  # noqa: E402
+import bench_eval
 
 
 def _rows(scores: list[float], hashes: str = "abc") -> list[dict]:
