@@ -29,7 +29,7 @@ request building and its scoring included); requests/s counts the backend's requ
 (share_prefixes is on, the backend's default, for nvfp4tool_mc too: an option whose tokens are a
 prefix of another's rides on that row), `backend_s` the time spent inside the backend. A printed table; `--json` writes
 machine facts (`bench_scale.machine_facts`: cores, RAM, load average, commit), the preset's model,
-the parameters and every figure.
+the versions of jax / lm_eval / transformers, the parameters and every figure.
 """
 
 from __future__ import annotations
@@ -95,10 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace, models: list[str], workdir: str) -> dict:
+    from importlib.metadata import version
+
     started = time.perf_counter()
     paths, built = build_models(os.path.join(workdir, f"{args.preset}-v{args.vocab_size}"), args.preset,
                                 args.vocab_size)
     result = {"preset": args.preset, "model": _model_facts(paths["hf"]), "machine": machine_facts(),
+              "versions": {name: version(name) for name in ("jax", "lm_eval", "transformers")},
               "parameters": {"limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length,
                              "vocab_size": args.vocab_size, "calib": list(CALIB), "models": models},
               "paths": paths, "built_s": built, "models": {}}
