@@ -3,7 +3,7 @@ tasks, compilation included and not, and what sharing one forward row per contex
 
     python scripts/bench_eval.py --preset tiny --workdir /work/scratch/bench_eval --json tiny.json
     python scripts/bench_eval.py --preset small --workdir /work/scratch/bench_eval --json small.json \\
-        [--limit 16] [--batch-size 8] [--max-length 256]
+        [--limit 16] [--batch-size 8] [--max-length 256] [--models bf16,fp8,nvfp4]
 
 Builds in --workdir/<preset>-v<vocab> (each skipped when already there): a byte-level BPE tokenizer
 (`train.tokenizer.train_bpe_tokenizer` on nvfp4tool/data/shakespeare_train.txt) and a random BF16
@@ -27,9 +27,10 @@ Items/s is the task's items over the wall time of its simple_evaluate call (lm-e
 request building and its scoring included); requests/s counts the backend's requests
 (loglikelihood or generate_until), `rows_run` the forward rows the loglikelihood requests took
 (share_prefixes is on, the backend's default, for nvfp4tool_mc too: an option whose tokens are a
-prefix of another's rides on that row), `backend_s` the time spent inside the backend. A printed table; `--json` writes
-machine facts (`bench_scale.machine_facts`: cores, RAM, load average, commit), the preset's model,
-the versions of jax / lm_eval / transformers, the parameters and every figure.
+prefix of another's rides on that row), `backend_s` the time spent inside the backend. `--models`
+measures only some of the three. A table is printed; `--json` writes machine facts
+(`bench_scale.machine_facts`: cores, RAM, load average at the start and the end, commit), the
+versions of jax / lm_eval / transformers, the preset's model, the parameters and every figure.
 """
 
 from __future__ import annotations
