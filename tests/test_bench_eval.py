@@ -53,6 +53,7 @@ def test_tiny_preset_one_model_writes_every_figure(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["preset"] == "tiny" and result["model"]["hidden"] == 128 and result["model"]["layers"] == 4
     assert {"cores", "ram_gb", "loadavg_1m", "loadavg_1m_end", "commit"} <= set(result["machine"])
+    assert set(result["versions"]) == {"jax", "lm_eval", "transformers"}
     assert result["parameters"] == {"limit": 2, "batch_size": 8, "max_length": 256, "vocab_size": 512,
                                     "calib": [4, 32], "models": ["bf16"]}
     assert set(result["built_s"]) == {"hf", "nvfp4", "fp8"} and list(result["models"]) == ["bf16"]
