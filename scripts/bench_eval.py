@@ -14,7 +14,7 @@ processes). The weights are random: this measures throughput, not accuracy (the 
 
 Then, in this process, the inputs are opened and checked as `nvfp4tool eval NVFP4 --reference FP8`
 does (`evaluate._open_inputs`), and each model in turn (bf16 source, fp8 and nvfp4 as served) is
-opened as `evaluate._run_model` opens it (`lm_backend.open_variant` + `NVFP4ToolLM`) and runs
+opened as `nvfp4tool eval` opens it (`evaluate.open_lm`) and runs
 `evaluate._simple_evaluate` (lm-eval's `simple_evaluate`) one task at a time, each timed alone:
 * nvfp4tool_mc (loglikelihood of each option) and nvfp4tool_gsm (greedy generation): `first` is
   the model's first run of the task (its programs compiled in it), `steady` a second run of the
@@ -205,14 +205,11 @@ def measure(paths: dict, models: list[str], *, limit: int | None, batch_size: in
 
 def measure_model(label: str, path: str, step: int | None, inputs, options) -> dict:
     """One model's figures: opening, each task first and steady, the letter task shared and not."""
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
+    from nvfp4tool.validate.evaluate import open_lm
 
     t0 = time.perf_counter()
-    variant = open_variant(path, label=label, offload=options.offload, step=step, batch_size=options.batch_size,
-                           max_length=options.max_length)
-    lm = NVFP4ToolLM(variant=variant, batch_size=options.batch_size, max_length=options.max_length,
-                     max_gen_toks=options.max_gen_toks, seed=options.seed)
-    figures: dict = {"open_s": time.perf_counter() - t0, "how": variant.how, "tasks": {}}
+    lm = open_lm(label, path, options, step)
+    figures: dict = {"open_s": time.perf_counter() - t0, "how": lm.variant.how, "tasks": {}}
     for task in TASKS:
         figures["tasks"][task] = {run: _timed(lm, task, inputs, options, f"{label} {task} {run}")[0]
                                   for run in ("first", "steady")}
@@ -229,7 +226,7 @@ def measure_model(label: str, path: str, step: int | None, inputs, options) -> d
         "rows_ratio": unshared["rows_run"] / shared["rows_run"],
         "seconds_ratio": unshared["seconds"] / shared["seconds"],
         "backend_seconds_ratio": unshared["backend_s"] / shared["backend_s"]}
-    del lm, variant
+    del lm
     return figures
 
 

@@ -387,13 +387,8 @@ def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, ste
     """(lm-eval results, logged samples, the backend) of one model on every task. With `samples` > 1
     the sampled generative tasks run that many times, the sampling key seeded `seed + pass` (prompts
     and few-shot examples the same each time), and their per-item scores are averaged."""
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
-
     progress.info(f"eval: {label} on {', '.join(inputs.task_names)}")
-    variant = open_variant(path, label=label, offload=options.offload, step=step, batch_size=options.batch_size,
-                           max_length=options.max_length)
-    lm = NVFP4ToolLM(variant=variant, batch_size=options.batch_size, max_length=options.max_length,
-                     max_gen_toks=options.max_gen_toks, seed=options.seed)
+    lm = open_lm(label, path, options, step)
     results, samples = _simple_evaluate(lm, inputs.task_names, inputs, options)
     passes = {task: [samples.get(task, [])] for task in inputs.sampled}
     for k in range(1, options.samples if inputs.sampled else 1):
@@ -406,6 +401,17 @@ def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, ste
         if len(rows) > 1:
             samples[task] = average_passes(task, rows)
     return results, samples, lm
+
+
+def open_lm(label: str, path: str, options: EvalOptions, step: int | None = None):
+    """The lm-eval model of one of eval's models (`lm_backend.open_variant` + `NVFP4ToolLM`) with
+    eval's settings."""
+    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
+
+    variant = open_variant(path, label=label, offload=options.offload, step=step, batch_size=options.batch_size,
+                           max_length=options.max_length)
+    return NVFP4ToolLM(variant=variant, batch_size=options.batch_size, max_length=options.max_length,
+                       max_gen_toks=options.max_gen_toks, seed=options.seed)
 
 
 def _simple_evaluate(lm, tasks: list[str], inputs: _Inputs, options: EvalOptions):
