@@ -130,3 +130,22 @@ def test_streamed_weights_give_the_held_loglikelihoods_and_refuse_generation(eva
 
     with pytest.raises(NVFP4ToolError, match="streamed layer by layer"):
         streamed.generate_until([Request()])
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_runs_the_registered_model(eval_models):
+    """`python -m nvfp4tool.validate.lm_backend run --model nvfp4tool ...` is lm-eval's own command
+    line with the model registered and the shipped tasks on its include path."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "nvfp4tool.validate.lm_backend", "run", "--model", "nvfp4tool", "--model_args",
+         f"path={eval_models['nvfp4']},max_length=64", "--tasks", "nvfp4tool_mc_letter", "--limit", "2",
+         "--batch_size", "2"], cwd=root, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("|nvfp4tool_mc_letter"))
+    assert "|acc" in row.replace(" ", "") and "nvfp4tool ({'path'" in done.stdout
