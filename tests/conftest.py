@@ -31,6 +31,31 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 
 
+# The suite runs on two xdist workers a file at a time, files handed out in collection order as a
+# worker frees up, so a long file collected late runs alone at the end (CI's run of 3518ba3 ended
+# with test_validate_memory.py alone on one worker: xdist's default order is by number of tests
+# per file, and that file has 6). The longest files go first (longest processing time first;
+# pyproject's addopts turns xdist's reordering off); then files with more slow tests; the rest keep
+# their order, and tests inside a file keep theirs.
+LONGEST_FILES = ("test_quickstart.py", "test_validate_memory.py", "test_kill.py", "test_validate_mesh.py",
+                 "test_eval_cli.py", "test_train_moe.py", "test_train.py", "test_moe_pipeline.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    files = list(dict.fromkeys(os.path.basename(str(item.path)) for item in items))
+    slow = {name: 0 for name in files}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[os.path.basename(str(item.path))] += 1
+
+    def rank(name: str) -> tuple[int, int, int]:
+        first = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+        return first, -slow[name], files.index(name)
+
+    order = {name: rank(name) for name in files}
+    items.sort(key=lambda item: order[os.path.basename(str(item.path))])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs when a test module ends. Every XLA:CPU executable JAX keeps
