@@ -189,14 +189,16 @@ class LayerwiseModel:
 
     def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, replay: Tap,
                    on_record: Callable[[str, Any], None],
-                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential") -> None:
+                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential",
+                   kv_tap: KVTap | None = None) -> None:
         """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
         stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
         `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
         "self_attn.q_proj.weight": array}); when it gives any, the windows go through layer i
         again with them and the tap `replay` (meant to record nothing; its records are dropped) to
         make layer i+1's inputs. So layer i+1's records see
-        the replaced earlier layers. Held or streamed alike; the peak is one layer (twice while it
+        the replaced earlier layers. `kv_tap`'s records (the first run through each layer only)
+        go to `on_record` too. Held or streamed alike; the peak is one layer (twice while it
         is replaced) + the activations of all windows. The LM head is not run."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         carry = [self._embed(ids_SxT[s:s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
@@ -207,8 +209,8 @@ class LayerwiseModel:
                 outputs = []
                 for x, cos, sin, mask in carry:
                     with progress.compiling(f"{label} layer program",
-                                            key=_program_key(_block_step, graphdef, tap, None, self._gather, x)):
-                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
+                                            key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x)):
+                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=kv_tap,
                                                  gather=self._gather)
                     _deliver(records, on_record, i)
                     outputs.append(y)
