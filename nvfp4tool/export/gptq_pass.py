@@ -111,6 +111,9 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
         if tally is None:
             add_hessian(module, record)
             return
+        if not isinstance(record, dict):  # an attention's [max|K|, max|V|] (the KV tap)
+            tally.record(module, record)
+            return
         tally.record(module, record["calibration"])
         if "xtx" in record:
             add_hessian(module, record["xtx"])
