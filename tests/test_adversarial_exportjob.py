@@ -1,10 +1,10 @@
 """Adversarial cases of issue 22 item 6 (one export job, one serving-folder writer, a GPTQ export
-that calibrates in its own first pass): each builds one kind of bad input and `run_case`
+that calibrates inside its GPTQ pass): each builds one kind of bad input and `run_case`
 (adversarial_harness) asserts the exit code, one `Error:` line naming the tensor / linear / file,
 no traceback and nothing created, changed or deleted (the output's temporary folder and GPTQ's
 spill inside it included).
 
-* GPTQ's first pass now measures what calibration measured (input amax, K / V amax, router counts):
+* the GPTQ pass now measures what calibration measured (input amax, K / V amax, router counts):
   its refusals (a zero K / V amax, a zero input of a W4A4 linear) come from that one pass, after the
   spill began, and still leave nothing behind;
 * the job is resolved before anything is created: a bad calibration file or weight with the
@@ -84,7 +84,7 @@ WEIGHT_ONLY = ("--quant", "nvfp4-weight-only")
 KV = ("--kv-cache", "fp8")
 
 
-# ---- GPTQ's first pass calibrates: its refusals ------------------------------------------------
+# ---- the GPTQ pass calibrates: its refusals ----------------------------------------------------
 
 @case("export/gptq-w4a4-kv-cache-keys-all-zero", 1)
 def _(w):

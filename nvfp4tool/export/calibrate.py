@@ -82,7 +82,7 @@ class Tally:
     """What a pass through the model measures, record by record (`record(name, value)`: a linear's
     input amax or a router's token counts from `InputAmax`, an attention's [K, V] amax from
     `KVAmax`), made into a `Calibration` with the refusals of calibration (`result()`): calibrate()
-    and the GPTQ pass (`gptq_pass.py`, whose first pass through each layer measures the same) both
+    and the GPTQ pass (`gptq_pass.py`, whose reference stream through the original layers measures the same) both
     tally here."""
 
     def __init__(self, config: ModelConfig, names: Sequence[str], *, kv_cache: bool) -> None:

@@ -16,12 +16,13 @@ layer the gate/up of all experts, since the tap asks every expert to run on ever
 layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
 down_proj has its own, over all tokens).
 
-The same first pass (ORIGINAL weights of layer i) also measures what calibration measures
-(`calibrate.Tally`: the input amax of the linears in `amax_names`, with `kv_cache` every
-attention's K / V amax, and each router's token counts), so a GPTQ export runs the model on its
-calibration windows once (`GPTQResult.calibration`). Like the Hessians, these see the
-already-quantized earlier layers (what serving sees); `writer.py` says why its input scales come
-from here.
+The same pass also calibrates (`amax_names`, `kv_cache`): a second copy of the windows goes through
+each layer first with its ORIGINAL weights, never replaced (`LayerwiseModel.sequential`'s
+`reference` stream), measuring what calibration measures (`calibrate.Tally`: the input amax of the
+linears in `amax_names`, with `kv_cache` every attention's K / V amax, each router's token counts)
+with calibration's own taps, so exactly calibrate()'s values; a GPTQ export then opens the model and
+runs its calibration windows through the layers once (`GPTQResult.calibration`). Why the original
+layers and not the already-quantized ones the Hessians see: measured, see `job.with_gptq`.
 
 A linear whose input was zero on every calibration token (its Hessian is 0: GPTQ would round it to
 zeros) is refused as calibration refuses it (`calibrate.check_calibrated`), naming the linear.
@@ -77,7 +78,7 @@ class SpilledRecords:
 class GPTQResult:
     records: SpilledRecords  # quantized module -> its record (on disk)
     errors: dict[str, GPTQError]  # quantized module -> its errors
-    calibration: Calibration | None = None  # what the first pass measured; None: nothing was asked
+    calibration: Calibration | None = None  # what the reference stream measured; None: nothing was asked
 
 
 def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
@@ -107,16 +108,6 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
         key = hessian_key(module)
         hessians[key] = hessians[key] + np.asarray(xtx) if key in hessians else np.asarray(xtx, np.float32)
 
-    def on_record(module: str, record) -> None:
-        if tally is None:
-            add_hessian(module, record)
-            return
-        if not isinstance(record, dict):  # an attention's [max|K|, max|V|] (the KV tap)
-            tally.record(module, record)
-            return
-        tally.record(module, record["calibration"])
-        if "xtx" in record:
-            add_hessian(module, record["xtx"])
 
     def replace(layer: int) -> dict[str, np.ndarray]:
         new = {}
@@ -138,9 +129,9 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
 
     # the second pass through a layer (quantized weights) only makes the next layer's inputs: the
     # same GEMMs, every expert on every token as in the first, no X^T X
-    tap = _Calibrating(recorded, InputAmax.of(config)) if calibrating else _Hessians(recorded)
-    model.sequential(ids_SxL, BATCH, tap=tap, replay=_Hessians(frozenset()), on_record=on_record,
-                     replace=replace, label="GPTQ", kv_tap=KVAmax() if kv_cache else None)
+    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=add_hessian,
+                     replace=replace, label="GPTQ", reference=InputAmax.of(config) if calibrating else None,
+                     kv_tap=KVAmax() if kv_cache else None, on_reference=None if tally is None else tally.record)
     return GPTQResult(records=records, errors=errors, calibration=None if tally is None else tally.result())
 
 
@@ -155,24 +146,6 @@ class _Hessians:
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
         return y, _xtx(x) if name in self.names else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Calibrating:
-    """Tap of a calibrating pass: as `_Hessians` (X^T X of the linears in `names`, under "xtx"),
-    and every linear's calibration record (`calibrate.InputAmax.measure`: input amax, or a
-    router's token counts, under "calibration")."""
-
-    names: frozenset[str]
-    inputs: InputAmax
-    routes_all_experts: ClassVar[bool] = True
-
-    def __call__(self, x, w_NxK, b_N, *, name, aux):
-        y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
-        record = {"calibration": self.inputs.measure(x, y, name=name)}
-        if name in self.names:
-            record["xtx"] = _xtx(x)
-        return y, record
 
 
 def _xtx(x) -> jax.Array:

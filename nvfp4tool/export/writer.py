@@ -12,7 +12,7 @@ configs, tensor records), which convert-format uses too.
    finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
    (q/k/v, gate/up) take the max over their members (`plan.py`).
 2. Input amax: the run's tracked amax, else calibration (`calibrate.py`, or with --weight-rounding
-   gptq the GPTQ pass's own first pass through each layer, which measures the same: the windows read from
+   gptq inside the GPTQ pass, through the original layers beside GPTQ's, the same values: the windows read from
    --calib-data once; fewer or shorter than asked is said and recorded, the record holds the
    windows and tokens that ran; --calib-data that nothing would use is bad usage, --kv-cache fp8
    without it too, up front; MoE experts calibrate
