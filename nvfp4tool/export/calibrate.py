@@ -69,39 +69,53 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
         ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
                                        tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="calibration")
-    attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
-    amax = {n: np.zeros(2 if n in attentions else 1) for n in (*names, *attentions)}
-    seen: set[str] = set()
-    routers = config.router_names()  # in layer order, and so is `routed`
-    routed = {f"{r.removesuffix('.gate')}.experts.{e}": 0 for r in routers for e in range(config.num_experts)}
-
-    def record(name: str, value) -> None:
-        if name in routers:
-            for e, count in enumerate(np.asarray(value)):
-                routed[f"{name.removesuffix('.gate')}.experts.{e}"] += int(count)
-        elif name in amax:
-            seen.add(name)
-            amax[name] = np.maximum(amax[name], np.asarray(value, np.float64).reshape(-1))
-
-    tap = _InputAmax(router=f"{config.expert_block}.gate" if config.is_moe else None,
-                     top_k=config.num_experts_per_tok)
-    for _ in model.logits(ids_SxL, BATCH, tap=tap, on_record=record, label="calibration",
-                          kv_tap=_KVAmax() if kv_cache else None):
+    tally = Tally(config, names, kv_cache=kv_cache)
+    for _ in model.logits(ids_SxL, BATCH, tap=InputAmax.of(config), on_record=tally.record, label="calibration",
+                          kv_tap=KVAmax() if kv_cache else None):
         pass
     del model
     memory.release()
-    missing = [n for n in amax if n not in seen]
-    if missing:
-        raise NVFP4ToolError(f"calibration: {missing[0]} was never called by the model")
-    for name, value in amax.items():
-        check_calibrated(name, value, what="keys / values" if name in attentions else "input")
-    for expert, count in routed.items():
-        if count == 0:
-            progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
-                          f"from all-experts calibration)")
-    return Calibration(input_amax={n: float(amax[n][0]) for n in names},
-                       kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in attentions},
-                       routed_tokens=routed)
+    return tally.result()
+
+
+class Tally:
+    """What a pass through the model measures, record by record (`record(name, value)`: a linear's
+    input amax or a router's token counts from `InputAmax`, an attention's [K, V] amax from
+    `KVAmax`), made into a `Calibration` with the refusals of calibration (`result()`): calibrate()
+    and the GPTQ pass (`gptq_pass.py`, whose reference stream through the original layers measures the same) both
+    tally here."""
+
+    def __init__(self, config: ModelConfig, names: Sequence[str], *, kv_cache: bool) -> None:
+        self.names = list(names)
+        self.attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
+        self.amax = {n: np.zeros(2 if n in self.attentions else 1) for n in (*self.names, *self.attentions)}
+        self.seen: set[str] = set()
+        self.routers = config.router_names()  # in layer order, and so is `routed`
+        self.routed = {f"{r.removesuffix('.gate')}.experts.{e}": 0 for r in self.routers
+                       for e in range(config.num_experts)}
+
+    def record(self, name: str, value) -> None:
+        if name in self.routers:
+            for e, count in enumerate(np.asarray(value)):
+                self.routed[f"{name.removesuffix('.gate')}.experts.{e}"] += int(count)
+        elif name in self.amax:
+            self.seen.add(name)
+            self.amax[name] = np.maximum(self.amax[name], np.asarray(value, np.float64).reshape(-1))
+
+    def result(self) -> Calibration:
+        amax = self.amax
+        missing = [n for n in amax if n not in self.seen]
+        if missing:
+            raise NVFP4ToolError(f"calibration: {missing[0]} was never called by the model")
+        for name, value in amax.items():
+            check_calibrated(name, value, what="keys / values" if name in self.attentions else "input")
+        for expert, count in self.routed.items():
+            if count == 0:
+                progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
+                              f"from all-experts calibration)")
+        return Calibration(input_amax={n: float(amax[n][0]) for n in self.names},
+                           kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in self.attentions},
+                           routed_tokens=self.routed)
 
 
 def check_calibrated(name: str, amax, *, what: str = "input") -> None:
@@ -164,7 +178,7 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
 
 
 @dataclasses.dataclass(frozen=True)
-class _InputAmax:
+class InputAmax:
     """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input; a router (a linear named
     `*.{router}`) records instead how many tokens `route` sends to each expert. Every sparse MLP
     runs all its experts on all tokens (`routes_all_experts`)."""
@@ -173,16 +187,25 @@ class _InputAmax:
     top_k: int = 0
     routes_all_experts: ClassVar[bool] = True
 
+    @classmethod
+    def of(cls, config: ModelConfig) -> InputAmax:
+        """The tap for `config`'s model (its routers, if it is a MoE model)."""
+        return cls(router=f"{config.expert_block}.gate" if config.is_moe else None, top_k=config.num_experts_per_tok)
+
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
+        return y, self.measure(x, y, name=name)
+
+    def measure(self, x, y, *, name):
+        """The record of the linear `name` whose input is `x` and output `y`."""
         if self.router is not None and name.endswith(f".{self.router}"):
             _, chosen_BxTxN = route(y, self.top_k, normalize=False)  # the choice ignores normalisation
-            return y, jnp.sum(chosen_BxTxN, axis=(0, 1), dtype=jnp.int32)
-        return y, tensor_amax(x.astype(GEMM_INPUT_DTYPE))
+            return jnp.sum(chosen_BxTxN, axis=(0, 1), dtype=jnp.int32)
+        return tensor_amax(x.astype(GEMM_INPUT_DTYPE))
 
 
 @dataclasses.dataclass(frozen=True)
-class _KVAmax:
+class KVAmax:
     """KV tap: keys and values cached unchanged, recording [max|k|, max|v|] as computed."""
 
     def __call__(self, k, v, *, name, aux):

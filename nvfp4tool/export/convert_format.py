@@ -12,7 +12,9 @@ stores decode scales, compressed-tensors encode scales; the same `1 / x` as comp
 `LayoutSpec.kv_scales`) and reshaped, and the configs announce the same KV cache.
 config.json's `quantization_config` is rewritten (and ModelOpt's `hf_quant_config.json` written or
 dropped); the provenance record, when present, is carried over with the new tensor names and
-hashes; other files are copied. For exports of ours the round trip is exact: their decode scales
+hashes; other files are copied. The folder is written by export's own serving-folder writer
+(`serving_folder.py`: shards, index, configs, tensor records); this module only maps names and
+roles from one layout to the other. For exports of ours the round trip is exact: their decode scales
 satisfy fl(1 / fl(1 / s)) == s (tested).
 """
 
@@ -20,20 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import hashlib
 import json
 import os
-import shutil
 import time
 
 import numpy as np
 
 from converters.atomic import atomic_output_dir, check_output_path
-from converters.hf import INDEX_FILE, SAFETENSORS_CODES, HFFolderSource, write_safetensors
+from converters.hf import INDEX_FILE, HFFolderSource
 from nvfp4tool import formats, progress
 from nvfp4tool.config import read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.export import ExportRecord, TensorRecord
+from nvfp4tool.export.serving_folder import ServingFolder
+from nvfp4tool.records.export import ExportRecord
 
 
 def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float:
@@ -53,15 +54,14 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     kv_names = _kv_names(source.names(), source_spec, target)  # target name -> source name
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
     amax = _weight_amax(record, source_spec)
-    records: dict[str, TensorRecord] = {}
     files = source.shard_files()
+    kv_source = set(kv_names.values())
     with atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp, \
             progress.task("convert-format", total=len(source.names()), unit="tensor") as task:
-        weight_map = {}
+        origin: dict[str, tuple[str | None, list[str]]] = {}  # output name -> (quantized module or None, source names)
+        shards = []
         for file_name, names in files.items():
-            cache: dict[str, np.ndarray] = {}
-            entries, origin = [], {}
-            kv_source = set(kv_names.values())
+            entries = []
             for module, group_names in _units([n for n in names if n not in kv_source], quantized):
                 if module:
                     weight_shape = source.shape(f"{module}.{source_spec.suffix('weight')}")
@@ -74,49 +74,37 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
             for target_name in (t for t, n in kv_names.items() if n in names):
                 entries.append((target_name, "float32", target.kv_scales.shape))
                 origin[target_name] = (None, [kv_names[target_name]])
+            shards.append((file_name, entries))
+        cache: dict[str, np.ndarray] = {}
 
-            def load(name, origin=origin, cache=cache, file_name=file_name):
-                if name not in cache:
-                    module, group_names = origin[name]
-                    group = {n: source.get(n) for n in group_names}
-                    task.advance(len(group_names), description=name)
-                    if module:
-                        group = target.from_roles(module, source_spec.to_roles(module, group))
-                    elif name in kv_names:
-                        group = {name: np.asarray(group[kv_names[name]], np.float32).reshape(target.kv_scales.shape)}
-                    cache.update(group)
-                array = cache.pop(name)
-                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                module = origin[name][0]
-                records[name] = TensorRecord(
-                    file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name], shape=tuple(array.shape),
-                    sha256=hashlib.sha256(data).hexdigest(),
-                    amax=amax.get(module) if module and name == f"{module}.{target.suffix('weight')}" else None)
-                return array
+        def load(name: str) -> np.ndarray:
+            if name not in cache:
+                module, group_names = origin[name]
+                group = {n: source.get(n) for n in group_names}
+                task.advance(len(group_names), description=name)
+                if module:
+                    group = target.from_roles(module, source_spec.to_roles(module, group))
+                elif name in kv_names:
+                    group = {name: np.asarray(group[kv_names[name]], np.float32).reshape(target.kv_scales.shape)}
+                cache.update(group)
+            return cache.pop(name)
 
-            write_safetensors(os.path.join(tmp, file_name), entries, load, source_label=src)
-            weight_map.update({entry[0]: file_name for entry in entries})
+        def weight_amax(name: str) -> float | None:
+            module = origin[name][0]
+            return amax.get(module) if module and name == f"{module}.{target.suffix('weight')}" else None
+
+        folder = ServingFolder(tmp, source_label=src)
+        records = folder.write_shards(shards, load, amax=weight_amax)
+        index = None
         if os.path.exists(os.path.join(src, INDEX_FILE)):
             with open(os.path.join(src, INDEX_FILE)) as f:
                 index = json.load(f)
-            index["weight_map"] = weight_map
-            _write_json(os.path.join(tmp, INDEX_FILE), index)
-        hf = read_hf_config(src)[1]
-        hf["quantization_config"] = target.quantization_config(layout.exclude, layout.kv_cache)
-        _write_json(os.path.join(tmp, formats.CONFIG_FILE), hf)
-        from nvfp4tool import __version__
-
-        hf_quant = target.hf_quant_config(layout.exclude, {"name": "nvfp4tool", "version": __version__},
-                                          layout.kv_cache)
-        if hf_quant is not None:
-            _write_json(os.path.join(tmp, formats.HF_QUANT_CONFIG_FILE), hf_quant)
+        folder.write_index(index, records)
+        folder.write_configs(read_hf_config(src)[1], target, layout.exclude, layout.kv_cache)
         skip = (*source_spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
-        for file_name in sorted(os.listdir(src)):
-            path = os.path.join(src, file_name)
-            if os.path.isfile(path) and not any(fnmatch.fnmatch(file_name, p) for p in skip):
-                shutil.copy2(path, os.path.join(tmp, file_name))
-        if record is not None:
-            dataclasses.replace(record, format=to, tensors=records).write(tmp)
+        folder.copy_files(os.path.join(src, f) for f in sorted(os.listdir(src))
+                          if os.path.isfile(os.path.join(src, f)) and not any(fnmatch.fnmatch(f, p) for p in skip))
+        folder.write_record(None if record is None else dataclasses.replace(record, format=to, tensors=records))
     return time.perf_counter() - start
 
 
@@ -169,7 +157,3 @@ def _units(names: list[str], quantized: set[str]):
             done.add(module)
             yield module, members[module]
 
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)

@@ -16,6 +16,14 @@ layer the gate/up of all experts, since the tap asks every expert to run on ever
 layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
 down_proj has its own, over all tokens).
 
+The same pass also calibrates (`amax_names`, `kv_cache`): a second copy of the windows goes through
+each layer first with its ORIGINAL weights, never replaced (`LayerwiseModel.sequential`'s
+`reference` stream), measuring what calibration measures (`calibrate.Tally`: the input amax of the
+linears in `amax_names`, with `kv_cache` every attention's K / V amax, each router's token counts)
+with calibration's own taps, so exactly calibrate()'s values; a GPTQ export then opens the model and
+runs its calibration windows through the layers once (`GPTQResult.calibration`). Why the original
+layers and not the already-quantized ones the Hessians see: measured, see `job.with_gptq`.
+
 A linear whose input was zero on every calibration token (its Hessian is 0: GPTQ would round it to
 zeros) is refused as calibration refuses it (`calibrate.check_calibrated`), naming the linear.
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -36,7 +45,8 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.calibrate import BATCH, check_calibrated, load_calibration_ids, open_bf16_model
+from nvfp4tool.export.calibrate import (BATCH, Calibration, InputAmax, KVAmax, Tally, check_calibrated,
+                                        load_calibration_ids, open_bf16_model)
 from nvfp4tool.export.gptq import GPTQError, gptq_quantize, hessian_key
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.model.layerwise import layer_modules
@@ -68,14 +78,18 @@ class SpilledRecords:
 class GPTQResult:
     records: SpilledRecords  # quantized module -> its record (on disk)
     errors: dict[str, GPTQError]  # quantized module -> its errors
+    calibration: Calibration | None = None  # what the reference stream measured; None: nothing was asked
 
 
 def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
              data_path: str, *, spill_dir: str, samples: int, seq_len: int, tokenizer_dir: str | None,
              offload: str, method: str, block: str, damp: float,
-             ids_SxL: np.ndarray | None = None) -> GPTQResult:
+             ids_SxL: np.ndarray | None = None, amax_names: Sequence[str] | None = None,
+             kv_cache: bool = False) -> GPTQResult:
     """GPTQ records of every quantized module of `plan` (see the module docstring); `ids_SxL`: the
-    windows already read from `data_path` (`load_calibration_ids`), else read here."""
+    windows already read from `data_path` (`load_calibration_ids`), else read here. With
+    `amax_names` (the linears whose input amax to measure; () for none) or `kv_cache`, the first
+    pass also calibrates (`GPTQResult.calibration`, with the router counts of a MoE model)."""
     if ids_SxL is None:
         ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir,
                                        vocab_size=config.vocab_size)
@@ -87,10 +101,13 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
                          for name in layer_modules(representative.values(), i))
     hessians: dict[str, np.ndarray] = {}
     records, errors = SpilledRecords(spill_dir), {}
+    calibrating = amax_names is not None or kv_cache
+    tally = Tally(config, amax_names or (), kv_cache=kv_cache) if calibrating else None
 
-    def on_record(module: str, xtx) -> None:
+    def add_hessian(module: str, xtx) -> None:
         key = hessian_key(module)
         hessians[key] = hessians[key] + np.asarray(xtx) if key in hessians else np.asarray(xtx, np.float32)
+
 
     def replace(layer: int) -> dict[str, np.ndarray]:
         new = {}
@@ -112,9 +129,10 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
 
     # the second pass through a layer (quantized weights) only makes the next layer's inputs: the
     # same GEMMs, every expert on every token as in the first, no X^T X
-    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=on_record,
-                     replace=replace, label="GPTQ")
-    return GPTQResult(records=records, errors=errors)
+    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=add_hessian,
+                     replace=replace, label="GPTQ", reference=InputAmax.of(config) if calibrating else None,
+                     kv_tap=KVAmax() if kv_cache else None, on_reference=None if tally is None else tally.record)
+    return GPTQResult(records=records, errors=errors, calibration=None if tally is None else tally.result())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +145,10 @@ class _Hessians:
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
-        if name not in self.names:
-            return y, None
-        x_TxK = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        return y, jnp.matmul(x_TxK.T, x_TxK, precision=jax.lax.Precision.HIGHEST)
+        return y, _xtx(x) if name in self.names else None
+
+
+def _xtx(x) -> jax.Array:
+    """X^T X (fp32, exact products: HIGHEST precision) of a linear's input, its tokens as rows."""
+    x_TxK = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return jnp.matmul(x_TxK.T, x_TxK, precision=jax.lax.Precision.HIGHEST)

@@ -189,21 +189,34 @@ class LayerwiseModel:
 
     def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, replay: Tap,
                    on_record: Callable[[str, Any], None],
-                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential") -> None:
+                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential",
+                   reference: Tap | None = None, kv_tap: KVTap | None = None,
+                   on_reference: Callable[[str, Any], None] | None = None) -> None:
         """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
         stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
         `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
         "self_attn.q_proj.weight": array}); when it gives any, the windows go through layer i
         again with them and the tap `replay` (meant to record nothing; its records are dropped) to
         make layer i+1's inputs. So layer i+1's records see
-        the replaced earlier layers. Held or streamed alike; the peak is one layer (twice while it
-        is replaced) + the activations of all windows. The LM head is not run."""
+        the replaced earlier layers. With `reference`, a second copy of the windows goes through
+        every layer first with its weights as stored (never replaced), with that tap and `kv_tap`,
+        their records going to `on_reference`: what the original model computes (calibration), in
+        the same pass, exactly as `logits` computes it. Held or streamed alike; the peak is one layer (twice while it
+        is replaced) + the activations of all windows (twice with `reference`). The LM head is not run."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         carry = [self._embed(ids_SxT[s:s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
+        original = list(carry) if reference is not None else []  # the windows through the stored layers
         with progress.task(label, total=self.config.num_layers, unit="layer") as task:
             for i in range(self.config.num_layers):
                 graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
                 state = self._place(self._layer(i))
+                for b, (x, cos, sin, mask) in enumerate(original):
+                    with progress.compiling(f"{label} layer program (reference)",
+                                            key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x)):
+                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=reference,
+                                                 kv_tap=kv_tap, gather=self._gather)
+                    _deliver(records, on_reference, i)
+                    original[b] = (y, cos, sin, mask)
                 outputs = []
                 for x, cos, sin, mask in carry:
                     with progress.compiling(f"{label} layer program",

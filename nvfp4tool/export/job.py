@@ -1,0 +1,315 @@
+"""`ExportJob`: the resolved inputs of one export, made and checked before anything is created.
+
+    job = prepare_job("runs/a", "out/a-nvfp4", ExportOptions(calib_data="calib.txt"))
+    job.plan, job.spec, job.block, job.group_amax, job.input_amax, job.kv_amax, job.calibration
+
+`prepare_job` checks the options, opens the source (`nvfp4tool.checkpoints`), refuses an output
+that overlaps an input (or exists, without --force), makes the plan (`plan.py`) and the layout's
+spec (`nvfp4tool.formats`), runs the weight pass (each quantized weight read once for its amax and
+finiteness; a fused group's members share the max) and resolves the input amax: the run's tracked
+one, the library caller's (`ExportOptions.input_amax`), or calibration (`calibrate.py`) on the
+windows read from --calib-data once (K / V amax too with --kv-cache fp8). With
+`--weight-rounding gptq` the calibration runs inside the GPTQ pass, in the same pass through the
+layers (`with_gptq`, run inside the output's temporary folder, where it spills its records): the job
+is made without it and `with_gptq` returns the job with GPTQ's records and what the pass
+measured. The writer (`writer.py`) takes the finished job, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from converters.atomic import check_output_path
+from nvfp4tool import formats, progress
+from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.export import provenance
+from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
+from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
+from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
+from nvfp4tool.export.scale_search import METHODS
+from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.numerics import tensor_amax
+from nvfp4tool.records.export import CalibrationRecord, GPTQRecord
+
+_AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
+_CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """How to export (the `nvfp4tool export` options)."""
+
+    format: str = "modelopt"  # modelopt | compressed-tensors
+    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
+    scale_search: str = "rtn"  # rtn | 4over6 | mse
+    weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
+    gptq_damp: float = DEFAULT_DAMP  # GPTQ: H += damp * mean(diag H) * I
+    weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
+    keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
+    keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
+    calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    offload: str = "auto"  # calibration: auto | never | always stream the model layer by layer
+    kv_cache: str = "none"  # none | fp8: calibrate K / V and write FP8 KV-cache scales (needs calib_data)
+    max_shard_size: int | str = "5GB"
+    step: int | None = None  # a training run's checkpoint step (default: its final hf/ weights)
+    model_config: str | None = None  # MaxText sources: model name or HF config
+    rope_layout: str | None = None  # MaxText sources with an HF config: "half" | "interleaved"
+    force: bool = False
+    show_progress: bool = True  # False: report no progress task (library callers inside another task)
+    # library callers: the input amax of every quantized module, used instead of calibration when no
+    # calib_data is given (validate's FP8 reference takes a W4A4 export's calibrated amax)
+    input_amax: dict[str, float] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportJob:
+    """The resolved inputs of one export (see the module docstring)."""
+
+    source: Checkpoint
+    out: str
+    options: ExportOptions
+    inputs: tuple[str, ...]  # the files the output must not overlap (source, calibration data, keep-BF16 file)
+    spec: LayoutSpec  # the output layout
+    plan: ExportPlan  # what is quantized, in which fused groups
+    block: str  # weight scale blocks: 1d | 2d
+    group_amax: dict[str, np.float32]  # fused group -> joint weight amax
+    calibration_ids: np.ndarray | None  # the windows [S, L] read from --calib-data (None without)
+    input_amax: dict[str, float] | None  # quantized module -> input amax; None: weight-only
+    input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only)"
+    kv_amax: dict[str, tuple[float, float]]  # attention -> (K, V) amax; {} without --kv-cache
+    calibration: CalibrationRecord | None  # the calibration data and windows that ran
+    calibration_seconds: float  # reading --calib-data and running the model on it (0: none)
+    gptq: GPTQResult | None = None  # GPTQ's records (with_gptq)
+    gptq_record: GPTQRecord | None = None
+    gptq_seconds: float = 0.0
+
+    @property
+    def kv_cache(self) -> str | None:
+        """The quantized KV cache to announce (`formats.KV_CACHES`), None for --kv-cache none."""
+        return _kv(self.options)
+
+    @property
+    def awaits_gptq(self) -> bool:
+        """True until `with_gptq` ran for a --weight-rounding gptq export."""
+        return self.options.weight_rounding == "gptq" and self.gptq is None
+
+
+def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
+    """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
+    _check_options(options)
+    inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file) if f)
+    from_file = {p: where for p, where in (read_keep_bf16_file(options.keep_bf16_file).items()
+                                           if options.keep_bf16_file else ()) if p not in options.keep_bf16}
+    check_output_path(out, inputs, flag="--out", force=options.force)  # before any work (atomic_output_dir checks again)
+    source = open_checkpoint(src, step=options.step, model_config=options.model_config,
+                             rope_layout=options.rope_layout)
+    spec = formats.get(options.format, options.quant)
+    plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
+                     keep_bf16=options.keep_bf16 + tuple(from_file),
+                     keep_bf16_origin=from_file)
+    block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
+    group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
+    _check_calibration_used(plan, options)
+    calibration_start = time.perf_counter()
+    ids = _calibration_ids(source, options)
+    input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
+    return ExportJob(source=source, out=out, options=options, inputs=inputs, spec=spec, plan=plan, block=block,
+                     group_amax=group_amax, calibration_ids=ids, input_amax=input_amax, input_amax_origin=origin,
+                     kv_amax=kv_amax, calibration=calibration,
+                     calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0)
+
+
+def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
+    """`job` with the GPTQ pass's records (spilled into `spill_dir`) and, where the job calibrates,
+    the input amax, K / V amax and router counts the same pass measured through the original layers."""
+    options, source, plan = job.options, job.source, job.plan
+    # The input amax (and K / V amax, router counts) of a GPTQ export come from the ORIGINAL layers
+    # (the pass's reference stream, exactly calibrate()'s values), not from the windows through the
+    # already-quantized earlier layers that GPTQ's Hessians see (what serving computes). Measured on
+    # the `small` preset (6 layers) trained 200 steps of 8 x 256 tokens on shakespeare train.txt, W4A4
+    # GPTQ, calibration 32 x 256 tokens of train.txt, held-out KL vs BF16 on 32 x 256 tokens of val.txt
+    # (`nvfp4tool export HF --quant nvfp4 --calib-data train.txt --calib-samples 32 --calib-seq-len 256
+    # --weight-rounding gptq`, then validate as scripts/accuracy_study.py does; BENCHMARKS.md):
+    #   original layers:  KL mean 0.0012987, p99 0.010216, top-1 96.39%, ppl +0.17%
+    #   quantized layers: KL mean 0.0013181, p99 0.010123, top-1 96.34%, ppl +0.13%
+    # the quantized path moves 14 of the 42 input amax (-0.7% .. +0.8%; the others are equal in BF16)
+    # and costs 1.5% more mean KL and some top-1 agreement (the study's metrics): a small margin, on
+    # one model and seed, but the measured better one, so the original layers' amax stays (and every
+    # export's bytes stay as they were).
+    calibrates_inputs = job.input_amax_origin == _CALIBRATED
+    start = time.perf_counter()
+    gptq = run_gptq(source.config, source.tensors, plan, job.group_amax, options.calib_data, spill_dir=spill_dir,
+                    samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
+                    offload=options.offload, method=options.scale_search, block=job.block, damp=options.gptq_damp,
+                    ids_SxL=job.calibration_ids, amax_names=plan.quantized if calibrates_inputs else None,
+                    kv_cache=job.kv_cache is not None)
+    record = provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors)
+    progress.info(f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
+                  f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)")
+    found = gptq.calibration
+    return dataclasses.replace(
+        job, gptq=gptq, gptq_record=record, gptq_seconds=time.perf_counter() - start,
+        input_amax=found.input_amax if calibrates_inputs else job.input_amax,
+        kv_amax=found.kv_amax if found is not None and found.kv_amax else job.kv_amax,
+        calibration=(_calibration_record(options, job.calibration_ids, found.routed_tokens) if calibrates_inputs
+                     else job.calibration))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_options(options: ExportOptions) -> None:
+    if options.kv_cache not in ("none", *formats.KV_CACHES):
+        raise NVFP4UsageError(f"unknown --kv-cache {options.kv_cache!r}; choose one of "
+                              f"{', '.join(('none', *formats.KV_CACHES))}")
+    if options.format not in formats.FORMATS:
+        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of "
+                             f"{', '.join(formats.FORMATS)}")
+    if options.scale_search not in METHODS:
+        raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of "
+                             f"{', '.join(METHODS)}")
+    if options.quant == "fp8" and options.scale_search != "rtn":
+        raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
+    if options.weight_rounding not in ("rtn", "gptq"):
+        raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
+    if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
+        raise NVFP4UsageError(f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
+                              f"(a fraction of the mean Hessian diagonal), got {options.gptq_damp}")
+    if options.weight_rounding == "gptq" and options.quant == "fp8":
+        raise NVFP4UsageError("--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or "
+                              "nvfp4-weight-only, not fp8")
+    if _kv(options) is not None and options.calib_data is None:
+        raise NVFP4UsageError(f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
+                              f"amax of every attention layer)")
+    if options.weight_rounding == "gptq" and options.calib_data is None:
+        raise NVFP4UsageError("--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
+                              "input comes from the calibration text)")
+    if options.weight_block not in (None, "1d", "2d"):
+        raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
+
+
+def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
+    """Fused group -> joint amax of its members' weights (first pass; also rejects non-finite:
+    a NaN must not vanish in `max(0.0, nan) == 0.0`, so each chunk is checked on its own)."""
+    result: dict[str, np.float32] = {}
+    for module in plan.quantized:
+        name = f"{module}.weight"
+        w = tensors.get(name)
+        rows = max(1, _AMAX_CHUNK_ELEMENTS // max(1, w.shape[-1]))
+        amax = np.float32(0.0)
+        for start in range(0, w.shape[0], rows):  # max|x| is exact in the source dtype
+            chunk_amax = np.float32(tensor_amax(jnp.asarray(w[start:start + rows])))
+            if not np.isfinite(chunk_amax):
+                raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
+            amax = max(amax, chunk_amax)
+        group = plan.group_of(module)
+        result[group] = np.float32(max(result.get(group, np.float32(0.0)), amax))
+        del w
+    return result
+
+
+def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids_SxL: np.ndarray | None):
+    """(input amax per quantized module or None, its origin, calibration record or None, K / V amax
+    per attention ({} without --kv-cache)): the run's tracked input amax unless --calib-data is
+    given (its windows `ids_SxL`); the KV cache is always calibrated. With --weight-rounding gptq
+    nothing runs here: the GPTQ pass measures what calibration would (`with_gptq`), the input amax
+    is left None when it is to be calibrated."""
+    kv_cache = _kv(options) is not None
+    gptq = options.weight_rounding == "gptq"
+    needs_inputs = plan.has_input_scales and bool(plan.quantized)
+    if needs_inputs and not kv_cache and options.input_amax is not None and options.calib_data is None:
+        given = dataclasses.replace(source, input_amax=dict(options.input_amax))
+        return _tracked_input_amax(given, plan)[0], "given (ExportOptions.input_amax)", None, {}
+    if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
+        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
+        if gptq:  # the GPTQ pass's record: the data it ran
+            return input_amax, origin, _calibration_record(options, ids_SxL), {}
+        if not kv_cache:
+            return input_amax, origin, None, {}
+        found = _calibration(source, [], options, ids_SxL, kv_cache=True)
+        return input_amax, origin, _calibration_record(options, ids_SxL), found.kv_amax
+    if options.calib_data is None:
+        raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
+                             "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
+    if gptq:
+        return None, _CALIBRATED, _calibration_record(options, ids_SxL), {}
+    found = _calibration(source, plan.quantized, options, ids_SxL, kv_cache=kv_cache)
+    return (found.input_amax, _CALIBRATED, _calibration_record(options, ids_SxL, found.routed_tokens),
+            found.kv_amax)
+
+
+def _calibration(source: Checkpoint, names, options: ExportOptions, ids_SxL: np.ndarray, *, kv_cache: bool):
+    from nvfp4tool.export.calibrate import calibrate
+
+    return calibrate(source.config, source.tensors, names, options.calib_data, samples=options.calib_samples,
+                     seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir, kv_cache=kv_cache,
+                     offload=options.offload, ids_SxL=ids_SxL)
+
+
+def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray | None:
+    """The calibration windows [S, L] read from --calib-data (None without it). The file may give
+    fewer windows or shorter ones than --calib-samples / --calib-seq-len ask (the samples are at
+    most that many; a library caller's default of 64 windows is common); that is said in one line
+    and recorded (`CalibrationRecord`: what ran and what was asked). Less than one token: refused."""
+    if options.calib_data is None:
+        return None
+    from nvfp4tool.export.calibrate import load_calibration_ids
+
+    ids = load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
+                               tokenizer_dir=source.aux_dir, vocab_size=source.config.vocab_size)
+    samples, seq_len = ids.shape
+    if (samples, seq_len) != (options.calib_samples, options.calib_seq_len):
+        progress.info(f"warning: {options.calib_data} gives {samples} calibration window(s) of {seq_len} tokens, "
+                      f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
+                      f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)")
+    return ids
+
+
+def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_tokens: dict[str, int] | None = None):
+    """The record of the calibration data and the windows that ran; `routed_tokens` when it
+    calibrated MoE experts' inputs."""
+    return provenance.calibration_record(options.calib_data, ids_SxL,
+                                         requested=(options.calib_samples, options.calib_seq_len),
+                                         routed_tokens=routed_tokens)
+
+
+def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
+    """--calib-data given where nothing uses it (no input scales to calibrate, no GPTQ, no KV
+    cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored. Checked
+    after the weight pass (the source's own errors come first), before any calibration or output."""
+    if options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None:
+        return
+    if plan.has_input_scales and plan.quantized:
+        return
+    why = (f"--quant {plan.quant} has no input scales" if not plan.has_input_scales
+           else "every linear module stays in BF16")
+    raise NVFP4UsageError(f"--calib-data {options.calib_data} would not be used: {why}, and neither "
+                          f"--weight-rounding gptq nor --kv-cache fp8 is asked; drop --calib-data (or add one of those)")
+
+
+def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str, float], str]:
+    """(the training run's tracked input amax of every quantized module, checked, "training run")."""
+    missing = [m for m in plan.quantized if m not in source.input_amax]
+    if missing:
+        raise NVFP4ToolError(f"{source.path}: no tracked input amax for {missing[0]} (it trained "
+                             f"in BF16?); keep it in BF16 or pass --calib-data")
+    bad = [m for m in plan.quantized if not (source.input_amax[m] > 0 and np.isfinite(source.input_amax[m]))]
+    if bad:
+        raise NVFP4ToolError(f"{source.path}: tracked input amax of {bad[0]} is "
+                             f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate")
+    return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run"
+
+
+def _kv(options: ExportOptions) -> str | None:
+    """The quantized KV cache to announce (`formats.KV_CACHES`), None for --kv-cache none."""
+    return None if options.kv_cache == "none" else options.kv_cache
+
+

@@ -1,0 +1,120 @@
+"""How an export quantizes one linear's weight: one interface, three implementations, chosen once.
+
+    quantizer = quantizer_for(plan, "rtn", "1d", group_amax, gptq=None)
+    done = quantizer.quantize("model.layers.0.mlp.up_proj", w_NxK)
+    done.roles["weight"], done.roles["block_scale"], done.roles["weight_global"]  # by role (`formats`)
+    done.errors   # its layer errors for the provenance record; done.amax: max |decoded weight|
+
+* `ScaleSearch`: NVFP4 round-to-nearest or a scale search (`scale_search.quantize_weight`: rtn /
+  4over6 / mse), the fused group's joint weight amax fixing the global scale;
+* `GPTQ`: the record the GPTQ pass (`gptq_pass.py`) already made from this weight, read back from
+  its spill folder, with its output errors;
+* `FP8`: per-tensor E4M3 (the weight in one piece).
+Every implementation returns the weight's values by role, the global scale as the decode scale
+S_dec the numerics decode with; the input scale is not the weight's: the writer adds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from nvfp4tool.export.gptq_pass import GPTQResult
+from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.export.scale_search import quantize_weight
+from nvfp4tool.numerics import NVFP4Array, dequantize_fp8, nvfp4_global_scales, quantize_fp8
+from nvfp4tool.numerics.constants import E4M3_MAX
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear's quantized weight: its values by role, its layer errors, its decoded amax."""
+
+    roles: dict[str, np.ndarray]  # "weight", "weight_global" (+ "block_scale" for NVFP4)
+    errors: dict[str, float]  # the provenance's LayerErrorRecord fields
+    amax: float  # max |decoded weight| (recorded with the stored weight tensor)
+
+
+class WeightQuantizer(Protocol):
+    """Quantizes the weight `w_NxK` of the linear `module`."""
+
+    def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleSearch:
+    """NVFP4 with round-to-nearest codes and the scales `method` picks (rtn / 4over6 / mse)."""
+
+    method: str
+    block: str  # 1d | 2d
+    plan: ExportPlan
+    group_amax: dict[str, np.float32]  # fused group -> joint weight amax (one global scale per GEMM)
+
+    def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
+        q, error = quantize_weight(w_NxK, method=self.method, block=self.block,
+                                   global_amax=self.group_amax[self.plan.group_of(module)], name=f"{module}.weight")
+        errors = {"rel_l2": error.rel_l2}
+        if self.method != "rtn":
+            errors.update(rtn_rel_l2=error.rtn_rel_l2, reduction_vs_rtn=error.reduction_vs_rtn)
+        return QuantizedWeight(_nvfp4_roles(q), errors, error.decoded_amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQ:
+    """NVFP4 with the codes the GPTQ pass chose (its records, spilled; made from this same weight)."""
+
+    result: GPTQResult
+
+    def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
+        q, error = self.result.records.get(module), self.result.errors[module]
+        return QuantizedWeight(_nvfp4_roles(q), {"rel_l2": error.rel_l2, "output_rel_err": error.output_rel_err,
+                                                 "rtn_output_rel_err": error.rtn_output_rel_err},
+                               error.decoded_amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8:
+    """FP8 E4M3 with one per-tensor scale (amax / 448)."""
+
+    def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
+        q = quantize_fp8(w_NxK, fmt="e4m3", granularity="tensor", name=f"{module}.weight")
+        w32 = np.asarray(w_NxK, np.float32)
+        decoded = np.asarray(dequantize_fp8(q))
+        norm = float(np.linalg.norm(w32))
+        err = float(np.linalg.norm(decoded - w32)) / norm if norm else 0.0
+        amax = float(np.max(np.abs(decoded))) if decoded.size else 0.0
+        roles = {"weight": np.asarray(q.data), "weight_global": np.asarray(q.scale, np.float32).reshape(())}
+        return QuantizedWeight(roles, {"rel_l2": err}, amax)
+
+
+def quantizer_for(plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32],
+                  gptq: GPTQResult | None) -> WeightQuantizer:
+    """The one quantizer of an export: FP8 for --quant fp8, GPTQ's records when the pass ran, else
+    the scale search."""
+    if plan.quant == "fp8":
+        return FP8()
+    if gptq is not None:
+        return GPTQ(gptq)
+    return ScaleSearch(scale_search, block, plan, group_amax)
+
+
+def nvfp4_decode_scale(amax: float | np.ndarray) -> np.ndarray:
+    """S_dec = fl(1 / fl(2688 / amax)) as an fp32 scalar: the value the numerics decode with (not
+    fl(amax / 2688), which differs in the last bit for ~1 in 6 amax values), so the stored bytes
+    decode exactly to `dequantize_nvfp4` of the record."""
+    return np.asarray(nvfp4_global_scales(np.float32(amax))[1], np.float32).reshape(())
+
+
+def input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
+    """Static activation decode scale: NVFP4 S_dec of the input amax, or amax / 448 for FP8."""
+    if quant == "fp8":
+        scale = np.float32(input_amax) / np.float32(E4M3_MAX)
+        return np.asarray(scale if scale > 0 else np.float32(1.0), np.float32).reshape(())
+    return nvfp4_decode_scale(input_amax)
+
+
+def _nvfp4_roles(q: NVFP4Array) -> dict[str, np.ndarray]:
+    return {"weight": np.asarray(q.packed), "block_scale": np.asarray(q.scales),
+            "weight_global": nvfp4_decode_scale(q.global_amax)}

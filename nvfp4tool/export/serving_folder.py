@@ -1,0 +1,100 @@
+"""The one writer of serving folders: shards, index, configs and the provenance tensor records.
+
+    folder = ServingFolder(tmp, source_label=src)
+    records = folder.write_shards([(file_name, [(name, dtype, shape), ...]), ...], load, amax=amax_of)
+    folder.write_index({"metadata": {"total_size": n}}, records)   # None: a single-file export
+    folder.write_configs(hf_config, spec, exclude, kv_cache)
+    folder.copy_files(paths)
+    folder.write_record(record_with(records))
+
+Export (`writer.py`) and convert-format (`convert_format.py`) both write through this: they decide
+what goes where (export: its shard plan and quantized modules; convert-format: the source's shards
+with names and roles mapped from one layout to the other), this writes it. Each tensor is loaded
+once by `load(name)` (one module's tensors held at a time: the caller's loader caches them) and
+streamed into its shard (`converters.hf.write_safetensors`); as it is written, its `TensorRecord`
+(file, dtype code, shape, sha256 of its bytes, and `amax(name)`: the decoded amax of a quantized
+weight, else None) is kept for the provenance record. config.json carries the layout's
+`quantization_config` (`LayoutSpec.quantization_config`) and ModelOpt's hf_quant_config.json is
+written when the layout has one; JSON files are written with indent 2, as always.
+"""
+
+from __future__ import annotations
+
+import json
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from converters.hf import INDEX_FILE, SAFETENSORS_CODES, write_safetensors
+from nvfp4tool import formats
+from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.records.export import ExportRecord, TensorRecord
+
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype name, shape) in file order
+
+
+class ServingFolder:
+    """A serving folder being written into `folder` (a temporary output folder: see the module
+    docstring); `source_label` names the source in a loaded tensor's dtype / shape error."""
+
+    def __init__(self, folder: str, *, source_label: str) -> None:
+        self.folder, self.source_label = folder, source_label
+
+    def write_shards(self, shards: Iterable[tuple[str, Layout]], load: Callable[[str], np.ndarray], *,
+                     amax: Callable[[str], float | None] = lambda name: None) -> dict[str, TensorRecord]:
+        """Write each (file name, layout) shard tensor by tensor; returns every written tensor's
+        record, in write order."""
+        records: dict[str, TensorRecord] = {}
+        for file_name, layout in shards:
+            def record(name: str, file_name: str = file_name) -> np.ndarray:
+                array = load(name)
+                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                records[name] = TensorRecord(file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name],
+                                             shape=tuple(int(d) for d in array.shape),
+                                             sha256=hashlib.sha256(data).hexdigest(), amax=amax(name))
+                return array
+
+            write_safetensors(os.path.join(self.folder, file_name), layout, record, source_label=self.source_label)
+        return records
+
+    def write_index(self, index: dict[str, Any] | None, records: dict[str, TensorRecord]) -> None:
+        """The shard index `index` (its other keys kept in their order) with the weight map of
+        `records`; None: no index (a single-file folder)."""
+        if index is not None:
+            weight_map = {name: r.file for name, r in records.items()}
+            write_json(os.path.join(self.folder, INDEX_FILE), {**index, "weight_map": weight_map})
+
+    def write_configs(self, hf_config: dict[str, Any], spec: LayoutSpec, exclude, kv_cache: str | None) -> None:
+        """config.json (`hf_config` with the layout's quantization_config) and, when the layout has
+        one, hf_quant_config.json, both announcing `exclude` (BF16 modules) and `kv_cache`."""
+        hf = dict(hf_config)
+        hf["quantization_config"] = spec.quantization_config(exclude, kv_cache)
+        write_json(os.path.join(self.folder, formats.CONFIG_FILE), hf)
+        hf_quant = spec.hf_quant_config(exclude, {"name": "nvfp4tool", "version": _version()}, kv_cache)
+        if hf_quant is not None:
+            write_json(os.path.join(self.folder, formats.HF_QUANT_CONFIG_FILE), hf_quant)
+
+    def copy_files(self, paths: Iterable[str]) -> None:
+        """Copy each file (tokenizer, generation config, ...) into the folder, metadata kept."""
+        for path in paths:
+            shutil.copy2(path, os.path.join(self.folder, os.path.basename(path)))
+
+    def write_record(self, record: ExportRecord | None) -> None:
+        """The provenance record (`nvfp4tool_export.json`), when there is one."""
+        if record is not None:
+            record.write(self.folder)
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def _version() -> str:
+    import nvfp4tool
+
+    return nvfp4tool.__version__
