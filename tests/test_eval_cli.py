@@ -145,3 +145,34 @@ def test_a_task_file_takes_its_fields_from_its_include(tmp_path):
     (tmp_path / "bad.yaml").write_text("include: _missing.yaml\ntask: bad\n")
     with pytest.raises(NVFP4ToolError, match="_missing.yaml: cannot read"):
         _task_file(str(tmp_path / "bad.yaml"))
+
+
+def test_lm_eval_mmlu_pro_and_gsm8k_cot_run_offline_from_local_parquet(tmp_path):
+    """README's offline MMLU-Pro / GSM8K-CoT files: lm-eval's own task files included, the data
+    from local parquet (stand-ins in each schema here); both resolve and build without a network."""
+    import os
+
+    import lm_eval
+    import pandas as pd
+
+    from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
+
+    tasks = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
+    mmlu = [{"question_id": i, "question": f"What is {i} + 1?", "options": [str(i + 1), str(i), str(i + 2)],
+             "answer": "A", "answer_index": 0, "cot_content": "A: The answer is (A).", "category": "math",
+             "src": "stand-in"} for i in range(7)]
+    gsm = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    for name, rows in (("test", mmlu), ("validation", mmlu), ("gsm_test", gsm), ("gsm_train", gsm)):
+        pd.DataFrame(rows).to_parquet(tmp_path / f"{name}.parquet")
+    (tmp_path / "mmlu_pro_math_local.yaml").write_text(
+        f"include: {tasks}/mmlu_pro/mmlu_pro_math.yaml\ntask: mmlu_pro_math_local\ndataset_path: parquet\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/test.parquet\n"
+        f"    validation: {tmp_path}/validation.parquet\n")
+    (tmp_path / "gsm8k_cot_local.yaml").write_text(
+        f"include: {tasks}/gsm8k/gsm8k-cot.yaml\ntask: gsm8k_cot_local\ndataset_path: parquet\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/gsm_test.parquet\n    train: {tmp_path}/gsm_train.parquet\n")
+    names, manager = resolve_tasks((str(tmp_path / "mmlu_pro_math_local.yaml"), str(tmp_path / "gsm8k_cot_local.yaml")))
+    built = _build_tasks(names, manager)
+    assert {n: len(list(t.eval_docs)) for n, t in built.items()} == {"mmlu_pro_math_local": 7, "gsm8k_cot_local": 3}
+    assert {t.config.output_type for t in built.values()} == {"generate_until"}
+    assert built["mmlu_pro_math_local"].config.num_fewshot == 5  # lm-eval's own settings, kept
