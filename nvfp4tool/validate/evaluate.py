@@ -319,12 +319,12 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
             generative.append(name)
             if how.sample:
                 sampled.append(name)
-            wanted = how.max_gen_toks
             if options.offload == "always":
                 raise NVFP4UsageError(f"--offload always: task {name} generates text, which needs each model held "
                                       "whole (--offload auto or never)")
-            if int(wanted) >= options.max_length:
-                raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to {wanted} "
+            if how.max_gen_toks >= options.max_length:
+                raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to "
+                                      f"{how.max_gen_toks} "
                                       "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
     if options.gen_kwargs and not generative:
         raise NVFP4UsageError(f"--gen-kwargs: none of the tasks ({', '.join(tasks)}) generates text")
@@ -363,23 +363,20 @@ def _quiet_lm_eval() -> Iterator[None]:
     import lm_eval.evaluator
     import tqdm
 
-    logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    from unittest import mock
+
     def quiet(*args, **kwargs):  # lm-eval passes its own disable=False to some bars
         return tqdm.tqdm(*args, **{**kwargs, "disable": True})
 
-    patched = [(lm_eval.api.task, "tqdm", quiet), (lm_eval.api.model, "tqdm", quiet),
-               (lm_eval.evaluator, "get_git_commit_hash", lambda: None)]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    for module, name, value in patched:
-        setattr(module, name, value)
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
-        yield
+        with mock.patch.object(lm_eval.api.task, "tqdm", quiet), mock.patch.object(lm_eval.api.model, "tqdm", quiet), \
+                mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+            yield
     finally:
         logger.setLevel(level)
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, step: int | None = None

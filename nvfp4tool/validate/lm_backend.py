@@ -273,6 +273,7 @@ class NVFP4ToolLM(TemplateLM):
         by_bucket: dict[int, list[int]] = {}
         for i in sorted(answered_by, key=lambda i: -len(rows[i][0])):
             by_bucket.setdefault(buckets(len(rows[i][0]), self.max_length), []).append(i)
+        answered = 0
         with progress.task("loglikelihood", total=len(rows), unit="request") as task:
             for length, members in by_bucket.items():
                 pad = -len(members) % self.batch_size
@@ -288,8 +289,8 @@ class NVFP4ToolLM(TemplateLM):
                         for i in answered_by[members[start + b]]:
                             results[i] = _score(logits[b], *rows[i])
                             done += 1
-                    rate = (sum(r is not None for r in results)) / (time.perf_counter() - started)
-                    task.advance(done, fields={"requests/s": f"{rate:.1f}"})
+                    answered += done
+                    task.advance(done, fields={"requests/s": f"{answered / (time.perf_counter() - started):.1f}"})
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -331,11 +332,12 @@ class NVFP4ToolLM(TemplateLM):
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
         key = jax.random.key(self.seed)
+        answered = 0
         with progress.task("generate", total=len(requests), unit="request") as task:
             for members in groups.values():
                 how = decoding(requests[members[0]].args[1], self.max_gen_toks)
                 until = handle_stop_sequences(how.until, eos=eos)
-                max_gen, sample, temperature, top_k = how.max_gen_toks, how.sample, how.temperature, how.top_k
+                max_gen = how.max_gen_toks
                 if max_gen >= self.max_length:
                     raise NVFP4UsageError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
                 encoded = {i: self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
@@ -353,8 +355,8 @@ class NVFP4ToolLM(TemplateLM):
                     key, step_key = jax.random.split(key)
                     with progress.compiling(f"{self.variant.label} generation", key=("generate", length, max_gen)):
                         tokens = np.asarray(generate(held, jnp.asarray(ids), max_gen, attention_mask=mask,
-                                                     greedy=not sample, temperature=temperature,
-                                                     top_k=None if top_k is None else int(top_k), key=step_key,
+                                                     greedy=not how.sample, temperature=how.temperature,
+                                                     top_k=how.top_k, key=step_key,
                                                      eos_token_id=self.eot_token_id, linear=served_linear,
                                                      kv=self.variant.gen_kv or _default_kv()))
                     for r, i in enumerate(chunk):
@@ -368,8 +370,8 @@ class NVFP4ToolLM(TemplateLM):
                             (self.tok_encode(text) if text != decoded else row, not ended and text == decoded))
                         results[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                    rate = sum(r is not None for r in results) / (time.perf_counter() - started)
-                    task.advance(len(chunk), fields={"requests/s": f"{rate:.2f}"})
+                    answered += len(chunk)
+                    task.advance(len(chunk), fields={"requests/s": f"{answered / (time.perf_counter() - started):.2f}"})
         self._count("generate_until", len(requests), started)
         return results  # type: ignore[return-value]
 
