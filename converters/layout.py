@@ -74,12 +74,12 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import MAXTEXT_FAMILIES
 
 ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
 SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
-MAXTEXT_FAMILIES = ("llama", "mistral", "qwen3_moe", "mixtral")
 _SCALED_QUERY = ("llama", "mistral", "mixtral")  # attention with scale 1: the kernel carries 1/sqrt(D)
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 

@@ -47,6 +47,7 @@ from converters.layout import ROPE_LAYOUTS
 from converters.tensor_source import DictTensorSource, TensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import LM_HEAD
 from nvfp4tool.run.records import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
 
 
@@ -239,7 +240,7 @@ def _open_run(run_dir: str, step: int | None) -> Checkpoint:
     files = sorted(glob.glob(os.path.join(glob.escape(hf_dir), "*.safetensors")))
     if step is not None:
         source, input_amax, files = _restore_step(run_dir, step, source)
-    if all(p == "bf16" for n, p in pmap.items() if n != "lm_head"):
+    if all(p == "bf16" for n, p in pmap.items() if n != LM_HEAD):
         # A BF16 run trained nothing in low precision and tracked no input amax: its export is
         # post-training quantization with the default plan (calibrate with --calib-data).
         pmap, input_amax = None, None

@@ -5,10 +5,11 @@ test oracle and its own E2M1 nearest-code rounding; its output error against RTN
 from __future__ import annotations
 
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 
-import nvfp4_oracle as oracle
-from nvfp4tool.export.gptq import block_order, gptq_quantize, hessian_key
+from nvfp4tool.export.gptq import block_order, gptq_quantize
+from nvfp4tool.families import hessian_group as hessian_key
 from nvfp4tool.numerics import dequantize_nvfp4, quantize_nvfp4
 
 F32 = np.float32

@@ -16,7 +16,7 @@ publish) with the shared leaves at the bottom and the CLI at the top:
     memory               available memory and the offload decision
     numerics             all NVFP4/FP8 math
     records              the typed files stages hand each other (base reader, export, validation)
-    config               ModelConfig (HF config.json)
+    families, config     the model families (their facts, the module table) and ModelConfig (HF config.json)
     converters           the checkpoint formats: HF safetensors and MaxText readers/writers, the
                          name/layout table, atomic output folders (a top-level package)
     formats              the serving layouts (LayoutSpec), declared once
@@ -51,7 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvfp4tool.memory",),
     ("nvfp4tool.numerics",),
     ("nvfp4tool.records",),
-    ("nvfp4tool.config",),
+    ("nvfp4tool.families", "nvfp4tool.config"),
     ("converters",),
     ("nvfp4tool.formats",),
     ("nvfp4tool.model",),

@@ -11,18 +11,18 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, build_exports
 
 from converters.hf import HFFolderSource
 from nvfp4tool.export.provenance import sha256_file
 from nvfp4tool.export.simulate import served_linear
+from nvfp4tool.families import group_glob as group_pattern
 from nvfp4tool.model.layerwise import LayerwiseModel, Plain
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from nvfp4tool.validate.runner import Candidate, ValidateOptions, open_inputs, run_validation
-from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, group_pattern, sensitivity
-from validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, build_exports
+from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, sensitivity
 
 GEN_TOKENS = 12
 

@@ -30,8 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from nvfp4tool.formats import FolderLayout, LayoutSpec
-
+from nvfp4tool import progress
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
 from nvfp4tool.check.formats import CONFIG, QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
 from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
@@ -39,16 +38,13 @@ from nvfp4tool.check.model import attention_modules, check_against_model, check_
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
-from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import fused_group, is_embedding, projection_of
+from nvfp4tool.formats import FolderLayout, LayoutSpec
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
 FP8_BITS = 8.0
-_EMBEDDING = re.compile(r"embed|(^|\.)(wte|wpe)$")
-_FUSED = re.compile(r"^(?P<prefix>.+)\.(?:(?P<qkv>q|k|v)_proj|(?P<gate_up>gate|up)_proj|(?P<w13>w1|w3))$")
-_COLUMN_PARALLEL = re.compile(r"(^|\.)((q|k|v|gate|up|qkv|gate_up)_proj|w1|w3)$")
-_ROW_PARALLEL = re.compile(r"(^|\.)((o|down)_proj|w2)$")
 
 
 def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> CheckReport:
@@ -135,7 +131,7 @@ def _check_module(module: str, tensors: dict[str, TensorEntry], layout: FolderLa
     """Exclusion consistency of one module, and the full checks when it is quantized."""
     spec = layout.spec
     weight = tensors.get(spec.suffix("weight"), tensors.get("weight"))
-    is_linear = weight is not None and len(weight.shape) == 2 and not _EMBEDDING.search(module)
+    is_linear = weight is not None and len(weight.shape) == 2 and not is_embedding(module)
     low_precision_weight = weight is not None and weight.code in ("U8", E4M3_CODE)
     quant_tensors = [s for s in QUANT_SUFFIXES if s in tensors]
     is_quantized = bool(quant_tensors) or low_precision_weight
@@ -305,13 +301,15 @@ def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...],
     """Column-parallel layers split N, row-parallel layers split K (each shard's K a multiple of
     `k_multiple`)."""
     problems = []
+    projection = projection_of(module)
+    split = "none" if projection is None else projection.split
     for t in tp:
         if t == 1:
             continue
-        if _COLUMN_PARALLEL.search(module) and n % t:
+        if split == "column" and n % t:
             problems.append(Problem(module, tensor, f"column-parallel N = {n} does not split into "
                                                     f"{t} equal shards (TP {t})"))
-        if _ROW_PARALLEL.search(module) and (k % t or (k // t) % k_multiple):
+        if split == "row" and (k % t or (k // t) % k_multiple):
             problems.append(Problem(module, tensor, f"row-parallel K = {k} at TP {t} gives shards of "
                                                     f"K = {k / t:g}, not a multiple of {k_multiple}"))
     return problems
@@ -323,10 +321,9 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
     scales (vLLM takes the max without rescaling block scales) and must all be quantized or none."""
     groups: dict[str, list[str]] = {}
     for module in status:
-        match = _FUSED.match(module)
-        if match:
-            kind = next(k for k in ("qkv", "gate_up", "w13") if match.group(k))
-            groups.setdefault(f"{match.group('prefix')}.{kind}", []).append(module)
+        group = fused_group(module)
+        if group != module:
+            groups.setdefault(group, []).append(module)
     problems = []
     for group, members in groups.items():
         states = {m: status[m] for m in members}

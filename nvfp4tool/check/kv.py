@@ -15,16 +15,15 @@ value, whether it passed) for the report's table and JSON.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from nvfp4tool.check.files import TensorEntry, read_small
 from nvfp4tool.check.report import KVScaleStats, Problem
+from nvfp4tool.families import attention_of
 from nvfp4tool.formats import SPECS, FolderLayout
 
-_ATTENTION = re.compile(r"^(?P<attention>.*\.self_attn)\.")
 # Every layout's KV-scale naming (to recognise scales under either layout's names).
 _KV_SPECS = tuple(dict.fromkeys(spec.kv_scales for spec in SPECS.values()))
 # The last name component of a KV scale in any layout (judged here, not by the generic data scan).
@@ -39,7 +38,7 @@ def check_kv_scales(entries: Mapping[str, TensorEntry], layout: FolderLayout,
     kv = layout.spec.kv_scales
     announced = layout.kv_cache is not None
     if attentions is None:
-        attentions = sorted({m.group("attention") for n in entries if (m := _ATTENTION.match(n))})
+        attentions = sorted({a for n in entries if (a := attention_of(n)) is not None})
     problems: list[Problem] = []
     checked: list[KVScaleStats] = []
     expected = set()

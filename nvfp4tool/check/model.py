@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Collection, Mapping
 
 from nvfp4tool.check.files import TensorEntry
@@ -33,10 +32,8 @@ from nvfp4tool.check.formats import CONFIG
 from nvfp4tool.check.report import CONFIG_LEVEL, ModuleStats, Problem
 from nvfp4tool.config import ModelConfig, read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import LM_HEAD, expert_of, layer_index
 from nvfp4tool.formats import LayoutSpec
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(?P<block>model\.layers\.\d+\.\w+)\.experts\.(?P<expert>\d+)\.")
 
 
 def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig | None, list[Problem]]:
@@ -56,7 +53,7 @@ def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig |
 
 def attention_modules(config: ModelConfig) -> list[str]:
     """The attention module of every decoder layer of `config`'s model (where KV-cache scales go)."""
-    return [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
+    return list(config.modules.attentions)
 
 
 def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
@@ -107,13 +104,13 @@ def _extra_tensors(config: ModelConfig, entries: Mapping[str, TensorEntry],
 
 def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
     refused = "engines refuse (vLLM) or silently drop (transformers) a tensor the model lacks"
-    layer = _LAYER.match(name)
-    if layer and int(layer.group(1)) >= config.num_layers:
-        return (f"layer {layer.group(1)}, but {CONFIG}'s model has {config.num_layers} layers "
+    layer = layer_index(name)
+    if layer is not None and layer >= config.num_layers:
+        return (f"layer {layer}, but {CONFIG}'s model has {config.num_layers} layers "
                 f"(num_hidden_layers = {config.num_layers}, layers 0..{config.num_layers - 1}): {refused}")
-    expert = _EXPERT.match(name)
-    if expert and layer:
-        i, e = int(layer.group(1)), int(expert.group("expert"))
+    expert = expert_of(name)
+    if expert is not None and layer is not None:
+        i, e = layer, expert[1]
         if not config.is_sparse_layer(i):
             return (f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
                     f"mlp_only_layers, or not a mixture-of-experts family): {refused}")
@@ -121,7 +118,7 @@ def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
             key = config.hf_experts_key or "num_experts"
             return (f"expert {e}, but {CONFIG}'s model has {config.num_experts} experts per sparse layer "
                     f"({key} = {config.num_experts}, experts 0..{config.num_experts - 1}): {refused}")
-    if name == "lm_head.weight" and config.tie_word_embeddings:
+    if name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
         return (f"{CONFIG} ties lm_head to the embedding (tie_word_embeddings = true), so the model has no "
                 f"lm_head.weight: {refused}")
     return (f"not a tensor of {CONFIG}'s {config.family} model, nor a {spec.label} quantization tensor of "

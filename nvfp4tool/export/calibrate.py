@@ -41,6 +41,7 @@ from converters.tensor_source import TensorSource
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import is_router
 from nvfp4tool.model.layerwise import LayerwiseModel
 from nvfp4tool.model.transformer import route
 from nvfp4tool.model.weights import model_from_tensors
@@ -87,17 +88,17 @@ class Tally:
 
     def __init__(self, config: ModelConfig, names: Sequence[str], *, kv_cache: bool) -> None:
         self.names = list(names)
-        self.attentions = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)] if kv_cache else []
+        self.attentions = list(config.modules.attentions) if kv_cache else []
         self.amax = {n: np.zeros(2 if n in self.attentions else 1) for n in (*self.names, *self.attentions)}
         self.seen: set[str] = set()
         self.routers = config.router_names()  # in layer order, and so is `routed`
-        self.routed = {f"{r.removesuffix('.gate')}.experts.{e}": 0 for r in self.routers
-                       for e in range(config.num_experts)}
+        self._experts = {r: config.modules.experts(r) for r in self.routers}
+        self.routed = {expert: 0 for r in self.routers for expert in self._experts[r]}
 
     def record(self, name: str, value) -> None:
         if name in self.routers:
-            for e, count in enumerate(np.asarray(value)):
-                self.routed[f"{name.removesuffix('.gate')}.experts.{e}"] += int(count)
+            for expert, count in zip(self._experts[name], np.asarray(value)):
+                self.routed[expert] += int(count)
         elif name in self.amax:
             self.seen.add(name)
             self.amax[name] = np.maximum(self.amax[name], np.asarray(value, np.float64).reshape(-1))
@@ -179,18 +180,18 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
 
 @dataclasses.dataclass(frozen=True)
 class InputAmax:
-    """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input; a router (a linear named
-    `*.{router}`) records instead how many tokens `route` sends to each expert. Every sparse MLP
-    runs all its experts on all tokens (`routes_all_experts`)."""
+    """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input; a router (`families.is_router`)
+    records instead how many tokens `route` sends to each expert. Every sparse MLP runs all its
+    experts on all tokens (`routes_all_experts`)."""
 
-    router: str | None = None  # "mlp.gate" / "block_sparse_moe.gate"; None: a dense model
+    routes: bool = False  # the model has routers (a MoE model)
     top_k: int = 0
     routes_all_experts: ClassVar[bool] = True
 
     @classmethod
     def of(cls, config: ModelConfig) -> InputAmax:
         """The tap for `config`'s model (its routers, if it is a MoE model)."""
-        return cls(router=f"{config.expert_block}.gate" if config.is_moe else None, top_k=config.num_experts_per_tok)
+        return cls(routes=config.is_moe, top_k=config.num_experts_per_tok)
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)
@@ -198,7 +199,7 @@ class InputAmax:
 
     def measure(self, x, y, *, name):
         """The record of the linear `name` whose input is `x` and output `y`."""
-        if self.router is not None and name.endswith(f".{self.router}"):
+        if self.routes and is_router(name):
             _, chosen_BxTxN = route(y, self.top_k, normalize=False)  # the choice ignores normalisation
             return jnp.sum(chosen_BxTxN, axis=(0, 1), dtype=jnp.int32)
         return tensor_amax(x.astype(GEMM_INPUT_DTYPE))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,6 @@ from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.numerics import NVFP4Array
 from nvfp4tool.numerics.blocks import flush_subnormal
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
-from nvfp4tool.recipes.precision import fused_group
 
 BLOCK_COLUMNS = 128  # columns per lazy-batch block
 DEFAULT_DAMP = 0.05
@@ -64,13 +62,6 @@ class GPTQError:
     output_rel_err: float  # sqrt(tr(D H D^T) / tr(W H W^T)), D = w - decode(q)
     rtn_output_rel_err: float  # the same for nearest rounding with the same scales
     decoded_amax: float  # max |decode(q)|
-
-
-def hessian_key(module: str) -> str:
-    """The input a linear reads, as the Hessian it shares: its fused group (q/k/v, gate/up), and
-    one for the gate/up of all experts of a MoE layer (all-experts calibration gives every expert
-    every token of its layer, so their inputs are the same)."""
-    return re.sub(r"\.experts\.\d+\.gate_up$", ".experts.gate_up", fused_group(module))
 
 
 def block_order(diag_K: np.ndarray) -> np.ndarray:

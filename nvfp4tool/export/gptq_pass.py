@@ -11,7 +11,7 @@ layer i with its ORIGINAL weights while a tap accumulates X^T X (fp32) of each l
 then layer i's quantized linears are GPTQ-quantized (`gptq.py`) with those Hessians; then the
 windows go through layer i again with the quantized (decoded) weights (a tap that records nothing)
 to make layer i+1's inputs, so layer i+1's Hessians see the already-quantized earlier layers.
-Linears reading the same input share one Hessian (`gptq.hessian_key`: q/k/v, gate/up; in a MoE
+Linears reading the same input share one Hessian (`families.hessian_group`: q/k/v, gate/up; in a MoE
 layer the gate/up of all experts, since the tap asks every expert to run on every token of its
 layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
 down_proj has its own, over all tokens).
@@ -47,8 +47,10 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.calibrate import (BATCH, Calibration, InputAmax, KVAmax, Tally, check_calibrated,
                                         load_calibration_ids, open_bf16_model)
-from nvfp4tool.export.gptq import GPTQError, gptq_quantize, hessian_key
+from nvfp4tool.export.gptq import GPTQError, gptq_quantize
 from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.families import hessian_group as hessian_key
+from nvfp4tool.families import split_layer
 from nvfp4tool.model.layerwise import layer_modules
 from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
@@ -111,8 +113,8 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
 
     def replace(layer: int) -> dict[str, np.ndarray]:
         new = {}
-        prefix = f"model.layers.{layer}."
-        for module in (m for m in plan.quantized if m.startswith(prefix)):
+        in_layer = set(config.modules.in_layer(layer))
+        for module in (m for m in plan.quantized if m in in_layer):
             h = hessians.get(hessian_key(module))
             if h is None:
                 raise NVFP4ToolError(f"GPTQ: {module} was never called by the model")
@@ -123,7 +125,7 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
                                      global_amax=group_amax[plan.group_of(module)], name=name)
             records.put(module, q)
             errors[module] = error
-            new[f"{name[len(prefix):]}"] = np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
+            new[split_layer(name)[1]] = np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
         hessians.clear()
         return new
 

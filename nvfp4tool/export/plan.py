@@ -5,7 +5,8 @@
     plan.excluded        # ("lm_head", ...): listed in exclude_modules / ignore, ship nothing quantized
     plan.groups          # {"model.layers.0.self_attn.qkv": ("...q_proj", "...k_proj", "...v_proj")}
 
-Rules: `lm_head` and MoE routers (`*.mlp.gate`, `*.block_sparse_moe.gate`) are never quantized (embeddings and norms are not linears and never are); with a
+Rules: `lm_head` and MoE routers (the module table's `keep_dtype` rows) are never quantized
+(embeddings and norms are not linears and never are); with a
 training run's precision map, the modules it trained in BF16 stay BF16; `keep_bf16` fnmatch
 patterns exclude more. A fused group (q/k/v, gate/up) is one GEMM in serving engines, so it is
 quantized whole or not at all: excluding one member excludes the group.
@@ -25,9 +26,9 @@ from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import fused_group
 from nvfp4tool.formats import QUANTS
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
-from nvfp4tool.recipes.precision import fused_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,9 @@ def make_plan(config: ModelConfig, quant: str, *, precision_map: Mapping[str, st
     if unused:
         raise NVFP4UsageError(f"--keep-bf16 {unused[0]!r} matches no linear module of the model "
                               f"(e.g. {names[0]}); patterns are fnmatch over full module names")
-    routers = set(config.router_names())
+    always = config.modules.kept()  # lm_head, routers
     keep = {n for n in names
-            if n == "lm_head" or n in routers
+            if n in always
             or (precision_map is not None and precision_map[n] == "bf16")
             or any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     kept_groups = {fused_group(n) for n in keep}

@@ -190,14 +190,15 @@ class ExportedModel:
     def kv_scales(self, layer: int) -> KVScales:
         """The stored (k scale, v scale) of attention layer `layer`, fp32 [] each (an export with
         an FP8 KV cache)."""
-        names = self._spec.kv_scales.names(f"model.layers.{layer}.self_attn")
+        names = self._spec.kv_scales.names(self.config.modules.attention(layer))
         k_scale, v_scale = (np.asarray(self._source.get(n), np.float32).reshape(()) for n in names)
         return k_scale, v_scale
 
     def served_kv(self) -> ServedKV:
         """The KV seam of this export's FP8 KV cache, for a whole model (e.g. generation)."""
-        return ServedKV(tuple((f"model.layers.{i}.self_attn", *map(float, self.kv_scales(i)))
-                              for i in range(self.config.num_layers)))
+        modules = self.config.modules
+        return ServedKV(tuple((modules.attention(i), *map(float, self.kv_scales(i)))
+                              for i in range(self.config.num_layers) if modules.attention(i) is not None))
 
     def dequantized(self, module: str) -> np.ndarray:
         """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""

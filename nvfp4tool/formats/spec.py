@@ -38,6 +38,7 @@ import numpy as np
 
 from converters.hf import SAFETENSORS_DTYPES
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import is_attention
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
@@ -85,7 +86,7 @@ class KVScaleSpec:
         """(attention module, "k" | "v") when `name` is a KV scale in this layout, else None."""
         for which, suffix in (("k", self.k_suffix), ("v", self.v_suffix)):
             attention = name.removesuffix(f".{suffix}")
-            if attention != name and attention.endswith(".self_attn"):
+            if attention != name and is_attention(attention):
                 return attention, which
         return None
 

@@ -49,15 +49,16 @@ from flax import nnx
 
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families import BASE_MODEL, LM_HEAD, layer_index, layer_prefix
+from nvfp4tool.model.attention import AttentionMask
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, routes_all_experts
-from nvfp4tool.model.attention import AttentionMask
 from nvfp4tool.model.sharding import model_mesh, replicated, shard
 from nvfp4tool.model.transformer import Block, CausalLM, default_positions, embed, lm_logits, rope
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 
-STAR = "model.layers.*"  # the layer prefix of the names a block program sees
+STAR = layer_prefix("*")  # the layer prefix of the names a block program sees
 
 
 class Tap(Protocol):
@@ -132,14 +133,13 @@ class LayerwiseModel:
         outer = nnx.eval_shape(lambda: CausalLM(config, param_dtype=jnp.float32, compute_dtype=compute_dtype))
         outer.layers = nnx.List([])
         for name in config.expected_tensor_shapes():
-            if not name.startswith("model.layers."):
-                _variable(outer, name.removeprefix("model.") if name.startswith("model.") else name
-                          ).set_value(as_param(source.get(name), None, mesh))
+            if layer_index(name) is None:
+                _variable(outer, name.removeprefix(f"{BASE_MODEL}.")).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
             block = _abstract_block(config, config.is_sparse_layer(i))
             for path in _param_paths(block):
-                _variable(block, path).set_value(as_param(source.get(f"model.layers.{i}.{path}"), None, mesh))
+                _variable(block, path).set_value(as_param(source.get(f"{layer_prefix(i)}.{path}"), None, mesh))
             return nnx.state(block)
 
         return cls(config, outer, layer, streamed=True, mesh=mesh)
@@ -266,14 +266,14 @@ def layer_modules(modules, layer: int | None) -> dict[str, str]:
     """{name as the block program sees it: module} of the `modules` in decoder layer `layer` (None:
     the LM head, whose program sees its own name)."""
     if layer is None:
-        return {m: m for m in modules if m == "lm_head"}
-    prefix = f"model.layers.{layer}."
+        return {m: m for m in modules if m == LM_HEAD}
+    prefix = f"{layer_prefix(layer)}."
     return {f"{STAR}.{m[len(prefix):]}": m for m in modules if m.startswith(prefix)}
 
 
 def real_name(name: str, layer: int | None) -> str:
     """The module a block program's `name` stands for in layer `layer` (None: the LM head)."""
-    return name if layer is None else name.replace(STAR, f"model.layers.{layer}")
+    return name if layer is None else name.replace(STAR, layer_prefix(layer))
 
 
 def _abstract_block(config: ModelConfig, sparse: bool) -> Block:

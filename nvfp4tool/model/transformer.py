@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families import LM_HEAD
 from nvfp4tool.model.attention import AttentionMask, attend, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
@@ -205,7 +206,7 @@ class SparseMoE(nnx.Module):
                 names=config.expert_projections, param_dtype=param_dtype, rngs=rngs)
             for e in range(config.num_experts)])
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
-        self.weights_in_logits_dtype = config.family == "qwen3_moe"  # as transformers rounds them
+        self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
         logits_BxTxN = self.gate(x_BxTxE, linear)
@@ -272,7 +273,7 @@ class CausalLM(nnx.Module):
             self.layers = nnx.List(blocks)
         self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            E, config.vocab_size, bias=False, name="lm_head", param_dtype=param_dtype, rngs=rngs)
+            E, config.vocab_size, bias=False, name=LM_HEAD, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
                  positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
@@ -379,7 +380,7 @@ def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def lm_logits(model: CausalLM, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
     """The last layer's output -> final norm -> LM head (or the tied embedding): fp32 [B, T, V]."""
-    return linear(model.norm(x_BxTxE), head_weight(model), None, name="lm_head").astype(jnp.float32)
+    return linear(model.norm(x_BxTxE), head_weight(model), None, name=LM_HEAD).astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))

@@ -8,8 +8,6 @@ the model itself is the only full copy held.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,11 +17,10 @@ from converters.tensor_source import TensorSource, check_against_config
 from nvfp4tool import progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import BASE_MODEL, LM_HEAD, split_layer
 from nvfp4tool.model.linear import LinearFn, default_linear
-from nvfp4tool.model.transformer import CausalLM
 from nvfp4tool.model.sharding import shard
-
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+from nvfp4tool.model.transformer import CausalLM
 
 
 def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype | None = jnp.float32,
@@ -46,7 +43,7 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
     expected = config.expected_tensor_shapes()
     if check:
         check_against_config(source, expected,
-                             ignore_extra=("lm_head.weight",) if config.tie_word_embeddings else ())
+                             ignore_extra=(f"{LM_HEAD}.weight",) if config.tie_word_embeddings else ())
     model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype or jnp.float32,
                                             compute_dtype=compute_dtype, scan_layers=scan_layers,
                                             remat=remat, linear=linear))
@@ -60,7 +57,7 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
                 variable.set_value(as_param(value, dtype, mesh))
                 continue
             array = np.asarray(value)
-            suffix = _LAYER_NAME.fullmatch(name).group(2)
+            suffix = split_layer(name)[1]
             if suffix not in stacked:
                 stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
             stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
@@ -123,15 +120,14 @@ class ModelTensorSource:
 
 def _locate(model: CausalLM, hf_name: str) -> tuple[nnx.Variable, int | None]:
     """The parameter holding `hf_name`, and the layer row to index when layers are stacked."""
-    if hf_name == "lm_head.weight":
+    if hf_name == f"{LM_HEAD}.weight":
         return model.lm_head.weight, None
-    layer_match = _LAYER_NAME.fullmatch(hf_name)
-    if layer_match:
-        index = int(layer_match.group(1))
-        node, rest, row = (model.layers, layer_match.group(2), index) if model.scan_layers else (
-            model.layers[index], layer_match.group(2), None)
+    in_layer = split_layer(hf_name)
+    if in_layer:
+        index, rest = in_layer
+        node, row = (model.layers, index) if model.scan_layers else (model.layers[index], None)
     else:
-        node, rest, row = model, hf_name.removeprefix("model."), None
+        node, rest, row = model, hf_name.removeprefix(f"{BASE_MODEL}."), None
     for part in rest.split("."):
         node = getattr(node, part)
     if not isinstance(node, nnx.Variable):

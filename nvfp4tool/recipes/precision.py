@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import re
 import zlib
 from collections.abc import Mapping, MutableMapping
 from typing import Literal
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import fused_group
 from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
@@ -56,10 +56,6 @@ from nvfp4tool.recipes.nvfp4_dot import (
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
 GEMM_INPUT_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
-# q/k/v of an attention; gate/up of a dense MLP or of one expert (mixtral's w1/w3)
-_QKV = re.compile(r"(.*\.self_attn)\.[qkv]_proj$")
-_GATE_UP = re.compile(r"(.*\.(?:mlp|experts\.\d+))\.(?:gate_proj|up_proj|w1|w3)$")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,24 +120,11 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
     last = math.ceil(0.15 * L) if recipe.bf16_last_layers is None else recipe.bf16_last_layers
     kept_layers = set(range(min(recipe.bf16_first_layers, L))) | set(range(max(0, L - last), L))
     result = {}
-    routers = set(config.router_names())
-    for name in config.linear_names():
-        layer = _LAYER.match(name)
-        keep = (recipe.name == "bf16" or name == "lm_head" or name in routers
-                or (layer is not None and int(layer.group(1)) in kept_layers)
-                or any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.bf16_patterns))
-        result[name] = "bf16" if keep else recipe.name
+    for m in config.modules.linears:  # lm_head and routers: keep_dtype
+        keep = (recipe.name == "bf16" or m.keep_dtype or m.layer in kept_layers
+                or any(fnmatch.fnmatchcase(m.name, pattern) for pattern in recipe.bf16_patterns))
+        result[m.name] = "bf16" if keep else recipe.name
     return result
-
-
-def fused_group(name: str) -> str:
-    """The fused GEMM a linear belongs to: `<block>.self_attn.qkv`, `<block>.mlp.gate_up`,
-    `<block>.<moe>.experts.<e>.gate_up` (an expert's gate/up, mixtral's w1/w3), or itself."""
-    for pattern, fused in ((_QKV, "qkv"), (_GATE_UP, "gate_up")):
-        match = pattern.match(name)
-        if match is not None:
-            return f"{match.group(1)}.{fused}"
-    return name
 
 
 def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

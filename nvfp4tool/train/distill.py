@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nvfp4tool.families import LM_HEAD
 from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import final_hidden, head_weight
 
@@ -57,8 +58,8 @@ class Distillation:
         return chunked_terms(
             flat(h_student), head_weight(student), flat(h_teacher), head_weight(teacher),
             targets_BxT.reshape(-1), temperature=self.temperature, chunk=self.chunk,
-            student_head=lambda h, w: linear(h, w, None, name="lm_head").astype(jnp.float32),
-            teacher_head=lambda h, w: default_linear(h, w, None, name="lm_head").astype(jnp.float32))
+            student_head=lambda h, w: linear(h, w, None, name=LM_HEAD).astype(jnp.float32),
+            teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32))
 
     def loss(self, terms: dict[str, jax.Array]) -> jax.Array:
         return self.weight * self.temperature ** 2 * terms["kl"] + (1.0 - self.weight) * terms["ce"]

@@ -47,6 +47,7 @@ from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, o
                                    run_steps)
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
@@ -513,10 +514,10 @@ def precision_summary(pmap: dict[str, str], recipe: str, routers: list[str]) -> 
         counts[precision] = counts.get(precision, 0) + 1
     if set(counts) <= {"bf16"}:
         return f"recipe {recipe}: all {len(pmap)} linear layers run in BF16 (nothing quantized)"
-    always = ["lm_head"] + (["the MoE routers"] if routers else [])
+    always = [LM_HEAD] + (["the MoE routers"] if routers else [])
     # the blocks holding a BF16 linear (apart from the routers, which always are)
-    kept = sorted({".".join(n.split(".")[:3]) for n, p in pmap.items()
-                   if p == "bf16" and n != "lm_head" and n not in routers}, key=lambda b: int(b.split(".")[2]))
+    kept = [layer_prefix(i) for i in sorted({layer_index(n) for n, p in pmap.items()
+                                            if p == "bf16" and n != LM_HEAD and n not in routers})]
     quantized = ", ".join(f"{n} of {len(pmap)} linear layers in {p}" for p, n in sorted(counts.items()) if p != "bf16")
     return f"recipe {recipe}: {quantized}; kept in bf16: {', '.join(always + kept)}"
 

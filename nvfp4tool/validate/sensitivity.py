@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shlex
 
 import jax.numpy as jnp
 import numpy as np
 
+from converters.tensor_source import tensor_bytes
 from nvfp4tool import progress
 from nvfp4tool.export.simulate import served_linear
-from converters.tensor_source import tensor_bytes
+from nvfp4tool.families import fused_group, group_glob
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules, real_name
-from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.validate import metrics
 
@@ -88,22 +87,9 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
             task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
-                       trajectory=trajectory, keep_bf16=[group_pattern(g, groups[g]) for g in kept],
+                       trajectory=trajectory, keep_bf16=[group_glob(g, groups[g]) for g in kept],
                        precision_map={m: ("bf16" if fused_group(m) in kept else inputs.nvfp4.label)
                                       for m in quantized})
-
-
-def group_pattern(group: str, members: list[str]) -> str:
-    """An fnmatch pattern matching exactly the members of a fused group (or the module itself)."""
-    if len(members) == 1:
-        return members[0]
-    prefix = group.rpartition(".")[0]
-    suffixes = [m[len(prefix) + 1:] for m in members]
-    if all(re.fullmatch(r"[qkv]_proj", s) for s in suffixes):
-        return f"{prefix}.[qkv]_proj"
-    if sorted(suffixes) == ["gate_proj", "up_proj"]:
-        return f"{prefix}.[gu][ap]*_proj"  # gate_proj, up_proj; not down_proj
-    return f"{prefix}.{{{','.join(suffixes)}}}"
 
 
 def keep_bf16_file_text(found: Sensitivity) -> str:

@@ -1,0 +1,211 @@
+"""What a model family declares, and the module table every stage reads.
+
+A family (`Family`) owns the facts of one group of HF `model_type`s: how config.json spells its
+options (parse, emit, the combinations it can express), the kind of each decoder layer, the HF
+tensors of a layer of each kind (names, shapes, and for each linear its `Projection`: role, fused
+group, tensor-parallel split), its MaxText support, and its block classes (`model/transformer.py`
+holds the attention + MLP / MoE blocks). From that declaration one typed table is derived,
+`ModuleTable` (one `LinearModule` row per linear, in forward order, plus the attention modules and
+every HF tensor's shape): precision, the export plan, calibration, GPTQ, sensitivity, the serving
+simulation, check and the KV-cache code read its fields, and no stage outside `families/` spells
+an HF module name.
+
+Layer kinds name a decoder layer's mixers: "attention+mlp" and "attention+moe" today; a hybrid
+family adds single-mixer kinds ("mamba", "attention", "mlp", "moe") the same way.
+
+Names without a model (`projection_of`, `fused_group`): a folder whose config.json does not parse
+still has tensors to judge (check); its linears are recognised by the projections every registered
+family declares, plus the fused names other checkpoints use (`qkv_proj`, `gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+ATTENTION_MLP = "attention+mlp"  # a pre-norm decoder layer: attention, then a dense SwiGLU MLP
+ATTENTION_MOE = "attention+moe"  # ... then a sparse mixture of SwiGLU experts
+HEAD = "head"  # the LM head's kind in the module table (not a decoder layer)
+ATTENTION = "self_attn"  # every family's attention module attribute (where KV-cache scales go)
+BASE_MODEL = "model"  # HF's base-model attribute: the embedding, the layers and the final norm lie under it
+LAYERS = f"{BASE_MODEL}.layers"  # the decoder layers' HF module path (scanned programs: `model.layers.*`)
+LM_HEAD = "lm_head"
+EMBEDDING = f"{BASE_MODEL}.embed_tokens"
+FINAL_NORM = f"{BASE_MODEL}.norm"
+Split = Literal["column", "row", "none"]
+# A `nvfp4tool.config.ModelConfig`: not imported here, since config.py builds on the families.
+ModelConfig = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One linear of a block: its HF attribute, what it computes, how serving fuses and shards it."""
+
+    attr: str  # HF attribute under its parent module: "q_proj", "w1", "gate"
+    role: str  # "q" | "k" | "v" | "o" | "gate" | "up" | "down" | "router"
+    split: Split  # tensor parallelism: column (output rows), row (input columns) or none
+    fused: str | None = None  # the fused GEMM's suffix ("qkv", "gate_up"); None: its own GEMM
+
+
+Q, K, V, O = (Projection("q_proj", "q", "column", "qkv"), Projection("k_proj", "k", "column", "qkv"),
+              Projection("v_proj", "v", "column", "qkv"), Projection("o_proj", "o", "row"))
+ATTENTION_PROJECTIONS = (Q, K, V, O)
+SWIGLU = (Projection("gate_proj", "gate", "column", "gate_up"), Projection("up_proj", "up", "column", "gate_up"),
+          Projection("down_proj", "down", "row"))
+ROUTER = Projection("gate", "router", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearModule:
+    """One row of the module table: a linear layer of the model."""
+
+    name: str  # HF module path, no ".weight": "model.layers.3.self_attn.q_proj", "lm_head"
+    layer: int | None  # decoder layer index; None for lm_head
+    kind: str  # the layer's kind (ATTENTION_MLP, ATTENTION_MOE, ...) or HEAD
+    role: str  # the Projection's role, "head" for lm_head
+    group: str  # the fused GEMM it belongs to ("<attention>.qkv", "<mlp>.gate_up"), else its name
+    split: Split  # tensor-parallel split
+    router: bool  # a MoE router: never quantized, its outputs route tokens
+    attention: str | None  # the attention module of a q/k/v/o projection, else None
+    block: str | None  # the module the linear sits in: "<layer>.self_attn", "<layer>.mlp", ...
+    expert: int | None  # the expert index of an expert's projection, else None
+    keep_dtype: bool  # stays in the stored dtype whatever the recipe (routers, lm_head)
+    shape: tuple[int, int]  # weight [out_features, in_features]
+
+    @property
+    def weight(self) -> str:
+        return f"{self.name}.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One HF tensor a family declares for a layer: name, shape, the linear it is the weight of."""
+
+    name: str
+    shape: tuple[int, ...]
+    linear: Projection | None = None  # the weight of this projection (a bias or norm: None)
+    block: str | None = None  # the linear's parent module
+    expert: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleTable:
+    """The derived view of one model: every linear (forward order, lm_head last), every attention
+    module, every HF tensor's shape. Build it with `families.module_table(config)`."""
+
+    linears: tuple[LinearModule, ...]
+    attentions: tuple[str, ...]  # attention modules in layer order (where KV-cache scales go)
+    tensor_shapes: Mapping[str, tuple[int, ...]]  # every HF tensor -> shape, in checkpoint order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {m.name: m for m in self.linears})
+
+    def __getitem__(self, name: str) -> LinearModule:
+        return self._by_name[name]  # type: ignore[attr-defined]
+
+    def get(self, name: str) -> LinearModule | None:
+        return self._by_name.get(name)  # type: ignore[attr-defined]
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.linears]
+
+    def routers(self) -> list[str]:
+        return [m.name for m in self.linears if m.router]
+
+    def kept(self) -> set[str]:
+        """Linears every recipe keeps in the stored dtype (lm_head, routers)."""
+        return {m.name for m in self.linears if m.keep_dtype}
+
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Fused group -> its members in forward order (a linear alone is a group of one)."""
+        result: dict[str, tuple[str, ...]] = {}
+        for m in self.linears:
+            result[m.group] = result.get(m.group, ()) + (m.name,)
+        return result
+
+    def experts(self, router: str) -> list[str]:
+        """The expert modules ("<block>.experts.<e>") the router `router` chooses among."""
+        block = self[router].block
+        seen = dict.fromkeys(f"{m.block}.experts.{m.expert}" for m in self.linears
+                             if m.block == block and m.expert is not None)
+        return list(seen)
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer of a linear or of any module under `model.layers.<i>` (None: neither)."""
+        linear = self.get(name)
+        return linear.layer if linear is not None else layer_index(name)
+
+    def attention(self, layer: int) -> str | None:
+        """The attention module of decoder layer `layer` (None: the layer has none)."""
+        prefix = f"{layer_prefix(layer)}."
+        return next((a for a in self.attentions if a.startswith(prefix)), None)
+
+    def in_layer(self, layer: int) -> list[str]:
+        """The linears of decoder layer `layer`, in forward order."""
+        return [m.name for m in self.linears if m.layer == layer]
+
+
+def layer_prefix(layer: int | str) -> str:
+    """`model.layers.<layer>` (`*`: the name a scanned program's blocks carry)."""
+    return f"{LAYERS}.{layer}"
+
+
+def split_layer(name: str) -> tuple[int, str] | None:
+    """(layer index, the rest) of a name under `model.layers.<i>.` (`model.layers.3.mlp.up_proj`
+    -> (3, "mlp.up_proj")), else None."""
+    head, _, rest = name.partition(f"{LAYERS}.")
+    index, _, tail = rest.partition(".")
+    return (int(index), tail) if head == "" and index.isdigit() and tail else None
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module or tensor name lies in (`model.layers.<i>.`), else None."""
+    found = split_layer(name)
+    return None if found is None else found[0]
+
+
+class Family:
+    """A group of HF model types with one block structure. Subclasses (one per family module)
+    declare the facts; the registry (`families/__init__.py`) finds them by `model_type`."""
+
+    model_type: str  # the HF model_type this instance describes
+    architecture: str  # config.json's architectures[0] (what transformers and vLLM instantiate)
+    maxtext: bool = False  # converters/layout.py maps it to and from MaxText
+    modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
+    routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
+
+    def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """ModelConfig fields this family derives from config.json (beyond the common ones)."""
+        return {}
+
+    def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
+        """Write this family's keys into config.json's dict."""
+
+    def problems(self, config: ModelConfig) -> list[str]:
+        """Field combinations this family's config.json cannot express."""
+        return []
+
+    def layer_kind(self, config: ModelConfig, layer: int) -> str:
+        return ATTENTION_MLP
+
+    def layer_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        """Every HF tensor of decoder layer `layer`, in checkpoint order."""
+        raise NotImplementedError
+
+    def mlp_module(self, config: ModelConfig, layer: int) -> str:
+        """The HF module path of layer `layer`'s MLP (dense or sparse)."""
+        return f"{layer_prefix(layer)}.mlp"
+
+
+def projection_tensors(parent: str, projections: tuple[Projection, ...], shapes: tuple[tuple[int, int], ...],
+                       bias: tuple[bool, ...] | None = None, *, expert: int | None = None,
+                       block: str | None = None) -> list[Tensor]:
+    """The weight (and bias, where `bias` says) of each projection under module `parent`; `block`:
+    the mixer they belong to when it is not `parent` (an expert's projections: the sparse MLP)."""
+    result = []
+    for i, (p, shape) in enumerate(zip(projections, shapes)):
+        result.append(Tensor(f"{parent}.{p.attr}.weight", shape, p, block or parent, expert))
+        if bias is not None and bias[i]:
+            result.append(Tensor(f"{parent}.{p.attr}.bias", (shape[0],)))
+    return result

@@ -1,0 +1,123 @@
+"""The Llama family group: llama (Llama 2 / 3 / 3.1 / 3.2), mistral, qwen2 (Qwen2 / 2.5), qwen3 (dense).
+
+Every decoder layer is "attention+mlp": `input_layernorm` -> `self_attn` (q/k/v/o_proj, Qwen3's
+per-head `q_norm` / `k_norm`) -> `post_attention_layernorm` -> `mlp` (gate/up/down_proj SwiGLU).
+What differs per model type is how config.json spells the attention options:
+  llama   `attention_bias` puts a bias on q/k/v AND o_proj; `mlp_bias` written false.
+  mistral no attention bias; `sliding_window` (every layer, as HF's MistralModel applies it).
+  qwen2   q/k/v always biased, o_proj never; full attention in every layer only.
+  qwen3   per-head q/k RMSNorm (`qk_norm`); `attention_bias` on all four; full attention only.
+The blocks are `model/transformer.py`'s `Block` (Attention + MLP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.base import (
+    ATTENTION,
+    ATTENTION_PROJECTIONS,
+    SWIGLU,
+    Family,
+    ModelConfig,
+    Tensor,
+    layer_prefix,
+    projection_tensors,
+)
+from nvfp4tool.families.hf_values import flag, integer
+
+
+class Decoder(Family):
+    """A pre-norm attention + SwiGLU decoder; the switches say how config.json spells its options."""
+
+    def __init__(self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str,
+                 maxtext: bool) -> None:
+        self.model_type, self.architecture = model_type, architecture
+        self.bias = bias  # "all": attention_bias on q/k/v/o | "qkv": always q/k/v, never o | "none"
+        self.qk_norm = qk_norm
+        self.window = window  # "sliding": sliding_window key | "full": full attention only | "none"
+        self.maxtext = maxtext
+        self.modeled_keys = frozenset({"attention_bias", "sliding_window", "use_sliding_window",
+                                       "max_window_layers", "layer_types", "mlp_bias"})
+
+    # --------------------------------------------------------------------------- config.json
+
+    def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if self.window == "full" and (hf.get("use_sliding_window") or any(
+                t != "full_attention" for t in hf.get("layer_types") or ())):
+            raise NVFP4ToolError(f"{source}: {self.model_type} per-layer sliding-window attention "
+                                 f"(use_sliding_window/layer_types) is unsupported; supported: "
+                                 f"full attention in every layer")
+        attention_bias = flag(hf, "attention_bias")
+        return {"attention_bias": True if self.bias == "qkv" else attention_bias,
+                "o_proj_bias": attention_bias if self.bias == "all" else False,
+                "qk_norm": self.qk_norm,
+                "sliding_window": integer(hf, "sliding_window", None) if self.window == "sliding" else None}
+
+    def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
+        if self.bias == "all":
+            hf["attention_bias"] = config.attention_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = False
+        if self.window == "sliding":
+            hf["sliding_window"] = config.sliding_window
+        self.emit_mlp(config, hf)
+        if self.window == "full":
+            hf["use_sliding_window"] = False
+            hf["sliding_window"] = None
+            hf["layer_types"] = ["full_attention"] * config.num_layers
+
+    def emit_mlp(self, config: ModelConfig, hf: dict[str, Any]) -> None:
+        """The MLP's keys (none for a dense SwiGLU: intermediate_size is common)."""
+
+    def problems(self, config: ModelConfig) -> list[str]:
+        problems = []
+        if config.qk_norm != self.qk_norm:
+            problems.append("qk_norm is on exactly for qwen3 and qwen3_moe")
+        if self.bias == "qkv" and not (config.attention_bias and not config.o_proj_bias):
+            problems.append(f"{self.model_type} has q/k/v bias and no o_proj bias")
+        if self.bias == "none" and (config.attention_bias or config.o_proj_bias):
+            problems.append(f"{self.model_type} has no attention bias")
+        if self.bias == "all" and config.attention_bias != config.o_proj_bias:
+            problems.append(f"{self.model_type} attention_bias puts a bias on q/k/v and o_proj together")
+        if config.sliding_window is not None and self.window != "sliding":
+            problems.append("sliding_window is supported for mistral and mixtral only")
+        return problems + self.mlp_problems(config)
+
+    def mlp_problems(self, config: ModelConfig) -> list[str]:
+        moe = (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+               config.norm_topk_prob, config.decoder_sparse_step, config.mlp_only_layers,
+               config.router_aux_loss_coef)
+        return [] if moe == (0, 0, 0, False, 1, (), 0.0) else [
+            "mixture-of-experts fields are for qwen3_moe and mixtral only"]
+
+    # ----------------------------------------------------------------------------- tensors
+
+    def layer_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        E, D = config.hidden_size, config.head_dim
+        q_out, kv_out = config.num_heads * D, config.num_kv_heads * D
+        p = layer_prefix(layer)
+        attention = f"{p}.{ATTENTION}"
+        qkv_bias = config.attention_bias
+        tensors = [Tensor(f"{p}.input_layernorm.weight", (E,))]
+        tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[:3], ((q_out, E), (kv_out, E), (kv_out, E)),
+                                      (qkv_bias,) * 3)
+        tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[3:], ((E, q_out),), (config.o_proj_bias,))
+        if config.qk_norm:
+            tensors += [Tensor(f"{attention}.q_norm.weight", (D,)), Tensor(f"{attention}.k_norm.weight", (D,))]
+        tensors.append(Tensor(f"{p}.post_attention_layernorm.weight", (E,)))
+        return tensors + self.mlp_tensors(config, layer)
+
+    def mlp_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        E, F = config.hidden_size, config.intermediate_size
+        return projection_tensors(self.mlp_module(config, layer), SWIGLU, ((F, E), (F, E), (E, F)))
+
+
+FAMILIES = (
+    Decoder("llama", "LlamaForCausalLM", bias="all", qk_norm=False, window="none", maxtext=True),
+    Decoder("mistral", "MistralForCausalLM", bias="none", qk_norm=False, window="sliding", maxtext=True),
+    Decoder("qwen2", "Qwen2ForCausalLM", bias="qkv", qk_norm=False, window="full", maxtext=False),
+    Decoder("qwen3", "Qwen3ForCausalLM", bias="all", qk_norm=True, window="full", maxtext=False),
+)

@@ -1,0 +1,143 @@
+"""The mixture-of-experts group: qwen3_moe (Qwen3-MoE) and mixtral (Mixtral).
+
+Attention as the Llama group's (Qwen3's with q/k norm and `attention_bias`; Mistral's with
+`sliding_window`); the MLP of a sparse layer ("attention+moe") is a router and experts:
+  qwen3_moe  `mlp.gate` router, `mlp.experts.{e}.{gate,up,down}_proj` of width
+             `moe_intermediate_size`, top-k of the softmax renormalised when `norm_topk_prob`, the
+             routing weights rounded to the logits' dtype (as transformers); dense MLP
+             (`intermediate_size`) in `mlp_only_layers` and in layers where
+             (i + 1) % decoder_sparse_step != 0, as transformers decides.
+  mixtral    every MLP sparse: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}`
+             (= gate/up/down) of width `intermediate_size`, top-k renormalised.
+The blocks are `model/transformer.py`'s `Block` with a `SparseMoE`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.base import (
+    ATTENTION_MLP,
+    ATTENTION_MOE,
+    ROUTER,
+    ModelConfig,
+    Projection,
+    Tensor,
+    layer_prefix,
+    projection_tensors,
+)
+from nvfp4tool.families.hf_values import flag, integer, number
+from nvfp4tool.families.llama import Decoder
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
+
+
+class SparseDecoder(Decoder):
+    """A decoder whose sparse layers route each token to the top-k of `num_experts` SwiGLU experts."""
+
+    def __init__(self, model_type: str, architecture: str, *, block: str, experts: tuple[Projection, ...],
+                 **attention: Any) -> None:
+        super().__init__(model_type, architecture, **attention)
+        self.block = block  # the sparse MLP's attribute: "mlp" | "block_sparse_moe"
+        self.expert_projections = experts  # an expert's (gate, up, down)
+        self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"
+        self.modeled_keys = self.modeled_keys | {
+            *EXPERT_COUNT_KEYS, "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+            "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"}
+
+    def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        fields = super().parse(hf, source)
+        if hf.get("router_jitter_noise"):
+            raise NVFP4ToolError(f"router_jitter_noise={hf['router_jitter_noise']} unsupported; supported: 0")
+        keys = [k for k in EXPERT_COUNT_KEYS if k in hf]
+        if not keys:
+            raise KeyError(" or ".join(EXPERT_COUNT_KEYS))
+        counts = {k: integer(hf, k) for k in keys}
+        if len(set(counts.values())) > 1:  # transformers keeps one of them, which one depends on the family
+            raise NVFP4ToolError(" and ".join(f"{k}={v}" for k, v in counts.items())
+                                 + " disagree: the expert count must be given once (or twice, equal)")
+        key = keys[0]
+        fields.update(num_experts=counts[key], num_experts_per_tok=integer(hf, "num_experts_per_tok"),
+                      router_aux_loss_coef=number(hf, "router_aux_loss_coef", 0.001), hf_experts_key=key)
+        if self.model_type == "mixtral":
+            return dict(fields, norm_topk_prob=True)
+        only = hf.get("mlp_only_layers") or ()
+        if not isinstance(only, (list, tuple)):
+            raise NVFP4ToolError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+        return dict(fields, moe_intermediate_size=integer(hf, "moe_intermediate_size"),
+                    norm_topk_prob=flag(hf, "norm_topk_prob"),
+                    decoder_sparse_step=integer(hf, "decoder_sparse_step", 1),
+                    mlp_only_layers=tuple(integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only))
+
+    def emit_mlp(self, config: ModelConfig, hf: dict[str, Any]) -> None:
+        hf[config.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = config.num_experts
+        hf["num_experts_per_tok"] = config.num_experts_per_tok
+        hf["router_aux_loss_coef"] = config.router_aux_loss_coef
+        if self.model_type == "qwen3_moe":
+            hf.update(moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                      decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
+
+    def mlp_problems(self, config: ModelConfig) -> list[str]:
+        problems = []
+        if not (isinstance(config.num_experts, int) and config.num_experts >= 1):
+            problems.append(f"num_experts must be a positive integer, got {config.num_experts!r}")
+        elif not (isinstance(config.num_experts_per_tok, int)
+                  and 1 <= config.num_experts_per_tok <= config.num_experts):
+            problems.append(f"num_experts_per_tok must be in 1..num_experts={config.num_experts}, "
+                            f"got {config.num_experts_per_tok!r}")
+        if not (isinstance(config.decoder_sparse_step, int) and config.decoder_sparse_step >= 1):
+            problems.append(f"decoder_sparse_step must be a positive integer, got {config.decoder_sparse_step!r}")
+        bad_layers = [i for i in config.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)]
+        if bad_layers:
+            problems.append(f"mlp_only_layers {bad_layers[0]!r} is not a layer index in 0..{config.num_layers - 1}")
+        if not (config.router_aux_loss_coef >= 0 and math.isfinite(config.router_aux_loss_coef)):
+            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {config.router_aux_loss_coef}")
+        if self.model_type == "qwen3_moe" and not (isinstance(config.moe_intermediate_size, int)
+                                                   and config.moe_intermediate_size > 0):
+            problems.append(f"moe_intermediate_size must be a positive integer, got {config.moe_intermediate_size!r}")
+        if self.model_type == "mixtral" and (config.moe_intermediate_size or not config.norm_topk_prob
+                                             or config.decoder_sparse_step != 1 or config.mlp_only_layers):
+            problems.append("mixtral experts are intermediate_size wide, renormalise the top-k "
+                            "(norm_topk_prob) and every layer is sparse")
+        return problems
+
+    # ----------------------------------------------------------------------------- layers
+
+    def is_sparse(self, config: ModelConfig, layer: int) -> bool:
+        return layer not in config.mlp_only_layers and (layer + 1) % config.decoder_sparse_step == 0
+
+    def layer_kind(self, config: ModelConfig, layer: int) -> str:
+        return ATTENTION_MOE if self.is_sparse(config, layer) else ATTENTION_MLP
+
+    def mlp_module(self, config: ModelConfig, layer: int) -> str:
+        return f"{layer_prefix(layer)}.{self.block if self.is_sparse(config, layer) else 'mlp'}"
+
+    def expert_width(self, config: ModelConfig) -> int:
+        return config.moe_intermediate_size if self.model_type == "qwen3_moe" else config.intermediate_size
+
+    def mlp_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        if not self.is_sparse(config, layer):
+            return super().mlp_tensors(config, layer)
+        E, Fe = config.hidden_size, self.expert_width(config)
+        block = self.mlp_module(config, layer)
+        tensors = projection_tensors(block, (ROUTER,), ((config.num_experts, E),))
+        for e in range(config.num_experts):
+            tensors += projection_tensors(f"{block}.experts.{e}", self.expert_projections,
+                                          ((Fe, E), (Fe, E), (E, Fe)), expert=e, block=block)
+        return tensors
+
+
+_QWEN_EXPERT = (Projection("gate_proj", "gate", "column", "gate_up"), Projection("up_proj", "up", "column", "gate_up"),
+                Projection("down_proj", "down", "row"))
+_MIXTRAL_EXPERT = (Projection("w1", "gate", "column", "gate_up"), Projection("w3", "up", "column", "gate_up"),
+                   Projection("w2", "down", "row"))
+
+FAMILIES = (
+    SparseDecoder("qwen3_moe", "Qwen3MoeForCausalLM", block="mlp", experts=_QWEN_EXPERT, bias="all",
+                  qk_norm=True, window="full", maxtext=True),
+    SparseDecoder("mixtral", "MixtralForCausalLM", block="block_sparse_moe", experts=_MIXTRAL_EXPERT,
+                  bias="none", qk_norm=False, window="sliding", maxtext=True),
+)
