@@ -163,7 +163,7 @@ class ExpertView:
 def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors the fused layout stores instead of the per-expert ones -> their shapes: per sparse
     layer, the router (renamed for Mixtral), gate_up_proj [E, 2F, H] and down_proj [E, H, F]."""
-    E, H, F = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    E, H, F = config.experts.num_experts, config.hidden_size, config.expert_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(config.num_layers):
         if config.is_sparse_layer(i):
@@ -185,7 +185,7 @@ def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
             continue
         mlp, fused = config.mlp_prefix(i), f"model.layers.{i}.{FUSED_BLOCK}"
         views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
-        for e in range(config.num_experts):
+        for e in range(config.experts.num_experts):
             views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
             views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
             views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0,
@@ -206,7 +206,7 @@ def check_supported(config: ModelConfig, label: str) -> None:
     if config.is_moe and dense:
         raise NVFP4ToolError(
             f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
-            f"{list(config.mlp_only_layers)}, decoder_sparse_step={config.decoder_sparse_step}) has no "
+            f"{list(config.experts.mlp_only_layers)}, decoder_sparse_step={config.experts.decoder_sparse_step}) has no "
             f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse")
 
 
@@ -230,7 +230,7 @@ def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> 
 
 def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     """The expert indices one parameter of `rule` holds ([None]: not an expert weight)."""
-    return list(range(config.num_experts)) if rule.per_expert else [None]
+    return list(range(config.experts.num_experts)) if rule.per_expert else [None]
 
 
 def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
@@ -238,7 +238,7 @@ def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[in
     hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
-        shape = (config.num_experts,) + shape
+        shape = (config.experts.num_experts,) + shape
     if rule.per_layer and scanned:
         shape = shape[:LAYER_AXIS] + (config.num_layers,) + shape[LAYER_AXIS:]
     return shape

@@ -24,6 +24,7 @@ from nvfp4tool.families import (ARCHITECTURE_BY_FAMILY, MOE_FAMILIES, REGISTRY, 
 from nvfp4tool.families.hf_values import flag as _flag
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
+from nvfp4tool.families.moe import Experts
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -86,21 +87,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json becomes a tuple
     pad_token_id: int | None = None
-    # Mixture of experts (MOE_FAMILIES only; 0 / defaults for dense families)
-    num_experts: int = 0  # experts of a sparse MLP
-    num_experts_per_tok: int = 0  # k of the top-k routing
-    moe_intermediate_size: int = 0  # an expert's SwiGLU width (qwen3_moe; mixtral: intermediate_size)
-    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1 (mixtral: always)
-    decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse iff (i + 1) % step == 0 ...
-    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
+    # The family's own fields: its module's frozen dataclass (`families.moe.Experts` for qwen3_moe
+    # and mixtral), None for a family that has none; parsed, emitted and validated by the family.
+    family_config: Any = None
     # How config.json spells RoPE and dtype, kept on write-back: "transformers4" (top-level
     # rope_theta / rope_scaling, torch_dtype: read by transformers 4.x and 5.x and vLLM) or
     # "transformers5" (rope_parameters, dtype).
     hf_config_style: str = field(default="transformers4", compare=False)
-    # The key the source config.json names the expert count with ("num_experts" on the Hub for
-    # qwen3_moe, "num_local_experts" for mixtral and as transformers 5 writes both), kept on write-back.
-    hf_experts_key: str = field(default="", compare=False)
     # Keys of the source config.json that are not modeled above, written back unchanged.
     hf_extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -243,6 +236,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """A mixture-of-experts family (its sparse layers route tokens to experts)."""
         return self.family in MOE_FAMILIES
+
+    @property
+    def experts(self) -> Experts | None:
+        """The sparse MLPs' fields (experts, top-k, widths, which layers are sparse) of a
+        mixture-of-experts family, None for a dense one."""
+        return self.family_spec.experts(self)
 
     def layer_kind(self, layer: int) -> str:
         """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe"), as its family decides."""

@@ -11,11 +11,12 @@ from click.testing import CliRunner
 from adversarial_harness import SEQ, write_synthetic_hf_folder
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families.moe import Experts
 
 MOE_CONFIG = ModelConfig(family="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                         norm_topk_prob=True, dtype="bfloat16")
+                         dtype="bfloat16", family_config=Experts(num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=32, norm_topk_prob=True))
 
 
 def build_moe_exports(root: str, ids: str) -> dict[str, str]:

@@ -100,7 +100,7 @@ def test_moe_fields_sizes_and_round_trip(hf, params, linears, experts_key):
     if linears is not None:
         assert len(config.linear_names()) == linears
     out = config.to_hf_config()
-    assert out[experts_key] == config.num_experts and out["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
+    assert out[experts_key] == config.experts.num_experts and out["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
     assert ModelConfig.from_hf_config(json.loads(json.dumps(out))) == config
     assert config.router_names()[0] == f"{config.mlp_prefix(0)}.gate"
 
@@ -151,7 +151,8 @@ def test_moe_rejections_name_the_problem(change, fragment):
         ModelConfig.from_hf_config(hf, source="/m/config.json")
     assert fragment in str(error.value) and str(error.value).startswith("/m/config.json: ")
     with pytest.raises(NVFP4ToolError, match="mixture-of-experts fields are for qwen3_moe and mixtral only"):
-        dataclasses.replace(ModelConfig.from_hf_config(QWEN3_06B), num_experts=4)
+        dataclasses.replace(ModelConfig.from_hf_config(QWEN3_06B),
+                            family_config=ModelConfig.from_hf_config(QWEN3_30B_A3B).experts)
 
 
 def test_family_specific_options():

@@ -18,11 +18,13 @@ import sys
 
 import pytest
 
+from nvfp4tool.families.moe import Experts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # family -> (tiny, big) config fields beyond hidden/mlp/layers/vocab
-_MIXTRAL = dict(family="mixtral", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+_MIXTRAL = dict(family="mixtral", family_config=Experts(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
 CASES = {"llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
          "mixtral": ((256, 256, 2, 512, _MIXTRAL), (1024, 1024, 8, 32768, _MIXTRAL))}
 
@@ -105,7 +107,7 @@ def _child(workdir: str, family: str) -> None:
         if name == "tiny":
             report["overhead_bytes"] = _rss("VmHWM")
     report["peak_bytes"] = _rss("VmHWM")
-    report["largest_stacked_bytes"] = (max(big.num_experts, 1) * big.hidden_size * big.num_layers
+    report["largest_stacked_bytes"] = ((big.experts.num_experts if big.is_moe else 1) * big.hidden_size * big.num_layers
                                        * big.intermediate_size * 4)
     original, back = HFFolderSource(os.path.join(workdir, "big")), HFFolderSource(os.path.join(workdir, "big-back"))
     report["tensors_equal"] = all(

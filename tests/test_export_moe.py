@@ -73,7 +73,7 @@ def _config(folder: str) -> ModelConfig:
 def _experts(config: ModelConfig) -> list[tuple[int, int, str]]:
     """(layer, expert, module path) of every expert."""
     return [(i, e, f"{config.mlp_prefix(i)}.experts.{e}") for i in range(config.num_layers)
-            if config.is_sparse_layer(i) for e in range(config.num_experts)]
+            if config.is_sparse_layer(i) for e in range(config.experts.num_experts)]
 
 
 def _tensors(folder: str) -> dict:
@@ -115,12 +115,12 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
     calibration = record.calibration
     assert calibration.all_experts
     assert list(calibration.routed_tokens) == [expert for _, _, expert in _experts(config)]
-    last = config.num_experts - 1
+    last = config.experts.num_experts - 1
     assert {x for _, e, x in _experts(config) if e == last} <= set(calibration.unrouted_experts)  # (maybe others)
     for router in config.router_names():  # each token goes to top_k experts
         prefix = router.removesuffix(".gate") + ".experts."
         counts = [n for x, n in calibration.routed_tokens.items() if x.startswith(prefix)]
-        assert sum(counts) == SAMPLES * SEQ_LEN * config.num_experts_per_tok
+        assert sum(counts) == SAMPLES * SEQ_LEN * config.experts.num_experts_per_tok
     report = check_checkpoint(folder)
     assert report.ok
     card = build_model_card(folder, report, repo_id="org/tiny-moe", validation=None)
@@ -134,7 +134,7 @@ def test_export_names_the_experts_without_routed_tokens(moe, tmp_path):
     assert result.exit_code == 0, result.output
     config = _config(out)
     for layer in range(config.num_layers):
-        expert = f"model.layers.{layer}.block_sparse_moe.experts.{config.num_experts - 1}"
+        expert = f"model.layers.{layer}.block_sparse_moe.experts.{config.experts.num_experts - 1}"
         assert f"warning: calibration routed no token to {expert} " in result.output
     assert result.output.count("warning: calibration routed no token to ") == config.num_layers
 
@@ -313,7 +313,7 @@ def test_expert_bytes_equal_the_oracle_and_decode_within_the_nvfp4_bound(moe, ke
     source = {n: t.float().numpy() for n, t in load_file(os.path.join(moe[key], "model.safetensors")).items()}
     gate, up, down = config.expert_projections
     for _, e, expert in _experts(config):
-        if e not in (0, config.num_experts - 1):
+        if e not in (0, config.experts.num_experts - 1):
             continue
         for proj in (gate, up, down):
             module = f"{expert}.{proj}"

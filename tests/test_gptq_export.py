@@ -155,7 +155,7 @@ def test_moe_gptq_export(tmp_path):
     record = ExportRecord.read(out)
     config = ModelConfig.from_hf_folder(src)
     experts = [m for m in record.layers if ".experts." in m]
-    assert len(experts) == 3 * config.num_experts * sum(config.is_sparse_layer(i) for i in range(config.num_layers))
+    assert len(experts) == 3 * config.experts.num_experts * sum(config.is_sparse_layer(i) for i in range(config.num_layers))
     assert all(e.output_rel_err is not None and e.output_rel_err < e.rtn_output_rel_err
                for m, e in record.layers.items() if m.endswith("experts.0.down_proj")), record.layers
     assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]

@@ -12,6 +12,7 @@ import pytest
 
 from converters import layout, maxtext_models
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families.moe import Experts
 
 
 def _config(head_dim: int = 8, tied: bool = False) -> ModelConfig:
@@ -95,11 +96,12 @@ def test_kernel_orientation_matches_the_sheet():
 def _moe_config(family: str, **overrides) -> ModelConfig:
     """3 experts of width 20, 2 layers, head_dim 8 (mixtral: experts use intermediate_size)."""
     base = dict(family=family, vocab_size=40, hidden_size=24, intermediate_size=20, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=8, num_experts=3, num_experts_per_tok=2,
-                norm_topk_prob=True)
+                num_heads=4, num_kv_heads=2, head_dim=8)
+    experts = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True)
     if family == "qwen3_moe":
-        base.update(qk_norm=True, moe_intermediate_size=20)
-    return ModelConfig(**{**base, **overrides})
+        base.update(qk_norm=True)
+        experts.update(moe_intermediate_size=20)
+    return ModelConfig(**base, family_config=Experts(**{**experts, **overrides}))
 
 
 # MaxText's RoutedMoE arrays (E 24, X 3 experts, F 20, L 2), as MaxText's conversion scripts

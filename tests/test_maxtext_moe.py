@@ -22,6 +22,7 @@ from click.testing import CliRunner
 import hf_fixtures
 from maxtext_fixture import maxtext_params_from_state_dict, record_array_opens, save_maxtext_checkpoint
 from nvfp4tool.cli import cli
+from nvfp4tool.families.moe import Experts
 from test_maxtext import _assert_trees_equal, _convert, _our_logits, _torch_logits
 
 pytestmark = pytest.mark.peers
@@ -142,8 +143,8 @@ def test_a_non_finite_expert_value_is_one_line_naming_array_expert_and_layer(tmp
     from nvfp4tool.config import ModelConfig
 
     config = ModelConfig(family="mixtral", vocab_size=48, hidden_size=32, intermediate_size=24,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=3,
-                         num_experts_per_tok=2, norm_topk_prob=True, dtype="float32")
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32",
+                         family_config=Experts(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True))
     rng = np.random.default_rng(0)
     tensors = {n: rng.standard_normal(s).astype(np.float32)
                for n, s in config.expected_tensor_shapes().items()}

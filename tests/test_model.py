@@ -17,6 +17,7 @@ from flax import nnx
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.moe import Experts
 from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate, model_from_tensors
 
 _BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -30,11 +31,11 @@ CONFIGS = {
     "qwen2": ModelConfig(family="qwen2", attention_bias=True, **_BASE),
     "qwen3": ModelConfig(family="qwen3", qk_norm=True, **{**_BASE, "head_dim": 12}),
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 4 experts of width 16, top-2
-    "qwen3_moe": ModelConfig(family="qwen3_moe", qk_norm=True, **{**_BASE, "num_layers": 3}, num_experts=4,
-                             num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-                             mlp_only_layers=(1,), router_aux_loss_coef=0.001),
-    "mixtral": ModelConfig(family="mixtral", **_BASE, num_experts=3, num_experts_per_tok=2, norm_topk_prob=True,
-                           router_aux_loss_coef=0.02),
+    "qwen3_moe": ModelConfig(family="qwen3_moe", qk_norm=True, **{**_BASE, "num_layers": 3}, family_config=Experts(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        mlp_only_layers=(1,), router_aux_loss_coef=0.001)),
+    "mixtral": ModelConfig(family="mixtral", **_BASE, family_config=Experts(
+        num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02)),
 }
 
 
@@ -329,7 +330,7 @@ def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
     np.testing.assert_array_equal(np.asarray(routed_logits), np.asarray(every_logits))
     tokens = ids.size
     for layer in (0, 2):
-        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.num_experts)]
+        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.experts.num_experts)]
         zero = np.array([int(routed[n]) for n in experts])
         # top-2 of 4: every token leaves 2 experts out, so 2 * tokens zero rows in all
         assert zero.sum() == 2 * tokens and (zero > 0).all(), zero

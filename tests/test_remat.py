@@ -37,8 +37,10 @@ def _step_fns(config, recipe_name: str, remat: str):
 
 
 # the smallest model with both MLP kinds: layer 0 dense, layer 1 sparse (4 experts, top-2)
-MIXED = dataclasses.replace(preset_config("tiny-moe", VOCAB, 64), hidden_size=64, num_layers=2, head_dim=16,
-                            intermediate_size=128, moe_intermediate_size=32, num_experts=4, mlp_only_layers=(0,))
+_TINY_MOE = preset_config("tiny-moe", VOCAB, 64)
+MIXED = dataclasses.replace(_TINY_MOE, hidden_size=64, num_layers=2, head_dim=16, intermediate_size=128,
+                            family_config=dataclasses.replace(_TINY_MOE.experts, moe_intermediate_size=32,
+                                                              num_experts=4, mlp_only_layers=(0,)))
 
 
 def _gradients(remat: str):

@@ -46,7 +46,7 @@ def test_precision_map_and_fused_groups_name_every_expert(preset):
     pmap = precision_map(recipe, config)
     routers = config.router_names()
     experts = [n for n in pmap if ".experts." in n]
-    assert len(experts) == config.num_layers * config.num_experts * 3
+    assert len(experts) == config.num_layers * config.experts.num_experts * 3
     assert all(pmap[n] == "bf16" for n in routers) and all(pmap[n] == "nvfp4" for n in experts)
     # the CLI's key: one pattern keeps every expert in BF16, and nothing else
     kept = load_train_config(None, [f"data={embedded_corpus()[0]}", "recipe=nvfp4", "bf16_first_layers=0",
@@ -63,7 +63,7 @@ def test_precision_map_and_fused_groups_name_every_expert(preset):
     amax = group_amax(weights)
     assert float(amax[f"{expert}.gate_up"]) == max(float(jnp.max(jnp.abs(weights[f"{expert}.{p}"].astype(
         jnp.bfloat16)))) for p in (gate, up))
-    assert len({float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"]) for e in range(config.num_experts)}) > 1
+    assert len({float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"]) for e in range(config.experts.num_experts)}) > 1
 
 
 def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_path):
@@ -80,9 +80,9 @@ def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_
     loss, (amax, parts) = jax.jit(fns.loss)(params.to_pure_dict(), windows, jax.random.key(0))
     assert math.isfinite(float(loss)) and float(parts["aux_loss"]) > 0
     assert set(amax) == set(fns.quantized) and not set(amax) & set(config.router_names())
-    last = config.num_experts - 1
+    last = config.experts.num_experts - 1
     for layer in range(config.num_layers):
-        for e in range(config.num_experts):
+        for e in range(config.experts.num_experts):
             for proj in config.expert_projections:
                 value = float(amax[f"{config.mlp_prefix(layer)}.experts.{e}.{proj}"])
                 assert value == 0.0 if e == last else value > 0, (layer, e, proj)
@@ -115,7 +115,7 @@ def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
     assert config.is_moe and sorted(hf.tensors.names()) == sorted(config.expected_tensor_shapes())
     gate = config.expert_projections[0]
     sparse = [i for i in range(config.num_layers) if config.is_sparse_layer(i)]
-    assert f"{config.mlp_prefix(sparse[0])}.experts.{config.num_experts - 1}.{gate}.weight" in hf.tensors.names()
+    assert f"{config.mlp_prefix(sparse[0])}.experts.{config.experts.num_experts - 1}.{gate}.weight" in hf.tensors.names()
     pmap = json.loads((out / "hf/precision_map.json").read_text())
     amax = json.loads((out / "hf/input_amax.json").read_text())
     assert all(pmap[n] == "bf16" for n in config.router_names())

@@ -114,10 +114,10 @@ def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
         if not config.is_sparse_layer(i):
             return (f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
                     f"mlp_only_layers, or not a mixture-of-experts family): {refused}")
-        if e >= config.num_experts:
-            key = config.hf_experts_key or "num_experts"
-            return (f"expert {e}, but {CONFIG}'s model has {config.num_experts} experts per sparse layer "
-                    f"({key} = {config.num_experts}, experts 0..{config.num_experts - 1}): {refused}")
+        if e >= config.experts.num_experts:
+            key = config.experts.hf_experts_key or "num_experts"
+            return (f"expert {e}, but {CONFIG}'s model has {config.experts.num_experts} experts per sparse layer "
+                    f"({key} = {config.experts.num_experts}, experts 0..{config.experts.num_experts - 1}): {refused}")
     if name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
         return (f"{CONFIG} ties lm_head to the embedding (tie_word_embeddings = true), so the model has no "
                 f"lm_head.weight: {refused}")

@@ -191,7 +191,7 @@ class InputAmax:
     @classmethod
     def of(cls, config: ModelConfig) -> InputAmax:
         """The tap for `config`'s model (its routers, if it is a MoE model)."""
-        return cls(routes=config.is_moe, top_k=config.num_experts_per_tok)
+        return cls(routes=config.is_moe, top_k=config.experts.num_experts_per_tok if config.is_moe else 0)
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)

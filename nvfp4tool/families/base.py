@@ -174,6 +174,7 @@ class Family:
     maxtext: bool = False  # converters/layout.py maps it to and from MaxText
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
+    config_type: type | None = None  # the frozen dataclass of its own fields (ModelConfig.family_config)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
@@ -185,6 +186,10 @@ class Family:
     def problems(self, config: ModelConfig) -> list[str]:
         """Field combinations this family's config.json cannot express."""
         return []
+
+    def experts(self, config: ModelConfig) -> Any:
+        """The sparse MLP's fields (`moe.Experts`) of a family with sparse layers, else None."""
+        return None
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MLP

@@ -87,10 +87,7 @@ class Decoder(Family):
         return problems + self.mlp_problems(config)
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
-        moe = (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-               config.norm_topk_prob, config.decoder_sparse_step, config.mlp_only_layers,
-               config.router_aux_loss_coef)
-        return [] if moe == (0, 0, 0, False, 1, (), 0.0) else [
+        return [] if config.family_config is None else [
             "mixture-of-experts fields are for qwen3_moe and mixtral only"]
 
     # ----------------------------------------------------------------------------- tensors

@@ -14,6 +14,7 @@ The blocks are `model/transformer.py`'s `Block` with a `SparseMoE`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +36,23 @@ from nvfp4tool.families.llama import Decoder
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
 
 
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts family's own config fields (`ModelConfig.family_config`, read as
+    `config.experts`); validated by the family (`SparseDecoder.problems`) with the whole config."""
+
+    num_experts: int  # experts of a sparse MLP
+    num_experts_per_tok: int  # k of the top-k routing
+    moe_intermediate_size: int = 0  # an expert's SwiGLU width (qwen3_moe; mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1 (mixtral: always)
+    decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
+    # The key the source config.json names the expert count with ("num_experts" on the Hub for
+    # qwen3_moe, "num_local_experts" for mixtral and as transformers 5 writes both), kept on write-back.
+    hf_experts_key: str = dataclasses.field(default="", compare=False)
+
+
 class SparseDecoder(Decoder):
     """A decoder whose sparse layers route each token to the top-k of `num_experts` SwiGLU experts."""
 
@@ -44,6 +62,7 @@ class SparseDecoder(Decoder):
         self.block = block  # the sparse MLP's attribute: "mlp" | "block_sparse_moe"
         self.expert_projections = experts  # an expert's (gate, up, down)
         self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"
+        self.config_type = Experts
         self.modeled_keys = self.modeled_keys | {
             *EXPERT_COUNT_KEYS, "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
             "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"}
@@ -60,54 +79,60 @@ class SparseDecoder(Decoder):
             raise NVFP4ToolError(" and ".join(f"{k}={v}" for k, v in counts.items())
                                  + " disagree: the expert count must be given once (or twice, equal)")
         key = keys[0]
-        fields.update(num_experts=counts[key], num_experts_per_tok=integer(hf, "num_experts_per_tok"),
+        common = dict(num_experts=counts[key], num_experts_per_tok=integer(hf, "num_experts_per_tok"),
                       router_aux_loss_coef=number(hf, "router_aux_loss_coef", 0.001), hf_experts_key=key)
         if self.model_type == "mixtral":
-            return dict(fields, norm_topk_prob=True)
+            return dict(fields, family_config=Experts(**common, norm_topk_prob=True))
         only = hf.get("mlp_only_layers") or ()
         if not isinstance(only, (list, tuple)):
             raise NVFP4ToolError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
-        return dict(fields, moe_intermediate_size=integer(hf, "moe_intermediate_size"),
-                    norm_topk_prob=flag(hf, "norm_topk_prob"),
-                    decoder_sparse_step=integer(hf, "decoder_sparse_step", 1),
-                    mlp_only_layers=tuple(integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only))
+        return dict(fields, family_config=Experts(
+            **common, moe_intermediate_size=integer(hf, "moe_intermediate_size"),
+            norm_topk_prob=flag(hf, "norm_topk_prob"), decoder_sparse_step=integer(hf, "decoder_sparse_step", 1),
+            mlp_only_layers=tuple(integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only)))
 
     def emit_mlp(self, config: ModelConfig, hf: dict[str, Any]) -> None:
-        hf[config.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = config.num_experts
-        hf["num_experts_per_tok"] = config.num_experts_per_tok
-        hf["router_aux_loss_coef"] = config.router_aux_loss_coef
+        hf[config.experts.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = config.experts.num_experts
+        hf["num_experts_per_tok"] = config.experts.num_experts_per_tok
+        hf["router_aux_loss_coef"] = config.experts.router_aux_loss_coef
         if self.model_type == "qwen3_moe":
-            hf.update(moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-                      decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
+            hf.update(moe_intermediate_size=config.experts.moe_intermediate_size, norm_topk_prob=config.experts.norm_topk_prob,
+                      decoder_sparse_step=config.experts.decoder_sparse_step, mlp_only_layers=list(config.experts.mlp_only_layers))
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
+        if not isinstance(config.family_config, Experts):
+            return [f"{self.model_type} needs its experts' fields (family_config=Experts(...)), "
+                    f"got {config.family_config!r}"]
         problems = []
-        if not (isinstance(config.num_experts, int) and config.num_experts >= 1):
-            problems.append(f"num_experts must be a positive integer, got {config.num_experts!r}")
-        elif not (isinstance(config.num_experts_per_tok, int)
-                  and 1 <= config.num_experts_per_tok <= config.num_experts):
-            problems.append(f"num_experts_per_tok must be in 1..num_experts={config.num_experts}, "
-                            f"got {config.num_experts_per_tok!r}")
-        if not (isinstance(config.decoder_sparse_step, int) and config.decoder_sparse_step >= 1):
-            problems.append(f"decoder_sparse_step must be a positive integer, got {config.decoder_sparse_step!r}")
-        bad_layers = [i for i in config.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)]
+        if not (isinstance(config.experts.num_experts, int) and config.experts.num_experts >= 1):
+            problems.append(f"num_experts must be a positive integer, got {config.experts.num_experts!r}")
+        elif not (isinstance(config.experts.num_experts_per_tok, int)
+                  and 1 <= config.experts.num_experts_per_tok <= config.experts.num_experts):
+            problems.append(f"num_experts_per_tok must be in 1..num_experts={config.experts.num_experts}, "
+                            f"got {config.experts.num_experts_per_tok!r}")
+        if not (isinstance(config.experts.decoder_sparse_step, int) and config.experts.decoder_sparse_step >= 1):
+            problems.append(f"decoder_sparse_step must be a positive integer, got {config.experts.decoder_sparse_step!r}")
+        bad_layers = [i for i in config.experts.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)]
         if bad_layers:
             problems.append(f"mlp_only_layers {bad_layers[0]!r} is not a layer index in 0..{config.num_layers - 1}")
-        if not (config.router_aux_loss_coef >= 0 and math.isfinite(config.router_aux_loss_coef)):
-            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {config.router_aux_loss_coef}")
-        if self.model_type == "qwen3_moe" and not (isinstance(config.moe_intermediate_size, int)
-                                                   and config.moe_intermediate_size > 0):
-            problems.append(f"moe_intermediate_size must be a positive integer, got {config.moe_intermediate_size!r}")
-        if self.model_type == "mixtral" and (config.moe_intermediate_size or not config.norm_topk_prob
-                                             or config.decoder_sparse_step != 1 or config.mlp_only_layers):
+        if not (config.experts.router_aux_loss_coef >= 0 and math.isfinite(config.experts.router_aux_loss_coef)):
+            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {config.experts.router_aux_loss_coef}")
+        if self.model_type == "qwen3_moe" and not (isinstance(config.experts.moe_intermediate_size, int)
+                                                   and config.experts.moe_intermediate_size > 0):
+            problems.append(f"moe_intermediate_size must be a positive integer, got {config.experts.moe_intermediate_size!r}")
+        if self.model_type == "mixtral" and (config.experts.moe_intermediate_size or not config.experts.norm_topk_prob
+                                             or config.experts.decoder_sparse_step != 1 or config.experts.mlp_only_layers):
             problems.append("mixtral experts are intermediate_size wide, renormalise the top-k "
                             "(norm_topk_prob) and every layer is sparse")
         return problems
 
     # ----------------------------------------------------------------------------- layers
 
+    def experts(self, config: ModelConfig) -> Experts:
+        return config.family_config
+
     def is_sparse(self, config: ModelConfig, layer: int) -> bool:
-        return layer not in config.mlp_only_layers and (layer + 1) % config.decoder_sparse_step == 0
+        return layer not in config.experts.mlp_only_layers and (layer + 1) % config.experts.decoder_sparse_step == 0
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MOE if self.is_sparse(config, layer) else ATTENTION_MLP
@@ -116,15 +141,15 @@ class SparseDecoder(Decoder):
         return f"{layer_prefix(layer)}.{self.block if self.is_sparse(config, layer) else 'mlp'}"
 
     def expert_width(self, config: ModelConfig) -> int:
-        return config.moe_intermediate_size if self.model_type == "qwen3_moe" else config.intermediate_size
+        return config.experts.moe_intermediate_size if self.model_type == "qwen3_moe" else config.intermediate_size
 
     def mlp_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
         if not self.is_sparse(config, layer):
             return super().mlp_tensors(config, layer)
         E, Fe = config.hidden_size, self.expert_width(config)
         block = self.mlp_module(config, layer)
-        tensors = projection_tensors(block, (ROUTER,), ((config.num_experts, E),))
-        for e in range(config.num_experts):
+        tensors = projection_tensors(block, (ROUTER,), ((config.experts.num_experts, E),))
+        for e in range(config.experts.num_experts):
             tensors += projection_tensors(f"{block}.experts.{e}", self.expert_projections,
                                           ((Fe, E), (Fe, E), (E, Fe)), expert=e, block=block)
         return tensors

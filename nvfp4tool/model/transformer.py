@@ -199,13 +199,13 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.gate = Linear(config.hidden_size, config.num_experts, bias=False, name=f"{prefix}.gate",
+        self.gate = Linear(config.hidden_size, config.experts.num_experts, bias=False, name=f"{prefix}.gate",
                            param_dtype=param_dtype, rngs=rngs)
         self.experts = nnx.List([
             MLP(config, f"{prefix}.experts.{e}", width=config.expert_intermediate_size,
                 names=config.expert_projections, param_dtype=param_dtype, rngs=rngs)
-            for e in range(config.num_experts)])
-        self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+            for e in range(config.experts.num_experts)])
+        self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:

@@ -3,8 +3,8 @@
     router_logits = {}
     linear = recording_router_logits(linear, config.router_names(), router_logits)
     logits = forward(model, ids, linear=linear)        # fills router_logits at trace time
-    aux = load_balancing_loss(list(router_logits.values()), config.num_experts_per_tok)
-    loss = cross_entropy(...) + config.router_aux_loss_coef * aux
+    aux = load_balancing_loss(list(router_logits.values()), config.experts.num_experts_per_tok)
+    loss = cross_entropy(...) + config.experts.router_aux_loss_coef * aux
 
 `load_balancing_loss` is transformers' `load_balancing_loss_func` (Qwen3-MoE and Mixtral share it;
 Switch Transformer eqs. 4-6): over the tokens of every sparse layer together (mask-weighted, so

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.moe import Experts
 
 # name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP width F); all multiples of 16
 _SHAPES = {
@@ -18,8 +19,9 @@ _TIED = {"1b"}  # embeddings tied to the LM head, as Llama-3.2-1B
 # MoE sizes: name -> (shape, ModelConfig fields); experts 96 wide (F: mixtral's experts use it)
 _TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
 _MOE = {
-    "tiny-moe": ("tiny", dict(_TINY_EXPERTS, family="qwen3_moe", qk_norm=True, moe_intermediate_size=96)),
-    "tiny-mixtral": ("tiny", dict(_TINY_EXPERTS, family="mixtral", intermediate_size=96)),
+    "tiny-moe": ("tiny", dict(family="qwen3_moe", qk_norm=True,
+                              family_config=Experts(**_TINY_EXPERTS, moe_intermediate_size=96))),
+    "tiny-mixtral": ("tiny", dict(family="mixtral", intermediate_size=96, family_config=Experts(**_TINY_EXPERTS))),
 }
 PRESETS = (*_SHAPES, *_MOE)
 

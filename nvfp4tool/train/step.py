@@ -184,8 +184,8 @@ def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn, distill
         loss = distill.loss(parts)
     if not config.is_moe:
         return loss, parts
-    aux = load_balancing_loss(list(router_logits.values()), config.num_experts_per_tok)
-    return loss + config.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}
+    aux = load_balancing_loss(list(router_logits.values()), config.experts.num_experts_per_tok)
+    return loss + config.experts.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
