@@ -1,8 +1,9 @@
 """The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
 directions, and the HF side's two mixture-of-experts layouts (per-expert and fused, at the end).
 
-Each `Rule` names an HF tensor, the MaxText parameter path it lives at (under `params/params/`),
-the families it applies to and the transform between the two orientations. Per-layer rules are
+Each `Rule` (declared by the families, `nvfp4tool/families/maxtext.py`) names an HF tensor, the
+MaxText parameter path it lives at (under `params/params/`) and the transform between the two
+orientations; `TABLE` is every family's rules, `rules_for` one model's. Per-layer rules are
 written relative to a decoder layer: scanned checkpoints keep every layer in one stacked array under
 `decoder/layers/` with the layer axis at position 1, unscanned ones use `decoder/layers_{i}/`
 (reference sheet section 6).
@@ -74,73 +75,18 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import MAXTEXT_FAMILIES
+from nvfp4tool.families import MAXTEXT_FAMILIES, REGISTRY, layer_prefix
+from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
 SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
-_SCALED_QUERY = ("llama", "mistral", "mixtral")  # attention with scale 1: the kernel carries 1/sqrt(D)
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One HF tensor <-> one MaxText parameter (or, for an expert, one slice of it)."""
-
-    hf: str  # HF name; per-layer rules contain "{i}", per-expert rules "{e}"
-    maxtext: str  # path under params/params; per-layer rules: relative to the decoder layer
-    transform: str  # "identity" | "transpose" | "heads_in" | "heads_out"
-    families: tuple[str, ...] = MAXTEXT_FAMILIES  # the model families the rule applies to
-    rope: bool = False  # q and k: the RoPE row layout may differ (interleaved vs half-split)
-    query_scale: bool = False  # q: MaxText stores it pre-multiplied by 1/sqrt(head_dim)
-    untied_only: bool = False  # lm_head: absent when the embedding is tied
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf
-
-    @property
-    def per_expert(self) -> bool:
-        """An expert weight: slice `e` (axis 0) of a parameter that stacks all experts."""
-        return "{e}" in self.hf
-
-
-def _moe_rules(family: str, block: str, hf_block: str,
-               projections: tuple[str, str, str]) -> tuple[Rule, ...]:
-    """Router and experts of one MoE family (see the module docstring for the sources)."""
-    gate, up, down = projections
-    experts = f"model.layers.{{i}}.{hf_block}.experts.{{e}}"
-    return (Rule(f"model.layers.{{i}}.{hf_block}.gate.weight", f"{block}/gate/kernel", "transpose",
-                 (family,)),
-            Rule(f"{experts}.{gate}.weight", f"{block}/wi_0", "transpose", (family,)),
-            Rule(f"{experts}.{up}.weight", f"{block}/wi_1", "transpose", (family,)),
-            Rule(f"{experts}.{down}.weight", f"{block}/wo", "transpose", (family,)))
-
-
-_Q = "model.layers.{i}.self_attn.q_proj.weight"
-TABLE: tuple[Rule, ...] = (
-    Rule("model.embed_tokens.weight", "token_embedder/embedding", "identity"),
-    Rule("model.norm.weight", "decoder/decoder_norm/scale", "identity"),
-    Rule("lm_head.weight", "decoder/logits_dense/kernel", "transpose", untied_only=True),
-    Rule("model.layers.{i}.input_layernorm.weight", "pre_self_attention_layer_norm/scale", "identity"),
-    Rule("model.layers.{i}.post_attention_layernorm.weight", "post_self_attention_layer_norm/scale",
-         "identity"),
-    Rule(_Q, "self_attention/query/kernel", "heads_in", _SCALED_QUERY, rope=True, query_scale=True),
-    Rule(_Q, "self_attention/query/kernel", "heads_in", ("qwen3_moe",), rope=True),
-    Rule("model.layers.{i}.self_attn.k_proj.weight", "self_attention/key/kernel", "heads_in", rope=True),
-    Rule("model.layers.{i}.self_attn.v_proj.weight", "self_attention/value/kernel", "heads_in"),
-    Rule("model.layers.{i}.self_attn.o_proj.weight", "self_attention/out/kernel", "heads_out"),
-    Rule("model.layers.{i}.self_attn.q_norm.weight", "self_attention/query_norm/scale", "identity",
-         ("qwen3_moe",)),
-    Rule("model.layers.{i}.self_attn.k_norm.weight", "self_attention/key_norm/scale", "identity",
-         ("qwen3_moe",)),
-    Rule("model.layers.{i}.mlp.gate_proj.weight", "mlp/wi_0/kernel", "transpose", ("llama", "mistral")),
-    Rule("model.layers.{i}.mlp.up_proj.weight", "mlp/wi_1/kernel", "transpose", ("llama", "mistral")),
-    Rule("model.layers.{i}.mlp.down_proj.weight", "mlp/wo/kernel", "transpose", ("llama", "mistral")),
-    *_moe_rules("qwen3_moe", "moe_block", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    *_moe_rules("mixtral", "MoeBlock_0", "block_sparse_moe", ("w1", "w3", "w2")),
-)
+# The one HF <-> MaxText table: every family's declared rules (families/maxtext.py), each rule once.
+TABLE: tuple[Rule, ...] = tuple(dict.fromkeys(r for f in REGISTRY.values() for r in f.maxtext_rules or ()))
 
 
 FUSED_BLOCK = "mlp"  # the sparse block's name in the fused layout, every family (Mixtral's renamed)
@@ -167,7 +113,7 @@ def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(config.num_layers):
         if config.is_sparse_layer(i):
-            block = f"model.layers.{i}.{FUSED_BLOCK}"
+            block = f"{layer_prefix(i)}.{FUSED_BLOCK}"
             shapes[f"{block}.gate.weight"] = (E, H)
             shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
             shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
@@ -183,7 +129,7 @@ def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
     for i in range(config.num_layers):
         if not config.is_sparse_layer(i):
             continue
-        mlp, fused = config.mlp_prefix(i), f"model.layers.{i}.{FUSED_BLOCK}"
+        mlp, fused = config.mlp_prefix(i), f"{layer_prefix(i)}.{FUSED_BLOCK}"
         views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
         for e in range(config.experts.num_experts):
             views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
@@ -212,8 +158,8 @@ def check_supported(config: ModelConfig, label: str) -> None:
 
 def rules_for(config: ModelConfig) -> list[Rule]:
     """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied)."""
-    return [r for r in TABLE
-            if config.family in r.families and not (r.untied_only and config.tie_word_embeddings)]
+    return [r for r in config.family_spec.maxtext_rules or ()
+            if not (r.untied_only and config.tie_word_embeddings)]
 
 
 def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:

@@ -171,7 +171,7 @@ class Family:
 
     model_type: str  # the HF model_type this instance describes
     architecture: str  # config.json's architectures[0] (what transformers and vLLM instantiate)
-    maxtext: bool = False  # converters/layout.py maps it to and from MaxText
+    maxtext_rules: tuple | None = None  # its MaxText layout (`families/maxtext.py` Rules); None: none
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
     config_type: type | None = None  # the frozen dataclass of its own fields (ModelConfig.family_config)

@@ -27,18 +27,23 @@ from nvfp4tool.families.base import (
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer
+from nvfp4tool.families.maxtext import Rule, decoder_rules, dense_mlp_rules
 
 
 class Decoder(Family):
     """A pre-norm attention + SwiGLU decoder; the switches say how config.json spells its options."""
 
     def __init__(self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str,
-                 maxtext: bool) -> None:
+                 maxtext: str | None) -> None:
+        """`maxtext`: MaxText's decoder for the family takes the query kernel "prescaled" by
+        1/sqrt(head_dim) (its attention uses scale 1: Llama, Mistral, Mixtral) or "unscaled" (it
+        scales queries itself: Qwen3-MoE); None: no MaxText layout."""
         self.model_type, self.architecture = model_type, architecture
         self.bias = bias  # "all": attention_bias on q/k/v/o | "qkv": always q/k/v, never o | "none"
         self.qk_norm = qk_norm
         self.window = window  # "sliding": sliding_window key | "full": full attention only | "none"
-        self.maxtext = maxtext
+        self.maxtext_rules = None if maxtext is None else (
+            decoder_rules(query_scale=maxtext == "prescaled", qk_norm=qk_norm) + self.maxtext_mlp_rules())
         self.modeled_keys = frozenset({"attention_bias", "sliding_window", "use_sliding_window",
                                        "max_window_layers", "layer_types", "mlp_bias"})
 
@@ -55,6 +60,9 @@ class Decoder(Family):
                 "o_proj_bias": attention_bias if self.bias == "all" else False,
                 "qk_norm": self.qk_norm,
                 "sliding_window": integer(hf, "sliding_window", None) if self.window == "sliding" else None}
+
+    def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
+        return dense_mlp_rules()
 
     def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
         if self.bias == "all":
@@ -113,8 +121,8 @@ class Decoder(Family):
 
 
 FAMILIES = (
-    Decoder("llama", "LlamaForCausalLM", bias="all", qk_norm=False, window="none", maxtext=True),
-    Decoder("mistral", "MistralForCausalLM", bias="none", qk_norm=False, window="sliding", maxtext=True),
-    Decoder("qwen2", "Qwen2ForCausalLM", bias="qkv", qk_norm=False, window="full", maxtext=False),
-    Decoder("qwen3", "Qwen3ForCausalLM", bias="all", qk_norm=True, window="full", maxtext=False),
+    Decoder("llama", "LlamaForCausalLM", bias="all", qk_norm=False, window="none", maxtext="prescaled"),
+    Decoder("mistral", "MistralForCausalLM", bias="none", qk_norm=False, window="sliding", maxtext="prescaled"),
+    Decoder("qwen2", "Qwen2ForCausalLM", bias="qkv", qk_norm=False, window="full", maxtext=None),
+    Decoder("qwen3", "Qwen3ForCausalLM", bias="all", qk_norm=True, window="full", maxtext=None),
 )

@@ -32,6 +32,7 @@ from nvfp4tool.families.base import (
 )
 from nvfp4tool.families.hf_values import flag, integer, number
 from nvfp4tool.families.llama import Decoder
+from nvfp4tool.families.maxtext import Rule, moe_rules
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
 
@@ -57,10 +58,11 @@ class SparseDecoder(Decoder):
     """A decoder whose sparse layers route each token to the top-k of `num_experts` SwiGLU experts."""
 
     def __init__(self, model_type: str, architecture: str, *, block: str, experts: tuple[Projection, ...],
-                 **attention: Any) -> None:
-        super().__init__(model_type, architecture, **attention)
+                 maxtext_block: str, **attention: Any) -> None:
         self.block = block  # the sparse MLP's attribute: "mlp" | "block_sparse_moe"
         self.expert_projections = experts  # an expert's (gate, up, down)
+        self.maxtext_block = maxtext_block  # MaxText's name of the sparse block
+        super().__init__(model_type, architecture, **attention)
         self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"
         self.config_type = Experts
         self.modeled_keys = self.modeled_keys | {
@@ -131,6 +133,10 @@ class SparseDecoder(Decoder):
     def experts(self, config: ModelConfig) -> Experts:
         return config.family_config
 
+    def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
+        # MaxText's decoders of these families make every layer sparse (converters.layout refuses dense ones)
+        return moe_rules(self.maxtext_block, self.block, tuple(p.attr for p in self.expert_projections))
+
     def is_sparse(self, config: ModelConfig, layer: int) -> bool:
         return layer not in config.experts.mlp_only_layers and (layer + 1) % config.experts.decoder_sparse_step == 0
 
@@ -161,8 +167,10 @@ _MIXTRAL_EXPERT = (Projection("w1", "gate", "column", "gate_up"), Projection("w3
                    Projection("w2", "down", "row"))
 
 FAMILIES = (
-    SparseDecoder("qwen3_moe", "Qwen3MoeForCausalLM", block="mlp", experts=_QWEN_EXPERT, bias="all",
-                  qk_norm=True, window="full", maxtext=True),
+    SparseDecoder("qwen3_moe", "Qwen3MoeForCausalLM", block="mlp", experts=_QWEN_EXPERT, maxtext_block="moe_block",
+                  bias="all",
+                  qk_norm=True, window="full", maxtext="unscaled"),
     SparseDecoder("mixtral", "MixtralForCausalLM", block="block_sparse_moe", experts=_MIXTRAL_EXPERT,
-                  bias="none", qk_norm=False, window="sliding", maxtext=True),
+                  maxtext_block="MoeBlock_0",
+                  bias="none", qk_norm=False, window="sliding", maxtext="prescaled"),
 )
