@@ -131,3 +131,16 @@ def test_registry_refuses_an_unknown_family_naming_the_supported():
     with pytest.raises(Exception, match="unsupported model family 'gpt2'; supported: llama, mistral"):
         get_family("gpt2")
     assert all(REGISTRY[t].model_type == t for t in REGISTRY)
+
+
+def test_a_layer_kind_without_a_block_is_refused_in_one_line(monkeypatch):
+    """The model builds each layer from its kind's block class (`model.transformer.BLOCKS`); a kind
+    a family declares but the model has no block for is named, not a KeyError."""
+    from nvfp4tool.errors import NVFP4ToolError
+    from nvfp4tool.model import CausalLM
+
+    _, config, _ = _tables("llama3")
+    monkeypatch.setattr(type(config.family_spec), "layer_kind", lambda self, config, layer: "mamba")
+    with pytest.raises(NVFP4ToolError, match=r"llama: layer kind 'mamba' has no block in the model \(kinds with "
+                                             r"blocks: attention\+mlp, attention\+moe\)"):
+        CausalLM(config)

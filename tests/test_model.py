@@ -397,7 +397,8 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     model = LayerwiseModel.held(_bf16_held(config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
     x, cos, sin, allowed = model._embed(ids)
-    compiled = _block_step.lower(model._block_graphdefs[False], model._layer(0), x, cos, sin, allowed, None,
+    graphdef = model._block_graphdefs[config.layer_kind(0)]
+    compiled = _block_step.lower(graphdef, model._layer(0), x, cos, sin, allowed, None,
                                  tap=Plain(served_linear), kv_tap=None, gather=None).compile()
     one_weight_f32 = config.hidden_size * config.intermediate_size * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * one_weight_f32  # 1.2 MB; 2.1 MB both at once

@@ -54,7 +54,7 @@ from nvfp4tool.model.attention import AttentionMask
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, routes_all_experts
 from nvfp4tool.model.sharding import model_mesh, replicated, shard
-from nvfp4tool.model.transformer import Block, CausalLM, default_positions, embed, lm_logits, rope
+from nvfp4tool.model.transformer import CausalLM, default_positions, embed, lm_logits, make_block, rope
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 
@@ -96,8 +96,8 @@ class LayerwiseModel:
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
         # one block program per kind of layer (dense / sparse MLP), shared by all layers of the kind
-        self._block_graphdefs = {sparse: nnx.split(_abstract_block(config, sparse))[0]
-                                 for sparse in {config.is_sparse_layer(i) for i in range(config.num_layers)}}
+        self._block_graphdefs = {kind: nnx.split(_abstract_block(config, kind))[0]
+                                 for kind in {config.layer_kind(i) for i in range(config.num_layers)}}
         self._gather = None if mesh is None else replicated(mesh)
 
     @classmethod
@@ -137,7 +137,7 @@ class LayerwiseModel:
                 _variable(outer, name.removeprefix(f"{BASE_MODEL}.")).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
-            block = _abstract_block(config, config.is_sparse_layer(i))
+            block = _abstract_block(config, config.layer_kind(i))
             for path in _param_paths(block):
                 _variable(block, path).set_value(as_param(source.get(f"{layer_prefix(i)}.{path}"), None, mesh))
             return nnx.state(block)
@@ -162,7 +162,7 @@ class LayerwiseModel:
                 carry = [self._embed(ids_SxT[s:s + batch_size]) for s in starts]
                 for i in range(layers):
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
-                    graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
+                    graphdef = self._block_graphdefs[self.config.layer_kind(i)]
                     for b, (x, cos, sin, mask) in enumerate(carry):
                         with progress.compiling(f"{label} layer program",
                                                 key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x)):
@@ -208,7 +208,7 @@ class LayerwiseModel:
         original = list(carry) if reference is not None else []  # the windows through the stored layers
         with progress.task(label, total=self.config.num_layers, unit="layer") as task:
             for i in range(self.config.num_layers):
-                graphdef = self._block_graphdefs[self.config.is_sparse_layer(i)]
+                graphdef = self._block_graphdefs[self.config.layer_kind(i)]
                 state = self._place(self._layer(i))
                 for b, (x, cos, sin, mask) in enumerate(original):
                     with progress.compiling(f"{label} layer program (reference)",
@@ -276,10 +276,10 @@ def real_name(name: str, layer: int | None) -> str:
     return name if layer is None else name.replace(STAR, layer_prefix(layer))
 
 
-def _abstract_block(config: ModelConfig, sparse: bool) -> Block:
-    """A block (its MLP sparse or dense) with no values (its parameters are set from a source),
+def _abstract_block(config: ModelConfig, kind: str) -> nnx.Module:
+    """A block of layer kind `kind` with no values (its parameters are set from a source),
     named `model.layers.*`; it computes in its input's dtype."""
-    return nnx.eval_shape(lambda: Block(config, STAR, sparse=sparse, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: make_block(config, kind, STAR, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
 
 
 def _param_paths(module: nnx.Module) -> list[str]:

@@ -28,6 +28,7 @@ pass `positions` explicitly to reproduce that).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import NamedTuple
 
@@ -36,7 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import LM_HEAD
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LM_HEAD, layer_prefix
 from nvfp4tool.model.attention import AttentionMask, attend, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
@@ -244,6 +246,19 @@ class Block(nnx.Module):
         return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), cached
 
 
+# The block class of each layer kind a family declares (`families.base`): a family with a new kind
+# (a hybrid's "mamba", "attention", "mlp", "moe") adds its block class here.
+BLOCKS = {ATTENTION_MLP: functools.partial(Block, sparse=False), ATTENTION_MOE: functools.partial(Block, sparse=True)}
+
+
+def make_block(config: ModelConfig, kind: str, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """A block of layer kind `kind` named `layer_name` (`model.layers.3`, or `model.layers.*`)."""
+    if kind not in BLOCKS:
+        raise NVFP4ToolError(f"{config.family}: layer kind {kind!r} has no block in the model "
+                             f"(kinds with blocks: {', '.join(BLOCKS)})")
+    return BLOCKS[kind](config, layer_name, param_dtype=param_dtype, rngs=rngs)
+
+
 class CausalLM(nnx.Module):
     """The whole model: embedding, L blocks, final norm, LM head (absent when tied)."""
 
@@ -260,10 +275,10 @@ class CausalLM(nnx.Module):
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
         self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
-        sparse = [config.is_sparse_layer(i) for i in range(config.num_layers)]
-        if scan_layers and len(set(sparse)) > 1:
+        kinds = [config.layer_kind(i) for i in range(config.num_layers)]
+        if scan_layers and len(set(kinds)) > 1:
             raise ValueError("scanned layers need every layer alike: this model mixes dense and sparse MLPs")
-        blocks = [Block(config, "model.layers.*" if scan_layers else f"model.layers.{i}", sparse=sparse[i],
+        blocks = [make_block(config, kinds[i], layer_prefix("*" if scan_layers else i),
                         param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
         if scan_layers:
             graphdef, _ = nnx.split(blocks[0])
