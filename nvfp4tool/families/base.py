@@ -73,10 +73,6 @@ class LinearModule:
     keep_dtype: bool  # stays in the stored dtype whatever the recipe (routers, lm_head)
     shape: tuple[int, int]  # weight [out_features, in_features]
 
-    @property
-    def weight(self) -> str:
-        return f"{self.name}.weight"
-
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
@@ -130,11 +126,6 @@ class ModuleTable:
         seen = dict.fromkeys(f"{m.block}.experts.{m.expert}" for m in self.linears
                              if m.block == block and m.expert is not None)
         return list(seen)
-
-    def layer_of(self, name: str) -> int | None:
-        """The decoder layer of a linear or of any module under `model.layers.<i>` (None: neither)."""
-        linear = self.get(name)
-        return linear.layer if linear is not None else layer_index(name)
 
     def attention(self, layer: int) -> str | None:
         """The attention module of decoder layer `layer` (None: the layer has none)."""
