@@ -43,21 +43,11 @@ def _seconds(match: re.Match) -> float:
     return 60 * int(match.group(1) or 0) + float(match.group(2))
 
 
-def _knows_scan_layers() -> bool:
-    import dataclasses
-
-    from nvfp4tool.run.config import TrainConfig
-
-    return "scan_layers" in {f.name for f in dataclasses.fields(TrainConfig)}
-
-
 def run_variant(name: str, scan: bool, model: str, data: str, work: str, steps: int, timeout: float) -> dict:
     out = os.path.join(work, name)
     args = ["train", f"model={model}", f"teacher={model}", "distill=kl", "recipe=nvfp4", "seq_len=128",
             "batch_size=4", f"data={data}", f"steps={steps}", "eval_every=0", "lr=1e-5", "warmup_steps=1",
-            f"out={out}", "force=true"]
-    if scan or _knows_scan_layers():  # before scanned layers exist, every run is unrolled
-        args.append(f"scan_layers={'true' if scan else 'false'}")
+            f"out={out}", "force=true", f"scan_layers={'true' if scan else 'false'}"]
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, check=False,

@@ -27,7 +27,14 @@ memory), halve the batch and start over, down to 1; the batch used is reported. 
 smallest step first and the largest second (bf16,nvfp4,...) gives both their own peak and finds
 a batch that does not fit early.
 
+`--num-layers N` overrides the preset's depth and `--scan-layers true|false` chooses scanned
+runs of alike layers or one block per layer (`scan_layers`, default true as in training); the
+compile seconds of each recipe are in the table. `--compile-table 6,12,24` instead compiles the
+recipes (`--recipes`, e.g. nvfp4) at each depth scanned and unrolled, one after the other, and
+prints the compile seconds side by side (no step is run).
+
     python scripts/bench_train_step.py --model tiny --seq-len 128 --batch-size 16
+    python scripts/bench_train_step.py --model small --recipes nvfp4 --compile-table 6,12,24 --json c.json
     python scripts/bench_train_step.py --model 1b --vocab-size 128256 --seq-len 4096 \\
         --batch-size 2 --remat block --recipes nvfp4 --iters 1 --fit --json out.json
 """
@@ -35,6 +42,7 @@ a batch that does not fit early.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -70,6 +78,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5, help="timed steps per recipe (median)")
     parser.add_argument("--recipes", default="bf16,fp8,fp8-block,nvfp4")
     parser.add_argument("--remat", default="none", choices=("none", "block", "full"))
+    parser.add_argument("--num-layers", type=int, help="override the preset's number of layers")
+    parser.add_argument("--scan-layers", default="true", choices=("true", "false"))
+    parser.add_argument("--compile-table", help="depths (e.g. 6,12,24): compile only, scanned vs unrolled")
     parser.add_argument("--fit", action="store_true",
                         help="halve the batch until the step fits in device memory")
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS,
@@ -78,6 +89,9 @@ def main() -> None:
     args = parser.parse_args()
     recipes = args.recipes.split(",")
     batch = args.batch_size
+    if args.compile_table:
+        compile_table(args, recipes, [int(n) for n in args.compile_table.split(",")])
+        return
     while True:
         results = []
         try:
@@ -93,13 +107,41 @@ def main() -> None:
     print_table(args, batch, results)
 
 
+def compile_table(args, recipes: list[str], depths: list[int]) -> None:
+    """Compile seconds of each recipe's step at each depth, scanned and unrolled (alternating)."""
+    rows = []
+    for depth in depths:
+        for name in recipes:
+            row = {"recipe": name, "num_layers": depth}
+            for scan in ("false", "true"):
+                step = compile_step(name, argparse.Namespace(**{**vars(args), "num_layers": depth,
+                                                                "scan_layers": scan}), args.batch_size)
+                row["unrolled_s" if scan == "false" else "scanned_s"] = step["compile_s"]
+                del step
+            rows.append(row)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "backend": jax.default_backend(),
+                                                       "jax": jax.__version__, "rows": rows,
+                                                       "complete": len(rows) == len(depths) * len(recipes)},
+                                                      indent=1))
+    print(f"device: {jax.devices()[0].device_kind}; model {args.model}; batch {args.batch_size} x seq "
+          f"{args.seq_len}; compile seconds of the train step")
+    print("| recipe | layers | unrolled (s) | scanned (s) | scanned / unrolled |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['recipe']} | {r['num_layers']} | {r['unrolled_s']:.1f} | {r['scanned_s']:.1f} "
+              f"| {r['scanned_s'] / r['unrolled_s']:.2f} |")
+
+
 def compile_step(name: str, args, batch: int) -> dict:
     """One recipe's step compiled ahead of time from the state's shapes at `batch`, with what
     running it needs; DoesNotFit when it needs more than the device has free."""
     model_config = preset_config(args.model, args.vocab_size, max(args.seq_len, 2048))
+    if args.num_layers:
+        model_config = dataclasses.replace(model_config, num_layers=args.num_layers)
     recipe_name, _, quantizer = name.partition(":")
     recipe = RecipeConfig(name=recipe_name, quantizer=quantizer or "auto")
-    abstract = nnx.eval_shape(lambda: _model(model_config, args.remat, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: _model(model_config, args, nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95,
                                eps=1e-8, clip_norm=1.0)
@@ -133,7 +175,7 @@ def run_step(step: dict, args) -> dict:
     device = jax.devices()[0]
     stats = device.memory_stats()
     peak_before = stats.get("peak_bytes_in_use") if stats else None
-    params = nnx.split(_model(model_config, args.remat, nnx.Rngs(0)))[1].to_pure_dict()
+    params = nnx.split(_model(model_config, args, nnx.Rngs(0)))[1].to_pure_dict()
     state = step["fns"].init_state(params, AMAX_HISTORY)
     del params
     try:
@@ -182,23 +224,24 @@ def write_json(args, batch: int, results: list[dict], *, complete: bool) -> None
 
 
 def print_table(args, batch: int, results: list[dict]) -> None:
-    print(f"device: {jax.devices()[0].device_kind}; model {args.model}, remat {args.remat}; batch "
+    print(f"device: {jax.devices()[0].device_kind}; model {args.model}, remat {args.remat}, scan_layers "
+          f"{args.scan_layers}; batch "
           f"{batch} x seq {args.seq_len} = {batch * args.seq_len} tokens/step; MFU vs "
           f"{args.peak_tflops:g} TFLOP/s")
-    print("| recipe | step time (ms) | tokens/s | MFU | peak GB | x bf16 step time |")
-    print("|---|---|---|---|---|---|")
+    print("| recipe | compile (s) | step time (ms) | tokens/s | MFU | peak GB | x bf16 step time |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = "-" if r["peak_bytes_in_use"] is None else (
             f"{'' if r['peak_is_own'] else '<='}{r['peak_bytes_in_use'] / 1e9:.1f}")
         ratio = "-" if r["x_bf16"] is None else f"{r['x_bf16']:.2f}"
-        print(f"| {r['recipe']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
+        print(f"| {r['recipe']} | {r['compile_s']:.1f} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
               f"| {peak} | {ratio} |")
 
 
-def _model(config, remat: str, rngs: nnx.Rngs) -> CausalLM:
-    return CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat,
-                    rngs=rngs)
+def _model(config, args, rngs: nnx.Rngs) -> CausalLM:
+    return CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=args.remat,
+                    scan_layers=args.scan_layers == "true", rngs=rngs)
 
 
 def _compiled_bytes(compiled) -> int | None:

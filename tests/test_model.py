@@ -7,6 +7,8 @@ cache vs recomputation, padded vs unpadded rows).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,6 +21,8 @@ from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families.moe import Experts
 from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate, model_from_tensors
+from nvfp4tool.model.linear import Seam
+from nvfp4tool.model.transformer import forward_side, layer_runs
 
 _BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5)
@@ -70,12 +74,19 @@ def tensors_of(model) -> dict[str, np.ndarray]:
     return {name: view.get(name) for name in view.names()}
 
 
-@pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3", "mixtral"])
+@pytest.mark.parametrize("key", ["llama_tied_bias", "mistral_window", "qwen3", "mixtral", "qwen3_moe"])
 def test_scanned_layers_give_the_same_logits(key):
+    """Scanned runs of alike layers (qwen3_moe mixes dense and sparse layers: three runs) give
+    the unrolled logits; the parameters stay per layer, as stored."""
     ids, mask = batch()
     logits = forward(build(key), ids, mask)
     scanned = build(key, scan_layers=True)
-    assert scanned.layers.self_attn.q_proj.weight[...].shape[0] == CONFIGS[key].num_layers
+    assert len(scanned.layers) == CONFIGS[key].num_layers
+    kinds = [CONFIGS[key].layer_kind(i) for i in range(CONFIGS[key].num_layers)]
+    expected = [(kind, [i for i, _ in group])
+                for kind, group in itertools.groupby(enumerate(kinds), key=lambda item: item[1])]
+    assert layer_runs(CONFIGS[key], Seam(), scan=True) == expected
+    assert layer_runs(CONFIGS[key], Seam(), scan=False) == [(kind, [i]) for i, kind in enumerate(kinds)]
     # Same math; the scanned body is compiled (XLA fuses and reorders fp32 ops), the loop runs op by
     # op: a few fp32 ulps of |logits| ~ 2 apart.
     np.testing.assert_allclose(forward(scanned, ids, mask), logits, atol=1e-5, rtol=0)
@@ -204,27 +215,30 @@ def test_jitted_forward_matches_eager():
     np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=0)
 
 
-def test_forward_runs_inline_under_the_callers_transform():
-    """The training pattern: grad of a jitted loss whose linear records per-layer input amax."""
+def test_forward_side_returns_the_records_under_the_callers_transform():
+    """The training pattern: grad of a jitted loss whose linear tap records per-layer input amax,
+    the records coming back as the model's side results (`Seam`, `forward_side`), unrolled or
+    scanned, under the layers' own names."""
     model = build("llama3")
     graphdef, state = nnx.split(model)
     ids, _ = batch()
 
-    def loss(state, ids):
-        recorded = {}
+    def recording(x, w, b, *, name, aux):
+        return default_linear(x, w, b, name=name), jnp.max(jnp.abs(x))
 
-        def recording(x, w, b, *, name):
-            recorded[name] = jnp.max(jnp.abs(x))
-            return default_linear(x, w, b, name=name)
+    def loss(state, ids, scan):
+        m = nnx.merge(graphdef, state)
+        m.scan_layers = scan
+        logits, side = forward_side(m, ids, seam=Seam(recording))
+        return jnp.mean(logits ** 2), side.records
 
-        logits = forward(nnx.merge(graphdef, state), ids, linear=recording)
-        return jnp.mean(logits ** 2), recorded
-
-    (value, amax), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, jnp.asarray(ids))
-    assert set(amax) == set(CONFIGS["llama3"].linear_names())
-    np.testing.assert_allclose(value, np.mean(np.asarray(forward(model, ids)) ** 2), rtol=1e-5)
-    grad_norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
-    assert all(np.isfinite(grad_norms)) and min(grad_norms) > 0
+    for scan in (False, True):
+        (value, amax), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)(
+            state, jnp.asarray(ids), scan)
+        assert set(amax) == set(CONFIGS["llama3"].linear_names())
+        np.testing.assert_allclose(value, np.mean(np.asarray(forward(model, ids)) ** 2), rtol=1e-5)
+        grad_norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
+        assert all(np.isfinite(grad_norms)) and min(grad_norms) > 0
 
 
 def test_bf16_compute_stays_near_fp32():
@@ -311,19 +325,13 @@ def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
     model = build("qwen3_moe")
     ids, mask = batch()
 
-    class Seen:
-        def __init__(self, all_experts):
-            self.routes_all_experts = all_experts
-            self.zero_rows = {}
-
-        def __call__(self, x, w, b, *, name):
-            self.zero_rows[name] = jnp.sum(jnp.all(x == 0, axis=-1))
-            return default_linear(x, w, b, name=name)
+    def zero_rows(x, w, b, *, name, aux):
+        return default_linear(x, w, b, name=name), jnp.sum(jnp.all(x == 0, axis=-1))
 
     @nnx.jit(static_argnums=1)
     def run(model, all_experts):
-        seam = Seen(all_experts)
-        return forward(model, ids, mask, linear=seam), seam.zero_rows
+        logits, side = forward_side(model, ids, mask, seam=Seam(zero_rows, all_experts=all_experts))
+        return logits, side.records
 
     routed_logits, routed = run(model, False)
     every_logits, every = run(model, True)
@@ -342,7 +350,8 @@ def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
 @pytest.mark.parametrize("key", ["qwen3_moe", "mixtral"])
 def test_layerwise_runs_sparse_and_dense_layers_as_forward(key):
     """Held and streamed layer-by-layer runs (one block program per kind of layer) equal forward."""
-    from nvfp4tool.model.layerwise import LayerwiseModel, Plain
+    from nvfp4tool.model.layerwise import LayerwiseModel
+    from nvfp4tool.model.linear import Plain
 
     config = CONFIGS[key]
     tensors = random_tensors(config)
@@ -390,7 +399,8 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     weights are widened one after the other (each linear after the previous one's output), never
     both at once; the values are the model's forward."""
     from nvfp4tool.export.simulate import served_linear
-    from nvfp4tool.model.layerwise import LayerwiseModel, Plain, _block_step
+    from nvfp4tool.model.layerwise import LayerwiseModel, _block_step
+    from nvfp4tool.model.linear import Plain
 
     config = ModelConfig(family="llama", vocab_size=97, hidden_size=256, intermediate_size=1024, num_layers=1,
                          num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5)

@@ -13,7 +13,7 @@ from flax import nnx
 from hf_fixtures import MOE_KEYS, build_tiny_model, build_torch_model
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.model import model_from_tensors
-from nvfp4tool.model.linear import default_linear
+from nvfp4tool.model.linear import Seam, default_linear
 from nvfp4tool.train.moe_loss import load_balancing_loss
 from nvfp4tool.train.step import training_loss
 
@@ -61,7 +61,8 @@ def test_training_loss_equals_the_hf_model_loss(key, tmp_path):
     windows = np.random.default_rng(1).integers(3, source.config.vocab_size, (3, 13))
     graphdef, state = nnx.split(model)
     # under jit, as in training: the router logits are recorded at trace time
-    loss, parts = jax.jit(lambda s, w: training_loss(nnx.merge(graphdef, s), w, default_linear))(state, windows)
+    loss, parts, _ = jax.jit(lambda s, w: training_loss(nnx.merge(graphdef, s), w, Seam.of(default_linear)))(
+        state, windows)
 
     hf = build_torch_model(key)
     ids = torch.from_numpy(windows)

@@ -22,6 +22,7 @@ from nvfp4tool.recipes.precision import (
     layer_key,
     make_linear,
     precision_map,
+    training_seam,
 )
 
 CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -81,12 +82,14 @@ def test_recipe_linear_uses_the_group_amax_and_records_input_amax(model_and_batc
                [("self_attn", p, f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
                + [("mlp", p, f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")]}
     amax = group_amax(weights)
-    sink: dict = {}
     key = jax.random.key(3)
-    linear = make_linear(recipe, pmap, key, amax, sink)
+    seam = training_seam(recipe, pmap, CONFIG, key, (amax, {}))
     x = jax.random.normal(jax.random.key(4), (2, 16, 64), jnp.float32)
     name = "model.layers.2.self_attn.k_proj"
-    y = linear(x, weights[name], None, name=name)
+    y, side = seam.at(2).project(x, weights[name], None, name)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(make_linear(recipe, pmap, key, amax)(
+        x, weights[name], None, name=name)))  # the LinearFn and the tap: one implementation
+    sink = side.records
     x_bf, w_bf = x.astype(jnp.bfloat16), weights[name].astype(jnp.bfloat16)
     group = amax["model.layers.2.self_attn.qkv"]
     assert float(group) > float(jnp.max(jnp.abs(w_bf)))  # the shared amax is not k's own
@@ -94,8 +97,8 @@ def test_recipe_linear_uses_the_group_amax_and_records_input_amax(model_and_batc
     np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
     assert float(sink[name]) == float(jnp.max(jnp.abs(x_bf)))
     # bf16 layers record nothing
-    linear(x, model.lm_head.weight[...], None, name="lm_head")
-    assert "lm_head" not in sink
+    _, head = seam.at(None).project(x, model.lm_head.weight[...], None, "lm_head")
+    assert head.records == {}
 
 
 def test_recipes_change_the_logits_and_bf16_scope_all_undoes_it(model_and_batch):

@@ -17,7 +17,8 @@ from converters.hf import HFFolderSource
 from nvfp4tool.export.provenance import sha256_file
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.families import group_glob as group_pattern
-from nvfp4tool.model.layerwise import LayerwiseModel, Plain
+from nvfp4tool.model.layerwise import LayerwiseModel
+from nvfp4tool.model.linear import Plain
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report

@@ -17,7 +17,7 @@ activations. Both modes give the same amax. On several devices the weights are s
 of them (`LayerwiseModel.open`), with the same amax as on one.
 
 MoE models calibrate all experts (llm-compressor's moe_calibrate_all_experts): the tap asks every
-sparse MLP to run every expert on every token of its layer (`model.linear.routes_all_experts`; the
+sparse MLP to run every expert on every token of its layer (`LayerwiseModel.logits(all_experts=True)`; the
 layer's output is unchanged), so an expert the router never picks still gets an input amax. The
 tap also sees each router's logits and counts, with the model's own `route`, how many tokens the
 router actually sent to each expert (`Calibration.routed_tokens`, recorded in the provenance).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +71,7 @@ def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], d
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="calibration")
     tally = Tally(config, names, kv_cache=kv_cache)
     for _ in model.logits(ids_SxL, BATCH, tap=InputAmax.of(config), on_record=tally.record, label="calibration",
-                          kv_tap=KVAmax() if kv_cache else None):
+                          kv_tap=KVAmax() if kv_cache else None, all_experts=True):
         pass
     del model
     memory.release()
@@ -181,12 +180,11 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
 @dataclasses.dataclass(frozen=True)
 class InputAmax:
     """Tap: the plain BF16 GEMM, recording max|x| of its BF16 input; a router (`families.is_router`)
-    records instead how many tokens `route` sends to each expert. Every sparse MLP runs all its
-    experts on all tokens (`routes_all_experts`)."""
+    records instead how many tokens `route` sends to each expert. Calibration runs it with every
+    sparse MLP showing all its experts all tokens (`all_experts=True`)."""
 
     routes: bool = False  # the model has routers (a MoE model)
     top_k: int = 0
-    routes_all_experts: ClassVar[bool] = True
 
     @classmethod
     def of(cls, config: ModelConfig) -> InputAmax:

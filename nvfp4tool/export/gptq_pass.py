@@ -13,7 +13,7 @@ windows go through layer i again with the quantized (decoded) weights (a tap tha
 to make layer i+1's inputs, so layer i+1's Hessians see the already-quantized earlier layers.
 Linears reading the same input share one Hessian (`families.hessian_group`: q/k/v, gate/up; in a MoE
 layer the gate/up of all experts, since the tap asks every expert to run on every token of its
-layer, `routes_all_experts`, as llm-compressor's moe_calibrate_all_experts; each expert's
+layer, `all_experts=True`, as llm-compressor's moe_calibrate_all_experts; each expert's
 down_proj has its own, over all tokens).
 
 The same pass also calibrates (`amax_names`, `kv_cache`): a second copy of the windows goes through
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,17 +133,17 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
     # same GEMMs, every expert on every token as in the first, no X^T X
     model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=add_hessian,
                      replace=replace, label="GPTQ", reference=InputAmax.of(config) if calibrating else None,
-                     kv_tap=KVAmax() if kv_cache else None, on_reference=None if tally is None else tally.record)
+                     kv_tap=KVAmax() if kv_cache else None, on_reference=None if tally is None else tally.record,
+                     all_experts=True)
     return GPTQResult(records=records, errors=errors, calibration=None if tally is None else tally.result())
 
 
 @dataclasses.dataclass(frozen=True)
 class _Hessians:
     """Tap: the plain BF16 GEMM; the linears in `names` (block-program names) record X^T X (fp32)
-    of their input. Every sparse MLP runs all its experts on all tokens (`routes_all_experts`)."""
+    of their input. The pass runs every sparse MLP's experts on all tokens (`all_experts=True`)."""
 
     names: frozenset[str]
-    routes_all_experts: ClassVar[bool] = True
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)

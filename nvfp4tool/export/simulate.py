@@ -121,7 +121,7 @@ def served_kv(k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, scales: KVScales) ->
 
 @dataclasses.dataclass(frozen=True)
 class ServedKVTap:
-    """`model.layerwise.KVTap` of the FP8 KV cache: the layer's `KVScales` come as its aux."""
+    """`model.linear.KVTap` of the FP8 KV cache: the layer's `KVScales` come as its aux."""
 
     def __call__(self, k, v, *, name, aux):
         return served_kv(k, v, aux), None

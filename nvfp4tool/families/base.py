@@ -150,6 +150,14 @@ def split_layer(name: str) -> tuple[int, str] | None:
     return (int(index), tail) if head == "" and index.isdigit() and tail else None
 
 
+def in_layer(name: str) -> str | None:
+    """The part of a name under `model.layers.<i>.` or a block program's `model.layers.*.`
+    (`model.layers.*.mlp.up_proj` -> "mlp.up_proj"), else None."""
+    head, _, rest = name.partition(f"{LAYERS}.")
+    index, _, tail = rest.partition(".")
+    return tail if head == "" and (index.isdigit() or index == "*") and tail else None
+
+
 def layer_index(name: str) -> int | None:
     """The decoder layer a module or tensor name lies in (`model.layers.<i>.`), else None."""
     found = split_layer(name)

@@ -3,7 +3,7 @@
     model = LayerwiseModel.held(causal_lm)                      # a model in memory (as stored)
     model = LayerwiseModel.streamed(config, source, compute_dtype=jnp.float32)  # read per layer
     model = LayerwiseModel.open(config, build=..., source=..., offload="auto", ...)  # either, decided
-    for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):
+    for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):  # linear.Plain
         ...
 
 Every use of a model that is not generation (validate's logits and per-layer SQNR, export
@@ -40,7 +40,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,38 +51,22 @@ from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.families import BASE_MODEL, LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model.attention import AttentionMask
-from nvfp4tool.model.kv import KVFn, default_kv
-from nvfp4tool.model.linear import LinearFn, routes_all_experts
+from nvfp4tool.model.linear import KVTap, PlainKV, Seam, Tap
 from nvfp4tool.model.sharding import model_mesh, replicated, shard
-from nvfp4tool.model.transformer import CausalLM, default_positions, embed, lm_logits, make_block, rope
+from nvfp4tool.model.transformer import (
+    CausalLM,
+    abstract_block,
+    block_program,
+    default_positions,
+    embed,
+    lm_logits,
+    real_name,
+    rope,
+)
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 
 STAR = layer_prefix("*")  # the layer prefix of the names a block program sees
-
-
-class Tap(Protocol):
-    """A linear seam that may record: (y, record) where record is None or a pytree of arrays."""
-
-    def __call__(self, x: jax.Array, w_NxK: Any, b_N: jax.Array | None, *, name: str,
-                 aux: Any) -> tuple[jax.Array, Any]: ...
-
-
-class KVTap(Protocol):
-    """A KV seam that may record: ((k, v), record) where record is None or a pytree of arrays."""
-
-    def __call__(self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str,
-                 aux: Any) -> tuple[tuple[jax.Array, jax.Array], Any]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Plain:
-    """A LinearFn as a Tap that records nothing."""
-
-    linear: LinearFn
-
-    def __call__(self, x, w_NxK, b_N, *, name, aux):
-        return self.linear(x, w_NxK, b_N, name=name), None
 
 
 class LayerwiseModel:
@@ -96,7 +80,7 @@ class LayerwiseModel:
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
         # one block program per kind of layer (dense / sparse MLP), shared by all layers of the kind
-        self._block_graphdefs = {kind: nnx.split(_abstract_block(config, kind))[0]
+        self._block_graphdefs = {kind: block_program(config, kind)
                                  for kind in {config.layer_kind(i) for i in range(config.num_layers)}}
         self._gather = None if mesh is None else replicated(mesh)
 
@@ -117,9 +101,7 @@ class LayerwiseModel:
 
     @classmethod
     def held(cls, model: CausalLM, *, mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
-        """A model in memory (unscanned), run layer by layer `batch_size` windows at a time."""
-        if model.scan_layers:
-            raise ValueError("LayerwiseModel.held: a scanned model (build it unscanned)")
+        """A model in memory, run layer by layer `batch_size` windows at a time."""
         layers = model.layers
         outer = nnx.merge(*nnx.split(model))  # a shallow copy whose layers we drop
         outer.layers = nnx.List([])
@@ -137,7 +119,7 @@ class LayerwiseModel:
                 _variable(outer, name.removeprefix(f"{BASE_MODEL}.")).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
-            block = _abstract_block(config, config.layer_kind(i))
+            block = abstract_block(config, config.layer_kind(i))
             for path in _param_paths(block):
                 _variable(block, path).set_value(as_param(source.get(f"{layer_prefix(i)}.{path}"), None, mesh))
             return nnx.state(block)
@@ -146,10 +128,11 @@ class LayerwiseModel:
 
     def logits(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, aux: Callable[[int | None], Any] | None = None,
                on_record: Callable[[str, Any], None] | None = None, kv_tap: KVTap | None = None,
-               label: str = "forward") -> Iterator[tuple[int, jax.Array]]:
+               label: str = "forward", all_experts: bool = False) -> Iterator[tuple[int, jax.Array]]:
         """(first window index, fp32 logits [B, T, V]) of every batch of `batch_size` windows, in
         order; records of the tap (and of `kv_tap`, keys and values as they are cached; None: the
-        identity) go to `on_record(name, record)` (one call per batch)."""
+        identity) go to `on_record(name, record)` (one call per batch). `all_experts`: every sparse
+        MLP shows every token to every expert (calibration; `Seam.all_experts`)."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         S, T = ids_SxT.shape
         wave = S if self.streamed else batch_size  # windows that go through one layer together
@@ -165,9 +148,10 @@ class LayerwiseModel:
                     graphdef = self._block_graphdefs[self.config.layer_kind(i)]
                     for b, (x, cos, sin, mask) in enumerate(carry):
                         with progress.compiling(f"{label} layer program",
-                                                key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x)):
-                            y, records = _block_step(graphdef, state, x, cos, sin, mask,
-                                                     layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather)
+                                                key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x,
+                                                                 all_experts)):
+                            y, records = _block_step(graphdef, state, x, cos, sin, mask, layer_aux, tap=tap,
+                                                     kv_tap=kv_tap, gather=self._gather, all_experts=all_experts)
                         carry[b] = (y, cos, sin, mask)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
@@ -191,7 +175,7 @@ class LayerwiseModel:
                    on_record: Callable[[str, Any], None],
                    replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential",
                    reference: Tap | None = None, kv_tap: KVTap | None = None,
-                   on_reference: Callable[[str, Any], None] | None = None) -> None:
+                   on_reference: Callable[[str, Any], None] | None = None, all_experts: bool = False) -> None:
         """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
         stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
         `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
@@ -201,7 +185,7 @@ class LayerwiseModel:
         the replaced earlier layers. With `reference`, a second copy of the windows goes through
         every layer first with its weights as stored (never replaced), with that tap and `kv_tap`,
         their records going to `on_reference`: what the original model computes (calibration), in
-        the same pass, exactly as `logits` computes it. Held or streamed alike; the peak is one layer (twice while it
+        the same pass, exactly as `logits` computes it (`all_experts`: as there). Held or streamed alike; the peak is one layer (twice while it
         is replaced) + the activations of all windows (twice with `reference`). The LM head is not run."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         carry = [self._embed(ids_SxT[s:s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
@@ -212,17 +196,19 @@ class LayerwiseModel:
                 state = self._place(self._layer(i))
                 for b, (x, cos, sin, mask) in enumerate(original):
                     with progress.compiling(f"{label} layer program (reference)",
-                                            key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x)):
+                                            key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x,
+                                                             all_experts)):
                         y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=reference,
-                                                 kv_tap=kv_tap, gather=self._gather)
+                                                 kv_tap=kv_tap, gather=self._gather, all_experts=all_experts)
                     _deliver(records, on_reference, i)
                     original[b] = (y, cos, sin, mask)
                 outputs = []
                 for x, cos, sin, mask in carry:
                     with progress.compiling(f"{label} layer program",
-                                            key=_program_key(_block_step, graphdef, tap, None, self._gather, x)):
+                                            key=_program_key(_block_step, graphdef, tap, None, self._gather, x,
+                                                             all_experts)):
                         y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
-                                                 gather=self._gather)
+                                                 gather=self._gather, all_experts=all_experts)
                     _deliver(records, on_record, i)
                     outputs.append(y)
                 new = replace(i)
@@ -236,9 +222,10 @@ class LayerwiseModel:
                     outputs = []
                     for x, cos, sin, mask in carry:
                         with progress.compiling(f"{label} layer program (replay)",
-                                                key=_program_key(_block_step, graphdef, replay, None, self._gather, x)):
+                                                key=_program_key(_block_step, graphdef, replay, None, self._gather, x,
+                                                                 all_experts)):
                             outputs.append(_block_step(graphdef, state, x, cos, sin, mask, None, tap=replay,
-                                                       kv_tap=None, gather=self._gather)[0])
+                                                       kv_tap=None, gather=self._gather, all_experts=all_experts)[0])
                 carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
                 del state, outputs
                 if self.streamed:
@@ -271,17 +258,6 @@ def layer_modules(modules, layer: int | None) -> dict[str, str]:
     return {f"{STAR}.{m[len(prefix):]}": m for m in modules if m.startswith(prefix)}
 
 
-def real_name(name: str, layer: int | None) -> str:
-    """The module a block program's `name` stands for in layer `layer` (None: the LM head)."""
-    return name if layer is None else name.replace(STAR, layer_prefix(layer))
-
-
-def _abstract_block(config: ModelConfig, kind: str) -> nnx.Module:
-    """A block of layer kind `kind` with no values (its parameters are set from a source),
-    named `model.layers.*`; it computes in its input's dtype."""
-    return nnx.eval_shape(lambda: make_block(config, kind, STAR, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
-
-
 def _param_paths(module: nnx.Module) -> list[str]:
     """Dotted attribute paths of a module's parameters (= HF name suffixes)."""
     return [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))]
@@ -294,10 +270,10 @@ def _variable(module: nnx.Module, path: str) -> nnx.Variable:
     return node
 
 
-def _program_key(step, graphdef, tap, kv_tap, gather, x: jax.Array) -> tuple:
+def _program_key(step, graphdef, tap, kv_tap, gather, x: jax.Array, all_experts: bool = False) -> tuple:
     """What makes a step compile anew, for `progress.compiling`: the program and its static
     arguments, and the batch's shape and dtype (the weights' shapes follow from the graphdef)."""
-    return step, graphdef, tap, kv_tap, gather, tuple(x.shape), str(x.dtype)
+    return step, graphdef, tap, kv_tap, gather, tuple(x.shape), str(x.dtype), all_experts
 
 
 def _deliver(records: dict[str, Any], on_record, layer: int | None) -> None:
@@ -307,39 +283,28 @@ def _deliver(records: dict[str, Any], on_record, layer: int | None) -> None:
         on_record(real_name(name, layer), record)
 
 
-def _recording(tap: Tap, aux: Any, records: dict[str, Any]) -> LinearFn:
-    """The block's linear seam: the tap, its records kept in `records`. The linears run one after
-    another: each one's tap (its weights widened or decoded, its GEMMs) is computed after the previous
-    linear's output (`numerics.computed_after`), so the program holds the widened weights of one
-    linear at a time, not those of q, k and v (or gate and up), which share their input (a 2048 /
-    5632 layer with validate's SQNR tap: 222 MB of temporaries -> 75 MB)."""
-    outputs = []
+@dataclasses.dataclass
+class _InOrder:
+    """The block's tap, its linears run one after another: each one's tap (its weights widened or
+    decoded, its GEMMs) is computed after the previous linear's output (`numerics.computed_after`),
+    so the program holds the widened weights of one linear at a time, not those of q, k and v (or
+    gate and up), which share their input (a 2048 / 5632 layer with validate's SQNR tap: 222 MB of
+    temporaries -> 75 MB). Made inside one step's trace, for that trace only."""
 
-    def linear(x, w_NxK, b_N, *, name):
+    tap: Tap
+    outputs: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
         def run(x, w_NxK, b_N, aux):
-            return tap(x, w_NxK, b_N, name=name, aux=aux)
+            return self.tap(x, w_NxK, b_N, name=name, aux=aux)
 
-        y, record = computed_after(outputs[-1], run, x, w_NxK, b_N, aux) if outputs else run(x, w_NxK, b_N, aux)
-        if record is not None:
-            records[name] = record
-        outputs.append(y)
-        return y
-
-    linear.routes_all_experts = routes_all_experts(tap)  # a calibrating tap's wish reaches the experts
-    return linear
+        y, record = computed_after(self.outputs[-1], run, x, w_NxK, b_N, aux) if self.outputs else run(x, w_NxK, b_N, aux)
+        self.outputs.append(y)
+        return y, record
 
 
-def _recording_kv(kv_tap: KVTap | None, aux: Any, records: dict[str, Any]) -> KVFn:
-    if kv_tap is None:
-        return default_kv
-
-    def kv(k, v, *, name):
-        cached, record = kv_tap(k, v, name=name, aux=aux)
-        if record is not None:
-            records[name] = record
-        return cached
-
-    return kv
+def _seam(tap: Tap, kv_tap: KVTap | None, aux: Any, all_experts: bool) -> Seam:
+    return Seam(_InOrder(tap), kv_tap or PlainKV(), all_experts=all_experts, aux_of=lambda layer: aux, aux=aux)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "gather"))
@@ -350,21 +315,20 @@ def _embed_step(graphdef, state, ids_BxT, *, gather):
     return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal(model.config.sliding_window)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather"))
-def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, aux, *, tap, kv_tap, gather):
+@partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather", "all_experts"))
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, aux, *, tap, kv_tap, gather,
+                all_experts=False):
     state, aux = _gathered((state, aux), gather)
-    records: dict[str, Any] = {}
-    y_BxTxE, _ = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, mask, None, 0,
-                                            _recording(tap, aux, records), _recording_kv(kv_tap, aux, records))
-    return y_BxTxE, records
+    y_BxTxE, _, side = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, mask, None, 0,
+                                                  _seam(tap, kv_tap, aux, all_experts))
+    return y_BxTxE, side.records
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "gather"))
 def _head_step(graphdef, state, x_BxTxE, aux, *, tap, gather):
     state, aux = _gathered((state, aux), gather)
-    records: dict[str, Any] = {}
-    logits = lm_logits(nnx.merge(graphdef, state), x_BxTxE, _recording(tap, aux, records))
-    return logits, records
+    logits, side = lm_logits(nnx.merge(graphdef, state), x_BxTxE, _seam(tap, None, aux, False))
+    return logits, side.records
 
 
 def _gathered(tree: Any, gather: jax.sharding.NamedSharding | None) -> Any:

@@ -13,15 +13,13 @@ block: each block runs under `jax.checkpoint` keeping its input and the outputs 
 full:  only each block's input is kept (`nothing_saveable`): the backward pass runs every block's
        forward again.
 
-Trace-time side outputs: a linear seam may fill Python dicts while it is traced (a recipe's
-input amax, MoE router logits) and lists them in its `sinks` attribute. `checkpointed` returns
-what the block wrote into them as outputs of the checkpointed function and writes those values
-(of the caller's trace) back, so no tracer of the checkpoint's own trace leaks.
+Side results (input amax, router logits) are outputs of the checkpointed block like any other
+(`linear.Side`), so the checkpoint needs no special case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -37,31 +35,6 @@ def linear_output(y: jax.Array) -> jax.Array:
     return checkpoint_name(y, LINEAR_OUT)
 
 
-def sinks(linear: Callable) -> tuple[MutableMapping, ...]:
-    """The dicts a linear seam fills at trace time (its `sinks` attribute; none by default)."""
-    return tuple(getattr(linear, "sinks", ()))
-
-
-def checkpointed(call: Callable, level: str, linear: Callable) -> Callable:
-    """`call(*pytrees of arrays)` under the checkpoint policy of `level` (`none`: `call` itself);
-    `linear` is the seam `call` uses, whose `sinks` are carried out of the checkpoint."""
-    if level == "none":
-        return call
-    filled = sinks(linear)
-
-    def with_side_outputs(*args):
-        before = [dict(sink) for sink in filled]
-        out = call(*args)
-        written = [{k: v for k, v in sink.items() if k not in old or v is not old[k]}
-                   for sink, old in zip(filled, before)]
-        return out, written
-
-    remat = jax.checkpoint(with_side_outputs, policy=_POLICIES[level])
-
-    def run(*args):
-        out, written = remat(*args)
-        for sink, values in zip(filled, written):
-            sink.update(values)
-        return out
-
-    return run
+def checkpointed(call: Callable, level: str) -> Callable:
+    """`call(*pytrees of arrays)` under the checkpoint policy of `level` (`none`: `call` itself)."""
+    return call if level == "none" else jax.checkpoint(call, policy=_POLICIES[level])

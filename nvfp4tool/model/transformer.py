@@ -14,8 +14,16 @@ is `attention.attend` (`jax.nn.dot_product_attention`, cuDNN flash attention on 
 `AttentionMask`: causal (with the sliding window) for unpadded rows without a cache, the training
 path; an explicit [B, T, S] array (`attention_allowed`) for padding and cached generation.
 
-Scanned layers (`scan_layers=True`): `model.layers` is ONE Block whose parameters carry a leading
-layer axis, run with `jax.lax.scan`; the linear names then read "model.layers.*....".
+The seams come in one explicit `linear.Seam`; every module returns its output and its side results
+(`linear.Side`: the taps' records, the routers' logits), a block also its keys and values.
+
+Scanned layers (`scan_layers=True`): the parameters stay per layer (`model.layers.3....`, as stored
+and checkpointed), and each run of consecutive layers of one kind and one treatment
+(`Seam.treatment`: training's precision of each linear) runs as one `jax.lax.scan` over the run's
+stacked parameters and stacked per-layer aux (`layer_runs`); the program then traces one block per
+run, whose linear names read "model.layers.*....", so compile time stops growing with depth. The
+stacking copies the run's weights once per call. Side results come out of the scan stacked and
+are given back under each layer's own name.
 
 Remat (`remat="block"|"full"`, `remat.py`): each block runs under `jax.checkpoint`; every linear's
 output is tagged (`linear_output`) for the `block` policy to keep.
@@ -41,7 +49,7 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LM_HEAD, layer_prefix
 from nvfp4tool.model.attention import AttentionMask, attend, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
-from nvfp4tool.model.linear import LinearFn, default_linear, routes_all_experts
+from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed, linear_output
 from nvfp4tool.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from nvfp4tool.numerics import computed_after
@@ -66,10 +74,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.name = name
 
-    def __call__(self, x: jax.Array, linear: LinearFn) -> jax.Array:
+    def __call__(self, x: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         bias = None if self.bias is None else self.bias[...]
         # get_value(): the weight may be an array or a stored (quantized) pytree the seam decodes
-        return linear_output(linear(x, self.weight.get_value(), bias, name=self.name))
+        y, side = seam.project(x, self.weight.get_value(), bias, self.name)
+        return linear_output(y), side
 
 
 class RMSNorm(nnx.Module):
@@ -123,18 +132,20 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxTxE: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array,
                  mask: AttentionMask, cache_kv: tuple[jax.Array, jax.Array] | None,
-                 write_index: jax.Array | int, linear: LinearFn, kv: KVFn = default_kv):
-        """Returns (y_BxTxE, (k, v)): k/v the updated cache [B, S, KV, D] (or this chunk's, no cache)."""
+                 write_index: jax.Array | int, seam: Seam):
+        """Returns (y_BxTxE, (k, v), side): k/v the updated cache [B, S, KV, D] (or this chunk's,
+        no cache)."""
         B, T, _ = x_BxTxE.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BxTxHxD = self.q_proj(x_BxTxE, linear).reshape(B, T, H, D)
-        k_BxTxKVxD = self.k_proj(x_BxTxE, linear).reshape(B, T, KV, D)
-        v_BxTxKVxD = self.v_proj(x_BxTxE, linear).reshape(B, T, KV, D)
+        q, q_side = self.q_proj(x_BxTxE, seam)
+        k, k_side = self.k_proj(x_BxTxE, seam)
+        v, v_side = self.v_proj(x_BxTxE, seam)
+        q_BxTxHxD, k_BxTxKVxD, v_BxTxKVxD = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, D)
         if self.q_norm is not None:
             q_BxTxHxD, k_BxTxKVxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxTxKVxD)
         q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
         k_BxTxKVxD = apply_rope(k_BxTxKVxD, cos_BxTxD, sin_BxTxD)
-        k_BxTxKVxD, v_BxTxKVxD = kv(k_BxTxKVxD, v_BxTxKVxD, name=self.name)
+        (k_BxTxKVxD, v_BxTxKVxD), kv_side = seam.cache(k_BxTxKVxD, v_BxTxKVxD, self.name)
         if cache_kv is None:
             k_BxSxKVxD, v_BxSxKVxD = k_BxTxKVxD, v_BxTxKVxD
         else:
@@ -143,8 +154,8 @@ class Attention(nnx.Module):
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
         out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype),
                              mask)
-        y_BxTxE = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), linear)
-        return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD)
+        y_BxTxE, o_side = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
+        return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
 
 
 class MLP(nnx.Module):
@@ -159,10 +170,12 @@ class MLP(nnx.Module):
         for attr, k, n in zip(names, (E, E, F), (F, F, E)):
             setattr(self, attr, Linear(k, n, bias=False, name=f"{prefix}.{attr}", param_dtype=param_dtype, rngs=rngs))
 
-    def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
+    def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         gate, up, down = (getattr(self, attr) for attr in self.names)
-        hidden_BxTxF = jax.nn.silu(gate(x_BxTxE, linear)) * up(x_BxTxE, linear)
-        return down(hidden_BxTxF, linear)
+        g_BxTxF, gate_side = gate(x_BxTxE, seam)
+        u_BxTxF, up_side = up(x_BxTxE, seam)
+        y_BxTxE, down_side = down(jax.nn.silu(g_BxTxF) * u_BxTxF, seam)
+        return y_BxTxE, merged(gate_side, up_side, down_side)
 
 
 def route(router_logits_BxTxN: jax.Array, k: int, normalize: bool,
@@ -196,7 +209,7 @@ class SparseMoE(nnx.Module):
     Hadamard groups and stochastic rounding run over the zero rows too: same distribution, other
     bits than a compacted dispatch). It costs num_experts / k times the routed FLOPs, which
     the CPU sizes we validate afford; a ragged dispatch (`jax.lax.ragged_dot`) is the GPU speed
-    path. A seam that asks for all experts (`linear.routes_all_experts`, calibration) gets every
+    path. A seam that asks for all experts (`Seam.all_experts`, calibration) gets every
     token in every expert (llm-compressor's moe_calibrate_all_experts); the output is unchanged.
     """
 
@@ -210,17 +223,20 @@ class SparseMoE(nnx.Module):
         self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
-    def __call__(self, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
-        logits_BxTxN = self.gate(x_BxTxE, linear)
+    def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
+        """(the output, side results: the experts' records, the router's logits under its name)."""
+        logits_BxTxN, router_side = self.gate(x_BxTxE, seam)
         weights_BxTxN, chosen_BxTxN = route(logits_BxTxN, self.top_k, self.normalize,
                                             logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32)
-        every_token = routes_all_experts(linear)
         out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
+        sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
         for e, expert in enumerate(self.experts):
-            routed_BxTxE = x_BxTxE if every_token else jnp.where(chosen_BxTxN[..., e:e + 1], x_BxTxE, 0)
-            y_BxTxE = expert(routed_BxTxE, linear) * weights_BxTxN[..., e:e + 1]  # dtype promotion as torch
+            routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e:e + 1], x_BxTxE, 0)
+            y_BxTxE, expert_side = expert(routed_BxTxE, seam)
+            y_BxTxE = y_BxTxE * weights_BxTxN[..., e:e + 1]  # dtype promotion as torch
             out_BxTxE = out_BxTxE + y_BxTxE.astype(jnp.float32)
-        return out_BxTxE.astype(x_BxTxE.dtype)
+            sides.append(expert_side)
+        return out_BxTxE.astype(x_BxTxE.dtype), merged(*sides)
 
 
 class Block(nnx.Module):
@@ -237,13 +253,13 @@ class Block(nnx.Module):
         self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
         setattr(self, self.mlp_attr, mlp)
 
-    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, linear,
-                 kv: KVFn = default_kv):
-        attn_BxTxE, cached = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
-                                            mask, cache_kv, write_index, linear, kv)
+    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam: Seam):
+        """(the block's output, its (k, v), its side results)."""
+        attn_BxTxE, cached, attn_side = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
+                                                       mask, cache_kv, write_index, seam)
         h_BxTxE = x_BxTxE + attn_BxTxE
-        mlp = getattr(self, self.mlp_attr)
-        return h_BxTxE + mlp(self.post_attention_layernorm(h_BxTxE), linear), cached
+        mlp_BxTxE, mlp_side = getattr(self, self.mlp_attr)(self.post_attention_layernorm(h_BxTxE), seam)
+        return h_BxTxE + mlp_BxTxE, cached, merged(attn_side, mlp_side)
 
 
 # The block class of each layer kind a family declares (`families.base`): a family with a new kind
@@ -270,22 +286,13 @@ class CausalLM(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype or param_dtype)
-        self.scan_layers = scan_layers
+        self.scan_layers = scan_layers  # run each run of alike layers as one lax.scan (`layer_runs`)
         self.remat = remat  # what the backward pass recomputes (`remat.py`)
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
         self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
-        kinds = [config.layer_kind(i) for i in range(config.num_layers)]
-        if scan_layers and len(set(kinds)) > 1:
-            raise ValueError("scanned layers need every layer alike: this model mixes dense and sparse MLPs")
-        blocks = [make_block(config, kinds[i], layer_prefix("*" if scan_layers else i),
-                        param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
-        if scan_layers:
-            graphdef, _ = nnx.split(blocks[0])
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.split(b)[1] for b in blocks])
-            self.layers = nnx.merge(graphdef, stacked)  # one Block, parameters [L, ...]
-        else:
-            self.layers = nnx.List(blocks)
+        self.layers = nnx.List([make_block(config, config.layer_kind(i), layer_prefix(i), param_dtype=param_dtype,
+                                           rngs=rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             E, config.vocab_size, bias=False, name=LM_HEAD, param_dtype=param_dtype, rngs=rngs)
@@ -300,10 +307,8 @@ def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.A
     """Logits [B, T, V] in float32 (no cache). Mask: 1 = token, 0 = padding (left or right).
     With neither a mask nor positions (unpadded rows at 0..T-1, the training loss) attention is
     causal by structure (`AttentionMask.causal`: flash attention on a GPU), else explicit.
-
-    Called under a transformation (the caller's jit / grad / scan) it runs inline, so a `linear`
-    may record into Python containers at trace time. Called eagerly, it compiles itself with
-    jax.jit (model structure and `linear` static; op-by-op dispatch would be ~100x slower).
+    A jitted program (model structure and `linear` static); under a transformation that needs the
+    side results (training), call `forward_side` with a `Seam`.
     """
     input_ids_BxT = jnp.asarray(input_ids_BxT)
     unpadded = attention_mask_BxT is None and positions_BxT is None
@@ -311,13 +316,28 @@ def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.A
                 else jnp.asarray(attention_mask_BxT).astype(bool))
     if positions_BxT is None:
         positions_BxT = default_positions(mask_BxT)
-    linear = linear or model.linear
     graphdef, state = nnx.split(model)
-    traced = any(isinstance(leaf, jax.core.Tracer)
-                 for leaf in (input_ids_BxT, mask_BxT, positions_BxT, *jax.tree.leaves(state)))
-    run = _forward.__wrapped__ if traced else _forward
-    return run(graphdef, state, input_ids_BxT, None if unpadded else mask_BxT, jnp.asarray(positions_BxT),
-               linear=linear)
+    return _forward(graphdef, state, input_ids_BxT, None if unpadded else mask_BxT, jnp.asarray(positions_BxT),
+                    linear=linear or model.linear)
+
+
+def forward_side(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
+                 positions_BxT: jax.Array | None = None, *, seam: Seam) -> tuple[jax.Array, Side]:
+    """`forward`'s logits and the side results of the whole model (every layer's, under its own
+    name, and the LM head's), through `seam`; traced inline (call it under jit / grad)."""
+    input_ids_BxT = jnp.asarray(input_ids_BxT)
+    window = model.config.sliding_window
+    if attention_mask_BxT is None and positions_BxT is None:
+        positions_BxT, mask = default_positions(jnp.ones(input_ids_BxT.shape, bool)), AttentionMask.causal(window)
+    else:
+        mask_BxT = (jnp.ones(input_ids_BxT.shape, bool) if attention_mask_BxT is None
+                    else jnp.asarray(attention_mask_BxT).astype(bool))
+        positions_BxT = default_positions(mask_BxT) if positions_BxT is None else jnp.asarray(positions_BxT)
+        mask = AttentionMask.explicit(attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window,
+                                                        positions_BxT, positions_BxT))
+    x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
+    logits, head_side = lm_logits(model, x_BxTxE, seam)
+    return logits, merged(side, head_side)
 
 
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
@@ -331,19 +351,20 @@ def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
     KV seam `kv` before they are written."""
-    x_BxTxE, new_cache = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index,
-                                 linear, kv)
-    return lm_logits(model, x_BxTxE, linear), new_cache
+    seam = Seam.of(linear, kv)
+    x_BxTxE, new_cache, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index, seam)
+    return lm_logits(model, x_BxTxE, seam)[0], new_cache
 
 
-def final_hidden(model: CausalLM, input_ids_BxT: jax.Array, linear: LinearFn) -> jax.Array:
+def final_hidden(model: CausalLM, input_ids_BxT: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
     """The LM head's input [B, T, E] (the last block's output after the final norm) of unpadded
     rows, for a loss that applies the head itself (distillation, chunked over the vocabulary with
-    `head_weight`). Call it under a transformation (jit / grad), as the train step does."""
+    `head_weight`), and the blocks' side results. Call it under a transformation (jit / grad), as
+    the train step does."""
     positions_BxT = default_positions(jnp.ones(input_ids_BxT.shape, bool))
     mask = AttentionMask.causal(model.config.sliding_window)
-    x_BxTxE, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, linear, default_kv)
-    return model.norm(x_BxTxE)
+    x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
+    return model.norm(x_BxTxE), side
 
 
 def head_weight(model: CausalLM) -> jax.Array:
@@ -351,36 +372,87 @@ def head_weight(model: CausalLM) -> jax.Array:
     return model.lm_head.weight.get_value() if model.lm_head is not None else model.embed_tokens.weight[...]
 
 
-def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_index, linear, kv):
-    """Embedding and the blocks: (the last block's output [B, T, E], the updated cache)."""
+def layer_runs(config: ModelConfig, seam: Seam, scan: bool) -> list[tuple[str, list[int]]]:
+    """(kind, layers) of each run of consecutive layers of one kind and one `seam.treatment`, in
+    order; every layer its own run when not scanning."""
+    runs: list[tuple[str, list[int]]] = []
+    previous = None
+    for i in range(config.num_layers):
+        kind = config.layer_kind(i)
+        alike = (kind, seam.treatment(i))
+        if scan and runs and alike == previous:
+            runs[-1][1].append(i)
+        else:
+            runs.append((kind, [i]))
+        previous = alike
+    return runs
+
+
+def abstract_block(config: ModelConfig, kind: str) -> nnx.Module:
+    """A block of layer kind `kind` with no values, named `model.layers.*` (the names a scanned or
+    layer-by-layer block program sees); it computes in its input's dtype."""
+    return nnx.eval_shape(lambda: make_block(config, kind, layer_prefix("*"), param_dtype=jnp.float32,
+                                             rngs=nnx.Rngs(0)))
+
+
+@functools.lru_cache(maxsize=64)
+def block_program(config: ModelConfig, kind: str) -> nnx.GraphDef:
+    """The graphdef of `abstract_block(config, kind)`: one program for every layer of the kind."""
+    return nnx.split(abstract_block(config, kind))[0]
+
+
+def real_name(name: str, layer: int | None) -> str:
+    """The module a block program's `name` stands for in layer `layer` (None: the LM head)."""
+    return name if layer is None else name.replace(layer_prefix("*"), layer_prefix(layer))
+
+
+def _stacked(trees: list) -> object:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_index, seam: Seam):
+    """Embedding and the blocks: (the last block's output [B, T, E], the updated cache, the side
+    results under each layer's own names)."""
     x_BxTxE = embed(model, input_ids_BxT)
     cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
     layer_args = (cos_BxTxD, sin_BxTxD, mask)
 
-    def run_block(graphdef, state, x_BxTxE, cache_kv):
-        """One block, under the model's remat policy."""
-        def call(state, x_BxTxE, cache_kv, layer_args):
-            return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, linear, kv)
-        return checkpointed(call, model.remat, linear)(state, x_BxTxE, cache_kv, layer_args)
+    def run_block(graphdef, state, x_BxTxE, cache_kv, aux):
+        """One block, under the model's remat policy: (output, (k, v), side)."""
+        def call(state, x_BxTxE, cache_kv, aux, layer_args):
+            return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, seam.with_aux(aux))
+        return checkpointed(call, model.remat)(state, x_BxTxE, cache_kv, aux, layer_args)
 
-    if model.scan_layers:
-        graphdef, stacked_state = nnx.split(model.layers)
-
-        def body(x, per_layer):
-            state, cache_kv = per_layer
-            x, cached = run_block(graphdef, state, x, cache_kv)
-            return x, (cached if cache_kv is not None else None)
-
-        x_BxTxE, kvs = jax.lax.scan(body, x_BxTxE, (stacked_state, cache))
-        new_cache = None if cache is None else KVCache(*kvs)
-    else:
-        new_cache = cache
-        for i, block in enumerate(model.layers):
-            cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[i], new_cache.v_LxBxSxKVxD[i])
-            x_BxTxE, (k, v) = run_block(*nnx.split(block), x_BxTxE, cache_kv)
+    new_cache, sides = cache, []
+    for kind, layers in layer_runs(model.config, seam, model.scan_layers):
+        first, count = layers[0], len(layers)
+        if count == 1:
+            cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[first], new_cache.v_LxBxSxKVxD[first])
+            x_BxTxE, (k, v), side = run_block(*nnx.split(model.layers[first]), x_BxTxE, cache_kv,
+                                              seam.aux_of(first))
             if cache is not None:  # an in-place update of layer i under jit
-                new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[i].set(k), new_cache.v_LxBxSxKVxD.at[i].set(v))
-    return x_BxTxE, new_cache
+                new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[first].set(k), new_cache.v_LxBxSxKVxD.at[first].set(v))
+            sides.append(side)
+            continue
+        states = _stacked([nnx.split(model.layers[i])[1] for i in layers])
+        auxes = _stacked([seam.aux_of(i) for i in layers])
+        run_cache = None if cache is None else (new_cache.k_LxBxSxKVxD[first:first + count],
+                                                new_cache.v_LxBxSxKVxD[first:first + count])
+        graphdef = block_program(model.config, kind)
+
+        def body(x, per_layer, graphdef=graphdef):
+            state, aux, cache_kv = per_layer
+            x, cached, side = run_block(graphdef, state, x, cache_kv, aux)
+            return x, (cached if cache_kv is not None else None, side)
+
+        x_BxTxE, (kvs, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
+        if cache is not None:
+            new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[first:first + count].set(kvs[0]),
+                                new_cache.v_LxBxSxKVxD.at[first:first + count].set(kvs[1]))
+        for j, i in enumerate(layers):  # the stacked side results, under each layer's own name
+            sides.append(Side({real_name(n, i): jax.tree.map(lambda a, j=j: a[j], r) for n, r in side.records.items()},
+                              {real_name(n, i): a[j] for n, a in side.router_logits.items()}))
+    return x_BxTxE, new_cache, merged(*sides)
 
 
 def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
@@ -393,17 +465,17 @@ def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Arra
     return rope_cos_sin(positions_BxT, inverse_frequencies(model.config), model.compute_dtype)
 
 
-def lm_logits(model: CausalLM, x_BxTxE: jax.Array, linear: LinearFn) -> jax.Array:
-    """The last layer's output -> final norm -> LM head (or the tied embedding): fp32 [B, T, V]."""
-    return linear(model.norm(x_BxTxE), head_weight(model), None, name=LM_HEAD).astype(jnp.float32)
+def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
+    """The last layer's output -> final norm -> LM head (or the tied embedding): fp32 [B, T, V],
+    and the head's side results."""
+    logits, side = seam.at(None).project(model.norm(x_BxTxE), head_weight(model), None, LM_HEAD)
+    return logits.astype(jnp.float32), side
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))
 def _forward(graphdef, state, input_ids_BxT, mask_BxT, positions_BxT, *, linear):
     """`forward`'s body; `mask_BxT` None: unpadded rows (causal attention)."""
     model = nnx.merge(graphdef, state)
-    window = model.config.sliding_window
-    mask = AttentionMask.causal(window) if mask_BxT is None else AttentionMask.explicit(attention_allowed(
-        jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window, positions_BxT, positions_BxT))
-    logits, _ = forward_with_cache(model, input_ids_BxT, positions_BxT, mask, None, 0, linear)
-    return logits
+    if mask_BxT is None:
+        return forward_side(model, input_ids_BxT, seam=Seam.of(linear))[0]
+    return forward_side(model, input_ids_BxT, mask_BxT, positions_BxT, seam=Seam.of(linear))[0]

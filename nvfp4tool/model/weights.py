@@ -47,22 +47,11 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
     model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype or jnp.float32,
                                             compute_dtype=compute_dtype, scan_layers=scan_layers,
                                             remat=remat, linear=linear))
-    stacked: dict[str, np.ndarray] = {}  # scanned: layer-suffix -> [L, ...] buffer being filled
     with progress.task("loading weights", total=len(expected), unit="tensor") as task:
         for name in expected:
             value = source.get(name)
             task.advance(description=name, nbytes=_nbytes(value))
-            variable, layer = _locate(model, name)
-            if layer is None:
-                variable.set_value(as_param(value, dtype, mesh))
-                continue
-            array = np.asarray(value)
-            suffix = split_layer(name)[1]
-            if suffix not in stacked:
-                stacked[suffix] = np.empty((config.num_layers, *array.shape), dtype=jnp.dtype(dtype or array.dtype))
-            stacked[suffix][layer] = array.astype(stacked[suffix].dtype)
-            if layer == config.num_layers - 1:
-                variable.set_value(as_param(stacked.pop(suffix), None, mesh))
+            _locate(model, name).set_value(as_param(value, dtype, mesh))
     return model
 
 
@@ -104,13 +93,10 @@ class ModelTensorSource:
         return self._shapes[name]
 
     def dtype(self, name: str) -> str:
-        variable, _ = _locate(self._model, self._check(name))
-        return jnp.dtype(variable[...].dtype).name
+        return jnp.dtype(_locate(self._model, self._check(name))[...].dtype).name
 
     def get(self, name: str) -> np.ndarray:
-        variable, layer = _locate(self._model, self._check(name))
-        value = variable[...]
-        return np.asarray(value if layer is None else value[layer])
+        return np.asarray(_locate(self._model, self._check(name))[...])
 
     def _check(self, name: str) -> str:
         if name not in self._shapes:
@@ -118,19 +104,19 @@ class ModelTensorSource:
         return name
 
 
-def _locate(model: CausalLM, hf_name: str) -> tuple[nnx.Variable, int | None]:
-    """The parameter holding `hf_name`, and the layer row to index when layers are stacked."""
+def _locate(model: CausalLM, hf_name: str) -> nnx.Variable:
+    """The parameter holding `hf_name` (every layer keeps its own, scanned or not)."""
     if hf_name == f"{LM_HEAD}.weight":
-        return model.lm_head.weight, None
+        return model.lm_head.weight
     in_layer = split_layer(hf_name)
     if in_layer:
         index, rest = in_layer
-        node, row = (model.layers, index) if model.scan_layers else (model.layers[index], None)
+        node = model.layers[index]
     else:
-        node, rest, row = model, hf_name.removeprefix(f"{BASE_MODEL}."), None
+        node, rest = model, hf_name.removeprefix(f"{BASE_MODEL}.")
     for part in rest.split("."):
         node = getattr(node, part)
     if not isinstance(node, nnx.Variable):
         raise NVFP4ToolError(f"<model>: {hf_name!r} is not a parameter")
-    return node, row
+    return node
 

@@ -2,7 +2,8 @@
 
     recipe = RecipeConfig(name="nvfp4").resolved()         # NVIDIA's recipe; quantizer / gemm "auto" -> this platform's
     pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
-    linear = make_linear(recipe, pmap, key, group_amax)    # plugs into the model's linear seam
+    linear = make_linear(recipe, pmap, key, group_amax)    # a LinearFn: the model's linear seam
+    seam = training_seam(recipe, pmap, model_config, key, (group_amax, weights))  # training's: records
 
 Precision map: `lm_head` and MoE routers always stay BF16 (as do embeddings, norms and attention math, which
 never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
@@ -17,6 +18,14 @@ the same reason. `quantize_weights` quantizes every NVFP4 weight once (the train
 optimizer step, outside the micro-batch loop); `make_linear(..., weights=)` then multiplies with
 those operands instead of quantizing the weight in each call.
 
+Training's seam (`training_seam`): a `RecipeTap` that returns each quantized layer's input amax
+as its record, and per layer an aux holding, for each non-BF16 linear, its SR key, its fused
+group's amax and its quantized weight, keyed by precision and by the name inside the layer
+({"nvfp4": {"self_attn.q_proj": {...}}}). The aux's structure says each linear's precision, so a
+scanned run of layers (whose block program sees `model.layers.*` names) gets every layer's own
+keys and operands as scanned inputs and the same GEMMs as the unrolled layers; layers whose
+structures differ (the BF16 first and last layers) are separate runs (`Seam.treatment`).
+
 The GEMM backend (`quantizer` xla | pallas, `gemm` emulated | native, each "auto" by default) is
 resolved once, `RecipeConfig.resolved()` (auto as `nvfp4_dot.resolve_backend` picks it; gemm
 "native" refused where `jax.nn.scaled_matmul` has no lowering), and then travels explicit in the
@@ -29,7 +38,7 @@ import dataclasses
 import fnmatch
 import math
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Literal
 
 import jax
@@ -37,8 +46,8 @@ import jax.numpy as jnp
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group
-from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.families import fused_group, in_layer
+from nvfp4tool.model.linear import LinearFn, Seam
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
 from nvfp4tool.recipes.nvfp4_dot import (
@@ -168,44 +177,98 @@ def quantize_weights(recipe: RecipeConfig, pmap: Mapping[str, str], weights: Map
     return result
 
 
+def recipe_gemm(recipe: RecipeConfig, precision: str, x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *,
+                key: jax.Array | None, amax: jax.Array | None, weight: NVFP4Weight | None,
+                bf16_scope: Literal["none", "forward", "all"] = "none") -> jax.Array:
+    """`y = x @ w.T + b` of one linear in `precision` ("bf16" | "fp8" | "fp8-block" | "nvfp4"):
+    the one implementation behind `make_linear` and `RecipeTap`. nvfp4: `key` the layer's SR key
+    (`layer_key`), `amax` its fused group's weight amax (None: its own), `weight` its operands
+    from `quantize_weights` (None: quantized here)."""
+    precision = "bf16" if bf16_scope == "all" else precision
+    x_lp, w_lp = x.astype(GEMM_INPUT_DTYPE), w_NxK.astype(GEMM_INPUT_DTYPE)
+    if precision == "bf16":
+        y = dot_nt(x_lp, w_lp)
+    elif precision == "nvfp4":
+        if key is None and recipe.stochastic_rounding:
+            raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
+        y = nvfp4_dot(x_lp, w_lp, key if key is not None else jax.random.key(0), amax,
+                      nvfp4_options(recipe, bf16_scope), weight)
+    else:
+        y = fp8_dot(x_lp, w_lp, FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
+                                           quantize_fprop=bf16_scope == "none"))
+    return linear_output(y, b_N, x.dtype)
+
+
 def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | None = None,
                 amax_by_group: Mapping[str, jax.Array] | None = None,
-                input_amax_sink: MutableMapping[str, jax.Array] | None = None,
                 bf16_scope: Literal["none", "forward", "all"] = "none",
                 weights: Mapping[str, NVFP4Weight] | None = None) -> LinearFn:
-    """The LinearFn of one step: each layer by its precision in `pmap`.
+    """The LinearFn of one step: each layer by its precision in `pmap` (concrete names).
 
     key: this step's randomness (SR), folded with a hash of the layer name (`layer_key`);
     amax_by_group: the fused groups' weight amax (from `group_amax`), else each weight's own;
-    input_amax_sink: receives max|x| of each quantized layer's input (for export's input scales);
     bf16_scope: after `switch_to_bf16_at`, "forward" runs fprop in BF16 (gradients stay in the
     recipe), "all" runs the whole layer in BF16;
     weights: the nvfp4 layers' weight operands from `quantize_weights` (same recipe, amax and
     scope), used instead of quantizing each weight where it is multiplied.
     """
-    nvfp4 = nvfp4_options(recipe, bf16_scope)
-    fp8_options = FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
-                             quantize_fprop=bf16_scope == "none")
-
     def linear(x, w_NxK, b_N, *, name):
         if name not in pmap:
             raise NVFP4ToolError(f"linear layer {name!r} is not in the precision map")
-        precision = "bf16" if bf16_scope == "all" else pmap[name]
-        x_lp = x.astype(GEMM_INPUT_DTYPE)
-        w_lp = w_NxK.astype(GEMM_INPUT_DTYPE)
-        if precision != "bf16" and input_amax_sink is not None:
-            input_amax_sink[name] = tensor_amax(x_lp)
-        if precision == "bf16":
-            y = dot_nt(x_lp, w_lp)
-        elif precision == "nvfp4":
-            if key is None and recipe.stochastic_rounding:
-                raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
-            layer = layer_key(key if key is not None else jax.random.key(0), name)
-            amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
-            y = nvfp4_dot(x_lp, w_lp, layer, amax, nvfp4, None if weights is None else weights.get(name))
-        else:
-            y = fp8_dot(x_lp, w_lp, fp8_options)
-        return linear_output(y, b_N, x.dtype)
+        no_key = key is None and recipe.stochastic_rounding  # an error if the layer runs nvfp4
+        layer = None if no_key else layer_key(key if key is not None else jax.random.key(0), name)
+        amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
+        return recipe_gemm(recipe, pmap[name], x, w_NxK, b_N, key=layer, amax=amax,
+                           weight=None if weights is None else weights.get(name), bf16_scope=bf16_scope)
 
-    linear.sinks = () if input_amax_sink is None else (input_amax_sink,)  # filled at trace time (model.remat)
     return linear
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecipeTap:
+    """Training's linear tap: each linear in the precision its layer's aux gives it (see the
+    module docstring; absent: BF16), recording max|x| of each quantized layer's BF16 input."""
+
+    recipe: RecipeConfig
+    bf16_scope: Literal["none", "forward", "all"] = "none"
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        where = in_layer(name) or name
+        precision, inputs = next(((p, linears[where]) for p, linears in (aux or {}).items() if where in linears),
+                                 ("bf16", {}))
+        y = recipe_gemm(self.recipe, precision, x, w_NxK, b_N, key=inputs.get("key"), amax=inputs.get("amax"),
+                        weight=inputs.get("weight"), bf16_scope=self.bf16_scope)
+        return y, None if precision == "bf16" else tensor_amax(x.astype(GEMM_INPUT_DTYPE))
+
+
+def training_seam(recipe: RecipeConfig, pmap: Mapping[str, str], config: ModelConfig, key: jax.Array,
+                  quantized: tuple[Mapping[str, jax.Array], Mapping[str, NVFP4Weight]] | None = None,
+                  bf16_scope: Literal["none", "forward", "all"] = "none") -> Seam:
+    """The seam of one training micro-batch: `RecipeTap` and each layer's aux (SR keys from `key`,
+    `quantized` = (group amax, quantized weights) of this step, else each weight quantized where
+    it is multiplied against its own amax)."""
+    amax_by_group, weights = quantized if quantized is not None else (None, None)
+    by_layer: dict[int | None, list[str]] = {}
+    for m in config.modules.linears:
+        by_layer.setdefault(m.layer, []).append(m.name)
+
+    def aux_of(layer: int | None) -> dict[str, dict[str, dict]]:
+        aux: dict[str, dict[str, dict]] = {}
+        if bf16_scope == "all":
+            return aux
+        for name in by_layer.get(layer, []):
+            precision = pmap[name]
+            if precision == "bf16":
+                continue
+            inputs = {}
+            if precision == "nvfp4":
+                inputs = {"key": layer_key(key, name),
+                          "amax": None if amax_by_group is None else amax_by_group.get(fused_group(name)),
+                          "weight": None if weights is None else weights.get(name)}
+            aux.setdefault(precision, {})[in_layer(name) or name] = inputs
+        return aux
+
+    def treatment(layer: int) -> tuple:
+        return tuple(sorted((in_layer(n), pmap[n]) for n in by_layer.get(layer, [])))
+
+    return Seam(RecipeTap(recipe, bf16_scope), aux_of=aux_of, treatment=treatment)

@@ -66,6 +66,8 @@ class TrainConfig:
         "forward | all: what switch_to_bf16_at moves to BF16 (the forward GEMMs, or all)")
     amax_history: int = _key(16, "steps over which each quantized input's amax is tracked (max)")
     remat: str = _key("none", "none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)")
+    scan_layers: bool = _key(True, "run each run of alike layers as one lax.scan (compile time flat in depth; "
+                                   "parameters stay per layer)")
     # quantization-aware distillation (nvfp4tool.train.distill)
     teacher: str | None = _key(None, "frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run")
     distill: str = _key("none", "none | kl (KL to the teacher; needs teacher)")

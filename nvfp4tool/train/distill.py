@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.families import LM_HEAD
-from nvfp4tool.model.linear import LinearFn, default_linear
+from nvfp4tool.model.linear import Seam, Side, default_linear
 from nvfp4tool.model.transformer import final_hidden, head_weight
 
 VOCAB_CHUNK = 8192  # LM-head rows per chunk: [tokens, 8192] fp32 blocks
@@ -48,18 +48,19 @@ class Distillation:
     chunk: int = VOCAB_CHUNK
 
     def terms(self, student: Any, teacher_params: Any, inputs_BxT: jax.Array, targets_BxT: jax.Array,
-              linear: LinearFn) -> dict[str, jax.Array]:
-        """{"kl", "ce"} of the student (its linears through `linear`) against the teacher (plain
-        BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`."""
+              seam: Seam) -> tuple[dict[str, jax.Array], Side]:
+        """({"kl", "ce"}, the student's side results) of the student (its linears through `seam`)
+        against the teacher (plain BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`."""
         teacher = nnx.merge(self.teacher_graphdef, jax.lax.stop_gradient(teacher_params))
-        h_student = final_hidden(student, inputs_BxT, linear)
-        h_teacher = final_hidden(teacher, inputs_BxT, default_linear)
+        h_student, side = final_hidden(student, inputs_BxT, seam)
+        h_teacher, _ = final_hidden(teacher, inputs_BxT, Seam.of(default_linear))
+        head = seam.at(None)
         flat = (lambda h: h.reshape(-1, h.shape[-1]))
         return chunked_terms(
             flat(h_student), head_weight(student), flat(h_teacher), head_weight(teacher),
             targets_BxT.reshape(-1), temperature=self.temperature, chunk=self.chunk,
-            student_head=lambda h, w: linear(h, w, None, name=LM_HEAD).astype(jnp.float32),
-            teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32))
+            student_head=lambda h, w: head.project(h, w, None, LM_HEAD)[0].astype(jnp.float32),
+            teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32)), side
 
     def loss(self, terms: dict[str, jax.Array]) -> jax.Array:
         return self.weight * self.temperature ** 2 * terms["kl"] + (1.0 - self.weight) * terms["ce"]

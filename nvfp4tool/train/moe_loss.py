@@ -1,9 +1,7 @@
 """The routers' load-balancing auxiliary loss of MoE training, as transformers defines it.
 
-    router_logits = {}
-    linear = recording_router_logits(linear, config.router_names(), router_logits)
-    logits = forward(model, ids, linear=linear)        # fills router_logits at trace time
-    aux = load_balancing_loss(list(router_logits.values()), config.experts.num_experts_per_tok)
+    logits, side = forward_side(model, ids, seam=seam)  # side.router_logits: each router's, by name
+    aux = load_balancing_loss(list(side.router_logits.values()), config.experts.num_experts_per_tok)
     loss = cross_entropy(...) + config.experts.router_aux_loss_coef * aux
 
 `load_balancing_loss` is transformers' `load_balancing_loss_func` (Qwen3-MoE and Mixtral share it;
@@ -13,21 +11,17 @@ probability, summed over the experts and multiplied by the number of experts (pe
 gives k). The softmax runs in fp32 (transformers: in the logits' dtype; equal for fp32 models) and
 the top-k choice is `route`'s, the one the model routes with.
 
-The logits are recorded through the linear seam under the routers' names: the model's forward runs
-inline under the caller's transformation, so the recording holds tracers of that trace only.
-Training runs its layers unscanned (one Python loop over the blocks), which this needs: a sink
-filled inside a `lax.scan` body would leak the body's tracers.
+The logits come back from the model as side results (`model.linear.Side`), one entry per sparse
+layer in layer order, whether the layers run unrolled or scanned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.remat import sinks
 from nvfp4tool.model.transformer import route
 
 
@@ -45,18 +39,3 @@ def load_balancing_loss(router_logits: Sequence[jax.Array], top_k: int,
         rows = rows + jnp.sum(weight_BxT)
     num_experts = router_logits[0].shape[-1]
     return num_experts * jnp.sum((tokens_N / rows) * (probs_N / rows))
-
-
-def recording_router_logits(linear: LinearFn, router_names: Iterable[str],
-                            sink: MutableMapping[str, jax.Array]) -> LinearFn:
-    """`linear`, also storing the output of each router (by name) into `sink`."""
-    routers = frozenset(router_names)
-
-    def recording(x, w_NxK, b_N, *, name):
-        y = linear(x, w_NxK, b_N, name=name)
-        if name in routers:
-            sink[name] = y
-        return y
-
-    recording.sinks = (*sinks(linear), sink)  # filled at trace time (model.remat)
-    return recording

@@ -30,16 +30,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nvfp4tool.model import forward
-from nvfp4tool.model.linear import LinearFn
+from nvfp4tool.model.linear import Seam
+from nvfp4tool.model.transformer import forward_side
 from nvfp4tool.recipes.precision import (
     RecipeConfig,
     group_amax,
-    make_linear,
     quantize_weights,
+    training_seam,
 )
 from nvfp4tool.train.distill import Distillation
-from nvfp4tool.train.moe_loss import load_balancing_loss, recording_router_logits
+from nvfp4tool.train.moe_loss import load_balancing_loss
 
 State = dict[str, Any]
 
@@ -69,10 +69,9 @@ class StepFns:
         """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts)).
         `quantized`: `quantize(params, bf16_scope)` of these params, made ahead (else here)."""
         model = nnx.merge(self.graphdef, params)
-        amax_by_group, weights = quantized if quantized is not None else self._quantize(model, bf16_scope)
-        input_amax: dict[str, jax.Array] = {}
-        linear = make_linear(self.recipe, self.pmap, key, amax_by_group, input_amax, bf16_scope, weights)
-        loss, parts = training_loss(model, windows_BxT1, linear, self.distill, teacher)
+        quantized = quantized if quantized is not None else self._quantize(model, bf16_scope)
+        seam = training_seam(self.recipe, self.pmap, model.config, key, quantized, bf16_scope)
+        loss, parts, input_amax = training_loss(model, windows_BxT1, seam, self.distill, teacher)
         return loss, (input_amax, parts)
 
     def quantize(self, params, bf16_scope: str = "none") -> tuple:
@@ -160,32 +159,30 @@ def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr
          optax.linear_schedule(lr, end, decay)], [max(warmup, 1), max(warmup, 1) + stable])
 
 
-def training_loss(model: Any, windows_BxT1: jax.Array, linear: LinearFn, distill: Distillation | None = None,
-                  teacher: Any = None) -> tuple[jax.Array, dict]:
+def training_loss(model: Any, windows_BxT1: jax.Array, seam: Seam, distill: Distillation | None = None,
+                  teacher: Any = None) -> tuple[jax.Array, dict, dict]:
     """The loss the optimizer minimizes on windows [B, T+1] (tokens 0..T-1 predict 1..T): the mean
     next-token cross-entropy, or with `distill` the distillation loss against the teacher whose
     parameters are `teacher` (`Distillation.loss`); plus, for an MoE model,
     `router_aux_loss_coef` x the routers' load-balancing loss (transformers' model loss with
-    `output_router_logits=True`).
+    `output_router_logits=True`), from the router logits the model returns as side results.
 
-    Returns (loss, parts): parts holds "aux_loss" (the unweighted load-balancing loss) for an MoE
-    model, "kl" and "ce" (`Distillation.terms`) for distillation. Call it under a transformation
-    (jit / grad), as the steps do: the router logits are recorded at trace time.
+    Returns (loss, parts, records): parts holds "aux_loss" (the unweighted load-balancing loss) for
+    an MoE model, "kl" and "ce" (`Distillation.terms`) for distillation; records are the seam's
+    (training's: the quantized layers' input amax by name).
     """
     config = model.config
-    router_logits: dict[str, jax.Array] = {}
-    if config.is_moe:
-        linear = recording_router_logits(linear, config.router_names(), router_logits)
     inputs_BxT, targets_BxT = windows_BxT1[:, :-1], windows_BxT1[:, 1:]
     if distill is None:
-        loss, parts = cross_entropy(forward(model, inputs_BxT, linear=linear), targets_BxT), {}
+        logits, side = forward_side(model, inputs_BxT, seam=seam)
+        loss, parts = cross_entropy(logits, targets_BxT), {}
     else:
-        parts = distill.terms(model, teacher, inputs_BxT, targets_BxT, linear)
+        parts, side = distill.terms(model, teacher, inputs_BxT, targets_BxT, seam)
         loss = distill.loss(parts)
     if not config.is_moe:
-        return loss, parts
-    aux = load_balancing_loss(list(router_logits.values()), config.experts.num_experts_per_tok)
-    return loss + config.experts.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}
+        return loss, parts, side.records
+    aux = load_balancing_loss(list(side.router_logits.values()), config.experts.num_experts_per_tok)
+    return loss + config.experts.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}, side.records
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

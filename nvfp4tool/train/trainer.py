@@ -364,7 +364,7 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
 
 def _model(config: TrainConfig, tokenizer: TextTokenizer,
            source: Checkpoint | None) -> tuple[ModelConfig, CausalLM]:
-    kwargs = dict(compute_dtype=jnp.bfloat16, remat=config.remat)
+    kwargs = dict(compute_dtype=jnp.bfloat16, remat=config.remat, scan_layers=config.scan_layers)
     if source is None:
         model_config = preset_config(config.model, tokenizer.vocab_size, max(config.seq_len, 2048))
         model_config = dataclasses.replace(model_config, eos_token_id=tokenizer.eos_id,

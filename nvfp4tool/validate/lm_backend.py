@@ -451,7 +451,7 @@ def gen_key(arguments) -> str:
 
 def _served_tap():
     from nvfp4tool.export.simulate import served_linear
-    from nvfp4tool.model.layerwise import Plain
+    from nvfp4tool.model.linear import Plain
 
     return Plain(served_linear)
 

@@ -55,7 +55,8 @@ from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.kv import KVFn, default_kv
-from nvfp4tool.model.layerwise import LayerwiseModel, Plain, layer_modules
+from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
+from nvfp4tool.model.linear import Plain
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import ExportRecord, sha256_file

@@ -30,7 +30,8 @@ from converters.tensor_source import tensor_bytes
 from nvfp4tool import progress
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.families import fused_group, group_glob
-from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules, real_name
+from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
+from nvfp4tool.model.transformer import real_name
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.validate import metrics
 
