@@ -36,7 +36,7 @@ _CHILD = ("import resource, sys\n"
           "else:\n    code = 0\n"
           "print('peak_rss_bytes', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
           "sys.exit(code)\n")
-_COMPILED = re.compile(r"compiled train step in (?:(\d+)m)?([\d.]+)s")
+_COMPILED = re.compile(r"compiled train step in (?:(\d+)m)?([\d.]+) ?s")
 
 
 def _seconds(match: re.Match) -> float:

@@ -23,6 +23,7 @@ from nvfp4tool.model import CausalLM
 from nvfp4tool.model.linear import Seam
 from nvfp4tool.model.transformer import layer_runs
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map, training_seam
+from nvfp4tool.run.config import scans_layers
 from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer
 
@@ -104,3 +105,11 @@ def test_the_scanned_program_traces_one_block_per_run():
     scanned = [equations(n, True) for n in (4, 8)]
     assert unrolled[1] > 1.5 * unrolled[0], unrolled  # 4 more sparse layers' GEMMs
     assert scanned[1] - scanned[0] == 3 * 4 and scanned[0] < unrolled[0], (scanned, unrolled)
+
+
+@pytest.mark.parametrize("choice, layers, scans", [("auto", 11, False), ("auto", 12, True), ("auto", 30, True),
+                                                   ("true", 4, True), ("false", 30, False)])
+def test_scan_layers_auto_scans_deep_models(choice, layers, scans):
+    """`scan_layers=auto` scans from 12 layers (BENCHMARKS.md: below, a scanned step's slowdown
+    outweighs its shorter compile)."""
+    assert scans_layers(choice, layers) is scans

@@ -5,7 +5,9 @@
     new_tokens_BxN = generate(model, ids_BxT, 16, attention_mask=mask_BxT)
 
 Every linear layer goes through one pluggable `LinearFn` (see `linear.py`), every attention's keys
-and values through one `KVFn` (see `kv.py`).
+and values through one `KVFn` (see `kv.py`); under a transformation that needs what they record
+(training's input amax, the router logits), `transformer.forward_side` takes one explicit `Seam`
+and returns the side results with the logits.
 """
 
 from nvfp4tool.model.generate import generate

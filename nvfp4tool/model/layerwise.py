@@ -19,7 +19,7 @@ i's weights and the windows go through it again for layer i+1), in either mode.
 Each batch runs the same compiled block program in both modes (one program for every layer: the
 blocks are built with the scanned-layer names `model.layers.*....`), so the modes agree exactly.
 
-A `Tap` is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
+A `Tap` (`model.linear`) is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
 `aux` is what the caller hands each layer (`aux(i)`, `aux(None)` for the LM head: e.g. another
 model's weights of that layer). Records come back per batch through `on_record(name, record)`
 with the layer's real name (`model.layers.3.mlp.up_proj`). A `KVTap` is the KV seam (`model.kv`)
@@ -87,7 +87,7 @@ class LayerwiseModel:
     @classmethod
     def open(cls, config: ModelConfig, *, build: Callable[[jax.sharding.Mesh | None], CausalLM], source: Any,
              offload: str, what: str, weights: int, working: int, compute_dtype: jnp.dtype) -> LayerwiseModel:
-        """Held (`build(mesh)`, unscanned) or streamed from `source`, as `memory.choose_offload`
+        """Held (`build(mesh)`) or streamed from `source`, as `memory.choose_offload`
         decides for `weights` bytes as stored and `working` bytes per device; on several devices,
         sharded over all of them (`model.sharding.model_mesh`; said)."""
         mesh = model_mesh()

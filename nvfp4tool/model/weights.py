@@ -1,8 +1,8 @@
-"""HF-named tensors <-> model parameters (both directions, both layer layouts).
+"""HF-named tensors <-> model parameters (both directions).
 
 The model's attribute paths mirror HF names, so `model.layers.3.self_attn.q_proj.weight` names
-`model.layers[3].self_attn.q_proj.weight` (unscanned) or row 3 of the stacked
-`model.layers.self_attn.q_proj.weight` (scanned). Tensors are read one at a time from the source;
+`model.layers[3].self_attn.q_proj.weight`, scanned layers or not (a scanned model keeps its
+parameters per layer and stacks a run's inside its program). Tensors are read one at a time from the source;
 the model itself is the only full copy held.
 """
 

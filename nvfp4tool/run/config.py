@@ -66,8 +66,8 @@ class TrainConfig:
         "forward | all: what switch_to_bf16_at moves to BF16 (the forward GEMMs, or all)")
     amax_history: int = _key(16, "steps over which each quantized input's amax is tracked (max)")
     remat: str = _key("none", "none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)")
-    scan_layers: bool = _key(True, "run each run of alike layers as one lax.scan (compile time flat in depth; "
-                                   "parameters stay per layer)")
+    scan_layers: str = _key("auto", "auto | true | false: run each run of alike layers as one lax.scan (compile "
+                                    "time flat in depth; parameters stay per layer); auto: from 12 layers")
     # quantization-aware distillation (nvfp4tool.train.distill)
     teacher: str | None = _key(None, "frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run")
     distill: str = _key("none", "none | kl (KL to the teacher; needs teacher)")
@@ -114,6 +114,7 @@ class TrainConfig:
         _check_choice("switch_scope", self.switch_scope, ("forward", "all"))
         _check_choice("distill", self.distill, ("none", "kl"))
         _check_choice("remat", self.remat, REMAT_LEVELS)
+        _check_choice("scan_layers", str(self.scan_layers).lower(), SCAN_CHOICES)
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
         _check_choice("gemm", self.gemm, GEMMS)
         _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
@@ -316,6 +317,17 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return str(value)
     expected = "list of text" if typing.get_origin(base) is tuple else getattr(base, "__name__", base)
     raise NVFP4UsageError(f"train config: {key}={value!r} is not a valid {expected}")
+
+
+SCAN_CHOICES = ("auto", "true", "false")
+SCAN_FROM_LAYERS = 12  # scan_layers=auto: measured (BENCHMARKS.md), a 6-layer step compiles 0.77x as long
+# scanned but runs 15-60% slower on a CPU; from 12 layers compiling takes half as long or less
+
+
+def scans_layers(scan_layers: str, num_layers: int) -> bool:
+    """Whether a model of `num_layers` layers trains with scanned runs under `scan_layers`."""
+    choice = str(scan_layers).lower()
+    return choice == "true" or (choice == "auto" and num_layers >= SCAN_FROM_LAYERS)
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

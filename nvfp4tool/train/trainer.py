@@ -52,7 +52,7 @@ from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import SourceRecord, first_file_difference
-from nvfp4tool.run.config import TrainConfig
+from nvfp4tool.run.config import TrainConfig, scans_layers
 from nvfp4tool.run.records import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
                                    PrecisionMapRecord, RunRecord)
 from nvfp4tool.train import data as data_lib
@@ -364,17 +364,20 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
 
 def _model(config: TrainConfig, tokenizer: TextTokenizer,
            source: Checkpoint | None) -> tuple[ModelConfig, CausalLM]:
-    kwargs = dict(compute_dtype=jnp.bfloat16, remat=config.remat, scan_layers=config.scan_layers)
+    kwargs = dict(compute_dtype=jnp.bfloat16, remat=config.remat)
     if source is None:
         model_config = preset_config(config.model, tokenizer.vocab_size, max(config.seq_len, 2048))
         model_config = dataclasses.replace(model_config, eos_token_id=tokenizer.eos_id,
                                            bos_token_id=tokenizer.eos_id)
-        return model_config, CausalLM(model_config, param_dtype=jnp.float32,
-                                      rngs=nnx.Rngs(config.seed), **kwargs)
+        return model_config, CausalLM(model_config, param_dtype=jnp.float32, rngs=nnx.Rngs(config.seed),
+                                      scan_layers=scans_layers(config.scan_layers, model_config.num_layers),
+                                      **kwargs)
     if tokenizer.vocab_size > source.config.vocab_size:
         raise NVFP4ToolError(f"tokenizer has {tokenizer.vocab_size} tokens but {config.model} "
                              f"embeds only {source.config.vocab_size}")
-    return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32, **kwargs)
+    return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32,
+                                             scan_layers=scans_layers(config.scan_layers, source.config.num_layers),
+                                             **kwargs)
 
 
 def _teacher(config: TrainConfig, model_config: ModelConfig,
