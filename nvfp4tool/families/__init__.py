@@ -32,9 +32,9 @@ from nvfp4tool.families.base import (
     ModelConfig,
     ModuleTable,
     Projection,
-    in_layer,
     layer_index,
     layer_prefix,
+    name_in_layer,
     split_layer,
 )
 
@@ -43,8 +43,8 @@ __all__ = [
     "ATTENTION_PROJECTIONS", "BASE_MODEL", "EMBEDDING", "FINAL_NORM", "HEAD", "LM_HEAD",
     "MAXTEXT_FAMILIES", "MOE_FAMILIES", "REGISTRY", "ROUTER", "SUPPORTED_FAMILIES", "SWIGLU",
     "Family", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
-    "fused_group", "get_family", "group_glob", "hessian_group", "in_layer", "is_attention", "is_embedding",
-    "is_router", "layer_index", "layer_prefix", "module_table", "projection_of", "split_layer",
+    "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
+    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
 ]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES)}

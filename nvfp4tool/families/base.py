@@ -150,7 +150,7 @@ def split_layer(name: str) -> tuple[int, str] | None:
     return (int(index), tail) if head == "" and index.isdigit() and tail else None
 
 
-def in_layer(name: str) -> str | None:
+def name_in_layer(name: str) -> str | None:
     """The part of a name under `model.layers.<i>.` or a block program's `model.layers.*.`
     (`model.layers.*.mlp.up_proj` -> "mlp.up_proj"), else None."""
     head, _, rest = name.partition(f"{LAYERS}.")

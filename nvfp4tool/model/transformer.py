@@ -310,15 +310,10 @@ def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.A
     A jitted program (model structure and `linear` static); under a transformation that needs the
     side results (training), call `forward_side` with a `Seam`.
     """
-    input_ids_BxT = jnp.asarray(input_ids_BxT)
-    unpadded = attention_mask_BxT is None and positions_BxT is None
-    mask_BxT = (jnp.ones(input_ids_BxT.shape, bool) if attention_mask_BxT is None
-                else jnp.asarray(attention_mask_BxT).astype(bool))
-    if positions_BxT is None:
-        positions_BxT = default_positions(mask_BxT)
     graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, input_ids_BxT, None if unpadded else mask_BxT, jnp.asarray(positions_BxT),
-                    linear=linear or model.linear)
+    mask_BxT = None if attention_mask_BxT is None else jnp.asarray(attention_mask_BxT)
+    positions_BxT = None if positions_BxT is None else jnp.asarray(positions_BxT)
+    return _forward(graphdef, state, jnp.asarray(input_ids_BxT), mask_BxT, positions_BxT, linear=linear or model.linear)
 
 
 def forward_side(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
@@ -473,9 +468,7 @@ def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Arra
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))
-def _forward(graphdef, state, input_ids_BxT, mask_BxT, positions_BxT, *, linear):
-    """`forward`'s body; `mask_BxT` None: unpadded rows (causal attention)."""
-    model = nnx.merge(graphdef, state)
-    if mask_BxT is None:
-        return forward_side(model, input_ids_BxT, seam=Seam.of(linear))[0]
-    return forward_side(model, input_ids_BxT, mask_BxT, positions_BxT, seam=Seam.of(linear))[0]
+def _forward(graphdef, state, input_ids_BxT, attention_mask_BxT, positions_BxT, *, linear):
+    """`forward`'s body (mask and positions None or arrays, as `forward_side` takes them)."""
+    return forward_side(nnx.merge(graphdef, state), input_ids_BxT, attention_mask_BxT, positions_BxT,
+                        seam=Seam.of(linear))[0]

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group, in_layer
+from nvfp4tool.families import fused_group, name_in_layer
 from nvfp4tool.model.linear import LinearFn, Seam
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
@@ -215,8 +215,8 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
     def linear(x, w_NxK, b_N, *, name):
         if name not in pmap:
             raise NVFP4ToolError(f"linear layer {name!r} is not in the precision map")
-        no_key = key is None and recipe.stochastic_rounding  # an error if the layer runs nvfp4
-        layer = None if no_key else layer_key(key if key is not None else jax.random.key(0), name)
+        # no key: nvfp4 with SR is refused (recipe_gemm); without SR the key is never drawn from
+        layer = layer_key(key, name) if key is not None else None
         amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
         return recipe_gemm(recipe, pmap[name], x, w_NxK, b_N, key=layer, amax=amax,
                            weight=None if weights is None else weights.get(name), bf16_scope=bf16_scope)
@@ -233,7 +233,7 @@ class RecipeTap:
     bf16_scope: Literal["none", "forward", "all"] = "none"
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
-        where = in_layer(name) or name
+        where = name_in_layer(name) or name
         precision, inputs = next(((p, linears[where]) for p, linears in (aux or {}).items() if where in linears),
                                  ("bf16", {}))
         y = recipe_gemm(self.recipe, precision, x, w_NxK, b_N, key=inputs.get("key"), amax=inputs.get("amax"),
@@ -248,15 +248,12 @@ def training_seam(recipe: RecipeConfig, pmap: Mapping[str, str], config: ModelCo
     `quantized` = (group amax, quantized weights) of this step, else each weight quantized where
     it is multiplied against its own amax)."""
     amax_by_group, weights = quantized if quantized is not None else (None, None)
-    by_layer: dict[int | None, list[str]] = {}
-    for m in config.modules.linears:
-        by_layer.setdefault(m.layer, []).append(m.name)
 
     def aux_of(layer: int | None) -> dict[str, dict[str, dict]]:
         aux: dict[str, dict[str, dict]] = {}
         if bf16_scope == "all":
             return aux
-        for name in by_layer.get(layer, []):
+        for name in config.modules.in_layer(layer):  # layer None: the LM head
             precision = pmap[name]
             if precision == "bf16":
                 continue
@@ -265,10 +262,10 @@ def training_seam(recipe: RecipeConfig, pmap: Mapping[str, str], config: ModelCo
                 inputs = {"key": layer_key(key, name),
                           "amax": None if amax_by_group is None else amax_by_group.get(fused_group(name)),
                           "weight": None if weights is None else weights.get(name)}
-            aux.setdefault(precision, {})[in_layer(name) or name] = inputs
+            aux.setdefault(precision, {})[name_in_layer(name) or name] = inputs
         return aux
 
     def treatment(layer: int) -> tuple:
-        return tuple(sorted((in_layer(n), pmap[n]) for n in by_layer.get(layer, [])))
+        return tuple(sorted((name_in_layer(n), pmap[n]) for n in config.modules.in_layer(layer)))
 
     return Seam(RecipeTap(recipe, bf16_scope), aux_of=aux_of, treatment=treatment)
