@@ -28,6 +28,7 @@ from nvfp4tool.families.base import (
     ROUTER,
     SWIGLU,
     Family,
+    Fold,
     LinearModule,
     ModelConfig,
     ModuleTable,
@@ -42,8 +43,8 @@ __all__ = [
     "ARCHITECTURE_BY_FAMILY", "ATTENTION", "ATTENTION_MLP", "ATTENTION_MOE",
     "ATTENTION_PROJECTIONS", "BASE_MODEL", "EMBEDDING", "FINAL_NORM", "HEAD", "LM_HEAD",
     "MAXTEXT_FAMILIES", "MOE_FAMILIES", "REGISTRY", "ROUTER", "SUPPORTED_FAMILIES", "SWIGLU",
-    "Family", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
-    "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
+    "Family", "Fold", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
+    "folds", "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
     "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
 ]
 
@@ -95,6 +96,12 @@ def module_table(config: ModelConfig) -> ModuleTable:
                                 router=False, attention=None, block=None, expert=None, keep_dtype=True,
                                 shape=(V, E)))
     return ModuleTable(tuple(linears), tuple(attentions), shapes)
+
+
+def folds(config: ModelConfig) -> list[Fold]:
+    """Every equivalent-scaling site of `config`'s model, layer by layer (`Family.folds`)."""
+    family = get_family(config.family)
+    return [f for i in range(config.num_layers) for f in family.folds(config, i)]
 
 
 # ----------------------------------------------------------------------- names without a model

@@ -31,6 +31,8 @@ ATTENTION = "self_attn"  # every family's attention module attribute (where KV-c
 BASE_MODEL = "model"  # HF's base-model attribute: the embedding, the layers and the final norm lie under it
 LAYERS = f"{BASE_MODEL}.layers"  # the decoder layers' HF module path (scanned programs: `model.layers.*`)
 LM_HEAD = "lm_head"
+INPUT_NORM = "input_layernorm"  # a pre-norm layer's norm before its attention ...
+POST_ATTENTION_NORM = "post_attention_layernorm"  # ... and before its MLP
 EMBEDDING = f"{BASE_MODEL}.embed_tokens"
 FINAL_NORM = f"{BASE_MODEL}.norm"
 Split = Literal["column", "row", "none"]
@@ -164,6 +166,27 @@ def layer_index(name: str) -> int | None:
     return None if found is None else found[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """One site of equivalent scaling (`export/equalize.py`, AWQ / SmoothQuant): linears reading
+    one input, and the op that makes it. Scaling the input's channels by 1/s at the producer and
+    the readers' weight columns by s leaves the model's function unchanged.
+
+    `consumers` are the linears quantized together (q/k/v, gate/up, every expert's gate/up); their
+    weight columns take s. `readers` read the same input but are never quantized (a MoE router);
+    their columns take s too. `producer` is the norm weight ("norm": divided by s elementwise) or a
+    linear's weight and bias ("rows": rows divided by s). `expand` = (groups, repeat, width) when a
+    producer row feeds several consumer channels: consumer channel (g, r, w) reads producer row
+    (g, w), so s is chosen over the producer's rows and repeated (o_proj after a GQA v_proj: KV
+    heads, query heads per KV head, head_dim)."""
+
+    consumers: tuple[str, ...]
+    producer: tuple[str, ...]
+    kind: Literal["norm", "rows"]
+    readers: tuple[str, ...] = ()
+    expand: tuple[int, int, int] | None = None
+
+
 class Family:
     """A group of HF model types with one block structure. Subclasses (one per family module)
     declare the facts; the registry (`families/__init__.py`) finds them by `model_type`."""
@@ -200,6 +223,38 @@ class Family:
     def mlp_module(self, config: ModelConfig, layer: int) -> str:
         """The HF module path of layer `layer`'s MLP (dense or sparse)."""
         return f"{layer_prefix(layer)}.mlp"
+
+    def folds(self, config: ModelConfig, layer: int) -> list[Fold]:
+        """The equivalent-scaling sites of decoder layer `layer` (see `Fold`), for the pre-norm
+        attention + MLP / MoE layers: q/k/v after the input norm; o_proj after v_proj's rows (GQA:
+        one s per KV-head channel, repeated over its query heads); gate/up after the
+        post-attention norm (a sparse MLP: every expert's gate/up, the router reading it too);
+        down_proj after up_proj's rows (each expert's after its own). A family with other layer
+        kinds declares its own."""
+        p = layer_prefix(layer)
+        rows = [m for m in config.modules.linears if m.layer == layer]
+        shapes = config.modules.tensor_shapes
+
+        def of(role: str, expert: int | None = None) -> list[str]:
+            return [m.name for m in rows if m.role == role and m.expert == expert]
+
+        def weight_and_bias(module: str) -> tuple[str, ...]:
+            return tuple(t for t in (f"{module}.weight", f"{module}.bias") if t in shapes)
+
+        folds = [Fold(tuple(of("q") + of("k") + of("v")), (f"{p}.{INPUT_NORM}.weight",), "norm")]
+        heads, kv_heads = config.num_heads, config.num_kv_heads
+        folds.append(Fold(tuple(of("o")), weight_and_bias(of("v")[0]), "rows",
+                          expand=(kv_heads, heads // kv_heads, config.head_dim)))
+        experts = sorted({m.expert for m in rows if m.expert is not None})
+        post = (f"{p}.{POST_ATTENTION_NORM}.weight",)
+        if not experts:
+            folds.append(Fold(tuple(of("gate") + of("up")), post, "norm"))
+            folds.append(Fold(tuple(of("down")), weight_and_bias(of("up")[0]), "rows"))
+            return folds
+        folds.append(Fold(tuple(n for e in experts for n in of("gate", e) + of("up", e)), post, "norm",
+                          readers=tuple(m.name for m in rows if m.router)))
+        folds += [Fold(tuple(of("down", e)), weight_and_bias(of("up", e)[0]), "rows") for e in experts]
+        return folds
 
 
 def projection_tensors(parent: str, projections: tuple[Projection, ...], shapes: tuple[tuple[int, int], ...],

@@ -19,6 +19,8 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families.base import (
     ATTENTION,
     ATTENTION_PROJECTIONS,
+    INPUT_NORM,
+    POST_ATTENTION_NORM,
     SWIGLU,
     Family,
     ModelConfig,
@@ -106,13 +108,13 @@ class Decoder(Family):
         p = layer_prefix(layer)
         attention = f"{p}.{ATTENTION}"
         qkv_bias = config.attention_bias
-        tensors = [Tensor(f"{p}.input_layernorm.weight", (E,))]
+        tensors = [Tensor(f"{p}.{INPUT_NORM}.weight", (E,))]
         tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[:3], ((q_out, E), (kv_out, E), (kv_out, E)),
                                       (qkv_bias,) * 3)
         tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[3:], ((E, q_out),), (config.o_proj_bias,))
         if config.qk_norm:
             tensors += [Tensor(f"{attention}.q_norm.weight", (D,)), Tensor(f"{attention}.k_norm.weight", (D,))]
-        tensors.append(Tensor(f"{p}.post_attention_layernorm.weight", (E,)))
+        tensors.append(Tensor(f"{p}.{POST_ATTENTION_NORM}.weight", (E,)))
         return tensors + self.mlp_tensors(config, layer)
 
     def mlp_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:

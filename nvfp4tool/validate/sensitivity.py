@@ -12,7 +12,7 @@ KL target is met. The model is the export as served; a kept group runs its BF16 
 with unquantized inputs. One compiled program serves every combination (the keep flags are
 traced), so the search costs one forward per step, not one compilation.
 
-Memory: the reference is the BF16 logits validation spooled (`runner.LogitSpool`); the mixed model
+Memory: the reference is the BF16 logits validation spooled (`model.logit_spool.LogitSpool`); the mixed model
 is the export as stored plus the source's BF16 weights of the quantized modules (about 1.3x the
 BF16 model), held, or streamed a layer of each at a time (`--offload`), never N copies.
 """
