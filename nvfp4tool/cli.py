@@ -341,8 +341,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
               show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
 @click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ and the KV-cache "
-              "scales (an error where none of them is needed).")
+              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ, --equalize and the "
+              "KV-cache scales (an error where none of them is needed).")
 @click.option("--calib-samples", type=_COUNT, default=64, show_default=True,
               help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.")
 @click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True,
@@ -364,6 +364,10 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
               "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
+@click.option("--equalize", type=click.Choice(["none", "awq", "smoothquant"]), default="none", show_default=True,
+              help="Equivalent scaling before quantizing, folded into the preceding norm or linear (a plain "
+              "checkpoint, the same function in BF16, checked): awq = per site the scale mean|x|^alpha with "
+              "the least NVFP4 output error; smoothquant = max|x|^0.5 / max|w|^0.5 (needs --calib-data; NVFP4).")
 @click.option("--gptq-damp", type=float, default=0.05, show_default=True, callback=_damp,
               help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
@@ -380,8 +384,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
                    "fixes, Mixtral and Qwen3-MoE half; else required).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   keep_bf16_file, scale_search, weight_rounding, gptq_damp, weight_block, max_shard_size, step,
-                   model_config,
+                   keep_bf16_file, scale_search, weight_rounding, equalize, gptq_damp, weight_block, max_shard_size,
+                   step, model_config,
                    rope_layout, force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
 
@@ -390,6 +394,7 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
       nvfp4tool export runs/a --out out/a-nvfp4 --format compressed-tensors
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
+      nvfp4tool export hf/m --out out/m-awq --calib-data calib.txt --equalize awq
     """
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
@@ -400,7 +405,7 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
-                            gptq_damp=gptq_damp, weight_block=weight_block,
+                            equalize=equalize, gptq_damp=gptq_damp, weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), keep_bf16_file=keep_bf16_file, calib_data=calib_data,
                             calib_samples=calib_samples,
                             calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,

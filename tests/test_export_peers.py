@@ -29,7 +29,9 @@ from nvfp4tool.recipes.precision import fused_group
 
 pytestmark = pytest.mark.peers
 LOGIT_ATOL = 1e-5
-ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: GPTQ's codes load the same way
+# --weight-rounding (GPTQ's codes load the same way) and --equalize awq (a plain checkpoint: the
+# scales are folded into the norms and v_proj / up_proj rows), alone and with GPTQ
+ROUNDINGS = ("rtn", "gptq", "awq", "awq+gptq")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def exported(tmp_path_factory):
             out[fmt, rounding] = str(root / f"{fmt}-{rounding}")
             export_checkpoint(src, out[fmt, rounding], ExportOptions(
                 format=fmt, calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16,
-                weight_rounding=rounding, show_progress=False))
+                weight_rounding="gptq" if "gptq" in rounding else "rtn",
+                equalize="awq" if "awq" in rounding else "none", show_progress=False))
     out["src"] = src
     return out
 
@@ -68,9 +71,9 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
         assert theirs.dtype == torch.bfloat16
         members = [m for m in ours.quantized if fused_group(m) == fused_group(name)]
         amax = max(np.float32(np.abs(src[f"{m}.weight"]).max()) for m in members)
-        if rounding == "rtn":  # the independent RTN; GPTQ's codes: our decode of the stored bytes
+        if rounding == "rtn":  # the independent RTN
             expected = dequantize_nvfp4(quantize_nvfp4(src[f"{name}.weight"], global_amax=amax), jnp.bfloat16)
-        else:
+        else:  # GPTQ's codes, AWQ's folded weights: our decode of the stored bytes
             expected = ours.dequantized(name).astype(jnp.bfloat16)
         assert theirs.view(torch.int16).numpy().tobytes() == np.asarray(expected).view(np.int16).tobytes(), name
         checked += 1

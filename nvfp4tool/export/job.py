@@ -9,6 +9,9 @@ spec (`nvfp4tool.formats`), runs the weight pass (each quantized weight read onc
 finiteness; a fused group's members share the max) and resolves the input amax: the run's tracked
 one, the library caller's (`ExportOptions.input_amax`), or calibration (`calibrate.py`) on the
 windows read from --calib-data once (K / V amax too with --kv-cache fp8). With
+`--equalize awq|smoothquant` the scales are chosen on those windows first (`equalize.py`) and
+everything after (the weight pass again, calibration, GPTQ, the writer) reads the folded model
+(`EqualizedSource`), so each composes with it by construction. With
 `--weight-rounding gptq` the calibration runs inside the GPTQ pass, in the same pass through the
 layers (`with_gptq`, run inside the output's temporary folder, where it spills its records): the job
 is made without it and `with_gptq` returns the job with GPTQ's records and what the pass
@@ -28,13 +31,15 @@ from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
+from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
+from nvfp4tool.export.equalize import Equalization, EqualizedSource, equalize, scales_from_record
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import tensor_amax
-from nvfp4tool.records.export import CalibrationRecord, GPTQRecord
+from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQRecord
 
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
@@ -48,6 +53,7 @@ class ExportOptions:
     quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
     scale_search: str = "rtn"  # rtn | 4over6 | mse
     weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
+    equalize: str = "none"  # none | awq | smoothquant: equivalent scaling before quantizing (NVFP4; needs calib_data)
     gptq_damp: float = DEFAULT_DAMP  # GPTQ: H += damp * mean(diag H) * I
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
@@ -66,6 +72,9 @@ class ExportOptions:
     # library callers: the input amax of every quantized module, used instead of calibration when no
     # calib_data is given (validate's FP8 reference takes a W4A4 export's calibrated amax)
     input_amax: dict[str, float] | None = None
+    # library callers: fold these recorded scales (another export's `equalization`) instead of
+    # searching (validate's FP8 reference of an equalized export is made from the same folded model)
+    equalization: EqualizationRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +98,8 @@ class ExportJob:
     gptq: GPTQResult | None = None  # GPTQ's records (with_gptq)
     gptq_record: GPTQRecord | None = None
     gptq_seconds: float = 0.0
+    equalization: Equalization | None = None  # --equalize: the scales folded into `source.tensors`
+    equalization_seconds: float = 0.0
 
     @property
     def kv_cache(self) -> str | None:
@@ -117,13 +128,25 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
-    calibration_start = time.perf_counter()
     ids = _calibration_ids(source, options)
+    equalization, equalization_start = None, time.perf_counter()
+    if options.equalization is not None:
+        equalization = Equalization(scales=scales_from_record(options.equalization, source.config),
+                                    record=options.equalization)
+    elif options.equalize != "none":
+        equalization = equalize(source.config, source.tensors, plan.quantized, ids, method=options.equalize,
+                                weight_only=not plan.has_input_scales, block=block, offload=options.offload)
+    if equalization is not None:  # the rest of the export runs on the folded model
+        source = dataclasses.replace(source, tensors=EqualizedSource(source.tensors, equalization.scales))
+        group_amax = _group_amax(source.tensors, plan)
+    equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
+    calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
     return ExportJob(source=source, out=out, options=options, inputs=inputs, spec=spec, plan=plan, block=block,
                      group_amax=group_amax, calibration_ids=ids, input_amax=input_amax, input_amax_origin=origin,
                      kv_amax=kv_amax, calibration=calibration,
-                     calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0)
+                     calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
+                     equalization=equalization, equalization_seconds=equalization_seconds)
 
 
 def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
@@ -192,6 +215,18 @@ def _check_options(options: ExportOptions) -> None:
     if options.weight_rounding == "gptq" and options.calib_data is None:
         raise NVFP4UsageError("--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
                               "input comes from the calibration text)")
+    if options.equalize not in EQUALIZE_METHODS:
+        raise NVFP4UsageError(f"unknown --equalize {options.equalize!r}; choose one of {', '.join(EQUALIZE_METHODS)}")
+    if options.equalization is not None:
+        if options.equalize != options.equalization.method:
+            raise NVFP4UsageError(f"ExportOptions.equalization is {options.equalization.method} scales: "
+                                  f"equalize must say so, not {options.equalize!r}")
+    elif options.equalize != "none" and options.quant == "fp8":
+        raise NVFP4UsageError(f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or "
+                              "nvfp4-weight-only, not fp8")
+    if options.equalize != "none" and options.equalization is None and options.calib_data is None:
+        raise NVFP4UsageError(f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
+                              "the calibration activations)")
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
@@ -285,7 +320,8 @@ def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
     """--calib-data given where nothing uses it (no input scales to calibrate, no GPTQ, no KV
     cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored. Checked
     after the weight pass (the source's own errors come first), before any calibration or output."""
-    if options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None:
+    if (options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None
+            or options.equalize != "none"):
         return
     if plan.has_input_scales and plan.quantized:
         return

@@ -16,9 +16,8 @@ import numpy as np
 
 import nvfp4tool
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.export import (CalibrationRecord, ExportRecord, GPTQRecord, LayerErrorRecord,
-                                      SourceRecord, TensorRecord, ToolRecord, sha256_file)
-
+from nvfp4tool.records.export import (CalibrationRecord, EqualizationRecord, ExportRecord, GPTQRecord,
+                                      LayerErrorRecord, SourceRecord, TensorRecord, ToolRecord, sha256_file)
 
 
 def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, input_amax_origin: str,
@@ -26,7 +25,7 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
                  input_amax: dict[str, float] | None, files_written: list[str],
                  tensors: dict[str, TensorRecord],
                  kv_amax: dict[str, tuple[float, float]] | None = None,
-                 gptq: GPTQRecord | None = None) -> ExportRecord:
+                 gptq: GPTQRecord | None = None, equalization: EqualizationRecord | None = None) -> ExportRecord:
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
@@ -49,6 +48,8 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
         kv_amax=kv_amax,
         weight_rounding=options.weight_rounding,
         gptq=gptq,
+        equalize=options.equalize,
+        equalization=equalization,
     )
 
 

@@ -76,21 +76,24 @@ class ExportSummary:
     gptq_reduction: float | None = None  # GPTQ: mean output-error reduction vs RTN over the linears
     calibration_seconds: float = 0.0  # reading --calib-data and running the model on it (0: none)
     gptq_seconds: float = 0.0  # the GPTQ pass (0: none)
+    equalization_seconds: float = 0.0  # --equalize: the search and the fold check (0: none)
 
     @property
     def write_seconds(self) -> float:
-        """Reading, quantizing and writing the weights: the whole export but calibration and GPTQ."""
-        return max(self.seconds - self.calibration_seconds - self.gptq_seconds, 0.0)
+        """Reading, quantizing and writing the weights: the whole export but the passes that run the
+        model on data (equalization, calibration, GPTQ)."""
+        return max(self.seconds - self.equalization_seconds - self.calibration_seconds - self.gptq_seconds, 0.0)
 
     @property
     def gb_per_s(self) -> float:
-        """Throughput of read/quantize/write in GB of BF16 weights in per second (calibration and
-        GPTQ, which run the model on data, are timed apart)."""
+        """Throughput of read/quantize/write in GB of BF16 weights in per second (equalization,
+        calibration and GPTQ, which run the model on data, are timed apart)."""
         return self.bf16_bytes_in / 1e9 / max(self.write_seconds, 1e-9)
 
     def line(self) -> str:
         passes = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
-                           (("calibration", self.calibration_seconds), ("GPTQ", self.gptq_seconds)) if seconds)
+                           (("equalization", self.equalization_seconds), ("calibration", self.calibration_seconds),
+                            ("GPTQ", self.gptq_seconds)) if seconds)
         timing = (f"read/quantize/write {self.bf16_bytes_in / 1e9:.3f} GB of bf16 in {self.write_seconds:.1f} s "
                   f"({self.gb_per_s:.3f} GB/s)")
         return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
@@ -115,7 +118,7 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     return dataclasses.replace(summary, out=os.path.abspath(out), bytes_written=written,
                                seconds=time.perf_counter() - start, calibration_seconds=job.calibration_seconds,
-                               gptq_seconds=job.gptq_seconds)
+                               gptq_seconds=job.gptq_seconds, equalization_seconds=job.equalization_seconds)
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,7 +157,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
             source=source, options=options, plan=plan, weight_block=job.block,
             input_amax_origin=job.input_amax_origin, calibration=job.calibration, layer_errors=loader.layer_errors,
             input_amax=job.input_amax, files_written=files, tensors=records, kv_amax=job.kv_amax or None,
-            gptq=job.gptq_record))
+            gptq=job.gptq_record, equalization=None if job.equalization is None else job.equalization.record))
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(out=tmp, tensors=sum(len(u[1]) for u in units),
                          quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,

@@ -8,7 +8,8 @@ and tokens it actually gave and what was asked (or the run's tracked amax), for 
 with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
 per quantized layer its relative L2 weight error (with `--weight-rounding gptq`, the GPTQ settings and
 per layer also the relative output error on the calibration inputs, after GPTQ and for nearest
-rounding with the same scales); and per written tensor its file
+rounding with the same scales); with `--equalize`, the method, every site's scale (statistics and
+the values) and the check of the folded model; and per written tensor its file
 (relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
 amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
 a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
@@ -113,6 +114,30 @@ class GPTQRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class FoldRecord(Record):
+    """One equalized site (`export/equalize.py`): its scale s over the producer's channels."""
+
+    alpha: float  # AWQ: the chosen exponent; SmoothQuant: its migration strength
+    s_min: float
+    s_max: float
+    s_geomean: float
+    output_err_reduction: float | None  # AWQ: 1 - (output error with s) / (with s = 1) on the calibration data
+    scales: str  # s itself: little-endian fp32, base64 (validate rebuilds the folded model from it)
+
+
+@dataclasses.dataclass(frozen=True)
+class EqualizationRecord(Record):
+    """How `--equalize` scaled the model before quantizing it, and the check of the folded model."""
+
+    method: str  # "awq" | "smoothquant"
+    alphas: list[float]  # AWQ's grid; SmoothQuant: [its alpha]
+    sites: dict[str, FoldRecord]  # site (consumers' fused group) -> its scale
+    check_windows: int  # calibration windows the folded BF16 model was compared on with the original
+    check_kl_mean: float  # mean KL(original || folded) there, nats
+    check_top1: float  # top-1 agreement there
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorRecord(Record):
     """One written tensor."""
 
@@ -148,6 +173,8 @@ class ExportRecord(Record):
     kv_amax: dict[str, tuple[float, float]] | None = None  # attention -> calibrated (max |K| after RoPE, max |V|)
     weight_rounding: str = "rtn"  # "rtn" | "gptq" (--weight-rounding)
     gptq: GPTQRecord | None = None  # with gptq: its settings
+    equalize: str = "none"  # "none" | "awq" | "smoothquant" (--equalize)
+    equalization: EqualizationRecord | None = None  # with --equalize: the scales and their check
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:

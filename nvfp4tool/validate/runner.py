@@ -7,7 +7,10 @@ at a time, each held as stored (or streamed layer by layer).
 
 The NVFP4 export runs as served (`export.simulate`: weights decoded from the stored bytes inside
 the forward, W4A4 inputs fake-quantized with the stored input scale). The BF16 source is found
-through the export's provenance record (or `source=`). The FP8 reference is an FP8 export folder
+through the export's provenance record (or `source=`); an equalized export's (`export --equalize`)
+BF16 model is the source with the recorded scales folded in (`export.equalize.EqualizedSource`: the
+function the export proved equal to the source's, whose weights the export quantized), so weight
+and output SQNR and the sensitivity search compare like with like. The FP8 reference is an FP8 export folder
 (`reference=PATH`), or made on the fly from the source by `nvfp4tool export --quant fp8` into a
 temporary folder and run through the same simulation (`reference="fp8"`); `reference="bf16"`
 compares against BF16 only. An export with FP8 KV-cache scales (`export --kv-cache fp8`) runs twice:
@@ -50,6 +53,7 @@ from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
+from nvfp4tool.export.equalize import EqualizedSource
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
@@ -57,9 +61,10 @@ from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
+from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.numerics import computed_after
 from nvfp4tool.numerics.dot import WIDEN_BYTES
-from nvfp4tool.records.export import ExportRecord, sha256_file
+from nvfp4tool.records.export import EqualizationRecord, ExportRecord, sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
 from nvfp4tool.validate import metrics
@@ -209,6 +214,12 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     if mismatch is not None:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
+    if record is not None and record.equalization is not None:  # compare with the model the export folded
+        source = dataclasses.replace(source, tensors=EqualizedSource.from_record(
+            source.tensors, record.equalization, source.config))
+        progress.info(f"the export is equalized (--equalize {record.equalize}): the BF16 model is the source with "
+                      f"its {len(record.equalization.sites)} recorded scales folded in (KL "
+                      f"{record.equalization.check_kl_mean:.2g} nats to the source, checked at export)")
     tokenizer_dir = export_dir if os.path.isfile(os.path.join(export_dir, "tokenizer.json")) else source.aux_dir
     vocab = nvfp4.exported.config.vocab_size
     ids = load_calibration_ids(options.data, samples=options.samples, seq_len=options.seq_len,
@@ -217,7 +228,8 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
         load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
                              tokenizer_dir=source.aux_dir, vocab_size=vocab)
     with _scratch() as scratch:
-        fp8, reference, reference_export, reference_calibration = _reference(options, source, scratch, calibration)
+        fp8, reference, reference_export, reference_calibration = _reference(
+            options, source, scratch, calibration, None if record is None else record.equalization)
         yield Inputs(export_dir=export_dir, options=options, source=source, nvfp4=nvfp4, fp8=fp8,
                      reference=reference, reference_export=reference_export, ids_SxL=ids, scratch=scratch,
                      source_mismatch=mismatch, reference_calibration=reference_calibration)
@@ -408,29 +420,6 @@ def source_bytes(source: Checkpoint) -> int:
     return sum(tensor_bytes(tensors, n) for n in source.config.expected_tensor_shapes())
 
 
-class LogitSpool:
-    """fp32 logits [S, T, V] of the reference model in a temporary file, written and read a batch at
-    a time with plain file I/O (page cache, not this process's memory)."""
-
-    def __init__(self, path: str, shape_SxT: tuple[int, int], vocab: int) -> None:
-        self.path, (self.samples, self.seq_len), self.vocab = path, shape_SxT, vocab
-        self._row_bytes = self.seq_len * vocab * 4
-        with open(path, "wb"):
-            pass
-        progress.info(f"reference logits: {self.samples * self._row_bytes / 1e9:.2f} GB in a temporary file")
-
-    def write(self, start: int, logits_BxTxV: np.ndarray) -> None:
-        with open(self.path, "r+b") as f:
-            f.seek(start * self._row_bytes)
-            f.write(np.ascontiguousarray(logits_BxTxV, np.float32).tobytes())
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        with open(self.path, "rb") as f:
-            f.seek(start * self._row_bytes)
-            data = np.fromfile(f, np.float32, count * self.seq_len * self.vocab)
-        return data.reshape(count, self.seq_len, self.vocab)
-
-
 # ------------------------------------------------------------------------------------------
 # helpers
 
@@ -598,10 +587,11 @@ def _scratch() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calibration: _Calibration | None
-               ) -> tuple[Candidate | None, str, Named | None, str | None]:
+def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calibration: _Calibration | None,
+               equalization: EqualizationRecord | None = None) -> tuple[Candidate | None, str, Named | None, str | None]:
     """(the FP8 candidate or None, what it is, the --reference folder named and hashed, what
-    calibrated its input scales)."""
+    calibrated its input scales). Made on the fly for an equalized export, it folds the export's
+    recorded scales too (`equalization`), so both quantize the same model."""
     if options.reference == "bf16":
         return None, "bf16", None, None
     if options.reference != "fp8":
@@ -619,7 +609,8 @@ def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calib
     export_checkpoint(source.path, out, ExportOptions(
         quant="fp8", step=source.step, calib_data=calibration.calib_data, calib_samples=options.calib_samples,
         calib_seq_len=options.calib_seq_len, input_amax=calibration.input_amax,
-        offload=options.offload))
+        offload=options.offload, equalize=equalization.method if equalization else "none",
+        equalization=equalization))
     memory.release()
     return (Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None,
             calibration.what or _calibration_of(out))
