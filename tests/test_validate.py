@@ -23,7 +23,7 @@ from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from nvfp4tool.validate.runner import Candidate, ValidateOptions, open_inputs, run_validation
-from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, sensitivity
+from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, search, sensitivity
 
 GEN_TOKENS = 12
 
@@ -186,9 +186,41 @@ def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
     assert found.keep_bf16[0] == BROKEN_MODULE
     assert found.met and found.trajectory[-1].kl_mean <= target < found.trajectory[0].kl_mean
     assert found.precision_map[BROKEN_MODULE] == "bf16"
+    # each step's size, from the shapes alone: NVFP4 1D is 4 bits + one FP8 scale per 16 weights
+    # (+ a few bytes of global scales per module), a kept weight 16 bits
+    shapes = CONFIG.expected_tensor_shapes()
+    weights = {m: int(np.prod(shapes[f"{m}.weight"])) for m in found.precision_map}
+    for step in found.trajectory:
+        kept = {m for m in weights if fused_group(m) in step.kept}
+        expected = sum(n * (16 if m in kept else 4.5) for m, n in weights.items()) / sum(weights.values())
+        assert expected <= step.bits_per_weight <= expected + 8 * 16 * len(weights) / sum(weights.values())
+        assert step.bits_per_weight < step.bits_per_parameter < 16.0
+    assert [s.step for s in found.trajectory][:2] == ["start", "keep"]
+    assert found.trajectory[-1].bits_per_weight > found.trajectory[0].bits_per_weight
     assert list(found.precision_map.values()).count("bf16") == sum(
         len([m for m in found.precision_map if fused_group(m) == g])
         for g in {fused_group(m) for m, p in found.precision_map.items() if p == "bf16"})
+
+
+def test_search_prunes_a_group_made_redundant_by_later_ones():
+    # the error a removes is also removed by keeping b and c together: greedily a, c, b are kept
+    # (most harmful first), then a is not needed any more and is quantized again
+    def kl(kept):
+        kept = set(kept)
+        return (0.01 + 0.3 * ("c" not in kept) + 0.1 * ("b" not in kept)
+                + 0.5 * ("a" not in kept and not {"b", "c"} <= kept))
+
+    harm = {"a": 0.9, "c": 0.5, "b": 0.3}
+    steps = search(["a", "c", "b"], harm, kl, lambda kept: {"bits_per_weight": 4.5 + len(kept),
+                                                            "bits_per_parameter": 5.0 + len(kept)}, 0.05)
+    assert [(s.step, s.kept) for s in steps] == [
+        ("start", []), ("keep", ["a"]), ("keep", ["a", "c"]), ("keep", ["a", "c", "b"]), ("prune", ["c", "b"])]
+    assert steps[-1].kl_mean <= 0.05 and steps[-1].bits_per_weight == 6.5
+    # nothing to prune when every kept group is needed; a target not met returns the greedy steps
+    steps = search(["a", "c", "b"], harm, lambda kept: 0.4 - 0.1 * len(kept), lambda kept: {}, 0.2)
+    assert [s.kept for s in steps] == [[], ["a"], ["a", "c"]]
+    steps = search(["a"], {"a": 1.0}, lambda kept: 1.0, lambda kept: {}, 0.2)
+    assert [s.kept for s in steps] == [[], ["a"]] and steps[-1].kl_mean > 0.2
 
 
 def test_group_patterns_match_exactly_their_members():

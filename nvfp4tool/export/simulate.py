@@ -200,6 +200,10 @@ class ExportedModel:
         return ServedKV(tuple((modules.attention(i), *map(float, self.kv_scales(i)))
                               for i in range(self.config.num_layers) if modules.attention(i) is not None))
 
+    def module_bytes(self, module: str) -> int:
+        """The stored bytes of a quantized module's weight group (weight, scales, input scale)."""
+        return sum(tensor_bytes(self._source, f"{module}.{t.suffix}") for t in self._spec.tensors)
+
     def dequantized(self, module: str) -> np.ndarray:
         """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""
         return np.asarray(self.get(f"{module}.weight").dequantize())

@@ -99,13 +99,19 @@ class GroupHarm(Record):
 
 @dataclasses.dataclass(frozen=True)
 class SearchStep(Record):
+    """One model the search measured: the fused groups kept in BF16, its mean KL and its size."""
+
     kept: list[str]
     kl_mean: float
+    step: str = "keep"  # "start" (nothing kept) | "keep" (a group added) | "prune" (a group dropped again)
+    bits_per_weight: float | None = None  # the searched linears: weights + scales, bits per weight
+    bits_per_parameter: float | None = None  # the whole model as it would be exported
 
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity(Record):
-    """The greedy search for the layers to keep in BF16 (`validate --sensitivity`)."""
+    """The greedy search for the layers to keep in BF16 (`validate --sensitivity`): the last step
+    of `trajectory` is the result."""
 
     kl_target: float
     met: bool

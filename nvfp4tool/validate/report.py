@@ -88,7 +88,7 @@ def markdown(record: ValidationRecord) -> str:
         found = record.sensitivity
         lines += ["", f"Layers to keep in BF16 for a mean KL of {found.kl_target:g} nats "
                       f"({'met' if found.met else 'not met'}, "
-                      f"KL {found.trajectory[-1].kl_mean:.4g}): "
+                      f"KL {found.trajectory[-1].kl_mean:.4g}{size_text(found.trajectory[-1])}): "
                       + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none")]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
@@ -154,16 +154,27 @@ def _sensitivity_table(found) -> Any:
     whether the search kept it in BF16, and the model's KL after each step of the search."""
     from rich.table import Table
 
-    kept = found.trajectory[-1].kept
-    after = {step.kept[-1]: step.kl_mean for step in found.trajectory[1:]}
+    first, last = found.trajectory[0], found.trajectory[-1]
+    after = {step.kept[-1]: step.kl_mean for step in found.trajectory if step.step == "keep"}
+    pruned = {g for step in found.trajectory if step.step == "prune" for g in after if g not in step.kept}
     table = Table(title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
-                        f"KL {found.trajectory[0].kl_mean:.4g} with every group quantized)")
+                        f"KL {first.kl_mean:.4g}{size_text(first)} with every group quantized, "
+                        f"{last.kl_mean:.4g}{size_text(last)} as kept)")
     for column in ("group", "KL alone", "kept in BF16", "KL after keeping it"):
         table.add_column(column, justify="left" if column == "group" else "right")
     for harm in found.harm:
-        table.add_row(harm.group, f"{harm.kl_mean_alone:.4g}", "yes" if harm.group in kept else "no",
+        state = "yes" if harm.group in last.kept else "pruned" if harm.group in pruned else "no"
+        table.add_row(harm.group, f"{harm.kl_mean_alone:.4g}", state,
                       f"{after[harm.group]:.4g}" if harm.group in after else "-")
     return table
+
+
+def size_text(step) -> str:
+    """', 4.52 bits per weight (linears), 5.61 per parameter' of a search step (empty for a record
+    written before steps had sizes)."""
+    if step.bits_per_weight is None or step.bits_per_parameter is None:
+        return ""
+    return f", {step.bits_per_weight:.2f} bits per weight (linears), {step.bits_per_parameter:.2f} per parameter"
 
 
 def plot(record: ValidationRecord, folder: str) -> list[str]:

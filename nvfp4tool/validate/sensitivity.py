@@ -8,8 +8,12 @@
 The unit is a fused group (q/k/v, gate/up: one GEMM in serving engines, kept or quantized whole).
 Each group's harm is the mean KL to BF16 when only that group is quantized; groups are then kept
 in BF16 one at a time, most harmful first, re-measuring the whole model's KL after each, until the
-KL target is met. The model is the export as served; a kept group runs its BF16 source weights
-with unquantized inputs. One compiled program serves every combination (the keep flags are
+KL target is met; then each kept group, least harmful first, is quantized again if the target
+still holds without it (harms do not add: a group needed early can be redundant once later ones
+are kept), so no single kept group can be dropped from the result. Every step records the size of
+its model: the searched linears' bits per weight (their stored weights and scales, or BF16 where
+kept) and the whole model's bits per parameter as it would be exported. The model is the export
+as served; a kept group runs its BF16 source weights with unquantized inputs. One compiled program serves every combination (the keep flags are
 traced), so the search costs one forward per step, not one compilation.
 
 Memory: the reference is the BF16 logits validation spooled (`model.logit_spool.LogitSpool`); the mixed model
@@ -69,23 +73,16 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
         return float(np.concatenate(kl).mean())
 
     names = list(groups)
+    size = _Size(exported, source, groups)
     harm = {}
     with progress.task("sensitivity", total=len(names), unit="group") as task:
         for g in names:
             harm[g] = mean_kl(set(names) - {g})
             task.advance(description=g)
     order = sorted(names, key=lambda g: -harm[g])
-    kept: list[str] = []
-    with progress.task("sensitivity search", total=None, unit="pass") as task:  # as many as groups kept, + 1
-        trajectory = [SearchStep(kept=[], kl_mean=mean_kl(set()))]
-        task.advance(description="nothing kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
-        for g in order:
-            if trajectory[-1].kl_mean <= kl_target:
-                break
-            kept.append(g)
-            progress.info(f"sensitivity: keeping {g} in BF16")
-            trajectory.append(SearchStep(kept=list(kept), kl_mean=mean_kl(set(kept))))
-            task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
+
+    trajectory = search(order, harm, lambda kept: mean_kl(set(kept)), size.bits, kl_target)
+    kept = trajectory[-1].kept
     return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
                        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
                        trajectory=trajectory, keep_bf16=[group_glob(g, groups[g]) for g in kept],
@@ -93,16 +90,50 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
                                       for m in quantized})
 
 
+def search(order: list[str], harm: dict[str, float], kl_of, bits_of, kl_target: float) -> list[SearchStep]:
+    """The steps of the greedy search and its pruning (see the module docstring) over the groups
+    `order` (most harmful first); `kl_of(kept)` measures a model, `bits_of(kept)` sizes it. The
+    last step is the result."""
+
+    def step(kept: list[str], kind: str) -> SearchStep:
+        return SearchStep(kept=list(kept), kl_mean=kl_of(kept), step=kind, **bits_of(kept))
+
+    kept: list[str] = []
+    with progress.task("sensitivity search", total=None, unit="pass") as task:  # groups kept + pruned + 1
+        trajectory = [step(kept, "start")]
+        task.advance(description="nothing kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
+        for g in order:
+            if trajectory[-1].kl_mean <= kl_target:
+                break
+            kept.append(g)
+            progress.info(f"sensitivity: keeping {g} in BF16")
+            trajectory.append(step(kept, "keep"))
+            task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
+        if trajectory[-1].kl_mean > kl_target:
+            return trajectory
+        # prune: a group kept early may be unneeded once later ones are kept (harms do not add);
+        # the least harmful alone are tried first, each dropped only if the target still holds
+        for g in sorted(kept, key=lambda g: harm[g]):
+            trial = step([k for k in kept if k != g], "prune")
+            task.advance(description=f"without {g}", fields={"kl": f"{trial.kl_mean:.4g}"})
+            if trial.kl_mean <= kl_target:
+                progress.info(f"sensitivity: {g} is not needed once the others are kept; quantized again")
+                kept.remove(g)
+                trajectory.append(trial)
+    return trajectory
+
+
 def keep_bf16_file_text(found: Sensitivity) -> str:
     """The result as a keep-BF16 file (`export --keep-bf16-file`; the format is export.plan's): what
     was searched, how to use it, then the patterns. No path of this machine (push uploads it)."""
     from nvfp4tool.export.plan import format_keep_bf16_file
+    from nvfp4tool.validate.report import size_text
 
     first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
     return format_keep_bf16_file(found.keep_bf16, [
         f"nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= {found.kl_target:g} nats",
         f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
-        f"these {len(found.keep_bf16)} group(s))",
+        f"these {len(found.keep_bf16)} group(s){size_text(found.trajectory[-1])})",
         "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
         f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'"])
 
@@ -127,6 +158,26 @@ class _Mixed:
             return y_served, None
         y_bf16 = served_linear(x, aux["bf16"][name], b_N, name=name)  # the plain BF16 GEMM
         return jnp.where(aux["keep"][name], y_bf16, y_served), None
+
+
+class _Size:
+    """What keeping groups in BF16 costs in bits: each quantized module's stored bytes in the
+    export (weight, block and global scales, input scale) against its source weight's in BF16."""
+
+    def __init__(self, exported, source, groups: dict[str, list[str]]) -> None:
+        shapes = exported.config.expected_tensor_shapes()
+        self._groups = groups
+        self._stored = {m: exported.module_bytes(m) for ms in groups.values() for m in ms}
+        self._bf16 = {m: 2 * int(np.prod(shapes[f"{m}.weight"])) for m in self._stored}
+        self._weights = sum(int(np.prod(shapes[f"{m}.weight"])) for m in self._stored)
+        self._parameters = sum(int(np.prod(shape)) for shape in shapes.values())
+        self._model_bytes = exported.stored_bytes()
+
+    def bits(self, kept: list[str]) -> dict[str, float]:
+        extra = sum(self._bf16[m] - self._stored[m] for g in kept for m in self._groups[g])
+        linears = sum(self._stored.values()) + extra
+        return {"bits_per_weight": 8 * linears / self._weights,
+                "bits_per_parameter": 8 * (self._model_bytes + extra) / self._parameters}
 
 
 def _layer_bf16(source, quantized: list[str], layer: int | None) -> dict[str, np.ndarray]:
