@@ -127,6 +127,7 @@ def main() -> None:
              "--calib-seq-len", str(args.seq_len)]
     names = args.runs.split(",")
     exports: dict[str, Path] = {}
+    extra: dict[str, dict] = {}  # the auto-precision row's search result
     for name in names:
         folder = out / args.quant / f"export-{name}"
         if name == QAD:
@@ -135,8 +136,8 @@ def main() -> None:
                 timed("qad", lambda: _cli(_qad_command(args, bf16, train_file, qad_run)))
             source, flags = str(qad_run), ["--weight-block", "1d"]
         elif name == AUTO:
-            source, flags = bf16, [*EXPORTS[args.auto_from], "--keep-bf16-file",
-                                   timed("sensitivity", lambda: _auto_precision(args, bf16, out, train_file))]
+            keep_file, extra[name] = timed("sensitivity", lambda: _auto_precision(args, bf16, out, train_file))
+            source, flags = bf16, [*EXPORTS[args.auto_from], "--keep-bf16-file", keep_file]
         else:
             source, flags = bf16, EXPORTS[name]
         quant = "fp8" if name == "fp8" else args.quant
@@ -163,6 +164,7 @@ def main() -> None:
         timings[f"validate {name}"] = time.perf_counter() - t0
         results[name] = {m: record.models[record.quant][m] for m in METRICS}
         results[name]["bits_per_parameter"] = _bits_per_parameter(folder)
+        results[name].update(extra.get(name, {}))
         print(name, results[name], flush=True)
     if "rtn" in results:
         for r in results.values():
@@ -182,17 +184,16 @@ def main() -> None:
     print(f"\nseconds: {json.dumps({k: round(v) for k, v in timings.items()})}")
 
 
-def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: Path) -> str:
+def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: Path) -> tuple[str, dict]:
     """The keep-BF16 file of the auto-precision row: on the calibration windows (the start of
-    train.txt, never val.txt), the FP8 export's KL is measured beside the `--auto-from` export,
-    then `validate --sensitivity` finds the fused groups to keep in BF16 for that KL."""
+    train.txt, never val.txt), the FP8 export's KL is measured beside the `--auto-from` export (the
+    FP8 reference validate makes takes that export's calibrated input amax and folded scales), then
+    `validate --sensitivity` finds the fused groups to keep in BF16 for that KL."""
     base = out / args.quant / f"export-{args.auto_from}"
     if not (base / "config.json").is_file():
         raise SystemExit(f"--runs auto: run {args.auto_from} first (its export {base} is missing)")
     options = ValidateOptions(data=str(train_file), reference="fp8", source=bf16, samples=args.auto_samples,
                               seq_len=args.seq_len, batch_size=8, prompts=1, gen_tokens=16,
-                              calib_data=str(train_file), calib_samples=args.calib_samples,
-                              calib_seq_len=args.seq_len,
                               thresholds=Thresholds(max_kl_mean=None, max_kl_p99=None, min_top1=None,
                                                     max_ppl_increase=None, min_layer_sqnr_db=None))
     target = validate_export(str(base), options, force=True).record.models["fp8"]["kl_mean"]
@@ -202,7 +203,9 @@ def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: 
     last = found.trajectory[-1]
     print(f"auto-precision: {len(found.keep_bf16)} group(s) kept in BF16, KL {last.kl_mean:.4g} "
           f"({'met' if found.met else 'NOT met'}), {last.bits_per_parameter:.3f} bits per parameter", flush=True)
-    return str(base / KEEP_BF16_TXT)
+    return str(base / KEEP_BF16_TXT), {"from": args.auto_from, "kl_target_calibration": target,
+                                       "kept_groups": len(found.keep_bf16), "keep_bf16": found.keep_bf16,
+                                       "search_kl_calibration": last.kl_mean, "met": found.met}
 
 
 def _bits_per_parameter(folder: Path) -> float:
