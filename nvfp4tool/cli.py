@@ -561,7 +561,7 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
     """
     from rich.console import Console
 
-    from nvfp4tool.validate.report import print_report, size_text
+    from nvfp4tool.validate.report import print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
     from nvfp4tool.validate.report import KEEP_BF16_TXT
     from nvfp4tool.validate.sensitivity import export_with_file
@@ -585,7 +585,7 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
         console.print(f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
                       f"keeping {len(found.keep_bf16)} group(s) in BF16 "
                       f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g}"
-                      f"{size_text(found.trajectory[-1])})")
+                      f"{found.trajectory[-1].size_text()})")
         keep_file = os.path.join(export, KEEP_BF16_TXT)
         click.echo(f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
                    + export_with_file(run.source_path, keep_file))

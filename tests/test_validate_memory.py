@@ -32,7 +32,7 @@ from conftest import default_xla_backend  # noqa: E402
 
 SHAPE = dict(hidden=2048, mlp=5632, layers=8, vocab=32000)
 HELD_FACTOR = 1.3
-# not imported (no JAX in this process): nvfp4tool.validate.metrics.CHUNK_BYTES (the float64 per-token
+# not imported (no JAX in this process): nvfp4tool.numerics.metrics.CHUNK_BYTES (the float64 per-token
 # math holds at most ~6 such temporaries: log-softmax of both models, exp, difference, product) and
 # nvfp4tool.numerics.dot.WIDEN_BYTES (the most of a weight held widened to fp32 at once)
 CHUNK_BYTES = 16 * 2**20

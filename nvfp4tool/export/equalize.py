@@ -371,7 +371,7 @@ def _check_folded(config: ModelConfig, source, scales, ids_SxL: np.ndarray, offl
     validate runs a BF16 model (fp32 compute: BF16 arithmetic alone moves SmolLM2's logits by a KL
     of ~1e-3, which would hide the fold's own error)."""
     from nvfp4tool.export.calibrate import BATCH, _Cast
-    from nvfp4tool.validate.metrics import token_kl, top1_agree
+    from nvfp4tool.numerics.metrics import token_kl, top1_agree
 
     def opened(tensors, what: str) -> LayerwiseModel:
         weights = 2 * sum(int(np.prod(s)) for s in config.expected_tensor_shapes().values())

@@ -1,5 +1,7 @@
 """Exact NVFP4 / FP8 numerics in JAX: quantizers, Hadamard transform, block-scaled GEMM, and the
-one fp32-accumulating GEMM body every linear layer uses (`dot`). All such math lives here."""
+one fp32-accumulating GEMM body every linear layer uses (`dot`), and the pure numpy metrics comparing
+a model's logits or outputs to a reference (`metrics`: KL, top-1, perplexity, SQNR). All such math
+lives here."""
 
 from __future__ import annotations
 

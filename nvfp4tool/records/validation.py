@@ -107,6 +107,13 @@ class SearchStep(Record):
     bits_per_weight: float | None = None  # the searched linears: weights + scales, bits per weight
     bits_per_parameter: float | None = None  # the whole model as it would be exported
 
+    def size_text(self) -> str:
+        """', 4.52 bits per weight (linears), 5.61 per parameter' (empty for a record written
+        before steps had sizes)."""
+        if self.bits_per_weight is None or self.bits_per_parameter is None:
+            return ""
+        return f", {self.bits_per_weight:.2f} bits per weight (linears), {self.bits_per_parameter:.2f} per parameter"
+
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity(Record):

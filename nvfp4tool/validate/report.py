@@ -88,7 +88,7 @@ def markdown(record: ValidationRecord) -> str:
         found = record.sensitivity
         lines += ["", f"Layers to keep in BF16 for a mean KL of {found.kl_target:g} nats "
                       f"({'met' if found.met else 'not met'}, "
-                      f"KL {found.trajectory[-1].kl_mean:.4g}{size_text(found.trajectory[-1])}): "
+                      f"KL {found.trajectory[-1].kl_mean:.4g}{found.trajectory[-1].size_text()}): "
                       + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none")]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
@@ -158,8 +158,8 @@ def _sensitivity_table(found) -> Any:
     after = {step.kept[-1]: step.kl_mean for step in found.trajectory if step.step == "keep"}
     pruned = {g for step in found.trajectory if step.step == "prune" for g in after if g not in step.kept}
     table = Table(title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
-                        f"KL {first.kl_mean:.4g}{size_text(first)} with every group quantized, "
-                        f"{last.kl_mean:.4g}{size_text(last)} as kept)")
+                        f"KL {first.kl_mean:.4g}{first.size_text()} with every group quantized, "
+                        f"{last.kl_mean:.4g}{last.size_text()} as kept)")
     for column in ("group", "KL alone", "kept in BF16", "KL after keeping it"):
         table.add_column(column, justify="left" if column == "group" else "right")
     for harm in found.harm:
@@ -167,14 +167,6 @@ def _sensitivity_table(found) -> Any:
         table.add_row(harm.group, f"{harm.kl_mean_alone:.4g}", state,
                       f"{after[harm.group]:.4g}" if harm.group in after else "-")
     return table
-
-
-def size_text(step) -> str:
-    """', 4.52 bits per weight (linears), 5.61 per parameter' of a search step (empty for a record
-    written before steps had sizes)."""
-    if step.bits_per_weight is None or step.bits_per_parameter is None:
-        return ""
-    return f", {step.bits_per_weight:.2f} bits per weight (linears), {step.bits_per_parameter:.2f} per parameter"
 
 
 def plot(record: ValidationRecord, folder: str) -> list[str]:

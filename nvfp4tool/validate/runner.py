@@ -67,7 +67,7 @@ from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, sha256_file
 from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
                                           Resources, ValidationRecord)
-from nvfp4tool.validate import metrics
+from nvfp4tool.numerics import metrics
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds

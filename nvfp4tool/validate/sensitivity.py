@@ -37,7 +37,7 @@ from nvfp4tool.families import fused_group, group_glob
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.transformer import real_name
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
-from nvfp4tool.validate import metrics
+from nvfp4tool.numerics import metrics
 
 
 def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
@@ -127,13 +127,12 @@ def keep_bf16_file_text(found: Sensitivity) -> str:
     """The result as a keep-BF16 file (`export --keep-bf16-file`; the format is export.plan's): what
     was searched, how to use it, then the patterns. No path of this machine (push uploads it)."""
     from nvfp4tool.export.plan import format_keep_bf16_file
-    from nvfp4tool.validate.report import size_text
 
     first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
     return format_keep_bf16_file(found.keep_bf16, [
         f"nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= {found.kl_target:g} nats",
         f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
-        f"these {len(found.keep_bf16)} group(s){size_text(found.trajectory[-1])})",
+        f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
         "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
         f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'"])
 

@@ -1,4 +1,4 @@
-"""nvfp4tool.validate.metrics on constructed cases with closed-form answers."""
+"""nvfp4tool.numerics.metrics on constructed cases with closed-form answers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from nvfp4tool.validate import metrics
+from nvfp4tool.numerics import metrics
 
 
 def _softmax(x):
