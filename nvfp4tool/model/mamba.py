@@ -1,0 +1,231 @@
+"""The Mamba-2 mixer of the hybrid Nemotron-H family (reference sheet section 12), between its two
+linears: `in_proj`'s output in, `out_proj`'s input out, so both linears stay on the linear seam
+(quantized like any other) and everything here runs in higher precision.
+
+    shape = MambaShape(heads=8, head_dim=16, groups=2, state=16, conv_kernel=4, chunk=128)
+    y_BxTxI, state = mixer(zxbcdt_BxTxF, params, shape, mask_BxT=mask)     # prefill / full sequence
+    y_Bx1xI, state = mixer(zxbcdt_Bx1xF, params, shape, state=state)       # one decode step
+
+`in_proj`'s rows split z | x | B | C | dt (I = heads x head_dim, G groups of N state channels):
+F = I + (I + 2 G N) + heads. x | B | C go through the depthwise causal conv1d (+ bias) and SiLU;
+dt = softplus(dt + dt_bias) limited to `dt_limit`; A = -exp(A_log); the selective state space
+recurrence per head h (B and C shared by the heads of a group)
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T        y_t = h_t C_t + D x_t
+
+is computed by the chunked SSD scan (`ssd_chunked`: exact quadratic attention-like form inside a
+chunk, the recurrence between chunks) or step by step (`ssd_recurrent`, decode); both in fp32.
+Then y * silu(z) normalised per group of I / G channels (RMSNorm, weight multiplied in fp32) is
+`out_proj`'s input, cast to the compute dtype.
+
+dt's limit follows the config's `time_step_limit` as serving does (vLLM's `mamba_mixer2.py`,
+NVIDIA's `mamba_ssm` kernels; default (0, inf): no limit). transformers 5.24's PyTorch path instead
+clamps dt below at `time_step_min` in prefill (and not in decode); parity fixtures keep dt above it.
+
+Padding: masked positions (`mask_BxT` False, left padding) have their block input zeroed by the
+caller before `in_proj` and their conv output zeroed here, so they add nothing to the state (as
+transformers' `apply_mask_to_padding_states`).
+
+Decode state (`MambaState`): the conv window's last K - 1 inputs and the SSM state [B, H, P, N],
+both fp32; a prefill returns them, each decode step advances them; cached generation equals
+recomputation.
+
+Status: the mixer's math, proven against transformers (tests/test_mamba.py); the `nemotron_h`
+family that builds blocks of it (config, converters, export, check) is not registered yet, so no
+command reaches this module today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaShape:
+    """The mixer's sizes (from the config: mamba_num_heads, mamba_head_dim, n_groups,
+    ssm_state_size, conv_kernel, chunk_size, time_step_limit, layer_norm_epsilon)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    chunk: int
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    eps: float = 1e-5
+
+    @property
+    def inner(self) -> int:
+        """I = heads x head_dim: the width of x, z and out_proj's input."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv1d's channels: x | B | C."""
+        return self.inner + 2 * self.groups * self.state
+
+    @property
+    def in_proj_rows(self) -> int:
+        """in_proj's output features: z | x | B | C | dt."""
+        return self.inner + self.conv_dim + self.heads
+
+    def pieces(self) -> tuple[tuple[str, int], ...]:
+        """in_proj's row blocks in order, (name, rows): what vLLM shards separately."""
+        gn = self.groups * self.state
+        return (("z", self.inner), ("x", self.inner), ("B", gn), ("C", gn), ("dt", self.heads))
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["conv_BxKxC", "ssm_BxHxPxN"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MambaState:
+    """A Mamba layer's decode state: the last K - 1 conv inputs and the SSM state, fp32."""
+
+    conv_BxKxC: jax.Array  # [B, K - 1, conv_dim]
+    ssm_BxHxPxN: jax.Array  # [B, heads, head_dim, state]
+
+    @classmethod
+    def zeros(cls, batch: int, shape: MambaShape) -> MambaState:
+        return cls(jnp.zeros((batch, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
+                   jnp.zeros((batch, shape.heads, shape.head_dim, shape.state), jnp.float32))
+
+
+def causal_conv(xbc_BxTxC: jax.Array, weight_CxK: jax.Array, bias_C: jax.Array | None,
+                past_BxKxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The depthwise causal conv1d then SiLU, fp32: out[t] = silu(sum_k w[:, k] x[t - (K-1) + k]
+    + b), the K - 1 inputs before the first taken from `past` (zeros at a sequence start); the
+    output and the new past (the last K - 1 inputs)."""
+    k = weight_CxK.shape[1]
+    t = xbc_BxTxC.shape[1]
+    window = jnp.concatenate([past_BxKxC, xbc_BxTxC.astype(jnp.float32)], axis=1)  # [B, K - 1 + T, C]
+    w = weight_CxK.astype(jnp.float32)
+    out = sum(window[:, j:j + t, :] * w[:, j] for j in range(k))
+    if bias_C is not None:
+        out = out + bias_C.astype(jnp.float32)
+    return jax.nn.silu(out), window[:, t:, :]
+
+
+def _segsum(a_XxL: jax.Array) -> jax.Array:
+    """[..., L] -> [..., L, L]: entry [l, s] = sum of a over (s, l] for s <= l, -inf above the
+    diagonal; summed as masked cumulative sums (no difference of two large cumsums)."""
+    length = a_XxL.shape[-1]
+    below = jnp.tril(jnp.ones((length, length), bool), -1)
+    segments = jnp.cumsum(jnp.where(below, a_XxL[..., :, None], 0.0), axis=-2)  # [..., l, s]
+    return jnp.where(jnp.tril(jnp.ones((length, length), bool)), segments, -jnp.inf)
+
+
+def ssd_chunked(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_BxTxGxN: jax.Array,
+                c_BxTxGxN: jax.Array, chunk: int, h0_BxHxPxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The recurrence of the module docstring (without D) as the chunked SSD scan, fp32: inside
+    each chunk of `chunk` positions the exact quadratic form, between chunks the recurrence on the
+    chunk-boundary states. dt is the final step size (after softplus and limit). The sequence is
+    padded at the end to whole chunks (dt = 0 there: no decay, no input). (y [B, T, H, P], final
+    state)."""
+    bsz, t, h, p = x_BxTxHxP.shape
+    rep = h // b_BxTxGxN.shape[2]
+    f32 = jnp.float32
+    dt = dt_BxTxH.astype(f32)
+    xdt = x_BxTxHxP.astype(f32) * dt[..., None]
+    adt = a_H.astype(f32) * dt  # [B, T, H]
+    bh = jnp.repeat(b_BxTxGxN.astype(f32), rep, axis=2)
+    ch = jnp.repeat(c_BxTxGxN.astype(f32), rep, axis=2)
+    pad = (-t) % chunk
+
+    def chunks(v):
+        v = jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))
+        return v.reshape(bsz, -1, chunk, *v.shape[2:])
+
+    xdt, adt, bh, ch = map(chunks, (xdt, adt, bh, ch))  # [B, nc, L, ...]
+    a_cum = jnp.cumsum(adt, axis=2)  # [B, nc, L, H]
+    decay_LxS = jnp.exp(_segsum(jnp.moveaxis(adt, 2, -1)))  # [B, nc, H, L, S]
+    scores = jnp.einsum("bclhn,bcshn->bchls", ch, bh) * decay_LxS
+    y_diag = jnp.einsum("bchls,bcshp->bclhp", scores, xdt)
+    to_end = jnp.exp(a_cum[:, :, -1:, :] - a_cum)  # [B, nc, L, H]: decay from l to the chunk's end
+    chunk_states = jnp.einsum("bclhn,bclh,bclhp->bchpn", bh, to_end, xdt)
+    chunk_decay = jnp.exp(a_cum[:, :, -1, :])  # [B, nc, H]
+
+    def carry(state, inputs):
+        decay_BxH, add_BxHxPxN = inputs
+        return decay_BxH[..., None, None] * state + add_BxHxPxN, state  # emit the chunk's start state
+
+    final, starts = jax.lax.scan(carry, h0_BxHxPxN.astype(f32),
+                                 (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0)))
+    starts = jnp.moveaxis(starts, 0, 1)  # [B, nc, H, P, N]
+    y_off = jnp.einsum("bclhn,bchpn->bclhp", ch, starts) * jnp.exp(a_cum)[..., None]
+    y = (y_diag + y_off).reshape(bsz, -1, h, p)[:, :t]
+    return y, final
+
+
+def ssd_recurrent(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_BxTxGxN: jax.Array,
+                  c_BxTxGxN: jax.Array, h0_BxHxPxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The same recurrence one position at a time (decode; `ssd_chunked`'s cross-check), fp32."""
+    rep = x_BxTxHxP.shape[2] // b_BxTxGxN.shape[2]
+    f32 = jnp.float32
+
+    def step(state, inputs):
+        x_BxHxP, dt_BxH, b_BxGxN, c_BxGxN = inputs
+        bh = jnp.repeat(b_BxGxN, rep, axis=1)
+        ch = jnp.repeat(c_BxGxN, rep, axis=1)
+        state = (jnp.exp(dt_BxH * a_H.astype(f32))[..., None, None] * state
+                 + (dt_BxH[..., None] * x_BxHxP)[..., None] * bh[:, :, None, :])
+        return state, jnp.einsum("bhpn,bhn->bhp", state, ch)
+
+    inputs = tuple(jnp.moveaxis(v.astype(f32), 1, 0) for v in (x_BxTxHxP, dt_BxTxH, b_BxTxGxN, c_BxTxGxN))
+    final, y = jax.lax.scan(step, h0_BxHxPxN.astype(f32), inputs)
+    return jnp.moveaxis(y, 0, 1), final
+
+
+def gated_rms_norm(y_BxTxI: jax.Array, z_BxTxI: jax.Array, weight_I: jax.Array, groups: int,
+                   eps: float) -> jax.Array:
+    """y * silu(z), RMS-normalised over each of `groups` equal slices of the channels, times the
+    weight, all in fp32 (the norm before out_proj)."""
+    f32 = jnp.float32
+    g = y_BxTxI.astype(f32) * jax.nn.silu(z_BxTxI.astype(f32))
+    split = g.reshape(*g.shape[:-1], groups, -1)
+    split = split * jax.lax.rsqrt(jnp.mean(split * split, axis=-1, keepdims=True) + eps)
+    return weight_I.astype(f32) * split.reshape(g.shape)
+
+
+def step_size(dt_BxTxH: jax.Array, dt_bias_H: jax.Array, dt_limit: tuple[float, float]) -> jax.Array:
+    """dt = softplus(dt + dt_bias), limited to `dt_limit` (no-op for (0, inf)), fp32."""
+    dt = jax.nn.softplus(dt_BxTxH.astype(jnp.float32) + dt_bias_H.astype(jnp.float32))
+    low, high = dt_limit
+    if low > 0.0 or high < math.inf:
+        dt = jnp.clip(dt, low, high)
+    return dt
+
+
+def mixer(zxbcdt_BxTxF: jax.Array, params: dict[str, jax.Array], shape: MambaShape, *,
+          mask_BxT: jax.Array | None = None, state: MambaState | None = None,
+          dtype=jnp.float32) -> tuple[jax.Array, MambaState]:
+    """in_proj's output -> out_proj's input (in `dtype`) and the decode state after the last
+    position. `params`: conv1d_weight [C, K] (the stored [C, 1, K] squeezed), conv1d_bias [C] or
+    absent, dt_bias, A_log, D [H], norm_weight [I]. With `state`, continues from it (a decode
+    step of one position runs the recurrence, longer inputs the chunked scan); without, starts
+    from zeros."""
+    bsz, t, _ = zxbcdt_BxTxF.shape
+    i, gn, h, p = shape.inner, shape.groups * shape.state, shape.heads, shape.head_dim
+    if state is None:
+        state = MambaState.zeros(bsz, shape)
+    z = zxbcdt_BxTxF[..., :i]
+    xbc = zxbcdt_BxTxF[..., i:i + shape.conv_dim]
+    dt_raw = zxbcdt_BxTxF[..., i + shape.conv_dim:]
+    xbc, conv_past = causal_conv(xbc, params["conv1d_weight"], params.get("conv1d_bias"), state.conv_BxKxC)
+    if mask_BxT is not None:
+        xbc = xbc * mask_BxT[..., None].astype(xbc.dtype)
+    x = xbc[..., :i].reshape(bsz, t, h, p)
+    b = xbc[..., i:i + gn].reshape(bsz, t, shape.groups, shape.state)
+    c = xbc[..., i + gn:].reshape(bsz, t, shape.groups, shape.state)
+    dt = step_size(dt_raw, params["dt_bias"], shape.dt_limit)
+    a = -jnp.exp(params["A_log"].astype(jnp.float32))
+    if t == 1:
+        y, ssm = ssd_recurrent(x, dt, a, b, c, state.ssm_BxHxPxN)
+    else:
+        y, ssm = ssd_chunked(x, dt, a, b, c, shape.chunk, state.ssm_BxHxPxN)
+    y = y + params["D"].astype(jnp.float32)[:, None] * x
+    out = gated_rms_norm(y.reshape(bsz, t, i), z, params["norm_weight"], shape.groups, shape.eps)
+    return out.astype(dtype), MambaState(conv_past, ssm)

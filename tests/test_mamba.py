@@ -1,0 +1,158 @@
+"""nvfp4tool.model.mamba (the Mamba-2 mixer of Nemotron-H): the chunked SSD scan against a float64
+numpy recurrence and against the step-by-step recurrence; the whole mixer (with in_proj and
+out_proj as plain GEMMs around it) against transformers 5.24's `NemotronHMamba2Mixer` PyTorch path
+in fp32, left padding included; decode from a prefill's state equal to recomputation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4tool.model import mamba
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _oracle(x, dt, a, b, c, h0):
+    """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t, float64, one position at a time."""
+    x, dt, a, b, c, h = (np.asarray(v, np.float64) for v in (x, dt, a, b, c, h0))
+    rep = x.shape[2] // b.shape[2]
+    b, c = np.repeat(b, rep, axis=2), np.repeat(c, rep, axis=2)
+    ys = []
+    for t in range(x.shape[1]):
+        h = (np.exp(dt[:, t] * a)[..., None, None] * h
+             + (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :])
+        ys.append(np.einsum("bhpn,bhn->bhp", h, c[:, t]))
+    return np.stack(ys, axis=1), h
+
+
+def _scan_inputs(rng, bsz, t, h=4, p=3, g=2, n=5):
+    x = rng.standard_normal((bsz, t, h, p)).astype(np.float32)
+    dt = np.log1p(np.exp(rng.standard_normal((bsz, t, h)))).astype(np.float32)  # softplus: > 0
+    a = -np.exp(rng.standard_normal(h)).astype(np.float32)
+    b = rng.standard_normal((bsz, t, g, n)).astype(np.float32)
+    c = rng.standard_normal((bsz, t, g, n)).astype(np.float32)
+    h0 = rng.standard_normal((bsz, h, p, n)).astype(np.float32)
+    return x, dt, a, b, c, h0
+
+
+@pytest.mark.parametrize("t, chunk", [(1, 4), (4, 4), (5, 4), (13, 4), (16, 4), (7, 16)])
+def test_chunked_scan_equals_the_recurrence(t, chunk):
+    """Chunk boundaries inside the sequence and at its end, lengths not a multiple of the chunk, a
+    sequence shorter than one chunk, a nonzero initial state."""
+    inputs = _scan_inputs(np.random.default_rng(t * 31 + chunk), 2, t)
+    want_y, want_h = _oracle(*inputs)
+    x, dt, a, b, c, h0 = map(jnp.asarray, inputs)
+    y, h = mamba.ssd_chunked(x, dt, a, b, c, chunk, h0)
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=2e-5, atol=2e-5)
+    y_r, h_r = mamba.ssd_recurrent(x, dt, a, b, c, h0)
+    np.testing.assert_allclose(np.asarray(y_r), want_y, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(h_r), want_h, rtol=2e-5, atol=2e-5)
+
+
+def test_strong_decay_stays_finite():
+    """Large dt * |A| inside a long chunk: the segment sums never subtract two large cumulative
+    sums, so no inf - inf; the state is the last inputs' alone."""
+    x, dt, a, b, c, h0 = _scan_inputs(np.random.default_rng(0), 1, 64)
+    dt = dt * 40.0
+    want_y, want_h = _oracle(x, dt, a, b, c, h0)
+    y, h = mamba.ssd_chunked(*map(jnp.asarray, (x, dt, a, b, c)), 64, jnp.asarray(h0))
+    assert np.isfinite(np.asarray(y)).all()
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-4, atol=1e-4)
+
+
+SHAPE = dict(hidden_size=24, mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=5,
+             conv_kernel=4, chunk_size=4, layer_norm_epsilon=1e-5)
+
+
+def _torch_mixer(seed: int, conv_bias: bool = True):
+    torch = pytest.importorskip("torch")
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    config = NemotronHConfig(**SHAPE, hybrid_override_pattern="M", use_conv_bias=conv_bias,
+                             time_step_min=1e-3, vocab_size=32)
+    torch.manual_seed(seed)
+    module = NemotronHMamba2Mixer(config, layer_idx=0).float().eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "proj" in name or "conv" in name else 1.0))
+        module.dt_bias.copy_(module.dt_bias.abs() + 0.5)  # dt well above time_step_min (see the docstring)
+    return module
+
+
+def _ours(module, conv_bias: bool = True):
+    params = {k: jnp.asarray(v.detach().numpy()) for k, v in dict(
+        conv1d_weight=module.conv1d.weight[:, 0, :], dt_bias=module.dt_bias, A_log=module.A_log, D=module.D,
+        norm_weight=module.norm.weight).items()}
+    if conv_bias:
+        params["conv1d_bias"] = jnp.asarray(module.conv1d.bias.detach().numpy())
+    shape = mamba.MambaShape(heads=SHAPE["mamba_num_heads"], head_dim=SHAPE["mamba_head_dim"],
+                             groups=SHAPE["n_groups"], state=SHAPE["ssm_state_size"],
+                             conv_kernel=SHAPE["conv_kernel"], chunk=SHAPE["chunk_size"],
+                             eps=SHAPE["layer_norm_epsilon"])
+    w_in = jnp.asarray(module.in_proj.weight.detach().numpy())
+    w_out = jnp.asarray(module.out_proj.weight.detach().numpy())
+    return params, shape, w_in, w_out
+
+
+def _run(params, shape, w_in, w_out, hidden, mask=None, state=None):
+    if mask is not None:
+        hidden = hidden * mask[..., None]
+    y, state = mamba.mixer(hidden @ w_in.T, params, shape, mask_BxT=mask, state=state)
+    return y @ w_out.T, state
+
+
+@pytest.mark.parametrize("t, conv_bias", [(11, True), (8, True), (3, False)])
+def test_mixer_equals_transformers(t, conv_bias):
+    """fp32, a left-padded row beside a full one; chunk boundaries inside and at the end."""
+    torch = pytest.importorskip("torch")
+    module = _torch_mixer(t, conv_bias)
+    params, shape, w_in, w_out = _ours(module, conv_bias)
+    assert module.in_proj.weight.shape[0] == shape.in_proj_rows
+    rng = np.random.default_rng(t)
+    hidden = rng.standard_normal((2, t, SHAPE["hidden_size"])).astype(np.float32)
+    mask = np.ones((2, t), np.float32)
+    mask[1, : min(2, t - 1)] = 0.0
+    with torch.no_grad():
+        want = module(torch.from_numpy(hidden), attention_mask=torch.from_numpy(mask)).numpy()
+    got, _ = _run(params, shape, w_in, w_out, jnp.asarray(hidden), jnp.asarray(mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_from_the_prefill_state_equals_recomputation():
+    """A prefill of 6 positions, then 4 one-position steps (the recurrence), then a 3-position
+    continuation (the chunked scan from a state): every output equals the full 13-position run."""
+    params, shape, w_in, w_out = _ours(_torch_mixer(5))
+    hidden = jnp.asarray(np.random.default_rng(5).standard_normal((2, 13, SHAPE["hidden_size"])), jnp.float32)
+    full, full_state = _run(params, shape, w_in, w_out, hidden)
+    out, state = _run(params, shape, w_in, w_out, hidden[:, :6])
+    pieces = [out]
+    for t in range(6, 10):
+        out, state = _run(params, shape, w_in, w_out, hidden[:, t:t + 1], state=state)
+        pieces.append(out)
+    out, state = _run(params, shape, w_in, w_out, hidden[:, 10:], state=state)
+    pieces.append(out)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, axis=1)), np.asarray(full), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.ssm_BxHxPxN), np.asarray(full_state.ssm_BxHxPxN), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.conv_BxKxC), np.asarray(full_state.conv_BxKxC), rtol=1e-6)
+
+
+def test_dt_limit_follows_the_config():
+    dt = jnp.asarray([[[-30.0, 0.0, 30.0]]])
+    bias = jnp.zeros(3)
+    np.testing.assert_allclose(np.asarray(mamba.step_size(dt, bias, (0.0, float("inf")))),
+                               np.log1p(np.exp(np.asarray(dt, np.float64))), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mamba.step_size(dt, bias, (0.01, 0.5))), [[[0.01, 0.5, 0.5]]])
+
+
+def test_in_proj_pieces():
+    shape = mamba.MambaShape(heads=128, head_dim=80, groups=8, state=128, conv_kernel=4, chunk=128)
+    assert [r for _, r in shape.pieces()] == [10240, 10240, 1024, 1024, 128]
+    assert shape.in_proj_rows == sum(r for _, r in shape.pieces()) == 22656
+    assert shape.conv_dim == 12288
