@@ -30,9 +30,9 @@ Decode state (`MambaState`): the conv window's last K - 1 inputs and the SSM sta
 both fp32; a prefill returns them, each decode step advances them; cached generation equals
 recomputation.
 
-Status: the mixer's math, proven against transformers (tests/test_mamba.py); the `nemotron_h`
-family that builds blocks of it (config, converters, export, check) is not registered yet, so no
-command reaches this module today.
+Status: the mixer's math, proven against transformers (tests/test_nemotron_h_pieces.py); the
+`nemotron_h` family that builds blocks of it (config, converters, export, check) is not registered
+yet, so no command reaches this module today.
 """
 
 from __future__ import annotations

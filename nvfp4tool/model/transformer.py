@@ -196,6 +196,33 @@ def route(router_logits_BxTxN: jax.Array, k: int, normalize: bool,
     return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
 
 
+
+def route_grouped_sigmoid(router_logits_BxTxN: jax.Array, k: int, *, correction_bias_N: jax.Array, n_group: int,
+                          topk_group: int, normalize: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing as Nemotron-H / DeepSeek-V3 (transformers' `NemotronHTopkRouter`): sigmoid
+    scores in fp32; the correction bias is added only to choose: the experts split into `n_group`
+    groups, each group scored by the sum of its two best biased scores, the `topk_group` best
+    groups kept, then the k best biased scores among their experts; the weights are the chosen
+    experts' unbiased scores, renormalised (`normalize`, + 1e-20 as the reference) and times
+    `scaling` (`routed_scaling_factor`). The same return as `route` (fp32 weights). For the
+`nemotron_h` family, not registered yet: no model calls it today."""
+    scores_BxTxN = jax.nn.sigmoid(router_logits_BxTxN.astype(jnp.float32))
+    n = scores_BxTxN.shape[-1]
+    biased_BxTxN = scores_BxTxN + correction_bias_N.astype(jnp.float32)
+    if n_group > 1:
+        grouped_BxTxGxM = biased_BxTxN.reshape(*biased_BxTxN.shape[:-1], n_group, n // n_group)
+        group_score_BxTxG = jnp.sum(jax.lax.top_k(grouped_BxTxGxM, 2)[0], axis=-1)
+        kept_BxTxG = jnp.any(jax.lax.top_k(group_score_BxTxG, topk_group)[1][..., None] == jnp.arange(n_group), axis=-2)
+        biased_BxTxN = jnp.where(jnp.repeat(kept_BxTxG, n // n_group, axis=-1), biased_BxTxN, -jnp.inf)
+    index_BxTxK = jax.lax.top_k(biased_BxTxN, k)[1]
+    chosen_BxTxKxN = index_BxTxK[..., None] == jnp.arange(n)
+    top_BxTxK = jnp.take_along_axis(scores_BxTxN, index_BxTxK, axis=-1)
+    if normalize:
+        top_BxTxK = top_BxTxK / (jnp.sum(top_BxTxK, axis=-1, keepdims=True) + 1e-20)
+    top_BxTxK = top_BxTxK * scaling
+    weights_BxTxN = jnp.sum(jnp.where(chosen_BxTxKxN, top_BxTxK[..., None], 0), axis=-2)
+    return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
+
 class SparseMoE(nnx.Module):
     """A sparse MLP: the router (`gate`, [num_experts, E], kept in high precision by every recipe)
     scores each token, `route` picks its top-k experts, and the output is the routing-weighted sum

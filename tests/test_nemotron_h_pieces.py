@@ -1,7 +1,9 @@
-"""nvfp4tool.model.mamba (the Mamba-2 mixer of Nemotron-H): the chunked SSD scan against a float64
-numpy recurrence and against the step-by-step recurrence; the whole mixer (with in_proj and
-out_proj as plain GEMMs around it) against transformers 5.24's `NemotronHMamba2Mixer` PyTorch path
-in fp32, left padding included; decode from a prefill's state equal to recomputation."""
+"""The pieces of the hybrid Nemotron-H family that are not linears, against transformers 5.24:
+nvfp4tool.model.mamba (the Mamba-2 mixer): the chunked SSD scan against a float64 numpy recurrence
+and against the step-by-step recurrence; the whole mixer (with in_proj and out_proj as plain GEMMs
+around it) against `NemotronHMamba2Mixer`'s PyTorch path in fp32, left padding included; decode
+from a prefill's state equal to recomputation. The grouped sigmoid MoE router
+(`model.transformer.route_grouped_sigmoid`) against `NemotronHTopkRouter`."""
 
 from __future__ import annotations
 
@@ -156,3 +158,36 @@ def test_in_proj_pieces():
     assert [r for _, r in shape.pieces()] == [10240, 10240, 1024, 1024, 128]
     assert shape.in_proj_rows == sum(r for _, r in shape.pieces()) == 22656
     assert shape.conv_dim == 12288
+
+
+@pytest.mark.parametrize("n_group, topk_group, normalize, scaling", [(1, 1, True, 1.0), (4, 2, True, 2.5),
+                                                                     (4, 1, False, 1.0)])
+def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normalize, scaling):
+    """Nemotron-H's MoE router (the other hybrid piece that is not a linear): the correction bias
+    chooses the experts (group-limited when n_group > 1), the unbiased scores weigh them."""
+    torch = pytest.importorskip("torch")
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from nvfp4tool.model.transformer import route_grouped_sigmoid
+
+    config = NemotronHConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=n_group,
+                             topk_group=topk_group, norm_topk_prob=normalize, routed_scaling_factor=scaling,
+                             hybrid_override_pattern="E", vocab_size=32)
+    router = NemotronHTopkRouter(config)
+    torch.manual_seed(n_group * 10 + topk_group)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn_like(router.weight))
+        router.e_score_correction_bias.copy_(torch.randn(16) * 0.5)  # large enough to change choices
+    hidden = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        logits, weights, index = router(hidden)
+    want = np.zeros((14, 16), np.float32)
+    np.put_along_axis(want, index.numpy(), weights.numpy(), axis=-1)
+    got, chosen = route_grouped_sigmoid(jnp.asarray(logits.numpy()), 3,
+                                        correction_bias_N=jnp.asarray(router.e_score_correction_bias.numpy()),
+                                        n_group=n_group, topk_group=topk_group, normalize=normalize, scaling=scaling)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
+    assert (np.asarray(chosen) == (want > 0)).all() and np.asarray(chosen).sum(-1).tolist() == [3] * 14
+    unbiased = np.asarray(jax.lax.top_k(jax.nn.sigmoid(jnp.asarray(logits.numpy())), 3)[1])
+    assert (np.sort(unbiased, -1) != np.sort(index.numpy(), -1)).any()  # the bias did change a choice
