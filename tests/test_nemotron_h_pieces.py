@@ -14,7 +14,6 @@ import pytest
 
 from nvfp4tool.model import mamba
 
-jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _oracle(x, dt, a, b, c, h0):
