@@ -1,0 +1,292 @@
+"""The hybrid Nemotron-H family's config.json facts (HF `model_type: nemotron_h`; reference sheet
+section 12): the kind of every layer, the Mamba-2 and MoE fields, read and written back in the
+source's own spelling, and the parameter count they imply.
+
+    fields = parse_hybrid(hf, "ckpt/config.json")   # HybridFields (NVFP4ToolError naming the key)
+    fields.layer_kinds                               # ("mamba", "mlp", "mamba", "attention", ...)
+    emit_hybrid(fields, out)                         # the same keys, in the source's form
+    parameter_count(hf)                              # (total, active per token)
+
+Layer kinds come from `hybrid_override_pattern` (M Mamba-2, * attention, - MLP, E MoE: what vLLM
+reads) or from `layers_block_type` (linear_attention / full_attention / mlp / moe, and the legacy
+`mamba` / `attention`: what transformers 5.24's save writes); both present must agree. The Mamba
+fields also have legacy aliases (`mamba_n_groups`, `mamba_d_conv`, `mamba_dt_limit`, ...), which
+transformers reads. Written back, each key keeps the name and form the source used: the pattern
+string or the list (its legacy names included), an alias or the plain key, and `time_step_limit`
+as the source spelled it (transformers writes its infinite upper limit as
+`{"__float__": "Infinity"}`).
+
+Status: the `nemotron_h` family (issue 23) is not registered yet; the model's Mamba mixer is
+`model/mamba.py`, the MoE router `model.transformer.route_grouped_sigmoid`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.hf_values import flag, integer, number
+
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer layer kinds
+PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's characters
+BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
+               "mlp": MLP, "moe": MOE}  # layers_block_type's names (mamba / attention: legacy)
+# legacy key -> the key transformers 5.24 reads it as (NemotronHConfig.__post_init__)
+ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
+           "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
+MAMBA_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True}  # NemotronHConfig's
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridExperts:
+    """An E layer's fields: sigmoid router with a correction bias, non-gated relu2 experts."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridFields:
+    """The family's own config fields (`ModelConfig.family_config` once the family is registered)."""
+
+    layer_kinds: tuple[str, ...]
+    mamba_num_heads: int
+    mamba_head_dim: int
+    n_groups: int
+    ssm_state_size: int
+    conv_kernel: int
+    chunk_size: int
+    time_step_limit: tuple[float, float]
+    use_conv_bias: bool
+    use_bias: bool  # in_proj / out_proj biases (transformers reads `use_bias`, not mamba_proj_bias)
+    experts: HybridExperts | None  # None: no E layer
+    # how the source spelled them, for a lossless write-back (not part of the model's identity)
+    hf_layers: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    hf_keys: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)  # plain key -> key used
+    hf_time_step_limit: Any = dataclasses.field(default=None, compare=False)
+
+    @property
+    def mamba_inner(self) -> int:
+        """I = mamba_num_heads x mamba_head_dim."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    def in_proj_rows(self) -> int:
+        """in_proj's output features: z | x | B | C | dt = 2 I + 2 G N + heads."""
+        return 2 * self.mamba_inner + 2 * self.n_groups * self.ssm_state_size + self.mamba_num_heads
+
+
+def layer_kinds(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The kind of each layer, and the layer keys as the source spelled them."""
+    kept = {k: hf[k] for k in ("hybrid_override_pattern", "layers_block_type") if hf.get(k) is not None}
+    if not kept:
+        raise KeyError("hybrid_override_pattern or layers_block_type")
+    found = {}
+    pattern = kept.get("hybrid_override_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str) or not pattern:
+            raise NVFP4ToolError(f"hybrid_override_pattern must be a non-empty string of M * - E, got {pattern!r}")
+        bad = next((i for i, c in enumerate(pattern) if c not in PATTERN), None)
+        if bad is not None:
+            raise NVFP4ToolError(f"hybrid_override_pattern: {pattern[bad]!r} at position {bad} is not a layer "
+                                 f"kind (M Mamba-2, * attention, - MLP, E MoE)")
+        found["hybrid_override_pattern"] = tuple(PATTERN[c] for c in pattern)
+    names = kept.get("layers_block_type")
+    if names is not None:
+        if not isinstance(names, list) or not names:
+            raise NVFP4ToolError(f"layers_block_type must be a non-empty list, got {names!r}")
+        bad = next((i for i, n in enumerate(names) if n not in BLOCK_TYPES), None)
+        if bad is not None:
+            raise NVFP4ToolError(f"layers_block_type[{bad}]: {names[bad]!r} is not one of "
+                                 f"{', '.join(sorted(BLOCK_TYPES))}")
+        found["layers_block_type"] = tuple(BLOCK_TYPES[n] for n in names)
+    kinds = list(found.values())
+    if len(kinds) == 2 and kinds[0] != kinds[1]:
+        raise NVFP4ToolError("hybrid_override_pattern and layers_block_type disagree "
+                             f"({len(kinds[0])} and {len(kinds[1])} layers); give one, or both equal")
+    layers = integer(hf, "num_hidden_layers", None)
+    if layers is not None and layers != len(kinds[0]):
+        raise NVFP4ToolError(f"num_hidden_layers={layers} but the layer kinds list {len(kinds[0])} layers")
+    return kinds[0], kept
+
+
+def _mamba_value(hf: Mapping[str, Any], key: str, read, keys: dict[str, str]) -> Any:
+    """`key` or its legacy alias (both present must agree); records which one the source used."""
+    alias = next((a for a, k in ALIASES.items() if k == key), None)
+    present = [k for k in (key, alias) if k is not None and hf.get(k) is not None]
+    if not present:
+        return MAMBA_DEFAULTS[key]
+    values = [read(hf, k) for k in present]
+    if len(values) == 2 and values[0] != values[1]:
+        raise NVFP4ToolError(f"{key}={hf[key]!r} and its alias {alias}={hf[alias]!r} disagree")
+    keys[key] = present[0]
+    return values[0]
+
+
+def _time_step_limit(hf: Mapping[str, Any], keys: dict[str, str]) -> tuple[tuple[float, float], Any]:
+    key = next((k for k in ("time_step_limit", "mamba_dt_limit") if hf.get(k) is not None), None)
+    if key is None:
+        return (0.0, math.inf), None
+    keys["time_step_limit"] = key
+    raw = hf[key]
+
+    def bound(v: Any) -> float:
+        if isinstance(v, Mapping) and set(v) == {"__float__"} and v["__float__"] in ("Infinity", "inf"):
+            return math.inf  # transformers' JSON form of float("inf")
+        return number({key: v}, key)
+
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+        raise NVFP4ToolError(f"{key} must be [low, high], got {raw!r}")
+    low, high = bound(raw[0]), bound(raw[1])
+    if not (0.0 <= low < high) or math.isnan(high):
+        raise NVFP4ToolError(f"{key} must be [low, high] with 0 <= low < high, got {raw!r}")
+    return (low, high), raw
+
+
+def parse_hybrid(hf: Mapping[str, Any], source: str) -> HybridFields:
+    """The family's fields from config.json `hf` (`source` names the file in errors); a missing
+    required key is KeyError, a bad value NVFP4ToolError naming the key."""
+    try:
+        kinds, layers_keys = layer_kinds(hf)
+        keys: dict[str, str] = {}
+        limit, raw_limit = _time_step_limit(hf, keys)
+        if flag(hf, "tie_word_embeddings"):
+            raise NVFP4ToolError("tie_word_embeddings=true unsupported: NemotronHForCausalLM never ties lm_head "
+                                 "to the embeddings (transformers 5.24), so the model would not be the one declared")
+        for act_key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if hf.get(act_key, want) != want:
+                raise NVFP4ToolError(f"{act_key}={hf[act_key]!r} unsupported; supported: {want}")
+        experts = None
+        if MOE in kinds:
+            latent = integer(hf, "moe_latent_size", None)
+            experts = HybridExperts(
+                n_routed_experts=integer(hf, "n_routed_experts"),
+                num_experts_per_tok=integer(hf, "num_experts_per_tok"),
+                moe_intermediate_size=integer(hf, "moe_intermediate_size"),
+                n_shared_experts=integer(hf, "n_shared_experts", 1),
+                moe_shared_expert_intermediate_size=integer(hf, "moe_shared_expert_intermediate_size"),
+                moe_latent_size=latent, routed_scaling_factor=number(hf, "routed_scaling_factor", 1.0),
+                n_group=integer(hf, "n_group", 1), topk_group=integer(hf, "topk_group", 1),
+                norm_topk_prob=flag(hf, "norm_topk_prob", True))
+        fields = HybridFields(
+            layer_kinds=kinds, mamba_num_heads=integer(hf, "mamba_num_heads"),
+            mamba_head_dim=integer(hf, "mamba_head_dim"),
+            n_groups=_mamba_value(hf, "n_groups", integer, keys), ssm_state_size=integer(hf, "ssm_state_size"),
+            conv_kernel=_mamba_value(hf, "conv_kernel", integer, keys),
+            chunk_size=_mamba_value(hf, "chunk_size", integer, keys), time_step_limit=limit,
+            use_conv_bias=_mamba_value(hf, "use_conv_bias", flag, keys),
+            use_bias=flag(hf, "use_bias"), experts=experts,
+            hf_layers=layers_keys, hf_keys=keys, hf_time_step_limit=raw_limit)
+    except KeyError as missing:
+        raise NVFP4ToolError(f"{source}: nemotron_h needs {missing.args[0]}") from None
+    except NVFP4ToolError as bad:
+        raise NVFP4ToolError(f"{source}: {bad}") from None
+    problems = hybrid_problems(fields)
+    if problems:
+        raise NVFP4ToolError(f"{source}: {problems[0]}")
+    return fields
+
+
+def hybrid_problems(f: HybridFields) -> list[str]:
+    """Combinations the model cannot run (each a sentence naming the keys)."""
+    problems = []
+    positive = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size")
+    problems += [f"{k} must be a positive integer, got {getattr(f, k)!r}" for k in positive if getattr(f, k) < 1]
+    if not problems and f.mamba_num_heads % f.n_groups:
+        problems.append(f"mamba_num_heads={f.mamba_num_heads} is not a multiple of n_groups={f.n_groups} "
+                        "(each group's B and C serve whole heads)")
+    e = f.experts
+    if e is not None:
+        if not 1 <= e.num_experts_per_tok <= e.n_routed_experts:
+            problems.append(f"num_experts_per_tok must be in 1..n_routed_experts={e.n_routed_experts}, "
+                            f"got {e.num_experts_per_tok}")
+        elif e.n_group < 1 or e.n_routed_experts % e.n_group:
+            problems.append(f"n_routed_experts={e.n_routed_experts} is not a multiple of n_group={e.n_group}")
+        elif not 1 <= e.topk_group <= e.n_group:
+            problems.append(f"topk_group must be in 1..n_group={e.n_group}, got {e.topk_group}")
+        elif e.n_group > 1 and e.n_routed_experts // e.n_group < 2:
+            problems.append("grouped routing scores each group by its two best experts: "
+                            f"n_routed_experts / n_group = {e.n_routed_experts // e.n_group} < 2")
+        elif e.num_experts_per_tok > e.topk_group * (e.n_routed_experts // e.n_group):
+            problems.append(f"num_experts_per_tok={e.num_experts_per_tok} exceeds the experts of the "
+                            f"topk_group={e.topk_group} chosen groups")
+        if not (e.routed_scaling_factor > 0 and math.isfinite(e.routed_scaling_factor)):
+            problems.append(f"routed_scaling_factor must be finite and > 0, got {e.routed_scaling_factor}")
+    return problems
+
+
+def emit_hybrid(f: HybridFields, hf: dict[str, Any]) -> None:
+    """Write the fields into config.json's dict `hf` in the source's spelling (see the module
+    docstring); fields the source did not give are written under their plain names."""
+    canonical = {"hybrid_override_pattern": "".join({v: k for k, v in PATTERN.items()}[k] for k in f.layer_kinds),
+                 "layers_block_type": [{MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp",
+                                        MOE: "moe"}[k] for k in f.layer_kinds]}
+    for key, raw in (f.hf_layers or {"hybrid_override_pattern": None}).items():
+        table = PATTERN if key == "hybrid_override_pattern" else BLOCK_TYPES
+        hf[key] = raw if raw is not None and tuple(table[x] for x in raw) == f.layer_kinds else canonical[key]
+    hf.update(mamba_num_heads=f.mamba_num_heads, mamba_head_dim=f.mamba_head_dim, ssm_state_size=f.ssm_state_size,
+              use_bias=f.use_bias)
+    for key in ("n_groups", "conv_kernel", "chunk_size", "use_conv_bias"):
+        hf[f.hf_keys.get(key, key)] = getattr(f, key)
+    limit_key = f.hf_keys.get("time_step_limit", "time_step_limit")
+    raw = f.hf_time_step_limit
+    if raw is not None and _time_step_limit({limit_key: raw}, {})[0] == f.time_step_limit:
+        hf[limit_key] = raw
+    else:
+        hf[limit_key] = [f.time_step_limit[0], {"__float__": "Infinity"} if math.isinf(f.time_step_limit[1])
+                         else f.time_step_limit[1]]
+    if f.experts is not None:
+        hf.update(dataclasses.asdict(f.experts))
+
+
+def parameter_count(hf: Mapping[str, Any], source: str = "config.json") -> tuple[int, int]:
+    """(total, active per token) parameters of the model config.json `hf` describes, as
+    transformers 5.24's NemotronHForCausalLM holds them (multi-token-prediction layers not
+    counted): embeddings, lm_head (never tied), the final norm, and per layer its norm and mixer.
+    Attention and experts have no biases there; MLPs take `mlp_bias`, in_proj / out_proj `use_bias`."""
+    f = parse_hybrid(hf, source)
+    h, v = integer(hf, "hidden_size"), integer(hf, "vocab_size")
+    heads, kv = integer(hf, "num_attention_heads"), integer(hf, "num_key_value_heads", None)
+    kv = heads if kv is None else kv
+    head_dim = integer(hf, "head_dim", None) or integer(hf, "attention_head_dim", None) or h // heads
+    mlp_bias = flag(hf, "mlp_bias")
+    inner, conv = f.mamba_inner, f.mamba_inner + 2 * f.n_groups * f.ssm_state_size
+    total = active = 2 * v * h + h
+
+    def dense(k: int, n: int, bias: bool) -> int:
+        return k * n + (n if bias else 0)
+
+    for kind in f.layer_kinds:
+        own = routed_all = routed_active = 0
+        if kind == MAMBA:
+            own = (dense(h, f.in_proj_rows(), f.use_bias) + conv * f.conv_kernel
+                   + (conv if f.use_conv_bias else 0) + 3 * f.mamba_num_heads + inner
+                   + dense(inner, h, f.use_bias))
+        elif kind == ATTENTION:
+            own = 2 * h * heads * head_dim + 2 * h * kv * head_dim
+        elif kind == MLP:
+            width = integer(hf, "intermediate_size")
+            own = dense(h, width, mlp_bias) + dense(width, h, mlp_bias)
+        else:
+            e = f.experts
+            width = e.moe_latent_size or h
+            expert = 2 * width * e.moe_intermediate_size
+            shared = e.moe_shared_expert_intermediate_size
+            own = (e.n_routed_experts * h + e.n_routed_experts  # router weight, correction bias
+                   + dense(h, shared, mlp_bias) + dense(shared, h, mlp_bias))
+            if e.moe_latent_size:
+                own += dense(h, e.moe_latent_size, mlp_bias) + dense(e.moe_latent_size, h, mlp_bias)
+            routed_all, routed_active = e.n_routed_experts * expert, e.num_experts_per_tok * expert
+        total += h + own + routed_all
+        active += h + own + routed_active
+    return total, active
