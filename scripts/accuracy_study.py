@@ -9,7 +9,8 @@ and compare each, as served, against the BF16 model on held-out text.
    calibration windows come from the START of train.txt (the exports' input scales and GPTQ's
    Hessians).
 3. QAD: fine-tune the BF16 model as an NVFP4 student (every block quantized, 1D weight blocks, as
-   the exports) against itself as the frozen BF16 teacher (pure KL), and export the run with RTN.
+   the exports) against itself as the frozen BF16 teacher (pure KL), and export the run with RTN
+   (`--runs qad`) or with any export method above (`--runs qad+awq+gptq`: the same run, reused).
 4. Validate every export against the pretrained BF16 model on `val.txt`, which neither
    pretraining, calibration nor QAD ever read: KL mean / p99, top-1 agreement, perplexity increase.
 Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_study.png`
@@ -45,7 +46,7 @@ from nvfp4tool.validate.report import KEEP_BF16_TXT  # noqa: E402
 from nvfp4tool.validate.runner import ValidateOptions, validate_export  # noqa: E402
 from nvfp4tool.validate.thresholds import Thresholds  # noqa: E402
 
-# export name -> export flags (the QAD row is exported from its run with RTN)
+# export name -> export flags (the QAD rows: "qad" is its run exported with RTN, "qad+NAME" with NAME's flags)
 EXPORTS = {
     "rtn": ["--scale-search", "rtn"],
     "4over6": ["--scale-search", "4over6"],
@@ -131,11 +132,15 @@ def main() -> None:
     extra: dict[str, dict] = {}  # the auto-precision row's search result
     for name in names:
         folder = out / args.quant / f"export-{name}"
-        if name == QAD:
+        if name == QAD or name.startswith(f"{QAD}+"):
+            method = name[len(QAD) + 1:] or "rtn"
+            if method not in EXPORTS or method == "fp8":
+                methods = ", ".join(m for m in EXPORTS if m != "fp8")
+                raise SystemExit(f"--runs {name}: {QAD}+METHOD takes one of {methods}")
             qad_run = out / f"qad-{args.qad_steps}"
             if not (qad_run / "hf" / "config.json").is_file():  # a finished QAD run is reused
                 timed("qad", lambda: _cli(_qad_command(args, bf16, train_file, qad_run)))
-            source, flags = str(qad_run), ["--weight-block", "1d"]
+            source, flags = str(qad_run), [*EXPORTS[method], "--weight-block", "1d"]
         elif name == AUTO:
             keep_file, extra[name] = timed("sensitivity", lambda: _auto_precision(args, bf16, out, train_file))
             source, flags = bf16, [*EXPORTS[args.auto_from], "--keep-bf16-file", keep_file]
