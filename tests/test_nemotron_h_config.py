@@ -51,6 +51,7 @@ def test_layer_kinds_in_every_spelling_and_written_back_as_given(spelling):
     ({"hybrid_override_pattern": "ME", **MOE, "topk_group": 3}, "topk_group must be in 1..n_group=2"),
     ({"hybrid_override_pattern": "ME", **MOE, "n_group": 3}, "n_routed_experts=8 is not a multiple of n_group=3"),
     ({"hybrid_override_pattern": "ME", **MOE, "num_experts_per_tok": 5}, "exceeds the experts of the topk_group=1"),
+    ({"hybrid_override_pattern": "ME", **MOE, "n_shared_experts": 2}, "n_shared_experts=2 unsupported"),
     ({"hybrid_override_pattern": "ME", **{k: v for k, v in MOE.items() if k != "moe_intermediate_size"}},
      "nemotron_h needs moe_intermediate_size"),
     ({"hybrid_override_pattern": "M-", "mamba_head_dim": None}, "nemotron_h needs mamba_head_dim"),

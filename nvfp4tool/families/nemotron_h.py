@@ -16,6 +16,13 @@ string or the list (its legacy names included), an alias or the plain key, and `
 as the source spelled it (transformers writes its infinite upper limit as
 `{"__float__": "Infinity"}`).
 
+Serving's reading, for the family to follow (vLLM `model_executor/models/nemotron_h.py` at
+00b08dc4): layer classes by `hybrid_override_pattern` character; checkpoint names mapped
+`backbone.` -> `model.`, `embeddings` -> `embed_tokens`, `A_log` -> `A`, `mtp.*` dropped, q/k/v
+stacked into `qkv_proj`; in_proj / out_proj biases from `use_bias`; experts non-gated
+(`up_proj`, `down_proj`), grouped top-k with the sigmoid scores and the correction bias, the shared
+expert `n_shared_experts x moe_shared_expert_intermediate_size` wide.
+
 Status: the `nemotron_h` family (issue 23) is not registered yet; the model's Mamba mixer is
 `model/mamba.py`, the MoE router `model.transformer.route_grouped_sigmoid`.
 """
@@ -220,6 +227,10 @@ def hybrid_problems(f: HybridFields) -> list[str]:
         elif e.num_experts_per_tok > e.topk_group * (e.n_routed_experts // e.n_group):
             problems.append(f"num_experts_per_tok={e.num_experts_per_tok} exceeds the experts of the "
                             f"topk_group={e.topk_group} chosen groups")
+        if e.n_shared_experts != 1:  # the two disagree on what it means, and agree at 1
+            problems.append(f"n_shared_experts={e.n_shared_experts} unsupported; supported: 1 (transformers 5.24 "
+                            "builds one shared MLP moe_shared_expert_intermediate_size wide whatever the count, "
+                            "vLLM one n_shared_experts times as wide, none for 0)")
         if not (e.routed_scaling_factor > 0 and math.isfinite(e.routed_scaling_factor)):
             problems.append(f"routed_scaling_factor must be finite and > 0, got {e.routed_scaling_factor}")
     return problems
