@@ -190,3 +190,42 @@ def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normali
     assert (np.asarray(chosen) == (want > 0)).all() and np.asarray(chosen).sum(-1).tolist() == [3] * 14
     unbiased = np.asarray(jax.lax.top_k(jax.nn.sigmoid(jnp.asarray(logits.numpy())), 3)[1])
     assert (np.sort(unbiased, -1) != np.sort(index.numpy(), -1)).any()  # the bias did change a choice
+
+
+def test_the_flax_mixer_on_the_linear_seam_equals_transformers():
+    """`Mamba2Mixer` with transformers' parameters loaded under their HF names: in_proj and out_proj
+    go through the seam (every call recorded), the output equals NemotronHMamba2Mixer's."""
+    torch = pytest.importorskip("torch")
+    from flax import nnx
+
+    from nvfp4tool.model.linear import Seam
+
+    module = _torch_mixer(7)
+    _, shape, _, _ = _ours(module)
+    ours = mamba.Mamba2Mixer(SHAPE["hidden_size"], shape, prefix="model.layers.0.mixer", use_bias=False,
+                             conv_bias=True, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    state = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    assert set(state) == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                          "out_proj.weight"}
+    for name, value in state.items():
+        target = ours
+        *path, leaf = name.split(".")
+        for attr in path:
+            target = getattr(target, attr)
+        assert getattr(target, leaf)[...].shape == value.shape, name
+        getattr(target, leaf).set_value(jnp.asarray(value))
+    seen = []
+
+    def linear(x, w, b, *, name):
+        seen.append(name)
+        return x @ w.T
+
+    hidden = np.random.default_rng(7).standard_normal((2, 9, SHAPE["hidden_size"])).astype(np.float32)
+    mask = np.ones((2, 9), np.float32)
+    mask[0, :3] = 0.0
+    with torch.no_grad():
+        want = module(torch.from_numpy(hidden), attention_mask=torch.from_numpy(mask)).numpy()
+    got, _, _ = ours(jnp.asarray(hidden), Seam.of(linear), mask_BxT=jnp.asarray(mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-5)
+    assert seen == ["model.layers.0.mixer.in_proj", "model.layers.0.mixer.out_proj"]

@@ -5,6 +5,8 @@ linears: `in_proj`'s output in, `out_proj`'s input out, so both linears stay on 
     shape = MambaShape(heads=8, head_dim=16, groups=2, state=16, conv_kernel=4, chunk=128)
     y_BxTxI, state = mixer(zxbcdt_BxTxF, params, shape, mask_BxT=mask)     # prefill / full sequence
     y_Bx1xI, state = mixer(zxbcdt_Bx1xF, params, shape, state=state)       # one decode step
+    block = Mamba2Mixer(hidden, shape, prefix="model.layers.0.mixer", ...)   # the Flax module
+    y_BxTxE, state, side = block(x_BxTxE, seam, mask_BxT=mask)              # in_proj, mixer, out_proj
 
 `in_proj`'s rows split z | x | B | C | dt (I = heads x head_dim, G groups of N state channels):
 F = I + (I + 2 G N) + heads. x | B | C go through the depthwise causal conv1d (+ bias) and SiLU;
@@ -43,6 +45,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from nvfp4tool.model.linear import Seam, Side, merged
+from nvfp4tool.model.transformer import Linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,3 +235,51 @@ def mixer(zxbcdt_BxTxF: jax.Array, params: dict[str, jax.Array], shape: MambaSha
     y = y + params["D"].astype(jnp.float32)[:, None] * x
     out = gated_rms_norm(y.reshape(bsz, t, i), z, params["norm_weight"], shape.groups, shape.eps)
     return out.astype(dtype), MambaState(conv_past, ssm)
+
+
+class _Conv1d(nnx.Module):
+    """The depthwise conv's parameters as HF stores them: weight [C, 1, K], bias [C]."""
+
+    def __init__(self, channels: int, kernel: int, *, bias: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        bound = 1.0 / math.sqrt(kernel)  # PyTorch's Conv1d default for one input channel per group
+        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (channels, 1, kernel), param_dtype, -bound, bound))
+        self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if bias else None
+
+
+class _GatedNorm(nnx.Module):
+    def __init__(self, dim: int, *, param_dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+
+class Mamba2Mixer(nnx.Module):
+    """A Mamba layer's mixer with its HF attributes (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
+    `norm`, `out_proj`, under `prefix`): in_proj and out_proj through the linear seam (the only
+    GEMMs a recipe quantizes), the rest in fp32 as `mixer`. The initial values are transformers'
+    (A = 1..heads, D = 1, dt_bias = 1); the parameters of a loaded checkpoint replace them."""
+
+    def __init__(self, hidden: int, shape: MambaShape, *, prefix: str, use_bias: bool, conv_bias: bool,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.shape = shape
+        self.in_proj = Linear(hidden, shape.in_proj_rows, bias=use_bias, name=f"{prefix}.in_proj",
+                              param_dtype=param_dtype, rngs=rngs)
+        self.conv1d = _Conv1d(shape.conv_dim, shape.conv_kernel, bias=conv_bias, param_dtype=param_dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((shape.heads,), param_dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, shape.heads + 1, dtype=jnp.float32)).astype(param_dtype))
+        self.D = nnx.Param(jnp.ones((shape.heads,), param_dtype))
+        self.norm = _GatedNorm(shape.inner, param_dtype=param_dtype)
+        self.out_proj = Linear(shape.inner, hidden, bias=use_bias, name=f"{prefix}.out_proj",
+                               param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BxTxE: jax.Array, seam: Seam, *, mask_BxT: jax.Array | None = None,
+                 state: MambaState | None = None) -> tuple[jax.Array, MambaState, Side]:
+        """(y [B, T, E] in x's dtype, the decode state after the last position, the seam's records)."""
+        if mask_BxT is not None:
+            x_BxTxE = x_BxTxE * mask_BxT[..., None].astype(x_BxTxE.dtype)
+        zxbcdt, in_side = self.in_proj(x_BxTxE, seam)
+        params = {"conv1d_weight": self.conv1d.weight[...][:, 0, :], "dt_bias": self.dt_bias[...],
+                  "A_log": self.A_log[...], "D": self.D[...], "norm_weight": self.norm.weight[...]}
+        if self.conv1d.bias is not None:
+            params["conv1d_bias"] = self.conv1d.bias[...]
+        y, state = mixer(zxbcdt, params, self.shape, mask_BxT=mask_BxT, state=state, dtype=x_BxTxE.dtype)
+        out, out_side = self.out_proj(y, seam)
+        return out, state, merged(in_side, out_side)
