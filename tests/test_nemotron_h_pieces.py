@@ -1,9 +1,12 @@
-"""The pieces of the hybrid Nemotron-H family that are not linears, against transformers 5.24:
-nvfp4tool.model.mamba (the Mamba-2 mixer): the chunked SSD scan against a float64 numpy recurrence
-and against the step-by-step recurrence; the whole mixer (with in_proj and out_proj as plain GEMMs
-around it) against `NemotronHMamba2Mixer`'s PyTorch path in fp32, left padding included; decode
-from a prefill's state equal to recomputation. The grouped sigmoid MoE router
-(`model.transformer.route_grouped_sigmoid`) against `NemotronHTopkRouter`."""
+"""The pieces of the hybrid Nemotron-H family, against transformers 5.24 in fp32.
+
+model/mamba.py: the chunked SSD scan against a float64 numpy recurrence and the step-by-step
+recurrence; the mixer (in_proj and out_proj as plain GEMMs around it) against
+`NemotronHMamba2Mixer`'s PyTorch path, left padding included; decode from a prefill's state equal
+to recomputation; the Flax `Mamba2Mixer` on the linear seam with transformers' parameters.
+model/transformer.py's `route_grouped_sigmoid` against `NemotronHTopkRouter`; model/hybrid.py's
+relu2 MLP, norm and MoE mixer (latent, shared expert, grouped routing) against NemotronHMLP,
+NemotronHRMSNorm and NemotronHMoE."""
 
 from __future__ import annotations
 
@@ -229,3 +232,74 @@ def test_the_flax_mixer_on_the_linear_seam_equals_transformers():
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-5)
     assert seen == ["model.layers.0.mixer.in_proj", "model.layers.0.mixer.out_proj"]
+
+
+def _load(ours, state: dict) -> None:
+    """Set `ours`' parameters from a transformers state dict under HF's names (experts stored 3D
+    there, [E, out, in], are each expert's `experts.{e}.<proj>.weight` here, as on disk)."""
+    flat = {}
+    for name, value in state.items():
+        if name in ("experts.up_proj", "experts.down_proj"):
+            proj = name.split(".")[1]
+            flat.update({f"experts.{e}.{proj}.weight": value[e] for e in range(value.shape[0])})
+        else:
+            flat[name] = value
+    for name, value in flat.items():
+        target = ours
+        *path, leaf = name.split(".")
+        for attr in path:
+            target = target[int(attr)] if attr.isdigit() else getattr(target, attr)
+        assert getattr(target, leaf)[...].shape == value.shape, name
+        getattr(target, leaf).set_value(jnp.asarray(value))
+
+
+@pytest.mark.parametrize("latent, n_group", [(None, 1), (16, 2)])
+def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
+    """fp32: the relu2 MLP, the norm (weight multiplied in fp32) and the MoE mixer (grouped
+    routing, correction bias, latent projections, shared expert), parameters loaded by HF name."""
+    torch = pytest.importorskip("torch")
+    from flax import nnx
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMLP, NemotronHMoE, NemotronHRMSNorm
+
+    from nvfp4tool.families.nemotron_h import parse_hybrid
+    from nvfp4tool.model import hybrid
+    from nvfp4tool.model.linear import Seam
+
+    hf = dict(hidden_size=24, intermediate_size=40, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=12,
+              n_shared_experts=1, moe_shared_expert_intermediate_size=20, moe_latent_size=latent, n_group=n_group,
+              topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True, mlp_bias=False,
+              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=5, n_groups=2)
+    config = NemotronHConfig(**hf, hybrid_override_pattern="E-", vocab_size=32)
+    experts = parse_hybrid({**hf, "hybrid_override_pattern": "E-"}, "config.json").experts
+    torch.manual_seed(n_group)
+    torch_moe, torch_mlp = NemotronHMoE(config, layer_idx=0).float(), NemotronHMLP(config).float()
+    torch_norm = NemotronHRMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        for module in (torch_moe, torch_mlp, torch_norm):
+            for p in module.parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        torch_moe.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.3)
+    rngs = nnx.Rngs(0)
+    moe = hybrid.HybridMoE(24, experts, prefix="model.layers.0.mixer", mlp_bias=False, param_dtype=jnp.float32,
+                           rngs=rngs)
+    mlp = hybrid.ReLU2MLP(24, 40, prefix="model.layers.1.mixer", bias=False, param_dtype=jnp.float32, rngs=rngs)
+    norm = hybrid.HybridRMSNorm(24, eps=1e-5, param_dtype=jnp.float32)
+    for ours, theirs in ((moe, torch_moe), (mlp, torch_mlp), (norm, torch_norm)):
+        _load(ours, {k: v.detach().numpy() for k, v in theirs.state_dict().items()})
+    x = np.random.default_rng(n_group).standard_normal((2, 5, 24)).astype(np.float32)
+    seen = []
+
+    def linear(x, w, b, *, name):
+        seen.append(name)
+        return x @ w.T + (0 if b is None else b)
+
+    seam = Seam.of(linear)
+    with torch.no_grad():
+        want = [m(torch.from_numpy(x)).numpy() for m in (torch_moe, torch_mlp, torch_norm)]
+    got = [np.asarray(moe(jnp.asarray(x), seam)[0]), np.asarray(mlp(jnp.asarray(x), seam)[0]),
+           np.asarray(norm(jnp.asarray(x)))]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert "model.layers.0.mixer.experts.7.down_proj" in seen and "model.layers.0.mixer.gate" in seen
+    assert ("model.layers.0.mixer.fc1_latent_proj" in seen) == (latent is not None)

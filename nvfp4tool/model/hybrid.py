@@ -1,0 +1,105 @@
+"""The other mixers of the hybrid Nemotron-H family (reference sheet section 12), as Flax modules
+with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
+
+    norm = HybridRMSNorm(E, eps=1e-5, param_dtype=...)          # the weight multiplied in fp32
+    mlp = ReLU2MLP(E, F, prefix="model.layers.1.mixer", ...)      # down(relu(up(x))^2), no gate
+    moe = HybridMoE(E, experts, prefix="model.layers.4.mixer", ...)
+    y_BxTxE, side = moe(x_BxTxE, seam)
+
+Every linear goes through the linear seam under its HF name (`up_proj`, `down_proj`,
+`experts.{e}.up_proj`, `shared_experts.down_proj`, `fc1_latent_proj`, ...), so recipes, exports and
+calibration treat them as any other. The MoE router (`gate.weight` [N, E] and
+`gate.e_score_correction_bias` [N], both FP32 in the checkpoints) runs in fp32 through the seam
+(its logits recorded under its name, as `transformer.SparseMoE`'s); `route_grouped_sigmoid`
+chooses the experts; the routed experts (non-gated relu2, optionally between `fc1_latent_proj` and
+`fc2_latent_proj`) compute densely with the rows of tokens not routed to them zeroed, as
+SparseMoE's; their weighted sum in fp32 is cast to the input dtype before the latent up-projection,
+then the shared expert's output on the block input is added (transformers 5.24's order).
+
+Status: for the `nemotron_h` family (issue 23), not registered yet: no command builds these today.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nvfp4tool.model.linear import Seam, Side, merged
+from nvfp4tool.model.transformer import Linear, route_grouped_sigmoid
+
+
+class HybridRMSNorm(nnx.Module):
+    """x / sqrt(mean(x^2) + eps) * weight with the weight multiplied in fp32 and only the product
+    cast to the input dtype (NemotronHRMSNorm; Llama's RMSNorm casts first)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+
+
+class ReLU2MLP(nnx.Module):
+    """down(relu(up(x))^2): a `-` layer's mixer, each routed expert, the shared expert."""
+
+    def __init__(self, dim: int, width: int, *, prefix: str, bias: bool, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        self.up_proj = Linear(dim, width, bias=bias, name=f"{prefix}.up_proj", param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = Linear(width, dim, bias=bias, name=f"{prefix}.down_proj", param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
+        u, up_side = self.up_proj(x, seam)
+        r = jax.nn.relu(u)
+        y, down_side = self.down_proj(r * r, seam)
+        return y, merged(up_side, down_side)
+
+
+class HybridMoE(nnx.Module):
+    """An `E` layer's mixer (see the module docstring). `experts`: the family's HybridExperts."""
+
+    def __init__(self, dim: int, experts, *, prefix: str, mlp_bias: bool, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        n, width = experts.n_routed_experts, experts.moe_latent_size or dim
+        self.gate = Linear(dim, n, bias=False, name=f"{prefix}.gate", param_dtype=jnp.float32, rngs=rngs)
+        self.gate.e_score_correction_bias = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.experts = nnx.List([
+            ReLU2MLP(width, experts.moe_intermediate_size, prefix=f"{prefix}.experts.{e}", bias=False,
+                     param_dtype=param_dtype, rngs=rngs) for e in range(n)])
+        self.shared_experts = ReLU2MLP(dim, experts.moe_shared_expert_intermediate_size,
+                                       prefix=f"{prefix}.shared_experts", bias=mlp_bias, param_dtype=param_dtype,
+                                       rngs=rngs)
+        latent = experts.moe_latent_size is not None
+        self.fc1_latent_proj = Linear(dim, width, bias=mlp_bias, name=f"{prefix}.fc1_latent_proj",
+                                      param_dtype=param_dtype, rngs=rngs) if latent else None
+        self.fc2_latent_proj = Linear(width, dim, bias=mlp_bias, name=f"{prefix}.fc2_latent_proj",
+                                      param_dtype=param_dtype, rngs=rngs) if latent else None
+        self.routing = experts
+
+    def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
+        """(the output, side results: every linear's records, the router's logits under its name)."""
+        r = self.routing
+        logits_BxTxN, router_side = self.gate(x_BxTxE.astype(jnp.float32), seam)
+        weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
+            logits_BxTxN, r.num_experts_per_tok, correction_bias_N=self.gate.e_score_correction_bias[...],
+            n_group=r.n_group, topk_group=r.topk_group, normalize=r.norm_topk_prob, scaling=r.routed_scaling_factor)
+        sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
+        h_BxTxL = x_BxTxE
+        if self.fc1_latent_proj is not None:
+            h_BxTxL, side = self.fc1_latent_proj(x_BxTxE, seam)
+            sides.append(side)
+        out_BxTxL = jnp.zeros(h_BxTxL.shape, jnp.float32)
+        for e, expert in enumerate(self.experts):
+            routed = h_BxTxL if seam.all_experts else jnp.where(chosen_BxTxN[..., e:e + 1], h_BxTxL, 0)
+            y, side = expert(routed, seam)
+            out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e:e + 1]
+            sides.append(side)
+        out = out_BxTxL.astype(x_BxTxE.dtype)
+        if self.fc2_latent_proj is not None:
+            out, side = self.fc2_latent_proj(out, seam)
+            sides.append(side)
+        shared, side = self.shared_experts(x_BxTxE, seam)
+        return out + shared, merged(*sides, side)
