@@ -5,8 +5,8 @@ recurrence; the mixer (in_proj and out_proj as plain GEMMs around it) against
 `NemotronHMamba2Mixer`'s PyTorch path, left padding included; decode from a prefill's state equal
 to recomputation; the Flax `Mamba2Mixer` on the linear seam with transformers' parameters.
 model/transformer.py's `route_grouped_sigmoid` against `NemotronHTopkRouter`; model/hybrid.py's
-relu2 MLP, norm and MoE mixer (latent, shared expert, grouped routing) against NemotronHMLP,
-NemotronHRMSNorm and NemotronHMoE."""
+relu2 MLP and MoE mixer (latent, shared expert, grouped routing) and `RMSNorm(scale_in_fp32=True)`
+against NemotronHMLP, NemotronHMoE and NemotronHRMSNorm."""
 
 from __future__ import annotations
 
@@ -265,6 +265,7 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
     from nvfp4tool.families.nemotron_h import parse_hybrid
     from nvfp4tool.model import hybrid
     from nvfp4tool.model.linear import Seam
+    from nvfp4tool.model.transformer import RMSNorm
 
     hf = dict(hidden_size=24, intermediate_size=40, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=12,
               n_shared_experts=1, moe_shared_expert_intermediate_size=20, moe_latent_size=latent, n_group=n_group,
@@ -284,7 +285,7 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
     moe = hybrid.HybridMoE(24, experts, prefix="model.layers.0.mixer", mlp_bias=False, param_dtype=jnp.float32,
                            rngs=rngs)
     mlp = hybrid.ReLU2MLP(24, 40, prefix="model.layers.1.mixer", bias=False, param_dtype=jnp.float32, rngs=rngs)
-    norm = hybrid.HybridRMSNorm(24, eps=1e-5, param_dtype=jnp.float32)
+    norm = RMSNorm(24, eps=1e-5, param_dtype=jnp.float32, scale_in_fp32=True)
     for ours, theirs in ((moe, torch_moe), (mlp, torch_mlp), (norm, torch_norm)):
         _load(ours, {k: v.detach().numpy() for k, v in theirs.state_dict().items()})
     x = np.random.default_rng(n_group).standard_normal((2, 5, 24)).astype(np.float32)

@@ -41,6 +41,14 @@ MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer 
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's characters
 BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                "mlp": MLP, "moe": MOE}  # layers_block_type's names (mamba / attention: legacy)
+# the two spellings of the layer kinds: (container, table, what it must be, the error for a bad entry)
+LAYER_KEYS = {
+    "hybrid_override_pattern": (str, PATTERN, "a non-empty string of M * - E",
+                                "{key}: {v!r} at position {i} is not a layer kind "
+                                "(M Mamba-2, * attention, - MLP, E MoE)"),
+    "layers_block_type": (list, BLOCK_TYPES, "a non-empty list",
+                          "{key}[{i}]: {v!r} is not one of " + ", ".join(sorted(BLOCK_TYPES))),
+}
 # legacy key -> the key transformers 5.24 reads it as (NemotronHConfig.__post_init__)
 ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
            "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
@@ -99,24 +107,14 @@ def layer_kinds(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]
     if not kept:
         raise KeyError("hybrid_override_pattern or layers_block_type")
     found = {}
-    pattern = kept.get("hybrid_override_pattern")
-    if pattern is not None:
-        if not isinstance(pattern, str) or not pattern:
-            raise NVFP4ToolError(f"hybrid_override_pattern must be a non-empty string of M * - E, got {pattern!r}")
-        bad = next((i for i, c in enumerate(pattern) if c not in PATTERN), None)
+    for key, raw in kept.items():
+        container, table, what, bad_text = LAYER_KEYS[key]
+        if not isinstance(raw, container) or not raw:
+            raise NVFP4ToolError(f"{key} must be {what}, got {raw!r}")
+        bad = next((i for i, v in enumerate(raw) if not isinstance(v, str) or v not in table), None)
         if bad is not None:
-            raise NVFP4ToolError(f"hybrid_override_pattern: {pattern[bad]!r} at position {bad} is not a layer "
-                                 f"kind (M Mamba-2, * attention, - MLP, E MoE)")
-        found["hybrid_override_pattern"] = tuple(PATTERN[c] for c in pattern)
-    names = kept.get("layers_block_type")
-    if names is not None:
-        if not isinstance(names, list) or not names:
-            raise NVFP4ToolError(f"layers_block_type must be a non-empty list, got {names!r}")
-        bad = next((i for i, n in enumerate(names) if n not in BLOCK_TYPES), None)
-        if bad is not None:
-            raise NVFP4ToolError(f"layers_block_type[{bad}]: {names[bad]!r} is not one of "
-                                 f"{', '.join(sorted(BLOCK_TYPES))}")
-        found["layers_block_type"] = tuple(BLOCK_TYPES[n] for n in names)
+            raise NVFP4ToolError(bad_text.format(key=key, i=bad, v=raw[bad]))
+        found[key] = tuple(table[v] for v in raw)
     kinds = list(found.values())
     if len(kinds) == 2 and kinds[0] != kinds[1]:
         raise NVFP4ToolError("hybrid_override_pattern and layers_block_type disagree "
@@ -243,7 +241,7 @@ def emit_hybrid(f: HybridFields, hf: dict[str, Any]) -> None:
                  "layers_block_type": [{MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp",
                                         MOE: "moe"}[k] for k in f.layer_kinds]}
     for key, raw in (f.hf_layers or {"hybrid_override_pattern": None}).items():
-        table = PATTERN if key == "hybrid_override_pattern" else BLOCK_TYPES
+        table = LAYER_KEYS[key][1]
         hf[key] = raw if raw is not None and tuple(table[x] for x in raw) == f.layer_kinds else canonical[key]
     hf.update(mamba_num_heads=f.mamba_num_heads, mamba_head_dim=f.mamba_head_dim, ssm_state_size=f.ssm_state_size,
               use_bias=f.use_bias)

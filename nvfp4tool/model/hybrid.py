@@ -1,7 +1,7 @@
 """The other mixers of the hybrid Nemotron-H family (reference sheet section 12), as Flax modules
 with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
 
-    norm = HybridRMSNorm(E, eps=1e-5, param_dtype=...)          # the weight multiplied in fp32
+    norm = RMSNorm(E, eps=1e-5, param_dtype=..., scale_in_fp32=True)   # model/transformer.py's, as NemotronH's
     mlp = ReLU2MLP(E, F, prefix="model.layers.1.mixer", ...)      # down(relu(up(x))^2), no gate
     moe = HybridMoE(E, experts, prefix="model.layers.4.mixer", ...)
     y_BxTxE, side = moe(x_BxTxE, seam)
@@ -27,20 +27,6 @@ from flax import nnx
 
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.transformer import Linear, route_grouped_sigmoid
-
-
-class HybridRMSNorm(nnx.Module):
-    """x / sqrt(mean(x^2) + eps) * weight with the weight multiplied in fp32 and only the product
-    cast to the input dtype (NemotronHRMSNorm; Llama's RMSNorm casts first)."""
-
-    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
 
 
 class ReLU2MLP(nnx.Module):

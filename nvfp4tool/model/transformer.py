@@ -82,15 +82,20 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32, scaled in the input dtype (as HF)."""
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32, scaled in the input dtype (as HF's
+    Llama), or with `scale_in_fp32` the weight multiplied in fp32 and only the product cast
+    (Nemotron-H's NemotronHRMSNorm)."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype) -> None:
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, scale_in_fp32: bool = False) -> None:
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.scale_in_fp32:
+            return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
         return (self.weight[...].astype(x.dtype) * normed.astype(x.dtype)).astype(x.dtype)
 
 
