@@ -9,8 +9,8 @@ scripts and benchmarks only (CI never downloads it).
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 
 def smollm2_folder(out_dir: str) -> str:
@@ -36,4 +36,6 @@ def smollm2_folder(out_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    print(smollm2_folder(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", help="the HF folder to write (kept when it already holds a config.json)")
+    print(smollm2_folder(parser.parse_args().out_dir))
