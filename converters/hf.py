@@ -129,7 +129,7 @@ class HFFolderSource:
         self.config: ModelConfig | None = ModelConfig.from_hf_folder(self._path) if check_config else None
         self._entries = self._read_headers()
         if self.config is not None:
-            self._entries = _unfuse_experts(self._entries, self.config, self._path)
+            self._entries = _our_names(_unfuse_experts(self._entries, self.config, self._path), self.config)
             # Tolerated and dropped: a tied lm_head.weight some exports keep, and the RoPE buffer
             # `rotary_emb.inv_freq` older conversions stored (we recompute it from the config).
             ignore = tuple(n for n in self._entries if n.endswith(".rotary_emb.inv_freq"))
@@ -227,14 +227,16 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
 
     file_names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    stored = {n: config.family_spec.checkpoint_name(n) for n in names}  # the checkpoint's names
+    ours = {s: n for n, s in stored.items()}
     with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         for file_name, shard in zip(file_names, shards):
             write_safetensors(os.path.join(tmp_dir, file_name),
-                              [(n, out_dtypes[n], expected[n]) for n in shard], cast,
+                              [(stored[n], out_dtypes[n], expected[n]) for n in shard], lambda s: cast(ours[s]),
                               source_label=source.path)
         if len(shards) > 1:
             total = sum(_nbytes(out_dtypes[n], expected[n]) for n in names)
-            weight_map = {n: f for f, shard in zip(file_names, shards) for n in shard}
+            weight_map = {stored[n]: f for f, shard in zip(file_names, shards) for n in shard}
             _write_json(os.path.join(tmp_dir, INDEX_FILE),
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(os.path.join(tmp_dir, "config.json"), out_config.to_hf_config())
@@ -408,6 +410,18 @@ def _read_sharded(index_path: str) -> dict[str, TensorEntry]:
                                  f"{INDEX_FILE} says it is")
         entries[name] = shard_headers[shard_name][name]
     return entries
+
+
+def _our_names(entries: dict[str, TensorEntry], config: ModelConfig) -> dict[str, TensorEntry]:
+    """`entries` under our module paths: a family whose checkpoints name tensors otherwise
+    (`Family.checkpoint_name`: nemotron_h's `backbone.*`) is renamed here, each entry keeping its
+    stored name for reading and messages."""
+    out = dict(entries)
+    for name in config.expected_tensor_shapes():
+        stored = config.family_spec.checkpoint_name(name)
+        if stored != name and stored in out and name not in out:
+            out[name] = dataclasses.replace(out.pop(stored), name=name, stored=stored)
+    return out
 
 
 def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig,

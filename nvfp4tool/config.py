@@ -132,11 +132,14 @@ class ModelConfig:
     def from_hf_config(cls, hf: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Build from a parsed HF config.json (transformers 4.x or 5.x style); `source` names it in errors."""
         family = _family_of(hf, source)
-        _reject_unsupported_options(hf, source)
+        spec = get_family(family)
+        _reject_unsupported_options(hf, source, spec)
         try:
             num_heads = _integer(hf, "num_attention_heads")
             hidden_size = _integer(hf, "hidden_size")
-            rope_theta, rope_scaling = _rope_from_hf(hf, source)
+            rope_theta, rope_scaling = _rope_from_hf(hf, source) if spec.positional == "rope" else (10000.0, None)
+            family_fields = dict(spec.parse(hf, source))
+            num_layers = family_fields.pop("num_layers", None) or _integer(hf, "num_hidden_layers")
             eos = hf.get("eos_token_id")
             if isinstance(eos, list):
                 eos = tuple(_integer({"eos_token_id": e}, "eos_token_id") for e in eos)
@@ -147,11 +150,11 @@ class ModelConfig:
                 vocab_size=_integer(hf, "vocab_size"),
                 hidden_size=hidden_size,
                 intermediate_size=_integer(hf, "intermediate_size"),
-                num_layers=_integer(hf, "num_hidden_layers"),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=_default(_integer(hf, "num_key_value_heads", None), num_heads),
                 head_dim=_default(_integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)),
-                rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+                rms_norm_eps=_number(hf, spec.norm_eps_key, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=_integer(hf, "max_position_embeddings", 2048),
@@ -160,10 +163,11 @@ class ModelConfig:
                 bos_token_id=_integer(hf, "bos_token_id", None),
                 eos_token_id=eos,
                 pad_token_id=_integer(hf, "pad_token_id", None),
-                **get_family(family).parse(hf, source),
+                **family_fields,
                 hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
                 else "transformers4",
-                hf_extra={k: v for k, v in hf.items() if k not in _MODELED_KEYS},
+                hf_extra={k: v for k, v in hf.items()
+                          if k not in _MODELED_KEYS or k in spec.common_keys_not_modeled},
             )
         except KeyError as missing:
             raise NVFP4ToolError(f"{source}: missing required key {missing.args[0]!r}") from None
@@ -184,7 +188,7 @@ class ModelConfig:
         """The config.json dict: unknown source keys kept, modeled keys written from our fields,
         RoPE and dtype spelled in the source's style (`hf_config_style`)."""
         hf: dict[str, Any] = dict(self.hf_extra)
-        hf.update({
+        common = {
             "architectures": [self.family_spec.architecture],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
@@ -194,8 +198,8 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.family_spec.hidden_act,
+            self.family_spec.norm_eps_key: self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype" if self.hf_config_style == "transformers5" else "torch_dtype": self.dtype,
@@ -203,8 +207,13 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
-        })
+        }
+        for key in self.family_spec.common_keys_not_modeled:  # kept in hf_extra as the source had them
+            common.pop(key, None)
+        hf.update(common)
         self.family_spec.emit(self, hf)
+        if self.family_spec.positional != "rope":
+            return hf
         scaling = None if self.rope_scaling is None else {
             "rope_type": "llama3",
             "factor": self.rope_scaling.factor,
@@ -336,7 +345,9 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
     return model_type
 
 
-def _reject_unsupported_options(hf: Mapping[str, Any], source: str) -> None:
+def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Family) -> None:
+    if family.positional != "rope":
+        return  # a hybrid's options are its family's (`Family.parse`)
     if hf.get("hidden_act", "silu") != "silu":
         raise NVFP4ToolError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; supported: silu")
     if hf.get("mlp_bias"):

@@ -18,7 +18,8 @@ from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo
 from test_model import CONFIGS, batch, build
 
-from nvfp4tool.model import attention, forward, transformer
+from nvfp4tool.model import attention, forward
+from nvfp4tool.model import layers as model_layers
 from nvfp4tool.model.attention import AttentionMask, attend, attention_allowed, attention_implementation
 
 
@@ -110,7 +111,7 @@ def test_unpadded_rows_take_the_causal_mask_with_the_same_logits(key, compute_dt
         kinds.append(mask.kind)
         return attend(q, k, v, mask)
 
-    monkeypatch.setattr(transformer, "attend", recording)
+    monkeypatch.setattr(model_layers, "attend", recording)
     model = build(key, compute_dtype=compute_dtype)
     ids, _ = batch()
     structured = np.asarray(forward(model, ids))

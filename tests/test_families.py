@@ -140,7 +140,8 @@ def test_a_layer_kind_without_a_block_is_refused_in_one_line(monkeypatch):
     from nvfp4tool.model import CausalLM
 
     _, config, _ = _tables("llama3")
-    monkeypatch.setattr(type(config.family_spec), "layer_kind", lambda self, config, layer: "mamba")
-    with pytest.raises(NVFP4ToolError, match=r"llama: layer kind 'mamba' has no block in the model \(kinds with "
-                                             r"blocks: attention\+mlp, attention\+moe\)"):
+    monkeypatch.setattr(type(config.family_spec), "layer_kind", lambda self, config, layer: "retention")
+    with pytest.raises(NVFP4ToolError, match=r"llama: layer kind 'retention' has no block in the model \(kinds "
+                                             r"with blocks: attention\+mlp, attention\+moe, mamba, attention, "
+                                             r"mlp, moe\)"):
         CausalLM(config)

@@ -139,7 +139,7 @@ def test_fixture_folders_have_the_expected_files(hf_tiny_models):
 def test_moe_fixture_leaves_an_expert_without_tokens(key, hf_tiny_models):
     """The parity batch routes no token to the last expert of any sparse layer (the case the
     users' uncalibrated-expert failures come from), and routes to several others."""
-    from nvfp4tool.model.transformer import route
+    from nvfp4tool.model.layers import route
 
     source = HFFolderSource(hf_tiny_models[key])
     config = source.config

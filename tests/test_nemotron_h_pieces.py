@@ -171,7 +171,7 @@ def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normali
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
 
-    from nvfp4tool.model.transformer import route_grouped_sigmoid
+    from nvfp4tool.model.layers import route_grouped_sigmoid
 
     config = NemotronHConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=n_group,
                              topk_group=topk_group, norm_topk_prob=normalize, routed_scaling_factor=scaling,
@@ -265,7 +265,7 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
     from nvfp4tool.families.nemotron_h import parse_hybrid
     from nvfp4tool.model import hybrid
     from nvfp4tool.model.linear import Seam
-    from nvfp4tool.model.transformer import RMSNorm
+    from nvfp4tool.model.layers import RMSNorm
 
     hf = dict(hidden_size=24, intermediate_size=40, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=12,
               n_shared_experts=1, moe_shared_expert_intermediate_size=20, moe_latent_size=latent, n_group=n_group,

@@ -42,7 +42,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import is_router
 from nvfp4tool.model.layerwise import LayerwiseModel
-from nvfp4tool.model.transformer import route
+from nvfp4tool.model.layers import route
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE

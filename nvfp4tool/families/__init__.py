@@ -5,7 +5,8 @@
     table["model.layers.0.self_attn.k_proj"].group   # "model.layers.0.self_attn.qkv"
     fused_group("model.layers.3.mlp.up_proj")  # the same fact from a name alone (no config at hand)
 
-Families: `llama.py` (llama, mistral, qwen2, qwen3) and `moe.py` (qwen3_moe, mixtral); see
+Families: `llama.py` (llama, mistral, qwen2, qwen3), `moe.py` (qwen3_moe, mixtral) and
+`nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h); see
 `base.py` for what a family declares and the README's "Code layout" for adding one.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import llama, moe
+from nvfp4tool.families import llama, moe, nemotron_h
 from nvfp4tool.families.base import (
     ATTENTION,
     ATTENTION_MLP,
@@ -48,7 +49,7 @@ __all__ = [
     "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
 ]
 
-REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES)}
+REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
 SUPPORTED_FAMILIES = tuple(REGISTRY)
 MOE_FAMILIES = tuple(t for t, f in REGISTRY.items() if isinstance(f, moe.SparseDecoder))
 MAXTEXT_FAMILIES = tuple(t for t, f in REGISTRY.items() if f.maxtext_rules is not None)

@@ -197,10 +197,20 @@ class Family:
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
     config_type: type | None = None  # the frozen dataclass of its own fields (ModelConfig.family_config)
+    positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
+    norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
+    norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
+    hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
+    common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
         return {}
+
+    def checkpoint_name(self, name: str) -> str:
+        """The name an HF checkpoint stores the tensor our model calls `name` under (the families
+        whose checkpoints use other module paths rename here, at the reader and writer only)."""
+        return name
 
     def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
         """Write this family's keys into config.json's dict."""

@@ -23,8 +23,10 @@ stacked into `qkv_proj`; in_proj / out_proj biases from `use_bias`; experts non-
 (`up_proj`, `down_proj`), grouped top-k with the sigmoid scores and the correction bias, the shared
 expert `n_shared_experts x moe_shared_expert_intermediate_size` wide.
 
-Status: the `nemotron_h` family (issue 23) is not registered yet; the model's Mamba mixer is
-`model/mamba.py`, the MoE router `model.transformer.route_grouped_sigmoid`.
+`HybridDecoder` is the registered family: our module paths are every family's (`model.layers.{i}.norm`,
+`model.layers.{i}.mixer.*`), renamed to the checkpoint's `backbone.*` at the HF reader and writer
+(`checkpoint_name`); the blocks are `model/hybrid.py`'s `HybridBlock` (the Mamba mixer
+`model/mamba.py`, the MoE router `model.layers.route_grouped_sigmoid`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.base import (
+    ATTENTION_PROJECTIONS,
+    BASE_MODEL,
+    EMBEDDING,
+    FINAL_NORM,
+    LAYERS,
+    ROUTER,
+    Family,
+    ModelConfig,
+    Projection,
+    Tensor,
+    layer_prefix,
+    projection_tensors,
+)
 from nvfp4tool.families.hf_values import flag, integer, number
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer layer kinds
@@ -299,3 +315,122 @@ def parameter_count(hf: Mapping[str, Any], source: str = "config.json") -> tuple
         total += h + own + routed_all
         active += h + own + routed_active
     return total, active
+
+
+# ------------------------------------------------------------------------------------------------
+# the family
+
+MIXER = "mixer"  # every layer's one mixer attribute (its norm is `norm`)
+MAMBA_IN = Projection("in_proj", "mamba_in", "column")  # z | x | B | C | dt rows (vLLM shards each piece)
+MAMBA_OUT = Projection("out_proj", "mamba_out", "row")
+# the relu2 MLP's up_proj has no gate; it keeps the `gate_up` group name every family's up_proj has
+# (a group of one), so `families.fused_group` names it from the attribute alone
+RELU2 = (Projection("up_proj", "up", "column", "gate_up"), Projection("down_proj", "down", "row"))
+LATENT = (Projection("fc1_latent_proj", "latent_in", "column"), Projection("fc2_latent_proj", "latent_out", "row"))
+CHECKPOINT_BASE = "backbone"  # NemotronHForCausalLM's base-model attribute (ours: `model`)
+# our base-model names -> the checkpoint's (vLLM's hf_to_vllm_mapper read backwards)
+_CHECKPOINT_NAMES = {f"{EMBEDDING}.weight": f"{CHECKPOINT_BASE}.embeddings.weight",
+                     f"{FINAL_NORM}.weight": f"{CHECKPOINT_BASE}.norm_f.weight"}
+# config.json keys the family reads (with its aliases), beyond the common ones
+_KEYS = frozenset({"hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
+                   "ssm_state_size", "time_step_limit", "use_bias", "mlp_hidden_act", "mamba_hidden_act",
+                   "layer_norm_epsilon", "attention_bias", "mlp_bias", *MAMBA_DEFAULTS, *ALIASES,
+                   *(f.name for f in dataclasses.fields(HybridExperts))})
+
+
+class HybridDecoder(Family):
+    """`nemotron_h`: a stack of single-mixer layers (see the module docstring). Our module paths
+    are every family's (`model.embed_tokens`, `model.layers.{i}.norm`, `model.layers.{i}.mixer.*`,
+    `model.norm`, `lm_head`); `checkpoint_name` maps them to the checkpoint's `backbone.*`."""
+
+    model_type = "nemotron_h"
+    architecture = "NemotronHForCausalLM"
+    config_type = HybridFields
+    modeled_keys = _KEYS
+    positional = "none"
+    norm_scale_in_fp32 = True
+    norm_eps_key = "layer_norm_epsilon"
+    hidden_act = None
+    # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
+    common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
+                                         "rms_norm_eps", "num_hidden_layers"})
+
+    def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        for key, why in (("attention_bias", "transformers 5.24 builds its attention without biases"),
+                         ("mlp_bias", "MLP and expert biases are not modeled yet")):
+            if flag(hf, key):
+                raise NVFP4ToolError(f"{source}: {key}=true unsupported for nemotron_h ({why})")
+        fields = parse_hybrid(hf, source)
+        # transformers 5.24 derives the layer count from the kinds and does not write it
+        return {"family_config": fields, "num_layers": len(fields.layer_kinds)}
+
+    def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
+        emit_hybrid(config.family_config, hf)
+        hf.update(layer_norm_epsilon=config.rms_norm_eps, attention_bias=False, mlp_bias=False)
+
+    def problems(self, config: ModelConfig) -> list[str]:
+        f = config.family_config
+        if not isinstance(f, HybridFields):
+            return [f"nemotron_h needs its fields (family_config=HybridFields(...)), got {f!r}"]
+        problems = hybrid_problems(f)
+        if len(f.layer_kinds) != config.num_layers:
+            problems.append(f"num_hidden_layers={config.num_layers} but the layer kinds list {len(f.layer_kinds)}")
+        if config.tie_word_embeddings:
+            problems.append("NemotronHForCausalLM never ties lm_head to the embeddings")
+        if config.qk_norm or config.attention_bias or config.o_proj_bias or config.sliding_window is not None:
+            problems.append("nemotron_h attention has no q/k norm, no bias and no sliding window")
+        return problems
+
+    def checkpoint_name(self, name: str) -> str:
+        if name in _CHECKPOINT_NAMES:
+            return _CHECKPOINT_NAMES[name]
+        if name.startswith(f"{LAYERS}."):
+            return f"{CHECKPOINT_BASE}.{name.removeprefix(f'{BASE_MODEL}.')}"
+        return name
+
+    def layer_kind(self, config: ModelConfig, layer: int) -> str:
+        return config.family_config.layer_kinds[layer]
+
+    def mlp_module(self, config: ModelConfig, layer: int) -> str:
+        return f"{layer_prefix(layer)}.{MIXER}"
+
+    def layer_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        f: HybridFields = config.family_config
+        E, p = config.hidden_size, layer_prefix(layer)
+        mixer = f"{p}.{MIXER}"
+        tensors = [Tensor(f"{p}.norm.weight", (E,))]
+        kind = f.layer_kinds[layer]
+        if kind == MAMBA:
+            conv, heads = f.mamba_inner + 2 * f.n_groups * f.ssm_state_size, f.mamba_num_heads
+            tensors += projection_tensors(mixer, (MAMBA_IN,), ((f.in_proj_rows(), E),), (f.use_bias,))
+            tensors.append(Tensor(f"{mixer}.conv1d.weight", (conv, 1, f.conv_kernel)))
+            if f.use_conv_bias:
+                tensors.append(Tensor(f"{mixer}.conv1d.bias", (conv,)))
+            tensors += [Tensor(f"{mixer}.{name}", (heads,)) for name in ("dt_bias", "A_log", "D")]
+            tensors.append(Tensor(f"{mixer}.norm.weight", (f.mamba_inner,)))
+            tensors += projection_tensors(mixer, (MAMBA_OUT,), ((E, f.mamba_inner),), (f.use_bias,))
+        elif kind == ATTENTION:
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            tensors += projection_tensors(mixer, ATTENTION_PROJECTIONS, ((q, E), (kv, E), (kv, E), (E, q)))
+        elif kind == MLP:
+            F = config.intermediate_size
+            tensors += projection_tensors(mixer, RELU2, ((F, E), (E, F)))
+        else:
+            e = f.experts
+            width, Fe, Fs = e.moe_latent_size or E, e.moe_intermediate_size, e.moe_shared_expert_intermediate_size
+            tensors += projection_tensors(mixer, (ROUTER,), ((e.n_routed_experts, E),))
+            tensors.append(Tensor(f"{mixer}.gate.e_score_correction_bias", (e.n_routed_experts,)))
+            for x in range(e.n_routed_experts):
+                tensors += projection_tensors(f"{mixer}.experts.{x}", RELU2, ((Fe, width), (width, Fe)),
+                                              expert=x, block=mixer)
+            tensors += projection_tensors(f"{mixer}.shared_experts", RELU2, ((Fs, E), (E, Fs)), block=mixer)
+            if e.moe_latent_size:
+                tensors += projection_tensors(mixer, LATENT, ((width, E), (E, width)))
+        return tensors
+
+    def folds(self, config: ModelConfig, layer: int) -> list:
+        raise NVFP4ToolError("nemotron_h: equivalent scaling (--equalize) is not built for the hybrid "
+                             "family yet (its relu2 MLPs and Mamba mixers fold differently)")
+
+
+FAMILIES = (HybridDecoder(),)

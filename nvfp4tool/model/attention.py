@@ -36,14 +36,17 @@ _CUDNN_MAX_HEAD_DIM = 128  # jax's check: <= 128 before Hopper, <= 256 from Hopp
 _CUDNN_HEAD_DIM_MULTIPLE = 8
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["allowed_BxTxS"], meta_fields=["window"])
+@partial(jax.tree_util.register_dataclass, data_fields=["allowed_BxTxS", "tokens_BxT"], meta_fields=["window"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
     """Which keys each query may see: build with `causal(window)` or `explicit(allowed_BxTxS)`.
-    A pytree (the array a leaf, the window static), so it passes through jit, scan and checkpoint."""
+    A pytree (the arrays leaves, the window static), so it passes through jit, scan and checkpoint.
+    `tokens_BxT` (explicit masks of padded rows): which of this chunk's slots hold tokens, for the
+    mixers that read the sequence without attending (a Mamba layer zeroes padding before its scan)."""
 
     allowed_BxTxS: jax.Array | None  # explicit: True = may see; None: causal
     window: int | None = None  # causal only: keys at distance < window (None: unbounded)
+    tokens_BxT: jax.Array | None = None  # this chunk's real tokens (None: every slot is one)
 
     @classmethod
     def causal(cls, window: int | None = None) -> AttentionMask:
@@ -51,9 +54,9 @@ class AttentionMask:
         return cls(None, window)
 
     @classmethod
-    def explicit(cls, allowed_BxTxS: jax.Array) -> AttentionMask:
-        """An explicit [B, T, S] bool mask (`attention_allowed`)."""
-        return cls(allowed_BxTxS)
+    def explicit(cls, allowed_BxTxS: jax.Array, tokens_BxT: jax.Array | None = None) -> AttentionMask:
+        """An explicit [B, T, S] bool mask (`attention_allowed`), and which slots hold tokens."""
+        return cls(allowed_BxTxS, None, tokens_BxT)
 
     @property
     def kind(self) -> str:

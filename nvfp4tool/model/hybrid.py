@@ -1,7 +1,7 @@
 """The other mixers of the hybrid Nemotron-H family (reference sheet section 12), as Flax modules
 with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
 
-    norm = RMSNorm(E, eps=1e-5, param_dtype=..., scale_in_fp32=True)   # model/transformer.py's, as NemotronH's
+    norm = RMSNorm(E, eps=1e-5, param_dtype=..., scale_in_fp32=True)   # model/layers.py's, as NemotronH's
     mlp = ReLU2MLP(E, F, prefix="model.layers.1.mixer", ...)      # down(relu(up(x))^2), no gate
     moe = HybridMoE(E, experts, prefix="model.layers.4.mixer", ...)
     y_BxTxE, side = moe(x_BxTxE, seam)
@@ -10,7 +10,7 @@ Every linear goes through the linear seam under its HF name (`up_proj`, `down_pr
 `experts.{e}.up_proj`, `shared_experts.down_proj`, `fc1_latent_proj`, ...), so recipes, exports and
 calibration treat them as any other. The MoE router (`gate.weight` [N, E] and
 `gate.e_score_correction_bias` [N], both FP32 in the checkpoints) runs in fp32 through the seam
-(its logits recorded under its name, as `transformer.SparseMoE`'s); `route_grouped_sigmoid`
+(its logits recorded under its name, as `layers.SparseMoE`'s); `route_grouped_sigmoid`
 chooses the experts; the routed experts (non-gated relu2, optionally between `fc1_latent_proj` and
 `fc2_latent_proj`) compute densely with the rows of tokens not routed to them zeroed, as
 SparseMoE's; their weighted sum in fp32 is cast to the input dtype before the latent up-projection,
@@ -25,8 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.families.nemotron_h import ATTENTION, MAMBA, MLP, MOE, HybridFields
+from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
-from nvfp4tool.model.transformer import Linear, route_grouped_sigmoid
+from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape
 
 
 class ReLU2MLP(nnx.Module):
@@ -89,3 +92,51 @@ class HybridMoE(nnx.Module):
             sides.append(side)
         shared, side = self.shared_experts(x_BxTxE, seam)
         return out + shared, merged(*sides, side)
+
+
+def mamba_shape(config: ModelConfig) -> MambaShape:
+    """The Mamba-2 mixer's sizes from a nemotron_h config (the gated norm's epsilon is the
+    blocks' `layer_norm_epsilon`)."""
+    f: HybridFields = config.family_config
+    return MambaShape(heads=f.mamba_num_heads, head_dim=f.mamba_head_dim, groups=f.n_groups, state=f.ssm_state_size,
+                      conv_kernel=f.conv_kernel, chunk=f.chunk_size, dt_limit=f.time_step_limit,
+                      eps=config.rms_norm_eps)
+
+
+class HybridBlock(nnx.Module):
+    """One single-mixer layer of a hybrid decoder: `norm` (RMSNorm, weight applied in fp32) ->
+    `mixer` (a layer kind's: Mamba-2, attention without positional encoding, relu2 MLP, MoE) ->
+    residual. The same call as `transformer.Block`; its decode state is the attention's (k, v),
+    the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
+
+    def __init__(self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        E, prefix = config.hidden_size, f"{layer_name}.mixer"
+        self.kind = kind
+        self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=True)
+        fields: HybridFields = config.family_config
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(E, mamba_shape(config), prefix=prefix, use_bias=fields.use_bias,
+                                     conv_bias=fields.use_conv_bias, param_dtype=param_dtype, rngs=rngs)
+        elif kind == ATTENTION:
+            self.mixer = Attention(config, prefix, param_dtype=param_dtype, rngs=rngs, rope=False)
+        elif kind == MLP:
+            self.mixer = ReLU2MLP(E, config.intermediate_size, prefix=prefix, bias=False, param_dtype=param_dtype,
+                                  rngs=rngs)
+        elif kind == MOE:
+            self.mixer = HybridMoE(E, fields.experts, prefix=prefix, mlp_bias=False, param_dtype=param_dtype,
+                                   rngs=rngs)
+        else:
+            raise ValueError(f"{layer_name}: {kind!r} is not a hybrid layer kind")
+
+    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache, write_index, seam: Seam):
+        """(the block's output, its decode state, its side results)."""
+        h_BxTxE = self.norm(x_BxTxE)
+        cached = None
+        if self.kind == MAMBA:
+            y_BxTxE, cached, side = self.mixer(h_BxTxE, seam, mask_BxT=mask.tokens_BxT, state=cache)
+        elif self.kind == ATTENTION:
+            y_BxTxE, cached, side = self.mixer(h_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache, write_index, seam)
+        else:
+            y_BxTxE, side = self.mixer(h_BxTxE, seam)
+        return x_BxTxE + y_BxTxE.astype(x_BxTxE.dtype), cached, side

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.model.linear import Seam, Side, merged
-from nvfp4tool.model.transformer import Linear
+from nvfp4tool.model.layers import Linear
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from nvfp4tool.model.transformer import route
+from nvfp4tool.model.layers import route
 
 
 def load_balancing_loss(router_logits: Sequence[jax.Array], top_k: int,

@@ -1,0 +1,127 @@
+"""The registered nemotron_h family end to end through the model: an HF folder written by
+transformers 5.24's `NemotronHForCausalLM` (checkpoint names `backbone.*`) read by our reader and
+run by our Flax model equals transformers' logits (fp32, teacher forced, a left-padded row beside
+a full one) on tiny fixtures with every layer kind: dense (M * -) and MoE (E, with a latent size,
+grouped routing and the shared expert), chunk boundaries inside and at the sequence end, lengths
+not a multiple of chunk_size. Our writer writes the checkpoint's names back, so transformers loads
+what we write; config.json round-trips in the source's own spelling.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from converters.hf import HFFolderSource, write_hf_folder
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.model import forward, model_from_tensors
+from nvfp4tool.model.weights import ModelTensorSource
+
+torch = pytest.importorskip("torch")
+
+BASE = dict(vocab_size=40, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=6,
+            conv_kernel=4, chunk_size=4, time_step_min=1e-3, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DENSE = dict(BASE, hybrid_override_pattern="M-M*-M")
+MOE = dict(BASE, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, moe_latent_size=16, n_group=4,
+           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def _hf_folder(tmp_path, options: dict, seed: int) -> tuple[str, object]:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(NemotronHConfig(**options)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                p.copy_(p.abs() + 0.5)  # dt well above time_step_min: transformers' prefill clamp never acts
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("A_log", "D")):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+def _batch(t: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.random.default_rng(t).integers(3, vocab, (2, t))
+    mask = np.ones((2, t), np.int64)
+    mask[1, :3] = 0  # left padding
+    ids[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("options, t", [(DENSE, 11), (DENSE, 8), (MOE, 9)], ids=["dense-11", "dense-8", "moe-9"])
+def test_logits_equal_transformers(tmp_path, options, t):
+    folder, reference = _hf_folder(tmp_path, options, seed=t)
+    config = ModelConfig.from_hf_folder(folder)
+    assert config.family == "nemotron_h"
+    model = model_from_tensors(config, HFFolderSource(folder))
+    ids, mask = _batch(t, options["vocab_size"])
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    assert np.abs(want[real]).max() > 0.5  # the fixture's logits are not trivially small
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+def test_written_folder_loads_in_transformers_with_the_checkpoint_names(tmp_path):
+    from transformers import NemotronHForCausalLM
+
+    folder, reference = _hf_folder(tmp_path, MOE, seed=3)
+    config = ModelConfig.from_hf_folder(folder)
+    model = model_from_tensors(config, HFFolderSource(folder))
+    out = tmp_path / "ours"
+    write_hf_folder(out, config, ModelTensorSource(model), dtype="fp32")
+    from safetensors import safe_open
+
+    def names(folder) -> set[str]:
+        with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+            return set(f.keys())
+
+    written_names = names(out)
+    assert written_names == names(tmp_path / "hf")  # transformers' save: per expert, the checkpoint's names
+    assert {"backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"} <= written_names
+    written = json.loads((out / "config.json").read_text())
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("layers_block_type", "time_step_limit", "layer_norm_epsilon", "n_routed_experts", "moe_latent_size"):
+        assert written[key] == source[key], key
+    assert "rope_theta" not in written and "hidden_act" not in written
+    again = NemotronHForCausalLM.from_pretrained(out).float().eval()
+    ids, mask = _batch(7, MOE["vocab_size"])
+    with torch.no_grad():
+        a = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+        b = again(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    assert torch.equal(a, b)
+
+
+def test_module_table_of_a_hybrid():
+    hf = {"model_type": "nemotron_h", **MOE}
+    config = ModelConfig.from_hf_config(hf)
+    table = config.modules
+    kinds = [config.layer_kind(i) for i in range(config.num_layers)]
+    assert kinds == ["mamba", "moe", "attention", "moe", "mamba", "mlp"]
+    assert table["model.layers.0.mixer.in_proj"].split == "column"
+    assert table["model.layers.0.mixer.out_proj"].split == "row"
+    assert table.routers() == ["model.layers.1.mixer.gate", "model.layers.3.mixer.gate"]
+    assert table.kept() == {"model.layers.1.mixer.gate", "model.layers.3.mixer.gate", "lm_head"}
+    assert table.attentions == ("model.layers.2.mixer",)
+    assert table["model.layers.2.mixer.k_proj"].group == "model.layers.2.mixer.qkv"
+    assert table["model.layers.1.mixer.experts.5.up_proj"].expert == 5
+    shapes = config.expected_tensor_shapes()
+    assert shapes["model.layers.0.mixer.conv1d.weight"] == (4 * 8 + 2 * 2 * 6, 1, 4)
+    assert shapes["model.layers.0.mixer.in_proj.weight"] == (2 * 32 + 2 * 2 * 6 + 4, 32)
+    assert shapes["model.layers.1.mixer.fc1_latent_proj.weight"] == (16, 32)
+    assert shapes["model.layers.1.mixer.experts.0.up_proj.weight"] == (16, 16)
