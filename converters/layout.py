@@ -142,6 +142,9 @@ def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
 def check_supported(config: ModelConfig, label: str) -> None:
     """Raise unless the table describes `config` (Llama/Mistral without biases, Qwen3-MoE or
     Mixtral with every layer sparse)."""
+    reason = REGISTRY[config.family].no_maxtext_reason
+    if reason is not None:
+        raise NVFP4ToolError(f"{label}: {reason}")
     if config.family not in MAXTEXT_FAMILIES:
         raise NVFP4ToolError(f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} "
                              f"models; this one is {config.family}")

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from converters import layout
 from converters.atomic import check_output_path
 from converters.hf import write_hf_folder
 from converters.maxtext import write_maxtext
@@ -68,6 +69,8 @@ def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None 
     source = open_checkpoint(src, model_config=model_config, rope_layout=rope_layout)
     inputs = [src] + ([model_config] if model_config and os.path.exists(model_config) else [])
     check_output_path(dst, inputs, flag="DST", force=force)
+    if to == "maxtext":
+        layout.check_supported(source.config, src)  # before asking which RoPE layout it would use
     target_layout = source.maxtext_rope_layout() if to == "maxtext" else None
     config = source.config
     with progress.task("convert", total=len(source.tensors.names()), unit="tensor") as task:

@@ -125,3 +125,97 @@ def test_module_table_of_a_hybrid():
     assert shapes["model.layers.0.mixer.in_proj.weight"] == (2 * 32 + 2 * 2 * 6 + 4, 32)
     assert shapes["model.layers.1.mixer.fc1_latent_proj.weight"] == (16, 32)
     assert shapes["model.layers.1.mixer.experts.0.up_proj.weight"] == (16, 16)
+
+
+def test_commands_not_built_for_the_family_refuse_it_in_one_line(tmp_path):
+    """What is not built for nemotron_h yet (export, train, validate, eval, check) says so naming
+    the model, rather than half-running; convert --to maxtext says why there is no layout."""
+    from click.testing import CliRunner
+
+    from nvfp4tool.cli import cli
+
+    folder, _ = _hf_folder(tmp_path, DENSE, seed=1)
+    data = tmp_path / "data.txt"
+    data.write_text("some text to read " * 200)
+    runner = CliRunner()
+    cases = [
+        (["export", folder, "--out", str(tmp_path / "e"), "--quant", "nvfp4-weight-only"], "export"),
+        (["train", f"model={folder}", f"data={data}", "steps=1", f"out={tmp_path / 'run'}"], "train"),
+        (["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"], None),
+    ]
+    for args, stage in cases:
+        result = runner.invoke(cli, args)
+        lines = [line for line in result.output.splitlines() if line.startswith("error")]
+        assert result.exit_code == 1, (args, result.output)
+        if stage is None:
+            assert "MaxText has no Mamba-2 decoder" in result.output
+        else:
+            assert f"{stage} does not support nemotron_h models yet" in result.output, result.output
+        assert len(lines) <= 1, result.output
+    assert not (tmp_path / "e").exists() and not (tmp_path / "mt").exists()
+    from nvfp4tool import formats
+    from nvfp4tool.check.checker import check_checkpoint
+
+    config_file = tmp_path / "hf" / "config.json"  # as a serving checkpoint declares itself
+    hf = json.loads(config_file.read_text())
+    hf["quantization_config"] = formats.get("compressed-tensors", "nvfp4").quantization_config(("lm_head",))
+    config_file.write_text(json.dumps(hf))
+    report = check_checkpoint(folder)
+    assert any("check does not support nemotron_h models yet" in p.message for p in report.problems)
+
+
+@pytest.mark.parametrize("options", [DENSE, MOE], ids=["dense", "moe"])
+def test_cached_generation_equals_recomputation_and_transformers(tmp_path, options):
+    """Greedy decoding with the per-kind decode state (attention KV cache, Mamba conv window and SSM
+    state) picks the tokens full-sequence recomputation picks, a left-padded row included, and the
+    tokens transformers' own cached generate picks."""
+    from nvfp4tool.model import generate
+
+    folder, reference = _hf_folder(tmp_path, options, seed=11)
+    config = ModelConfig.from_hf_folder(folder)
+    model = model_from_tensors(config, HFFolderSource(folder))
+    ids, mask = _batch(6, options["vocab_size"])
+    new = np.asarray(generate(model, jnp.asarray(ids), 7, attention_mask=jnp.asarray(mask)))
+    seq, seq_mask = ids.copy(), mask.copy()
+    for step in range(7):
+        logits = np.asarray(forward(model, jnp.asarray(seq), jnp.asarray(seq_mask)))
+        token = logits[:, -1].argmax(-1)
+        assert (token == new[:, step]).all(), step
+        seq = np.concatenate([seq, token[:, None]], axis=1)
+        seq_mask = np.concatenate([seq_mask, np.ones((2, 1), np.int64)], axis=1)
+    with torch.no_grad():
+        want = reference.generate(torch.from_numpy(ids[:1]), attention_mask=torch.from_numpy(mask[:1]),
+                                  max_new_tokens=7, do_sample=False, eos_token_id=None).numpy()[:, 6:]
+    np.testing.assert_array_equal(new[:1], want)
+
+
+def test_a_right_padded_prompt_is_refused_for_a_recurrent_model(tmp_path):
+    from nvfp4tool.errors import NVFP4ToolError
+    from nvfp4tool.model import generate
+
+    folder, _ = _hf_folder(tmp_path, DENSE, seed=2)
+    model = model_from_tensors(ModelConfig.from_hf_folder(folder), HFFolderSource(folder))
+    mask = np.ones((1, 5), np.int64)
+    mask[0, -2:] = 0
+    with pytest.raises(NVFP4ToolError, match="needs left-padded prompts"):
+        generate(model, jnp.ones((1, 5), jnp.int32), 2, attention_mask=jnp.asarray(mask))
+
+
+def test_scanned_runs_of_equal_kinds_equal_transformers(tmp_path):
+    """Runs of equal kinds (MM, **, --, EE) scanned as one program each: the same logits, and the
+    same cached generation (the run's decode states stacked and given back per layer)."""
+    from nvfp4tool.model import generate
+
+    options = dict(MOE, hybrid_override_pattern="MM**--EE")
+    folder, reference = _hf_folder(tmp_path, options, seed=5)
+    config = ModelConfig.from_hf_folder(folder)
+    scanned = model_from_tensors(config, HFFolderSource(folder), scan_layers=True)
+    plain = model_from_tensors(config, HFFolderSource(folder))
+    ids, mask = _batch(9, options["vocab_size"])
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    got = np.asarray(forward(scanned, jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(generate(scanned, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))),
+                                  np.asarray(generate(plain, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))))

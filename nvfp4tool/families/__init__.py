@@ -46,7 +46,8 @@ __all__ = [
     "MAXTEXT_FAMILIES", "MOE_FAMILIES", "REGISTRY", "ROUTER", "SUPPORTED_FAMILIES", "SWIGLU",
     "Family", "Fold", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
     "folds", "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
-    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
+    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "require_stage",
+    "split_layer",
 ]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
@@ -64,6 +65,15 @@ def get_family(model_type: str) -> Family:
     except KeyError:
         raise NVFP4ToolError(f"unsupported model family {model_type!r}; supported: "
                              f"{', '.join(SUPPORTED_FAMILIES)}") from None
+
+
+def require_stage(config: ModelConfig, stage: str, label: str) -> None:
+    """NVFP4ToolError naming `label` (the model's file or folder) when command `stage` is not built
+    for `config`'s family yet (`Family.stages`)."""
+    family = get_family(config.family)
+    if family.stages is not None and stage not in family.stages:
+        raise NVFP4ToolError(f"{label}: {stage} does not support {config.family} models yet (the family is "
+                             f"being built; what works today: {', '.join(sorted(family.stages))})")
 
 
 @functools.lru_cache(maxsize=64)

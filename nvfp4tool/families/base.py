@@ -202,6 +202,10 @@ class Family:
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
     hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
     common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
+    # The commands built for the family (None: every one); a family being built refuses the others
+    # in one line (`families.require_stage`) rather than half-running them.
+    stages: frozenset[str] | None = None
+    no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""

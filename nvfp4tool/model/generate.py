@@ -1,4 +1,5 @@
-"""Autoregressive generation with a KV cache (greedy or temperature / top-k sampling).
+"""Autoregressive generation with a KV cache (greedy or temperature / top-k sampling); a hybrid
+model's Mamba layers carry their recurrent state instead (`transformer.empty_cache`).
 
 One jitted program: a prefill over the (left- or right-padded) prompt fills the cache, then a
 `lax.scan` decodes one token per step. Generated tokens go to cache slots T, T+1, ...; their
@@ -17,10 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.nemotron_h import MAMBA
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.transformer import CausalLM, KVCache, default_positions, forward_with_cache
+from nvfp4tool.model.transformer import CausalLM, default_positions, empty_cache, forward_with_cache
 
 
 def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
@@ -44,6 +46,9 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
         raise NVFP4ToolError(f"generate: max_new_tokens must be > 0, got {max_new_tokens}")
     if not bool(jnp.all(jnp.any(mask_BxT, axis=-1))):
         raise NVFP4ToolError("generate: a prompt row has no tokens (its attention mask is all zeros)")
+    if _has_recurrent_layers(model) and not bool(jnp.all(mask_BxT[:, 1:] >= mask_BxT[:, :-1])):
+        raise NVFP4ToolError("generate: a model with Mamba layers needs left-padded prompts (a recurrent "
+                             "state cannot skip padding after the prompt, as HF's generate requires too)")
     if not greedy and key is None:
         raise NVFP4ToolError("generate: sampling (greedy=False) needs a PRNG key")
     if not greedy and not temperature > 0:
@@ -63,6 +68,10 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
                      max_new_tokens=max_new_tokens, linear=linear or model.linear, kv=kv)
 
 
+def _has_recurrent_layers(model: CausalLM) -> bool:
+    return any(model.config.layer_kind(i) == MAMBA for i in range(model.config.num_layers))
+
+
 class _SamplingOptions(NamedTuple):
     greedy: jax.Array  # bool: argmax instead of sampling
     temperature: jax.Array  # float32 > 0
@@ -77,8 +86,7 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     config = model.config
     B, T = prompt_ids_BxT.shape
     S = T + max_new_tokens
-    cache_shape = (config.num_layers, B, S, config.num_kv_heads, config.head_dim)
-    cache = KVCache(jnp.zeros(cache_shape, model.compute_dtype), jnp.zeros(cache_shape, model.compute_dtype))
+    cache = empty_cache(model, B, S)
     key_valid_BxS = jnp.concatenate([mask_BxT, jnp.ones((B, max_new_tokens), bool)], axis=-1)
 
     prompt_positions_BxT = default_positions(mask_BxT)
@@ -87,7 +95,7 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1)
     window = config.sliding_window
     prompt_mask = AttentionMask.explicit(attention_allowed(jnp.arange(T), key_valid_BxS, window,
-                                                           prompt_positions_BxT, key_positions_BxS))
+                                                           prompt_positions_BxT, key_positions_BxS), mask_BxT)
     logits_BxTxV, cache = forward_with_cache(model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask,
                                              cache, 0, linear, kv)
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).

@@ -53,6 +53,7 @@ from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, SparseMoE
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
+from nvfp4tool.model.mamba import MambaState
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed
 from nvfp4tool.model.rope import inverse_frequencies, rope_cos_sin
 
@@ -62,6 +63,59 @@ class KVCache(NamedTuple):
 
     k_LxBxSxKVxD: jax.Array
     v_LxBxSxKVxD: jax.Array
+
+
+class LayerStates(NamedTuple):
+    """The decode state of a model with layers of other kinds than attention + MLP (a hybrid's):
+    per layer, its attention's (k [B, S, KV, D], v), its Mamba mixer's `MambaState`, or None (a
+    layer that keeps no state: MLP, MoE)."""
+
+    per_layer: tuple
+
+
+def empty_cache(model: CausalLM, batch: int, length: int) -> KVCache | LayerStates:
+    """The decode state before a prefill: every attention's `length` slots of zeros (compute
+    dtype), every Mamba mixer's zero conv window and SSM state (fp32)."""
+    config = model.config
+    kinds = [config.layer_kind(i) for i in range(config.num_layers)]
+    kv_shape = (batch, length, config.num_kv_heads, config.head_dim)
+    if all(k in (ATTENTION_MLP, ATTENTION_MOE) for k in kinds):
+        shape = (config.num_layers, *kv_shape)
+        return KVCache(jnp.zeros(shape, model.compute_dtype), jnp.zeros(shape, model.compute_dtype))
+    states = []
+    for i, kind in enumerate(kinds):
+        if kind == nemotron_h.ATTENTION:
+            states.append((jnp.zeros(kv_shape, model.compute_dtype), jnp.zeros(kv_shape, model.compute_dtype)))
+        elif kind == nemotron_h.MAMBA:
+            states.append(MambaState.zeros(batch, model.layers[i].mixer.shape))
+        else:
+            states.append(None)
+    return LayerStates(tuple(states))
+
+
+def _run_cache(cache: KVCache | LayerStates | None, layers: list[int]):
+    """The decode state of a run of layers: one layer's own, or the run's stacked (scanned)."""
+    if cache is None:
+        return None
+    first, count = layers[0], len(layers)
+    if isinstance(cache, KVCache):
+        if count == 1:
+            return cache.k_LxBxSxKVxD[first], cache.v_LxBxSxKVxD[first]
+        return cache.k_LxBxSxKVxD[first:first + count], cache.v_LxBxSxKVxD[first:first + count]
+    states = [cache.per_layer[i] for i in layers]
+    return states[0] if count == 1 else _stacked(states)
+
+
+def _with_run_cache(cache: KVCache | LayerStates, layers: list[int], cached) -> KVCache | LayerStates:
+    """`cache` with the run's new state written (an in-place update under jit)."""
+    first, count = layers[0], len(layers)
+    if isinstance(cache, KVCache):
+        at = first if count == 1 else slice(first, first + count)
+        return KVCache(cache.k_LxBxSxKVxD.at[at].set(cached[0]), cache.v_LxBxSxKVxD.at[at].set(cached[1]))
+    per_layer = list(cache.per_layer)
+    for j, i in enumerate(layers):
+        per_layer[i] = cached if count == 1 else jax.tree.map(lambda a, j=j: a[j], cached)
+    return LayerStates(tuple(per_layer))
 
 
 class Block(nnx.Module):
@@ -169,7 +223,7 @@ def default_positions(mask_BxT: jax.Array) -> jax.Array:
 
 
 def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
-                       mask: AttentionMask, cache: KVCache | None, write_index: jax.Array | int,
+                       mask: AttentionMask, cache: KVCache | LayerStates | None, write_index: jax.Array | int,
                        linear: LinearFn, kv: KVFn = default_kv) -> tuple[jax.Array, KVCache | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
@@ -250,18 +304,15 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
     for kind, layers in layer_runs(model.config, seam, model.scan_layers):
         first, count = layers[0], len(layers)
         if count == 1:
-            cache_kv = None if cache is None else (new_cache.k_LxBxSxKVxD[first], new_cache.v_LxBxSxKVxD[first])
-            x_BxTxE, cached, side = run_block(*nnx.split(model.layers[first]), x_BxTxE, cache_kv,
-                                              seam.aux_of(first))
-            if cache is not None:  # an in-place update of layer i under jit
-                k, v = cached
-                new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[first].set(k), new_cache.v_LxBxSxKVxD.at[first].set(v))
+            x_BxTxE, cached, side = run_block(*nnx.split(model.layers[first]), x_BxTxE,
+                                              _run_cache(new_cache, layers), seam.aux_of(first))
+            if cache is not None:
+                new_cache = _with_run_cache(new_cache, layers, cached)
             sides.append(side)
             continue
         states = _stacked([nnx.split(model.layers[i])[1] for i in layers])
         auxes = _stacked([seam.aux_of(i) for i in layers])
-        run_cache = None if cache is None else (new_cache.k_LxBxSxKVxD[first:first + count],
-                                                new_cache.v_LxBxSxKVxD[first:first + count])
+        run_cache = _run_cache(new_cache, layers)
         graphdef = block_program(model.config, kind)
 
         def body(x, per_layer, graphdef=graphdef):
@@ -269,10 +320,9 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
             x, cached, side = run_block(graphdef, state, x, cache_kv, aux)
             return x, (cached if cache_kv is not None else None, side)
 
-        x_BxTxE, (kvs, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
+        x_BxTxE, (cached, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
         if cache is not None:
-            new_cache = KVCache(new_cache.k_LxBxSxKVxD.at[first:first + count].set(kvs[0]),
-                                new_cache.v_LxBxSxKVxD.at[first:first + count].set(kvs[1]))
+            new_cache = _with_run_cache(new_cache, layers, cached)
         for j, i in enumerate(layers):  # the stacked side results, under each layer's own name
             sides.append(Side({real_name(n, i): jax.tree.map(lambda a, j=j: a[j], r) for n, r in side.records.items()},
                               {real_name(n, i): a[j] for n, a in side.router_logits.items()}))
