@@ -28,7 +28,8 @@ is an error naming the tensor.
 Writing: `write_hf_folder` writes shards tensor by tensor with our own `write_safetensors` (the
 safetensors library only saves a whole dict of tensors; ours computes the header from shapes and
 dtypes and then streams), so it holds ONE source tensor (plus its cast copy) in memory at a time,
-whatever the shard size. A cast that overflows (fp32 -> bf16 beyond its range) is refused. The
+whatever the shard size. A cast that overflows (fp32 -> bf16 beyond its range) is refused; the
+tensors a family stores in FP32 (`Family.stored_fp32`: Nemotron-H's router) stay FP32. The
 folder is built in a temporary sibling and renamed into place (`converters.atomic`).
 """
 
@@ -209,7 +210,9 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     check_against_config(source, expected, ignore_extra=ignore)
     inputs = [*inputs, *([copy_from] if copy_from is not None else [])]
     names = list(expected)
-    out_dtypes = {n: _output_dtype(source.dtype(n), target_dtype) for n in names}
+    keep_fp32 = config.family_spec.stored_fp32
+    out_dtypes = {n: _output_dtype(source.dtype(n), "float32" if target_dtype and any(
+        fnmatch.fnmatchcase(n, p) for p in keep_fp32) else target_dtype) for n in names}
     shards = plan_shards(names, lambda n: _nbytes(out_dtypes[n], expected[n]), shard_limit)
     weight_dtype = out_dtypes["model.embed_tokens.weight"]  # what config.json's dtype declares
     out_config = config

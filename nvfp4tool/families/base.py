@@ -21,6 +21,7 @@ family declares, plus the fused names other checkpoints use (`qkv_proj`, `gate_u
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -205,11 +206,17 @@ class Family:
     # The commands built for the family (None: every one); a family being built refuses the others
     # in one line (`families.require_stage`) rather than half-running them.
     stages: frozenset[str] | None = None
+    stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
     no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
         return {}
+
+    def bf16_blocks(self, layers: int) -> tuple[int, int]:
+        """The (first, last) decoder blocks the fp8 / nvfp4 training recipes keep in BF16 unless
+        told otherwise: the first block and ceil(15%) of the blocks at the end."""
+        return 1, math.ceil(0.15 * layers)
 
     def checkpoint_name(self, name: str) -> str:
         """The name an HF checkpoint stores the tensor our model calls `name` under (the families

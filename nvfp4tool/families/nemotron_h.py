@@ -348,13 +348,15 @@ class HybridDecoder(Family):
     config_type = HybridFields
     modeled_keys = _KEYS
     positional = "none"
+    # the router in FP32, as transformers 5.24 keeps it (`_keep_in_fp32_modules_strict`) and NVIDIA ships it
+    stored_fp32 = (f"*.{MIXER}.gate.weight", f"*.{MIXER}.gate.e_score_correction_bias")
     norm_scale_in_fp32 = True
     norm_eps_key = "layer_norm_epsilon"
     hidden_act = None
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
-    # built so far: the model (logits equal NemotronHForCausalLM) and HF folders read and written
-    # (`convert --to hf`); export, train, validate, eval and check refuse the family until built
-    stages = frozenset({"convert --to hf"})
+    # built so far: the model (logits equal NemotronHForCausalLM), HF folders read and written
+    # (`convert --to hf`) and training; export, validate, eval and check refuse the family until built
+    stages = frozenset({"convert --to hf", "train"})
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
     common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
                                          "rms_norm_eps", "num_hidden_layers"})
@@ -384,6 +386,11 @@ class HybridDecoder(Family):
         if config.qk_norm or config.attention_bias or config.o_proj_bias or config.sliding_window is not None:
             problems.append("nemotron_h attention has no q/k norm, no bias and no sliding window")
         return problems
+
+    def bf16_blocks(self, layers: int) -> tuple[int, int]:
+        """NVIDIA's NVFP4 pretraining of the 62-block Nemotron-H kept the first 2 and last 8 blocks
+        in BF16 (arXiv 2509.25149, section 4.1): the same fractions of `layers`, rounded up."""
+        return math.ceil(2 * layers / 62), math.ceil(8 * layers / 62)
 
     def checkpoint_name(self, name: str) -> str:
         if name in _CHECKPOINT_NAMES:

@@ -7,7 +7,8 @@
 
 Precision map: `lm_head` and MoE routers always stay BF16 (as do embeddings, norms and attention math, which
 never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
-`bf16_last_layers` (default: ceil(15% of the blocks)) stay BF16, plus every module matching one
+`bf16_last_layers` stay BF16 (defaults: the family's, `Family.bf16_blocks`: the first block and
+ceil(15%) of the blocks at the end; Nemotron-H's 2 and 8 of 62, scaled), plus every module matching one
 of `bf16_patterns` (fnmatch, e.g. "*.mlp.down_proj"); the rest run the recipe.
 
 Fused groups: q/k/v of a block and gate/up of a block are one GEMM in serving engines, which
@@ -77,8 +78,8 @@ class RecipeConfig:
     weight_2d: bool = True  # nvfp4: 16x16 weight scaling
     quantizer: Quantizer = "auto"  # nvfp4: who quantizes: xla | pallas (fused kernels) | auto (pallas on GPU)
     gemm: Gemm = "auto"  # nvfp4: which GEMM: emulated (BF16) | native (FP4, jax.nn.scaled_matmul) | auto
-    bf16_first_layers: int = 1  # leading decoder blocks kept in BF16
-    bf16_last_layers: int | None = None  # trailing blocks kept in BF16 (None: ceil(15% of L))
+    bf16_first_layers: int | None = None  # leading decoder blocks kept in BF16 (None: the family's default)
+    bf16_last_layers: int | None = None  # trailing blocks kept in BF16 (None: the family's default)
     bf16_patterns: tuple[str, ...] = ()  # fnmatch patterns of modules kept in BF16
     switch_to_bf16_at: float | None = None  # step (>= 1) or fraction of the run (< 1) to switch
     switch_scope: Literal["forward", "all"] = "forward"  # what runs in BF16 after the switch
@@ -92,7 +93,7 @@ class RecipeConfig:
             raise NVFP4ToolError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
         if self.switch_scope not in ("forward", "all"):
             raise NVFP4ToolError(f"switch_scope must be 'forward' or 'all', got {self.switch_scope!r}")
-        if self.bf16_first_layers < 0 or (self.bf16_last_layers or 0) < 0:
+        if (self.bf16_first_layers or 0) < 0 or (self.bf16_last_layers or 0) < 0:
             raise NVFP4ToolError("bf16_first_layers / bf16_last_layers must be >= 0")
 
     def resolved(self) -> RecipeConfig:
@@ -126,8 +127,10 @@ class RecipeConfig:
 def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
     """Linear module name -> "bf16" or the recipe's name, for every linear of the model."""
     L = config.num_layers
-    last = math.ceil(0.15 * L) if recipe.bf16_last_layers is None else recipe.bf16_last_layers
-    kept_layers = set(range(min(recipe.bf16_first_layers, L))) | set(range(max(0, L - last), L))
+    first, last = config.family_spec.bf16_blocks(L)
+    first = first if recipe.bf16_first_layers is None else recipe.bf16_first_layers
+    last = last if recipe.bf16_last_layers is None else recipe.bf16_last_layers
+    kept_layers = set(range(min(first, L))) | set(range(max(0, L - last), L))
     result = {}
     for m in config.modules.linears:  # lm_head and routers: keep_dtype
         keep = (recipe.name == "bf16" or m.keep_dtype or m.layer in kept_layers

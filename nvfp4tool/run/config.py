@@ -56,9 +56,11 @@ class TrainConfig:
     weight_2d: bool = _key(True, "nvfp4 recipe: 16x16 (2D) weight blocks (the weight and its transpose share scales)")
     quantizer: str = _key("auto", "auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)")
     gemm: str = _key("auto", "auto | emulated | native: nvfp4's GEMM (native needs a CUDA GPU; auto: native on Blackwell)")
-    bf16_first_layers: int = _key(1, "recipes fp8/nvfp4: the first N transformer blocks stay BF16")
+    bf16_first_layers: int | None = _key(None,
+        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's: 1; nemotron_h 2/62 of the blocks)")
     bf16_last_layers: int | None = _key(None,
-        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: 15% of the blocks, rounded up)")
+        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's: 15% of the blocks, rounded up; "
+        "nemotron_h 8/62)")
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
     switch_to_bf16_at: float | None = _key(None,
         "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)")
@@ -129,10 +131,11 @@ class TrainConfig:
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches",
                      "keep_checkpoints", "vocab_size", "mesh_fsdp", "num_processes"):
             _require(name, getattr(self, name), getattr(self, name) >= 1, "expected an integer >= 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "bf16_first_layers"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
             _require(name, getattr(self, name), getattr(self, name) >= 0, "expected an integer >= 0")
-        _require("bf16_last_layers", self.bf16_last_layers, self.bf16_last_layers is None or self.bf16_last_layers >= 0,
-                 "expected an integer >= 0")
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            _require(name, getattr(self, name), getattr(self, name) is None or getattr(self, name) >= 0,
+                     "expected an integer >= 0")
         _require("mesh_data", self.mesh_data, self.mesh_data == -1 or self.mesh_data >= 1,
                  "expected -1 (what mesh_fsdp leaves) or an integer >= 1")
         _require("process_id", self.process_id, 0 <= self.process_id < self.num_processes,
