@@ -146,6 +146,12 @@ class HFFolderSource:
     def names(self) -> list[str]:
         return list(self._entries)
 
+    def use_names_of(self, config: ModelConfig) -> HFFolderSource:
+        """This source under our module paths for `config`'s family (a folder opened with
+        check_config=False, whose config is parsed apart: an export's); returns self."""
+        self._entries = _our_names(self._entries, config)
+        return self
+
     def shard_files(self) -> dict[str, list[str]]:
         """{safetensors file name: its tensors in file order} (from the validated headers)."""
         files: dict[str, list[str]] = {}
@@ -418,12 +424,14 @@ def _read_sharded(index_path: str) -> dict[str, TensorEntry]:
 def _our_names(entries: dict[str, TensorEntry], config: ModelConfig) -> dict[str, TensorEntry]:
     """`entries` under our module paths: a family whose checkpoints name tensors otherwise
     (`Family.checkpoint_name`: nemotron_h's `backbone.*`) is renamed here, each entry keeping its
-    stored name for reading and messages."""
-    out = dict(entries)
-    for name in config.expected_tensor_shapes():
-        stored = config.family_spec.checkpoint_name(name)
-        if stored != name and stored in out and name not in out:
-            out[name] = dataclasses.replace(out.pop(stored), name=name, stored=stored)
+    stored name for reading and messages. A name both spellings would give is refused."""
+    out: dict[str, TensorEntry] = {}
+    for stored, entry in entries.items():
+        name = config.family_spec.our_name(stored)
+        if name in out:
+            raise NVFP4ToolError(f"{entry.file}: tensors {out[name].label} and {entry.label} are the same "
+                                 f"{config.family} tensor under two names")
+        out[name] = entry if name == stored else dataclasses.replace(entry, name=name, stored=entry.stored or stored)
     return out
 
 

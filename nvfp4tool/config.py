@@ -30,15 +30,16 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.items()}
 
-# config.json keys that ModelConfig models itself (with its family's `modeled_keys`); every other
-# key goes to `hf_extra` untouched.
+# config.json keys that ModelConfig models itself (with its family's `modeled_keys`, less the
+# common keys its family lacks: `Family.common_keys_not_modeled`); every other key goes to
+# `hf_extra` untouched.
 _MODELED_KEYS = frozenset({
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "pad_token_id", "hidden_act",
-}).union(*(f.modeled_keys for f in REGISTRY.values()))
+})
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class ModelConfig:
                 hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
                 else "transformers4",
                 hf_extra={k: v for k, v in hf.items()
-                          if k not in _MODELED_KEYS or k in spec.common_keys_not_modeled},
+                          if k not in (_MODELED_KEYS - spec.common_keys_not_modeled) | spec.modeled_keys},
             )
         except KeyError as missing:
             raise NVFP4ToolError(f"{source}: missing required key {missing.args[0]!r}") from None

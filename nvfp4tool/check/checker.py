@@ -23,6 +23,7 @@ plausible; the record's amax catches it.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections import Counter
@@ -34,7 +35,8 @@ from nvfp4tool import progress
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
 from nvfp4tool.check.formats import CONFIG, QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
 from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
-from nvfp4tool.check.model import attention_modules, check_against_model, check_dtypes, read_model_config
+from nvfp4tool.check.model import (attention_modules, check_against_model, check_dtypes, read_model_config,
+                                   stored_shapes)
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
@@ -67,7 +69,7 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     # Modules config.json's model lacks are not judged as modules: model.py reports their tensors
     # as not the model's (a lone scale of an expert 6 in a 4-expert layer is that, not a module
     # missing its weight).
-    model_modules = None if config is None else {n.rpartition(".")[0] for n in config.expected_tensor_shapes()}
+    model_modules = None if config is None else {n.rpartition(".")[0] for n in stored_shapes(config)}
     modules = _modules(entries)
     with progress.task("check", total=len(modules), unit="module") as task:
         for module, tensors in modules.items():
@@ -86,8 +88,9 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     if config is not None:
         report.problems += check_against_model(config, entries, quantized, spec, reported)
     report.model_checked = config is not None
-    report.problems += _check_data(entries, scans)
-    report.problems += check_dtypes(folder, entries, set(quantized), spec)
+    report.problems += _check_data(entries, scans, () if config is None else config.family_spec.may_be_zero)
+    report.problems += check_dtypes(folder, entries, set(quantized), spec,
+                                    () if config is None else config.family_spec.stored_fp32)
     report.problems += check_against_record(folder, entries, spec, set(quantized))
     per_module = Counter(p.module for p in report.problems)
     for stats in quantized.values():
@@ -344,9 +347,11 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
     return problems
 
 
-def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan]) -> list[Problem]:
-    """Every tensor streamed once: none all zero, no non-finite float values. Block scales and
-    global scales are judged by their own checks."""
+def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan],
+                may_be_zero: tuple[str, ...] = ()) -> list[Problem]:
+    """Every tensor streamed once: none all zero (but those the family says may be,
+    `Family.may_be_zero`), no non-finite float values. Block scales and global scales are judged
+    by their own checks."""
     own_checks = set(SCALE_SUFFIXES) | set(KV_SCALE_SUFFIXES)
     problems = []
     for name in sorted(entries, key=_natural_key):
@@ -355,7 +360,7 @@ def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan]
         if suffix in own_checks and (entry.code == E4M3_CODE or len(entry.shape) <= 1):
             continue
         scan = scans.get(name) or scans.setdefault(name, scan_tensor(entry))
-        if entry.nbytes and scan.all_zero:
+        if entry.nbytes and scan.all_zero and not any(fnmatch.fnmatchcase(name, p) for p in may_be_zero):
             problems.append(Problem(module, name, f"all data is zero ({entry.code}{list(entry.shape)})"))
         if scan.nan and entry.code != E4M3_CODE:
             problems.append(Problem(module, name, f"{scan.nan} non-finite values, first at "

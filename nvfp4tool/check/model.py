@@ -22,6 +22,7 @@ quantized (engines compute the routing from its BF16 weight; a too-broad pattern
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -56,9 +57,16 @@ def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig |
     return config, []
 
 
+def stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `config`'s model under the name its checkpoints store it by
+    (`Family.checkpoint_name`: nemotron_h's `backbone.*`), the names a folder is checked by."""
+    return {config.family_spec.checkpoint_name(n): s for n, s in config.expected_tensor_shapes().items()}
+
+
 def attention_modules(config: ModelConfig) -> list[str]:
-    """The attention module of every decoder layer of `config`'s model (where KV-cache scales go)."""
-    return list(config.modules.attentions)
+    """The attention module of every decoder layer of `config`'s model (where KV-cache scales go),
+    as its checkpoints name it."""
+    return [config.family_spec.checkpoint_name(a) for a in config.modules.attentions]
 
 
 def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
@@ -70,8 +78,8 @@ def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
     problems = [Problem(router, ", ".join(sorted(n for n in entries if n.rpartition(".")[0] == router)),
                         "MoE router is quantized: routers must stay BF16 (keep it out of the quantized "
                         "modules and list it in the exclusion list)")
-                for router in config.router_names() if router in quantized]
-    expected = config.expected_tensor_shapes()
+                for router in map(config.family_spec.checkpoint_name, config.router_names()) if router in quantized]
+    expected = stored_shapes(config)
     for name, shape in expected.items():
         module = name.rpartition(".")[0]
         if module in reported or name in reported:
@@ -131,7 +139,7 @@ def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
 
 
 def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Collection[str],
-                 spec: LayoutSpec) -> list[Problem]:
+                 spec: LayoutSpec, stored_fp32: tuple[str, ...] = ()) -> list[Problem]:
     """Unquantized floating tensors against config.json's `dtype` / `torch_dtype`: a BF16 tensor
     whose header was relabelled F16 (same size, every value wrong) loads without complaint
     otherwise; an unquantized weight / bias with an integer dtype (F32 relabelled I32) neither.
@@ -155,6 +163,8 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
         if entry.code in _INTEGER and suffix in ("weight", "bias"):  # e.g. F32 relabelled I32
             problems.append(Problem(module, name, f"is {entry.code}, not a floating dtype, for an "
                                                   f"unquantized parameter ({CONFIG} says dtype {declared})"))
+        elif entry.code == "F32" and any(fnmatch.fnmatchcase(name, p) for p in stored_fp32):
+            continue  # the family stores it in FP32 (`Family.stored_fp32`: Nemotron-H's router)
         elif entry.code in _FLOAT16_32 and math.prod(entry.shape) > 1 and entry.code != want:
             problems.append(Problem(module, name, f"is {entry.code} but {CONFIG} says dtype "
                                                   f"{declared} ({want}): relabelled header?"))

@@ -90,7 +90,9 @@ class Tally:
         self.attentions = list(config.modules.attentions) if kv_cache else []
         self.amax = {n: np.zeros(2 if n in self.attentions else 1) for n in (*self.names, *self.attentions)}
         self.seen: set[str] = set()
-        self.routers = config.router_names()  # in layer order, and so is `routed`
+        # in layer order, and so is `routed`; a hybrid's routers are not counted (`InputAmax` routes
+        # with softmax top-k; Nemotron-H's choice needs its correction bias): its experts calibrate on all tokens
+        self.routers = config.router_names() if config.is_moe else []
         self._experts = {r: config.modules.experts(r) for r in self.routers}
         self.routed = {expert: 0 for r in self.routers for expert in self._experts[r]}
 

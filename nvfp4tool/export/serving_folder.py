@@ -41,24 +41,31 @@ class ServingFolder:
     """A serving folder being written into `folder` (a temporary output folder: see the module
     docstring); `source_label` names the source in a loaded tensor's dtype / shape error."""
 
-    def __init__(self, folder: str, *, source_label: str) -> None:
-        self.folder, self.source_label = folder, source_label
+    def __init__(self, folder: str, *, source_label: str, rename: Callable[[str], str] = lambda name: name) -> None:
+        """`rename`: our tensor / module name -> the checkpoint's (`Family.checkpoint_name`), applied
+        to every tensor written and every module an exclusion list names; callers keep our names."""
+        self.folder, self.source_label, self.rename = folder, source_label, rename
 
     def write_shards(self, shards: Iterable[tuple[str, Layout]], load: Callable[[str], np.ndarray], *,
                      amax: Callable[[str], float | None] = lambda name: None) -> dict[str, TensorRecord]:
         """Write each (file name, layout) shard tensor by tensor; returns every written tensor's
-        record, in write order."""
+        record (by its name in the folder), in write order."""
         records: dict[str, TensorRecord] = {}
+        ours: dict[str, str] = {}
         for file_name, layout in shards:
-            def record(name: str, file_name: str = file_name) -> np.ndarray:
+            ours.update((self.rename(name), name) for name, _, _ in layout)
+
+            def record(stored: str, file_name: str = file_name) -> np.ndarray:
+                name = ours[stored]
                 array = load(name)
                 data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                records[name] = TensorRecord(file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name],
+                records[stored] = TensorRecord(file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name],
                                              shape=tuple(int(d) for d in array.shape),
                                              sha256=hashlib.sha256(data).hexdigest(), amax=amax(name))
                 return array
 
-            write_safetensors(os.path.join(self.folder, file_name), layout, record, source_label=self.source_label)
+            write_safetensors(os.path.join(self.folder, file_name), [(self.rename(n), d, s) for n, d, s in layout],
+                              record, source_label=self.source_label)
         return records
 
     def write_index(self, index: dict[str, Any] | None, records: dict[str, TensorRecord]) -> None:
@@ -72,6 +79,7 @@ class ServingFolder:
         """config.json (`hf_config` with the layout's quantization_config) and, when the layout has
         one, hf_quant_config.json, both announcing `exclude` (BF16 modules) and `kv_cache`."""
         hf = dict(hf_config)
+        exclude = tuple(self.rename(m) for m in exclude)
         hf["quantization_config"] = spec.quantization_config(exclude, kv_cache)
         write_json(os.path.join(self.folder, formats.CONFIG_FILE), hf)
         hf_quant = spec.hf_quant_config(exclude, {"name": "nvfp4tool", "version": _version()}, kv_cache)

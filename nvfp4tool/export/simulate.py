@@ -229,8 +229,8 @@ def load_export(folder: str) -> ExportedModel:
 
     layout = formats.describe(folder)
     spec = layout.spec
-    source = HFFolderSource(folder, check_config=False)
     config = ModelConfig.from_hf_folder(folder)
+    source = HFFolderSource(folder, check_config=False).use_names_of(config)
     marker = spec.suffix("weight_global")
     quantized = tuple(n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker)
     expected = config.expected_tensor_shapes()

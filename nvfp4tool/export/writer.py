@@ -27,7 +27,7 @@ configs, tensor records), which convert-format uses too.
    spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran before and
    spilled every record to `.gptq-spill/` inside the output's temporary folder of step 4, so a
    killed run's spill is cleaned with it by the next run: the module's record is read back from
-   it, and the spill removed before publishing); other tensors are copied in BF16. Only one module's tensors are held at a time: peak
+   it, and the spill removed before publishing); other tensors are copied in BF16 (those a family stores in FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
@@ -131,14 +131,15 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
     source, plan, spec, options = job.source, job.plan, job.spec, job.options
     tensors = source.tensors
     names = tensors.names()
-    units = [_unit_layout(name, tensors, plan, spec) for name in names]
+    family = source.config.family_spec
+    units = [_unit_layout(name, tensors, plan, spec, family.stored_fp32) for name in names]
     units += [(a, spec.kv_scales.layout(a)) for a in job.kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
                          parse_size(options.max_shard_size))
     files = [SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
              for i in range(len(shards))]
-    folder = ServingFolder(tmp, source_label=source.path)
+    folder = ServingFolder(tmp, source_label=source.path, rename=family.checkpoint_name)
     with _task(options.show_progress, len(names)) as task:
         loader = _ModuleLoader(job, quantizer_for(plan, options.scale_search, job.block, job.group_amax, job.gptq),
                                task)
@@ -167,7 +168,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
 
 class _ModuleLoader:
     """`load(name)` for the serving-folder writer: one quantized module's tensors cached at a
-    time (quantized by `quantizer`), other tensors copied in BF16, the KV-cache scales made from
+    time (quantized by `quantizer`), other tensors copied in BF16 (FP32 where the family stores them so), the KV-cache scales made from
     the job's K / V amax; keeps each quantized module's layer errors and its stored weight's
     decoded amax (`amax`)."""
 
@@ -190,7 +191,8 @@ class _ModuleLoader:
         if name not in self.cache:
             module = self.module_of.get(name)
             if module is None:
-                self.cache = {name: _bf16_copy(self.job.source.tensors, name)}
+                self.cache = {name: _plain_copy(self.job.source.tensors, name,
+                                                self.job.source.config.family_spec.stored_fp32)}
             else:
                 self.cache = self._quantize(module)
             self.task.advance(description=name if module is None else f"{module}.weight",
@@ -221,23 +223,30 @@ def _kv_scales(kv_amax: dict[str, tuple[float, float]], spec: LayoutSpec) -> dic
     return scales
 
 
-def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec) -> tuple[str, list]:
+def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec,
+                 stored_fp32: tuple[str, ...]) -> tuple[str, list]:
     """(source name, [(output name, dtype, shape), ...]) for one source tensor."""
     module = name.removesuffix(".weight")
     if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
         n, k = tensors.shape(name)
         return name, spec.layout(module, n, k)
-    dtype = tensors.dtype(name)
-    out_dtype = "bfloat16" if dtype in ("float32", "float16", "float64", "bfloat16") else dtype
-    return name, [(name, out_dtype, tuple(tensors.shape(name)))]
+    return name, [(name, _plain_dtype(name, tensors.dtype(name), stored_fp32), tuple(tensors.shape(name)))]
 
 
-def _bf16_copy(tensors, name: str) -> np.ndarray:
+def _plain_dtype(name: str, dtype: str, stored_fp32: tuple[str, ...]) -> str:
+    """An unquantized tensor's output dtype: BF16 for a float, FP32 for the tensors the family
+    stores in FP32 (`Family.stored_fp32`), other dtypes as they are."""
+    if dtype not in ("float32", "float16", "float64", "bfloat16"):
+        return dtype
+    return "float32" if any(fnmatch.fnmatchcase(name, p) for p in stored_fp32) else "bfloat16"
+
+
+def _plain_copy(tensors, name: str, stored_fp32: tuple[str, ...]) -> np.ndarray:
     array = tensors.get(name)
     if array.dtype.name in ("float32", "float16", "float64", "bfloat16"):
         if not np.isfinite(array).all():
             raise NVFP4ToolError(f"{name}: tensor has non-finite values (NaN or inf); nothing written")
-        array = array.astype("bfloat16", copy=False)
+        array = array.astype(_plain_dtype(name, array.dtype.name, stored_fp32), copy=False)
     return array
 
 

@@ -207,6 +207,7 @@ class Family:
     # in one line (`families.require_stage`) rather than half-running them.
     stages: frozenset[str] | None = None
     stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
+    may_be_zero: tuple[str, ...] = ()  # fnmatch patterns of tensors legitimately all zero (check says nothing)
     no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -219,9 +220,14 @@ class Family:
         return 1, math.ceil(0.15 * layers)
 
     def checkpoint_name(self, name: str) -> str:
-        """The name an HF checkpoint stores the tensor our model calls `name` under (the families
-        whose checkpoints use other module paths rename here, at the reader and writer only)."""
+        """The name an HF checkpoint stores the tensor (or module) our model calls `name` under, any
+        suffix (`.weight`, a layout's `.weight_scale`); the families whose checkpoints use other
+        module paths rename here, at the readers and writers of folders only."""
         return name
+
+    def our_name(self, stored: str) -> str:
+        """The inverse of `checkpoint_name`: our name of a tensor (or module) a checkpoint stores."""
+        return stored
 
     def emit(self, config: ModelConfig, hf: dict[str, Any]) -> None:
         """Write this family's keys into config.json's dict."""

@@ -331,11 +331,12 @@ CHECKPOINT_BASE = "backbone"  # NemotronHForCausalLM's base-model attribute (our
 # our base-model names -> the checkpoint's (vLLM's hf_to_vllm_mapper read backwards)
 _CHECKPOINT_NAMES = {f"{EMBEDDING}.weight": f"{CHECKPOINT_BASE}.embeddings.weight",
                      f"{FINAL_NORM}.weight": f"{CHECKPOINT_BASE}.norm_f.weight"}
-# config.json keys the family reads (with its aliases), beyond the common ones
+# config.json keys the family models (with its aliases), beyond the common ones; the MoE keys are
+# not among them (a dense hybrid's config carries transformers' defaults for them, kept as given;
+# a MoE hybrid's are written from its fields)
 _KEYS = frozenset({"hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
-                   "ssm_state_size", "time_step_limit", "use_bias", "mlp_hidden_act", "mamba_hidden_act",
-                   "layer_norm_epsilon", "attention_bias", "mlp_bias", *MAMBA_DEFAULTS, *ALIASES,
-                   *(f.name for f in dataclasses.fields(HybridExperts))})
+                   "ssm_state_size", "time_step_limit", "use_bias", "layer_norm_epsilon",
+                   "attention_bias", "mlp_bias", *MAMBA_DEFAULTS, *ALIASES})
 
 
 class HybridDecoder(Family):
@@ -350,22 +351,27 @@ class HybridDecoder(Family):
     positional = "none"
     # the router in FP32, as transformers 5.24 keeps it (`_keep_in_fp32_modules_strict`) and NVIDIA ships it
     stored_fp32 = (f"*.{MIXER}.gate.weight", f"*.{MIXER}.gate.e_score_correction_bias")
+    # zero until an aux-loss-free balancing update moves it (none in fine-tuning: no gradient reaches it)
+    may_be_zero = (f"*.{MIXER}.gate.e_score_correction_bias",)
     norm_scale_in_fp32 = True
     norm_eps_key = "layer_norm_epsilon"
     hidden_act = None
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
     # built so far: the model (logits equal NemotronHForCausalLM), HF folders read and written
     # (`convert --to hf`) and training; export, validate, eval and check refuse the family until built
-    stages = frozenset({"convert --to hf", "train"})
+    stages = frozenset({"convert --to hf", "train", "export", "check"})
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
     common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
-                                         "rms_norm_eps", "num_hidden_layers"})
+                                         "rms_norm_eps", "num_hidden_layers", "sliding_window"})
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         for key, why in (("attention_bias", "transformers 5.24 builds its attention without biases"),
                          ("mlp_bias", "MLP and expert biases are not modeled yet")):
             if flag(hf, key):
                 raise NVFP4ToolError(f"{source}: {key}=true unsupported for nemotron_h ({why})")
+        if hf.get("sliding_window") is not None:
+            raise NVFP4ToolError(f"{source}: sliding_window={hf['sliding_window']!r} unsupported for nemotron_h "
+                                 f"(its attention layers attend to the whole sequence)")
         fields = parse_hybrid(hf, source)
         # transformers 5.24 derives the layer count from the kinds and does not write it
         return {"family_config": fields, "num_layers": len(fields.layer_kinds)}
@@ -398,6 +404,14 @@ class HybridDecoder(Family):
         if name.startswith(f"{LAYERS}."):
             return f"{CHECKPOINT_BASE}.{name.removeprefix(f'{BASE_MODEL}.')}"
         return name
+
+    def our_name(self, stored: str) -> str:
+        ours = {v: k for k, v in _CHECKPOINT_NAMES.items()}
+        if stored in ours:
+            return ours[stored]
+        if stored.startswith(f"{CHECKPOINT_BASE}.layers."):
+            return f"{BASE_MODEL}.{stored.removeprefix(f'{CHECKPOINT_BASE}.')}"
+        return stored
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return config.family_config.layer_kinds[layer]

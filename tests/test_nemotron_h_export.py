@@ -1,0 +1,197 @@
+"""Exporting the hybrid nemotron_h family (both layouts, W4A4 / W4A16 / FP8, RTN), checked and
+proven against the peers: the folder is in the checkpoint's own spelling (`backbone.*`, as
+transformers and vLLM read it), every linear of every layer kind quantized (Mamba in/out_proj,
+attention, relu2 MLPs, experts, the shared expert, latent projections), the routers and lm_head
+excluded in both configs, conv1d / A_log / D / dt_bias / norms unquantized and the router in FP32;
+transformers + compressed-tensors load our compressed-tensors export with bit-exact weights and
+logits equal to our serving simulation (the dense hybrid; a MoE hybrid's experts are fused in
+transformers' memory, so their decompression is checked on compressed-tensors' own compressor, as
+for Qwen3-MoE); compressed-tensors' ModelOpt converter turns our ModelOpt export into our
+compressed-tensors export tensor for tensor, and convert-format does the same byte for byte.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_nemotron_h_model import DENSE, MOE, _hf_folder
+
+from export_fixtures import assert_converted_tensors_equal
+from nvfp4tool.check import check_checkpoint
+from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export.convert_format import convert_format
+from nvfp4tool.export.simulate import load_export
+from nvfp4tool.model import forward
+from nvfp4tool.numerics import dense
+
+torch = pytest.importorskip("torch")
+
+FORMATS = ("modelopt", "compressed-tensors")
+QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")
+# every in_features a multiple of 16 (the shared expert 32 wide, the latent 16)
+FIXTURES = {"dense": DENSE, "moe": dict(MOE, moe_shared_expert_intermediate_size=32)}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nemotron_h_exports")
+    np.save(root / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
+    out = {}
+    for key, options in FIXTURES.items():
+        (root / key).mkdir()
+        out[key], _ = _hf_folder(root / key, options, seed=4)
+        for fmt in FORMATS:
+            for quant in QUANTS:
+                calib = ({} if quant == "nvfp4-weight-only" else
+                         dict(calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16))
+                out[key, fmt, quant] = str(root / key / f"{fmt}-{quant}")
+                export_checkpoint(out[key], out[key, fmt, quant],
+                                  ExportOptions(format=fmt, quant=quant, show_progress=False, **calib))
+    return out
+
+
+def _names(folder: str) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="numpy") as f:
+        return {n: f.get_slice(n).get_dtype() for n in f.keys()}
+
+
+@pytest.mark.parametrize("key", FIXTURES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_export_is_checked_and_in_the_checkpoints_spelling(exports, key, fmt, quant):
+    folder = exports[key, fmt, quant]
+    report = check_checkpoint(folder)
+    assert report.ok, [p.message for p in report.problems]
+    names = _names(folder)
+    assert all(n.startswith(("backbone.", "lm_head.")) for n in names)
+    ours = load_export(folder)
+    kinds = {m.split(".mixer.")[1].split(".")[0] for m in ours.quantized}
+    want = {"in_proj", "out_proj", "up_proj", "down_proj"} | ({"q_proj", "k_proj", "v_proj", "o_proj"})
+    if key == "moe":
+        want |= {"experts", "shared_experts", "fc1_latent_proj", "fc2_latent_proj"}
+    assert kinds == want
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    qc = config["quantization_config"]
+    routers = [f"backbone.layers.{i}.mixer.gate" for i, c in enumerate(FIXTURES[key]["hybrid_override_pattern"])
+               if c == "E"]
+    excluded = qc.get("ignore", qc.get("exclude_modules"))
+    assert sorted(excluded) == sorted(routers + ["lm_head"])
+    if fmt == "modelopt":
+        hf_quant = json.loads(open(os.path.join(folder, "hf_quant_config.json")).read())
+        assert sorted(hf_quant["quantization"]["exclude_modules"]) == sorted(routers + ["lm_head"])
+    for suffix in ("conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight"):
+        assert names[f"backbone.layers.0.mixer.{suffix}"] == "BF16", suffix
+    for router in routers:
+        assert names[f"{router}.weight"] == "F32" and names[f"{router}.e_score_correction_bias"] == "F32"
+    source = json.loads(open(os.path.join(exports[key], "config.json")).read())
+    same = {k: v for k, v in source.items() if k not in ("dtype", "transformers_version")}
+    assert {k: v for k, v in config.items() if k not in ("quantization_config", "dtype", "transformers_version")} \
+        == same  # the source's config, every key in its own spelling
+
+
+def _as_transformers(x, w, b, *, name):
+    """Our served linear with the decoded weight rounded to the BF16 transformers holds."""
+    if hasattr(w, "dequantize"):
+        x = w.quantize_input(x, name)
+        w = w.dequantize().astype(jnp.bfloat16)
+    return dense(x, w, b)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("quant", ("nvfp4", "nvfp4-weight-only"))
+def test_transformers_loads_the_dense_hybrid_bit_exact_with_our_logits(exports, quant):
+    import transformers
+
+    folder = exports["dense", "compressed-tensors", quant]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ids = np.random.default_rng(1).integers(3, 40, (2, 12))
+    model(torch.tensor(ids))  # the first forward decompresses the weights
+    ours = load_export(folder)
+    checked = 0
+    for name, module in model.named_modules():
+        if name in ours.quantized:  # transformers' module paths are ours (model.layers.{i}.mixer.*)
+            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
+            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
+            checked += 1
+    assert checked == len(ours.quantized) == 14
+    for p in model.parameters():
+        p.data = p.data.float()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.float().numpy()
+    simulated = np.asarray(forward(ours.model(jnp.float32), jnp.asarray(ids), linear=_as_transformers))
+    np.testing.assert_allclose(simulated, theirs, rtol=0, atol=3e-5)
+
+
+@pytest.mark.peers
+def test_compressed_tensors_decompresses_the_moe_hybrid_to_our_weights(exports):
+    import transformers
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from safetensors.torch import load_file
+
+    folder = exports["moe", "compressed-tensors", "nvfp4"]
+    ours = load_export(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model(torch.tensor(np.random.default_rng(1).integers(3, 40, (2, 12))))
+    plain = 0
+    for name, module in model.named_modules():
+        if name in ours.quantized and hasattr(module, "weight"):
+            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
+            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
+            plain += 1
+    assert plain == len([m for m in ours.quantized if ".experts." not in m])
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    experts = [m for m in ours.quantized if ".experts." in m]
+    assert len(experts) == 2 * 8 * 2
+    for module in experts:
+        stored = module.replace("model.", "backbone.", 1)
+        state = {s: tensors[f"{stored}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale")}
+        theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+        mine = np.asarray(jnp.asarray(ours.dequantized(module)).astype(jnp.bfloat16)).view(np.int16)
+        assert theirs.view(torch.int16).numpy().tobytes() == mine.tobytes(), module
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("key", FIXTURES)
+def test_compressed_tensors_converter_and_convert_format_agree(exports, key, tmp_path):
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from safetensors.torch import load_file
+
+    modelopt = load_file(os.path.join(exports[key, "modelopt", "nvfp4"], "model.safetensors"))
+    ours = load_file(os.path.join(exports[key, "compressed-tensors", "nvfp4"], "model.safetensors"))
+    routers = [n.removesuffix(".weight") for n in modelopt if n.endswith("mixer.gate.weight")]
+    theirs = ModelOptNvfp4Converter(ignore=["lm_head", *routers], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
+    assert_converted_tensors_equal(theirs, ours)
+    for quant in ("nvfp4", "nvfp4-weight-only", "fp8"):
+        convert_format(exports[key, "modelopt", quant], str(tmp_path / f"ct-{quant}"), to="compressed-tensors")
+        with open(tmp_path / f"ct-{quant}" / "model.safetensors", "rb") as a, \
+                open(os.path.join(exports[key, "compressed-tensors", quant], "model.safetensors"), "rb") as b:
+            assert a.read() == b.read(), quant
+
+
+def test_a_hybrid_export_simulates_close_to_its_source(exports):
+    """Our serving simulation of each export against the BF16 source's logits: FP8 closest, then
+    W4A16, then W4A4 (the order quantization error must take), all finite."""
+    from converters.hf import HFFolderSource
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.export.simulate import served_linear
+    from nvfp4tool.model import model_from_tensors
+
+    src = exports["moe"]
+    ids = jnp.asarray(np.random.default_rng(2).integers(3, 40, (2, 12)))
+    want = np.asarray(forward(model_from_tensors(ModelConfig.from_hf_folder(src), HFFolderSource(src)), ids))
+    error = {}
+    for quant in QUANTS:
+        got = np.asarray(forward(load_export(exports["moe", "compressed-tensors", quant]).model(jnp.float32), ids,
+                                 linear=functools.partial(served_linear)))
+        assert np.isfinite(got).all()
+        error[quant] = float(np.abs(got - want).mean())
+    assert error["fp8"] < error["nvfp4-weight-only"] < error["nvfp4"], error
