@@ -195,3 +195,37 @@ def test_a_hybrid_export_simulates_close_to_its_source(exports):
         assert np.isfinite(got).all()
         error[quant] = float(np.abs(got - want).mean())
     assert error["fp8"] < error["nvfp4-weight-only"] < error["nvfp4"], error
+
+
+@pytest.mark.slow
+def test_validate_runs_a_hybrid_held_and_streamed(exports, tmp_path):
+    """validate on a MoE hybrid export: the same metrics held in memory and streamed layer by layer,
+    greedy generation with the Mamba layers' decode state (held), and the sensitivity search over
+    the hybrid's fused groups."""
+    import shutil
+
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    np.save(tmp_path / "val.npy", np.random.default_rng(5).integers(3, 40, (4, 24)))
+    records = {}
+    for offload in ("never", "always"):
+        folder = tmp_path / offload
+        shutil.copytree(exports["moe", "compressed-tensors", "nvfp4"], folder)
+        options = ValidateOptions(data=str(tmp_path / "val.npy"), source=exports["moe"], samples=4, seq_len=24,
+                                  batch_size=2, prompts=2, prompt_len=8, gen_tokens=6, offload=offload,
+                                  reference="bf16", thresholds=Thresholds(
+                                      max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None,
+                                      min_layer_sqnr_db=None))
+        records[offload] = validate_export(str(folder), options, kl_target=1e9 if offload == "never" else None).record
+    held, streamed = records["never"], records["always"]
+    assert held.generation.skipped is None and held.generation.tokens == 6
+    assert len(held.generation.first_divergence["nvfp4"]) == 2
+    assert "streamed layer by layer" in streamed.generation.skipped  # generation needs the whole model
+    for metric in ("kl_mean", "top1", "ppl"):
+        np.testing.assert_allclose(held.models["nvfp4"][metric], streamed.models["nvfp4"][metric], rtol=1e-5)
+    assert {layer.name.split(".mixer.")[1].split(".")[0] for layer in held.layers} >= {"in_proj", "out_proj",
+                                                                                      "experts", "q_proj"}
+    harm = held.sensitivity.harm  # every fused group measured alone, the hybrid's kinds among them
+    assert held.sensitivity.met and {h.group.split(".mixer.")[1].split(".")[0] for h in harm} >= {
+        "in_proj", "out_proj", "qkv", "experts", "shared_experts"}

@@ -359,7 +359,7 @@ class HybridDecoder(Family):
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
     # built so far: the model (logits equal NemotronHForCausalLM), HF folders read and written
     # (`convert --to hf`) and training; export, validate, eval and check refuse the family until built
-    stages = frozenset({"convert --to hf", "train", "export", "check"})
+    stages = frozenset({"convert --to hf", "train", "export", "check", "validate", "eval"})
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
     common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
                                          "rms_norm_eps", "num_hidden_layers", "sliding_window"})
