@@ -229,3 +229,64 @@ def test_validate_runs_a_hybrid_held_and_streamed(exports, tmp_path):
     harm = held.sensitivity.harm  # every fused group measured alone, the hybrid's kinds among them
     assert held.sensitivity.met and {h.group.split(".mixer.")[1].split(".")[0] for h in harm} >= {
         "in_proj", "out_proj", "qkv", "experts", "shared_experts"}
+
+
+def test_check_applies_the_hybrids_tensor_parallel_rules(exports):
+    """vLLM's sharding of a Mamba layer: its heads split across the ranks (TP 8 > 4 heads is
+    refused), its groups split or replicate (2 groups at TP 4 replicate evenly), in_proj is column-
+    and out_proj row-parallel (at TP 4 out_proj's K = 32 gives shards of 8 < one 16-block)."""
+    folder = exports["dense", "compressed-tensors", "nvfp4"]
+    at8 = [p.message for p in check_checkpoint(folder, tp=(8,)).problems]
+    assert any("mamba_num_heads = 4 does not split into 8 equal shards" in m for m in at8)
+    at4 = check_checkpoint(folder, tp=(4,)).problems
+    assert not any("n_groups" in p.message or "mamba_num_heads" in p.message for p in at4)
+    assert any(p.module == "backbone.layers.0.mixer.out_proj" and "row-parallel K = 32 at TP 4" in p.message
+               for p in at4)
+    assert not any(p.module == "backbone.layers.0.mixer.in_proj" for p in at4)  # 2 x 32 + 2 x 12 + 4 = 92 rows
+    at2 = [p for p in check_checkpoint(folder, tp=(2,)).problems if "mixer.in_proj" in p.module]
+    assert not at2  # 92 rows split in two; its K (hidden 32) is not split
+
+
+def test_nvidias_nano_recipe_keeps_attention_and_the_mamba_layers_feeding_it(exports, tmp_path):
+    """The keep-BF16 file of NVIDIA's published Nemotron-3-Nano NVFP4 choice: on a 52-layer M / E
+    pattern with attention where Nano has it (layers 5, 12, 19, 26, 33, 42), the Mamba layers its
+    card names {4, 11, 18, 25, 32, 41} and the attention layers after them;
+    on the dense fixture (M-M*-M) layers 2 and 3, which the export then leaves unquantized, with
+    the FP8 KV cache."""
+    import subprocess
+    import sys
+
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.families.nemotron_h import nvidia_nano_keep_bf16
+
+    nano = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    config = ModelConfig.from_hf_config({"model_type": "nemotron_h", **dict(MOE, hybrid_override_pattern=nano)})
+    kept = [int(p.split(".")[2]) for p in nvidia_nano_keep_bf16(config)]
+    attention = [i for i, c in enumerate(nano) if c == "*"]
+    assert len(nano) == 52 and attention == [5, 12, 19, 26, 33, 42]
+    assert sorted(set(kept) - set(attention)) == [4, 11, 18, 25, 32, 41]
+    keep = tmp_path / "keep.txt"
+    keep.write_text(subprocess.run([sys.executable, "scripts/nemotron_keep_bf16.py", exports["dense"]],
+                                   capture_output=True, text=True, check=True).stdout)
+    np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
+    out = tmp_path / "nano-recipe"
+    export_checkpoint(exports["dense"], str(out), ExportOptions(
+        keep_bf16_file=str(keep), kv_cache="fp8", calib_data=str(tmp_path / "calib.npy"), calib_samples=4,
+        calib_seq_len=16, show_progress=False))
+    quantized = load_export(str(out)).quantized
+    assert quantized and not any(m.startswith(("model.layers.2.", "model.layers.3.")) for m in quantized)
+    assert check_checkpoint(str(out)).ok
+
+
+def test_compressed_tensors_nvfp4_of_a_moe_hybrid_says_vllm_does_not_serve_it(exports, tmp_path):
+    from click.testing import CliRunner
+
+    from nvfp4tool.cli import cli
+
+    result = CliRunner().invoke(cli, ["export", exports["moe"], "--out", str(tmp_path / "ct"), "--quant",
+                                      "nvfp4-weight-only", "--format", "compressed-tensors"])
+    assert result.exit_code == 0, result.output
+    assert "vllm-project/vllm#31782" in result.output
+    result = CliRunner().invoke(cli, ["export", exports["dense"], "--out", str(tmp_path / "dense"), "--quant",
+                                      "nvfp4-weight-only", "--format", "compressed-tensors"])
+    assert result.exit_code == 0 and "31782" not in result.output  # no MoE layer: nothing to say

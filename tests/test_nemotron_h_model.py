@@ -127,41 +127,25 @@ def test_module_table_of_a_hybrid():
     assert shapes["model.layers.1.mixer.experts.0.up_proj.weight"] == (16, 16)
 
 
-def test_commands_not_built_for_the_family_refuse_it_in_one_line(tmp_path):
-    """What is not built for nemotron_h yet (export, train, validate, eval, check) says so naming
-    the model, rather than half-running; convert --to maxtext says why there is no layout."""
+def test_what_the_family_lacks_is_refused_in_one_line(tmp_path):
+    """convert --to maxtext says MaxText has no Mamba-2 decoder (before asking for a RoPE layout);
+    export --equalize says equivalent scaling is not built for the hybrid; nothing is written."""
     from click.testing import CliRunner
 
     from nvfp4tool.cli import cli
 
     folder, _ = _hf_folder(tmp_path, DENSE, seed=1)
-    data = tmp_path / "data.txt"
-    data.write_text("some text to read " * 200)
-    runner = CliRunner()
-    cases = [
-        (["export", folder, "--out", str(tmp_path / "e"), "--quant", "nvfp4-weight-only"], "export"),
-        (["train", f"model={folder}", f"data={data}", "steps=1", f"out={tmp_path / 'run'}"], "train"),
-        (["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"], None),
-    ]
-    for args, stage in cases:
-        result = runner.invoke(cli, args)
-        lines = [line for line in result.output.splitlines() if line.startswith("error")]
+    np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
+    cases = [(["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"], "MaxText has no Mamba-2 decoder"),
+             (["export", folder, "--out", str(tmp_path / "e"), "--equalize", "awq", "--calib-data",
+               str(tmp_path / "calib.npy"), "--calib-samples", "4", "--calib-seq-len", "16"],
+              "equivalent scaling (--equalize) is not built for the hybrid family")]
+    for args, says in cases:
+        result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1, (args, result.output)
-        if stage is None:
-            assert "MaxText has no Mamba-2 decoder" in result.output
-        else:
-            assert f"{stage} does not support nemotron_h models yet" in result.output, result.output
-        assert len(lines) <= 1, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+        assert len(errors) == 1 and says in errors[0], result.output
     assert not (tmp_path / "e").exists() and not (tmp_path / "mt").exists()
-    from nvfp4tool import formats
-    from nvfp4tool.check.checker import check_checkpoint
-
-    config_file = tmp_path / "hf" / "config.json"  # as a serving checkpoint declares itself
-    hf = json.loads(config_file.read_text())
-    hf["quantization_config"] = formats.get("compressed-tensors", "nvfp4").quantization_config(("lm_head",))
-    config_file.write_text(json.dumps(hf))
-    report = check_checkpoint(folder)
-    assert any("check does not support nemotron_h models yet" in p.message for p in report.problems)
 
 
 @pytest.mark.parametrize("options", [DENSE, MOE], ids=["dense", "moe"])

@@ -38,7 +38,7 @@ from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
 from nvfp4tool.check.model import (attention_modules, check_against_model, check_dtypes, read_model_config,
                                    stored_shapes)
 from nvfp4tool.check.record import check_against_record
-from nvfp4tool.check.report import CheckReport, ModuleStats, Problem
+from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, is_embedding, projection_of
@@ -63,6 +63,9 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     entries, file_problems = read_tensor_table(folder)
     report = CheckReport(path=folder, format=layout.format, quant=layout.quant, tp=degrees,
                          problems=problems + config_problems + file_problems)
+    if config is not None:  # the family's own tensor-parallel rules (a hybrid's Mamba heads and groups)
+        report.problems += [Problem(CONFIG_LEVEL, CONFIG, why) for t in degrees if t > 1
+                            for why in config.family_spec.tp_problems(config, t)]
     scans: dict[str, TensorScan] = {}
     quantized: dict[str, ModuleStats] = {}
     status: dict[str, str] = {}  # linear module -> "quantized" / "excluded" / "plain"

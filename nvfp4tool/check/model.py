@@ -33,7 +33,7 @@ from nvfp4tool.check.formats import CONFIG
 from nvfp4tool.check.report import CONFIG_LEVEL, ModuleStats, Problem
 from nvfp4tool.config import ModelConfig, read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import LM_HEAD, expert_of, layer_index, require_stage
+from nvfp4tool.families import LM_HEAD, expert_of, layer_index
 from nvfp4tool.formats import LayoutSpec
 
 
@@ -50,10 +50,6 @@ def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig |
         why = str(bad).removeprefix(f"{CONFIG}: ")
         return None, [Problem(CONFIG_LEVEL, CONFIG, f"{why} (transformers and vLLM build the model "
                                                     f"from {CONFIG}: not loadable as a supported family)")]
-    try:
-        require_stage(config, "check", CONFIG)
-    except NVFP4ToolError as not_built:
-        return None, [Problem(CONFIG_LEVEL, CONFIG, str(not_built).removeprefix(f"{CONFIG}: "))]
     return config, []
 
 

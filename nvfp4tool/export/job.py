@@ -37,7 +37,6 @@ from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.scale_search import METHODS
-from nvfp4tool.families import require_stage
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import tensor_amax
 from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQRecord
@@ -122,7 +121,8 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     check_output_path(out, inputs, flag="--out", force=options.force)  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config,
                              rope_layout=options.rope_layout)
-    require_stage(source.config, "export", src)
+    for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
+        progress.info(line)
     spec = formats.get(options.format, options.quant)
     plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
                      keep_bf16=options.keep_bf16 + tuple(from_file),

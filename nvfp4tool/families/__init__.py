@@ -46,8 +46,7 @@ __all__ = [
     "MAXTEXT_FAMILIES", "MOE_FAMILIES", "REGISTRY", "ROUTER", "SUPPORTED_FAMILIES", "SWIGLU",
     "Family", "Fold", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
     "folds", "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
-    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "require_stage",
-    "split_layer",
+    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
 ]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
@@ -65,15 +64,6 @@ def get_family(model_type: str) -> Family:
     except KeyError:
         raise NVFP4ToolError(f"unsupported model family {model_type!r}; supported: "
                              f"{', '.join(SUPPORTED_FAMILIES)}") from None
-
-
-def require_stage(config: ModelConfig, stage: str, label: str) -> None:
-    """NVFP4ToolError naming `label` (the model's file or folder) when command `stage` is not built
-    for `config`'s family yet (`Family.stages`)."""
-    family = get_family(config.family)
-    if family.stages is not None and stage not in family.stages:
-        raise NVFP4ToolError(f"{label}: {stage} does not support {config.family} models yet (the family is "
-                             f"being built; what works today: {', '.join(sorted(family.stages))})")
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,13 +115,14 @@ def _declared() -> dict[str, Projection]:
     write), by attribute name: the same attribute means the same projection in every family."""
     found: dict[str, Projection] = {}
     for family in REGISTRY.values():
-        for p in (*ATTENTION_PROJECTIONS, *SWIGLU, *getattr(family, "expert_projections", ()), *_FOREIGN):
+        for p in (*ATTENTION_PROJECTIONS, *SWIGLU, *getattr(family, "expert_projections", ()), *family.projections,
+                  *_FOREIGN):
             found.setdefault(p.attr, p)
     return found
 
 
 _BY_ATTR = _declared()
-_SPARSE_BLOCKS = frozenset(getattr(f, "block", "mlp") for f in REGISTRY.values() if isinstance(f, moe.SparseDecoder))
+_SPARSE_BLOCKS = frozenset(b for f in REGISTRY.values() for b in f.router_blocks)
 
 
 def projection_of(name: str) -> Projection | None:

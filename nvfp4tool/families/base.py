@@ -203,16 +203,25 @@ class Family:
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
     hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
     common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
-    # The commands built for the family (None: every one); a family being built refuses the others
-    # in one line (`families.require_stage`) rather than half-running them.
-    stages: frozenset[str] | None = None
     stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
+    projections: tuple[Projection, ...] = ()  # its linears beyond attention, SwiGLU and experts (names alone)
+    router_blocks: tuple[str, ...] = ()  # the attributes whose `gate` is a MoE router ("mlp", "mixer", ...)
     may_be_zero: tuple[str, ...] = ()  # fnmatch patterns of tensors legitimately all zero (check says nothing)
     no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
         return {}
+
+    def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
+        """Lines an export of `config`'s model in layout `fmt` x `quant` prints before it runs (a
+        layout the engines do not serve for this model): none for these families."""
+        return []
+
+    def tp_problems(self, config: ModelConfig, tp: int) -> list[str]:
+        """What keeps `config`'s model from being served at tensor-parallel degree `tp`, beyond
+        each linear's own split (which check judges per module): none for these families."""
+        return []
 
     def bf16_blocks(self, layers: int) -> tuple[int, int]:
         """The (first, last) decoder blocks the fp8 / nvfp4 training recipes keep in BF16 unless

@@ -61,6 +61,7 @@ class SparseDecoder(Decoder):
                  maxtext_block: str, **attention: Any) -> None:
         self.block = block  # the sparse MLP's attribute: "mlp" | "block_sparse_moe"
         self.expert_projections = experts  # an expert's (gate, up, down)
+        self.router_blocks = (block,)
         self.maxtext_block = maxtext_block  # MaxText's name of the sparse block
         super().__init__(model_type, architecture, **attention)
         self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"

@@ -349,6 +349,8 @@ class HybridDecoder(Family):
     config_type = HybridFields
     modeled_keys = _KEYS
     positional = "none"
+    projections = (MAMBA_IN, MAMBA_OUT, *LATENT)
+    router_blocks = (MIXER,)
     # the router in FP32, as transformers 5.24 keeps it (`_keep_in_fp32_modules_strict`) and NVIDIA ships it
     stored_fp32 = (f"*.{MIXER}.gate.weight", f"*.{MIXER}.gate.e_score_correction_bias")
     # zero until an aux-loss-free balancing update moves it (none in fine-tuning: no gradient reaches it)
@@ -357,9 +359,6 @@ class HybridDecoder(Family):
     norm_eps_key = "layer_norm_epsilon"
     hidden_act = None
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
-    # built so far: the model (logits equal NemotronHForCausalLM), HF folders read and written
-    # (`convert --to hf`) and training; export, validate, eval and check refuse the family until built
-    stages = frozenset({"convert --to hf", "train", "export", "check", "validate", "eval"})
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
     common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
                                          "rms_norm_eps", "num_hidden_layers", "sliding_window"})
@@ -413,6 +412,32 @@ class HybridDecoder(Family):
             return f"{BASE_MODEL}.{stored.removeprefix(f'{CHECKPOINT_BASE}.')}"
         return stored
 
+    def tp_problems(self, config: ModelConfig, tp: int) -> list[str]:
+        """vLLM's MambaMixer2 shards in_proj's z | x | B | C | dt pieces, conv1d and the SSM
+        parameters by Mamba heads (it asserts the degree divides them); B and C by groups, which a
+        degree that does not divide them replicates to follow the head shards (so the degree must be
+        a multiple of the group count then). out_proj's input K is checked per module (row split)."""
+        f: HybridFields = config.family_config
+        if MAMBA not in f.layer_kinds:
+            return []
+        problems = []
+        if f.mamba_num_heads % tp:
+            problems.append(f"mamba_num_heads = {f.mamba_num_heads} does not split into {tp} equal shards (TP {tp}: "
+                            f"vLLM shards in_proj's pieces, conv1d, A, D and dt_bias by Mamba heads)")
+        if f.n_groups % tp and tp % f.n_groups:
+            problems.append(f"n_groups = {f.n_groups} neither splits into {tp} shards nor replicates evenly over "
+                            f"them (TP {tp}: B and C follow the head shards)")
+        return problems
+
+    def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
+        """A MoE hybrid in compressed-tensors NVFP4: vLLM's fused-MoE layer refuses compressed-tensors
+        NVFP4 for non-gated experts (vllm-project/vllm#31782, open when we read it), while NVIDIA's
+        own NVFP4 MoE hybrids are ModelOpt checkpoints (our default format), which it serves."""
+        if MOE in config.family_config.layer_kinds and fmt == "compressed-tensors" and quant != "fp8":
+            return ["warning: vLLM does not serve a MoE hybrid's non-gated experts from compressed-tensors "
+                    "NVFP4 (vllm-project/vllm#31782); --format modelopt (the default) is the layout it serves"]
+        return []
+
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return config.family_config.layer_kinds[layer]
 
@@ -456,6 +481,23 @@ class HybridDecoder(Family):
     def folds(self, config: ModelConfig, layer: int) -> list:
         raise NVFP4ToolError("nemotron_h: equivalent scaling (--equalize) is not built for the hybrid "
                              "family yet (its relu2 MLPs and Mamba mixers fold differently)")
+
+
+def nvidia_nano_keep_bf16(config: ModelConfig) -> list[str]:
+    """The modules NVIDIA's published NVFP4 Nemotron-3-Nano keeps in BF16 beyond lm_head, the
+    routers and conv1d (never quantized here): every attention layer and the Mamba layer feeding
+    each (the closest Mamba layer before it), as keep-BF16 patterns of whole mixers
+    (`model.layers.{i}.mixer.*`), in layer order. With `export --kv-cache fp8` this is that
+    checkpoint's recipe (its model card and the Nemotron 3 Nano report, section 4)."""
+    kinds = config.family_config.layer_kinds
+    kept = set()
+    for i, kind in enumerate(kinds):
+        if kind == ATTENTION:
+            kept.add(i)
+            feeding = next((j for j in range(i - 1, -1, -1) if kinds[j] == MAMBA), None)
+            if feeding is not None:
+                kept.add(feeding)
+    return [f"{layer_prefix(i)}.{MIXER}.*" for i in sorted(kept)]
 
 
 FAMILIES = (HybridDecoder(),)

@@ -16,7 +16,7 @@ chooses the experts; the routed experts (non-gated relu2, optionally between `fc
 SparseMoE's; their weighted sum in fp32 is cast to the input dtype before the latent up-projection,
 then the shared expert's output on the block input is added (transformers 5.24's order).
 
-Status: for the `nemotron_h` family (issue 23), not registered yet: no command builds these today.
+`HybridBlock` is one layer of the `nemotron_h` family: its norm, the mixer of its kind, the residual.
 """
 
 from __future__ import annotations

@@ -32,9 +32,8 @@ Decode state (`MambaState`): the conv window's last K - 1 inputs and the SSM sta
 both fp32; a prefill returns them, each decode step advances them; cached generation equals
 recomputation.
 
-Status: the mixer's math, proven against transformers (tests/test_nemotron_h_pieces.py); the
-`nemotron_h` family that builds blocks of it (config, converters, export, check) is not registered
-yet, so no command reaches this module today.
+Proven against transformers' NemotronHMamba2Mixer (tests/test_nemotron_h_pieces.py); the
+`nemotron_h` family's Mamba layers are `hybrid.HybridBlock`s around it.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, o
                                    run_steps)
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix, require_stage
+from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
@@ -247,7 +247,6 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if config.model not in PRESETS:
         source = open_checkpoint(config.model, model_config=config.model_config,
                                  rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
-        require_stage(source.config, "train", config.model)
     tokenizer, trained_here = _tokenizer(config, out, source)
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout

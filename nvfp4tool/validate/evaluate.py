@@ -47,7 +47,6 @@ import numpy as np
 import yaml
 
 from nvfp4tool import memory, progress
-from nvfp4tool.families import require_stage
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.records.evaluation import EvalItems, EvalRecord
 from nvfp4tool.records.export import ExportRecord, sha256_file
@@ -282,7 +281,6 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
                               "made from)")
     source_path, step = _source_of(export_dir, options.source, record)
     source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
-    require_stage(source.config, "validate", source_path)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
     if mismatch is not None:
         raise NVFP4ToolError(f"{mismatch}: not the source the export was made from; pass the right --source")

@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4tool import memory, progress
-from nvfp4tool.families import require_stage
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 try:  # the optional extra `nvfp4tool[eval]`
@@ -130,7 +129,6 @@ def open_variant(path: str, *, label: str | None = None, offload: str = "auto", 
         from nvfp4tool.model import model_from_tensors
 
         checkpoint = open_checkpoint(path, step=step, options=_VALIDATE_OPTIONS)
-        require_stage(checkpoint.config, "eval", path)
         config, stored, source = checkpoint.config, source_bytes(checkpoint), checkpoint.tensors
         build = lambda mesh: model_from_tensors(config, checkpoint.tensors, dtype=None,  # noqa: E731
                                                 compute_dtype=VALIDATION_DTYPE, mesh=mesh)
