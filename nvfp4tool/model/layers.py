@@ -173,8 +173,8 @@ def route_grouped_sigmoid(router_logits_BxTxN: jax.Array, k: int, *, correction_
     groups, each group scored by the sum of its two best biased scores, the `topk_group` best
     groups kept, then the k best biased scores among their experts; the weights are the chosen
     experts' unbiased scores, renormalised (`normalize`, + 1e-20 as the reference) and times
-    `scaling` (`routed_scaling_factor`). The same return as `route` (fp32 weights). For the
-`nemotron_h` family, not registered yet: no model calls it today."""
+    `scaling` (`routed_scaling_factor`). The same return as `route` (fp32 weights); the router of
+    the `nemotron_h` family's MoE layers (`hybrid.HybridMoE`)."""
     scores_BxTxN = jax.nn.sigmoid(router_logits_BxTxN.astype(jnp.float32))
     n = scores_BxTxN.shape[-1]
     biased_BxTxN = scores_BxTxN + correction_bias_N.astype(jnp.float32)
