@@ -5,6 +5,8 @@ loss, final eval loss, relative eval gap to bf16, tokens/s), `docs/recipe_study.
 curves + gap to bf16) and `docs/recipe_study.json`.
 
     python scripts/recipe_study.py --data ../shared/data/shakespeare --steps 300 --out runs/study
+    python scripts/recipe_study.py --data ../shared/data/shakespeare --model tiny-hybrid --runs bf16,fp8,nvfp4 \
+        --out runs/study-hybrid      # the hybrid Nemotron-H preset: docs/recipe_study_tiny-hybrid.*
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     parser.add_argument("--seed", type=int, default=0, help="model init, SR and data-order seed")
     parser.add_argument("--docs", default="docs")
+    parser.add_argument("--stem", default=None,
+                        help="docs/<stem>.png / .json (default: recipe_study, recipe_study_<model> for another model)")
     args = parser.parse_args()
 
     data = Path(args.data)
@@ -78,9 +82,10 @@ def main() -> None:
         r["eval_gap_pct_vs_bf16"] = 100 * (r["eval_loss"] - base) / base
     docs = Path(args.docs)
     docs.mkdir(exist_ok=True)
+    stem = args.stem or ("recipe_study" if args.model == "tiny" else f"recipe_study_{args.model}")
     suffix = "" if args.seed == 0 else f"_seed{args.seed}"
-    plot_runs([out / n for n in names], docs / f"recipe_study{suffix}.png", labels=names)
-    (docs / f"recipe_study{suffix}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    plot_runs([out / n for n in names], docs / f"{stem}{suffix}.png", labels=names)
+    (docs / f"{stem}{suffix}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print("\n| run | final train loss | final eval loss | eval gap vs bf16 | tokens/s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():

@@ -148,6 +148,22 @@ def test_what_the_family_lacks_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "e").exists() and not (tmp_path / "mt").exists()
 
 
+def test_multi_token_prediction_tensors_are_refused_naming_them(tmp_path):
+    """A checkpoint with `mtp.*` layers (Nemotron 3's multi-token prediction, which vLLM drops and
+    transformers 5.24 does not build) is refused in one line naming the tensor: the model has no
+    such layer, so carrying them would publish weights nothing checked."""
+    from safetensors.numpy import load_file, save_file
+
+    from nvfp4tool.errors import NVFP4ToolError
+
+    folder, _ = _hf_folder(tmp_path, DENSE, seed=1)
+    tensors = load_file(f"{folder}/model.safetensors")
+    tensors["mtp.layers.0.norm.weight"] = np.ones(32, np.float32)
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NVFP4ToolError, match=r"mtp\.layers\.0\.norm\.weight"):
+        HFFolderSource(folder)
+
+
 @pytest.mark.parametrize("options", [DENSE, MOE], ids=["dense", "moe"])
 def test_cached_generation_equals_recomputation_and_transformers(tmp_path, options):
     """Greedy decoding with the per-kind decode state (attention KV cache, Mamba conv window and SSM

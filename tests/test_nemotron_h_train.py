@@ -70,3 +70,33 @@ def test_a_trained_hybrid_loads_in_transformers(tmp_path):
     with torch.no_grad():
         want = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(ids))), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_hybrid_pipeline_train_export_check_validate(tmp_path):
+    """The quickstart-sized hybrid pipeline: train `tiny-hybrid` with the NVFP4 recipe, export
+    the run (its precision map and tracked input amax), check it, validate it against the BF16
+    weights it was trained to (the FP8 reference made on the fly)."""
+    data = tmp_path / "train.txt"
+    text = open("nvfp4tool/data/shakespeare_train.txt", encoding="utf-8").read()
+    data.write_text(text[:60000])
+    val = tmp_path / "val.txt"
+    val.write_text(open("nvfp4tool/data/shakespeare_val.txt", encoding="utf-8").read()[:20000])
+    runner = CliRunner()
+    run = tmp_path / "run"
+    result = runner.invoke(cli, ["train", "model=tiny-hybrid", f"data={data}", "recipe=nvfp4", "steps=3",
+                                 "seq_len=32", "batch_size=2", "eval_every=0", "vocab_size=512", f"out={run}"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "export"
+    result = runner.invoke(cli, ["export", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["check", str(out)])
+    assert result.exit_code == 0 and ": OK" in result.output, result.output
+    result = runner.invoke(cli, ["validate", str(out), "--data", str(val), "--samples", "4", "--seq-len", "32",
+                                 "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4", "--calib-data",
+                                 str(data), "--calib-samples", "4", "--calib-seq-len", "32", "--max-kl-mean", "10",
+                                 "--max-kl-p99", "50", "--min-top1", "0", "--max-ppl-increase", "10"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "validation.json").read_text())
+    assert record["passed"] and set(record["models"]) >= {"bf16", "nvfp4", "fp8"}
+    assert record["generation"]["skipped"] is None

@@ -16,12 +16,18 @@ string or the list (its legacy names included), an alias or the plain key, and `
 as the source spelled it (transformers writes its infinite upper limit as
 `{"__float__": "Infinity"}`).
 
-Serving's reading, for the family to follow (vLLM `model_executor/models/nemotron_h.py` at
-00b08dc4): layer classes by `hybrid_override_pattern` character; checkpoint names mapped
-`backbone.` -> `model.`, `embeddings` -> `embed_tokens`, `A_log` -> `A`, `mtp.*` dropped, q/k/v
-stacked into `qkv_proj`; in_proj / out_proj biases from `use_bias`; experts non-gated
-(`up_proj`, `down_proj`), grouped top-k with the sigmoid scores and the correction bias, the shared
-expert `n_shared_experts x moe_shared_expert_intermediate_size` wide.
+Serving's reading, which the family follows (vLLM `model_executor/models/nemotron_h.py` at
+00b08dc4, read for this module): layer classes by `hybrid_override_pattern` character; checkpoint
+names mapped by `hf_to_vllm_mapper` (`backbone.` -> `model.`, `embeddings` -> `embed_tokens`,
+`A_log` -> `A`, `mtp.*` dropped, q/k/v stacked into `qkv_proj`), which `SupportsQuant` also applies
+to the quantization config's exclusion lists: so our exports write tensors and exclusions in the
+checkpoint's spelling (`backbone.layers.{i}.mixer.gate`, `lm_head`); `norm_f` keeps its name;
+in_proj column- and out_proj row-parallel (MambaMixer2 shards in_proj's pieces by heads), the MLP's
+up / down column / row, the latent projections replicated; in_proj / out_proj biases from
+`use_bias`; the router a GateLinear in FP32 with its FP32 `e_score_correction_bias`; experts
+non-gated (`up_proj`, `down_proj`), grouped top-k with the sigmoid scores and the correction bias,
+the shared expert `n_shared_experts x moe_shared_expert_intermediate_size` wide; attention without
+rotary embedding.
 
 `HybridDecoder` is the registered family: our module paths are every family's (`model.layers.{i}.norm`,
 `model.layers.{i}.mixer.*`), renamed to the checkpoint's `backbone.*` at the HF reader and writer
@@ -326,7 +332,8 @@ MAMBA_OUT = Projection("out_proj", "mamba_out", "row")
 # the relu2 MLP's up_proj has no gate; it keeps the `gate_up` group name every family's up_proj has
 # (a group of one), so `families.fused_group` names it from the attribute alone
 RELU2 = (Projection("up_proj", "up", "column", "gate_up"), Projection("down_proj", "down", "row"))
-LATENT = (Projection("fc1_latent_proj", "latent_in", "column"), Projection("fc2_latent_proj", "latent_out", "row"))
+# vLLM builds both latent projections as ReplicatedLinear (every rank holds them whole)
+LATENT = (Projection("fc1_latent_proj", "latent_in", "none"), Projection("fc2_latent_proj", "latent_out", "none"))
 CHECKPOINT_BASE = "backbone"  # NemotronHForCausalLM's base-model attribute (ours: `model`)
 # our base-model names -> the checkpoint's (vLLM's hf_to_vllm_mapper read backwards)
 _CHECKPOINT_NAMES = {f"{EMBEDDING}.weight": f"{CHECKPOINT_BASE}.embeddings.weight",
