@@ -87,7 +87,9 @@ def test_export_is_checked_and_in_the_checkpoints_spelling(exports, key, fmt, qu
         hf_quant = json.loads(open(os.path.join(folder, "hf_quant_config.json")).read())
         assert sorted(hf_quant["quantization"]["exclude_modules"]) == sorted(routers + ["lm_head"])
     for suffix in ("conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight"):
-        assert names[f"backbone.layers.0.mixer.{suffix}"] == "BF16", suffix
+        assert names[f"backbone.layers.0.mixer.{suffix}"] == "F32", suffix  # the FP32 source's dtype, kept
+    assert names["backbone.layers.0.norm.weight"] == names["backbone.norm_f.weight"] == "F32"
+    assert names["backbone.embeddings.weight"] == names["lm_head.weight"] == "BF16"
     for router in routers:
         assert names[f"{router}.weight"] == "F32" and names[f"{router}.e_score_correction_bias"] == "F32"
     source = json.loads(open(os.path.join(exports[key], "config.json")).read())
@@ -125,7 +127,20 @@ def test_transformers_loads_the_dense_hybrid_bit_exact_with_our_logits(exports, 
         p.data = p.data.float()
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.float().numpy()
-    simulated = np.asarray(forward(ours.model(jnp.float32), jnp.asarray(ids), linear=_as_transformers))
+    from nvfp4tool.model import model_from_tensors
+
+    class AsTransformersHolds:
+        """The export's tensors as transformers holds them loaded in BF16: the FP32 ones kept as
+        stored (A_log, D, dt_bias, conv1d, norms) rounded to BF16, the quantized weights as stored."""
+
+        path = folder
+
+        def get(self, name):
+            value = ours.get(name)
+            return value.astype(jnp.bfloat16) if isinstance(value, np.ndarray) and value.dtype == np.float32 else value
+
+    held = model_from_tensors(ours.config, AsTransformersHolds(), dtype=None, compute_dtype=jnp.float32, check=False)
+    simulated = np.asarray(forward(held, jnp.asarray(ids), linear=_as_transformers))
     np.testing.assert_allclose(simulated, theirs, rtol=0, atol=3e-5)
 
 

@@ -92,8 +92,8 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
         report.problems += check_against_model(config, entries, quantized, spec, reported)
     report.model_checked = config is not None
     report.problems += _check_data(entries, scans, () if config is None else config.family_spec.may_be_zero)
-    report.problems += check_dtypes(folder, entries, set(quantized), spec,
-                                    () if config is None else config.family_spec.stored_fp32)
+    report.problems += check_dtypes(folder, entries, set(quantized), spec, () if config is None else
+                                    config.family_spec.stored_fp32 + config.family_spec.kept_as_stored)
     report.problems += check_against_record(folder, entries, spec, set(quantized))
     per_module = Counter(p.module for p in report.problems)
     for stats in quantized.values():

@@ -160,7 +160,7 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
             problems.append(Problem(module, name, f"is {entry.code}, not a floating dtype, for an "
                                                   f"unquantized parameter ({CONFIG} says dtype {declared})"))
         elif entry.code == "F32" and any(fnmatch.fnmatchcase(name, p) for p in stored_fp32):
-            continue  # the family stores it in FP32 (`Family.stored_fp32`: Nemotron-H's router)
+            continue  # the family stores it in FP32 (`Family.stored_fp32`, `kept_as_stored`: Nemotron-H's)
         elif entry.code in _FLOAT16_32 and math.prod(entry.shape) > 1 and entry.code != want:
             problems.append(Problem(module, name, f"is {entry.code} but {CONFIG} says dtype "
                                                   f"{declared} ({want}): relabelled header?"))

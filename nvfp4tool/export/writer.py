@@ -27,7 +27,7 @@ configs, tensor records), which convert-format uses too.
    spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran before and
    spilled every record to `.gptq-spill/` inside the output's temporary folder of step 4, so a
    killed run's spill is cleaned with it by the next run: the module's record is read back from
-   it, and the spill removed before publishing); other tensors are copied in BF16 (those a family stores in FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
+   it, and the spill removed before publishing); other tensors are copied in BF16 (those a family keeps as stored, `Family.kept_as_stored`, in the source's dtype; those it stores in FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
@@ -132,7 +132,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
     tensors = source.tensors
     names = tensors.names()
     family = source.config.family_spec
-    units = [_unit_layout(name, tensors, plan, spec, family.stored_fp32) for name in names]
+    units = [_unit_layout(name, tensors, plan, spec, family) for name in names]
     units += [(a, spec.kv_scales.layout(a)) for a in job.kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
@@ -191,8 +191,7 @@ class _ModuleLoader:
         if name not in self.cache:
             module = self.module_of.get(name)
             if module is None:
-                self.cache = {name: _plain_copy(self.job.source.tensors, name,
-                                                self.job.source.config.family_spec.stored_fp32)}
+                self.cache = {name: _plain_copy(self.job.source.tensors, name, self.job.source.config.family_spec)}
             else:
                 self.cache = self._quantize(module)
             self.task.advance(description=name if module is None else f"{module}.weight",
@@ -223,30 +222,32 @@ def _kv_scales(kv_amax: dict[str, tuple[float, float]], spec: LayoutSpec) -> dic
     return scales
 
 
-def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec,
-                 stored_fp32: tuple[str, ...]) -> tuple[str, list]:
+def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec, family) -> tuple[str, list]:
     """(source name, [(output name, dtype, shape), ...]) for one source tensor."""
     module = name.removesuffix(".weight")
     if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
         n, k = tensors.shape(name)
         return name, spec.layout(module, n, k)
-    return name, [(name, _plain_dtype(name, tensors.dtype(name), stored_fp32), tuple(tensors.shape(name)))]
+    return name, [(name, _plain_dtype(name, tensors.dtype(name), family), tuple(tensors.shape(name)))]
 
 
-def _plain_dtype(name: str, dtype: str, stored_fp32: tuple[str, ...]) -> str:
-    """An unquantized tensor's output dtype: BF16 for a float, FP32 for the tensors the family
-    stores in FP32 (`Family.stored_fp32`), other dtypes as they are."""
+def _plain_dtype(name: str, dtype: str, family) -> str:
+    """An unquantized tensor's output dtype: BF16 for a float, but the source's own for the tensors
+    the family keeps as stored (`Family.kept_as_stored`: Nemotron-H's SSM parameters, norms and
+    router) and FP32 for those it stores in FP32 (`Family.stored_fp32`); other dtypes as they are."""
     if dtype not in ("float32", "float16", "float64", "bfloat16"):
         return dtype
-    return "float32" if any(fnmatch.fnmatchcase(name, p) for p in stored_fp32) else "bfloat16"
+    if dtype != "float64" and any(fnmatch.fnmatchcase(name, p) for p in family.kept_as_stored):
+        return dtype
+    return "float32" if any(fnmatch.fnmatchcase(name, p) for p in family.stored_fp32) else "bfloat16"
 
 
-def _plain_copy(tensors, name: str, stored_fp32: tuple[str, ...]) -> np.ndarray:
+def _plain_copy(tensors, name: str, family) -> np.ndarray:
     array = tensors.get(name)
     if array.dtype.name in ("float32", "float16", "float64", "bfloat16"):
         if not np.isfinite(array).all():
             raise NVFP4ToolError(f"{name}: tensor has non-finite values (NaN or inf); nothing written")
-        array = array.astype(_plain_dtype(name, array.dtype.name, stored_fp32), copy=False)
+        array = array.astype(_plain_dtype(name, array.dtype.name, family), copy=False)
     return array
 
 

@@ -204,6 +204,8 @@ class Family:
     hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
     common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
     stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
+    # fnmatch patterns of unquantized tensors an export copies in the source's dtype (others: BF16)
+    kept_as_stored: tuple[str, ...] = ()
     projections: tuple[Projection, ...] = ()  # its linears beyond attention, SwiGLU and experts (names alone)
     router_blocks: tuple[str, ...] = ()  # the attributes whose `gate` is a MoE router ("mlp", "mixer", ...)
     may_be_zero: tuple[str, ...] = ()  # fnmatch patterns of tensors legitimately all zero (check says nothing)

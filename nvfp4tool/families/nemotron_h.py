@@ -360,6 +360,10 @@ class HybridDecoder(Family):
     router_blocks = (MIXER,)
     # the router in FP32, as transformers 5.24 keeps it (`_keep_in_fp32_modules_strict`) and NVIDIA ships it
     stored_fp32 = (f"*.{MIXER}.gate.weight", f"*.{MIXER}.gate.e_score_correction_bias")
+    # the SSM parameters, conv1d, the norms and the router: exported in the source's dtypes (FP32
+    # where it has FP32), as NVIDIA's checkpoints keep them beside the quantized linears
+    kept_as_stored = (f"*.{MIXER}.conv1d.*", f"*.{MIXER}.A_log", f"*.{MIXER}.D", f"*.{MIXER}.dt_bias", "*norm*",
+                      f"*.{MIXER}.gate.*")
     # zero until an aux-loss-free balancing update moves it (none in fine-tuning: no gradient reaches it)
     may_be_zero = (f"*.{MIXER}.gate.e_score_correction_bias",)
     norm_scale_in_fp32 = True
