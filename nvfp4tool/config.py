@@ -6,7 +6,9 @@ carries every other key of the source config.json untouched (`hf_extra`) so writ
 nothing. The common keys are parsed here; what a family adds (how config.json spells its
 attention bias, window and experts, which combinations it can express, the kind and tensors of
 each layer) is declared by its module under `nvfp4tool/families/` (`llama.py`: llama, mistral,
-qwen2, qwen3; `moe.py`: qwen3_moe, mixtral), and `modules` is the module table derived from it.
+qwen2, qwen3; `moe.py`: qwen3_moe, mixtral; `nemotron_h.py`: the hybrid Mamba-2 + attention
+nemotron_h, whose config spells the common keys its own way: `layer_norm_epsilon`, no RoPE, no
+`hidden_act`), and `modules` is the module table derived from it.
 Anything unsupported raises `NVFP4ToolError` naming what is supported.
 """
 
@@ -64,8 +66,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-family transformer (pre-norm, RMSNorm, GQA attention, SwiGLU MLP or a
-    sparse mixture of SwiGLU experts)."""
+    """A decoder-only model of a registered family: a Llama-family transformer (pre-norm, RMSNorm,
+    GQA attention, SwiGLU MLP or a sparse mixture of SwiGLU experts) or a hybrid Nemotron-H stack
+    (its own fields in `family_config`: `families.nemotron_h.HybridFields`)."""
 
     family: str  # one of SUPPORTED_FAMILIES (HF model_type)
     vocab_size: int  # V: rows of the embedding and of lm_head

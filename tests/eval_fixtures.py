@@ -102,3 +102,38 @@ def write_eval_reports(export: str) -> None:
     items = EvalItems(tasks={"nvfp4tool_mc": {"doc_id": list(range(6)), "prompt_hash": [str(i) for i in range(6)],
                                               **{k: v.tolist() for k, v in scores.items()}}})
     write_reports(record, items, export)
+
+
+def lm_eval_samples(model, model_args=None, *, limit: int, **kwargs) -> dict:
+    """lm-eval's logged samples of the shipped offline tasks (`TASKS`) for `model` (an lm-eval
+    model name with `model_args`, or an instance), the first `limit` items of each."""
+    import lm_eval
+
+    from nvfp4tool.validate.lm_backend import task_manager
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS),
+                                  task_manager=task_manager((), defaults=False), limit=limit, log_samples=True,
+                                  bootstrap_iters=0, **kwargs)
+    return out["samples"]
+
+
+def assert_samples_match(ours: dict, theirs: dict, limit: int) -> None:
+    """Two backends' samples of `TASKS`: the same items and prompts, per-request loglikelihoods
+    within 1e-4 per scored token, the same generations and the same per-item correctness."""
+    import numpy as np
+
+    for task in TASKS:
+        assert [s["doc_id"] for s in ours[task]] == [s["doc_id"] for s in theirs[task]] == list(range(limit))
+        for a, b in zip(ours[task], theirs[task]):
+            assert a["prompt_hash"] == b["prompt_hash"]
+            if task == "nvfp4tool_gsm":
+                assert a["resps"] == b["resps"]  # the generated text, cut at the stop strings
+                assert a["exact_match"] == b["exact_match"]
+            else:
+                mine = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in a["resps"]])
+                ref = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in b["resps"]])
+                tokens = 1 if task.startswith("nvfp4tool_mc") else len(a["doc"]["page"])  # bytes >= tokens
+                np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-4 * tokens)
+                for metric in a["metrics"]:
+                    if task.startswith("nvfp4tool_mc"):
+                        assert a[metric] == b[metric]

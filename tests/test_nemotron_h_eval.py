@@ -1,17 +1,16 @@
 """`nvfp4tool eval` on the hybrid nemotron_h family against lm-eval's own `hf` backend
 (transformers' NemotronHForCausalLM, fp32): per-request loglikelihoods within 1e-4 per scored
-token and identical generations (the Mamba layers' recurrent state through generate_until) on the
+token, identical generations and per-item correctness (the Mamba layers' recurrent state through generate_until) on the
 shipped offline tasks, for a tiny MoE hybrid with a byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 from test_nemotron_h_model import MOE
 
-from eval_fixtures import TASKS, VOCAB
+from eval_fixtures import VOCAB, assert_samples_match, lm_eval_samples
 
 LIMIT = 4
 MAX_LENGTH = 128
@@ -21,11 +20,10 @@ MAX_LENGTH = 128
 @pytest.mark.peers
 def test_hybrid_backend_equals_lm_eval_hf_backend(tmp_path):
     torch = pytest.importorskip("torch")
-    import lm_eval
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     from nvfp4tool.train.tokenizer import train_bpe_tokenizer
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, task_manager
+    from nvfp4tool.validate.lm_backend import NVFP4ToolLM
 
     folder = str(tmp_path / "hybrid")
     here = os.path.dirname(os.path.abspath(__file__))
@@ -46,22 +44,7 @@ def test_hybrid_backend_equals_lm_eval_hf_backend(tmp_path):
                 p.copy_(torch.randn_like(p) * (0.5 if "lm_head" in name else 0.15))
     model.to(torch.bfloat16).save_pretrained(folder)
 
-    def samples(lm, model_args=None, **kwargs):
-        out = lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=list(TASKS),
-                                      task_manager=task_manager((), defaults=False), limit=LIMIT, log_samples=True,
-                                      bootstrap_iters=0, **kwargs)
-        return out["samples"]
-
-    ours = samples(NVFP4ToolLM(path=folder, max_length=MAX_LENGTH, batch_size=4))
-    theirs = samples("hf", f"pretrained={folder},dtype=float32,max_length={MAX_LENGTH}", batch_size=1, device="cpu")
-    for task in TASKS:
-        assert [s["doc_id"] for s in ours[task]] == [s["doc_id"] for s in theirs[task]] == list(range(LIMIT))
-        for a, b in zip(ours[task], theirs[task]):
-            assert a["prompt_hash"] == b["prompt_hash"]
-            if task == "nvfp4tool_gsm":
-                assert a["resps"] == b["resps"]  # the generated text, cut at the stop strings
-            else:
-                mine = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in a["resps"]])
-                ref = np.array([r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in b["resps"]])
-                tokens = 1 if task.startswith("nvfp4tool_mc") else len(a["doc"]["page"])
-                np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-4 * tokens)
+    ours = lm_eval_samples(NVFP4ToolLM(path=folder, max_length=MAX_LENGTH, batch_size=4), limit=LIMIT)
+    theirs = lm_eval_samples("hf", f"pretrained={folder},dtype=float32,max_length={MAX_LENGTH}", limit=LIMIT,
+                             batch_size=1, device="cpu")
+    assert_samples_match(ours, theirs, LIMIT)
