@@ -305,3 +305,20 @@ def test_compressed_tensors_nvfp4_of_a_moe_hybrid_says_vllm_does_not_serve_it(ex
     result = CliRunner().invoke(cli, ["export", exports["dense"], "--out", str(tmp_path / "dense"), "--quant",
                                       "nvfp4-weight-only", "--format", "compressed-tensors"])
     assert result.exit_code == 0 and "31782" not in result.output  # no MoE layer: nothing to say
+
+
+@pytest.mark.parametrize("rounding", ["gptq", "4over6"])
+def test_gptq_and_scale_search_on_a_hybrid(exports, tmp_path, rounding):
+    """GPTQ's Hessians for every hybrid linear (in_proj reads the block norm's output, out_proj
+    the gated norm's, the experts all their layer's tokens) lower the output error below RTN's;
+    4over6's scale search writes a checked export; both load back as exports."""
+    src = exports["moe"]
+    np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
+    out = str(tmp_path / rounding)
+    summary = export_checkpoint(src, out, ExportOptions(
+        calib_data=str(tmp_path / "calib.npy"), calib_samples=4, calib_seq_len=16, show_progress=False,
+        **({"weight_rounding": "gptq"} if rounding == "gptq" else {"scale_search": "4over6"})))
+    assert check_checkpoint(out).ok
+    assert len(load_export(out).quantized) == summary.quantized_modules == 50
+    if rounding == "gptq":
+        assert summary.gptq_reduction is not None and summary.gptq_reduction > 0.05
