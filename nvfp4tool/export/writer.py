@@ -27,7 +27,9 @@ configs, tensor records), which convert-format uses too.
    spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran before and
    spilled every record to `.gptq-spill/` inside the output's temporary folder of step 4, so a
    killed run's spill is cleaned with it by the next run: the module's record is read back from
-   it, and the spill removed before publishing); other tensors are copied in BF16 (those a family keeps as stored, `Family.kept_as_stored`, in the source's dtype; those it stores in FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
+   it, and the spill removed before publishing); other tensors are copied in BF16 (those a
+   family keeps as stored, `Family.kept_as_stored`, in the source's dtype; those it stores in
+   FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
    memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
    whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
 4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
@@ -168,8 +170,8 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
 
 class _ModuleLoader:
     """`load(name)` for the serving-folder writer: one quantized module's tensors cached at a
-    time (quantized by `quantizer`), other tensors copied in BF16 (FP32 where the family stores them so), the KV-cache scales made from
-    the job's K / V amax; keeps each quantized module's layer errors and its stored weight's
+    time (quantized by `quantizer`), other tensors copied as `_plain_dtype` says, the KV-cache
+    scales made from the job's K / V amax; keeps each quantized module's layer errors and its stored weight's
     decoded amax (`amax`)."""
 
     def __init__(self, job: ExportJob, quantizer: WeightQuantizer, task: progress.Task) -> None:
