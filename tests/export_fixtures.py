@@ -47,3 +47,19 @@ def assert_converted_tensors_equal(theirs: dict, ours: dict) -> None:
         assert other.dtype == tensor.dtype, name
         assert other.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
         assert other.shape == tensor.shape or (other.shape == () and tensor.shape == (1,)), name
+
+
+def assert_linear_weights_bit_exact(model, ours) -> int:
+    """Every nn.Linear-like module of the transformers `model` that `ours` (a `load_export`)
+    quantized holds exactly our decoded weight rounded to BF16; returns how many were compared
+    (modules without a `weight`, such as fused experts, are not)."""
+    import jax.numpy as jnp
+    import torch
+
+    checked = 0
+    for name, module in model.named_modules():
+        if name in ours.quantized and hasattr(module, "weight"):
+            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
+            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
+            checked += 1
+    return checked

@@ -27,7 +27,7 @@ from click.testing import CliRunner
 
 import nvfp4_oracle as oracle
 from converters.hf import SAFETENSORS_DTYPES
-from export_fixtures import assert_converted_tensors_equal
+from export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from hf_fixtures import MOE_KEYS, build_tiny_model
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
@@ -359,12 +359,7 @@ def test_transformers_loads_our_moe_export(moe, key):
     tensors = _tensors(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model(torch.tensor(np.random.default_rng(1).integers(3, 256, (2, 12))))  # decompresses
-    dense = 0
-    for name, module in model.named_modules():
-        if name in ours.quantized and hasattr(module, "weight"):
-            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
-            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
-            dense += 1
+    dense = assert_linear_weights_bit_exact(model, ours)
     assert dense == len([m for m in ours.quantized if ".experts." not in m])
     gate, up, down = config.expert_projections
     scaled_right = True

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from test_nemotron_h_model import DENSE, MOE, _hf_folder
 
-from export_fixtures import assert_converted_tensors_equal
+from export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
@@ -116,13 +116,8 @@ def test_transformers_loads_the_dense_hybrid_bit_exact_with_our_logits(exports, 
     ids = np.random.default_rng(1).integers(3, 40, (2, 12))
     model(torch.tensor(ids))  # the first forward decompresses the weights
     ours = load_export(folder)
-    checked = 0
-    for name, module in model.named_modules():
-        if name in ours.quantized:  # transformers' module paths are ours (model.layers.{i}.mixer.*)
-            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
-            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
-            checked += 1
-    assert checked == len(ours.quantized) == 14
+    # transformers' module paths are ours (model.layers.{i}.mixer.*)
+    assert assert_linear_weights_bit_exact(model, ours) == len(ours.quantized) == 14
     for p in model.parameters():
         p.data = p.data.float()
     with torch.no_grad():
@@ -155,12 +150,7 @@ def test_compressed_tensors_decompresses_the_moe_hybrid_to_our_weights(exports):
     ours = load_export(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model(torch.tensor(np.random.default_rng(1).integers(3, 40, (2, 12))))
-    plain = 0
-    for name, module in model.named_modules():
-        if name in ours.quantized and hasattr(module, "weight"):
-            mine = np.asarray(jnp.asarray(ours.dequantized(name)).astype(jnp.bfloat16)).view(np.int16)
-            assert module.weight.detach().view(torch.int16).numpy().tobytes() == mine.tobytes(), name
-            plain += 1
+    plain = assert_linear_weights_bit_exact(model, ours)
     assert plain == len([m for m in ours.quantized if ".experts." not in m])
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
