@@ -123,3 +123,76 @@ def test_parameter_count_equals_transformers(pattern, extra):
             per_expert = (experts.up_proj.numel() + experts.down_proj.numel()) // extra["n_routed_experts"]
             inactive += (extra["n_routed_experts"] - extra["num_experts_per_tok"]) * per_expert
     assert nh.parameter_count(hf) == (want_total, want_total - inactive)
+
+
+# The geometry of NVIDIA's published hybrids, in config.json's keys (only what the count depends on),
+# and the parameter counts NVIDIA publishes for them. Sources (read 2026-12-03):
+#   8B      nvidia/Nemotron-H-8B-Base-8K: NVIDIA-NeMo/Megatron-Bridge
+#           tests/unit_tests/models/nemotronh/test_nemotron_h_bridge.py @ ebdef7c1 (its copy of the
+#           config.json), = docs/models/nemotron/nemotronh.md @ 067f987d; published: "8B"
+#   9B-v2   nvidia/NVIDIA-Nemotron-Nano-9B-v2: the same test file @ 5151999a, = the Megatron-Bridge
+#           recipe nemotron_nano_v2.py @ 067f987d; published (model card): 8.89B
+#   12B-v2  nvidia/NVIDIA-Nemotron-Nano-12B-v2: the Megatron-Bridge recipe nemotron_nano_v2.py and
+#           nemotronh.md @ 067f987d (Megatron keys renamed to config.json's; conv_kernel, biases and
+#           untied embeddings as in every other Nemotron-H config, which the recipe does not restate);
+#           published (model card): 12.31B
+#   30B-A3B nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: its config.json verbatim in jax-ml/jax-llm-examples
+#           nemotron3/tests/test_model.py @ d8baecd8; published (NVIDIA's Nemotron 3 page): "31.6B total,
+#           3.2B active (3.6B with embeddings)"
+_COMMON = dict(model_type="nemotron_h", vocab_size=131072, conv_kernel=4, use_conv_bias=True, use_bias=False,
+               mlp_bias=False, tie_word_embeddings=False, ssm_state_size=128, n_groups=8, chunk_size=128)
+PUBLISHED = {
+    "Nemotron-H-8B": dict(_COMMON, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                          attention_head_dim=128, intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64,
+                          hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+    "Nemotron-Nano-9B-v2": dict(_COMMON, hidden_size=4480, num_attention_heads=40, num_key_value_heads=8,
+                                attention_head_dim=128, intermediate_size=15680, mamba_num_heads=128,
+                                mamba_head_dim=80,
+                                hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+    "Nemotron-Nano-12B-v2": dict(_COMMON, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=20480, mamba_num_heads=128, mamba_head_dim=80,
+                                 hybrid_override_pattern="M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-"
+                                                         "M-M-M-M-"),
+    "Nemotron-3-Nano-30B-A3B": dict(_COMMON, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2,
+                                    head_dim=128, intermediate_size=1856, mamba_num_heads=64, mamba_head_dim=64,
+                                    hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                                    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                                    n_shared_experts=1, moe_shared_expert_intermediate_size=3712, n_group=1,
+                                    topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+# name -> (total, active per token, active without the input embedding) as published, in billions
+# at the published precision; None: not published (a dense model's active count is its total)
+PUBLISHED_COUNTS = {"Nemotron-H-8B": ("8", None, None), "Nemotron-Nano-9B-v2": ("8.89", None, None),
+                    "Nemotron-Nano-12B-v2": ("12.31", None, None),
+                    "Nemotron-3-Nano-30B-A3B": ("31.6", "3.6", "3.2")}
+
+
+def _billions(count: int, like: str) -> str:
+    """`count` in billions with as many decimals as the published figure `like`."""
+    return f"{count / 1e9:.{len(like.partition('.')[2])}f}"
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_of_the_published_hybrids(name):
+    """The counts NVIDIA publishes, from the published geometry; and the same count as the
+    parameters transformers' NemotronHForCausalLM builds for that config (on the meta device)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = PUBLISHED[name]
+    total, active = nh.parameter_count(hf)
+    published = dict(zip(("total", "active", "active without embedding"), PUBLISHED_COUNTS[name]))
+    ours = {"total": total, "active": active, "active without embedding": active - hf["vocab_size"] * hf["hidden_size"]}
+    for what, figure in published.items():
+        if figure is not None:
+            assert _billions(ours[what], figure) == figure, what
+    if "n_routed_experts" not in hf:
+        assert active == total
+    keys = {k: v for k, v in hf.items() if k != "model_type"}
+    if "attention_head_dim" in keys:
+        keys["head_dim"] = keys.pop("attention_head_dim")
+    cfg = transformers.NemotronHConfig(**keys)
+    with torch.device("meta"):
+        model = transformers.NemotronHForCausalLM(cfg)
+    held = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert total == held
