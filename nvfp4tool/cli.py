@@ -370,6 +370,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
               "the least NVFP4 output error; smoothquant = max|x|^0.5 / max|w|^0.5 (needs --calib-data; NVFP4).")
 @click.option("--gptq-damp", type=float, default=0.05, show_default=True, callback=_damp,
               help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
+@click.option("--gptq-block-scales", type=click.Choice(["original", "updated"]), default="original",
+              show_default=True,
+              help="GPTQ's block scales: original = chosen first on the original weight by --scale-search (RTN's); "
+              "updated = each 16-column block's chosen by --scale-search when GPTQ reaches it, on the weights "
+              "its earlier columns' errors have updated (as the reference GPTQ's groups). Needs --weight-rounding "
+              "gptq.")
 @click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
               help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
@@ -384,7 +390,8 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
                    "fixes, Mixtral and Qwen3-MoE half; else required).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   keep_bf16_file, scale_search, weight_rounding, equalize, gptq_damp, weight_block, max_shard_size,
+                   keep_bf16_file, scale_search, weight_rounding, equalize, gptq_damp, gptq_block_scales, weight_block,
+                   max_shard_size,
                    step, model_config,
                    rope_layout, force) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
@@ -405,7 +412,8 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
     options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
-                            equalize=equalize, gptq_damp=gptq_damp, weight_block=weight_block,
+                            equalize=equalize, gptq_damp=gptq_damp, gptq_block_scales=gptq_block_scales,
+                            weight_block=weight_block,
                             keep_bf16=tuple(keep_bf16), keep_bf16_file=keep_bf16_file, calib_data=calib_data,
                             calib_samples=calib_samples,
                             calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,

@@ -58,6 +58,9 @@ EXPORTS = {
     "awq+4over6": ["--equalize", "awq", "--scale-search", "4over6"],
     "awq+gptq": ["--equalize", "awq", "--weight-rounding", "gptq"],
     "awq+gptq+4over6": ["--equalize", "awq", "--weight-rounding", "gptq", "--scale-search", "4over6"],
+    # GPTQ choosing each block's scales on the weights it has updated (--gptq-block-scales updated)
+    "gptq-updated": ["--weight-rounding", "gptq", "--gptq-block-scales", "updated"],
+    "awq+gptq-updated": ["--equalize", "awq", "--weight-rounding", "gptq", "--gptq-block-scales", "updated"],
     "fp8": [],  # the FP8 (W8A8) export, whatever --quant is: the reference row
 }
 QAD = "qad"

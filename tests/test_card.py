@@ -127,7 +127,8 @@ def test_gptq_export_names_gptq_and_its_settings(tmp_path):
     card, _ = _push(folder)
     provenance = _section(card, "Recipe and provenance")
     assert ("| weight rounding | GPTQ weight rounding (damp 0.05 x mean diag(H), 128-column blocks, act order "
-            "static: 16-column blocks by descending sum of diag(H); output error on the calibration inputs "
+            "static: 16-column blocks by descending sum of diag(H), block scales original; output error on the "
+            "calibration inputs "
             "25.0% below round-to-nearest's, mean over the linears) |") in provenance
     assert "| block-scale search | none (rtn: each block's scale from its amax) |" in provenance
     assert "| scale search | rtn |" not in card

@@ -15,12 +15,15 @@ from nvfp4tool.numerics import dequantize_nvfp4, quantize_nvfp4
 F32 = np.float32
 
 
-def reference_gptq(w, h, *, block, damp, block_size, act_order):
-    """(codes [N, K], scales bytes [N, K/16], global amax) of GPTQ with RTN scales, in numpy."""
+def reference_gptq(w, h, *, block, damp, block_size, act_order, updated_scales=False):
+    """(codes [N, K], scales bytes [N, K/16], global amax) of GPTQ with RTN scales, in numpy; with
+    `updated_scales`, each 16-column block's RTN scales come from the weights as updated when the
+    loop reaches the block (the original GPTQ's groups), else from the original weight."""
     n, k = w.shape
     q = oracle.quantize(w, block=block, global_amax=F32(np.abs(w).max()))
-    scale_of = np.vectorize(lambda b: F32(oracle.e4m3_value(int(b))))(q["scales"]).astype(F32)
-    enc, s_dec = q["enc"], q["s_dec"]
+    scale_bytes = q["scales"].copy()
+    scale_of = np.vectorize(lambda b: F32(oracle.e4m3_value(int(b))))(scale_bytes).astype(F32)
+    enc, s_dec = q["enc"].copy(), q["s_dec"]
     w = w.astype(F32).copy()
     h = h.astype(F32).copy()
     dead = np.diag(h) == 0
@@ -39,6 +42,11 @@ def reference_gptq(w, h, *, block, damp, block_size, act_order):
         errs = np.zeros((n, stop - i), F32)
         for j in range(i, stop):
             col = perm[j]
+            if updated_scales and j % 16 == 0:  # a block's first column (blocks stay whole under the order)
+                fresh = oracle.quantize(w[:, j:j + 16], block=block, global_amax=q["global_amax"])
+                enc[:, col:col + 16] = fresh["enc"]
+                scale_bytes[:, col // 16] = fresh["scales"][:, 0]
+                scale_of[:, col // 16] = [F32(oracle.e4m3_value(int(b))) for b in fresh["scales"][:, 0]]
             for r in range(n):
                 y = oracle.mul(w[r, j], enc[r, col])
                 code = oracle.e2m1_rne(min(abs(y), F32(6.0))) | (0b1000 if np.signbit(w[r, j]) else 0)
@@ -47,7 +55,7 @@ def reference_gptq(w, h, *, block, damp, block_size, act_order):
                 errs[r, j - i] = (w[r, j] - deq) / u[j, j]
             w[:, j + 1:stop] -= np.outer(errs[:, j - i], u[j, j + 1:stop])
         w[:, stop:] -= errs @ u[i:stop, stop:]
-    return codes, q["scales"], q["global_amax"]
+    return codes, scale_bytes, q["global_amax"]
 
 
 def _codes(packed):
@@ -63,28 +71,36 @@ def _correlated_inputs(rng, tokens, k):
 
 @pytest.mark.parametrize("block", ["1d", "2d"])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_matches_reference_exactly(block, act_order):
+@pytest.mark.parametrize("block_scales", ["original", "updated"])
+def test_matches_reference_exactly(block, act_order, block_scales):
     rng = np.random.default_rng(3)
     n, k = 32, 96
     w = rng.standard_normal((n, k)).astype(F32)
     x = _correlated_inputs(rng, 256, k)
     h = x.T @ x
     h[:, 40] = h[40, :] = 0  # a dead column
-    codes, scales, gamax = reference_gptq(w, h, block=block, damp=0.05, block_size=32, act_order=act_order)
-    q, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32, act_order=act_order)
+    codes, scales, gamax = reference_gptq(w, h, block=block, damp=0.05, block_size=32, act_order=act_order,
+                                          updated_scales=block_scales == "updated")
+    q, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32, act_order=act_order,
+                         block_scales=block_scales)
+    if block_scales == "updated":  # the updated weights chose other scales than the original's
+        original, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32,
+                                    act_order=act_order)
+        assert (np.asarray(original.scales).view(np.uint8) != scales).any()
     np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), scales)
     np.testing.assert_array_equal(_codes(np.asarray(q.packed)), codes)
     assert (codes[:, 40] & 0x7 == 0).all()  # a dead column's weights are dropped
 
 
 @pytest.mark.parametrize("method", ["rtn", "4over6", "mse"])
-def test_lower_output_error_than_rtn(method):
+@pytest.mark.parametrize("block_scales", ["original", "updated"])
+def test_lower_output_error_than_rtn(method, block_scales):
     rng = np.random.default_rng(0)
     n, k = 64, 256
     w = rng.standard_normal((n, k)).astype(F32)
     x = _correlated_inputs(rng, 1024, k)
     h = x.T @ x
-    q, err = gptq_quantize(w, h, method=method, global_amax=np.abs(w).max(), damp=0.05)
+    q, err = gptq_quantize(w, h, method=method, global_amax=np.abs(w).max(), damp=0.05, block_scales=block_scales)
     assert err.output_rel_err < 0.8 * err.rtn_output_rel_err, err
     assert err.rel_l2 > 0
     # the recorded errors are what they claim: tr(D H D^T) / tr(W H W^T) of the decoded weights

@@ -39,6 +39,7 @@ def tiny(tmp_path_factory):
     ("modelopt", "nvfp4", []),
     pytest.param("compressed-tensors", "nvfp4-weight-only", ["--weight-block", "2d", "--scale-search", "4over6"],
                  marks=pytest.mark.slow),
+    ("compressed-tensors", "nvfp4", ["--gptq-block-scales", "updated"]),
 ])
 def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, quant, extra):
     root, src, calib = tiny
@@ -56,6 +57,7 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
     assert record.calibration.file == os.path.basename(calib)  # also weight-only: the data GPTQ used
     assert (record.calibration.samples, record.calibration.tokens) == (CALIB_SAMPLES, CALIB_SAMPLES * CALIB_SEQ_LEN)
     assert (record.gptq.damp, record.gptq.block_size) == (0.05, 128)
+    assert record.gptq.block_scales == ("updated" if "updated" in extra else "original")
     assert len(record.layers) == 14
     after = np.array([e.output_rel_err for e in record.layers.values()])
     before = np.array([e.rtn_output_rel_err for e in record.layers.values()])
@@ -68,6 +70,9 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
 @pytest.mark.parametrize("argv, message", [
     (["--weight-rounding", "gptq"], "--weight-rounding gptq needs --calib-data"),
     (["--weight-rounding", "gptq", "--quant", "fp8", "--calib-data", "CALIB"], "--quant nvfp4 or nvfp4-weight-only"),
+    (["--gptq-block-scales", "updated", "--calib-data", "CALIB"], "it needs --weight-rounding gptq"),
+    (["--weight-rounding", "gptq", "--gptq-block-scales", "new", "--calib-data", "CALIB"],
+     "Invalid value for '--gptq-block-scales'"),
     *[(["--weight-rounding", "gptq", "--gptq-damp", damp, "--calib-data", "CALIB"],
        "Invalid value for '--gptq-damp'") for damp in ("0", "-1", "nan", "inf", "1e300", "1.5")],
 ])

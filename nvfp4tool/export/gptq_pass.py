@@ -85,7 +85,7 @@ class GPTQResult:
 
 def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
              data_path: str, *, spill_dir: str, samples: int, seq_len: int, tokenizer_dir: str | None,
-             offload: str, method: str, block: str, damp: float,
+             offload: str, method: str, block: str, damp: float, block_scales: str = "original",
              ids_SxL: np.ndarray | None = None, amax_names: Sequence[str] | None = None,
              kv_cache: bool = False) -> GPTQResult:
     """GPTQ records of every quantized module of `plan` (see the module docstring); `ids_SxL`: the
@@ -122,7 +122,8 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
             check_calibrated(module, np.max(np.diagonal(h)), what="input")
             name = f"{module}.weight"
             q, error = gptq_quantize(source.get(name), h, method=method, block=block, damp=damp,
-                                     global_amax=group_amax[plan.group_of(module)], name=name)
+                                     global_amax=group_amax[plan.group_of(module)], name=name,
+                                     block_scales=block_scales)
             records.put(module, q)
             errors[module] = error
             new[split_layer(name)[1]] = np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))

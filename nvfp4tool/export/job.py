@@ -33,7 +33,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, EqualizedSource, equalize, scales_from_record
-from nvfp4tool.export.gptq import BLOCK_COLUMNS, DAMP_RANGE, DEFAULT_DAMP
+from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.scale_search import METHODS
@@ -55,6 +55,7 @@ class ExportOptions:
     weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
     equalize: str = "none"  # none | awq | smoothquant: equivalent scaling before quantizing (NVFP4; needs calib_data)
     gptq_damp: float = DEFAULT_DAMP  # GPTQ: H += damp * mean(diag H) * I
+    gptq_block_scales: str = "original"  # GPTQ: export.gptq.BLOCK_SCALES (fixed first, or as it reaches them)
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
@@ -173,9 +174,11 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
     gptq = run_gptq(source.config, source.tensors, plan, job.group_amax, options.calib_data, spill_dir=spill_dir,
                     samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
                     offload=options.offload, method=options.scale_search, block=job.block, damp=options.gptq_damp,
+                    block_scales=options.gptq_block_scales,
                     ids_SxL=job.calibration_ids, amax_names=plan.quantized if calibrates_inputs else None,
                     kv_cache=job.kv_cache is not None)
-    record = provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors)
+    record = provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors,
+                                    block_scales=options.gptq_block_scales)
     progress.info(f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
                   f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)")
     found = gptq.calibration
@@ -208,6 +211,12 @@ def _check_options(options: ExportOptions) -> None:
     if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
         raise NVFP4UsageError(f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
                               f"(a fraction of the mean Hessian diagonal), got {options.gptq_damp}")
+    if options.gptq_block_scales not in BLOCK_SCALES:
+        raise NVFP4UsageError(f"unknown --gptq-block-scales {options.gptq_block_scales!r}; choose one of "
+                              f"{', '.join(BLOCK_SCALES)}")
+    if options.gptq_block_scales != "original" and options.weight_rounding != "gptq":
+        raise NVFP4UsageError(f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
+                              f"it needs --weight-rounding gptq")
     if options.weight_rounding == "gptq" and options.quant == "fp8":
         raise NVFP4UsageError("--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or "
                               "nvfp4-weight-only, not fp8")

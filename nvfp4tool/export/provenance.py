@@ -53,13 +53,14 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
     )
 
 
-def gptq_record(*, damp: float, block_size: int, errors: dict[str, Any]) -> GPTQRecord:
+def gptq_record(*, damp: float, block_size: int, errors: dict[str, Any], block_scales: str = "original") -> GPTQRecord:
     """The GPTQ settings and the mean output-error reduction over the quantized linears (`errors`:
     module -> `gptq.GPTQError`)."""
     reductions = [1.0 - e.output_rel_err / e.rtn_output_rel_err for e in errors.values() if e.rtn_output_rel_err]
     return GPTQRecord(damp=float(damp), block_size=block_size,
                       act_order="static: 16-column blocks by descending sum of diag(H)",
-                      mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0)
+                      mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0,
+                      block_scales=block_scales)
 
 
 def calibration_record(path: str, ids_SxL: np.ndarray, *, requested: tuple[int, int],

@@ -103,6 +103,17 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
     return record, error
 
 
+def slice_scales(x_NxK: jax.Array, gamax, record_amax, *, method: str, block: str, mse_radius: int = 2) -> jax.Array:
+    """The E4M3 block scales [N, K/16] that `quantize_weight` chooses for `x_NxK` (fp32, traced:
+    GPTQ's scales of a 16-column slice as it has updated the weights so far). `record_amax` is the
+    record's global amax (4over6's fl(1.75 * amax), else `gamax`). Rows are padded with zeros to
+    whole tiles, which leaves every tile maximum unchanged."""
+    n = x_NxK.shape[0]
+    x = jnp.pad(x_NxK, ((0, -n % NVFP4_BLOCK), (0, 0)))
+    offsets = tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
+    return _quantize_chunk(x, gamax, record_amax, method=method, block=block, offsets=offsets)[1][:n]
+
+
 # ------------------------------------------------------------------------------------------
 # helpers
 

@@ -186,7 +186,7 @@ def _rounding(provenance: ExportRecord) -> str:
     if gptq is None:
         return "GPTQ weight rounding (settings not recorded)"
     return (f"GPTQ weight rounding (damp {gptq.damp:g} x mean diag(H), {gptq.block_size}-column blocks, "
-            f"act order {gptq.act_order}; output error on the calibration inputs "
+            f"act order {gptq.act_order}, block scales {gptq.block_scales}; output error on the calibration inputs "
             f"{gptq.mean_output_err_reduction:.1%} below round-to-nearest's, mean over the linears)")
 
 

@@ -111,6 +111,7 @@ class GPTQRecord(Record):
     block_size: int  # columns per lazy-batch block
     act_order: str  # the static column order
     mean_output_err_reduction: float  # mean over quantized linears of 1 - output_rel_err / rtn_output_rel_err
+    block_scales: str = "original"  # export.gptq.BLOCK_SCALES: fixed on the original weight, or updated
 
 
 @dataclasses.dataclass(frozen=True)
