@@ -1,6 +1,7 @@
 """GPTQ for NVFP4 weights: error-compensating rounding with fixed scales (Frantar et al. 2022).
 
-    q, err = gptq_quantize(w_NxK, h_KxK, method="rtn", block="1d", global_amax=group_amax, damp=0.05)
+    q, err = gptq_quantize(w_NxK, h_KxK, method="rtn", block="1d", global_amax=group_amax, damp=0.05,
+                           block_scales="original")
 
 Round-to-nearest (RTN) rounds each weight on its own. GPTQ rounds the columns of W [N, K] one after
 another and, after each, spreads the column's rounding error over the columns not yet rounded, in
@@ -9,7 +10,11 @@ the proportions that minimise the layer's output error ||(W - Q) X^T|| on the ca
 1. The scales are fixed first, on the ORIGINAL weight: the global scale from the weight's (fused
    group's) amax exactly as the RTN export, the block scales by `--scale-search`
    (`scale_search.quantize_weight`, which also gives 4over6's record global amax). Only the E2M1
-   codes change, so the result is a plain NVFP4 record that every engine reads.
+   codes change, so the result is a plain NVFP4 record that every engine reads. With
+   `block_scales="updated"` (`--gptq-block-scales updated`) the block scales are chosen again, by
+   the same rule (`scale_search.slice_scales`), for each 16-column block when the loop of step 4
+   reaches it, on the weights as the earlier columns' errors have updated them (the reference
+   GPTQ's groups, `static_groups=False`); the global scale stays the original weight's.
 2. H (fp32 K x K, undamped, accumulated by the caller) is damped: dead columns (diag 0: an input
    that was zero on every token) get H_jj = 1 and W[:, j] = 0, as GPTQ does; then
    H += damp * mean(diag H) * I (`damp` 0.05 by default: llm-compressor's NVFP4 sweep, #2922,
