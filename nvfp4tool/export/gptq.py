@@ -1,4 +1,4 @@
-"""GPTQ for NVFP4 weights: error-compensating rounding with fixed scales (Frantar et al. 2022).
+"""GPTQ for NVFP4 weights: error-compensating rounding with fixed or updated block scales (Frantar et al. 2022).
 
     q, err = gptq_quantize(w_NxK, h_KxK, method="rtn", block="1d", global_amax=group_amax, damp=0.05,
                            block_scales="original")
