@@ -103,7 +103,7 @@ def gptq_quantize(w_NxK: np.ndarray | jax.Array, h_KxK: np.ndarray | jax.Array, 
     perm = block_order(diag) if act_order else np.arange(k)
     refresh = None if block_scales == "original" else (method, block, mse_radius)
     with progress.compiling(f"GPTQ rounding of {n}x{k} weights",
-                            key=(_gptq_codes, n, k, str(w_NxK.dtype), block_size, block_scales, method, block)):
+                            key=(_gptq_codes, n, k, str(w_NxK.dtype), block_size, refresh)):
         codes, scales, finite = _gptq_codes(jnp.asarray(w_NxK), jnp.asarray(h), jnp.asarray(rtn.scales),
                                             jnp.float32(global_amax), jnp.float32(rtn.global_amax),
                                             jnp.asarray(perm, jnp.int32), jnp.float32(damp), block_size=block_size,

@@ -82,7 +82,7 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
     scales = np.empty((n, k // NVFP4_BLOCK), jnp.float8_e4m3fn)
     sums = np.zeros(3, np.float64)  # sum err^2, sum rtn_err^2, sum w^2
     peak = np.float32(0.0)  # max |dequant(q)| (zero padding rows decode to zero)
-    offsets = tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
+    offsets = _offsets(method, mse_radius)
     for start in range(0, n, rows):
         chunk = w_NxK[start:start + rows]
         if chunk.shape[0] < rows:  # pad with zero rows: same compiled shape, tile maxima unchanged
@@ -110,12 +110,17 @@ def slice_scales(x_NxK: jax.Array, gamax, record_amax, *, method: str, block: st
     whole tiles, which leaves every tile maximum unchanged."""
     n = x_NxK.shape[0]
     x = jnp.pad(x_NxK, ((0, -n % NVFP4_BLOCK), (0, 0)))
-    offsets = tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
-    return _quantize_chunk(x, gamax, record_amax, method=method, block=block, offsets=offsets)[1][:n]
+    return _quantize_chunk(x, gamax, record_amax, method=method, block=block,
+                           offsets=_offsets(method, mse_radius))[1][:n]
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _offsets(method: str, mse_radius: int) -> tuple[int, ...]:
+    """The E4M3 code offsets "mse" tries around the RTN scale (none for the other methods)."""
+    return tuple(range(-mse_radius, mse_radius + 1)) if method == "mse" else ()
 
 
 @functools.partial(jax.jit, static_argnames=("method", "block", "offsets"))
