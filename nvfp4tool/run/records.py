@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import Record, RecordError, _json_type, fields_from_json
-from nvfp4tool.records.export import SourceRecord
+from nvfp4tool.records.export import EqualizationRecord, SourceRecord
 
 WEIGHTS_DIR = "hf"  # a run's final weights
 CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
@@ -65,6 +65,9 @@ class RunRecord(Record):
     # {"quantizer": "xla" | "pallas", "gemm": "emulated" | "native"}; None: another recipe, or a
     # run.json written before it was recorded
     gemm_backend: dict[str, str] | None = None
+    # `equalize_from=`: the scales folded into the model before the first step (the export's
+    # EqualizationRecord as it was read; a resume compares them); None: no fold
+    equalization: EqualizationRecord | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -76,6 +79,8 @@ class RunRecord(Record):
         if (fields.get("teacher") is None) != (fields.get("teacher_model_config") is None):
             raise RecordError(f"{label}: teacher and teacher_model_config must be recorded together")
         _check_gemm_backend(fields.get("gemm_backend"), config, label)
+        if (fields.get("equalization") is None) != (config.equalize_from is None):
+            raise RecordError(f"{label}: equalization: must be recorded exactly when config.equalize_from is set")
         return fields
 
     def train_config(self) -> TrainConfig:
@@ -154,7 +159,7 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm",)
+KEYS_ADDED_LATER = ("gemm", "equalize_from")
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}
 

@@ -8,6 +8,12 @@ held in BF16 on the training mesh in the state's layout, and handed to every ste
 (`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again, and must find the same
 weight files and model config as `run.json` records for it).
 
+An equalized start (`equalize_from=EXPORT`, for QAD): the student is `model` with the scales an
+`export --equalize awq|smoothquant` of it recorded folded in (`_equalized`; the export's own
+fold, `nvfp4tool.export.equalize.EqualizedSource`, rounded as a checkpoint stores it): the same
+function, on weights whose NVFP4 grid suits the activations better. `run.json` records those
+scales; a resume compares them.
+
 The run folder `out` ends up holding: `run.json` (`nvfp4tool.run.records.RunRecord`: the config,
 model config, the hashes of data, tokenizer and teacher, and the nvfp4 GEMM path resolved once at
 the start, `RecipeConfig.resolved`), `metrics.jsonl` (each step headed by that path) and `loss.png`,
@@ -46,12 +52,12 @@ from nvfp4tool import progress
 from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, open_checkpoint, resolve_rope_layout,
                                    run_steps)
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
-from nvfp4tool.records.export import SourceRecord, first_file_difference
+from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
 from nvfp4tool.run.config import TrainConfig, scans_layers
 from nvfp4tool.run.records import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
                                    PrecisionMapRecord, RunRecord)
@@ -67,7 +73,7 @@ from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokeni
 # teacher are compared by content instead of by path).
 RESUME_FREE_KEYS = frozenset({"out", "resume", "force", "eval_every", "eval_batches", "checkpoint_every",
                               "keep_checkpoints", "export_maxtext", "coordinator_address", "process_id",
-                              "data", "eval_data", "tokenizer", "teacher"})
+                              "data", "eval_data", "tokenizer", "teacher", "equalize_from"})
 
 
 @dataclasses.dataclass
@@ -247,6 +253,9 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if config.model not in PRESETS:
         source = open_checkpoint(config.model, model_config=config.model_config,
                                  rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
+    equalization = None
+    if config.equalize_from is not None:
+        source, equalization = _equalized(config, source)
     tokenizer, trained_here = _tokenizer(config, out, source)
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
@@ -266,7 +275,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
         tokenizer_sha256=_tokenizer_sha256(tokenizer), train_windows=len(train_windows),
         eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count(),
-        teacher=teacher_record, teacher_model_config=teacher_config, gemm_backend=recipe.backend())
+        teacher=teacher_record, teacher_model_config=teacher_config, gemm_backend=recipe.backend(),
+        equalization=equalization)
     resume_step = None
     if saved is not None:
         _check_same_run(saved, record, out, config.teacher)
@@ -281,7 +291,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
 
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
-    paths = [config.data, config.eval_data, config.model_config, config.teacher,
+    paths = [config.data, config.eval_data, config.model_config, config.teacher, config.equalize_from,
              None if config.model in PRESETS else config.model,
              None if config.tokenizer in (None, "train") else config.tokenizer]
     return [p for p in paths if p is not None and Path(p).exists()]
@@ -328,6 +338,8 @@ def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | 
          now.teacher and (now.teacher.kind, now.teacher.files)),
         (f"the teacher's model config (teacher={teacher})", saved.teacher_model_config,
          json.loads(json.dumps(now.teacher_model_config))),
+        (f"the folded scales (equalize_from={now.config['equalize_from']})",
+         saved.equalization and saved.equalization.to_json(), now.equalization and now.equalization.to_json()),
         (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
         (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
         # the GEMM sums in another order (a recorded gemm only; pallas and xla quantize bit for bit)
@@ -378,6 +390,35 @@ def _model(config: TrainConfig, tokenizer: TextTokenizer,
     return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32,
                                              scan_layers=scans_layers(config.scan_layers, source.config.num_layers),
                                              **kwargs)
+
+
+def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoint, EqualizationRecord]:
+    """`model=` with the scales `export --equalize` recorded in `equalize_from` folded in, each
+    folded tensor rounded to the dtype the source stores it in: the folded model that export
+    checked against the original (the same function within that rounding), whose weights suit
+    NVFP4's grid better, for QAD to start from. The export must record `model` as its source (the
+    sha256 of each weight file, as validate binds an export to its source)."""
+    from nvfp4tool.export.equalize import EqualizedSource  # the fold's one owner
+    from nvfp4tool.validate.custody import source_mismatch
+
+    where = config.equalize_from
+    if source is None:
+        raise NVFP4UsageError(f"train config: equalize_from={where}: needs model=CHECKPOINT (the model the export "
+                              f"equalized), not the preset {config.model!r}")
+    if not ExportRecord.exists(where):
+        raise NVFP4ToolError(f"equalize_from={where}: not an nvfp4tool export (no {ExportRecord.FILE_NAME})")
+    record = ExportRecord.read(where)
+    if record.equalization is None:
+        raise NVFP4ToolError(f"equalize_from={where}: the export was not equalized (--equalize none): no scales "
+                             "to fold")
+    mismatch = source_mismatch(where, record, source)
+    if mismatch is not None:
+        raise NVFP4ToolError(f"equalize_from={where}: {mismatch}: not the export of model={config.model}")
+    tensors = EqualizedSource.from_record(source.tensors, record.equalization, source.config, as_stored=True)
+    progress.info(f"equalize_from={where}: the model starts with the {len(record.equalization.sites)} "
+                  f"{record.equalization.method} scales it recorded folded in (checked there: KL "
+                  f"{record.equalization.check_kl_mean:.2g} nats to the original)")
+    return dataclasses.replace(source, tensors=tensors), record.equalization
 
 
 def _teacher(config: TrainConfig, model_config: ModelConfig,
