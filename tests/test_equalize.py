@@ -28,6 +28,7 @@ from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import equalize as eq
 from nvfp4tool.families import folds
+from nvfp4tool.model import fold as mf
 from nvfp4tool.records.export import ExportRecord
 
 CALIB = ("--calib-samples", "4", "--calib-seq-len", "16")
@@ -42,12 +43,12 @@ def models(tmp_path_factory):
     return out
 
 
-def _random_scales(config: ModelConfig, seed: int = 0) -> tuple[eq.FoldScale, ...]:
+def _random_scales(config: ModelConfig, seed: int = 0) -> tuple[mf.FoldScale, ...]:
     rng = np.random.default_rng(seed)
     result = []
     for fold in folds(config):
         width = config.modules.tensor_shapes[fold.producer[0]][0]
-        result.append(eq.FoldScale(fold=fold, s=np.exp(rng.normal(0, 0.7, width)).astype(np.float32), alpha=0.0))
+        result.append(mf.FoldScale(fold=fold, s=np.exp(rng.normal(0, 0.7, width)).astype(np.float32), alpha=0.0))
     return tuple(result)
 
 
@@ -79,11 +80,11 @@ def test_the_folded_model_is_the_original_in_transformers(models, key, tmp_path)
     scales = _random_scales(config)
     assert len(scales) == len(folds(config)) >= 4 * config.num_layers
     original = _torch_logits(models[key])
-    folded = _torch_logits(models[key], eq.EqualizedSource(source, scales), str(tmp_path / "folded"))
+    folded = _torch_logits(models[key], mf.EqualizedSource(source, scales), str(tmp_path / "folded"))
     np.testing.assert_allclose(folded, original, rtol=0, atol=2e-4 * np.abs(original).max())
     # the folds did change the weights (s is far from 1): only the function is the same
     q = f"{config.modules.names()[0]}.weight"
-    assert np.abs(eq.EqualizedSource(source, scales).get(q) - source.get(q)).max() > 0.1
+    assert np.abs(mf.EqualizedSource(source, scales).get(q) - source.get(q)).max() > 0.1
 
 
 @pytest.mark.parametrize("wrong", ["gqa order", "v bias untouched"])
@@ -96,13 +97,13 @@ def test_a_wrong_fold_is_not_the_original(models, wrong, monkeypatch, tmp_path):
         fold = found.fold
         if fold.expand is not None and wrong == "gqa order":  # KV head g read by heads g, g+G, ... instead
             groups, repeat, width = fold.expand
-            monkeypatch.setattr(eq.FoldScale, "consumer_scale", lambda self, e=fold.expand: (
+            monkeypatch.setattr(mf.FoldScale, "consumer_scale", lambda self, e=fold.expand: (
                 np.tile(self.s.reshape(e[0], e[2]), (e[1], 1)).reshape(-1) if self.fold.expand else self.s))
         if fold.kind == "rows" and wrong == "v bias untouched":
             fold = dataclasses.replace(fold, producer=tuple(t for t in fold.producer if not t.endswith(".bias")))
         scales.append(dataclasses.replace(found, fold=fold))
     original = _torch_logits(models[key])
-    folded = _torch_logits(models[key], eq.EqualizedSource(source, scales), str(tmp_path / "folded"))
+    folded = _torch_logits(models[key], mf.EqualizedSource(source, scales), str(tmp_path / "folded"))
     assert np.abs(folded - original).max() > 1e-2 * np.abs(original).max()
 
 
@@ -176,7 +177,7 @@ def test_equalized_exports_pass_check_and_record_their_scales(models, tmp_path, 
     assert record.equalize == method and record.equalization.method == method
     assert len(record.equalization.sites) == len(folds(config))
     assert record.equalization.check_kl_mean <= eq.FOLD_KL_LIMIT
-    scales = eq.scales_from_record(record.equalization, config)
+    scales = mf.scales_from_record(record.equalization, config)
     assert all(np.isfinite(f.s).all() and (f.s > 0).all() for f in scales)
     if method == "awq":  # never worse than s = 1 on the calibration data, better somewhere
         reductions = [r.output_err_reduction for r in record.equalization.sites.values()]
@@ -199,12 +200,12 @@ def test_equalize_none_is_the_default_export_byte_for_byte(models, tmp_path):
 
 
 def test_a_fold_that_changes_the_function_is_refused(models, tmp_path, monkeypatch):
-    real_get = eq.EqualizedSource.get
+    real_get = mf.EqualizedSource.get
 
     def norms_left_alone(self, name):  # the consumers scaled, the producers not divided
         return self._source.get(name) if name in self._rows else real_get(self, name)
 
-    monkeypatch.setattr(eq.EqualizedSource, "get", norms_left_alone)
+    monkeypatch.setattr(mf.EqualizedSource, "get", norms_left_alone)
     out = str(tmp_path / "out")
     result = CliRunner().invoke(cli, ["export", models["llama3"], "--out", out, "--calib-data", models["calib"],
                                       *CALIB, "--equalize", "smoothquant"])

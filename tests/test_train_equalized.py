@@ -27,7 +27,8 @@ from converters.hf import HFFolderSource, write_hf_folder
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.equalize import FOLD_KL_LIMIT, EqualizedSource
+from nvfp4tool.export.equalize import FOLD_KL_LIMIT
+from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord

@@ -32,12 +32,13 @@ from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import provenance
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
-from nvfp4tool.export.equalize import Equalization, EqualizedSource, equalize, scales_from_record
+from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.model.fold import EqualizedSource, scales_from_record
 from nvfp4tool.numerics import tensor_amax
 from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQRecord
 

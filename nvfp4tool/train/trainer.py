@@ -10,7 +10,7 @@ weight files and model config as `run.json` records for it).
 
 An equalized start (`equalize_from=EXPORT`, for QAD): the student is `model` with the scales an
 `export --equalize awq|smoothquant` of it recorded folded in (`_equalized`; the export's own
-fold, `nvfp4tool.export.equalize.EqualizedSource`, rounded as a checkpoint stores it): the same
+fold, `nvfp4tool.model.fold.EqualizedSource`, rounded as a checkpoint stores it): the same
 function, on weights whose NVFP4 grid suits the activations better. `run.json` records those
 scales; a resume compares them.
 
@@ -55,6 +55,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
+from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
@@ -398,9 +399,6 @@ def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoi
     checked against the original (the same function within that rounding), whose weights suit
     NVFP4's grid better, for QAD to start from. The export must record `model` as its source (the
     sha256 of each weight file, as validate binds an export to its source)."""
-    from nvfp4tool.export.equalize import EqualizedSource  # the fold's one owner
-    from nvfp4tool.validate.custody import source_mismatch
-
     where = config.equalize_from
     if source is None:
         raise NVFP4UsageError(f"train config: equalize_from={where}: needs model=CHECKPOINT (the model the export "
@@ -411,9 +409,13 @@ def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoi
     if record.equalization is None:
         raise NVFP4ToolError(f"equalize_from={where}: the export was not equalized (--equalize none): no scales "
                              "to fold")
-    mismatch = source_mismatch(where, record, source)
-    if mismatch is not None:
-        raise NVFP4ToolError(f"equalize_from={where}: {mismatch}: not the export of model={config.model}")
+    now = SourceRecord.of(source)
+    difference = first_file_difference(record.source.files, now.files)
+    if (record.source.kind, record.source.step) != (now.kind, now.step) or difference is not None:
+        what = (f"weight file {difference[0]} {difference[1]}" if difference is not None
+                else f"{now.kind} at step {now.step}, recorded {record.source.kind} at step {record.source.step}")
+        raise NVFP4ToolError(f"equalize_from={where}: not the export of model={config.model} ({what}: "
+                             f"{ExportRecord.path(where)} records the source {record.source.name!r})")
     tensors = EqualizedSource.from_record(source.tensors, record.equalization, source.config, as_stored=True)
     progress.info(f"equalize_from={where}: the model starts with the {len(record.equalization.sites)} "
                   f"{record.equalization.method} scales it recorded folded in (checked there: KL "

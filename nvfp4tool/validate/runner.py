@@ -53,7 +53,7 @@ from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
-from nvfp4tool.export.equalize import EqualizedSource
+from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear

@@ -1,0 +1,117 @@
+"""The folded model of equivalent scaling: per-input-channel scales s multiplied into the readers'
+weight columns and divided out of their producer (a norm's weight, v_proj's / up_proj's rows),
+so the model computes the same function (`export --equalize` chooses s: `export/equalize.py`).
+
+    scales = scales_from_record(export_record.equalization, config)   # the sites' s, as recorded
+    tensors = EqualizedSource(source.tensors, scales)                 # the folded model, as read
+    EqualizedSource.from_record(source.tensors, record, config, as_stored=True)  # ... rounded as stored
+
+The one owner of the fold: the export quantizes the folded model, validate compares an equalized
+export with it, and `train equalize_from=` starts QAD from it. The sites are the family's
+(`families.Fold`).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import Fold, folds, fused_group
+from nvfp4tool.records.export import EqualizationRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldScale:
+    """The scale chosen for one site: s over the producer's channels (fp32)."""
+
+    fold: Fold
+    s: np.ndarray
+    alpha: float
+    error: float | None = None  # AWQ: the consumers' summed squared output error at `alpha`
+    rtn_error: float | None = None  # ... and at s = 1
+
+    def consumer_scale(self) -> np.ndarray:
+        """s over the consumers' input channels (repeated over the query heads of a GQA o_proj)."""
+        if self.fold.expand is None:
+            return self.s
+        groups, repeat, width = self.fold.expand
+        return np.broadcast_to(self.s.reshape(groups, 1, width), (groups, repeat, width)).reshape(-1)
+
+
+class EqualizedSource:
+    """A `TensorSource` of the folded model: the source's tensors with every site's s applied as
+    they are read (consumer and reader columns times s, norm weights and producer rows divided by
+    s), computed in fp32 and returned in fp32 (a quantized weight is quantized from the unrounded
+    product; the writer stores everything else in BF16 as it always does). Names, shapes and
+    dtypes are the source's. `as_stored=True` returns each folded tensor rounded (to nearest
+    even) to the dtype the source holds it in: the folded model as a checkpoint stores it, which
+    the export's check runs and `train equalize_from=` starts from."""
+
+    def __init__(self, source, scales: Sequence[FoldScale], *, as_stored: bool = False) -> None:
+        self._source = source
+        self._as_stored = as_stored
+        self._columns: dict[str, np.ndarray] = {}
+        self._rows: dict[str, np.ndarray] = {}  # also the elementwise divisor of a norm weight
+        for found in scales:
+            s_in = found.consumer_scale().astype(np.float32)
+            for module in (*found.fold.consumers, *found.fold.readers):
+                self._columns[f"{module}.weight"] = s_in
+            for tensor in found.fold.producer:
+                self._rows[tensor] = found.s.astype(np.float32)
+
+    @classmethod
+    def from_record(cls, source, record: EqualizationRecord, config: ModelConfig, *,
+                    as_stored: bool = False) -> EqualizedSource:
+        """The folded model an export's record describes (validate compares the export with it;
+        `train equalize_from=` starts from it, `as_stored`)."""
+        return cls(source, scales_from_record(record, config), as_stored=as_stored)
+
+    @property
+    def path(self) -> str:
+        return self._source.path
+
+    def names(self) -> list[str]:
+        return self._source.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self._source.dtype(name)
+
+    def get(self, name: str) -> np.ndarray:
+        array = self._source.get(name)
+        columns, rows = self._columns.get(name), self._rows.get(name)
+        if columns is None and rows is None:
+            return array
+        out = np.asarray(array, np.float32)
+        if columns is not None:
+            out = out * columns[None, :]
+        if rows is not None:
+            out = out / (rows if out.ndim == 1 else rows[:, None])
+        return out.astype(np.asarray(array).dtype) if self._as_stored else out
+
+
+def scales_from_record(record: EqualizationRecord, config: ModelConfig) -> tuple[FoldScale, ...]:
+    """The sites' scales an export's record stores (NVFP4ToolError naming a site the model lacks)."""
+    by_key = {site_key(f): f for f in folds(config)}
+    result = []
+    for key, found in record.sites.items():
+        if key not in by_key:
+            raise NVFP4ToolError(f"equalization record: site {key!r} is not a site of the model")
+        s = np.frombuffer(base64.b64decode(found.scales), "<f4").astype(np.float32)
+        result.append(FoldScale(fold=by_key[key], s=s, alpha=found.alpha))
+    return tuple(result)
+
+
+def site_key(fold: Fold) -> str:
+    """A site's name in the record: its consumers' fused group (`model.layers.0.self_attn.qkv`), or
+    a glob over a sparse MLP's experts (`model.layers.0.mlp.experts.*.gate_up`)."""
+    groups = list(dict.fromkeys(fused_group(c) for c in fold.consumers))
+    return groups[0] if len(groups) == 1 else re.sub(r"\.experts\.\d+\.", ".experts.*.", groups[0])
