@@ -63,6 +63,8 @@ EXPORTS = {
     # GPTQ choosing each block's scales on the weights it has updated (--gptq-block-scales updated)
     "gptq-updated": ["--weight-rounding", "gptq", "--gptq-block-scales", "updated"],
     "awq+gptq-updated": ["--equalize", "awq", "--weight-rounding", "gptq", "--gptq-block-scales", "updated"],
+    "awq+gptq-updated+4over6": ["--equalize", "awq", "--weight-rounding", "gptq", "--gptq-block-scales", "updated",
+                                "--scale-search", "4over6"],
     "fp8": [],  # the FP8 (W8A8) export, whatever --quant is: the reference row
 }
 QAD = "qad"
@@ -105,6 +107,9 @@ def main() -> None:
                              "--sensitivity for the FP8 export's KL on the calibration windows)")
     parser.add_argument("--auto-samples", type=int, default=16,
                         help="calibration windows the auto-precision search measures on (the first of --calib-samples)")
+    parser.add_argument("--auto-margin", type=float, default=1.0,
+                        help="the auto-precision search's KL target is this times the FP8 export's KL on the search "
+                             "windows (< 1 leaves room for text the search never saw)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of docs/<stem>.json this invocation does not rerun")
     args = parser.parse_args()
@@ -217,8 +222,10 @@ def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: 
                               seq_len=args.seq_len, batch_size=8, prompts=1, gen_tokens=16,
                               thresholds=Thresholds(max_kl_mean=None, max_kl_p99=None, min_top1=None,
                                                     max_ppl_increase=None, min_layer_sqnr_db=None))
-    target = validate_export(str(base), options, force=True).record.models["fp8"]["kl_mean"]
-    print(f"auto-precision: the FP8 export's KL on the calibration windows is {target:.4g}: the target", flush=True)
+    fp8 = validate_export(str(base), options, force=True).record.models["fp8"]["kl_mean"]
+    target = args.auto_margin * fp8
+    print(f"auto-precision: the FP8 export's KL on the calibration windows is {fp8:.4g}; the target "
+          f"{args.auto_margin:g} x that = {target:.4g}", flush=True)
     previous = progress.use_reporter(progress.for_cli(quiet=False, log_format="text"))  # the search's own lines
     try:
         run = validate_export(str(base), dataclasses.replace(options, reference="bf16"), kl_target=target, force=True)
@@ -228,7 +235,8 @@ def _auto_precision(args: argparse.Namespace, bf16: str, out: Path, train_file: 
     last = found.trajectory[-1]
     print(f"auto-precision: {len(found.keep_bf16)} group(s) kept in BF16, KL {last.kl_mean:.4g} "
           f"({'met' if found.met else 'NOT met'}), {last.bits_per_parameter:.3f} bits per parameter", flush=True)
-    return str(base / KEEP_BF16_TXT), {"from": args.auto_from, "kl_target_calibration": target,
+    return str(base / KEEP_BF16_TXT), {"from": args.auto_from, "fp8_kl_calibration": fp8, "margin": args.auto_margin,
+                                       "kl_target_calibration": target,
                                        "kept_groups": len(found.keep_bf16), "keep_bf16": found.keep_bf16,
                                        "search_kl_calibration": last.kl_mean, "met": found.met}
 
