@@ -17,26 +17,15 @@ import pytest
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
+from train_fixtures import run_train, train_args
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
-from nvfp4tool.train.trainer import train
 
 
-def _args(tokenizer_dir, out, **extra):
-    train_txt, val_txt = embedded_corpus()
-    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(tokenizer_dir),
-                recipe="bf16", steps=30, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=0,
-                eval_batches=2, out=str(out), seed=1)
-    args.update(extra)
-    return [f"{k}={v}" for k, v in args.items()]
-
-
-def _run(tokenizer_dir, out, **extra):
-    return train(load_train_config(None, _args(tokenizer_dir, out, **extra)))
+_args, _run = train_args, run_train
 
 
 @pytest.fixture(scope="module")
