@@ -38,8 +38,9 @@ MARKER_FILE = ".nvfp4tool-partial"  # inside each temporary folder: the writer's
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, force: bool = False, *,
-                      inputs: Iterable[str | os.PathLike] = (), flag: str = "output") -> Iterator[str]:
+def atomic_output_dir(
+    out_dir: str | os.PathLike, force: bool = False, *, inputs: Iterable[str | os.PathLike] = (), flag: str = "output"
+) -> Iterator[str]:
     """Yield a fresh temporary folder next to `out_dir`; on success it becomes `out_dir`.
 
     Refuses before anything is written: an output overlapping one of `inputs` (NVFP4UsageError,
@@ -73,8 +74,9 @@ def atomic_output_dir(out_dir: str | os.PathLike, force: bool = False, *,
         raise
 
 
-def check_output_path(out_dir: str | os.PathLike, inputs: Iterable[str | os.PathLike], *,
-                      flag: str = "output", force: bool | None = None) -> None:
+def check_output_path(
+    out_dir: str | os.PathLike, inputs: Iterable[str | os.PathLike], *, flag: str = "output", force: bool | None = None
+) -> None:
     """NVFP4UsageError if `out_dir` is, contains or lies inside any of `inputs` (real paths); with
     `force` given, also the existing-output refusal of `atomic_output_dir`, so a writer can say both
     before any long work (atomic_output_dir checks again when it starts)."""
@@ -91,8 +93,10 @@ def check_output_path(out_dir: str | os.PathLike, inputs: Iterable[str | os.Path
             relation = "contains"
         else:
             continue
-        raise NVFP4UsageError(f"{flag} {os.fspath(out_dir)}: {relation} the input {os.fspath(source)}; "
-                              f"writing there would destroy the source (choose another folder)")
+        raise NVFP4UsageError(
+            f"{flag} {os.fspath(out_dir)}: {relation} the input {os.fspath(source)}; "
+            f"writing there would destroy the source (choose another folder)"
+        )
     if force is not None:
         _check_replaceable(os.path.abspath(os.fspath(out_dir)), force)
 

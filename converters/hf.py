@@ -12,7 +12,8 @@ Reading: `HFFolderSource(path)` is a `TensorSource` over a single-file (`model.s
 sharded (`model.safetensors.index.json`) checkpoint. Every shard's header is validated before any
 data is read. `get` loads ONE tensor with safetensors' own `safe_open(..., framework="numpy")`
 (safetensors >= 0.8 returns `ml_dtypes.bfloat16` arrays), large tensors in row chunks with the
-file reopened for each, so that no file mapping holds more than one chunk resident. F8 tensors (the scales of exports) are read by hand (one seek + read):
+file reopened for each, so that no file mapping holds more than one chunk resident. F8 tensors (the scales of
+exports) are read by hand (one seek + read):
 safetensors' numpy loader looks their dtypes up on numpy, which has none, and fails. Every floating
 tensor must be finite (`tensor_source.check_finite`). With `check_config=True` (default)
 config.json is parsed into `ModelConfig` and every tensor must be present with the shape the
@@ -45,7 +46,7 @@ import shutil
 import struct
 from typing import Any, Callable, Iterable, Mapping
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16" / float8 names with numpy)
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -60,17 +61,38 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors dtype code -> numpy/ml_dtypes dtype name, and back (the one table every writer uses).
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 SAFETENSORS_CODES = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 # Files besides weights and config.json that a model folder carries and a written copy keeps.
-AUX_FILE_PATTERNS = ("generation_config.json", "tokenizer*", "special_tokens_map.json",
-                     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-                     "chat_template.*", "*.tiktoken", "preprocessor_config.json")
+AUX_FILE_PATTERNS = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.*",
+    "*.tiktoken",
+    "preprocessor_config.json",
+)
 
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
 _HAND_READ_CODES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # safetensors' numpy loader cannot build these
@@ -104,8 +126,10 @@ class TensorEntry:
             return repr(self.name)
         if not self.lead:
             return repr(self.stored)
-        return (f"{self.stored!r} (expert {self.lead[0]}, rows {self.row_offset}-"
-                f"{self.row_offset + self.shape[0] - 1}: {self.name})")
+        return (
+            f"{self.stored!r} (expert {self.lead[0]}, rows {self.row_offset}-"
+            f"{self.row_offset + self.shape[0] - 1}: {self.name})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +140,11 @@ class HeaderDefect:
     problem: str
 
     def message(self, file_path: str) -> str:
-        return f"{file_path}: {self.problem}" if self.tensor is None else \
-            f"{file_path}: tensor {self.tensor!r} {self.problem}"
+        return (
+            f"{file_path}: {self.problem}"
+            if self.tensor is None
+            else f"{file_path}: tensor {self.tensor!r} {self.problem}"
+        )
 
 
 class HFFolderSource:
@@ -187,15 +214,24 @@ class HFFolderSource:
             return _read_sharded(index_path)
         if os.path.lexists(single_path):
             return read_safetensors_header(single_path)
-        raise NVFP4ToolError(f"{self._path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
-                             f"checkpoints are supported)")
+        raise NVFP4ToolError(
+            f"{self._path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+        )
 
 
-def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
-                    dtype: str | None = "bf16", max_shard_size: int | str = "5GB",
-                    copy_from: str | os.PathLike | None = None, force: bool = False,
-                    inputs: Iterable[str | os.PathLike] = (), flag: str = "output",
-                    finish: Callable[[str], None] | None = None) -> list[str]:
+def write_hf_folder(
+    out_dir: str | os.PathLike,
+    config: ModelConfig,
+    source: TensorSource,
+    *,
+    dtype: str | None = "bf16",
+    max_shard_size: int | str = "5GB",
+    copy_from: str | os.PathLike | None = None,
+    force: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
+    flag: str = "output",
+    finish: Callable[[str], None] | None = None,
+) -> list[str]:
     """Write `source` as an HF model folder; return the weight file names written.
 
     dtype: "bf16" / "fp32" cast every floating tensor (round to nearest even), None keeps each
@@ -217,8 +253,13 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     inputs = [*inputs, *([copy_from] if copy_from is not None else [])]
     names = list(expected)
     keep_fp32 = config.family_spec.stored_fp32
-    out_dtypes = {n: _output_dtype(source.dtype(n), "float32" if target_dtype and any(
-        fnmatch.fnmatchcase(n, p) for p in keep_fp32) else target_dtype) for n in names}
+    out_dtypes = {
+        n: _output_dtype(
+            source.dtype(n),
+            "float32" if target_dtype and any(fnmatch.fnmatchcase(n, p) for p in keep_fp32) else target_dtype,
+        )
+        for n in names
+    }
     shards = plan_shards(names, lambda n: _nbytes(out_dtypes[n], expected[n]), shard_limit)
     weight_dtype = out_dtypes["model.embed_tokens.weight"]  # what config.json's dtype declares
     out_config = config
@@ -230,24 +271,30 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
         cast_to = out_dtypes[name] if array.dtype.name != out_dtypes[name] else None
         with np.errstate(over="ignore"):  # an overflow to inf is reported just below
             array = array.astype(out_dtypes[name], copy=False)
-        check_finite(array, f"{source.path}: tensor {name!r}",
-                     after=f"after the cast to {cast_to}" if cast_to else "")
+        check_finite(array, f"{source.path}: tensor {name!r}", after=f"after the cast to {cast_to}" if cast_to else "")
         return array
 
-    file_names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    file_names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     stored = {n: config.family_spec.checkpoint_name(n) for n in names}  # the checkpoint's names
     ours = {s: n for n, s in stored.items()}
     with atomic_output_dir(out_dir, force, inputs=inputs, flag=flag) as tmp_dir:
         for file_name, shard in zip(file_names, shards):
-            write_safetensors(os.path.join(tmp_dir, file_name),
-                              [(stored[n], out_dtypes[n], expected[n]) for n in shard], lambda s: cast(ours[s]),
-                              source_label=source.path)
+            write_safetensors(
+                os.path.join(tmp_dir, file_name),
+                [(stored[n], out_dtypes[n], expected[n]) for n in shard],
+                lambda s: cast(ours[s]),
+                source_label=source.path,
+            )
         if len(shards) > 1:
             total = sum(_nbytes(out_dtypes[n], expected[n]) for n in names)
             weight_map = {stored[n]: f for f, shard in zip(file_names, shards) for n in shard}
-            _write_json(os.path.join(tmp_dir, INDEX_FILE),
-                        {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(
+                os.path.join(tmp_dir, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map}
+            )
         _write_json(os.path.join(tmp_dir, "config.json"), out_config.to_hf_config())
         if copy_from is not None:
             for file_name in _aux_files(os.fspath(copy_from)):
@@ -257,9 +304,14 @@ def write_hf_folder(out_dir: str | os.PathLike, config: ModelConfig, source: Ten
     return file_names
 
 
-def write_safetensors(path: str, layout: Iterable[tuple[str, str, tuple[int, ...]]],
-                      load: Callable[[str], np.ndarray], *, metadata: Mapping[str, str] | None = None,
-                      source_label: str = "<source>") -> None:
+def write_safetensors(
+    path: str,
+    layout: Iterable[tuple[str, str, tuple[int, ...]]],
+    load: Callable[[str], np.ndarray],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    source_label: str = "<source>",
+) -> None:
     """Write one safetensors file tensor by tensor.
 
     `layout` lists (name, dtype name, shape) in file order; the header is written from it first,
@@ -271,11 +323,13 @@ def write_safetensors(path: str, layout: Iterable[tuple[str, str, tuple[int, ...
     offset = 0
     for name, dtype, shape in layout:
         if dtype not in SAFETENSORS_CODES:
-            raise NVFP4ToolError(f"{source_label}: tensor {name!r} has dtype {dtype} that "
-                                 f"safetensors cannot store")
+            raise NVFP4ToolError(f"{source_label}: tensor {name!r} has dtype {dtype} that safetensors cannot store")
         nbytes = _nbytes(dtype, shape)
-        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned, as safetensors pads
@@ -285,9 +339,13 @@ def write_safetensors(path: str, layout: Iterable[tuple[str, str, tuple[int, ...
         for name, dtype, shape in layout:
             array = load(name)
             if array.dtype.name != dtype or tuple(array.shape) != tuple(shape):
-                raise NVFP4ToolError(f"{source_label}: tensor {name!r} is {array.dtype.name}"
-                                     f"{list(array.shape)}, expected {dtype}{list(shape)}")
-            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)  # little-endian on every platform we run on
+                raise NVFP4ToolError(
+                    f"{source_label}: tensor {name!r} is {array.dtype.name}"
+                    f"{list(array.shape)}, expected {dtype}{list(shape)}"
+                )
+            f.write(
+                np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+            )  # little-endian on every platform we run on
             del array
 
 
@@ -303,8 +361,9 @@ def read_safetensors_header(file_path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def scan_safetensors_header(file_path: str, *, serving: bool = False
-                            ) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
+def scan_safetensors_header(
+    file_path: str, *, serving: bool = False
+) -> tuple[dict[str, TensorEntry], list[HeaderDefect]]:
     """(well-formed entries, every defect) of one safetensors file's header.
 
     `serving=True` (check, for the folders engines load) also requires what transformers 4.x's
@@ -330,12 +389,16 @@ def scan_safetensors_header(file_path: str, *, serving: bool = False
         return {}, [HeaderDefect(None, f"header is a JSON {type(header).__name__}, not an object")]
     defects: list[HeaderDefect] = []
     metadata = header.get("__metadata__")  # optional; null is allowed, as safetensors allows it
-    if metadata is not None and not (isinstance(metadata, dict)
-                                     and all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         defects.append(HeaderDefect(None, "__metadata__ is not a map of strings to strings"))
     elif serving and metadata is not None and metadata.get("format") != "pt":
-        defects.append(HeaderDefect(None, f"__metadata__ format is {metadata.get('format')!r}, not 'pt': "
-                                          f"transformers refuses to load it as PyTorch weights"))
+        defects.append(
+            HeaderDefect(
+                None,
+                f"__metadata__ format is {metadata.get('format')!r}, not 'pt': "
+                f"transformers refuses to load it as PyTorch weights",
+            )
+        )
     data_start, data_size = 8 + header_len, file_size - 8 - header_len
     entries: dict[str, TensorEntry] = {}
     spans: list[tuple[int, int, str]] = []
@@ -346,8 +409,9 @@ def scan_safetensors_header(file_path: str, *, serving: bool = False
         if parsed is not None:
             code, shape, begin, end = parsed
             spans.append((begin, end, name))
-            entries[name] = TensorEntry(name=name, file=file_path, code=code, shape=shape,
-                                        start=data_start + begin, nbytes=end - begin)
+            entries[name] = TensorEntry(
+                name=name, file=file_path, code=code, shape=shape, start=data_start + begin, nbytes=end - begin
+            )
     _check_tiling(spans, data_size, defects)
     return entries, defects
 
@@ -386,8 +450,17 @@ def parse_size(size: int | str, flag: str = "--max-shard-size") -> int:
             raise NVFP4UsageError(f"{flag} must be positive, got {size}")
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
-    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    powers = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     unit = (match.group(2) or "B").upper() if match else None
     if unit not in powers or int(float(match.group(1)) * powers[unit]) <= 0:
         raise NVFP4UsageError(f"{flag} {size!r}: not a size; use e.g. 5GB, 500MB, 2GiB or a byte count")
@@ -415,8 +488,7 @@ def _read_sharded(index_path: str) -> dict[str, TensorEntry]:
                 raise NVFP4ToolError(f"{shard_path}: missing shard (the index maps tensor {name!r} to it)")
             shard_headers[shard_name] = read_safetensors_header(shard_path)
         if name not in shard_headers[shard_name]:
-            raise NVFP4ToolError(f"{shard_path}: tensor {name!r} is not in this shard, but "
-                                 f"{INDEX_FILE} says it is")
+            raise NVFP4ToolError(f"{shard_path}: tensor {name!r} is not in this shard, but {INDEX_FILE} says it is")
         entries[name] = shard_headers[shard_name][name]
     return entries
 
@@ -429,14 +501,15 @@ def _our_names(entries: dict[str, TensorEntry], config: ModelConfig) -> dict[str
     for stored, entry in entries.items():
         name = config.family_spec.our_name(stored)
         if name in out:
-            raise NVFP4ToolError(f"{entry.file}: tensors {out[name].label} and {entry.label} are the same "
-                                 f"{config.family} tensor under two names")
+            raise NVFP4ToolError(
+                f"{entry.file}: tensors {out[name].label} and {entry.label} are the same "
+                f"{config.family} tensor under two names"
+            )
         out[name] = entry if name == stored else dataclasses.replace(entry, name=name, stored=entry.stored or stored)
     return out
 
 
-def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig,
-                    folder: str) -> dict[str, TensorEntry]:
+def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig, folder: str) -> dict[str, TensorEntry]:
     """`entries` with transformers 5's fused expert tensors replaced by per-expert views (see the
     module docstring); unchanged when the folder has no fused tensor."""
     fused = [n for n in entries if re.search(layout.FUSED_TENSOR_RE, n)]
@@ -445,25 +518,39 @@ def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig,
     views = layout.fused_expert_views(config)
     per_expert = next((n for n in entries if n in views and views[n].fused != n), None)
     if per_expert is not None:
-        raise NVFP4ToolError(f"{folder}: tensor {fused[0]!r} is in transformers 5's fused expert layout "
-                             f"but {per_expert!r} in the per-expert one; a checkpoint must use one layout")
+        raise NVFP4ToolError(
+            f"{folder}: tensor {fused[0]!r} is in transformers 5's fused expert layout "
+            f"but {per_expert!r} in the per-expert one; a checkpoint must use one layout"
+        )
     for name, want in layout.fused_expert_shapes(config).items():
         entry = entries.get(name)
         if entry is None:
-            raise NVFP4ToolError(f"{folder}: tensor {name!r} missing; the config expects it in "
-                                 f"transformers 5's fused expert layout, which {fused[0]!r} is in")
+            raise NVFP4ToolError(
+                f"{folder}: tensor {name!r} missing; the config expects it in "
+                f"transformers 5's fused expert layout, which {fused[0]!r} is in"
+            )
         if entry.shape != want:
-            axes = ("experts x (gate + up rows) x hidden" if name.endswith(layout.FUSED_GATE_UP) else
-                    "experts x hidden x expert width" if name.endswith(layout.FUSED_DOWN) else
-                    "experts x hidden, the router")
-            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, the config "
-                                 f"expects {list(want)} (transformers 5's fused expert layout: {axes})")
+            axes = (
+                "experts x (gate + up rows) x hidden"
+                if name.endswith(layout.FUSED_GATE_UP)
+                else "experts x hidden x expert width"
+                if name.endswith(layout.FUSED_DOWN)
+                else "experts x hidden, the router"
+            )
+            raise NVFP4ToolError(
+                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, the config "
+                f"expects {list(want)} (transformers 5's fused expert layout: {axes})"
+            )
         if entry.dtype.name not in WEIGHT_DTYPES:
-            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype.name}, the config "
-                                 f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})")
+            raise NVFP4ToolError(
+                f"{entry.file}: tensor {name!r} has dtype {entry.dtype.name}, the config "
+                f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})"
+            )
         if {entry.dtype.name, config.dtype} == {"float16", "bfloat16"}:
-            raise NVFP4ToolError(f"{entry.file}: tensor {name!r} is {entry.dtype.name} but config.json "
-                                 f"declares {config.dtype} (a relabelled header?)")
+            raise NVFP4ToolError(
+                f"{entry.file}: tensor {name!r} is {entry.dtype.name} but config.json "
+                f"declares {config.dtype} (a relabelled header?)"
+            )
     stored = {view.fused for view in views.values()}
     out = {n: e for n, e in entries.items() if n not in stored}
     for name, view in views.items():
@@ -473,10 +560,17 @@ def _unfuse_experts(entries: dict[str, TensorEntry], config: ModelConfig,
             continue
         row_bytes = math.prod(whole.shape[2:]) * whole.dtype.itemsize
         start = whole.start + (view.expert * whole.shape[1] + view.row_start) * row_bytes
-        out[name] = TensorEntry(name=name, file=whole.file, code=whole.code,
-                                shape=(view.rows, *whole.shape[2:]), start=start,
-                                nbytes=view.rows * row_bytes, stored=whole.name, lead=(view.expert,),
-                                row_offset=view.row_start)
+        out[name] = TensorEntry(
+            name=name,
+            file=whole.file,
+            code=whole.code,
+            shape=(view.rows, *whole.shape[2:]),
+            start=start,
+            nbytes=view.rows * row_bytes,
+            stored=whole.name,
+            lead=(view.expert,),
+            row_offset=view.row_start,
+        )
     return out
 
 
@@ -496,8 +590,9 @@ def _read_raw_header(file_path: str) -> tuple[int, bytes, int]:
                 raise _Unreadable(f"truncated: {file_size} bytes, no safetensors header")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-                raise _Unreadable(f"header claims {header_len} bytes but the file has {file_size} "
-                                  f"(truncated or not safetensors)")
+                raise _Unreadable(
+                    f"header claims {header_len} bytes but the file has {file_size} (truncated or not safetensors)"
+                )
             return header_len, f.read(header_len), file_size
     except FileNotFoundError:
         raise _Unreadable("no such file") from None
@@ -513,9 +608,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _parse_entry(name: str, info: Any, data_size: int,
-                 defects: list[HeaderDefect]) -> tuple[str, tuple[int, ...], int, int] | None:
+def _parse_entry(
+    name: str, info: Any, data_size: int, defects: list[HeaderDefect]
+) -> tuple[str, tuple[int, ...], int, int] | None:
     """(code, shape, begin, end) of a well-formed entry; None (and a defect) otherwise."""
+
     def bad(problem: str) -> None:
         defects.append(HeaderDefect(name, problem))
 
@@ -526,14 +623,17 @@ def _parse_entry(name: str, info: Any, data_size: int,
         return bad(f"has unsupported dtype {code!r}")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
         return bad(f"has a malformed shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)
-            and offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(v) for v in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         return bad(f"has bad data_offsets {offsets!r}")
     begin, end = offsets
     nbytes = _nbytes(SAFETENSORS_DTYPES[code], tuple(shape))
     if end - begin != nbytes:
-        return bad(f"spans {end - begin} bytes but {code}{shape} needs {nbytes} (header lies about "
-                   f"its size)")
+        return bad(f"spans {end - begin} bytes but {code}{shape} needs {nbytes} (header lies about its size)")
     if end > data_size:
         bad(f"ends at data byte {end} but the file holds {data_size} (truncated shard or lying header)")
     return code, tuple(shape), begin, end
@@ -550,8 +650,12 @@ def _check_tiling(spans: list[tuple[int, int, str]], data_size: int, defects: li
     cursor, last = 0, None
     for begin, end, name in sorted(spans):
         if begin < cursor:
-            overlaps.append(HeaderDefect(name, f"overlaps tensor {last!r} (its data starts at byte {begin}, "
-                                               f"before {cursor} where {last!r} ends)"))
+            overlaps.append(
+                HeaderDefect(
+                    name,
+                    f"overlaps tensor {last!r} (its data starts at byte {begin}, before {cursor} where {last!r} ends)",
+                )
+            )
         elif begin > cursor:
             gaps.append(HeaderDefect(name, f"leaves a gap of {begin - cursor} bytes before it"))
         if end > cursor:
@@ -568,11 +672,9 @@ def _read_by_hand(entry: TensorEntry) -> np.ndarray:
             f.seek(entry.start)
             got = f.readinto(buffer)
     except OSError as bad:
-        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read "
-                             f"({bad.strerror or bad})") from None
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad.strerror or bad})") from None
     if got != entry.nbytes:  # the file shrank since its header was checked
-        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of "
-                             f"{entry.nbytes} bytes")
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of {entry.nbytes} bytes")
     return np.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
 
 
@@ -592,8 +694,14 @@ def plan_shards(items: list, nbytes: Callable[[Any], int], limit: int) -> list[l
 
 
 def _parse_dtype(dtype: str | None) -> str | None:
-    aliases = {None: None, "keep": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
-               "fp32": "float32", "float32": "float32"}
+    aliases = {
+        None: None,
+        "keep": None,
+        "bf16": "bfloat16",
+        "bfloat16": "bfloat16",
+        "fp32": "float32",
+        "float32": "float32",
+    }
     if dtype not in aliases:
         raise NVFP4ToolError(f"output dtype {dtype!r} unsupported; supported: bf16, fp32, None (keep)")
     return aliases[dtype]
@@ -609,13 +717,14 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _aux_files(folder: str) -> list[str]:
-    return sorted(f for f in os.listdir(folder)
-                  if os.path.isfile(os.path.join(folder, f))
-                  and any(fnmatch.fnmatch(f, pattern) for pattern in AUX_FILE_PATTERNS))
+    return sorted(
+        f
+        for f in os.listdir(folder)
+        if os.path.isfile(os.path.join(folder, f)) and any(fnmatch.fnmatch(f, pattern) for pattern in AUX_FILE_PATTERNS)
+    )
 
 
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
-

@@ -70,7 +70,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
+import ml_dtypes
 import numpy as np
 
 from nvfp4tool.config import ModelConfig
@@ -134,8 +134,7 @@ def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
         for e in range(config.experts.num_experts):
             views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
             views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
-            views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0,
-                                                                   config.hidden_size)
+            views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
     return views
 
 
@@ -146,23 +145,26 @@ def check_supported(config: ModelConfig, label: str) -> None:
     if reason is not None:
         raise NVFP4ToolError(f"{label}: {reason}")
     if config.family not in MAXTEXT_FAMILIES:
-        raise NVFP4ToolError(f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} "
-                             f"models; this one is {config.family}")
+        raise NVFP4ToolError(
+            f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} models; this one is {config.family}"
+        )
     if config.attention_bias or config.o_proj_bias:
-        raise NVFP4ToolError(f"{label}: the MaxText converter supports models without attention "
-                             f"biases; this {config.family} model has them")
+        raise NVFP4ToolError(
+            f"{label}: the MaxText converter supports models without attention "
+            f"biases; this {config.family} model has them"
+        )
     dense = [i for i in range(config.num_layers) if not config.is_sparse_layer(i)]
     if config.is_moe and dense:
         raise NVFP4ToolError(
             f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
             f"{list(config.experts.mlp_only_layers)}, decoder_sparse_step={config.experts.decoder_sparse_step}) has no "
-            f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse")
+            f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse"
+        )
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
     """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied)."""
-    return [r for r in config.family_spec.maxtext_rules or ()
-            if not (r.untied_only and config.tie_word_embeddings)]
+    return [r for r in config.family_spec.maxtext_rules or () if not (r.untied_only and config.tie_word_embeddings)]
 
 
 def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
@@ -214,8 +216,7 @@ def query_scale(config: ModelConfig) -> np.float32:
     return np.float32(1.0 / math.sqrt(config.head_dim))
 
 
-def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: str,
-                  out_dtype: str) -> np.ndarray:
+def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: str, out_dtype: str) -> np.ndarray:
     """One HF tensor (one layer) -> the MaxText parameter (one layer), cast to `out_dtype`.
 
     Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
@@ -238,8 +239,7 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
         return np.ascontiguousarray(y.astype(out_dtype, copy=False))
 
 
-def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: str,
-                  out_dtype: str) -> np.ndarray:
+def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: str, out_dtype: str) -> np.ndarray:
     """One MaxText parameter (one layer) -> the HF tensor, cast to `out_dtype` (exact inverse).
 
     Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
@@ -268,7 +268,7 @@ def transpose_2d(x_AxB: np.ndarray, rows_per_block: int = 64) -> np.ndarray:
     `np.ascontiguousarray(x.T)` on a [8192, 2048] fp32 matrix here: each block stays in cache)."""
     out_BxA = np.empty(x_AxB.shape[::-1], dtype=x_AxB.dtype)
     for start in range(0, x_AxB.shape[0], rows_per_block):
-        out_BxA[:, start:start + rows_per_block] = x_AxB[start:start + rows_per_block].T
+        out_BxA[:, start : start + rows_per_block] = x_AxB[start : start + rows_per_block].T
     return out_BxA
 
 

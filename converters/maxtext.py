@@ -14,7 +14,8 @@ any order cost one HF tensor each.
 Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_path` expects:
 `{step, params: {params: ...}}`, OCDBT + zarr3, and the step's custom metadata `{"scan_layers":
 ...}`. Unlike Orbax's default the arrays are not zstd-compressed: compression made a 268 MB save
-5x and its restore 4x slower here, for half the size on fp32 stacks widened from bf16. Orbax saves a whole pytree per call, so each group of parameters (at most as many bytes as
+5x and its restore 4x slower here, for half the size on fp32 stacks widened from bf16. Orbax saves a whole pytree per
+call, so each group of parameters (at most as many bytes as
 the largest one) is saved by Orbax on its own into a scratch checkpoint whose per-process OCDBT
 database is moved into the output as `ocdbt.process_<k>`; the tree metadata entries are merged and
 Orbax's own `merge_ocdbt_per_process_files` (what a multi-host save runs) joins the databases.
@@ -40,7 +41,7 @@ import shutil
 import weakref
 from typing import Iterable, Iterator
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16" as a numpy dtype name)
+import ml_dtypes
 import numpy as np
 
 from converters import atomic, layout, maxtext_models
@@ -132,16 +133,17 @@ class MaxTextSource:
                 meta = _lookup(params, key)
                 where = _where(key)
                 if meta is None:
-                    raise NVFP4ToolError(f"{self._label}: parameter {where} missing (the "
-                                         f"{config.family} config expects it)")
+                    raise NVFP4ToolError(
+                        f"{self._label}: parameter {where} missing (the {config.family} config expects it)"
+                    )
                 got = tuple(meta.shape)
                 if got != want:
-                    raise NVFP4ToolError(f"{self._label}: parameter {where} has shape {list(got)}, "
-                                         f"the model config expects {list(want)}")
+                    raise NVFP4ToolError(
+                        f"{self._label}: parameter {where} has shape {list(got)}, the model config expects {list(want)}"
+                    )
                 dtype = np.dtype(meta.dtype).name
                 if dtype not in ("float32", "bfloat16", "float16"):
-                    raise NVFP4ToolError(f"{self._label}: parameter {where} has dtype {dtype}; "
-                                         f"expected a float type")
+                    raise NVFP4ToolError(f"{self._label}: parameter {where} has dtype {dtype}; expected a float type")
                 for expert in layout.experts_of(rule, config):
                     name = layout.hf_name(rule, layer, expert)
                     index[name] = (rule, layer, expert, hf_shapes[name], dtype)
@@ -149,8 +151,9 @@ class MaxTextSource:
         extra = sorted(set(_leaf_paths(params)) - set(self._meta))
         if extra:  # e.g. logits_dense with a tied config, or more layers than the config has
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise NVFP4ToolError(f"{self._label}: parameter {_where(extra[0])}"
-                                 f"{more} is not part of the model the config describes")
+            raise NVFP4ToolError(
+                f"{self._label}: parameter {_where(extra[0])}{more} is not part of the model the config describes"
+            )
         return index
 
     def _open(self, key: tuple[str, ...]):
@@ -170,15 +173,15 @@ class MaxTextSource:
             try:
                 self._handles[key] = ts.open(spec, open=True, read=True, context=self._ts_context).result()
             except ValueError as err:
-                raise NVFP4ToolError(f"{self._label}: cannot open parameter {_where(key)}: "
-                                     f"{_first_line(err)}") from None
+                raise NVFP4ToolError(
+                    f"{self._label}: cannot open parameter {_where(key)}: {_first_line(err)}"
+                ) from None
         return self._handles[key]
 
     def _read(self, key: tuple[str, ...], where: str) -> np.ndarray:
         return _fetch(self._open(key), where)
 
-    def _read_slice(self, key: tuple[str, ...], axes: tuple[int, ...], index: tuple,
-                    where: str) -> np.ndarray:
+    def _read_slice(self, key: tuple[str, ...], axes: tuple[int, ...], index: tuple, where: str) -> np.ndarray:
         """One HF tensor's slice (`index`, taking one index along each of `axes`) of a stack."""
         handle = self._open(key)
         chunk = handle.chunk_layout.read_chunk.shape
@@ -201,10 +204,15 @@ class MaxTextSource:
                 weakref.finalize(self, shutil.rmtree, self._scratch_dir, True)
             stacked = self._read(key, where)
             chunk = [1 if axis in axes else n for axis, n in enumerate(stacked.shape)]
-            spec = {"driver": "zarr3",
-                    "kvstore": {"driver": "file", "path": os.path.join(self._scratch_dir, ".".join(key))},
-                    "metadata": {"shape": list(stacked.shape), "data_type": stacked.dtype.name,
-                                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}}
+            spec = {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": os.path.join(self._scratch_dir, ".".join(key))},
+                "metadata": {
+                    "shape": list(stacked.shape),
+                    "data_type": stacked.dtype.name,
+                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                },
+            }
             copy = ts.open(spec, create=True).result()
             copy.write(stacked, can_reference_source_data_indefinitely=True).result()
             del stacked
@@ -212,10 +220,18 @@ class MaxTextSource:
         return self._restaged_handles[key]
 
 
-def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: TensorSource, *,
-                  scan_layers: bool = True, rope_layout: str, dtype: str = "fp32",
-                  force: bool = False, inputs: Iterable[str | os.PathLike] = (),
-                  flag: str = "output") -> str:
+def write_maxtext(
+    out_dir: str | os.PathLike,
+    config: ModelConfig,
+    source: TensorSource,
+    *,
+    scan_layers: bool = True,
+    rope_layout: str,
+    dtype: str = "fp32",
+    force: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
+    flag: str = "output",
+) -> str:
     """Write `source` (HF names) as a MaxText checkpoint; return `<out_dir>/0/items`.
 
     Every stored array must be finite (a value the cast or the query scale overflows is an error,
@@ -230,8 +246,7 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
     check_against_config(source, config.expected_tensor_shapes(), ignore_extra=ignore)
     if rope_layout not in layout.ROPE_LAYOUTS:
-        raise NVFP4ToolError(f"RoPE layout {rope_layout!r} unknown; supported: "
-                             f"{', '.join(layout.ROPE_LAYOUTS)}")
+        raise NVFP4ToolError(f"RoPE layout {rope_layout!r} unknown; supported: {', '.join(layout.ROPE_LAYOUTS)}")
     import orbax.checkpoint as ocp
 
     leaves = _plan_leaves(config, scan_layers, out_dtype)
@@ -243,14 +258,19 @@ def write_maxtext(out_dir: str | os.PathLike, config: ModelConfig, source: Tenso
         for group_index, group in enumerate(_groups(leaves, budget), start=1):
             tree, save_args = {}, {}
             for rule, layer, key, shape, _ in group:
-                array = _build_leaf(source, config, rule, layer, shape, out_dtype, rope_layout,
-                                    scan_layers)
+                array = _build_leaf(source, config, rule, layer, shape, out_dtype, rope_layout, scan_layers)
                 _set(tree, layout.PARAMS_PREFIX + key, array.view(_Borrowed))
                 del array  # the tree holds it now; dropped with the tree once saved
-                _set(save_args, layout.PARAMS_PREFIX + key, ocp.SaveArgs(
-                    chunk_byte_size=_CHUNK_BYTES, shard_axes=layout.sliced_axes(rule, scanned=scan_layers)))
-            _save_group(ocp, tree, save_args, os.path.join(scratch, str(group_index)), items_dir,
-                        group_index, tree_metadata)
+                _set(
+                    save_args,
+                    layout.PARAMS_PREFIX + key,
+                    ocp.SaveArgs(
+                        chunk_byte_size=_CHUNK_BYTES, shard_axes=layout.sliced_axes(rule, scanned=scan_layers)
+                    ),
+                )
+            _save_group(
+                ocp, tree, save_args, os.path.join(scratch, str(group_index)), items_dir, group_index, tree_metadata
+            )
             del tree, save_args
         shutil.rmtree(scratch)
         with open(os.path.join(items_dir, _METADATA_FILE), "w", encoding="utf-8") as f:
@@ -268,13 +288,18 @@ def resolve_items_dir(path: str) -> tuple[str, str | None]:
         return path, parent if os.path.isfile(os.path.join(parent, _STEP_METADATA_FILE)) else None
     if os.path.isfile(os.path.join(path, "items", _METADATA_FILE)):
         return os.path.join(path, "items"), path
-    steps = sorted((int(d), d) for d in (os.listdir(path) if os.path.isdir(path) else [])
-                   if re.fullmatch(r"\d+", d) and os.path.isfile(os.path.join(path, d, "items", _METADATA_FILE)))
+    steps = sorted(
+        (int(d), d)
+        for d in (os.listdir(path) if os.path.isdir(path) else [])
+        if re.fullmatch(r"\d+", d) and os.path.isfile(os.path.join(path, d, "items", _METADATA_FILE))
+    )
     if steps:
         step_dir = os.path.join(path, steps[-1][1])
         return os.path.join(step_dir, "items"), step_dir
-    raise NVFP4ToolError(f"{path}: not a MaxText/Orbax checkpoint (no items/{_METADATA_FILE} in it, "
-                         f"in <step>/items, or in the step directories under it)")
+    raise NVFP4ToolError(
+        f"{path}: not a MaxText/Orbax checkpoint (no items/{_METADATA_FILE} in it, "
+        f"in <step>/items, or in the step directories under it)"
+    )
 
 
 def is_maxtext_checkpoint(path: str) -> bool:
@@ -322,8 +347,16 @@ def _groups(leaves: list[tuple], budget: int) -> Iterator[list[tuple]]:
         yield group
 
 
-def _build_leaf(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
-                shape: tuple[int, ...], out_dtype: str, rope_layout: str, scanned: bool) -> np.ndarray:
+def _build_leaf(
+    source: TensorSource,
+    config: ModelConfig,
+    rule: layout.Rule,
+    layer: int | None,
+    shape: tuple[int, ...],
+    out_dtype: str,
+    rope_layout: str,
+    scanned: bool,
+) -> np.ndarray:
     """The stored array of one parameter; a scanned stack or an experts array is filled one source
     tensor (layer, expert) at a time. Each converted tensor must be finite."""
     if not layout.sliced_axes(rule, scanned=scanned):
@@ -336,8 +369,15 @@ def _build_leaf(source: TensorSource, config: ModelConfig, rule: layout.Rule, la
     return stacked
 
 
-def _converted(source: TensorSource, config: ModelConfig, rule: layout.Rule, layer: int | None,
-               expert: int | None, rope_layout: str, out_dtype: str) -> np.ndarray:
+def _converted(
+    source: TensorSource,
+    config: ModelConfig,
+    rule: layout.Rule,
+    layer: int | None,
+    expert: int | None,
+    rope_layout: str,
+    out_dtype: str,
+) -> np.ndarray:
     name = layout.hf_name(rule, layer, expert)
     y = layout.hf_to_maxtext(rule, source.get(name), config, rope_layout, out_dtype)
     check_finite(y, f"{source.path}: tensor {name!r}", after=f"as stored in MaxText ({out_dtype})")
@@ -347,21 +387,28 @@ def _converted(source: TensorSource, config: ModelConfig, rule: layout.Rule, lay
 def _save_skeleton(ocp, base_dir: str, scan_layers: bool) -> str:
     """Orbax's own step layout (step metadata with custom_metadata, items with `step`)."""
     manager = ocp.CheckpointManager(
-        base_dir, item_names=("items",),
+        base_dir,
+        item_names=("items",),
         item_handlers={"items": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
-        options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
-    manager.save(STEP, args=ocp.args.Composite(items=ocp.args.PyTreeSave({"step": np.int32(STEP)})),
-                 custom_metadata={"scan_layers": bool(scan_layers)})
+        options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
+    )
+    manager.save(
+        STEP,
+        args=ocp.args.Composite(items=ocp.args.PyTreeSave({"step": np.int32(STEP)})),
+        custom_metadata={"scan_layers": bool(scan_layers)},
+    )
     manager.wait_until_finished()
     manager.close()
     return os.path.join(base_dir, str(STEP), "items")
 
 
-def _save_group(ocp, tree: dict, save_args: dict, scratch_dir: str, items_dir: str, index: int,
-                tree_metadata: dict) -> None:
+def _save_group(
+    ocp, tree: dict, save_args: dict, scratch_dir: str, items_dir: str, index: int, tree_metadata: dict
+) -> None:
     """Save one group with Orbax, move its OCDBT database in as process `index`, keep its metadata."""
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-        use_ocdbt=True, use_zarr3=True, use_compression=False))  # zstd: 5x slower to save, 4x to load
+    checkpointer = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
+    )  # zstd: 5x slower to save, 4x to load
     checkpointer.save(scratch_dir, args=ocp.args.PyTreeSave(tree, save_args=save_args))
     checkpointer.close()
     process_dir = os.path.join(scratch_dir, "ocdbt.process_0")
@@ -371,8 +418,9 @@ def _save_group(ocp, tree: dict, save_args: dict, scratch_dir: str, items_dir: s
     group_metadata = _read_json(os.path.join(scratch_dir, _METADATA_FILE))
     for flag in ("use_ocdbt", "use_zarr3"):
         if group_metadata.get(flag) != tree_metadata.get(flag):  # pragma: no cover
-            raise NVFP4ToolError(f"{scratch_dir}: Orbax wrote {flag}={group_metadata.get(flag)}, "
-                                 f"the step has {tree_metadata.get(flag)}")
+            raise NVFP4ToolError(
+                f"{scratch_dir}: Orbax wrote {flag}={group_metadata.get(flag)}, the step has {tree_metadata.get(flag)}"
+            )
     tree_metadata["tree_metadata"].update(group_metadata["tree_metadata"])
     shutil.rmtree(scratch_dir)
     _release_freed_memory()
@@ -391,8 +439,9 @@ def _merge_ocdbt(ocp, items_dir: str) -> None:
     from etils import epath
 
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
-    asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
-        epath.Path(items_dir), ts_context=context, use_zarr3=True))
+    asyncio.run(
+        ocp.type_handlers.merge_ocdbt_per_process_files(epath.Path(items_dir), ts_context=context, use_zarr3=True)
+    )
 
 
 def _params_tree(items_dir: str, label: str) -> dict:
@@ -407,8 +456,7 @@ def _params_tree(items_dir: str, label: str) -> dict:
     tree = getattr(metadata, "tree", metadata)
     params = tree.get("params", {}).get("params") if isinstance(tree, dict) else None
     if not isinstance(params, dict):
-        raise NVFP4ToolError(f"{label}: no params/params in the checkpoint tree (not a MaxText "
-                             f"TrainState checkpoint)")
+        raise NVFP4ToolError(f"{label}: no params/params in the checkpoint tree (not a MaxText TrainState checkpoint)")
     return params
 
 
@@ -420,8 +468,9 @@ def _detect_scanned(params: dict, label: str) -> bool:
         return True
     if "layers_0" in decoder:
         return False
-    raise NVFP4ToolError(f"{label}: neither params/params/decoder/layers (scanned) nor "
-                         f"decoder/layers_0 (unscanned) is in the checkpoint")
+    raise NVFP4ToolError(
+        f"{label}: neither params/params/decoder/layers (scanned) nor decoder/layers_0 (unscanned) is in the checkpoint"
+    )
 
 
 def _fetch(view, where: str) -> np.ndarray:
@@ -429,15 +478,17 @@ def _fetch(view, where: str) -> np.ndarray:
     try:
         return np.asarray(view.read().result())
     except (ValueError, OSError) as err:
-        raise NVFP4ToolError(f"{where} cannot be read (corrupted or truncated checkpoint data: "
-                             f"{_first_line(err)})") from None
+        raise NVFP4ToolError(
+            f"{where} cannot be read (corrupted or truncated checkpoint data: {_first_line(err)})"
+        ) from None
 
 
 def _first_line(err: Exception) -> str:
     """The first line of a (tensorstore) message, without its spec and source-location suffixes."""
     text = str(err).strip()
-    return re.split(r" \[(?:source locations|tensorstore_spec)=", text.splitlines()[0])[0] if text \
-        else type(err).__name__
+    return (
+        re.split(r" \[(?:source locations|tensorstore_spec)=", text.splitlines()[0])[0] if text else type(err).__name__
+    )
 
 
 def _where(key: tuple[str, ...]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, runtime_checkable
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16" etc. as numpy dtype names)
+import ml_dtypes
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError
@@ -96,21 +96,28 @@ def check_finite(array: np.ndarray, where: str, *, after: str = "") -> None:
     step = max(1, _CHECK_CHUNK_ELEMENTS // max(1, rows[0].size))
     bad, first = 0, None
     for start in range(0, len(rows), step):
-        finite = np.isfinite(rows[start:start + step])
+        finite = np.isfinite(rows[start : start + step])
         if finite.all():
             continue
         bad += finite.size - int(np.count_nonzero(finite))
         if first is None:
             index = np.unravel_index(int(np.argmin(finite)), finite.shape)
-            first = (index[0] + start, *index[1:])[:array.ndim]
+            first = (index[0] + start, *index[1:])[: array.ndim]
     if bad:
-        raise NVFP4ToolError(f"{where} has {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)"
-                             f"{' ' + after if after else ''}, e.g. {float(array[first])} at index "
-                             f"{[int(i) for i in first]}")
+        raise NVFP4ToolError(
+            f"{where} has {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)"
+            f"{' ' + after if after else ''}, e.g. {float(array[first])} at index "
+            f"{[int(i) for i in first]}"
+        )
 
 
-def check_against_config(source: TensorSource, expected: Mapping[str, tuple[int, ...]],
-                         *, ignore_extra: tuple[str, ...] = (), config_dtype: str | None = None) -> None:
+def check_against_config(
+    source: TensorSource,
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    ignore_extra: tuple[str, ...] = (),
+    config_dtype: str | None = None,
+) -> None:
     """Raise NVFP4ToolError unless `source` holds exactly the `expected` names with those shapes,
     each in a floating dtype (`WEIGHT_DTYPES`).
 
@@ -127,17 +134,23 @@ def check_against_config(source: TensorSource, expected: Mapping[str, tuple[int,
     extra = sorted(present - set(expected) - set(ignore_extra))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise NVFP4ToolError(f"{source.path}: unexpected tensor {extra[0]!r}{more}; not part of the "
-                             f"model the config describes")
+        raise NVFP4ToolError(
+            f"{source.path}: unexpected tensor {extra[0]!r}{more}; not part of the model the config describes"
+        )
     for name, want in expected.items():
         got = tuple(source.shape(name))
         if got != tuple(want):
-            raise NVFP4ToolError(f"{source.path}: tensor {name!r} has shape {list(got)}, the config "
-                                 f"expects {list(want)}")
+            raise NVFP4ToolError(
+                f"{source.path}: tensor {name!r} has shape {list(got)}, the config expects {list(want)}"
+            )
         dtype = source.dtype(name)
         if dtype not in WEIGHT_DTYPES:
-            raise NVFP4ToolError(f"{source.path}: tensor {name!r} has dtype {dtype}, the config "
-                                 f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})")
+            raise NVFP4ToolError(
+                f"{source.path}: tensor {name!r} has dtype {dtype}, the config "
+                f"expects a floating-point weight ({', '.join(WEIGHT_DTYPES)})"
+            )
         if {dtype, config_dtype} == {"float16", "bfloat16"}:
-            raise NVFP4ToolError(f"{source.path}: tensor {name!r} is {dtype} but config.json declares "
-                                 f"{config_dtype} (a relabelled header?)")
+            raise NVFP4ToolError(
+                f"{source.path}: tensor {name!r} is {dtype} but config.json declares "
+                f"{config_dtype} (a relabelled header?)"
+            )

@@ -62,8 +62,9 @@ class OptionNames:
 
 
 CLI_OPTIONS = OptionNames()
-TRAIN_OPTIONS = OptionNames(path="model={}", model_config="model_config={}", rope_layout="rope_layout={}",
-                            step="step={}")
+TRAIN_OPTIONS = OptionNames(
+    path="model={}", model_config="model_config={}", rope_layout="rope_layout={}", step="step={}"
+)
 TEACHER_OPTIONS = dataclasses.replace(TRAIN_OPTIONS, path="teacher={}")  # train's distillation teacher
 
 
@@ -89,21 +90,29 @@ class Checkpoint:
 
     def maxtext_rope_layout(self) -> str:
         """The RoPE layout of the MaxText side (the given one, else the MaxText model name's)."""
-        return resolve_rope_layout(self.rope_layout, self.maxtext_name, self.options, self.path,
-                                   family=self.config.family)
+        return resolve_rope_layout(
+            self.rope_layout, self.maxtext_name, self.options, self.path, family=self.config.family
+        )
 
 
-def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
-                    rope_layout: str | None = None, step: int | None = None,
-                    options: OptionNames = CLI_OPTIONS) -> Checkpoint:
+def open_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_config: str | None = None,
+    rope_layout: str | None = None,
+    step: int | None = None,
+    options: OptionNames = CLI_OPTIONS,
+) -> Checkpoint:
     """Open `path` (see the module docstring for what is accepted and the errors)."""
     shown = os.fspath(path)
     kind = checkpoint_kind(shown, options)
     if rope_layout is not None:
         _check_rope_layout(rope_layout, options)
     if step is not None and kind != "run":
-        raise NVFP4UsageError(f"{shown}: {options.step.format(step)} needs an nvfp4tool training run "
-                              f"(a folder with {RunRecord.FILE_NAME} and {WEIGHTS_DIR}/)")
+        raise NVFP4UsageError(
+            f"{shown}: {options.step.format(step)} needs an nvfp4tool training run "
+            f"(a folder with {RunRecord.FILE_NAME} and {WEIGHTS_DIR}/)"
+        )
     absolute = os.path.abspath(shown)
     given = resolve_model_config(model_config, options) if model_config is not None else None
     maxtext_name = given[1] if given else None
@@ -113,23 +122,31 @@ def open_checkpoint(path: str | os.PathLike, *, model_config: str | None = None,
         from converters.maxtext import MaxTextSource
 
         layout = resolve_rope_layout(rope_layout, maxtext_name, options, shown, family=given[0].family)
-        files = sorted(f for f in glob.glob(os.path.join(absolute, "**", "*"), recursive=True)
-                       if os.path.isfile(f))
+        files = sorted(f for f in glob.glob(os.path.join(absolute, "**", "*"), recursive=True) if os.path.isfile(f))
         aux = model_config if model_config is not None and os.path.isdir(model_config) else None
-        return Checkpoint(tensors=MaxTextSource(absolute, given[0], layout), config=given[0],
-                          path=absolute, kind=kind, weight_files=files, aux_dir=aux, options=options,
-                          maxtext_name=maxtext_name, rope_layout=layout)
+        return Checkpoint(
+            tensors=MaxTextSource(absolute, given[0], layout),
+            config=given[0],
+            path=absolute,
+            kind=kind,
+            weight_files=files,
+            aux_dir=aux,
+            options=options,
+            maxtext_name=maxtext_name,
+            rope_layout=layout,
+        )
     opened = _open_run(absolute, step) if kind == "run" else _open_hf(absolute)
     if rope_layout is not None:  # the MaxText side this source will be written to, if any
         resolve_rope_layout(rope_layout, maxtext_name, options, shown, family=opened.config.family)
     if given is not None and given[0].expected_tensor_shapes() != opened.config.expected_tensor_shapes():
-        raise NVFP4ToolError(f"{shown}: its config.json describes a different model than "
-                             f"{options.model_config.format(model_config)}")
+        raise NVFP4ToolError(
+            f"{shown}: its config.json describes a different model than {options.model_config.format(model_config)}"
+        )
     return dataclasses.replace(opened, options=options, maxtext_name=maxtext_name, rope_layout=rope_layout)
 
 
 def checkpoint_kind(path: str, options: OptionNames = CLI_OPTIONS) -> str:
-    """"run", "hf" or "maxtext"; NVFP4UsageError "PATH: not found" (the path spelled as the user
+    """ "run", "hf" or "maxtext"; NVFP4UsageError "PATH: not found" (the path spelled as the user
     gave it, e.g. `model=PATH`) / NVFP4ToolError "PATH: neither ..." otherwise."""
     from converters.maxtext import is_maxtext_checkpoint
 
@@ -137,17 +154,22 @@ def checkpoint_kind(path: str, options: OptionNames = CLI_OPTIONS) -> str:
         raise NVFP4UsageError(f"{options.path.format(path)}: not found")
     if RunRecord.exists(path):
         if not os.path.isdir(os.path.join(path, WEIGHTS_DIR)):
-            raise NVFP4ToolError(f"{path}: a training run without final weights ({WEIGHTS_DIR}/ is "
-                                 "missing): it has not finished; resume it with resume=true")
+            raise NVFP4ToolError(
+                f"{path}: a training run without final weights ({WEIGHTS_DIR}/ is "
+                "missing): it has not finished; resume it with resume=true"
+            )
         return "run"
-    if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(glob.escape(path),
-                                                                                     "*.safetensors")):
+    if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(
+        os.path.join(glob.escape(path), "*.safetensors")
+    ):
         return "hf"
     if is_maxtext_checkpoint(path):
         return "maxtext"
-    raise NVFP4ToolError(f"{path}: neither an HF folder (config.json + *.safetensors), a MaxText Orbax "
-                         f"checkpoint (<base>/<step>/items) nor an nvfp4tool training run "
-                         f"({RunRecord.FILE_NAME} + {WEIGHTS_DIR}/)")
+    raise NVFP4ToolError(
+        f"{path}: neither an HF folder (config.json + *.safetensors), a MaxText Orbax "
+        f"checkpoint (<base>/<step>/items) nor an nvfp4tool training run "
+        f"({RunRecord.FILE_NAME} + {WEIGHTS_DIR}/)"
+    )
 
 
 def resolve_model_config(spec: str, options: OptionNames = CLI_OPTIONS) -> tuple[ModelConfig, str | None]:
@@ -159,13 +181,20 @@ def resolve_model_config(spec: str, options: OptionNames = CLI_OPTIONS) -> tuple
         return ModelConfig.from_hf_config(hf, source=f"MaxText model {spec}"), spec
     if os.path.exists(spec):
         return ModelConfig.from_hf_folder(spec), None
-    raise NVFP4UsageError(f"{(options.model_config or '{}').format(spec)}: neither a file/folder nor a "
-                          f"known MaxText model name ({', '.join(maxtext_models.MAXTEXT_MODELS)})")
+    raise NVFP4UsageError(
+        f"{(options.model_config or '{}').format(spec)}: neither a file/folder nor a "
+        f"known MaxText model name ({', '.join(maxtext_models.MAXTEXT_MODELS)})"
+    )
 
 
-def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
-                        options: OptionNames = CLI_OPTIONS, path: str | None = None, *,
-                        family: str | None = None) -> str:
+def resolve_rope_layout(
+    explicit: str | None,
+    maxtext_name: str | None,
+    options: OptionNames = CLI_OPTIONS,
+    path: str | None = None,
+    *,
+    family: str | None = None,
+) -> str:
     """The MaxText side's RoPE layout: the one `family`'s MaxText decoder fixes (an `explicit` other
     one is exit 2), else `explicit`, else the MaxText model name's; else exit 2."""
     from converters import maxtext_models
@@ -174,28 +203,30 @@ def resolve_rope_layout(explicit: str | None, maxtext_name: str | None,
     if fixed is not None:
         if explicit is not None and explicit != fixed:
             _check_rope_layout(explicit, options)
-            raise NVFP4UsageError(f"{options.rope_layout.format(explicit)}: MaxText's {family} decoder "
-                                  f"uses the {fixed}-split RoPE layout, fixed by the family; drop the "
-                                  f"option (or pass {options.rope_layout.format(fixed)})")
+            raise NVFP4UsageError(
+                f"{options.rope_layout.format(explicit)}: MaxText's {family} decoder "
+                f"uses the {fixed}-split RoPE layout, fixed by the family; drop the "
+                f"option (or pass {options.rope_layout.format(fixed)})"
+            )
         return fixed
     if explicit is not None:
         return _check_rope_layout(explicit, options)
     if maxtext_name is not None:
         return maxtext_models.rope_layout_for(maxtext_name)
     where = f"{path}: " if path else ""
-    config_hint = (f", or a MaxText model name as {options.model_config.format('NAME')}"
-                   if options.model_config else "")
-    raise NVFP4UsageError(f"{where}which RoPE layout does the MaxText side use? pass "
-                          f"{options.rope_layout.format('interleaved|half')}{config_hint} "
-                          "(llama3.1-* are interleaved, the others half)")
+    config_hint = f", or a MaxText model name as {options.model_config.format('NAME')}" if options.model_config else ""
+    raise NVFP4UsageError(
+        f"{where}which RoPE layout does the MaxText side use? pass "
+        f"{options.rope_layout.format('interleaved|half')}{config_hint} "
+        "(llama3.1-* are interleaved, the others half)"
+    )
 
 
 def run_steps(run_dir: str) -> list[int]:
     """The steps of a run with a usable checkpoint (a `<step>/state` folder), ascending."""
     base = os.path.join(run_dir, CHECKPOINTS_DIR)
     names = os.listdir(base) if os.path.isdir(base) else []
-    return sorted(int(n) for n in names
-                  if re.fullmatch(r"\d+", n) and os.path.isdir(os.path.join(base, n, "state")))
+    return sorted(int(n) for n in names if re.fullmatch(r"\d+", n) and os.path.isdir(os.path.join(base, n, "state")))
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,28 +235,38 @@ def run_steps(run_dir: str) -> list[int]:
 
 def _check_rope_layout(value: str, options: OptionNames) -> str:
     if value not in ROPE_LAYOUTS:
-        raise NVFP4UsageError(f"{options.rope_layout.format(value)}: unknown RoPE layout; "
-                              f"choose one of {', '.join(ROPE_LAYOUTS)}")
+        raise NVFP4UsageError(
+            f"{options.rope_layout.format(value)}: unknown RoPE layout; choose one of {', '.join(ROPE_LAYOUTS)}"
+        )
     return value
 
 
 def _needs_model_config(path: str, options: OptionNames) -> str:
     if options.model_config is None:
-        return (f"{path}: a MaxText checkpoint carries no model config, which this command cannot "
-                "take; convert it to an HF folder first (nvfp4tool convert PATH OUT --to hf "
-                "--model-config CONFIG)")
-    return (f"{path}: a MaxText checkpoint carries no model config; pass "
-            f"{options.model_config.format('CONFIG')} (an HF config.json / folder, or a MaxText "
-            "model name such as llama3.1-8b)")
+        return (
+            f"{path}: a MaxText checkpoint carries no model config, which this command cannot "
+            "take; convert it to an HF folder first (nvfp4tool convert PATH OUT --to hf "
+            "--model-config CONFIG)"
+        )
+    return (
+        f"{path}: a MaxText checkpoint carries no model config; pass "
+        f"{options.model_config.format('CONFIG')} (an HF config.json / folder, or a MaxText "
+        "model name such as llama3.1-8b)"
+    )
 
 
 def _open_hf(path: str) -> Checkpoint:
     from converters.hf import HFFolderSource
 
     source = HFFolderSource(path)
-    return Checkpoint(tensors=source, config=source.config, path=path, kind="hf",
-                      weight_files=sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))),
-                      aux_dir=path)
+    return Checkpoint(
+        tensors=source,
+        config=source.config,
+        path=path,
+        kind="hf",
+        weight_files=sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))),
+        aux_dir=path,
+    )
 
 
 def _open_run(run_dir: str, step: int | None) -> Checkpoint:
@@ -245,12 +286,29 @@ def _open_run(run_dir: str, step: int | None) -> Checkpoint:
         # post-training quantization with the default plan (calibrate with --calib-data).
         pmap, input_amax = None, None
     recipe = record.recipe_config()
-    recipe_json = {"recipe": recipe.name, "rht": recipe.rht, "stochastic_rounding": recipe.stochastic_rounding,
-                   "weight_2d": recipe.weight_2d, "bf16_first_layers": recipe.bf16_first_layers,
-                   "bf16_last_layers": recipe.bf16_last_layers, "bf16_patterns": list(recipe.bf16_patterns)}
-    return Checkpoint(tensors=source, config=config, path=run_dir, kind="run", weight_files=files,
-                      aux_dir=hf_dir, run=record, precision_map=pmap, input_amax=input_amax,
-                      weight_block=record.weight_block, recipe=recipe_json, step=step)
+    recipe_json = {
+        "recipe": recipe.name,
+        "rht": recipe.rht,
+        "stochastic_rounding": recipe.stochastic_rounding,
+        "weight_2d": recipe.weight_2d,
+        "bf16_first_layers": recipe.bf16_first_layers,
+        "bf16_last_layers": recipe.bf16_last_layers,
+        "bf16_patterns": list(recipe.bf16_patterns),
+    }
+    return Checkpoint(
+        tensors=source,
+        config=config,
+        path=run_dir,
+        kind="run",
+        weight_files=files,
+        aux_dir=hf_dir,
+        run=record,
+        precision_map=pmap,
+        input_amax=input_amax,
+        weight_block=record.weight_block,
+        recipe=recipe_json,
+        step=step,
+    )
 
 
 def _restore_step(run_dir: str, step: int, hf_source: TensorSource):
@@ -262,8 +320,7 @@ def _restore_step(run_dir: str, step: int, hf_source: TensorSource):
 
     steps = run_steps(run_dir)
     if step not in steps:
-        raise NVFP4ToolError(f"{run_dir}: no checkpoint for step {step} "
-                             f"(have: {', '.join(map(str, steps)) or 'none'})")
+        raise NVFP4ToolError(f"{run_dir}: no checkpoint for step {step} (have: {', '.join(map(str, steps)) or 'none'})")
     state_dir = os.path.join(run_dir, CHECKPOINTS_DIR, str(step), "state")
     state = ocp.StandardCheckpointer().restore(state_dir)
     model = model_from_tensors(hf_source.config, hf_source)
@@ -273,6 +330,7 @@ def _restore_step(run_dir: str, step: int, hf_source: TensorSource):
     # The trainer's quantizers read the BF16 rounding of the FP32 master weights.
     tensors = {n: np.asarray(master.get(n)).astype("bfloat16") for n in master.names()}
     amax = {n: float(np.max(np.asarray(h))) for n, h in state.get("amax", {}).items()}
-    files = sorted(f for f in glob.glob(os.path.join(glob.escape(state_dir), "**", "*"), recursive=True)
-                   if os.path.isfile(f))
+    files = sorted(
+        f for f in glob.glob(os.path.join(glob.escape(state_dir), "**", "*"), recursive=True) if os.path.isfile(f)
+    )
     return DictTensorSource(tensors, path=state_dir), amax, files

@@ -96,9 +96,13 @@ class _NewFile(click.Path):
 
 _COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
 _OFFLOAD = click.option(
-    "--offload", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+    "--offload",
+    type=click.Choice(["auto", "never", "always"]),
+    default="auto",
+    show_default=True,
     help="Run the model held in memory (never), streamed layer by layer from its files (always: peak = "
-         "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).")
+    "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).",
+)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -128,8 +132,11 @@ def _damp(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
     low, high = DAMP_RANGE
     if not low < value <= high:  # also nan (and inf, 1e300)
-        raise click.BadParameter(f"{value!r} is not > {low:g} and <= {high:g} (a fraction of the mean "
-                                 f"Hessian diagonal; default 0.05).", ctx, param)
+        raise click.BadParameter(
+            f"{value!r} is not > {low:g} and <= {high:g} (a fraction of the mean Hessian diagonal; default 0.05).",
+            ctx,
+            param,
+        )
     return value
 
 
@@ -145,8 +152,7 @@ def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     if value is not None:
         url = urlparse(value)
         if url.scheme not in ("http", "https") or not url.netloc:
-            raise click.BadParameter(f"{value!r} is not an http(s) URL (e.g. https://hub.example.com).",
-                                     ctx, param)
+            raise click.BadParameter(f"{value!r} is not an http(s) URL (e.g. https://hub.example.com).", ctx, param)
     return value
 
 
@@ -156,13 +162,18 @@ def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nvfp4tool")
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging and full tracebacks.")
-@click.option("-q", "--quiet", is_flag=True,
-              help="No progress (bars, lines) or status lines; results and errors only.")
-@click.option("--log-format", type=click.Choice(progress.LOG_FORMATS), default="auto", show_default=True,
-              envvar=progress.LOG_FORMAT_ENV, show_envvar=True,
-              help="Progress and status on stderr: rich (bars), text (timestamped lines at most every "
-                   f"{progress.INTERVAL_S:g} s per stage: done/total, throughput, elapsed, ETA), json (the same "
-                   "as one JSON object a line), auto (rich on a terminal, text otherwise).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress (bars, lines) or status lines; results and errors only.")
+@click.option(
+    "--log-format",
+    type=click.Choice(progress.LOG_FORMATS),
+    default="auto",
+    show_default=True,
+    envvar=progress.LOG_FORMAT_ENV,
+    show_envvar=True,
+    help="Progress and status on stderr: rich (bars), text (timestamped lines at most every "
+    f"{progress.INTERVAL_S:g} s per stage: done/total, throughput, elapsed, ETA), json (the same "
+    "as one JSON object a line), auto (rich on a terminal, text otherwise).",
+)
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None:
     """nvfp4tool: NVFP4 training, export and validation for Llama-family models in JAX.
@@ -175,8 +186,9 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
         raise click.UsageError("--verbose and --quiet contradict each other", ctx)
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING,
-                        format="%(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.ERROR if quiet else logging.WARNING, format="%(message)s"
+    )
     previous = progress.use_reporter(progress.for_cli(quiet=quiet, log_format=log_format))
     ctx.call_on_close(lambda: progress.use_reporter(previous))
 
@@ -184,23 +196,44 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
 @cli.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True,
-              help="Output format.")
-@click.option("--scan-layers/--no-scan-layers", default=True, show_default=True,
-              help="MaxText output: stack the layers (decoder/layers, layer axis 1) or not.")
-@click.option("--model-config", default=None,
-              help="HF config.json, HF folder, or MaxText model name (e.g. llama3.1-8b). "
-                   "Required for a MaxText source.")
-@click.option("--rope-layout", type=click.Choice(["interleaved", "half"]), default=None,
-              help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
-                   "Mixtral and Qwen3-MoE: always half, fixed by the family).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
-              help="Output dtype (MaxText default fp32; HF default: the model config's).")
+@click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True, help="Output format.")
+@click.option(
+    "--scan-layers/--no-scan-layers",
+    default=True,
+    show_default=True,
+    help="MaxText output: stack the layers (decoder/layers, layer axis 1) or not.",
+)
+@click.option(
+    "--model-config",
+    default=None,
+    help="HF config.json, HF folder, or MaxText model name (e.g. llama3.1-8b). Required for a MaxText source.",
+)
+@click.option(
+    "--rope-layout",
+    type=click.Choice(["interleaved", "half"]),
+    default=None,
+    help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
+    "Mixtral and Qwen3-MoE: always half, fixed by the family).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp32"]),
+    default=None,
+    help="Output dtype (MaxText default fp32; HF default: the model config's).",
+)
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_size, help="HF output shard size.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
-def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config: str | None,
-                    rope_layout: str | None, dtype: str | None, max_shard_size: str,
-                    force: bool) -> None:
+def convert_command(
+    src: str,
+    dst: str,
+    to: str,
+    scan_layers: bool,
+    model_config: str | None,
+    rope_layout: str | None,
+    dtype: str | None,
+    max_shard_size: str,
+    force: bool,
+) -> None:
     """Convert a checkpoint between HF safetensors and MaxText (Orbax), or reshard an HF folder.
 
     \b
@@ -210,9 +243,17 @@ def convert_command(src: str, dst: str, to: str, scan_layers: bool, model_config
     """
     from nvfp4tool.convert import convert_checkpoint
 
-    summary = convert_checkpoint(src, dst, to=to, model_config=model_config, scan_layers=scan_layers,
-                                 rope_layout=rope_layout, dtype=dtype, max_shard_size=max_shard_size,
-                                 force=force)
+    summary = convert_checkpoint(
+        src,
+        dst,
+        to=to,
+        model_config=model_config,
+        scan_layers=scan_layers,
+        rope_layout=rope_layout,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        force=force,
+    )
     click.echo(summary.line())
 
 
@@ -224,8 +265,9 @@ class _TrainCommand(click.Command):
 
         super().format_options(ctx, formatter)
         with formatter.section("Keys (key=value, or in CONFIG.yaml; table: --list-keys)"):
-            formatter.write_dl([(key, f"{text}  [{kind}; default: {default}]")
-                                for key, kind, default, text in key_table()])
+            formatter.write_dl(
+                [(key, f"{text}  [{kind}; default: {default}]") for key, kind, default, text in key_table()]
+            )
 
 
 def _list_keys(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -243,8 +285,14 @@ def _list_keys(ctx: click.Context, param: click.Parameter, value: bool) -> None:
 
 @cli.command("train", cls=_TrainCommand, context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
-@click.option("--list-keys", is_flag=True, is_eager=True, expose_value=False, callback=_list_keys,
-              help="Print every config key with its type, default and description, and exit.")
+@click.option(
+    "--list-keys",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_list_keys,
+    help="Print every config key with its type, default and description, and exit.",
+)
 def train_command(args: tuple[str, ...]) -> None:
     """Train or fine-tune with a precision recipe: [CONFIG.yaml] [key=value ...].
 
@@ -265,15 +313,21 @@ def train_command(args: tuple[str, ...]) -> None:
     if result.losses:
         last = max(result.losses)
         eval_text = f", eval loss {result.eval_losses[last]:.4f}" if last in result.eval_losses else ""
-        click.echo(f"step {last}: train loss {result.losses[last]:.4f}{eval_text}; "
-                   f"{result.tokens_per_s:,.0f} tokens/s")
+        click.echo(f"step {last}: train loss {result.losses[last]:.4f}{eval_text}; {result.tokens_per_s:,.0f} tokens/s")
     click.echo(f"run folder: {result.out}  (metrics.jsonl, loss.png, checkpoints/, hf/)")
 
 
 @cli.command("plot")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--out", "out_png", default="loss.png", show_default=True, type=_NewFile(),
-              help="PNG to write (a JSON of the plotted series is written beside it).")
+@click.option(
+    "-o",
+    "--out",
+    "out_png",
+    default="loss.png",
+    show_default=True,
+    type=_NewFile(),
+    help="PNG to write (a JSON of the plotted series is written beside it).",
+)
 @click.option("--label", "labels", multiple=True, help="Legend label per run (default: folder names).")
 def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -> None:
     """Overlay training runs' loss curves and their relative gap to the first run.
@@ -295,12 +349,15 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
 
 @cli.command("check")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--tp", default="1", show_default=True, callback=_tp,
-              help="Tensor-parallel degrees to check the K/N splits for, comma-separated (e.g. 1,2,4,8).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the report as JSON on stdout instead of the table.")
-@click.option("--json-out", type=_NewFile(), default=None,
-              help="Also write the JSON report to this file.")
+@click.option(
+    "--tp",
+    default="1",
+    show_default=True,
+    callback=_tp,
+    help="Tensor-parallel degrees to check the K/N splits for, comma-separated (e.g. 1,2,4,8).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the table.")
+@click.option("--json-out", type=_NewFile(), default=None, help="Also write the JSON report to this file.")
 def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str | None) -> None:
     """Check an NVFP4/FP8 serving checkpoint (ModelOpt or compressed-tensors) before serving it.
 
@@ -332,68 +389,177 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 
 @cli.command("export")
 @click.argument("src", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
-              hidden=True, help="Output container; safetensors is the only one (accepted for older scripts).")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["safetensors"]),
+    default="safetensors",
+    show_default=True,
+    hidden=True,
+    help="Output container; safetensors is the only one (accepted for older scripts).",
+)
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
-@click.option("--format", "fmt", type=click.Choice(["modelopt", "compressed-tensors"]), default="modelopt",
-              show_default=True, help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
-              "compressed-tensors: vLLM compressed-tensors / transformers.")
-@click.option("--quant", type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]), default="nvfp4",
-              show_default=True, help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.")
-@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ, --equalize and the "
-              "KV-cache scales (an error where none of them is needed).")
-@click.option("--calib-samples", type=_COUNT, default=64, show_default=True,
-              help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.")
-@click.option("--calib-seq-len", type=click.IntRange(min=2), default=512, show_default=True,
-              help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["modelopt", "compressed-tensors"]),
+    default="modelopt",
+    show_default=True,
+    help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
+    "compressed-tensors: vLLM compressed-tensors / transformers.",
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]),
+    default="nvfp4",
+    show_default=True,
+    help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.",
+)
+@click.option(
+    "--calib-data",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ, --equalize and the "
+    "KV-cache scales (an error where none of them is needed).",
+)
+@click.option(
+    "--calib-samples",
+    type=_COUNT,
+    default=64,
+    show_default=True,
+    help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.",
+)
+@click.option(
+    "--calib-seq-len",
+    type=click.IntRange(min=2),
+    default=512,
+    show_default=True,
+    help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.",
+)
 @_OFFLOAD
-@click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
-              help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
-              "scales (amax / 448) and the config keys engines read (needs --calib-data).")
-@click.option("--keep-bf16", multiple=True,
-              help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).")
-@click.option("--keep-bf16-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
-                   "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
-                   "Default: none.")
-@click.option("--scale-search", type=click.Choice(["rtn", "4over6", "mse"]), default="rtn", show_default=True,
-              help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
-              "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
-              "RTN one and its neighbours with the least squared error (the stored format is standard either way).")
-@click.option("--weight-rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
-              help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
-              "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).")
-@click.option("--equalize", type=click.Choice(["none", "awq", "smoothquant"]), default="none", show_default=True,
-              help="Equivalent scaling before quantizing, folded into the preceding norm or linear (a plain "
-              "checkpoint, the same function in BF16, checked): awq = per site the scale mean|x|^alpha with "
-              "the least NVFP4 output error; smoothquant = max|x|^0.5 / max|w|^0.5 (needs --calib-data; NVFP4).")
-@click.option("--gptq-damp", type=float, default=0.05, show_default=True, callback=_damp,
-              help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.")
-@click.option("--gptq-block-scales", type=click.Choice(["original", "updated"]), default="original",
-              show_default=True,
-              help="GPTQ's block scales: original = chosen first on the original weight by --scale-search (RTN's); "
-              "updated = each 16-column block's chosen by --scale-search when GPTQ reaches it, on the weights "
-              "its earlier columns' errors have updated (as the reference GPTQ's groups). Needs --weight-rounding "
-              "gptq.")
-@click.option("--weight-block", type=click.Choice(["1d", "2d"]), default=None,
-              help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
-              help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.")
-@click.option("--step", type=click.IntRange(min=0), default=None,
-              help="Training run: export this checkpoint step (default: the final weights).")
-@click.option("--model-config", default=None,
-              help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
-                   "(required for a MaxText source; default: none).")
-@click.option("--rope-layout", type=click.Choice(["half", "interleaved"]), default=None,
-              help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
-                   "fixes, Mixtral and Qwen3-MoE half; else required).")
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["none", "fp8"]),
+    default="none",
+    show_default=True,
+    help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
+    "scales (amax / 448) and the config keys engines read (needs --calib-data).",
+)
+@click.option(
+    "--keep-bf16",
+    multiple=True,
+    help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).",
+)
+@click.option(
+    "--keep-bf16-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
+    "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
+    "Default: none.",
+)
+@click.option(
+    "--scale-search",
+    type=click.Choice(["rtn", "4over6", "mse"]),
+    default="rtn",
+    show_default=True,
+    help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
+    "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
+    "RTN one and its neighbours with the least squared error (the stored format is standard either way).",
+)
+@click.option(
+    "--weight-rounding",
+    type=click.Choice(["rtn", "gptq"]),
+    default="rtn",
+    show_default=True,
+    help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
+    "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).",
+)
+@click.option(
+    "--equalize",
+    type=click.Choice(["none", "awq", "smoothquant"]),
+    default="none",
+    show_default=True,
+    help="Equivalent scaling before quantizing, folded into the preceding norm or linear (a plain "
+    "checkpoint, the same function in BF16, checked): awq = per site the scale mean|x|^alpha with "
+    "the least NVFP4 output error; smoothquant = max|x|^0.5 / max|w|^0.5 (needs --calib-data; NVFP4).",
+)
+@click.option(
+    "--gptq-damp",
+    type=float,
+    default=0.05,
+    show_default=True,
+    callback=_damp,
+    help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.",
+)
+@click.option(
+    "--gptq-block-scales",
+    type=click.Choice(["original", "updated"]),
+    default="original",
+    show_default=True,
+    help="GPTQ's block scales: original = chosen first on the original weight by --scale-search (RTN's); "
+    "updated = each 16-column block's chosen by --scale-search when GPTQ reaches it, on the weights "
+    "its earlier columns' errors have updated (as the reference GPTQ's groups). Needs --weight-rounding "
+    "gptq.",
+)
+@click.option(
+    "--weight-block",
+    type=click.Choice(["1d", "2d"]),
+    default=None,
+    help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    callback=_size,
+    help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.",
+)
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training run: export this checkpoint step (default: the final weights).",
+)
+@click.option(
+    "--model-config",
+    default=None,
+    help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
+    "(required for a MaxText source; default: none).",
+)
+@click.option(
+    "--rope-layout",
+    type=click.Choice(["half", "interleaved"]),
+    default=None,
+    help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
+    "fixes, Mixtral and Qwen3-MoE half; else required).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
-def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_seq_len, offload, kv_cache, keep_bf16,
-                   keep_bf16_file, scale_search, weight_rounding, equalize, gptq_damp, gptq_block_scales, weight_block,
-                   max_shard_size,
-                   step, model_config,
-                   rope_layout, force) -> None:
+def export_command(
+    src,
+    to,
+    out,
+    fmt,
+    quant,
+    calib_data,
+    calib_samples,
+    calib_seq_len,
+    offload,
+    kv_cache,
+    keep_bf16,
+    keep_bf16_file,
+    scale_search,
+    weight_rounding,
+    equalize,
+    gptq_damp,
+    gptq_block_scales,
+    weight_block,
+    max_shard_size,
+    step,
+    model_config,
+    rope_layout,
+    force,
+) -> None:
     """Export SRC (HF folder, MaxText checkpoint or training run) as a serving checkpoint.
 
     \b
@@ -411,23 +577,42 @@ def export_command(src, to, out, fmt, quant, calib_data, calib_samples, calib_se
         if calib_data is None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
-    options = ExportOptions(format=fmt, quant=quant, scale_search=scale_search, weight_rounding=weight_rounding,
-                            equalize=equalize, gptq_damp=gptq_damp, gptq_block_scales=gptq_block_scales,
-                            weight_block=weight_block,
-                            keep_bf16=tuple(keep_bf16), keep_bf16_file=keep_bf16_file, calib_data=calib_data,
-                            calib_samples=calib_samples,
-                            calib_seq_len=calib_seq_len, offload=offload, kv_cache=kv_cache,
-                            max_shard_size=max_shard_size, step=step,
-                            model_config=model_config, rope_layout=rope_layout, force=force)
+    options = ExportOptions(
+        format=fmt,
+        quant=quant,
+        scale_search=scale_search,
+        weight_rounding=weight_rounding,
+        equalize=equalize,
+        gptq_damp=gptq_damp,
+        gptq_block_scales=gptq_block_scales,
+        weight_block=weight_block,
+        keep_bf16=tuple(keep_bf16),
+        keep_bf16_file=keep_bf16_file,
+        calib_data=calib_data,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        offload=offload,
+        kv_cache=kv_cache,
+        max_shard_size=max_shard_size,
+        step=step,
+        model_config=model_config,
+        rope_layout=rope_layout,
+        force=force,
+    )
     click.echo(export_checkpoint(src, out, options).line())
 
 
 @cli.command("convert-format")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["modelopt", "compressed-tensors"]), required=True,
-              help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
-                   "(vLLM compressed-tensors / transformers).")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["modelopt", "compressed-tensors"]),
+    required=True,
+    help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
+    "(vLLM compressed-tensors / transformers).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def convert_format_command(src, out, to, force) -> None:
     """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
@@ -449,17 +634,30 @@ def convert_format_command(src, out, to, force) -> None:
 @click.option("--revision", default=None, help="Branch to commit to (created from main if missing).")
 @click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
 @click.option("--dry-run", is_flag=True, help="Print the file list, sizes and model card; upload nothing.")
-@click.option("--endpoint", default=None, callback=_endpoint,
-              help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).")
-@click.option("--timeout", type=_FiniteFloat(min=0, min_open=True), default=30.0, show_default=True,
-              help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).")
-@click.option("--no-validation", is_flag=True,
-              help="Publish without a validation.json from `nvfp4tool validate` (the card says so); "
-                   "a validation.json present is still checked against the files. Default: off.")
+@click.option(
+    "--endpoint",
+    default=None,
+    callback=_endpoint,
+    help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).",
+)
+@click.option(
+    "--timeout",
+    type=_FiniteFloat(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).",
+)
+@click.option(
+    "--no-validation",
+    is_flag=True,
+    help="Publish without a validation.json from `nvfp4tool validate` (the card says so); "
+    "a validation.json present is still checked against the files. Default: off.",
+)
 @click.option("--base-model", default=None, help="Source repo id for the card (default: from the provenance).")
 @click.option("--license", "license_", default=None, help="License for the card (default: the source's).")
-def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation,
-                 base_model, license_) -> None:
+def push_command(
+    path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation, base_model, license_
+) -> None:
     """Check an export, write its model card and upload both to the Hugging Face Hub.
 
     Refuses a checkpoint that fails `nvfp4tool check`, one without validation.json unless
@@ -475,9 +673,18 @@ def push_command(path, repo_id, private, revision, create_pr, dry_run, endpoint,
     """
     from nvfp4tool.hub import PushOptions, push_checkpoint
 
-    options = PushOptions(repo_id=repo_id, private=private, revision=revision, create_pr=create_pr,
-                          dry_run=dry_run, endpoint=endpoint, timeout=timeout,
-                          require_validation=not no_validation, base_model=base_model, license=license_)
+    options = PushOptions(
+        repo_id=repo_id,
+        private=private,
+        revision=revision,
+        create_pr=create_pr,
+        dry_run=dry_run,
+        endpoint=endpoint,
+        timeout=timeout,
+        require_validation=not no_validation,
+        base_model=base_model,
+        license=license_,
+    )
     result = push_checkpoint(path, options)
     click.echo(("would upload" if dry_run else "uploaded") + f" to {repo_id}:\n{result.file_table()}")
     if result.replaced_readme:
@@ -504,59 +711,149 @@ def _calib_default(field: str):
 
 @cli.command("validate")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Evaluation text (.txt/.jsonl, tokenized with the export's tokenizer) or ids (.npy).")
-@click.option("--reference", default="fp8", show_default=True, callback=_reference,
-              help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
-                   "or the folder of an `export --quant fp8`.")
-@click.option("--source", type=click.Path(), default=None,
-              help="The BF16 source (default: named by the export's nvfp4tool_export.json). Its weight files "
-                   "must have the sha256 that record names.")
-@click.option("--source-mismatch-ok", is_flag=True,
-              help="Validate against a --source whose weights differ from the export's provenance record "
-                   "(default: refused); the report and the model card say so.")
-@click.option("--calib-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Calibration text (.txt/.jsonl) or ids (.npy) for the FP8 reference made on the fly "
-                   "(--reference fp8; default: the W4A4 export's own input amax or a training run's tracked "
-                   "amax; never --data).")
-@click.option("--calib-samples", type=_COUNT, default=_calib_default("calib_samples"), show_default=True,
-              help="Sequences of --calib-data read.")
-@click.option("--calib-seq-len", type=click.IntRange(min=2), default=_calib_default("calib_seq_len"),
-              show_default=True, help="Tokens per --calib-data sequence.")
-@click.option("--json", "json_copy", type=_NewFile(), default=None,
-              help="Also write validation.json here.")
-@click.option("--force", is_flag=True,
-              help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.")
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Evaluation text (.txt/.jsonl, tokenized with the export's tokenizer) or ids (.npy).",
+)
+@click.option(
+    "--reference",
+    default="fp8",
+    show_default=True,
+    callback=_reference,
+    help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
+    "or the folder of an `export --quant fp8`.",
+)
+@click.option(
+    "--source",
+    type=click.Path(),
+    default=None,
+    help="The BF16 source (default: named by the export's nvfp4tool_export.json). Its weight files "
+    "must have the sha256 that record names.",
+)
+@click.option(
+    "--source-mismatch-ok",
+    is_flag=True,
+    help="Validate against a --source whose weights differ from the export's provenance record "
+    "(default: refused); the report and the model card say so.",
+)
+@click.option(
+    "--calib-data",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Calibration text (.txt/.jsonl) or ids (.npy) for the FP8 reference made on the fly "
+    "(--reference fp8; default: the W4A4 export's own input amax or a training run's tracked "
+    "amax; never --data).",
+)
+@click.option(
+    "--calib-samples",
+    type=_COUNT,
+    default=_calib_default("calib_samples"),
+    show_default=True,
+    help="Sequences of --calib-data read.",
+)
+@click.option(
+    "--calib-seq-len",
+    type=click.IntRange(min=2),
+    default=_calib_default("calib_seq_len"),
+    show_default=True,
+    help="Tokens per --calib-data sequence.",
+)
+@click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write validation.json here.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.",
+)
 @click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True,
-              help="Tokens per evaluated sequence.")
-@click.option("--batch-size", type=_COUNT, default=4, show_default=True,
-              help="Sequences per forward pass (memory, not results).")
+@click.option(
+    "--seq-len", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens per evaluated sequence."
+)
+@click.option(
+    "--batch-size", type=_COUNT, default=4, show_default=True, help="Sequences per forward pass (memory, not results)."
+)
 @click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
-@click.option("--prompt-len", type=_COUNT, default=32, show_default=True,
-              help="Tokens of --data each greedy prompt starts from.")
+@click.option(
+    "--prompt-len", type=_COUNT, default=32, show_default=True, help="Tokens of --data each greedy prompt starts from."
+)
 @click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
-@click.option("--max-kl-mean", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_mean"), show_default=True,
-              help="Most mean KL(BF16 || NVFP4) per token, in nats.")
-@click.option("--max-kl-p99", type=_FiniteFloat(min=0), default=_threshold_default("max_kl_p99"), show_default=True,
-              help="Most 99th-percentile per-token KL, in nats.")
-@click.option("--min-top1", type=_FiniteFloat(min=0, max=1), default=_threshold_default("min_top1"),
-              show_default=True, help="Least fraction of tokens whose arg-max matches BF16's (default: no "
-              "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).")
-@click.option("--max-ppl-increase", type=_FiniteFloat(min=0), default=_threshold_default("max_ppl_increase"),
-              show_default=True, help="Relative: ppl / ppl_bf16 - 1.")
-@click.option("--min-layer-sqnr", type=_FiniteFloat(), default=_threshold_default("min_layer_sqnr_db"),
-              show_default=True, help="Floor (dB) of every quantized layer's weight SQNR.")
+@click.option(
+    "--max-kl-mean",
+    type=_FiniteFloat(min=0),
+    default=_threshold_default("max_kl_mean"),
+    show_default=True,
+    help="Most mean KL(BF16 || NVFP4) per token, in nats.",
+)
+@click.option(
+    "--max-kl-p99",
+    type=_FiniteFloat(min=0),
+    default=_threshold_default("max_kl_p99"),
+    show_default=True,
+    help="Most 99th-percentile per-token KL, in nats.",
+)
+@click.option(
+    "--min-top1",
+    type=_FiniteFloat(min=0, max=1),
+    default=_threshold_default("min_top1"),
+    show_default=True,
+    help="Least fraction of tokens whose arg-max matches BF16's (default: no "
+    "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).",
+)
+@click.option(
+    "--max-ppl-increase",
+    type=_FiniteFloat(min=0),
+    default=_threshold_default("max_ppl_increase"),
+    show_default=True,
+    help="Relative: ppl / ppl_bf16 - 1.",
+)
+@click.option(
+    "--min-layer-sqnr",
+    type=_FiniteFloat(),
+    default=_threshold_default("min_layer_sqnr_db"),
+    show_default=True,
+    help="Floor (dB) of every quantized layer's weight SQNR.",
+)
 @_OFFLOAD
-@click.option("--sensitivity", is_flag=True,
-              help="Also find the layers to keep in BF16 for --kl-target and write them to EXPORT/keep_bf16.txt "
-                   "(for `export --keep-bf16-file`).")
-@click.option("--kl-target", type=_FiniteFloat(min=0, min_open=True), default=0.01, show_default=True,
-              help="KL mean target of --sensitivity.")
-def validate_command(export, data, reference, source, source_mismatch_ok, calib_data, calib_samples,
-                     calib_seq_len, json_copy, force, samples, seq_len, batch_size, prompts,
-                     prompt_len, gen_tokens, max_kl_mean, max_kl_p99, min_top1, max_ppl_increase,
-                     min_layer_sqnr, offload, sensitivity, kl_target) -> None:
+@click.option(
+    "--sensitivity",
+    is_flag=True,
+    help="Also find the layers to keep in BF16 for --kl-target and write them to EXPORT/keep_bf16.txt "
+    "(for `export --keep-bf16-file`).",
+)
+@click.option(
+    "--kl-target",
+    type=_FiniteFloat(min=0, min_open=True),
+    default=0.01,
+    show_default=True,
+    help="KL mean target of --sensitivity.",
+)
+def validate_command(
+    export,
+    data,
+    reference,
+    source,
+    source_mismatch_ok,
+    calib_data,
+    calib_samples,
+    calib_seq_len,
+    json_copy,
+    force,
+    samples,
+    seq_len,
+    batch_size,
+    prompts,
+    prompt_len,
+    gen_tokens,
+    max_kl_mean,
+    max_kl_p99,
+    min_top1,
+    max_ppl_increase,
+    min_layer_sqnr,
+    offload,
+    sensitivity,
+    kl_target,
+) -> None:
     """Prove an NVFP4 export against its BF16 source and an FP8 reference; exit 1 if it fails.
 
     Writes validation.json, validation.md and PNG plots into EXPORT (replacing them only with
@@ -569,84 +866,185 @@ def validate_command(export, data, reference, source, source_mismatch_ok, calib_
     """
     from rich.console import Console
 
-    from nvfp4tool.validate.report import print_report
+    from nvfp4tool.validate.report import KEEP_BF16_TXT, print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
-    from nvfp4tool.validate.report import KEEP_BF16_TXT
     from nvfp4tool.validate.sensitivity import export_with_file
     from nvfp4tool.validate.thresholds import Thresholds
 
     options = ValidateOptions(
-        data=data, reference=reference, source=source, samples=samples, seq_len=seq_len,
-        batch_size=batch_size, prompts=prompts, prompt_len=prompt_len, gen_tokens=gen_tokens, offload=offload,
-        source_mismatch_ok=source_mismatch_ok, calib_data=calib_data, calib_samples=calib_samples,
-        calib_seq_len=calib_seq_len, thresholds=Thresholds(max_kl_mean=max_kl_mean, max_kl_p99=max_kl_p99, min_top1=min_top1,
-                              max_ppl_increase=max_ppl_increase, min_layer_sqnr_db=min_layer_sqnr))
+        data=data,
+        reference=reference,
+        source=source,
+        samples=samples,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        prompts=prompts,
+        prompt_len=prompt_len,
+        gen_tokens=gen_tokens,
+        offload=offload,
+        source_mismatch_ok=source_mismatch_ok,
+        calib_data=calib_data,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        thresholds=Thresholds(
+            max_kl_mean=max_kl_mean,
+            max_kl_p99=max_kl_p99,
+            min_top1=min_top1,
+            max_ppl_increase=max_ppl_increase,
+            min_layer_sqnr_db=min_layer_sqnr,
+        ),
+    )
     console = Console()
-    run = validate_export(export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None,
-                          force=force)
+    run = validate_export(
+        export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None, force=force
+    )
     record = run.record
     if run.source_mismatch is not None:
         click.echo(f"note: --source-mismatch-ok: {run.source_mismatch}; validation.json records it")
     print_report(record, console)
     if record.sensitivity is not None:
         found = record.sensitivity
-        console.print(f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
-                      f"keeping {len(found.keep_bf16)} group(s) in BF16 "
-                      f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g}"
-                      f"{found.trajectory[-1].size_text()})")
+        console.print(
+            f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
+            f"keeping {len(found.keep_bf16)} group(s) in BF16 "
+            f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g}"
+            f"{found.trajectory[-1].size_text()})"
+        )
         keep_file = os.path.join(export, KEEP_BF16_TXT)
-        click.echo(f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
-                   + export_with_file(run.source_path, keep_file))
+        click.echo(
+            f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
+            + export_with_file(run.source_path, keep_file)
+        )
     click.echo(f"wrote {', '.join(run.files)}")
     if not record.passed:
-        raise NVFP4ToolError(f"{export}: validation failed: " +
-                             "; ".join(f"{f.metric} ({f.detail}) off by {f.by:.4g}" for f in record.failures))
+        raise NVFP4ToolError(
+            f"{export}: validation failed: "
+            + "; ".join(f"{f.metric} ({f.detail}) off by {f.by:.4g}" for f in record.failures)
+        )
 
 
 @cli.command("eval")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
-@click.option("--tasks", required=True,
-              help="Comma-separated lm-eval task names, task YAML files or folders of them (lm-eval's "
-                   "include_path); shipped offline: nvfp4tool_mc, nvfp4tool_mc_letter, nvfp4tool_gsm, "
-                   "nvfp4tool_text.")
-@click.option("--reference", type=click.Path(exists=True, file_okay=False), default=None,
-              help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 "
-                   "column (default: none).")
-@click.option("--source", type=click.Path(exists=True, file_okay=False), default=None,
-              help="The BF16 source (default: named by the export's nvfp4tool_export.json; its weight files "
-                   "must have the sha256 that record names).")
-@click.option("--limit", type=_COUNT, default=None,
-              help="Evaluate only the first N items of each task (recorded in eval.json; default: all).")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.")
-@click.option("--max-drop", type=_FiniteFloat(min=0, max=1), default=None,
-              help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
-                   "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).")
-@click.option("--max-drop-fp8", type=_FiniteFloat(min=0, max=1), default=None,
-              help="The same threshold for NVFP4 - FP8 (needs --reference; default: none).")
-@click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
-              help="Few-shot examples per prompt (default: each task's own).")
-@click.option("--batch-size", type=_COUNT, default=8, show_default=True,
-              help="Requests per forward pass / generation batch (memory and speed, not results).")
-@click.option("--max-length", type=click.IntRange(min=2), default=2048, show_default=True,
-              help="Most tokens of context a request sees (longer ones are left-truncated).")
-@click.option("--max-gen-toks", type=_COUNT, default=256, show_default=True,
-              help="Most new tokens of a generative request whose task sets none.")
-@click.option("--gen-kwargs", default=None,
-              help="Generation settings over every generative task's own, lm-eval's form: "
-                   "do_sample=true,temperature=0.7,top_k=50 (also until, max_gen_toks).")
-@click.option("--samples", type=_COUNT, default=1, show_default=True,
-              help="Generations per item of a sampled task (seeds SEED, SEED+1, ...), its score their mean; "
-                   "needs sampled decoding.")
+@click.option(
+    "--tasks",
+    required=True,
+    help="Comma-separated lm-eval task names, task YAML files or folders of them (lm-eval's "
+    "include_path); shipped offline: nvfp4tool_mc, nvfp4tool_mc_letter, nvfp4tool_gsm, "
+    "nvfp4tool_text.",
+)
+@click.option(
+    "--reference",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 column (default: none).",
+)
+@click.option(
+    "--source",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="The BF16 source (default: named by the export's nvfp4tool_export.json; its weight files "
+    "must have the sha256 that record names).",
+)
+@click.option(
+    "--limit",
+    type=_COUNT,
+    default=None,
+    help="Evaluate only the first N items of each task (recorded in eval.json; default: all).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.",
+)
+@click.option(
+    "--max-drop",
+    type=_FiniteFloat(min=0, max=1),
+    default=None,
+    help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
+    "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).",
+)
+@click.option(
+    "--max-drop-fp8",
+    type=_FiniteFloat(min=0, max=1),
+    default=None,
+    help="The same threshold for NVFP4 - FP8 (needs --reference; default: none).",
+)
+@click.option(
+    "--num-fewshot",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Few-shot examples per prompt (default: each task's own).",
+)
+@click.option(
+    "--batch-size",
+    type=_COUNT,
+    default=8,
+    show_default=True,
+    help="Requests per forward pass / generation batch (memory and speed, not results).",
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(min=2),
+    default=2048,
+    show_default=True,
+    help="Most tokens of context a request sees (longer ones are left-truncated).",
+)
+@click.option(
+    "--max-gen-toks",
+    type=_COUNT,
+    default=256,
+    show_default=True,
+    help="Most new tokens of a generative request whose task sets none.",
+)
+@click.option(
+    "--gen-kwargs",
+    default=None,
+    help="Generation settings over every generative task's own, lm-eval's form: "
+    "do_sample=true,temperature=0.7,top_k=50 (also until, max_gen_toks).",
+)
+@click.option(
+    "--samples",
+    type=_COUNT,
+    default=1,
+    show_default=True,
+    help="Generations per item of a sampled task (seeds SEED, SEED+1, ...), its score their mean; "
+    "needs sampled decoding.",
+)
 @_OFFLOAD
-@click.option("--chat-template/--no-chat-template", default=True, show_default=True,
-              help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.")
+@click.option(
+    "--chat-template/--no-chat-template",
+    default=True,
+    show_default=True,
+    help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.",
+)
 @click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write eval.json here.")
-@click.option("--force", is_flag=True,
-              help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); "
-                   "default: refused.")
-def eval_command(export, tasks, reference, source, limit, seed, max_drop, max_drop_fp8, num_fewshot, batch_size, max_length,
-                 max_gen_toks, gen_kwargs, samples, offload, chat_template, json_copy, force) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); default: refused.",
+)
+def eval_command(
+    export,
+    tasks,
+    reference,
+    source,
+    limit,
+    seed,
+    max_drop,
+    max_drop_fp8,
+    num_fewshot,
+    batch_size,
+    max_length,
+    max_gen_toks,
+    gen_kwargs,
+    samples,
+    offload,
+    chat_template,
+    json_copy,
+    force,
+) -> None:
     """Task accuracy as served: the same lm-eval tasks on BF16, FP8 and NVFP4, paired item by item.
 
     Writes eval.json (with eval_items.json, the per-item scores), eval.md (the model-card table)
@@ -665,10 +1063,23 @@ def eval_command(export, tasks, reference, source, limit, seed, max_drop, max_dr
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not names:
         raise NVFP4UsageError("--tasks: no task given")
-    options = EvalOptions(tasks=names, reference=reference, source=source, limit=limit, seed=seed, max_drop=max_drop,
-                          max_drop_fp8=max_drop_fp8, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
-                          num_fewshot=num_fewshot, offload=offload, chat_template=chat_template,
-                          gen_kwargs=_gen_kwargs(gen_kwargs), samples=samples)
+    options = EvalOptions(
+        tasks=names,
+        reference=reference,
+        source=source,
+        limit=limit,
+        seed=seed,
+        max_drop=max_drop,
+        max_drop_fp8=max_drop_fp8,
+        batch_size=batch_size,
+        max_length=max_length,
+        max_gen_toks=max_gen_toks,
+        num_fewshot=num_fewshot,
+        offload=offload,
+        chat_template=chat_template,
+        gen_kwargs=_gen_kwargs(gen_kwargs),
+        samples=samples,
+    )
     run = evaluate_export(export, options, json_copy=json_copy, force=force)
     print_report(run.record, Console())
     click.echo(f"wrote {', '.join(run.files)}")
@@ -690,10 +1101,12 @@ def _gen_kwargs(text: str | None) -> dict | None:
 
 @cli.command("quickstart")
 @click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
-@click.option("--pretrain-steps", type=_COUNT, default=300, show_default=True,
-              help="Steps of the BF16 pretraining stage.")
-@click.option("--finetune-steps", type=_COUNT, default=100, show_default=True,
-              help="Steps of the NVFP4-recipe fine-tuning stage.")
+@click.option(
+    "--pretrain-steps", type=_COUNT, default=300, show_default=True, help="Steps of the BF16 pretraining stage."
+)
+@click.option(
+    "--finetune-steps", type=_COUNT, default=100, show_default=True, help="Steps of the NVFP4-recipe fine-tuning stage."
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.
@@ -707,8 +1120,10 @@ def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force
     """
     from nvfp4tool.quickstart import QuickstartOptions, run_quickstart
 
-    run_quickstart(QuickstartOptions(out=out, pretrain_steps=pretrain_steps,
-                                     finetune_steps=finetune_steps, force=force), echo=click.echo)
+    run_quickstart(
+        QuickstartOptions(out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps, force=force),
+        echo=click.echo,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

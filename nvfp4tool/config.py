@@ -21,8 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import (ARCHITECTURE_BY_FAMILY, MOE_FAMILIES, REGISTRY, SUPPORTED_FAMILIES, SWIGLU, Family,
-                                ModuleTable, get_family, module_table)
+from nvfp4tool.families import (
+    ARCHITECTURE_BY_FAMILY,
+    MOE_FAMILIES,
+    REGISTRY,
+    SUPPORTED_FAMILIES,
+    SWIGLU,
+    Family,
+    ModuleTable,
+    get_family,
+    module_table,
+)
 from nvfp4tool.families.hf_values import flag as _flag
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
@@ -35,13 +44,31 @@ _FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.ite
 # config.json keys that ModelConfig models itself (with its family's `modeled_keys`, less the
 # common keys its family lacks: `Family.common_keys_not_modeled`); every other key goes to
 # `hf_extra` untouched.
-_MODELED_KEYS = frozenset({
-    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-    "tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
-    "pad_token_id", "hidden_act",
-})
+_MODELED_KEYS = frozenset(
+    {
+        "model_type",
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "hidden_act",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -58,10 +85,13 @@ class RopeScaling:
             raise NVFP4ToolError(
                 f"rope_scaling llama3: need factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
                 f"got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
-                f"high_freq_factor={self.high_freq_factor}")
+                f"high_freq_factor={self.high_freq_factor}"
+            )
         if self.original_max_position_embeddings <= 0:
-            raise NVFP4ToolError(f"rope_scaling llama3: original_max_position_embeddings must be > 0, "
-                                 f"got {self.original_max_position_embeddings}")
+            raise NVFP4ToolError(
+                f"rope_scaling llama3: original_max_position_embeddings must be > 0, "
+                f"got {self.original_max_position_embeddings}"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,16 +133,26 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
-            raise NVFP4ToolError(f"unsupported model family {self.family!r}; supported: "
-                                 f"{', '.join(SUPPORTED_FAMILIES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            raise NVFP4ToolError(
+                f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise NVFP4ToolError(f"model config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise NVFP4ToolError(f"model config: num_heads={self.num_heads} is not a multiple of "
-                                 f"num_kv_heads={self.num_kv_heads}")
+            raise NVFP4ToolError(
+                f"model config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise NVFP4ToolError(f"model config: head_dim={self.head_dim} must be even for RoPE")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
@@ -120,14 +160,16 @@ class ModelConfig:
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise NVFP4ToolError(f"model config: rope_theta must be > 0, got {self.rope_theta}")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise NVFP4ToolError(f"model config: dtype {self.dtype!r} unsupported; supported: "
-                                 f"{', '.join(SUPPORTED_DTYPES)}")
+            raise NVFP4ToolError(
+                f"model config: dtype {self.dtype!r} unsupported; supported: {', '.join(SUPPORTED_DTYPES)}"
+            )
         if self.hf_config_style not in ("transformers4", "transformers5"):
-            raise NVFP4ToolError(f"model config: hf_config_style must be 'transformers4' or "
-                                 f"'transformers5', got {self.hf_config_style!r}")
+            raise NVFP4ToolError(
+                f"model config: hf_config_style must be 'transformers4' or "
+                f"'transformers5', got {self.hf_config_style!r}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise NVFP4ToolError(f"model config: sliding_window must be > 0 or None, "
-                                 f"got {self.sliding_window}")
+            raise NVFP4ToolError(f"model config: sliding_window must be > 0 or None, got {self.sliding_window}")
         self._check_family_options()
 
     # ----------------------------------------------------------------------------- HF config.json
@@ -168,10 +210,12 @@ class ModelConfig:
                 eos_token_id=eos,
                 pad_token_id=_integer(hf, "pad_token_id", None),
                 **family_fields,
-                hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf
-                else "transformers4",
-                hf_extra={k: v for k, v in hf.items()
-                          if k not in (_MODELED_KEYS - spec.common_keys_not_modeled) | spec.modeled_keys},
+                hf_config_style="transformers5" if "rope_parameters" in hf or "dtype" in hf else "transformers4",
+                hf_extra={
+                    k: v
+                    for k, v in hf.items()
+                    if k not in (_MODELED_KEYS - spec.common_keys_not_modeled) | spec.modeled_keys
+                },
             )
         except KeyError as missing:
             raise NVFP4ToolError(f"{source}: missing required key {missing.args[0]!r}") from None
@@ -208,8 +252,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype" if self.hf_config_style == "transformers5" else "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
         for key in self.family_spec.common_keys_not_modeled:  # kept in hf_extra as the source had them
@@ -218,13 +261,17 @@ class ModelConfig:
         self.family_spec.emit(self, hf)
         if self.family_spec.positional != "rope":
             return hf
-        scaling = None if self.rope_scaling is None else {
-            "rope_type": "llama3",
-            "factor": self.rope_scaling.factor,
-            "low_freq_factor": self.rope_scaling.low_freq_factor,
-            "high_freq_factor": self.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
-        }
+        scaling = (
+            None
+            if self.rope_scaling is None
+            else {
+                "rope_type": "llama3",
+                "factor": self.rope_scaling.factor,
+                "low_freq_factor": self.rope_scaling.low_freq_factor,
+                "high_freq_factor": self.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
+            }
+        )
         if self.hf_config_style == "transformers5":
             hf["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         else:
@@ -331,21 +378,29 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures")
     if model_type is None:
-        named = f" (architectures names {architectures[0]!r})" if isinstance(architectures, list) \
-            and architectures else ""
-        raise NVFP4ToolError(f"{source}: missing required key 'model_type'{named}: transformers and vLLM "
-                             f"choose the model by it; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        named = (
+            f" (architectures names {architectures[0]!r})" if isinstance(architectures, list) and architectures else ""
+        )
+        raise NVFP4ToolError(
+            f"{source}: missing required key 'model_type'{named}: transformers and vLLM "
+            f"choose the model by it; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
     if model_type not in SUPPORTED_FAMILIES:
-        raise NVFP4ToolError(f"{source}: unsupported architecture {model_type!r}; supported model_type: "
-                             f"{', '.join(SUPPORTED_FAMILIES)} ({', '.join(ARCHITECTURE_BY_FAMILY.values())})")
-    if architectures is not None and not (isinstance(architectures, list)
-                                          and all(isinstance(a, str) for a in architectures)):
+        raise NVFP4ToolError(
+            f"{source}: unsupported architecture {model_type!r}; supported model_type: "
+            f"{', '.join(SUPPORTED_FAMILIES)} ({', '.join(ARCHITECTURE_BY_FAMILY.values())})"
+        )
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    ):
         raise NVFP4ToolError(f"{source}: architectures must be a list of class names, got {architectures!r}")
     other = [a for a in architectures or () if _FAMILY_BY_ARCHITECTURE.get(a, model_type) != model_type]
     if other:
-        raise NVFP4ToolError(f"{source}: architectures {other[0]!r} is a "
-                             f"{_FAMILY_BY_ARCHITECTURE[other[0]]} model but model_type is {model_type!r} "
-                             f"({ARCHITECTURE_BY_FAMILY[model_type]})")
+        raise NVFP4ToolError(
+            f"{source}: architectures {other[0]!r} is a "
+            f"{_FAMILY_BY_ARCHITECTURE[other[0]]} model but model_type is {model_type!r} "
+            f"({ARCHITECTURE_BY_FAMILY[model_type]})"
+        )
     return model_type
 
 
@@ -362,8 +417,9 @@ def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Fami
     rope_parameters = hf.get("rope_parameters") or {}
     partial = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise NVFP4ToolError(f"{source}: partial_rotary_factor={partial} unsupported; supported: 1.0 "
-                             f"(RoPE over the whole head)")
+        raise NVFP4ToolError(
+            f"{source}: partial_rotary_factor={partial} unsupported; supported: 1.0 (RoPE over the whole head)"
+        )
 
 
 def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -377,8 +433,10 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
         theta = hf.get("rope_theta", 10000.0)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise NVFP4ToolError(f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)")
+        raise NVFP4ToolError(
+            f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)"
+        )
     if rope_type == "default":
         return _number({"rope_theta": theta}, "rope_theta", 10000.0), None
     try:

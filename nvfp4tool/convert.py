@@ -43,15 +43,25 @@ class ConvertSummary:
         return self.bytes_written / 1e9 / max(self.seconds, 1e-9)
 
     def line(self) -> str:
-        return (f"converted {self.source_format} -> {self.target_format}: {self.tensors} tensors, "
-                f"{self.parameters:,} parameters, {self.bytes_written / 1e9:.3f} GB in "
-                f"{self.seconds:.2f} s ({self.gb_per_s:.3f} GB/s)")
+        return (
+            f"converted {self.source_format} -> {self.target_format}: {self.tensors} tensors, "
+            f"{self.parameters:,} parameters, {self.bytes_written / 1e9:.3f} GB in "
+            f"{self.seconds:.2f} s ({self.gb_per_s:.3f} GB/s)"
+        )
 
 
-def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None = None,
-                       scan_layers: bool = True, rope_layout: str | None = None,
-                       dtype: str | None = None, max_shard_size: str | int = "5GB",
-                       force: bool = False) -> ConvertSummary:
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    to: str,
+    model_config: str | None = None,
+    scan_layers: bool = True,
+    rope_layout: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    force: bool = False,
+) -> ConvertSummary:
     """Convert checkpoint `src` into `dst` in format `to` ("hf" | "maxtext").
 
     `src` is opened by `nvfp4tool.checkpoints.open_checkpoint` (an HF folder, a MaxText checkpoint
@@ -76,19 +86,41 @@ def convert_checkpoint(src: str, dst: str, *, to: str, model_config: str | None 
     with progress.task("convert", total=len(source.tensors.names()), unit="tensor") as task:
         counted = _ProgressSource(source.tensors, task)
         if to == "maxtext":
-            write_maxtext(dst, config, counted, scan_layers=scan_layers, rope_layout=target_layout,
-                          dtype=dtype or "fp32", force=force, inputs=inputs, flag="DST")
+            write_maxtext(
+                dst,
+                config,
+                counted,
+                scan_layers=scan_layers,
+                rope_layout=target_layout,
+                dtype=dtype or "fp32",
+                force=force,
+                inputs=inputs,
+                flag="DST",
+            )
         else:
             hf_dtype = dtype
             if hf_dtype is None and source.kind == "maxtext":
                 hf_dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(config.dtype)
-            write_hf_folder(dst, config, counted, dtype=hf_dtype, max_shard_size=max_shard_size,
-                            copy_from=source.aux_dir if source.kind != "maxtext" else None, force=force,
-                            inputs=inputs, flag="DST")
+            write_hf_folder(
+                dst,
+                config,
+                counted,
+                dtype=hf_dtype,
+                max_shard_size=max_shard_size,
+                copy_from=source.aux_dir if source.kind != "maxtext" else None,
+                force=force,
+                inputs=inputs,
+                flag="DST",
+            )
     seconds = time.perf_counter() - start
-    return ConvertSummary(source_format="maxtext" if source.kind == "maxtext" else "hf", target_format=to,
-                          tensors=counted.count, parameters=config.num_parameters(),
-                          bytes_written=_folder_bytes(dst), seconds=seconds)
+    return ConvertSummary(
+        source_format="maxtext" if source.kind == "maxtext" else "hf",
+        target_format=to,
+        tensors=counted.count,
+        parameters=config.num_parameters(),
+        bytes_written=_folder_bytes(dst),
+        seconds=seconds,
+    )
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -76,8 +76,10 @@ def choose_offload(mode: str, *, weights: int, working: int, what: str, devices:
     available = available_bytes()
     streamed = need > HEADROOM * available
     over = f" over {devices} devices" if devices > 1 else ""
-    progress.info(f"--offload auto: {what} needs {need / 1e9:.2f} GB held{over}, {available / 1e9:.2f} GB "
-                  f"available -> {'streaming it layer by layer' if streamed else 'holding it in memory'}")
+    progress.info(
+        f"--offload auto: {what} needs {need / 1e9:.2f} GB held{over}, {available / 1e9:.2f} GB "
+        f"available -> {'streaming it layer by layer' if streamed else 'holding it in memory'}"
+    )
     return streamed
 
 

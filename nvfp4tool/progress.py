@@ -56,8 +56,9 @@ INTERVAL_S = 10.0  # LineReporter: at most one progress line per task this often
 
 
 class Task(Protocol):
-    def advance(self, n: int = 1, *, description: str | None = None, nbytes: int = 0,
-                fields: dict[str, Any] | None = None) -> None: ...
+    def advance(
+        self, n: int = 1, *, description: str | None = None, nbytes: int = 0, fields: dict[str, Any] | None = None
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -69,8 +70,9 @@ class Reporter(Protocol):
 
 
 class _SilentTask:
-    def advance(self, n: int = 1, *, description: str | None = None, nbytes: int = 0,
-                fields: dict[str, Any] | None = None) -> None:
+    def advance(
+        self, n: int = 1, *, description: str | None = None, nbytes: int = 0, fields: dict[str, Any] | None = None
+    ) -> None:
         pass
 
     def close(self) -> None:
@@ -129,14 +131,22 @@ class _RichTask:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.unit, self.start_time, self.count, self.nbytes = unit, time.perf_counter(), 0, 0
-        self.bar = Progress(TextColumn(name), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-                            TextColumn("{task.description}"), console=console, transient=True)
+        self.bar = Progress(
+            TextColumn(name),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            transient=True,
+        )
         self.bar.start()
         self.task = self.bar.add_task("", total=total, rate="")
 
-    def advance(self, n: int = 1, *, description: str | None = None, nbytes: int = 0,
-                fields: dict[str, Any] | None = None) -> None:
+    def advance(
+        self, n: int = 1, *, description: str | None = None, nbytes: int = 0, fields: dict[str, Any] | None = None
+    ) -> None:
         self.count += n
         self.nbytes += nbytes
         elapsed = max(time.perf_counter() - self.start_time, 1e-9)
@@ -145,8 +155,9 @@ class _RichTask:
             rate += f", {self.nbytes / elapsed / 1e6:.1f} MB/s"
         if fields:
             rate += " " + " ".join(f"{k} {v}" for k, v in fields.items())
-        self.bar.update(self.task, advance=n, rate=rate,
-                        **({"description": description} if description is not None else {}))
+        self.bar.update(
+            self.task, advance=n, rate=rate, **({"description": description} if description is not None else {})
+        )
 
     def close(self) -> None:
         self.bar.stop()
@@ -158,9 +169,15 @@ class LineReporter:
 
     external_bars = False
 
-    def __init__(self, stream: TextIO | None = None, *, json_lines: bool = False, interval: float = INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic,
-                 now: Callable[[], datetime.datetime] | None = None) -> None:
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        json_lines: bool = False,
+        interval: float = INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime.datetime] | None = None,
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.json_lines, self.interval, self.clock = json_lines, interval, clock
         self.now = now or (lambda: datetime.datetime.now(datetime.timezone.utc))
@@ -174,15 +191,22 @@ class LineReporter:
         self.emit({"event": "info", "message": message}, message)
 
     def compiling(self, label: str, seconds: float | None) -> None:
-        self.emit({"event": "compile_start" if seconds is None else "compile_done", "stage": label,
-                   "elapsed_s": None if seconds is None else round(seconds, 3)}, _compile_text(label, seconds))
+        self.emit(
+            {
+                "event": "compile_start" if seconds is None else "compile_done",
+                "stage": label,
+                "elapsed_s": None if seconds is None else round(seconds, 3),
+            },
+            _compile_text(label, seconds),
+        )
 
     def emit(self, record: dict[str, Any], text: str) -> None:
         """One line: `record` as JSON (after `time`) or `text` after a timestamp."""
         stamp = self.now()
         if self.json_lines:
-            line = json.dumps({"time": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"), **record},
-                              default=str)
+            line = json.dumps(
+                {"time": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"), **record}, default=str
+            )
         else:
             line = f"{stamp.strftime('%Y-%m-%dT%H:%M:%SZ')} {text}"
         with self._lock:
@@ -207,8 +231,9 @@ class _LineTask:
         if not self.nested:
             self._line("start")
 
-    def advance(self, n: int = 1, *, description: str | None = None, nbytes: int = 0,
-                fields: dict[str, Any] | None = None) -> None:
+    def advance(
+        self, n: int = 1, *, description: str | None = None, nbytes: int = 0, fields: dict[str, Any] | None = None
+    ) -> None:
         self.count += n
         self.nbytes += nbytes
         if description is not None:
@@ -241,16 +266,31 @@ class _LineTask:
         elapsed = max(now - self.started, 0.0)
         rate = self.count / elapsed if elapsed > 0 and self.count else None
         bytes_per_s = self.nbytes / elapsed if elapsed > 0 and self.nbytes else None
-        eta = (0.0 if event == "done" else None if event == "stopped" or not rate or self.total is None
-               else (self.total - self.count) / rate)
-        record = {"event": event, "stage": self.name, "done": self.count, "total": self.total, "unit": self.unit,
-                  "rate": rate, "bytes_per_s": bytes_per_s, "elapsed_s": round(elapsed, 3),
-                  "eta_s": None if eta is None else round(max(eta, 0.0), 3), "item": self.item,
-                  "fields": {k: str(v) for k, v in self.fields.items()}}
+        eta = (
+            0.0
+            if event == "done"
+            else None
+            if event == "stopped" or not rate or self.total is None
+            else (self.total - self.count) / rate
+        )
+        record = {
+            "event": event,
+            "stage": self.name,
+            "done": self.count,
+            "total": self.total,
+            "unit": self.unit,
+            "rate": rate,
+            "bytes_per_s": bytes_per_s,
+            "elapsed_s": round(elapsed, 3),
+            "eta_s": None if eta is None else round(max(eta, 0.0), 3),
+            "item": self.item,
+            "fields": {k: str(v) for k, v in self.fields.items()},
+        }
         self.reporter.emit(record, self._text(event, elapsed, rate, bytes_per_s, eta))
 
-    def _text(self, event: str, elapsed: float, rate: float | None, bytes_per_s: float | None,
-              eta: float | None) -> str:
+    def _text(
+        self, event: str, elapsed: float, rate: float | None, bytes_per_s: float | None, eta: float | None
+    ) -> str:
         count = f"{self.count}/{self.total}" if self.total is not None else f"{self.count}"
         parts = [f"{count} {self.unit}"]
         if self.total and event != "start":

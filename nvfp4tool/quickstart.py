@@ -61,74 +61,127 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     figures: dict[str, Any] = {}
     machine = machine_description()
     echo(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; {machine['date']}")
-    common = dict(data=str(train_txt), eval_data=str(val_txt), seq_len=options.seq_len,
-                  batch_size=options.batch_size, seed=options.seed, eval_batches=8, force=True)
+    common = dict(
+        data=str(train_txt),
+        eval_data=str(val_txt),
+        seq_len=options.seq_len,
+        batch_size=options.batch_size,
+        seed=options.seed,
+        eval_batches=8,
+        force=True,
+    )
 
     with _stage(echo, "1/8 pretrain a tiny Llama in BF16", figures, "pretrain") as record:
-        result = train(TrainConfig(model="tiny", tokenizer="train", vocab_size=options.vocab_size,
-                                   recipe="bf16", steps=options.pretrain_steps, lr=3e-3, warmup_steps=20,
-                                   eval_every=max(1, options.pretrain_steps // 3), out=str(out / "pretrain-bf16"),
-                                   **common))
+        result = train(
+            TrainConfig(
+                model="tiny",
+                tokenizer="train",
+                vocab_size=options.vocab_size,
+                recipe="bf16",
+                steps=options.pretrain_steps,
+                lr=3e-3,
+                warmup_steps=20,
+                eval_every=max(1, options.pretrain_steps // 3),
+                out=str(out / "pretrain-bf16"),
+                **common,
+            )
+        )
         record.update(_train_figures(result))
         echo(f"  {train_line(record)}; run in {record['run']}")
 
     with _stage(echo, "2/8 fine-tune with the NVFP4 recipe", figures, "finetune") as record:
-        result = train(TrainConfig(model=str(out / "pretrain-bf16" / "hf"), recipe="nvfp4",
-                                   steps=options.finetune_steps, lr=1e-3, warmup_steps=10,
-                                   eval_every=max(1, options.finetune_steps // 2),
-                                   out=str(out / "finetune-nvfp4"), **common))
+        result = train(
+            TrainConfig(
+                model=str(out / "pretrain-bf16" / "hf"),
+                recipe="nvfp4",
+                steps=options.finetune_steps,
+                lr=1e-3,
+                warmup_steps=10,
+                eval_every=max(1, options.finetune_steps // 2),
+                out=str(out / "finetune-nvfp4"),
+                **common,
+            )
+        )
         record.update(_train_figures(result))
         echo(f"  {train_line(record)}; run in {record['run']}")
 
     run_dir = out / "finetune-nvfp4"
     nvfp4_dir, fp8_dir = out / "export-nvfp4", out / "export-fp8"
     with _stage(echo, "3/8 export NVFP4 (compressed-tensors, W4A4)", figures, "export_nvfp4") as record:
-        summary = export_checkpoint(str(run_dir), str(nvfp4_dir), ExportOptions(
-            format="compressed-tensors", quant="nvfp4", force=True, show_progress=False))
-        record.update(out=str(nvfp4_dir), quantized_modules=summary.quantized_modules,
-                      bytes_written=summary.bytes_written)
+        summary = export_checkpoint(
+            str(run_dir),
+            str(nvfp4_dir),
+            ExportOptions(format="compressed-tensors", quant="nvfp4", force=True, show_progress=False),
+        )
+        record.update(
+            out=str(nvfp4_dir), quantized_modules=summary.quantized_modules, bytes_written=summary.bytes_written
+        )
         echo("  " + summary.line())
 
     with _stage(echo, "4/8 export FP8 (ModelOpt W8A8), the reference", figures, "export_fp8") as record:
-        summary = export_checkpoint(str(run_dir), str(fp8_dir), ExportOptions(
-            format="modelopt", quant="fp8", force=True, show_progress=False))
-        record.update(out=str(fp8_dir), quantized_modules=summary.quantized_modules,
-                      bytes_written=summary.bytes_written)
+        summary = export_checkpoint(
+            str(run_dir), str(fp8_dir), ExportOptions(format="modelopt", quant="fp8", force=True, show_progress=False)
+        )
+        record.update(
+            out=str(fp8_dir), quantized_modules=summary.quantized_modules, bytes_written=summary.bytes_written
+        )
         echo("  " + summary.line())
 
     with _stage(echo, "5/8 validate NVFP4 against FP8 and BF16", figures, "validate") as record:
-        run = validate_export(str(nvfp4_dir), ValidateOptions(
-            data=str(val_txt), reference=str(fp8_dir), seq_len=options.seq_len * 2, samples=16,
-            prompts=4, prompt_len=16, gen_tokens=options.gen_tokens))
+        run = validate_export(
+            str(nvfp4_dir),
+            ValidateOptions(
+                data=str(val_txt),
+                reference=str(fp8_dir),
+                seq_len=options.seq_len * 2,
+                samples=16,
+                prompts=4,
+                prompt_len=16,
+                gen_tokens=options.gen_tokens,
+            ),
+        )
         validation = run.record
-        record.update(passed=validation.passed, sequences=validation.data.sequences,
-                      seq_len=validation.data.seq_len, metrics=_validation_figures(validation), files=run.files)
+        record.update(
+            passed=validation.passed,
+            sequences=validation.data.sequences,
+            seq_len=validation.data.seq_len,
+            metrics=_validation_figures(validation),
+            files=run.files,
+        )
         echo(f"  on {record['sequences']} x {record['seq_len']} tokens of held-out text:")
         for model, metrics in record["metrics"].items():
             echo("  " + model_line(model, metrics))
         echo(f"  {'PASSED' if validation.passed else 'FAILED'}; report in {nvfp4_dir / 'validation.md'}")
         if not validation.passed:
-            raise NVFP4ToolError(f"{nvfp4_dir}: validation failed: "
-                                 + "; ".join(f"{f.metric} ({f.detail})" for f in validation.failures))
+            raise NVFP4ToolError(
+                f"{nvfp4_dir}: validation failed: " + "; ".join(f"{f.metric} ({f.detail})" for f in validation.failures)
+            )
 
-    with _stage(echo, "6/8 task accuracy: lm-eval tasks on BF16, FP8 and NVFP4, paired item by item", figures,
-                "eval") as record:
+    with _stage(
+        echo, "6/8 task accuracy: lm-eval tasks on BF16, FP8 and NVFP4, paired item by item", figures, "eval"
+    ) as record:
         record.update(_eval_stage(nvfp4_dir, fp8_dir, options))
         for line in eval_lines(record):
             echo("  " + line)
 
     with _stage(echo, "7/8 check the export", figures, "check") as record:
         report = check_checkpoint(str(nvfp4_dir), tp=(1, 2))
-        record.update(ok=report.ok, problems=[p.line() for p in report.problems], modules=len(report.modules),
-                      tensors=report.tensors_checked, tp=list(report.tp))
+        record.update(
+            ok=report.ok,
+            problems=[p.line() for p in report.problems],
+            modules=len(report.modules),
+            tensors=report.tensors_checked,
+            tp=list(report.tp),
+        )
         echo("  " + report.summary_line())
         if not report.ok:
             raise NVFP4ToolError(f"{nvfp4_dir}: check failed: {record['problems']}")
 
     with _stage(echo, "8/8 push --dry-run (model card, nothing uploaded)", figures, "push") as record:
         lines: list[str] = []
-        result = push_checkpoint(nvfp4_dir, PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4",
-                                                        dry_run=True), echo=lines.append)
+        result = push_checkpoint(
+            nvfp4_dir, PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4", dry_run=True), echo=lines.append
+        )
         card_path = out / "MODEL_CARD.md"
         card_path.write_text(str(result.card))
         record.update(files=len(result.files), card=str(card_path))
@@ -141,8 +194,10 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     figures["machine"] = machine
     (out / "quickstart.json").write_text(json.dumps(figures, indent=1, default=str))
     load = f", load average {machine['load_average']:.1f}" if "load_average" in machine else ""
-    echo(f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB"
-         f"{load}); figures in {out / 'quickstart.json'}")
+    echo(
+        f"\nall stages passed in {machine['wall_seconds']:.0f} s wall (peak RSS {machine['peak_rss_gb']:.2f} GB"
+        f"{load}); figures in {out / 'quickstart.json'}"
+    )
     return figures
 
 
@@ -157,8 +212,12 @@ def machine_description() -> dict[str, Any]:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "platform": jax.default_backend(),
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "platform": jax.default_backend(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -193,9 +252,11 @@ class _stage:
 
 def train_line(record: dict[str, Any]) -> str:
     """A training stage's figures as the quickstart prints them (and the README table shows them)."""
-    return (f"{record['steps']} steps: loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, "
-            f"eval {record['eval_loss']:.3f}; {record['tokens_per_s']:,.0f} tokens/s (compilation and evaluation "
-            f"included)")
+    return (
+        f"{record['steps']} steps: loss {record['first_loss']:.3f} -> {record['final_loss']:.3f}, "
+        f"eval {record['eval_loss']:.3f}; {record['tokens_per_s']:,.0f} tokens/s (compilation and evaluation "
+        f"included)"
+    )
 
 
 def model_line(name: str, metrics: dict[str, Any]) -> str:
@@ -203,9 +264,11 @@ def model_line(name: str, metrics: dict[str, Any]) -> str:
     label = name.upper()
     if set(metrics) == {"ppl"}:
         return f"{label}: perplexity {metrics['ppl']:.2f}"
-    return (f"{label}: KL mean {metrics['kl_mean']:.2g}, p99 {metrics['kl_p99']:.2g}, "
-            f"top-1 {100 * metrics['top1']:.1f}%, perplexity {metrics['ppl']:.2f} "
-            f"({100 * metrics['ppl_increase']:+.2f}%)")
+    return (
+        f"{label}: KL mean {metrics['kl_mean']:.2g}, p99 {metrics['kl_p99']:.2g}, "
+        f"top-1 {100 * metrics['top1']:.1f}%, perplexity {metrics['ppl']:.2f} "
+        f"({100 * metrics['ppl_increase']:+.2f}%)"
+    )
 
 
 def _eval_stage(nvfp4_dir: Path, fp8_dir: Path, options: QuickstartOptions) -> dict[str, Any]:
@@ -218,17 +281,33 @@ def _eval_stage(nvfp4_dir: Path, fp8_dir: Path, options: QuickstartOptions) -> d
         return {"skipped": "lm-eval is not installed (pip install 'nvfp4tool[eval]')"}
     from nvfp4tool.validate.evaluate import EvalOptions, evaluate_export
 
-    run = evaluate_export(str(nvfp4_dir), EvalOptions(tasks=options.eval_tasks, reference=str(fp8_dir),
-                                                      limit=options.eval_limit, seed=options.seed,
-                                                      max_length=4 * options.seq_len))
+    run = evaluate_export(
+        str(nvfp4_dir),
+        EvalOptions(
+            tasks=options.eval_tasks,
+            reference=str(fp8_dir),
+            limit=options.eval_limit,
+            seed=options.seed,
+            max_length=4 * options.seq_len,
+        ),
+    )
     record = run.record
     keep = ("diff", "ci95", "mcnemar_p", "right_to_wrong", "wrong_to_right")
-    return {"tasks": {task: {"metric": entry["metric"], "n": entry[record.labels[0]]["n"],
-                             **{label: entry[label][entry["metric"]] for label in record.labels},
-                             "paired": {pair: {k: stats[k] for k in keep} for pair, stats in entry["paired"].items()}}
-                      for task, entry in record.tasks.items() if entry["metric"] is not None},
-            "items_per_s": record.resources["items_per_s"], "seconds": record.resources["seconds"],
-            "files": run.files}
+    return {
+        "tasks": {
+            task: {
+                "metric": entry["metric"],
+                "n": entry[record.labels[0]]["n"],
+                **{label: entry[label][entry["metric"]] for label in record.labels},
+                "paired": {pair: {k: stats[k] for k in keep} for pair, stats in entry["paired"].items()},
+            }
+            for task, entry in record.tasks.items()
+            if entry["metric"] is not None
+        },
+        "items_per_s": record.resources["items_per_s"],
+        "seconds": record.resources["seconds"],
+        "files": run.files,
+    }
 
 
 def eval_lines(record: dict[str, Any]) -> list[str]:
@@ -242,19 +321,25 @@ def eval_lines(record: dict[str, Any]) -> list[str]:
         pairs = []
         for pair, stats in entry["paired"].items():
             low, high = stats["ci95"] or (stats["diff"], stats["diff"])
-            pairs.append(f"{pair.upper().replace('-', ' - ')} {100 * stats['diff']:+.1f} points "
-                         f"[{100 * low:+.1f}, {100 * high:+.1f}], flips {stats['right_to_wrong']}/"
-                         f"{stats['wrong_to_right']}, McNemar p {stats['mcnemar_p']:.2g}")
+            pairs.append(
+                f"{pair.upper().replace('-', ' - ')} {100 * stats['diff']:+.1f} points "
+                f"[{100 * low:+.1f}, {100 * high:+.1f}], flips {stats['right_to_wrong']}/"
+                f"{stats['wrong_to_right']}, McNemar p {stats['mcnemar_p']:.2g}"
+            )
         lines.append(f"{task} ({entry['metric']}, {entry['n']} items): {scores}; " + "; ".join(pairs))
     return lines
 
 
 def _train_figures(result) -> dict[str, Any]:
     last = max(result.losses)
-    return {"steps": result.final_step, "first_loss": result.losses[min(result.losses)],
-            "final_loss": result.losses[last],
-            "eval_loss": result.eval_losses[last], "tokens_per_s": result.tokens_per_s,
-            "run": str(result.out)}
+    return {
+        "steps": result.final_step,
+        "first_loss": result.losses[min(result.losses)],
+        "final_loss": result.losses[last],
+        "eval_loss": result.eval_losses[last],
+        "tokens_per_s": result.tokens_per_s,
+        "run": str(result.out),
+    }
 
 
 def _validation_figures(validation: ValidationRecord) -> dict[str, dict[str, Any]]:

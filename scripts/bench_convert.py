@@ -15,24 +15,43 @@ import shutil
 import sys
 import time
 
-import ml_dtypes  # noqa: F401
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nvfp4tool.convert import convert_checkpoint  # noqa: E402
-from converters.hf import write_safetensors  # noqa: E402
-from nvfp4tool.config import ModelConfig  # noqa: E402
+from converters.hf import write_safetensors
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.convert import convert_checkpoint
 
 
-def synthetic_config(*, hidden: int, mlp: int, layers: int, vocab: int, head_dim: int = 128,
-                     kv_heads: int | None = None, dtype: str = "bfloat16", **fields) -> ModelConfig:
+def synthetic_config(
+    *,
+    hidden: int,
+    mlp: int,
+    layers: int,
+    vocab: int,
+    head_dim: int = 128,
+    kv_heads: int | None = None,
+    dtype: str = "bfloat16",
+    **fields,
+) -> ModelConfig:
     """A Llama-shaped config (untied lm_head, hidden // head_dim query heads) with the given sizes;
     `fields`: further ModelConfig fields (e.g. rope_scaling, max_position_embeddings)."""
     heads = hidden // head_dim
-    return ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
-                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads or heads,
-                       head_dim=head_dim, dtype=dtype, rope_theta=500000.0, **fields)
+    return ModelConfig(
+        family="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads or heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        rope_theta=500000.0,
+        **fields,
+    )
 
 
 def write_synthetic_hf_folder(out_dir: str, config: ModelConfig, *, seed: int = 0) -> str:
@@ -46,8 +65,9 @@ def write_synthetic_hf_folder(out_dir: str, config: ModelConfig, *, seed: int = 
     def make(name: str) -> np.ndarray:
         return (0.02 * rng.standard_normal(shapes[name], dtype=np.float32)).astype(config.dtype)
 
-    write_safetensors(os.path.join(out_dir, "model.safetensors"),
-                      [(n, config.dtype, s) for n, s in shapes.items()], make)
+    write_safetensors(
+        os.path.join(out_dir, "model.safetensors"), [(n, config.dtype, s) for n, s in shapes.items()], make
+    )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_hf_config(), f, indent=2)
     return out_dir
@@ -76,19 +96,29 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     hf_dir = write_synthetic_hf_folder(os.path.join(args.workdir, "hf"), config)
     source_bytes = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
-    print(f"synthetic model: {config.num_layers} layers, hidden 2048, mlp 8192, vocab 32000, "
-          f"{config.num_parameters():,} parameters, {source_bytes / 1e9:.2f} GB {args.dtype}")
+    print(
+        f"synthetic model: {config.num_layers} layers, hidden 2048, mlp 8192, vocab 32000, "
+        f"{config.num_parameters():,} parameters, {source_bytes / 1e9:.2f} GB {args.dtype}"
+    )
     rows = []
-    to_maxtext = convert_checkpoint(hf_dir, os.path.join(args.workdir, "mt"), to="maxtext",
-                                    rope_layout="half", dtype="fp32")
+    to_maxtext = convert_checkpoint(
+        hf_dir, os.path.join(args.workdir, "mt"), to="maxtext", rope_layout="half", dtype="fp32"
+    )
     rows.append(("HF (%s) -> MaxText (fp32, scanned)" % args.dtype, source_bytes, to_maxtext))
-    to_hf = convert_checkpoint(os.path.join(args.workdir, "mt"), os.path.join(args.workdir, "hf2"),
-                               to="hf", model_config=hf_dir, rope_layout="half")
+    to_hf = convert_checkpoint(
+        os.path.join(args.workdir, "mt"),
+        os.path.join(args.workdir, "hf2"),
+        to="hf",
+        model_config=hf_dir,
+        rope_layout="half",
+    )
     rows.append(("MaxText (fp32, scanned) -> HF (%s)" % args.dtype, to_maxtext.bytes_written, to_hf))
     lines = []
     for label, read_bytes, summary in rows:
-        line = (f"| {label} | {read_bytes / 1e9:.2f} | {summary.bytes_written / 1e9:.2f} | "
-                f"{summary.seconds:.1f} | {read_bytes / 1e9 / summary.seconds:.3f} | {summary.gb_per_s:.3f} |")
+        line = (
+            f"| {label} | {read_bytes / 1e9:.2f} | {summary.bytes_written / 1e9:.2f} | "
+            f"{summary.seconds:.1f} | {read_bytes / 1e9 / summary.seconds:.3f} | {summary.gb_per_s:.3f} |"
+        )
         lines.append(line)
         print(line)
     if args.append:
@@ -99,17 +129,22 @@ def main(argv: list[str] | None = None) -> None:
 def _append(lines: list[str], args: argparse.Namespace, config: ModelConfig) -> None:
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
     command = f"python scripts/bench_convert.py --size-gb {args.size_gb:g} --dtype {args.dtype}"
-    header = ("" if os.path.exists(path) and "## Convert throughput" in open(path).read() else
-              "\n## Convert throughput\n\n"
-              "Converted with `nvfp4tool.convert.convert_checkpoint` (what `nvfp4tool convert` runs), "
-              "one tensor / one stacked parameter in memory at a time. GB/s = GB read (or written) / "
-              "wall seconds.\n")
+    header = (
+        ""
+        if os.path.exists(path) and "## Convert throughput" in open(path).read()
+        else "\n## Convert throughput\n\n"
+        "Converted with `nvfp4tool.convert.convert_checkpoint` (what `nvfp4tool convert` runs), "
+        "one tensor / one stacked parameter in memory at a time. GB/s = GB read (or written) / "
+        "wall seconds.\n"
+    )
     with open(path, "a", encoding="utf-8") as f:
         f.write(header)
-        f.write(f"\n`{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, "
-                f"{config.num_layers} layers x (hidden 2048, mlp 8192), vocab 32000):\n\n"
-                "| direction | GB read | GB written | seconds | GB/s read | GB/s written |\n"
-                "|---|---|---|---|---|---|\n")
+        f.write(
+            f"\n`{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, "
+            f"{config.num_layers} layers x (hidden 2048, mlp 8192), vocab 32000):\n\n"
+            "| direction | GB read | GB written | seconds | GB/s read | GB/s written |\n"
+            "|---|---|---|---|---|---|\n"
+        )
         f.write("\n".join(lines) + "\n")
 
 

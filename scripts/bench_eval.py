@@ -61,14 +61,18 @@ MAX_POSITIONS = 4096  # the source's max_position_embeddings (NVFP4ToolLM's own 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model shape (default: tiny)")
-    parser.add_argument("--workdir", default=None,
-                        help="where the models are built and kept for later runs (default: a temp folder)")
+    parser.add_argument(
+        "--workdir", default=None, help="where the models are built and kept for later runs (default: a temp folder)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="the first N items of each task (default: all)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward (default: 8)")
     parser.add_argument("--max-length", type=int, default=256, help="longest row in tokens (default: 256)")
     parser.add_argument("--vocab-size", type=int, default=512, help="the BPE tokenizer's vocabulary (default: 512)")
-    parser.add_argument("--models", default=",".join(LABELS),
-                        help=f"which models to measure, comma-separated (default: {','.join(LABELS)})")
+    parser.add_argument(
+        "--models",
+        default=",".join(LABELS),
+        help=f"which models to measure, comma-separated (default: {','.join(LABELS)})",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -99,15 +103,27 @@ def run(args: argparse.Namespace, models: list[str], workdir: str) -> dict:
     from importlib.metadata import version
 
     started = time.perf_counter()
-    paths, built = build_models(os.path.join(workdir, f"{args.preset}-v{args.vocab_size}"), args.preset,
-                                args.vocab_size)
-    result = {"preset": args.preset, "model": _model_facts(paths["hf"]), "machine": machine_facts(),
-              "versions": {name: version(name) for name in ("jax", "lm_eval", "transformers")},
-              "parameters": {"limit": args.limit, "batch_size": args.batch_size, "max_length": args.max_length,
-                             "vocab_size": args.vocab_size, "calib": list(CALIB), "models": models},
-              "paths": paths, "built_s": built, "models": {}}
-    result["models"] = measure(paths, models, limit=args.limit, batch_size=args.batch_size,
-                               max_length=args.max_length)
+    paths, built = build_models(
+        os.path.join(workdir, f"{args.preset}-v{args.vocab_size}"), args.preset, args.vocab_size
+    )
+    result = {
+        "preset": args.preset,
+        "model": _model_facts(paths["hf"]),
+        "machine": machine_facts(),
+        "versions": {name: version(name) for name in ("jax", "lm_eval", "transformers")},
+        "parameters": {
+            "limit": args.limit,
+            "batch_size": args.batch_size,
+            "max_length": args.max_length,
+            "vocab_size": args.vocab_size,
+            "calib": list(CALIB),
+            "models": models,
+        },
+        "paths": paths,
+        "built_s": built,
+        "models": {},
+    }
+    result["models"] = measure(paths, models, limit=args.limit, batch_size=args.batch_size, max_length=args.max_length)
     result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
     result["seconds"] = time.perf_counter() - started
     return result
@@ -122,8 +138,12 @@ def build_models(folder: str, preset: str, vocab_size: int) -> tuple[dict, dict]
     (paths, seconds each build took)."""
     import numpy as np
 
-    paths = {"hf": os.path.join(folder, "hf"), "ids": os.path.join(folder, "ids.npy"),
-             "nvfp4": os.path.join(folder, "nvfp4"), "fp8": os.path.join(folder, "fp8")}
+    paths = {
+        "hf": os.path.join(folder, "hf"),
+        "ids": os.path.join(folder, "ids.npy"),
+        "nvfp4": os.path.join(folder, "nvfp4"),
+        "fp8": os.path.join(folder, "fp8"),
+    }
     built = {}
     os.makedirs(folder, exist_ok=True)
     if not os.path.isdir(paths["hf"]):
@@ -143,8 +163,20 @@ def build_models(folder: str, preset: str, vocab_size: int) -> tuple[dict, dict]
         if not os.path.isdir(paths[quant]):
             t0 = time.perf_counter()
             _log(f"exporting {paths[quant]} (--quant {quant})")
-            _cli("export", paths["hf"], "--out", paths[quant], "--quant", quant, "--calib-data", paths["ids"],
-                 "--calib-samples", str(CALIB[0]), "--calib-seq-len", str(CALIB[1]))
+            _cli(
+                "export",
+                paths["hf"],
+                "--out",
+                paths[quant],
+                "--quant",
+                quant,
+                "--calib-data",
+                paths["ids"],
+                "--calib-samples",
+                str(CALIB[0]),
+                "--calib-seq-len",
+                str(CALIB[1]),
+            )
             built[quant] = time.perf_counter() - t0
     return paths, built
 
@@ -166,9 +198,14 @@ def _write_source(folder: str, preset: str, vocab_size: int) -> None:
 
 def _cli(*argv: str) -> None:
     """`nvfp4tool ARGV` in a child process (this tree's code, JAX on cpu); its stderr tail on failure."""
-    done = subprocess.run([sys.executable, "-c", "from nvfp4tool.cli import main; main()", "-q", *argv],
-                          check=False, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", "from nvfp4tool.cli import main; main()", "-q", *argv],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"nvfp4tool {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
 
@@ -177,9 +214,16 @@ def _model_facts(hf: str) -> dict:
     from nvfp4tool.checkpoints import open_checkpoint
 
     config = open_checkpoint(hf).config
-    return {"parameters": config.num_parameters(), "hidden": config.hidden_size, "mlp": config.intermediate_size,
-            "layers": config.num_layers, "heads": config.num_heads, "kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim, "vocab": config.vocab_size}
+    return {
+        "parameters": config.num_parameters(),
+        "hidden": config.hidden_size,
+        "mlp": config.intermediate_size,
+        "layers": config.num_layers,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab": config.vocab_size,
+    }
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -190,12 +234,16 @@ def measure(paths: dict, models: list[str], *, limit: int | None, batch_size: in
     from nvfp4tool import memory
     from nvfp4tool.validate.evaluate import EvalOptions, _open_inputs
 
-    options = EvalOptions(tasks=(*TASKS, LETTER), reference=paths["fp8"], limit=limit, batch_size=batch_size,
-                          max_length=max_length)
+    options = EvalOptions(
+        tasks=(*TASKS, LETTER), reference=paths["fp8"], limit=limit, batch_size=batch_size, max_length=max_length
+    )
     inputs = _open_inputs(paths["nvfp4"], options)  # every check `nvfp4tool eval` makes
     out = {}
-    for label, path, step in (("bf16", inputs.source_path, inputs.source_step), ("fp8", paths["fp8"], None),
-                              ("nvfp4", paths["nvfp4"], None)):
+    for label, path, step in (
+        ("bf16", inputs.source_path, inputs.source_step),
+        ("fp8", paths["fp8"], None),
+        ("nvfp4", paths["nvfp4"], None),
+    ):
         if label not in models:
             continue
         out[label] = measure_model(label, path, step, inputs, options)
@@ -211,8 +259,9 @@ def measure_model(label: str, path: str, step: int | None, inputs, options) -> d
     lm = open_lm(label, path, options, step)
     figures: dict = {"open_s": time.perf_counter() - t0, "how": lm.variant.how, "tasks": {}}
     for task in TASKS:
-        figures["tasks"][task] = {run: _timed(lm, task, inputs, options, f"{label} {task} {run}")[0]
-                                  for run in ("first", "steady")}
+        figures["tasks"][task] = {
+            run: _timed(lm, task, inputs, options, f"{label} {task} {run}")[0] for run in ("first", "steady")
+        }
     lm.share_prefixes = True
     first, _ = _timed(lm, LETTER, inputs, options, f"{label} {LETTER} shared first")
     shared, shared_rows = _timed(lm, LETTER, inputs, options, f"{label} {LETTER} shared steady")
@@ -221,11 +270,16 @@ def measure_model(label: str, path: str, step: int | None, inputs, options) -> d
     lm.share_prefixes = True
     acc = same_scores(f"{label} {LETTER}", shared_rows, unshared_rows)
     figures["shared_rows"] = {
-        "task": LETTER, "first_shared": first, "shared": shared, "unshared": unshared,
-        "identical_acc": True, "acc": acc,
+        "task": LETTER,
+        "first_shared": first,
+        "shared": shared,
+        "unshared": unshared,
+        "identical_acc": True,
+        "acc": acc,
         "rows_ratio": unshared["rows_run"] / shared["rows_run"],
         "seconds_ratio": unshared["seconds"] / shared["seconds"],
-        "backend_seconds_ratio": unshared["backend_s"] / shared["backend_s"]}
+        "backend_seconds_ratio": unshared["backend_s"] / shared["backend_s"],
+    }
     del lm
     return figures
 
@@ -238,8 +292,10 @@ def same_scores(what: str, shared: list[dict], unshared: list[dict]) -> float:
     (metric, on), (metric_off, off) = _per_item(LETTER, shared, "shared"), _per_item(LETTER, unshared, "unshared")
     if not on or metric != metric_off or on != off:
         differ = sorted(d for d in set(on) | set(off) if on.get(d) != off.get(d))
-        raise RuntimeError(f"{what}: per-item {metric} with share_prefixes on differs from off (doc_ids "
-                           f"{differ[:10]} of {len(on)} scored shared, {len(off)} unshared)")
+        raise RuntimeError(
+            f"{what}: per-item {metric} with share_prefixes on differs from off (doc_ids "
+            f"{differ[:10]} of {len(on)} scored shared, {len(off)} unshared)"
+        )
     return sum(score for _, score in on.values()) / len(on)
 
 
@@ -256,9 +312,15 @@ def _timed(lm, task: str, inputs, options, what: str) -> tuple[dict, list[dict]]
     delta = {k: lm.counts.get(k, 0) - counts.get(k, 0) for k in (*REQUEST_KINDS, "loglikelihood_rows_run")}
     requests = sum(delta[k] for k in REQUEST_KINDS)
     backend = sum(lm.timing.get(k, 0.0) - timing.get(k, 0.0) for k in REQUEST_KINDS)
-    row = {"items": items, "seconds": seconds, "items_per_s": items / seconds, "requests": requests,
-           "requests_per_s": requests / seconds, "rows_run": delta["loglikelihood_rows_run"] or None,
-           "backend_s": backend}
+    row = {
+        "items": items,
+        "seconds": seconds,
+        "items_per_s": items / seconds,
+        "requests": requests,
+        "requests_per_s": requests / seconds,
+        "rows_run": delta["loglikelihood_rows_run"] or None,
+        "backend_s": backend,
+    }
     _log(f"{what}: {items} items, {requests} requests in {seconds:.1f} s ({row['items_per_s']:.2f} items/s)")
     return row, samples.get(task, [])
 
@@ -268,29 +330,42 @@ def _timed(lm, task: str, inputs, options, what: str) -> tuple[dict, list[dict]]
 
 def print_table(result: dict) -> None:
     model, machine, p = result["model"], result["machine"], result["parameters"]
-    print(f"\npreset {result['preset']} ({model['parameters']:,} parameters: hidden {model['hidden']}, "
-          f"{model['layers']} layers, vocab {model['vocab']}), batch {p['batch_size']}, max length "
-          f"{p['max_length']}, limit {p['limit'] or 'all'}; {machine['cores']} cores, load average "
-          f"{machine['loadavg_1m']:.2f} at the start, {machine['loadavg_1m_end']:.2f} at the end; "
-          f"commit {machine['commit']}")
-    print("| model | task | run | items | requests | rows run | s | items/s | requests/s | backend s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"\npreset {result['preset']} ({model['parameters']:,} parameters: hidden {model['hidden']}, "
+        f"{model['layers']} layers, vocab {model['vocab']}), batch {p['batch_size']}, max length "
+        f"{p['max_length']}, limit {p['limit'] or 'all'}; {machine['cores']} cores, load average "
+        f"{machine['loadavg_1m']:.2f} at the start, {machine['loadavg_1m_end']:.2f} at the end; "
+        f"commit {machine['commit']}"
+    )
+    print(
+        "| model | task | run | items | requests | rows run | s | items/s | requests/s | backend s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
     for label, figures in result["models"].items():
         for task, runs in figures["tasks"].items():
             for run, r in runs.items():
-                print(f"| {label} | {task} | {run} | {r['items']} | {r['requests']} | {r['rows_run'] or '-'} | "
-                      f"{r['seconds']:.1f} | "
-                      f"{r['items_per_s']:.2f} | {r['requests_per_s']:.1f} | {r['backend_s']:.1f} |")
+                print(
+                    f"| {label} | {task} | {run} | {r['items']} | {r['requests']} | {r['rows_run'] or '-'} | "
+                    f"{r['seconds']:.1f} | "
+                    f"{r['items_per_s']:.2f} | {r['requests_per_s']:.1f} | {r['backend_s']:.1f} |"
+                )
     print(f"\n| model | {LETTER} | rows run | s | items/s | backend s |\n|---|---|---|---|---|---|")
     for label, figures in result["models"].items():
         s = figures["shared_rows"]
-        for run, name in (("first_shared", "shared (first)"), ("shared", "shared (steady)"),
-                          ("unshared", "unshared (steady)")):
+        for run, name in (
+            ("first_shared", "shared (first)"),
+            ("shared", "shared (steady)"),
+            ("unshared", "unshared (steady)"),
+        ):
             r = s[run]
-            print(f"| {label} | {name} | {r['rows_run']} | {r['seconds']:.1f} | "
-                  f"{r['items_per_s']:.2f} | {r['backend_s']:.1f} |")
-        print(f"| {label} | unshared / shared | {s['rows_ratio']:.1f}x | {s['seconds_ratio']:.2f}x | | "
-              f"{s['backend_seconds_ratio']:.2f}x |")
+            print(
+                f"| {label} | {name} | {r['rows_run']} | {r['seconds']:.1f} | "
+                f"{r['items_per_s']:.2f} | {r['backend_s']:.1f} |"
+            )
+        print(
+            f"| {label} | unshared / shared | {s['rows_ratio']:.1f}x | {s['seconds_ratio']:.2f}x | | "
+            f"{s['backend_seconds_ratio']:.2f}x |"
+        )
 
 
 def _log(message: str) -> None:

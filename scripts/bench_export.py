@@ -44,12 +44,16 @@ def main() -> None:
         _generate(src, args.hidden, args.mlp, args.layers, args.vocab)
         results = {kind: measure(kind, src, workdir) for kind in args.kinds.split(",")}
         for kind, r in results.items():
-            print(f"{kind:14s} {r['gb_per_s']:.3f} GB/s of bf16 in  ({r['bf16_gb']:.2f} GB in "
-                  f"{r['seconds']:.1f} s), peak RSS {r['peak_gb']:.2f} GB "
-                  f"(fixed overhead {r['overhead_gb']:.2f} GB)")
+            print(
+                f"{kind:14s} {r['gb_per_s']:.3f} GB/s of bf16 in  ({r['bf16_gb']:.2f} GB in "
+                f"{r['seconds']:.1f} s), peak RSS {r['peak_gb']:.2f} GB "
+                f"(fixed overhead {r['overhead_gb']:.2f} GB)"
+            )
         if "ours-quantize" in results and "ct-quantize" in results:
-            print(f"quantize throughput ratio ours / compressed-tensors: "
-                  f"{results['ours-quantize']['gb_per_s'] / results['ct-quantize']['gb_per_s']:.2f}")
+            print(
+                f"quantize throughput ratio ours / compressed-tensors: "
+                f"{results['ours-quantize']['gb_per_s'] / results['ct-quantize']['gb_per_s']:.2f}"
+            )
         print(json.dumps(results))
     finally:
         if args.workdir is None:
@@ -61,9 +65,13 @@ def measure(kind: str, src: str, workdir: str) -> dict:
     tiny = os.path.join(workdir, "tiny")
     if not os.path.isdir(tiny):
         _generate(tiny, 256, 512, 1, 512)
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, tiny, src,
-                             os.path.join(workdir, f"out-{kind}")], capture_output=True, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", kind, tiny, src, os.path.join(workdir, f"out-{kind}")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        cwd=ROOT,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{kind} child failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -73,9 +81,11 @@ def _generate(folder: str, hidden: int, mlp: int, layers: int, vocab: int) -> No
     """A synthetic BF16 HF folder, written by a child process (its memory never counts)."""
     if os.path.isdir(folder):
         return
-    code = ("import sys; sys.path[:0] = [%r, %r]; from bench_convert import *; "
-            "write_synthetic_hf_folder(%r, synthetic_config(hidden=%d, mlp=%d, layers=%d, vocab=%d, "
-            "dtype='bfloat16'))") % (ROOT, os.path.join(ROOT, "scripts"), folder, hidden, mlp, layers, vocab)
+    code = (
+        "import sys; sys.path[:0] = [%r, %r]; from bench_convert import *; "
+        "write_synthetic_hf_folder(%r, synthetic_config(hidden=%d, mlp=%d, layers=%d, vocab=%d, "
+        "dtype='bfloat16'))"
+    ) % (ROOT, os.path.join(ROOT, "scripts"), folder, hidden, mlp, layers, vocab)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -88,17 +98,27 @@ def _child(kind: str, tiny: str, src: str, out: str) -> None:
         if i == 0:
             overhead = _vm_hwm()
     peak = _vm_hwm()
-    print(json.dumps({"kind": kind, "seconds": seconds, "bf16_gb": bf16_bytes / 1e9,
-                      "gb_per_s": bf16_bytes / 1e9 / seconds, "peak_gb": peak / 1e9,
-                      "overhead_gb": overhead / 1e9, "peak_bytes": peak, "overhead_bytes": overhead,
-                      "largest_tensor_bytes": _largest(src)}))
+    print(
+        json.dumps(
+            {
+                "kind": kind,
+                "seconds": seconds,
+                "bf16_gb": bf16_bytes / 1e9,
+                "gb_per_s": bf16_bytes / 1e9 / seconds,
+                "peak_gb": peak / 1e9,
+                "overhead_gb": overhead / 1e9,
+                "peak_bytes": peak,
+                "overhead_bytes": overhead,
+                "largest_tensor_bytes": _largest(src),
+            }
+        )
+    )
 
 
 def _ours_export(folder: str, out: str) -> int:
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
-    summary = export_checkpoint(folder, out, ExportOptions(quant="nvfp4-weight-only", show_progress=False,
-                                                           force=True))
+    summary = export_checkpoint(folder, out, ExportOptions(quant="nvfp4-weight-only", show_progress=False, force=True))
     return summary.bf16_bytes_in
 
 
@@ -133,10 +153,10 @@ def _ct_quantize(folder: str, out: str) -> int:
         w = torch.from_numpy(source.get(name).view("int16").copy()).view(torch.bfloat16)
         global_scale = generate_gparam(w.min().float(), w.max().float())
         blocks = w.reshape(w.shape[0], -1, 16)
-        scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights,
-                                     global_scale=global_scale)
-        NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale,
-                                        "weight_global_scale": global_scale}, scheme)
+        scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale=global_scale)
+        NVFP4PackedCompressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_global_scale": global_scale}, scheme
+        )
         total += w.numel() * 2
     return total
 

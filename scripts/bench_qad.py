@@ -29,13 +29,15 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from real_model import smollm2_folder
 
 # The child: the CLI in-process, then its own peak RSS (Linux ru_maxrss: KiB) on the last line.
-_CHILD = ("import resource, sys\n"
-          "from nvfp4tool.cli import main\n"
-          "try:\n    main(sys.argv[1:])\n"
-          "except SystemExit as done:\n    code = done.code or 0\n"
-          "else:\n    code = 0\n"
-          "print('peak_rss_bytes', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
-          "sys.exit(code)\n")
+_CHILD = (
+    "import resource, sys\n"
+    "from nvfp4tool.cli import main\n"
+    "try:\n    main(sys.argv[1:])\n"
+    "except SystemExit as done:\n    code = done.code or 0\n"
+    "else:\n    code = 0\n"
+    "print('peak_rss_bytes', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    "sys.exit(code)\n"
+)
 _COMPILED = re.compile(r"compiled train step in (?:(\d+)m)?([\d.]+) ?s")
 
 
@@ -45,23 +47,48 @@ def _seconds(match: re.Match) -> float:
 
 def run_variant(name: str, scan: bool, model: str, data: str, work: str, steps: int, timeout: float) -> dict:
     out = os.path.join(work, name)
-    args = ["train", f"model={model}", f"teacher={model}", "distill=kl", "recipe=nvfp4", "seq_len=128",
-            "batch_size=4", f"data={data}", f"steps={steps}", "eval_every=0", "lr=1e-5", "warmup_steps=1",
-            f"out={out}", "force=true", f"scan_layers={'true' if scan else 'false'}"]
+    args = [
+        "train",
+        f"model={model}",
+        f"teacher={model}",
+        "distill=kl",
+        "recipe=nvfp4",
+        "seq_len=128",
+        "batch_size=4",
+        f"data={data}",
+        f"steps={steps}",
+        "eval_every=0",
+        "lr=1e-5",
+        "warmup_steps=1",
+        f"out={out}",
+        "force=true",
+        f"scan_layers={'true' if scan else 'false'}",
+    ]
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, check=False,
-                              timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, check=False, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
-        return {"variant": name, "scan_layers": scan, "ok": False,
-                "error": f"did not finish in {timeout:.0f} s", "wall_s": time.perf_counter() - start}
+        return {
+            "variant": name,
+            "scan_layers": scan,
+            "ok": False,
+            "error": f"did not finish in {timeout:.0f} s",
+            "wall_s": time.perf_counter() - start,
+        }
     wall = time.perf_counter() - start
     text = done.stdout + done.stderr
     compiled = _COMPILED.search(text)
     peak = re.search(r"peak_rss_bytes (\d+)", text)
-    result = {"variant": name, "scan_layers": scan, "ok": done.returncode == 0, "wall_s": wall,
-              "compile_s": _seconds(compiled) if compiled else None,
-              "peak_rss_bytes": int(peak.group(1)) if peak else None}
+    result = {
+        "variant": name,
+        "scan_layers": scan,
+        "ok": done.returncode == 0,
+        "wall_s": wall,
+        "compile_s": _seconds(compiled) if compiled else None,
+        "peak_rss_bytes": int(peak.group(1)) if peak else None,
+    }
     if done.returncode != 0:
         result["error"] = text.strip().splitlines()[-1] if text.strip() else f"exit {done.returncode}"
         return result
@@ -89,19 +116,30 @@ def main() -> None:
         results.append(run_variant(name, name == "scanned", model, args.data, args.work, args.steps, args.timeout))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"complete": len(results) == len(args.variants.split(",")), "steps": args.steps,
-                           "results": results}, f, indent=1)
+                json.dump(
+                    {
+                        "complete": len(results) == len(args.variants.split(",")),
+                        "steps": args.steps,
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                )
     print(f"{'variant':10} {'compile s':>10} {'peak RSS GB':>12} {'step s':>8}  losses")
     for r in results:
         if not r["ok"]:
             print(f"{r['variant']:10} failed: {r['error']}")
             continue
-        print(f"{r['variant']:10} {r['compile_s']:>10.1f} {r['peak_rss_bytes'] / 1e9:>12.2f} "
-              f"{r['step_s'] or float('nan'):>8.2f}  {', '.join(f'{x:.4f}' for x in r['losses'])}")
+        print(
+            f"{r['variant']:10} {r['compile_s']:>10.1f} {r['peak_rss_bytes'] / 1e9:>12.2f} "
+            f"{r['step_s'] or float('nan'):>8.2f}  {', '.join(f'{x:.4f}' for x in r['losses'])}"
+        )
     by = {r["variant"]: r for r in results if r["ok"]}
     if {"scanned", "unrolled"} <= set(by):
-        print(f"compile ratio scanned/unrolled {by['scanned']['compile_s'] / by['unrolled']['compile_s']:.3f}, "
-              f"peak RSS ratio {by['scanned']['peak_rss_bytes'] / by['unrolled']['peak_rss_bytes']:.3f}")
+        print(
+            f"compile ratio scanned/unrolled {by['scanned']['compile_s'] / by['unrolled']['compile_s']:.3f}, "
+            f"peak RSS ratio {by['scanned']['peak_rss_bytes'] / by['unrolled']['peak_rss_bytes']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="square tensor side (x16)")
     parser.add_argument("--runs", type=int, default=7, help="timed runs per case (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="time the Pallas kernels too (default: unless on CPU)")
+    parser.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the Pallas kernels too (default: unless on CPU)",
+    )
     args = parser.parse_args()
     backend = jax.default_backend()
     size = args.size or (16384 if backend == "gpu" else 4096)
@@ -69,19 +73,33 @@ def main() -> None:
     if not fused:
         print("fused cases skipped (on CPU they run interpreted: add --fused with a small --size)")
     results = run_benchmarks(size, args.runs, fused=fused)
-    print(f"backend={backend} device={jax.devices()[0].device_kind} size={size}x{size} bf16 "
-          f"runs={args.runs} jax={jax.__version__}")
+    print(
+        f"backend={backend} device={jax.devices()[0].device_kind} size={size}x{size} bf16 "
+        f"runs={args.runs} jax={jax.__version__}"
+    )
     print(f"{'case':<20} {'median ms':>10} {'GB/s':>9} {'vs x*2':>8} {'% x*2 GB/s':>11}")
     for row in results:
         if "error" in row:
             print(f"{row['case']:<20} FAILED: {row['error']}")
             continue
-        print(f"{row['case']:<20} {row['median_ms']:>10.2f} {row['gb_per_s']:>9.1f} "
-              f"{row['time_vs_copy']:>8.2f} {100 * row['bw_vs_copy']:>10.0f}%")
+        print(
+            f"{row['case']:<20} {row['median_ms']:>10.2f} {row['gb_per_s']:>9.1f} "
+            f"{row['time_vs_copy']:>8.2f} {100 * row['bw_vs_copy']:>10.0f}%"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": backend, "device": jax.devices()[0].device_kind, "size": size,
-                       "runs": args.runs, "jax": jax.__version__, "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "backend": backend,
+                    "device": jax.devices()[0].device_kind,
+                    "size": size,
+                    "runs": args.runs,
+                    "jax": jax.__version__,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
     if any("error" in row for row in results):
         sys.exit(1)
 
@@ -98,14 +116,15 @@ def run_benchmarks(size: int, runs: int, *, fused: bool) -> list[dict]:
     cases = [
         ("x*2 (bf16)", jax.jit(lambda v: v * 2), (x,), 2 * BF16_BYTES),
         ("quantize 1d", jax.jit(lambda v: quantize_nvfp4(v)), (x,), BF16_BYTES + NVFP4_BYTES),
-        ("quantize 2d", jax.jit(lambda v: quantize_nvfp4(v, block="2d")), (x,),
-         BF16_BYTES + NVFP4_BYTES),
-        ("quantize RHT+1d", jax.jit(lambda v: quantize_nvfp4(rht16(v))), (x,),
-         BF16_BYTES + NVFP4_BYTES),
-        ("quantize SR", jax.jit(lambda v, k: quantize_nvfp4(v, rounding="stochastic", key=k)),
-         (x, key), BF16_BYTES + NVFP4_BYTES),
-        ("dequantize", jax.jit(lambda t: dequantize_nvfp4(t, jnp.bfloat16)), (q,),
-         NVFP4_BYTES + BF16_BYTES),
+        ("quantize 2d", jax.jit(lambda v: quantize_nvfp4(v, block="2d")), (x,), BF16_BYTES + NVFP4_BYTES),
+        ("quantize RHT+1d", jax.jit(lambda v: quantize_nvfp4(rht16(v))), (x,), BF16_BYTES + NVFP4_BYTES),
+        (
+            "quantize SR",
+            jax.jit(lambda v, k: quantize_nvfp4(v, rounding="stochastic", key=k)),
+            (x, key),
+            BF16_BYTES + NVFP4_BYTES,
+        ),
+        ("dequantize", jax.jit(lambda t: dequantize_nvfp4(t, jnp.bfloat16)), (q,), NVFP4_BYTES + BF16_BYTES),
         ("fake-quantize 1d", jax.jit(lambda v: fake_quantize_nvfp4(v)), (x,), 2 * BF16_BYTES),
     ]
     fused_cases = [
@@ -113,11 +132,14 @@ def run_benchmarks(size: int, runs: int, *, fused: bool) -> list[dict]:
         ("fused 2d", _fused(block="2d"), (x, gamax), BF16_BYTES + NVFP4_BYTES),
         ("fused RHT+1d", _fused(rht=True), (x, gamax), BF16_BYTES + NVFP4_BYTES),
         ("fused 1d^T", _fused(transpose=True), (x, gamax), BF16_BYTES + NVFP4_BYTES),
-        ("fused SR", jax.jit(lambda v, a, b: fused_quantize(v, a, rounding="stochastic", bits=b)),
-         (x, gamax, bits), BF16_BYTES + BITS_BYTES + NVFP4_BYTES),
+        (
+            "fused SR",
+            jax.jit(lambda v, a, b: fused_quantize(v, a, rounding="stochastic", bits=b)),
+            (x, gamax, bits),
+            BF16_BYTES + BITS_BYTES + NVFP4_BYTES,
+        ),
         ("fused operand 1d", _fused(mode="operand"), (x, gamax), 2 * BF16_BYTES),
-        ("fused operand 1d^T", _fused(mode="operand", transpose=True), (x, gamax),
-         2 * BF16_BYTES),
+        ("fused operand 1d^T", _fused(mode="operand", transpose=True), (x, gamax), 2 * BF16_BYTES),
     ]
     interpreted = jax.default_backend() == "cpu"  # fused_quantize's interpret=None rule
     results = []
@@ -125,15 +147,20 @@ def run_benchmarks(size: int, runs: int, *, fused: bool) -> list[dict]:
         case_runs = 1 if interpreted and name.startswith("fused") else runs
         try:
             median_s = _median_time(fn, fn_args, case_runs)
-        except Exception as error:  # noqa: BLE001  (a kernel that fails to lower on this GPU)
+        except Exception as error:
             if not name.startswith("fused"):
                 raise
             # Recorded and reported (exit 1), so the other rows of the run are not lost.
-            results.append({"case": name, "error": f"{type(error).__name__}: "
-                                                   f"{str(error).splitlines()[0][:200]}"})
+            results.append({"case": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
             continue
-        results.append({"case": name, "runs": case_runs, "median_ms": median_s * 1e3,
-                        "gb_per_s": elements * bytes_per_element / median_s / 1e9})
+        results.append(
+            {
+                "case": name,
+                "runs": case_runs,
+                "median_ms": median_s * 1e3,
+                "gb_per_s": elements * bytes_per_element / median_s / 1e9,
+            }
+        )
     copy = results[0]
     for row in results:
         if "error" not in row:

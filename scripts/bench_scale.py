@@ -62,21 +62,41 @@ class Preset:
     validate: tuple[int, int, int, int, int]  # --samples, --seq-len, --prompts, --prompt-len, --gen-tokens
 
 
-LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 PRESETS = {
-    "8b": Preset(dict(hidden=4096, mlp=14336, layers=32, vocab=128256, kv_heads=8, rope_scaling=LLAMA31_ROPE,
-                      max_position_embeddings=131072), calib=(4, 64), validate=(4, 64, 1, 16, 16)),
-    "0.63b": Preset(dict(hidden=2048, mlp=8192, layers=8, vocab=32000, kv_heads=8),
-                    calib=(8, 128), validate=(8, 128, 2, 32, 32)),
-    "tiny": Preset(dict(hidden=128, mlp=256, layers=2, vocab=512, head_dim=16, kv_heads=4),
-                   calib=(4, 32), validate=(4, 32, 1, 8, 8)),
+    "8b": Preset(
+        dict(
+            hidden=4096,
+            mlp=14336,
+            layers=32,
+            vocab=128256,
+            kv_heads=8,
+            rope_scaling=LLAMA31_ROPE,
+            max_position_embeddings=131072,
+        ),
+        calib=(4, 64),
+        validate=(4, 64, 1, 16, 16),
+    ),
+    "0.63b": Preset(
+        dict(hidden=2048, mlp=8192, layers=8, vocab=32000, kv_heads=8), calib=(8, 128), validate=(8, 128, 2, 32, 32)
+    ),
+    "tiny": Preset(
+        dict(hidden=128, mlp=256, layers=2, vocab=512, head_dim=16, kv_heads=4),
+        calib=(4, 32),
+        validate=(4, 32, 1, 8, 8),
+    ),
 }
 
 
 def model_config(preset: str):
     """The preset's ModelConfig (bench_convert's synthetic Llama shape)."""
     from bench_convert import synthetic_config
+
     from nvfp4tool.config import RopeScaling
 
     shape = dict(PRESETS[preset].shape)
@@ -97,8 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--workdir", required=True, help="scratch folder (made by this script, emptied first)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {','.join(STAGES)}")
-    parser.add_argument("--stage-args", action="append", default=[], metavar="STAGE=ARGS",
-                        help="extra CLI arguments for a stage (repeatable), e.g. validate='--offload always'")
+    parser.add_argument(
+        "--stage-args",
+        action="append",
+        default=[],
+        metavar="STAGE=ARGS",
+        help="extra CLI arguments for a stage (repeatable), e.g. validate='--offload always'",
+    )
     parser.add_argument("--json", default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
 
@@ -110,26 +135,44 @@ def main(argv: list[str] | None = None) -> None:
     free = shutil.disk_usage(workdir).free
     if free < footprint:
         shutil.rmtree(workdir)
-        sys.exit(f"bench_scale: {args.workdir}: {free / GB:.1f} GB free, preset {args.preset} "
-                 f"(stages {','.join(stages)}) needs ~{footprint / GB:.1f} GB")
+        sys.exit(
+            f"bench_scale: {args.workdir}: {free / GB:.1f} GB free, preset {args.preset} "
+            f"(stages {','.join(stages)}) needs ~{footprint / GB:.1f} GB"
+        )
 
     paths = {name: os.path.join(workdir, name) for name in ("hf", "mt", "hf2", "export", "tmp", "logs")}
     for name in ("tmp", "logs"):
         os.makedirs(paths[name])
-    result = {"preset": args.preset, "model": _model_facts(config), "machine": machine_facts(),
-              "stages_requested": stages, "stage_args": extra, "disk_needed_gb": footprint / GB,
-              "disk_free_gb": free / GB, "setup": {}, "stages": []}
-    print(f"preset {args.preset}: {config.num_parameters():,} parameters, {result['model']['bf16_gb']:.2f} GB "
-          f"BF16; {result['machine']['cores']} cores, {result['machine']['ram_gb']:.1f} GB RAM; "
-          f"disk {free / GB:.0f} GB free, ~{footprint / GB:.1f} GB needed", flush=True)
+    result = {
+        "preset": args.preset,
+        "model": _model_facts(config),
+        "machine": machine_facts(),
+        "stages_requested": stages,
+        "stage_args": extra,
+        "disk_needed_gb": footprint / GB,
+        "disk_free_gb": free / GB,
+        "setup": {},
+        "stages": [],
+    }
+    print(
+        f"preset {args.preset}: {config.num_parameters():,} parameters, {result['model']['bf16_gb']:.2f} GB "
+        f"BF16; {result['machine']['cores']} cores, {result['machine']['ram_gb']:.1f} GB RAM; "
+        f"disk {free / GB:.0f} GB free, ~{footprint / GB:.1f} GB needed",
+        flush=True,
+    )
 
     preset = PRESETS[args.preset]
     readers = stage_inputs(stages)
     if readers["hf"] is not None:
-        code = ("import sys; sys.path[:0] = [%r, %r]; import bench_scale; bench_scale.write_model(%r, %r)"
-                % (ROOT, SCRIPTS, args.preset, paths["hf"]))
-        result["setup"]["write_model"] = _run_child("write_model", [sys.executable, "-c", code],
-                                                    "bench_scale.write_model", paths, config)
+        code = "import sys; sys.path[:0] = [%r, %r]; import bench_scale; bench_scale.write_model(%r, %r)" % (
+            ROOT,
+            SCRIPTS,
+            args.preset,
+            paths["hf"],
+        )
+        result["setup"]["write_model"] = _run_child(
+            "write_model", [sys.executable, "-c", code], "bench_scale.write_model", paths, config
+        )
         shutil.copy(os.path.join(paths["hf"], "config.json"), os.path.join(workdir, "config.json"))
     calib = _write_ids(os.path.join(workdir, "calib.npy"), *preset.calib, config.vocab_size, seed=1)
     val = _write_ids(os.path.join(workdir, "val.npy"), *preset.validate[:2], config.vocab_size, seed=2)
@@ -137,16 +180,52 @@ def main(argv: list[str] | None = None) -> None:
     source = paths["hf2"] if "convert-back" in stages else paths["hf"]
     samples, seq_len, prompts, prompt_len, gen_tokens = preset.validate
     commands = {
-        "convert": ["convert", paths["hf"], paths["mt"], "--to", "maxtext", "--dtype", "bf16",
-                    "--rope-layout", "half"],
-        "convert-back": ["convert", paths["mt"], paths["hf2"], "--to", "hf", "--rope-layout", "half",
-                         "--model-config", os.path.join(workdir, "config.json")],
-        "export": ["export", source, "--out", paths["export"], "--quant", "nvfp4", "--calib-data", calib,
-                   "--calib-samples", str(preset.calib[0]), "--calib-seq-len", str(preset.calib[1])],
+        "convert": ["convert", paths["hf"], paths["mt"], "--to", "maxtext", "--dtype", "bf16", "--rope-layout", "half"],
+        "convert-back": [
+            "convert",
+            paths["mt"],
+            paths["hf2"],
+            "--to",
+            "hf",
+            "--rope-layout",
+            "half",
+            "--model-config",
+            os.path.join(workdir, "config.json"),
+        ],
+        "export": [
+            "export",
+            source,
+            "--out",
+            paths["export"],
+            "--quant",
+            "nvfp4",
+            "--calib-data",
+            calib,
+            "--calib-samples",
+            str(preset.calib[0]),
+            "--calib-seq-len",
+            str(preset.calib[1]),
+        ],
         "check": ["check", paths["export"], "--json-out", os.path.join(workdir, "check.json")],
-        "validate": ["validate", paths["export"], "--data", val, "--samples", str(samples), "--seq-len",
-                     str(seq_len), "--prompts", str(prompts), "--prompt-len", str(prompt_len), "--gen-tokens",
-                     str(gen_tokens), "--json", os.path.join(workdir, "validation.json"), "--force"],
+        "validate": [
+            "validate",
+            paths["export"],
+            "--data",
+            val,
+            "--samples",
+            str(samples),
+            "--seq-len",
+            str(seq_len),
+            "--prompts",
+            str(prompts),
+            "--prompt-len",
+            str(prompt_len),
+            "--gen-tokens",
+            str(gen_tokens),
+            "--json",
+            os.path.join(workdir, "validation.json"),
+            "--force",
+        ],
     }
     cli = [sys.executable, "-c", "from nvfp4tool.cli import main; main()"]
     for i, stage in enumerate(stages):
@@ -154,8 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         row = _run_child(stage, cli + stage_argv, shlex.join(["nvfp4tool"] + stage_argv), paths, config)
         result["stages"].append(row)
         if row["exit_code"] != 0:
-            print(f"stage {stage} failed (exit {row['exit_code']}); stderr tail:\n{row['stderr_tail']}",
-                  file=sys.stderr)
+            print(
+                f"stage {stage} failed (exit {row['exit_code']}); stderr tail:\n{row['stderr_tail']}", file=sys.stderr
+            )
             break
         for name, last_reader in readers.items():
             if last_reader == i:
@@ -173,8 +253,13 @@ def main(argv: list[str] | None = None) -> None:
 def stage_inputs(stages: list[str]) -> dict[str, int | None]:
     """Each big folder -> index (in `stages`) of the last stage that reads it (None: none does)."""
     source = "hf2" if "convert-back" in stages else "hf"
-    reads = {"convert": {"hf"}, "convert-back": {"mt"}, "export": {source}, "check": {"export"},
-             "validate": {"export", source}}
+    reads = {
+        "convert": {"hf"},
+        "convert-back": {"mt"},
+        "export": {source},
+        "check": {"export"},
+        "validate": {"export", source},
+    }
     last: dict[str, int | None] = {name: None for name in ("hf", "mt", "hf2", "export")}
     for i, stage in enumerate(stages):
         for name in reads[stage]:
@@ -191,8 +276,12 @@ def disk_footprint(config, stages: list[str]) -> int:
     shapes = config.expected_tensor_shapes()
     quantized = sum(int(np.prod(shapes[f"{n}.weight"])) for n in config.linear_names() if n != "lm_head")
     kept = config.num_parameters() - quantized
-    size = {"hf": 2 * config.num_parameters(), "mt": 2 * config.num_parameters(), "hf2": 2 * config.num_parameters(),
-            "export": quantized // 2 + quantized // 16 + 2 * kept}
+    size = {
+        "hf": 2 * config.num_parameters(),
+        "mt": 2 * config.num_parameters(),
+        "hf2": 2 * config.num_parameters(),
+        "export": quantized // 2 + quantized // 16 + 2 * kept,
+    }
     fp8_temp = quantized + 2 * kept  # validate's FP8 reference, made on the fly
     made = {"convert": "mt", "convert-back": "hf2", "export": "export"}
     last = stage_inputs(stages)
@@ -215,12 +304,18 @@ def machine_facts() -> dict:
             key, value = line.split(":", 1)
             meminfo[key] = int(value.split()[0]) * 1024
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True)
-    return {"cores": os.cpu_count(), "ram_gb": meminfo["MemTotal"] / GB,
-            "ram_available_gb": meminfo["MemAvailable"] / GB, "loadavg_1m": os.getloadavg()[0],
-            "python": sys.version.split()[0], "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout else ""),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    dirty = subprocess.run(
+        ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return {
+        "cores": os.cpu_count(),
+        "ram_gb": meminfo["MemTotal"] / GB,
+        "ram_available_gb": meminfo["MemAvailable"] / GB,
+        "loadavg_1m": os.getloadavg()[0],
+        "python": sys.version.split()[0],
+        "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def _run_child(stage: str, command: list[str], label: str, paths: dict, config) -> dict:
@@ -237,35 +332,50 @@ def _run_child(stage: str, command: list[str], label: str, paths: dict, config) 
     proc.returncode = os.waitstatus_to_exitcode(status)
     peak = rusage.ru_maxrss * 1024  # KiB on Linux
     output = open(log_out, errors="replace").read() + open(log_err, errors="replace").read()
-    row = {"stage": stage, "wall_s": round(seconds, 1), "peak_rss_gb": round(peak / GB, 3),
-           "peak_over_bf16": round(peak / (2 * config.num_parameters()), 2), "exit_code": proc.returncode,
-           "command": label,
-           "offload_lines": [line.strip() for line in output.splitlines() if "offload" in line.lower()],
-           "stderr_tail": open(log_err, errors="replace").read()[-3000:]}
-    print(f"[{stage}] {row['wall_s']:.1f} s, peak RSS {row['peak_rss_gb']:.2f} GB, exit {row['exit_code']}",
-          flush=True)
+    row = {
+        "stage": stage,
+        "wall_s": round(seconds, 1),
+        "peak_rss_gb": round(peak / GB, 3),
+        "peak_over_bf16": round(peak / (2 * config.num_parameters()), 2),
+        "exit_code": proc.returncode,
+        "command": label,
+        "offload_lines": [line.strip() for line in output.splitlines() if "offload" in line.lower()],
+        "stderr_tail": open(log_err, errors="replace").read()[-3000:],
+    }
+    print(f"[{stage}] {row['wall_s']:.1f} s, peak RSS {row['peak_rss_gb']:.2f} GB, exit {row['exit_code']}", flush=True)
     return row
 
 
 def _print_table(result: dict) -> None:
     model = result["model"]
-    print(f"\npreset {result['preset']} ({model['parameters']:,} parameters, {model['bf16_gb']:.2f} GB BF16), "
-          f"{result['machine']['cores']} cores, {result['machine']['ram_gb']:.1f} GB RAM, "
-          f"commit {result['machine']['commit']}")
+    print(
+        f"\npreset {result['preset']} ({model['parameters']:,} parameters, {model['bf16_gb']:.2f} GB BF16), "
+        f"{result['machine']['cores']} cores, {result['machine']['ram_gb']:.1f} GB RAM, "
+        f"commit {result['machine']['commit']}"
+    )
     print("| stage | wall s | peak RSS GB | peak / BF16 model | exit |\n|---|---|---|---|---|")
     for row in result["stages"]:
-        print(f"| {row['stage']} | {row['wall_s']:.1f} | {row['peak_rss_gb']:.2f} | "
-              f"{row['peak_over_bf16']:.2f}x | {row['exit_code']} |")
+        print(
+            f"| {row['stage']} | {row['wall_s']:.1f} | {row['peak_rss_gb']:.2f} | "
+            f"{row['peak_over_bf16']:.2f}x | {row['exit_code']} |"
+        )
     for row in result["stages"]:
         for line in row["offload_lines"]:
             print(f"{row['stage']}: {line}")
 
 
 def _model_facts(config) -> dict:
-    return {"parameters": config.num_parameters(), "bf16_gb": 2 * config.num_parameters() / GB,
-            "hidden": config.hidden_size, "mlp": config.intermediate_size, "layers": config.num_layers,
-            "heads": config.num_heads, "kv_heads": config.num_kv_heads, "vocab": config.vocab_size,
-            "rope_scaling": config.rope_scaling is not None}
+    return {
+        "parameters": config.num_parameters(),
+        "bf16_gb": 2 * config.num_parameters() / GB,
+        "hidden": config.hidden_size,
+        "mlp": config.intermediate_size,
+        "layers": config.num_layers,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "vocab": config.vocab_size,
+        "rope_scaling": config.rope_scaling is not None,
+    }
 
 
 def _write_ids(path: str, samples: int, seq_len: int, vocab: int, *, seed: int) -> str:
@@ -278,8 +388,9 @@ def _parse_stages(parser: argparse.ArgumentParser, text: str) -> list[str]:
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STAGES]
     if unknown or not chosen:
-        parser.error(f"--stages {text}: unknown stage(s) {', '.join(unknown) or '(none given)'}; "
-                     f"choose from {','.join(STAGES)}")
+        parser.error(
+            f"--stages {text}: unknown stage(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(STAGES)}"
+        )
     needs = {"convert-back": "convert", "check": "export", "validate": "export"}
     for stage in chosen:
         if stage in needs and needs[stage] not in chosen:

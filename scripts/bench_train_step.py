@@ -51,15 +51,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from nvfp4tool.model import CausalLM  # noqa: E402
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map  # noqa: E402
-from nvfp4tool.train.presets import preset_config  # noqa: E402
-from nvfp4tool.train.step import StepFns, make_optimizer  # noqa: E402
+from nvfp4tool.model import CausalLM
+from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.train.presets import preset_config
+from nvfp4tool.train.step import StepFns, make_optimizer
 
 H200_DENSE_BF16_TFLOPS = 989.0  # H200 SXM, dense (no sparsity) BF16 tensor-core peak
 AMAX_HISTORY = 16
@@ -81,10 +81,13 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, help="override the preset's number of layers")
     parser.add_argument("--scan-layers", default="true", choices=("true", "false"))
     parser.add_argument("--compile-table", help="depths (e.g. 6,12,24): compile only, scanned vs unrolled")
-    parser.add_argument("--fit", action="store_true",
-                        help="halve the batch until the step fits in device memory")
-    parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS,
-                        help="the device's dense BF16 peak for MFU (default: H200, 989)")
+    parser.add_argument("--fit", action="store_true", help="halve the batch until the step fits in device memory")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H200_DENSE_BF16_TFLOPS,
+        help="the device's dense BF16 peak for MFU (default: H200, 989)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     recipes = args.recipes.split(",")
@@ -114,23 +117,38 @@ def compile_table(args, recipes: list[str], depths: list[int]) -> None:
         for name in recipes:
             row = {"recipe": name, "num_layers": depth}
             for scan in ("false", "true"):
-                step = compile_step(name, argparse.Namespace(**{**vars(args), "num_layers": depth,
-                                                                "scan_layers": scan}), args.batch_size)
+                step = compile_step(
+                    name,
+                    argparse.Namespace(**{**vars(args), "num_layers": depth, "scan_layers": scan}),
+                    args.batch_size,
+                )
                 row["unrolled_s" if scan == "false" else "scanned_s"] = step["compile_s"]
                 del step
             rows.append(row)
             if args.json:
-                Path(args.json).write_text(json.dumps({"args": vars(args), "backend": jax.default_backend(),
-                                                       "jax": jax.__version__, "rows": rows,
-                                                       "complete": len(rows) == len(depths) * len(recipes)},
-                                                      indent=1))
-    print(f"device: {jax.devices()[0].device_kind}; model {args.model}; batch {args.batch_size} x seq "
-          f"{args.seq_len}; compile seconds of the train step")
+                Path(args.json).write_text(
+                    json.dumps(
+                        {
+                            "args": vars(args),
+                            "backend": jax.default_backend(),
+                            "jax": jax.__version__,
+                            "rows": rows,
+                            "complete": len(rows) == len(depths) * len(recipes),
+                        },
+                        indent=1,
+                    )
+                )
+    print(
+        f"device: {jax.devices()[0].device_kind}; model {args.model}; batch {args.batch_size} x seq "
+        f"{args.seq_len}; compile seconds of the train step"
+    )
     print("| recipe | layers | unrolled (s) | scanned (s) | scanned / unrolled |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['recipe']} | {r['num_layers']} | {r['unrolled_s']:.1f} | {r['scanned_s']:.1f} "
-              f"| {r['scanned_s'] / r['unrolled_s']:.2f} |")
+        print(
+            f"| {r['recipe']} | {r['num_layers']} | {r['unrolled_s']:.1f} | {r['scanned_s']:.1f} "
+            f"| {r['scanned_s'] / r['unrolled_s']:.2f} |"
+        )
 
 
 def compile_step(name: str, args, batch: int) -> dict:
@@ -143,11 +161,9 @@ def compile_step(name: str, args, batch: int) -> dict:
     recipe = RecipeConfig(name=recipe_name, quantizer=quantizer or "auto")
     abstract = nnx.eval_shape(lambda: _model(model_config, args, nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
-    optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95,
-                               eps=1e-8, clip_norm=1.0)
+    optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
     fns = StepFns(graphdef, recipe, precision_map(recipe, model_config), optimizer, grad_accum=1)
-    state_shapes = jax.eval_shape(lambda p: fns.init_state(p, AMAX_HISTORY),
-                                  abstract_params.to_pure_dict())
+    state_shapes = jax.eval_shape(lambda p: fns.init_state(p, AMAX_HISTORY), abstract_params.to_pure_dict())
     rng = np.random.default_rng(0)
     windows = jnp.asarray(rng.integers(0, args.vocab_size, (1, batch, args.seq_len + 1)), jnp.int32)
     keys = [jax.random.fold_in(jax.random.key(0), i) for i in range(args.iters + 1)]
@@ -159,13 +175,24 @@ def compile_step(name: str, args, batch: int) -> dict:
     if stats and compiled_bytes is not None:
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         if compiled_bytes > free:
-            raise DoesNotFit(f"{name} needs {compiled_bytes / 1e9:.1f} GB, "
-                             f"{free / 1e9:.1f} GB free")
-    print(f"{name}: compiled in {compile_s:.1f} s"
-          + ("" if compiled_bytes is None else f", needs {compiled_bytes / 1e9:.2f} GB"), flush=True)
-    return {"recipe": name, "fns": fns, "model_config": model_config, "compiled": compiled,
-            "windows": windows, "keys": keys, "batch_size": batch, "compile_s": compile_s,
-            "compiled_bytes": compiled_bytes, "abstract_params": abstract_params}
+            raise DoesNotFit(f"{name} needs {compiled_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    print(
+        f"{name}: compiled in {compile_s:.1f} s"
+        + ("" if compiled_bytes is None else f", needs {compiled_bytes / 1e9:.2f} GB"),
+        flush=True,
+    )
+    return {
+        "recipe": name,
+        "fns": fns,
+        "model_config": model_config,
+        "compiled": compiled,
+        "windows": windows,
+        "keys": keys,
+        "batch_size": batch,
+        "compile_s": compile_s,
+        "compiled_bytes": compiled_bytes,
+        "abstract_params": abstract_params,
+    }
 
 
 def run_step(step: dict, args) -> dict:
@@ -180,7 +207,7 @@ def run_step(step: dict, args) -> dict:
     del params
     try:
         times = _time_steps(step["compiled"], state, step["windows"], step["keys"])
-    except Exception as error:  # noqa: BLE001  (XlaRuntimeError's class moves between releases)
+    except Exception as error:
         if "RESOURCE_EXHAUSTED" in str(error):
             raise DoesNotFit(f"{name}: {str(error).splitlines()[0][:200]}") from None
         raise
@@ -192,13 +219,21 @@ def run_step(step: dict, args) -> dict:
     flops = model_flops(model_config, step["abstract_params"], tokens, args.seq_len)
     on_cpu = jax.default_backend() == "cpu"
     print(f"{name}: {1e3 * seconds:.1f} ms per step", flush=True)
-    return {"recipe": name, "batch_size": batch, "seq_len": args.seq_len, "tokens_per_step": tokens,
-            "step_time_s": seconds, "step_times_s": times, "tokens_per_s": tokens / seconds,
-            "model_flops_per_step": flops,
-            "mfu": None if on_cpu else flops / seconds / (args.peak_tflops * 1e12),
-            "compile_s": step["compile_s"], "compiled_bytes": step["compiled_bytes"],
-            "peak_bytes_in_use": peak,
-            "peak_is_own": None if peak is None else peak > (peak_before or 0)}
+    return {
+        "recipe": name,
+        "batch_size": batch,
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens,
+        "step_time_s": seconds,
+        "step_times_s": times,
+        "tokens_per_s": tokens / seconds,
+        "model_flops_per_step": flops,
+        "mfu": None if on_cpu else flops / seconds / (args.peak_tflops * 1e12),
+        "compile_s": step["compile_s"],
+        "compiled_bytes": step["compiled_bytes"],
+        "peak_bytes_in_use": peak,
+        "peak_is_own": None if peak is None else peak > (peak_before or 0),
+    }
 
 
 def model_flops(config, abstract_params, tokens: int, seq_len: int) -> float:
@@ -215,45 +250,67 @@ def write_json(args, batch: int, results: list[dict], *, complete: bool) -> None
     for row in results:
         row["x_bf16"] = None if base is None else row["step_time_s"] / base
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": vars(args), "backend": jax.default_backend(),
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "batch_size": batch,
-            "peak_tflops": args.peak_tflops, "complete": complete,
-            "step_time_s": {r["recipe"]: r["step_time_s"] for r in results},
-            "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "backend": jax.default_backend(),
+                    "device": jax.devices()[0].device_kind,
+                    "jax": jax.__version__,
+                    "batch_size": batch,
+                    "peak_tflops": args.peak_tflops,
+                    "complete": complete,
+                    "step_time_s": {r["recipe"]: r["step_time_s"] for r in results},
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
 
 
 def print_table(args, batch: int, results: list[dict]) -> None:
-    print(f"device: {jax.devices()[0].device_kind}; model {args.model}, remat {args.remat}, scan_layers "
-          f"{args.scan_layers}; batch "
-          f"{batch} x seq {args.seq_len} = {batch * args.seq_len} tokens/step; MFU vs "
-          f"{args.peak_tflops:g} TFLOP/s")
+    print(
+        f"device: {jax.devices()[0].device_kind}; model {args.model}, remat {args.remat}, scan_layers "
+        f"{args.scan_layers}; batch "
+        f"{batch} x seq {args.seq_len} = {batch * args.seq_len} tokens/step; MFU vs "
+        f"{args.peak_tflops:g} TFLOP/s"
+    )
     print("| recipe | compile (s) | step time (ms) | tokens/s | MFU | peak GB | x bf16 step time |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        peak = "-" if r["peak_bytes_in_use"] is None else (
-            f"{'' if r['peak_is_own'] else '<='}{r['peak_bytes_in_use'] / 1e9:.1f}")
+        peak = (
+            "-"
+            if r["peak_bytes_in_use"] is None
+            else (f"{'' if r['peak_is_own'] else '<='}{r['peak_bytes_in_use'] / 1e9:.1f}")
+        )
         ratio = "-" if r["x_bf16"] is None else f"{r['x_bf16']:.2f}"
-        print(f"| {r['recipe']} | {r['compile_s']:.1f} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
-              f"| {peak} | {ratio} |")
+        print(
+            f"| {r['recipe']} | {r['compile_s']:.1f} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
+            f"| {peak} | {ratio} |"
+        )
 
 
 def _model(config, args, rngs: nnx.Rngs) -> CausalLM:
-    return CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=args.remat,
-                    scan_layers=args.scan_layers == "true", rngs=rngs)
+    return CausalLM(
+        config,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.bfloat16,
+        remat=args.remat,
+        scan_layers=args.scan_layers == "true",
+        rngs=rngs,
+    )
 
 
 def _compiled_bytes(compiled) -> int | None:
     """Arguments + outputs + temporaries - aliased bytes of a compiled step (None: unknown)."""
     try:
         m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001  (not every backend implements it)
+    except Exception:
         return None
     if m is None:
         return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def _time_steps(compiled, state, windows, keys) -> list[float]:

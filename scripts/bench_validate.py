@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
-from bench_export import _vm_hwm  # noqa: E402
+from bench_export import _vm_hwm
 
 TINY = dict(hidden=256, mlp=512, vocab=512)  # the warm-up model (with the measured model's depth)
 KINDS = ("calibrate-never", "calibrate-always", "validate-never", "validate-always")
@@ -56,16 +56,27 @@ def main() -> None:
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_validate-")
     try:
-        setup = Setup(workdir, hidden=args.hidden, mlp=args.mlp, layers=args.layers, vocab=args.vocab,
-                      samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                      gen_tokens=args.gen_tokens, reference=args.reference)
+        setup = Setup(
+            workdir,
+            hidden=args.hidden,
+            mlp=args.mlp,
+            layers=args.layers,
+            vocab=args.vocab,
+            samples=args.samples,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            gen_tokens=args.gen_tokens,
+            reference=args.reference,
+        )
         results = {kind: setup.measure(kind) for kind in args.kinds.split(",")}
         for kind, r in results.items():
-            print(f"{kind:17s} peak {r['peak_bytes'] / 1e9:.3f} GB, overhead {r['overhead_bytes'] / 1e9:.3f} GB, "
-                  f"peak - overhead {(r['peak_bytes'] - r['overhead_bytes']) / 1e9:.3f} GB "
-                  f"(model {r['sizes']['model_bytes'] / 1e9:.3f} GB, largest layer "
-                  f"{r['sizes']['largest_layer_bytes'] / 1e9:.3f} GB, embeddings + lm_head "
-                  f"{r['sizes']['outer_bytes'] / 1e9:.3f} GB), {r['seconds']:.1f} s")
+            print(
+                f"{kind:17s} peak {r['peak_bytes'] / 1e9:.3f} GB, overhead {r['overhead_bytes'] / 1e9:.3f} GB, "
+                f"peak - overhead {(r['peak_bytes'] - r['overhead_bytes']) / 1e9:.3f} GB "
+                f"(model {r['sizes']['model_bytes'] / 1e9:.3f} GB, largest layer "
+                f"{r['sizes']['largest_layer_bytes'] / 1e9:.3f} GB, embeddings + lm_head "
+                f"{r['sizes']['outer_bytes'] / 1e9:.3f} GB), {r['seconds']:.1f} s"
+            )
         print(json.dumps(results))
     finally:
         if args.workdir is None:
@@ -75,29 +86,49 @@ def main() -> None:
 class Setup:
     """The models and data of a measurement under `workdir` (made once, by child processes)."""
 
-    def __init__(self, workdir: str, *, hidden: int, mlp: int, layers: int, vocab: int, samples: int,
-                 seq_len: int, batch_size: int = 4, gen_tokens: int = 4, reference: str = "fp8") -> None:
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        hidden: int,
+        mlp: int,
+        layers: int,
+        vocab: int,
+        samples: int,
+        seq_len: int,
+        batch_size: int = 4,
+        gen_tokens: int = 4,
+        reference: str = "fp8",
+    ) -> None:
         self.workdir, self.reference = workdir, reference
         self.run_options = dict(samples=samples, seq_len=seq_len, batch_size=batch_size, gen_tokens=gen_tokens)
         # the warm-up model has the big one's depth: the same programs compile (their memory is overhead)
         self.tiny = self._prepare(f"tiny{layers}", **dict(TINY, layers=layers), samples=samples, seq_len=seq_len)
-        self.big = self._prepare("big", hidden=hidden, mlp=mlp, layers=layers, vocab=vocab, samples=samples,
-                                 seq_len=seq_len)
+        self.big = self._prepare(
+            "big", hidden=hidden, mlp=mlp, layers=layers, vocab=vocab, samples=samples, seq_len=seq_len
+        )
 
     def measure(self, kind: str) -> dict:
         """Run `kind` in a child on the tiny model then on the big one; its report."""
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
-        spec = json.dumps({"kind": kind, "tiny": self.tiny, "big": self.big, "reference": self.reference,
-                           **self.run_options})
-        result = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec],
-                                capture_output=True, text=True, env=_child_env(), cwd=ROOT)
+        spec = json.dumps(
+            {"kind": kind, "tiny": self.tiny, "big": self.big, "reference": self.reference, **self.run_options}
+        )
+        result = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child", spec],
+            capture_output=True,
+            text=True,
+            env=_child_env(),
+            cwd=ROOT,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{kind} child failed:\n{result.stderr[-4000:]}")
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    def _prepare(self, name: str, *, hidden: int, mlp: int, layers: int, vocab: int, samples: int,
-                 seq_len: int) -> dict:
+    def _prepare(
+        self, name: str, *, hidden: int, mlp: int, layers: int, vocab: int, samples: int, seq_len: int
+    ) -> dict:
         from bench_export import _generate
 
         folder = os.path.join(self.workdir, name)
@@ -111,14 +142,31 @@ class Setup:
         _generate(paths["src"], hidden, mlp, layers, vocab)
         for quant in ("nvfp4", "fp8") if self.reference == "prebuilt" else ("nvfp4",):
             if not os.path.isdir(paths[quant]):
-                _cli("export", paths["src"], "--out", paths[quant], "--quant", quant, "--calib-data", paths["ids"],
-                     "--calib-samples", str(samples), "--calib-seq-len", str(seq_len))
+                _cli(
+                    "export",
+                    paths["src"],
+                    "--out",
+                    paths[quant],
+                    "--quant",
+                    quant,
+                    "--calib-data",
+                    paths["ids"],
+                    "--calib-samples",
+                    str(samples),
+                    "--calib-seq-len",
+                    str(seq_len),
+                )
         return paths
 
 
 def _cli(*args: str) -> None:
-    subprocess.run([sys.executable, "-c", "from nvfp4tool.cli import main; main()", *args], check=True,
-                   cwd=ROOT, env=_child_env(), capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", "from nvfp4tool.cli import main; main()", *args],
+        check=True,
+        cwd=ROOT,
+        env=_child_env(),
+        capture_output=True,
+    )
 
 
 def _child_env() -> dict:
@@ -141,9 +189,18 @@ def _child(spec: dict) -> None:
             overhead = _vm_hwm()
             _drop_compiled_programs()
     peak = _vm_hwm()
-    print(json.dumps({"kind": spec["kind"], "seconds": seconds, "peak_bytes": peak, "overhead_bytes": overhead,
-                      "sizes": sizes(spec["big"], spec["samples"], spec["seq_len"], spec["batch_size"]),
-                      **numbers}))
+    print(
+        json.dumps(
+            {
+                "kind": spec["kind"],
+                "seconds": seconds,
+                "peak_bytes": peak,
+                "overhead_bytes": overhead,
+                "sizes": sizes(spec["big"], spec["samples"], spec["seq_len"], spec["batch_size"]),
+                **numbers,
+            }
+        )
+    )
 
 
 def _drop_compiled_programs() -> None:
@@ -167,8 +224,16 @@ def _calibrate(paths: dict, mode: str, spec: dict) -> dict:
 
     source = open_checkpoint(paths["src"])
     names = make_plan(source.config, "nvfp4").quantized
-    amax = calibrate(source.config, source.tensors, names, paths["ids"], samples=spec["samples"],
-                     seq_len=spec["seq_len"], tokenizer_dir=None, offload=mode).input_amax
+    amax = calibrate(
+        source.config,
+        source.tensors,
+        names,
+        paths["ids"],
+        samples=spec["samples"],
+        seq_len=spec["seq_len"],
+        tokenizer_dir=None,
+        offload=mode,
+    ).input_amax
     return {"amax": amax}
 
 
@@ -178,12 +243,24 @@ def _validate(paths: dict, mode: str, spec: dict) -> dict:
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
 
     reference = paths["fp8"] if spec["reference"] == "prebuilt" else "fp8"
-    options = ValidateOptions(data=paths["ids"], reference=reference, samples=spec["samples"],
-                              seq_len=spec["seq_len"], batch_size=spec["batch_size"], prompts=2,
-                              prompt_len=min(16, spec["seq_len"]), gen_tokens=spec["gen_tokens"], offload=mode)
+    options = ValidateOptions(
+        data=paths["ids"],
+        reference=reference,
+        samples=spec["samples"],
+        seq_len=spec["seq_len"],
+        batch_size=spec["batch_size"],
+        prompts=2,
+        prompt_len=min(16, spec["seq_len"]),
+        gen_tokens=spec["gen_tokens"],
+        offload=mode,
+    )
     record = validate_export(paths["nvfp4"], options, force=True).record  # each mode re-validates
-    return {"models": record.models, "layers": [dataclasses.asdict(r) for r in record.layers],
-            "resources": dataclasses.asdict(record.resources), "generation": dataclasses.asdict(record.generation)}
+    return {
+        "models": record.models,
+        "layers": [dataclasses.asdict(r) for r in record.layers],
+        "resources": dataclasses.asdict(record.resources),
+        "generation": dataclasses.asdict(record.generation),
+    }
 
 
 def sizes(paths: dict, samples: int, seq_len: int, batch_size: int) -> dict:
@@ -207,14 +284,19 @@ def sizes(paths: dict, samples: int, seq_len: int, batch_size: int) -> dict:
     config = HFFolderSource(paths["src"]).config
     exports = [max(layer_bytes(paths[q], check_config=False)[1]) for q in ("nvfp4", "fp8") if os.path.isdir(paths[q])]
     batch = min(batch_size, samples)
-    return {"model_bytes": sum(nbytes.values()), "largest_layer_bytes": max(layers),
-            "export_layer_bytes": sum(exports),
-            "outer_bytes": sum(b for n, b in nbytes.items() if not n.startswith("model.layers.")),
-            "largest_tensor_bytes": max(nbytes.values()),
-            "carry_bytes": 4 * samples * seq_len * config.hidden_size,
-            "batch_bytes": 4 * batch * seq_len * (4 * config.hidden_size + 2 * config.intermediate_size
-                                                  + config.num_heads * seq_len),
-            "logits_bytes": 4 * batch * seq_len * config.vocab_size}
+    return {
+        "model_bytes": sum(nbytes.values()),
+        "largest_layer_bytes": max(layers),
+        "export_layer_bytes": sum(exports),
+        "outer_bytes": sum(b for n, b in nbytes.items() if not n.startswith("model.layers.")),
+        "largest_tensor_bytes": max(nbytes.values()),
+        "carry_bytes": 4 * samples * seq_len * config.hidden_size,
+        "batch_bytes": 4
+        * batch
+        * seq_len
+        * (4 * config.hidden_size + 2 * config.intermediate_size + config.num_heads * seq_len),
+        "logits_bytes": 4 * batch * seq_len * config.vocab_size,
+    }
 
 
 _RUNNERS = {"calibrate": _calibrate, "validate": _validate}

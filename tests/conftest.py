@@ -23,13 +23,12 @@ XLA_FLAGS = os.environ.setdefault("NVFP4TOOL_TESTS_ORIGINAL_XLA_FLAGS", os.envir
 if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-import pytest  # noqa: E402
-
+import pytest
 
 # The suite runs on two xdist workers a file at a time, files handed out in collection order as a
 # worker frees up, so a long file collected late runs alone at the end (CI's run of 3518ba3 ended
@@ -37,8 +36,16 @@ import pytest  # noqa: E402
 # per file, and that file has 6). The longest files go first (longest processing time first;
 # pyproject's addopts turns xdist's reordering off); then files with more slow tests; the rest keep
 # their order, and tests inside a file keep theirs.
-LONGEST_FILES = ("test_quickstart.py", "test_validate_memory.py", "test_kill.py", "test_validate_mesh.py",
-                 "test_eval_cli.py", "test_train_moe.py", "test_train.py", "test_moe_pipeline.py")
+LONGEST_FILES = (
+    "test_quickstart.py",
+    "test_validate_memory.py",
+    "test_kill.py",
+    "test_validate_mesh.py",
+    "test_eval_cli.py",
+    "test_train_moe.py",
+    "test_train.py",
+    "test_moe_pipeline.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

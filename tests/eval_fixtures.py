@@ -24,6 +24,7 @@ def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = No
     logits are decisive: greedy choices far from ties between fp32 implementations) with its
     tokenizer (trained on `tokenizer_text`: Shakespeare by default), loadable by transformers."""
     from adversarial_harness import synthetic_config
+
     from converters.hf import write_safetensors
     from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
@@ -33,8 +34,16 @@ def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = No
             tokenizer_text = f.read()[:50_000]
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = train_bpe_tokenizer([tokenizer_text], VOCAB, out_dir)
-    config = synthetic_config(hidden=64, mlp=128, layers=2, vocab=tokenizer.vocab_size, head_dim=16, kv_heads=2,
-                              dtype="bfloat16", max_position_embeddings=256)
+    config = synthetic_config(
+        hidden=64,
+        mlp=128,
+        layers=2,
+        vocab=tokenizer.vocab_size,
+        head_dim=16,
+        kv_heads=2,
+        dtype="bfloat16",
+        max_position_embeddings=256,
+    )
     shapes = config.expected_tensor_shapes()
     rng = np.random.default_rng(seed)
 
@@ -43,8 +52,9 @@ def write_tiny_llama(out_dir: str, *, seed: int, tokenizer_text: str | None = No
         scale = 0.5 if name == "lm_head.weight" else 0.08
         return (1.0 + 0.2 * noise if name.endswith("norm.weight") else scale * noise).astype(config.dtype)
 
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), [(n, config.dtype, s) for n, s in shapes.items()],
-                      make)
+    write_safetensors(
+        os.path.join(out_dir, "model.safetensors"), [(n, config.dtype, s) for n, s in shapes.items()], make
+    )
     hf = config.to_hf_config()
     hf.update(bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -64,20 +74,56 @@ def eval_models(tmp_path_factory) -> dict[str, str]:
 
 
 def build_eval_models(root: str) -> dict[str, str]:
-    paths = {"hf": os.path.join(root, "hf"), "ids": os.path.join(root, "ids.npy"),
-             "nvfp4": os.path.join(root, "nvfp4"), "fp8": os.path.join(root, "fp8"),
-             "other": os.path.join(root, "other")}
+    paths = {
+        "hf": os.path.join(root, "hf"),
+        "ids": os.path.join(root, "ids.npy"),
+        "nvfp4": os.path.join(root, "nvfp4"),
+        "fp8": os.path.join(root, "fp8"),
+        "other": os.path.join(root, "other"),
+    }
     write_tiny_llama(paths["hf"], seed=5)
     np.save(paths["ids"], np.random.default_rng(0).integers(0, 256, (4, 32)))
     runner = CliRunner()
     for key, quant in (("nvfp4", "nvfp4"), ("fp8", "fp8")):
-        result = runner.invoke(cli, ["-q", "export", paths["hf"], "--out", paths[key], "--quant", quant,
-                                     "--calib-data", paths["ids"], "--calib-samples", "4", "--calib-seq-len", "32"])
+        result = runner.invoke(
+            cli,
+            [
+                "-q",
+                "export",
+                paths["hf"],
+                "--out",
+                paths[key],
+                "--quant",
+                quant,
+                "--calib-data",
+                paths["ids"],
+                "--calib-samples",
+                "4",
+                "--calib-seq-len",
+                "32",
+            ],
+        )
         assert result.exit_code == 0, result.output
     write_tiny_llama(paths["other"], seed=6, tokenizer_text="A different corpus, a different tokenizer. " * 300)
     paths["other_fp8"] = os.path.join(root, "other_fp8")
-    result = runner.invoke(cli, ["-q", "export", paths["other"], "--out", paths["other_fp8"], "--quant", "fp8",
-                                 "--calib-data", paths["ids"], "--calib-samples", "4", "--calib-seq-len", "32"])
+    result = runner.invoke(
+        cli,
+        [
+            "-q",
+            "export",
+            paths["other"],
+            "--out",
+            paths["other_fp8"],
+            "--quant",
+            "fp8",
+            "--calib-data",
+            paths["ids"],
+            "--calib-samples",
+            "4",
+            "--calib-seq-len",
+            "32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return paths
 
@@ -93,14 +139,36 @@ def write_eval_reports(export: str) -> None:
     from nvfp4tool.validate.paired import mean_stderr, paired
 
     scores = {"bf16": np.array([1, 1, 0, 1, 0, 1.0]), "nvfp4": np.array([1, 0, 0, 1, 1, 1.0])}
-    task = {"metric": "acc", "paired": {"nvfp4-bf16": _paired_dict(paired(scores["nvfp4"], scores["bf16"]))},
-            **{k: {"acc": float(v.mean()), "n": len(v), "stderr": mean_stderr(v)} for k, v in scores.items()}}
-    record = EvalRecord(export=Named.of(export, validated_files(export)), quant="nvfp4",
-                        source=Named(name="hf", sha256={}), reference=None, labels=["bf16", "nvfp4"],
-                        tasks={"nvfp4tool_mc": task}, overall={"paired": {}}, limit=6, seed=0, max_drop=None,
-                        failures=[], passed=True, lm_eval_version="0.4.13", resources={})
-    items = EvalItems(tasks={"nvfp4tool_mc": {"doc_id": list(range(6)), "prompt_hash": [str(i) for i in range(6)],
-                                              **{k: v.tolist() for k, v in scores.items()}}})
+    task = {
+        "metric": "acc",
+        "paired": {"nvfp4-bf16": _paired_dict(paired(scores["nvfp4"], scores["bf16"]))},
+        **{k: {"acc": float(v.mean()), "n": len(v), "stderr": mean_stderr(v)} for k, v in scores.items()},
+    }
+    record = EvalRecord(
+        export=Named.of(export, validated_files(export)),
+        quant="nvfp4",
+        source=Named(name="hf", sha256={}),
+        reference=None,
+        labels=["bf16", "nvfp4"],
+        tasks={"nvfp4tool_mc": task},
+        overall={"paired": {}},
+        limit=6,
+        seed=0,
+        max_drop=None,
+        failures=[],
+        passed=True,
+        lm_eval_version="0.4.13",
+        resources={},
+    )
+    items = EvalItems(
+        tasks={
+            "nvfp4tool_mc": {
+                "doc_id": list(range(6)),
+                "prompt_hash": [str(i) for i in range(6)],
+                **{k: v.tolist() for k, v in scores.items()},
+            }
+        }
+    )
     write_reports(record, items, export)
 
 
@@ -111,9 +179,16 @@ def lm_eval_samples(model, model_args=None, *, limit: int, **kwargs) -> dict:
 
     from nvfp4tool.validate.lm_backend import task_manager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS),
-                                  task_manager=task_manager((), defaults=False), limit=limit, log_samples=True,
-                                  bootstrap_iters=0, **kwargs)
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(TASKS),
+        task_manager=task_manager((), defaults=False),
+        limit=limit,
+        log_samples=True,
+        bootstrap_iters=0,
+        **kwargs,
+    )
     return out["samples"]
 
 

@@ -15,10 +15,10 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
-import lm_eval  # noqa: E402
-from flax import nnx  # noqa: E402
+import lm_eval
+from flax import nnx
 
-from nvfp4tool.validate.lm_backend import NVFP4ToolLM, task_manager  # noqa: E402
+from nvfp4tool.validate.lm_backend import NVFP4ToolLM, task_manager
 
 TASKS = ["nvfp4tool_mc_letter", "nvfp4tool_gsm"]
 NVFP4, OUT = sys.argv[1], sys.argv[2]
@@ -28,8 +28,14 @@ for label, path in (("nvfp4", NVFP4),):
     lm = NVFP4ToolLM(path=path, max_length=64, batch_size=4)
     mesh = lm.variant.model.mesh
     layer0 = max(jax.tree.leaves(nnx.state(lm.variant.model.whole.layers[0])), key=lambda a: a.size)
-    out = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=task_manager((), defaults=False), limit=3,
-                                  log_samples=True, bootstrap_iters=0)
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=TASKS,
+        task_manager=task_manager((), defaults=False),
+        limit=3,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
     found["models"][label] = {
         "mesh": 0 if mesh is None else mesh.size,
         "layer0_shards": len({str(s.index) for s in layer0.addressable_shards}),

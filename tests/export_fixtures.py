@@ -12,7 +12,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import ExportOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402,F401 (synthetic_config: re-exported)
+from bench_convert import synthetic_config, write_synthetic_hf_folder
 
 CALIB_SAMPLES, CALIB_SEQ_LEN = 2, 16
 
@@ -29,10 +29,18 @@ def export_options(calib: str, **options) -> ExportOptions:
     """ExportOptions calibrated on `calib` as `synthetic_source` made it, plus `options`; without
     `calib` where the export would not use it (W4A16 with RTN and no KV cache: export refuses unused
     --calib-data)."""
-    unused = (options.get("quant") == "nvfp4-weight-only" and options.get("weight_rounding", "rtn") == "rtn"
-              and options.get("kv_cache", "none") == "none")
-    return ExportOptions(calib_data=None if unused else calib, calib_samples=CALIB_SAMPLES,
-                         calib_seq_len=CALIB_SEQ_LEN, show_progress=False, **options)
+    unused = (
+        options.get("quant") == "nvfp4-weight-only"
+        and options.get("weight_rounding", "rtn") == "rtn"
+        and options.get("kv_cache", "none") == "none"
+    )
+    return ExportOptions(
+        calib_data=None if unused else calib,
+        calib_samples=CALIB_SAMPLES,
+        calib_seq_len=CALIB_SEQ_LEN,
+        show_progress=False,
+        **options,
+    )
 
 
 def assert_converted_tensors_equal(theirs: dict, ours: dict) -> None:

@@ -17,8 +17,9 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(folder, name)
-            found[os.path.relpath(path, root)] = (None if os.path.isdir(path) or os.path.islink(path)
-                                                  else open(path, "rb").read())
+            found[os.path.relpath(path, root)] = (
+                None if os.path.isdir(path) or os.path.islink(path) else open(path, "rb").read()
+            )
     return found
 
 

@@ -140,8 +140,10 @@ def _handler(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             repo_id = f"{request['organization']}/{request['name']}"
             if repo_id in hub.repos:
                 return 409, {"error": "You already created this model repo", "url": self._repo_url(repo_id)}
-            hub.repos[repo_id] = {"private": request.get("visibility") == "private" or bool(request.get("private")),
-                                  "branches": {"main"}}
+            hub.repos[repo_id] = {
+                "private": request.get("visibility") == "private" or bool(request.get("private")),
+                "branches": {"main"},
+            }
             return 200, {"url": self._repo_url(repo_id)}
 
         def _repo_info(self, body: bytes, query: str, repo: str) -> tuple[int, dict]:
@@ -170,9 +172,16 @@ def _handler(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             if repo not in hub.repos:
                 return 404, {"error": f"Repository {repo} not found"}
             files = json.loads(body)["files"]
-            return 200, {"files": [{"path": f["path"], "shouldIgnore": False,
-                                    "uploadMode": "lfs" if f["size"] >= hub.lfs_threshold else "regular"}
-                                   for f in files]}
+            return 200, {
+                "files": [
+                    {
+                        "path": f["path"],
+                        "shouldIgnore": False,
+                        "uploadMode": "lfs" if f["size"] >= hub.lfs_threshold else "regular",
+                    }
+                    for f in files
+                ]
+            }
 
         def _lfs_batch(self, body: bytes, query: str, repo: str) -> tuple[int, dict]:
             request = json.loads(body)
@@ -213,9 +222,11 @@ def _handler(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             hub.files[(repo, target)] = files
             hub.commits.append({**header, "repo": repo, "revision": target, "create_pr": create_pr})
             oid = uuid.uuid4().hex + "00000000"
-            return 200, {"commitUrl": f"{self._repo_url(repo)}/commit/{oid}", "commitOid": oid,
-                         "pullRequestUrl": f"{self._repo_url(repo)}/discussions/{len(hub.commits)}"
-                         if create_pr else None}
+            return 200, {
+                "commitUrl": f"{self._repo_url(repo)}/commit/{oid}",
+                "commitOid": oid,
+                "pullRequestUrl": f"{self._repo_url(repo)}/discussions/{len(hub.commits)}" if create_pr else None,
+            }
 
         def _base(self) -> str:
             return hub.url

@@ -54,6 +54,7 @@ def _counting(read):
             if POINT == "mid" and _state["reads"] == MID_AT:
                 _stop_here()
         return read(*args, **kwargs)
+
     return wrapped
 
 
@@ -92,6 +93,7 @@ def _stop_at_call(function, point: str, at: int):
             if calls["n"] == at:
                 _stop_here()
         return function(*args, **kwargs)
+
     return wrapped
 
 
@@ -99,8 +101,7 @@ if POINT in ("gptq", "write"):  # export's own points (importing them costs jax:
     from nvfp4tool.export import gptq_pass, writer
 
     gptq_pass.gptq_quantize = _stop_at_call(gptq_pass.gptq_quantize, "gptq", int(os.environ.get("GPTQ_AT", "3")))
-    writer._ModuleLoader.load = _stop_at_call(writer._ModuleLoader.load, "write",
-                                              int(os.environ.get("WRITE_AT", "12")))
+    writer._ModuleLoader.load = _stop_at_call(writer._ModuleLoader.load, "write", int(os.environ.get("WRITE_AT", "12")))
 
 if __name__ == "__main__":
     from nvfp4tool.cli import main

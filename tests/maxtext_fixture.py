@@ -20,9 +20,17 @@ import os
 import numpy as np
 
 
-def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int, scanned: bool,
-                                   interleaved: bool, tied: bool, moe_block: str | None = None,
-                                   scale_query: bool = True) -> dict:
+def maxtext_params_from_state_dict(
+    state_dict,
+    *,
+    num_layers: int,
+    head_dim: int,
+    scanned: bool,
+    interleaved: bool,
+    tied: bool,
+    moe_block: str | None = None,
+    scale_query: bool = True,
+) -> dict:
     """MaxText `params` collection (nested dict of fp32 numpy arrays) from an HF state dict.
 
     moe_block: the MaxText name of a sparse layer's RoutedMoE ("MoeBlock_0" Mixtral, "moe_block"
@@ -86,8 +94,7 @@ def maxtext_params_from_state_dict(state_dict, *, num_layers: int, head_dim: int
         decoder["layers"] = _stack_on_axis_1(layers)
     else:
         decoder.update({f"layers_{i}": layers[i] for i in range(num_layers)})
-    return {"token_embedder": {"embedding": np32(state_dict["model.embed_tokens.weight"])},
-            "decoder": decoder}
+    return {"token_embedder": {"embedding": np32(state_dict["model.embed_tokens.weight"])}, "decoder": decoder}
 
 
 def save_maxtext_checkpoint(base_dir: str, params: dict, *, scanned: bool, step: int = 0) -> str:
@@ -95,13 +102,18 @@ def save_maxtext_checkpoint(base_dir: str, params: dict, *, scanned: bool, step:
     `<base>/<step>/items` path."""
     import orbax.checkpoint as ocp
 
-    fake_adam = {"count": np.int32(step), "mu": _map(params, np.ones_like),
-                 "nu": _map(params, lambda a: np.full_like(a, 7.0))}
+    fake_adam = {
+        "count": np.int32(step),
+        "mu": _map(params, np.ones_like),
+        "nu": _map(params, lambda a: np.full_like(a, 7.0)),
+    }
     state = {"step": np.int32(step), "params": {"params": params}, "opt_state": fake_adam}
-    manager = ocp.CheckpointManager(os.path.abspath(base_dir), item_names=("items",),
-                                    options=ocp.CheckpointManagerOptions(create=True))
-    manager.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(state)),
-                 custom_metadata={"scan_layers": scanned})
+    manager = ocp.CheckpointManager(
+        os.path.abspath(base_dir), item_names=("items",), options=ocp.CheckpointManagerOptions(create=True)
+    )
+    manager.save(
+        step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(state)), custom_metadata={"scan_layers": scanned}
+    )
     manager.wait_until_finished()
     manager.close()
     return os.path.join(os.path.abspath(base_dir), str(step), "items")

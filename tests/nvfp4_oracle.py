@@ -133,7 +133,7 @@ def quantize(x: np.ndarray, *, block: str = "1d", global_amax=None) -> dict:
     for b in range(x32.shape[0]):
         for r0 in range(0, rows, tile_rows):
             for c0 in range(0, cols, 16):
-                tile = x32[b, r0:r0 + tile_rows, c0:c0 + 16]
+                tile = x32[b, r0 : r0 + tile_rows, c0 : c0 + 16]
                 bamax = max(abs(F32(v)) for v in tile.ravel())
                 sdb = mul(bamax, mul(s_enc, F32(1.0 / 6.0)))
                 sdb = min(sdb, FLT_MAX)
@@ -183,8 +183,9 @@ def decode(packed: np.ndarray, scales: np.ndarray, s_dec) -> np.ndarray:
 # ---------------------------------------------------------------- FP8 (tiny oracle)
 
 
-def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int | None,
-                 static_scale: float | None = None):
+def quantize_fp8(
+    x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int | None, static_scale: float | None = None
+):
     """FP8 current scaling over tiles (None = whole axis); ml_dtypes does the final cast.
 
     scale = amax / fmt_max (1 where that is 0), or `static_scale` everywhere when given;
@@ -203,9 +204,9 @@ def quantize_fp8(x: np.ndarray, fmt: str, tile_rows: int | None, tile_cols: int 
     scale = np.zeros_like(x2)
     for r0 in range(0, rows, tr):
         for c0 in range(0, cols, tc):
-            amax = F32(np.abs(x2[r0:r0 + tr, c0:c0 + tc]).max())
+            amax = F32(np.abs(x2[r0 : r0 + tr, c0 : c0 + tc]).max())
             s = div(amax, fmt_max) if static_scale is None else F32(static_scale)
-            scale[r0:r0 + tr, c0:c0 + tc] = F32(1.0) if s == 0 else s
+            scale[r0 : r0 + tr, c0 : c0 + tc] = F32(1.0) if s == 0 else s
     scaled = np.array([div(a, s) for a, s in zip(x2.ravel(), scale.ravel())], np.float32)
     data = np.clip(scaled, -fmt_max, fmt_max).astype(fp8_dtype).astype(np.float32)
     return data.reshape(x32.shape), scale.reshape(x32.shape)

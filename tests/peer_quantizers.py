@@ -23,8 +23,7 @@ NVFP4_GLOBAL_RANGE = 2688.0  # 6 * 448: E2M1 max times E4M3 max
 BLOCK = 16  # elements per block scale along K
 
 PEERS = ("compressed-tensors", "torchao", "modelopt")
-PEER_MODULES = {"compressed-tensors": "compressed_tensors", "torchao": "torchao",
-                "modelopt": "modelopt"}
+PEER_MODULES = {"compressed-tensors": "compressed_tensors", "torchao": "torchao", "modelopt": "modelopt"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +83,11 @@ def _compressed_tensors(x_MxK, global_amax: np.float32) -> PeerNVFP4:
     scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
     # 2688 / amax as a tensor-by-tensor division: exactly our S_enc. (CT's own generate_gparam
     # computes 2688 * (1 / amax), see `ct_generate_gparam`.)
-    global_scale = (torch.tensor([NVFP4_GLOBAL_RANGE], dtype=torch.float32)
-                    / torch.tensor([global_amax], dtype=torch.float32))
+    global_scale = torch.tensor([NVFP4_GLOBAL_RANGE], dtype=torch.float32) / torch.tensor(
+        [global_amax], dtype=torch.float32
+    )
     x_blocks = x_MxK.float().reshape(x_MxK.shape[0], -1, BLOCK)
-    scale, _ = calculate_qparams(x_blocks.amin(-1), x_blocks.amax(-1), scheme.weights,
-                                 global_scale=global_scale)
+    scale, _ = calculate_qparams(x_blocks.amin(-1), x_blocks.amax(-1), scheme.weights, global_scale=global_scale)
     state = {"weight": x_MxK, "weight_scale": scale, "weight_global_scale": global_scale}
     compressed = NVFP4PackedCompressor.compress(state, scheme)
     decompressed = NVFP4PackedCompressor.decompress(compressed, scheme)
@@ -144,10 +143,10 @@ def _modelopt(x_MxK, global_amax: np.float32) -> PeerNVFP4:
 
     scale_2 = torch.tensor(global_amax, dtype=torch.float32) / NVFP4_GLOBAL_RANGE
     qtensor, scale, _ = NVFP4QTensor.quantize(x_MxK, BLOCK, weights_scaling_factor_2=scale_2)
-    scaled = NVFP4QTensor.quantize(x_MxK, BLOCK, weights_scaling_factor=scale,
-                                   weights_scaling_factor_2=scale_2, keep_high_precision=True)
-    dequantized = qtensor.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2,
-                                     block_sizes={-1: BLOCK})
+    scaled = NVFP4QTensor.quantize(
+        x_MxK, BLOCK, weights_scaling_factor=scale, weights_scaling_factor_2=scale_2, keep_high_precision=True
+    )
+    dequantized = qtensor.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: BLOCK})
     return PeerNVFP4(
         peer="modelopt",
         packed=qtensor._quantized_data.numpy(),
@@ -164,4 +163,3 @@ _QUANTIZERS: dict[str, Callable[..., PeerNVFP4]] = {
     "torchao": _torchao,
     "modelopt": _modelopt,
 }
-

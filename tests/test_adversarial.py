@@ -10,11 +10,30 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-
-from adversarial_harness import (BF16_INF, BF16_NAN, BINARY, CONFIG, DOWN, SEQ, TEXT, TOKEN, WEIGHTS,  # noqa: F401
-                                 Case, World, drop_tensor, edit_header, edit_json, largest_chunk, poke,
-                                 read_st, registrar, run_case, set_f32, truncate)
+from adversarial_harness import (
+    BF16_INF,
+    BF16_NAN,
+    BINARY,
+    CONFIG,
+    DOWN,
+    SEQ,
+    TEXT,
+    WEIGHTS,
+    Case,
+    World,
+    drop_tensor,
+    edit_header,
+    edit_json,
+    largest_chunk,
+    poke,
+    read_st,
+    registrar,
+    run_case,
+    set_f32,
+    truncate,
+)
 from bench_convert import synthetic_config, write_synthetic_hf_folder
+
 from nvfp4tool.cli import cli
 
 CASES: list[Case] = []
@@ -26,6 +45,7 @@ def _with_config(change: Callable[[dict], None]) -> Callable[[World], str]:
         hf = w.copy("hf")
         edit_json(os.path.join(hf, "config.json"), change)
         return hf
+
     return build
 
 
@@ -39,6 +59,7 @@ def _hf_with(w: World, change: Callable[[str], None]) -> str:
 
 
 # ---- convert -------------------------------------------------------------------------------
+
 
 @case("convert/onto-the-source", 2)
 def _(w):
@@ -87,6 +108,7 @@ def _(w):
 def _(w):
     def overlap(h):
         h["model.norm.weight"]["data_offsets"] = list(h["model.layers.1.input_layernorm.weight"]["data_offsets"])
+
     hf = _hf_with(w, lambda p: edit_header(p, overlap))
     return ["convert", hf, w.path("out"), "--to", "hf"], (WEIGHTS,)
 
@@ -102,6 +124,7 @@ def _(w):
     def lie(p):
         with open(p, "r+b") as f:
             f.write(struct.pack("<Q", 10**9))
+
     hf = _hf_with(w, lie)
     return ["convert", hf, w.path("out"), "--to", "hf"], (WEIGHTS,)
 
@@ -112,6 +135,7 @@ def _(w):
         with open(p, "r+b") as f:
             f.seek(8)
             f.write(BINARY[:64])
+
     hf = _hf_with(w, garble)
     return ["convert", hf, w.path("out"), "--to", "hf"], (WEIGHTS,)
 
@@ -121,6 +145,7 @@ def _(w):
     def to_folder(p):
         os.remove(p)
         os.makedirs(p)
+
     hf = _hf_with(w, to_folder)
     return ["convert", hf, w.path("out"), "--to", "hf"], (WEIGHTS,)
 
@@ -209,17 +234,19 @@ def _(w):
 
 @case("convert/maxtext-model-config-not-json", 1)
 def _(w):
-    bad = w.file("config.json", "{\"hidden_size\": 64,")
-    return ["convert", w.copy("mt"), w.path("out"), "--to", "hf", "--model-config", bad, "--rope-layout", "half"], \
-        ("config.json",)
+    bad = w.file("config.json", '{"hidden_size": 64,')
+    return ["convert", w.copy("mt"), w.path("out"), "--to", "hf", "--model-config", bad, "--rope-layout", "half"], (
+        "config.json",
+    )
 
 
 @case("convert/maxtext-truncated-chunk", 1)
 def _(w):
     mt = w.copy("mt")
     truncate(largest_chunk(mt), 0.5)
-    return ["convert", mt, w.path("out"), "--to", "hf", "--model-config", w.copy("hf"), "--rope-layout", "half"], \
-        ("mt",)
+    return ["convert", mt, w.path("out"), "--to", "hf", "--model-config", w.copy("hf"), "--rope-layout", "half"], (
+        "mt",
+    )
 
 
 @case("convert/maxtext-garbage-chunk", 1)
@@ -229,15 +256,27 @@ def _(w):
     with open(chunk, "r+b") as f:
         f.seek(os.path.getsize(chunk) // 2)
         f.write(b"\xff" * 256)  # NaN as raw f32/bf16 values, or an undecodable chunk if compressed
-    return ["convert", mt, w.path("out"), "--to", "hf", "--model-config", w.copy("hf"), "--rope-layout", "half"], \
-        ("mt",)
+    return ["convert", mt, w.path("out"), "--to", "hf", "--model-config", w.copy("hf"), "--rope-layout", "half"], (
+        "mt",
+    )
 
 
 # ---- train ---------------------------------------------------------------------------------
 
+
 def _train(w: World, *args: str) -> list[str]:
-    return ["train", "model=tiny", "tokenizer=train", "vocab_size=300", "steps=2", "seq_len=16", "batch_size=2",
-            "eval_every=0", f"out={w.path('run')}", *args]
+    return [
+        "train",
+        "model=tiny",
+        "tokenizer=train",
+        "vocab_size=300",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"out={w.path('run')}",
+        *args,
+    ]
 
 
 @case("train/binary-data", 1)
@@ -252,7 +291,7 @@ def _(w):
 
 @case("train/bad-jsonl-line", 1)
 def _(w):
-    data = w.file("docs.jsonl", json.dumps({"text": TEXT}) + "\n{\"text\": oops}\n")
+    data = w.file("docs.jsonl", json.dumps({"text": TEXT}) + '\n{"text": oops}\n')
     return _train(w, f"data={data}"), ("docs.jsonl:2",)
 
 
@@ -342,9 +381,21 @@ def _(w):
 
 # ---- export --------------------------------------------------------------------------------
 
+
 def _export(w: World, src: str, *args: str, out: str | None = None) -> list[str]:
-    return ["export", src, "--out", out or w.path("out"), "--calib-data", w.copy("ids", "ids.npy"),
-            "--calib-samples", "4", "--calib-seq-len", str(SEQ), *args]
+    return [
+        "export",
+        src,
+        "--out",
+        out or w.path("out"),
+        "--calib-data",
+        w.copy("ids", "ids.npy"),
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        str(SEQ),
+        *args,
+    ]
 
 
 @case("export/onto-the-source", 2)
@@ -393,6 +444,7 @@ def _(w):
     def to_folder(p):
         os.remove(p)
         os.makedirs(p)
+
     return _export(w, _hf_with(w, to_folder)), (WEIGHTS,)
 
 
@@ -475,8 +527,9 @@ def _(w):
 @case("export/k-not-a-multiple-of-16", 1)
 def _(w):
     hf = w.path("odd")
-    write_synthetic_hf_folder(hf, synthetic_config(hidden=64, mlp=72, layers=2, vocab=256, head_dim=16,
-                                                   kv_heads=2), seed=1)
+    write_synthetic_hf_folder(
+        hf, synthetic_config(hidden=64, mlp=72, layers=2, vocab=256, head_dim=16, kv_heads=2), seed=1
+    )
     return _export(w, hf, "--quant", "nvfp4-weight-only"), ("--keep-bf16",)
 
 
@@ -489,11 +542,13 @@ def _(w):
 def _(w):
     mt = w.copy("mt")
     truncate(largest_chunk(mt), 0.5)
-    return _export(w, mt, "--quant", "nvfp4-weight-only", "--model-config", w.copy("hf"), "--rope-layout",
-                   "half"), ("mt",)
+    return _export(w, mt, "--quant", "nvfp4-weight-only", "--model-config", w.copy("hf"), "--rope-layout", "half"), (
+        "mt",
+    )
 
 
 # ---- convert-format ------------------------------------------------------------------------
+
 
 def _export_with(w: World, key: str, change: Callable[[str], None]) -> str:
     folder = w.copy(key)
@@ -556,7 +611,7 @@ def _(w):
 @case("convert-format/hf-quant-config-not-json", 1)
 def _(w):
     mo = w.copy("mo")
-    w.file("mo/hf_quant_config.json", "{\"quantization\": ")
+    w.file("mo/hf_quant_config.json", '{"quantization": ')
     return _cf(mo, w.path("out")), ("hf_quant_config.json",)
 
 
@@ -575,10 +630,29 @@ def _(w):
 
 # ---- validate ------------------------------------------------------------------------------
 
+
 def _validate(w: World, export: str, *args: str, data: str | None = None) -> list[str]:
-    return ["validate", export, "--data", data or w.copy("ids", "ids.npy"), "--reference", "bf16", "--samples", "4",
-            "--seq-len", str(SEQ), "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4", "--source",
-            w.copy("hf"), *args]
+    return [
+        "validate",
+        export,
+        "--data",
+        data or w.copy("ids", "ids.npy"),
+        "--reference",
+        "bf16",
+        "--samples",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--source",
+        w.copy("hf"),
+        *args,
+    ]
 
 
 @case("eval/unknown-task-on-a-modelopt-export", 2)
@@ -619,16 +693,16 @@ def _(w):
     mo = w.copy("mo")
     os.remove(os.path.join(mo, "nvfp4tool_export.json"))
     args = _validate(w, mo)
-    del args[args.index("--source"):args.index("--source") + 2]
+    del args[args.index("--source") : args.index("--source") + 2]
     return args, ("nvfp4tool_export.json",)
 
 
 @case("validate/provenance-not-json", 1)
 def _(w):
     mo = w.copy("mo")
-    w.file("mo/nvfp4tool_export.json", "{\"source\": ")
+    w.file("mo/nvfp4tool_export.json", '{"source": ')
     args = _validate(w, mo)
-    del args[args.index("--source"):args.index("--source") + 2]
+    del args[args.index("--source") : args.index("--source") + 2]
     return args, ("nvfp4tool_export.json",)
 
 
@@ -672,6 +746,7 @@ def _(w):
 
 # ---- check ---------------------------------------------------------------------------------
 
+
 @case("check/json-out-into-a-missing-folder", 2)
 def _(w):
     return ["check", w.copy("mo"), "--json-out", w.path("reports/check.json")], ("--json-out",)
@@ -686,7 +761,7 @@ def _(w):
 @case("check/config-not-json", 1, also=("config.json",))
 def _(w):
     mo = w.copy("mo")
-    w.file("mo/config.json", "{\"architectures\": [")
+    w.file("mo/config.json", '{"architectures": [')
     return ["check", mo], (mo,)
 
 
@@ -779,7 +854,7 @@ def _(w):
 @case("push/validation-report-not-json", 1, hub=True)
 def _(w):
     mo = w.copy("mo")
-    w.file("mo/validation.json", "{\"passed\": tru")
+    w.file("mo/validation.json", '{"passed": tru')
     return ["push", mo, "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING], ("validation.json",)
 
 
@@ -797,23 +872,41 @@ def _(w):
 
 @case("push/no-token", 1)
 def _(w):
-    return ["push", w.copy("mo"), "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING, "--no-validation"], \
-        ("HF_TOKEN",)
+    return ["push", w.copy("mo"), "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING, "--no-validation"], ("HF_TOKEN",)
 
 
 @case("push/hub-that-never-answers", 1, hub=True)
 def _(w):
-    return ["push", w.copy("mo"), "--repo-id", "org/m", "--endpoint", "{silent}", "--no-validation",
-            "--timeout", "0.2"], ("{silent}", "no answer")
+    return [
+        "push",
+        w.copy("mo"),
+        "--repo-id",
+        "org/m",
+        "--endpoint",
+        "{silent}",
+        "--no-validation",
+        "--timeout",
+        "0.2",
+    ], ("{silent}", "no answer")
 
 
 @case("push/hub-refuses-the-connection", 1, hub=True)
 def _(w):
-    return ["push", w.copy("mo"), "--repo-id", "org/m", "--endpoint", LOCAL_NOTHING, "--no-validation",
-            "--timeout", "0.5"], (LOCAL_NOTHING, "org/m")
+    return [
+        "push",
+        w.copy("mo"),
+        "--repo-id",
+        "org/m",
+        "--endpoint",
+        LOCAL_NOTHING,
+        "--no-validation",
+        "--timeout",
+        "0.5",
+    ], (LOCAL_NOTHING, "org/m")
 
 
 # ---- plot ----------------------------------------------------------------------------------
+
 
 @case("plot/folder-is-not-a-run", 1)
 def _(w):
@@ -828,7 +921,7 @@ def _(w):
 
 @case("plot/metrics-bad-line", 1)
 def _(w):
-    w.file("run/metrics.jsonl", json.dumps({"step": 1, "loss": 2.0}) + "\n{\"step\": 2, \"loss\": \n")
+    w.file("run/metrics.jsonl", json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "loss": \n')
     return ["plot", w.path("run"), "-o", w.path("loss.png")], ("metrics.jsonl",)
 
 
@@ -840,10 +933,12 @@ def _(w):
 
 # ---- quickstart ----------------------------------------------------------------------------
 
+
 @case("quickstart/out-is-a-file", 1)
 def _(w):
-    return ["quickstart", "--out", w.file("qs", "a file"), "--pretrain-steps", "1", "--finetune-steps", "1"], \
-        (w.path("qs"),)
+    return ["quickstart", "--out", w.file("qs", "a file"), "--pretrain-steps", "1", "--finetune-steps", "1"], (
+        w.path("qs"),
+    )
 
 
 @case("quickstart/out-exists-without-force", 1)
@@ -855,8 +950,9 @@ def _(w):
 @case("quickstart/out-under-a-file", 1)
 def _(w):
     w.file("notes.txt", "a file")
-    return ["quickstart", "--out", w.path("notes.txt/qs"), "--pretrain-steps", "1", "--finetune-steps", "1"], \
-        ("notes.txt/qs",)
+    return ["quickstart", "--out", w.path("notes.txt/qs"), "--pretrain-steps", "1", "--finetune-steps", "1"], (
+        "notes.txt/qs",
+    )
 
 
 # ---------------------------------------------------------------------------------------- the test

@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import jax
 import pytest
-
 from adversarial_harness import Case, World, edit_json, registrar, run_case
-from backend_fixtures import nvfp4_run, run_args  # noqa: F401  (the session fixture)
+from backend_fixtures import nvfp4_run, run_args
+
 from nvfp4tool.run.records import RunRecord
 
 CASES: list[Case] = []
@@ -41,6 +41,7 @@ def _resume(w: World, *extra: str, edit=None) -> list[str]:
 # ---- the keys -------------------------------------------------------------------------------
 
 if ON_CPU:
+
     @case("train/gemm-native-without-scaled-matmul-lowering", 2)
     def _(w):
         return _fresh(w, "gemm=native"), ("gemm='native'", "no lowering on 'cpu'", "gemm=emulated")
@@ -67,6 +68,7 @@ def _(w):
 
 # ---- a resume: the key and the recorded backend ---------------------------------------------
 
+
 @case("train/resume-with-gemm-forced", 1)
 def _(w):
     return _resume(w, "gemm=emulated"), ("gemm 'auto' -> 'emulated'",)
@@ -78,21 +80,27 @@ def _(w):
 
 
 if ON_CPU:
+
     @case("train/resume-of-a-run-that-ran-the-native-gemm", 1)
     def _(w):
-        return (_resume(w, edit=lambda r: r["gemm_backend"].update(gemm="native")),
-                ("the nvfp4 GEMM (gemm native -> emulated)", "cannot resume bit-exactly"))
+        return (
+            _resume(w, edit=lambda r: r["gemm_backend"].update(gemm="native")),
+            ("the nvfp4 GEMM (gemm native -> emulated)", "cannot resume bit-exactly"),
+        )
 
 
 @case("train/resume-of-a-run-json-with-an-unknown-gemm", 1)
 def _(w):
-    return _resume(w, edit=lambda r: r["gemm_backend"].update(gemm="fp4")), (
-        "run.json", "gemm_backend: gemm", "'fp4'")
+    return _resume(w, edit=lambda r: r["gemm_backend"].update(gemm="fp4")), ("run.json", "gemm_backend: gemm", "'fp4'")
 
 
 @case("train/resume-of-a-run-json-with-gemm-auto-recorded", 1)
 def _(w):
-    return _resume(w, edit=lambda r: r["gemm_backend"].update(gemm="auto")), ("run.json", "gemm_backend: gemm", "'auto'")
+    return _resume(w, edit=lambda r: r["gemm_backend"].update(gemm="auto")), (
+        "run.json",
+        "gemm_backend: gemm",
+        "'auto'",
+    )
 
 
 @case("train/resume-of-a-run-json-with-a-backend-key-missing", 1)
@@ -110,6 +118,7 @@ def _(w):
     def edit(r):
         r["config"]["quantizer"] = "xla"
         r["gemm_backend"]["quantizer"] = "pallas"
+
     return _resume(w, edit=edit), ("run.json", "gemm_backend: quantizer", "config.quantizer is 'xla'")
 
 
@@ -124,6 +133,6 @@ def _(w):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_and_changes_nothing(case, nvfp4_run, tmp_path, monkeypatch, hub_env):  # noqa: F811
+def test_bad_input_is_one_line_and_changes_nothing(case, nvfp4_run, tmp_path, monkeypatch, hub_env):
     _Paths.current = nvfp4_run
     run_case(case, nvfp4_run, tmp_path, monkeypatch)

@@ -14,10 +14,20 @@ import os
 from collections.abc import Callable
 
 import pytest
-
-from adversarial_harness import (SEQ, WEIGHTS, Case, World, edit_header, edit_json, read_st, registrar,
-                                 run_case, write_st)
+from adversarial_harness import (
+    SEQ,
+    WEIGHTS,
+    Case,
+    World,
+    edit_header,
+    edit_json,
+    read_st,
+    registrar,
+    run_case,
+    write_st,
+)
 from check_fixtures import build_moe_exports
+
 from nvfp4tool.records.export import ExportRecord
 
 CASES: list[Case] = []
@@ -35,8 +45,14 @@ def paths(pristine, tmp_path_factory):
     return {**pristine, **build_moe_exports(str(tmp_path_factory.mktemp("check-moe")), pristine["ids"])}
 
 
-def _export(w: World, key: str, *, record: bool = True, config: Callable[[dict], None] | None = None,
-            weights: Callable[[str], None] | None = None) -> str:
+def _export(
+    w: World,
+    key: str,
+    *,
+    record: bool = True,
+    config: Callable[[dict], None] | None = None,
+    weights: Callable[[str], None] | None = None,
+) -> str:
     """A copy of export `key`, its config.json and weights edited, its provenance record removed
     unless `record`."""
     folder = w.copy(key)
@@ -69,6 +85,7 @@ def _del(*keys: str) -> Callable[[dict], None]:
     def change(c: dict) -> None:
         for key in keys:
             del c[key]
+
     return change
 
 
@@ -150,29 +167,41 @@ for lay in LAYOUTS:
 
         @case(f"check/moe-expert-4-in-a-4-expert-layer-{lay}{tail}", 1)
         def _(w, lay=lay, record=record):
-            folder = _export(w, MOE[lay], record=record,
-                             weights=lambda p: add_copies(p, _expert_copies(p, 1, 3, 4)))
+            folder = _export(w, MOE[lay], record=record, weights=lambda p: add_copies(p, _expert_copies(p, 1, 3, 4)))
             return ["check", folder], ("model.layers.1.mlp.experts.4.", "expert 4", "4 experts per sparse layer")
 
         @case(f"check/kv-scales-of-layer-5-in-a-2-layer-model-{lay}{tail}", 1)
         def _(w, lay=lay, record=record):
             k = KV_K[lay]
-            copies = {k.format(a="model.layers.5.self_attn"): k.format(a="model.layers.1.self_attn"),
-                      k.replace("k", "v").format(a="model.layers.5.self_attn"):
-                          k.replace("k", "v").format(a="model.layers.1.self_attn")}
+            copies = {
+                k.format(a="model.layers.5.self_attn"): k.format(a="model.layers.1.self_attn"),
+                k.replace("k", "v").format(a="model.layers.5.self_attn"): k.replace("k", "v").format(
+                    a="model.layers.1.self_attn"
+                ),
+            }
             folder = _export(w, MOE[lay], record=record, weights=lambda p: add_copies(p, copies))
             return ["check", folder], ("model.layers.5.self_attn", "layer 5", "2 layers")
 
         @case(f"check/unknown-tensor-{lay}{tail}", 1)
         def _(w, lay=lay, record=record):
-            folder = _export(w, lay, record=record, weights=lambda p: add_copies(
-                p, {"model.vision_tower.proj.weight": "model.norm.weight"}))
+            folder = _export(
+                w,
+                lay,
+                record=record,
+                weights=lambda p: add_copies(p, {"model.vision_tower.proj.weight": "model.norm.weight"}),
+            )
             return ["check", folder], ("model.vision_tower.proj.weight", "not a tensor of config.json's llama model")
 
     @case(f"check/layer-2-of-a-2-layer-model-{lay}-no-record", 1)
     def _(w, lay=lay):
-        folder = _export(w, lay, record=False, weights=lambda p: add_copies(
-            p, {"model.layers.2.input_layernorm.weight": "model.layers.1.input_layernorm.weight"}))
+        folder = _export(
+            w,
+            lay,
+            record=False,
+            weights=lambda p: add_copies(
+                p, {"model.layers.2.input_layernorm.weight": "model.layers.1.input_layernorm.weight"}
+            ),
+        )
         return ["check", folder], ("model.layers.2.input_layernorm.weight", "layer 2", "2 layers")
 
 
@@ -191,14 +220,19 @@ def _(w):
 @case("check/moe-global-scale-of-a-missing-expert-ct-no-record", 1)
 def _(w):
     name = f"model.layers.0.mlp.experts.6.gate_proj.{GLOBAL['ct']}"
-    folder = _export(w, MOE["ct"], record=False, weights=lambda p: add_copies(
-        p, {name: f"model.layers.0.mlp.experts.0.gate_proj.{GLOBAL['ct']}"}))
+    folder = _export(
+        w,
+        MOE["ct"],
+        record=False,
+        weights=lambda p: add_copies(p, {name: f"model.layers.0.mlp.experts.0.gate_proj.{GLOBAL['ct']}"}),
+    )
     return ["check", folder], (name, "expert 6")
 
 
 # ---- item 3: safetensors metadata `format` must be "pt" -------------------------------------------
 
 for lay in LAYOUTS:
+
     @case(f"check/metadata-format-tf-{lay}", 1)
     def _(w, lay=lay):
         folder = _export(w, lay, weights=lambda p: edit_header(p, lambda h: h["__metadata__"].update(format="tf")))
@@ -207,8 +241,12 @@ for lay in LAYOUTS:
 
 @case("check/metadata-without-format-mo-no-record", 1)
 def _(w):
-    folder = _export(w, "mo", record=False, weights=lambda p: edit_header(
-        p, lambda h: h.update({"__metadata__": {"producer": "someone"}})))
+    folder = _export(
+        w,
+        "mo",
+        record=False,
+        weights=lambda p: edit_header(p, lambda h: h.update({"__metadata__": {"producer": "someone"}})),
+    )
     return ["check", folder], (WEIGHTS, "format is None, not 'pt'")
 
 
@@ -220,6 +258,7 @@ def _(w):
 
 # ---- item 5: the typed keys reach every command that reads a config ------------------------------
 
+
 def _hf(w: World, key: str, change: Callable[[dict], None]) -> str:
     folder = w.copy(key)
     edit_json(os.path.join(folder, "config.json"), change)
@@ -229,15 +268,19 @@ def _hf(w: World, key: str, change: Callable[[dict], None]) -> str:
 @case("export/source-num-experts-per-tok-2.5", 1)
 def _(w):
     src = _hf(w, "moe", _set(num_experts_per_tok=2.5))
-    return ["export", src, "--out", w.path("out"), "--quant", "nvfp4-weight-only"], \
-        ("config.json", "num_experts_per_tok must be an integer, got 2.5")
+    return ["export", src, "--out", w.path("out"), "--quant", "nvfp4-weight-only"], (
+        "config.json",
+        "num_experts_per_tok must be an integer, got 2.5",
+    )
 
 
 @case("export/source-expert-count-keys-disagree", 1)
 def _(w):
     src = _hf(w, "moe", _set(num_local_experts=8))
-    return ["export", src, "--out", w.path("out"), "--quant", "nvfp4-weight-only"], \
-        ("config.json", "num_experts=4 and num_local_experts=8 disagree")
+    return ["export", src, "--out", w.path("out"), "--quant", "nvfp4-weight-only"], (
+        "config.json",
+        "num_experts=4 and num_local_experts=8 disagree",
+    )
 
 
 @case("convert/source-expert-count-keys-disagree", 1)
@@ -261,18 +304,44 @@ def _(w):
 @case("validate/source-num-hidden-layers-a-string", 1)
 def _(w):
     src = _hf(w, "hf", _set(num_hidden_layers="2"))
-    return ["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--reference", "bf16",
-            "--samples", "4", "--seq-len", str(SEQ), "--prompts", "1", "--prompt-len", "8",
-            "--gen-tokens", "4", "--source", src], ("config.json", "num_hidden_layers must be an integer")
+    return [
+        "validate",
+        w.copy("mo"),
+        "--data",
+        w.copy("ids", "ids.npy"),
+        "--reference",
+        "bf16",
+        "--samples",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--source",
+        src,
+    ], ("config.json", "num_hidden_layers must be an integer")
 
 
 @case("train/model-num-experts-per-tok-2.5", 1)
 def _(w):
     src = _hf(w, "moe", _set(num_experts_per_tok=2.5))
     data = w.file("t.txt", "To be, or not to be, that is the question.\n" * 40)
-    return ["train", f"model={src}", "tokenizer=train", "vocab_size=256", "steps=2", "seq_len=16",
-            "batch_size=2", "eval_every=0", f"out={w.path('run')}", f"data={data}"], \
-        ("config.json", "num_experts_per_tok must be an integer")
+    return [
+        "train",
+        f"model={src}",
+        "tokenizer=train",
+        "vocab_size=256",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"out={w.path('run')}",
+        f"data={data}",
+    ], ("config.json", "num_experts_per_tok must be an integer")
 
 
 # ---------------------------------------------------------------------------------------- the test
@@ -287,7 +356,11 @@ def test_the_corpus_covers_each_item_on_both_layouts():
     ids = {c.id for c in CASES}
     assert len(ids) == len(CASES) and len(CASES) >= 14
     for lay in LAYOUTS:
-        for stem in ("moe-num-experts-per-tok-9-of-4", "moe-expert-4-in-a-4-expert-layer",
-                     "kv-scales-of-layer-5-in-a-2-layer-model", "unknown-tensor"):
+        for stem in (
+            "moe-num-experts-per-tok-9-of-4",
+            "moe-expert-4-in-a-4-expert-layer",
+            "kv-scales-of-layer-5-in-a-2-layer-model",
+            "unknown-tensor",
+        ):
             assert {f"check/{stem}-{lay}", f"check/{stem}-{lay}-no-record"} <= ids
         assert f"check/metadata-format-tf-{lay}" in ids

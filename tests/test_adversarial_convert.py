@@ -16,10 +16,9 @@ import os
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from adversarial_harness import Case, World, drop_tensor, edit_header, edit_json, poke, registrar, run_case
 from hf_fixtures import build_tiny_model
+from safetensors.numpy import load_file, save_file
 
 CASES: list[Case] = []
 case = registrar(CASES)
@@ -38,17 +37,21 @@ def paths(tmp_path_factory):
     from nvfp4tool.export import ExportOptions, export_checkpoint
 
     root = tmp_path_factory.mktemp("layouts")
-    out = {"qwen-fused": build_tiny_model("qwen3_moe", str(root / "qwen-fused"), fused=True),
-           "mixtral-fused": build_tiny_model("mixtral", str(root / "mixtral-fused"), fused=True),
-           "mixtral": build_tiny_model("mixtral", str(root / "mixtral")),
-           # a student for `tokenizer=train vocab_size=300` (a trained tokenizer has at least 257 tokens)
-           "mixtral-v300": build_tiny_model("mixtral", str(root / "mixtral-v300"), overrides={"vocab_size": 300}),
-           "ids": str(root / "ids.npy"), "mixtral-mt": str(root / "mixtral-mt"),
-           "mixtral-w4a16": str(root / "mixtral-w4a16")}
+    out = {
+        "qwen-fused": build_tiny_model("qwen3_moe", str(root / "qwen-fused"), fused=True),
+        "mixtral-fused": build_tiny_model("mixtral", str(root / "mixtral-fused"), fused=True),
+        "mixtral": build_tiny_model("mixtral", str(root / "mixtral")),
+        # a student for `tokenizer=train vocab_size=300` (a trained tokenizer has at least 257 tokens)
+        "mixtral-v300": build_tiny_model("mixtral", str(root / "mixtral-v300"), overrides={"vocab_size": 300}),
+        "ids": str(root / "ids.npy"),
+        "mixtral-mt": str(root / "mixtral-mt"),
+        "mixtral-w4a16": str(root / "mixtral-w4a16"),
+    }
     np.save(out["ids"], np.random.default_rng(0).integers(3, 256, (8, SEQ)))
     convert_checkpoint(out["mixtral"], out["mixtral-mt"], to="maxtext")
-    export_checkpoint(out["mixtral"], out["mixtral-w4a16"],
-                      ExportOptions(quant="nvfp4-weight-only", show_progress=False))
+    export_checkpoint(
+        out["mixtral"], out["mixtral-w4a16"], ExportOptions(quant="nvfp4-weight-only", show_progress=False)
+    )
     return out
 
 
@@ -72,19 +75,46 @@ def _export(w: World, src: str, *args: str) -> list[str]:
 
 
 def _validate(w: World, source: str) -> list[str]:
-    return ["validate", w.copy("mixtral-w4a16"), "--data", w.copy("ids", "ids.npy"), "--reference", "bf16",
-            "--samples", "4", "--seq-len", str(SEQ), "--prompts", "1", "--prompt-len", "8",
-            "--gen-tokens", "4", "--source", source]
+    return [
+        "validate",
+        w.copy("mixtral-w4a16"),
+        "--data",
+        w.copy("ids", "ids.npy"),
+        "--reference",
+        "bf16",
+        "--samples",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--source",
+        source,
+    ]
 
 
 def _train(w: World, *args: str) -> list[str]:
-    return ["train", "tokenizer=train", "vocab_size=300", "steps=2", "seq_len=16", "batch_size=2",
-            "eval_every=0", f"data={w.file('t.txt', 'To be, or not to be, that is the question.' * 40)}",
-            f"out={w.path('run')}", *args]
+    return [
+        "train",
+        "tokenizer=train",
+        "vocab_size=300",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"data={w.file('t.txt', 'To be, or not to be, that is the question.' * 40)}",
+        f"out={w.path('run')}",
+        *args,
+    ]
 
 
 def _unfuse_layer(prefix: str, family_names: tuple[str, str, str], block: str):
     """Rewrite layer `prefix`'s fused experts as per-expert tensors (a folder mixing both layouts)."""
+
     def change(path: str) -> None:
         tensors = load_file(path)
         gate_up, down = tensors.pop(f"{prefix}.gate_up_proj"), tensors.pop(f"{prefix}.down_proj")
@@ -96,6 +126,7 @@ def _unfuse_layer(prefix: str, family_names: tuple[str, str, str], block: str):
             tensors[f"{layer}.{block}.experts.{e}.{up}.weight"] = np.ascontiguousarray(gate_up[e, F:])
             tensors[f"{layer}.{block}.experts.{e}.{down_name}.weight"] = np.ascontiguousarray(down[e])
         save_file(tensors, path, metadata={"format": "pt"})
+
     return change
 
 
@@ -104,6 +135,7 @@ def _rename(old: str, new: str):
         tensors = load_file(path)
         tensors[new] = tensors.pop(old)
         save_file(tensors, path, metadata={"format": "pt"})
+
     return change
 
 
@@ -112,10 +144,12 @@ def _add(name: str, like: str):
         tensors = load_file(path)
         tensors[name] = tensors[like].copy()
         save_file(tensors, path, metadata={"format": "pt"})
+
     return change
 
 
 # ---- the fused expert layout: shapes ------------------------------------------------------------
+
 
 @case("convert/fused-gate-up-wrong-shape", 1)
 def _(w):
@@ -142,13 +176,15 @@ def _(w):
 def _(w):
     # both expert-count keys say 4 (consistent); the fused tensors hold 6 experts
     src = w.copy("mixtral-fused")
-    edit_json(os.path.join(src, "config.json"),
-              lambda c: c.update({k: 4 for k in ("num_local_experts", "num_experts") if k in c}))
-    return ["convert", src, w.path("out"), "--to", "maxtext"], ("model.layers.0.mlp.gate.weight", "[6, 64]",
-                                                               "[4, 64]")
+    edit_json(
+        os.path.join(src, "config.json"),
+        lambda c: c.update({k: 4 for k in ("num_local_experts", "num_experts") if k in c}),
+    )
+    return ["convert", src, w.path("out"), "--to", "maxtext"], ("model.layers.0.mlp.gate.weight", "[6, 64]", "[4, 64]")
 
 
 # ---- the fused expert layout: missing, mixed, extra ------------------------------------------------
+
 
 @case("convert/fused-down-proj-missing", 1)
 def _(w):
@@ -172,8 +208,10 @@ def _(w):
 def _(w):
     # the student (per-expert Mixtral) is fine; the distillation teacher's fused layout is not
     teacher = _edited(w, "mixtral-fused", _reshape(f"{MIX_L1}.gate_up_proj", [6, 64, 256]))
-    return (_train(w, f"model={w.copy('mixtral-v300')}", f"teacher={teacher}", "distill=kl"),
-            (f"{MIX_L1}.gate_up_proj", "[6, 64, 256]", "[6, 256, 64]"))
+    return (
+        _train(w, f"model={w.copy('mixtral-v300')}", f"teacher={teacher}", "distill=kl"),
+        (f"{MIX_L1}.gate_up_proj", "[6, 64, 256]", "[6, 256, 64]"),
+    )
 
 
 @case("convert/fused-and-per-expert-layers-mixed", 1)
@@ -185,18 +223,24 @@ def _(w):
 @case("validate/source-fused-and-per-expert-mixed", 1)
 def _(w):
     src = _edited(w, "mixtral-fused", _unfuse_layer(MIX_L1, ("w1", "w3", "w2"), "block_sparse_moe"))
-    return _validate(w, src), ("model.layers.0.mlp.experts.", "model.layers.1.block_sparse_moe.experts.0.",
-                               "one layout")
+    return _validate(w, src), (
+        "model.layers.0.mlp.experts.",
+        "model.layers.1.block_sparse_moe.experts.0.",
+        "one layout",
+    )
 
 
 @case("export/fused-experts-with-the-per-expert-router-name", 1)
 def _(w):
     # Mixtral's fused layout renames the whole block, router included; the old router name beside
     # fused experts is a mix
-    src = _edited(w, "mixtral-fused", _rename("model.layers.1.mlp.gate.weight",
-                                              "model.layers.1.block_sparse_moe.gate.weight"))
-    return _export(w, src, "--quant", "nvfp4-weight-only"), ("model.layers.1.block_sparse_moe.gate.weight",
-                                                             "one layout")
+    src = _edited(
+        w, "mixtral-fused", _rename("model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight")
+    )
+    return _export(w, src, "--quant", "nvfp4-weight-only"), (
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "one layout",
+    )
 
 
 @case("convert/fused-experts-in-the-dense-layer", 1)
@@ -214,6 +258,7 @@ def _(w):
 
 # ---- the fused expert layout: values and dtypes ------------------------------------------------------
 
+
 @case("convert/fused-gate-up-relabelled-int32", 1)
 def _(w):
     src = _edited(w, "qwen-fused", lambda p: edit_header(p, lambda h: h[f"{QWEN_L2}.gate_up_proj"].update(dtype="I32")))
@@ -224,18 +269,29 @@ def _(w):
 def _(w):
     # expert 3's up rows start at row 128 of its [256, 64] slice: float32 NaN in its first value
     offset = ((3 * 256) + 128) * 64 * 4
-    src = _edited(w, "mixtral-fused", lambda p: poke(p, f"{MIX_L1}.gate_up_proj",
-                                                      lambda _: np.float32(np.nan).tobytes(), index=offset, size=4))
-    return _export(w, src, "--quant", "nvfp4-weight-only"), (f"{MIX_L1}.gate_up_proj", "expert 3", "rows 128-255",
-                                                             "non-finite")
+    src = _edited(
+        w,
+        "mixtral-fused",
+        lambda p: poke(p, f"{MIX_L1}.gate_up_proj", lambda _: np.float32(np.nan).tobytes(), index=offset, size=4),
+    )
+    return _export(w, src, "--quant", "nvfp4-weight-only"), (
+        f"{MIX_L1}.gate_up_proj",
+        "expert 3",
+        "rows 128-255",
+        "non-finite",
+    )
 
 
 @case("convert/fused-down-proj-inf-in-the-last-expert", 1)
 def _(w):
     # Qwen3-MoE down_proj [8, 64, 32] float32: +inf in the very last value (expert 7, row 63)
-    src = _edited(w, "qwen-fused", lambda p: poke(p, f"{QWEN_L2}.down_proj",
-                                                   lambda _: np.float32(np.inf).tobytes(), index=8 * 64 * 32 * 4 - 4,
-                                                   size=4))
+    src = _edited(
+        w,
+        "qwen-fused",
+        lambda p: poke(
+            p, f"{QWEN_L2}.down_proj", lambda _: np.float32(np.inf).tobytes(), index=8 * 64 * 32 * 4 - 4, size=4
+        ),
+    )
     return _to_hf(w, src), (f"{QWEN_L2}.down_proj", "expert 7", "rows 0-63", "non-finite")
 
 
@@ -261,52 +317,107 @@ def _(w):
         begin, end = header[f"{QWEN_L0}.gate_up_proj"]["data_offsets"]
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - len(data) + (begin + end) // 2)
+
     src = _edited(w, "qwen-fused", cut)
     return _to_hf(w, src), (ST, f"{QWEN_L0}.gate_up_proj")
 
 
 # ---- the RoPE layout Mixtral's and Qwen3-MoE's MaxText decoders fix --------------------------------------
 
+
 @case("convert/interleaved-rope-for-mixtral", 2)
 def _(w):
-    return (["convert", w.copy("mixtral"), w.path("out"), "--to", "maxtext", "--rope-layout", "interleaved"],
-            ("--rope-layout interleaved", "mixtral", "half"))
+    return (
+        ["convert", w.copy("mixtral"), w.path("out"), "--to", "maxtext", "--rope-layout", "interleaved"],
+        ("--rope-layout interleaved", "mixtral", "half"),
+    )
 
 
 @case("convert/interleaved-rope-for-qwen3-moe", 2)
 def _(w):
-    return (["convert", w.copy("qwen-fused"), w.path("out"), "--to", "maxtext", "--rope-layout", "interleaved"],
-            ("--rope-layout interleaved", "qwen3_moe", "half"))
+    return (
+        ["convert", w.copy("qwen-fused"), w.path("out"), "--to", "maxtext", "--rope-layout", "interleaved"],
+        ("--rope-layout interleaved", "qwen3_moe", "half"),
+    )
 
 
 @case("convert/interleaved-rope-reading-mixtral-maxtext", 2)
 def _(w):
-    return (["convert", w.copy("mixtral-mt"), w.path("out"), "--to", "hf", "--model-config", w.copy("mixtral"),
-             "--rope-layout", "interleaved"], ("--rope-layout interleaved", "mixtral"))
+    return (
+        [
+            "convert",
+            w.copy("mixtral-mt"),
+            w.path("out"),
+            "--to",
+            "hf",
+            "--model-config",
+            w.copy("mixtral"),
+            "--rope-layout",
+            "interleaved",
+        ],
+        ("--rope-layout interleaved", "mixtral"),
+    )
 
 
 @case("convert/interleaved-rope-with-a-mixtral-maxtext-name", 2)
 def _(w):
-    return (["convert", w.copy("mixtral-mt"), w.path("out"), "--to", "hf", "--model-config", "mixtral-8x7b",
-             "--rope-layout", "interleaved"], ("--rope-layout interleaved", "mixtral"))
+    return (
+        [
+            "convert",
+            w.copy("mixtral-mt"),
+            w.path("out"),
+            "--to",
+            "hf",
+            "--model-config",
+            "mixtral-8x7b",
+            "--rope-layout",
+            "interleaved",
+        ],
+        ("--rope-layout interleaved", "mixtral"),
+    )
 
 
 @case("export/interleaved-rope-for-a-mixtral-maxtext-source", 2)
 def _(w):
-    return (_export(w, w.copy("mixtral-mt"), "--model-config", w.copy("mixtral"), "--rope-layout", "interleaved",
-                    "--quant", "nvfp4-weight-only"), ("--rope-layout interleaved", "mixtral"))
+    return (
+        _export(
+            w,
+            w.copy("mixtral-mt"),
+            "--model-config",
+            w.copy("mixtral"),
+            "--rope-layout",
+            "interleaved",
+            "--quant",
+            "nvfp4-weight-only",
+        ),
+        ("--rope-layout interleaved", "mixtral"),
+    )
 
 
 @case("export/interleaved-rope-for-an-hf-qwen3-moe-source", 2)
 def _(w):
-    return (_export(w, w.copy("qwen-fused"), "--rope-layout", "interleaved", "--quant", "nvfp4-weight-only"),
-            ("--rope-layout interleaved", "qwen3_moe"))
+    return (
+        _export(w, w.copy("qwen-fused"), "--rope-layout", "interleaved", "--quant", "nvfp4-weight-only"),
+        ("--rope-layout interleaved", "qwen3_moe"),
+    )
 
 
 @case("convert/interleaved-rope-with-a-qwen3-moe-maxtext-name", 2)
 def _(w):
-    return (["convert", w.copy("mixtral-mt"), w.path("out"), "--to", "hf", "--model-config", "qwen3-30b-a3b",
-             "--rope-layout", "interleaved"], ("--rope-layout interleaved", "qwen3_moe"))
+    return (
+        [
+            "convert",
+            w.copy("mixtral-mt"),
+            w.path("out"),
+            "--to",
+            "hf",
+            "--model-config",
+            "qwen3-30b-a3b",
+            "--rope-layout",
+            "interleaved",
+        ],
+        ("--rope-layout interleaved", "qwen3_moe"),
+    )
 
 
 @case("train/interleaved-rope-for-a-mixtral-model", 2)
@@ -322,8 +433,9 @@ def _(w):
 SLOW = {"train/interleaved-rope-for-the-moe-preset"}  # trains a tokenizer and builds the model first
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES],
-                         ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES], ids=[c.id for c in CASES]
+)
 def test_bad_input_is_one_line_and_changes_nothing(case, paths, tmp_path, monkeypatch, hub_env):
     run_case(case, paths, tmp_path, monkeypatch)
 

@@ -6,9 +6,8 @@ import json
 import os
 
 import pytest
-
 from adversarial_harness import BINARY, Case, World, edit_json, registrar, run_case
-from eval_fixtures import eval_models  # noqa: F401
+from eval_fixtures import eval_models
 
 CASES: list[Case] = []
 case = registrar(CASES)
@@ -40,8 +39,10 @@ def _task_file(w: World, drop: str | None = None, **change) -> str:
     data = w.file("data/mc.jsonl", json.dumps({"question": "1+1?", "options": ["2", "3"], "answer_index": 0}) + "\n")
     text = GOOD_TASK.format(data=data)
     lines = [line for line in text.splitlines() if drop is None or not line.startswith(f"{drop}:")]
-    lines = [f"{line.split(':')[0]}: {change[line.split(':')[0]]}" if line.split(":")[0] in change else line
-             for line in lines]
+    lines = [
+        f"{line.split(':')[0]}: {change[line.split(':')[0]]}" if line.split(":")[0] in change else line
+        for line in lines
+    ]
     return w.file("tasks/my_mc.yaml", "\n".join(lines) + "\n")
 
 
@@ -173,14 +174,15 @@ def _(w):
 
 @case("eval/generation-leaves-no-context", 2)
 def _(w):
-    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--max-length", "24"],
-            ("--max-length 24", "nvfp4tool_gsm"))
+    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--max-length", "24"], ("--max-length 24", "nvfp4tool_gsm"))
 
 
 @case("eval/samples-without-sampling", 2)
 def _(w):
-    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "4"],
-            ("--samples 4", "no task samples", "--gen-kwargs"))
+    return (
+        ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "4"],
+        ("--samples 4", "no task samples", "--gen-kwargs"),
+    )
 
 
 @case("eval/gen-kwargs-without-a-generative-task", 2)
@@ -190,14 +192,18 @@ def _(w):
 
 @case("eval/gen-kwargs-not-key-value", 2)
 def _(w):
-    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "temperature"],
-            ("--gen-kwargs", "KEY=VALUE"))
+    return (
+        ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "temperature"],
+        ("--gen-kwargs", "KEY=VALUE"),
+    )
 
 
 @case("eval/gen-kwargs-unsupported-top-p", 2)
 def _(w):
-    return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "do_sample=true,temperature=1,top_p=0.9"],
-            ("top_p=0.9", "not supported"))
+    return (
+        ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "do_sample=true,temperature=1,top_p=0.9"],
+        ("top_p=0.9", "not supported"),
+    )
 
 
 @case("eval/max-drop-fp8-without-reference", 2)
@@ -208,8 +214,6 @@ def _(w):
 @case("eval/samples-zero", 2)
 def _(w):
     return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "0"], ("--samples",))
-
-
 
 
 # ---------------------------------------------------------------- push and the eval reports

@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 import pytest
-
 from adversarial_harness import BF16_NAN, DOWN, SEQ, WEIGHTS, Case, World, poke, registrar, run_case
 from hf_fixtures import build_tiny_model
 
@@ -43,8 +42,19 @@ def _zeroed(w: World, key: str, tensor: str) -> str:
 
 
 def _export(w: World, src: str, *args: str, ids: str | None = None, seq: int = SEQ) -> list[str]:
-    return ["export", src, "--out", w.path("out"), "--calib-data", ids or w.copy("ids", "ids.npy"),
-            "--calib-samples", "4", "--calib-seq-len", str(seq), *args]
+    return [
+        "export",
+        src,
+        "--out",
+        w.path("out"),
+        "--calib-data",
+        ids or w.copy("ids", "ids.npy"),
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        str(seq),
+        *args,
+    ]
 
 
 def _gptq(w: World, src: str, *args: str, **kw) -> list[str]:
@@ -67,10 +77,14 @@ Q0 = "model.layers.0.self_attn.q_proj"
 
 # ---- GPTQ never writes zeros -----------------------------------------------------------------
 
+
 @case("export/gptq-weight-only-linear-input-all-zero", 1)
 def _(w):
-    return _gptq(w, _zeroed(w, "hf", "model.layers.0.input_layernorm.weight"), *WEIGHT_ONLY), \
-        (Q0, "zero on every calibration token", "--keep-bf16")
+    return _gptq(w, _zeroed(w, "hf", "model.layers.0.input_layernorm.weight"), *WEIGHT_ONLY), (
+        Q0,
+        "zero on every calibration token",
+        "--keep-bf16",
+    )
 
 
 @case("export/gptq-w4a4-linear-input-all-zero", 1)
@@ -80,8 +94,10 @@ def _(w):
 
 @case("export/gptq-second-layer-input-all-zero-after-the-first-is-spilled", 1)
 def _(w):
-    return _gptq(w, _zeroed(w, "hf", "model.layers.1.input_layernorm.weight"), *WEIGHT_ONLY), \
-        ("model.layers.1.self_attn.q_proj", "zero on every")
+    return _gptq(w, _zeroed(w, "hf", "model.layers.1.input_layernorm.weight"), *WEIGHT_ONLY), (
+        "model.layers.1.self_attn.q_proj",
+        "zero on every",
+    )
 
 
 @case("export/gptq-down-proj-input-all-zero", 1)
@@ -91,8 +107,10 @@ def _(w):
 
 @case("export/gptq-mlp-input-all-zero", 1)
 def _(w):
-    return _gptq(w, _zeroed(w, "hf", "model.layers.0.post_attention_layernorm.weight"), *WEIGHT_ONLY), \
-        ("model.layers.0.mlp.gate_proj", "zero on every")
+    return _gptq(w, _zeroed(w, "hf", "model.layers.0.post_attention_layernorm.weight"), *WEIGHT_ONLY), (
+        "model.layers.0.mlp.gate_proj",
+        "zero on every",
+    )
 
 
 @case("export/gptq-moe-experts-input-all-zero", 1)
@@ -123,6 +141,7 @@ def _(w):
 # ---- --gptq-damp: finite, 0 < damp <= 1, up front ----------------------------------------------
 
 for _damp in ("inf", "1e300", "nan", "0", "-1", "-0.0", "1.5", "-inf"):
+
     @case(f"export/gptq-damp-{_damp}", 2)
     def _(w, damp=_damp):
         return _gptq(w, w.copy("hf"), "--gptq-damp", damp), ("--gptq-damp",)
@@ -140,6 +159,7 @@ def _(w):
 
 # ---- calibration data: used or refused, read as it is --------------------------------------------
 
+
 @case("export/rtn-weight-only-with-calib-data", 2)
 def _(w):
     return _export(w, w.copy("hf"), *WEIGHT_ONLY), ("--calib-data", "would not be used")
@@ -152,20 +172,26 @@ def _(w):
 
 @case("export/calib-samples-without-calib-data", 2)
 def _(w):
-    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--calib-samples", "4"], \
-        ("--calib-samples", "--calib-data")
+    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--calib-samples", "4"], (
+        "--calib-samples",
+        "--calib-data",
+    )
 
 
 @case("export/calib-seq-len-without-calib-data", 2)
 def _(w):
-    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--calib-seq-len", "64"], \
-        ("--calib-seq-len", "--calib-data")
+    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--calib-seq-len", "64"], (
+        "--calib-seq-len",
+        "--calib-data",
+    )
 
 
 @case("export/kv-cache-fp8-without-calib-data", 2)
 def _(w):
-    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--kv-cache", "fp8"], \
-        ("--kv-cache fp8", "--calib-data")
+    return ["export", w.copy("hf"), "--out", w.path("out"), *WEIGHT_ONLY, "--kv-cache", "fp8"], (
+        "--kv-cache fp8",
+        "--calib-data",
+    )
 
 
 @case("export/kv-cache-fp8-without-calib-data-on-an-unreadable-source", 2)
@@ -187,7 +213,10 @@ def _(w):
 
 @case("export/gptq-calib-npy-without-tokens", 1)
 def _(w):
-    return _gptq(w, w.copy("hf"), *WEIGHT_ONLY, ids=_npy(w, np.zeros((4, 0), np.int64))), ("calib.npy", "no calibration tokens")
+    return _gptq(w, w.copy("hf"), *WEIGHT_ONLY, ids=_npy(w, np.zeros((4, 0), np.int64))), (
+        "calib.npy",
+        "no calibration tokens",
+    )
 
 
 @case("export/gptq-calib-npy-without-rows", 1)
@@ -240,11 +269,15 @@ def _(w):
     return args, ("--out",)
 
 
-SLOW = {"export/gptq-second-layer-input-all-zero-after-the-first-is-spilled", "export/gptq-moe-experts-input-all-zero",
-        "export/gptq-down-proj-input-all-zero"}  # GPTQ rounds a whole layer or more before the refusal
+SLOW = {
+    "export/gptq-second-layer-input-all-zero-after-the-first-is-spilled",
+    "export/gptq-moe-experts-input-all-zero",
+    "export/gptq-down-proj-input-all-zero",
+}  # GPTQ rounds a whole layer or more before the refusal
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES],
-                         ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES], ids=[c.id for c in CASES]
+)
 def test_bad_input_is_one_line_and_changes_nothing(case, paths, tmp_path, monkeypatch, hub_env):
     run_case(case, paths, tmp_path, monkeypatch)

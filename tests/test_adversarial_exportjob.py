@@ -20,11 +20,10 @@ import os
 
 import numpy as np
 import pytest
+from adversarial_harness import BF16_NAN, SEQ, WEIGHTS, Case, World, edit_json, poke, registrar, run_case, truncate
 from click.testing import CliRunner
-
-from adversarial_harness import (BF16_NAN, SEQ, WEIGHTS, Case, World, edit_json, poke, registrar, run_case,
-                                 truncate)
 from hf_fixtures import build_tiny_model
+
 from nvfp4tool.cli import cli
 
 CASES: list[Case] = []
@@ -44,9 +43,24 @@ def paths(pristine, tmp_path_factory) -> dict[str, str]:
     ids = str(root / "moe-ids.npy")
     np.save(ids, np.random.default_rng(0).integers(3, 256, (4, MOE_SEQ)))
     sharded = str(root / "sharded")
-    result = CliRunner().invoke(cli, ["-q", "export", pristine["hf"], "--out", sharded, "--calib-data",
-                                      pristine["ids"], "--calib-samples", "4", "--calib-seq-len", str(SEQ),
-                                      "--max-shard-size", "40KB"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "-q",
+            "export",
+            pristine["hf"],
+            "--out",
+            sharded,
+            "--calib-data",
+            pristine["ids"],
+            "--calib-samples",
+            "4",
+            "--calib-seq-len",
+            str(SEQ),
+            "--max-shard-size",
+            "40KB",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert os.path.exists(os.path.join(sharded, INDEX))
     return dict(pristine, moe=moe, moe_ids=ids, sharded=sharded)
@@ -60,8 +74,21 @@ def _zeroed(w: World, key: str, tensor: str, file: str = WEIGHTS) -> str:
 
 
 def _gptq(w: World, src: str, *args: str, ids: str | None = None, seq: int = SEQ) -> list[str]:
-    return ["export", src, "--out", w.path("out"), "--calib-data", ids or w.copy("ids", "ids.npy"),
-            "--calib-samples", "4", "--calib-seq-len", str(seq), "--weight-rounding", "gptq", *args]
+    return [
+        "export",
+        src,
+        "--out",
+        w.path("out"),
+        "--calib-data",
+        ids or w.copy("ids", "ids.npy"),
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        str(seq),
+        "--weight-rounding",
+        "gptq",
+        *args,
+    ]
 
 
 def _moe(w: World, src: str, *args: str) -> list[str]:
@@ -86,6 +113,7 @@ KV = ("--kv-cache", "fp8")
 
 # ---- the GPTQ pass calibrates: its refusals ----------------------------------------------------
 
+
 @case("export/gptq-w4a4-kv-cache-keys-all-zero", 1)
 def _(w):
     return _gptq(w, _zeroed(w, "hf", f"{K0}.weight"), *KV), ("model.layers.0.self_attn", "keys / values")
@@ -99,8 +127,10 @@ def _(w):
 @case("export/gptq-w4a4-o-proj-input-all-zero", 1)
 def _(w):
     # zero values: the attention's output, o_proj's input, is zero on every token
-    return _gptq(w, _zeroed(w, "hf", "model.layers.0.self_attn.v_proj.weight")), \
-        ("model.layers.0.self_attn.o_proj", "zero on every")
+    return _gptq(w, _zeroed(w, "hf", "model.layers.0.self_attn.v_proj.weight")), (
+        "model.layers.0.self_attn.o_proj",
+        "zero on every",
+    )
 
 
 @case("export/gptq-moe-w4a4-kv-cache-keys-all-zero", 1)
@@ -109,6 +139,7 @@ def _(w):
 
 
 # ---- the job is resolved before the GPTQ pass runs ---------------------------------------------
+
 
 @case("export/gptq-w4a4-kv-cache-calib-ids-outside-the-vocabulary", 1)
 def _(w):
@@ -131,6 +162,7 @@ def _(w):
 
 
 # ---- convert-format of a sharded export (the shared serving-folder writer) ----------------------
+
 
 @case("convert-format/sharded-shard-truncated", 1)
 def _(w):
@@ -186,7 +218,8 @@ def _(w):
 SLOW = {"export/gptq-moe-w4a4-kv-cache-keys-all-zero"}  # GPTQ rounds the whole MoE model before the refusal
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES],
-                         ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES], ids=[c.id for c in CASES]
+)
 def test_bad_input_is_one_line_and_changes_nothing(case, paths, tmp_path, monkeypatch, hub_env):
     run_case(case, paths, tmp_path, monkeypatch)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from adversarial_harness import BF16_NAN, DOWN, SEQ, WEIGHTS, Case, World, poke, registrar, run_case, set_f32
+
 from nvfp4tool import progress
 
 CASES: list[Case] = []
@@ -24,8 +24,19 @@ def _nan_hf(w: World) -> str:
 
 
 def _export(w: World, src: str, *flags: str) -> list[str]:
-    return [*flags, "export", src, "--out", w.path("out"), "--calib-data", w.copy("ids"), "--calib-samples", "4",
-            "--calib-seq-len", str(SEQ)]
+    return [
+        *flags,
+        "export",
+        src,
+        "--out",
+        w.path("out"),
+        "--calib-data",
+        w.copy("ids"),
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        str(SEQ),
+    ]
 
 
 @case("export/log-format-unknown", 2)
@@ -35,8 +46,14 @@ def _(w):
 
 @case("train/log-format-unknown-before-the-run", 2)
 def _(w):
-    return ["--log-format", "plain", "train", "model=tiny", f"data={w.file('t.txt', 'hello world ' * 50)}",
-            f"out={w.path('run')}"], ("--log-format", "plain")
+    return [
+        "--log-format",
+        "plain",
+        "train",
+        "model=tiny",
+        f"data={w.file('t.txt', 'hello world ' * 50)}",
+        f"out={w.path('run')}",
+    ], ("--log-format", "plain")
 
 
 @case("convert/log-format-env-unknown", 2)
@@ -57,8 +74,9 @@ def _(w):
 
 @case("convert/nan-weight-in-json-lines", 1, also=('"event": "stopped", "stage": "convert"',))
 def _(w):
-    return ["--log-format", "json", "convert", _nan_hf(w), w.path("out"), "--to", "maxtext",
-            "--rope-layout", "half"], (f"{DOWN}.weight",)
+    return ["--log-format", "json", "convert", _nan_hf(w), w.path("out"), "--to", "maxtext", "--rope-layout", "half"], (
+        f"{DOWN}.weight",
+    )
 
 
 @case("convert/nan-weight-json-from-the-env", 1, also=('"event": "start", "stage": "convert"',))
@@ -77,13 +95,15 @@ def _(w):
     mo = w.copy("mo")
     set_f32(os.path.join(mo, WEIGHTS), f"{DOWN}.input_scale", lambda _: float("nan"))
     return ["--log-format", "json", "convert-format", mo, w.path("out"), "--to", "compressed-tensors"], (
-        f"{DOWN}.input_scale",)
+        f"{DOWN}.input_scale",
+    )
 
 
 @case("push/no-validation-quiet-json", 1)
 def _(w):
     return ["-q", "--log-format", "json", "push", w.copy("mo"), "--repo-id", "org/name", "--dry-run"], (
-        "validation.json",)
+        "validation.json",
+    )
 
 
 @case("check/not-an-export-in-json-lines", 1)

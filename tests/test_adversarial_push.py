@@ -23,10 +23,10 @@ import re
 import shutil
 
 import pytest
+from adversarial_harness import DOWN, SEQ, WEIGHTS, Case, World, edit_json, poke, registrar, run_case
 from click.testing import CliRunner
-
-from adversarial_harness import (DOWN, SEQ, WEIGHTS, Case, World, edit_json, poke, registrar, run_case)
 from hub_server import HubServer
+
 from nvfp4tool.cli import cli
 
 CASES: list[Case] = []
@@ -42,10 +42,32 @@ def validated(pristine, tmp_path_factory):
     """The pristine fixtures plus "v": the `mo` export, validated by `nvfp4tool validate`."""
     folder = str(tmp_path_factory.mktemp("validated") / "v")
     shutil.copytree(pristine["mo"], folder)
-    result = CliRunner().invoke(cli, [
-        "-q", "validate", folder, "--data", pristine["ids"], "--reference", "bf16", "--samples", "4",
-        "--seq-len", str(SEQ), "--batch-size", "4", "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4",
-        "--source", pristine["hf"]])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "-q",
+            "validate",
+            folder,
+            "--data",
+            pristine["ids"],
+            "--reference",
+            "bf16",
+            "--samples",
+            "4",
+            "--seq-len",
+            str(SEQ),
+            "--batch-size",
+            "4",
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--gen-tokens",
+            "4",
+            "--source",
+            pristine["hf"],
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert result.stderr == "", result.stderr  # --quiet: no progress or compile lines (test_progress_lines.py)
     return {**pristine, "v": folder}
@@ -88,6 +110,7 @@ def _edit_validation(folder: str, change) -> str:
 
 
 # ---- the export's files against validation.json --------------------------------------------
+
 
 @case("push/weight-byte-changed-after-validation", 1)
 def _(w):
@@ -161,8 +184,7 @@ def _(w):
 @case("push/validation-lists-a-path-outside-the-export", 1)
 def _(w):
     w.copy("hf")
-    v = _edit_validation(w.copy("v"), lambda r: r["export"]["sha256"].__setitem__("../hf/model.safetensors",
-                                                                                 "0" * 64))
+    v = _edit_validation(w.copy("v"), lambda r: r["export"]["sha256"].__setitem__("../hf/model.safetensors", "0" * 64))
     return _dry(v), (os.path.join(v, V), "'../hf/model.safetensors'", "not a file inside the export")
 
 
@@ -180,6 +202,7 @@ def _(w):
 
 
 # ---- the validated source against the provenance's ------------------------------------------
+
 
 @case("push/validation-source-hash-edited", 1)
 def _(w):
@@ -208,12 +231,15 @@ def _(w):
 @case("push/source-mismatch-not-allowed-by-an-edited-flag", 1)
 def _(w):
     """source_mismatch_ok false, the hashes differ: the flag is what allows it, nothing else."""
-    v = _edit_validation(w.copy("v"), lambda r: (r["source"]["sha256"].__setitem__(WEIGHTS, "e" * 64),
-                                                r.__setitem__("source_mismatch_ok", False)))
+    v = _edit_validation(
+        w.copy("v"),
+        lambda r: (r["source"]["sha256"].__setitem__(WEIGHTS, "e" * 64), r.__setitem__("source_mismatch_ok", False)),
+    )
     return _dry(v), (os.path.join(v, V), "not a validation of this export's source")
 
 
 # ---- validation.json's own claims -------------------------------------------------------------
+
 
 @case("push/validation-passed-with-failures", 1)
 def _(w):
@@ -350,7 +376,9 @@ def test_chain_of_custody(validated, tmp_path, hub_env):
     assert os.path.join(source_hash, V) in errors[0] and f"weight file '{WEIGHTS}' differs" in errors[0]
 
     provenance_source = _copy(validated, tmp_path, "provenance-source")
-    edit_json(os.path.join(provenance_source, PROVENANCE), lambda r: r["source"]["files"].__setitem__(WEIGHTS, "d" * 64))
+    edit_json(
+        os.path.join(provenance_source, PROVENANCE), lambda r: r["source"]["files"].__setitem__(WEIGHTS, "d" * 64)
+    )
     code, errors, _ = _dry_run(provenance_source)
     assert code == 1 and len(errors) == 1
     assert f"{os.path.join(provenance_source, PROVENANCE)}: changed since validation" in errors[0]
@@ -360,8 +388,10 @@ def test_source_mismatch_ok_is_published_with_one_warning_and_the_banner(validat
     """A validation that says `source_mismatch_ok` (validate --source-mismatch-ok) is pushed: one
     Warning line, the card's banner at the top and in the validation section."""
     folder = _copy(validated, tmp_path, "mismatch")
-    _edit_validation(folder, lambda r: (r["source"]["sha256"].__setitem__(WEIGHTS, "e" * 64),
-                                        r.__setitem__("source_mismatch_ok", True)))
+    _edit_validation(
+        folder,
+        lambda r: (r["source"]["sha256"].__setitem__(WEIGHTS, "e" * 64), r.__setitem__("source_mismatch_ok", True)),
+    )
     code, errors, output = _dry_run(folder)
     assert code == 0 and errors == [], output
     warnings = [line for line in output.splitlines() if "validated against a source that is not the export's" in line]

@@ -18,9 +18,9 @@ import os
 import shutil
 
 import pytest
+from adversarial_harness import BINARY, SEQ, Case, World, edit_json, registrar, run_case
 from click.testing import CliRunner
 
-from adversarial_harness import BINARY, SEQ, Case, World, edit_json, registrar, run_case
 from nvfp4tool.cli import cli
 
 CASES: list[Case] = []
@@ -40,15 +40,22 @@ def run_world(pristine, tmp_path_factory) -> dict[str, str]:
     shutil.copytree(pristine["hf"], run / WEIGHTS_DIR)
     data = root / "t.txt"
     data.write_text("To be, or not to be.\n")
-    config = TrainConfig(model=pristine["hf"], data=str(data), recipe="nvfp4", bf16_first_layers=0,
-                         bf16_last_layers=0)
+    config = TrainConfig(model=pristine["hf"], data=str(data), recipe="nvfp4", bf16_first_layers=0, bf16_last_layers=0)
     model_config = HFFolderSource(str(run / WEIGHTS_DIR)).config
     pmap = precision_map(config.recipe_config(), model_config)
     PrecisionMapRecord(pmap).write(run / WEIGHTS_DIR)
     InputAmaxRecord({n: 1.5 for n, p in pmap.items() if p != "bf16"}).write(run / WEIGHTS_DIR)
-    RunRecord(config=config.to_dict(), model_config=model_config.to_hf_config(), data_sha256="a" * 64,
-              eval_data_sha256=None, tokenizer_sha256="b" * 64, train_windows=8, eval_windows=1, devices=1,
-              processes=1).write(run)
+    RunRecord(
+        config=config.to_dict(),
+        model_config=model_config.to_hf_config(),
+        data_sha256="a" * 64,
+        eval_data_sha256=None,
+        tokenizer_sha256="b" * 64,
+        train_windows=8,
+        eval_windows=1,
+        devices=1,
+        processes=1,
+    ).write(run)
     return dict(pristine, run=str(run))
 
 
@@ -68,11 +75,30 @@ def _convert(w: World, src: str) -> list[str]:
 
 
 def _validate(w: World, source: str) -> list[str]:
-    return ["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--reference", "bf16", "--samples", "4",
-            "--seq-len", str(SEQ), "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4", "--source", source]
+    return [
+        "validate",
+        w.copy("mo"),
+        "--data",
+        w.copy("ids", "ids.npy"),
+        "--reference",
+        "bf16",
+        "--samples",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--source",
+        source,
+    ]
 
 
 # ---- run.json: the TrainConfig it ran with, checked when read --------------------------------
+
 
 @case("convert/run-json-with-an-unknown-recipe", 1)
 def _(w):
@@ -100,8 +126,11 @@ def _(w):
 
 @case("export/run-json-with-a-teacher-hash-but-no-teacher", 1)
 def _(w):
-    run = _run_with(w, "run.json", lambda r: r.update(teacher={"name": "t", "kind": "hf", "step": None,
-                                                                "files": {}}, teacher_model_config={}))
+    run = _run_with(
+        w,
+        "run.json",
+        lambda r: r.update(teacher={"name": "t", "kind": "hf", "step": None, "files": {}}, teacher_model_config={}),
+    )
     return _export(w, run), ("run.json", "teacher", "without a teacher")
 
 
@@ -113,6 +142,7 @@ def _(w):
 
 
 # ---- the final weights' maps -----------------------------------------------------------------
+
 
 @case("export/run-precision-map-with-an-unknown-precision", 1)
 def _(w):

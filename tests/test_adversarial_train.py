@@ -3,7 +3,8 @@
 and resume (a changed recipe or distillation setting). Each case is one bad input, run in-process
 by `adversarial_harness.run_case`: exit code, one `Error:` line naming the key / file, nothing
 created or changed. Fixtures (module-scoped, ~10 s): a two-step distillation run of a tiny
-synthetic HF model (the pristine one's shape, a 320-token vocabulary) against a copy of itself (its checkpoints kept), the tokenizer it ran with, another
+synthetic HF model (the pristine one's shape, a 320-token vocabulary) against a copy of itself (its checkpoints
+kept), the tokenizer it ran with, another
 tokenizer of the same size, and a tiny Mixtral."""
 
 from __future__ import annotations
@@ -14,11 +15,24 @@ import shutil
 from typing import ClassVar
 
 import pytest
+from adversarial_harness import (
+    BF16_INF,
+    BF16_NAN,
+    CONFIG,
+    TEXT,
+    WEIGHTS,
+    Case,
+    World,
+    drop_tensor,
+    edit_json,
+    poke,
+    registrar,
+    run_case,
+    truncate,
+)
+from bench_convert import write_synthetic_hf_folder
 from click.testing import CliRunner
 
-from adversarial_harness import (BF16_INF, BF16_NAN, CONFIG, TEXT, WEIGHTS, Case, World, drop_tensor, edit_json, poke,
-                                 registrar, run_case, truncate)
-from bench_convert import write_synthetic_hf_folder
 from nvfp4tool.cli import cli
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
@@ -36,9 +50,16 @@ def train_world(pristine, tmp_path_factory) -> dict[str, str]:
     from hf_fixtures import build_tiny_model
 
     root = tmp_path_factory.mktemp("adversarial-train")
-    paths = dict(pristine, data=str(root / "t.txt"), tok=str(root / "tok"), other_tok=str(root / "other-tok"),
-                 student=str(root / "student"), teacher=str(root / "teacher"), qad=str(root / "qad"),
-                 moe=str(root / "moe"))
+    paths = dict(
+        pristine,
+        data=str(root / "t.txt"),
+        tok=str(root / "tok"),
+        other_tok=str(root / "other-tok"),
+        student=str(root / "student"),
+        teacher=str(root / "teacher"),
+        qad=str(root / "qad"),
+        moe=str(root / "moe"),
+    )
     with open(paths["data"], "w") as f:
         f.write(TEXT)
     train_bpe_tokenizer([TEXT], TOKENS, paths["tok"])
@@ -55,9 +76,23 @@ def train_world(pristine, tmp_path_factory) -> dict[str, str]:
 
 def _qad_args(paths: dict[str, str], teacher: str, out: str, *extra: str) -> list[str]:
     """The distillation run's arguments (a resume passes them again, with resume=true)."""
-    return [f"model={paths['student']}", f"tokenizer={paths['tok']}", f"data={paths['data']}", f"teacher={teacher}",
-            "distill=kl", "temperature=2.0", "distill_weight=0.5", "steps=2", "seq_len=16", "batch_size=2",
-            "eval_every=0", "eval_batches=1", "checkpoint_every=1", f"out={out}", *extra]
+    return [
+        f"model={paths['student']}",
+        f"tokenizer={paths['tok']}",
+        f"data={paths['data']}",
+        f"teacher={teacher}",
+        "distill=kl",
+        "temperature=2.0",
+        "distill_weight=0.5",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        "eval_batches=1",
+        "checkpoint_every=1",
+        f"out={out}",
+        *extra,
+    ]
 
 
 class _Paths:
@@ -85,6 +120,7 @@ def _teacher_with(w: World, change) -> str:
 
 
 # ---- resume: the teacher's bytes are the run's ---------------------------------------------
+
 
 @case("train/resume-with-one-byte-of-the-teacher-changed", 1)
 def _(w):
@@ -141,6 +177,7 @@ def _(w):
 
 # ---- the teacher itself -------------------------------------------------------------------
 
+
 @case("train/teacher-with-another-vocabulary", 1)
 def _(w):
     args = _fresh(w)
@@ -179,10 +216,14 @@ def _(w):
 
 @case("train/teacher-with-a-nan-weight", 1)
 def _(w):
-    teacher = _teacher_with(w, lambda f: poke(f, "model.layers.0.self_attn.q_proj.weight",
-                                              lambda old: BF16_NAN, index=10, size=2))
-    return _fresh(w, teacher=teacher), (os.path.join(teacher, WEIGHTS), "model.layers.0.self_attn.q_proj.weight",
-                                        "non-finite")
+    teacher = _teacher_with(
+        w, lambda f: poke(f, "model.layers.0.self_attn.q_proj.weight", lambda old: BF16_NAN, index=10, size=2)
+    )
+    return _fresh(w, teacher=teacher), (
+        os.path.join(teacher, WEIGHTS),
+        "model.layers.0.self_attn.q_proj.weight",
+        "non-finite",
+    )
 
 
 @case("train/teacher-with-an-infinite-weight", 1)
@@ -250,11 +291,14 @@ def _(w):
 # ---- distillation settings ----------------------------------------------------------------
 
 for _value, _code in (("0", 2), ("-1", 2), ("inf", 2), ("nan", 2), ("1e999", 2), ("hot", 2)):
+
     @case(f"train/temperature-{_value}", _code)
     def _(w, value=_value):
         return _fresh(w, f"temperature={value}"), ("temperature=",)
 
+
 for _value in ("1.5", "-0.1", "nan", "half"):
+
     @case(f"train/distill-weight-{_value}", 2)
     def _(w, value=_value):
         return _fresh(w, f"distill_weight={value}"), ("distill_weight=",)
@@ -267,12 +311,22 @@ def _(w):
 
 # ---- MoE training: the load-balancing loss weight -----------------------------------------
 
+
 def _moe(w: World, coef) -> list[str]:
     moe = w.copy("moe")
     edit_json(os.path.join(moe, "config.json"), lambda c: c.update(router_aux_loss_coef=coef))
     paths = _Paths.current
-    return ["train", f"model={moe}", f"tokenizer={paths['tok']}", f"data={paths['data']}", "steps=1",
-            "seq_len=16", "batch_size=2", "eval_every=0", f"out={w.path('run')}"]
+    return [
+        "train",
+        f"model={moe}",
+        f"tokenizer={paths['tok']}",
+        f"data={paths['data']}",
+        "steps=1",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"out={w.path('run')}",
+    ]
 
 
 @case("train/moe-aux-loss-coef-negative", 1)

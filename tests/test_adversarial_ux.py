@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from adversarial_harness import BINARY, SEQ, Case, World, registrar, run_case
 
 CASES: list[Case] = []
@@ -68,8 +67,17 @@ def _(w):
 def _(w):
     out = w.folder("out")
     keep = w.file("out/keep.txt", f"{DOWN0}\n")
-    return ["export", w.copy("hf"), "--out", out, "--quant", "nvfp4-weight-only", "--keep-bf16-file", keep,
-            "--force"], ("keep.txt", "would destroy")
+    return [
+        "export",
+        w.copy("hf"),
+        "--out",
+        out,
+        "--quant",
+        "nvfp4-weight-only",
+        "--keep-bf16-file",
+        keep,
+        "--force",
+    ], ("keep.txt", "would destroy")
 
 
 @case("export/keep-bf16-flag-and-file-flag-pattern-unmatched", 2)
@@ -85,20 +93,38 @@ def _(w):
 def _(w):
     export = w.copy("mo")
     w.file("mo/keep_bf16.txt", f"{DOWN0}\n")
-    return (["validate", export, "--source", w.copy("hf"), "--data", w.copy("ids", "ids.npy"), "--reference", "bf16",
-             "--seq-len", str(SEQ), "--sensitivity"], ("keep_bf16.txt", "--force"))
+    return (
+        [
+            "validate",
+            export,
+            "--source",
+            w.copy("hf"),
+            "--data",
+            w.copy("ids", "ids.npy"),
+            "--reference",
+            "bf16",
+            "--seq-len",
+            str(SEQ),
+            "--sensitivity",
+        ],
+        ("keep_bf16.txt", "--force"),
+    )
 
 
 @case("validate/min-layer-sqnr-not-finite", 2)
 def _(w):
-    return (["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--min-layer-sqnr", "inf"],
-            ("--min-layer-sqnr", "not a finite number"))
+    return (
+        ["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--min-layer-sqnr", "inf"],
+        ("--min-layer-sqnr", "not a finite number"),
+    )
 
 
 @case("validate/min-top1-above-one", 2)
 def _(w):
-    return (["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--min-top1", "1.5"],
-            ("--min-top1", "0<=x<=1"))
+    return (
+        ["validate", w.copy("mo"), "--data", w.copy("ids", "ids.npy"), "--min-top1", "1.5"],
+        ("--min-top1", "0<=x<=1"),
+    )
 
 
 # ------------------------------------------------------------------------- export --to, check, train, quickstart
@@ -116,8 +142,10 @@ def _(w):
 
 @case("train/unknown-key-lists-the-known-ones", 2)
 def _(w):
-    return (["train", "data=" + w.file("c.txt", "text " * 100), "stepz=3", f"out={w.path('run')}"],
-            ("stepz", "known keys", "steps"))
+    return (
+        ["train", "data=" + w.file("c.txt", "text " * 100), "stepz=3", f"out={w.path('run')}"],
+        ("stepz", "known keys", "steps"),
+    )
 
 
 @case("quickstart/out-is-a-file", 1)

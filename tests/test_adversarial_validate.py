@@ -11,11 +11,25 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from adversarial_harness import (
+    BINARY,
+    CONFIG,
+    DOWN,
+    SEQ,
+    TEXT,
+    WEIGHTS,
+    Case,
+    World,
+    edit_json,
+    poke,
+    read_st,
+    registrar,
+    run_case,
+    write_st,
+    write_synthetic_hf_folder,
+)
 from click.testing import CliRunner
 
-from adversarial_harness import (BINARY, CONFIG, DOWN, SEQ, TEXT, WEIGHTS, Case, World, edit_json, poke, read_st, registrar,
-                                 run_case, write_st,
-                                 write_synthetic_hf_folder)
 from nvfp4tool.cli import cli
 
 CASES: list[Case] = []
@@ -31,25 +45,58 @@ def paths(pristine, tmp_path_factory):
     root = tmp_path_factory.mktemp("adversarial_validate")
     extra = {"w4a16": str(root / "w4a16"), "fp8": str(root / "fp8"), "hf2": str(root / "hf2")}
     runner = CliRunner()
-    for argv in (["export", pristine["hf"], "--out", extra["w4a16"], "--quant", "nvfp4-weight-only"],
-                 ["export", pristine["hf"], "--out", extra["fp8"], "--quant", "fp8", "--calib-data",
-                  pristine["ids"], "--calib-samples", "4", "--calib-seq-len", str(SEQ)],
-                 ["convert", pristine["hf"], extra["hf2"], "--to", "hf", "--max-shard-size", "100KB"]):
+    for argv in (
+        ["export", pristine["hf"], "--out", extra["w4a16"], "--quant", "nvfp4-weight-only"],
+        [
+            "export",
+            pristine["hf"],
+            "--out",
+            extra["fp8"],
+            "--quant",
+            "fp8",
+            "--calib-data",
+            pristine["ids"],
+            "--calib-samples",
+            "4",
+            "--calib-seq-len",
+            str(SEQ),
+        ],
+        ["convert", pristine["hf"], extra["hf2"], "--to", "hf", "--max-shard-size", "100KB"],
+    ):
         result = runner.invoke(cli, ["-q", *argv])
         assert result.exit_code == 0, result.output
     return {**pristine, **extra}
 
 
 def _validate(w: World, export: str, *args: str, reference: str = "bf16", source: str | None = None) -> list[str]:
-    return ["validate", export, "--data", w.copy("ids", "ids.npy"), "--reference", reference, "--samples", "4",
-            "--seq-len", str(SEQ), "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4",
-            "--source", source or w.copy("hf"), *args]
+    return [
+        "validate",
+        export,
+        "--data",
+        w.copy("ids", "ids.npy"),
+        "--reference",
+        reference,
+        "--samples",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--source",
+        source or w.copy("hf"),
+        *args,
+    ]
 
 
 def _scaled(factor: float):
     def change(old: bytes) -> bytes:
         values = np.frombuffer(old, ml_dtypes.bfloat16).astype(np.float32) * factor
         return values.astype(ml_dtypes.bfloat16).tobytes()
+
     return change
 
 
@@ -58,6 +105,7 @@ def _flip_byte(old: bytes) -> bytes:
 
 
 # ---- the source is not the export's recorded one -------------------------------------------
+
 
 @case("validate/source-one-tensor-changed-by-1-percent", 1)
 def _(w):
@@ -111,8 +159,11 @@ def _(w):
 def _(w):
     hf = w.copy("hf")
     header, data = read_st(os.path.join(hf, WEIGHTS))
-    write_st(os.path.join(hf, "extra.safetensors"), {"__metadata__": {"format": "pt"}, "extra.bias": {
-        "dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8)
+    write_st(
+        os.path.join(hf, "extra.safetensors"),
+        {"__metadata__": {"format": "pt"}, "extra.bias": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}},
+        b"\0" * 8,
+    )
     return _validate(w, w.copy("mo"), source=hf), ("extra",)
 
 
@@ -121,7 +172,7 @@ def _(w):
     hf = w.copy("hf")
     poke(os.path.join(hf, WEIGHTS), EMBED, _flip_byte, index=0, size=1)
     args = _validate(w, w.copy("mo"))
-    del args[args.index("--source"):args.index("--source") + 2]
+    del args[args.index("--source") : args.index("--source") + 2]
     return args, (RECORD, "--source")
 
 
@@ -177,6 +228,7 @@ def _(w):
 # ---- reports are outputs -------------------------------------------------------------------
 
 for _name in ("validation.json", "validation.md", "validation_layer_sqnr.png", "validation_kl_hist.png"):
+
     @case(f"validate/rerun-without-force-{_name}-exists", 1)
     def _(w, _name=_name):
         mo = w.copy("mo")
@@ -213,6 +265,7 @@ def _(w):
 
 # ---- the FP8 reference's calibration -------------------------------------------------------
 
+
 @case("validate/fp8-reference-of-a-w4a16-export-without-calib-data", 2)
 def _(w):
     return _validate(w, w.copy("w4a16"), reference="fp8"), ("--calib-data", "--reference bf16")
@@ -232,8 +285,10 @@ def _(w):
 
 @case("validate/calib-data-with-an-fp8-export-reference", 2)
 def _(w):
-    return (_validate(w, w.copy("mo"), "--calib-data", w.file("calib.txt", TEXT), reference=w.copy("fp8")),
-            ("--calib-data",))
+    return (
+        _validate(w, w.copy("mo"), "--calib-data", w.file("calib.txt", TEXT), reference=w.copy("fp8")),
+        ("--calib-data",),
+    )
 
 
 @case("validate/calib-data-is-the-evaluation-data", 2)

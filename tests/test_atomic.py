@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from file_fixtures import Recorder, snapshot
 
 from converters import atomic
 from converters.atomic import MARKER_FILE, atomic_output_dir, clean_stale_siblings
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from file_fixtures import Recorder, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,7 @@ def write(out, text="new", **kwargs):
 
 
 # ------------------------------------------------------------------------------ overlap refusal
+
 
 @pytest.fixture
 def tree(tmp_path) -> Path:
@@ -95,6 +96,7 @@ def test_unrelated_inputs_and_sibling_names_pass(tree):
 
 # ------------------------------------------------------------------------- stale temporary folders
 
+
 def test_only_our_stale_temporaries_are_removed_and_said(tmp_path, said):
     out = tmp_path / "out"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -118,8 +120,10 @@ def test_only_our_stale_temporaries_are_removed_and_said(tmp_path, said):
         assert not stale.exists() and not stale_old.exists()
         for what, path in keep.items():
             assert path.exists(), what
-        assert sorted(said) == sorted(f"removed {path}: temporary folder of an interrupted run (pid {pid})"
-                                      for path, pid in ((stale, stale_pid), (stale_old, stale_old_pid)))
+        assert sorted(said) == sorted(
+            f"removed {path}: temporary folder of an interrupted run (pid {pid})"
+            for path, pid in ((stale, stale_pid), (stale_old, stale_old_pid))
+        )
         assert (out / "data.txt").read_text() == "new" and not (out / MARKER_FILE).exists()
     finally:
         live.kill()
@@ -158,6 +162,7 @@ def test_failed_write_leaves_nothing_and_removes_created_parents(tmp_path):
 
 
 # ----------------------------------------------------------------------- permissions, OS errors
+
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750), (0o002, 0o775)])
 def test_output_has_the_users_normal_permissions(tmp_path, umask, mode):
@@ -199,10 +204,16 @@ def test_os_error_while_writing_is_one_line(tmp_path, where, named):
     with pytest.raises(NVFP4ToolError) as error:
         with atomic_output_dir(out) as tmp:
             path = os.path.join(tmp, "shard.bin") if where == "inside" else str(tmp_path / "input.bin")
-            raise OSError(errno.ENOSPC if where == "inside" else errno.EACCES,
-                          "No space left on device" if where == "inside" else "Permission denied", path)
-    expected = (f"{out}: cannot write the output (No space left on device)" if named == "out"
-                else f"{tmp_path / 'input.bin'}: Permission denied")
+            raise OSError(
+                errno.ENOSPC if where == "inside" else errno.EACCES,
+                "No space left on device" if where == "inside" else "Permission denied",
+                path,
+            )
+    expected = (
+        f"{out}: cannot write the output (No space left on device)"
+        if named == "out"
+        else f"{tmp_path / 'input.bin'}: Permission denied"
+    )
     assert str(error.value) == expected
     assert os.listdir(tmp_path) == []
 
@@ -237,8 +248,9 @@ def test_kill_9_mid_write_leaves_the_old_state_and_the_rerun_cleans_up(tmp_path,
     if existing:
         write(out, "previous")
     ready = tmp_path.parent / f"{tmp_path.name}.ready"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(out), str(ready), "1"], cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(out), str(ready), "1"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     try:
         for _ in range(600):
             if ready.exists() and ready.read_text():

@@ -40,8 +40,15 @@ def _causal(valid_BxS, window=None, T=None):
     S = valid_BxS.shape[1]
     T = T or S
     positions_BxS = np.maximum(np.cumsum(valid_BxS, -1) - 1, 0)
-    return AttentionMask.explicit(attention_allowed(jnp.arange(S - T, S), jnp.asarray(valid_BxS), window,
-                                                    jnp.asarray(positions_BxS[:, S - T:]), jnp.asarray(positions_BxS)))
+    return AttentionMask.explicit(
+        attention_allowed(
+            jnp.arange(S - T, S),
+            jnp.asarray(valid_BxS),
+            window,
+            jnp.asarray(positions_BxS[:, S - T :]),
+            jnp.asarray(positions_BxS),
+        )
+    )
 
 
 _FULL = [[1] * 6, [1] * 6]
@@ -63,8 +70,7 @@ def test_attend_equals_the_explicit_scores_formula(case):
     H, KV, mask = CASES[case]
     B, T, S = mask.allowed_BxTxS.shape
     rng = np.random.default_rng(0)
-    q, k, v = (rng.normal(size=shape).astype(np.float32) * 3 for shape in
-               ((B, T, H, 8), (B, S, KV, 8), (B, S, KV, 8)))
+    q, k, v = (rng.normal(size=shape).astype(np.float32) * 3 for shape in ((B, T, H, 8), (B, S, KV, 8), (B, S, KV, 8)))
     out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
     assert out.shape == (B, T, H, 8) and out.dtype == jnp.float32
     # fp32 rounding of scores (|q k| / sqrt(D) ~ 25) and of the S-term sums: ~1e-6 relative
@@ -121,18 +127,21 @@ def test_unpadded_rows_take_the_causal_mask_with_the_same_logits(key, compute_dt
     np.testing.assert_allclose(structured, explicit, rtol=0, atol=1e-6 * np.abs(explicit).max())
 
 
-@pytest.mark.parametrize("platform, dtype, head_dim, seq_len, mask_kind, expected", [
-    ("cuda", jnp.bfloat16, 64, 2048, "causal", "cudnn"),
-    ("cuda", jnp.float16, 128, 4096, "causal", "cudnn"),
-    ("cuda", jnp.bfloat16, 8, 2, "causal", "cudnn"),
-    ("cuda", jnp.bfloat16, 64, 2048, "explicit", "xla"),  # padding / cache: cuDNN takes no [B, T, S] mask
-    ("cuda", jnp.float32, 64, 2048, "causal", "xla"),  # cuDNN's flash kernel: bf16 / fp16 only
-    ("cuda", jnp.bfloat16, 12, 2048, "causal", "xla"),  # not a multiple of 8
-    ("cuda", jnp.bfloat16, 256, 2048, "causal", "xla"),  # > 128 (cuDNN takes 256 from Hopper on only)
-    ("cuda", jnp.bfloat16, 64, 2047, "causal", "xla"),  # odd: jax refuses it for the gradient
-    ("cpu", jnp.bfloat16, 64, 2048, "causal", "xla"),
-    ("rocm", jnp.bfloat16, 64, 2048, "causal", "xla"),
-])
+@pytest.mark.parametrize(
+    "platform, dtype, head_dim, seq_len, mask_kind, expected",
+    [
+        ("cuda", jnp.bfloat16, 64, 2048, "causal", "cudnn"),
+        ("cuda", jnp.float16, 128, 4096, "causal", "cudnn"),
+        ("cuda", jnp.bfloat16, 8, 2, "causal", "cudnn"),
+        ("cuda", jnp.bfloat16, 64, 2048, "explicit", "xla"),  # padding / cache: cuDNN takes no [B, T, S] mask
+        ("cuda", jnp.float32, 64, 2048, "causal", "xla"),  # cuDNN's flash kernel: bf16 / fp16 only
+        ("cuda", jnp.bfloat16, 12, 2048, "causal", "xla"),  # not a multiple of 8
+        ("cuda", jnp.bfloat16, 256, 2048, "causal", "xla"),  # > 128 (cuDNN takes 256 from Hopper on only)
+        ("cuda", jnp.bfloat16, 64, 2047, "causal", "xla"),  # odd: jax refuses it for the gradient
+        ("cpu", jnp.bfloat16, 64, 2048, "causal", "xla"),
+        ("rocm", jnp.bfloat16, 64, 2048, "causal", "xla"),
+    ],
+)
 def test_implementation_choice(platform, dtype, head_dim, seq_len, mask_kind, expected):
     assert attention_implementation(platform, dtype, head_dim, seq_len, mask_kind) == expected
 
@@ -143,8 +152,9 @@ def test_training_attention_lowers_to_cudnn_flash_attention_for_cuda(monkeypatch
     (mistral: W = 3, GQA 4:2). Lowering needs two stand-ins: the platform `attend` sees, and the
     cuDNN version jax asks its CUDA plugin for at trace time (absent from a CPU-only jax)."""
     monkeypatch.setattr(attention, "_platform", lambda: "cuda")
-    monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions",
-                        types.SimpleNamespace(cudnn_get_version=lambda: 91000))
+    monkeypatch.setattr(
+        fused_attention_stablehlo, "cuda_versions", types.SimpleNamespace(cudnn_get_version=lambda: 91000)
+    )
     model = build("mistral_window", compute_dtype=jnp.bfloat16)
     ids, _ = batch(T=8)
     graphdef, state = nnx.split(model)

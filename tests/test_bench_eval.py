@@ -14,8 +14,10 @@ import bench_eval
 
 
 def _rows(scores: list[float], hashes: str = "abc") -> list[dict]:
-    return [{"doc_id": i, "prompt_hash": hashes[i], "filter": "none", "metrics": ["acc"], "acc": s}
-            for i, s in enumerate(scores)]
+    return [
+        {"doc_id": i, "prompt_hash": hashes[i], "filter": "none", "metrics": ["acc"], "acc": s}
+        for i, s in enumerate(scores)
+    ]
 
 
 def test_same_scores_is_the_mean_when_identical_and_refuses_any_difference():
@@ -30,13 +32,16 @@ def test_same_scores_is_the_mean_when_identical_and_refuses_any_difference():
         bench_eval.same_scores("m", [], [])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--models", "bf16,int4"], "--models bf16,int4"),
-    (["--limit", "0"], "--limit must be >= 1"),
-    (["--max-length", "8192"], "--max-length must be in"),
-    (["--preset", "1b"], "invalid choice"),
-    (["--json", "/no/such/folder/x.json"], "--json /no/such/folder/x.json"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--models", "bf16,int4"], "--models bf16,int4"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--max-length", "8192"], "--max-length must be in"),
+        (["--preset", "1b"], "invalid choice"),
+        (["--json", "/no/such/folder/x.json"], "--json /no/such/folder/x.json"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_is_built(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_eval.main(argv + ["--workdir", str(tmp_path / "w")])
@@ -48,14 +53,21 @@ def test_bad_options_are_refused_before_anything_is_built(argv, message, tmp_pat
 @pytest.mark.slow
 def test_tiny_preset_one_model_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
-    result = bench_eval.main(["--preset", "tiny", "--limit", "2", "--models", "bf16", "--workdir",
-                              str(tmp_path / "w"), "--json", str(out)])
+    result = bench_eval.main(
+        ["--preset", "tiny", "--limit", "2", "--models", "bf16", "--workdir", str(tmp_path / "w"), "--json", str(out)]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["preset"] == "tiny" and result["model"]["hidden"] == 128 and result["model"]["layers"] == 4
     assert {"cores", "ram_gb", "loadavg_1m", "loadavg_1m_end", "commit"} <= set(result["machine"])
     assert set(result["versions"]) == {"jax", "lm_eval", "transformers"}
-    assert result["parameters"] == {"limit": 2, "batch_size": 8, "max_length": 256, "vocab_size": 512,
-                                    "calib": [4, 32], "models": ["bf16"]}
+    assert result["parameters"] == {
+        "limit": 2,
+        "batch_size": 8,
+        "max_length": 256,
+        "vocab_size": 512,
+        "calib": [4, 32],
+        "models": ["bf16"],
+    }
     assert set(result["built_s"]) == {"hf", "nvfp4", "fp8"} and list(result["models"]) == ["bf16"]
     figures = result["models"]["bf16"]
     assert figures["how"] == "held"

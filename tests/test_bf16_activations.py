@@ -17,20 +17,21 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from nvfp4tool.train.presets import preset_config
 from test_remat import VOCAB, _step_fns
+
+from nvfp4tool.train.presets import preset_config
 
 B, T, E = 4, 128, 128  # the tiny preset's width; B*T*E = 65536 > its largest weight (384 x 128)
 NARROW = ("bf16", "bool", "i8", "u8", "i32", "u32")  # short dtype names of print_saved_residuals
 # function that made an fp32 activation-sized residual -> why it is kept in fp32
 FP32_KEPT = {
     "attend": "XLA attention (the CPU path): jax computes the [B, H, T, S] scores and softmax in fp32 "
-              "and keeps them; cuDNN's flash kernel on a GPU keeps only [B, H, T] softmax statistics",
+    "and keeps them; cuDNN's flash kernel on a GPU keeps only [B, H, T] softmax statistics",
     "cross_entropy": "the loss: log-softmax over the vocabulary in fp32, one [B, T, V] tensor",
     "RMSNorm.__call__": "the fp32 copy of x its gradient uses (one [B, T, E] per norm). Recomputing it "
-                        "in the backward pass (jax.checkpoint around the fp32 normalisation) keeps the "
-                        "loss bit-identical but not the gradients under XLA's default excess precision "
-                        "(equal only with --xla_allow_excess_precision=false), so it stays",
+    "in the backward pass (jax.checkpoint around the fp32 normalisation) keeps the "
+    "loss bit-identical but not the gradients under XLA's default excess precision "
+    "(equal only with --xla_allow_excess_precision=false), so it stays",
 }
 _RESIDUAL = re.compile(r"^(\S+?)\[([\d,]*)\] (.*)$")
 _PRODUCER = re.compile(r"\((\S+)\)$")  # "... from path:line:col (RMSNorm.__call__)": its function

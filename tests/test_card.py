@@ -20,17 +20,24 @@ import re
 
 import yaml
 from click.testing import CliRunner
+from test_push import REPO, _write_export, bind_validation
 
 from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
 from nvfp4tool.records.export import ExportRecord, GPTQRecord
 from nvfp4tool.records.validation import Named
 from nvfp4tool.validate.thresholds import Thresholds
-from test_push import REPO, _write_export, bind_validation
 
 DEFAULTS = Thresholds()
-FP8_METRICS = {"kl_mean": 0.001, "kl_p99": 0.01, "top1": 0.99, "ppl": 9.51, "ppl_increase": 0.001,
-               "logit_max_err": 0.1, "logit_mean_err": 0.001}
+FP8_METRICS = {
+    "kl_mean": 0.001,
+    "kl_p99": 0.01,
+    "top1": 0.99,
+    "ppl": 9.51,
+    "ppl_increase": 0.001,
+    "logit_max_err": 0.1,
+    "logit_mean_err": 0.001,
+}
 
 
 def _push(folder, **options):
@@ -60,15 +67,22 @@ def test_fp8_reference_is_named_with_how_it_was_made(tmp_path):
     record = bind_validation(folder, reference="fp8 (exported on the fly from the source)")
     bind_validation(folder, reference=record.reference, models={**record.models, "fp8": FP8_METRICS})
     card, _ = _push(folder)
-    assert ("measured against the BF16 source `meta-llama/Llama-3.2-1B` and the FP8 reference "
-            "(fp8 (exported on the fly from the source))") in card
-    bind_validation(folder, reference="fp8 export", models={**record.models, "fp8": FP8_METRICS},
-                    reference_export=Named("l-fp8", {"model.safetensors": "3" * 64}))
+    assert (
+        "measured against the BF16 source `meta-llama/Llama-3.2-1B` and the FP8 reference "
+        "(fp8 (exported on the fly from the source))"
+    ) in card
+    bind_validation(
+        folder,
+        reference="fp8 export",
+        models={**record.models, "fp8": FP8_METRICS},
+        reference_export=Named("l-fp8", {"model.safetensors": "3" * 64}),
+    )
     card, _ = _push(folder)
     assert "and the FP8 reference `l-fp8` (fp8 export)" in card
     what = "the export's input amax (calibrated on `calib.npy`)"
-    bind_validation(folder, reference=record.reference, models={**record.models, "fp8": FP8_METRICS},
-                    reference_calibration=what)
+    bind_validation(
+        folder, reference=record.reference, models={**record.models, "fp8": FP8_METRICS}, reference_calibration=what
+    )
     card, _ = _push(folder)
     assert f"(fp8 (exported on the fly from the source); its input scales from {what})" in card
     assert f"reference: {record.reference}; its input scales from {what}" in _section(card, "Validation")
@@ -89,13 +103,15 @@ def test_defaults_pass_says_so_and_lists_every_threshold(tmp_path):
 def test_loosened_thresholds_are_marked_and_the_verdict_says_so(tmp_path):
     folder = _write_export(tmp_path / "e", "compressed-tensors")
     loose_kl = DEFAULTS.max_kl_mean * 5
-    bind_validation(folder, thresholds={**dataclasses.asdict(DEFAULTS), "max_kl_mean": loose_kl,
-                                        "min_layer_sqnr_db": None})
+    bind_validation(
+        folder, thresholds={**dataclasses.asdict(DEFAULTS), "max_kl_mean": loose_kl, "min_layer_sqnr_db": None}
+    )
     card, _ = _push(folder)
     assert "PASSED all thresholds" not in card
-    assert (f"**PASSED** its thresholds, **some loosened from the defaults**: `max_kl_mean` {loose_kl:g} "
-            f"(default {DEFAULTS.max_kl_mean:g}); `min_layer_sqnr_db` off (default {DEFAULTS.min_layer_sqnr_db:g})."
-            ) in card
+    assert (
+        f"**PASSED** its thresholds, **some loosened from the defaults**: `max_kl_mean` {loose_kl:g} "
+        f"(default {DEFAULTS.max_kl_mean:g}); `min_layer_sqnr_db` off (default {DEFAULTS.min_layer_sqnr_db:g})."
+    ) in card
     assert f"| `max_kl_mean` | {loose_kl:g} (**loosened**) | {DEFAULTS.max_kl_mean:g} |" in card
     assert f"| `min_layer_sqnr_db` | off (**loosened**) | {DEFAULTS.min_layer_sqnr_db:g} |" in card
     assert f"| `max_kl_p99` | {DEFAULTS.max_kl_p99:g} | {DEFAULTS.max_kl_p99:g} |" in card  # unchanged: unmarked
@@ -103,11 +119,14 @@ def test_loosened_thresholds_are_marked_and_the_verdict_says_so(tmp_path):
 
 def test_tightened_thresholds_are_marked_as_tightened(tmp_path):
     folder = _write_export(tmp_path / "e", "compressed-tensors")
-    bind_validation(folder, thresholds={**dataclasses.asdict(DEFAULTS), "min_top1": 0.5,
-                                        "max_kl_p99": DEFAULTS.max_kl_p99 / 2})
+    bind_validation(
+        folder, thresholds={**dataclasses.asdict(DEFAULTS), "min_top1": 0.5, "max_kl_p99": DEFAULTS.max_kl_p99 / 2}
+    )
     card, _ = _push(folder)
-    assert ("**PASSED** all thresholds (tightened from the defaults: `max_kl_p99` "
-            f"{DEFAULTS.max_kl_p99 / 2:g} (default {DEFAULTS.max_kl_p99:g}); `min_top1` 0.5 (default off)).") in card
+    assert (
+        "**PASSED** all thresholds (tightened from the defaults: `max_kl_p99` "
+        f"{DEFAULTS.max_kl_p99 / 2:g} (default {DEFAULTS.max_kl_p99:g}); `min_top1` 0.5 (default off))."
+    ) in card
     assert "| `min_top1` | 0.5 (**tightened**) | off |" in card and "loosened" not in card
 
 
@@ -121,15 +140,24 @@ def _edit_provenance(folder, **changes):
 
 def test_gptq_export_names_gptq_and_its_settings(tmp_path):
     folder = _write_export(tmp_path / "e", "compressed-tensors")
-    _edit_provenance(folder, weight_rounding="gptq", gptq=GPTQRecord(
-        damp=0.05, block_size=128, act_order="static: 16-column blocks by descending sum of diag(H)",
-        mean_output_err_reduction=0.25))
+    _edit_provenance(
+        folder,
+        weight_rounding="gptq",
+        gptq=GPTQRecord(
+            damp=0.05,
+            block_size=128,
+            act_order="static: 16-column blocks by descending sum of diag(H)",
+            mean_output_err_reduction=0.25,
+        ),
+    )
     card, _ = _push(folder)
     provenance = _section(card, "Recipe and provenance")
-    assert ("| weight rounding | GPTQ weight rounding (damp 0.05 x mean diag(H), 128-column blocks, act order "
-            "static: 16-column blocks by descending sum of diag(H), block scales original; output error on the "
-            "calibration inputs "
-            "25.0% below round-to-nearest's, mean over the linears) |") in provenance
+    assert (
+        "| weight rounding | GPTQ weight rounding (damp 0.05 x mean diag(H), 128-column blocks, act order "
+        "static: 16-column blocks by descending sum of diag(H), block scales original; output error on the "
+        "calibration inputs "
+        "25.0% below round-to-nearest's, mean over the linears) |"
+    ) in provenance
     assert "| block-scale search | none (rtn: each block's scale from its amax) |" in provenance
     assert "| scale search | rtn |" not in card
     assert "Methods that shaped the bytes: " in card and "; GPTQ weight rounding (damp 0.05" in card
@@ -146,12 +174,16 @@ def test_fp8_kv_cache_and_scale_search_rows(tmp_path):
     from nvfp4tool.hub import card as card_module
 
     folder = _write_export(tmp_path / "e", "compressed-tensors", validation=False)
-    record = dataclasses.replace(ExportRecord.read(folder), kv_cache="fp8", scale_search="4over6",
-                                 kv_amax={"model.layers.0.self_attn": (3.0, 1.0),
-                                          "model.layers.1.self_attn": (2.0, 1.5)})
+    record = dataclasses.replace(
+        ExportRecord.read(folder),
+        kv_cache="fp8",
+        scale_search="4over6",
+        kv_amax={"model.layers.0.self_attn": (3.0, 1.0), "model.layers.1.self_attn": (2.0, 1.5)},
+    )
     section = card_module._provenance_section(record)
-    assert ("| KV cache | FP8 E4M3, one K and one V scale (amax / 448) per attention layer, 2 layers "
-            "calibrated |") in section
+    assert (
+        "| KV cache | FP8 E4M3, one K and one V scale (amax / 448) per attention layer, 2 layers calibrated |"
+    ) in section
     assert "| block-scale search | `4over6` |" in section
     assert "FP8 KV-cache scales calibrated per attention layer" in "; ".join(card_module._methods(record))
 
@@ -200,9 +232,11 @@ def test_source_mismatch_ok_goes_on_says_so_and_the_card_shows_it(tmp_path):
     card, lines = _push(folder)
     notices = [line for line in lines if "validated against a source that is not the export's" in line]
     assert len(notices) == 1 and notices[0].startswith("Warning: ") and "'my-finetune'" in notices[0]
-    banner = ("> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
-              "below measure this export against `my-finetune`, whose weights are not those of the export's "
-              "source `meta-llama/Llama-3.2-1B` (nvfp4tool_export.json).")
+    banner = (
+        "> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
+        "below measure this export against `my-finetune`, whose weights are not those of the export's "
+        "source `meta-llama/Llama-3.2-1B` (nvfp4tool_export.json)."
+    )
     top, validation = card.split("## What was quantized")[0], _section(card, "Validation")
     assert banner in top and banner in validation
     assert "measured against the BF16 source `my-finetune`" in validation
@@ -246,6 +280,7 @@ def test_warnings_reach_the_cli_output(tmp_path):
     result = CliRunner().invoke(cli, ["push", folder, "--repo-id", REPO, "--dry-run"])
     assert result.exit_code == 0, result.output
     # piped (CliRunner's stderr is no terminal), a status line comes after its log stamp
-    warnings = [line for line in result.output.splitlines()
-                if re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ )?Warning:", line)]
+    warnings = [
+        line for line in result.output.splitlines() if re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ )?Warning:", line)
+    ]
     assert len(warnings) == 1 and "no license" in warnings[0]

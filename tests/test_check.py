@@ -18,14 +18,15 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 Q = "model.layers.0.self_attn.q_proj"
 K = "model.layers.0.self_attn.k_proj"
 V = "model.layers.0.self_attn.v_proj"
-O = "model.layers.1.self_attn.o_proj"
+O_PROJ = "model.layers.1.self_attn.o_proj"
 GATE = "model.layers.1.mlp.gate_proj"
 UP = "model.layers.1.mlp.up_proj"
 DOWN = "model.layers.0.mlp.down_proj"
 # Tensor names per format: (weight, block scales, weight global scale, input global scale).
-NAMES = {"modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-         "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale",
-                                "input_global_scale")}
+NAMES = {
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+}
 
 
 def _check(tmp_path, ckpt, *, shards: int = 1, tp=(1,), name: str = "ckpt"):
@@ -89,12 +90,12 @@ def test_zero_scale_share_is_reported_per_module(tmp_path):
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
 def test_all_zero_block_scales(tmp_path, fmt):
     ckpt = build_checkpoint(fmt, "nvfp4")
-    name = f"{O}.weight_scale"
+    name = f"{O_PROJ}.weight_scale"
     ckpt.tensors[name] = np.zeros_like(ckpt.tensors[name])
     report = _check(tmp_path, ckpt)
     problem = _only(report, name, "all 256 block scales are zero")
-    assert problem.module == O
-    assert {m.module: m.zero_scale_share for m in report.modules}[O] == 1.0
+    assert problem.module == O_PROJ
+    assert {m.module: m.zero_scale_share for m in report.modules}[O_PROJ] == 1.0
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
@@ -164,8 +165,8 @@ def _global_suffix(fmt: str, quant: str) -> str:
 
 def test_bad_input_scale_and_fp8_weight_scale(tmp_path):
     ckpt = build_checkpoint("modelopt", "nvfp4")
-    ckpt.tensors[f"{O}.input_scale"] = _scalar("modelopt", -0.5)
-    _only(_check(tmp_path, ckpt, name="a"), f"{O}.input_scale", "is -0.5")
+    ckpt.tensors[f"{O_PROJ}.input_scale"] = _scalar("modelopt", -0.5)
+    _only(_check(tmp_path, ckpt, name="a"), f"{O_PROJ}.input_scale", "is -0.5")
     ckpt = build_checkpoint("modelopt", "fp8")
     ckpt.tensors[f"{DOWN}.weight_scale"] = _scalar("modelopt", np.inf)
     _only(_check(tmp_path, ckpt, name="b"), f"{DOWN}.weight_scale", "is inf")
@@ -200,8 +201,13 @@ def test_mismatched_fused_group_weight_global_scale(tmp_path, fmt):
     shared = float(ckpt.tensors[f"{K}.{suffix}"].reshape(-1)[0])
     ckpt.tensors[f"{K}.{suffix}"] = _scalar(fmt, shared * 2)
     report = _check(tmp_path, ckpt)
-    problem = _only(report, f"{K}.{suffix}, {Q}.{suffix}, {V}.{suffix}", "differ",
-                    f"k_proj {np.float32(shared * 2):.8g}", f"q_proj {np.float32(shared):.8g}")
+    problem = _only(
+        report,
+        f"{K}.{suffix}, {Q}.{suffix}, {V}.{suffix}",
+        "differ",
+        f"k_proj {np.float32(shared * 2):.8g}",
+        f"q_proj {np.float32(shared):.8g}",
+    )
     assert problem.module == "model.layers.0.self_attn.qkv"
 
 
@@ -235,13 +241,11 @@ def test_fused_group_half_excluded(tmp_path):
 # ------------------------------------------------------------------------------------ exclusions
 
 
-@pytest.mark.parametrize("fmt,scale", [("modelopt", "input_scale"),
-                                       ("compressed-tensors", "input_global_scale")])
+@pytest.mark.parametrize("fmt,scale", [("modelopt", "input_scale"), ("compressed-tensors", "input_global_scale")])
 def test_excluded_module_ships_a_scale(tmp_path, fmt, scale):
     ckpt = build_checkpoint(fmt, "nvfp4")
     ckpt.tensors[f"lm_head.{scale}"] = _scalar(fmt, 0.01)
-    problem = _only(_check(tmp_path, ckpt), f"lm_head.{scale}", "excluded by 'lm_head'",
-                    "vLLM fails to load it")
+    problem = _only(_check(tmp_path, ckpt), f"lm_head.{scale}", "excluded by 'lm_head'", "vLLM fails to load it")
     assert problem.module == "lm_head"
 
 
@@ -307,7 +311,7 @@ def test_k_not_divisible_at_tp8(tmp_path):
     ckpt = build_checkpoint("modelopt", "nvfp4")
     assert _check(tmp_path, ckpt, tp=(1, 2, 4), name="a").ok
     report = _check(tmp_path, ckpt, tp=(1, 2, 4, 8), name="b")
-    assert sorted(p.module for p in report.problems) == ["model.layers.0.self_attn.o_proj", O]
+    assert sorted(p.module for p in report.problems) == ["model.layers.0.self_attn.o_proj", O_PROJ]
     for p in report.problems:
         assert p.tensor == f"{p.module}.weight"
         assert "row-parallel K = 64 at TP 8 gives shards of K = 8, not a multiple of 16" in p.message
@@ -326,8 +330,9 @@ def test_k_not_multiple_of_16(tmp_path):
     ckpt.tensors[f"{DOWN}.weight"] = np.ascontiguousarray(ckpt.tensors[f"{DOWN}.weight"][:, :60])
     ckpt.tensors[f"{DOWN}.weight_scale"] = np.ascontiguousarray(ckpt.tensors[f"{DOWN}.weight_scale"][:, :7])
     report = _check(tmp_path, ckpt)
-    assert any(p.tensor == f"{DOWN}.weight" and "K = 120 is not a multiple of 16" in p.message
-               for p in report.problems), [p.line() for p in report.problems]
+    assert any(
+        p.tensor == f"{DOWN}.weight" and "K = 120 is not a multiple of 16" in p.message for p in report.problems
+    ), [p.line() for p in report.problems]
 
 
 # ------------------------------------------------------------------------------------ data
@@ -352,17 +357,17 @@ def test_non_finite_bf16_weight(tmp_path):
 
 def test_fp8_weight_nan_code(tmp_path):
     ckpt = build_checkpoint("modelopt", "fp8")
-    codes = ckpt.tensors[f"{O}.weight"].view(np.uint8).copy()
+    codes = ckpt.tensors[f"{O_PROJ}.weight"].view(np.uint8).copy()
     codes[1, 2] = 0xFF
-    ckpt.tensors[f"{O}.weight"] = codes.view(ml_dtypes.float8_e4m3fn)
-    _only(_check(tmp_path, ckpt), f"{O}.weight", "1 NaN codes", "index [1, 2]")
+    ckpt.tensors[f"{O_PROJ}.weight"] = codes.view(ml_dtypes.float8_e4m3fn)
+    _only(_check(tmp_path, ckpt), f"{O_PROJ}.weight", "1 NaN codes", "index [1, 2]")
 
 
 def test_fp8_checkpoint_with_bf16_weight(tmp_path):
     ckpt = build_checkpoint("modelopt", "fp8")
-    ckpt.tensors[f"{O}.weight"] = ckpt.tensors[f"{O}.weight"].astype(ml_dtypes.bfloat16)
+    ckpt.tensors[f"{O_PROJ}.weight"] = ckpt.tensors[f"{O_PROJ}.weight"].astype(ml_dtypes.bfloat16)
     report = _check(tmp_path, ckpt)
-    assert {p.tensor for p in report.problems} == {f"{O}.weight"}
+    assert {p.tensor for p in report.problems} == {f"{O_PROJ}.weight"}
     assert any("expected F8_E4M3 [N, K]" in p.message for p in report.problems)
     assert any("stores 16 bits per parameter; FP8 is 8" in p.message for p in report.problems)
 
@@ -426,8 +431,7 @@ def test_tensor_in_two_shards(tmp_path):
 
     ckpt = build_checkpoint("modelopt", "nvfp4")
     folder = write_checkpoint(tmp_path / "ckpt", ckpt)
-    save_file({"model.norm.weight": ckpt.tensors["model.norm.weight"]},
-              os.path.join(folder, "extra.safetensors"))
+    save_file({"model.norm.weight": ckpt.tensors["model.norm.weight"]}, os.path.join(folder, "extra.safetensors"))
     _only(check_checkpoint(folder), "model.norm.weight", "in two files")
 
 
@@ -516,14 +520,17 @@ def test_quantized_weight_with_wrong_logical_shape(tmp_path):
 def test_norm_missing_and_unsupported_family(tmp_path):
     ckpt = build_checkpoint("modelopt", "fp8")
     del ckpt.tensors["model.layers.1.post_attention_layernorm.weight"]
-    _only(_check(tmp_path, ckpt, name="a"), "model.layers.1.post_attention_layernorm.weight",
-          "missing")
+    _only(_check(tmp_path, ckpt, name="a"), "model.layers.1.post_attention_layernorm.weight", "missing")
     ckpt.config["model_type"] = "mixtral"  # a mixtral config without its expert keys: not loadable,
     ckpt.config["architectures"] = ["MixtralForCausalLM"]  # so an error, never a skipped model check
     report = _check(tmp_path, ckpt, name="b")
     assert not report.model_checked
-    _only(report, "config.json", "missing required key 'num_experts or num_local_experts'",
-          "not loadable as a supported family")
+    _only(
+        report,
+        "config.json",
+        "missing required key 'num_experts or num_local_experts'",
+        "not loadable as a supported family",
+    )
 
 
 # ------------------------------------------------------------------------------------ streaming
@@ -544,8 +551,10 @@ def test_scan_counts_do_not_depend_on_chunking(tmp_path, chunk_bytes):
     values[29, 19] = np.inf
     packed = np.zeros((16, 8), np.uint8)
     packed[15, 7] = 1  # the only non-zero byte is the last
-    save_file({"scales": codes.view(ml_dtypes.float8_e4m3fn), "values": values, "packed": packed},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"scales": codes.view(ml_dtypes.float8_e4m3fn), "values": values, "packed": packed},
+        str(tmp_path / "model.safetensors"),
+    )
     entries, problems = read_tensor_table(str(tmp_path))
     assert problems == []
     s = scan_tensor(entries["scales"], chunk_bytes)

@@ -10,7 +10,7 @@ from serving_fixtures import build_checkpoint, write_checkpoint
 
 from nvfp4tool.cli import cli
 
-O = "model.layers.1.self_attn.o_proj"
+O_PROJ = "model.layers.1.self_attn.o_proj"
 
 
 def _run(*args: str):
@@ -41,24 +41,28 @@ def test_tp8_flags_row_parallel_k(tmp_path):
     assert _run(folder, "--tp", "4").exit_code == 0
     result = _run(folder, "--tp", "1,2,4,8")
     assert result.exit_code == 1
-    assert f"{O}: {O}.weight: row-parallel K = 64 at TP 8" in result.output
+    assert f"{O_PROJ}: {O_PROJ}.weight: row-parallel K = 64 at TP 8" in result.output
 
 
 def test_json_output_and_file(tmp_path):
     ckpt = build_checkpoint("modelopt", "fp8")
-    ckpt.tensors[f"{O}.weight_scale"] = np.array(0.0, np.float32)
+    ckpt.tensors[f"{O_PROJ}.weight_scale"] = np.array(0.0, np.float32)
     folder = write_checkpoint(tmp_path / "ckpt", ckpt)
     out_file = tmp_path / "report.json"
-    result = CliRunner().invoke(cli, ["check", folder, "--json", "--json-out",
-                                        str(out_file)])
+    result = CliRunner().invoke(cli, ["check", folder, "--json", "--json-out", str(out_file)])
     assert result.exit_code == 1
     report = json.loads(result.stdout)  # stdout is pure JSON; the failure line goes to stderr
     assert report == json.loads(out_file.read_text())
     assert report["ok"] is False and report["format"] == "modelopt" and report["quant"] == "fp8"
-    assert report["problems"] == [{"module": O, "tensor": f"{O}.weight_scale",
-                                   "message": "is 0.0: a global scale must be finite and > 0"}]
+    assert report["problems"] == [
+        {
+            "module": O_PROJ,
+            "tensor": f"{O_PROJ}.weight_scale",
+            "message": "is 0.0: a global scale must be finite and > 0",
+        }
+    ]
     assert report["modules_checked"] == 14 and report["tp"] == [1]
-    row = next(m for m in report["modules"] if m["module"] == O)
+    row = next(m for m in report["modules"] if m["module"] == O_PROJ)
     assert row["bits_per_param"] == 8.0 and row["problems"] == 1
     assert "check failed" in result.stderr
 
@@ -77,7 +81,7 @@ def test_help_has_example():
 
 def test_json_is_strict_with_non_finite_scales(tmp_path):
     ckpt = build_checkpoint("modelopt", "nvfp4")
-    ckpt.tensors[f"{O}.weight_scale_2"] = np.array(np.inf, np.float32)
+    ckpt.tensors[f"{O_PROJ}.weight_scale_2"] = np.array(np.inf, np.float32)
     folder = write_checkpoint(tmp_path / "ckpt", ckpt)
     result = _run(folder, "--json")
     assert result.exit_code == 1
@@ -86,6 +90,6 @@ def test_json_is_strict_with_non_finite_scales(tmp_path):
         raise AssertionError(f"non-standard JSON constant {constant}")
 
     report = json.loads(result.stdout, parse_constant=refuse)
-    row = next(m for m in report["modules"] if m["module"] == O)
+    row = next(m for m in report["modules"] if m["module"] == O_PROJ)
     assert row["weight_global_scale"] == "inf"
-    assert [p["tensor"] for p in report["problems"]] == [f"{O}.weight_scale_2"]
+    assert [p["tensor"] for p in report["problems"]] == [f"{O_PROJ}.weight_scale_2"]

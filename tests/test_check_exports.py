@@ -7,26 +7,24 @@ import os
 import shutil
 
 import pytest
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 from nvfp4tool import export
 from nvfp4tool.check import check_checkpoint
 
-from export_fixtures import export_options, synthetic_config, synthetic_source
-
-
-CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2,
-                          dtype="bfloat16")
+CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
 CASES = [  # (format, quant, extra export options); the scale-search, 2D and GPTQ cases compile more: slow
     ("modelopt", "nvfp4", {}),
     ("modelopt", "nvfp4-weight-only", {}),
     ("modelopt", "fp8", {}),
     ("compressed-tensors", "nvfp4", {"max_shard_size": "40KB"}),  # sharded, with an index
-    pytest.param("compressed-tensors", "nvfp4-weight-only", {"scale_search": "4over6"},
-                 marks=pytest.mark.slow),
-    pytest.param("modelopt", "nvfp4", {"weight_block": "2d", "keep_bf16": ("model.layers.1.*",)},
-                 marks=pytest.mark.slow),
-    pytest.param("compressed-tensors", "nvfp4", {"weight_rounding": "gptq", "scale_search": "mse"},
-                 marks=pytest.mark.slow),
+    pytest.param("compressed-tensors", "nvfp4-weight-only", {"scale_search": "4over6"}, marks=pytest.mark.slow),
+    pytest.param(
+        "modelopt", "nvfp4", {"weight_block": "2d", "keep_bf16": ("model.layers.1.*",)}, marks=pytest.mark.slow
+    ),
+    pytest.param(
+        "compressed-tensors", "nvfp4", {"weight_rounding": "gptq", "scale_search": "mse"}, marks=pytest.mark.slow
+    ),
 ]
 
 

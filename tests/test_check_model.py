@@ -41,18 +41,31 @@ def test_kv_scales_are_listed_in_the_report_the_json_and_the_table(tmp_path):
     assert report.ok, [p.line() for p in report.problems]
     assert report.kv_cache == "fp8"
     got = {(s.attention, s.which): (s.tensor, s.dtype, s.value, s.ok) for s in report.kv_scales}
-    assert got == {(f"model.layers.{i}.self_attn", w): (f"model.layers.{i}.self_attn.{w}_scale", "F32",
-                                                         float(np.float32(f * (i + 1))), True)
-                   for i in range(LAYERS) for w, f in (("k", 0.01), ("v", 0.02))}
+    assert got == {
+        (f"model.layers.{i}.self_attn", w): (
+            f"model.layers.{i}.self_attn.{w}_scale",
+            "F32",
+            float(np.float32(f * (i + 1))),
+            True,
+        )
+        for i in range(LAYERS)
+        for w, f in (("k", 0.01), ("v", 0.02))
+    }
     assert "FP8 KV-cache scales of 2 layers" in report.summary_line()
 
     result = CliRunner().invoke(cli, ["check", folder, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["kv_cache"] == "fp8" and len(data["kv_scales"]) == 2 * LAYERS
-    assert data["kv_scales"][0] == {"attention": "model.layers.0.self_attn", "which": "k",
-                                    "tensor": "model.layers.0.self_attn.k_scale", "dtype": "F32",
-                                    "shape": [1], "value": float(np.float32(0.01)), "ok": True}
+    assert data["kv_scales"][0] == {
+        "attention": "model.layers.0.self_attn",
+        "which": "k",
+        "tensor": "model.layers.0.self_attn.k_scale",
+        "dtype": "F32",
+        "shape": [1],
+        "value": float(np.float32(0.01)),
+        "ok": True,
+    }
     table = CliRunner().invoke(cli, ["check", folder])
     assert table.exit_code == 0, table.output
     assert "FP8 KV-cache scales" in table.output and "model.layers.1.self_attn" in table.output

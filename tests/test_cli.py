@@ -97,19 +97,24 @@ def test_user_os_error_is_one_line_naming_the_file(failing_command):
     result = CliRunner().invoke(cli, ["_fail-os"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        "Error: /no/such/folder/weights.safetensors: No such file or directory"]
+        "Error: /no/such/folder/weights.safetensors: No such file or directory"
+    ]
 
 
-@pytest.mark.parametrize("flags, reporter, status_shown", [
-    ([], progress.LineReporter, True),  # CliRunner's stderr is no terminal: auto = text lines
-    (["--log-format", "rich"], progress.RichReporter, True),
-    (["--log-format", "json"], progress.LineReporter, True),
-    (["--quiet"], progress.QuietReporter, False),
-    (["-q"], progress.QuietReporter, False),
-    (["--quiet", "--log-format", "json"], progress.QuietReporter, False),
-])
-def test_each_command_runs_with_the_reporter_and_restores_the_previous(reporting_command, flags, reporter,
-                                                                       status_shown):
+@pytest.mark.parametrize(
+    "flags, reporter, status_shown",
+    [
+        ([], progress.LineReporter, True),  # CliRunner's stderr is no terminal: auto = text lines
+        (["--log-format", "rich"], progress.RichReporter, True),
+        (["--log-format", "json"], progress.LineReporter, True),
+        (["--quiet"], progress.QuietReporter, False),
+        (["-q"], progress.QuietReporter, False),
+        (["--quiet", "--log-format", "json"], progress.QuietReporter, False),
+    ],
+)
+def test_each_command_runs_with_the_reporter_and_restores_the_previous(
+    reporting_command, flags, reporter, status_shown
+):
     sentinel = progress.LoggingReporter()
     previous = progress.use_reporter(sentinel)
     try:

@@ -75,7 +75,8 @@ def test_train_help_and_list_keys_show_every_key_with_type_and_default():
     assert lines[0].split() == ["key", "type", "default", "description"]
     by_key = {line.split()[0]: line for line in lines[1:]}
     for key, kind, default, text in key_table():
-        assert re.search(rf"^  {key} +{re.escape(text)}  \[{kind}; default: {re.escape(default)}\]$",
-                         helped.output, re.M), key
+        assert re.search(
+            rf"^  {key} +{re.escape(text)}  \[{kind}; default: {re.escape(default)}\]$", helped.output, re.M
+        ), key
         assert by_key[key].split(None, 1)[1].startswith(kind) and default in by_key[key] and text in by_key[key]
     assert "batch_size" in by_key and "16" in by_key["batch_size"]

@@ -14,16 +14,25 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from file_fixtures import rewrite_header, snapshot
 
 from converters.hf import read_safetensors_header, write_hf_folder
 from converters.maxtext import write_maxtext
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
-from file_fixtures import rewrite_header, snapshot
 
-CONFIG = ModelConfig(family="llama", vocab_size=48, hidden_size=32, intermediate_size=40, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32")
+CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    dtype="float32",
+)
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 _RNG = np.random.default_rng(0)
 TENSORS = {n: _RNG.standard_normal(s).astype(np.float32) for n, s in CONFIG.expected_tensor_shapes().items()}
@@ -39,6 +48,7 @@ def pristine(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------ source editors
+
 
 def weights(folder: Path) -> Path:
     return folder / "model.safetensors"
@@ -80,58 +90,140 @@ def to_hf(*extra):
     return lambda src, out: ["convert", src, out, "--to", "hf", *extra]
 
 
-TO_MAXTEXT = lambda src, out: ["convert", src, out, "--to", "maxtext", "--rope-layout", "half"]  # noqa: E731
+TO_MAXTEXT = lambda src, out: ["convert", src, out, "--to", "maxtext", "--rope-layout", "half"]
 
 # (id, source kept in the test folder as "src", how the source is broken, the command, exit code,
 #  words of the one Error line)
 DATA_CASES = [
     ("NaN weight", "hf", lambda f: poke(f, VICTIM, np.nan), to_hf(), 1, f"tensor '{VICTIM}' has 1 non-finite value"),
     ("inf weight", "hf", lambda f: poke(f, VICTIM, -np.inf), TO_MAXTEXT, 1, f"tensor '{VICTIM}' has 1 non-finite"),
-    ("NaN bf16 weight", "hf_bf16", lambda f: poke(f, VICTIM, np.nan, ml_dtypes.bfloat16), to_hf(), 1,
-     f"tensor '{VICTIM}' has 1 non-finite value"),
-    ("cast overflow", "hf", lambda f: poke(f, VICTIM, 3.4e38), to_hf("--dtype", "bf16"), 1,
-     "after the cast to bfloat16"),
-    ("F32 relabelled I32", "hf", lambda f: edit_header(f, relabel(VICTIM, "I32")), to_hf(), 1,
-     f"tensor '{VICTIM}' has dtype int32, the config expects a floating-point weight"),
-    ("F32 relabelled U32", "hf", lambda f: edit_header(f, relabel(VICTIM, "U32")), TO_MAXTEXT, 1,
-     f"tensor '{VICTIM}' has dtype uint32"),
-    ("BF16 relabelled F16", "hf_bf16", lambda f: edit_header(f, relabel(VICTIM, "F16")), to_hf(), 1,
-     f"tensor '{VICTIM}' is float16 but config.json declares bfloat16"),
-    ("F32 relabelled F16", "hf", lambda f: edit_header(f, relabel(VICTIM, "F16")), to_hf(), 1,
-     "header lies about its size"),
-    ("overlapping offsets", "hf", lambda f: edit_header(f, share_bytes), to_hf(), 1,
-     "overlaps tensor 'model.layers.1.mlp.gate_proj.weight'"),
+    (
+        "NaN bf16 weight",
+        "hf_bf16",
+        lambda f: poke(f, VICTIM, np.nan, ml_dtypes.bfloat16),
+        to_hf(),
+        1,
+        f"tensor '{VICTIM}' has 1 non-finite value",
+    ),
+    (
+        "cast overflow",
+        "hf",
+        lambda f: poke(f, VICTIM, 3.4e38),
+        to_hf("--dtype", "bf16"),
+        1,
+        "after the cast to bfloat16",
+    ),
+    (
+        "F32 relabelled I32",
+        "hf",
+        lambda f: edit_header(f, relabel(VICTIM, "I32")),
+        to_hf(),
+        1,
+        f"tensor '{VICTIM}' has dtype int32, the config expects a floating-point weight",
+    ),
+    (
+        "F32 relabelled U32",
+        "hf",
+        lambda f: edit_header(f, relabel(VICTIM, "U32")),
+        TO_MAXTEXT,
+        1,
+        f"tensor '{VICTIM}' has dtype uint32",
+    ),
+    (
+        "BF16 relabelled F16",
+        "hf_bf16",
+        lambda f: edit_header(f, relabel(VICTIM, "F16")),
+        to_hf(),
+        1,
+        f"tensor '{VICTIM}' is float16 but config.json declares bfloat16",
+    ),
+    (
+        "F32 relabelled F16",
+        "hf",
+        lambda f: edit_header(f, relabel(VICTIM, "F16")),
+        to_hf(),
+        1,
+        "header lies about its size",
+    ),
+    (
+        "overlapping offsets",
+        "hf",
+        lambda f: edit_header(f, share_bytes),
+        to_hf(),
+        1,
+        "overlaps tensor 'model.layers.1.mlp.gate_proj.weight'",
+    ),
     ("unknown dtype", "hf", lambda f: edit_header(f, relabel(VICTIM, "F4")), to_hf(), 1, "unsupported dtype 'F4'"),
     ("weights path is a folder", "hf", folder_for_weights, to_hf(), 1, "model.safetensors: is a folder"),
     ("truncated weights", "hf", truncate, TO_MAXTEXT, 1, "truncated shard or lying header"),
-    ("header not JSON", "hf", lambda f: weights(f).write_bytes(struct.pack("<Q", 8) + b"{notjson"), to_hf(), 1,
-     "header is not valid UTF-8 JSON"),
+    (
+        "header not JSON",
+        "hf",
+        lambda f: weights(f).write_bytes(struct.pack("<Q", 8) + b"{notjson"),
+        to_hf(),
+        1,
+        "header is not valid UTF-8 JSON",
+    ),
     ("empty weights file", "hf", lambda f: weights(f).write_bytes(b""), to_hf(), 1, "truncated: 0 bytes"),
-    ("trailing bytes", "hf", lambda f: weights(f).write_bytes(weights(f).read_bytes() + b"\0" * 16), to_hf(), 1,
-     "16 bytes after the last tensor's data"),
+    (
+        "trailing bytes",
+        "hf",
+        lambda f: weights(f).write_bytes(weights(f).read_bytes() + b"\0" * 16),
+        to_hf(),
+        1,
+        "16 bytes after the last tensor's data",
+    ),
     ("config.json binary", "hf", write_config(b"\xff\xfe\0binary"), to_hf(), 1, "config.json: not UTF-8 text"),
     ("config.json invalid JSON", "hf", write_config(b"{"), TO_MAXTEXT, 1, "config.json: not valid JSON"),
     ("config.json a list", "hf", write_config(b"[]"), to_hf(), 1, "config.json: expected a JSON object"),
-    ("bad index", "hf", lambda f: (f / "model.safetensors.index.json").write_text("{"), to_hf(), 1,
-     "not a valid safetensors index"),
-    ("index names a missing shard", "hf", lambda f: (f / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {VICTIM: "model-00009-of-00009.safetensors"}})), to_hf(), 1, "missing shard"),
+    (
+        "bad index",
+        "hf",
+        lambda f: (f / "model.safetensors.index.json").write_text("{"),
+        to_hf(),
+        1,
+        "not a valid safetensors index",
+    ),
+    (
+        "index names a missing shard",
+        "hf",
+        lambda f: (f / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {VICTIM: "model-00009-of-00009.safetensors"}})
+        ),
+        to_hf(),
+        1,
+        "missing shard",
+    ),
 ]
 
 USAGE_CASES = [  # (id, the command from (src, tmp folder), words): outputs overlapping an input, bad options
     ("DST is SRC", lambda s, t: ["convert", s, s, "--to", "hf", "--force"], "DST {s}: is the input {s}"),
-    ("DST contains SRC", lambda s, t: ["convert", s, t, "--to", "maxtext", "--rope-layout", "half", "--force"],
-     "DST {t}: contains the input {s}"),
+    (
+        "DST contains SRC",
+        lambda s, t: ["convert", s, t, "--to", "maxtext", "--rope-layout", "half", "--force"],
+        "DST {t}: contains the input {s}",
+    ),
     ("DST inside SRC", lambda s, t: ["convert", s, s + "/sub", "--to", "hf"], "lies inside the input"),
-    ("DST is a symlink to SRC", lambda s, t: ["convert", s, t + "/link", "--to", "hf", "--force"],
-     "DST {t}/link: is the input {s}"),
-    ("DST is the --model-config folder", lambda s, t: ["convert", t + "/mt", s, "--to", "hf", "--model-config", s,
-                                                        "--rope-layout", "half", "--force"],
-     "DST {s}: is the input {s}"),
-    ("unparsable --max-shard-size", lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "5 gigs"],
-     "--max-shard-size '5 gigs': not a size"),
-    ("zero --max-shard-size", lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "0MB"],
-     "--max-shard-size '0MB': not a size"),
+    (
+        "DST is a symlink to SRC",
+        lambda s, t: ["convert", s, t + "/link", "--to", "hf", "--force"],
+        "DST {t}/link: is the input {s}",
+    ),
+    (
+        "DST is the --model-config folder",
+        lambda s, t: ["convert", t + "/mt", s, "--to", "hf", "--model-config", s, "--rope-layout", "half", "--force"],
+        "DST {s}: is the input {s}",
+    ),
+    (
+        "unparsable --max-shard-size",
+        lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "5 gigs"],
+        "--max-shard-size '5 gigs': not a size",
+    ),
+    (
+        "zero --max-shard-size",
+        lambda s, t: ["convert", s, t + "/out", "--to", "hf", "--max-shard-size", "0MB"],
+        "--max-shard-size '0MB': not a size",
+    ),
 ]
 
 

@@ -17,8 +17,17 @@ from converters.tensor_source import DictTensorSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 
-CONFIG = ModelConfig(family="llama", vocab_size=48, hidden_size=32, intermediate_size=40, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32")
+CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    dtype="float32",
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +71,7 @@ def _siblings(path: str) -> list[str]:
 
 def test_summary_line_and_round_trip(hf_folder, maxtext_ckpt, tmp_path):
     back = str(tmp_path / "back")
-    out = _ok("convert", maxtext_ckpt, back, "--to", "hf", "--model-config", hf_folder,
-              "--rope-layout", "interleaved")
+    out = _ok("convert", maxtext_ckpt, back, "--to", "hf", "--model-config", hf_folder, "--rope-layout", "interleaved")
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("converted maxtext -> hf: 21 tensors, ")
     assert f"{CONFIG.num_parameters():,} parameters" in summary and "GB/s" in summary
@@ -113,8 +121,18 @@ def test_missing_leaf_is_named(maxtext_ckpt, hf_folder, tmp_path):
     manager = ocp.CheckpointManager(broken, item_names=("items",))
     manager.save(3, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
     manager.wait_until_finished()
-    out = _fails(1, "convert", broken, str(tmp_path / "x"), "--to", "hf", "--model-config", hf_folder,
-                 "--rope-layout", "interleaved")
+    out = _fails(
+        1,
+        "convert",
+        broken,
+        str(tmp_path / "x"),
+        "--to",
+        "hf",
+        "--model-config",
+        hf_folder,
+        "--rope-layout",
+        "interleaved",
+    )
     assert "params/params/decoder/layers/mlp/wo/kernel missing" in out and broken in out
     assert _siblings(str(tmp_path / "x")) == ["broken"]
 
@@ -123,8 +141,18 @@ def test_shape_that_disagrees_with_the_config_is_named(maxtext_ckpt, tmp_path):
     other = dict(CONFIG.to_hf_config(), intermediate_size=44)
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(other))
-    out = _fails(1, "convert", maxtext_ckpt, str(tmp_path / "x"), "--to", "hf", "--model-config",
-                 str(config_path), "--rope-layout", "half")
+    out = _fails(
+        1,
+        "convert",
+        maxtext_ckpt,
+        str(tmp_path / "x"),
+        "--to",
+        "hf",
+        "--model-config",
+        str(config_path),
+        "--rope-layout",
+        "half",
+    )
     assert "parameter params/params/decoder/layers/mlp/wi_0/kernel has shape [32, 2, 40]" in out
     assert "expects [32, 2, 44]" in out
     assert _siblings(str(tmp_path / "x")) == ["config.json"]
@@ -140,8 +168,7 @@ def test_unknown_model_name_is_usage_and_bad_source_an_input_error(hf_folder, tm
 
 
 def test_model_name_must_match_the_hf_folder(hf_folder, tmp_path):
-    out = _fails(1, "convert", hf_folder, str(tmp_path / "x"), "--to", "maxtext", "--model-config",
-                 "llama3.1-8b")
+    out = _fails(1, "convert", hf_folder, str(tmp_path / "x"), "--to", "maxtext", "--model-config", "llama3.1-8b")
     assert "different model" in out
 
 
@@ -151,8 +178,19 @@ def test_existing_output_needs_force(hf_folder, maxtext_ckpt, tmp_path):
     (out_dir / "keep.txt").write_text("old")
     out = _fails(1, "convert", hf_folder, str(out_dir), "--to", "maxtext", "--rope-layout", "half")
     assert "already exists" in out and (out_dir / "keep.txt").exists()
-    _ok("convert", hf_folder, str(out_dir), "--to", "maxtext", "--rope-layout", "half", "--force",
-        "--no-scan-layers", "--dtype", "bf16")
+    _ok(
+        "convert",
+        hf_folder,
+        str(out_dir),
+        "--to",
+        "maxtext",
+        "--rope-layout",
+        "half",
+        "--force",
+        "--no-scan-layers",
+        "--dtype",
+        "bf16",
+    )
     assert not (out_dir / "keep.txt").exists()
     source = MaxTextSource(str(out_dir), CONFIG, "half")
     assert not source.scanned and source.dtype("model.norm.weight") == "bfloat16"
@@ -162,6 +200,16 @@ def test_existing_output_needs_force(hf_folder, maxtext_ckpt, tmp_path):
 def test_parameter_the_config_does_not_describe_is_named(maxtext_ckpt, tmp_path):
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(dict(CONFIG.to_hf_config(), tie_word_embeddings=True)))
-    out = _fails(1, "convert", maxtext_ckpt, str(tmp_path / "x"), "--to", "hf", "--model-config",
-                 str(config_path), "--rope-layout", "half")
+    out = _fails(
+        1,
+        "convert",
+        maxtext_ckpt,
+        str(tmp_path / "x"),
+        "--to",
+        "hf",
+        "--model-config",
+        str(config_path),
+        "--rope-layout",
+        "half",
+    )
     assert "parameter params/params/decoder/logits_dense/kernel is not part of the model" in out

@@ -25,8 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # family -> (tiny, big) config fields beyond hidden/mlp/layers/vocab
 _MIXTRAL = dict(family="mixtral", family_config=Experts(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True))
-CASES = {"llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
-         "mixtral": ((256, 256, 2, 512, _MIXTRAL), (1024, 1024, 8, 32768, _MIXTRAL))}
+CASES = {
+    "llama": ((256, 512, 2, 512, {}), (1024, 4096, 16, 32768, {})),
+    "mixtral": ((256, 256, 2, 512, _MIXTRAL), (1024, 1024, 8, 32768, _MIXTRAL)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +38,17 @@ def children(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     from conftest import default_xla_backend  # not at the top: this file is the child too
 
     with default_xla_backend():
-        procs = {family: subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                           str(tmp_path_factory.mktemp(family)), family],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                          env=dict(os.environ, JAX_PLATFORMS="cpu")) for family in CASES}
+        procs = {
+            family: subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(tmp_path_factory.mktemp(family)), family],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            )
+            for family in CASES
+        }
     try:
         outputs = {family: proc.communicate(timeout=600) for family, proc in procs.items()}
     finally:
@@ -78,23 +87,32 @@ def _child(workdir: str, family: str) -> None:
     import dataclasses
 
     import numpy as np
-    import orbax.checkpoint  # noqa: F401
-    import tensorstore  # noqa: F401
-
+    import orbax.checkpoint
+    import tensorstore
     from bench_convert import synthetic_config
-    from nvfp4tool.convert import convert_checkpoint
-    from converters.hf import HFFolderSource
 
-    tiny, big = (dataclasses.replace(synthetic_config(hidden=h, mlp=f, layers=n, vocab=v, dtype="float32"),
-                                     **fields) for h, f, n, v, fields in CASES[family])
+    from converters.hf import HFFolderSource
+    from nvfp4tool.convert import convert_checkpoint
+
+    tiny, big = (
+        dataclasses.replace(synthetic_config(hidden=h, mlp=f, layers=n, vocab=v, dtype="float32"), **fields)
+        for h, f, n, v, fields in CASES[family]
+    )
     for name, config in (("tiny", tiny), ("big", big)):
         # the source is written in a separate process so its tensors never count here
-        subprocess.run([sys.executable, "-c", (
-            "import sys, json; sys.path[:0] = [%r, %r]; from bench_convert import *; "
-            "from nvfp4tool.config import ModelConfig; "
-            "write_synthetic_hf_folder(%r, ModelConfig.from_hf_config(json.loads(%r)))")
-            % (ROOT, os.path.join(ROOT, "scripts"), os.path.join(workdir, name),
-               json.dumps(config.to_hf_config()))], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import sys, json; sys.path[:0] = [%r, %r]; from bench_convert import *; "
+                    "from nvfp4tool.config import ModelConfig; "
+                    "write_synthetic_hf_folder(%r, ModelConfig.from_hf_config(json.loads(%r)))"
+                )
+                % (ROOT, os.path.join(ROOT, "scripts"), os.path.join(workdir, name), json.dumps(config.to_hf_config())),
+            ],
+            check=True,
+        )
     from converters.maxtext_models import family_rope_layout
 
     # interleaved (the permuting layout) where the model may choose; Mixtral's family fixes half
@@ -107,13 +125,16 @@ def _child(workdir: str, family: str) -> None:
         if name == "tiny":
             report["overhead_bytes"] = _rss("VmHWM")
     report["peak_bytes"] = _rss("VmHWM")
-    report["largest_stacked_bytes"] = ((big.experts.num_experts if big.is_moe else 1) * big.hidden_size * big.num_layers
-                                       * big.intermediate_size * 4)
+    report["largest_stacked_bytes"] = (
+        (big.experts.num_experts if big.is_moe else 1) * big.hidden_size * big.num_layers * big.intermediate_size * 4
+    )
     original, back = HFFolderSource(os.path.join(workdir, "big")), HFFolderSource(os.path.join(workdir, "big-back"))
     report["tensors_equal"] = all(
-        np.array_equal(original.get(n), back.get(n)) if not n.endswith("q_proj.weight") else
-        np.abs(original.get(n) - back.get(n)).max() <= np.abs(original.get(n)).max() * 2**-23
-        for n in original.names())
+        np.array_equal(original.get(n), back.get(n))
+        if not n.endswith("q_proj.weight")
+        else np.abs(original.get(n) - back.get(n)).max() <= np.abs(original.get(n)).max() * 2**-23
+        for n in original.names()
+    )
     print(json.dumps(report))
 
 

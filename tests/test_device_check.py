@@ -13,14 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["quantizers", "bench_quantize", "train_100m", "train_1b", "train_1b_4096",
-         "numerics_pytest"]
+STEPS = ["quantizers", "bench_quantize", "train_100m", "train_1b", "train_1b_4096", "numerics_pytest"]
 
 
 def _run(out: Path, **env) -> subprocess.CompletedProcess:
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, JAX_PLATFORMS="cpu", **env)
-    return subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "device_check.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _table_rows(stdout: str) -> dict[str, str]:
@@ -35,8 +40,7 @@ def test_smoke_run_passes_every_step(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["smoke"] and summary["passed"]
-    assert {name: step["passed"] for name, step in summary["steps"].items()} == dict.fromkeys(
-        STEPS, True)
+    assert {name: step["passed"] for name, step in summary["steps"].items()} == dict.fromkeys(STEPS, True)
     assert _table_rows(result.stdout) == dict(dict.fromkeys(STEPS, "PASS"), step="result")
     for name in STEPS:  # one JSON per step
         json.loads((tmp_path / f"{name}.json").read_text())
@@ -46,13 +50,13 @@ def test_smoke_run_passes_every_step(tmp_path):
 
 
 def test_a_step_out_of_time_fails_the_check(tmp_path):
-    result = _run(tmp_path, DEVICE_CHECK_SMOKE="1", DEVICE_CHECK_BUDGET_S="0",
-                  DEVICE_CHECK_STEPS="quantizers train_1b")
+    result = _run(tmp_path, DEVICE_CHECK_SMOKE="1", DEVICE_CHECK_BUDGET_S="0", DEVICE_CHECK_STEPS="quantizers train_1b")
     assert result.returncode == 1, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["passed"]
     assert {name: step["passed"] for name, step in summary["steps"].items()} == dict(
-        dict.fromkeys(STEPS, True), quantizers=False, train_1b=False)
+        dict.fromkeys(STEPS, True), quantizers=False, train_1b=False
+    )
     rows = _table_rows(result.stdout)
     assert (rows["quantizers"], rows["train_1b"], rows["bench_quantize"]) == ("FAIL", "FAIL", "skip")
     assert "device_check: FAIL" in result.stdout

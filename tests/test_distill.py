@@ -21,9 +21,13 @@ def _head(h, w):
 
 def _inputs(seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(N, E)).astype(np.float32), rng.normal(size=(V, E)).astype(np.float32),
-            rng.normal(size=(N, E)).astype(np.float32), rng.normal(size=(V, E)).astype(np.float32),
-            rng.integers(0, V, size=N))
+    return (
+        rng.normal(size=(N, E)).astype(np.float32),
+        rng.normal(size=(V, E)).astype(np.float32),
+        rng.normal(size=(N, E)).astype(np.float32),
+        rng.normal(size=(V, E)).astype(np.float32),
+        rng.integers(0, V, size=N),
+    )
 
 
 def _log_softmax(z):
@@ -45,21 +49,27 @@ def _direct_loss(hs, ws, ht, wt, targets, temperature, weight):
     log_ps, log_pt = jax.nn.log_softmax(zs / temperature), jax.nn.log_softmax(zt / temperature)
     kl = jnp.mean(jnp.sum(jnp.exp(log_pt) * (log_pt - log_ps), -1))
     ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(zs), targets[:, None], -1))
-    return weight * temperature ** 2 * kl + (1 - weight) * ce
+    return weight * temperature**2 * kl + (1 - weight) * ce
 
 
 def _chunked_loss(hs, ws, ht, wt, targets, temperature, weight, chunk):
-    terms = chunked_terms(hs, ws, ht, wt, targets, temperature=temperature, chunk=chunk,
-                          student_head=_head, teacher_head=_head)
-    return weight * temperature ** 2 * terms["kl"] + (1 - weight) * terms["ce"]
+    terms = chunked_terms(
+        hs, ws, ht, wt, targets, temperature=temperature, chunk=chunk, student_head=_head, teacher_head=_head
+    )
+    return weight * temperature**2 * terms["kl"] + (1 - weight) * terms["ce"]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 8, 37, 64])
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
 def test_chunked_terms_equal_the_direct_formula(chunk, temperature):
     hs, ws, ht, wt, targets = _inputs()
-    terms = chunked_terms(*map(jnp.asarray, (hs, ws, ht, wt, targets)), temperature=temperature, chunk=chunk,
-                          student_head=_head, teacher_head=_head)
+    terms = chunked_terms(
+        *map(jnp.asarray, (hs, ws, ht, wt, targets)),
+        temperature=temperature,
+        chunk=chunk,
+        student_head=_head,
+        teacher_head=_head,
+    )
     kl, ce = _numpy_terms(hs, ws, ht, wt, targets, temperature)
     assert kl > 0.1
     np.testing.assert_allclose(float(terms["kl"]), kl, rtol=1e-5)

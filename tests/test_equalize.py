@@ -18,12 +18,12 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 from click.testing import CliRunner
-
-import nvfp4_oracle as oracle
-from converters.hf import HFFolderSource
 from hf_fixtures import FAMILY_KEYS, build_tiny_model
+
+from converters.hf import HFFolderSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import equalize as eq
@@ -64,8 +64,11 @@ def _torch_logits(folder: str, tensors=None, tmp=None) -> np.ndarray:
     if tensors is not None:
         os.makedirs(tmp, exist_ok=True)
         shutil.copy(os.path.join(folder, "config.json"), tmp)
-        save_file({n: np.ascontiguousarray(tensors.get(n), np.float32) for n in tensors.names()},
-                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {n: np.ascontiguousarray(tensors.get(n), np.float32) for n in tensors.names()},
+            os.path.join(tmp, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         folder = tmp
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor(np.random.default_rng(1).integers(3, 256, (2, 12)))
@@ -97,8 +100,13 @@ def test_a_wrong_fold_is_not_the_original(models, wrong, monkeypatch, tmp_path):
         fold = found.fold
         if fold.expand is not None and wrong == "gqa order":  # KV head g read by heads g, g+G, ... instead
             groups, repeat, width = fold.expand
-            monkeypatch.setattr(mf.FoldScale, "consumer_scale", lambda self, e=fold.expand: (
-                np.tile(self.s.reshape(e[0], e[2]), (e[1], 1)).reshape(-1) if self.fold.expand else self.s))
+            monkeypatch.setattr(
+                mf.FoldScale,
+                "consumer_scale",
+                lambda self, e=fold.expand: (
+                    np.tile(self.s.reshape(e[0], e[2]), (e[1], 1)).reshape(-1) if self.fold.expand else self.s
+                ),
+            )
         if fold.kind == "rows" and wrong == "v bias untouched":
             fold = dataclasses.replace(fold, producer=tuple(t for t in fold.producer if not t.endswith(".bias")))
         scales.append(dataclasses.replace(found, fold=fold))
@@ -128,7 +136,7 @@ def _oracle_awq(x_TxK, w_NxK, weight_only: bool):
         xs = (x_TxK / s[None, :]).astype(np.float32)
         xq = xs if weight_only else _oracle_fake_quantize(xs, np.float32(np.abs(xs).max()))
         diff = xq.astype(np.float64) @ wq.T.astype(np.float64) - x_TxK.astype(np.float64) @ w_NxK.T.astype(np.float64)
-        errors.append(float(np.sum(diff ** 2)))
+        errors.append(float(np.sum(diff**2)))
     return np.asarray(errors), eq.AWQ_ALPHAS[int(np.argmin(errors))]
 
 
@@ -142,8 +150,13 @@ def test_awq_errors_and_choice_equal_a_numpy_search(weight_only):
     s_AxK = eq.awq_candidates(np.abs(x).mean(axis=0))
     amax = np.max(np.abs(w)[None] * s_AxK[:, None, :], axis=(1, 2))
     tap = eq._Errors(weight_only=weight_only, block="1d")
-    _, errors = tap(jnp.asarray(x, jnp.bfloat16)[None], jnp.asarray(w, jnp.bfloat16), None, name="lin",
-                    aux={"lin": {"s": jnp.asarray(s_AxK), "amax": jnp.asarray(amax, jnp.float32)}})
+    _, errors = tap(
+        jnp.asarray(x, jnp.bfloat16)[None],
+        jnp.asarray(w, jnp.bfloat16),
+        None,
+        name="lin",
+        aux={"lin": {"s": jnp.asarray(s_AxK), "amax": jnp.asarray(amax, jnp.float32)}},
+    )
     np.testing.assert_allclose(np.asarray(errors), expected, rtol=1e-4)
     assert eq.AWQ_ALPHAS[int(np.argmin(np.asarray(errors)))] == alpha
     assert alpha > 0 and expected.min() < 0.9 * expected[0]  # outlier channels: AWQ beats RTN (alpha 0)
@@ -157,18 +170,20 @@ def _export(args: list[str]):
     return CliRunner().invoke(cli, ["export", *args], catch_exceptions=False)
 
 
-@pytest.mark.parametrize("key,method,extra", [
-    ("llama3", "awq", ["--quant", "nvfp4"]),
-    ("llama3", "smoothquant", ["--quant", "nvfp4-weight-only"]),
-    ("llama_tied", "awq", ["--weight-rounding", "gptq", "--kv-cache", "fp8"]),
-    ("qwen3", "awq", ["--scale-search", "4over6", "--format", "compressed-tensors"]),
-    ("qwen3_moe", "awq", ["--quant", "nvfp4"]),
-    ("mixtral", "smoothquant", ["--weight-rounding", "gptq"]),
-])
+@pytest.mark.parametrize(
+    "key,method,extra",
+    [
+        ("llama3", "awq", ["--quant", "nvfp4"]),
+        ("llama3", "smoothquant", ["--quant", "nvfp4-weight-only"]),
+        ("llama_tied", "awq", ["--weight-rounding", "gptq", "--kv-cache", "fp8"]),
+        ("qwen3", "awq", ["--scale-search", "4over6", "--format", "compressed-tensors"]),
+        ("qwen3_moe", "awq", ["--quant", "nvfp4"]),
+        ("mixtral", "smoothquant", ["--weight-rounding", "gptq"]),
+    ],
+)
 def test_equalized_exports_pass_check_and_record_their_scales(models, tmp_path, key, method, extra):
     out = str(tmp_path / "out")
-    result = _export([models[key], "--out", out, "--calib-data", models["calib"], *CALIB, "--equalize", method,
-                      *extra])
+    result = _export([models[key], "--out", out, "--calib-data", models["calib"], *CALIB, "--equalize", method, *extra])
     assert result.exit_code == 0, result.output
     check = CliRunner().invoke(cli, ["check", out], catch_exceptions=False)
     assert check.exit_code == 0, check.output
@@ -207,17 +222,32 @@ def test_a_fold_that_changes_the_function_is_refused(models, tmp_path, monkeypat
 
     monkeypatch.setattr(mf.EqualizedSource, "get", norms_left_alone)
     out = str(tmp_path / "out")
-    result = CliRunner().invoke(cli, ["export", models["llama3"], "--out", out, "--calib-data", models["calib"],
-                                      *CALIB, "--equalize", "smoothquant"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            models["llama3"],
+            "--out",
+            out,
+            "--calib-data",
+            models["calib"],
+            *CALIB,
+            "--equalize",
+            "smoothquant",
+        ],
+    )
     assert result.exit_code == 1
     assert "the folded model is not the original" in result.output
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--equalize", "awq"], "needs --calib-data"),
-    (["--equalize", "smoothquant", "--quant", "fp8", "--calib-data", "CALIB"], "not fp8"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--equalize", "awq"], "needs --calib-data"),
+        (["--equalize", "smoothquant", "--quant", "fp8", "--calib-data", "CALIB"], "not fp8"),
+    ],
+)
 def test_equalize_bad_usage_is_exit_2(models, tmp_path, flags, message):
     flags = [models["calib"] if f == "CALIB" else f for f in flags]
     result = CliRunner().invoke(cli, ["export", models["llama3"], "--out", str(tmp_path / "o"), *flags])
@@ -228,13 +258,34 @@ def test_equalize_bad_usage_is_exit_2(models, tmp_path, flags, message):
 
 def test_validate_compares_an_equalized_export_with_the_folded_model(models, tmp_path):
     out = str(tmp_path / "out")
-    assert _export([models["llama3"], "--out", out, "--calib-data", models["calib"], *CALIB,
-                    "--equalize", "awq"]).exit_code == 0
+    assert (
+        _export(
+            [models["llama3"], "--out", out, "--calib-data", models["calib"], *CALIB, "--equalize", "awq"]
+        ).exit_code
+        == 0
+    )
     data = str(tmp_path / "val.npy")
     np.save(data, np.random.default_rng(5).integers(3, 256, (4, 16)))
-    result = CliRunner().invoke(cli, ["validate", out, "--data", data, "--samples", "4", "--seq-len", "16",
-                                      "--prompts", "1", "--gen-tokens", "4", "--source", models["llama3"]],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "validate",
+            out,
+            "--data",
+            data,
+            "--samples",
+            "4",
+            "--seq-len",
+            "16",
+            "--prompts",
+            "1",
+            "--gen-tokens",
+            "4",
+            "--source",
+            models["llama3"],
+        ],
+        catch_exceptions=False,
+    )
     record = json.load(open(os.path.join(out, "validation.json")))
     assert result.exit_code in (0, 1), result.output  # thresholds may judge a random tiny model
     # weight SQNR against the folded weights (against the unfolded source it would be ~0 dB), for the

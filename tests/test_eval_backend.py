@@ -6,8 +6,7 @@ rolling-loglikelihood task (the shipped offline tasks)."""
 
 import numpy as np
 import pytest
-
-from eval_fixtures import assert_samples_match, eval_models, lm_eval_samples  # noqa: F401
+from eval_fixtures import assert_samples_match, eval_models, lm_eval_samples
 
 LIMIT = 6
 MAX_LENGTH = 128
@@ -26,8 +25,9 @@ def test_bf16_backend_equals_lm_eval_hf_backend(eval_models):
     ours = _samples(lm)
     letter_requests = sum(len(s["resps"]) for s in ours["nvfp4tool_mc_letter"])
     assert lm.counts["loglikelihood_rows_run"] <= lm.counts["loglikelihood"] - letter_requests + LIMIT
-    theirs = _samples("hf", f"pretrained={eval_models['hf']},dtype=float32,max_length={MAX_LENGTH}",
-                      batch_size=1, device="cpu")
+    theirs = _samples(
+        "hf", f"pretrained={eval_models['hf']},dtype=float32,max_length={MAX_LENGTH}", batch_size=1, device="cpu"
+    )
     assert_samples_match(ours, theirs, LIMIT)
     mc = ours["nvfp4tool_mc"]
     assert len({int(np.argmax([r[0][0] for r in s["resps"]])) for s in mc}) > 1  # not one constant answer

@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from eval_fixtures import eval_models
 
-from eval_fixtures import eval_models  # noqa: F401
 from nvfp4tool.cli import cli
 
 LIMIT = 4
@@ -24,9 +24,27 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
     shutil.copytree(eval_models["hf"], tmp_path / "hf")
     export = str(shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4"))
     copy = str(tmp_path / "e.json")
-    result = CliRunner().invoke(cli, ["eval", export, "--tasks", "nvfp4tool_mc,nvfp4tool_gsm", "--reference", eval_models["fp8"],
-                                      "--limit", str(LIMIT), "--batch-size", "4", "--max-length", "64",
-                                      "--max-drop-fp8", "0.5", "--json", copy])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "eval",
+            export,
+            "--tasks",
+            "nvfp4tool_mc,nvfp4tool_gsm",
+            "--reference",
+            eval_models["fp8"],
+            "--limit",
+            str(LIMIT),
+            "--batch-size",
+            "4",
+            "--max-length",
+            "64",
+            "--max-drop-fp8",
+            "0.5",
+            "--json",
+            copy,
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "NVFP4 - BF16" in result.output and "McNemar p" in result.output
     assert "it/s]" not in result.output and "Tokenizing inputs" not in result.output  # lm-eval's tqdm bars off
@@ -73,7 +91,7 @@ def test_max_drop_judges_the_interval_lower_end():
 
     stats = {"diff": -0.004, "ci95": [-0.012, 0.004]}
     both = {"nvfp4-bf16": stats, "nvfp4-fp8": {"diff": -0.03, "ci95": [-0.05, -0.01]}}
-    judged = lambda **kw: _drop_failures("t", both, EvalOptions(tasks=("t",), **kw))  # noqa: E731
+    judged = lambda **kw: _drop_failures("t", both, EvalOptions(tasks=("t",), **kw))
     assert judged() == []
     assert judged(max_drop=0.02) == []
     (failure,) = judged(max_drop=0.01)
@@ -81,8 +99,11 @@ def test_max_drop_judges_the_interval_lower_end():
     (failure,) = judged(max_drop=0.02, max_drop_fp8=0.04)
     assert "nvfp4 - fp8" in failure and "-0.0500" in failure and "--max-drop-fp8" in failure
     assert judged(max_drop_fp8=0.06) == []
-    assert _drop_failures("t", {"nvfp4-bf16": {"diff": -0.5, "ci95": None}},  # n = 1: the difference itself
-                          EvalOptions(tasks=("t",), max_drop=0.1))
+    assert _drop_failures(
+        "t",
+        {"nvfp4-bf16": {"diff": -0.5, "ci95": None}},  # n = 1: the difference itself
+        EvalOptions(tasks=("t",), max_drop=0.1),
+    )
 
 
 def test_record_refuses_a_task_without_paired_fields(tmp_path):
@@ -90,11 +111,29 @@ def test_record_refuses_a_task_without_paired_fields(tmp_path):
     from nvfp4tool.records.evaluation import EvalRecord
 
     named = {"name": "x", "sha256": {}}
-    obj = {"export": named, "quant": "nvfp4", "source": named, "reference": None, "labels": ["bf16", "nvfp4"],
-           "tasks": {"t": {"metric": "acc", "bf16": {"acc": 1.0, "n": 1}, "nvfp4": {"acc": 1.0, "n": 1},
-                           "paired": {"nvfp4-bf16": {"diff": 0.0}}}},
-           "overall": {}, "limit": None, "seed": 0, "max_drop": None, "failures": [], "passed": True,
-           "lm_eval_version": "0.4.13", "resources": {}}
+    obj = {
+        "export": named,
+        "quant": "nvfp4",
+        "source": named,
+        "reference": None,
+        "labels": ["bf16", "nvfp4"],
+        "tasks": {
+            "t": {
+                "metric": "acc",
+                "bf16": {"acc": 1.0, "n": 1},
+                "nvfp4": {"acc": 1.0, "n": 1},
+                "paired": {"nvfp4-bf16": {"diff": 0.0}},
+            }
+        },
+        "overall": {},
+        "limit": None,
+        "seed": 0,
+        "max_drop": None,
+        "failures": [],
+        "passed": True,
+        "lm_eval_version": "0.4.13",
+        "resources": {},
+    }
     write_json(str(tmp_path / "eval.json"), obj)
     with pytest.raises(RecordError, match="paired.nvfp4-bf16: missing se"):
         EvalRecord.read(str(tmp_path))
@@ -119,13 +158,19 @@ def test_a_user_task_file_with_local_data_resolves_and_builds(tmp_path):
     from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
 
     data = tmp_path / "mc.jsonl"
-    data.write_text("\n".join(json.dumps({"question": f"{i}+1?", "options": [str(i + 1), str(i)], "answer_index": 0})
-                              for i in range(3)) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps({"question": f"{i}+1?", "options": [str(i + 1), str(i)], "answer_index": 0}) for i in range(3)
+        )
+        + "\n"
+    )
     task = tmp_path / "tasks" / "mine.yaml"
     task.parent.mkdir()
-    task.write_text(f"task: my_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Q: {{question}}\\nA:\"\n"
-                    "doc_to_choice: \"{{options}}\"\ndoc_to_target: answer_index\n")
+    task.write_text(
+        f"task: my_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        'test_split: test\noutput_type: multiple_choice\ndoc_to_text: "Q: {{question}}\\nA:"\n'
+        'doc_to_choice: "{{options}}"\ndoc_to_target: answer_index\n'
+    )
     names, manager = resolve_tasks((str(task), "nvfp4tool_mc"))
     assert names == ["my_local_mc", "nvfp4tool_mc"]
     built = _build_tasks(names, manager)
@@ -137,8 +182,9 @@ def test_a_task_file_takes_its_fields_from_its_include(tmp_path):
     from nvfp4tool.errors import NVFP4ToolError
     from nvfp4tool.validate.evaluate import _task_file
 
-    (tmp_path / "_template.yaml").write_text("dataset_path: json\noutput_type: multiple_choice\n"
-                                             "doc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n")
+    (tmp_path / "_template.yaml").write_text(
+        "dataset_path: json\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n"
+    )
     (tmp_path / "mine.yaml").write_text("include: _template.yaml\ntask: mine\ndoc_to_text: mine\n")
     config = _task_file(str(tmp_path / "mine.yaml"))
     assert config["task"] == "mine" and config["doc_to_text"] == "mine" and config["output_type"] == "multiple_choice"
@@ -158,19 +204,32 @@ def test_lm_eval_mmlu_pro_and_gsm8k_cot_run_offline_from_local_parquet(tmp_path)
     from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
 
     tasks = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
-    mmlu = [{"question_id": i, "question": f"What is {i} + 1?", "options": [str(i + 1), str(i), str(i + 2)],
-             "answer": "A", "answer_index": 0, "cot_content": "A: The answer is (A).", "category": "math",
-             "src": "stand-in"} for i in range(7)]
+    mmlu = [
+        {
+            "question_id": i,
+            "question": f"What is {i} + 1?",
+            "options": [str(i + 1), str(i), str(i + 2)],
+            "answer": "A",
+            "answer_index": 0,
+            "cot_content": "A: The answer is (A).",
+            "category": "math",
+            "src": "stand-in",
+        }
+        for i in range(7)
+    ]
     gsm = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
     for name, rows in (("test", mmlu), ("validation", mmlu), ("gsm_test", gsm), ("gsm_train", gsm)):
         pd.DataFrame(rows).to_parquet(tmp_path / f"{name}.parquet")
     (tmp_path / "mmlu_pro_math_local.yaml").write_text(
         f"include: {tasks}/mmlu_pro/mmlu_pro_math.yaml\ntask: mmlu_pro_math_local\ndataset_path: parquet\n"
         f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/test.parquet\n"
-        f"    validation: {tmp_path}/validation.parquet\n")
+        f"    validation: {tmp_path}/validation.parquet\n"
+    )
     (tmp_path / "gsm8k_cot_local.yaml").write_text(
         f"include: {tasks}/gsm8k/gsm8k-cot.yaml\ntask: gsm8k_cot_local\ndataset_path: parquet\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/gsm_test.parquet\n    train: {tmp_path}/gsm_train.parquet\n")
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/gsm_test.parquet\n"
+        f"    train: {tmp_path}/gsm_train.parquet\n"
+    )
     names, manager = resolve_tasks((str(tmp_path / "mmlu_pro_math_local.yaml"), str(tmp_path / "gsm8k_cot_local.yaml")))
     built = _build_tasks(names, manager)
     assert {n: len(list(t.eval_docs)) for n, t in built.items()} == {"mmlu_pro_math_local": 7, "gsm8k_cot_local": 3}

@@ -1,5 +1,6 @@
 """The lm-eval backend on a mesh of 2 host devices gives the log-likelihoods and the generations of
-one device for the NVFP4 export as served, its weights really split over both (the same `LayerwiseModel.open` validate uses).
+one device for the NVFP4 export as served, its weights really split over both (the same `LayerwiseModel.open`
+validate uses).
 The device count is fixed when jax starts: each count runs in its own child (tests/eval_mesh_child.py)."""
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-
-from eval_fixtures import eval_models  # noqa: F401
+from eval_fixtures import eval_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,12 +21,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_eval_backend_on_two_devices_equals_one(eval_models, tmp_path):
     children = {}
     for devices in (1, 2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-               "XLA_FLAGS": f"--xla_backend_optimization_level=0 --xla_force_host_platform_device_count={devices}"}
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": ROOT,
+            "XLA_FLAGS": f"--xla_backend_optimization_level=0 --xla_force_host_platform_device_count={devices}",
+        }
         children[devices] = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "eval_mesh_child.py"), eval_models["nvfp4"],
-             str(tmp_path / f"{devices}.json")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                os.path.join(ROOT, "tests", "eval_mesh_child.py"),
+                eval_models["nvfp4"],
+                str(tmp_path / f"{devices}.json"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     for child in children.values():
         output = child.communicate(timeout=900)[0]
         assert child.returncode == 0, output[-3000:]

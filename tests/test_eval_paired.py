@@ -16,8 +16,18 @@ def _items(both: int, r2w: int, w2r: int, neither: int):
     return cand[order], ref[order]
 
 
-TABLES = [(50, 0, 0, 50), (0, 30, 0, 0), (0, 12, 9, 0), (3, 1, 0, 1), (1, 0, 0, 0), (0, 0, 1, 0),
-          (400, 9, 2, 89), (380, 20, 22, 78), (0, 0, 0, 5), (5000, 61, 58, 900)]
+TABLES = [
+    (50, 0, 0, 50),
+    (0, 30, 0, 0),
+    (0, 12, 9, 0),
+    (3, 1, 0, 1),
+    (1, 0, 0, 0),
+    (0, 0, 1, 0),
+    (400, 9, 2, 89),
+    (380, 20, 22, 78),
+    (0, 0, 0, 5),
+    (5000, 61, 58, 900),
+]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=[str(t) for t in TABLES])
@@ -40,7 +50,7 @@ def test_no_flips_and_all_flips():
     assert none.unpaired_se > 0.04  # what an unpaired comparison of two 50% accuracies would claim
     every = paired(*_items(0, 30, 0, 0))
     assert every.diff == -1.0 and every.se == 0 and every.flip_rate == 1.0
-    assert every.mcnemar_p == pytest.approx(2 * 0.5 ** 30)
+    assert every.mcnemar_p == pytest.approx(2 * 0.5**30)
 
 
 def test_tiny_n():
@@ -72,7 +82,7 @@ def test_binomial_cdf_exact():
 
     from scipy.stats import binom
 
-    assert binom_cdf_half(7, 20) == pytest.approx(sum(comb(20, i) for i in range(8)) / 2 ** 20, rel=1e-12)
+    assert binom_cdf_half(7, 20) == pytest.approx(sum(comb(20, i) for i in range(8)) / 2**20, rel=1e-12)
     for k, n in ((5990, 12032), (3, 4000), (150, 310)):
         assert binom_cdf_half(k, n) == pytest.approx(float(binom.cdf(k, n, 0.5)), rel=1e-9, abs=1e-300)
     assert mcnemar_exact(0, 0) == 1.0

@@ -5,8 +5,8 @@ sampled passes averaged per item (`nvfp4tool eval --samples K`)."""
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from eval_fixtures import eval_models
 
-from eval_fixtures import eval_models  # noqa: F401
 from nvfp4tool.cli import cli
 
 
@@ -43,13 +43,16 @@ def test_shared_rows_give_each_request_its_own_loglikelihood(eval_models):
     assert [s[1] for s in shared] == [a[1] for a in alone]
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    ({"until": ["\n"], "do_sample": False}, (False, 1.0, None, 256)),
-    ({"do_sample": True, "temperature": 0.0}, (False, 1.0, None, 256)),  # lm-eval: greedy at temperature 0
-    ({"do_sample": True, "temperature": 0.7, "top_k": 40, "max_gen_toks": 9}, (True, 0.7, 40, 9)),
-    ({"temperature": 0.5}, (True, 0.5, None, 256)),  # a temperature alone samples (lm-eval's normalization)
-    ({"do_sample": False, "top_p": 1.0, "num_beams": 1}, (False, 1.0, None, 256)),  # neutral settings
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        ({"until": ["\n"], "do_sample": False}, (False, 1.0, None, 256)),
+        ({"do_sample": True, "temperature": 0.0}, (False, 1.0, None, 256)),  # lm-eval: greedy at temperature 0
+        ({"do_sample": True, "temperature": 0.7, "top_k": 40, "max_gen_toks": 9}, (True, 0.7, 40, 9)),
+        ({"temperature": 0.5}, (True, 0.5, None, 256)),  # a temperature alone samples (lm-eval's normalization)
+        ({"do_sample": False, "top_p": 1.0, "num_beams": 1}, (False, 1.0, None, 256)),  # neutral settings
+    ],
+)
 def test_decoding_follows_lm_eval_normalization(kwargs, expected):
     from nvfp4tool.validate.lm_backend import decoding
 
@@ -57,9 +60,14 @@ def test_decoding_follows_lm_eval_normalization(kwargs, expected):
     assert (how.sample, how.temperature, how.top_k, how.max_gen_toks) == expected
 
 
-@pytest.mark.parametrize("kwargs,named", [({"do_sample": True, "temperature": 1.0, "top_p": 0.9}, "top_p=0.9"),
-                                          ({"num_beams": 4}, "num_beams=4"),
-                                          ({"repetition_penalty": 1.2}, "repetition_penalty=1.2")])
+@pytest.mark.parametrize(
+    "kwargs,named",
+    [
+        ({"do_sample": True, "temperature": 1.0, "top_p": 0.9}, "top_p=0.9"),
+        ({"num_beams": 4}, "num_beams=4"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+    ],
+)
 def test_decoding_refuses_what_it_does_not_implement(kwargs, named):
     from nvfp4tool.errors import NVFP4UsageError
     from nvfp4tool.validate.lm_backend import decoding
@@ -73,8 +81,10 @@ def test_average_passes_means_each_items_scores_and_refuses_other_prompts():
     from nvfp4tool.validate.evaluate import average_passes
 
     def rows(scores, hashes=("a", "b")):
-        return [{"doc_id": d, "filter": "strict", "prompt_hash": h, "metrics": ["exact_match"], "exact_match": s}
-                for d, (h, s) in enumerate(zip(hashes, scores))]
+        return [
+            {"doc_id": d, "filter": "strict", "prompt_hash": h, "metrics": ["exact_match"], "exact_match": s}
+            for d, (h, s) in enumerate(zip(hashes, scores))
+        ]
 
     averaged = average_passes("t", [rows([1.0, 0.0]), rows([0.0, 0.0]), rows([1.0, 1.0])])
     assert [r["exact_match"] for r in averaged] == pytest.approx([2 / 3, 1 / 3])
@@ -91,9 +101,25 @@ def test_sampled_generation_is_averaged_over_k_samples_per_item(eval_models, tmp
 
     shutil.copytree(eval_models["hf"], tmp_path / "hf")
     export = str(shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4"))
-    result = CliRunner().invoke(cli, ["eval", export, "--tasks", "nvfp4tool_gsm,nvfp4tool_mc", "--limit", "4",
-                                      "--batch-size", "4", "--max-length", "64", "--samples", "3",
-                                      "--gen-kwargs", "do_sample=true,temperature=1.5,max_gen_toks=12"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "eval",
+            export,
+            "--tasks",
+            "nvfp4tool_gsm,nvfp4tool_mc",
+            "--limit",
+            "4",
+            "--batch-size",
+            "4",
+            "--max-length",
+            "64",
+            "--samples",
+            "3",
+            "--gen-kwargs",
+            "do_sample=true,temperature=1.5,max_gen_toks=12",
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = EvalRecord.read(export)
     assert record.samples == 3 and record.sampled_tasks == ["nvfp4tool_gsm"]
@@ -142,10 +168,28 @@ def test_lm_eval_command_line_runs_the_registered_model(eval_models):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
-        [sys.executable, "-m", "nvfp4tool.validate.lm_backend", "run", "--model", "nvfp4tool", "--model_args",
-         f"path={eval_models['nvfp4']},max_length=64", "--tasks", "nvfp4tool_mc_letter", "--limit", "2",
-         "--batch_size", "2"], cwd=root, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "nvfp4tool.validate.lm_backend",
+            "run",
+            "--model",
+            "nvfp4tool",
+            "--model_args",
+            f"path={eval_models['nvfp4']},max_length=64",
+            "--tasks",
+            "nvfp4tool_mc_letter",
+            "--limit",
+            "2",
+            "--batch_size",
+            "2",
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("|nvfp4tool_mc_letter"))
     assert "|acc" in row.replace(" ", "") and "nvfp4tool ({'path'" in done.stdout

@@ -22,18 +22,23 @@ from nvfp4tool.export.calibrate import calibrate
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.export.simulate import load_export, served_linear
-from nvfp4tool.numerics import (dense, dequantize_fp8, dequantize_nvfp4, nvfp4_global_scales, quantize_fp8,
-                                quantize_nvfp4)
+from nvfp4tool.numerics import (
+    dense,
+    dequantize_fp8,
+    dequantize_nvfp4,
+    nvfp4_global_scales,
+    quantize_fp8,
+    quantize_nvfp4,
+)
 from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.export import ExportRecord, sha256_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config, write_synthetic_hf_folder  # noqa: E402
+from bench_convert import synthetic_config, write_synthetic_hf_folder
 
 LAYERS = 2
-CONFIG = synthetic_config(hidden=64, mlp=128, layers=LAYERS, vocab=256, head_dim=16, kv_heads=2,
-                          dtype="bfloat16")
+CONFIG = synthetic_config(hidden=64, mlp=128, layers=LAYERS, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
 LINEARS = CONFIG.linear_names()
 QUANTIZED = [n for n in LINEARS if n != "lm_head"]
 
@@ -117,16 +122,27 @@ def test_scale_search_lowers_the_error_and_decodes_with_the_standard_formula(met
         assert scales.max() <= 384 and q.global_amax == np.float32(amax * np.float32(1.75))
     # per block, the chosen scale is never worse than RTN's (mse includes the RTN candidate)
     if method == "mse":
-        per_block = lambda d: ((d - w) ** 2).reshape(64, -1, 16).sum(-1)  # noqa: E731
+        per_block = lambda d: ((d - w) ** 2).reshape(64, -1, 16).sum(-1)
         assert (per_block(decoded) <= per_block(rtn)).all()
 
 
 def test_calibration_streamed_layer_by_layer_gives_the_held_amax(hf_dir, calib):
     """--offload always (all windows through layer i, then i+1, weights read per layer) and a held
     model record the same input amax, bit for bit."""
-    held, streamed = (calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
-                                tokenizer_dir=None, kv_cache=True, offload=mode)
-                      for mode in ("never", "always"))
+    held, streamed = (
+        calibrate(
+            CONFIG,
+            HFFolderSource(hf_dir),
+            QUANTIZED,
+            calib,
+            samples=3,
+            seq_len=24,
+            tokenizer_dir=None,
+            kv_cache=True,
+            offload=mode,
+        )
+        for mode in ("never", "always")
+    )
     assert set(held.input_amax) == set(QUANTIZED) and all(v > 0 for v in held.input_amax.values())
     assert len(held.kv_amax) == CONFIG.num_layers and all(min(kv) > 0 for kv in held.kv_amax.values())
     assert held == streamed
@@ -139,8 +155,9 @@ def test_modelopt_layout_bytes_fused_groups_and_configs(hf_dir, calib, exports):
     out = exports["modelopt"]
     header = read_safetensors_header(os.path.join(out, "model.safetensors"))
     tensors, src = _tensors(out), _tensors(hf_dir)
-    amax_in = calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
-                        tokenizer_dir=None).input_amax
+    amax_in = calibrate(
+        CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24, tokenizer_dir=None
+    ).input_amax
     for module in QUANTIZED:
         n, k = src[f"{module}.weight"].shape
         assert header[f"{module}.weight"].dtype == "uint8" and header[f"{module}.weight"].shape == (n, k // 2)
@@ -157,8 +174,10 @@ def test_modelopt_layout_bytes_fused_groups_and_configs(hf_dir, calib, exports):
     # fused groups share both global scales; distinct groups differ
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
-        for members in ((".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj"),
-                        (".mlp.gate_proj", ".mlp.up_proj")):
+        for members in (
+            (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj"),
+            (".mlp.gate_proj", ".mlp.up_proj"),
+        ):
             for suffix in (".weight_scale_2", ".input_scale"):
                 assert len({float(tensors[p + m + suffix]) for m in members}) == 1
         assert tensors[f"{p}.self_attn.q_proj.input_scale"] != tensors[f"{p}.mlp.down_proj.input_scale"]
@@ -210,8 +229,9 @@ def test_weight_only_and_fp8_layouts(hf_dir, calib, tmp_path):
 
     _export(hf_dir, tmp_path / "fp8", quant="fp8", calib_data=calib, calib_samples=3, calib_seq_len=24)
     fp8 = _tensors(str(tmp_path / "fp8"))
-    amax_in = calibrate(CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24,
-                        tokenizer_dir=None).input_amax
+    amax_in = calibrate(
+        CONFIG, HFFolderSource(hf_dir), QUANTIZED, calib, samples=3, seq_len=24, tokenizer_dir=None
+    ).input_amax
     for module in QUANTIZED:
         ref = quantize_fp8(src[f"{module}.weight"], fmt="e4m3", granularity="tensor")
         assert fp8[f"{module}.weight"].dtype.name == "float8_e4m3fn"
@@ -225,7 +245,10 @@ def test_weight_only_and_fp8_layouts(hf_dir, calib, tmp_path):
     ct = _tensors(str(tmp_path / "fp8-ct"))
     assert ct["model.layers.0.mlp.up_proj.weight_scale"].shape == (1,)
     convert_format(str(tmp_path / "fp8-ct"), str(tmp_path / "fp8-back"), to="modelopt")
-    with open(tmp_path / "fp8" / "model.safetensors", "rb") as a, open(tmp_path / "fp8-back" / "model.safetensors", "rb") as b:
+    with (
+        open(tmp_path / "fp8" / "model.safetensors", "rb") as a,
+        open(tmp_path / "fp8-back" / "model.safetensors", "rb") as b,
+    ):
         assert a.read() == b.read()
     exported = load_export(str(tmp_path / "fp8"))
     w = "model.layers.0.mlp.down_proj.weight"
@@ -243,8 +266,12 @@ def test_keep_bf16_excludes_whole_fused_groups(hf_dir, tmp_path):
     assert header["model.layers.1.self_attn.o_proj.weight"].dtype == "uint8"
     with open(tmp_path / "o" / "hf_quant_config.json") as f:
         excluded = json.load(f)["quantization"]["exclude_modules"]
-    assert excluded == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
-                        "model.layers.1.self_attn.v_proj", "lm_head"]
+    assert excluded == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj",
+        "lm_head",
+    ]
 
 
 # --------------------------------------------------------------------------- errors / streaming
@@ -259,8 +286,9 @@ def test_non_finite_weight_is_refused_and_nothing_is_written(hf_dir, tmp_path, v
     from converters.hf import write_safetensors
 
     os.makedirs(bad)
-    write_safetensors(str(bad / "model.safetensors"), [(n, a.dtype.name, a.shape) for n, a in tensors.items()],
-                      tensors.__getitem__)
+    write_safetensors(
+        str(bad / "model.safetensors"), [(n, a.dtype.name, a.shape) for n, a in tensors.items()], tensors.__getitem__
+    )
     with open(os.path.join(hf_dir, "config.json")) as f, open(bad / "config.json", "w") as g:
         g.write(f.read())
     with pytest.raises(NVFP4ToolError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*non-finite"):
@@ -352,7 +380,10 @@ def test_convert_format_is_lossless_both_ways(exports, tmp_path):
     convert_format(exports["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
     convert_format(exports["compressed-tensors"], str(tmp_path / "mo"), to="modelopt")
     for converted, direct in ((tmp_path / "ct", exports["compressed-tensors"]), (tmp_path / "mo", exports["modelopt"])):
-        with open(converted / "model.safetensors", "rb") as a, open(os.path.join(direct, "model.safetensors"), "rb") as b:
+        with (
+            open(converted / "model.safetensors", "rb") as a,
+            open(os.path.join(direct, "model.safetensors"), "rb") as b,
+        ):
             assert a.read() == b.read()
         for name in ("config.json",):
             with open(converted / name) as a, open(os.path.join(direct, name)) as b:
@@ -364,12 +395,26 @@ def test_convert_format_is_lossless_both_ways(exports, tmp_path):
 
 def test_cli_export_and_convert_format(hf_dir, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(cli, ["export", hf_dir, "--to", "safetensors", "--out", str(tmp_path / "o"),
-                                 "--quant", "nvfp4-weight-only", "--scale-search", "4over6"])
+    result = runner.invoke(
+        cli,
+        [
+            "export",
+            hf_dir,
+            "--to",
+            "safetensors",
+            "--out",
+            str(tmp_path / "o"),
+            "--quant",
+            "nvfp4-weight-only",
+            "--scale-search",
+            "4over6",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "GB/s" in result.output and os.path.isfile(tmp_path / "o" / "model.safetensors")
-    result = runner.invoke(cli, ["convert-format", str(tmp_path / "o"), str(tmp_path / "c"),
-                                 "--to", "compressed-tensors"])
+    result = runner.invoke(
+        cli, ["convert-format", str(tmp_path / "o"), str(tmp_path / "c"), "--to", "compressed-tensors"]
+    )
     assert result.exit_code == 0, result.output
     assert load_export(str(tmp_path / "c")).format == "compressed-tensors"
     result = runner.invoke(cli, ["export", hf_dir, "--out", str(tmp_path / "o2")])
@@ -384,8 +429,7 @@ def test_maxtext_source_exports_like_its_hf_original(hf_dir, tmp_path):
     write_maxtext(tmp_path / "mt", CONFIG, HFFolderSource(hf_dir), scan_layers=True, rope_layout="half")
     with pytest.raises(NVFP4ToolError, match="--model-config"):
         _export(tmp_path / "mt", tmp_path / "x", quant="nvfp4-weight-only")
-    _export(tmp_path / "mt", tmp_path / "from-mt", quant="nvfp4-weight-only", model_config=hf_dir,
-            rope_layout="half")
+    _export(tmp_path / "mt", tmp_path / "from-mt", quant="nvfp4-weight-only", model_config=hf_dir, rope_layout="half")
     _export(hf_dir, tmp_path / "from-hf", quant="nvfp4-weight-only")
     a, b = _tensors(str(tmp_path / "from-mt")), _tensors(str(tmp_path / "from-hf"))
     assert a.keys() == b.keys() and all(_bytes(a[n]) == _bytes(b[n]) for n in a)  # bf16 -> fp32 -> bf16 exact
@@ -397,8 +441,7 @@ def test_outputs_overlapping_an_input_are_usage_errors_naming_the_flag(hf_dir, c
         (["export", hf_dir, "--out", os.path.join(hf_dir, "sub"), "--quant", "nvfp4-weight-only"], "--out"),
         (["export", hf_dir, "--out", hf_dir, "--quant", "nvfp4-weight-only", "--force"], "--out"),
         (["export", hf_dir, "--out", os.path.dirname(calib), "--calib-data", calib, "--force"], "--out"),
-        (["convert-format", exports["modelopt"], exports["modelopt"], "--to", "compressed-tensors", "--force"],
-         "OUT"),
+        (["convert-format", exports["modelopt"], exports["modelopt"], "--to", "compressed-tensors", "--force"], "OUT"),
     ]
     before = {p: sorted(os.listdir(p)) for p in (hf_dir, os.path.dirname(calib), exports["modelopt"])}
     for argv, flag in cases:

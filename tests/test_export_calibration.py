@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from export_fixtures import synthetic_config, synthetic_source
+
 from nvfp4tool.cli import cli
 from nvfp4tool.records.export import ExportRecord
 
@@ -34,8 +34,18 @@ def _export(src: str, out: str, *args: str):
 
 def test_the_record_states_the_windows_and_tokens_that_ran(tiny):
     root, src, ids = tiny
-    said, record = _export(src, str(root / "exact"), "--calib-data", ids, "--calib-samples", "2",
-                           "--calib-seq-len", "12", "--kv-cache", "fp8")
+    said, record = _export(
+        src,
+        str(root / "exact"),
+        "--calib-data",
+        ids,
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "12",
+        "--kv-cache",
+        "fp8",
+    )
     calibration = record.calibration
     assert (calibration.samples, calibration.seq_len, calibration.tokens) == (2, 12, 24)
     assert (calibration.requested_samples, calibration.requested_seq_len) == (2, 12)
@@ -55,8 +65,10 @@ def test_short_data_is_said_recorded_and_calibrates_as_what_it_has(tiny):
     # the same bytes as the request the file satisfies: the record says what ran
     _, asked = _export(src, exact, "--calib-data", ids, "--calib-samples", "3", "--calib-seq-len", "20")
     assert asked.input_amax == record.input_amax
-    with open(os.path.join(short, "model.safetensors"), "rb") as a, \
-            open(os.path.join(exact, "model.safetensors"), "rb") as b:
+    with (
+        open(os.path.join(short, "model.safetensors"), "rb") as a,
+        open(os.path.join(exact, "model.safetensors"), "rb") as b,
+    ):
         assert a.read() == b.read()
 
 
@@ -64,10 +76,23 @@ def test_short_data_is_said_recorded_and_calibrates_as_what_it_has(tiny):
 def test_gptq_weight_only_records_its_calibration_and_publishes_no_spill(tiny):
     root, src, ids = tiny
     out = str(root / "gptq")
-    _, record = _export(src, out, "--quant", "nvfp4-weight-only", "--weight-rounding", "gptq",
-                        "--calib-data", ids, "--calib-samples", "2", "--calib-seq-len", "16")
+    _, record = _export(
+        src,
+        out,
+        "--quant",
+        "nvfp4-weight-only",
+        "--weight-rounding",
+        "gptq",
+        "--calib-data",
+        ids,
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "16",
+    )
     assert record.input_amax is None and record.weight_rounding == "gptq"
     assert (record.calibration.samples, record.calibration.seq_len, record.calibration.tokens) == (2, 16, 32)
-    assert sorted(os.listdir(out)) == sorted(["model.safetensors", "config.json", "hf_quant_config.json",
-                                              ExportRecord.FILE_NAME])
+    assert sorted(os.listdir(out)) == sorted(
+        ["model.safetensors", "config.json", "hf_quant_config.json", ExportRecord.FILE_NAME]
+    )
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # no temporary folder, no spill left

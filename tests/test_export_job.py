@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 import pytest
-
 from export_fixtures import CALIB_SAMPLES, CALIB_SEQ_LEN, synthetic_config, synthetic_source
+
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
 from nvfp4tool.export import ExportOptions, calibrate, export_checkpoint, gptq_pass, job, writer
@@ -33,8 +33,9 @@ def tiny(tmp_path_factory):
 
 
 def _options(calib, **kw) -> ExportOptions:
-    return ExportOptions(calib_data=calib, calib_samples=CALIB_SAMPLES, calib_seq_len=CALIB_SEQ_LEN,
-                         show_progress=False, **kw)
+    return ExportOptions(
+        calib_data=calib, calib_samples=CALIB_SAMPLES, calib_seq_len=CALIB_SEQ_LEN, show_progress=False, **kw
+    )
 
 
 def _counting(monkeypatch, module, name, counts):
@@ -57,8 +58,11 @@ def test_a_gptq_export_calibrates_once_with_the_scales_of_a_separate_calibration
     _counting(monkeypatch, LayerwiseModel, "sequential", counts)
     records = {}
     real_put = gptq_pass.SpilledRecords.put
-    monkeypatch.setattr(gptq_pass.SpilledRecords, "put",
-                        lambda self, module, q: (records.__setitem__(module, q), real_put(self, module, q))[1])
+    monkeypatch.setattr(
+        gptq_pass.SpilledRecords,
+        "put",
+        lambda self, module, q: (records.__setitem__(module, q), real_put(self, module, q))[1],
+    )
     out = str(root / "gptq-w4a4-kv")
     export_checkpoint(src, out, _options(calib, weight_rounding="gptq", kv_cache="fp8"))
     # one tokenization, one model opened, one pass over the windows (before: calibrate() + GPTQ: 2 of each)
@@ -71,21 +75,42 @@ def test_a_gptq_export_calibrates_once_with_the_scales_of_a_separate_calibration
     # stream; job.with_gptq says why not the already-quantized layers'): the written scales are as before
     source = open_checkpoint(src)
     quantized = list(record.input_amax)
-    original = calibrate.calibrate(source.config, source.tensors, quantized, calib, samples=CALIB_SAMPLES,
-                                   seq_len=CALIB_SEQ_LEN, tokenizer_dir=None, kv_cache=True, offload="never",
-                                   ids_SxL=np.load(calib))
+    original = calibrate.calibrate(
+        source.config,
+        source.tensors,
+        quantized,
+        calib,
+        samples=CALIB_SAMPLES,
+        seq_len=CALIB_SEQ_LEN,
+        tokenizer_dir=None,
+        kv_cache=True,
+        offload="never",
+        ids_SxL=np.load(calib),
+    )
     assert record.input_amax == original.input_amax
     assert record.kv_amax == {a: tuple(v) for a, v in original.kv_amax.items()}
     # ... not those through GPTQ's already-quantized layer 0 (what the Hessians of layer 1 see)
-    layer0 = {f"{m}.weight": np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
-              for m, q in records.items() if m.startswith("model.layers.0.")}
+    layer0 = {
+        f"{m}.weight": np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
+        for m, q in records.items()
+        if m.startswith("model.layers.0.")
+    }
 
     class Replaced:
         def get(self, name):
             return layer0[name] if name in layer0 else source.tensors.get(name)
 
-    replaced = calibrate.calibrate(source.config, Replaced(), quantized, calib, samples=CALIB_SAMPLES,
-                                   seq_len=CALIB_SEQ_LEN, tokenizer_dir=None, offload="always", ids_SxL=np.load(calib))
+    replaced = calibrate.calibrate(
+        source.config,
+        Replaced(),
+        quantized,
+        calib,
+        samples=CALIB_SAMPLES,
+        seq_len=CALIB_SEQ_LEN,
+        tokenizer_dir=None,
+        offload="always",
+        ids_SxL=np.load(calib),
+    )
     assert any(original.input_amax[m] != replaced.input_amax[m] for m in quantized if m.startswith("model.layers.1."))
     # the input scales written are the record's input amax
     from nvfp4tool.export.quantizers import input_decode_scale
@@ -123,7 +148,8 @@ def test_one_quantizer_is_chosen_from_the_job(tiny):
     # FP8: the recorded amax is that of the decoded weight the roles hold
     module = fp8.plan.quantized[0]
     done = quantizer_for(fp8.plan, "rtn", fp8.block, fp8.group_amax, None).quantize(
-        module, fp8.source.tensors.get(f"{module}.weight"))
+        module, fp8.source.tensors.get(f"{module}.weight")
+    )
     assert set(done.roles) == {"weight", "weight_global"} and done.roles["weight"].dtype.name == "float8_e4m3fn"
     decoded = done.roles["weight"].astype(np.float32) * done.roles["weight_global"]
     assert done.amax == float(np.abs(decoded).max())

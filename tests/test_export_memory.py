@@ -14,7 +14,6 @@ import os
 import sys
 
 import pytest
-
 from conftest import default_xla_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

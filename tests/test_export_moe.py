@@ -22,13 +22,14 @@ import shutil
 
 import jax.numpy as jnp
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 from click.testing import CliRunner
-
-import nvfp4_oracle as oracle
-from converters.hf import SAFETENSORS_DTYPES
 from export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from hf_fixtures import MOE_KEYS, build_tiny_model
+from test_check_corruptions import Folder
+
+from converters.hf import SAFETENSORS_DTYPES
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
@@ -38,7 +39,6 @@ from nvfp4tool.export.simulate import load_export
 from nvfp4tool.hub.card import build_model_card
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.records.export import ExportRecord
-from test_check_corruptions import Folder
 
 SAMPLES, SEQ_LEN = 4, 16
 FORMATS = formats.FORMATS
@@ -62,8 +62,9 @@ def moe(tmp_path_factory):
 
 
 def _options(calib: str, fmt: str, **options) -> ExportOptions:
-    return ExportOptions(format=fmt, calib_data=calib, calib_samples=SAMPLES, calib_seq_len=SEQ_LEN,
-                         show_progress=False, **options)
+    return ExportOptions(
+        format=fmt, calib_data=calib, calib_samples=SAMPLES, calib_seq_len=SEQ_LEN, show_progress=False, **options
+    )
 
 
 def _config(folder: str) -> ModelConfig:
@@ -72,8 +73,12 @@ def _config(folder: str) -> ModelConfig:
 
 def _experts(config: ModelConfig) -> list[tuple[int, int, str]]:
     """(layer, expert, module path) of every expert."""
-    return [(i, e, f"{config.mlp_prefix(i)}.experts.{e}") for i in range(config.num_layers)
-            if config.is_sparse_layer(i) for e in range(config.experts.num_experts)]
+    return [
+        (i, e, f"{config.mlp_prefix(i)}.experts.{e}")
+        for i in range(config.num_layers)
+        if config.is_sparse_layer(i)
+        for e in range(config.experts.num_experts)
+    ]
 
 
 def _tensors(folder: str) -> dict:
@@ -107,8 +112,10 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
             assert np.isfinite(s_dec) and s_dec > 0, module  # the unrouted last expert too
             assert record.input_amax[module] > 0, module
         for role in ("weight_global", "input_global"):  # gate and up share one global scale each
-            assert d.values(d.name(f"{expert}.{gate}", role)).tobytes() == \
-                d.values(d.name(f"{expert}.{up}", role)).tobytes(), (expert, role)
+            assert (
+                d.values(d.name(f"{expert}.{gate}", role)).tobytes()
+                == d.values(d.name(f"{expert}.{up}", role)).tobytes()
+            ), (expert, role)
     for router in config.router_names():  # BF16, excluded
         assert d.header(d.shard_of(f"{router}.weight"))[0][f"{router}.weight"]["dtype"] == "BF16"
         assert layout.excluded_by(router) == router
@@ -129,8 +136,21 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
 
 def test_export_names_the_experts_without_routed_tokens(moe, tmp_path):
     out = str(tmp_path / "out")
-    result = CliRunner().invoke(cli, ["export", moe["mixtral"], "--out", out, "--calib-data", moe["calib"],
-                                      "--calib-samples", str(SAMPLES), "--calib-seq-len", str(SEQ_LEN)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            moe["mixtral"],
+            "--out",
+            out,
+            "--calib-data",
+            moe["calib"],
+            "--calib-samples",
+            str(SAMPLES),
+            "--calib-seq-len",
+            str(SEQ_LEN),
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = _config(out)
     for layer in range(config.num_layers):
@@ -150,13 +170,28 @@ def test_export_refuses_an_input_that_calibration_saw_only_as_zeros(moe, tmp_pat
     tensors = load_file(os.path.join(src, "model.safetensors"))
     for proj in ("gate_proj", "up_proj"):
         tensors[f"model.layers.2.mlp.experts.3.{proj}.weight"] = torch.zeros_like(
-            tensors[f"model.layers.2.mlp.experts.3.{proj}.weight"])
+            tensors[f"model.layers.2.mlp.experts.3.{proj}.weight"]
+        )
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
-    result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "out"), "--calib-data", moe["calib"],
-                                      "--calib-samples", str(SAMPLES), "--calib-seq-len", str(SEQ_LEN)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            src,
+            "--out",
+            str(tmp_path / "out"),
+            "--calib-data",
+            moe["calib"],
+            "--calib-samples",
+            str(SAMPLES),
+            "--calib-seq-len",
+            str(SEQ_LEN),
+        ],
+    )
     assert result.exit_code == 1, result.output
-    assert ("calibration: the input of model.layers.2.mlp.experts.3.down_proj was zero on every calibration "
-            "token") in result.output
+    assert (
+        "calibration: the input of model.layers.2.mlp.experts.3.down_proj was zero on every calibration token"
+    ) in result.output
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -196,9 +231,12 @@ def _router_quantized(d: Folder, config: ModelConfig) -> str:
     router = config.router_names()[0]
     w = d.values(f"{router}.weight").astype(np.float32)
     q = quantize_nvfp4(w)
-    roles = {"weight": np.asarray(q.packed), "block_scale": np.asarray(q.scales),
-             "weight_global": nvfp4_global_scales(np.float32(q.global_amax))[1],
-             "input_global": nvfp4_global_scales(np.float32(4.0))[1]}
+    roles = {
+        "weight": np.asarray(q.packed),
+        "block_scale": np.asarray(q.scales),
+        "weight_global": nvfp4_global_scales(np.float32(q.global_amax))[1],
+        "input_global": nvfp4_global_scales(np.float32(4.0))[1],
+    }
     for name, value in d.spec.from_roles(router, roles).items():
         d.add(name, np.asarray(value), like=f"{router}.weight")
     d.drop(f"{router}.weight")
@@ -224,8 +262,11 @@ def _expert_unquantized(d: Folder, config: ModelConfig) -> str:
     shapes = config.expected_tensor_shapes()
     for proj in config.expert_projections:
         module = f"{expert}.{proj}"
-        d.add(f"{module}.weight_bf16", np.zeros(shapes[f"{module}.weight"], "bfloat16") + 0.01,
-              like=d.name(module, "weight"))
+        d.add(
+            f"{module}.weight_bf16",
+            np.zeros(shapes[f"{module}.weight"], "bfloat16") + 0.01,
+            like=d.name(module, "weight"),
+        )
         for suffix in d.spec.suffixes:
             d.drop(f"{module}.{suffix}")
             d.edit_json("model.safetensors.index.json", lambda j: j["weight_map"].pop(f"{module}.{suffix}"))
@@ -265,8 +306,7 @@ def test_compressed_tensors_converter_on_our_modelopt_moe_export_gives_our_ct_ex
 
     config = _config(moe[key])
     ours = _tensors(moe[key, "compressed-tensors"])
-    converter = ModelOptNvfp4Converter(ignore=["lm_head", *config.router_names()],
-                                       targets=[r"re:.*(_proj|\.w[123])$"])
+    converter = ModelOptNvfp4Converter(ignore=["lm_head", *config.router_names()], targets=[r"re:.*(_proj|\.w[123])$"])
     assert_converted_tensors_equal(converter.validate(_tensors(moe[key, "modelopt"])), ours)
     # our convert-format gives the direct export, byte for byte (every shard), both ways
     for src, to in (("modelopt", "compressed-tensors"), ("compressed-tensors", "modelopt")):
@@ -275,7 +315,8 @@ def test_compressed_tensors_converter_on_our_modelopt_moe_export_gives_our_ct_ex
         assert result.exit_code == 0, result.output
         shards = sorted(glob.glob(os.path.join(moe[key, to], "*.safetensors")))
         assert [os.path.basename(f) for f in shards] == sorted(
-            os.path.basename(f) for f in glob.glob(os.path.join(converted, "*.safetensors")))
+            os.path.basename(f) for f in glob.glob(os.path.join(converted, "*.safetensors"))
+        )
         for shard in shards:
             with open(shard, "rb") as a, open(os.path.join(converted, os.path.basename(shard)), "rb") as b:
                 assert a.read() == b.read(), shard
@@ -330,7 +371,8 @@ def test_expert_bytes_equal_the_oracle_and_decode_within_the_nvfp4_bound(moe, ke
             # per element, in units of its block's step: half the E2M1 gap around y = |w| * enc, plus
             # what saturation at 6 cuts off, plus 1e-3 for fp32 rounding (a wrong code is >= 0.5 off)
             step = np.array([oracle.e4m3_value(int(b)) for b in scales.view(np.uint8).ravel()]).reshape(
-                scales.shape).repeat(16, axis=-1) * float(s_dec)
+                scales.shape
+            ).repeat(16, axis=-1) * float(s_dec)
             y = np.abs(w.astype(np.float64)) * want["enc"]
             lo_hi = np.array([oracle.e2m1_neighbours(min(v, 6.0)) for v in y.ravel()]).reshape(*y.shape, 2)
             bound = step * ((lo_hi[..., 1] - lo_hi[..., 0]) / 2 + np.maximum(y - 6, 0) + 1e-3)
@@ -366,18 +408,23 @@ def test_transformers_loads_our_moe_export(moe, key):
     for layer, e, expert in _experts(config):
         fused = model.model.layers[layer].mlp.experts
         width = fused.down_proj.shape[-1]
-        for proj, theirs in ((gate, fused.gate_up_proj[e, :width]), (up, fused.gate_up_proj[e, width:]),
-                             (down, fused.down_proj[e])):
+        for proj, theirs in (
+            (gate, fused.gate_up_proj[e, :width]),
+            (up, fused.gate_up_proj[e, width:]),
+            (down, fused.down_proj[e]),
+        ):
             module = f"{expert}.{proj}"
             mine = ours.dequantized(module)
             theirs = theirs.detach().float().numpy()
             s_enc = float(tensors[f"{module}.weight_global_scale"])
             if not np.array_equal(theirs, np.asarray(jnp.asarray(mine).astype(jnp.bfloat16), np.float32)):
                 scaled_right = False  # the peer's defect, exactly: our weights times S_enc
-                np.testing.assert_allclose(theirs, mine * s_enc, rtol=2 ** -7, atol=0, err_msg=module)
+                np.testing.assert_allclose(theirs, mine * s_enc, rtol=2**-7, atol=0, err_msg=module)
     if not scaled_right:
-        pytest.skip("transformers 5.24 + compressed-tensors 0.20.1 load fused MoE experts without their "
-                    "weight_global_scale and drop their input_global_scale (peer limitation)")
+        pytest.skip(
+            "transformers 5.24 + compressed-tensors 0.20.1 load fused MoE experts without their "
+            "weight_global_scale and drop their input_global_scale (peer limitation)"
+        )
 
 
 # ------------------------------------------------------------------------------------ validate
@@ -387,10 +434,31 @@ def test_transformers_loads_our_moe_export(moe, key):
 def test_validate_runs_on_a_moe_export(moe):
     """validate (layerwise BF16 source vs the served export, experts routed as the model routes)."""
     fmt = "compressed-tensors"  # the layout whose global scales are reciprocals (~1 min per layout)
-    result = CliRunner().invoke(cli, ["validate", moe["qwen3_moe", fmt], "--reference", "bf16", "--source",
-                                      moe["qwen3_moe"], "--data", moe["calib"], "--samples", str(SAMPLES),
-                                      "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--prompts", "1",
-                                      "--prompt-len", "4", "--gen-tokens", "4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "validate",
+            moe["qwen3_moe", fmt],
+            "--reference",
+            "bf16",
+            "--source",
+            moe["qwen3_moe"],
+            "--data",
+            moe["calib"],
+            "--samples",
+            str(SAMPLES),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--batch-size",
+            "2",
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "4",
+            "--gen-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads(open(os.path.join(moe["qwen3_moe", fmt], "validation.json")).read())
     assert any(".experts.7." in layer["name"] for layer in record["layers"])  # the unrouted expert too

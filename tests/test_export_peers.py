@@ -17,9 +17,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from export_fixtures import assert_converted_tensors_equal
 from hf_fixtures import build_tiny_model
+
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.simulate import load_export
@@ -43,10 +43,19 @@ def exported(tmp_path_factory):
     for fmt in ("modelopt", "compressed-tensors"):
         for rounding in ROUNDINGS:
             out[fmt, rounding] = str(root / f"{fmt}-{rounding}")
-            export_checkpoint(src, out[fmt, rounding], ExportOptions(
-                format=fmt, calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16,
-                weight_rounding="gptq" if "gptq" in rounding else "rtn",
-                equalize="awq" if "awq" in rounding else "none", show_progress=False))
+            export_checkpoint(
+                src,
+                out[fmt, rounding],
+                ExportOptions(
+                    format=fmt,
+                    calib_data=str(root / "calib.npy"),
+                    calib_samples=4,
+                    calib_seq_len=16,
+                    weight_rounding="gptq" if "gptq" in rounding else "rtn",
+                    equalize="awq" if "awq" in rounding else "none",
+                    show_progress=False,
+                ),
+            )
     out["src"] = src
     return out
 
@@ -83,6 +92,7 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
         p.data = p.data.float()
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.float().numpy()
+
     def as_transformers(x, w, b, *, name, quantize_input=True):
         """Our served linear with the decoded weight rounded to the BF16 transformers holds."""
         if hasattr(w, "dequantize"):
@@ -92,8 +102,9 @@ def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exp
 
     jax_model = ours.model(jnp.float32)
     simulated = np.asarray(forward(jax_model, jnp.asarray(ids), linear=as_transformers))
-    weights_only = np.asarray(forward(jax_model, jnp.asarray(ids),
-                                      linear=functools.partial(as_transformers, quantize_input=False)))
+    weights_only = np.asarray(
+        forward(jax_model, jnp.asarray(ids), linear=functools.partial(as_transformers, quantize_input=False))
+    )
     np.testing.assert_allclose(simulated, theirs, rtol=0, atol=LOGIT_ATOL)
     assert np.abs(weights_only - theirs).max() > 100 * LOGIT_ATOL  # activation quantization matters
 
@@ -111,6 +122,8 @@ def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_ct_export
     convert_format(exported["modelopt", rounding], str(tmp_path / "ct"), to="compressed-tensors")
     convert_format(exported["compressed-tensors", rounding], str(tmp_path / "mo"), to="modelopt")
     for converted, direct in (("ct", "compressed-tensors"), ("mo", "modelopt")):
-        with open(tmp_path / converted / "model.safetensors", "rb") as a, \
-                open(os.path.join(exported[direct, rounding], "model.safetensors"), "rb") as b:
+        with (
+            open(tmp_path / converted / "model.safetensors", "rb") as a,
+            open(os.path.join(exported[direct, rounding], "model.safetensors"), "rb") as b,
+        ):
             assert a.read() == b.read()

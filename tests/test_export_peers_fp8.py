@@ -14,9 +14,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_fixtures import build_tiny_model
 
 from converters.hf import HFFolderSource
-from hf_fixtures import build_tiny_model
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.export import ExportOptions, export_checkpoint
@@ -32,9 +32,18 @@ def test_transformers_loads_our_compressed_tensors_fp8_export_bit_exact(tmp_path
     src = build_tiny_model("llama3", str(tmp_path / "hf"))
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(0, 256, (4, 16)))
     folder = str(tmp_path / "ct-fp8")
-    export_checkpoint(src, folder, ExportOptions(format="compressed-tensors", quant="fp8",
-                                                 calib_data=str(tmp_path / "calib.npy"), calib_samples=4,
-                                                 calib_seq_len=16, show_progress=False))
+    export_checkpoint(
+        src,
+        folder,
+        ExportOptions(
+            format="compressed-tensors",
+            quant="fp8",
+            calib_data=str(tmp_path / "calib.npy"),
+            calib_samples=4,
+            calib_seq_len=16,
+            show_progress=False,
+        ),
+    )
     assert formats.describe(folder).spec is formats.get("compressed-tensors", "fp8")
     assert check_checkpoint(folder).ok
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)

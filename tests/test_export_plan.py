@@ -10,8 +10,17 @@ from nvfp4tool.export.plan import make_plan
 
 
 def _config(mlp: int) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=mlp,
-                       num_layers=3, num_heads=2, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    return ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=mlp,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="bfloat16",
+    )
 
 
 def test_groups_are_quantized_whole_and_lm_head_never():

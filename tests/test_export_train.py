@@ -19,9 +19,9 @@ import pytest
 
 from converters.hf import HFFolderSource
 from nvfp4tool.export import ExportOptions, export_checkpoint
-from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE, fused_group, group_amax
+from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.step import linear_weight
@@ -34,9 +34,23 @@ def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, root / "tok")
     train_txt, val_txt = embedded_corpus()
-    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(root / "tok"),
-                recipe="nvfp4", steps=3, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=1,
-                eval_every=3, eval_batches=1, checkpoint_every=3, out=str(root / "run"), seed=1)
+    args = dict(
+        model="tiny",
+        data=str(train_txt),
+        eval_data=str(val_txt),
+        tokenizer=str(root / "tok"),
+        recipe="nvfp4",
+        steps=3,
+        seq_len=32,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=1,
+        checkpoint_every=3,
+        out=str(root / "run"),
+        seed=1,
+    )
     train(load_train_config(None, [f"{k}={v}" for k, v in args.items()]))
     return root / "run"
 
@@ -67,11 +81,14 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     weights = {n: linear_weight(model, n) for n in quantized}
     amax_by_group = group_amax(weights)  # the trainer's fused-group amax over BF16 weights
     for name in quantized:
-        trained = quantize_nvfp4(weights[name].astype(GEMM_INPUT_DTYPE), block="2d",
-                                 global_amax=amax_by_group[fused_group(name)])
+        trained = quantize_nvfp4(
+            weights[name].astype(GEMM_INPUT_DTYPE), block="2d", global_amax=amax_by_group[fused_group(name)]
+        )
         assert np.array_equal(out.get(f"{name}.weight"), np.asarray(trained.packed)), name
-        assert out.get(f"{name}.weight_scale").view(np.uint8).tobytes() == \
-            np.asarray(trained.scales).view(np.uint8).tobytes(), name
+        assert (
+            out.get(f"{name}.weight_scale").view(np.uint8).tobytes()
+            == np.asarray(trained.scales).view(np.uint8).tobytes()
+        ), name
         assert out.get(f"{name}.weight_scale_2") == np.asarray(nvfp4_global_scales(trained.global_amax)[1])
         group_in = max(np.float32(input_amax[m]) for m in quantized if fused_group(m) == fused_group(name))
         assert out.get(f"{name}.input_scale") == np.asarray(nvfp4_global_scales(group_in)[1])
@@ -79,11 +96,15 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     for name, precision in pmap.items():
         if precision == "bf16":
             assert out.dtype(f"{name}.weight") == "bfloat16"
-            assert not [n for n in header_names if n.startswith(name + ".") and n != f"{name}.weight"
-                        and not n.endswith(".bias")], name
+            assert not [
+                n
+                for n in header_names
+                if n.startswith(name + ".") and n != f"{name}.weight" and not n.endswith(".bias")
+            ], name
     with open(tmp_path / "final" / "hf_quant_config.json") as f:
         assert sorted(json.load(f)["quantization"]["exclude_modules"]) == sorted(
-            n for n, p in pmap.items() if p == "bf16")
+            n for n, p in pmap.items() if p == "bf16"
+        )
     record = ExportRecord.read(tmp_path / "final")
     assert record.weight_block == "2d" and record.input_amax_origin == "training run"
     assert record.recipe["recipe"] == "nvfp4" and record.source.kind == "run"
@@ -98,8 +119,7 @@ def test_run_export_holds_the_trainers_quantized_weights(run_dir, tmp_path):
     # the same run with 1d block scales differs (so the 2d default is what makes it exact)
     export_checkpoint(str(run_dir), str(tmp_path / "w1d"), ExportOptions(weight_block="1d", show_progress=False))
     w1d = HFFolderSource(tmp_path / "w1d", check_config=False)
-    assert any(w1d.get(f"{n}.weight_scale").tobytes() != out.get(f"{n}.weight_scale").tobytes()
-               for n in quantized)
+    assert any(w1d.get(f"{n}.weight_scale").tobytes() != out.get(f"{n}.weight_scale").tobytes() for n in quantized)
     assert os.path.isfile(tmp_path / "final" / "tokenizer.json")
 
 
@@ -109,11 +129,26 @@ def test_a_bf16_run_exports_as_post_training_quantization(tmp_path):
     from nvfp4tool.errors import NVFP4ToolError
 
     train_txt, _ = embedded_corpus()
-    run = train(load_train_config(None, [
-        "model=tiny", f"data={train_txt}", "tokenizer=train", "vocab_size=300", "recipe=bf16",
-        "steps=1", "seq_len=32", "batch_size=8", "eval_every=0", f"out={tmp_path / 'run'}"]))
+    run = train(
+        load_train_config(
+            None,
+            [
+                "model=tiny",
+                f"data={train_txt}",
+                "tokenizer=train",
+                "vocab_size=300",
+                "recipe=bf16",
+                "steps=1",
+                "seq_len=32",
+                "batch_size=8",
+                "eval_every=0",
+                f"out={tmp_path / 'run'}",
+            ],
+        )
+    )
     with pytest.raises(NVFP4ToolError, match="--calib-data"):
         export_checkpoint(str(run.out), str(tmp_path / "w4a4"), ExportOptions(show_progress=False))
-    summary = export_checkpoint(str(run.out), str(tmp_path / "w4a16"),
-                                ExportOptions(quant="nvfp4-weight-only", show_progress=False))
+    summary = export_checkpoint(
+        str(run.out), str(tmp_path / "w4a16"), ExportOptions(quant="nvfp4-weight-only", show_progress=False)
+    )
     assert summary.quantized_modules == 4 * 7  # every decoder linear; lm_head stays BF16

@@ -50,14 +50,17 @@ def _memory_name(config: ModelConfig, name: str) -> str:
 def test_every_linear_and_expert_of_the_transformers_model_is_in_the_table(key):
     model, config, table = _tables(key)
     modules = dict(model.named_modules())
-    hf_linears = {n: tuple(m.weight.shape) for n, m in modules.items()
-                  if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("TopKRouter")}
+    hf_linears = {
+        n: tuple(m.weight.shape)
+        for n, m in modules.items()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("TopKRouter")
+    }
     if config.tie_word_embeddings:  # tied: transformers still has the lm_head module, sharing the table
         assert modules["lm_head"].weight is model.model.embed_tokens.weight
     ours = {_memory_name(config, m.name): m.shape for m in table.linears if m.expert is None}
     assert ours == hf_linears
     experts = {n: m for n, m in modules.items() if hasattr(m, "gate_up_proj")}
-    assert {f"{_memory_name(config, r)[:-len('.gate')]}.experts" for r in table.routers()} == set(experts)
+    assert {f"{_memory_name(config, r)[: -len('.gate')]}.experts" for r in table.routers()} == set(experts)
     for name, hf in experts.items():
         E, two_F, H = hf.gate_up_proj.shape
         rows = [m for m in table.linears if m.expert is not None and _memory_name(config, m.block) + ".experts" == name]
@@ -104,8 +107,11 @@ def test_fused_groups_read_one_input_in_transformers(key):
     """Members of a fused group (q/k/v, gate/up) are called on the very same input tensor."""
     model, config, table = _tables(key)
     seen: dict[str, torch.Tensor] = {}
-    hooks = [module.register_forward_hook(lambda mod, args, out, n=name: seen.__setitem__(n, args[0]))
-             for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    hooks = [
+        module.register_forward_hook(lambda mod, args, out, n=name: seen.__setitem__(n, args[0]))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
     with torch.no_grad():
         model(input_ids=torch.arange(3, 11)[None])
     for h in hooks:
@@ -147,7 +153,10 @@ def test_a_layer_kind_without_a_block_is_refused_in_one_line(monkeypatch):
 
     _, config, _ = _tables("llama3")
     monkeypatch.setattr(type(config.family_spec), "layer_kind", lambda self, config, layer: "retention")
-    with pytest.raises(NVFP4ToolError, match=r"llama: layer kind 'retention' has no block in the model \(kinds "
-                                             r"with blocks: attention\+mlp, attention\+moe, mamba, attention, "
-                                             r"mlp, moe\)"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=r"llama: layer kind 'retention' has no block in the model \(kinds "
+        r"with blocks: attention\+mlp, attention\+moe, mamba, attention, "
+        r"mlp, moe\)",
+    ):
         CausalLM(config)

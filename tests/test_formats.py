@@ -12,6 +12,7 @@ import stat
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 from converters.hf import HFFolderSource
 from nvfp4tool import formats
@@ -20,8 +21,6 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export import export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.records.export import ExportRecord
-
-from export_fixtures import export_options, synthetic_config, synthetic_source
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=1, vocab=128, head_dim=16, kv_heads=2, dtype="bfloat16")
 COMBOS = sorted(formats.SPECS)  # (format, quant) x 6
@@ -94,8 +93,11 @@ def test_layout_roles_round_trip_and_conventions(fmt, quant):
     roles = {}
     for name, dtype, shape in layout:
         role = next(t.role for t in spec.tensors if f"m.{t.suffix}" == name)
-        roles[role] = (np.asarray(rng.uniform(1e-4, 1e-2), np.float32).reshape(())
-                       if role in formats.GLOBAL_ROLES else rng.integers(0, 100, shape).astype(dtype))
+        roles[role] = (
+            np.asarray(rng.uniform(1e-4, 1e-2), np.float32).reshape(())
+            if role in formats.GLOBAL_ROLES
+            else rng.integers(0, 100, shape).astype(dtype)
+        )
     stored = spec.from_roles("m", roles)
     assert [(n_, a.dtype.name, a.shape) for n_, a in stored.items()] == layout
     for role in formats.GLOBAL_ROLES:
@@ -165,5 +167,7 @@ def test_convert_format_refuses_what_check_refuses(built, tmp_path, defect):
     result = CliRunner().invoke(cli, ["convert-format", src, str(tmp_path / "out"), "--to", "compressed-tensors"])
     assert result.exit_code == 1, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and name in errors[0] and "check failed" in errors[0] and "not converted" in errors[0], result.output
+    assert len(errors) == 1 and name in errors[0] and "check failed" in errors[0] and "not converted" in errors[0], (
+        result.output
+    )
     assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing written, not even a temporary folder

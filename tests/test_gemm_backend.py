@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from backend_fixtures import nvfp4_run
 from flax import nnx
 
-from backend_fixtures import nvfp4_run  # noqa: F401  (the session fixture)
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model import CausalLM
 from nvfp4tool.numerics import nvfp4_operand, quantize_nvfp4, transpose_2d
 from nvfp4tool.recipes.nvfp4_dot import WEIGHT_QUANTIZED
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
-from nvfp4tool.run.records import RunRecord
 from nvfp4tool.run.config import TrainConfig
+from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer
@@ -34,13 +34,16 @@ CPU = {"quantizer": "xla", "gemm": "emulated"}  # what "auto" resolves to here
 
 # ---- resolution, forcing, refusal ---------------------------------------------------------
 
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's resolution")
 def test_auto_resolves_by_the_platform_and_forced_keys_stay():
     assert RecipeConfig(name="nvfp4").resolved().backend() == CPU
     forced = RecipeConfig(name="nvfp4", quantizer="pallas", gemm="emulated").resolved()
     assert forced.backend() == {"quantizer": "pallas", "gemm": "emulated"}
-    assert TrainConfig(data="x", recipe="nvfp4", quantizer="pallas").resolved_recipe().backend() == \
-        {"quantizer": "pallas", "gemm": "emulated"}
+    assert TrainConfig(data="x", recipe="nvfp4", quantizer="pallas").resolved_recipe().backend() == {
+        "quantizer": "pallas",
+        "gemm": "emulated",
+    }
     assert RecipeConfig(name="bf16").resolved().backend() is None  # a recipe without nvfp4 GEMMs
     with pytest.raises(NVFP4ToolError, match="resolve the recipe first"):
         RecipeConfig(name="nvfp4").backend()
@@ -49,8 +52,11 @@ def test_auto_resolves_by_the_platform_and_forced_keys_stay():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="scaled_matmul lowers on a GPU")
 def test_gemm_native_is_refused_where_scaled_matmul_does_not_lower():
     config = TrainConfig(data="x", recipe="nvfp4", gemm="native")  # a recorded config stays constructible
-    with pytest.raises(NVFP4UsageError, match=r"^train config: gemm='native': jax.nn.scaled_matmul has no "
-                                              r"lowering on 'cpu'.*use gemm=emulated or gemm=auto$"):
+    with pytest.raises(
+        NVFP4UsageError,
+        match=r"^train config: gemm='native': jax.nn.scaled_matmul has no "
+        r"lowering on 'cpu'.*use gemm=emulated or gemm=auto$",
+    ):
         config.resolved_recipe()
     with pytest.raises(NVFP4UsageError, match="gemm='triton'; choose one of auto, emulated, native"):
         TrainConfig(data="x", gemm="triton")
@@ -58,7 +64,8 @@ def test_gemm_native_is_refused_where_scaled_matmul_does_not_lower():
 
 # ---- the record: run.json, metrics.jsonl, the printed line --------------------------------
 
-def test_a_run_records_and_prints_its_backend(nvfp4_run):  # noqa: F811
+
+def test_a_run_records_and_prints_its_backend(nvfp4_run):
     record = RunRecord.read(nvfp4_run["nvrun"])
     assert record.gemm_backend == CPU and record.train_config().gemm == "auto"
     on = jax.default_backend()
@@ -69,7 +76,7 @@ def test_a_run_records_and_prints_its_backend(nvfp4_run):  # noqa: F811
         assert list(r)[:3] == ["step", "quantizer", "gemm"] and {k: r[k] for k in CPU} == CPU
 
 
-def test_a_run_json_written_before_the_backend_was_recorded_still_reads(nvfp4_run, tmp_path):  # noqa: F811
+def test_a_run_json_written_before_the_backend_was_recorded_still_reads(nvfp4_run, tmp_path):
     with open(RunRecord.path(nvfp4_run["nvrun"])) as f:
         old = json.load(f)
     del old["gemm_backend"], old["config"]["gemm"]
@@ -81,6 +88,7 @@ def test_a_run_json_written_before_the_backend_was_recorded_still_reads(nvfp4_ru
 
 
 # ---- the weight's operands ----------------------------------------------------------------
+
 
 def test_the_16x16_dgrad_weight_is_the_fprop_one_transposed_bit_for_bit():
     """Quantizing W.T along N with 16x16 tiles gives transpose_2d of W's quantization along K, for
@@ -107,8 +115,9 @@ def test_the_16x16_dgrad_weight_is_the_fprop_one_transposed_bit_for_bit():
 
 
 # one dense block, 64 wide: 7 NVFP4 linears (lm_head stays bf16)
-DENSE = dataclasses.replace(preset_config("tiny", 256, 64), hidden_size=64, num_layers=1, head_dim=16,
-                            intermediate_size=128)
+DENSE = dataclasses.replace(
+    preset_config("tiny", 256, 64), hidden_size=64, num_layers=1, head_dim=16, intermediate_size=128
+)
 
 
 def _step_fns(remat: str, grad_accum: int = 2):
@@ -154,8 +163,9 @@ def test_the_weight_is_quantized_once_per_optimizer_step():
     assert _tags(step) == (n_linears, 0)
     # the count sees quantizations inside a loop: a loss gradient left to quantize in its forward
     # (no weights given, as eval does) quantizes once per linear there, inside the scan over two
-    grads = jax.make_jaxpr(lambda p, w: jax.lax.scan(
-        lambda c, x: (c, jax.grad(lambda q: fns.loss(q, x, jax.random.key(0))[0])(p)), 0, w))(state["params"], windows)
+    grads = jax.make_jaxpr(
+        lambda p, w: jax.lax.scan(lambda c, x: (c, jax.grad(lambda q: fns.loss(q, x, jax.random.key(0))[0])(p)), 0, w)
+    )(state["params"], windows)
     assert _tags(grads) == (0, n_linears)
 
 
@@ -164,9 +174,18 @@ def test_run_json_refuses_a_backend_for_another_recipe(tmp_path):
     from nvfp4tool.records.base import RecordError
 
     config = TrainConfig(data="x", recipe="bf16").to_dict()
-    record = {"config": config, "model_config": {}, "data_sha256": "0", "eval_data_sha256": None,
-              "tokenizer_sha256": "0", "train_windows": 1, "eval_windows": 1, "devices": 1, "processes": 1,
-              "gemm_backend": CPU}
+    record = {
+        "config": config,
+        "model_config": {},
+        "data_sha256": "0",
+        "eval_data_sha256": None,
+        "tokenizer_sha256": "0",
+        "train_windows": 1,
+        "eval_windows": 1,
+        "devices": 1,
+        "processes": 1,
+        "gemm_backend": CPU,
+    }
     with open(os.path.join(tmp_path, "run.json"), "w") as f:
         json.dump(record, f)
     with pytest.raises(RecordError, match="gemm_backend: recorded for recipe 'bf16'"):

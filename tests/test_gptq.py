@@ -43,8 +43,8 @@ def reference_gptq(w, h, *, block, damp, block_size, act_order, updated_scales=F
         for j in range(i, stop):
             col = perm[j]
             if updated_scales and j % 16 == 0:  # a block's first column (blocks stay whole under the order)
-                fresh = oracle.quantize(w[:, j:j + 16], block=block, global_amax=q["global_amax"])
-                enc[:, col:col + 16] = fresh["enc"]
+                fresh = oracle.quantize(w[:, j : j + 16], block=block, global_amax=q["global_amax"])
+                enc[:, col : col + 16] = fresh["enc"]
                 scale_bytes[:, col // 16] = fresh["scales"][:, 0]
                 scale_of[:, col // 16] = [F32(oracle.e4m3_value(int(b))) for b in fresh["scales"][:, 0]]
             for r in range(n):
@@ -53,7 +53,7 @@ def reference_gptq(w, h, *, block, damp, block_size, act_order, updated_scales=F
                 codes[r, col] = code
                 deq = oracle.mul(oracle.mul(F32(oracle.e2m1_value(code)), scale_of[r, col // 16]), s_dec)
                 errs[r, j - i] = (w[r, j] - deq) / u[j, j]
-            w[:, j + 1:stop] -= np.outer(errs[:, j - i], u[j, j + 1:stop])
+            w[:, j + 1 : stop] -= np.outer(errs[:, j - i], u[j, j + 1 : stop])
         w[:, stop:] -= errs @ u[i:stop, stop:]
     return codes, scale_bytes, q["global_amax"]
 
@@ -79,13 +79,14 @@ def test_matches_reference_exactly(block, act_order, block_scales):
     x = _correlated_inputs(rng, 256, k)
     h = x.T @ x
     h[:, 40] = h[40, :] = 0  # a dead column
-    codes, scales, gamax = reference_gptq(w, h, block=block, damp=0.05, block_size=32, act_order=act_order,
-                                          updated_scales=block_scales == "updated")
-    q, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32, act_order=act_order,
-                         block_scales=block_scales)
+    codes, scales, gamax = reference_gptq(
+        w, h, block=block, damp=0.05, block_size=32, act_order=act_order, updated_scales=block_scales == "updated"
+    )
+    q, _ = gptq_quantize(
+        w, h, block=block, global_amax=gamax, damp=0.05, block_size=32, act_order=act_order, block_scales=block_scales
+    )
     if block_scales == "updated":  # the updated weights chose other scales than the original's
-        original, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32,
-                                    act_order=act_order)
+        original, _ = gptq_quantize(w, h, block=block, global_amax=gamax, damp=0.05, block_size=32, act_order=act_order)
         assert (np.asarray(original.scales).view(np.uint8) != scales).any()
     np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), scales)
     np.testing.assert_array_equal(_codes(np.asarray(q.packed)), codes)
@@ -109,15 +110,17 @@ def test_lower_output_error_than_rtn(method, block_scales):
     assert err.output_rel_err == pytest.approx(float(expected), rel=1e-4)
     if method == "rtn":
         d = w - np.asarray(dequantize_nvfp4(quantize_nvfp4(w, global_amax=np.abs(w).max())))
-        assert err.rtn_output_rel_err == pytest.approx(float(np.sqrt(np.sum((d @ h) * d) / np.sum((w @ h) * w))),
-                                                       rel=1e-4)
+        assert err.rtn_output_rel_err == pytest.approx(
+            float(np.sqrt(np.sum((d @ h) * d) / np.sum((w @ h) * w))), rel=1e-4
+        )
 
 
 def test_block_order_keeps_16_column_blocks_whole_and_is_stable():
     diag = np.concatenate([np.full(16, 1.0), np.full(16, 3.0), np.full(16, 1.0), np.r_[np.full(15, 0.0), 48.0]])
     perm = block_order(diag)  # block sums 16, 48, 16, 48: blocks 1, 3, 0, 2
-    np.testing.assert_array_equal(perm, np.concatenate([np.arange(16, 32), np.arange(48, 64), np.arange(16),
-                                                        np.arange(32, 48)]))
+    np.testing.assert_array_equal(
+        perm, np.concatenate([np.arange(16, 32), np.arange(48, 64), np.arange(16), np.arange(32, 48)])
+    )
 
 
 def test_damping_matters():
@@ -131,13 +134,16 @@ def test_damping_matters():
     assert err_high.output_rel_err <= err_high.rtn_output_rel_err * 1.05  # heavy damping: near RTN
 
 
-@pytest.mark.parametrize("module, key", [
-    ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.qkv"),
-    ("model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),
-    ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.gate_up"),
-    ("model.layers.1.mlp.experts.5.gate_proj", "model.layers.1.mlp.experts.gate_up"),
-    ("model.layers.1.block_sparse_moe.experts.2.w3", "model.layers.1.block_sparse_moe.experts.gate_up"),
-    ("model.layers.1.mlp.experts.5.down_proj", "model.layers.1.mlp.experts.5.down_proj"),
-])
+@pytest.mark.parametrize(
+    "module, key",
+    [
+        ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.qkv"),
+        ("model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj"),
+        ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.gate_up"),
+        ("model.layers.1.mlp.experts.5.gate_proj", "model.layers.1.mlp.experts.gate_up"),
+        ("model.layers.1.block_sparse_moe.experts.2.w3", "model.layers.1.block_sparse_moe.experts.gate_up"),
+        ("model.layers.1.mlp.experts.5.down_proj", "model.layers.1.mlp.experts.5.down_proj"),
+    ],
+)
 def test_hessian_sharing(module, key):
     assert hessian_key(module) == key

@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from export_fixtures import CALIB_SAMPLES, CALIB_SEQ_LEN, synthetic_config, synthetic_source
 from hf_fixtures import build_tiny_model
+
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
@@ -35,17 +35,41 @@ def tiny(tmp_path_factory):
     return root, src, calib
 
 
-@pytest.mark.parametrize("fmt, quant, extra", [
-    ("modelopt", "nvfp4", []),
-    pytest.param("compressed-tensors", "nvfp4-weight-only", ["--weight-block", "2d", "--scale-search", "4over6"],
-                 marks=pytest.mark.slow),
-    ("compressed-tensors", "nvfp4", ["--gptq-block-scales", "updated"]),
-])
+@pytest.mark.parametrize(
+    "fmt, quant, extra",
+    [
+        ("modelopt", "nvfp4", []),
+        pytest.param(
+            "compressed-tensors",
+            "nvfp4-weight-only",
+            ["--weight-block", "2d", "--scale-search", "4over6"],
+            marks=pytest.mark.slow,
+        ),
+        ("compressed-tensors", "nvfp4", ["--gptq-block-scales", "updated"]),
+    ],
+)
 def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, quant, extra):
     root, src, calib = tiny
     out = str(root / f"{fmt}-{quant}")
-    result = CliRunner().invoke(cli, ["export", src, "--out", out, "--format", fmt, "--quant", quant,
-                                      "--calib-data", calib, *CALIB, "--weight-rounding", "gptq", *extra])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            src,
+            "--out",
+            out,
+            "--format",
+            fmt,
+            "--quant",
+            quant,
+            "--calib-data",
+            calib,
+            *CALIB,
+            "--weight-rounding",
+            "gptq",
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "below RTN's" in result.output
     # piped: the sequential pass reports progress lines, one layer a step (test_progress_lines.py)
@@ -67,15 +91,28 @@ def test_gptq_export_passes_check_and_records_lower_output_errors(tiny, fmt, qua
     assert ".gptq-spill" not in os.listdir(out)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--weight-rounding", "gptq"], "--weight-rounding gptq needs --calib-data"),
-    (["--weight-rounding", "gptq", "--quant", "fp8", "--calib-data", "CALIB"], "--quant nvfp4 or nvfp4-weight-only"),
-    (["--gptq-block-scales", "updated", "--calib-data", "CALIB"], "it needs --weight-rounding gptq"),
-    (["--weight-rounding", "gptq", "--gptq-block-scales", "new", "--calib-data", "CALIB"],
-     "Invalid value for '--gptq-block-scales'"),
-    *[(["--weight-rounding", "gptq", "--gptq-damp", damp, "--calib-data", "CALIB"],
-       "Invalid value for '--gptq-damp'") for damp in ("0", "-1", "nan", "inf", "1e300", "1.5")],
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--weight-rounding", "gptq"], "--weight-rounding gptq needs --calib-data"),
+        (
+            ["--weight-rounding", "gptq", "--quant", "fp8", "--calib-data", "CALIB"],
+            "--quant nvfp4 or nvfp4-weight-only",
+        ),
+        (["--gptq-block-scales", "updated", "--calib-data", "CALIB"], "it needs --weight-rounding gptq"),
+        (
+            ["--weight-rounding", "gptq", "--gptq-block-scales", "new", "--calib-data", "CALIB"],
+            "Invalid value for '--gptq-block-scales'",
+        ),
+        *[
+            (
+                ["--weight-rounding", "gptq", "--gptq-damp", damp, "--calib-data", "CALIB"],
+                "Invalid value for '--gptq-damp'",
+            )
+            for damp in ("0", "-1", "nan", "inf", "1e300", "1.5")
+        ],
+    ],
+)
 def test_bad_options_are_usage_errors(tiny, argv, message):
     root, src, calib = tiny
     argv = [calib if a == "CALIB" else a for a in argv]
@@ -92,8 +129,11 @@ def test_the_library_refuses_a_damp_outside_0_1_too(tiny, damp):
 
     root, src, calib = tiny
     with pytest.raises(NVFP4UsageError, match="--gptq-damp must be > 0.0 and <= 1.0"):
-        export_checkpoint(src, str(root / "bad"), ExportOptions(weight_rounding="gptq", gptq_damp=damp,
-                                                                calib_data=calib, show_progress=False))
+        export_checkpoint(
+            src,
+            str(root / "bad"),
+            ExportOptions(weight_rounding="gptq", gptq_damp=damp, calib_data=calib, show_progress=False),
+        )
     assert not os.path.exists(root / "bad")
 
 
@@ -113,14 +153,31 @@ def test_layer_1_hessian_comes_from_layer_0_quantized(tiny, monkeypatch):
     monkeypatch.setattr(gptq_pass, "gptq_quantize", spy)
     amax = {}
     for m in plan.quantized:
-        amax[plan.group_of(m)] = max(amax.get(plan.group_of(m), np.float32(0)), np.float32(np.abs(np.asarray(
-            source.tensors.get(f"{m}.weight"), np.float32)).max()))
-    result = gptq_pass.run_gptq(source.config, source.tensors, plan, amax, calib, spill_dir=str(root),
-                                samples=CALIB_SAMPLES, seq_len=CALIB_SEQ_LEN, tokenizer_dir=None,
-                                offload="never", method="rtn", block="1d", damp=0.05)
+        amax[plan.group_of(m)] = max(
+            amax.get(plan.group_of(m), np.float32(0)),
+            np.float32(np.abs(np.asarray(source.tensors.get(f"{m}.weight"), np.float32)).max()),
+        )
+    result = gptq_pass.run_gptq(
+        source.config,
+        source.tensors,
+        plan,
+        amax,
+        calib,
+        spill_dir=str(root),
+        samples=CALIB_SAMPLES,
+        seq_len=CALIB_SEQ_LEN,
+        tokenizer_dir=None,
+        offload="never",
+        method="rtn",
+        block="1d",
+        damp=0.05,
+    )
     # the same Hessian recomputed independently: a streamed model whose layer 0 linears are the records
-    quantized = {f"{m}.weight": np.asarray(dequantize_nvfp4(result.records.get(m), GEMM_INPUT_DTYPE))
-                 for m in plan.quantized if m.startswith("model.layers.0.")}
+    quantized = {
+        f"{m}.weight": np.asarray(dequantize_nvfp4(result.records.get(m), GEMM_INPUT_DTYPE))
+        for m in plan.quantized
+        if m.startswith("model.layers.0.")
+    }
 
     class Source:
         def get(self, name):
@@ -130,8 +187,9 @@ def test_layer_1_hessian_comes_from_layer_0_quantized(tiny, monkeypatch):
         model = open_bf16_model(source.config, tensors, seq_len=CALIB_SEQ_LEN, offload="always", what="test")
         found = {}
         tap = gptq_pass._Hessians(frozenset({"model.layers.*.self_attn.q_proj"}))
-        ids = load_calibration_ids(calib, samples=CALIB_SAMPLES, seq_len=CALIB_SEQ_LEN, tokenizer_dir=None,
-                                   vocab_size=source.config.vocab_size)
+        ids = load_calibration_ids(
+            calib, samples=CALIB_SAMPLES, seq_len=CALIB_SEQ_LEN, tokenizer_dir=None, vocab_size=source.config.vocab_size
+        )
         for _ in model.logits(ids, 8, tap=tap, on_record=lambda n, v: found.setdefault(n, np.asarray(v))):
             pass
         return found["model.layers.1.self_attn.q_proj"]
@@ -143,8 +201,9 @@ def test_layer_1_hessian_comes_from_layer_0_quantized(tiny, monkeypatch):
     # measured: the originals' Hessian differs by ~1e-3 of its max (the quantization error of layer 0)
     assert np.abs(original - expected).max() > 1e-4 * np.abs(expected).max()
     # q, k, v share the Hessian of their input
-    np.testing.assert_array_equal(seen["model.layers.1.self_attn.q_proj.weight"],
-                                  seen["model.layers.1.self_attn.v_proj.weight"])
+    np.testing.assert_array_equal(
+        seen["model.layers.1.self_attn.q_proj.weight"], seen["model.layers.1.self_attn.v_proj.weight"]
+    )
 
 
 def test_moe_gptq_export(tmp_path):
@@ -152,15 +211,35 @@ def test_moe_gptq_export(tmp_path):
     calib = str(tmp_path / "calib.npy")
     np.save(calib, np.random.default_rng(0).integers(3, 256, (4, 16)))
     out = str(tmp_path / "out")
-    result = CliRunner().invoke(cli, ["export", src, "--out", out, "--calib-data", calib, "--calib-samples", "4",
-                                      "--calib-seq-len", "16", "--weight-rounding", "gptq"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            src,
+            "--out",
+            out,
+            "--calib-data",
+            calib,
+            "--calib-samples",
+            "4",
+            "--calib-seq-len",
+            "16",
+            "--weight-rounding",
+            "gptq",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = check_checkpoint(out)
     assert report.ok, [p.line() for p in report.problems]
     record = ExportRecord.read(out)
     config = ModelConfig.from_hf_folder(src)
     experts = [m for m in record.layers if ".experts." in m]
-    assert len(experts) == 3 * config.experts.num_experts * sum(config.is_sparse_layer(i) for i in range(config.num_layers))
-    assert all(e.output_rel_err is not None and e.output_rel_err < e.rtn_output_rel_err
-               for m, e in record.layers.items() if m.endswith("experts.0.down_proj")), record.layers
+    assert len(experts) == 3 * config.experts.num_experts * sum(
+        config.is_sparse_layer(i) for i in range(config.num_layers)
+    )
+    assert all(
+        e.output_rel_err is not None and e.output_rel_err < e.rtn_output_rel_err
+        for m, e in record.layers.items()
+        if m.endswith("experts.0.down_proj")
+    ), record.layers
     assert json.load(open(os.path.join(out, "config.json")))["quantization_config"]

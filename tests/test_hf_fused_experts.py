@@ -17,11 +17,11 @@ import re
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hf_fixtures import MOE_KEYS, build_tiny_model
 
 import converters.hf as hf_module
 from converters.hf import HFFolderSource
 from converters.layout import FUSED_TENSOR_RE, fused_expert_shapes
-from hf_fixtures import MOE_KEYS, build_tiny_model
 from nvfp4tool.checkpoints import TEACHER_OPTIONS, TRAIN_OPTIONS, open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.export import ExportOptions, export_checkpoint
@@ -61,8 +61,9 @@ def _batch():
 def _transformers_logits(folder: str, ids, mask) -> np.ndarray:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
 
@@ -109,6 +110,7 @@ def test_the_fused_reader_reads_one_expert_at_a_time(saved, monkeypatch):
                 def __getitem__(self, index):
                     reads.append((name, index))
                     return inner[index]
+
             return Slice()
 
     monkeypatch.setattr(hf_module, "safe_open", Recording)
@@ -117,9 +119,11 @@ def test_the_fused_reader_reads_one_expert_at_a_time(saved, monkeypatch):
     up = source.get("model.layers.1.block_sparse_moe.experts.2.w3.weight")
     down = source.get("model.layers.1.block_sparse_moe.experts.2.w2.weight")
     F = source.config.expert_intermediate_size
-    assert reads == [("model.layers.1.mlp.experts.gate_up_proj", (2, slice(0, F))),
-                     ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(F, 2 * F))),
-                     ("model.layers.1.mlp.experts.down_proj", (2, slice(0, source.config.hidden_size)))]
+    assert reads == [
+        ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(0, F))),
+        ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(F, 2 * F))),
+        ("model.layers.1.mlp.experts.down_proj", (2, slice(0, source.config.hidden_size))),
+    ]
     assert gate.shape == up.shape == (F, source.config.hidden_size) and down.shape == gate.shape[::-1]
 
 
@@ -140,12 +144,16 @@ def test_export_of_the_fused_folder_is_byte_identical(key, saved, tmp_path):
     outs = {}
     for layout in ("per-expert", "fused"):
         outs[layout] = str(tmp_path / layout)
-        export_checkpoint(saved[key, layout], outs[layout],
-                          ExportOptions(quant="nvfp4-weight-only", show_progress=False))
+        export_checkpoint(
+            saved[key, layout], outs[layout], ExportOptions(quant="nvfp4-weight-only", show_progress=False)
+        )
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(outs["fused"], "*.safetensors")))
     assert files == sorted(os.path.basename(p) for p in glob.glob(os.path.join(outs["per-expert"], "*.safetensors")))
     for name in files:
-        with open(os.path.join(outs["fused"], name), "rb") as a, open(os.path.join(outs["per-expert"], name), "rb") as b:
+        with (
+            open(os.path.join(outs["fused"], name), "rb") as a,
+            open(os.path.join(outs["per-expert"], name), "rb") as b,
+        ):
             assert a.read() == b.read(), name
 
 
@@ -158,8 +166,9 @@ def test_convert_to_hf_writes_the_per_expert_layout_transformers_loads(key, save
     assert not any(re.search(FUSED_TENSOR_RE, n) for n in names)
     assert sorted(names) == sorted(_stored_names(saved[key, "per-expert"]))
     ids, mask = _batch()
-    np.testing.assert_allclose(_transformers_logits(out, ids, mask),
-                               _transformers_logits(saved[key, "fused"], ids, mask), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        _transformers_logits(out, ids, mask), _transformers_logits(saved[key, "fused"], ids, mask), rtol=0, atol=1e-5
+    )
 
 
 def test_every_command_opens_the_fused_folder(saved):

@@ -12,21 +12,30 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from file_fixtures import rewrite_header
 
 from converters.hf import HFFolderSource, parse_size, write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
-from file_fixtures import rewrite_header
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
-CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
-                     num_heads=2, num_kv_heads=1, head_dim=8, attention_bias=True, dtype="float32")
+CONFIG = ModelConfig(
+    family="qwen2",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    attention_bias=True,
+    dtype="float32",
+)
 
 
 def tensors(dtype=np.float32, seed=0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(shape).astype(dtype)
-            for name, shape in CONFIG.expected_tensor_shapes().items()}
+    return {name: rng.standard_normal(shape).astype(dtype) for name, shape in CONFIG.expected_tensor_shapes().items()}
 
 
 def written(tmp_path, name="model", *, source=None, **kwargs) -> str:
@@ -63,8 +72,10 @@ def test_bf16_cast_and_bf16_round_trip(tmp_path):
         assert same_bytes(source.get(name), value.astype(ml_dtypes.bfloat16)), name  # RNE, as torch
     again = str(tmp_path / "again")
     write_hf_folder(again, source.config, source, dtype=None)  # bf16 -> bf16 keeps every bit
-    with open(os.path.join(out, "model.safetensors"), "rb") as a, \
-            open(os.path.join(again, "model.safetensors"), "rb") as b:
+    with (
+        open(os.path.join(out, "model.safetensors"), "rb") as a,
+        open(os.path.join(again, "model.safetensors"), "rb") as b,
+    ):
         assert a.read() == b.read()
 
 
@@ -97,8 +108,13 @@ def test_tokenizer_files_copied_and_config_keys_kept(tmp_path):
     source = HFFolderSource(src)
     out = str(tmp_path / "out")
     write_hf_folder(out, source.config, source, copy_from=src)
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert json.load(open(os.path.join(out, "config.json")))["my_extra_key"] == [1, 2, 3]
     assert open(os.path.join(out, "tokenizer.json")).read() == '{"file": "tokenizer.json"}'
 
@@ -127,8 +143,11 @@ def test_tied_lm_head_and_inv_freq_tolerated(tmp_path):
     json.dump({**json.load(open(config_path)), "tie_word_embeddings": True}, open(config_path, "w"))
     path = os.path.join(out, "model.safetensors")
     stored = safetensors.numpy.load_file(path)
-    safetensors.numpy.save_file({**stored, "model.layers.0.self_attn.rotary_emb.inv_freq":
-                                 np.ones(4, np.float32)}, path, metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+        {**stored, "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)},
+        path,
+        metadata={"format": "pt"},
+    )
     source = HFFolderSource(out)
     assert "lm_head.weight" not in source.names() and not any("inv_freq" in n for n in source.names())
 
@@ -193,8 +212,9 @@ def test_offsets_past_end_of_file(tmp_path):
 
 def test_missing_shard(tmp_path):
     out = written(tmp_path, max_shard_size=3000)
-    victim = os.path.join(out, "model-00002-of-%05d.safetensors" % len(
-        [f for f in os.listdir(out) if f.endswith(".safetensors")]))
+    victim = os.path.join(
+        out, "model-00002-of-%05d.safetensors" % len([f for f in os.listdir(out) if f.endswith(".safetensors")])
+    )
     os.remove(victim)
     message = error_of(out)
     assert victim in message and "missing shard" in message and "tensor 'model." in message
@@ -205,7 +225,8 @@ def test_index_names_tensor_not_in_shard(tmp_path):
     index_path = os.path.join(out, "model.safetensors.index.json")
     index = json.load(open(index_path))
     index["weight_map"]["model.norm.weight"] = "model-00001-of-%05d.safetensors" % len(
-        set(index["weight_map"].values()))
+        set(index["weight_map"].values())
+    )
     json.dump(index, open(index_path, "w"))
     message = error_of(out)
     assert "model-00001-of-" in message and "'model.norm.weight' is not in this shard" in message
@@ -234,8 +255,10 @@ def test_missing_and_unexpected_tensors(tmp_path):
 def test_unknown_architecture(tmp_path):
     out = written(tmp_path)
     config_path = os.path.join(out, "config.json")
-    json.dump({**json.load(open(config_path)), "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
-              open(config_path, "w"))
+    json.dump(
+        {**json.load(open(config_path)), "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+        open(config_path, "w"),
+    )
     message = error_of(out)
     assert config_path in message and "unsupported architecture 'gpt2'" in message
     assert HFFolderSource(out, check_config=False).names()  # still readable as plain tensors

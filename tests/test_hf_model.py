@@ -12,9 +12,9 @@ import os
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import FAMILY_KEYS, MOE_KEYS, build_tiny_model, build_torch_model, hf_tiny_models
 
 from converters.hf import HFFolderSource
-from hf_fixtures import FAMILY_KEYS, MOE_KEYS, build_tiny_model, build_torch_model, hf_tiny_models  # noqa: F401
 from nvfp4tool.model import forward, generate, model_from_tensors
 from nvfp4tool.model.linear import Seam, default_linear
 from nvfp4tool.model.transformer import forward_side
@@ -30,7 +30,7 @@ def padded_batch(T: int = 12, vocab: int = 256, seed: int = 0):
     ids = np.random.default_rng(seed).integers(3, vocab, size=(3, T))
     mask = np.ones((3, T), np.int64)
     mask[1, :4] = 0
-    mask[2, T - 3:] = 0
+    mask[2, T - 3 :] = 0
     ids[mask == 0] = 0
     return ids, mask
 
@@ -38,8 +38,9 @@ def padded_batch(T: int = 12, vocab: int = 256, seed: int = 0):
 def torch_logits(key: str, ids, mask, positions) -> np.ndarray:
     model = build_torch_model(key)
     with torch.no_grad():
-        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                     position_ids=torch.tensor(positions)).logits.numpy()
+        return model(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
+        ).logits.numpy()
 
 
 def our_model(folder: str, **kwargs):
@@ -69,11 +70,14 @@ def test_logits_match_transformers(key, hf_tiny_models, reference_logits):
     assert np.abs(theirs).max() > 1.0  # logits are not degenerate
 
 
-@pytest.mark.parametrize("key, change", [
-    ("llama3", {"rope_scaling": None}),
-    ("llama_tied", {"rope_scaling": None}),
-    ("mistral", {"sliding_window": None}),
-])
+@pytest.mark.parametrize(
+    "key, change",
+    [
+        ("llama3", {"rope_scaling": None}),
+        ("llama_tied", {"rope_scaling": None}),
+        ("mistral", {"sliding_window": None}),
+    ],
+)
 def test_the_fixture_exercises_the_feature(key, change, hf_tiny_models, reference_logits):
     """Turning the feature off in our config moves the logits far outside the tolerance."""
     source = HFFolderSource(hf_tiny_models[key])
@@ -100,16 +104,19 @@ def test_bf16_checkpoint_read_correctly(tmp_path):
     # transformers upcasts the stored bf16 values to fp32 itself (model.to(bf16) would also round
     # the RoPE inv_freq buffer, which real bf16 checkpoints do not store).
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager").eval()
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     reference = build_torch_model("qwen2").to(torch.bfloat16).state_dict()
     for name in source.names():  # bit-exact bf16 values
-        np.testing.assert_array_equal(source.get(name).view(np.uint16),
-                                      reference[name].view(torch.int16).numpy().view(np.uint16), err_msg=name)
+        np.testing.assert_array_equal(
+            source.get(name).view(np.uint16), reference[name].view(torch.int16).numpy().view(np.uint16), err_msg=name
+        )
     ids, mask = padded_batch()
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
     with torch.no_grad():
-        theirs = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                             position_ids=torch.tensor(positions)).logits.numpy()
+        theirs = torch_model(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
+        ).logits.numpy()
     ours = np.asarray(forward(model_from_tensors(source.config, source), ids, mask))
     assert np.abs(ours - theirs)[real(mask)].max() < TOLERANCE
 
@@ -120,11 +127,17 @@ def test_greedy_generation_matches_transformers(key, hf_tiny_models):
     ids, mask = ids[:2], mask[:2]  # full and left-padded rows (HF's generate expects left padding)
     torch_model = build_torch_model(key)
     with torch.no_grad():
-        theirs = torch_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                      max_new_tokens=10, do_sample=False, eos_token_id=2,
-                                      pad_token_id=0).numpy()[:, ids.shape[1]:]
-    ours = np.asarray(generate(our_model(hf_tiny_models[key]), ids, 10, attention_mask=mask,
-                               eos_token_id=2, pad_token_id=0))
+        theirs = torch_model.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        ).numpy()[:, ids.shape[1] :]
+    ours = np.asarray(
+        generate(our_model(hf_tiny_models[key]), ids, 10, attention_mask=mask, eos_token_id=2, pad_token_id=0)
+    )
     np.testing.assert_array_equal(ours, theirs)
     assert len(set(ours.ravel().tolist())) > 3  # not a degenerate repeat of one token
 

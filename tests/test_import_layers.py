@@ -99,12 +99,14 @@ def import_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> di
                 targets = [deepest(alias.name) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in mods else deepest(source)
-                           for alias in node.names]
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in mods else deepest(source)
+                    for alias in node.names
+                ]
             for target in targets:
                 if target is not None and target != name:
                     where, at = edges.setdefault((name, target), []), f"{path.relative_to(root)}:{node.lineno}"
@@ -129,8 +131,11 @@ def layer_of(module: str) -> int | None:
 
 def upward(edges) -> list[tuple[str, str]]:
     """The edges from a lower layer to a higher one."""
-    return sorted((a, b) for a, b in edges if (a, b) not in EXEMPT and layer_of(a) is not None
-                  and layer_of(b) is not None and layer_of(a) < layer_of(b))
+    return sorted(
+        (a, b)
+        for a, b in edges
+        if (a, b) not in EXEMPT and layer_of(a) is not None and layer_of(b) is not None and layer_of(a) < layer_of(b)
+    )
 
 
 def cycles(edges) -> list[list[str]]:
@@ -184,8 +189,9 @@ def test_every_module_has_a_layer():
 def test_no_import_cycle():
     edges = _tree_edges()
     found = cycles(set(edges) - EXEMPT)
-    report = "\n".join(f"cycle {' <-> '.join(c)}:\n" + _show(edges, [e for e in edges if e[0] in c and e[1] in c])
-                       for c in found)
+    report = "\n".join(
+        f"cycle {' <-> '.join(c)}:\n" + _show(edges, [e for e in edges if e[0] in c and e[1] in c]) for c in found
+    )
     assert not found, f"{len(found)} import cycle(s):\n{report}"
 
 
@@ -205,9 +211,13 @@ def test_one_name_per_dtype_constant():
     defined: dict[str, list[str]] = {}
     for name, path in modules().items():
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            targets = ([t for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else
-                       [node.target] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                       else [])
+            targets = (
+                [t for t in node.targets if isinstance(t, ast.Name)]
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                else []
+            )
             for target in targets:
                 if "DTYPE" in target.id.upper() and target.id.lstrip("_").isupper():
                     defined.setdefault(target.id, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
@@ -225,14 +235,18 @@ def test_the_checker_sees_a_planted_cycle_and_an_upward_import(tmp_path):
         (init / "__init__.py").write_text("")
     (package / "model" / "weights.py").write_text("def f():\n    from nvfp4tool.train import trainer\n")
     (package / "train" / "trainer.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import step\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import step\n"
+    )
     (package / "train" / "step.py").write_text("from ..model.weights import f\n")
     edges = import_edges(modules(tmp_path, ("nvfp4tool",)), tmp_path)
-    assert set(edges) == {("nvfp4tool.model.weights", "nvfp4tool.train.trainer"),
-                          ("nvfp4tool.train.trainer", "nvfp4tool.train.step"),
-                          ("nvfp4tool.train.step", "nvfp4tool.model.weights")}
+    assert set(edges) == {
+        ("nvfp4tool.model.weights", "nvfp4tool.train.trainer"),
+        ("nvfp4tool.train.trainer", "nvfp4tool.train.step"),
+        ("nvfp4tool.train.step", "nvfp4tool.model.weights"),
+    }
     assert edges[("nvfp4tool.model.weights", "nvfp4tool.train.trainer")] == [
-        str(pathlib.Path("nvfp4tool", "model", "weights.py")) + ":2"]
+        str(pathlib.Path("nvfp4tool", "model", "weights.py")) + ":2"
+    ]
     assert cycles(edges) == [["nvfp4tool.model.weights", "nvfp4tool.train.step", "nvfp4tool.train.trainer"]]
     assert upward(edges) == [("nvfp4tool.model.weights", "nvfp4tool.train.trainer")]
     assert layer_of("nvfp4tool.errors") == layer_of("nvfp4tool") == 0

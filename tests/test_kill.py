@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from file_fixtures import Recorder
 
 from converters.atomic import MARKER_FILE
 from converters.hf import HFFolderSource, write_hf_folder
@@ -31,24 +32,36 @@ from converters.tensor_source import DictTensorSource
 from nvfp4tool import progress
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
-from file_fixtures import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    dtype="bfloat16",
+)
 
 # command -> (arguments with {hf}, {mt}, {export}, {out} placeholders, output kind)
 COMMANDS = {
     "convert hf->maxtext": (["convert", "{hf}", "{out}", "--to", "maxtext", "--rope-layout", "half"], "maxtext"),
-    "convert maxtext->hf": (["convert", "{mt}", "{out}", "--to", "hf", "--model-config", "{hf}",
-                             "--rope-layout", "half"], "hf"),
-    "convert hf->hf": (["convert", "{hf}", "{out}", "--to", "hf", "--dtype", "fp32", "--max-shard-size", "40KB"],
-                       "hf"),
+    "convert maxtext->hf": (
+        ["convert", "{mt}", "{out}", "--to", "hf", "--model-config", "{hf}", "--rope-layout", "half"],
+        "hf",
+    ),
+    "convert hf->hf": (["convert", "{hf}", "{out}", "--to", "hf", "--dtype", "fp32", "--max-shard-size", "40KB"], "hf"),
     "export": (["export", "{hf}", "--out", "{out}", "--quant", "nvfp4-weight-only"], "hf"),
     "convert-format": (["convert-format", "{export}", "{out}", "--to", "compressed-tensors"], "hf"),
 }
 CASES = [(command, point) for command in COMMANDS for point in ("start", "mid", "publish")] + [
-    ("convert hf->hf", "replace"), ("export", "replace"), ("convert hf->maxtext", "replace")]
+    ("convert hf->hf", "replace"),
+    ("export", "replace"),
+    ("convert hf->maxtext", "replace"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +110,33 @@ def _tensors(folder: str, kind: str) -> dict[str, bytes]:
     return {n: source.get(n).tobytes() for n in source.names()}
 
 
-def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str = ".", *,
-             sig: signal.Signals = signal.SIGKILL, returncode: list | None = None) -> tuple[str, int]:
+def _kill_at(
+    point: str,
+    args: list[str],
+    ready: Path,
+    tmp_prefix: str = ".",
+    *,
+    sig: signal.Signals = signal.SIGKILL,
+    returncode: list | None = None,
+) -> tuple[str, int]:
     """Run kill_child.py until it reaches `point` in the first temporary folder whose name starts
     with `tmp_prefix`, send it `sig` (SIGKILL) and wait; (that temporary folder, its pid); its exit
     status is appended to `returncode` when given."""
-    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kill_child.py"), point, str(ready), *args],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                                                TMP_PREFIX=tmp_prefix),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "kill_child.py"), point, str(ready), *args],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMP_PREFIX=tmp_prefix),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not ready.exists():
             if child.poll() is not None:
-                pytest.fail(f"the command ended (exit {child.returncode}) before {point!r}:\n"
-                            f"{child.stdout.read()[-3000:]}")
+                pytest.fail(
+                    f"the command ended (exit {child.returncode}) before {point!r}:\n{child.stdout.read()[-3000:]}"
+                )
             assert time.monotonic() < deadline, f"{point!r} not reached in 300 s"
             time.sleep(0.02)
     finally:
@@ -172,8 +197,20 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
 
     train_txt, val_txt = embedded_corpus()
     run = tmp_path / "run"
-    args = ["train", "model=tiny", f"data={train_txt}", f"eval_data={val_txt}", f"tokenizer={tokenizer_dir}",
-            "recipe=bf16", "steps=2", "seq_len=32", "batch_size=8", "eval_every=0", f"out={run}", "seed=1"]
+    args = [
+        "train",
+        "model=tiny",
+        f"data={train_txt}",
+        f"eval_data={val_txt}",
+        f"tokenizer={tokenizer_dir}",
+        "recipe=bf16",
+        "steps=2",
+        "seq_len=32",
+        "batch_size=8",
+        "eval_every=0",
+        f"out={run}",
+        "seed=1",
+    ]
     tmp, pid = _kill_at(point, args, tmp_path / "ready", tmp_prefix=".hf.tmp-")  # not the run folder's
     assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
     assert not (run / "hf").exists()  # no complete-looking broken folder
@@ -212,8 +249,22 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     assert _tensors(str(tmp_path / "out"), "hf") == _tensors(_reference(inputs, "convert maxtext->hf"), "hf")
 
 
-GPTQ_EXPORT = ["export", "{hf}", "--out", "{out}", "--quant", "nvfp4-weight-only", "--weight-rounding", "gptq",
-               "--calib-data", "{ids}", "--calib-samples", "4", "--calib-seq-len", "16"]
+GPTQ_EXPORT = [
+    "export",
+    "{hf}",
+    "--out",
+    "{out}",
+    "--quant",
+    "nvfp4-weight-only",
+    "--weight-rounding",
+    "gptq",
+    "--calib-data",
+    "{ids}",
+    "--calib-samples",
+    "4",
+    "--calib-seq-len",
+    "16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +310,8 @@ def test_sigterm_during_a_gptq_export_removes_every_temporary(gptq_reference, tm
     folder, no spill, without a rerun; exit status 143."""
     out = tmp_path / "outs" / "out"
     ended: list = []
-    _kill_at(point, _fill(GPTQ_EXPORT, gptq_reference, str(out)), tmp_path / "ready", sig=signal.SIGTERM,
-             returncode=ended)
+    _kill_at(
+        point, _fill(GPTQ_EXPORT, gptq_reference, str(out)), tmp_path / "ready", sig=signal.SIGTERM, returncode=ended
+    )
     assert ended[0][0] == 128 + signal.SIGTERM, ended
     assert not out.parent.exists() or os.listdir(out.parent) == [], os.listdir(out.parent)

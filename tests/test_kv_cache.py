@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from export_fixtures import export_options, synthetic_config, synthetic_source
 
 from converters.hf import SINGLE_FILE, HFFolderSource, read_safetensors_header, write_safetensors
 from nvfp4tool import formats
@@ -20,19 +21,16 @@ from nvfp4tool.cli import cli
 from nvfp4tool.export import export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.simulate import load_export, served_kv
-from nvfp4tool.model.linear import default_linear
 from nvfp4tool.model.attention import AttentionMask
+from nvfp4tool.model.linear import default_linear
 from nvfp4tool.model.transformer import default_positions, forward_with_cache
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.records.export import ExportRecord
 
-from export_fixtures import export_options, synthetic_config, synthetic_source
-
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=128, head_dim=16, kv_heads=2, dtype="bfloat16")
 ATTENTIONS = [f"model.layers.{i}.self_attn" for i in range(CONFIG.num_layers)]
 # what each layout writes: (k scale suffix, v scale suffix, shape) and the config keys announcing them
-WANT = {"modelopt": ("k_proj.k_scale", "v_proj.v_scale", ()),
-        "compressed-tensors": ("k_scale", "v_scale", (1,))}
+WANT = {"modelopt": ("k_proj.k_scale", "v_proj.v_scale", ()), "compressed-tensors": ("k_scale", "v_scale", (1,))}
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +86,21 @@ def test_layout_names_dtypes_shapes_and_config_keys(exports, fmt):
         assert qc["kv_cache_scheme"] == {"dynamic": False, "num_bits": 8, "type": "float"}
         assert qc["kv_cache_quant_algo"] == "FP8"
     else:
-        assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                         "dynamic": False, "symmetric": True}
+        assert qc["kv_cache_scheme"] == {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        }
     assert formats.describe(folder).kv_cache == "fp8" and formats.describe(exports[f"{fmt}-plain"]).kv_cache is None
 
 
 def test_kv_cache_needs_calibration_data(source, tmp_path):
     src, _ = source
-    result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "o"), "--quant", "nvfp4-weight-only",
-                                      "--kv-cache", "fp8"])
+    result = CliRunner().invoke(
+        cli, ["export", src, "--out", str(tmp_path / "o"), "--quant", "nvfp4-weight-only", "--kv-cache", "fp8"]
+    )
     assert result.exit_code == 2 and "--kv-cache fp8" in result.output and "--calib-data" in result.output
     result = CliRunner().invoke(cli, ["export", src, "--out", str(tmp_path / "o"), "--kv-cache", "nvfp4"])
     assert result.exit_code == 2 and "--kv-cache" in result.output  # only none | fp8 are offered
@@ -122,12 +126,16 @@ def test_model_card_says_the_kv_cache(exports, fmt):
 
 
 def test_convert_format_carries_kv_scales_byte_identical(exports, tmp_path):
-    for src, to, direct in (("modelopt", "compressed-tensors", "compressed-tensors"),
-                            ("compressed-tensors", "modelopt", "modelopt")):
+    for src, to, direct in (
+        ("modelopt", "compressed-tensors", "compressed-tensors"),
+        ("compressed-tensors", "modelopt", "modelopt"),
+    ):
         out = str(tmp_path / f"from-{src}")
         convert_format(exports[src], out, to=to)
-        with open(os.path.join(out, SINGLE_FILE), "rb") as a, \
-                open(os.path.join(exports[direct], SINGLE_FILE), "rb") as b:
+        with (
+            open(os.path.join(out, SINGLE_FILE), "rb") as a,
+            open(os.path.join(exports[direct], SINGLE_FILE), "rb") as b,
+        ):
             assert a.read() == b.read()
         assert formats.describe(out).kv_cache == "fp8"
         assert ExportRecord.read(out).kv_amax == ExportRecord.read(exports[direct]).kv_amax
@@ -158,7 +166,7 @@ def _copy(folder, tmp_path, name="copy"):
 
 def _problems(output: str) -> list[dict]:
     """The problems of `check --json`'s report (the CLI's one-line error follows the JSON)."""
-    return json.JSONDecoder().raw_decode(output[output.index("{"):])[0]["problems"]
+    return json.JSONDecoder().raw_decode(output[output.index("{") :])[0]["problems"]
 
 
 def _announce(folder: str, fmt: str, kv: str | None) -> None:
@@ -181,15 +189,20 @@ K0 = {fmt: f"model.layers.0.self_attn.{WANT[fmt][0]}" for fmt in WANT}
 V1 = {fmt: f"model.layers.1.self_attn.{WANT[fmt][1]}" for fmt in WANT}
 CASES = {  # name -> (edit(folder, fmt), the tensor named, words of the message)
     "zero k_scale": (lambda d, f: _rewrite(d, {K0[f]: np.zeros(WANT[f][2], np.float32)}), K0, "finite and > 0"),
-    "NaN v_scale": (lambda d, f: _rewrite(d, {V1[f]: np.full(WANT[f][2], np.nan, np.float32)}), V1,
-                    "finite and > 0"),
-    "negative k_scale": (lambda d, f: _rewrite(d, {K0[f]: np.full(WANT[f][2], -0.5, np.float32)}), K0,
-                         "finite and > 0"),
+    "NaN v_scale": (lambda d, f: _rewrite(d, {V1[f]: np.full(WANT[f][2], np.nan, np.float32)}), V1, "finite and > 0"),
+    "negative k_scale": (
+        lambda d, f: _rewrite(d, {K0[f]: np.full(WANT[f][2], -0.5, np.float32)}),
+        K0,
+        "finite and > 0",
+    ),
     "missing k_scale": (lambda d, f: _rewrite(d, {K0[f]: None}), K0, "missing: the configs announce"),
     "BF16 k_scale": (lambda d, f: _rewrite(d, {K0[f]: np.ones(WANT[f][2], "bfloat16")}), K0, "expected F32"),
     "k_scale of shape [2]": (lambda d, f: _rewrite(d, {K0[f]: np.ones(2, np.float32)}), K0, "expected F32"),
-    "scales without the config announcing them": (lambda d, f: _announce(d, f, None), K0,
-                                                  "announce no quantized KV cache"),
+    "scales without the config announcing them": (
+        lambda d, f: _announce(d, f, None),
+        K0,
+        "announce no quantized KV cache",
+    ),
 }
 
 
@@ -252,14 +265,15 @@ def test_default_kv_seam_is_an_exact_no_op(source):
     seen = []
 
     def run(*kv):
-        return np.asarray(forward_with_cache(model, ids, positions, AttentionMask.causal(), None, 0,
-                                             default_linear, *kv)[0])
+        return np.asarray(
+            forward_with_cache(model, ids, positions, AttentionMask.causal(), None, 0, default_linear, *kv)[0]
+        )
 
     def identity(k, v, *, name):
         seen.append(name)
         return k, v
 
-    coarse = lambda k, v, *, name: served_kv(k, v, (jnp.float32(1.0), jnp.float32(1.0)))  # noqa: E731
+    coarse = lambda k, v, *, name: served_kv(k, v, (jnp.float32(1.0), jnp.float32(1.0)))
     assert np.array_equal(run(), run(identity)) and seen == ATTENTIONS
     assert not np.array_equal(run(), run(coarse))
 
@@ -275,8 +289,18 @@ def test_validate_reports_the_fp8_kv_cache_effect_separately(exports, source, of
     from nvfp4tool.validate.runner import ValidateOptions, open_inputs, run_validation
 
     _, calib = source
-    options = ValidateOptions(data=calib, reference="bf16", samples=2, seq_len=16, batch_size=2, prompts=1,
-                              prompt_len=4, gen_tokens=4, offload=offload, source=source[0])
+    options = ValidateOptions(
+        data=calib,
+        reference="bf16",
+        samples=2,
+        seq_len=16,
+        batch_size=2,
+        prompts=1,
+        prompt_len=4,
+        gen_tokens=4,
+        offload=offload,
+        source=source[0],
+    )
     with open_inputs(exports["modelopt"], options) as inputs:
         record = run_validation(inputs)
     plain, kv = record.models["nvfp4"], record.models["nvfp4+fp8-kv"]
@@ -288,4 +312,3 @@ def test_validate_reports_the_fp8_kv_cache_effect_separately(exports, source, of
         assert set(record.generation.first_divergence) == {"nvfp4", "nvfp4+fp8-kv"}
     with open_inputs(exports["modelopt-plain"], options) as inputs:
         assert [c.label for c in inputs.runs] == ["nvfp4"]  # no KV scales: no +fp8-kv run
-

@@ -17,15 +17,15 @@ import os
 
 import numpy as np
 import pytest
-
 from hf_fixtures import build_tiny_model
+
 from nvfp4tool import formats
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.formats.compressed_tensors import KV_CACHE_SCHEME
 
 pytestmark = pytest.mark.peers
 SAMPLES, SEQ_LEN = 4, 16
-RTOL = 2.0 ** -6
+RTOL = 2.0**-6
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,18 @@ def exported(tmp_path_factory):
     out = {"src": src, "calib": calib}
     for fmt in formats.FORMATS:
         out[fmt] = str(root / fmt)
-        export_checkpoint(src, out[fmt], ExportOptions(format=fmt, calib_data=calib, calib_samples=SAMPLES,
-                                                       calib_seq_len=SEQ_LEN, kv_cache="fp8",
-                                                       show_progress=False))
+        export_checkpoint(
+            src,
+            out[fmt],
+            ExportOptions(
+                format=fmt,
+                calib_data=calib,
+                calib_samples=SAMPLES,
+                calib_seq_len=SEQ_LEN,
+                kv_cache="fp8",
+                show_progress=False,
+            ),
+        )
     return out
 
 
@@ -59,8 +68,12 @@ def _transformers_kv_amax(src: str, ids: np.ndarray) -> tuple[list[float], list[
         k_after.append(float(k_embed.abs().max().float()))
         return q_embed, k_embed
 
-    hooks = [layer.self_attn.v_proj.register_forward_hook(
-        lambda module, inputs, output: v.append(float(output.abs().max().float()))) for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.v_proj.register_forward_hook(
+            lambda module, inputs, output: v.append(float(output.abs().max().float()))
+        )
+        for layer in model.model.layers
+    ]
     modeling_qwen3.apply_rotary_pos_emb = recording
     try:
         with torch.no_grad():
@@ -112,8 +125,12 @@ def test_transformers_loads_our_compressed_tensors_export_with_kv_scales(exporte
         if is_cached_attention_module(attention):
             for which in ("k", "v"):
                 ours = stored[f"model.layers.{i}.self_attn.{which}_scale"]
-                assert getattr(attention, f"{which}_scale").float().reshape(-1).equal(ours.reshape(-1).to(
-                    getattr(attention, f"{which}_scale").dtype).float())
+                assert (
+                    getattr(attention, f"{which}_scale")
+                    .float()
+                    .reshape(-1)
+                    .equal(ours.reshape(-1).to(getattr(attention, f"{which}_scale").dtype).float())
+                )
         else:
             parameters = inspect.signature(attention.forward).parameters
             assert "past_key_values" not in parameters and "past_key_value" not in parameters
@@ -137,8 +154,9 @@ def test_compressed_tensors_converter_on_our_modelopt_export_gives_our_kv_scales
     modelopt = load_file(os.path.join(exported["modelopt"], "model.safetensors"))
     ours = load_file(os.path.join(exported["compressed-tensors"], "model.safetensors"))
     scheme = QuantizationArgs(**KV_CACHE_SCHEME["fp8"], scale_dtype=torch.float32)
-    theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"],
-                                    kv_cache_scheme=scheme).validate(dict(modelopt))
+    theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"], kv_cache_scheme=scheme).validate(
+        dict(modelopt)
+    )
     mo_kv, ct_kv = formats.get("modelopt", "nvfp4").kv_scales, formats.get("compressed-tensors", "nvfp4").kv_scales
     renamed = {}
     for name in theirs:

@@ -18,8 +18,8 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from maxtext_fixture import maxtext_params_from_state_dict, record_array_opens, save_maxtext_checkpoint
+
 from nvfp4tool.cli import cli
 
 pytestmark = pytest.mark.peers
@@ -55,7 +55,8 @@ def _torch_logits(model_or_folder) -> np.ndarray:
     model = model_or_folder
     if isinstance(model_or_folder, str):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_or_folder, dtype=torch.float32, attn_implementation="eager").eval()
+            model_or_folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     with torch.no_grad():
         return model(torch.tensor(IDS_BxT)).logits.numpy()
 
@@ -68,8 +69,9 @@ def _our_logits(config, source) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scanned,rope_layout", VARIANTS)
-def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(hf_models, tmp_path, scanned,
-                                                                    rope_layout, monkeypatch):
+def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(
+    hf_models, tmp_path, scanned, rope_layout, monkeypatch
+):
     from converters.hf import HFFolderSource
     from converters.maxtext import MaxTextSource
     from nvfp4tool.config import ModelConfig
@@ -78,20 +80,25 @@ def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(hf_models, t
     folder, _, torch_model = hf_models[key]
     config = ModelConfig.from_hf_folder(folder)
     params = maxtext_params_from_state_dict(
-        torch_model.state_dict(), num_layers=config.num_layers, head_dim=config.head_dim,
-        scanned=scanned, interleaved=rope_layout == "interleaved", tied=config.tie_word_embeddings)
+        torch_model.state_dict(),
+        num_layers=config.num_layers,
+        head_dim=config.head_dim,
+        scanned=scanned,
+        interleaved=rope_layout == "interleaved",
+        tied=config.tie_word_embeddings,
+    )
     items = save_maxtext_checkpoint(str(tmp_path / "mt"), params, scanned=scanned)
 
     opened = record_array_opens(monkeypatch)
     # accepted forms: <base>, <base>/<step>, <base>/<step>/items
     src = {0: str(tmp_path / "mt"), 1: os.path.dirname(items), 2: items}[len(rope_layout) % 3]
-    _convert(src, str(tmp_path / "hf"), "--to", "hf", "--model-config", folder,
-             "--rope-layout", rope_layout)
+    _convert(src, str(tmp_path / "hf"), "--to", "hf", "--model-config", folder, "--rope-layout", rope_layout)
     # Orbax's default chunks span the layers: each stack is re-chunked once into a scratch folder
     scratch = [p for p in opened if os.path.isabs(p)]
     from_checkpoint = [p for p in opened if not os.path.isabs(p)]
-    assert len(from_checkpoint) == len(set(from_checkpoint)) == (
-        12 if scanned else 1 + 1 + 9 * config.num_layers), opened
+    assert len(from_checkpoint) == len(set(from_checkpoint)) == (12 if scanned else 1 + 1 + 9 * config.num_layers), (
+        opened
+    )
     assert all(name.startswith("params.params.") for name in from_checkpoint), opened  # no opt_state
     assert len(scratch) == (9 if scanned else 0)
     gc.collect()
@@ -99,16 +106,14 @@ def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(hf_models, t
 
     expected = _torch_logits(torch_model)
     np.testing.assert_allclose(_torch_logits(str(tmp_path / "hf")), expected, rtol=0, atol=1e-4)
-    np.testing.assert_allclose(_our_logits(config, HFFolderSource(str(tmp_path / "hf"))), expected,
-                               rtol=0, atol=1e-4)
+    np.testing.assert_allclose(_our_logits(config, HFFolderSource(str(tmp_path / "hf"))), expected, rtol=0, atol=1e-4)
     source = MaxTextSource(src, config, rope_layout)
     assert source.scanned is scanned and source.custom_metadata == {"scan_layers": scanned}
     np.testing.assert_allclose(_our_logits(config, source), expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("scanned,rope_layout", VARIANTS)
-def test_written_checkpoint_restores_with_plain_orbax_to_the_fixture_tree(hf_models, tmp_path, scanned,
-                                                                         rope_layout):
+def test_written_checkpoint_restores_with_plain_orbax_to_the_fixture_tree(hf_models, tmp_path, scanned, rope_layout):
     import jax
     import orbax.checkpoint as ocp
 
@@ -117,11 +122,23 @@ def test_written_checkpoint_restores_with_plain_orbax_to_the_fixture_tree(hf_mod
     key = "llama3" if scanned else "llama_tied"
     folder, _, torch_model = hf_models[key]
     config = ModelConfig.from_hf_folder(folder)
-    _convert(folder, str(tmp_path / "mt"), "--to", "maxtext", "--rope-layout", rope_layout,
-             "--scan-layers" if scanned else "--no-scan-layers")
+    _convert(
+        folder,
+        str(tmp_path / "mt"),
+        "--to",
+        "maxtext",
+        "--rope-layout",
+        rope_layout,
+        "--scan-layers" if scanned else "--no-scan-layers",
+    )
     want = maxtext_params_from_state_dict(
-        torch_model.state_dict(), num_layers=config.num_layers, head_dim=config.head_dim,
-        scanned=scanned, interleaved=rope_layout == "interleaved", tied=config.tie_word_embeddings)
+        torch_model.state_dict(),
+        num_layers=config.num_layers,
+        head_dim=config.head_dim,
+        scanned=scanned,
+        interleaved=rope_layout == "interleaved",
+        tied=config.tie_word_embeddings,
+    )
     items = str(tmp_path / "mt" / "0" / "items")
 
     whole = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(items)
@@ -130,12 +147,14 @@ def test_written_checkpoint_restores_with_plain_orbax_to_the_fixture_tree(hf_mod
 
     # MaxText's load_params_from_path: an abstract params collection with shardings, transforms={}
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = {"params": jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sharding), want)}
+    abstract = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sharding), want)}
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
     restored = checkpointer.restore(
-        items, item={"params": abstract}, transforms={},
-        restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)})
+        items,
+        item={"params": abstract},
+        transforms={},
+        restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
+    )
     assert isinstance(jax.tree.leaves(restored)[0], jax.Array)
     _assert_trees_equal(restored["params"]["params"], want)
 
@@ -145,8 +164,7 @@ def test_written_checkpoint_restores_with_plain_orbax_to_the_fixture_tree(hf_mod
 
 
 @pytest.mark.parametrize("scanned,rope_layout", VARIANTS)
-def test_hf_to_maxtext_to_hf_is_byte_identical_and_keeps_the_logits(hf_models, tmp_path, scanned,
-                                                                    rope_layout):
+def test_hf_to_maxtext_to_hf_is_byte_identical_and_keeps_the_logits(hf_models, tmp_path, scanned, rope_layout):
     from converters.hf import HFFolderSource
     from converters.maxtext import MaxTextSource
     from nvfp4tool.config import ModelConfig
@@ -155,8 +173,16 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_keeps_the_logits(hf_models, t
     folder_fp32, folder_bf16, torch_model = hf_models[key]
     flag = "--scan-layers" if scanned else "--no-scan-layers"
     _convert(folder_bf16, str(tmp_path / "mt"), "--to", "maxtext", "--rope-layout", rope_layout, flag)
-    _convert(str(tmp_path / "mt"), str(tmp_path / "back"), "--to", "hf", "--model-config", folder_bf16,
-             "--rope-layout", rope_layout)
+    _convert(
+        str(tmp_path / "mt"),
+        str(tmp_path / "back"),
+        "--to",
+        "hf",
+        "--model-config",
+        folder_bf16,
+        "--rope-layout",
+        rope_layout,
+    )
     original, back = HFFolderSource(folder_bf16), HFFolderSource(str(tmp_path / "back"))
     assert back.names() == original.names()
     for name in original.names():
@@ -166,8 +192,15 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_keeps_the_logits(hf_models, t
         source_config = json.load(f)
     with open(tmp_path / "back" / "config.json") as f:
         back_config = json.load(f)
-    for k in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "rope_theta",
-              "tie_word_embeddings", "vocab_size"):
+    for k in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_theta",
+        "tie_word_embeddings",
+        "vocab_size",
+    ):
         assert back_config.get(k) == source_config.get(k), k
 
     # fp32 model through MaxText, read back by MaxTextSource into our model: transformers' logits

@@ -16,9 +16,17 @@ from nvfp4tool.families.moe import Experts
 
 
 def _config(head_dim: int = 8, tied: bool = False) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=40, hidden_size=24, intermediate_size=36,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
-                       tie_word_embeddings=tied)
+    return ModelConfig(
+        family="llama",
+        vocab_size=40,
+        hidden_size=24,
+        intermediate_size=36,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        tie_word_embeddings=tied,
+    )
 
 
 def _rule(hf_suffix: str) -> layout.Rule:
@@ -38,7 +46,8 @@ def test_query_scale_round_trip_is_exact_for_every_bf16_value(head_dim):
     q_bf16 = bits_N[:usable].view(ml_dtypes.bfloat16).reshape(rows, -1)
     stored = layout.hf_to_maxtext(q_rule, q_bf16, config, "interleaved", "float32")
     np.testing.assert_array_equal(  # the stored kernel is exactly the fp32 product
-        stored, layout.hf_to_maxtext(q_rule, q_bf16.astype(np.float32), config, "interleaved", "float32"))
+        stored, layout.hf_to_maxtext(q_rule, q_bf16.astype(np.float32), config, "interleaved", "float32")
+    )
     back = layout.maxtext_to_hf(q_rule, stored, config, "interleaved", "bfloat16")
     assert back.view(np.uint16).tolist() == q_bf16.view(np.uint16).tolist()
 
@@ -82,8 +91,11 @@ def test_kernel_orientation_matches_the_sheet():
     rng = np.random.default_rng(1)
     x_E = rng.standard_normal(config.hidden_size)
     shapes = config.expected_tensor_shapes()
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
-                 "model.layers.0.mlp.gate_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+    ):
         w = rng.standard_normal(shapes[name])
         kernel = layout.hf_to_maxtext(_rule(name.split(".", 3)[-1]), w, config, "half", "float64")
         np.testing.assert_allclose(np.tensordot(x_E, kernel, axes=1).reshape(-1), w @ x_E, atol=1e-12)
@@ -95,8 +107,16 @@ def test_kernel_orientation_matches_the_sheet():
 
 def _moe_config(family: str, **overrides) -> ModelConfig:
     """3 experts of width 20, 2 layers, head_dim 8 (mixtral: experts use intermediate_size)."""
-    base = dict(family=family, vocab_size=40, hidden_size=24, intermediate_size=20, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=8)
+    base = dict(
+        family=family,
+        vocab_size=40,
+        hidden_size=24,
+        intermediate_size=20,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     experts = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True)
     if family == "qwen3_moe":
         base.update(qk_norm=True)
@@ -106,24 +126,35 @@ def _moe_config(family: str, **overrides) -> ModelConfig:
 
 # MaxText's RoutedMoE arrays (E 24, X 3 experts, F 20, L 2), as MaxText's conversion scripts
 # build them: router kernel [E, X], experts [X, E, F] / [X, F, E]; scanned: layers at axis 1.
-_MOE_SHAPES = {"gate/kernel": ((24, 3), (24, 2, 3)), "wi_0": ((3, 24, 20), (3, 2, 24, 20)),
-               "wi_1": ((3, 24, 20), (3, 2, 24, 20)), "wo": ((3, 20, 24), (3, 2, 20, 24))}
+_MOE_SHAPES = {
+    "gate/kernel": ((24, 3), (24, 2, 3)),
+    "wi_0": ((3, 24, 20), (3, 2, 24, 20)),
+    "wi_1": ((3, 24, 20), (3, 2, 24, 20)),
+    "wo": ((3, 20, 24), (3, 2, 20, 24)),
+}
 
 
-@pytest.mark.parametrize("family,block,query_scaled", [("mixtral", "MoeBlock_0", True),
-                                                       ("qwen3_moe", "moe_block", False)])
+@pytest.mark.parametrize(
+    "family,block,query_scaled", [("mixtral", "MoeBlock_0", True), ("qwen3_moe", "moe_block", False)]
+)
 def test_moe_rules_cover_every_tensor_with_maxtexts_shapes_and_round_trip(family, block, query_scaled):
     config = _moe_config(family)
     rules = layout.rules_for(config)
-    names = [layout.hf_name(r, i, e) for r in rules for i in ([None] if not r.per_layer else range(2))
-             for e in layout.experts_of(r, config)]
+    names = [
+        layout.hf_name(r, i, e)
+        for r in rules
+        for i in ([None] if not r.per_layer else range(2))
+        for e in layout.experts_of(r, config)
+    ]
     assert sorted(names) == sorted(config.expected_tensor_shapes())  # every tensor once, none extra
     rng = np.random.default_rng(2)
     for rule in rules:
         if rule.maxtext.startswith(block):
             part = rule.maxtext.removeprefix(block + "/")
-            assert (layout.maxtext_shape(rule, config, scanned=False),
-                    layout.maxtext_shape(rule, config, scanned=True)) == _MOE_SHAPES[part]
+            assert (
+                layout.maxtext_shape(rule, config, scanned=False),
+                layout.maxtext_shape(rule, config, scanned=True),
+            ) == _MOE_SHAPES[part]
             assert layout.sliced_axes(rule, scanned=True) == ((0, 1) if rule.per_expert else (1,))
         x = rng.standard_normal(config.expected_tensor_shapes()[layout.hf_name(rule, 0, 2)])
         x = x.astype(ml_dtypes.bfloat16)
@@ -136,8 +167,10 @@ def test_moe_rules_cover_every_tensor_with_maxtexts_shapes_and_round_trip(family
             np.testing.assert_array_equal(y, unscaled * scale)
 
 
-@pytest.mark.parametrize("overrides,option", [(dict(mlp_only_layers=(1,)), "mlp_only_layers=[1]"),
-                                              (dict(decoder_sparse_step=2), "decoder_sparse_step=2")])
+@pytest.mark.parametrize(
+    "overrides,option",
+    [(dict(mlp_only_layers=(1,)), "mlp_only_layers=[1]"), (dict(decoder_sparse_step=2), "decoder_sparse_step=2")],
+)
 def test_qwen3_moe_with_dense_layers_has_no_maxtext_layout(overrides, option):
     from nvfp4tool.errors import NVFP4ToolError
 
@@ -147,12 +180,21 @@ def test_qwen3_moe_with_dense_layers_has_no_maxtext_layout(overrides, option):
 
 
 # Published parameter counts (HF model cards / config arithmetic), tied embeddings counted once.
-_PARAMETERS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama3-8b": 8_030_261_248,
-               "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
-               "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824,
-               "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
-               "mixtral-8x22b": 140_630_071_296, "qwen3-30b-a3b": 30_532_122_624,
-               "qwen3-235b-a22b": 235_093_634_560, "qwen3-480b-a35b": 480_154_875_392}
+_PARAMETERS = {
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "mixtral-8x22b": 140_630_071_296,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+    "qwen3-480b-a35b": 480_154_875_392,
+}
 
 
 @pytest.mark.parametrize("name", sorted(maxtext_models.MAXTEXT_MODELS))

@@ -15,15 +15,15 @@
 
 from __future__ import annotations
 
+import hf_fixtures
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-import hf_fixtures
 from maxtext_fixture import maxtext_params_from_state_dict, record_array_opens, save_maxtext_checkpoint
+from test_maxtext import _assert_trees_equal, _convert, _our_logits, _torch_logits
+
 from nvfp4tool.cli import cli
 from nvfp4tool.families.moe import Experts
-from test_maxtext import _assert_trees_equal, _convert, _our_logits, _torch_logits
 
 pytestmark = pytest.mark.peers
 torch = pytest.importorskip("torch")
@@ -32,8 +32,7 @@ SPARSE_QWEN = "qwen3_moe_all_sparse"
 # key -> (MaxText RoutedMoE name, query kernel pre-scaled, stored arrays scanned / unscanned):
 # mixtral 2 layers: embedding, final norm, lm_head + per layer 2 norms, q, k, v, o, router, wi_0,
 # wi_1, wo; qwen3 3 layers: + q and k norms per layer.
-FAMILIES = {"mixtral": ("MoeBlock_0", True, (13, 3 + 10 * 2)),
-            SPARSE_QWEN: ("moe_block", False, (15, 3 + 12 * 3))}
+FAMILIES = {"mixtral": ("MoeBlock_0", True, (13, 3 + 10 * 2)), SPARSE_QWEN: ("moe_block", False, (15, 3 + 12 * 3))}
 CASES = [(key, scanned) for key in FAMILIES for scanned in (True, False)]
 
 
@@ -47,17 +46,26 @@ def moe_models(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(hf_fixtures.TINY_SPECS, SPARSE_QWEN, (name, dict(kwargs, mlp_only_layers=[])))
         for key in FAMILIES:
-            out[key] = (hf_fixtures.build_tiny_model(key, str(root / f"{key}-fp32")),
-                        hf_fixtures.build_tiny_model(key, str(root / f"{key}-bf16"), dtype="bfloat16"),
-                        hf_fixtures.build_torch_model(key))
+            out[key] = (
+                hf_fixtures.build_tiny_model(key, str(root / f"{key}-fp32")),
+                hf_fixtures.build_tiny_model(key, str(root / f"{key}-bf16"), dtype="bfloat16"),
+                hf_fixtures.build_torch_model(key),
+            )
     return out
 
 
 def _fixture_params(torch_model, config, key: str, scanned: bool) -> dict:
     block, scale_query, _ = FAMILIES[key]
     return maxtext_params_from_state_dict(
-        torch_model.state_dict(), num_layers=config.num_layers, head_dim=config.head_dim,
-        scanned=scanned, interleaved=False, tied=False, moe_block=block, scale_query=scale_query)
+        torch_model.state_dict(),
+        num_layers=config.num_layers,
+        head_dim=config.head_dim,
+        scanned=scanned,
+        interleaved=False,
+        tied=False,
+        moe_block=block,
+        scale_query=scale_query,
+    )
 
 
 def _assert_folders_identical(original_dir: str, back_dir: str) -> None:
@@ -71,8 +79,9 @@ def _assert_folders_identical(original_dir: str, back_dir: str) -> None:
 
 
 @pytest.mark.parametrize("key,scanned", CASES)
-def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(moe_models, tmp_path, key, scanned,
-                                                                         monkeypatch):
+def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(
+    moe_models, tmp_path, key, scanned, monkeypatch
+):
     import orbax.checkpoint as ocp
 
     from converters.maxtext import MaxTextSource
@@ -82,8 +91,16 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(moe_mode
     flag = "--scan-layers" if scanned else "--no-scan-layers"
     for folder, name in ((folder_bf16, "bf16"), (folder_fp32, "fp32")):
         _convert(folder, str(tmp_path / f"mt-{name}"), "--to", "maxtext", "--rope-layout", "half", flag)
-        _convert(str(tmp_path / f"mt-{name}"), str(tmp_path / f"back-{name}"), "--to", "hf",
-                 "--model-config", folder, "--rope-layout", "half")
+        _convert(
+            str(tmp_path / f"mt-{name}"),
+            str(tmp_path / f"back-{name}"),
+            "--to",
+            "hf",
+            "--model-config",
+            folder,
+            "--rope-layout",
+            "half",
+        )
         _assert_folders_identical(folder, str(tmp_path / f"back-{name}"))
 
     config = ModelConfig.from_hf_folder(folder_fp32)
@@ -107,12 +124,11 @@ def test_fixture_checkpoint_converts_to_hf_with_the_original_logits(moe_models, 
 
     folder, _, torch_model = moe_models[key]
     config = ModelConfig.from_hf_folder(folder)
-    save_maxtext_checkpoint(str(tmp_path / "mt"), _fixture_params(torch_model, config, key, scanned),
-                            scanned=scanned)
-    _convert(str(tmp_path / "mt"), str(tmp_path / "hf"), "--to", "hf", "--model-config", folder,
-             "--rope-layout", "half")
-    np.testing.assert_allclose(_torch_logits(str(tmp_path / "hf")), _torch_logits(torch_model),
-                               rtol=0, atol=1e-4)
+    save_maxtext_checkpoint(str(tmp_path / "mt"), _fixture_params(torch_model, config, key, scanned), scanned=scanned)
+    _convert(
+        str(tmp_path / "mt"), str(tmp_path / "hf"), "--to", "hf", "--model-config", folder, "--rope-layout", "half"
+    )
+    np.testing.assert_allclose(_torch_logits(str(tmp_path / "hf")), _torch_logits(torch_model), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("direction", ["to_maxtext", "to_hf"])
@@ -122,8 +138,16 @@ def test_qwen3_moe_with_dense_layers_is_refused_naming_the_option(moe_models, tm
         args = [mixed, str(tmp_path / "out"), "--to", "maxtext", "--rope-layout", "half"]
     else:  # a MaxText checkpoint read with the mixed config
         _convert(moe_models[SPARSE_QWEN][0], str(tmp_path / "mt"), "--to", "maxtext", "--rope-layout", "half")
-        args = [str(tmp_path / "mt"), str(tmp_path / "out"), "--to", "hf", "--model-config", mixed,
-                "--rope-layout", "half"]
+        args = [
+            str(tmp_path / "mt"),
+            str(tmp_path / "out"),
+            "--to",
+            "hf",
+            "--model-config",
+            mixed,
+            "--rope-layout",
+            "half",
+        ]
     result = CliRunner().invoke(cli, ["convert", *args])
     assert result.exit_code == 1, result.output
     message = result.output.strip().splitlines()[-1]
@@ -131,8 +155,10 @@ def test_qwen3_moe_with_dense_layers_is_refused_naming_the_option(moe_models, tm
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("scanned,where", [(True, "decoder/layers/MoeBlock_0/wi_1 expert 2 layer 1"),
-                                           (False, "decoder/layers_1/MoeBlock_0/wi_1 expert 2")])
+@pytest.mark.parametrize(
+    "scanned,where",
+    [(True, "decoder/layers/MoeBlock_0/wi_1 expert 2 layer 1"), (False, "decoder/layers_1/MoeBlock_0/wi_1 expert 2")],
+)
 def test_a_non_finite_expert_value_is_one_line_naming_array_expert_and_layer(tmp_path, scanned, where):
     import glob
     import os
@@ -142,30 +168,55 @@ def test_a_non_finite_expert_value_is_one_line_naming_array_expert_and_layer(tmp
     from converters.tensor_source import DictTensorSource
     from nvfp4tool.config import ModelConfig
 
-    config = ModelConfig(family="mixtral", vocab_size=48, hidden_size=32, intermediate_size=24,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32",
-                         family_config=Experts(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True))
+    config = ModelConfig(
+        family="mixtral",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=24,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        family_config=Experts(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True),
+    )
     rng = np.random.default_rng(0)
-    tensors = {n: rng.standard_normal(s).astype(np.float32)
-               for n, s in config.expected_tensor_shapes().items()}
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in config.expected_tensor_shapes().items()}
     write_hf_folder(str(tmp_path / "hf"), config, DictTensorSource(tensors), dtype=None)
     mt = str(tmp_path / "mt")
     write_maxtext(mt, config, DictTensorSource(tensors), rope_layout="half", scan_layers=scanned)
     # expert 2's w3 (up) of layer 1 as stored: transposed, [E, F]; find its first values on disk
     w3 = tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
     pattern = np.ascontiguousarray(w3.T).tobytes()[:16]
-    hits = [(path, data.find(pattern)) for path in glob.glob(os.path.join(mt, "**", "d", "*"), recursive=True)
-            for data in [open(path, "rb").read()] if pattern in data]
+    hits = [
+        (path, data.find(pattern))
+        for path in glob.glob(os.path.join(mt, "**", "d", "*"), recursive=True)
+        for data in [open(path, "rb").read()]
+        if pattern in data
+    ]
     assert len(hits) == 1, hits
     with open(hits[0][0], "r+b") as f:
         f.seek(hits[0][1])
         f.write(np.float32(np.nan).tobytes())
-    result = CliRunner().invoke(cli, ["convert", mt, str(tmp_path / "out"), "--to", "hf", "--model-config",
-                                      str(tmp_path / "hf"), "--rope-layout", "half"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "convert",
+            mt,
+            str(tmp_path / "out"),
+            "--to",
+            "hf",
+            "--model-config",
+            str(tmp_path / "hf"),
+            "--rope-layout",
+            "half",
+        ],
+    )
     assert result.exit_code == 1, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]  # after progress lines
-    assert errors == [f"Error: {mt}: parameter params/params/{where} has 1 non-finite "
-                      "value (NaN or inf), e.g. nan at index [0, 0]"], result.output
+    assert errors == [
+        f"Error: {mt}: parameter params/params/{where} has 1 non-finite value (NaN or inf), e.g. nan at index [0, 0]"
+    ], result.output
     assert result.stdout == "" and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
@@ -181,8 +232,10 @@ def test_the_family_fixes_the_rope_layout(moe_models, tmp_path, key):
     _convert(folder, str(tmp_path / "mt"), "--to", "maxtext")
     _convert(folder, str(tmp_path / "mt-half"), "--to", "maxtext", "--rope-layout", "half")
     restore = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore
-    _assert_trees_equal(restore(str(tmp_path / "mt" / "0" / "items"))["params"]["params"],
-                        restore(str(tmp_path / "mt-half" / "0" / "items"))["params"]["params"])
+    _assert_trees_equal(
+        restore(str(tmp_path / "mt" / "0" / "items"))["params"]["params"],
+        restore(str(tmp_path / "mt-half" / "0" / "items"))["params"]["params"],
+    )
     _convert(str(tmp_path / "mt"), str(tmp_path / "back"), "--to", "hf", "--model-config", folder)
     _assert_folders_identical(folder, str(tmp_path / "back"))
 
@@ -197,8 +250,9 @@ def test_the_reader_and_the_writer_refuse_interleaved_for_a_fixed_family(tmp_pat
 
     for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
         config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config(name))
-        with pytest.raises(NVFP4ToolError, match=f"RoPE layout 'interleaved' for {config.family}, whose "
-                                                 "MaxText decoder fixes 'half'"):
+        with pytest.raises(
+            NVFP4ToolError, match=f"RoPE layout 'interleaved' for {config.family}, whose MaxText decoder fixes 'half'"
+        ):
             write_maxtext(str(tmp_path / "out"), config, DictTensorSource({}), rope_layout="interleaved")
         with pytest.raises(NVFP4ToolError, match="RoPE layout 'interleaved'"):
             MaxTextSource(str(tmp_path / "nowhere"), config, "interleaved")

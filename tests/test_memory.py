@@ -23,22 +23,26 @@ class _Lines:
         self.lines.append(message)
 
 
-@pytest.mark.parametrize("mode, weights, working, devices, available, streamed", [
-    ("never", 100 * GB, 0, 1, 1 * GB, False),
-    ("always", 1, 0, 1, 100 * GB, True),
-    ("auto", 6 * GB, 1 * GB, 1, 10 * GB, False),   # 7 GB: within the headroom (80%)
-    ("auto", 8 * GB, 1 * GB, 1, 10 * GB, True),    # 9 GB: beyond it
-    ("auto", 4 * GB, 5 * GB // 4, 4, 10 * GB, True),  # 4 GB sharded + 4 x 1.25 GB working = 9 GB
-    ("auto", 4 * GB, GB // 2, 4, 10 * GB, False),  # 4 + 4 x 0.5 = 6 GB
-])
+@pytest.mark.parametrize(
+    "mode, weights, working, devices, available, streamed",
+    [
+        ("never", 100 * GB, 0, 1, 1 * GB, False),
+        ("always", 1, 0, 1, 100 * GB, True),
+        ("auto", 6 * GB, 1 * GB, 1, 10 * GB, False),  # 7 GB: within the headroom (80%)
+        ("auto", 8 * GB, 1 * GB, 1, 10 * GB, True),  # 9 GB: beyond it
+        ("auto", 4 * GB, 5 * GB // 4, 4, 10 * GB, True),  # 4 GB sharded + 4 x 1.25 GB working = 9 GB
+        ("auto", 4 * GB, GB // 2, 4, 10 * GB, False),  # 4 + 4 x 0.5 = 6 GB
+    ],
+)
 def test_choose_offload(monkeypatch, mode, weights, working, devices, available, streamed):
     monkeypatch.setattr(memory, "available_bytes", lambda: available)
     lines = _Lines()
     need = weights + devices * working
     previous = progress.use_reporter(lines)
     try:
-        assert memory.choose_offload(mode, weights=weights, working=working, what="the model",
-                                     devices=devices) is streamed
+        assert (
+            memory.choose_offload(mode, weights=weights, working=working, what="the model", devices=devices) is streamed
+        )
     finally:
         progress.use_reporter(previous)
     if mode == "auto":  # auto says what it chose and why

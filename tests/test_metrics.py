@@ -87,30 +87,40 @@ def test_first_divergence():
 
 def _record(**nvfp4):
     """A minimal validation record: bf16, nvfp4 (overridable) and one layer row."""
-    model = {"kl_mean": 0.01, "kl_p99": 0.05, "top1": 0.9, "ppl": 10.1, "ppl_increase": 0.01,
-             "logit_max_err": 0.5, "logit_mean_err": 0.1}
+    model = {
+        "kl_mean": 0.01,
+        "kl_p99": 0.05,
+        "top1": 0.9,
+        "ppl": 10.1,
+        "ppl_increase": 0.01,
+        "logit_max_err": 0.5,
+        "logit_mean_err": 0.1,
+    }
     layer = {"name": "model.layers.0.mlp.up_proj", "nvfp4_weight_sqnr_db": 20.0, "nvfp4_output_sqnr_db": 19.0}
     for key, value in nvfp4.items():
         (layer if key.endswith("sqnr_db") else model)[key] = value
     return {"models": {"bf16": {"ppl": 10.0}, "nvfp4": model}, "layers": [layer]}
 
 
-@pytest.mark.parametrize("change, failed", [
-    ({}, []),
-    ({"kl_mean": 0.2}, ["kl_mean"]),
-    ({"kl_p99": 0.6}, ["kl_p99"]),
-    ({"ppl_increase": 0.5}, ["ppl_increase"]),
-    ({"nvfp4_weight_sqnr_db": 5.0}, ["layer_weight_sqnr_db"]),
-    ({"nvfp4_weight_sqnr_db": math.inf}, []),  # an exact layer
-    ({"kl_mean": math.nan}, ["kl_mean"]),
-    ({"kl_mean": math.nan, "ppl": math.nan, "ppl_increase": math.nan}, ["kl_mean", "ppl", "ppl_increase"]),
-    ({"kl_p99": math.inf}, ["kl_p99"]),
-    ({"top1": math.nan}, ["top1"]),  # no limit on top1 by default: still fails
-    ({"logit_max_err": math.inf}, ["logit_max_err"]),  # never has a limit
-    ({"nvfp4_weight_sqnr_db": math.nan}, ["nvfp4_weight_sqnr_db"]),
-    ({"nvfp4_output_sqnr_db": -math.inf}, ["nvfp4_output_sqnr_db"]),
-    ({"ppl": np.float32("nan")}, ["ppl"]),
-])
+@pytest.mark.parametrize(
+    "change, failed",
+    [
+        ({}, []),
+        ({"kl_mean": 0.2}, ["kl_mean"]),
+        ({"kl_p99": 0.6}, ["kl_p99"]),
+        ({"ppl_increase": 0.5}, ["ppl_increase"]),
+        ({"nvfp4_weight_sqnr_db": 5.0}, ["layer_weight_sqnr_db"]),
+        ({"nvfp4_weight_sqnr_db": math.inf}, []),  # an exact layer
+        ({"kl_mean": math.nan}, ["kl_mean"]),
+        ({"kl_mean": math.nan, "ppl": math.nan, "ppl_increase": math.nan}, ["kl_mean", "ppl", "ppl_increase"]),
+        ({"kl_p99": math.inf}, ["kl_p99"]),
+        ({"top1": math.nan}, ["top1"]),  # no limit on top1 by default: still fails
+        ({"logit_max_err": math.inf}, ["logit_max_err"]),  # never has a limit
+        ({"nvfp4_weight_sqnr_db": math.nan}, ["nvfp4_weight_sqnr_db"]),
+        ({"nvfp4_output_sqnr_db": -math.inf}, ["nvfp4_output_sqnr_db"]),
+        ({"ppl": np.float32("nan")}, ["ppl"]),
+    ],
+)
 def test_thresholds_fail_limits_and_every_non_finite_metric(change, failed):
     from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
 

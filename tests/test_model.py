@@ -24,22 +24,43 @@ from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate
 from nvfp4tool.model.linear import Seam
 from nvfp4tool.model.transformer import forward_side, layer_runs
 
-_BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-             num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5)
+_BASE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+)
 CONFIGS = {
-    "llama3": ModelConfig(family="llama", rope_theta=500000.0, **_BASE,
-                          rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16)),
-    "llama_tied_bias": ModelConfig(family="llama", tie_word_embeddings=True, attention_bias=True,
-                                   o_proj_bias=True, **_BASE),
+    "llama3": ModelConfig(family="llama", rope_theta=500000.0, **_BASE, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16)),
+    "llama_tied_bias": ModelConfig(
+        family="llama", tie_word_embeddings=True, attention_bias=True, o_proj_bias=True, **_BASE
+    ),
     "mistral_window": ModelConfig(family="mistral", sliding_window=3, **_BASE),
     "qwen2": ModelConfig(family="qwen2", attention_bias=True, **_BASE),
     "qwen3": ModelConfig(family="qwen3", qk_norm=True, **{**_BASE, "head_dim": 12}),
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 4 experts of width 16, top-2
-    "qwen3_moe": ModelConfig(family="qwen3_moe", qk_norm=True, **{**_BASE, "num_layers": 3}, family_config=Experts(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-        mlp_only_layers=(1,), router_aux_loss_coef=0.001)),
-    "mixtral": ModelConfig(family="mixtral", **_BASE, family_config=Experts(
-        num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02)),
+    "qwen3_moe": ModelConfig(
+        family="qwen3_moe",
+        qk_norm=True,
+        **{**_BASE, "num_layers": 3},
+        family_config=Experts(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=(1,),
+            router_aux_loss_coef=0.001,
+        ),
+    ),
+    "mixtral": ModelConfig(
+        family="mixtral",
+        **_BASE,
+        family_config=Experts(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02),
+    ),
 }
 
 
@@ -48,8 +69,11 @@ def random_tensors(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict
     tensors = {}
     for name, shape in config.expected_tensor_shapes().items():
         noise = rng.standard_normal(shape).astype(np.float32)
-        value = 1.0 + 0.2 * noise if name.endswith("norm.weight") else (
-            0.3 * noise if name.endswith(".bias") else 0.15 * noise)
+        value = (
+            1.0 + 0.2 * noise
+            if name.endswith("norm.weight")
+            else (0.3 * noise if name.endswith(".bias") else 0.15 * noise)
+        )
         tensors[name] = value.astype(dtype)
     return tensors
 
@@ -64,7 +88,7 @@ def batch(T: int = 9, vocab: int = 97, seed: int = 1):
     ids = np.random.default_rng(seed).integers(0, vocab, size=(3, T))
     mask = np.ones((3, T), np.int32)
     mask[1, :3] = 0
-    mask[2, T - 2:] = 0
+    mask[2, T - 2 :] = 0
     return ids, mask
 
 
@@ -83,8 +107,9 @@ def test_scanned_layers_give_the_same_logits(key):
     scanned = build(key, scan_layers=True)
     assert len(scanned.layers) == CONFIGS[key].num_layers
     kinds = [CONFIGS[key].layer_kind(i) for i in range(CONFIGS[key].num_layers)]
-    expected = [(kind, [i for i, _ in group])
-                for kind, group in itertools.groupby(enumerate(kinds), key=lambda item: item[1])]
+    expected = [
+        (kind, [i for i, _ in group]) for kind, group in itertools.groupby(enumerate(kinds), key=lambda item: item[1])
+    ]
     assert layer_runs(CONFIGS[key], Seam(), scan=True) == expected
     assert layer_runs(CONFIGS[key], Seam(), scan=False) == [(kind, [i]) for i, kind in enumerate(kinds)]
     # Same math; the scanned body is compiled (XLA fuses and reorders fp32 ops), the loop runs op by
@@ -103,8 +128,10 @@ def test_tensors_round_trip_bit_exact(scan_layers):
         assert out[name].dtype == value.dtype and out[name].tobytes() == value.tobytes(), name
     view = ModelTensorSource(model)
     assert view.shape("lm_head.weight") == (97, 32) and view.dtype("lm_head.weight") == "float32"
-    assert view.get("model.layers.1.self_attn.k_norm.weight").tobytes() == \
-        tensors["model.layers.1.self_attn.k_norm.weight"].tobytes()
+    assert (
+        view.get("model.layers.1.self_attn.k_norm.weight").tobytes()
+        == tensors["model.layers.1.self_attn.k_norm.weight"].tobytes()
+    )
 
 
 def test_bf16_tensors_load_exactly_into_fp32_and_bf16():
@@ -121,8 +148,11 @@ def test_wrong_shape_names_the_tensor():
     config = CONFIGS["qwen2"]
     tensors = random_tensors(config)
     tensors["model.layers.1.self_attn.v_proj.bias"] = np.zeros((5,), np.float32)
-    with pytest.raises(NVFP4ToolError, match=r"<memory>: tensor 'model.layers.1.self_attn.v_proj.bias' "
-                                             r"has shape \[5\], the config expects \[16\]"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=r"<memory>: tensor 'model.layers.1.self_attn.v_proj.bias' "
+        r"has shape \[5\], the config expects \[16\]",
+    ):
         model_from_tensors(config, DictTensorSource(tensors))
     del tensors["model.layers.1.self_attn.v_proj.bias"]
     with pytest.raises(NVFP4ToolError, match="'model.layers.1.self_attn.v_proj.bias' missing"):
@@ -140,14 +170,19 @@ def test_every_linear_goes_through_the_seam(scan_layers):
 
     model = build("llama_tied_bias", scan_layers=scan_layers)
     ids, mask = batch()
-    np.testing.assert_allclose(forward(model, ids, mask, linear=recording), forward(model, ids, mask),
-                               atol=1e-6, rtol=0)
+    np.testing.assert_allclose(
+        forward(model, ids, mask, linear=recording), forward(model, ids, mask), atol=1e-6, rtol=0
+    )
     names = [name for name, _, _ in seen]
     expected = config.linear_names()
     if scan_layers:  # one traced block: the layer index reads '*'
-        expected = list(dict.fromkeys(n.replace("model.layers.0.", "model.layers.*.")
-                                      for n in expected if not n.startswith("model.layers.") or
-                                      n.startswith("model.layers.0.")))
+        expected = list(
+            dict.fromkeys(
+                n.replace("model.layers.0.", "model.layers.*.")
+                for n in expected
+                if not n.startswith("model.layers.") or n.startswith("model.layers.0.")
+            )
+        )
     assert names == expected
     shapes = {name: (w, b) for name, w, b in seen}
     assert shapes["lm_head"] == ((97, 32), None)  # tied: the embedding table [V, E]
@@ -205,6 +240,7 @@ def test_jitted_forward_matches_eager():
         def linear(x, w_NxK, b_N, *, name):
             traced[mode].append(isinstance(x, jax.core.Tracer))
             return default_linear(x, w_NxK, b_N, name=name)
+
         return linear
 
     jitted = forward(model, ids, mask, linear=recording("jit"))
@@ -230,11 +266,12 @@ def test_forward_side_returns_the_records_under_the_callers_transform():
         m = nnx.merge(graphdef, state)
         m.scan_layers = scan
         logits, side = forward_side(m, ids, seam=Seam(recording))
-        return jnp.mean(logits ** 2), side.records
+        return jnp.mean(logits**2), side.records
 
     for scan in (False, True):
         (value, amax), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)(
-            state, jnp.asarray(ids), scan)
+            state, jnp.asarray(ids), scan
+        )
         assert set(amax) == set(CONFIGS["llama3"].linear_names())
         np.testing.assert_allclose(value, np.mean(np.asarray(forward(model, ids)) ** 2), rtol=1e-5)
         grad_norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
@@ -271,9 +308,10 @@ def uncached_greedy(model, ids, mask, steps):
     return np.stack(out, axis=1)
 
 
-@pytest.mark.parametrize("key, scan_layers", [("llama3", False), ("mistral_window", False), ("qwen3_moe", False),
-                                              ("mixtral", True),
-                                              ("qwen3", True)])
+@pytest.mark.parametrize(
+    "key, scan_layers",
+    [("llama3", False), ("mistral_window", False), ("qwen3_moe", False), ("mixtral", True), ("qwen3", True)],
+)
 def test_cached_generation_equals_uncached_loop(key, scan_layers):
     model = build(key, scan_layers=scan_layers)
     ids, mask = batch()
@@ -283,8 +321,9 @@ def test_cached_generation_equals_uncached_loop(key, scan_layers):
     if key == "mistral_window":  # padding does not change a row's continuation (window included)
         unpadded = np.stack([np.append(ids[1, 3:], 0), ids[2, :7]])  # the rows' real tokens (6, 7) ...
         unpadded_mask = np.array([[1] * 6 + [0], [1] * 7])  # ... the 6 right-padded by one
-        np.testing.assert_array_equal(cached[1:], np.asarray(generate(model, unpadded, 7,
-                                                                      attention_mask=unpadded_mask)))
+        np.testing.assert_array_equal(
+            cached[1:], np.asarray(generate(model, unpadded, 7, attention_mask=unpadded_mask))
+        )
 
 
 def test_sampling_and_eos():
@@ -293,8 +332,12 @@ def test_sampling_and_eos():
     greedy = np.asarray(generate(model, ids, 6, attention_mask=mask))
     top1 = generate(model, ids, 6, attention_mask=mask, greedy=False, top_k=1, key=jax.random.key(5))
     np.testing.assert_array_equal(top1, greedy)
-    draw = lambda seed: np.asarray(generate(model, ids, 6, attention_mask=mask, greedy=False,  # noqa: E731
-                                            temperature=2.0, key=jax.random.key(seed)))
+
+    def draw(seed):
+        return np.asarray(
+            generate(model, ids, 6, attention_mask=mask, greedy=False, temperature=2.0, key=jax.random.key(seed))
+        )
+
     np.testing.assert_array_equal(draw(1), draw(1))
     assert not np.array_equal(draw(1), draw(2))
     eos = int(greedy[0, 2])  # pretend the third greedy token of row 0 is EOS
@@ -302,8 +345,8 @@ def test_sampling_and_eos():
     first = np.argmax(greedy == eos, axis=1)
     for row in range(3):
         if (greedy[row] == eos).any():
-            np.testing.assert_array_equal(stopped[row, :first[row] + 1], greedy[row, :first[row] + 1])
-            assert (stopped[row, first[row] + 1:] == 96).all()
+            np.testing.assert_array_equal(stopped[row, : first[row] + 1], greedy[row, : first[row] + 1])
+            assert (stopped[row, first[row] + 1 :] == 96).all()
         else:
             np.testing.assert_array_equal(stopped[row], greedy[row])
 
@@ -387,10 +430,20 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     monkeypatch.setattr(dot, "WIDEN_BYTES", table_f32 // 8)
     graphdef, state = nnx.split(_bf16_held(config))
     gen = importlib.import_module("nvfp4tool.model.generate")
-    options = gen._SamplingOptions(jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size),
-                                   jnp.asarray(-1), jnp.asarray(0))
-    compiled = gen._generate.lower(graphdef, state, jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 4), bool),
-                                   jax.random.key(0), options, max_new_tokens=3, linear=served_linear, kv=default_kv).compile()
+    options = gen._SamplingOptions(
+        jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size), jnp.asarray(-1), jnp.asarray(0)
+    )
+    compiled = gen._generate.lower(
+        graphdef,
+        state,
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.ones((2, 4), bool),
+        jax.random.key(0),
+        options,
+        max_new_tokens=3,
+        linear=served_linear,
+        kv=default_kv,
+    ).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < table_f32  # 1.6 MB; 3.7 MB with the table hoisted
 
 
@@ -402,16 +455,26 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     from nvfp4tool.model.layerwise import LayerwiseModel, _block_step
     from nvfp4tool.model.linear import Plain
 
-    config = ModelConfig(family="llama", vocab_size=97, hidden_size=256, intermediate_size=1024, num_layers=1,
-                         num_heads=4, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5)
+    config = ModelConfig(
+        family="llama",
+        vocab_size=97,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+    )
     model = LayerwiseModel.held(_bf16_held(config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
     x, cos, sin, allowed = model._embed(ids)
     graphdef = model._block_graphdefs[config.layer_kind(0)]
-    compiled = _block_step.lower(graphdef, model._layer(0), x, cos, sin, allowed, None,
-                                 tap=Plain(served_linear), kv_tap=None, gather=None).compile()
+    compiled = _block_step.lower(
+        graphdef, model._layer(0), x, cos, sin, allowed, None, tap=Plain(served_linear), kv_tap=None, gather=None
+    ).compile()
     one_weight_f32 = config.hidden_size * config.intermediate_size * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * one_weight_f32  # 1.2 MB; 2.1 MB both at once
-    (_, logits), = model.logits(ids, batch_size=2, tap=Plain(served_linear))
+    ((_, logits),) = model.logits(ids, batch_size=2, tap=Plain(served_linear))
     expected = forward(model.whole, ids, linear=served_linear)  # one program: other fusions, fp32 rounding
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-5)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from hf_fixtures import MOE_KEYS, build_tiny_model, build_torch_model
+
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.linear import Seam, default_linear
@@ -36,11 +36,15 @@ def test_aux_loss_equals_transformers(num_experts, top_k, layers, mask):
     rng = np.random.default_rng(num_experts)
     logits = [rng.normal(0, 2, (3, 7, num_experts)).astype(np.float32) for _ in range(layers)]
     mask_BxT = None if mask is None else np.asarray(mask, np.int64)
-    ours = load_balancing_loss([jnp.asarray(x) for x in logits], top_k,
-                               None if mask_BxT is None else jnp.asarray(mask_BxT))
-    theirs = load_balancing_loss_func(tuple(torch.from_numpy(x.reshape(-1, num_experts)) for x in logits),
-                                      num_experts, top_k,
-                                      None if mask_BxT is None else torch.from_numpy(mask_BxT))
+    ours = load_balancing_loss(
+        [jnp.asarray(x) for x in logits], top_k, None if mask_BxT is None else jnp.asarray(mask_BxT)
+    )
+    theirs = load_balancing_loss_func(
+        tuple(torch.from_numpy(x.reshape(-1, num_experts)) for x in logits),
+        num_experts,
+        top_k,
+        None if mask_BxT is None else torch.from_numpy(mask_BxT),
+    )
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
 
 
@@ -62,13 +66,15 @@ def test_training_loss_equals_the_hf_model_loss(key, tmp_path):
     graphdef, state = nnx.split(model)
     # under jit, as in training: the router logits are recorded at trace time
     loss, parts, _ = jax.jit(lambda s, w: training_loss(nnx.merge(graphdef, s), w, Seam.of(default_linear)))(
-        state, windows)
+        state, windows
+    )
 
     hf = build_torch_model(key)
     ids = torch.from_numpy(windows)
     with torch.no_grad():
-        out = hf(input_ids=ids[:, :-1], labels=ids[:, :-1], shift_labels=ids[:, 1:].contiguous(),
-                  output_router_logits=True)
+        out = hf(
+            input_ids=ids[:, :-1], labels=ids[:, :-1], shift_labels=ids[:, 1:].contiguous(), output_router_logits=True
+        )
     assert source.config.experts.router_aux_loss_coef == hf.config.router_aux_loss_coef > 0
     np.testing.assert_allclose(float(parts["aux_loss"]), float(out.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(loss), float(out.loss), rtol=1e-5)

@@ -29,15 +29,29 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_pipeline")
     train_txt, val_txt = embedded_corpus()
     run = root / "run"
-    invoke("train", "model=tiny-moe", f"data={train_txt}", f"eval_data={val_txt}", "tokenizer=train",
-           "vocab_size=384", "recipe=nvfp4", "steps=6", "seq_len=32", "batch_size=8", "lr=3e-3",
-           "warmup_steps=1", "eval_every=0", "eval_batches=1", f"out={run}", "seed=0")
+    invoke(
+        "train",
+        "model=tiny-moe",
+        f"data={train_txt}",
+        f"eval_data={val_txt}",
+        "tokenizer=train",
+        "vocab_size=384",
+        "recipe=nvfp4",
+        "steps=6",
+        "seq_len=32",
+        "batch_size=8",
+        "lr=3e-3",
+        "warmup_steps=1",
+        "eval_every=0",
+        "eval_batches=1",
+        f"out={run}",
+        "seed=0",
+    )
     calib = ("--calib-data", val_txt, "--calib-samples", 4, "--calib-seq-len", 32)
     exports = {}
     for fmt in ("compressed-tensors", "modelopt"):
         exports[fmt] = root / f"nvfp4-{fmt}"
-        invoke("export", run, "--out", exports[fmt], "--format", fmt, "--quant", "nvfp4", *calib,
-               "--kv-cache", "fp8")
+        invoke("export", run, "--out", exports[fmt], "--format", fmt, "--quant", "nvfp4", *calib, "--kv-cache", "fp8")
     exports["fp8"] = root / "fp8"
     invoke("export", run, "--out", exports["fp8"], "--format", "modelopt", "--quant", "fp8", *calib)
     return run, exports, val_txt
@@ -62,11 +76,35 @@ def test_every_export_passes_check_with_every_expert_and_kv_scale(pipeline):
 def test_validate_reports_the_moe_export_and_its_fp8_kv_cache(pipeline):
     _, exports, val_txt = pipeline
     folder = exports["compressed-tensors"]
-    result = CliRunner().invoke(cli, ["validate", str(folder), "--reference", str(exports["fp8"]),
-                                      "--data", str(val_txt), "--samples", "4", "--seq-len", "32",
-                                      "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4",
-                                      "--max-kl-mean", "10", "--max-kl-p99", "50", "--max-ppl-increase", "10",
-                                      "--min-layer-sqnr", "0"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "validate",
+            str(folder),
+            "--reference",
+            str(exports["fp8"]),
+            "--data",
+            str(val_txt),
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--gen-tokens",
+            "4",
+            "--max-kl-mean",
+            "10",
+            "--max-kl-p99",
+            "50",
+            "--max-ppl-increase",
+            "10",
+            "--min-layer-sqnr",
+            "0",
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((folder / "validation.json").read_text())
     models = record["models"]

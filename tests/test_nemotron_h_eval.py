@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_nemotron_h_model import MOE
-
 from eval_fixtures import VOCAB, assert_samples_match, lm_eval_samples
+from test_nemotron_h_model import MOE
 
 LIMIT = 4
 MAX_LENGTH = 128
@@ -31,8 +30,14 @@ def test_hybrid_backend_equals_lm_eval_hf_backend(tmp_path):
         tokenizer = train_bpe_tokenizer([f.read()[:50_000]], VOCAB, folder)
     eos = tokenizer.eos_id
     torch.manual_seed(0)
-    options = dict(MOE, vocab_size=tokenizer.vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                   max_position_embeddings=256)
+    options = dict(
+        MOE,
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        max_position_embeddings=256,
+    )
     model = NemotronHForCausalLM(NemotronHConfig(**options)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,6 +50,7 @@ def test_hybrid_backend_equals_lm_eval_hf_backend(tmp_path):
     model.to(torch.bfloat16).save_pretrained(folder)
 
     ours = lm_eval_samples(NVFP4ToolLM(path=folder, max_length=MAX_LENGTH, batch_size=4), limit=LIMIT)
-    theirs = lm_eval_samples("hf", f"pretrained={folder},dtype=float32,max_length={MAX_LENGTH}", limit=LIMIT,
-                             batch_size=1, device="cpu")
+    theirs = lm_eval_samples(
+        "hf", f"pretrained={folder},dtype=float32,max_length={MAX_LENGTH}", limit=LIMIT, batch_size=1, device="cpu"
+    )
     assert_samples_match(ours, theirs, LIMIT)

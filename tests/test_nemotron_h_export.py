@@ -19,9 +19,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from test_nemotron_h_model import DENSE, MOE, _hf_folder
 
-from export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
@@ -47,11 +47,15 @@ def exports(tmp_path_factory):
         out[key], _ = _hf_folder(root / key, options, seed=4)
         for fmt in FORMATS:
             for quant in QUANTS:
-                calib = ({} if quant == "nvfp4-weight-only" else
-                         dict(calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16))
+                calib = (
+                    {}
+                    if quant == "nvfp4-weight-only"
+                    else dict(calib_data=str(root / "calib.npy"), calib_samples=4, calib_seq_len=16)
+                )
                 out[key, fmt, quant] = str(root / key / f"{fmt}-{quant}")
-                export_checkpoint(out[key], out[key, fmt, quant],
-                                  ExportOptions(format=fmt, quant=quant, show_progress=False, **calib))
+                export_checkpoint(
+                    out[key], out[key, fmt, quant], ExportOptions(format=fmt, quant=quant, show_progress=False, **calib)
+                )
     return out
 
 
@@ -79,8 +83,9 @@ def test_export_is_checked_and_in_the_checkpoints_spelling(exports, key, fmt, qu
     assert kinds == want
     config = json.loads(open(os.path.join(folder, "config.json")).read())
     qc = config["quantization_config"]
-    routers = [f"backbone.layers.{i}.mixer.gate" for i, c in enumerate(FIXTURES[key]["hybrid_override_pattern"])
-               if c == "E"]
+    routers = [
+        f"backbone.layers.{i}.mixer.gate" for i, c in enumerate(FIXTURES[key]["hybrid_override_pattern"]) if c == "E"
+    ]
     excluded = qc.get("ignore", qc.get("exclude_modules"))
     assert sorted(excluded) == sorted(routers + ["lm_head"])
     if fmt == "modelopt":
@@ -94,8 +99,9 @@ def test_export_is_checked_and_in_the_checkpoints_spelling(exports, key, fmt, qu
         assert names[f"{router}.weight"] == "F32" and names[f"{router}.e_score_correction_bias"] == "F32"
     source = json.loads(open(os.path.join(exports[key], "config.json")).read())
     same = {k: v for k, v in source.items() if k not in ("dtype", "transformers_version")}
-    assert {k: v for k, v in config.items() if k not in ("quantization_config", "dtype", "transformers_version")} \
-        == same  # the source's config, every key in its own spelling
+    assert {
+        k: v for k, v in config.items() if k not in ("quantization_config", "dtype", "transformers_version")
+    } == same  # the source's config, every key in its own spelling
 
 
 def _as_transformers(x, w, b, *, name):
@@ -177,8 +183,10 @@ def test_compressed_tensors_converter_and_convert_format_agree(exports, key, tmp
     assert_converted_tensors_equal(theirs, ours)
     for quant in ("nvfp4", "nvfp4-weight-only", "fp8"):
         convert_format(exports[key, "modelopt", quant], str(tmp_path / f"ct-{quant}"), to="compressed-tensors")
-        with open(tmp_path / f"ct-{quant}" / "model.safetensors", "rb") as a, \
-                open(os.path.join(exports[key, "compressed-tensors", quant], "model.safetensors"), "rb") as b:
+        with (
+            open(tmp_path / f"ct-{quant}" / "model.safetensors", "rb") as a,
+            open(os.path.join(exports[key, "compressed-tensors", quant], "model.safetensors"), "rb") as b,
+        ):
             assert a.read() == b.read(), quant
 
 
@@ -195,8 +203,13 @@ def test_a_hybrid_export_simulates_close_to_its_source(exports):
     want = np.asarray(forward(model_from_tensors(ModelConfig.from_hf_folder(src), HFFolderSource(src)), ids))
     error = {}
     for quant in QUANTS:
-        got = np.asarray(forward(load_export(exports["moe", "compressed-tensors", quant]).model(jnp.float32), ids,
-                                 linear=functools.partial(served_linear)))
+        got = np.asarray(
+            forward(
+                load_export(exports["moe", "compressed-tensors", quant]).model(jnp.float32),
+                ids,
+                linear=functools.partial(served_linear),
+            )
+        )
         assert np.isfinite(got).all()
         error[quant] = float(np.abs(got - want).mean())
     assert error["fp8"] < error["nvfp4-weight-only"] < error["nvfp4"], error
@@ -217,11 +230,21 @@ def test_validate_runs_a_hybrid_held_and_streamed(exports, tmp_path):
     for offload in ("never", "always"):
         folder = tmp_path / offload
         shutil.copytree(exports["moe", "compressed-tensors", "nvfp4"], folder)
-        options = ValidateOptions(data=str(tmp_path / "val.npy"), source=exports["moe"], samples=4, seq_len=24,
-                                  batch_size=2, prompts=2, prompt_len=8, gen_tokens=6, offload=offload,
-                                  reference="bf16", thresholds=Thresholds(
-                                      max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None,
-                                      min_layer_sqnr_db=None))
+        options = ValidateOptions(
+            data=str(tmp_path / "val.npy"),
+            source=exports["moe"],
+            samples=4,
+            seq_len=24,
+            batch_size=2,
+            prompts=2,
+            prompt_len=8,
+            gen_tokens=6,
+            offload=offload,
+            reference="bf16",
+            thresholds=Thresholds(
+                max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None, min_layer_sqnr_db=None
+            ),
+        )
         records[offload] = validate_export(str(folder), options, kl_target=1e9 if offload == "never" else None).record
     held, streamed = records["never"], records["always"]
     assert held.generation.skipped is None and held.generation.tokens == 6
@@ -229,11 +252,20 @@ def test_validate_runs_a_hybrid_held_and_streamed(exports, tmp_path):
     assert "streamed layer by layer" in streamed.generation.skipped  # generation needs the whole model
     for metric in ("kl_mean", "top1", "ppl"):
         np.testing.assert_allclose(held.models["nvfp4"][metric], streamed.models["nvfp4"][metric], rtol=1e-5)
-    assert {layer.name.split(".mixer.")[1].split(".")[0] for layer in held.layers} >= {"in_proj", "out_proj",
-                                                                                      "experts", "q_proj"}
+    assert {layer.name.split(".mixer.")[1].split(".")[0] for layer in held.layers} >= {
+        "in_proj",
+        "out_proj",
+        "experts",
+        "q_proj",
+    }
     harm = held.sensitivity.harm  # every fused group measured alone, the hybrid's kinds among them
     assert held.sensitivity.met and {h.group.split(".mixer.")[1].split(".")[0] for h in harm} >= {
-        "in_proj", "out_proj", "qkv", "experts", "shared_experts"}
+        "in_proj",
+        "out_proj",
+        "qkv",
+        "experts",
+        "shared_experts",
+    }
 
 
 def test_check_applies_the_hybrids_tensor_parallel_rules(exports):
@@ -245,8 +277,9 @@ def test_check_applies_the_hybrids_tensor_parallel_rules(exports):
     assert any("mamba_num_heads = 4 does not split into 8 equal shards" in m for m in at8)
     at4 = check_checkpoint(folder, tp=(4,)).problems
     assert not any("n_groups" in p.message or "mamba_num_heads" in p.message for p in at4)
-    assert any(p.module == "backbone.layers.0.mixer.out_proj" and "row-parallel K = 32 at TP 4" in p.message
-               for p in at4)
+    assert any(
+        p.module == "backbone.layers.0.mixer.out_proj" and "row-parallel K = 32 at TP 4" in p.message for p in at4
+    )
     assert not any(p.module == "backbone.layers.0.mixer.in_proj" for p in at4)  # 2 x 32 + 2 x 12 + 4 = 92 rows
     at2 = [p for p in check_checkpoint(folder, tp=(2,)).problems if "mixer.in_proj" in p.module]
     assert not at2  # 92 rows split in two; its K (hidden 32) is not split
@@ -271,13 +304,28 @@ def test_nvidias_nano_recipe_keeps_attention_and_the_mamba_layers_feeding_it(exp
     assert len(nano) == 52 and attention == [5, 12, 19, 26, 33, 42]
     assert sorted(set(kept) - set(attention)) == [4, 11, 18, 25, 32, 41]
     keep = tmp_path / "keep.txt"
-    keep.write_text(subprocess.run([sys.executable, "scripts/nemotron_keep_bf16.py", exports["dense"]],
-                                   capture_output=True, text=True, check=True).stdout)
+    keep.write_text(
+        subprocess.run(
+            [sys.executable, "scripts/nemotron_keep_bf16.py", exports["dense"]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
     out = tmp_path / "nano-recipe"
-    export_checkpoint(exports["dense"], str(out), ExportOptions(
-        keep_bf16_file=str(keep), kv_cache="fp8", calib_data=str(tmp_path / "calib.npy"), calib_samples=4,
-        calib_seq_len=16, show_progress=False))
+    export_checkpoint(
+        exports["dense"],
+        str(out),
+        ExportOptions(
+            keep_bf16_file=str(keep),
+            kv_cache="fp8",
+            calib_data=str(tmp_path / "calib.npy"),
+            calib_samples=4,
+            calib_seq_len=16,
+            show_progress=False,
+        ),
+    )
     quantized = load_export(str(out)).quantized
     assert quantized and not any(m.startswith(("model.layers.2.", "model.layers.3.")) for m in quantized)
     assert check_checkpoint(str(out)).ok
@@ -288,12 +336,34 @@ def test_compressed_tensors_nvfp4_of_a_moe_hybrid_says_vllm_does_not_serve_it(ex
 
     from nvfp4tool.cli import cli
 
-    result = CliRunner().invoke(cli, ["export", exports["moe"], "--out", str(tmp_path / "ct"), "--quant",
-                                      "nvfp4-weight-only", "--format", "compressed-tensors"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            exports["moe"],
+            "--out",
+            str(tmp_path / "ct"),
+            "--quant",
+            "nvfp4-weight-only",
+            "--format",
+            "compressed-tensors",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "vllm-project/vllm#31782" in result.output
-    result = CliRunner().invoke(cli, ["export", exports["dense"], "--out", str(tmp_path / "dense"), "--quant",
-                                      "nvfp4-weight-only", "--format", "compressed-tensors"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            exports["dense"],
+            "--out",
+            str(tmp_path / "dense"),
+            "--quant",
+            "nvfp4-weight-only",
+            "--format",
+            "compressed-tensors",
+        ],
+    )
     assert result.exit_code == 0 and "31782" not in result.output  # no MoE layer: nothing to say
 
 
@@ -305,9 +375,17 @@ def test_gptq_and_scale_search_on_a_hybrid(exports, tmp_path, rounding):
     src = exports["moe"]
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
     out = str(tmp_path / rounding)
-    summary = export_checkpoint(src, out, ExportOptions(
-        calib_data=str(tmp_path / "calib.npy"), calib_samples=4, calib_seq_len=16, show_progress=False,
-        **({"weight_rounding": "gptq"} if rounding == "gptq" else {"scale_search": "4over6"})))
+    summary = export_checkpoint(
+        src,
+        out,
+        ExportOptions(
+            calib_data=str(tmp_path / "calib.npy"),
+            calib_samples=4,
+            calib_seq_len=16,
+            show_progress=False,
+            **({"weight_rounding": "gptq"} if rounding == "gptq" else {"scale_search": "4over6"}),
+        ),
+    )
     assert check_checkpoint(out).ok
     assert len(load_export(out).quantized) == summary.quantized_modules == 50
     if rounding == "gptq":

@@ -22,14 +22,40 @@ from nvfp4tool.model.weights import ModelTensorSource
 
 torch = pytest.importorskip("torch")
 
-BASE = dict(vocab_size=40, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=6,
-            conv_kernel=4, chunk_size=4, time_step_min=1e-3, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    vocab_size=40,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    mamba_num_heads=4,
+    mamba_head_dim=8,
+    n_groups=2,
+    ssm_state_size=6,
+    conv_kernel=4,
+    chunk_size=4,
+    time_step_min=1e-3,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 DENSE = dict(BASE, hybrid_override_pattern="M-M*-M")
-MOE = dict(BASE, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
-           moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, moe_latent_size=16, n_group=4,
-           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+MOE = dict(
+    BASE,
+    hybrid_override_pattern="ME*EM-",
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=24,
+    moe_latent_size=16,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
 
 
 def _hf_folder(tmp_path, options: dict, seed: int) -> tuple[str, object]:
@@ -136,10 +162,26 @@ def test_what_the_family_lacks_is_refused_in_one_line(tmp_path):
 
     folder, _ = _hf_folder(tmp_path, DENSE, seed=1)
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(3, 40, (4, 16)))
-    cases = [(["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"], "MaxText has no Mamba-2 decoder"),
-             (["export", folder, "--out", str(tmp_path / "e"), "--equalize", "awq", "--calib-data",
-               str(tmp_path / "calib.npy"), "--calib-samples", "4", "--calib-seq-len", "16"],
-              "equivalent scaling (--equalize) is not built for the hybrid family")]
+    cases = [
+        (["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"], "MaxText has no Mamba-2 decoder"),
+        (
+            [
+                "export",
+                folder,
+                "--out",
+                str(tmp_path / "e"),
+                "--equalize",
+                "awq",
+                "--calib-data",
+                str(tmp_path / "calib.npy"),
+                "--calib-samples",
+                "4",
+                "--calib-seq-len",
+                "16",
+            ],
+            "equivalent scaling (--equalize) is not built for the hybrid family",
+        ),
+    ]
     for args, says in cases:
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1, (args, result.output)
@@ -184,8 +226,13 @@ def test_cached_generation_equals_recomputation_and_transformers(tmp_path, optio
         seq = np.concatenate([seq, token[:, None]], axis=1)
         seq_mask = np.concatenate([seq_mask, np.ones((2, 1), np.int64)], axis=1)
     with torch.no_grad():
-        want = reference.generate(torch.from_numpy(ids[:1]), attention_mask=torch.from_numpy(mask[:1]),
-                                  max_new_tokens=7, do_sample=False, eos_token_id=None).numpy()[:, 6:]
+        want = reference.generate(
+            torch.from_numpy(ids[:1]),
+            attention_mask=torch.from_numpy(mask[:1]),
+            max_new_tokens=7,
+            do_sample=False,
+            eos_token_id=None,
+        ).numpy()[:, 6:]
     np.testing.assert_array_equal(new[:1], want)
 
 
@@ -217,5 +264,7 @@ def test_scanned_runs_of_equal_kinds_equal_transformers(tmp_path):
     got = np.asarray(forward(scanned, jnp.asarray(ids), jnp.asarray(mask)))
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(np.asarray(generate(scanned, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))),
-                                  np.asarray(generate(plain, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))))
+    np.testing.assert_array_equal(
+        np.asarray(generate(scanned, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))),
+        np.asarray(generate(plain, jnp.asarray(ids), 4, attention_mask=jnp.asarray(mask))),
+    )

@@ -18,7 +18,6 @@ import pytest
 from nvfp4tool.model import mamba
 
 
-
 def _oracle(x, dt, a, b, c, h0):
     """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t, float64, one position at a time."""
     x, dt, a, b, c, h = (np.asarray(v, np.float64) for v in (x, dt, a, b, c, h0))
@@ -26,8 +25,7 @@ def _oracle(x, dt, a, b, c, h0):
     b, c = np.repeat(b, rep, axis=2), np.repeat(c, rep, axis=2)
     ys = []
     for t in range(x.shape[1]):
-        h = (np.exp(dt[:, t] * a)[..., None, None] * h
-             + (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :])
+        h = np.exp(dt[:, t] * a)[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * b[:, t, :, None, :]
         ys.append(np.einsum("bhpn,bhn->bhp", h, c[:, t]))
     return np.stack(ys, axis=1), h
 
@@ -69,8 +67,16 @@ def test_strong_decay_stays_finite():
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-4, atol=1e-4)
 
 
-SHAPE = dict(hidden_size=24, mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=5,
-             conv_kernel=4, chunk_size=4, layer_norm_epsilon=1e-5)
+SHAPE = dict(
+    hidden_size=24,
+    mamba_num_heads=4,
+    mamba_head_dim=6,
+    n_groups=2,
+    ssm_state_size=5,
+    conv_kernel=4,
+    chunk_size=4,
+    layer_norm_epsilon=1e-5,
+)
 
 
 def _torch_mixer(seed: int, conv_bias: bool = True):
@@ -78,8 +84,9 @@ def _torch_mixer(seed: int, conv_bias: bool = True):
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
-    config = NemotronHConfig(**SHAPE, hybrid_override_pattern="M", use_conv_bias=conv_bias,
-                             time_step_min=1e-3, vocab_size=32)
+    config = NemotronHConfig(
+        **SHAPE, hybrid_override_pattern="M", use_conv_bias=conv_bias, time_step_min=1e-3, vocab_size=32
+    )
     torch.manual_seed(seed)
     module = NemotronHMamba2Mixer(config, layer_idx=0).float().eval()
     with torch.no_grad():
@@ -90,15 +97,27 @@ def _torch_mixer(seed: int, conv_bias: bool = True):
 
 
 def _ours(module, conv_bias: bool = True):
-    params = {k: jnp.asarray(v.detach().numpy()) for k, v in dict(
-        conv1d_weight=module.conv1d.weight[:, 0, :], dt_bias=module.dt_bias, A_log=module.A_log, D=module.D,
-        norm_weight=module.norm.weight).items()}
+    params = {
+        k: jnp.asarray(v.detach().numpy())
+        for k, v in dict(
+            conv1d_weight=module.conv1d.weight[:, 0, :],
+            dt_bias=module.dt_bias,
+            A_log=module.A_log,
+            D=module.D,
+            norm_weight=module.norm.weight,
+        ).items()
+    }
     if conv_bias:
         params["conv1d_bias"] = jnp.asarray(module.conv1d.bias.detach().numpy())
-    shape = mamba.MambaShape(heads=SHAPE["mamba_num_heads"], head_dim=SHAPE["mamba_head_dim"],
-                             groups=SHAPE["n_groups"], state=SHAPE["ssm_state_size"],
-                             conv_kernel=SHAPE["conv_kernel"], chunk=SHAPE["chunk_size"],
-                             eps=SHAPE["layer_norm_epsilon"])
+    shape = mamba.MambaShape(
+        heads=SHAPE["mamba_num_heads"],
+        head_dim=SHAPE["mamba_head_dim"],
+        groups=SHAPE["n_groups"],
+        state=SHAPE["ssm_state_size"],
+        conv_kernel=SHAPE["conv_kernel"],
+        chunk=SHAPE["chunk_size"],
+        eps=SHAPE["layer_norm_epsilon"],
+    )
     w_in = jnp.asarray(module.in_proj.weight.detach().numpy())
     w_out = jnp.asarray(module.out_proj.weight.detach().numpy())
     return params, shape, w_in, w_out
@@ -138,7 +157,7 @@ def test_decode_from_the_prefill_state_equals_recomputation():
     out, state = _run(params, shape, w_in, w_out, hidden[:, :6])
     pieces = [out]
     for t in range(6, 10):
-        out, state = _run(params, shape, w_in, w_out, hidden[:, t:t + 1], state=state)
+        out, state = _run(params, shape, w_in, w_out, hidden[:, t : t + 1], state=state)
         pieces.append(out)
     out, state = _run(params, shape, w_in, w_out, hidden[:, 10:], state=state)
     pieces.append(out)
@@ -150,8 +169,11 @@ def test_decode_from_the_prefill_state_equals_recomputation():
 def test_dt_limit_follows_the_config():
     dt = jnp.asarray([[[-30.0, 0.0, 30.0]]])
     bias = jnp.zeros(3)
-    np.testing.assert_allclose(np.asarray(mamba.step_size(dt, bias, (0.0, float("inf")))),
-                               np.log1p(np.exp(np.asarray(dt, np.float64))), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(mamba.step_size(dt, bias, (0.0, float("inf")))),
+        np.log1p(np.exp(np.asarray(dt, np.float64))),
+        rtol=1e-6,
+    )
     np.testing.assert_allclose(np.asarray(mamba.step_size(dt, bias, (0.01, 0.5))), [[[0.01, 0.5, 0.5]]])
 
 
@@ -162,8 +184,9 @@ def test_in_proj_pieces():
     assert shape.conv_dim == 12288
 
 
-@pytest.mark.parametrize("n_group, topk_group, normalize, scaling", [(1, 1, True, 1.0), (4, 2, True, 2.5),
-                                                                     (4, 1, False, 1.0)])
+@pytest.mark.parametrize(
+    "n_group, topk_group, normalize, scaling", [(1, 1, True, 1.0), (4, 2, True, 2.5), (4, 1, False, 1.0)]
+)
 def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normalize, scaling):
     """Nemotron-H's MoE router (the other hybrid piece that is not a linear): the correction bias
     chooses the experts (group-limited when n_group > 1), the unbiased scores weigh them."""
@@ -173,9 +196,17 @@ def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normali
 
     from nvfp4tool.model.layers import route_grouped_sigmoid
 
-    config = NemotronHConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=n_group,
-                             topk_group=topk_group, norm_topk_prob=normalize, routed_scaling_factor=scaling,
-                             hybrid_override_pattern="E", vocab_size=32)
+    config = NemotronHConfig(
+        hidden_size=16,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=normalize,
+        routed_scaling_factor=scaling,
+        hybrid_override_pattern="E",
+        vocab_size=32,
+    )
     router = NemotronHTopkRouter(config)
     torch.manual_seed(n_group * 10 + topk_group)
     with torch.no_grad():
@@ -186,9 +217,15 @@ def test_grouped_sigmoid_router_equals_transformers(n_group, topk_group, normali
         logits, weights, index = router(hidden)
     want = np.zeros((14, 16), np.float32)
     np.put_along_axis(want, index.numpy(), weights.numpy(), axis=-1)
-    got, chosen = route_grouped_sigmoid(jnp.asarray(logits.numpy()), 3,
-                                        correction_bias_N=jnp.asarray(router.e_score_correction_bias.numpy()),
-                                        n_group=n_group, topk_group=topk_group, normalize=normalize, scaling=scaling)
+    got, chosen = route_grouped_sigmoid(
+        jnp.asarray(logits.numpy()),
+        3,
+        correction_bias_N=jnp.asarray(router.e_score_correction_bias.numpy()),
+        n_group=n_group,
+        topk_group=topk_group,
+        normalize=normalize,
+        scaling=scaling,
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
     assert (np.asarray(chosen) == (want > 0)).all() and np.asarray(chosen).sum(-1).tolist() == [3] * 14
     unbiased = np.asarray(jax.lax.top_k(jax.nn.sigmoid(jnp.asarray(logits.numpy())), 3)[1])
@@ -205,11 +242,26 @@ def test_the_flax_mixer_on_the_linear_seam_equals_transformers():
 
     module = _torch_mixer(7)
     _, shape, _, _ = _ours(module)
-    ours = mamba.Mamba2Mixer(SHAPE["hidden_size"], shape, prefix="model.layers.0.mixer", use_bias=False,
-                             conv_bias=True, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ours = mamba.Mamba2Mixer(
+        SHAPE["hidden_size"],
+        shape,
+        prefix="model.layers.0.mixer",
+        use_bias=False,
+        conv_bias=True,
+        param_dtype=jnp.float32,
+        rngs=nnx.Rngs(0),
+    )
     state = {k: v.detach().numpy() for k, v in module.state_dict().items()}
-    assert set(state) == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
-                          "out_proj.weight"}
+    assert set(state) == {
+        "in_proj.weight",
+        "conv1d.weight",
+        "conv1d.bias",
+        "dt_bias",
+        "A_log",
+        "D",
+        "norm.weight",
+        "out_proj.weight",
+    }
     for name, value in state.items():
         target = ours
         *path, leaf = name.split(".")
@@ -264,13 +316,28 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
 
     from nvfp4tool.families.nemotron_h import parse_hybrid
     from nvfp4tool.model import hybrid
-    from nvfp4tool.model.linear import Seam
     from nvfp4tool.model.layers import RMSNorm
+    from nvfp4tool.model.linear import Seam
 
-    hf = dict(hidden_size=24, intermediate_size=40, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=12,
-              n_shared_experts=1, moe_shared_expert_intermediate_size=20, moe_latent_size=latent, n_group=n_group,
-              topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True, mlp_bias=False,
-              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=5, n_groups=2)
+    hf = dict(
+        hidden_size=24,
+        intermediate_size=40,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=12,
+        n_shared_experts=1,
+        moe_shared_expert_intermediate_size=20,
+        moe_latent_size=latent,
+        n_group=n_group,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        norm_topk_prob=True,
+        mlp_bias=False,
+        mamba_num_heads=4,
+        mamba_head_dim=6,
+        ssm_state_size=5,
+        n_groups=2,
+    )
     config = NemotronHConfig(**hf, hybrid_override_pattern="E-", vocab_size=32)
     experts = parse_hybrid({**hf, "hybrid_override_pattern": "E-"}, "config.json").experts
     torch.manual_seed(n_group)
@@ -282,8 +349,9 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
                 p.copy_(torch.randn_like(p) * 0.3)
         torch_moe.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.3)
     rngs = nnx.Rngs(0)
-    moe = hybrid.HybridMoE(24, experts, prefix="model.layers.0.mixer", mlp_bias=False, param_dtype=jnp.float32,
-                           rngs=rngs)
+    moe = hybrid.HybridMoE(
+        24, experts, prefix="model.layers.0.mixer", mlp_bias=False, param_dtype=jnp.float32, rngs=rngs
+    )
     mlp = hybrid.ReLU2MLP(24, 40, prefix="model.layers.1.mixer", bias=False, param_dtype=jnp.float32, rngs=rngs)
     norm = RMSNorm(24, eps=1e-5, param_dtype=jnp.float32, scale_in_fp32=True)
     for ours, theirs in ((moe, torch_moe), (mlp, torch_mlp), (norm, torch_norm)):
@@ -298,8 +366,11 @@ def test_hybrid_moe_mlp_and_norm_equal_transformers(latent, n_group):
     seam = Seam.of(linear)
     with torch.no_grad():
         want = [m(torch.from_numpy(x)).numpy() for m in (torch_moe, torch_mlp, torch_norm)]
-    got = [np.asarray(moe(jnp.asarray(x), seam)[0]), np.asarray(mlp(jnp.asarray(x), seam)[0]),
-           np.asarray(norm(jnp.asarray(x)))]
+    got = [
+        np.asarray(moe(jnp.asarray(x), seam)[0]),
+        np.asarray(mlp(jnp.asarray(x), seam)[0]),
+        np.asarray(norm(jnp.asarray(x))),
+    ]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     assert "model.layers.0.mixer.experts.7.down_proj" in seen and "model.layers.0.mixer.gate" in seen

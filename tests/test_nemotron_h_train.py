@@ -36,8 +36,18 @@ def test_every_linear_kind_runs_the_recipe():
         want = "bf16" if m.keep_dtype or m.layer in kept_layers else "nvfp4"
         assert pmap[m.name] == want, m.name
     quantized = {m.name.split(".mixer.")[1].split(".")[0] for m in config.modules.linears if pmap[m.name] == "nvfp4"}
-    assert quantized == {"in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
-                         "experts", "shared_experts"}
+    assert quantized == {
+        "in_proj",
+        "out_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "up_proj",
+        "down_proj",
+        "experts",
+        "shared_experts",
+    }
     overridden = precision_map(RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0), config)
     assert overridden["model.layers.0.mixer.in_proj"] == "nvfp4"
 
@@ -50,12 +60,23 @@ def test_a_trained_hybrid_loads_in_transformers(tmp_path):
     data = tmp_path / "train.txt"
     data.write_text(open("nvfp4tool/data/shakespeare_train.txt", encoding="utf-8").read()[:60000])
     out = tmp_path / "run"
-    result = CliRunner().invoke(cli, ["train", "model=tiny-hybrid-moe", f"data={data}", "recipe=nvfp4", "steps=2",
-                                      "seq_len=32", "batch_size=2", "eval_every=0", "vocab_size=512",
-                                      f"out={out}"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "model=tiny-hybrid-moe",
+            f"data={data}",
+            "recipe=nvfp4",
+            "steps=2",
+            "seq_len=32",
+            "batch_size=2",
+            "eval_every=0",
+            "vocab_size=512",
+            f"out={out}",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses and all(np.isfinite(losses))
     hf = out / "hf"
     with safe_open(str(hf / "model.safetensors"), framework="numpy") as f:
@@ -84,18 +105,60 @@ def test_the_hybrid_pipeline_train_export_check_validate(tmp_path):
     val.write_text(open("nvfp4tool/data/shakespeare_val.txt", encoding="utf-8").read()[:20000])
     runner = CliRunner()
     run = tmp_path / "run"
-    result = runner.invoke(cli, ["train", "model=tiny-hybrid", f"data={data}", "recipe=nvfp4", "steps=3",
-                                 "seq_len=32", "batch_size=2", "eval_every=0", "vocab_size=512", f"out={run}"])
+    result = runner.invoke(
+        cli,
+        [
+            "train",
+            "model=tiny-hybrid",
+            f"data={data}",
+            "recipe=nvfp4",
+            "steps=3",
+            "seq_len=32",
+            "batch_size=2",
+            "eval_every=0",
+            "vocab_size=512",
+            f"out={run}",
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = tmp_path / "export"
     result = runner.invoke(cli, ["export", str(run), "--out", str(out)])
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["check", str(out)])
     assert result.exit_code == 0 and ": OK" in result.output, result.output
-    result = runner.invoke(cli, ["validate", str(out), "--data", str(val), "--samples", "4", "--seq-len", "32",
-                                 "--prompts", "1", "--prompt-len", "8", "--gen-tokens", "4", "--calib-data",
-                                 str(data), "--calib-samples", "4", "--calib-seq-len", "32", "--max-kl-mean", "10",
-                                 "--max-kl-p99", "50", "--min-top1", "0", "--max-ppl-increase", "10"])
+    result = runner.invoke(
+        cli,
+        [
+            "validate",
+            str(out),
+            "--data",
+            str(val),
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--gen-tokens",
+            "4",
+            "--calib-data",
+            str(data),
+            "--calib-samples",
+            "4",
+            "--calib-seq-len",
+            "32",
+            "--max-kl-mean",
+            "10",
+            "--max-kl-p99",
+            "50",
+            "--min-top1",
+            "0",
+            "--max-ppl-increase",
+            "10",
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((out / "validation.json").read_text())
     assert record["passed"] and set(record["models"]) >= {"bf16", "nvfp4", "fp8"}

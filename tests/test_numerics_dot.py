@@ -24,13 +24,16 @@ def _as(a: np.ndarray, dtype) -> np.ndarray:
 
 # (x dtype, compute dtype, bias?, output tolerance relative to the fp64 product of the rounded
 # operands: the fp32 sum order, plus the final rounding to the output dtype)
-CASES = [(jnp.float32, None, True, 1e-5), (jnp.float32, jnp.bfloat16, True, 1e-5),
-         (jnp.bfloat16, None, False, 2**-7), (jnp.bfloat16, None, True, 2**-7)]
+CASES = [
+    (jnp.float32, None, True, 1e-5),
+    (jnp.float32, jnp.bfloat16, True, 1e-5),
+    (jnp.bfloat16, None, False, 2**-7),
+    (jnp.bfloat16, None, True, 2**-7),
+]
 
 
 @pytest.mark.parametrize("x_dtype, compute_dtype, bias, rtol", CASES)
-def test_dense_rounds_operands_to_the_compute_dtype_and_adds_bias_in_fp32(x_dtype, compute_dtype,
-                                                                        bias, rtol):
+def test_dense_rounds_operands_to_the_compute_dtype_and_adds_bias_in_fp32(x_dtype, compute_dtype, bias, rtol):
     x = jnp.asarray(X, x_dtype)
     y = dense(x, jnp.asarray(W), jnp.asarray(B) if bias else None, compute_dtype=compute_dtype)
     assert y.dtype == x_dtype and y.shape == (2, 3, 24)
@@ -46,8 +49,7 @@ def test_dot_nt_accumulates_in_fp32_and_highest_is_full_fp32():
     want = _as(X, ml_dtypes.bfloat16) @ _as(W, ml_dtypes.bfloat16).T
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6, atol=1e-5)
     hi = jax.jit(lambda a, b: dot_nt(a, b, precision=jax.lax.Precision.HIGHEST))(X, W)
-    np.testing.assert_allclose(np.asarray(hi), X.astype(np.float64) @ W.T.astype(np.float64),
-                               rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hi), X.astype(np.float64) @ W.T.astype(np.float64), rtol=1e-6, atol=1e-5)
 
 
 def test_linear_output_adds_the_bias_before_the_cast():
@@ -69,7 +71,7 @@ def test_computed_after_widens_one_weight_at_a_time_with_the_same_values():
     from nvfp4tool.numerics import computed_after, dense
 
     k, count = 512, 6
-    widen = lambda w: w.astype(jnp.float32)  # noqa: E731
+    widen = lambda w: w.astype(jnp.float32)
 
     def chain(ws, x, after):
         for w in ws:
@@ -80,13 +82,12 @@ def test_computed_after_widens_one_weight_at_a_time_with_the_same_values():
     ws = [jnp.asarray(rng.standard_normal((k, k)) / np.sqrt(k), jnp.bfloat16) for _ in range(count)]
     x = jnp.asarray(rng.standard_normal((8, k)), jnp.float32)
     temp = {}
+    outs = {}
     for after in (False, True):
         compiled = jax.jit(lambda ws, x: chain(ws, x, after)).lower(ws, x).compile()
         temp[after] = compiled.memory_analysis().temp_size_in_bytes
-        out = compiled(ws, x)
-        if after:
-            np.testing.assert_array_equal(np.asarray(out), np.asarray(previous))
-        previous = out
+        outs[after] = np.asarray(compiled(ws, x))
+    np.testing.assert_array_equal(outs[True], outs[False])
     one_weight = k * k * 4
     assert temp[False] >= count * one_weight  # XLA widens every weight up front
     assert temp[True] < 2 * one_weight + 8 * k * 4 * 4, temp
@@ -114,7 +115,9 @@ def test_dense_widening_in_row_blocks_is_dense(monkeypatch, n, rows, exact):
         np.testing.assert_array_equal(got, expected)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)  # sums of 256 products of ~N(0, 1)
     assert compiled.memory_analysis().temp_size_in_bytes < n * k * 4 / 2  # never the whole weight widened
-    doubled = jax.jit(lambda x, w: dense_widening(
-        x, w, widen_rows=lambda w, start, stop: 2 * w[start:stop].astype(jnp.float32)))(x, w)
-    np.testing.assert_allclose(np.asarray(doubled), 2 * np.asarray(dense(x, w.astype(jnp.float32))),
-                               rtol=1e-5, atol=2e-4)
+    doubled = jax.jit(
+        lambda x, w: dense_widening(x, w, widen_rows=lambda w, start, stop: 2 * w[start:stop].astype(jnp.float32))
+    )(x, w)
+    np.testing.assert_allclose(
+        np.asarray(doubled), 2 * np.asarray(dense(x, w.astype(jnp.float32))), rtol=1e-5, atol=2e-4
+    )

@@ -5,16 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 
-import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import dequantize_fp8, fake_quantize_fp8, quantize_fp8
 
-TILES = {"tensor": (None, None), "channel": (1, None), "block128": (1, 128),
-         "block128x128": (128, 128)}
-SCALE_SHAPES = {"tensor": (), "channel": (160, 1), "block128": (160, 3),
-                "block128x128": (2, 3)}
+TILES = {"tensor": (None, None), "channel": (1, None), "block128": (1, 128), "block128x128": (128, 128)}
+SCALE_SHAPES = {"tensor": (), "channel": (160, 1), "block128": (160, 3), "block128x128": (2, 3)}
 
 
 def _bits(a) -> np.ndarray:
@@ -53,8 +51,7 @@ def test_fp8_bf16_input_and_clamp_at_max():
 # (x, static scale): 2.734375 / 7 is exactly the E4M3 midpoint 0.390625, which rounds to even
 # (0.375, decoded 2.625); x * fl(1/7) lands above it and would round to 0.40625 (2.84375), so
 # this pins a true division.
-STATIC_CASES = [(np.float32(2.734375), np.float32(7.0)), (None, np.float32(0.0123456)),
-                (None, np.float32(2.0**-10))]
+STATIC_CASES = [(np.float32(2.734375), np.float32(7.0)), (None, np.float32(0.0123456)), (None, np.float32(2.0**-10))]
 
 
 @pytest.mark.parametrize("x0, scale", STATIC_CASES)
@@ -73,14 +70,19 @@ def test_fp8_static_scale_matches_oracle(x0, scale):
     assert bf16.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("scale, granularity, match", [
-    (0.0, "tensor", "finite and > 0"), (np.inf, "tensor", "finite and > 0"),
-    (-1.0, "tensor", "finite and > 0"), (1.0, "channel", "granularity 'tensor'"),
-    (np.ones(2, np.float32), "tensor", "must be a scalar")])
+@pytest.mark.parametrize(
+    "scale, granularity, match",
+    [
+        (0.0, "tensor", "finite and > 0"),
+        (np.inf, "tensor", "finite and > 0"),
+        (-1.0, "tensor", "finite and > 0"),
+        (1.0, "channel", "granularity 'tensor'"),
+        (np.ones(2, np.float32), "tensor", "must be a scalar"),
+    ],
+)
 def test_fp8_static_scale_errors(scale, granularity, match):
     with pytest.raises(NVFP4ToolError, match=f"'x'.*{match}"):
-        fake_quantize_fp8(np.ones((2, 16), np.float32), granularity=granularity, scale=scale,
-                          name="x")
+        fake_quantize_fp8(np.ones((2, 16), np.float32), granularity=granularity, scale=scale, name="x")
 
 
 def test_fp8_zero_tensor_scale_one():

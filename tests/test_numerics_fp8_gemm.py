@@ -10,11 +10,10 @@ ulps apart (checked for K = 128 .. 4096).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 
-import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import dequantize_fp8, dot_nt, fake_quantize_fp8, fp8_matmul, quantize_fp8
 
@@ -53,9 +52,13 @@ def test_fp8_matmul_vs_fp32_path_and_fp64(lead, n, k, a_spec, b_spec):
     assert got.shape == (*lead, n) and got.dtype == np.float32
 
     # The former path: operands fake-quantized to fp32, one fp32 dot.
-    old = np.asarray(dot_nt(fake_quantize_fp8(a, fmt=a_spec[0], granularity=a_spec[1]),
-                            fake_quantize_fp8(b, fmt=b_spec[0], granularity=b_spec[1]),
-                            precision=jax.lax.Precision.HIGHEST))
+    old = np.asarray(
+        dot_nt(
+            fake_quantize_fp8(a, fmt=a_spec[0], granularity=a_spec[1]),
+            fake_quantize_fp8(b, fmt=b_spec[0], granularity=b_spec[1]),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+    )
     # Roundings per term. fp8_matmul vs the dequantized operands: 2 for the operands' own fp32
     # rounding (data * scale), chunk_len - 1 summing a chunk, 1 for scale_a * scale_b, 1 scaling
     # the partial, chunks - 1 accumulating chunks. The fp32 path: 1 product, K - 1 summing.
@@ -68,16 +71,18 @@ def test_fp8_matmul_vs_fp32_path_and_fp64(lead, n, k, a_spec, b_spec):
     assert np.all(np.abs(got - old) <= bound_new + bound_old)
 
 
-@pytest.mark.parametrize("a_shape, b_shape, a_gran, b_gran, match", [
-    ((8, 128), (4, 128), "tensor", "block128", "'tensor' \\(a\\) and 'block128' \\(b\\) do not pair"),
-    ((8, 128), (4, 128), "block128x128", "channel", "do not pair"),
-    ((128,), (4, 128), "tensor", "tensor", "operand a .* must be \\[..., M, K\\]"),
-    ((8, 128), (2, 4, 128), "tensor", "tensor", "operand b .* must be \\[N, K\\]"),
-    ((8, 128), (4, 256), "tensor", "tensor", "K differs"),
-])
+@pytest.mark.parametrize(
+    "a_shape, b_shape, a_gran, b_gran, match",
+    [
+        ((8, 128), (4, 128), "tensor", "block128", "'tensor' \\(a\\) and 'block128' \\(b\\) do not pair"),
+        ((8, 128), (4, 128), "block128x128", "channel", "do not pair"),
+        ((128,), (4, 128), "tensor", "tensor", "operand a .* must be \\[..., M, K\\]"),
+        ((8, 128), (2, 4, 128), "tensor", "tensor", "operand b .* must be \\[N, K\\]"),
+        ((8, 128), (4, 256), "tensor", "tensor", "K differs"),
+    ],
+)
 def test_fp8_matmul_errors(a_shape, b_shape, a_gran, b_gran, match):
     a_q = quantize_fp8(np.ones(a_shape, np.float32), granularity=a_gran)
     b_q = quantize_fp8(np.ones(b_shape, np.float32), granularity=b_gran)
     with pytest.raises(NVFP4ToolError, match=f"fp8_matmul: .*{match}"):
         fp8_matmul(a_q, b_q)
-

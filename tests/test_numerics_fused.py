@@ -3,7 +3,8 @@
 Every case compares bytes: packed codes and E4M3 scales with `quantize_nvfp4` of the same operand
 (x, x.T, and/or rht16 of it) and with the independent oracle (RNE), and the bf16 operand with the
 decode of those bytes at S_dec = 1 and with `nvfp4_operand` (the XLA operand). Stochastic rounding:
-the same bits give the keyed XLA result, and the mean of many draws is unbiased. Shapes are small: interpret mode compiles each case.
+the same bits give the keyed XLA result, and the mean of many draws is unbiased. Shapes are small: interpret mode
+compiles each case.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 
-import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     decode_nvfp4,
@@ -89,10 +90,13 @@ def test_fused_rne_equals_xla_and_oracle(block, rht, transpose, dtype, shape, am
     np.testing.assert_array_equal(np.asarray(operand.values, np.float32), ref_operand)  # exact in bf16
 
 
-@pytest.mark.parametrize("block,rht,transpose,dtype,shape", [
-    ("1d", False, False, jnp.bfloat16, (40, 64)),
-    ("2d", True, True, jnp.float32, (64, 40)),
-])
+@pytest.mark.parametrize(
+    "block,rht,transpose,dtype,shape",
+    [
+        ("1d", False, False, jnp.bfloat16, (40, 64)),
+        ("2d", True, True, jnp.float32, (64, 40)),
+    ],
+)
 def test_fused_stochastic_equals_xla_with_the_same_bits(block, rht, transpose, dtype, shape):
     x = _x(shape, dtype, seed=1)
     op = _operand(x, rht, transpose)
@@ -102,10 +106,12 @@ def test_fused_stochastic_equals_xla_with_the_same_bits(block, rht, transpose, d
     packed = fused_quantize(x, gamax, mode="packed", **kwargs)
     operand = fused_quantize(x, gamax, mode="operand", **kwargs)
     want = quantize_nvfp4(op, block=block, global_amax=gamax, rounding="stochastic", key=key)
-    _assert_same(packed, operand, want, nvfp4_operand(op, block=block, global_amax=gamax,
-                                                      rounding="stochastic", key=key))
-    assert (np.asarray(packed.packed) != np.asarray(quantize_nvfp4(
-        op, block=block, global_amax=gamax).packed)).any()  # it is not RNE
+    _assert_same(
+        packed, operand, want, nvfp4_operand(op, block=block, global_amax=gamax, rounding="stochastic", key=key)
+    )
+    assert (
+        np.asarray(packed.packed) != np.asarray(quantize_nvfp4(op, block=block, global_amax=gamax).packed)
+    ).any()  # it is not RNE
 
 
 def test_fused_stochastic_is_unbiased():
@@ -129,10 +135,13 @@ def test_fused_stochastic_is_unbiased():
     assert np.abs(y_samples.mean(axis=0) - y).max() > 0  # it is random, not RNE
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"mode": "packed", "rounding": "stochastic", "block": "2d", "rht": True, "transpose": True},
-    {"mode": "operand"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mode": "packed", "rounding": "stochastic", "block": "2d", "rht": True, "transpose": True},
+        {"mode": "operand"},
+    ],
+)
 def test_fused_lowers_for_cuda_through_triton(kwargs):
     """Cross-lowering on the CPU: every op of the kernel has a Pallas Triton lowering rule (the
     compile of that Triton IR for a GPU needs a GPU and is left to the device check)."""
@@ -144,21 +153,29 @@ def test_fused_lowers_for_cuda_through_triton(kwargs):
     assert "triton" in lowered.as_text()
 
 
-@pytest.mark.parametrize("x,kwargs,match", [
-    (np.zeros((2, 16, 16), np.float32), {}, "2-D"),
-    (np.zeros((16, 40), np.float32), {}, "not a multiple of 16"),
-    (np.zeros((40, 16), np.float32), {"transpose": True}, "not a multiple of 16"),
-    (np.zeros((16, 16), np.int32), {}, "dtype"),
-    (np.full((16, 16), np.inf, np.float32), {}, "inf or NaN"),
-    (np.zeros((16, 16), np.float32), {"mode": "fp4"}, "mode"),
-    (np.zeros((16, 16), np.float32), {"rounding": "stochastic"}, "uint32 bits"),
-    (np.zeros((16, 32), np.float32),
-     {"rounding": "stochastic", "bits": np.zeros((16, 32), np.int32)}, "uint32 bits"),
-    (np.zeros((32, 16), np.float32),
-     {"rounding": "stochastic", "bits": np.zeros((32, 16), np.uint32), "transpose": True},
-     r"shape \(16, 32\)"),
-    (np.zeros((16, 16), np.float32), {"bits": np.zeros((16, 16), np.uint32)}, "without"),
-])
+@pytest.mark.parametrize(
+    "x,kwargs,match",
+    [
+        (np.zeros((2, 16, 16), np.float32), {}, "2-D"),
+        (np.zeros((16, 40), np.float32), {}, "not a multiple of 16"),
+        (np.zeros((40, 16), np.float32), {"transpose": True}, "not a multiple of 16"),
+        (np.zeros((16, 16), np.int32), {}, "dtype"),
+        (np.full((16, 16), np.inf, np.float32), {}, "inf or NaN"),
+        (np.zeros((16, 16), np.float32), {"mode": "fp4"}, "mode"),
+        (np.zeros((16, 16), np.float32), {"rounding": "stochastic"}, "uint32 bits"),
+        (
+            np.zeros((16, 32), np.float32),
+            {"rounding": "stochastic", "bits": np.zeros((16, 32), np.int32)},
+            "uint32 bits",
+        ),
+        (
+            np.zeros((32, 16), np.float32),
+            {"rounding": "stochastic", "bits": np.zeros((32, 16), np.uint32), "transpose": True},
+            r"shape \(16, 32\)",
+        ),
+        (np.zeros((16, 16), np.float32), {"bits": np.zeros((16, 16), np.uint32)}, "without"),
+    ],
+)
 def test_fused_bad_arguments(x, kwargs, match):
     with pytest.raises(NVFP4ToolError, match=match):
         fused_quantize(x, 1.0, name="w", **kwargs)

@@ -28,15 +28,18 @@ def fp32_highest_matmul(a_q, b_q):
     """The previous emulation: code x block scale decoded to fp32, an fp32 dot at precision
     HIGHEST, then the global factor S_dec_a * S_dec_b. Returns (result, a32, b32, factor)."""
     a32, b32 = (decode_nvfp4(q.packed, q.scales, 1.0) for q in (a_q, b_q))
-    out = jax.lax.dot_general(a32, b32, (((a32.ndim - 1,), (1,)), ((), ())),
-                              precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    factor = flush_subnormal(nvfp4_global_scales(a_q.global_amax)[1] *
-                             nvfp4_global_scales(b_q.global_amax)[1])
+    out = jax.lax.dot_general(
+        a32,
+        b32,
+        (((a32.ndim - 1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    factor = flush_subnormal(nvfp4_global_scales(a_q.global_amax)[1] * nvfp4_global_scales(b_q.global_amax)[1])
     return out * factor, a32, b32, factor
 
 
-@pytest.mark.parametrize("a_shape,n", [((8, 64), 24), ((2, 3, 64), 24), ((64, 4096), 48),
-                                       ((2, 16, 1024), 32)])
+@pytest.mark.parametrize("a_shape,n", [((8, 64), 24), ((2, 3, 64), 24), ((64, 4096), 48), ((2, 16, 1024), 32)])
 def test_bf16_emulation_equals_fp32_highest_path(a_shape, n):
     """New (bf16 operands, DEFAULT precision) == old (fp32, HIGHEST): the products are the same
     exact values, only the summation order may differ: |new - old| <= K 2^-24 sum_k |a_k b_k| (x

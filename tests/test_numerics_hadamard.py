@@ -16,8 +16,7 @@ def test_matrix_is_signed_sylvester_and_exactly_orthonormal():
     h = np.asarray(rht_matrix())
     assert h.dtype == np.float32 and set(np.abs(h).ravel()) == {0.25}
     # Sylvester: H16[i, j] = (-1)^popcount(i & j); row i flipped by s[i].
-    want = np.array([[SIGNS[i] * (-1) ** bin(i & j).count("1") / 4 for j in range(16)]
-                     for i in range(16)], np.float32)
+    want = np.array([[SIGNS[i] * (-1) ** bin(i & j).count("1") / 4 for j in range(16)] for i in range(16)], np.float32)
     np.testing.assert_array_equal(h, want)
     np.testing.assert_array_equal(np.asarray(rht_matrix() @ rht_matrix().T), np.eye(16))
     np.testing.assert_array_equal(np.asarray(rht_matrix().T @ rht_matrix()), np.eye(16))

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import nvfp4_oracle as oracle
 import pytest
 
-import nvfp4_oracle as oracle
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     check_finite,
@@ -68,8 +68,9 @@ def test_e2m1_decode_table_all_16_codes():
 
 
 def test_e4m3_decode_table_all_256_bytes():
-    ours = np.asarray(jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8),
-                                                   jnp.float8_e4m3fn).astype(jnp.float32))
+    ours = np.asarray(
+        jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    )
     want = np.array([oracle.e4m3_value(b) for b in range(256)], np.float32)
     nan = np.isnan(want)
     assert list(np.flatnonzero(nan)) == [0x7F, 0xFF]
@@ -233,11 +234,9 @@ def test_decode_of_stored_bytes_matches_oracle_and_is_dequantize(s_dec):
     want = oracle.decode(np.asarray(q.packed), _bits(q.scales), s_dec)
     np.testing.assert_array_equal(_bits(got), _bits(want))
     _, own_s_dec = nvfp4_global_scales(q.global_amax)
-    np.testing.assert_array_equal(_bits(decode_nvfp4(q.packed, q.scales, own_s_dec)),
-                                  _bits(dequantize_nvfp4(q)))
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q.packed, q.scales, own_s_dec)), _bits(dequantize_nvfp4(q)))
     q0 = quantize_nvfp4(x.T, axis=0)
-    np.testing.assert_array_equal(_bits(decode_nvfp4(q0.packed, q0.scales, s_dec, axis=0)),
-                                  _bits(got).T)
+    np.testing.assert_array_equal(_bits(decode_nvfp4(q0.packed, q0.scales, s_dec, axis=0)), _bits(got).T)
 
 
 def test_decode_refuses_mismatched_bytes():
@@ -287,11 +286,17 @@ def test_record_is_a_pytree_with_static_metadata():
 # ------------------------------------------------------------------ fake quant
 
 
-@pytest.mark.parametrize(("kwargs", "dtype"), [
-    ({}, jnp.float32), ({}, jnp.bfloat16), ({"block": "2d"}, jnp.float32),
-    ({"global_amax": 3.0}, jnp.float32), ({"axis": 0}, jnp.bfloat16),
-    ({"rounding": "stochastic", "key": jax.random.key(0)}, jnp.float32),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "dtype"),
+    [
+        ({}, jnp.float32),
+        ({}, jnp.bfloat16),
+        ({"block": "2d"}, jnp.float32),
+        ({"global_amax": 3.0}, jnp.float32),
+        ({"axis": 0}, jnp.bfloat16),
+        ({"rounding": "stochastic", "key": jax.random.key(0)}, jnp.float32),
+    ],
+)
 def test_fake_quantize_equals_dequantize_of_quantize(kwargs, dtype):
     x = jnp.asarray(np.random.default_rng(11).standard_normal((32, 48)) * 2, dtype)
     fake = fake_quantize_nvfp4(x, **kwargs)
@@ -322,11 +327,15 @@ def test_operand_values_are_exact_in_bf16_for_every_code_and_scale():
     assert magnitudes.min() == 2.0**-10 and magnitudes.max() == 2688.0
 
 
-@pytest.mark.parametrize(("kwargs", "dtype"), [
-    ({}, jnp.bfloat16), ({"block": "2d", "global_amax": 3.0}, jnp.float32),
-    ({"axis": 0}, jnp.float16),
-    ({"rounding": "stochastic", "key": jax.random.key(0), "block": "2d"}, jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "dtype"),
+    [
+        ({}, jnp.bfloat16),
+        ({"block": "2d", "global_amax": 3.0}, jnp.float32),
+        ({"axis": 0}, jnp.float16),
+        ({"rounding": "stochastic", "key": jax.random.key(0), "block": "2d"}, jnp.bfloat16),
+    ],
+)
 def test_operand_is_the_decode_of_quantize_without_the_global_scale(kwargs, dtype):
     x = jnp.asarray(np.random.default_rng(12).standard_normal((48, 32)) * 3, dtype)
     op = nvfp4_operand(x, **kwargs)
@@ -370,7 +379,8 @@ def test_stochastic_rounding_is_unbiased_and_picks_neighbours():
     lo_hi = np.array([oracle.e2m1_neighbours(abs(v)) for v in y])
     y_samples = decoded / step
     neighbour = np.isclose(np.abs(y_samples), lo_hi[:, 0], rtol=0, atol=1e-6) | np.isclose(
-        np.abs(y_samples), lo_hi[:, 1], rtol=0, atol=1e-6)
+        np.abs(y_samples), lo_hi[:, 1], rtol=0, atol=1e-6
+    )
     assert neighbour.all()
     assert np.all((np.sign(y_samples) == np.sign(y)) | (y_samples == 0))
     gap = lo_hi[:, 1] - lo_hi[:, 0]

@@ -22,8 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import jax.numpy as jnp  # noqa: E402
-from peer_quantizers import (  # noqa: E402
+import jax.numpy as jnp
+from peer_quantizers import (
     NVFP4_GLOBAL_RANGE,
     PEER_MODULES,
     PEERS,
@@ -33,15 +33,14 @@ from peer_quantizers import (  # noqa: E402
     quantize_with_peer,
 )
 
-from nvfp4tool.numerics import (  # noqa: E402
+from nvfp4tool.numerics import (
     NVFP4Array,
     dequantize_nvfp4,
     nvfp4_global_scales,
     quantize_nvfp4,
 )
 
-pytestmark = [pytest.mark.peers,
-              pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning")]
+pytestmark = [pytest.mark.peers, pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning")]
 
 F32 = np.float32
 INPUTS = ("normal", "student_t", "bf16_normal", "bf16_weights")
@@ -102,13 +101,14 @@ def test_codes_differ_only_by_one_step_at_ties(peer: str, kind: str, shape: tupl
     differ = our_codes != peer_codes
     fraction = differ.mean()
     # The exact quotient in fp64 (2688 * x and amax * scale are exact there).
-    exact = np.abs(x_MxK[differ].astype(np.float64)) * NVFP4_GLOBAL_RANGE / (
-        np.float64(amax) * scale_MxK[differ])
+    exact = np.abs(x_MxK[differ].astype(np.float64)) * NVFP4_GLOBAL_RANGE / (np.float64(amax) * scale_MxK[differ])
     tie_distance = np.min(np.abs(exact[:, None] - E2M1_MIDPOINTS) / E2M1_MIDPOINTS, axis=1)
     exact_ties = int(np.sum(tie_distance == 0))
-    print(f"{peer} {kind} {shape}: {differ.sum()} of {differ.size} codes differ "
-          f"({fraction:.2e}), {exact_ties} at exact ties, peer == RNE(exact) at "
-          f"{np.sum(_e2m1_rne(np.copysign(exact, x_MxK[differ])) == peer_codes[differ])}")
+    print(
+        f"{peer} {kind} {shape}: {differ.sum()} of {differ.size} codes differ "
+        f"({fraction:.2e}), {exact_ties} at exact ties, peer == RNE(exact) at "
+        f"{np.sum(_e2m1_rne(np.copysign(exact, x_MxK[differ])) == peer_codes[differ])}"
+    )
     assert fraction < MAX_TIE_FRACTION[peer]
     assert np.array_equal(our_codes[differ] & 8, peer_codes[differ] & 8), "sign differs"
     steps = np.abs((our_codes[differ] & 7).astype(int) - (peer_codes[differ] & 7))
@@ -122,17 +122,20 @@ def test_peer_bytes_decode_with_our_dequantize(peer: str, kind: str, shape: tupl
     """Exact where the peer's decode is one rounding of the same product; else within 1-2 ulp."""
     x, _, _, theirs = _quantized_by_both(peer, kind, shape)
     global_amax, reproduced = _global_amax_of_peer(peer, theirs.global_scale)
-    record = NVFP4Array(packed=jnp.asarray(theirs.packed),
-                        scales=jnp.asarray(theirs.scale_bytes.view(ml_dtypes.float8_e4m3fn)),
-                        global_amax=jnp.float32(global_amax), shape=tuple(x.shape),
-                        dtype=jnp.dtype(jnp.float32), axis=1)
+    record = NVFP4Array(
+        packed=jnp.asarray(theirs.packed),
+        scales=jnp.asarray(theirs.scale_bytes.view(ml_dtypes.float8_e4m3fn)),
+        global_amax=jnp.float32(global_amax),
+        shape=tuple(x.shape),
+        dtype=jnp.dtype(jnp.float32),
+        axis=1,
+    )
     decoded = np.asarray(dequantize_nvfp4(record, jnp.dtype(theirs.dequantized_dtype)))
     decoded = decoded.astype(np.float32)
     assert theirs.dequantized.shape == decoded.shape == tuple(x.shape)
     if theirs.dequantized_dtype == "bfloat16":
         # CT decompresses to bf16: bf16(code * fp32(scale / S_enc)) equals our bf16 decode.
-        print(f"{peer} {kind} {shape}: bf16 decode bit-exact "
-              f"{np.mean(decoded == theirs.dequantized):.3f}")
+        print(f"{peer} {kind} {shape}: bf16 decode bit-exact {np.mean(decoded == theirs.dequantized):.3f}")
         assert reproduced
         assert np.array_equal(decoded, theirs.dequantized)
         assert np.array_equal(np.signbit(decoded), np.signbit(theirs.dequantized))
@@ -142,8 +145,10 @@ def test_peer_bytes_decode_with_our_dequantize(peer: str, kind: str, shape: tupl
     # amax/2688 is not always 1 / (2688/a) for any fp32 a (then up to 2 ulp everywhere).
     ulps = _ulp_distance(decoded, theirs.dequantized)
     power_of_two = np.isin(codes_of(theirs.packed) & 7, (0, 1, 2, 4, 6))  # 0, .5, 1, 2, 4
-    print(f"{peer} {kind} {shape}: decode scale reproduced {reproduced}, "
-          f"{np.mean(ulps == 0):.3f} bit-exact, max {ulps.max()} ulp")
+    print(
+        f"{peer} {kind} {shape}: decode scale reproduced {reproduced}, "
+        f"{np.mean(ulps == 0):.3f} bit-exact, max {ulps.max()} ulp"
+    )
     if reproduced:
         assert ulps[power_of_two].max(initial=0) == 0
         assert ulps.max() <= 1
@@ -171,8 +176,7 @@ def test_block_scale_differences_only_at_e4m3_midpoints(peer: str):
     assert np.all(np.abs(our_bytes[differ].astype(int) - peer_bytes[differ]) == 1)
     bamax = np.abs(x.reshape(128, -1, 16)).max(-1)[differ].astype(np.float64)
     exact = bamax * NVFP4_GLOBAL_RANGE / (6.0 * 6.0)
-    midpoint = (_scale_values(our_bytes[differ]).astype(np.float64)
-                + _scale_values(peer_bytes[differ])) / 2
+    midpoint = (_scale_values(our_bytes[differ]).astype(np.float64) + _scale_values(peer_bytes[differ])) / 2
     np.testing.assert_allclose(exact, midpoint, rtol=1e-12, atol=0)
     assert np.all(peer_bytes[differ] % 2 == 0), "the peer rounds the tie to the even code"
 
@@ -304,8 +308,7 @@ def _global_amax_of_peer(peer: str, global_scale: float) -> tuple[np.float32, bo
     """
     global_scale = F32(global_scale)
     is_encode_scale = peer == "compressed-tensors"
-    naive = F32(NVFP4_GLOBAL_RANGE) / global_scale if is_encode_scale else (
-        global_scale * F32(NVFP4_GLOBAL_RANGE))
+    naive = F32(NVFP4_GLOBAL_RANGE) / global_scale if is_encode_scale else (global_scale * F32(NVFP4_GLOBAL_RANGE))
     candidates = [naive]
     for direction in (np.inf, 0.0):
         value = naive
@@ -321,7 +324,9 @@ def _global_amax_of_peer(peer: str, global_scale: float) -> tuple[np.float32, bo
 
 def _ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Number of fp32 values between a and b (0 for +0 vs -0)."""
+
     def ordered(v):
         bits = np.asarray(v, np.float32).view(np.int32).astype(np.int64)
         return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
     return np.abs(ordered(a) - ordered(b))

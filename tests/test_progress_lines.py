@@ -19,17 +19,31 @@ import re
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from hub_server import HubServer
+
 from nvfp4tool import progress
 from nvfp4tool.cli import cli
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
 ELAPSED = r"(?:\d+\.\d s|\d+m\d\ds|\d+h\d\dm)"
-DONE = re.compile(rf"^{STAMP} (?P<stage>.+?): done, (?P<done>\d+)/(?P<total>\d+) (?P<unit>\S+) \(\d+%\)"
-                  rf"(?:, [^;]*?)?, elapsed (?P<elapsed>{ELAPSED})")
-TASK_KEYS = {"time", "event", "stage", "done", "total", "unit", "rate", "bytes_per_s", "elapsed_s", "eta_s",
-             "item", "fields"}
+DONE = re.compile(
+    rf"^{STAMP} (?P<stage>.+?): done, (?P<done>\d+)/(?P<total>\d+) (?P<unit>\S+) \(\d+%\)"
+    rf"(?:, [^;]*?)?, elapsed (?P<elapsed>{ELAPSED})"
+)
+TASK_KEYS = {
+    "time",
+    "event",
+    "stage",
+    "done",
+    "total",
+    "unit",
+    "rate",
+    "bytes_per_s",
+    "elapsed_s",
+    "eta_s",
+    "item",
+    "fields",
+}
 
 
 def done_lines(stderr: str) -> dict[str, re.Match]:
@@ -62,14 +76,24 @@ def _check(p, out, train):
 
 
 def _export(p, out, train):
-    return ["export", p["hf"], "--out", out, "--calib-data", p["ids"], "--calib-samples", "4",
-            "--calib-seq-len", "32"]
+    return ["export", p["hf"], "--out", out, "--calib-data", p["ids"], "--calib-samples", "4", "--calib-seq-len", "32"]
 
 
 def _train(p, out, train):
-    return ["train", "model=tiny", f"data={train / 'corpus.txt'}", f"tokenizer={train / 'tokenizer'}",
-            "recipe=bf16", "steps=2", "seq_len=16", "batch_size=4", "eval_every=2", "eval_batches=1",
-            "checkpoint_every=0", f"out={out}"]
+    return [
+        "train",
+        "model=tiny",
+        f"data={train / 'corpus.txt'}",
+        f"tokenizer={train / 'tokenizer'}",
+        "recipe=bf16",
+        "steps=2",
+        "seq_len=16",
+        "batch_size=4",
+        "eval_every=2",
+        "eval_batches=1",
+        "checkpoint_every=0",
+        f"out={out}",
+    ]
 
 
 # (id, argv builder, stages whose `done` line must appear {stage: unit}, status fragments, also quiet)
@@ -77,19 +101,35 @@ COMMANDS = [
     ("convert", _convert, {"convert": "tensor"}, [], True),
     ("convert-format", _convert_format, {"convert-format": "tensor"}, [], True),
     ("check", _check, {"check": "module"}, [], True),
-    ("export", _export, {"loading weights": "tensor", "calibration": "layer", "export": "tensor"},
-     ["loading calibration"], True),
+    (
+        "export",
+        _export,
+        {"loading weights": "tensor", "calibration": "layer", "export": "tensor"},
+        ["loading calibration"],
+        True,
+    ),
     # a -q train run is test_adversarial_train's fixture (it asserts an empty stderr): not twice here
-    ("train", _train, {"train": "step"}, ["compiling train step ...", "compiled train step in",
-                                          "compiled eval step in"], False),
+    (
+        "train",
+        _train,
+        {"train": "step"},
+        ["compiling train step ...", "compiled train step in", "compiled eval step in"],
+        False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("build, stages, fragments, quiet", [
-    pytest.param(build, stages, fragments, quiet, id=f"{name}-{'quiet' if quiet else 'lines'}")
-    for name, build, stages, fragments, also_quiet in COMMANDS for quiet in (False, True)[:1 + also_quiet]])
-def test_a_piped_command_prints_progress_lines_and_quiet_none(build, stages, fragments, quiet, pristine,
-                                                               train_inputs, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "build, stages, fragments, quiet",
+    [
+        pytest.param(build, stages, fragments, quiet, id=f"{name}-{'quiet' if quiet else 'lines'}")
+        for name, build, stages, fragments, also_quiet in COMMANDS
+        for quiet in (False, True)[: 1 + also_quiet]
+    ],
+)
+def test_a_piped_command_prints_progress_lines_and_quiet_none(
+    build, stages, fragments, quiet, pristine, train_inputs, tmp_path, monkeypatch
+):
     monkeypatch.delenv(progress.LOG_FORMAT_ENV, raising=False)
     out = str(tmp_path / "out")
     result = CliRunner().invoke(cli, [*(["--quiet"] if quiet else []), *build(pristine, out, train_inputs)])
@@ -198,8 +238,11 @@ def test_a_progress_line_has_count_throughput_elapsed_eta_and_fields():
         clock.t = 12.0
         task.advance(4, description="model.layers.3.mlp.up_proj", nbytes=8_000_000, fields={"loss": "3.2100"})
     line = stream.getvalue().splitlines()[1]
-    assert re.fullmatch(rf"{STAMP} export: 4/10 tensor \(40%\), 3\.0 s/tensor, 0\.7 MB/s, elapsed 12\.0 s, "
-                        r"ETA 18\.0 s; model\.layers\.3\.mlp\.up_proj; loss 3\.2100", line), line
+    assert re.fullmatch(
+        rf"{STAMP} export: 4/10 tensor \(40%\), 3\.0 s/tensor, 0\.7 MB/s, elapsed 12\.0 s, "
+        r"ETA 18\.0 s; model\.layers\.3\.mlp\.up_proj; loss 3\.2100",
+        line,
+    ), line
 
 
 def test_nested_short_tasks_print_nothing_and_a_failure_says_stopped():
@@ -224,7 +267,8 @@ def test_nested_short_tasks_print_nothing_and_a_failure_says_stopped():
     assert sum(s.startswith("sensitivity: ") and "group" in s for s in stages) <= 2 + 100 // 10 + 1
     assert [s for s in stages if s.startswith("forward")] == [
         "forward: 1/2 layer (50%), 12.0 s/layer, elapsed 12.0 s, ETA 12.0 s",
-        "forward: stopped, 1/2 layer (50%), 12.0 s/layer, elapsed 12.0 s"]
+        "forward: stopped, 1/2 layer (50%), 12.0 s/layer, elapsed 12.0 s",
+    ]
     assert stages[-1].startswith("sensitivity: stopped, 50/50 group")
 
 
@@ -239,8 +283,11 @@ def test_compiling_reports_the_first_call_of_a_key_once():
             pass
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [(r["event"], r["stage"]) for r in records] == [
-        ("compile_start", "train step"), ("compile_done", "train step"),
-        ("compile_start", "one-off"), ("compile_done", "one-off")]
+        ("compile_start", "train step"),
+        ("compile_done", "train step"),
+        ("compile_start", "one-off"),
+        ("compile_done", "one-off"),
+    ]
     assert records[0]["elapsed_s"] is None and records[1]["elapsed_s"] >= 0
 
 
@@ -253,15 +300,18 @@ def test_compiling_without_a_compiling_method_falls_back_to_status_lines():
     assert lines.lines[0] == "compiling eval step ..." and lines.lines[1].startswith("compiled eval step in ")
 
 
-@pytest.mark.parametrize("quiet, log_format, tty, kind", [
-    (False, "auto", True, progress.RichReporter),
-    (False, "auto", False, progress.LineReporter),
-    (False, "text", True, progress.LineReporter),
-    (False, "json", False, progress.LineReporter),
-    (False, "rich", False, progress.RichReporter),
-    (True, "json", False, progress.QuietReporter),
-    (True, "auto", True, progress.QuietReporter),
-])
+@pytest.mark.parametrize(
+    "quiet, log_format, tty, kind",
+    [
+        (False, "auto", True, progress.RichReporter),
+        (False, "auto", False, progress.LineReporter),
+        (False, "text", True, progress.LineReporter),
+        (False, "json", False, progress.LineReporter),
+        (False, "rich", False, progress.RichReporter),
+        (True, "json", False, progress.QuietReporter),
+        (True, "auto", True, progress.QuietReporter),
+    ],
+)
 def test_for_cli_picks_bars_on_a_terminal_and_lines_in_a_log(quiet, log_format, tty, kind):
     class Stream(io.StringIO):
         def isatty(self):

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from hub_server import HubServer, SilentServer
+from serving_fixtures import build_checkpoint, write_checkpoint, write_export_record
+from validate_fixtures import validation_record
+
 from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
 from nvfp4tool.records.names import source_repo_id
-from serving_fixtures import build_checkpoint, write_checkpoint, write_export_record
-from validate_fixtures import validation_record
 
 TOKEN = "hf_testTOKENdo-not-print-7f3a9c"  # distinctive, so a leak anywhere in output is found
 REPO = "test-org/tiny-nvfp4"
@@ -58,8 +58,8 @@ def hub(hub_env):
 def all_logs():
     """Every log record of every logger (ours, huggingface_hub, httpx2/httpcore2, ...) at DEBUG,
     formatted with its exception text: a list of (logger name, text). Levels restored after."""
-    import httpx2  # noqa: F401  (create the third-party loggers before lowering their levels)
-    import huggingface_hub  # noqa: F401
+    import httpx2
+    import huggingface_hub
 
     records: list[tuple[str, str]] = []
 
@@ -86,12 +86,14 @@ def export(tmp_path):
     return _write_export(tmp_path / "export", "compressed-tensors")
 
 
-def _write_export(folder, fmt, *, validation=True, passed=True, broken=False, quant="nvfp4",
-                  source_name="meta-llama/Llama-3.2-1B"):
+def _write_export(
+    folder, fmt, *, validation=True, passed=True, broken=False, quant="nvfp4", source_name="meta-llama/Llama-3.2-1B"
+):
     ckpt = build_checkpoint(fmt, quant)
     if broken:  # a zero global scale: loads in every engine and serves garbage
-        name = "model.layers.0.mlp.down_proj." + ("weight_global_scale" if fmt == "compressed-tensors"
-                                                  else "weight_scale_2")
+        name = "model.layers.0.mlp.down_proj." + (
+            "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
+        )
         ckpt.tensors[name] = np.zeros_like(ckpt.tensors[name])
     folder = write_checkpoint(folder, ckpt)
     write_export_record(folder, ckpt, fmt, quant, source_name=source_name)
@@ -116,21 +118,41 @@ def bind_validation(folder, *, passed=True, **changes):
     from nvfp4tool.validate.thresholds import Thresholds
 
     layout, provenance = formats.describe(folder), ExportRecord.read(folder)
-    files = {rel: sha256_file(os.path.join(folder, rel)) for rel in _folder_bytes(folder)
-             if rel not in (*REPORT_FILES, "README.md")}
+    files = {
+        rel: sha256_file(os.path.join(folder, rel))
+        for rel in _folder_bytes(folder)
+        if rel not in (*REPORT_FILES, "README.md")
+    }
     base = validation_record(passed)
-    metrics = {"kl_mean": 0.0123, "kl_p99": 0.05, "top1": 0.97, "ppl": 9.6, "ppl_increase": 0.0105,
-               "logit_max_err": 0.5, "logit_mean_err": 0.01}
-    record = dataclasses.replace(base, **{
-        "export": Named(os.path.basename(folder), files), "quant": layout.quant, "format": layout.format,
-        "source": Named(provenance.source.name, dict(provenance.source.files)),
-        "source_kind": provenance.source.kind, "source_step": provenance.source.step,
-        "models": {"bf16": {"ppl": 9.5}, layout.quant: metrics},
-        "layers": [dataclasses.replace(row, weight_sqnr_db={layout.quant: 20.5},
-                                       output_sqnr_db={layout.quant: 19.0}) for row in base.layers],
-        "generation": dataclasses.replace(base.generation, first_divergence={layout.quant: [None, 5]}),
-        "kl_histogram": {layout.quant: base.kl_histogram["nvfp4"]},
-        "thresholds": dataclasses.asdict(Thresholds()), **changes})
+    metrics = {
+        "kl_mean": 0.0123,
+        "kl_p99": 0.05,
+        "top1": 0.97,
+        "ppl": 9.6,
+        "ppl_increase": 0.0105,
+        "logit_max_err": 0.5,
+        "logit_mean_err": 0.01,
+    }
+    record = dataclasses.replace(
+        base,
+        **{
+            "export": Named(os.path.basename(folder), files),
+            "quant": layout.quant,
+            "format": layout.format,
+            "source": Named(provenance.source.name, dict(provenance.source.files)),
+            "source_kind": provenance.source.kind,
+            "source_step": provenance.source.step,
+            "models": {"bf16": {"ppl": 9.5}, layout.quant: metrics},
+            "layers": [
+                dataclasses.replace(row, weight_sqnr_db={layout.quant: 20.5}, output_sqnr_db={layout.quant: 19.0})
+                for row in base.layers
+            ],
+            "generation": dataclasses.replace(base.generation, first_divergence={layout.quant: [None, 5]}),
+            "kl_histogram": {layout.quant: base.kl_histogram["nvfp4"]},
+            "thresholds": dataclasses.asdict(Thresholds()),
+            **changes,
+        },
+    )
     record.write(folder)
     with open(os.path.join(folder, "validation.md"), "w", encoding="utf-8") as f:
         f.write(markdown(record))
@@ -198,13 +220,19 @@ def test_own_readme_is_replaced_in_the_upload_only(hub, export):
 
 
 def test_card_metadata_and_sections(export):
-    card = push_checkpoint(export, PushOptions(repo_id=REPO, dry_run=True, license="llama3.2"),
-                           echo=lambda _: None).card
+    card = push_checkpoint(
+        export, PushOptions(repo_id=REPO, dry_run=True, license="llama3.2"), echo=lambda _: None
+    ).card
     front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
     meta = yaml.safe_load(front)
-    assert meta == {"base_model": "meta-llama/Llama-3.2-1B", "base_model_relation": "quantized",
-                    "library_name": "transformers", "pipeline_tag": "text-generation", "license": "llama3.2",
-                    "tags": ["nvfp4", "fp4", "w4a4", "compressed-tensors", "nvfp4tool"]}
+    assert meta == {
+        "base_model": "meta-llama/Llama-3.2-1B",
+        "base_model_relation": "quantized",
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "license": "llama3.2",
+        "tags": ["nvfp4", "fp4", "w4a4", "compressed-tensors", "nvfp4tool"],
+    }
     assert "| `model.layers.{0,1}.mlp.down_proj` | 2 |" in body  # 2 layers in the fixture, named
     assert "`lm_head`" in body
     assert "| KL mean (nats) | 0.0123 |" in body  # the table validate renders, under one heading
@@ -221,8 +249,9 @@ def test_card_without_validation_md_renders_the_record(export):
 
 def test_modelopt_card_serving_commands(tmp_path):
     folder = _write_export(tmp_path / "mo", "modelopt")
-    card = push_checkpoint(folder, PushOptions(repo_id=REPO, dry_run=True, base_model="org/src"),
-                           echo=lambda _: None).card
+    card = push_checkpoint(
+        folder, PushOptions(repo_id=REPO, dry_run=True, base_model="org/src"), echo=lambda _: None
+    ).card
     meta = yaml.safe_load(card.split("---\n")[1])
     assert meta["library_name"] == "modelopt" and meta["base_model"] == "org/src"
     assert "modelopt" in meta["tags"] and "license" not in meta

@@ -28,8 +28,17 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     result = CliRunner().invoke(cli, ["quickstart", "--out", str(out)])
     assert result.exit_code == 0, result.output[-3000:]
     figures = json.loads((out / "quickstart.json").read_text())
-    assert list(figures) == ["pretrain", "finetune", "export_nvfp4", "export_fp8", "validate", "eval", "check",
-                             "push", "machine"]
+    assert list(figures) == [
+        "pretrain",
+        "finetune",
+        "export_nvfp4",
+        "export_fp8",
+        "validate",
+        "eval",
+        "check",
+        "push",
+        "machine",
+    ]
     assert figures["machine"]["cores"] >= 1 and figures["machine"]["wall_seconds"] > 0
     # pretraining learns (a uniform model over the vocabulary would sit at ln(512) = 6.24 nats)
     assert figures["pretrain"]["final_loss"] < figures["pretrain"]["first_loss"] - 1.0
@@ -41,8 +50,13 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     assert "NVFP4 - BF16" in result.output and "McNemar p" in result.output
     nvfp4 = figures["validate"]["metrics"]["nvfp4"]
     assert 0 < nvfp4["kl_mean"] and nvfp4["top1"] > 0.8
-    for name in ("export-nvfp4/validation.md", "export-nvfp4/nvfp4tool_export.json",
-                 "export-fp8/hf_quant_config.json", "finetune-nvfp4/loss.png", "MODEL_CARD.md"):
+    for name in (
+        "export-nvfp4/validation.md",
+        "export-nvfp4/nvfp4tool_export.json",
+        "export-fp8/hf_quant_config.json",
+        "finetune-nvfp4/loss.png",
+        "MODEL_CARD.md",
+    ):
         assert (out / name).is_file(), name
     # the README table made from quickstart.json shows only figures this run printed (issue 26)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

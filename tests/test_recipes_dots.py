@@ -11,9 +11,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import nvfp4_oracle as oracle
+import pytest
+from test_numerics_gemm import fp32_highest_matmul
+
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import (
     dequantize_fp8,
@@ -26,7 +27,6 @@ from nvfp4tool.numerics import (
     rht16,
 )
 from nvfp4tool.recipes import FP8Options, NVFP4Options, fp8_dot, nvfp4_dot
-from test_numerics_gemm import fp32_highest_matmul
 
 nvfp4_dot_module = importlib.import_module("nvfp4tool.recipes.nvfp4_dot")  # the package exports the function
 
@@ -67,9 +67,11 @@ def test_nvfp4_gemms_equal_explicit_quantized_gemms_rne(operands, rht, weight_2d
 
     # ... equal to the previous emulation (fp32 operands, precision HIGHEST): bit-equal on the
     # CPU, else within the fp32 summation bound K 2^-24 sum_k |a_k b_k| (x the global factor).
-    for got, (a_q, b_q) in ((y, (quantize_nvfp4(x), quantize_nvfp4(w, block=block))),
-                            (dx, (quantize_nvfp4(dy), quantize_nvfp4(w.T, block=block))),
-                            (dw, (quantize_nvfp4(dy_t), quantize_nvfp4(x_t)))):
+    for got, (a_q, b_q) in (
+        (y, (quantize_nvfp4(x), quantize_nvfp4(w, block=block))),
+        (dx, (quantize_nvfp4(dy), quantize_nvfp4(w.T, block=block))),
+        (dw, (quantize_nvfp4(dy_t), quantize_nvfp4(x_t))),
+    ):
         old, a32, b32, factor = fp32_highest_matmul(a_q, b_q)
         abs_products = np.abs(np.asarray(a32, np.float64)) @ np.abs(np.asarray(b32, np.float64)).T
         bound = a32.shape[-1] * 2.0**-24 * abs_products * np.float64(factor)
@@ -81,8 +83,9 @@ def test_nvfp4_gemms_equal_explicit_quantized_gemms_rne(operands, rht, weight_2d
     def deq64(q):
         return np.asarray(dequantize_nvfp4(q), np.float64)
 
-    np.testing.assert_allclose(np.asarray(y), deq64(quantize_nvfp4(x)) @ deq64(quantize_nvfp4(w, block=block)).T,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(y), deq64(quantize_nvfp4(x)) @ deq64(quantize_nvfp4(w, block=block)).T, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_nvfp4_2d_weight_is_the_same_in_fprop_and_dgrad(operands):
@@ -142,11 +145,14 @@ def _recipe_vjp(x, w, dy, **options):
     return _vjp(jax.jit(lambda a, b: nvfp4_dot(a, b, key, options=NVFP4Options(**options))), x, w, dy)
 
 
-@pytest.mark.parametrize("rht,stochastic_rounding,weight_2d,lead", [
-    (True, True, True, (48,)),  # NVIDIA's recipe: SR and RHT on
-    (False, False, False, (2, 24)),  # every piece off; 3-D x
-    (False, True, False, (48,)),
-])
+@pytest.mark.parametrize(
+    "rht,stochastic_rounding,weight_2d,lead",
+    [
+        (True, True, True, (48,)),  # NVIDIA's recipe: SR and RHT on
+        (False, False, False, (2, 24)),  # every piece off; 3-D x
+        (False, True, False, (48,)),
+    ],
+)
 def test_nvfp4_pallas_quantizers_equal_xla_bit_for_bit(rht, stochastic_rounding, weight_2d, lead):
     """y, dx, dw with every operand made by one fused kernel call (interpret mode on the CPU)
     are the XLA quantizers' results bit for bit: same amax, same SR bits, same RHT."""
@@ -176,8 +182,9 @@ def test_nvfp4_packed_branch_where_the_fp4_gemm_is_native():
         want = _bytes(_recipe_vjp(x, w, dy, quantizer="xla", gemm="emulated", weight_2d=weight_2d))
         for quantizer in quantizers:
             calls.clear()
-            got = _bytes(_recipe_vjp(x, w, dy, quantizer=quantizer, gemm="native", packed_matmul=matmul,
-                                     weight_2d=weight_2d))
+            got = _bytes(
+                _recipe_vjp(x, w, dy, quantizer=quantizer, gemm="native", packed_matmul=matmul, weight_2d=weight_2d)
+            )
             for name, a, b in zip(("y", "dx", "dw"), want, got):
                 np.testing.assert_array_equal(a, b, err_msg=f"{quantizer} 2d={weight_2d} {name}")
             # fprop, dgrad, wgrad (jax may trace the forward twice)
@@ -189,8 +196,9 @@ def test_nvfp4_pallas_recipe_lowers_for_cuda_through_triton(monkeypatch):
     (the kernels compiled, not interpreted): each of the five operands (X, W, dY, RHT'd dY^T and
     X^T) is one Triton kernel (dgrad's 16x16-scaled W is fprop's, transposed), the three GEMMs are
     bf16 x bf16 -> f32 dots."""
-    monkeypatch.setattr(nvfp4_dot_module, "fused_quantize",
-                        functools.partial(nvfp4_dot_module.fused_quantize, interpret=False))
+    monkeypatch.setattr(
+        nvfp4_dot_module, "fused_quantize", functools.partial(nvfp4_dot_module.fused_quantize, interpret=False)
+    )
     x, w, dy = _small_operands()
     key = jax.random.key(3)
 
@@ -212,8 +220,10 @@ def test_nvfp4_options_reject_an_unknown_quantizer():
 
 
 # (fmt, granularity) of activation, weight, gradient per FP8 scaling mode
-FP8_SPECS = {"tensor": (("e4m3", "tensor"), ("e4m3", "tensor"), ("e5m2", "tensor")),
-             "block": (("e4m3", "block128"), ("e4m3", "block128x128"), ("e4m3", "block128"))}
+FP8_SPECS = {
+    "tensor": (("e4m3", "tensor"), ("e4m3", "tensor"), ("e5m2", "tensor")),
+    "block": (("e4m3", "block128"), ("e4m3", "block128x128"), ("e4m3", "block128")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +241,11 @@ def test_fp8_gemms_equal_explicit_quantized_gemms(fp8_operands, scaling):
     x, w, dy = fp8_operands
     y, dx, dw = _vjp(jax.jit(lambda a, b: fp8_dot(a, b, FP8Options(scaling=scaling))), x, w, dy)
     act, wgt, grad = FP8_SPECS[scaling]
-    gemms = {"fprop": (y, (x, act), (w, wgt)), "dgrad": (dx, (dy, grad), (w.T, wgt)),
-             "wgrad": (dw, (dy.T, grad), (x.T, act))}
+    gemms = {
+        "fprop": (y, (x, act), (w, wgt)),
+        "dgrad": (dx, (dy, grad), (w.T, wgt)),
+        "wgrad": (dw, (dy.T, grad), (x.T, act)),
+    }
     for name, (got, (a, a_spec), (b, b_spec)) in gemms.items():
         a_q = quantize_fp8(a, fmt=a_spec[0], granularity=a_spec[1])
         b_q = quantize_fp8(b, fmt=b_spec[0], granularity=b_spec[1])

@@ -25,8 +25,16 @@ from nvfp4tool.recipes.precision import (
     training_seam,
 )
 
-CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                     num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16)
+CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def test_default_precision_map_keeps_first_and_last_blocks_and_lm_head():
@@ -39,8 +47,9 @@ def test_default_precision_map_keeps_first_and_last_blocks_and_lm_head():
 
 
 def test_precision_map_options():
-    pmap = precision_map(RecipeConfig(name="fp8", bf16_first_layers=0, bf16_last_layers=0,
-                                      bf16_patterns=("*.mlp.down_proj",)), CONFIG)
+    pmap = precision_map(
+        RecipeConfig(name="fp8", bf16_first_layers=0, bf16_last_layers=0, bf16_patterns=("*.mlp.down_proj",)), CONFIG
+    )
     assert pmap["model.layers.0.self_attn.q_proj"] == "fp8"
     assert pmap["model.layers.7.mlp.up_proj"] == "fp8"
     assert all(v == "bf16" for n, v in pmap.items() if n.endswith("down_proj"))
@@ -59,8 +68,12 @@ def test_fused_groups_share_the_joint_amax():
     assert fused_group("model.layers.3.self_attn.k_proj") == "model.layers.3.self_attn.qkv"
     assert fused_group("model.layers.3.mlp.up_proj") == "model.layers.3.mlp.gate_up"
     assert fused_group("model.layers.3.self_attn.o_proj") == "model.layers.3.self_attn.o_proj"
-    weights = {"a.self_attn.q_proj": jnp.full((16, 16), 0.5), "a.self_attn.k_proj": jnp.full((16, 16), -3.0),
-               "a.self_attn.v_proj": jnp.full((16, 16), 1.0), "a.mlp.down_proj": jnp.full((16, 16), 2.0)}
+    weights = {
+        "a.self_attn.q_proj": jnp.full((16, 16), 0.5),
+        "a.self_attn.k_proj": jnp.full((16, 16), -3.0),
+        "a.self_attn.v_proj": jnp.full((16, 16), 1.0),
+        "a.mlp.down_proj": jnp.full((16, 16), 2.0),
+    }
     amax = group_amax(weights)
     assert float(amax["a.self_attn.qkv"]) == 3.0 and float(amax["a.mlp.down_proj"]) == 2.0
 
@@ -77,18 +90,21 @@ def test_recipe_linear_uses_the_group_amax_and_records_input_amax(model_and_batc
     recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0)
     pmap = precision_map(recipe, CONFIG)
     blocks = model.layers
-    weights = {f"model.layers.{i}.{path}": getattr(getattr(b, part), proj).weight[...]
-               for i, b in enumerate(blocks) for part, proj, path in
-               [("self_attn", p, f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-               + [("mlp", p, f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")]}
+    weights = {
+        f"model.layers.{i}.{path}": getattr(getattr(b, part), proj).weight[...]
+        for i, b in enumerate(blocks)
+        for part, proj, path in [("self_attn", p, f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        + [("mlp", p, f"mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
+    }
     amax = group_amax(weights)
     key = jax.random.key(3)
     seam = training_seam(recipe, pmap, CONFIG, key, (amax, {}))
     x = jax.random.normal(jax.random.key(4), (2, 16, 64), jnp.float32)
     name = "model.layers.2.self_attn.k_proj"
     y, side = seam.at(2).project(x, weights[name], None, name)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(make_linear(recipe, pmap, key, amax)(
-        x, weights[name], None, name=name)))  # the LinearFn and the tap: one implementation
+    np.testing.assert_array_equal(
+        np.asarray(y), np.asarray(make_linear(recipe, pmap, key, amax)(x, weights[name], None, name=name))
+    )  # the LinearFn and the tap: one implementation
     sink = side.records
     x_bf, w_bf = x.astype(jnp.bfloat16), weights[name].astype(jnp.bfloat16)
     group = amax["model.layers.2.self_attn.qkv"]
@@ -111,8 +127,10 @@ def test_recipes_change_the_logits_and_bf16_scope_all_undoes_it(model_and_batch)
     recipe = RecipeConfig(name="nvfp4")
     switched = make_linear(recipe, precision_map(recipe, CONFIG), jax.random.key(0), bf16_scope="all")
     np.testing.assert_array_equal(np.asarray(forward(model, ids, linear=switched)), logits["bf16"])
-    err = {n: np.abs(logits[n] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean()
-           for n in ("fp8", "fp8-block", "nvfp4")}
+    err = {
+        n: np.abs(logits[n] - logits["bf16"]).mean() / np.abs(logits["bf16"]).mean()
+        for n in ("fp8", "fp8-block", "nvfp4")
+    }
     assert 0 < err["fp8-block"] and 0 < err["fp8"] < err["nvfp4"] < 0.5, err
 
 
@@ -124,14 +142,15 @@ def test_layer_keys_differ_by_layer_and_step_and_reproduce():
     """SR key of (seed, step, layer): the trainer's step key (seed folded with the step) folded
     with the layer name; distinct for every layer and step, equal for the same triple."""
     names = CONFIG.linear_names()
-    step_keys = {(seed, step): jax.random.fold_in(jax.random.key(seed), step)
-                 for seed in (0, 1) for step in (1, 2, 3)}
-    keys = {(seed, step, name): _key_data(layer_key(k, name))
-            for (seed, step), k in step_keys.items() for name in names}
+    step_keys = {(seed, step): jax.random.fold_in(jax.random.key(seed), step) for seed in (0, 1) for step in (1, 2, 3)}
+    keys = {
+        (seed, step, name): _key_data(layer_key(k, name)) for (seed, step), k in step_keys.items() for name in names
+    }
     assert len(set(keys.values())) == len(keys)  # no two (seed, step, layer) share a key
-    again = {(seed, step, name): _key_data(layer_key(jax.random.fold_in(jax.random.key(seed), step),
-                                                     name))
-             for seed, step, name in keys}
+    again = {
+        (seed, step, name): _key_data(layer_key(jax.random.fold_in(jax.random.key(seed), step), name))
+        for seed, step, name in keys
+    }
     assert again == keys
 
 
@@ -153,8 +172,7 @@ def _dx(linear, name: str) -> np.ndarray:
 def test_make_linear_rounds_each_layer_and_step_with_its_own_key(sr: bool):
     """The key make_linear derives is the one the gradient uses: the same layer and step key give
     the same bits; another layer or step key changes them (only with stochastic rounding)."""
-    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0,
-                          stochastic_rounding=sr)
+    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0, stochastic_rounding=sr)
     pmap = precision_map(recipe, CONFIG)
     a, b = "model.layers.2.self_attn.o_proj", "model.layers.3.self_attn.o_proj"
     step1, step2 = (jax.random.fold_in(jax.random.key(7), step) for step in (1, 2))
@@ -163,9 +181,11 @@ def test_make_linear_rounds_each_layer_and_step_with_its_own_key(sr: bool):
     for other in (_dx(make_linear(recipe, pmap, step1), b), _dx(make_linear(recipe, pmap, step2), a)):
         assert (not np.array_equal(other, base)) == sr
     if sr:  # and it is exactly nvfp4_dot with the derived key
+
         def direct(x, w_NxK, b_N, *, name):
-            y = nvfp4_dot(x.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16),
-                          layer_key(step1, name), None, NVFP4Options())
+            y = nvfp4_dot(
+                x.astype(jnp.bfloat16), w_NxK.astype(jnp.bfloat16), layer_key(step1, name), None, NVFP4Options()
+            )
             return y.astype(x.dtype)
 
         np.testing.assert_array_equal(base, _dx(direct, a))
@@ -175,8 +195,11 @@ def test_make_linear_rounds_each_layer_and_step_with_its_own_key(sr: bool):
 def test_quantizer_flows_from_the_recipe_to_nvfp4_options(monkeypatch, quantizer):
     seen = []
     precision_module = importlib.import_module("nvfp4tool.recipes.precision")
-    monkeypatch.setattr(precision_module, "nvfp4_dot",
-                        lambda x, w, key, amax, options, weight=None: seen.append(options) or dot_nt(x, w))
+    monkeypatch.setattr(
+        precision_module,
+        "nvfp4_dot",
+        lambda x, w, key, amax, options, weight=None: seen.append(options) or dot_nt(x, w),
+    )
     recipe = RecipeConfig(name="nvfp4", quantizer=quantizer, gemm="emulated")
     name = "model.layers.2.mlp.up_proj"
     linear = make_linear(recipe, {name: "nvfp4"}, jax.random.key(0))

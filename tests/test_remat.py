@@ -26,28 +26,32 @@ VOCAB = 256
 
 
 def _step_fns(config, recipe_name: str, remat: str):
-    model = CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat,
-                     rngs=nnx.Rngs(0))
+    model = CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat, rngs=nnx.Rngs(0))
     recipe = RecipeConfig(name=recipe_name, bf16_first_layers=0, bf16_last_layers=0)
     graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(lambda step: 1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
-                               clip_norm=1.0)
+    optimizer = make_optimizer(lambda step: 1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
     fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer, grad_accum=1)
     return fns, fns.init_state(params.to_pure_dict(), amax_history=2)
 
 
 # the smallest model with both MLP kinds: layer 0 dense, layer 1 sparse (4 experts, top-2)
 _TINY_MOE = preset_config("tiny-moe", VOCAB, 64)
-MIXED = dataclasses.replace(_TINY_MOE, hidden_size=64, num_layers=2, head_dim=16, intermediate_size=128,
-                            family_config=dataclasses.replace(_TINY_MOE.experts, moe_intermediate_size=32,
-                                                              num_experts=4, mlp_only_layers=(0,)))
+MIXED = dataclasses.replace(
+    _TINY_MOE,
+    hidden_size=64,
+    num_layers=2,
+    head_dim=16,
+    intermediate_size=128,
+    family_config=dataclasses.replace(_TINY_MOE.experts, moe_intermediate_size=32, num_experts=4, mlp_only_layers=(0,)),
+)
 
 
 def _gradients(remat: str):
     fns, state = _step_fns(MIXED, "nvfp4", remat)
     windows = np.random.default_rng(0).integers(0, VOCAB, (2, 33))
     (loss, (amax, parts)), grads = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))(
-        state["params"], windows, jax.random.key(0))
+        state["params"], windows, jax.random.key(0)
+    )
     return jax.tree.map(np.asarray, {"loss": loss, "amax": amax, "parts": parts, "grads": grads})
 
 
@@ -70,8 +74,12 @@ def test_remat_gives_the_same_loss_amax_and_gradients():
     default XLA may skip a BF16 rounding inside a fusion, and remat changes the fusions (measured
     with it on: the loss equal, gradients up to 2% (bf16) / 28% (nvfp4) of their largest entry
     apart), so the check runs in its own process with the flag off."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+    )
     code = "import sys; sys.path.insert(0, 'tests'); import test_remat; test_remat.same_as_no_remat()"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -88,7 +96,8 @@ def test_remat_keeps_less_for_the_backward_pass(recipe_name):
         fns, state = _step_fns(preset_config("tiny", VOCAB, 512), recipe_name, remat)
         windows = jax.ShapeDtypeStruct((4, 513), jnp.int32)
         backward = jax.eval_shape(
-            lambda p, w: jax.vjp(lambda p: fns.loss(p, w, jax.random.key(0))[0], p)[1], state["params"], windows)
+            lambda p, w: jax.vjp(lambda p: fns.loss(p, w, jax.random.key(0))[0], p)[1], state["params"], windows
+        )
         kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
     assert kept["full"] < kept["block"] < kept["none"] / 5, kept
 

@@ -13,14 +13,23 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from converters.hf import (HFFolderSource, read_safetensors_header, scan_safetensors_header,
-                           write_hf_folder, write_safetensors)
+from converters.hf import (
+    HFFolderSource,
+    read_safetensors_header,
+    scan_safetensors_header,
+    write_hf_folder,
+    write_safetensors,
+)
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 
-TENSORS = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32),
-           "c": np.ones(2, ml_dtypes.bfloat16), "d": np.full(4, 2.0, np.float32)}
+TENSORS = {
+    "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "b": np.ones(4, np.float32),
+    "c": np.ones(2, ml_dtypes.bfloat16),
+    "d": np.full(4, 2.0, np.float32),
+}
 
 
 def header_file(tmp_path, edit=None, tail: bytes = b"", raw_header: bytes | None = None) -> str:
@@ -62,14 +71,24 @@ DEFECTS = [
     ("entry without dtype", dict(edit=lambda h: h["b"].pop("dtype")), "'b'", "malformed header entry"),
     ("entry not an object", dict(edit=lambda h: h.__setitem__("b", [1, 2])), "'b'", "malformed header entry"),
     ("past the end", dict(edit=set_field("d", "data_offsets", [80, 96])), "'d'", "truncated shard or lying header"),
-    ("metadata not strings", dict(edit=lambda h: h.__setitem__("__metadata__", {"format": 1})), None,
-     "__metadata__ is not a map of strings"),
+    (
+        "metadata not strings",
+        dict(edit=lambda h: h.__setitem__("__metadata__", {"format": 1})),
+        None,
+        "__metadata__ is not a map of strings",
+    ),
     ("not JSON", dict(raw_header=b"{not json"), None, "not valid UTF-8 JSON"),
     ("not UTF-8", dict(raw_header=b'{"\xff": 1}'), None, "not valid UTF-8 JSON"),
     ("a JSON array", dict(raw_header=b"[1, 2]"), None, "not an object"),
-    ("repeated name", dict(raw_header=b'{"b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}, '
-                                      b'"b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}'),
-     None, "'b' appears twice"),
+    (
+        "repeated name",
+        dict(
+            raw_header=b'{"b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}, '
+            b'"b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}'
+        ),
+        None,
+        "'b' appears twice",
+    ),
 ]
 
 
@@ -120,15 +139,29 @@ def test_unreadable_file(tmp_path, case):
             f.write(struct.pack("<Q", 1000) + b"{}")
     with pytest.raises(NVFP4ToolError) as error:
         read_safetensors_header(path)
-    words = {"folder": "is a folder", "missing": "no such file", "empty": "truncated",
-             "header longer than file": "header claims 1000 bytes"}[case]
+    words = {
+        "folder": "is a folder",
+        "missing": "no such file",
+        "empty": "truncated",
+        "header longer than file": "header claims 1000 bytes",
+    }[case]
     assert str(error.value).startswith(path + ": ") and words in str(error.value)
 
 
 # --------------------------------------------------------------------- values read from a folder
 
-CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
-                     num_heads=2, num_kv_heads=1, head_dim=8, attention_bias=True, dtype="float32")
+CONFIG = ModelConfig(
+    family="qwen2",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    attention_bias=True,
+    dtype="float32",
+)
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 
 
@@ -145,8 +178,11 @@ def model_folder(tmp_path, dtype=np.float32, poison: float | None = None) -> str
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_writer_refuses_non_finite_values_and_writes_nothing(tmp_path, value):
-    with pytest.raises(NVFP4ToolError, match=rf"<memory>: tensor '{VICTIM}' has 1 non-finite value "
-                                             rf"\(NaN or inf\), e.g. {value} at index \[3, 0\]"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=rf"<memory>: tensor '{VICTIM}' has 1 non-finite value "
+        rf"\(NaN or inf\), e.g. {value} at index \[3, 0\]",
+    ):
         model_folder(tmp_path, poison=value)
     assert os.listdir(tmp_path) == []
 
@@ -161,8 +197,11 @@ def test_non_finite_weight_in_a_file_is_named_when_read(tmp_path, value):
         f.write(np.array([value], np.float32).tobytes())
     source = HFFolderSource(out)  # the header is fine
     source.get("model.norm.weight")
-    with pytest.raises(NVFP4ToolError, match=rf"{path}: tensor '{VICTIM}' has 1 non-finite value "
-                                             rf"\(NaN or inf\), e.g. {value} at index \[3, 0\]"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=rf"{path}: tensor '{VICTIM}' has 1 non-finite value "
+        rf"\(NaN or inf\), e.g. {value} at index \[3, 0\]",
+    ):
         source.get(VICTIM)
 
 
@@ -178,12 +217,15 @@ def rewrite_dtype(folder: str, name: str, code: str) -> None:
         f.write(struct.pack("<Q", len(raw)) + raw + data)
 
 
-@pytest.mark.parametrize("stored, code, config_dtype, words", [
-    (np.float32, "I32", None, "has dtype int32, the config expects a floating-point weight"),
-    (np.float32, "U32", None, "has dtype uint32"),
-    (ml_dtypes.bfloat16, "F16", "bfloat16", "is float16 but config.json declares bfloat16"),
-    (np.float16, "BF16", "float16", "is bfloat16 but config.json declares float16"),
-])
+@pytest.mark.parametrize(
+    "stored, code, config_dtype, words",
+    [
+        (np.float32, "I32", None, "has dtype int32, the config expects a floating-point weight"),
+        (np.float32, "U32", None, "has dtype uint32"),
+        (ml_dtypes.bfloat16, "F16", "bfloat16", "is float16 but config.json declares bfloat16"),
+        (np.float16, "BF16", "float16", "is bfloat16 but config.json declares float16"),
+    ],
+)
 def test_relabelled_dtype_is_refused(tmp_path, stored, code, config_dtype, words):
     out = model_folder(tmp_path, dtype=stored)
     if config_dtype is not None:
@@ -206,16 +248,21 @@ def test_weights_path_that_is_a_folder(tmp_path):
 def test_cast_overflow_is_refused_and_nothing_written(tmp_path):
     tensors = {n: np.ones(s, np.float32) for n, s in CONFIG.expected_tensor_shapes().items()}
     tensors[VICTIM][2, 1] = 3.4e38  # finite in fp32, inf in bf16
-    with pytest.raises(NVFP4ToolError, match=rf"tensor '{VICTIM}' has 1 non-finite value \(NaN or inf\) "
-                                             rf"after the cast to bfloat16, e.g. inf at index \[2, 1\]"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=rf"tensor '{VICTIM}' has 1 non-finite value \(NaN or inf\) "
+        rf"after the cast to bfloat16, e.g. inf at index \[2, 1\]",
+    ):
         write_hf_folder(str(tmp_path / "out"), CONFIG, DictTensorSource(tensors), dtype="bf16")
     assert os.listdir(tmp_path) == []
 
 
 def test_float8_tensors_are_read_by_hand_exactly(tmp_path):
     path = str(tmp_path / "scales.safetensors")
-    values = {"s": np.linspace(-2, 2, 16).astype(ml_dtypes.float8_e4m3fn),
-              "e": np.array([0.5, 1, 2, 4], np.float32).astype(ml_dtypes.float8_e8m0fnu)}
+    values = {
+        "s": np.linspace(-2, 2, 16).astype(ml_dtypes.float8_e4m3fn),
+        "e": np.array([0.5, 1, 2, 4], np.float32).astype(ml_dtypes.float8_e8m0fnu),
+    }
     write_safetensors(path, [(n, a.dtype.name, a.shape) for n, a in values.items()], values.__getitem__)
     from converters.hf import read_tensor
 

@@ -22,32 +22,70 @@ def data(tmp_path):
 
 # (override, key the message must name): each alone on top of a valid `data=`
 BAD_OVERRIDES = [
-    ("steps=0", "steps"), ("steps=-3", "steps"), ("steps=1.5", "steps"), ("steps=many", "steps"),
-    ("seq_len=0", "seq_len"), ("batch_size=0", "batch_size"), ("grad_accum=0", "grad_accum"),
-    ("batch_size=6 grad_accum=4", "batch_size"), ("amax_history=0", "amax_history"),
-    ("eval_batches=0", "eval_batches"), ("keep_checkpoints=0", "keep_checkpoints"),
-    ("vocab_size=0", "vocab_size"), ("warmup_steps=-1", "warmup_steps"), ("eval_every=-1", "eval_every"),
-    ("checkpoint_every=-5", "checkpoint_every"), ("seed=-1", "seed"),
-    ("lr=0", "lr"), ("lr=-1e-3", "lr"), ("lr=nan", "lr"), ("lr=.inf", "lr"), ("lr=fast", "lr"),
-    ("eps=0", "eps"), ("clip_norm=0", "clip_norm"), ("weight_decay=-0.1", "weight_decay"),
-    ("min_lr_ratio=1.5", "min_lr_ratio"), ("decay_fraction=-0.1", "decay_fraction"),
-    ("beta1=1", "beta1"), ("beta2=-0.5", "beta2"),
-    ("eval_fraction=0", "eval_fraction"), ("eval_fraction=1", "eval_fraction"),
+    ("steps=0", "steps"),
+    ("steps=-3", "steps"),
+    ("steps=1.5", "steps"),
+    ("steps=many", "steps"),
+    ("seq_len=0", "seq_len"),
+    ("batch_size=0", "batch_size"),
+    ("grad_accum=0", "grad_accum"),
+    ("batch_size=6 grad_accum=4", "batch_size"),
+    ("amax_history=0", "amax_history"),
+    ("eval_batches=0", "eval_batches"),
+    ("keep_checkpoints=0", "keep_checkpoints"),
+    ("vocab_size=0", "vocab_size"),
+    ("warmup_steps=-1", "warmup_steps"),
+    ("eval_every=-1", "eval_every"),
+    ("checkpoint_every=-5", "checkpoint_every"),
+    ("seed=-1", "seed"),
+    ("lr=0", "lr"),
+    ("lr=-1e-3", "lr"),
+    ("lr=nan", "lr"),
+    ("lr=.inf", "lr"),
+    ("lr=fast", "lr"),
+    ("eps=0", "eps"),
+    ("clip_norm=0", "clip_norm"),
+    ("weight_decay=-0.1", "weight_decay"),
+    ("min_lr_ratio=1.5", "min_lr_ratio"),
+    ("decay_fraction=-0.1", "decay_fraction"),
+    ("beta1=1", "beta1"),
+    ("beta2=-0.5", "beta2"),
+    ("eval_fraction=0", "eval_fraction"),
+    ("eval_fraction=1", "eval_fraction"),
     ("eval_fraction=1.5", "eval_fraction"),
-    ("recipe=fp4", "recipe"), ("schedule=linear", "schedule"), ("on_nonfinite=ignore", "on_nonfinite"),
-    ("switch_scope=backward", "switch_scope"), ("rope_layout=sideways", "rope_layout"),
-    ("switch_to_bf16_at=0", "switch_to_bf16_at"), ("switch_to_bf16_at=500", "switch_to_bf16_at"),
-    ("switch_to_bf16_at=2.5", "switch_to_bf16_at"), ("bf16_first_layers=-1", "bf16_first_layers"),
-    ("bf16_last_layers=-2", "bf16_last_layers"), ("mesh_data=0", "mesh_data"), ("mesh_fsdp=0", "mesh_fsdp"),
-    ("num_processes=0", "num_processes"), ("num_processes=2", "coordinator_address"),
-    ("process_id=1", "process_id"), ("resume=maybe", "resume"), ("force=2", "force"),
-    ("rht=[1]", "rht"), ("steps=[1,", "steps"), ("bf16_patterns=[1,2]", "bf16_patterns"),
+    ("recipe=fp4", "recipe"),
+    ("schedule=linear", "schedule"),
+    ("on_nonfinite=ignore", "on_nonfinite"),
+    ("switch_scope=backward", "switch_scope"),
+    ("rope_layout=sideways", "rope_layout"),
+    ("switch_to_bf16_at=0", "switch_to_bf16_at"),
+    ("switch_to_bf16_at=500", "switch_to_bf16_at"),
+    ("switch_to_bf16_at=2.5", "switch_to_bf16_at"),
+    ("bf16_first_layers=-1", "bf16_first_layers"),
+    ("bf16_last_layers=-2", "bf16_last_layers"),
+    ("mesh_data=0", "mesh_data"),
+    ("mesh_fsdp=0", "mesh_fsdp"),
+    ("num_processes=0", "num_processes"),
+    ("num_processes=2", "coordinator_address"),
+    ("process_id=1", "process_id"),
+    ("resume=maybe", "resume"),
+    ("force=2", "force"),
+    ("rht=[1]", "rht"),
+    ("steps=[1,", "steps"),
+    ("bf16_patterns=[1,2]", "bf16_patterns"),
     ("text_field=", "text_field"),  # model=: the checkpoint opener, tests/test_checkpoints.py
-    ("tokenizer=no/such/folder", "tokenizer"), ("eval_data=missing.txt", "eval_data"),
-    ("stepz=10", "stepz"), ("=3", "'=3'"), ("steps", "'steps'"),
-    ("distill=kl", "distill"), ("teacher=t", "teacher"), ("distill=mse teacher=t", "distill"),
-    ("temperature=0", "temperature"), ("temperature=-1", "temperature"),
-    ("distill_weight=1.5", "distill_weight"), ("distill_weight=-0.1", "distill_weight"),
+    ("tokenizer=no/such/folder", "tokenizer"),
+    ("eval_data=missing.txt", "eval_data"),
+    ("stepz=10", "stepz"),
+    ("=3", "'=3'"),
+    ("steps", "'steps'"),
+    ("distill=kl", "distill"),
+    ("teacher=t", "teacher"),
+    ("distill=mse teacher=t", "distill"),
+    ("temperature=0", "temperature"),
+    ("temperature=-1", "temperature"),
+    ("distill_weight=1.5", "distill_weight"),
+    ("distill_weight=-0.1", "distill_weight"),
 ]
 
 
@@ -69,20 +107,33 @@ def test_text_keys_take_the_text_as_typed(data, tmp_path):
     folder = tmp_path / "yes"
     folder.mkdir()
     (folder / "a.txt").write_text("text")
-    config = load_train_config(None, [f"data={folder}", "bf16_patterns=*.mlp.*", "out=on", "lr=3e-4",
-                                      "switch_to_bf16_at=0.9", "bf16_last_layers=", "steps=20"])
+    config = load_train_config(
+        None,
+        [
+            f"data={folder}",
+            "bf16_patterns=*.mlp.*",
+            "out=on",
+            "lr=3e-4",
+            "switch_to_bf16_at=0.9",
+            "bf16_last_layers=",
+            "steps=20",
+        ],
+    )
     assert config.data == str(folder) and config.out == "on" and config.bf16_patterns == ("*.mlp.*",)
     assert config.lr == 3e-4 and config.switch_to_bf16_at == 0.9 and config.bf16_last_layers is None
     listed = load_train_config(None, [f"data={data}", "bf16_patterns=[a*, '*b']"])
     assert listed.bf16_patterns == ("a*", "*b")
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("steps: [1, 2\n", r"run.yaml:2: invalid YAML"),
-    ("steps: 3\nlr: 1e-3\nrecipe: : nvfp4\n", r"run.yaml:3: invalid YAML"),
-    ("- steps\n- 3\n", "expected a mapping"),
-    (b"steps: 3\n\xff\xfe\x00binary", r"run.yaml: not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("steps: [1, 2\n", r"run.yaml:2: invalid YAML"),
+        ("steps: 3\nlr: 1e-3\nrecipe: : nvfp4\n", r"run.yaml:3: invalid YAML"),
+        ("- steps\n- 3\n", "expected a mapping"),
+        (b"steps: 3\n\xff\xfe\x00binary", r"run.yaml: not UTF-8"),
+    ],
+)
 def test_bad_yaml_file_is_one_line_naming_file_and_line(tmp_path, data, text, fragment):
     path = tmp_path / "run.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -114,15 +165,18 @@ def test_valid_config_builds(data):
     assert config.recipe_config().quantizer == "pallas"  # -> NVFP4Options (make_linear)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["steps=0"], "steps=0"),
-    (["lr=nan"], "lr="),
-    (["eval_fraction=0"], "eval_fraction"),
-    (["data=missing.txt"], "data='missing.txt'"),
-    (["no_such_key=1"], "no_such_key"),
-    (["remat=layer"], "remat='layer'"),
-    (["quantizer=triton"], "quantizer='triton'"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["steps=0"], "steps=0"),
+        (["lr=nan"], "lr="),
+        (["eval_fraction=0"], "eval_fraction"),
+        (["data=missing.txt"], "data='missing.txt'"),
+        (["no_such_key=1"], "no_such_key"),
+        (["remat=layer"], "remat='layer'"),
+        (["quantizer=triton"], "quantizer='triton'"),
+    ],
+)
 def test_cli_train_usage_errors_exit_2_and_create_nothing(tmp_path, data, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)
     before = sorted(os.listdir(tmp_path))

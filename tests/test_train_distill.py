@@ -3,7 +3,8 @@ learns the frozen teacher's distribution (the KL to it falls) from each kind of 
 reads (HF folder, training run, MaxText checkpoint); the teacher's weights stay as they were and
 are never part of the checkpointed state; run.json names the teacher with the sha256 of its weight
 files; a resumed run replays its steps to the last bit, and is refused once one byte of the
-teacher's weights changed; a missing teacher is a usage error (exit 2), a teacher with another vocabulary bad data (exit 1)."""
+teacher's weights changed; a missing teacher is a usage error (exit 2), a teacher with another vocabulary bad data
+(exit 1)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from train_fixtures import run_train, train_args
 
 from nvfp4tool.cli import cli
-from train_fixtures import run_train, train_args
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.tokenizer import train_bpe_tokenizer
-
 
 _args, _run = train_args, run_train
 
@@ -38,16 +38,22 @@ def teachers(tmp_path_factory):
     train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, tokenizer_dir)
     base = _run(tokenizer_dir, root / "run")
     convert_checkpoint(str(base.hf_dir), str(root / "maxtext"), to="maxtext", rope_layout="half")
-    return {"tokenizer": tokenizer_dir, "run": root / "run", "hf": base.hf_dir, "maxtext": root / "maxtext",
-            "maxtext_options": dict(model_config=str(base.hf_dir / "config.json"), rope_layout="half")}
+    return {
+        "tokenizer": tokenizer_dir,
+        "run": root / "run",
+        "hf": base.hf_dir,
+        "maxtext": root / "maxtext",
+        "maxtext_options": dict(model_config=str(base.hf_dir / "config.json"), rope_layout="half"),
+    }
 
 
 def _weights(folder) -> bytes:
     return (folder / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["hf", pytest.param("run", marks=pytest.mark.slow),
-                                  pytest.param("maxtext", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind", ["hf", pytest.param("run", marks=pytest.mark.slow), pytest.param("maxtext", marks=pytest.mark.slow)]
+)
 def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
     """An NVFP4 student from scratch (every block quantized) against the trained teacher: the KL
     falls, the reported eval loss is the next-token CE, the teacher's files are untouched and its
@@ -59,9 +65,19 @@ def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
     if kind == "hf":  # a copy: its weights change between the two halves below
         teacher = tmp_path / "teacher"
         shutil.copytree(teachers["hf"], teacher)
-    args = dict(teacher=str(teacher), distill="kl", recipe="nvfp4", bf16_first_layers=0,
-                bf16_last_layers=0, temperature=2.0, distill_weight=0.75, steps=12, eval_every=6,
-                checkpoint_every=6, **extra)
+    args = dict(
+        teacher=str(teacher),
+        distill="kl",
+        recipe="nvfp4",
+        bf16_first_layers=0,
+        bf16_last_layers=0,
+        temperature=2.0,
+        distill_weight=0.75,
+        steps=12,
+        eval_every=6,
+        checkpoint_every=6,
+        **extra,
+    )
     result = _run(teachers["tokenizer"], out, **args)
     records = read_metrics(out)
     assert {"kl", "ce"} <= set(records[0]) and {"eval_loss", "eval_kl"} <= set(records[5])
@@ -71,7 +87,11 @@ def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
     assert 0 < records[-1]["eval_loss"] < records[0]["ce"]  # the next-token CE, not the mixed loss
     run_config = json.loads((out / "run.json").read_text())["config"]
     assert {k: run_config[k] for k in ("teacher", "distill", "temperature", "distill_weight")} == {
-        "teacher": str(teacher), "distill": "kl", "temperature": 2.0, "distill_weight": 0.75}
+        "teacher": str(teacher),
+        "distill": "kl",
+        "temperature": 2.0,
+        "distill_weight": 0.75,
+    }
     assert _weights(teachers["hf"]) == teacher_bytes
     recorded = RunRecord.read(out)  # the teacher as an export names its source: its weight files' sha256
     weights = {"hf": ["model.safetensors"], "run": ["hf/model.safetensors"]}.get(kind)
@@ -105,8 +125,11 @@ def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
     raw = bytearray(_weights(teacher))
     raw[-3] ^= 0x01  # inside the last tensor's data
     (teacher / "model.safetensors").write_bytes(bytes(raw))
-    with pytest.raises(NVFP4ToolError, match=r"the teacher's weights \(teacher=.*teacher: "
-                                              r"model.safetensors differs\) changed"):
+    with pytest.raises(
+        NVFP4ToolError,
+        match=r"the teacher's weights \(teacher=.*teacher: "
+        r"model.safetensors differs\) changed",
+    ):
         _run(teachers["tokenizer"], out, resume=True, **args)
     assert _tree(out) == before
 
@@ -117,8 +140,7 @@ def _tree(folder) -> dict[str, bytes]:
 
 def _cli_error(teachers, tmp_path, monkeypatch, **extra):
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["train", *_args(teachers["tokenizer"], "runs/a", distill="kl", steps=1,
-                                                      **extra)])
+    result = CliRunner().invoke(cli, ["train", *_args(teachers["tokenizer"], "runs/a", distill="kl", steps=1, **extra)])
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert not (tmp_path / "runs").exists()
@@ -143,11 +165,19 @@ def _teacher_record(tmp_path, **fields):
     from nvfp4tool.run.config import TrainConfig
 
     config = TrainConfig(data="corpus.txt", teacher="t", distill="kl").to_dict()
-    record = dict(config=config, model_config={"model_type": "llama"}, data_sha256="a" * 64,
-                  eval_data_sha256=None, tokenizer_sha256="b" * 64, train_windows=4, eval_windows=1,
-                  devices=1, processes=1,
-                  teacher=SourceRecord(name="t", kind="hf", step=None, files={"model.safetensors": "c" * 64}),
-                  teacher_model_config={"model_type": "llama"})
+    record = dict(
+        config=config,
+        model_config={"model_type": "llama"},
+        data_sha256="a" * 64,
+        eval_data_sha256=None,
+        tokenizer_sha256="b" * 64,
+        train_windows=4,
+        eval_windows=1,
+        devices=1,
+        processes=1,
+        teacher=SourceRecord(name="t", kind="hf", step=None, files={"model.safetensors": "c" * 64}),
+        teacher_model_config={"model_type": "llama"},
+    )
     record.update(fields)
     return RunRecord(**record)
 
@@ -160,9 +190,11 @@ def test_run_record_teacher_round_trips_and_is_checked(tmp_path):
     back = RunRecord.read(tmp_path)
     assert back == _teacher_record(tmp_path) and back.teacher.files == {"model.safetensors": "c" * 64}
     obj = json.loads((tmp_path / "run.json").read_text())
-    for mutate, expected in ((lambda o: o["config"].update(teacher=None, distill="none"), "teacher: recorded for a run"),
-                             (lambda o: o.pop("teacher_model_config"), "recorded together"),
-                             (lambda o: o["teacher"].update(files={"model.safetensors": 3}), "teacher")):
+    for mutate, expected in (
+        (lambda o: o["config"].update(teacher=None, distill="none"), "teacher: recorded for a run"),
+        (lambda o: o.pop("teacher_model_config"), "recorded together"),
+        (lambda o: o["teacher"].update(files={"model.safetensors": 3}), "teacher"),
+    ):
         bad = json.loads(json.dumps(obj))
         mutate(bad)
         (tmp_path / "run.json").write_text(json.dumps(bad))

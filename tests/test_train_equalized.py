@@ -22,10 +22,10 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from train_fixtures import run_train, train_args
 
 from converters.hf import HFFolderSource, write_hf_folder
 from nvfp4tool.cli import cli
-from train_fixtures import run_train, train_args
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.equalize import FOLD_KL_LIMIT
@@ -53,22 +53,27 @@ def base(tmp_path_factory):
     hf = _run(tokenizer_dir, root / "run").hf_dir
     calib = ["--calib-data", str(embedded_corpus()[0]), *CALIB]
     for name, flags in (("awq", ["--equalize", "awq"]), ("plain", [])):
-        result = CliRunner().invoke(cli, ["export", str(hf), "--out", str(root / name), "--quant", "nvfp4",
-                                          *calib, *flags], catch_exceptions=False)
+        result = CliRunner().invoke(
+            cli,
+            ["export", str(hf), "--out", str(root / name), "--quant", "nvfp4", *calib, *flags],
+            catch_exceptions=False,
+        )
         assert result.exit_code == 0, result.output
     return {"tokenizer": tokenizer_dir, "hf": hf, "awq": root / "awq", "plain": root / "plain"}
 
 
 def _qad(base, out, **extra):
-    args = dict(model=str(base["hf"]), teacher=str(base["hf"]), distill="kl", equalize_from=str(base["awq"]),
-                steps=2, lr=1e-5)
+    args = dict(
+        model=str(base["hf"]), teacher=str(base["hf"]), distill="kl", equalize_from=str(base["awq"]), steps=2, lr=1e-5
+    )
     args.update(extra)
     return _run(base["tokenizer"], out, **{k: v for k, v in args.items() if v is not None})
 
 
 def test_the_student_starts_from_the_folded_model_as_stored(base, tmp_path):
-    config = load_train_config(None, _args(base["tokenizer"], tmp_path / "x", model=str(base["hf"]),
-                                           equalize_from=str(base["awq"])))
+    config = load_train_config(
+        None, _args(base["tokenizer"], tmp_path / "x", model=str(base["hf"]), equalize_from=str(base["awq"]))
+    )
     from nvfp4tool.checkpoints import open_checkpoint
 
     source = open_checkpoint(str(base["hf"]))
@@ -76,8 +81,9 @@ def test_the_student_starts_from_the_folded_model_as_stored(base, tmp_path):
     assert record == ExportRecord.read(str(base["awq"])).equalization
     model_config = ModelConfig.from_hf_folder(str(base["hf"]))
     written = tmp_path / "folded"  # the fold as a checkpoint stores it: fp32 products rounded to BF16
-    write_hf_folder(written, model_config, EqualizedSource.from_record(source.tensors, record, model_config),
-                    dtype="bf16")
+    write_hf_folder(
+        written, model_config, EqualizedSource.from_record(source.tensors, record, model_config), dtype="bf16"
+    )
     stored = HFFolderSource(written).use_names_of(model_config)
     changed = 0
     for name in stored.names():
@@ -129,13 +135,16 @@ def test_a_resume_with_other_scales_is_refused(base, tmp_path):
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
-@pytest.mark.parametrize("what,code,message", [
-    ("preset", 2, "equalize_from=AWQ: needs model=CHECKPOINT"),
-    ("missing", 2, "equalize_from='no/such/export': expected an export folder"),
-    ("not-export", 1, "not an nvfp4tool export"),
-    ("plain", 1, "the export was not equalized"),
-    ("other-model", 1, "not the export of model="),
-])
+@pytest.mark.parametrize(
+    "what,code,message",
+    [
+        ("preset", 2, "equalize_from=AWQ: needs model=CHECKPOINT"),
+        ("missing", 2, "equalize_from='no/such/export': expected an export folder"),
+        ("not-export", 1, "not an nvfp4tool export"),
+        ("plain", 1, "the export was not equalized"),
+        ("other-model", 1, "not the export of model="),
+    ],
+)
 def test_bad_equalize_from_is_one_line_and_creates_nothing(base, tmp_path, monkeypatch, what, code, message):
     monkeypatch.chdir(tmp_path)
     model, export = str(base["hf"]), str(base["awq"])
@@ -154,8 +163,15 @@ def test_bad_equalize_from_is_one_line_and_creates_nothing(base, tmp_path, monke
         raw[-3] ^= 0x01
         (tmp_path / "other" / "model.safetensors").write_bytes(bytes(raw))
     teacher = str(base["hf"]) if what == "preset" else model
-    result = CliRunner().invoke(cli, ["train", *_args(base["tokenizer"], "runs/a", model=model, teacher=teacher,
-                                                      distill="kl", equalize_from=export, steps=1)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            *_args(
+                base["tokenizer"], "runs/a", model=model, teacher=teacher, distill="kl", equalize_from=export, steps=1
+            ),
+        ],
+    )
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == code and len(errors) == 1 and "Traceback" not in result.output, result.output
     assert message.replace("AWQ", export) in errors[0], errors[0]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from flax import nnx
-
 from hf_fixtures import build_tiny_model
+
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.model import CausalLM, model_from_tensors
@@ -49,8 +49,16 @@ def test_precision_map_and_fused_groups_name_every_expert(preset):
     assert len(experts) == config.num_layers * config.experts.num_experts * 3
     assert all(pmap[n] == "bf16" for n in routers) and all(pmap[n] == "nvfp4" for n in experts)
     # the CLI's key: one pattern keeps every expert in BF16, and nothing else
-    kept = load_train_config(None, [f"data={embedded_corpus()[0]}", "recipe=nvfp4", "bf16_first_layers=0",
-                                    "bf16_last_layers=0", "bf16_patterns=*.experts.*"]).recipe_config()
+    kept = load_train_config(
+        None,
+        [
+            f"data={embedded_corpus()[0]}",
+            "recipe=nvfp4",
+            "bf16_first_layers=0",
+            "bf16_last_layers=0",
+            "bf16_patterns=*.experts.*",
+        ],
+    ).recipe_config()
     assert kept.bf16_patterns == ("*.experts.*",)
     kept_map = precision_map(kept, config)
     assert {n for n, p in kept_map.items() if p == "bf16"} == {"lm_head", *routers, *experts}
@@ -61,9 +69,12 @@ def test_precision_map_and_fused_groups_name_every_expert(preset):
     model = CausalLM(config, rngs=nnx.Rngs(0))
     weights = {n: linear_weight(model, n) for n in experts}
     amax = group_amax(weights)
-    assert float(amax[f"{expert}.gate_up"]) == max(float(jnp.max(jnp.abs(weights[f"{expert}.{p}"].astype(
-        jnp.bfloat16)))) for p in (gate, up))
-    assert len({float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"]) for e in range(config.experts.num_experts)}) > 1
+    assert float(amax[f"{expert}.gate_up"]) == max(
+        float(jnp.max(jnp.abs(weights[f"{expert}.{p}"].astype(jnp.bfloat16)))) for p in (gate, up)
+    )
+    assert (
+        len({float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"]) for e in range(config.experts.num_experts)}) > 1
+    )
 
 
 def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_path):
@@ -95,13 +106,31 @@ RUNS = ["mixtral"]  # the Qwen3-MoE preset trains in tests/test_moe_pipeline.py
 @pytest.mark.slow
 @pytest.mark.parametrize("model", RUNS)
 def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
-    source = model if model.startswith("tiny") else build_tiny_model(
-        model, str(tmp_path / model), overrides={"vocab_size": VOCAB})
+    source = (
+        model
+        if model.startswith("tiny")
+        else build_tiny_model(model, str(tmp_path / model), overrides={"vocab_size": VOCAB})
+    )
     train_txt, val_txt = embedded_corpus()
     out = tmp_path / "run"
-    args = dict(model=source, data=train_txt, eval_data=val_txt, tokenizer=tokenizer_dir, recipe="nvfp4",
-                bf16_first_layers=0, bf16_last_layers=0, steps=5, seq_len=32, batch_size=8, lr=3e-3,
-                warmup_steps=1, eval_every=0, eval_batches=1, out=out, seed=1)
+    args = dict(
+        model=source,
+        data=train_txt,
+        eval_data=val_txt,
+        tokenizer=tokenizer_dir,
+        recipe="nvfp4",
+        bf16_first_layers=0,
+        bf16_last_layers=0,
+        steps=5,
+        seq_len=32,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=0,
+        eval_batches=1,
+        out=out,
+        seed=1,
+    )
     result = CliRunner().invoke(cli, ["train", *(f"{k}={v}" for k, v in args.items())])
     assert result.exit_code == 0, result.output
 
@@ -115,7 +144,9 @@ def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
     assert config.is_moe and sorted(hf.tensors.names()) == sorted(config.expected_tensor_shapes())
     gate = config.expert_projections[0]
     sparse = [i for i in range(config.num_layers) if config.is_sparse_layer(i)]
-    assert f"{config.mlp_prefix(sparse[0])}.experts.{config.experts.num_experts - 1}.{gate}.weight" in hf.tensors.names()
+    assert (
+        f"{config.mlp_prefix(sparse[0])}.experts.{config.experts.num_experts - 1}.{gate}.weight" in hf.tensors.names()
+    )
     pmap = json.loads((out / "hf/precision_map.json").read_text())
     amax = json.loads((out / "hf/input_amax.json").read_text())
     assert all(pmap[n] == "bf16" for n in config.router_names())
@@ -125,4 +156,3 @@ def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
     assert all(math.isfinite(v) and v >= 0 for v in amax.values())
     assert sum(amax[n] > 0 for n in experts) >= len(experts) // 2  # the routed experts saw tokens
     model_from_tensors(config, hf.tensors, dtype=jnp.float32)  # the saved weights load
-

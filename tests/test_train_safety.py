@@ -32,11 +32,25 @@ def inputs(tmp_path_factory):
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     (root / "corpus_dir").mkdir()
     (root / "corpus_dir" / "a.txt").write_text(text, encoding="utf-8")
-    config = ModelConfig(family="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=2, num_kv_heads=1, head_dim=16, dtype="float32")
+    config = ModelConfig(
+        family="llama",
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        dtype="float32",
+    )
     rng = np.random.default_rng(0)
-    write_hf_folder(root / "hf_no_tokenizer", config, DictTensorSource(
-        {n: rng.standard_normal(s).astype(np.float32) for n, s in config.expected_tensor_shapes().items()}))
+    write_hf_folder(
+        root / "hf_no_tokenizer",
+        config,
+        DictTensorSource(
+            {n: rng.standard_normal(s).astype(np.float32) for n, s in config.expected_tensor_shapes().items()}
+        ),
+    )
     return root
 
 
@@ -45,15 +59,26 @@ def _train(*args: str):
 
 
 def _base(inputs: Path, out: Path, **extra) -> list[str]:
-    args = dict(model="tiny", data=inputs / "corpus.txt", tokenizer=inputs / "tokenizer", recipe="bf16",
-                steps=2, seq_len=16, batch_size=4, eval_every=0, eval_batches=1, out=out)
+    args = dict(
+        model="tiny",
+        data=inputs / "corpus.txt",
+        tokenizer=inputs / "tokenizer",
+        recipe="bf16",
+        steps=2,
+        seq_len=16,
+        batch_size=4,
+        eval_every=0,
+        eval_batches=1,
+        out=out,
+    )
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>")
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>") for p in sorted(folder.rglob("*"))
+    }
 
 
 # (case, overrides of the base command, exit code)
@@ -75,8 +100,7 @@ def test_early_failures_create_nothing_and_the_corrected_run_works(inputs, tmp_p
     out = tmp_path / "run"
     inputs_before = _tree(inputs)
     for case, overrides, code in EARLY_FAILURES:
-        values = {k: str(v).replace("{tmp}", str(tmp_path)).replace("{in}", str(inputs))
-                  for k, v in overrides.items()}
+        values = {k: str(v).replace("{tmp}", str(tmp_path)).replace("{in}", str(inputs)) for k, v in overrides.items()}
         args = [a for a in _base(inputs, Path(values.pop("out", out)), **values) if not a.endswith("=None")]
         result = _train(*args)
         assert result.exit_code == code, (case, result.output)
@@ -106,11 +130,13 @@ def test_resume_that_cannot_continue_bit_exactly_is_refused_without_side_effects
     assert RunRecord.read(out).weight_block == "2d"
     before = _tree(out)
 
-    refused = [({"recipe": "bf16"}, "recipe 'nvfp4' -> 'bf16'"),
-               ({"weight_2d": "false"}, "weight_2d True -> False"),  # once silently made exports 1d
-               ({"steps": 3}, "steps 2 -> 3"),
-               ({"seed": 7}, "seed 0 -> 7"),
-               ({"scan_layers": "true"}, "scan_layers 'auto' -> 'true'")]  # another program: bits may differ
+    refused = [
+        ({"recipe": "bf16"}, "recipe 'nvfp4' -> 'bf16'"),
+        ({"weight_2d": "false"}, "weight_2d True -> False"),  # once silently made exports 1d
+        ({"steps": 3}, "steps 2 -> 3"),
+        ({"seed": 7}, "seed 0 -> 7"),
+        ({"scan_layers": "true"}, "scan_layers 'auto' -> 'true'"),
+    ]  # another program: bits may differ
     for overrides, expected in refused:
         result = _train(*_base(inputs, out, **{**base, **overrides}), "resume=true")
         assert result.exit_code == 1, (overrides, result.output)

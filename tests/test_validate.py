@@ -35,8 +35,16 @@ def paths(tmp_path_factory):
 
 def _options(paths, **kw):
     kw.setdefault("reference", paths["fp8"])
-    return ValidateOptions(data=paths["ids"], samples=8, seq_len=SEQ_LEN, batch_size=4, prompts=2,
-                           prompt_len=8, gen_tokens=GEN_TOKENS, **kw)
+    return ValidateOptions(
+        data=paths["ids"],
+        samples=8,
+        seq_len=SEQ_LEN,
+        batch_size=4,
+        prompts=2,
+        prompt_len=8,
+        gen_tokens=GEN_TOKENS,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,8 @@ class _SourceServedAsIs:
         self.quantized = tuple(n for n in CONFIG.linear_names() if n != "lm_head")
         self.get = self.source.get
         self.model = lambda compute_dtype=jnp.float32, mesh=None: model_from_tensors(
-            CONFIG, self.source, dtype=None, compute_dtype=compute_dtype, mesh=mesh)
+            CONFIG, self.source, dtype=None, compute_dtype=compute_dtype, mesh=mesh
+        )
 
     def stored_bytes(self):
         return 0
@@ -86,8 +95,7 @@ def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths, o
         assert record.generation.first_divergence == {}
         assert "streamed layer by layer (--offload always)" in record.generation.skipped
         assert "skipped" in report.markdown(record)
-    assert all(r.weight_sqnr_db["nvfp4"] == math.inf and r.output_sqnr_db["nvfp4"] == math.inf
-               for r in record.layers)
+    assert all(r.weight_sqnr_db["nvfp4"] == math.inf and r.output_sqnr_db["nvfp4"] == math.inf for r in record.layers)
     assert record.passed and record.failures == []
 
 
@@ -167,11 +175,13 @@ def test_mixed_model_is_the_served_export_or_the_bf16_source(good, keep):
         return {"bf16": bf16, "keep": {n: jnp.asarray(keep) for n in bf16}}
 
     ids = inputs.ids_SxL[:4]
-    (_, mixed), = LayerwiseModel.held(exported.model()).logits(ids, 4, tap=_Mixed(), aux=aux)
-    expected_model = (model_from_tensors(CONFIG, source, dtype=None, compute_dtype=jnp.float32) if keep
-                      else exported.model())
-    (_, expected), = LayerwiseModel.held(expected_model).logits(
-        ids, 4, tap=Plain(default_linear if keep else served_linear))
+    ((_, mixed),) = LayerwiseModel.held(exported.model()).logits(ids, 4, tap=_Mixed(), aux=aux)
+    expected_model = (
+        model_from_tensors(CONFIG, source, dtype=None, compute_dtype=jnp.float32) if keep else exported.model()
+    )
+    ((_, expected),) = LayerwiseModel.held(expected_model).logits(
+        ids, 4, tap=Plain(default_linear if keep else served_linear)
+    )
     np.testing.assert_array_equal(np.asarray(mixed), np.asarray(expected))
 
 
@@ -199,7 +209,8 @@ def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
     assert found.trajectory[-1].bits_per_weight > found.trajectory[0].bits_per_weight
     assert list(found.precision_map.values()).count("bf16") == sum(
         len([m for m in found.precision_map if fused_group(m) == g])
-        for g in {fused_group(m) for m, p in found.precision_map.items() if p == "bf16"})
+        for g in {fused_group(m) for m, p in found.precision_map.items() if p == "bf16"}
+    )
 
 
 def test_search_prunes_a_group_made_redundant_by_later_ones():
@@ -207,14 +218,28 @@ def test_search_prunes_a_group_made_redundant_by_later_ones():
     # (most harmful first), then a is not needed any more and is quantized again
     def kl(kept):
         kept = set(kept)
-        return (0.01 + 0.3 * ("c" not in kept) + 0.1 * ("b" not in kept)
-                + 0.5 * ("a" not in kept and not {"b", "c"} <= kept))
+        return (
+            0.01
+            + 0.3 * ("c" not in kept)
+            + 0.1 * ("b" not in kept)
+            + 0.5 * ("a" not in kept and not {"b", "c"} <= kept)
+        )
 
     harm = {"a": 0.9, "c": 0.5, "b": 0.3}
-    steps = search(["a", "c", "b"], harm, kl, lambda kept: {"bits_per_weight": 4.5 + len(kept),
-                                                            "bits_per_parameter": 5.0 + len(kept)}, 0.05)
+    steps = search(
+        ["a", "c", "b"],
+        harm,
+        kl,
+        lambda kept: {"bits_per_weight": 4.5 + len(kept), "bits_per_parameter": 5.0 + len(kept)},
+        0.05,
+    )
     assert [(s.step, s.kept) for s in steps] == [
-        ("start", []), ("keep", ["a"]), ("keep", ["a", "c"]), ("keep", ["a", "c", "b"]), ("prune", ["c", "b"])]
+        ("start", []),
+        ("keep", ["a"]),
+        ("keep", ["a", "c"]),
+        ("keep", ["a", "c", "b"]),
+        ("prune", ["c", "b"]),
+    ]
     assert steps[-1].kl_mean <= 0.05 and steps[-1].bits_per_weight == 6.5
     # nothing to prune when every kept group is needed; a target not met returns the greedy steps
     steps = search(["a", "c", "b"], harm, lambda kept: 0.4 - 0.1 * len(kept), lambda kept: {}, 0.2)

@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 import pytest
+from adversarial_harness import CONFIG, DOWN, SEQ, WEIGHTS, poke
 from click.testing import CliRunner
 
-from adversarial_harness import CONFIG, DOWN, SEQ, WEIGHTS, poke
 from nvfp4tool.cli import cli
 from nvfp4tool.records.export import ExportRecord, sha256_file
 from nvfp4tool.records.validation import ValidationRecord
@@ -40,8 +40,9 @@ def pair(pristine, tmp_path):
 
 
 def _validate(export, source, ids, *args):
-    return CliRunner().invoke(cli, ["-q", "validate", export, "--source", source, "--data", ids,
-                                    "--reference", "bf16", *SMALL, *args])
+    return CliRunner().invoke(
+        cli, ["-q", "validate", export, "--source", source, "--data", ids, "--reference", "bf16", *SMALL, *args]
+    )
 
 
 def _hashes(folder):
@@ -59,8 +60,11 @@ def test_chain_of_custody_validate_side(pair):
     assert not record.source_mismatch_ok
     # the export's hashes: exactly what push uploads, less the reports and the generated card
     uploaded = set(upload_files(export)) - set(REPORT_FILES)
-    assert set(record.export.sha256) == uploaded >= {WEIGHTS, "config.json", "nvfp4tool_export.json",
-                                                     "hf_quant_config.json"}
+    assert (
+        set(record.export.sha256)
+        == uploaded
+        >= {WEIGHTS, "config.json", "nvfp4tool_export.json", "hf_quant_config.json"}
+    )
     assert all(record.export.sha256[f] == sha256_file(os.path.join(export, f)) for f in uploaded)
     assert record.source.sha256 == ExportRecord.read(export).source.files
 
@@ -118,13 +122,39 @@ def test_fp8_reference_is_calibrated_on_calibration_data_never_on_the_evaluation
 
 # ---- signals and kills ---------------------------------------------------------------------
 
+
 def _start(pair, system_tmp):
     source, export, ids = pair
-    env = {**os.environ, "TMPDIR": str(system_tmp), "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-m", "nvfp4tool.cli", "-q", "validate", export, "--source", source,
-                              "--data", ids, "--reference", "bf16", *SMALL, "--samples", "8", "--gen-tokens", "64"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "TMPDIR": str(system_tmp),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nvfp4tool.cli",
+            "-q",
+            "validate",
+            export,
+            "--source",
+            source,
+            "--data",
+            ids,
+            "--reference",
+            "bf16",
+            *SMALL,
+            "--samples",
+            "8",
+            "--gen-tokens",
+            "64",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and child.poll() is None:
         spools = glob.glob(os.path.join(system_tmp, SCRATCH_PREFIX + "*", "bf16.logits"))
@@ -160,6 +190,7 @@ def test_sigterm_leaves_nothing_and_a_kill_9_scratch_is_removed_by_the_next_run(
 
 # ---- a training-run source -----------------------------------------------------------------
 
+
 @pytest.mark.slow  # trains a tiny run (2 steps, a checkpoint at step 2) and exports it twice
 def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
     from nvfp4tool.export import ExportOptions, export_checkpoint
@@ -171,9 +202,22 @@ def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
     train_txt, val_txt = embedded_corpus()
     train_bpe_tokenizer(iter_documents(train_txt), 384, tmp_path / "tok")
     run = tmp_path / "run"
-    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(tmp_path / "tok"),
-                recipe="nvfp4", steps=2, seq_len=32, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=0,
-                checkpoint_every=2, out=str(run), seed=1)
+    args = dict(
+        model="tiny",
+        data=str(train_txt),
+        eval_data=str(val_txt),
+        tokenizer=str(tmp_path / "tok"),
+        recipe="nvfp4",
+        steps=2,
+        seq_len=32,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=0,
+        checkpoint_every=2,
+        out=str(run),
+        seed=1,
+    )
     train(load_train_config(None, [f"{k}={v}" for k, v in args.items()]))
     for name, step in (("final", None), ("step2", 2)):
         export_checkpoint(str(run), str(tmp_path / name), ExportOptions(step=step, show_progress=False))
@@ -187,7 +231,23 @@ def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
             assert inputs.reference_calibration == "the training run's tracked input amax"
 
     # the run's hf/ folder is other bytes' container than the recorded run: refused, by name
-    result = CliRunner().invoke(cli, ["validate", str(tmp_path / "final"), "--source", str(run / "hf"), "--data",
-                                      ids, "--reference", "bf16", "--samples", "2", "--seq-len", "16"])
-    assert result.exit_code == 1 and "an HF folder" in result.output and "a training run" in result.output, \
+    result = CliRunner().invoke(
+        cli,
+        [
+            "validate",
+            str(tmp_path / "final"),
+            "--source",
+            str(run / "hf"),
+            "--data",
+            ids,
+            "--reference",
+            "bf16",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+    )
+    assert result.exit_code == 1 and "an HF folder" in result.output and "a training run" in result.output, (
         result.output
+    )

@@ -27,8 +27,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_validate import KINDS, Setup  # noqa: E402
-from conftest import default_xla_backend  # noqa: E402
+from bench_validate import KINDS, Setup
+from conftest import default_xla_backend
 
 SHAPE = dict(hidden=2048, mlp=5632, layers=8, vocab=32000)
 HELD_FACTOR = 1.3
@@ -42,8 +42,15 @@ WIDEN_BYTES = 64 * 2**20
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     with default_xla_backend():
-        setup = Setup(str(tmp_path_factory.mktemp("validate_memory")), **SHAPE, samples=4, seq_len=64,
-                      batch_size=4, gen_tokens=4, reference="prebuilt")
+        setup = Setup(
+            str(tmp_path_factory.mktemp("validate_memory")),
+            **SHAPE,
+            samples=4,
+            seq_len=64,
+            batch_size=4,
+            gen_tokens=4,
+            reference="prebuilt",
+        )
         # each kind in its own child (VmHWM is per process, so a neighbour does not change a peak),
         # two at a time: one per core of a 2-core CI machine, ~6 GB at most together
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -59,15 +66,19 @@ def _bound(report: dict) -> tuple[int, str]:
     metric temporaries. Streamed, the BF16 pass also holds the same layer of each export as stored
     (for the per-layer SQNR)."""
     s = report["sizes"]
-    working = (s["largest_tensor_bytes"] + WIDEN_BYTES + 3 * s["logits_bytes"] + s["batch_bytes"]
-               + 6 * CHUNK_BYTES)
+    working = s["largest_tensor_bytes"] + WIDEN_BYTES + 3 * s["logits_bytes"] + s["batch_bytes"] + 6 * CHUNK_BYTES
     if report["kind"].endswith("never"):
-        return (int(HELD_FACTOR * s["model_bytes"]) + working,
-                f"{HELD_FACTOR} x model {s['model_bytes']} + working set {working}")
+        return (
+            int(HELD_FACTOR * s["model_bytes"]) + working,
+            f"{HELD_FACTOR} x model {s['model_bytes']} + working set {working}",
+        )
     layer = s["largest_layer_bytes"] + s["export_layer_bytes"] + s["outer_bytes"] + s["carry_bytes"]
-    return (layer + working, f"largest layer {s['largest_layer_bytes']} + the exports' layer "
-                             f"{s['export_layer_bytes']} + embeddings/lm_head {s['outer_bytes']} + activations "
-                             f"{s['carry_bytes']} + working set {working}")
+    return (
+        layer + working,
+        f"largest layer {s['largest_layer_bytes']} + the exports' layer "
+        f"{s['export_layer_bytes']} + embeddings/lm_head {s['outer_bytes']} + activations "
+        f"{s['carry_bytes']} + working set {working}",
+    )
 
 
 @pytest.mark.slow
@@ -76,10 +87,13 @@ def test_peak_rss_is_bounded(runs, kind):
     report = runs[kind]
     bound, how = _bound(report)
     used = report["peak_bytes"] - report["overhead_bytes"]
-    print(f"{kind}: peak {report['peak_bytes'] / 1e9:.3f} GB, overhead {report['overhead_bytes'] / 1e9:.3f} GB, "
-          f"peak - overhead {used / 1e9:.3f} GB, bound {bound / 1e9:.3f} GB, {report['seconds']:.1f} s")
-    assert used <= bound, (f"{kind}: peak {report['peak_bytes']} - overhead {report['overhead_bytes']} "
-                           f"= {used} > bound {bound} = {how}")
+    print(
+        f"{kind}: peak {report['peak_bytes'] / 1e9:.3f} GB, overhead {report['overhead_bytes'] / 1e9:.3f} GB, "
+        f"peak - overhead {used / 1e9:.3f} GB, bound {bound / 1e9:.3f} GB, {report['seconds']:.1f} s"
+    )
+    assert used <= bound, (
+        f"{kind}: peak {report['peak_bytes']} - overhead {report['overhead_bytes']} = {used} > bound {bound} = {how}"
+    )
 
 
 @pytest.mark.slow

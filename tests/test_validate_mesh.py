@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from validate_fixtures import build_exports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,11 +31,20 @@ def runs(tmp_path_factory) -> dict[int, dict]:
     build_exports(str(root))
     children = {}
     for devices in (1, 4):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-               "XLA_FLAGS": f"{XLA_FLAGS} --xla_force_host_platform_device_count={devices}"}
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": ROOT,
+            "XLA_FLAGS": f"{XLA_FLAGS} --xla_force_host_platform_device_count={devices}",
+        }
         children[devices] = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tests", "mesh_child.py"), str(root), str(root / f"{devices}.json")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     for devices, child in children.items():
         output = child.communicate(timeout=600)[0]
         assert child.returncode == 0, output[-3000:]
@@ -69,8 +77,11 @@ def test_every_model_ran_sharded_over_the_four_devices(runs, offload):
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_four_devices_report_the_numbers_of_one(runs, offload):
     one, four = (runs[d]["validate"][offload] for d in (1, 4))
-    assert four["ran"] == one["ran"] == {k: {"never": "held", "always": "streamed"}[offload]
-                                         for k in ("bf16", "nvfp4", "fp8", "sensitivity")}
+    assert (
+        four["ran"]
+        == one["ran"]
+        == {k: {"never": "held", "always": "streamed"}[offload] for k in ("bf16", "nvfp4", "fp8", "sensitivity")}
+    )
     for label, metrics in one["record"]["models"].items():
         for key, value in metrics.items():
             assert four["record"]["models"][label][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (label, key)

@@ -10,9 +10,22 @@ from nvfp4tool.train.trainer import train
 
 def train_args(tokenizer_dir, out, **extra) -> list[str]:
     train_txt, val_txt = embedded_corpus()
-    args = dict(model="tiny", data=str(train_txt), eval_data=str(val_txt), tokenizer=str(tokenizer_dir),
-                recipe="bf16", steps=30, seq_len=32, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=0,
-                eval_batches=2, out=str(out), seed=1)
+    args = dict(
+        model="tiny",
+        data=str(train_txt),
+        eval_data=str(val_txt),
+        tokenizer=str(tokenizer_dir),
+        recipe="bf16",
+        steps=30,
+        seq_len=32,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=0,
+        eval_batches=2,
+        out=str(out),
+        seed=1,
+    )
     args.update(extra)
     return [f"{k}={v}" for k, v in args.items()]
 

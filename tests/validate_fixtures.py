@@ -14,7 +14,7 @@ from nvfp4tool.export import ExportOptions, export_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_convert import synthetic_config  # noqa: E402
+from bench_convert import synthetic_config
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
 BROKEN_MODULE = "model.layers.1.mlp.down_proj"
@@ -28,8 +28,11 @@ def build_exports(root: str) -> dict[str, str]:
     np.save(paths["ids"], np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, SEQ_LEN)))
     _write_source(paths["src"])
     for quant in ("nvfp4", "fp8"):
-        export_checkpoint(paths["src"], paths[quant], ExportOptions(
-            quant=quant, calib_data=paths["ids"], calib_seq_len=SEQ_LEN, show_progress=False))
+        export_checkpoint(
+            paths["src"],
+            paths[quant],
+            ExportOptions(quant=quant, calib_data=paths["ids"], calib_seq_len=SEQ_LEN, show_progress=False),
+        )
     shutil.copytree(paths["nvfp4"], paths["broken"])
     break_block_scale(paths["broken"], BROKEN_MODULE, factor_log2=4)
     rerecord(paths["broken"], BROKEN_MODULE)
@@ -103,17 +106,24 @@ def _write_source(folder: str) -> None:
 
 def validation_record(passed: bool = True):
     """A small, complete ValidationRecord (for tests of what reads validation.json: push, the card)."""
-    from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
-                                              ValidationRecord)
+    from nvfp4tool.records.validation import DataRef, Failure, Generation, Histogram, LayerSQNR, Named, ValidationRecord
 
     failures = [] if passed else [Failure(metric="kl_mean", value=0.2, limit=0.05, by=0.15, detail="nvfp4 vs bf16")]
     return ValidationRecord(
-        export=Named("llama-nvfp4", {"model.safetensors": "0" * 64}), quant="nvfp4", format="compressed-tensors",
-        source=Named("meta-llama/Llama-3.2-1B", {"model.safetensors": "1" * 64}), source_kind="hf",
-        source_step=None, reference="bf16", reference_export=None,
+        export=Named("llama-nvfp4", {"model.safetensors": "0" * 64}),
+        quant="nvfp4",
+        format="compressed-tensors",
+        source=Named("meta-llama/Llama-3.2-1B", {"model.safetensors": "1" * 64}),
+        source_kind="hf",
+        source_step=None,
+        reference="bf16",
+        reference_export=None,
         data=DataRef(file=Named("val.txt", {"val.txt": "2" * 64}), sequences=2, seq_len=8, tokens=16),
         models={"bf16": {"ppl": 9.5}, "nvfp4": {"kl_mean": 0.0123, "top1": 0.97}},
         layers=[LayerSQNR("model.layers.0.mlp.up_proj", {"nvfp4": 20.5}, {"nvfp4": 19.0})],
         generation=Generation(prompts=2, prompt_len=4, tokens=8, first_divergence={"nvfp4": [None, 5]}),
         kl_histogram={"nvfp4": Histogram(edges=[1e-8, 1.0], counts=[16])},
-        thresholds={"max_kl_mean": 0.05}, failures=failures, passed=passed)
+        thresholds={"max_kl_mean": 0.05},
+        failures=failures,
+        passed=passed,
+    )

@@ -35,8 +35,7 @@ from nvfp4tool import progress
 from nvfp4tool.check.files import TensorEntry, read_small, read_tensor_table
 from nvfp4tool.check.formats import CONFIG, QUANT_SUFFIXES, SCALE_SUFFIXES, detect_format, input_suffix
 from nvfp4tool.check.kv import KV_SCALE_SUFFIXES, check_kv_scales
-from nvfp4tool.check.model import (attention_modules, check_against_model, check_dtypes, read_model_config,
-                                   stored_shapes)
+from nvfp4tool.check.model import attention_modules, check_against_model, check_dtypes, read_model_config, stored_shapes
 from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
@@ -61,11 +60,20 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     spec = layout.spec
     config, config_problems = read_model_config(folder, any(p.tensor == CONFIG for p in problems))
     entries, file_problems = read_tensor_table(folder)
-    report = CheckReport(path=folder, format=layout.format, quant=layout.quant, tp=degrees,
-                         problems=problems + config_problems + file_problems)
+    report = CheckReport(
+        path=folder,
+        format=layout.format,
+        quant=layout.quant,
+        tp=degrees,
+        problems=problems + config_problems + file_problems,
+    )
     if config is not None:  # the family's own tensor-parallel rules (a hybrid's Mamba heads and groups)
-        report.problems += [Problem(CONFIG_LEVEL, CONFIG, why) for t in degrees if t > 1
-                            for why in config.family_spec.tp_problems(config, t)]
+        report.problems += [
+            Problem(CONFIG_LEVEL, CONFIG, why)
+            for t in degrees
+            if t > 1
+            for why in config.family_spec.tp_problems(config, t)
+        ]
     scans: dict[str, TensorScan] = {}
     quantized: dict[str, ModuleStats] = {}
     status: dict[str, str] = {}  # linear module -> "quantized" / "excluded" / "plain"
@@ -84,7 +92,8 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     if spec.is_nvfp4:
         report.problems += _check_fused_groups(quantized, status, spec)
     kv_problems, report.kv_scales = check_kv_scales(
-        entries, layout, None if config is None else attention_modules(config))
+        entries, layout, None if config is None else attention_modules(config)
+    )
     report.problems += kv_problems
     report.kv_cache = layout.kv_cache
     reported = {p.module for p in report.problems} | {p.tensor for p in report.problems}
@@ -92,8 +101,13 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
         report.problems += check_against_model(config, entries, quantized, spec, reported)
     report.model_checked = config is not None
     report.problems += _check_data(entries, scans, () if config is None else config.family_spec.may_be_zero)
-    report.problems += check_dtypes(folder, entries, set(quantized), spec, () if config is None else
-                                    config.family_spec.stored_fp32 + config.family_spec.kept_as_stored)
+    report.problems += check_dtypes(
+        folder,
+        entries,
+        set(quantized),
+        spec,
+        () if config is None else config.family_spec.stored_fp32 + config.family_spec.kept_as_stored,
+    )
     report.problems += check_against_record(folder, entries, spec, set(quantized))
     per_module = Counter(p.module for p in report.problems)
     for stats in quantized.values():
@@ -131,9 +145,15 @@ def _natural_key(name: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
-def _check_module(module: str, tensors: dict[str, TensorEntry], layout: FolderLayout,
-                  tp: tuple[int, ...], scans: dict[str, TensorScan], found: list[Problem],
-                  status: dict[str, str]) -> ModuleStats | None:
+def _check_module(
+    module: str,
+    tensors: dict[str, TensorEntry],
+    layout: FolderLayout,
+    tp: tuple[int, ...],
+    scans: dict[str, TensorScan],
+    found: list[Problem],
+    status: dict[str, str],
+) -> ModuleStats | None:
     """Exclusion consistency of one module, and the full checks when it is quantized."""
     spec = layout.spec
     weight = tensors.get(spec.suffix("weight"), tensors.get("weight"))
@@ -149,47 +169,78 @@ def _check_module(module: str, tensors: dict[str, TensorEntry], layout: FolderLa
     if is_quantized and excluded_by is not None:
         shipped = quant_tensors + ["weight"] * (low_precision_weight and "weight" not in quant_tensors)
         for suffix in shipped:
-            found.append(Problem(module, f"{module}.{suffix}",
-                                 f"module is excluded by {excluded_by!r} in {layout.exclude_source} but "
-                                 f"ships this quantization tensor (vLLM fails to load it)"))
+            found.append(
+                Problem(
+                    module,
+                    f"{module}.{suffix}",
+                    f"module is excluded by {excluded_by!r} in {layout.exclude_source} but "
+                    f"ships this quantization tensor (vLLM fails to load it)",
+                )
+            )
         return None
     if not is_quantized:
         if expected and weight is not None:
             key = "ignore" if spec.pattern_style != "fnmatch" else "exclude_modules"
-            found.append(Problem(module, weight.name,
-                                 f"linear layer is {weight.code}, neither quantized nor listed in "
-                                 f"{layout.exclude_source} {key} (a loader expects {spec.quant} "
-                                 f"tensors for it)"))
+            found.append(
+                Problem(
+                    module,
+                    weight.name,
+                    f"linear layer is {weight.code}, neither quantized nor listed in "
+                    f"{layout.exclude_source} {key} (a loader expects {spec.quant} "
+                    f"tensors for it)",
+                )
+            )
         return None
     if not expected and weight is not None:  # (a missing weight is reported below)
-        found.append(Problem(module, weight.name,
-                             "ships quantized tensors but is not a linear layer the config "
-                             "targets for quantization"))
+        found.append(
+            Problem(
+                module,
+                weight.name,
+                "ships quantized tensors but is not a linear layer the config targets for quantization",
+            )
+        )
     if spec.is_nvfp4:
         return _check_nvfp4_module(module, tensors, spec, tp, scans, found)
     return _check_fp8_module(module, tensors, spec, tp, scans, found)
 
 
-def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec,
-                        tp: tuple[int, ...], scans: dict[str, TensorScan],
-                        found: list[Problem]) -> ModuleStats:
+def _check_nvfp4_module(
+    module: str,
+    tensors: dict[str, TensorEntry],
+    spec: LayoutSpec,
+    tp: tuple[int, ...],
+    scans: dict[str, TensorScan],
+    found: list[Problem],
+) -> ModuleStats:
     stats = ModuleStats(module, "nvfp4")
     weight_suffix, block_suffix = spec.suffix("weight"), spec.suffix("block_scale")
     weight = tensors.get(weight_suffix)
     block = tensors.get(block_suffix)
     if weight_suffix != "weight" and "weight" in tensors:
-        found.append(Problem(module, f"{module}.weight", f"an unquantized weight beside "
-                                                         f"{weight_suffix} (the module is quantized)"))
+        found.append(
+            Problem(
+                module, f"{module}.weight", f"an unquantized weight beside {weight_suffix} (the module is quantized)"
+            )
+        )
     if weight is None:
-        found.append(Problem(module, f"{module}.{weight_suffix}", "missing (the module has "
-                                                                "quantization scales but no packed weight)"))
+        found.append(
+            Problem(
+                module, f"{module}.{weight_suffix}", "missing (the module has quantization scales but no packed weight)"
+            )
+        )
     elif len(weight.shape) != 2:
-        found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
-                                                  f"U8 [N, K/2] (packed E2M1)"))
+        found.append(
+            Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected U8 [N, K/2] (packed E2M1)")
+        )
     else:
         if weight.code != "U8":
-            found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
-                                                      f"U8 [N, K/2] (packed E2M1, two codes per byte)"))
+            found.append(
+                Problem(
+                    module,
+                    weight.name,
+                    f"is {weight.code}{list(weight.shape)}, expected U8 [N, K/2] (packed E2M1, two codes per byte)",
+                )
+            )
         stats.n = weight.shape[0]
         stats.k = weight.shape[1] * (2 if weight.code == "U8" else 1)
     if block is None:
@@ -197,18 +248,30 @@ def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: Layo
     elif stats.n is not None:
         want = spec.tensor("block_scale").shape(stats.n, stats.k)
         if block.code != E4M3_CODE or block.shape != want:
-            found.append(Problem(module, block.name, f"is {block.code}{list(block.shape)}, expected "
-                                                     f"F8_E4M3 {list(want)} (one scale per 16 of "
-                                                     f"K = {stats.k})"))
+            found.append(
+                Problem(
+                    module,
+                    block.name,
+                    f"is {block.code}{list(block.shape)}, expected "
+                    f"F8_E4M3 {list(want)} (one scale per 16 of "
+                    f"K = {stats.k})",
+                )
+            )
     if stats.n is not None:
         if stats.k % NVFP4_BLOCK:
             found.append(Problem(module, weight.name, f"K = {stats.k} is not a multiple of {NVFP4_BLOCK}"))
         stored = weight.nbytes + (block.nbytes if block is not None else 0)
         stats.bits_per_param = 8 * stored / (stats.n * stats.k) if stats.n * stats.k else None
         if stats.bits_per_param is not None and stats.bits_per_param != NVFP4_BITS:
-            found.append(Problem(module, weight.name, f"stores {stats.bits_per_param:.4g} bits per "
-                                                      f"parameter (weight + block scales over N x K = "
-                                                      f"{stats.n} x {stats.k}); NVFP4 is {NVFP4_BITS}"))
+            found.append(
+                Problem(
+                    module,
+                    weight.name,
+                    f"stores {stats.bits_per_param:.4g} bits per "
+                    f"parameter (weight + block scales over N x K = "
+                    f"{stats.n} x {stats.k}); NVFP4 is {NVFP4_BITS}",
+                )
+            )
         found += _tp_problems(module, weight.name, stats.n, stats.k, tp, NVFP4_BLOCK)
     if block is not None and block.code == E4M3_CODE:
         scan = scans.setdefault(block.name, scan_tensor(block))
@@ -218,29 +281,42 @@ def _check_nvfp4_module(module: str, tensors: dict[str, TensorEntry], spec: Layo
     return stats
 
 
-def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec,
-                      tp: tuple[int, ...], scans: dict[str, TensorScan],
-                      found: list[Problem]) -> ModuleStats:
+def _check_fp8_module(
+    module: str,
+    tensors: dict[str, TensorEntry],
+    spec: LayoutSpec,
+    tp: tuple[int, ...],
+    scans: dict[str, TensorScan],
+    found: list[Problem],
+) -> ModuleStats:
     stats = ModuleStats(module, "fp8")
     weight = tensors.get(spec.suffix("weight"))
     if weight is None:
-        found.append(Problem(module, f"{module}.{spec.suffix('weight')}",
-                             "missing (the module has scales but no weight)"))
+        found.append(
+            Problem(module, f"{module}.{spec.suffix('weight')}", "missing (the module has scales but no weight)")
+        )
     elif len(weight.shape) != 2 or weight.code != E4M3_CODE:
-        found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected "
-                                                  f"F8_E4M3 [N, K]"))
+        found.append(Problem(module, weight.name, f"is {weight.code}{list(weight.shape)}, expected F8_E4M3 [N, K]"))
     if weight is not None and len(weight.shape) == 2:
         stats.n, stats.k = weight.shape
         stats.bits_per_param = 8 * weight.nbytes / (stats.n * stats.k) if stats.n * stats.k else None
         if stats.bits_per_param is not None and stats.bits_per_param != FP8_BITS:
-            found.append(Problem(module, weight.name, f"stores {stats.bits_per_param:.4g} bits per "
-                                                      f"parameter; FP8 is {FP8_BITS:g}"))
+            found.append(
+                Problem(
+                    module, weight.name, f"stores {stats.bits_per_param:.4g} bits per parameter; FP8 is {FP8_BITS:g}"
+                )
+            )
         found += _tp_problems(module, weight.name, stats.n, stats.k, tp, 1)
         if weight.code == E4M3_CODE:
             scan = scans.setdefault(weight.name, scan_tensor(weight))
             if scan.nan:
-                found.append(Problem(module, weight.name, f"{scan.nan} NaN codes (0x7F/0xFF), first at "
-                                                          f"{_position(weight.shape, scan.first_nan)}"))
+                found.append(
+                    Problem(
+                        module,
+                        weight.name,
+                        f"{scan.nan} NaN codes (0x7F/0xFF), first at {_position(weight.shape, scan.first_nan)}",
+                    )
+                )
     _check_scales(module, tensors, spec, stats, found)
     return stats
 
@@ -248,38 +324,55 @@ def _check_fp8_module(module: str, tensors: dict[str, TensorEntry], spec: Layout
 def _block_scale_problems(module: str, block: TensorEntry, scan: TensorScan) -> list[Problem]:
     problems = []
     if scan.elements and scan.zeros == scan.elements:
-        problems.append(Problem(module, block.name, f"all {scan.elements} block scales are zero: "
-                                                    f"the whole module decodes to 0"))
+        problems.append(
+            Problem(module, block.name, f"all {scan.elements} block scales are zero: the whole module decodes to 0")
+        )
     if scan.nan:
-        problems.append(Problem(module, block.name, f"{scan.nan} NaN block scales (E4M3 code 0x7F/0xFF), "
-                                                    f"first at {_position(block.shape, scan.first_nan)}"))
+        problems.append(
+            Problem(
+                module,
+                block.name,
+                f"{scan.nan} NaN block scales (E4M3 code 0x7F/0xFF), first at {_position(block.shape, scan.first_nan)}",
+            )
+        )
     if scan.negative:
-        problems.append(Problem(module, block.name, f"{scan.negative} negative block scales "
-                                                    f"(sign bit set): decode flips signs"))
+        problems.append(
+            Problem(module, block.name, f"{scan.negative} negative block scales (sign bit set): decode flips signs")
+        )
     return problems
 
 
-def _check_scales(module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec, stats: ModuleStats,
-                  found: list[Problem]) -> None:
+def _check_scales(
+    module: str, tensors: dict[str, TensorEntry], spec: LayoutSpec, stats: ModuleStats, found: list[Problem]
+) -> None:
     """The two per-tensor scales, and the weight's plausible magnitude (module docstring)."""
     weight_suffix = spec.suffix("weight_global")
     stats.weight_global_scale = _check_global(module, tensors, weight_suffix, spec, found, required=True)
-    stats.input_global_scale = _check_global(module, tensors, input_suffix(spec), spec, found,
-                                             required=spec.has_input_scales)
+    stats.input_global_scale = _check_global(
+        module, tensors, input_suffix(spec), spec, found, required=spec.has_input_scales
+    )
     stored = stats.weight_global_scale
     if stored is not None and np.isfinite(stored) and stored > 0:
         s_dec = float(spec.decode_global(stored))
         if not s_dec <= 1.0:
-            found.append(Problem(module, f"{module}.{weight_suffix}", (
-                f"is {stored:.6g}: the weight decodes to |w| up to ~{s_dec * spec.element_range:.3g} "
-                f"(S_dec = {s_dec:.6g} > 1), implausible for a linear layer (bound "
-                f"{spec.element_range:g}); the reciprocal stored (decode amax/{spec.element_range:g} "
-                f"vs encode {spec.element_range:g}/amax: this layout stores the {spec.convention} "
-                f"scale)?")))
+            found.append(
+                Problem(
+                    module,
+                    f"{module}.{weight_suffix}",
+                    (
+                        f"is {stored:.6g}: the weight decodes to |w| up to ~{s_dec * spec.element_range:.3g} "
+                        f"(S_dec = {s_dec:.6g} > 1), implausible for a linear layer (bound "
+                        f"{spec.element_range:g}); the reciprocal stored (decode amax/{spec.element_range:g} "
+                        f"vs encode {spec.element_range:g}/amax: this layout stores the {spec.convention} "
+                        f"scale)?"
+                    ),
+                )
+            )
 
 
-def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spec: LayoutSpec,
-                  found: list[Problem], *, required: bool) -> float | None:
+def _check_global(
+    module: str, tensors: dict[str, TensorEntry], suffix: str, spec: LayoutSpec, found: list[Problem], *, required: bool
+) -> float | None:
     """Dtype, shape and value of a per-tensor scale; its value (None when absent or unreadable)."""
     entry = tensors.get(suffix)
     name = f"{module}.{suffix}"
@@ -288,12 +381,14 @@ def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spe
             found.append(Problem(module, name, "missing"))
         return None
     if not required:
-        found.append(Problem(module, name, f"present in a {spec.quant} checkpoint, which has no "
-                                           f"input scales (weight-only)"))
+        found.append(
+            Problem(module, name, f"present in a {spec.quant} checkpoint, which has no input scales (weight-only)")
+        )
         return None
     if entry.code != "F32" or entry.shape != spec.global_shape:
-        found.append(Problem(module, name, f"is {entry.code}{list(entry.shape)}, expected "
-                                           f"F32 {list(spec.global_shape)}"))
+        found.append(
+            Problem(module, name, f"is {entry.code}{list(entry.shape)}, expected F32 {list(spec.global_shape)}")
+        )
         if entry.code != "F32" or entry.nbytes != 4:
             return None
     value = float(read_small(entry).reshape(-1)[0])
@@ -302,8 +397,7 @@ def _check_global(module: str, tensors: dict[str, TensorEntry], suffix: str, spe
     return value
 
 
-def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...],
-                 k_multiple: int) -> list[Problem]:
+def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...], k_multiple: int) -> list[Problem]:
     """Column-parallel layers split N, row-parallel layers split K (each shard's K a multiple of
     `k_multiple`)."""
     problems = []
@@ -313,16 +407,23 @@ def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...],
         if t == 1:
             continue
         if split == "column" and n % t:
-            problems.append(Problem(module, tensor, f"column-parallel N = {n} does not split into "
-                                                    f"{t} equal shards (TP {t})"))
+            problems.append(
+                Problem(module, tensor, f"column-parallel N = {n} does not split into {t} equal shards (TP {t})")
+            )
         if split == "row" and (k % t or (k // t) % k_multiple):
-            problems.append(Problem(module, tensor, f"row-parallel K = {k} at TP {t} gives shards of "
-                                                    f"K = {k / t:g}, not a multiple of {k_multiple}"))
+            problems.append(
+                Problem(
+                    module,
+                    tensor,
+                    f"row-parallel K = {k} at TP {t} gives shards of K = {k / t:g}, not a multiple of {k_multiple}",
+                )
+            )
     return problems
 
 
-def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[str, str],
-                        spec: LayoutSpec) -> list[Problem]:
+def _check_fused_groups(
+    quantized: Mapping[str, ModuleStats], status: Mapping[str, str], spec: LayoutSpec
+) -> list[Problem]:
     """Shards fused into one GEMM by vLLM (q/k/v, gate/up, MoE w1/w3) must share their global
     scales (vLLM takes the max without rescaling block scales) and must all be quantized or none."""
     groups: dict[str, list[str]] = {}
@@ -335,23 +436,32 @@ def _check_fused_groups(quantized: Mapping[str, ModuleStats], status: Mapping[st
         states = {m: status[m] for m in members}
         if len(set(states.values())) > 1:
             detail = ", ".join(f"{m.rpartition('.')[2]} {s}" for m, s in states.items())
-            problems.append(Problem(group, ", ".join(members), f"fused group mixes quantized and "
-                                                               f"unquantized shards ({detail})"))
+            problems.append(
+                Problem(group, ", ".join(members), f"fused group mixes quantized and unquantized shards ({detail})")
+            )
             continue
-        for suffix, attr in ((spec.suffix("weight_global"), "weight_global_scale"),
-                             (input_suffix(spec), "input_global_scale")):
+        for suffix, attr in (
+            (spec.suffix("weight_global"), "weight_global_scale"),
+            (input_suffix(spec), "input_global_scale"),
+        ):
             values = {m: getattr(quantized[m], attr) for m in members if m in quantized}
             values = {m: v for m, v in values.items() if v is not None}
             if len({np.float32(v) for v in values.values()}) > 1:
                 detail = ", ".join(f"{m.rpartition('.')[2]} {v:.8g}" for m, v in values.items())
-                problems.append(Problem(group, ", ".join(f"{m}.{suffix}" for m in values),
-                                        f"fused group's {suffix} differ ({detail}); they must be "
-                                        f"equal (vLLM takes the max without rescaling block scales)"))
+                problems.append(
+                    Problem(
+                        group,
+                        ", ".join(f"{m}.{suffix}" for m in values),
+                        f"fused group's {suffix} differ ({detail}); they must be "
+                        f"equal (vLLM takes the max without rescaling block scales)",
+                    )
+                )
     return problems
 
 
-def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan],
-                may_be_zero: tuple[str, ...] = ()) -> list[Problem]:
+def _check_data(
+    entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan], may_be_zero: tuple[str, ...] = ()
+) -> list[Problem]:
     """Every tensor streamed once: none all zero (but those the family says may be,
     `Family.may_be_zero`), no non-finite float values. Block scales and global scales are judged
     by their own checks."""
@@ -366,8 +476,11 @@ def _check_data(entries: Mapping[str, TensorEntry], scans: dict[str, TensorScan]
         if entry.nbytes and scan.all_zero and not any(fnmatch.fnmatchcase(name, p) for p in may_be_zero):
             problems.append(Problem(module, name, f"all data is zero ({entry.code}{list(entry.shape)})"))
         if scan.nan and entry.code != E4M3_CODE:
-            problems.append(Problem(module, name, f"{scan.nan} non-finite values, first at "
-                                                  f"{_position(entry.shape, scan.first_nan)}"))
+            problems.append(
+                Problem(
+                    module, name, f"{scan.nan} non-finite values, first at {_position(entry.shape, scan.first_nan)}"
+                )
+            )
     return problems
 
 

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Iterator
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
+import ml_dtypes
 import numpy as np
 
 from converters.hf import INDEX_FILE, TensorEntry, scan_safetensors_header
@@ -22,8 +22,6 @@ from nvfp4tool.check.report import FILE_LEVEL, Problem
 from nvfp4tool.errors import NVFP4ToolError
 
 CHUNK_BYTES = 16 * 2**20  # the most tensor data held at once
-
-
 
 
 def read_tensor_table(folder: str) -> tuple[dict[str, TensorEntry], list[Problem]]:
@@ -57,8 +55,10 @@ def iter_chunks(entry: TensorEntry, chunk_bytes: int = CHUNK_BYTES) -> Iterator[
             want = min(step, entry.nbytes - done)
             data = f.read(want)
             if len(data) != want:  # the file changed since its header was checked
-                raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated while reading "
-                                     f"({done + len(data)} of {entry.nbytes} bytes)")
+                raise NVFP4ToolError(
+                    f"{entry.file}: tensor {entry.name!r} truncated while reading "
+                    f"({done + len(data)} of {entry.nbytes} bytes)"
+                )
             done += want
             yield np.frombuffer(data, dtype=entry.dtype)
 
@@ -106,27 +106,38 @@ def _read_sharded(folder: str, index_path: str) -> tuple[dict[str, TensorEntry],
         else:
             missing = sorted(n for n, s in weight_map.items() if s == shard)
             for name in missing:
-                problems.append(Problem(FILE_LEVEL, name, f"{index_name} maps it to {shard}, "
-                                                          f"which does not exist"))
+                problems.append(Problem(FILE_LEVEL, name, f"{index_name} maps it to {shard}, which does not exist"))
     entries = _merge_unique(per_file, problems)
 
     for name, shard in weight_map.items():
         path = os.path.join(folder, shard)
         if path in per_file and name not in per_file[path]:
-            problems.append(Problem(FILE_LEVEL, name, f"{index_name} maps it to {shard}, but that "
-                                                      f"shard has no such tensor"))
+            problems.append(
+                Problem(FILE_LEVEL, name, f"{index_name} maps it to {shard}, but that shard has no such tensor")
+            )
         elif name in entries and entries[name].file != path:
-            problems.append(Problem(FILE_LEVEL, name, f"{index_name} maps it to {shard}, but it "
-                                                      f"is in {os.path.basename(entries[name].file)}"))
+            problems.append(
+                Problem(
+                    FILE_LEVEL,
+                    name,
+                    f"{index_name} maps it to {shard}, but it is in {os.path.basename(entries[name].file)}",
+                )
+            )
     for name, entry in entries.items():
         if name not in weight_map:
-            problems.append(Problem(FILE_LEVEL, name, f"in {os.path.basename(entry.file)} but not in "
-                                                      f"{index_name}: loaders will not load it"))
+            problems.append(
+                Problem(
+                    FILE_LEVEL,
+                    name,
+                    f"in {os.path.basename(entry.file)} but not in {index_name}: loaders will not load it",
+                )
+            )
     declared = (index.get("metadata") or {}).get("total_size")
     actual = sum(e.nbytes for e in entries.values())
     if declared is not None and declared != actual:
-        problems.append(Problem(FILE_LEVEL, index_name, f"metadata.total_size is {declared} but the "
-                                                        f"tensors hold {actual} bytes"))
+        problems.append(
+            Problem(FILE_LEVEL, index_name, f"metadata.total_size is {declared} but the tensors hold {actual} bytes")
+        )
     return _readable({n: e for n, e in entries.items() if n in weight_map}), problems
 
 
@@ -138,16 +149,19 @@ def _readable(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     return {n: e for n, e in entries.items() if e.start + e.nbytes <= sizes[e.file]}
 
 
-def _merge_unique(per_file: dict[str, dict[str, TensorEntry]],
-                  problems: list[Problem]) -> dict[str, TensorEntry]:
+def _merge_unique(per_file: dict[str, dict[str, TensorEntry]], problems: list[Problem]) -> dict[str, TensorEntry]:
     """name -> entry over all files; a name in two files is a problem (the first file is kept)."""
     entries: dict[str, TensorEntry] = {}
     for path, file_entries in per_file.items():
         for name, entry in file_entries.items():
             if name in entries:
-                problems.append(Problem(FILE_LEVEL, name, f"in two files: "
-                                                          f"{os.path.basename(entries[name].file)} "
-                                                          f"and {os.path.basename(path)}"))
+                problems.append(
+                    Problem(
+                        FILE_LEVEL,
+                        name,
+                        f"in two files: {os.path.basename(entries[name].file)} and {os.path.basename(path)}",
+                    )
+                )
                 continue
             entries[name] = entry
     return entries

@@ -13,8 +13,7 @@ CONFIG = CONFIG_FILE
 # Every suffix a quantized module of any layout carries besides the plain HF `weight`.
 QUANT_SUFFIXES = tuple(dict.fromkeys(s for spec in SPECS.values() for s in spec.suffixes if s != "weight"))
 # Suffixes of scale tensors (judged by their own checks, not the generic data scan).
-SCALE_SUFFIXES = tuple(dict.fromkeys(t.suffix for spec in SPECS.values() for t in spec.tensors
-                                     if t.role != "weight"))
+SCALE_SUFFIXES = tuple(dict.fromkeys(t.suffix for spec in SPECS.values() for t in spec.tensors if t.role != "weight"))
 
 
 def detect_format(folder: str) -> tuple[FolderLayout, list[Problem]]:

@@ -27,12 +27,12 @@ from nvfp4tool.formats import SPECS, FolderLayout
 # Every layout's KV-scale naming (to recognise scales under either layout's names).
 _KV_SPECS = tuple(dict.fromkeys(spec.kv_scales for spec in SPECS.values()))
 # The last name component of a KV scale in any layout (judged here, not by the generic data scan).
-KV_SCALE_SUFFIXES = tuple(dict.fromkeys(s.rpartition(".")[2] for kv in _KV_SPECS
-                                        for s in (kv.k_suffix, kv.v_suffix)))
+KV_SCALE_SUFFIXES = tuple(dict.fromkeys(s.rpartition(".")[2] for kv in _KV_SPECS for s in (kv.k_suffix, kv.v_suffix)))
 
 
-def check_kv_scales(entries: Mapping[str, TensorEntry], layout: FolderLayout,
-                    attentions: Sequence[str] | None = None) -> tuple[list[Problem], list[KVScaleStats]]:
+def check_kv_scales(
+    entries: Mapping[str, TensorEntry], layout: FolderLayout, attentions: Sequence[str] | None = None
+) -> tuple[list[Problem], list[KVScaleStats]]:
     """(problems, every KV scale checked) of the folder's KV-cache scales (see the module docstring);
     `attentions`: the model's attention modules (None: those the folder's tensors name)."""
     kv = layout.spec.kv_scales
@@ -54,25 +54,41 @@ def check_kv_scales(entries: Mapping[str, TensorEntry], layout: FolderLayout,
         owner = next((found for spec in _KV_SPECS if (found := spec.attention_of(name))), None)
         if owner is None or name in expected or owner[0] not in attentions:
             continue
-        why = (f"is not where {layout.format} keeps KV-cache scales ({kv.k_suffix} / {kv.v_suffix})"
-               if announced else "is a KV-cache scale, but the configs announce no quantized KV cache "
-                                 "(kv_cache_scheme / kv_cache_quant_algo): no engine reads it")
+        why = (
+            f"is not where {layout.format} keeps KV-cache scales ({kv.k_suffix} / {kv.v_suffix})"
+            if announced
+            else "is a KV-cache scale, but the configs announce no quantized KV cache "
+            "(kv_cache_scheme / kv_cache_quant_algo): no engine reads it"
+        )
         problems.append(Problem(owner[0], name, why))
     return problems, checked
 
 
 def _stats(attention: str, which: str, entry: TensorEntry, ok: bool) -> KVScaleStats:
-    value = (float(read_small(entry).reshape(-1)[0])
-             if entry.code == "F32" and entry.nbytes == 4 else None)
-    return KVScaleStats(attention=attention, which=which, tensor=entry.name, dtype=entry.code,
-                        shape=tuple(entry.shape), value=value, ok=ok)
+    value = float(read_small(entry).reshape(-1)[0]) if entry.code == "F32" and entry.nbytes == 4 else None
+    return KVScaleStats(
+        attention=attention,
+        which=which,
+        tensor=entry.name,
+        dtype=entry.code,
+        shape=tuple(entry.shape),
+        value=value,
+        ok=ok,
+    )
 
 
-def _scale_problems(attention: str, name: str, entry: TensorEntry | None, shape: tuple[int, ...],
-                    kv_cache: str) -> list[Problem]:
+def _scale_problems(
+    attention: str, name: str, entry: TensorEntry | None, shape: tuple[int, ...], kv_cache: str
+) -> list[Problem]:
     if entry is None:
-        return [Problem(attention, name, f"missing: the configs announce an {kv_cache.upper()} KV cache "
-                                         f"(vLLM would use scale 1.0 for this layer)")]
+        return [
+            Problem(
+                attention,
+                name,
+                f"missing: the configs announce an {kv_cache.upper()} KV cache "
+                f"(vLLM would use scale 1.0 for this layer)",
+            )
+        ]
     if entry.code != "F32" or entry.shape != shape:
         return [Problem(attention, name, f"is {entry.code}{list(entry.shape)}, expected F32 {list(shape)}")]
     value = float(read_small(entry).reshape(-1)[0])

@@ -48,8 +48,13 @@ def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig |
         config = ModelConfig.from_hf_config(hf, source=CONFIG)
     except NVFP4ToolError as bad:
         why = str(bad).removeprefix(f"{CONFIG}: ")
-        return None, [Problem(CONFIG_LEVEL, CONFIG, f"{why} (transformers and vLLM build the model "
-                                                    f"from {CONFIG}: not loadable as a supported family)")]
+        return None, [
+            Problem(
+                CONFIG_LEVEL,
+                CONFIG,
+                f"{why} (transformers and vLLM build the model from {CONFIG}: not loadable as a supported family)",
+            )
+        ]
     return config, []
 
 
@@ -65,16 +70,26 @@ def attention_modules(config: ModelConfig) -> list[str]:
     return [config.family_spec.checkpoint_name(a) for a in config.modules.attentions]
 
 
-def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
-                        quantized: Mapping[str, ModuleStats], spec: LayoutSpec,
-                        reported: Collection[str] = ()) -> list[Problem]:
+def check_against_model(
+    config: ModelConfig,
+    entries: Mapping[str, TensorEntry],
+    quantized: Mapping[str, ModuleStats],
+    spec: LayoutSpec,
+    reported: Collection[str] = (),
+) -> list[Problem]:
     """Problems of the folder's tensors against `config`'s model (see the module docstring).
     Modules and tensors in `reported` (named by earlier problems) are skipped: one root cause, one
     report."""
-    problems = [Problem(router, ", ".join(sorted(n for n in entries if n.rpartition(".")[0] == router)),
-                        "MoE router is quantized: routers must stay BF16 (keep it out of the quantized "
-                        "modules and list it in the exclusion list)")
-                for router in map(config.family_spec.checkpoint_name, config.router_names()) if router in quantized]
+    problems = [
+        Problem(
+            router,
+            ", ".join(sorted(n for n in entries if n.rpartition(".")[0] == router)),
+            "MoE router is quantized: routers must stay BF16 (keep it out of the quantized "
+            "modules and list it in the exclusion list)",
+        )
+        for router in map(config.family_spec.checkpoint_name, config.router_names())
+        if router in quantized
+    ]
     expected = stored_shapes(config)
     for name, shape in expected.items():
         module = name.rpartition(".")[0]
@@ -83,59 +98,91 @@ def check_against_model(config: ModelConfig, entries: Mapping[str, TensorEntry],
         if module in quantized and name.endswith(".weight") and len(shape) == 2:
             stats = quantized[module]
             if stats.n is not None and (stats.n, stats.k) != shape:
-                problems.append(Problem(module, name, f"quantized weight holds N x K = {stats.n} x "
-                                                      f"{stats.k}, but {CONFIG}'s model needs "
-                                                      f"{shape[0]} x {shape[1]}"))
+                problems.append(
+                    Problem(
+                        module,
+                        name,
+                        f"quantized weight holds N x K = {stats.n} x "
+                        f"{stats.k}, but {CONFIG}'s model needs "
+                        f"{shape[0]} x {shape[1]}",
+                    )
+                )
         elif name not in entries:
             problems.append(Problem(module, name, f"missing: {CONFIG}'s model needs {list(shape)}"))
         elif entries[name].shape != shape:
-            problems.append(Problem(module, name, f"has shape {list(entries[name].shape)}, "
-                                                  f"{CONFIG}'s model needs {list(shape)}"))
+            problems.append(
+                Problem(module, name, f"has shape {list(entries[name].shape)}, {CONFIG}'s model needs {list(shape)}")
+            )
     return problems + _extra_tensors(config, entries, expected, spec, reported)
 
 
-def _extra_tensors(config: ModelConfig, entries: Mapping[str, TensorEntry],
-                   expected: Mapping[str, tuple[int, ...]], spec: LayoutSpec,
-                   reported: Collection[str]) -> list[Problem]:
+def _extra_tensors(
+    config: ModelConfig,
+    entries: Mapping[str, TensorEntry],
+    expected: Mapping[str, tuple[int, ...]],
+    spec: LayoutSpec,
+    reported: Collection[str],
+) -> list[Problem]:
     """One problem per module holding tensors that are neither the model's nor a documented extra."""
     allowed = set(expected)
-    allowed |= {f"{name.removesuffix('.weight')}.{suffix}" for name, shape in expected.items()
-                if name.endswith(".weight") and len(shape) == 2 for suffix in spec.suffixes}
+    allowed |= {
+        f"{name.removesuffix('.weight')}.{suffix}"
+        for name, shape in expected.items()
+        if name.endswith(".weight") and len(shape) == 2
+        for suffix in spec.suffixes
+    }
     allowed |= {n for attention in attention_modules(config) for n in spec.kv_scales.names(attention)}
     extra: dict[str, list[str]] = {}
     for name in entries:
         module = name.rpartition(".")[0]
         if name not in allowed and name not in reported and module not in reported:
             extra.setdefault(module, []).append(name)
-    return [Problem(module, ", ".join(sorted(names)), _why_not_in_model(names[0], config, spec))
-            for module, names in sorted(extra.items())]
+    return [
+        Problem(module, ", ".join(sorted(names)), _why_not_in_model(names[0], config, spec))
+        for module, names in sorted(extra.items())
+    ]
 
 
 def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
     refused = "engines refuse (vLLM) or silently drop (transformers) a tensor the model lacks"
     layer = layer_index(name)
     if layer is not None and layer >= config.num_layers:
-        return (f"layer {layer}, but {CONFIG}'s model has {config.num_layers} layers "
-                f"(num_hidden_layers = {config.num_layers}, layers 0..{config.num_layers - 1}): {refused}")
+        return (
+            f"layer {layer}, but {CONFIG}'s model has {config.num_layers} layers "
+            f"(num_hidden_layers = {config.num_layers}, layers 0..{config.num_layers - 1}): {refused}"
+        )
     expert = expert_of(name)
     if expert is not None and layer is not None:
         i, e = layer, expert[1]
         if not config.is_sparse_layer(i):
-            return (f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
-                    f"mlp_only_layers, or not a mixture-of-experts family): {refused}")
+            return (
+                f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
+                f"mlp_only_layers, or not a mixture-of-experts family): {refused}"
+            )
         if e >= config.experts.num_experts:
             key = config.experts.hf_experts_key or "num_experts"
-            return (f"expert {e}, but {CONFIG}'s model has {config.experts.num_experts} experts per sparse layer "
-                    f"({key} = {config.experts.num_experts}, experts 0..{config.experts.num_experts - 1}): {refused}")
+            return (
+                f"expert {e}, but {CONFIG}'s model has {config.experts.num_experts} experts per sparse layer "
+                f"({key} = {config.experts.num_experts}, experts 0..{config.experts.num_experts - 1}): {refused}"
+            )
     if name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
-        return (f"{CONFIG} ties lm_head to the embedding (tie_word_embeddings = true), so the model has no "
-                f"lm_head.weight: {refused}")
-    return (f"not a tensor of {CONFIG}'s {config.family} model, nor a {spec.label} quantization tensor of "
-            f"one of its linear layers or a KV-cache scale of one of its attention layers: {refused}")
+        return (
+            f"{CONFIG} ties lm_head to the embedding (tie_word_embeddings = true), so the model has no "
+            f"lm_head.weight: {refused}"
+        )
+    return (
+        f"not a tensor of {CONFIG}'s {config.family} model, nor a {spec.label} quantization tensor of "
+        f"one of its linear layers or a KV-cache scale of one of its attention layers: {refused}"
+    )
 
 
-def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Collection[str],
-                 spec: LayoutSpec, stored_fp32: tuple[str, ...] = ()) -> list[Problem]:
+def check_dtypes(
+    folder: str,
+    entries: Mapping[str, TensorEntry],
+    quantized: Collection[str],
+    spec: LayoutSpec,
+    stored_fp32: tuple[str, ...] = (),
+) -> list[Problem]:
     """Unquantized floating tensors against config.json's `dtype` / `torch_dtype`: a BF16 tensor
     whose header was relabelled F16 (same size, every value wrong) loads without complaint
     otherwise; an unquantized weight / bias with an integer dtype (F32 relabelled I32) neither.
@@ -157,13 +204,22 @@ def check_dtypes(folder: str, entries: Mapping[str, TensorEntry], quantized: Col
         if module in quantized and suffix in layout_suffixes:
             continue
         if entry.code in _INTEGER and suffix in ("weight", "bias"):  # e.g. F32 relabelled I32
-            problems.append(Problem(module, name, f"is {entry.code}, not a floating dtype, for an "
-                                                  f"unquantized parameter ({CONFIG} says dtype {declared})"))
+            problems.append(
+                Problem(
+                    module,
+                    name,
+                    f"is {entry.code}, not a floating dtype, for an "
+                    f"unquantized parameter ({CONFIG} says dtype {declared})",
+                )
+            )
         elif entry.code == "F32" and any(fnmatch.fnmatchcase(name, p) for p in stored_fp32):
             continue  # the family stores it in FP32 (`Family.stored_fp32`, `kept_as_stored`: Nemotron-H's)
         elif entry.code in _FLOAT16_32 and math.prod(entry.shape) > 1 and entry.code != want:
-            problems.append(Problem(module, name, f"is {entry.code} but {CONFIG} says dtype "
-                                                  f"{declared} ({want}): relabelled header?"))
+            problems.append(
+                Problem(
+                    module, name, f"is {entry.code} but {CONFIG} says dtype {declared} ({want}): relabelled header?"
+                )
+            )
     return problems
 
 

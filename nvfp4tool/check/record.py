@@ -27,8 +27,9 @@ from nvfp4tool.records.export import ExportRecord
 AMAX_RTOL = 1e-6  # the writer and the checker decode the same bytes; they differ by fp32 rounding only
 
 
-def check_against_record(folder: str, entries: Mapping[str, TensorEntry], spec: LayoutSpec,
-                         quantized: Collection[str]) -> list[Problem]:
+def check_against_record(
+    folder: str, entries: Mapping[str, TensorEntry], spec: LayoutSpec, quantized: Collection[str]
+) -> list[Problem]:
     """Problems of the folder's tensors against its ExportRecord ([] when there is none)."""
     if not ExportRecord.exists(folder):
         return []
@@ -39,8 +40,13 @@ def check_against_record(folder: str, entries: Mapping[str, TensorEntry], spec: 
     where = ExportRecord.FILE_NAME
     problems = []
     if (record.format, record.quant) != (spec.format, spec.quant):
-        problems.append(Problem(CONFIG_LEVEL, where, f"records a {record.format} {record.quant} export, "
-                                                     f"the configs declare {spec.label}"))
+        problems.append(
+            Problem(
+                CONFIG_LEVEL,
+                where,
+                f"records a {record.format} {record.quant} export, the configs declare {spec.label}",
+            )
+        )
     for name in sorted(set(record.tensors) - set(entries)):
         problems.append(Problem(name.rpartition(".")[0], name, f"in {where} but not in the folder"))
     for name in sorted(set(entries) - set(record.tensors)):
@@ -54,9 +60,15 @@ def check_against_record(folder: str, entries: Mapping[str, TensorEntry], spec: 
             continue
         decoded = decoded_amax(module, entries, spec)
         if decoded is not None and not abs(decoded - expected) <= AMAX_RTOL * abs(expected):
-            problems.append(Problem(module, weight, f"decodes to amax {decoded:.6g}, the export recorded "
-                                                    f"{expected:.6g} ({where}): a global or block scale "
-                                                    f"changed since export"))
+            problems.append(
+                Problem(
+                    module,
+                    weight,
+                    f"decodes to amax {decoded:.6g}, the export recorded "
+                    f"{expected:.6g} ({where}): a global or block scale "
+                    f"changed since export",
+                )
+            )
     return problems
 
 
@@ -71,13 +83,15 @@ def decoded_amax(module: str, entries: Mapping[str, TensorEntry], spec: LayoutSp
         return None
     s_dec = float(spec.decode_global(read_small(scale)))
     if not spec.is_nvfp4:
-        peak = max((float(np.max(np.abs(c.astype(np.float32)))) for c in iter_chunks(weight) if c.size),
-                   default=0.0)
+        peak = max((float(np.max(np.abs(c.astype(np.float32)))) for c in iter_chunks(weight) if c.size), default=0.0)
         return peak * s_dec
     block = tensors.get("block_scale")
     n, k = spec.nk(weight.shape)
-    if block is None or block.code != spec.tensor("block_scale").code or block.shape != spec.tensor(
-            "block_scale").shape(n, k):
+    if (
+        block is None
+        or block.code != spec.tensor("block_scale").code
+        or block.shape != spec.tensor("block_scale").shape(n, k)
+    ):
         return None
     rows = max(1, CHUNK_BYTES // 8 // max(1, k))  # the fp32 decode of a chunk stays ~CHUNK_BYTES / 2
     peak = 0.0
@@ -92,17 +106,23 @@ def _tensor_problems(name: str, entry: TensorEntry, expected, where: str) -> lis
     module = name.rpartition(".")[0]
     problems = []
     if os.path.basename(entry.file) != expected.file:
-        problems.append(Problem(module, name, f"is in {os.path.basename(entry.file)}, {where} says "
-                                              f"{expected.file}"))
+        problems.append(Problem(module, name, f"is in {os.path.basename(entry.file)}, {where} says {expected.file}"))
     if entry.code != expected.dtype or tuple(entry.shape) != tuple(expected.shape):
-        problems.append(Problem(module, name, f"is {entry.code}{list(entry.shape)} but the export wrote "
-                                              f"{expected.dtype}{list(expected.shape)} ({where}): "
-                                              f"relabelled header?"))
+        problems.append(
+            Problem(
+                module,
+                name,
+                f"is {entry.code}{list(entry.shape)} but the export wrote "
+                f"{expected.dtype}{list(expected.shape)} ({where}): "
+                f"relabelled header?",
+            )
+        )
         return problems
     digest = hashlib.sha256()
     for chunk in iter_chunks(entry):
         digest.update(chunk.view(np.uint8))
     if digest.hexdigest() != expected.sha256:
-        problems.append(Problem(module, name, f"bytes differ from what the export wrote (sha256 in "
-                                              f"{where}): tampered or corrupted"))
+        problems.append(
+            Problem(module, name, f"bytes differ from what the export wrote (sha256 in {where}): tampered or corrupted")
+        )
     return problems

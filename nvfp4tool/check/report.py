@@ -73,30 +73,37 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": self.path, "format": self.format, "quant": self.quant, "tp": list(self.tp),
-            "ok": self.ok, "modules_checked": len(self.modules),
-            "tensors_checked": self.tensors_checked, "bytes_read": self.bytes_read,
+            "path": self.path,
+            "format": self.format,
+            "quant": self.quant,
+            "tp": list(self.tp),
+            "ok": self.ok,
+            "modules_checked": len(self.modules),
+            "tensors_checked": self.tensors_checked,
+            "bytes_read": self.bytes_read,
             "model_checked": self.model_checked,
             "kv_cache": self.kv_cache,
-            "kv_scales": [{k: _json_number(v) for k, v in dataclasses.asdict(s).items()}
-                          for s in self.kv_scales],
+            "kv_scales": [{k: _json_number(v) for k, v in dataclasses.asdict(s).items()} for s in self.kv_scales],
             "problems": [dataclasses.asdict(p) for p in self.problems],
-            "modules": [{k: _json_number(v) for k, v in dataclasses.asdict(m).items()}
-                        for m in self.modules],
+            "modules": [{k: _json_number(v) for k, v in dataclasses.asdict(m).items()} for m in self.modules],
         }
 
     def failure(self, consequence: str = "") -> str:
         """The one-line error of a failed check (count and the first problem), e.g. for exit 1."""
         more = f"; {consequence}" if consequence else ""
-        return (f"{self.path}: check failed: {len(self.problems)} problem(s){more}; first: "
-                f"{self.problems[0].line()}")
+        return f"{self.path}: check failed: {len(self.problems)} problem(s){more}; first: {self.problems[0].line()}"
 
     def summary_line(self) -> str:
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
-        kv = (f", {self.kv_cache.upper()} KV-cache scales of {len({s.attention for s in self.kv_scales})} "
-              f"layers" if self.kv_cache else "")
-        return (f"{self.path}: {self.format} {self.quant}, {len(self.modules)} quantized modules{kv}, "
-                f"{self.tensors_checked} tensors, TP {','.join(map(str, self.tp))}: {verdict}")
+        kv = (
+            f", {self.kv_cache.upper()} KV-cache scales of {len({s.attention for s in self.kv_scales})} layers"
+            if self.kv_cache
+            else ""
+        )
+        return (
+            f"{self.path}: {self.format} {self.quant}, {len(self.modules)} quantized modules{kv}, "
+            f"{self.tensors_checked} tensors, TP {','.join(map(str, self.tp))}: {verdict}"
+        )
 
 
 def print_report(report: CheckReport, console: Any) -> None:
@@ -110,12 +117,17 @@ def print_report(report: CheckReport, console: Any) -> None:
         console.print(problem.line(), markup=False, highlight=False, soft_wrap=True)
     table = Table(title=f"{report.format} {report.quant}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("module", "NxK", "bits", "zero", "w scale", "in scale", "problems"):
-        table.add_column(column, justify="left" if column == "module" else "right",
-                         no_wrap=column == "module")
+        table.add_column(column, justify="left" if column == "module" else "right", no_wrap=column == "module")
     for m in report.modules:
-        table.add_row(m.module, _fmt_shape(m.n, m.k), _fmt(m.bits_per_param, "{:.3g}"),
-                      _fmt(m.zero_scale_share, "{:.1%}"), _fmt(m.weight_global_scale, "{:.4g}"),
-                      _fmt(m.input_global_scale, "{:.4g}"), str(m.problems))
+        table.add_row(
+            m.module,
+            _fmt_shape(m.n, m.k),
+            _fmt(m.bits_per_param, "{:.3g}"),
+            _fmt(m.zero_scale_share, "{:.1%}"),
+            _fmt(m.weight_global_scale, "{:.4g}"),
+            _fmt(m.input_global_scale, "{:.4g}"),
+            str(m.problems),
+        )
     print_table(console, table)
     if report.kv_cache:
         print_table(console, _kv_table(report))
@@ -127,8 +139,7 @@ def _kv_table(report: CheckReport) -> Any:
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"{report.kv_cache.upper()} KV-cache scales", title_justify="left",
-                  box=box.SIMPLE_HEAD)
+    table = Table(title=f"{report.kv_cache.upper()} KV-cache scales", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("attention", "k scale", "v scale", "dtype", "ok"):
         table.add_column(column, justify="left" if column == "attention" else "right", no_wrap=True)
     layers: dict[str, dict[str, KVScaleStats]] = {}
@@ -137,8 +148,13 @@ def _kv_table(report: CheckReport) -> Any:
     for attention, scales in layers.items():
         k, v = scales.get("k"), scales.get("v")
         dtypes = "/".join(sorted({s.dtype for s in scales.values()}))
-        table.add_row(attention, _fmt(k.value if k else None, "{:.6g}"), _fmt(v.value if v else None, "{:.6g}"),
-                      dtypes, "yes" if k and v and k.ok and v.ok else "no")
+        table.add_row(
+            attention,
+            _fmt(k.value if k else None, "{:.6g}"),
+            _fmt(v.value if v else None, "{:.6g}"),
+            dtypes,
+            "yes" if k and v and k.ok and v.ok else "no",
+        )
     return table
 
 

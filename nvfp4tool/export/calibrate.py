@@ -41,8 +41,8 @@ from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import is_router
-from nvfp4tool.model.layerwise import LayerwiseModel
 from nvfp4tool.model.layers import route
+from nvfp4tool.model.layerwise import LayerwiseModel
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, tensor_amax
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
@@ -59,19 +59,37 @@ class Calibration:
     routed_tokens: dict[str, int]  # MoE expert ("model.layers.0.mlp.experts.7") -> tokens routed to it; {} dense
 
 
-def calibrate(config: ModelConfig, source: TensorSource, names: Sequence[str], data_path: str, *,
-              samples: int, seq_len: int, tokenizer_dir: str | None, kv_cache: bool = False,
-              offload: str = "auto", ids_SxL: np.ndarray | None = None) -> Calibration:
+def calibrate(
+    config: ModelConfig,
+    source: TensorSource,
+    names: Sequence[str],
+    data_path: str,
+    *,
+    samples: int,
+    seq_len: int,
+    tokenizer_dir: str | None,
+    kv_cache: bool = False,
+    offload: str = "auto",
+    ids_SxL: np.ndarray | None = None,
+) -> Calibration:
     """Input amax of every linear in `names` over the calibration windows, with `kv_cache` the
     K / V amax of every attention layer, and the routed-token counts of every MoE expert.
     `ids_SxL`: the windows already read from `data_path` (`load_calibration_ids`), else read here."""
     if ids_SxL is None:
-        ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len,
-                                       tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
+        ids_SxL = load_calibration_ids(
+            data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
+        )
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="calibration")
     tally = Tally(config, names, kv_cache=kv_cache)
-    for _ in model.logits(ids_SxL, BATCH, tap=InputAmax.of(config), on_record=tally.record, label="calibration",
-                          kv_tap=KVAmax() if kv_cache else None, all_experts=True):
+    for _ in model.logits(
+        ids_SxL,
+        BATCH,
+        tap=InputAmax.of(config),
+        on_record=tally.record,
+        label="calibration",
+        kv_tap=KVAmax() if kv_cache else None,
+        all_experts=True,
+    ):
         pass
     del model
     memory.release()
@@ -113,11 +131,15 @@ class Tally:
             check_calibrated(name, value, what="keys / values" if name in self.attentions else "input")
         for expert, count in self.routed.items():
             if count == 0:
-                progress.info(f"warning: calibration routed no token to {expert} (its input scales come "
-                              f"from all-experts calibration)")
-        return Calibration(input_amax={n: float(amax[n][0]) for n in self.names},
-                           kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in self.attentions},
-                           routed_tokens=self.routed)
+                progress.info(
+                    f"warning: calibration routed no token to {expert} (its input scales come "
+                    f"from all-experts calibration)"
+                )
+        return Calibration(
+            input_amax={n: float(amax[n][0]) for n in self.names},
+            kv_amax={a: (float(amax[a][0]), float(amax[a][1])) for a in self.attentions},
+            routed_tokens=self.routed,
+        )
 
 
 def check_calibrated(name: str, amax, *, what: str = "input") -> None:
@@ -129,26 +151,41 @@ def check_calibrated(name: str, amax, *, what: str = "input") -> None:
     if not np.isfinite(value).all():
         raise NVFP4ToolError(f"calibration: the {what} of {name} have a non-finite amax ({value.tolist()})")
     if not value.all():
-        raise NVFP4ToolError(f"calibration: the {what} of {name} was zero on every calibration token; "
-                             f"pass other --calib-data or keep it in BF16 (--keep-bf16)")
+        raise NVFP4ToolError(
+            f"calibration: the {what} of {name} was zero on every calibration token; "
+            f"pass other --calib-data or keep it in BF16 (--keep-bf16)"
+        )
 
 
-def open_bf16_model(config: ModelConfig, source: TensorSource, *, seq_len: int, offload: str,
-                    what: str) -> LayerwiseModel:
+def open_bf16_model(
+    config: ModelConfig, source: TensorSource, *, seq_len: int, offload: str, what: str
+) -> LayerwiseModel:
     """The source in BF16 as a `LayerwiseModel`, held or streamed as `offload` and the memory
     decide (the model calibration and GPTQ run)."""
     itemsize = np.dtype(GEMM_INPUT_DTYPE).itemsize
     model_bytes = sum(int(np.prod(s)) * itemsize for s in config.expected_tensor_shapes().values())
     working = 2 * 4 * BATCH * seq_len * (config.vocab_size + 4 * config.intermediate_size)
-    return LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(config, source, dtype=GEMM_INPUT_DTYPE,
-                                                                            mesh=mesh),
-                               source=_Cast(source), offload=offload, weights=model_bytes, working=working,
-                               what=f"{what} ({model_bytes / 1e9:.2f} GB in BF16)", compute_dtype=GEMM_INPUT_DTYPE)
+    return LayerwiseModel.open(
+        config,
+        build=lambda mesh: model_from_tensors(config, source, dtype=GEMM_INPUT_DTYPE, mesh=mesh),
+        source=_Cast(source),
+        offload=offload,
+        weights=model_bytes,
+        working=working,
+        what=f"{what} ({model_bytes / 1e9:.2f} GB in BF16)",
+        compute_dtype=GEMM_INPUT_DTYPE,
+    )
 
 
-def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir: str | None,
-                         vocab_size: int,
-                         flags: tuple[str, str] = ("--calib-samples", "--calib-seq-len")) -> np.ndarray:
+def load_calibration_ids(
+    path: str,
+    *,
+    samples: int,
+    seq_len: int,
+    tokenizer_dir: str | None,
+    vocab_size: int,
+    flags: tuple[str, str] = ("--calib-samples", "--calib-seq-len"),
+) -> np.ndarray:
     """Token ids [S, L] (S <= samples, L <= seq_len: what the file has, at most what was asked;
     the caller says and records a shortfall) from a .txt / .jsonl / .npy calibration file; `flags`
     names the samples and sequence-length options as the calling command spells them."""
@@ -163,8 +200,9 @@ def load_calibration_ids(path: str, *, samples: int, seq_len: int, tokenizer_dir
         except (ValueError, EOFError, OSError) as bad:  # not an .npy array, pickled objects, truncated
             raise NVFP4ToolError(f"{path}: not a NumPy token-id array ({bad})") from None
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise NVFP4ToolError(f"{path}: expected an integer array [samples, seq_len], "
-                                 f"got {ids.dtype}{list(ids.shape)}")
+            raise NVFP4ToolError(
+                f"{path}: expected an integer array [samples, seq_len], got {ids.dtype}{list(ids.shape)}"
+            )
         ids = ids[:samples, :seq_len]
     else:
         ids = _tokenize(path, samples, seq_len, tokenizer_dir)
@@ -226,8 +264,10 @@ class _Cast:
 
 def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) -> np.ndarray:
     if tokenizer_dir is None or not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-        raise NVFP4ToolError(f"{path}: text calibration data needs the source's tokenizer.json "
-                             f"(not found in {tokenizer_dir}); or pass token ids as .npy")
+        raise NVFP4ToolError(
+            f"{path}: text calibration data needs the source's tokenizer.json "
+            f"(not found in {tokenizer_dir}); or pass token ids as .npy"
+        )
     from nvfp4tool.train.data import iter_documents
     from nvfp4tool.train.tokenizer import load_tokenizer
 

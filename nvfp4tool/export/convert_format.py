@@ -56,8 +56,10 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
     amax = _weight_amax(record, source_spec)
     files = source.shard_files()
     kv_source = set(kv_names.values())
-    with atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp, \
-            progress.task("convert-format", total=len(source.names()), unit="tensor") as task:
+    with (
+        atomic_output_dir(out, force=force, inputs=(src,), flag="OUT") as tmp,
+        progress.task("convert-format", total=len(source.names()), unit="tensor") as task,
+    ):
         origin: dict[str, tuple[str | None, list[str]]] = {}  # output name -> (quantized module or None, source names)
         shards = []
         for file_name, names in files.items():
@@ -102,8 +104,11 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
         folder.write_index(index, records)
         folder.write_configs(read_hf_config(src)[1], target, layout.exclude, layout.kv_cache)
         skip = (*source_spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
-        folder.copy_files(os.path.join(src, f) for f in sorted(os.listdir(src))
-                          if os.path.isfile(os.path.join(src, f)) and not any(fnmatch.fnmatch(f, p) for p in skip))
+        folder.copy_files(
+            os.path.join(src, f)
+            for f in sorted(os.listdir(src))
+            if os.path.isfile(os.path.join(src, f)) and not any(fnmatch.fnmatch(f, p) for p in skip)
+        )
         folder.write_record(None if record is None else dataclasses.replace(record, format=to, tensors=records))
     return time.perf_counter() - start
 
@@ -126,8 +131,11 @@ def _weight_amax(record: ExportRecord | None, spec: formats.LayoutSpec) -> dict[
     if record is None:
         return {}
     suffix = "." + (spec.suffix("weight") or "")
-    return {name.removesuffix(suffix): t.amax for name, t in record.tensors.items()
-            if t.amax is not None and name.endswith(suffix)}
+    return {
+        name.removesuffix(suffix): t.amax
+        for name, t in record.tensors.items()
+        if t.amax is not None and name.endswith(suffix)
+    }
 
 
 def _kv_names(names: list[str], source: formats.LayoutSpec, target: formats.LayoutSpec) -> dict[str, str]:
@@ -156,4 +164,3 @@ def _units(names: list[str], quantized: set[str]):
         elif module not in done:
             done.add(module)
             yield module, members[module]
-

@@ -36,7 +36,8 @@ expert; the router's columns take s in their stored dtype (it is never quantized
 down_proj gets its own s, folded into its own up_proj.
 
 Proof in the same run: the folded model in BF16 (every tensor as stored, the scaled weights
-rounded to BF16; fp32 compute, as validate runs models) is run on the first `CHECK_WINDOWS` calibration windows beside the original, and
+rounded to BF16; fp32 compute, as validate runs models) is run on the first `CHECK_WINDOWS` calibration windows
+beside the original, and
 the export is refused unless the mean KL(original || folded) is at most `FOLD_KL_LIMIT` nats (the
 record keeps the KL and the top-1 agreement). The original's logits wait in a temporary file
 (`LogitSpool`), so only one model is held (or streamed) at a time.
@@ -59,11 +60,11 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import Fold, folds, fused_group, layer_index
 from nvfp4tool.export.simulate import served_linear
+from nvfp4tool.families import Fold, folds, fused_group, layer_index
+from nvfp4tool.model.fold import EqualizedSource, FoldScale, site_key
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
-from nvfp4tool.model.fold import EqualizedSource, FoldScale, site_key
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, fake_quantize_nvfp4
@@ -91,8 +92,17 @@ class Equalization:
     record: EqualizationRecord
 
 
-def equalize(config: ModelConfig, source, quantized: Sequence[str], ids_SxL: np.ndarray, *, method: str,
-             weight_only: bool, block: str, offload: str) -> Equalization:
+def equalize(
+    config: ModelConfig,
+    source,
+    quantized: Sequence[str],
+    ids_SxL: np.ndarray,
+    *,
+    method: str,
+    weight_only: bool,
+    block: str,
+    offload: str,
+) -> Equalization:
     """The scales of `method` for every site whose consumers are all in `quantized`, checked (see
     the module docstring); NVFP4ToolError when the folded model is not the original."""
     from nvfp4tool.export.calibrate import BATCH, open_bf16_model
@@ -111,14 +121,22 @@ def equalize(config: ModelConfig, source, quantized: Sequence[str], ids_SxL: np.
     memory.release()
     kl, top1 = _check_folded(config, source, scales, ids_SxL[:CHECK_WINDOWS], offload)
     reductions = [1.0 - f.error / f.rtn_error for f in scales if f.error is not None and f.rtn_error]
-    searched = (f", output error on the calibration inputs {100 * float(np.mean(reductions)):.1f}% below "
-                f"s = 1 (mean over sites)" if reductions else "")
-    progress.info(f"--equalize {method}: {len(scales)} sites{searched}; the folded BF16 model vs the original on "
-                  f"{min(CHECK_WINDOWS, len(ids_SxL))} calibration windows: KL mean {kl:.3g} nats, "
-                  f"top-1 {100 * top1:.2f}%")
+    searched = (
+        f", output error on the calibration inputs {100 * float(np.mean(reductions)):.1f}% below "
+        f"s = 1 (mean over sites)"
+        if reductions
+        else ""
+    )
+    progress.info(
+        f"--equalize {method}: {len(scales)} sites{searched}; the folded BF16 model vs the original on "
+        f"{min(CHECK_WINDOWS, len(ids_SxL))} calibration windows: KL mean {kl:.3g} nats, "
+        f"top-1 {100 * top1:.2f}%"
+    )
     if not kl <= FOLD_KL_LIMIT:  # also refuses nan
-        raise NVFP4ToolError(f"--equalize {method}: the folded model is not the original (KL mean {kl:.3g} nats "
-                             f"> {FOLD_KL_LIMIT:g} on the calibration windows); nothing written")
+        raise NVFP4ToolError(
+            f"--equalize {method}: the folded model is not the original (KL mean {kl:.3g} nats "
+            f"> {FOLD_KL_LIMIT:g} on the calibration windows); nothing written"
+        )
     return Equalization(scales=scales, record=_record(method, scales, kl, top1, min(CHECK_WINDOWS, len(ids_SxL))))
 
 
@@ -185,8 +203,9 @@ def _statistics(model, config: ModelConfig, sites: list[Fold], ids_SxL: np.ndarr
         else:
             sums[name] = [stat[0].copy(), stat[1].copy(), int(count)]
 
-    for _ in model.logits(ids_SxL, batch, tap=_Stats(names), on_record=record, label="equalize: statistics",
-                          all_experts=True):
+    for _ in model.logits(
+        ids_SxL, batch, tap=_Stats(names), on_record=record, label="equalize: statistics", all_experts=True
+    ):
         pass
     missing = [n for n in first if n not in sums]
     if missing:
@@ -204,15 +223,14 @@ def _producer_space(site: Fold, per_channel: np.ndarray, reduce) -> np.ndarray:
 
 def _column_max(source, modules: Sequence[str]) -> np.ndarray:
     """max |w| of each input column over the weights of `modules`."""
-    return np.max([np.max(np.abs(np.asarray(source.get(f"{m}.weight"), np.float32)), axis=0) for m in modules],
-                  axis=0)
+    return np.max([np.max(np.abs(np.asarray(source.get(f"{m}.weight"), np.float32)), axis=0) for m in modules], axis=0)
 
 
 def _smoothquant(site: Fold, stats, source) -> FoldScale:
     x_max = _producer_space(site, stats[1], np.max)
     w_max = _producer_space(site, _column_max(source, site.consumers), np.max)
     with np.errstate(divide="ignore", invalid="ignore"):
-        s = x_max ** SMOOTHQUANT_ALPHA / w_max ** (1.0 - SMOOTHQUANT_ALPHA)
+        s = x_max**SMOOTHQUANT_ALPHA / w_max ** (1.0 - SMOOTHQUANT_ALPHA)
     s = np.where((x_max > 0) & (w_max > 0) & np.isfinite(s), s, 1.0)
     return FoldScale(fold=site, s=np.clip(s, *SCALE_RANGE).astype(np.float32), alpha=SMOOTHQUANT_ALPHA)
 
@@ -223,15 +241,26 @@ def awq_candidates(mean_abs: np.ndarray, alphas: Sequence[float] = AWQ_ALPHAS) -
     base = np.maximum(np.asarray(mean_abs, np.float64), SCALE_RANGE[0])
     rows = []
     for alpha in alphas:
-        s = np.clip(base ** alpha, *SCALE_RANGE)
+        s = np.clip(base**alpha, *SCALE_RANGE)
         rows.append(s / math.sqrt(float(s.max()) * float(s.min())))
     return np.asarray(rows, np.float32)
 
 
-def _awq(model, config: ModelConfig, sites: list[Fold], stats, source, ids_SxL: np.ndarray, batch: int, *,
-         weight_only: bool, block: str) -> tuple[FoldScale, ...]:
-    candidates = {site.consumers[0]: awq_candidates(_producer_space(site, stats[site.consumers[0]][0], np.mean))
-                  for site in sites}
+def _awq(
+    model,
+    config: ModelConfig,
+    sites: list[Fold],
+    stats,
+    source,
+    ids_SxL: np.ndarray,
+    batch: int,
+    *,
+    weight_only: bool,
+    block: str,
+) -> tuple[FoldScale, ...]:
+    candidates = {
+        site.consumers[0]: awq_candidates(_producer_space(site, stats[site.consumers[0]][0], np.mean)) for site in sites
+    }
     by_layer: dict[int, list[Fold]] = {}
     for site in sites:
         by_layer.setdefault(layer_index(site.consumers[0]), []).append(site)
@@ -244,8 +273,9 @@ def _awq(model, config: ModelConfig, sites: list[Fold], stats, source, ids_SxL: 
         for site in by_layer[layer]:
             s_AxC = candidates[site.consumers[0]]
             s_AxK = np.stack([FoldScale(site, s, 0.0).consumer_scale() for s in s_AxC])
-            col_max = {m: np.max(np.abs(np.asarray(source.get(f"{m}.weight"), np.float32)), axis=0)
-                       for m in site.consumers}
+            col_max = {
+                m: np.max(np.abs(np.asarray(source.get(f"{m}.weight"), np.float32)), axis=0) for m in site.consumers
+            }
             group_amax = {}
             for m in site.consumers:  # a fused group shares the global amax of its scaled members
                 g = fused_group(m)
@@ -253,8 +283,10 @@ def _awq(model, config: ModelConfig, sites: list[Fold], stats, source, ids_SxL: 
                 group_amax[g] = np.maximum(group_amax.get(g, 0.0), amax)
             names = layer_modules(site.consumers, layer)
             for program_name, m in names.items():
-                result[program_name] = {"s": jnp.asarray(s_AxK), "amax": jnp.asarray(group_amax[fused_group(m)],
-                                                                                      jnp.float32)}
+                result[program_name] = {
+                    "s": jnp.asarray(s_AxK),
+                    "amax": jnp.asarray(group_amax[fused_group(m)], jnp.float32),
+                }
         return result
 
     errors: dict[str, np.ndarray] = {}
@@ -262,9 +294,15 @@ def _awq(model, config: ModelConfig, sites: list[Fold], stats, source, ids_SxL: 
     def record(name: str, value) -> None:
         errors[name] = errors.get(name, 0.0) + np.asarray(value, np.float64)
 
-    for _ in model.logits(ids_SxL, batch, tap=_Errors(weight_only=weight_only, block=block), aux=aux,
-                          on_record=record, label=f"equalize: AWQ ({len(AWQ_ALPHAS)} scales per site)",
-                          all_experts=True):
+    for _ in model.logits(
+        ids_SxL,
+        batch,
+        tap=_Errors(weight_only=weight_only, block=block),
+        aux=aux,
+        on_record=record,
+        label=f"equalize: AWQ ({len(AWQ_ALPHAS)} scales per site)",
+        all_experts=True,
+    ):
         pass
     result = []
     for site in sites:
@@ -275,8 +313,15 @@ def _awq(model, config: ModelConfig, sites: list[Fold], stats, source, ids_SxL: 
         if not np.isfinite(total).all():
             raise NVFP4ToolError(f"--equalize awq: non-finite output error at {site_key(site)}")
         best = int(np.argmin(total))  # the first of equal errors: the smallest alpha
-        result.append(FoldScale(fold=site, s=candidates[site.consumers[0]][best], alpha=AWQ_ALPHAS[best],
-                                error=float(total[best]), rtn_error=float(total[0])))
+        result.append(
+            FoldScale(
+                fold=site,
+                s=candidates[site.consumers[0]][best],
+                alpha=AWQ_ALPHAS[best],
+                error=float(total[best]),
+                rtn_error=float(total[0]),
+            )
+        )
     return tuple(result)
 
 
@@ -289,10 +334,18 @@ def _check_folded(config: ModelConfig, source, scales, ids_SxL: np.ndarray, offl
 
     def opened(tensors, what: str) -> LayerwiseModel:
         weights = 2 * sum(int(np.prod(s)) for s in config.expected_tensor_shapes().values())
-        return LayerwiseModel.open(config, build=lambda mesh: model_from_tensors(  # held and streamed in BF16
-            config, tensors, dtype=GEMM_INPUT_DTYPE, compute_dtype=CHECK_DTYPE, mesh=mesh), source=_Cast(tensors),
-            offload=offload, weights=weights, working=4 * BATCH * ids_SxL.shape[1] * config.vocab_size * 3,
-            what=f"--equalize check: {what}", compute_dtype=CHECK_DTYPE)
+        return LayerwiseModel.open(
+            config,
+            build=lambda mesh: model_from_tensors(  # held and streamed in BF16
+                config, tensors, dtype=GEMM_INPUT_DTYPE, compute_dtype=CHECK_DTYPE, mesh=mesh
+            ),
+            source=_Cast(tensors),
+            offload=offload,
+            weights=weights,
+            working=4 * BATCH * ids_SxL.shape[1] * config.vocab_size * 3,
+            what=f"--equalize check: {what}",
+            compute_dtype=CHECK_DTYPE,
+        )
 
     tap = Plain(served_linear)
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-equalize-") as scratch:
@@ -317,12 +370,20 @@ def _record(method: str, scales: Sequence[FoldScale], kl: float, top1: float, wi
     sites = {}
     for found in scales:
         s = found.s.astype("<f4")
-        reduction = (None if found.error is None or not found.rtn_error
-                     else 1.0 - found.error / found.rtn_error)
+        reduction = None if found.error is None or not found.rtn_error else 1.0 - found.error / found.rtn_error
         sites[site_key(found.fold)] = FoldRecord(
-            alpha=float(found.alpha), s_min=float(s.min()), s_max=float(s.max()),
-            s_geomean=float(np.exp(np.mean(np.log(s.astype(np.float64))))), output_err_reduction=reduction,
-            scales=base64.b64encode(s.tobytes()).decode("ascii"))
-    return EqualizationRecord(method=method, alphas=list(AWQ_ALPHAS) if method == "awq" else [SMOOTHQUANT_ALPHA],
-                              sites=sites, check_windows=windows, check_kl_mean=kl, check_top1=top1)
-
+            alpha=float(found.alpha),
+            s_min=float(s.min()),
+            s_max=float(s.max()),
+            s_geomean=float(np.exp(np.mean(np.log(s.astype(np.float64))))),
+            output_err_reduction=reduction,
+            scales=base64.b64encode(s.tobytes()).decode("ascii"),
+        )
+    return EqualizationRecord(
+        method=method,
+        alphas=list(AWQ_ALPHAS) if method == "awq" else [SMOOTHQUANT_ALPHA],
+        sites=sites,
+        check_windows=windows,
+        check_kl_mean=kl,
+        check_top1=top1,
+    )

@@ -82,16 +82,27 @@ def block_order(diag_K: np.ndarray) -> np.ndarray:
     return (blocks[:, None] * NVFP4_BLOCK + np.arange(NVFP4_BLOCK)).reshape(-1)
 
 
-def gptq_quantize(w_NxK: np.ndarray | jax.Array, h_KxK: np.ndarray | jax.Array, *, method: str = "rtn",
-                  block: str = "1d", global_amax: float, damp: float = DEFAULT_DAMP, act_order: bool = True,
-                  block_size: int = BLOCK_COLUMNS, mse_radius: int = 2, name: str = "weight",
-                  block_scales: str = "original") -> tuple[NVFP4Array, GPTQError]:
+def gptq_quantize(
+    w_NxK: np.ndarray | jax.Array,
+    h_KxK: np.ndarray | jax.Array,
+    *,
+    method: str = "rtn",
+    block: str = "1d",
+    global_amax: float,
+    damp: float = DEFAULT_DAMP,
+    act_order: bool = True,
+    block_size: int = BLOCK_COLUMNS,
+    mse_radius: int = 2,
+    name: str = "weight",
+    block_scales: str = "original",
+) -> tuple[NVFP4Array, GPTQError]:
     """NVFP4 of `w_NxK` by GPTQ with Hessian `h_KxK` (undamped X^T X), scales by `method` (see the
     module docstring). Returns the record (numpy arrays) and its errors."""
     if block_scales not in BLOCK_SCALES:
         raise NVFP4ToolError(f"unknown GPTQ block scales {block_scales!r}; choose one of {', '.join(BLOCK_SCALES)}")
-    rtn, _ = quantize_weight(w_NxK, method=method, block=block, global_amax=global_amax,
-                             mse_radius=mse_radius, name=name)
+    rtn, _ = quantize_weight(
+        w_NxK, method=method, block=block, global_amax=global_amax, mse_radius=mse_radius, name=name
+    )
     n, k = rtn.shape
     h = np.asarray(h_KxK, np.float32)
     if h.shape != (k, k):
@@ -102,15 +113,22 @@ def gptq_quantize(w_NxK: np.ndarray | jax.Array, h_KxK: np.ndarray | jax.Array, 
     diag[diag == 0] = 1  # dead columns, as the damping sees them
     perm = block_order(diag) if act_order else np.arange(k)
     refresh = None if block_scales == "original" else (method, block, mse_radius)
-    with progress.compiling(f"GPTQ rounding of {n}x{k} weights",
-                            key=(_gptq_codes, n, k, str(w_NxK.dtype), block_size, refresh)):
-        codes, scales, finite = _gptq_codes(jnp.asarray(w_NxK), jnp.asarray(h), jnp.asarray(rtn.scales),
-                                            jnp.float32(global_amax), jnp.float32(rtn.global_amax),
-                                            jnp.asarray(perm, jnp.int32), jnp.float32(damp), block_size=block_size,
-                                            refresh=refresh)
+    with progress.compiling(
+        f"GPTQ rounding of {n}x{k} weights", key=(_gptq_codes, n, k, str(w_NxK.dtype), block_size, refresh)
+    ):
+        codes, scales, finite = _gptq_codes(
+            jnp.asarray(w_NxK),
+            jnp.asarray(h),
+            jnp.asarray(rtn.scales),
+            jnp.float32(global_amax),
+            jnp.float32(rtn.global_amax),
+            jnp.asarray(perm, jnp.int32),
+            jnp.float32(damp),
+            block_size=block_size,
+            refresh=refresh,
+        )
     if not bool(finite):
-        raise NVFP4ToolError(f"tensor '{name}': the damped Hessian is not positive definite; "
-                             f"raise --gptq-damp")
+        raise NVFP4ToolError(f"tensor '{name}': the damped Hessian is not positive definite; raise --gptq-damp")
     record = dataclasses.replace(rtn, packed=np.asarray(numerics.pack_codes(codes)), scales=np.asarray(scales))
     errors = _errors(jnp.asarray(w_NxK), jnp.asarray(h), record, rtn)
     return record, GPTQError(*(float(e) for e in np.asarray(errors)))
@@ -142,8 +160,9 @@ def _gptq_codes(w_NxK, h_KxK, scales_NxKb, gamax, record_amax, perm_K, damp, *, 
     kp = -(-k // block_size) * block_size
     w = jnp.pad(w, ((0, 0), (0, kp - k)))
     h = jnp.pad(h, ((0, kp - k), (0, kp - k))) + jnp.diag((jnp.arange(kp) >= k).astype(jnp.float32))
-    scales_NxK = jnp.pad(scales_NxK.astype(jnp.float32), ((0, 0), (0, kp - k)),
-                         constant_values=1.0).astype(jnp.float8_e4m3fn)
+    scales_NxK = jnp.pad(scales_NxK.astype(jnp.float32), ((0, 0), (0, kp - k)), constant_values=1.0).astype(
+        jnp.float8_e4m3fn
+    )
     lower = jnp.linalg.cholesky(h)
     h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(kp, dtype=jnp.float32))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
@@ -159,12 +178,17 @@ def _gptq_codes(w_NxK, h_KxK, scales_NxKb, gamax, record_amax, perm_K, damp, *, 
         def one_column(j, carry):
             w_blk, q_blk, e_blk, s_blk = carry
             if refresh is not None:  # entering a 16-column block: its scales from the updated weights
+
                 def renew(s_blk):
                     part = flush_subnormal(jax.lax.dynamic_slice_in_dim(w_blk, j, NVFP4_BLOCK, axis=1))
                     method, block, radius = refresh
-                    fresh = jnp.repeat(slice_scales(part, gamax, record_amax, method=method, block=block,
-                                                    mse_radius=radius), NVFP4_BLOCK, axis=1)
+                    fresh = jnp.repeat(
+                        slice_scales(part, gamax, record_amax, method=method, block=block, mse_radius=radius),
+                        NVFP4_BLOCK,
+                        axis=1,
+                    )
                     return jax.lax.dynamic_update_slice_in_dim(s_blk, fresh, j, axis=1)
+
                 s_blk = jax.lax.cond(j % NVFP4_BLOCK == 0, renew, lambda s: s, s_blk)
             w_j = flush_subnormal(jax.lax.dynamic_slice_in_dim(w_blk, j, 1, axis=1))  # [N, 1]
             s_j = jax.lax.dynamic_slice_in_dim(s_blk, j, 1, axis=1)[:, 0]  # [N]: one "block" per row
@@ -172,20 +196,26 @@ def _gptq_codes(w_NxK, h_KxK, scales_NxKb, gamax, record_amax, perm_K, damp, *, 
             e_j = (w_j - numerics.decode_nvfp4_blocks(v_j, s_j, s_dec)) / u_blk[j, j]
             u_row = jnp.where(jnp.arange(block_size) > j, u_blk[j], jnp.float32(0))
             w_blk = w_blk - e_j * u_row[None, :]
-            return (w_blk, jax.lax.dynamic_update_slice_in_dim(q_blk, q_j, j, axis=1),
-                    jax.lax.dynamic_update_slice_in_dim(e_blk, e_j, j, axis=1), s_blk)
+            return (
+                w_blk,
+                jax.lax.dynamic_update_slice_in_dim(q_blk, q_j, j, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(e_blk, e_j, j, axis=1),
+                s_blk,
+            )
 
         zeros = jnp.zeros((n, block_size), jnp.float32)
-        _, q_blk, e_blk, s_blk = jax.lax.fori_loop(0, block_size, one_column,
-                                                   (w_blk, zeros.astype(jnp.uint8), zeros, s_blk))
+        _, q_blk, e_blk, s_blk = jax.lax.fori_loop(
+            0, block_size, one_column, (w_blk, zeros.astype(jnp.uint8), zeros, s_blk)
+        )
         scales_NxK = jax.lax.dynamic_update_slice_in_dim(scales_NxK, s_blk, i, axis=1)
         u_rows = jax.lax.dynamic_slice_in_dim(u, i, block_size, axis=0)
         later = jnp.where(jnp.arange(kp)[None, :] >= i + block_size, u_rows, jnp.float32(0))
         w = w - jnp.matmul(e_blk, later, precision=jax.lax.Precision.HIGHEST)
         return w, jax.lax.dynamic_update_slice_in_dim(codes, q_blk, i, axis=1), scales_NxK
 
-    _, codes, scales_NxK = jax.lax.fori_loop(0, kp // block_size, one_block,
-                                             (w, jnp.zeros((n, kp), jnp.uint8), scales_NxK))
+    _, codes, scales_NxK = jax.lax.fori_loop(
+        0, kp // block_size, one_block, (w, jnp.zeros((n, kp), jnp.uint8), scales_NxK)
+    )
     unperm = jnp.argsort(perm_K)
     return codes[:, :k][:, unperm], scales_NxK[:, :k][:, unperm][:, ::NVFP4_BLOCK], ok
 
@@ -203,5 +233,11 @@ def _errors(w_NxK, h_KxK, q: NVFP4Array, rtn: NVFP4Array):
         return jnp.where(norm > 0, jnp.sqrt(err / jnp.where(norm > 0, norm, 1)), 0.0)
 
     norm = quad(w)
-    return jnp.stack([rel(jnp.sum(jnp.square(deq - w)), jnp.sum(jnp.square(w))),
-                      rel(quad(w - deq), norm), rel(quad(w - deq_rtn), norm), jnp.max(jnp.abs(deq))])
+    return jnp.stack(
+        [
+            rel(jnp.sum(jnp.square(deq - w)), jnp.sum(jnp.square(w))),
+            rel(quad(w - deq), norm),
+            rel(quad(w - deq_rtn), norm),
+            jnp.max(jnp.abs(deq)),
+        ]
+    )

@@ -45,8 +45,16 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.calibrate import (BATCH, Calibration, InputAmax, KVAmax, Tally, check_calibrated,
-                                        load_calibration_ids, open_bf16_model)
+from nvfp4tool.export.calibrate import (
+    BATCH,
+    Calibration,
+    InputAmax,
+    KVAmax,
+    Tally,
+    check_calibrated,
+    load_calibration_ids,
+    open_bf16_model,
+)
 from nvfp4tool.export.gptq import GPTQError, gptq_quantize
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.families import hessian_group as hessian_key
@@ -83,24 +91,39 @@ class GPTQResult:
     calibration: Calibration | None = None  # what the reference stream measured; None: nothing was asked
 
 
-def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dict[str, np.float32],
-             data_path: str, *, spill_dir: str, samples: int, seq_len: int, tokenizer_dir: str | None,
-             offload: str, method: str, block: str, damp: float, block_scales: str = "original",
-             ids_SxL: np.ndarray | None = None, amax_names: Sequence[str] | None = None,
-             kv_cache: bool = False) -> GPTQResult:
+def run_gptq(
+    config: ModelConfig,
+    source: Any,
+    plan: ExportPlan,
+    group_amax: dict[str, np.float32],
+    data_path: str,
+    *,
+    spill_dir: str,
+    samples: int,
+    seq_len: int,
+    tokenizer_dir: str | None,
+    offload: str,
+    method: str,
+    block: str,
+    damp: float,
+    block_scales: str = "original",
+    ids_SxL: np.ndarray | None = None,
+    amax_names: Sequence[str] | None = None,
+    kv_cache: bool = False,
+) -> GPTQResult:
     """GPTQ records of every quantized module of `plan` (see the module docstring); `ids_SxL`: the
     windows already read from `data_path` (`load_calibration_ids`), else read here. With
     `amax_names` (the linears whose input amax to measure; () for none) or `kv_cache`, the first
     pass also calibrates (`GPTQResult.calibration`, with the router counts of a MoE model)."""
     if ids_SxL is None:
-        ids_SxL = load_calibration_ids(data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir,
-                                       vocab_size=config.vocab_size)
+        ids_SxL = load_calibration_ids(
+            data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
+        )
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="GPTQ")
     representative: dict[str, str] = {}  # Hessian key -> the linear whose input is recorded
     for module in plan.quantized:
         representative.setdefault(hessian_key(module), module)
-    recorded = frozenset(name for i in range(config.num_layers)
-                         for name in layer_modules(representative.values(), i))
+    recorded = frozenset(name for i in range(config.num_layers) for name in layer_modules(representative.values(), i))
     hessians: dict[str, np.ndarray] = {}
     records, errors = SpilledRecords(spill_dir), {}
     calibrating = amax_names is not None or kv_cache
@@ -109,7 +132,6 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
     def add_hessian(module: str, xtx) -> None:
         key = hessian_key(module)
         hessians[key] = hessians[key] + np.asarray(xtx) if key in hessians else np.asarray(xtx, np.float32)
-
 
     def replace(layer: int) -> dict[str, np.ndarray]:
         new = {}
@@ -121,9 +143,16 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
             # an input zero on every token (diag H = sum of x^2 all 0) would round the weight to zeros
             check_calibrated(module, np.max(np.diagonal(h)), what="input")
             name = f"{module}.weight"
-            q, error = gptq_quantize(source.get(name), h, method=method, block=block, damp=damp,
-                                     global_amax=group_amax[plan.group_of(module)], name=name,
-                                     block_scales=block_scales)
+            q, error = gptq_quantize(
+                source.get(name),
+                h,
+                method=method,
+                block=block,
+                damp=damp,
+                global_amax=group_amax[plan.group_of(module)],
+                name=name,
+                block_scales=block_scales,
+            )
             records.put(module, q)
             errors[module] = error
             new[split_layer(name)[1]] = np.asarray(dequantize_nvfp4(q, GEMM_INPUT_DTYPE))
@@ -132,10 +161,19 @@ def run_gptq(config: ModelConfig, source: Any, plan: ExportPlan, group_amax: dic
 
     # the second pass through a layer (quantized weights) only makes the next layer's inputs: the
     # same GEMMs, every expert on every token as in the first, no X^T X
-    model.sequential(ids_SxL, BATCH, tap=_Hessians(recorded), replay=_Hessians(frozenset()), on_record=add_hessian,
-                     replace=replace, label="GPTQ", reference=InputAmax.of(config) if calibrating else None,
-                     kv_tap=KVAmax() if kv_cache else None, on_reference=None if tally is None else tally.record,
-                     all_experts=True)
+    model.sequential(
+        ids_SxL,
+        BATCH,
+        tap=_Hessians(recorded),
+        replay=_Hessians(frozenset()),
+        on_record=add_hessian,
+        replace=replace,
+        label="GPTQ",
+        reference=InputAmax.of(config) if calibrating else None,
+        kv_tap=KVAmax() if kv_cache else None,
+        on_reference=None if tally is None else tally.record,
+        all_experts=True,
+    )
     return GPTQResult(records=records, errors=errors, calibration=None if tally is None else tally.result())
 
 

@@ -118,39 +118,69 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
     inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file) if f)
-    from_file = {p: where for p, where in (read_keep_bf16_file(options.keep_bf16_file).items()
-                                           if options.keep_bf16_file else ()) if p not in options.keep_bf16}
-    check_output_path(out, inputs, flag="--out", force=options.force)  # before any work (atomic_output_dir checks again)
-    source = open_checkpoint(src, step=options.step, model_config=options.model_config,
-                             rope_layout=options.rope_layout)
+    from_file = {
+        p: where
+        for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
+        if p not in options.keep_bf16
+    }
+    check_output_path(
+        out, inputs, flag="--out", force=options.force
+    )  # before any work (atomic_output_dir checks again)
+    source = open_checkpoint(src, step=options.step, model_config=options.model_config, rope_layout=options.rope_layout)
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.info(line)
     spec = formats.get(options.format, options.quant)
-    plan = make_plan(source.config, options.quant, precision_map=source.precision_map,
-                     keep_bf16=options.keep_bf16 + tuple(from_file),
-                     keep_bf16_origin=from_file)
+    plan = make_plan(
+        source.config,
+        options.quant,
+        precision_map=source.precision_map,
+        keep_bf16=options.keep_bf16 + tuple(from_file),
+        keep_bf16_origin=from_file,
+    )
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
     ids = _calibration_ids(source, options)
     equalization, equalization_start = None, time.perf_counter()
     if options.equalization is not None:
-        equalization = Equalization(scales=scales_from_record(options.equalization, source.config),
-                                    record=options.equalization)
+        equalization = Equalization(
+            scales=scales_from_record(options.equalization, source.config), record=options.equalization
+        )
     elif options.equalize != "none":
-        equalization = equalize(source.config, source.tensors, plan.quantized, ids, method=options.equalize,
-                                weight_only=not plan.has_input_scales, block=block, offload=options.offload)
+        equalization = equalize(
+            source.config,
+            source.tensors,
+            plan.quantized,
+            ids,
+            method=options.equalize,
+            weight_only=not plan.has_input_scales,
+            block=block,
+            offload=options.offload,
+        )
     if equalization is not None:  # the rest of the export runs on the folded model
         source = dataclasses.replace(source, tensors=EqualizedSource(source.tensors, equalization.scales))
         group_amax = _group_amax(source.tensors, plan)
     equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
     calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
-    return ExportJob(source=source, out=out, options=options, inputs=inputs, spec=spec, plan=plan, block=block,
-                     group_amax=group_amax, calibration_ids=ids, input_amax=input_amax, input_amax_origin=origin,
-                     kv_amax=kv_amax, calibration=calibration,
-                     calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
-                     equalization=equalization, equalization_seconds=equalization_seconds)
+    return ExportJob(
+        source=source,
+        out=out,
+        options=options,
+        inputs=inputs,
+        spec=spec,
+        plan=plan,
+        block=block,
+        group_amax=group_amax,
+        calibration_ids=ids,
+        input_amax=input_amax,
+        input_amax_origin=origin,
+        kv_amax=kv_amax,
+        calibration=calibration,
+        calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
+        equalization=equalization,
+        equalization_seconds=equalization_seconds,
+    )
 
 
 def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
@@ -172,23 +202,46 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
     # export's bytes stay as they were).
     calibrates_inputs = job.input_amax_origin == _CALIBRATED
     start = time.perf_counter()
-    gptq = run_gptq(source.config, source.tensors, plan, job.group_amax, options.calib_data, spill_dir=spill_dir,
-                    samples=options.calib_samples, seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir,
-                    offload=options.offload, method=options.scale_search, block=job.block, damp=options.gptq_damp,
-                    block_scales=options.gptq_block_scales,
-                    ids_SxL=job.calibration_ids, amax_names=plan.quantized if calibrates_inputs else None,
-                    kv_cache=job.kv_cache is not None)
-    record = provenance.gptq_record(damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors,
-                                    block_scales=options.gptq_block_scales)
-    progress.info(f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
-                  f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)")
+    gptq = run_gptq(
+        source.config,
+        source.tensors,
+        plan,
+        job.group_amax,
+        options.calib_data,
+        spill_dir=spill_dir,
+        samples=options.calib_samples,
+        seq_len=options.calib_seq_len,
+        tokenizer_dir=source.aux_dir,
+        offload=options.offload,
+        method=options.scale_search,
+        block=job.block,
+        damp=options.gptq_damp,
+        block_scales=options.gptq_block_scales,
+        ids_SxL=job.calibration_ids,
+        amax_names=plan.quantized if calibrates_inputs else None,
+        kv_cache=job.kv_cache is not None,
+    )
+    record = provenance.gptq_record(
+        damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors, block_scales=options.gptq_block_scales
+    )
+    progress.info(
+        f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
+        f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)"
+    )
     found = gptq.calibration
     return dataclasses.replace(
-        job, gptq=gptq, gptq_record=record, gptq_seconds=time.perf_counter() - start,
+        job,
+        gptq=gptq,
+        gptq_record=record,
+        gptq_seconds=time.perf_counter() - start,
         input_amax=found.input_amax if calibrates_inputs else job.input_amax,
         kv_amax=found.kv_amax if found is not None and found.kv_amax else job.kv_amax,
-        calibration=(_calibration_record(options, job.calibration_ids, found.routed_tokens) if calibrates_inputs
-                     else job.calibration))
+        calibration=(
+            _calibration_record(options, job.calibration_ids, found.routed_tokens)
+            if calibrates_inputs
+            else job.calibration
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -197,48 +250,62 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
 
 def _check_options(options: ExportOptions) -> None:
     if options.kv_cache not in ("none", *formats.KV_CACHES):
-        raise NVFP4UsageError(f"unknown --kv-cache {options.kv_cache!r}; choose one of "
-                              f"{', '.join(('none', *formats.KV_CACHES))}")
+        raise NVFP4UsageError(
+            f"unknown --kv-cache {options.kv_cache!r}; choose one of {', '.join(('none', *formats.KV_CACHES))}"
+        )
     if options.format not in formats.FORMATS:
-        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of "
-                             f"{', '.join(formats.FORMATS)}")
+        raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of {', '.join(formats.FORMATS)}")
     if options.scale_search not in METHODS:
-        raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of "
-                             f"{', '.join(METHODS)}")
+        raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of {', '.join(METHODS)}")
     if options.quant == "fp8" and options.scale_search != "rtn":
         raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
     if options.weight_rounding not in ("rtn", "gptq"):
         raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
     if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
-        raise NVFP4UsageError(f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
-                              f"(a fraction of the mean Hessian diagonal), got {options.gptq_damp}")
+        raise NVFP4UsageError(
+            f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
+            f"(a fraction of the mean Hessian diagonal), got {options.gptq_damp}"
+        )
     if options.gptq_block_scales not in BLOCK_SCALES:
-        raise NVFP4UsageError(f"unknown --gptq-block-scales {options.gptq_block_scales!r}; choose one of "
-                              f"{', '.join(BLOCK_SCALES)}")
+        raise NVFP4UsageError(
+            f"unknown --gptq-block-scales {options.gptq_block_scales!r}; choose one of {', '.join(BLOCK_SCALES)}"
+        )
     if options.gptq_block_scales != "original" and options.weight_rounding != "gptq":
-        raise NVFP4UsageError(f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
-                              f"it needs --weight-rounding gptq")
+        raise NVFP4UsageError(
+            f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
+            f"it needs --weight-rounding gptq"
+        )
     if options.weight_rounding == "gptq" and options.quant == "fp8":
-        raise NVFP4UsageError("--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or "
-                              "nvfp4-weight-only, not fp8")
+        raise NVFP4UsageError(
+            "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8"
+        )
     if _kv(options) is not None and options.calib_data is None:
-        raise NVFP4UsageError(f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
-                              f"amax of every attention layer)")
+        raise NVFP4UsageError(
+            f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
+            f"amax of every attention layer)"
+        )
     if options.weight_rounding == "gptq" and options.calib_data is None:
-        raise NVFP4UsageError("--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
-                              "input comes from the calibration text)")
+        raise NVFP4UsageError(
+            "--weight-rounding gptq needs --calib-data PATH (the Hessian of each linear's "
+            "input comes from the calibration text)"
+        )
     if options.equalize not in EQUALIZE_METHODS:
         raise NVFP4UsageError(f"unknown --equalize {options.equalize!r}; choose one of {', '.join(EQUALIZE_METHODS)}")
     if options.equalization is not None:
         if options.equalize != options.equalization.method:
-            raise NVFP4UsageError(f"ExportOptions.equalization is {options.equalization.method} scales: "
-                                  f"equalize must say so, not {options.equalize!r}")
+            raise NVFP4UsageError(
+                f"ExportOptions.equalization is {options.equalization.method} scales: "
+                f"equalize must say so, not {options.equalize!r}"
+            )
     elif options.equalize != "none" and options.quant == "fp8":
-        raise NVFP4UsageError(f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or "
-                              "nvfp4-weight-only, not fp8")
+        raise NVFP4UsageError(
+            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8"
+        )
     if options.equalize != "none" and options.equalization is None and options.calib_data is None:
-        raise NVFP4UsageError(f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
-                              "the calibration activations)")
+        raise NVFP4UsageError(
+            f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
+            "the calibration activations)"
+        )
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
@@ -253,7 +320,7 @@ def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
         rows = max(1, _AMAX_CHUNK_ELEMENTS // max(1, w.shape[-1]))
         amax = np.float32(0.0)
         for start in range(0, w.shape[0], rows):  # max|x| is exact in the source dtype
-            chunk_amax = np.float32(tensor_amax(jnp.asarray(w[start:start + rows])))
+            chunk_amax = np.float32(tensor_amax(jnp.asarray(w[start : start + rows])))
             if not np.isfinite(chunk_amax):
                 raise NVFP4ToolError(f"{name}: weight has non-finite values (NaN or inf); nothing written")
             amax = max(amax, chunk_amax)
@@ -284,21 +351,31 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         found = _calibration(source, [], options, ids_SxL, kv_cache=True)
         return input_amax, origin, _calibration_record(options, ids_SxL), found.kv_amax
     if options.calib_data is None:
-        raise NVFP4ToolError(f"{source.path}: --quant {plan.quant} needs input scales: pass "
-                             "--calib-data PATH (or export a training run, or use nvfp4-weight-only)")
+        raise NVFP4ToolError(
+            f"{source.path}: --quant {plan.quant} needs input scales: pass "
+            "--calib-data PATH (or export a training run, or use nvfp4-weight-only)"
+        )
     if gptq:
         return None, _CALIBRATED, _calibration_record(options, ids_SxL), {}
     found = _calibration(source, plan.quantized, options, ids_SxL, kv_cache=kv_cache)
-    return (found.input_amax, _CALIBRATED, _calibration_record(options, ids_SxL, found.routed_tokens),
-            found.kv_amax)
+    return (found.input_amax, _CALIBRATED, _calibration_record(options, ids_SxL, found.routed_tokens), found.kv_amax)
 
 
 def _calibration(source: Checkpoint, names, options: ExportOptions, ids_SxL: np.ndarray, *, kv_cache: bool):
     from nvfp4tool.export.calibrate import calibrate
 
-    return calibrate(source.config, source.tensors, names, options.calib_data, samples=options.calib_samples,
-                     seq_len=options.calib_seq_len, tokenizer_dir=source.aux_dir, kv_cache=kv_cache,
-                     offload=options.offload, ids_SxL=ids_SxL)
+    return calibrate(
+        source.config,
+        source.tensors,
+        names,
+        options.calib_data,
+        samples=options.calib_samples,
+        seq_len=options.calib_seq_len,
+        tokenizer_dir=source.aux_dir,
+        kv_cache=kv_cache,
+        offload=options.offload,
+        ids_SxL=ids_SxL,
+    )
 
 
 def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray | None:
@@ -310,54 +387,75 @@ def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray |
         return None
     from nvfp4tool.export.calibrate import load_calibration_ids
 
-    ids = load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
-                               tokenizer_dir=source.aux_dir, vocab_size=source.config.vocab_size)
+    ids = load_calibration_ids(
+        options.calib_data,
+        samples=options.calib_samples,
+        seq_len=options.calib_seq_len,
+        tokenizer_dir=source.aux_dir,
+        vocab_size=source.config.vocab_size,
+    )
     samples, seq_len = ids.shape
     if (samples, seq_len) != (options.calib_samples, options.calib_seq_len):
-        progress.info(f"warning: {options.calib_data} gives {samples} calibration window(s) of {seq_len} tokens, "
-                      f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
-                      f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)")
+        progress.info(
+            f"warning: {options.calib_data} gives {samples} calibration window(s) of {seq_len} tokens, "
+            f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
+            f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)"
+        )
     return ids
 
 
 def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_tokens: dict[str, int] | None = None):
     """The record of the calibration data and the windows that ran; `routed_tokens` when it
     calibrated MoE experts' inputs."""
-    return provenance.calibration_record(options.calib_data, ids_SxL,
-                                         requested=(options.calib_samples, options.calib_seq_len),
-                                         routed_tokens=routed_tokens)
+    return provenance.calibration_record(
+        options.calib_data,
+        ids_SxL,
+        requested=(options.calib_samples, options.calib_seq_len),
+        routed_tokens=routed_tokens,
+    )
 
 
 def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
     """--calib-data given where nothing uses it (no input scales to calibrate, no GPTQ, no KV
     cache) is bad usage (NVFP4UsageError naming --calib-data), not silently ignored. Checked
     after the weight pass (the source's own errors come first), before any calibration or output."""
-    if (options.calib_data is None or options.weight_rounding == "gptq" or _kv(options) is not None
-            or options.equalize != "none"):
+    if (
+        options.calib_data is None
+        or options.weight_rounding == "gptq"
+        or _kv(options) is not None
+        or options.equalize != "none"
+    ):
         return
     if plan.has_input_scales and plan.quantized:
         return
-    why = (f"--quant {plan.quant} has no input scales" if not plan.has_input_scales
-           else "every linear module stays in BF16")
-    raise NVFP4UsageError(f"--calib-data {options.calib_data} would not be used: {why}, and neither "
-                          f"--weight-rounding gptq nor --kv-cache fp8 is asked; drop --calib-data (or add one of those)")
+    why = (
+        f"--quant {plan.quant} has no input scales"
+        if not plan.has_input_scales
+        else "every linear module stays in BF16"
+    )
+    raise NVFP4UsageError(
+        f"--calib-data {options.calib_data} would not be used: {why}, and neither "
+        f"--weight-rounding gptq nor --kv-cache fp8 is asked; drop --calib-data (or add one of those)"
+    )
 
 
 def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str, float], str]:
     """(the training run's tracked input amax of every quantized module, checked, "training run")."""
     missing = [m for m in plan.quantized if m not in source.input_amax]
     if missing:
-        raise NVFP4ToolError(f"{source.path}: no tracked input amax for {missing[0]} (it trained "
-                             f"in BF16?); keep it in BF16 or pass --calib-data")
+        raise NVFP4ToolError(
+            f"{source.path}: no tracked input amax for {missing[0]} (it trained "
+            f"in BF16?); keep it in BF16 or pass --calib-data"
+        )
     bad = [m for m in plan.quantized if not (source.input_amax[m] > 0 and np.isfinite(source.input_amax[m]))]
     if bad:
-        raise NVFP4ToolError(f"{source.path}: tracked input amax of {bad[0]} is "
-                             f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate")
+        raise NVFP4ToolError(
+            f"{source.path}: tracked input amax of {bad[0]} is "
+            f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate"
+        )
     return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run"
 
 
 def _kv(options: ExportOptions) -> str | None:
     """The quantized KV cache to announce (`formats.KV_CACHES`), None for --kv-cache none."""
     return None if options.kv_cache == "none" else options.kv_cache
-
-

@@ -16,16 +16,35 @@ import numpy as np
 
 import nvfp4tool
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.export import (CalibrationRecord, EqualizationRecord, ExportRecord, GPTQRecord,
-                                      LayerErrorRecord, SourceRecord, TensorRecord, ToolRecord, sha256_file)
+from nvfp4tool.records.export import (
+    CalibrationRecord,
+    EqualizationRecord,
+    ExportRecord,
+    GPTQRecord,
+    LayerErrorRecord,
+    SourceRecord,
+    TensorRecord,
+    ToolRecord,
+    sha256_file,
+)
 
 
-def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, input_amax_origin: str,
-                 calibration: CalibrationRecord | None, layer_errors: dict[str, dict[str, float]],
-                 input_amax: dict[str, float] | None, files_written: list[str],
-                 tensors: dict[str, TensorRecord],
-                 kv_amax: dict[str, tuple[float, float]] | None = None,
-                 gptq: GPTQRecord | None = None, equalization: EqualizationRecord | None = None) -> ExportRecord:
+def build_record(
+    *,
+    source: Any,
+    options: Any,
+    plan: Any,
+    weight_block: str,
+    input_amax_origin: str,
+    calibration: CalibrationRecord | None,
+    layer_errors: dict[str, dict[str, float]],
+    input_amax: dict[str, float] | None,
+    files_written: list[str],
+    tensors: dict[str, TensorRecord],
+    kv_amax: dict[str, tuple[float, float]] | None = None,
+    gptq: GPTQRecord | None = None,
+    equalization: EqualizationRecord | None = None,
+) -> ExportRecord:
     """The record of one export (see the module docstring)."""
     return ExportRecord(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
@@ -35,8 +54,7 @@ def build_record(*, source: Any, options: Any, plan: Any, weight_block: str, inp
         scale_search=options.scale_search,
         weight_block=weight_block,
         recipe=source.recipe,
-        precision_map={n: ("bf16" if n in plan.excluded else plan.quant)
-                       for n in (*plan.quantized, *plan.excluded)},
+        precision_map={n: ("bf16" if n in plan.excluded else plan.quant) for n in (*plan.quantized, *plan.excluded)},
         exclude_modules=tuple(plan.excluded),
         input_amax_origin=input_amax_origin,
         calibration=calibration,
@@ -57,23 +75,34 @@ def gptq_record(*, damp: float, block_size: int, errors: dict[str, Any], block_s
     """The GPTQ settings and the mean output-error reduction over the quantized linears (`errors`:
     module -> `gptq.GPTQError`)."""
     reductions = [1.0 - e.output_rel_err / e.rtn_output_rel_err for e in errors.values() if e.rtn_output_rel_err]
-    return GPTQRecord(damp=float(damp), block_size=block_size,
-                      act_order="static: 16-column blocks by descending sum of diag(H)",
-                      mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0,
-                      block_scales=block_scales)
+    return GPTQRecord(
+        damp=float(damp),
+        block_size=block_size,
+        act_order="static: 16-column blocks by descending sum of diag(H)",
+        mean_output_err_reduction=float(np.mean(reductions)) if reductions else 0.0,
+        block_scales=block_scales,
+    )
 
 
-def calibration_record(path: str, ids_SxL: np.ndarray, *, requested: tuple[int, int],
-                       routed_tokens: dict[str, int] | None = None) -> CalibrationRecord:
+def calibration_record(
+    path: str, ids_SxL: np.ndarray, *, requested: tuple[int, int], routed_tokens: dict[str, int] | None = None
+) -> CalibrationRecord:
     """The calibration data (of the input scales and / or the KV-cache scales) by file name and
     sha256, the windows that ran (`ids_SxL`, as read) and what was asked (`requested`: samples,
     seq_len); with `routed_tokens` (MoE: expert -> tokens its router sent it), all-experts
     calibration and those counts."""
     samples, seq_len = (int(d) for d in ids_SxL.shape)
-    return CalibrationRecord(file=os.path.basename(path), sha256=sha256_file(path), samples=samples,
-                             seq_len=seq_len, tokens=samples * seq_len, requested_samples=int(requested[0]),
-                             requested_seq_len=int(requested[1]), all_experts=bool(routed_tokens),
-                             routed_tokens=routed_tokens or None)
+    return CalibrationRecord(
+        file=os.path.basename(path),
+        sha256=sha256_file(path),
+        samples=samples,
+        seq_len=seq_len,
+        tokens=samples * seq_len,
+        requested_samples=int(requested[0]),
+        requested_seq_len=int(requested[1]),
+        all_experts=bool(routed_tokens),
+        routed_tokens=routed_tokens or None,
+    )
 
 
 def locate_source(export_dir: str) -> tuple[str, int | None]:
@@ -85,10 +114,17 @@ def locate_source(export_dir: str) -> tuple[str, int | None]:
     name = record.source.name
     candidates = [os.path.join(os.path.dirname(os.path.abspath(export_dir)), name), os.path.abspath(name)]
     for folder in dict.fromkeys(candidates):
-        if os.path.isdir(folder) and record.source.files and all(
+        if (
+            os.path.isdir(folder)
+            and record.source.files
+            and all(
                 os.path.isfile(os.path.join(folder, f)) and sha256_file(os.path.join(folder, f)) == digest
-                for f, digest in record.source.files.items()):
+                for f, digest in record.source.files.items()
+            )
+        ):
             return folder, record.source.step
-    raise NVFP4ToolError(f"{where}: the source {name!r} (recorded by name and file hashes, not by path) "
-                         f"is neither next to the export nor in the working directory with the same "
-                         f"weights; pass --source PATH")
+    raise NVFP4ToolError(
+        f"{where}: the source {name!r} (recorded by name and file hashes, not by path) "
+        f"is neither next to the export nor in the working directory with the same "
+        f"weights; pass --source PATH"
+    )

@@ -53,8 +53,13 @@ class ScaleSearch:
     group_amax: dict[str, np.float32]  # fused group -> joint weight amax (one global scale per GEMM)
 
     def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
-        q, error = quantize_weight(w_NxK, method=self.method, block=self.block,
-                                   global_amax=self.group_amax[self.plan.group_of(module)], name=f"{module}.weight")
+        q, error = quantize_weight(
+            w_NxK,
+            method=self.method,
+            block=self.block,
+            global_amax=self.group_amax[self.plan.group_of(module)],
+            name=f"{module}.weight",
+        )
         errors = {"rel_l2": error.rel_l2}
         if self.method != "rtn":
             errors.update(rtn_rel_l2=error.rtn_rel_l2, reduction_vs_rtn=error.reduction_vs_rtn)
@@ -69,9 +74,15 @@ class GPTQ:
 
     def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
         q, error = self.result.records.get(module), self.result.errors[module]
-        return QuantizedWeight(_nvfp4_roles(q), {"rel_l2": error.rel_l2, "output_rel_err": error.output_rel_err,
-                                                 "rtn_output_rel_err": error.rtn_output_rel_err},
-                               error.decoded_amax)
+        return QuantizedWeight(
+            _nvfp4_roles(q),
+            {
+                "rel_l2": error.rel_l2,
+                "output_rel_err": error.output_rel_err,
+                "rtn_output_rel_err": error.rtn_output_rel_err,
+            },
+            error.decoded_amax,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +100,9 @@ class FP8:
         return QuantizedWeight(roles, {"rel_l2": err}, amax)
 
 
-def quantizer_for(plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32],
-                  gptq: GPTQResult | None) -> WeightQuantizer:
+def quantizer_for(
+    plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
+) -> WeightQuantizer:
     """The one quantizer of an export: FP8 for --quant fp8, GPTQ's records when the pass ran, else
     the scale search."""
     if plan.quant == "fp8":
@@ -116,5 +128,8 @@ def input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
 
 
 def _nvfp4_roles(q: NVFP4Array) -> dict[str, np.ndarray]:
-    return {"weight": np.asarray(q.packed), "block_scale": np.asarray(q.scales),
-            "weight_global": nvfp4_decode_scale(q.global_amax)}
+    return {
+        "weight": np.asarray(q.packed),
+        "block_scale": np.asarray(q.scales),
+        "weight_global": nvfp4_decode_scale(q.global_amax),
+    }

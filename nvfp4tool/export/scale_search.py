@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool import numerics
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import NVFP4Array
 from nvfp4tool.numerics.blocks import flush_subnormal
 from nvfp4tool.numerics.constants import E4M3_MAX_CODE, NVFP4_BLOCK
@@ -58,9 +58,15 @@ class WeightError:
         return 0.0 if self.rtn_rel_l2 == 0 else 1.0 - self.rel_l2 / self.rtn_rel_l2
 
 
-def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block: str = "1d",
-                    global_amax: float, mse_radius: int = 2,
-                    name: str = "weight") -> tuple[NVFP4Array, WeightError]:
+def quantize_weight(
+    w_NxK: np.ndarray | jax.Array,
+    *,
+    method: str = "rtn",
+    block: str = "1d",
+    global_amax: float,
+    mse_radius: int = 2,
+    name: str = "weight",
+) -> tuple[NVFP4Array, WeightError]:
     """NVFP4 of `w_NxK` along K against `global_amax` (the tensor's or its fused group's amax).
 
     Returns the record (numpy packed/scales) and its weight error. The caller checked finiteness.
@@ -71,8 +77,9 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
         raise NVFP4ToolError(f"tensor '{name}': block must be '1d' or '2d', got {block!r}")
     w_NxK = np.asarray(w_NxK)
     if w_NxK.ndim != 2 or w_NxK.shape[1] % NVFP4_BLOCK != 0:
-        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(w_NxK.shape)}: expected [N, K] with "
-                             f"K a multiple of {NVFP4_BLOCK}")
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(w_NxK.shape)}: expected [N, K] with K a multiple of {NVFP4_BLOCK}"
+        )
     n, k = w_NxK.shape
     gamax = np.float32(global_amax)
     record_amax = np.float32(gamax * FOUR_OVER_SIX_AMAX_FACTOR) if method == "4over6" else gamax
@@ -84,22 +91,32 @@ def quantize_weight(w_NxK: np.ndarray | jax.Array, *, method: str = "rtn", block
     peak = np.float32(0.0)  # max |dequant(q)| (zero padding rows decode to zero)
     offsets = _offsets(method, mse_radius)
     for start in range(0, n, rows):
-        chunk = w_NxK[start:start + rows]
+        chunk = w_NxK[start : start + rows]
         if chunk.shape[0] < rows:  # pad with zero rows: same compiled shape, tile maxima unchanged
             chunk = np.concatenate([chunk, np.zeros((rows - chunk.shape[0], k), chunk.dtype)])
-        p, s, chunk_sums, chunk_peak = _quantize_chunk(jnp.asarray(chunk), gamax, record_amax,
-                                                       method=method, block=block, offsets=offsets)
+        p, s, chunk_sums, chunk_peak = _quantize_chunk(
+            jnp.asarray(chunk), gamax, record_amax, method=method, block=block, offsets=offsets
+        )
         stop = min(start + rows, n)
         packed[start:stop] = np.asarray(p)[: stop - start]
         scales[start:stop] = np.asarray(s)[: stop - start]
         sums += np.asarray(chunk_sums, np.float64)
         peak = max(peak, np.float32(chunk_peak))
     norm = float(np.sqrt(sums[2]))
-    error = WeightError(rel_l2=float(np.sqrt(sums[0])) / norm if norm else 0.0,
-                        rtn_rel_l2=float(np.sqrt(sums[1])) / norm if norm else 0.0,
-                        decoded_amax=float(peak))
-    record = NVFP4Array(packed=packed, scales=scales, global_amax=np.float32(record_amax),
-                        shape=(n, k), dtype=np.dtype(w_NxK.dtype), axis=1, block=block)
+    error = WeightError(
+        rel_l2=float(np.sqrt(sums[0])) / norm if norm else 0.0,
+        rtn_rel_l2=float(np.sqrt(sums[1])) / norm if norm else 0.0,
+        decoded_amax=float(peak),
+    )
+    record = NVFP4Array(
+        packed=packed,
+        scales=scales,
+        global_amax=np.float32(record_amax),
+        shape=(n, k),
+        dtype=np.dtype(w_NxK.dtype),
+        axis=1,
+        block=block,
+    )
     return record, error
 
 
@@ -110,8 +127,9 @@ def slice_scales(x_NxK: jax.Array, gamax, record_amax, *, method: str, block: st
     whole tiles, which leaves every tile maximum unchanged."""
     n = x_NxK.shape[0]
     x = jnp.pad(x_NxK, ((0, -n % NVFP4_BLOCK), (0, 0)))
-    return _quantize_chunk(x, gamax, record_amax, method=method, block=block,
-                           offsets=_offsets(method, mse_radius))[1][:n]
+    return _quantize_chunk(x, gamax, record_amax, method=method, block=block, offsets=_offsets(method, mse_radius))[1][
+        :n
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -137,13 +155,13 @@ def _quantize_chunk(x_RxK, gamax, record_amax, *, method, block, offsets):
     x_Bx16 = x32.reshape(*x32.shape[:-1], -1, NVFP4_BLOCK)
     if method == "4over6":
         bamax = numerics.nvfp4_block_amax(x32, block)
-        candidates = [numerics.nvfp4_block_scales(bamax, s_enc, block_max=target)
-                      for target in FOUR_OVER_SIX_TARGETS]
+        candidates = [numerics.nvfp4_block_scales(bamax, s_enc, block_max=target) for target in FOUR_OVER_SIX_TARGETS]
     else:  # mse: neighbouring E4M3 codes of the RTN scale (positive codes are ordered)
         codes = jax.lax.bitcast_convert_type(rtn.scales, jnp.uint8).astype(jnp.int32)
-        candidates = [jax.lax.bitcast_convert_type(
-            jnp.clip(codes + d, 0, E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
-            for d in sorted(offsets, key=abs)]  # offset 0 first: RTN wins ties
+        candidates = [
+            jax.lax.bitcast_convert_type(jnp.clip(codes + d, 0, E4M3_MAX_CODE).astype(jnp.uint8), jnp.float8_e4m3fn)
+            for d in sorted(offsets, key=abs)
+        ]  # offset 0 first: RTN wins ties
     best_scale = best_codes = best_err = best_peak = None
     for scale in candidates:
         codes, err, peak = _encode_with_scale(x_Bx16, scale, s_dec, block)

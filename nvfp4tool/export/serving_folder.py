@@ -20,8 +20,8 @@ written when the layout has one; JSON files are written with indent 2, as always
 
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -46,8 +46,13 @@ class ServingFolder:
         to every tensor written and every module an exclusion list names; callers keep our names."""
         self.folder, self.source_label, self.rename = folder, source_label, rename
 
-    def write_shards(self, shards: Iterable[tuple[str, Layout]], load: Callable[[str], np.ndarray], *,
-                     amax: Callable[[str], float | None] = lambda name: None) -> dict[str, TensorRecord]:
+    def write_shards(
+        self,
+        shards: Iterable[tuple[str, Layout]],
+        load: Callable[[str], np.ndarray],
+        *,
+        amax: Callable[[str], float | None] = lambda name: None,
+    ) -> dict[str, TensorRecord]:
         """Write each (file name, layout) shard tensor by tensor; returns every written tensor's
         record (by its name in the folder), in write order."""
         records: dict[str, TensorRecord] = {}
@@ -59,13 +64,21 @@ class ServingFolder:
                 name = ours[stored]
                 array = load(name)
                 data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                records[stored] = TensorRecord(file=file_name, dtype=SAFETENSORS_CODES[array.dtype.name],
-                                             shape=tuple(int(d) for d in array.shape),
-                                             sha256=hashlib.sha256(data).hexdigest(), amax=amax(name))
+                records[stored] = TensorRecord(
+                    file=file_name,
+                    dtype=SAFETENSORS_CODES[array.dtype.name],
+                    shape=tuple(int(d) for d in array.shape),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    amax=amax(name),
+                )
                 return array
 
-            write_safetensors(os.path.join(self.folder, file_name), [(self.rename(n), d, s) for n, d, s in layout],
-                              record, source_label=self.source_label)
+            write_safetensors(
+                os.path.join(self.folder, file_name),
+                [(self.rename(n), d, s) for n, d, s in layout],
+                record,
+                source_label=self.source_label,
+            )
         return records
 
     def write_index(self, index: dict[str, Any] | None, records: dict[str, TensorRecord]) -> None:

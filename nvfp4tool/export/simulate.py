@@ -41,8 +41,7 @@ from converters.hf import HFFolderSource
 from converters.tensor_source import tensor_bytes
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import (decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8,
-                                fake_quantize_nvfp4)
+from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8, fake_quantize_nvfp4
 from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
 
 
@@ -74,8 +73,7 @@ class NVFP4Weight:
         if self.input_scale is None:
             return x
         global_amax = jnp.asarray(self.input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
-        return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype,
-                                   name=f"input of {name}")
+        return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
 
 
 @jax.tree_util.register_dataclass
@@ -103,8 +101,7 @@ class FP8Weight:
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         if self.input_scale is None:
             return x
-        return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype,
-                                 name=f"input of {name}")
+        return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype, name=f"input of {name}")
 
 
 StoredWeight = NVFP4Weight | FP8Weight
@@ -115,8 +112,10 @@ def served_kv(k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, scales: KVScales) ->
     """K and V as an FP8 KV cache with static per-tensor decode scales serves them: E4M3 of
     clamp(x / scale) times scale, in the input's dtype."""
     k_scale, v_scale = scales
-    return (fake_quantize_fp8(k_BxTxKVxD, fmt="e4m3", scale=k_scale, dtype=k_BxTxKVxD.dtype, name="K cache"),
-            fake_quantize_fp8(v_BxTxKVxD, fmt="e4m3", scale=v_scale, dtype=v_BxTxKVxD.dtype, name="V cache"))
+    return (
+        fake_quantize_fp8(k_BxTxKVxD, fmt="e4m3", scale=k_scale, dtype=k_BxTxKVxD.dtype, name="K cache"),
+        fake_quantize_fp8(v_BxTxKVxD, fmt="e4m3", scale=v_scale, dtype=v_BxTxKVxD.dtype, name="V cache"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +154,15 @@ def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> j
 class ExportedModel:
     """An export folder opened for serving: config, layout, and its tensors read on demand (`get`)."""
 
-    def __init__(self, folder: str, config: ModelConfig, spec, source: HFFolderSource,
-                 quantized: tuple[str, ...], kv_cache: str | None = None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        config: ModelConfig,
+        spec,
+        source: HFFolderSource,
+        quantized: tuple[str, ...],
+        kv_cache: str | None = None,
+    ) -> None:
         self.folder, self.config, self.quantized = folder, config, quantized
         self.format: str = spec.format  # "modelopt" | "compressed-tensors"
         self.quant: str = spec.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8"
@@ -179,13 +185,11 @@ class ExportedModel:
             return self._source.get(name)
         group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in self._spec.tensors}
         roles = self._spec.to_roles(module, group)
-        input_scale = (np.asarray(roles["input_global"], np.float32).reshape(())
-                       if "input_global" in roles else None)
+        input_scale = np.asarray(roles["input_global"], np.float32).reshape(()) if "input_global" in roles else None
         s_dec = np.asarray(roles["weight_global"], np.float32).reshape(())
         if self.quant == "fp8":
             return FP8Weight(data=roles["weight"], scale=s_dec, input_scale=input_scale)
-        return NVFP4Weight(packed=roles["weight"], scales=roles["block_scale"], s_dec=s_dec,
-                           input_scale=input_scale)
+        return NVFP4Weight(packed=roles["weight"], scales=roles["block_scale"], s_dec=s_dec, input_scale=input_scale)
 
     def kv_scales(self, layer: int) -> KVScales:
         """The stored (k scale, v scale) of attention layer `layer`, fp32 [] each (an export with
@@ -197,8 +201,13 @@ class ExportedModel:
     def served_kv(self) -> ServedKV:
         """The KV seam of this export's FP8 KV cache, for a whole model (e.g. generation)."""
         modules = self.config.modules
-        return ServedKV(tuple((modules.attention(i), *map(float, self.kv_scales(i)))
-                              for i in range(self.config.num_layers) if modules.attention(i) is not None))
+        return ServedKV(
+            tuple(
+                (modules.attention(i), *map(float, self.kv_scales(i)))
+                for i in range(self.config.num_layers)
+                if modules.attention(i) is not None
+            )
+        )
 
     def module_bytes(self, module: str) -> int:
         """The stored bytes of a quantized module's weight group (weight, scales, input scale)."""
@@ -217,8 +226,7 @@ class ExportedModel:
         over `mesh` when given (`model_from_tensors`)."""
         from nvfp4tool.model.weights import model_from_tensors
 
-        return model_from_tensors(self.config, self, dtype=None, compute_dtype=compute_dtype, check=False,
-                                  mesh=mesh)
+        return model_from_tensors(self.config, self, dtype=None, compute_dtype=compute_dtype, check=False, mesh=mesh)
 
 
 def load_export(folder: str) -> ExportedModel:

@@ -62,7 +62,9 @@ from nvfp4tool.numerics import fp8_decode_scale
 
 __all__ = ["ExportOptions", "ExportSummary", "export_checkpoint"]
 
-GPTQ_SPILL_DIR = ".gptq-spill"  # GPTQ's spilled records: inside the output's temporary folder, removed before publishing
+GPTQ_SPILL_DIR = (
+    ".gptq-spill"  # GPTQ's spilled records: inside the output's temporary folder, removed before publishing
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +95,29 @@ class ExportSummary:
         return self.bf16_bytes_in / 1e9 / max(self.write_seconds, 1e-9)
 
     def line(self) -> str:
-        passes = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
-                           (("equalization", self.equalization_seconds), ("calibration", self.calibration_seconds),
-                            ("GPTQ", self.gptq_seconds)) if seconds)
-        timing = (f"read/quantize/write {self.bf16_bytes_in / 1e9:.3f} GB of bf16 in {self.write_seconds:.1f} s "
-                  f"({self.gb_per_s:.3f} GB/s)")
-        return (f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
-                f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s: "
-                f"{passes + '; ' if passes else ''}{timing}"
-                + ("" if self.gptq_reduction is None else
-                   f"; GPTQ output error {100 * self.gptq_reduction:.1f}% below RTN's (mean over linears)"))
+        passes = ", ".join(
+            f"{name} {seconds:.1f} s"
+            for name, seconds in (
+                ("equalization", self.equalization_seconds),
+                ("calibration", self.calibration_seconds),
+                ("GPTQ", self.gptq_seconds),
+            )
+            if seconds
+        )
+        timing = (
+            f"read/quantize/write {self.bf16_bytes_in / 1e9:.3f} GB of bf16 in {self.write_seconds:.1f} s "
+            f"({self.gb_per_s:.3f} GB/s)"
+        )
+        return (
+            f"exported {self.quantized_modules} quantized modules, {self.tensors} tensors, "
+            f"{self.bytes_written / 1e9:.3f} GB to {self.out} in {self.seconds:.1f} s: "
+            f"{passes + '; ' if passes else ''}{timing}"
+            + (
+                ""
+                if self.gptq_reduction is None
+                else f"; GPTQ output error {100 * self.gptq_reduction:.1f}% below RTN's (mean over linears)"
+            )
+        )
 
 
 def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions()) -> ExportSummary:
@@ -118,9 +133,15 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
         if job.gptq is not None:
             shutil.rmtree(spill_dir)  # not published
     written = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    return dataclasses.replace(summary, out=os.path.abspath(out), bytes_written=written,
-                               seconds=time.perf_counter() - start, calibration_seconds=job.calibration_seconds,
-                               gptq_seconds=job.gptq_seconds, equalization_seconds=job.equalization_seconds)
+    return dataclasses.replace(
+        summary,
+        out=os.path.abspath(out),
+        bytes_written=written,
+        seconds=time.perf_counter() - start,
+        calibration_seconds=job.calibration_seconds,
+        gptq_seconds=job.gptq_seconds,
+        equalization_seconds=job.equalization_seconds,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -137,35 +158,61 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
     units = [_unit_layout(name, tensors, plan, spec, family) for name in names]
     units += [(a, spec.kv_scales.layout(a)) for a in job.kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
-    shards = plan_shards(units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]),
-                         parse_size(options.max_shard_size))
-    files = [SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-             for i in range(len(shards))]
+    shards = plan_shards(
+        units, lambda unit: sum(_nbytes(d, s) for _, d, s in unit[1]), parse_size(options.max_shard_size)
+    )
+    files = [
+        SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        for i in range(len(shards))
+    ]
     folder = ServingFolder(tmp, source_label=source.path, rename=family.checkpoint_name)
     with _task(options.show_progress, len(names)) as task:
-        loader = _ModuleLoader(job, quantizer_for(plan, options.scale_search, job.block, job.group_amax, job.gptq),
-                               task)
+        loader = _ModuleLoader(
+            job, quantizer_for(plan, options.scale_search, job.block, job.group_amax, job.gptq), task
+        )
         records = folder.write_shards(
             [(file, [entry for unit in shard for entry in unit[1]]) for file, shard in zip(files, shards)],
-            loader.load, amax=lambda name: loader.amax.get(name))
+            loader.load,
+            amax=lambda name: loader.amax.get(name),
+        )
         total = sum(_nbytes(d, s) for unit in units for _, d, s in unit[1])
         folder.write_index({"metadata": {"total_size": total}} if len(shards) > 1 else None, records)
         hf = source.config.to_hf_config()
         hf["dtype"] = "bfloat16"
         folder.write_configs(hf, spec, plan.excluded, job.kv_cache)
         if source.aux_dir is not None:
-            folder.copy_files(os.path.join(source.aux_dir, f) for f in sorted(os.listdir(source.aux_dir))
-                              if any(fnmatch.fnmatch(f, p) for p in AUX_FILE_PATTERNS))
-        folder.write_record(provenance.build_record(
-            source=source, options=options, plan=plan, weight_block=job.block,
-            input_amax_origin=job.input_amax_origin, calibration=job.calibration, layer_errors=loader.layer_errors,
-            input_amax=job.input_amax, files_written=files, tensors=records, kv_amax=job.kv_amax or None,
-            gptq=job.gptq_record, equalization=None if job.equalization is None else job.equalization.record))
+            folder.copy_files(
+                os.path.join(source.aux_dir, f)
+                for f in sorted(os.listdir(source.aux_dir))
+                if any(fnmatch.fnmatch(f, p) for p in AUX_FILE_PATTERNS)
+            )
+        folder.write_record(
+            provenance.build_record(
+                source=source,
+                options=options,
+                plan=plan,
+                weight_block=job.block,
+                input_amax_origin=job.input_amax_origin,
+                calibration=job.calibration,
+                layer_errors=loader.layer_errors,
+                input_amax=job.input_amax,
+                files_written=files,
+                tensors=records,
+                kv_amax=job.kv_amax or None,
+                gptq=job.gptq_record,
+                equalization=None if job.equalization is None else job.equalization.record,
+            )
+        )
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
-    return ExportSummary(out=tmp, tensors=sum(len(u[1]) for u in units),
-                         quantized_modules=len(plan.quantized), bf16_bytes_in=bf16_in,
-                         bytes_written=0, seconds=0.0,
-                         gptq_reduction=None if job.gptq_record is None else job.gptq_record.mean_output_err_reduction)
+    return ExportSummary(
+        out=tmp,
+        tensors=sum(len(u[1]) for u in units),
+        quantized_modules=len(plan.quantized),
+        bf16_bytes_in=bf16_in,
+        bytes_written=0,
+        seconds=0.0,
+        gptq_reduction=None if job.gptq_record is None else job.gptq_record.mean_output_err_reduction,
+    )
 
 
 class _ModuleLoader:
@@ -196,8 +243,10 @@ class _ModuleLoader:
                 self.cache = {name: _plain_copy(self.job.source.tensors, name, self.job.source.config.family_spec)}
             else:
                 self.cache = self._quantize(module)
-            self.task.advance(description=name if module is None else f"{module}.weight",
-                              nbytes=sum(a.nbytes for a in self.cache.values()))
+            self.task.advance(
+                description=name if module is None else f"{module}.weight",
+                nbytes=sum(a.nbytes for a in self.cache.values()),
+            )
         return self.cache.pop(name)
 
     def _quantize(self, module: str) -> dict[str, np.ndarray]:

@@ -41,12 +41,43 @@ from nvfp4tool.families.base import (
 )
 
 __all__ = [
-    "ARCHITECTURE_BY_FAMILY", "ATTENTION", "ATTENTION_MLP", "ATTENTION_MOE",
-    "ATTENTION_PROJECTIONS", "BASE_MODEL", "EMBEDDING", "FINAL_NORM", "HEAD", "LM_HEAD",
-    "MAXTEXT_FAMILIES", "MOE_FAMILIES", "REGISTRY", "ROUTER", "SUPPORTED_FAMILIES", "SWIGLU",
-    "Family", "Fold", "LinearModule", "ModuleTable", "Projection", "attention_of", "expert_of",
-    "folds", "fused_group", "get_family", "group_glob", "hessian_group", "is_attention", "is_embedding",
-    "is_router", "layer_index", "layer_prefix", "module_table", "name_in_layer", "projection_of", "split_layer",
+    "ARCHITECTURE_BY_FAMILY",
+    "ATTENTION",
+    "ATTENTION_MLP",
+    "ATTENTION_MOE",
+    "ATTENTION_PROJECTIONS",
+    "BASE_MODEL",
+    "EMBEDDING",
+    "FINAL_NORM",
+    "HEAD",
+    "LM_HEAD",
+    "MAXTEXT_FAMILIES",
+    "MOE_FAMILIES",
+    "REGISTRY",
+    "ROUTER",
+    "SUPPORTED_FAMILIES",
+    "SWIGLU",
+    "Family",
+    "Fold",
+    "LinearModule",
+    "ModuleTable",
+    "Projection",
+    "attention_of",
+    "expert_of",
+    "folds",
+    "fused_group",
+    "get_family",
+    "group_glob",
+    "hessian_group",
+    "is_attention",
+    "is_embedding",
+    "is_router",
+    "layer_index",
+    "layer_prefix",
+    "module_table",
+    "name_in_layer",
+    "projection_of",
+    "split_layer",
 ]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
@@ -56,14 +87,14 @@ MAXTEXT_FAMILIES = tuple(t for t, f in REGISTRY.items() if f.maxtext_rules is no
 ARCHITECTURE_BY_FAMILY = {t: f.architecture for t, f in REGISTRY.items()}
 
 
-
 def get_family(model_type: str) -> Family:
     """The family of HF `model_type` (NVFP4ToolError naming the supported ones otherwise)."""
     try:
         return REGISTRY[model_type]
     except KeyError:
-        raise NVFP4ToolError(f"unsupported model family {model_type!r}; supported: "
-                             f"{', '.join(SUPPORTED_FAMILIES)}") from None
+        raise NVFP4ToolError(
+            f"unsupported model family {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        ) from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,16 +117,41 @@ def module_table(config: ModelConfig) -> ModuleTable:
             attention = parent if p in ATTENTION_PROJECTIONS else None
             if attention is not None and attention not in attentions:
                 attentions.append(attention)
-            linears.append(LinearModule(
-                name=name, layer=i, kind=kind, role=p.role, group=f"{parent}.{p.fused}" if p.fused else name,
-                split=p.split, router=p.role == ROUTER.role, attention=attention, block=t.block,
-                expert=t.expert, keep_dtype=p.role == ROUTER.role, shape=t.shape))  # type: ignore[arg-type]
+            linears.append(
+                LinearModule(
+                    name=name,
+                    layer=i,
+                    kind=kind,
+                    role=p.role,
+                    group=f"{parent}.{p.fused}" if p.fused else name,
+                    split=p.split,
+                    router=p.role == ROUTER.role,
+                    attention=attention,
+                    block=t.block,
+                    expert=t.expert,
+                    keep_dtype=p.role == ROUTER.role,
+                    shape=t.shape,
+                )
+            )  # type: ignore[arg-type]
     shapes[f"{FINAL_NORM}.weight"] = (E,)
     if not config.tie_word_embeddings:
         shapes[f"{LM_HEAD}.weight"] = (V, E)
-    linears.append(LinearModule(name=LM_HEAD, layer=None, kind=HEAD, role="head", group=LM_HEAD, split="none",
-                                router=False, attention=None, block=None, expert=None, keep_dtype=True,
-                                shape=(V, E)))
+    linears.append(
+        LinearModule(
+            name=LM_HEAD,
+            layer=None,
+            kind=HEAD,
+            role="head",
+            group=LM_HEAD,
+            split="none",
+            router=False,
+            attention=None,
+            block=None,
+            expert=None,
+            keep_dtype=True,
+            shape=(V, E),
+        )
+    )
     return ModuleTable(tuple(linears), tuple(attentions), shapes)
 
 
@@ -115,8 +171,13 @@ def _declared() -> dict[str, Projection]:
     write), by attribute name: the same attribute means the same projection in every family."""
     found: dict[str, Projection] = {}
     for family in REGISTRY.values():
-        for p in (*ATTENTION_PROJECTIONS, *SWIGLU, *getattr(family, "expert_projections", ()), *family.projections,
-                  *_FOREIGN):
+        for p in (
+            *ATTENTION_PROJECTIONS,
+            *SWIGLU,
+            *getattr(family, "expert_projections", ()),
+            *family.projections,
+            *_FOREIGN,
+        ):
             found.setdefault(p.attr, p)
     return found
 
@@ -169,7 +230,7 @@ def group_glob(group: str, members: list[str]) -> str:
     if len(members) == 1:
         return members[0]
     prefix = group.rpartition(".")[0]
-    suffixes = sorted(m[len(prefix) + 1:] for m in members)
+    suffixes = sorted(m[len(prefix) + 1 :] for m in members)
     if suffixes == ["k_proj", "q_proj", "v_proj"]:
         return f"{prefix}.[qkv]_proj"
     if suffixes == ["gate_proj", "up_proj"]:
@@ -196,4 +257,3 @@ def expert_of(name: str) -> tuple[str, int] | None:
 def is_embedding(module: str) -> bool:
     """A module holding an embedding table (ours `model.embed_tokens`; GPT-2's wte / wpe)."""
     return "embed" in module or module.rpartition(".")[2] in ("wte", "wpe")
-

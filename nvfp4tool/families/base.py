@@ -51,11 +51,18 @@ class Projection:
     fused: str | None = None  # the fused GEMM's suffix ("qkv", "gate_up"); None: its own GEMM
 
 
-Q, K, V, O = (Projection("q_proj", "q", "column", "qkv"), Projection("k_proj", "k", "column", "qkv"),
-              Projection("v_proj", "v", "column", "qkv"), Projection("o_proj", "o", "row"))
-ATTENTION_PROJECTIONS = (Q, K, V, O)
-SWIGLU = (Projection("gate_proj", "gate", "column", "gate_up"), Projection("up_proj", "up", "column", "gate_up"),
-          Projection("down_proj", "down", "row"))
+Q, K, V, O_PROJ = (
+    Projection("q_proj", "q", "column", "qkv"),
+    Projection("k_proj", "k", "column", "qkv"),
+    Projection("v_proj", "v", "column", "qkv"),
+    Projection("o_proj", "o", "row"),
+)
+ATTENTION_PROJECTIONS = (Q, K, V, O_PROJ)
+SWIGLU = (
+    Projection("gate_proj", "gate", "column", "gate_up"),
+    Projection("up_proj", "up", "column", "gate_up"),
+    Projection("down_proj", "down", "row"),
+)
 ROUTER = Projection("gate", "router", "none")
 
 
@@ -126,8 +133,9 @@ class ModuleTable:
     def experts(self, router: str) -> list[str]:
         """The expert modules ("<block>.experts.<e>") the router `router` chooses among."""
         block = self[router].block
-        seen = dict.fromkeys(f"{m.block}.experts.{m.expert}" for m in self.linears
-                             if m.block == block and m.expert is not None)
+        seen = dict.fromkeys(
+            f"{m.block}.experts.{m.expert}" for m in self.linears if m.block == block and m.expert is not None
+        )
         return list(seen)
 
     def attention(self, layer: int) -> str | None:
@@ -281,23 +289,41 @@ class Family:
 
         folds = [Fold(tuple(of("q") + of("k") + of("v")), (f"{p}.{INPUT_NORM}.weight",), "norm")]
         heads, kv_heads = config.num_heads, config.num_kv_heads
-        folds.append(Fold(tuple(of("o")), weight_and_bias(of("v")[0]), "rows",
-                          expand=(kv_heads, heads // kv_heads, config.head_dim)))
+        folds.append(
+            Fold(
+                tuple(of("o")),
+                weight_and_bias(of("v")[0]),
+                "rows",
+                expand=(kv_heads, heads // kv_heads, config.head_dim),
+            )
+        )
         experts = sorted({m.expert for m in rows if m.expert is not None})
         post = (f"{p}.{POST_ATTENTION_NORM}.weight",)
         if not experts:
             folds.append(Fold(tuple(of("gate") + of("up")), post, "norm"))
             folds.append(Fold(tuple(of("down")), weight_and_bias(of("up")[0]), "rows"))
             return folds
-        folds.append(Fold(tuple(n for e in experts for n in of("gate", e) + of("up", e)), post, "norm",
-                          readers=tuple(m.name for m in rows if m.router)))
+        folds.append(
+            Fold(
+                tuple(n for e in experts for n in of("gate", e) + of("up", e)),
+                post,
+                "norm",
+                readers=tuple(m.name for m in rows if m.router),
+            )
+        )
         folds += [Fold(tuple(of("down", e)), weight_and_bias(of("up", e)[0]), "rows") for e in experts]
         return folds
 
 
-def projection_tensors(parent: str, projections: tuple[Projection, ...], shapes: tuple[tuple[int, int], ...],
-                       bias: tuple[bool, ...] | None = None, *, expert: int | None = None,
-                       block: str | None = None) -> list[Tensor]:
+def projection_tensors(
+    parent: str,
+    projections: tuple[Projection, ...],
+    shapes: tuple[tuple[int, int], ...],
+    bias: tuple[bool, ...] | None = None,
+    *,
+    expert: int | None = None,
+    block: str | None = None,
+) -> list[Tensor]:
     """The weight (and bias, where `bias` says) of each projection under module `parent`; `block`:
     the mixer they belong to when it is not `parent` (an expert's projections: the sparse MLP)."""
     result = []

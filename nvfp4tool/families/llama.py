@@ -35,8 +35,9 @@ from nvfp4tool.families.maxtext import Rule, decoder_rules, dense_mlp_rules
 class Decoder(Family):
     """A pre-norm attention + SwiGLU decoder; the switches say how config.json spells its options."""
 
-    def __init__(self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str,
-                 maxtext: str | None) -> None:
+    def __init__(
+        self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str, maxtext: str | None
+    ) -> None:
         """`maxtext`: MaxText's decoder for the family takes the query kernel "prescaled" by
         1/sqrt(head_dim) (its attention uses scale 1: Llama, Mistral, Mixtral) or "unscaled" (it
         scales queries itself: Qwen3-MoE); None: no MaxText layout."""
@@ -44,24 +45,33 @@ class Decoder(Family):
         self.bias = bias  # "all": attention_bias on q/k/v/o | "qkv": always q/k/v, never o | "none"
         self.qk_norm = qk_norm
         self.window = window  # "sliding": sliding_window key | "full": full attention only | "none"
-        self.maxtext_rules = None if maxtext is None else (
-            decoder_rules(query_scale=maxtext == "prescaled", qk_norm=qk_norm) + self.maxtext_mlp_rules())
-        self.modeled_keys = frozenset({"attention_bias", "sliding_window", "use_sliding_window",
-                                       "max_window_layers", "layer_types", "mlp_bias"})
+        self.maxtext_rules = (
+            None
+            if maxtext is None
+            else (decoder_rules(query_scale=maxtext == "prescaled", qk_norm=qk_norm) + self.maxtext_mlp_rules())
+        )
+        self.modeled_keys = frozenset(
+            {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "mlp_bias"}
+        )
 
     # --------------------------------------------------------------------------- config.json
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-        if self.window == "full" and (hf.get("use_sliding_window") or any(
-                t != "full_attention" for t in hf.get("layer_types") or ())):
-            raise NVFP4ToolError(f"{source}: {self.model_type} per-layer sliding-window attention "
-                                 f"(use_sliding_window/layer_types) is unsupported; supported: "
-                                 f"full attention in every layer")
+        if self.window == "full" and (
+            hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ())
+        ):
+            raise NVFP4ToolError(
+                f"{source}: {self.model_type} per-layer sliding-window attention "
+                f"(use_sliding_window/layer_types) is unsupported; supported: "
+                f"full attention in every layer"
+            )
         attention_bias = flag(hf, "attention_bias")
-        return {"attention_bias": True if self.bias == "qkv" else attention_bias,
-                "o_proj_bias": attention_bias if self.bias == "all" else False,
-                "qk_norm": self.qk_norm,
-                "sliding_window": integer(hf, "sliding_window", None) if self.window == "sliding" else None}
+        return {
+            "attention_bias": True if self.bias == "qkv" else attention_bias,
+            "o_proj_bias": attention_bias if self.bias == "all" else False,
+            "qk_norm": self.qk_norm,
+            "sliding_window": integer(hf, "sliding_window", None) if self.window == "sliding" else None,
+        }
 
     def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
         return dense_mlp_rules()
@@ -97,8 +107,7 @@ class Decoder(Family):
         return problems + self.mlp_problems(config)
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
-        return [] if config.family_config is None else [
-            "mixture-of-experts fields are for qwen3_moe and mixtral only"]
+        return [] if config.family_config is None else ["mixture-of-experts fields are for qwen3_moe and mixtral only"]
 
     # ----------------------------------------------------------------------------- tensors
 
@@ -109,8 +118,9 @@ class Decoder(Family):
         attention = f"{p}.{ATTENTION}"
         qkv_bias = config.attention_bias
         tensors = [Tensor(f"{p}.{INPUT_NORM}.weight", (E,))]
-        tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[:3], ((q_out, E), (kv_out, E), (kv_out, E)),
-                                      (qkv_bias,) * 3)
+        tensors += projection_tensors(
+            attention, ATTENTION_PROJECTIONS[:3], ((q_out, E), (kv_out, E), (kv_out, E)), (qkv_bias,) * 3
+        )
         tensors += projection_tensors(attention, ATTENTION_PROJECTIONS[3:], ((E, q_out),), (config.o_proj_bias,))
         if config.qk_norm:
             tensors += [Tensor(f"{attention}.q_norm.weight", (D,)), Tensor(f"{attention}.k_norm.weight", (D,))]

@@ -49,26 +49,31 @@ def decoder_rules(*, query_scale: bool, qk_norm: bool) -> tuple[Rule, ...]:
     """Embedding, final norm, LM head, the layer norms and the attention of a Llama-style decoder;
     `query_scale`: MaxText's attention for the family uses scale 1 (the query kernel carries
     1/sqrt(head_dim)); `qk_norm`: Qwen3's per-head q/k norms."""
-    rules = [Rule(f"{EMBEDDING}.weight", "token_embedder/embedding", "identity"),
-             Rule(f"{FINAL_NORM}.weight", "decoder/decoder_norm/scale", "identity"),
-             Rule(f"{LM_HEAD}.weight", "decoder/logits_dense/kernel", "transpose", untied_only=True),
-             Rule(f"{_LAYER}.input_layernorm.weight", "pre_self_attention_layer_norm/scale", "identity"),
-             Rule(f"{_LAYER}.post_attention_layernorm.weight", "post_self_attention_layer_norm/scale", "identity"),
-             Rule(f"{_ATTN}.q_proj.weight", "self_attention/query/kernel", "heads_in", rope=True,
-                  query_scale=query_scale),
-             Rule(f"{_ATTN}.k_proj.weight", "self_attention/key/kernel", "heads_in", rope=True),
-             Rule(f"{_ATTN}.v_proj.weight", "self_attention/value/kernel", "heads_in"),
-             Rule(f"{_ATTN}.o_proj.weight", "self_attention/out/kernel", "heads_out")]
+    rules = [
+        Rule(f"{EMBEDDING}.weight", "token_embedder/embedding", "identity"),
+        Rule(f"{FINAL_NORM}.weight", "decoder/decoder_norm/scale", "identity"),
+        Rule(f"{LM_HEAD}.weight", "decoder/logits_dense/kernel", "transpose", untied_only=True),
+        Rule(f"{_LAYER}.input_layernorm.weight", "pre_self_attention_layer_norm/scale", "identity"),
+        Rule(f"{_LAYER}.post_attention_layernorm.weight", "post_self_attention_layer_norm/scale", "identity"),
+        Rule(f"{_ATTN}.q_proj.weight", "self_attention/query/kernel", "heads_in", rope=True, query_scale=query_scale),
+        Rule(f"{_ATTN}.k_proj.weight", "self_attention/key/kernel", "heads_in", rope=True),
+        Rule(f"{_ATTN}.v_proj.weight", "self_attention/value/kernel", "heads_in"),
+        Rule(f"{_ATTN}.o_proj.weight", "self_attention/out/kernel", "heads_out"),
+    ]
     if qk_norm:
-        rules += [Rule(f"{_ATTN}.q_norm.weight", "self_attention/query_norm/scale", "identity"),
-                  Rule(f"{_ATTN}.k_norm.weight", "self_attention/key_norm/scale", "identity")]
+        rules += [
+            Rule(f"{_ATTN}.q_norm.weight", "self_attention/query_norm/scale", "identity"),
+            Rule(f"{_ATTN}.k_norm.weight", "self_attention/key_norm/scale", "identity"),
+        ]
     return tuple(rules)
 
 
 def dense_mlp_rules() -> tuple[Rule, ...]:
     """A dense SwiGLU MLP: gate/up/down = MaxText wi_0 / wi_1 / wo."""
-    return tuple(Rule(f"{_LAYER}.mlp.{attr}.weight", f"mlp/{mt}/kernel", "transpose")
-                 for attr, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")))
+    return tuple(
+        Rule(f"{_LAYER}.mlp.{attr}.weight", f"mlp/{mt}/kernel", "transpose")
+        for attr, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
+    )
 
 
 def moe_rules(block: str, hf_block: str, projections: tuple[str, str, str]) -> tuple[Rule, ...]:
@@ -77,7 +82,9 @@ def moe_rules(block: str, hf_block: str, projections: tuple[str, str, str]) -> t
     experts' (gate, up, down) are `projections`."""
     gate, up, down = projections
     experts = f"{_LAYER}.{hf_block}.experts.{{e}}"
-    return (Rule(f"{_LAYER}.{hf_block}.gate.weight", f"{block}/gate/kernel", "transpose"),
-            Rule(f"{experts}.{gate}.weight", f"{block}/wi_0", "transpose"),
-            Rule(f"{experts}.{up}.weight", f"{block}/wi_1", "transpose"),
-            Rule(f"{experts}.{down}.weight", f"{block}/wo", "transpose"))
+    return (
+        Rule(f"{_LAYER}.{hf_block}.gate.weight", f"{block}/gate/kernel", "transpose"),
+        Rule(f"{experts}.{gate}.weight", f"{block}/wi_0", "transpose"),
+        Rule(f"{experts}.{up}.weight", f"{block}/wi_1", "transpose"),
+        Rule(f"{experts}.{down}.weight", f"{block}/wo", "transpose"),
+    )

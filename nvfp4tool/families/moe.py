@@ -57,8 +57,16 @@ class Experts:
 class SparseDecoder(Decoder):
     """A decoder whose sparse layers route each token to the top-k of `num_experts` SwiGLU experts."""
 
-    def __init__(self, model_type: str, architecture: str, *, block: str, experts: tuple[Projection, ...],
-                 maxtext_block: str, **attention: Any) -> None:
+    def __init__(
+        self,
+        model_type: str,
+        architecture: str,
+        *,
+        block: str,
+        experts: tuple[Projection, ...],
+        maxtext_block: str,
+        **attention: Any,
+    ) -> None:
         self.block = block  # the sparse MLP's attribute: "mlp" | "block_sparse_moe"
         self.expert_projections = experts  # an expert's (gate, up, down)
         self.router_blocks = (block,)
@@ -67,8 +75,14 @@ class SparseDecoder(Decoder):
         self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"
         self.config_type = Experts
         self.modeled_keys = self.modeled_keys | {
-            *EXPERT_COUNT_KEYS, "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-            "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"}
+            *EXPERT_COUNT_KEYS,
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "router_aux_loss_coef",
+        }
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         fields = super().parse(hf, source)
@@ -79,54 +93,91 @@ class SparseDecoder(Decoder):
             raise KeyError(" or ".join(EXPERT_COUNT_KEYS))
         counts = {k: integer(hf, k) for k in keys}
         if len(set(counts.values())) > 1:  # transformers keeps one of them, which one depends on the family
-            raise NVFP4ToolError(" and ".join(f"{k}={v}" for k, v in counts.items())
-                                 + " disagree: the expert count must be given once (or twice, equal)")
+            raise NVFP4ToolError(
+                " and ".join(f"{k}={v}" for k, v in counts.items())
+                + " disagree: the expert count must be given once (or twice, equal)"
+            )
         key = keys[0]
-        common = dict(num_experts=counts[key], num_experts_per_tok=integer(hf, "num_experts_per_tok"),
-                      router_aux_loss_coef=number(hf, "router_aux_loss_coef", 0.001), hf_experts_key=key)
+        common = dict(
+            num_experts=counts[key],
+            num_experts_per_tok=integer(hf, "num_experts_per_tok"),
+            router_aux_loss_coef=number(hf, "router_aux_loss_coef", 0.001),
+            hf_experts_key=key,
+        )
         if self.model_type == "mixtral":
             return dict(fields, family_config=Experts(**common, norm_topk_prob=True))
         only = hf.get("mlp_only_layers") or ()
         if not isinstance(only, (list, tuple)):
             raise NVFP4ToolError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
-        return dict(fields, family_config=Experts(
-            **common, moe_intermediate_size=integer(hf, "moe_intermediate_size"),
-            norm_topk_prob=flag(hf, "norm_topk_prob"), decoder_sparse_step=integer(hf, "decoder_sparse_step", 1),
-            mlp_only_layers=tuple(integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only)))
+        return dict(
+            fields,
+            family_config=Experts(
+                **common,
+                moe_intermediate_size=integer(hf, "moe_intermediate_size"),
+                norm_topk_prob=flag(hf, "norm_topk_prob"),
+                decoder_sparse_step=integer(hf, "decoder_sparse_step", 1),
+                mlp_only_layers=tuple(integer({"mlp_only_layers": i}, "mlp_only_layers") for i in only),
+            ),
+        )
 
     def emit_mlp(self, config: ModelConfig, hf: dict[str, Any]) -> None:
-        hf[config.experts.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = config.experts.num_experts
+        hf[config.experts.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = (
+            config.experts.num_experts
+        )
         hf["num_experts_per_tok"] = config.experts.num_experts_per_tok
         hf["router_aux_loss_coef"] = config.experts.router_aux_loss_coef
         if self.model_type == "qwen3_moe":
-            hf.update(moe_intermediate_size=config.experts.moe_intermediate_size, norm_topk_prob=config.experts.norm_topk_prob,
-                      decoder_sparse_step=config.experts.decoder_sparse_step, mlp_only_layers=list(config.experts.mlp_only_layers))
+            hf.update(
+                moe_intermediate_size=config.experts.moe_intermediate_size,
+                norm_topk_prob=config.experts.norm_topk_prob,
+                decoder_sparse_step=config.experts.decoder_sparse_step,
+                mlp_only_layers=list(config.experts.mlp_only_layers),
+            )
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
         if not isinstance(config.family_config, Experts):
-            return [f"{self.model_type} needs its experts' fields (family_config=Experts(...)), "
-                    f"got {config.family_config!r}"]
+            return [
+                f"{self.model_type} needs its experts' fields (family_config=Experts(...)), "
+                f"got {config.family_config!r}"
+            ]
         problems = []
         if not (isinstance(config.experts.num_experts, int) and config.experts.num_experts >= 1):
             problems.append(f"num_experts must be a positive integer, got {config.experts.num_experts!r}")
-        elif not (isinstance(config.experts.num_experts_per_tok, int)
-                  and 1 <= config.experts.num_experts_per_tok <= config.experts.num_experts):
-            problems.append(f"num_experts_per_tok must be in 1..num_experts={config.experts.num_experts}, "
-                            f"got {config.experts.num_experts_per_tok!r}")
+        elif not (
+            isinstance(config.experts.num_experts_per_tok, int)
+            and 1 <= config.experts.num_experts_per_tok <= config.experts.num_experts
+        ):
+            problems.append(
+                f"num_experts_per_tok must be in 1..num_experts={config.experts.num_experts}, "
+                f"got {config.experts.num_experts_per_tok!r}"
+            )
         if not (isinstance(config.experts.decoder_sparse_step, int) and config.experts.decoder_sparse_step >= 1):
-            problems.append(f"decoder_sparse_step must be a positive integer, got {config.experts.decoder_sparse_step!r}")
-        bad_layers = [i for i in config.experts.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)]
+            problems.append(
+                f"decoder_sparse_step must be a positive integer, got {config.experts.decoder_sparse_step!r}"
+            )
+        bad_layers = [
+            i for i in config.experts.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)
+        ]
         if bad_layers:
             problems.append(f"mlp_only_layers {bad_layers[0]!r} is not a layer index in 0..{config.num_layers - 1}")
         if not (config.experts.router_aux_loss_coef >= 0 and math.isfinite(config.experts.router_aux_loss_coef)):
             problems.append(f"router_aux_loss_coef must be finite and >= 0, got {config.experts.router_aux_loss_coef}")
-        if self.model_type == "qwen3_moe" and not (isinstance(config.experts.moe_intermediate_size, int)
-                                                   and config.experts.moe_intermediate_size > 0):
-            problems.append(f"moe_intermediate_size must be a positive integer, got {config.experts.moe_intermediate_size!r}")
-        if self.model_type == "mixtral" and (config.experts.moe_intermediate_size or not config.experts.norm_topk_prob
-                                             or config.experts.decoder_sparse_step != 1 or config.experts.mlp_only_layers):
-            problems.append("mixtral experts are intermediate_size wide, renormalise the top-k "
-                            "(norm_topk_prob) and every layer is sparse")
+        if self.model_type == "qwen3_moe" and not (
+            isinstance(config.experts.moe_intermediate_size, int) and config.experts.moe_intermediate_size > 0
+        ):
+            problems.append(
+                f"moe_intermediate_size must be a positive integer, got {config.experts.moe_intermediate_size!r}"
+            )
+        if self.model_type == "mixtral" and (
+            config.experts.moe_intermediate_size
+            or not config.experts.norm_topk_prob
+            or config.experts.decoder_sparse_step != 1
+            or config.experts.mlp_only_layers
+        ):
+            problems.append(
+                "mixtral experts are intermediate_size wide, renormalise the top-k "
+                "(norm_topk_prob) and every layer is sparse"
+            )
         return problems
 
     # ----------------------------------------------------------------------------- layers
@@ -157,21 +208,44 @@ class SparseDecoder(Decoder):
         block = self.mlp_module(config, layer)
         tensors = projection_tensors(block, (ROUTER,), ((config.experts.num_experts, E),))
         for e in range(config.experts.num_experts):
-            tensors += projection_tensors(f"{block}.experts.{e}", self.expert_projections,
-                                          ((Fe, E), (Fe, E), (E, Fe)), expert=e, block=block)
+            tensors += projection_tensors(
+                f"{block}.experts.{e}", self.expert_projections, ((Fe, E), (Fe, E), (E, Fe)), expert=e, block=block
+            )
         return tensors
 
 
-_QWEN_EXPERT = (Projection("gate_proj", "gate", "column", "gate_up"), Projection("up_proj", "up", "column", "gate_up"),
-                Projection("down_proj", "down", "row"))
-_MIXTRAL_EXPERT = (Projection("w1", "gate", "column", "gate_up"), Projection("w3", "up", "column", "gate_up"),
-                   Projection("w2", "down", "row"))
+_QWEN_EXPERT = (
+    Projection("gate_proj", "gate", "column", "gate_up"),
+    Projection("up_proj", "up", "column", "gate_up"),
+    Projection("down_proj", "down", "row"),
+)
+_MIXTRAL_EXPERT = (
+    Projection("w1", "gate", "column", "gate_up"),
+    Projection("w3", "up", "column", "gate_up"),
+    Projection("w2", "down", "row"),
+)
 
 FAMILIES = (
-    SparseDecoder("qwen3_moe", "Qwen3MoeForCausalLM", block="mlp", experts=_QWEN_EXPERT, maxtext_block="moe_block",
-                  bias="all",
-                  qk_norm=True, window="full", maxtext="unscaled"),
-    SparseDecoder("mixtral", "MixtralForCausalLM", block="block_sparse_moe", experts=_MIXTRAL_EXPERT,
-                  maxtext_block="MoeBlock_0",
-                  bias="none", qk_norm=False, window="sliding", maxtext="prescaled"),
+    SparseDecoder(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        block="mlp",
+        experts=_QWEN_EXPERT,
+        maxtext_block="moe_block",
+        bias="all",
+        qk_norm=True,
+        window="full",
+        maxtext="unscaled",
+    ),
+    SparseDecoder(
+        "mixtral",
+        "MixtralForCausalLM",
+        block="block_sparse_moe",
+        experts=_MIXTRAL_EXPERT,
+        maxtext_block="MoeBlock_0",
+        bias="none",
+        qk_norm=False,
+        window="sliding",
+        maxtext="prescaled",
+    ),
 )

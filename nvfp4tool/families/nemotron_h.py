@@ -61,19 +61,37 @@ from nvfp4tool.families.hf_values import flag, integer, number
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer layer kinds
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's characters
-BLOCK_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
-               "mlp": MLP, "moe": MOE}  # layers_block_type's names (mamba / attention: legacy)
+BLOCK_TYPES = {
+    "linear_attention": MAMBA,
+    "mamba": MAMBA,
+    "full_attention": ATTENTION,
+    "attention": ATTENTION,
+    "mlp": MLP,
+    "moe": MOE,
+}  # layers_block_type's names (mamba / attention: legacy)
 # the two spellings of the layer kinds: (container, table, what it must be, the error for a bad entry)
 LAYER_KEYS = {
-    "hybrid_override_pattern": (str, PATTERN, "a non-empty string of M * - E",
-                                "{key}: {v!r} at position {i} is not a layer kind "
-                                "(M Mamba-2, * attention, - MLP, E MoE)"),
-    "layers_block_type": (list, BLOCK_TYPES, "a non-empty list",
-                          "{key}[{i}]: {v!r} is not one of " + ", ".join(sorted(BLOCK_TYPES))),
+    "hybrid_override_pattern": (
+        str,
+        PATTERN,
+        "a non-empty string of M * - E",
+        "{key}: {v!r} at position {i} is not a layer kind (M Mamba-2, * attention, - MLP, E MoE)",
+    ),
+    "layers_block_type": (
+        list,
+        BLOCK_TYPES,
+        "a non-empty list",
+        "{key}[{i}]: {v!r} is not one of " + ", ".join(sorted(BLOCK_TYPES)),
+    ),
 }
 # legacy key -> the key transformers 5.24 reads it as (NemotronHConfig.__post_init__)
-ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
-           "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size"}
+ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+}
 MAMBA_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True}  # NemotronHConfig's
 
 
@@ -139,8 +157,10 @@ def layer_kinds(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]
         found[key] = tuple(table[v] for v in raw)
     kinds = list(found.values())
     if len(kinds) == 2 and kinds[0] != kinds[1]:
-        raise NVFP4ToolError("hybrid_override_pattern and layers_block_type disagree "
-                             f"({len(kinds[0])} and {len(kinds[1])} layers); give one, or both equal")
+        raise NVFP4ToolError(
+            "hybrid_override_pattern and layers_block_type disagree "
+            f"({len(kinds[0])} and {len(kinds[1])} layers); give one, or both equal"
+        )
     layers = integer(hf, "num_hidden_layers", None)
     if layers is not None and layers != len(kinds[0]):
         raise NVFP4ToolError(f"num_hidden_layers={layers} but the layer kinds list {len(kinds[0])} layers")
@@ -188,8 +208,10 @@ def parse_hybrid(hf: Mapping[str, Any], source: str) -> HybridFields:
         keys: dict[str, str] = {}
         limit, raw_limit = _time_step_limit(hf, keys)
         if flag(hf, "tie_word_embeddings"):
-            raise NVFP4ToolError("tie_word_embeddings=true unsupported: NemotronHForCausalLM never ties lm_head "
-                                 "to the embeddings (transformers 5.24), so the model would not be the one declared")
+            raise NVFP4ToolError(
+                "tie_word_embeddings=true unsupported: NemotronHForCausalLM never ties lm_head "
+                "to the embeddings (transformers 5.24), so the model would not be the one declared"
+            )
         for act_key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             if hf.get(act_key, want) != want:
                 raise NVFP4ToolError(f"{act_key}={hf[act_key]!r} unsupported; supported: {want}")
@@ -202,18 +224,28 @@ def parse_hybrid(hf: Mapping[str, Any], source: str) -> HybridFields:
                 moe_intermediate_size=integer(hf, "moe_intermediate_size"),
                 n_shared_experts=integer(hf, "n_shared_experts", 1),
                 moe_shared_expert_intermediate_size=integer(hf, "moe_shared_expert_intermediate_size"),
-                moe_latent_size=latent, routed_scaling_factor=number(hf, "routed_scaling_factor", 1.0),
-                n_group=integer(hf, "n_group", 1), topk_group=integer(hf, "topk_group", 1),
-                norm_topk_prob=flag(hf, "norm_topk_prob", True))
+                moe_latent_size=latent,
+                routed_scaling_factor=number(hf, "routed_scaling_factor", 1.0),
+                n_group=integer(hf, "n_group", 1),
+                topk_group=integer(hf, "topk_group", 1),
+                norm_topk_prob=flag(hf, "norm_topk_prob", True),
+            )
         fields = HybridFields(
-            layer_kinds=kinds, mamba_num_heads=integer(hf, "mamba_num_heads"),
+            layer_kinds=kinds,
+            mamba_num_heads=integer(hf, "mamba_num_heads"),
             mamba_head_dim=integer(hf, "mamba_head_dim"),
-            n_groups=_mamba_value(hf, "n_groups", integer, keys), ssm_state_size=integer(hf, "ssm_state_size"),
+            n_groups=_mamba_value(hf, "n_groups", integer, keys),
+            ssm_state_size=integer(hf, "ssm_state_size"),
             conv_kernel=_mamba_value(hf, "conv_kernel", integer, keys),
-            chunk_size=_mamba_value(hf, "chunk_size", integer, keys), time_step_limit=limit,
+            chunk_size=_mamba_value(hf, "chunk_size", integer, keys),
+            time_step_limit=limit,
             use_conv_bias=_mamba_value(hf, "use_conv_bias", flag, keys),
-            use_bias=flag(hf, "use_bias"), experts=experts,
-            hf_layers=layers_keys, hf_keys=keys, hf_time_step_limit=raw_limit)
+            use_bias=flag(hf, "use_bias"),
+            experts=experts,
+            hf_layers=layers_keys,
+            hf_keys=keys,
+            hf_time_step_limit=raw_limit,
+        )
     except KeyError as missing:
         raise NVFP4ToolError(f"{source}: nemotron_h needs {missing.args[0]}") from None
     except NVFP4ToolError as bad:
@@ -230,27 +262,36 @@ def hybrid_problems(f: HybridFields) -> list[str]:
     positive = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size")
     problems += [f"{k} must be a positive integer, got {getattr(f, k)!r}" for k in positive if getattr(f, k) < 1]
     if not problems and f.mamba_num_heads % f.n_groups:
-        problems.append(f"mamba_num_heads={f.mamba_num_heads} is not a multiple of n_groups={f.n_groups} "
-                        "(each group's B and C serve whole heads)")
+        problems.append(
+            f"mamba_num_heads={f.mamba_num_heads} is not a multiple of n_groups={f.n_groups} "
+            "(each group's B and C serve whole heads)"
+        )
     e = f.experts
     if e is not None:
         if not 1 <= e.num_experts_per_tok <= e.n_routed_experts:
-            problems.append(f"num_experts_per_tok must be in 1..n_routed_experts={e.n_routed_experts}, "
-                            f"got {e.num_experts_per_tok}")
+            problems.append(
+                f"num_experts_per_tok must be in 1..n_routed_experts={e.n_routed_experts}, got {e.num_experts_per_tok}"
+            )
         elif e.n_group < 1 or e.n_routed_experts % e.n_group:
             problems.append(f"n_routed_experts={e.n_routed_experts} is not a multiple of n_group={e.n_group}")
         elif not 1 <= e.topk_group <= e.n_group:
             problems.append(f"topk_group must be in 1..n_group={e.n_group}, got {e.topk_group}")
         elif e.n_group > 1 and e.n_routed_experts // e.n_group < 2:
-            problems.append("grouped routing scores each group by its two best experts: "
-                            f"n_routed_experts / n_group = {e.n_routed_experts // e.n_group} < 2")
+            problems.append(
+                "grouped routing scores each group by its two best experts: "
+                f"n_routed_experts / n_group = {e.n_routed_experts // e.n_group} < 2"
+            )
         elif e.num_experts_per_tok > e.topk_group * (e.n_routed_experts // e.n_group):
-            problems.append(f"num_experts_per_tok={e.num_experts_per_tok} exceeds the experts of the "
-                            f"topk_group={e.topk_group} chosen groups")
+            problems.append(
+                f"num_experts_per_tok={e.num_experts_per_tok} exceeds the experts of the "
+                f"topk_group={e.topk_group} chosen groups"
+            )
         if e.n_shared_experts != 1:  # the two disagree on what it means, and agree at 1
-            problems.append(f"n_shared_experts={e.n_shared_experts} unsupported; supported: 1 (transformers 5.24 "
-                            "builds one shared MLP moe_shared_expert_intermediate_size wide whatever the count, "
-                            "vLLM one n_shared_experts times as wide, none for 0)")
+            problems.append(
+                f"n_shared_experts={e.n_shared_experts} unsupported; supported: 1 (transformers 5.24 "
+                "builds one shared MLP moe_shared_expert_intermediate_size wide whatever the count, "
+                "vLLM one n_shared_experts times as wide, none for 0)"
+            )
         if not (e.routed_scaling_factor > 0 and math.isfinite(e.routed_scaling_factor)):
             problems.append(f"routed_scaling_factor must be finite and > 0, got {e.routed_scaling_factor}")
     return problems
@@ -259,14 +300,21 @@ def hybrid_problems(f: HybridFields) -> list[str]:
 def emit_hybrid(f: HybridFields, hf: dict[str, Any]) -> None:
     """Write the fields into config.json's dict `hf` in the source's spelling (see the module
     docstring); fields the source did not give are written under their plain names."""
-    canonical = {"hybrid_override_pattern": "".join({v: k for k, v in PATTERN.items()}[k] for k in f.layer_kinds),
-                 "layers_block_type": [{MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp",
-                                        MOE: "moe"}[k] for k in f.layer_kinds]}
+    canonical = {
+        "hybrid_override_pattern": "".join({v: k for k, v in PATTERN.items()}[k] for k in f.layer_kinds),
+        "layers_block_type": [
+            {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}[k] for k in f.layer_kinds
+        ],
+    }
     for key, raw in (f.hf_layers or {"hybrid_override_pattern": None}).items():
         table = LAYER_KEYS[key][1]
         hf[key] = raw if raw is not None and tuple(table[x] for x in raw) == f.layer_kinds else canonical[key]
-    hf.update(mamba_num_heads=f.mamba_num_heads, mamba_head_dim=f.mamba_head_dim, ssm_state_size=f.ssm_state_size,
-              use_bias=f.use_bias)
+    hf.update(
+        mamba_num_heads=f.mamba_num_heads,
+        mamba_head_dim=f.mamba_head_dim,
+        ssm_state_size=f.ssm_state_size,
+        use_bias=f.use_bias,
+    )
     for key in ("n_groups", "conv_kernel", "chunk_size", "use_conv_bias"):
         hf[f.hf_keys.get(key, key)] = getattr(f, key)
     limit_key = f.hf_keys.get("time_step_limit", "time_step_limit")
@@ -274,8 +322,10 @@ def emit_hybrid(f: HybridFields, hf: dict[str, Any]) -> None:
     if raw is not None and _time_step_limit({limit_key: raw}, {})[0] == f.time_step_limit:
         hf[limit_key] = raw
     else:
-        hf[limit_key] = [f.time_step_limit[0], {"__float__": "Infinity"} if math.isinf(f.time_step_limit[1])
-                         else f.time_step_limit[1]]
+        hf[limit_key] = [
+            f.time_step_limit[0],
+            {"__float__": "Infinity"} if math.isinf(f.time_step_limit[1]) else f.time_step_limit[1],
+        ]
     if f.experts is not None:
         hf.update(dataclasses.asdict(f.experts))
 
@@ -300,9 +350,14 @@ def parameter_count(hf: Mapping[str, Any], source: str = "config.json") -> tuple
     for kind in f.layer_kinds:
         own = routed_all = routed_active = 0
         if kind == MAMBA:
-            own = (dense(h, f.in_proj_rows(), f.use_bias) + conv * f.conv_kernel
-                   + (conv if f.use_conv_bias else 0) + 3 * f.mamba_num_heads + inner
-                   + dense(inner, h, f.use_bias))
+            own = (
+                dense(h, f.in_proj_rows(), f.use_bias)
+                + conv * f.conv_kernel
+                + (conv if f.use_conv_bias else 0)
+                + 3 * f.mamba_num_heads
+                + inner
+                + dense(inner, h, f.use_bias)
+            )
         elif kind == ATTENTION:
             own = 2 * h * heads * head_dim + 2 * h * kv * head_dim
         elif kind == MLP:
@@ -313,8 +368,12 @@ def parameter_count(hf: Mapping[str, Any], source: str = "config.json") -> tuple
             width = e.moe_latent_size or h
             expert = 2 * width * e.moe_intermediate_size
             shared = e.moe_shared_expert_intermediate_size
-            own = (e.n_routed_experts * h + e.n_routed_experts  # router weight, correction bias
-                   + dense(h, shared, mlp_bias) + dense(shared, h, mlp_bias))
+            own = (
+                e.n_routed_experts * h
+                + e.n_routed_experts  # router weight, correction bias
+                + dense(h, shared, mlp_bias)
+                + dense(shared, h, mlp_bias)
+            )
             if e.moe_latent_size:
                 own += dense(h, e.moe_latent_size, mlp_bias) + dense(e.moe_latent_size, h, mlp_bias)
             routed_all, routed_active = e.n_routed_experts * expert, e.num_experts_per_tok * expert
@@ -336,14 +395,29 @@ RELU2 = (Projection("up_proj", "up", "column", "gate_up"), Projection("down_proj
 LATENT = (Projection("fc1_latent_proj", "latent_in", "none"), Projection("fc2_latent_proj", "latent_out", "none"))
 CHECKPOINT_BASE = "backbone"  # NemotronHForCausalLM's base-model attribute (ours: `model`)
 # our base-model names -> the checkpoint's (vLLM's hf_to_vllm_mapper read backwards)
-_CHECKPOINT_NAMES = {f"{EMBEDDING}.weight": f"{CHECKPOINT_BASE}.embeddings.weight",
-                     f"{FINAL_NORM}.weight": f"{CHECKPOINT_BASE}.norm_f.weight"}
+_CHECKPOINT_NAMES = {
+    f"{EMBEDDING}.weight": f"{CHECKPOINT_BASE}.embeddings.weight",
+    f"{FINAL_NORM}.weight": f"{CHECKPOINT_BASE}.norm_f.weight",
+}
 # config.json keys the family models (with its aliases), beyond the common ones; the MoE keys are
 # not among them (a dense hybrid's config carries transformers' defaults for them, kept as given;
 # a MoE hybrid's are written from its fields)
-_KEYS = frozenset({"hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
-                   "ssm_state_size", "time_step_limit", "use_bias", "layer_norm_epsilon",
-                   "attention_bias", "mlp_bias", *MAMBA_DEFAULTS, *ALIASES})
+_KEYS = frozenset(
+    {
+        "hybrid_override_pattern",
+        "layers_block_type",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "time_step_limit",
+        "use_bias",
+        "layer_norm_epsilon",
+        "attention_bias",
+        "mlp_bias",
+        *MAMBA_DEFAULTS,
+        *ALIASES,
+    }
+)
 
 
 class HybridDecoder(Family):
@@ -362,8 +436,14 @@ class HybridDecoder(Family):
     stored_fp32 = (f"*.{MIXER}.gate.weight", f"*.{MIXER}.gate.e_score_correction_bias")
     # the SSM parameters, conv1d, the norms and the router: exported in the source's dtypes (FP32
     # where it has FP32), as NVIDIA's checkpoints keep them beside the quantized linears
-    kept_as_stored = (f"*.{MIXER}.conv1d.*", f"*.{MIXER}.A_log", f"*.{MIXER}.D", f"*.{MIXER}.dt_bias", "*norm*",
-                      f"*.{MIXER}.gate.*")
+    kept_as_stored = (
+        f"*.{MIXER}.conv1d.*",
+        f"*.{MIXER}.A_log",
+        f"*.{MIXER}.D",
+        f"*.{MIXER}.dt_bias",
+        "*norm*",
+        f"*.{MIXER}.gate.*",
+    )
     # zero until an aux-loss-free balancing update moves it (none in fine-tuning: no gradient reaches it)
     may_be_zero = (f"*.{MIXER}.gate.e_score_correction_bias",)
     norm_scale_in_fp32 = True
@@ -371,17 +451,30 @@ class HybridDecoder(Family):
     hidden_act = None
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
-    common_keys_not_modeled = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
-                                         "rms_norm_eps", "num_hidden_layers", "sliding_window"})
+    common_keys_not_modeled = frozenset(
+        {
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "hidden_act",
+            "rms_norm_eps",
+            "num_hidden_layers",
+            "sliding_window",
+        }
+    )
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-        for key, why in (("attention_bias", "transformers 5.24 builds its attention without biases"),
-                         ("mlp_bias", "MLP and expert biases are not modeled yet")):
+        for key, why in (
+            ("attention_bias", "transformers 5.24 builds its attention without biases"),
+            ("mlp_bias", "MLP and expert biases are not modeled yet"),
+        ):
             if flag(hf, key):
                 raise NVFP4ToolError(f"{source}: {key}=true unsupported for nemotron_h ({why})")
         if hf.get("sliding_window") is not None:
-            raise NVFP4ToolError(f"{source}: sliding_window={hf['sliding_window']!r} unsupported for nemotron_h "
-                                 f"(its attention layers attend to the whole sequence)")
+            raise NVFP4ToolError(
+                f"{source}: sliding_window={hf['sliding_window']!r} unsupported for nemotron_h "
+                f"(its attention layers attend to the whole sequence)"
+            )
         fields = parse_hybrid(hf, source)
         # transformers 5.24 derives the layer count from the kinds and does not write it
         return {"family_config": fields, "num_layers": len(fields.layer_kinds)}
@@ -433,11 +526,15 @@ class HybridDecoder(Family):
             return []
         problems = []
         if f.mamba_num_heads % tp:
-            problems.append(f"mamba_num_heads = {f.mamba_num_heads} does not split into {tp} equal shards (TP {tp}: "
-                            f"vLLM shards in_proj's pieces, conv1d, A, D and dt_bias by Mamba heads)")
+            problems.append(
+                f"mamba_num_heads = {f.mamba_num_heads} does not split into {tp} equal shards (TP {tp}: "
+                f"vLLM shards in_proj's pieces, conv1d, A, D and dt_bias by Mamba heads)"
+            )
         if f.n_groups % tp and tp % f.n_groups:
-            problems.append(f"n_groups = {f.n_groups} neither splits into {tp} shards nor replicates evenly over "
-                            f"them (TP {tp}: B and C follow the head shards)")
+            problems.append(
+                f"n_groups = {f.n_groups} neither splits into {tp} shards nor replicates evenly over "
+                f"them (TP {tp}: B and C follow the head shards)"
+            )
         return problems
 
     def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
@@ -445,8 +542,10 @@ class HybridDecoder(Family):
         NVFP4 for non-gated experts (vllm-project/vllm#31782, open when we read it), while NVIDIA's
         own NVFP4 MoE hybrids are ModelOpt checkpoints (our default format), which it serves."""
         if MOE in config.family_config.layer_kinds and fmt == "compressed-tensors" and quant != "fp8":
-            return ["warning: vLLM does not serve a MoE hybrid's non-gated experts from compressed-tensors "
-                    "NVFP4 (vllm-project/vllm#31782); --format modelopt (the default) is the layout it serves"]
+            return [
+                "warning: vLLM does not serve a MoE hybrid's non-gated experts from compressed-tensors "
+                "NVFP4 (vllm-project/vllm#31782); --format modelopt (the default) is the layout it serves"
+            ]
         return []
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
@@ -482,16 +581,19 @@ class HybridDecoder(Family):
             tensors += projection_tensors(mixer, (ROUTER,), ((e.n_routed_experts, E),))
             tensors.append(Tensor(f"{mixer}.gate.e_score_correction_bias", (e.n_routed_experts,)))
             for x in range(e.n_routed_experts):
-                tensors += projection_tensors(f"{mixer}.experts.{x}", RELU2, ((Fe, width), (width, Fe)),
-                                              expert=x, block=mixer)
+                tensors += projection_tensors(
+                    f"{mixer}.experts.{x}", RELU2, ((Fe, width), (width, Fe)), expert=x, block=mixer
+                )
             tensors += projection_tensors(f"{mixer}.shared_experts", RELU2, ((Fs, E), (E, Fs)), block=mixer)
             if e.moe_latent_size:
                 tensors += projection_tensors(mixer, LATENT, ((width, E), (E, width)))
         return tensors
 
     def folds(self, config: ModelConfig, layer: int) -> list:
-        raise NVFP4ToolError("nemotron_h: equivalent scaling (--equalize) is not built for the hybrid "
-                             "family yet (its relu2 MLPs and Mamba mixers fold differently)")
+        raise NVFP4ToolError(
+            "nemotron_h: equivalent scaling (--equalize) is not built for the hybrid "
+            "family yet (its relu2 MLPs and Mamba mixers fold differently)"
+        )
 
 
 def nvidia_nano_keep_bf16(config: ModelConfig) -> list[str]:

@@ -30,10 +30,19 @@ import os
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.records.base import RecordError, read_json_file
 from nvfp4tool.formats import compressed_tensors, modelopt
-from nvfp4tool.formats.spec import (CONFIG_FILE, GLOBAL_ROLES, HF_QUANT_CONFIG_FILE, KV_CACHES, QUANTS,
-                                    ROLES, KVScaleSpec, LayoutSpec, TensorSpec)
+from nvfp4tool.formats.spec import (
+    CONFIG_FILE,
+    GLOBAL_ROLES,
+    HF_QUANT_CONFIG_FILE,
+    KV_CACHES,
+    QUANTS,
+    ROLES,
+    KVScaleSpec,
+    LayoutSpec,
+    TensorSpec,
+)
+from nvfp4tool.records.base import RecordError, read_json_file
 
 FORMATS = (modelopt.FORMAT, compressed_tensors.FORMAT)
 SPECS: dict[tuple[str, str], LayoutSpec] = {
@@ -41,8 +50,22 @@ SPECS: dict[tuple[str, str], LayoutSpec] = {
     **{(compressed_tensors.FORMAT, q): s for q, s in compressed_tensors.SPECS.items()},
 }
 
-__all__ = ["CONFIG_FILE", "FORMATS", "GLOBAL_ROLES", "HF_QUANT_CONFIG_FILE", "KV_CACHES", "QUANTS", "ROLES",
-           "SPECS", "FolderLayout", "KVScaleSpec", "LayoutSpec", "TensorSpec", "describe", "get"]
+__all__ = [
+    "CONFIG_FILE",
+    "FORMATS",
+    "GLOBAL_ROLES",
+    "HF_QUANT_CONFIG_FILE",
+    "KV_CACHES",
+    "QUANTS",
+    "ROLES",
+    "SPECS",
+    "FolderLayout",
+    "KVScaleSpec",
+    "LayoutSpec",
+    "TensorSpec",
+    "describe",
+    "get",
+]
 
 
 def get(fmt: str, quant: str) -> LayoutSpec:
@@ -90,38 +113,51 @@ def describe(folder: str) -> FolderLayout:
     """
     problems: list[tuple[str, str]] = []
     config = _read_json(folder, CONFIG_FILE, problems)
-    hf_quant = (_read_json(folder, HF_QUANT_CONFIG_FILE, problems)
-                if os.path.exists(os.path.join(folder, HF_QUANT_CONFIG_FILE)) else None)
+    hf_quant = (
+        _read_json(folder, HF_QUANT_CONFIG_FILE, problems)
+        if os.path.exists(os.path.join(folder, HF_QUANT_CONFIG_FILE))
+        else None
+    )
     qc = (config or {}).get("quantization_config")
     if modelopt.claims(qc, hf_quant):
         quant, exclude, source, found = modelopt.parse(qc, hf_quant)
         if quant is None:
             quantization = (hf_quant or {}).get("quantization")
-            algo = ((quantization if isinstance(quantization, dict) else {}).get("quant_algo")
-                    or (qc if isinstance(qc, dict) else {}).get("quant_algo"))
-            raise NVFP4ToolError(f"{folder}: ModelOpt quant_algo {algo!r} is not supported; supported: "
-                                 f"{', '.join(modelopt.QUANT_OF_ALGO)}")
+            algo = (quantization if isinstance(quantization, dict) else {}).get("quant_algo") or (
+                qc if isinstance(qc, dict) else {}
+            ).get("quant_algo")
+            raise NVFP4ToolError(
+                f"{folder}: ModelOpt quant_algo {algo!r} is not supported; supported: "
+                f"{', '.join(modelopt.QUANT_OF_ALGO)}"
+            )
         spec, targets = modelopt.SPECS[quant], ("Linear",)
         kv_cache, kv_problems = modelopt.parse_kv_cache(qc, hf_quant)
     elif compressed_tensors.claims(qc):
         quant, exclude, targets, found, named = compressed_tensors.parse(qc)
         if quant is None:
-            raise NVFP4ToolError(f"{folder}: compressed-tensors format {named} is not supported; "
-                                 f"supported: {', '.join(sorted(set(compressed_tensors.CT_FORMAT.values())))}")
+            raise NVFP4ToolError(
+                f"{folder}: compressed-tensors format {named} is not supported; "
+                f"supported: {', '.join(sorted(set(compressed_tensors.CT_FORMAT.values())))}"
+            )
         spec, source = compressed_tensors.SPECS[quant], CONFIG_FILE
         kv_cache, kv_problems = compressed_tensors.parse_kv_cache(qc)
     else:
         detail = next((m for f, m in problems if f == CONFIG_FILE), None)
-        raise NVFP4ToolError(f"{os.path.join(folder, CONFIG_FILE)}: " + (
-            detail or f"no quantization_config with quant_method modelopt or compressed-tensors (and no "
-                      f"{HF_QUANT_CONFIG_FILE}): not an NVFP4/FP8 serving checkpoint"))
+        raise NVFP4ToolError(
+            f"{os.path.join(folder, CONFIG_FILE)}: "
+            + (
+                detail
+                or f"no quantization_config with quant_method modelopt or compressed-tensors (and no "
+                f"{HF_QUANT_CONFIG_FILE}): not an NVFP4/FP8 serving checkpoint"
+            )
+        )
     problems += found + kv_problems
     patterns = _patterns(exclude, source, problems)
     problems += [(source, f"exclusion list: {why}") for p in patterns if (why := spec.pattern_problem(p))]
-    problems += [(CONFIG_FILE, f"config_groups targets: {why}") for t in targets
-                 if (why := spec.pattern_problem(t))]
-    return FolderLayout(spec=spec, exclude=patterns, exclude_source=source, targets=targets,
-                        problems=tuple(problems), kv_cache=kv_cache)
+    problems += [(CONFIG_FILE, f"config_groups targets: {why}") for t in targets if (why := spec.pattern_problem(t))]
+    return FolderLayout(
+        spec=spec, exclude=patterns, exclude_source=source, targets=targets, problems=tuple(problems), kv_cache=kv_cache
+    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -25,32 +25,48 @@ from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorS
 from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "compressed-tensors"
-CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "nvfp4-weight-only": "nvfp4-pack-quantized",
-             "fp8": "float-quantized"}
+CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "nvfp4-weight-only": "nvfp4-pack-quantized", "fp8": "float-quantized"}
 # The quantization args of the weights (and, where present, the activations) per format; the
 # keys in *_KEYS are the ones a reader must find with these values.
-NVFP4_ARGS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_BLOCK,
-              "symmetric": True, "dynamic": False, "observer": "static_minmax",
-              "scale_dtype": "torch.float8_e4m3fn"}
+NVFP4_ARGS = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": NVFP4_BLOCK,
+    "symmetric": True,
+    "dynamic": False,
+    "observer": "static_minmax",
+    "scale_dtype": "torch.float8_e4m3fn",
+}
 NVFP4_KEYS = ("num_bits", "type", "strategy", "group_size")
-FP8_ARGS = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
-            "group_size": None, "observer": "minmax"}
+FP8_ARGS = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "symmetric": True,
+    "dynamic": False,
+    "group_size": None,
+    "observer": "minmax",
+}
 FP8_KEYS = ("num_bits", "type", "strategy")
 # --kv-cache -> kv_cache_scheme (what llm-compressor writes for a static per-tensor FP8 KV cache)
-KV_CACHE_SCHEME = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                           "symmetric": True}}
+KV_CACHE_SCHEME = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 KV_SCALES = KVScaleSpec(k_suffix="k_scale", v_suffix="v_scale", shape=(1,))
 
 
 def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
-    group: dict[str, Any] = {"targets": ["Linear"],
-                             "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
+    group: dict[str, Any] = {"targets": ["Linear"], "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
     if spec.has_input_scales:
         group["input_activations"] = dict(NVFP4_ARGS, dynamic="local") if spec.is_nvfp4 else dict(FP8_ARGS)
     group["format"] = CT_FORMAT[spec.quant]
-    return {"quant_method": FORMAT, "format": CT_FORMAT[spec.quant], "quantization_status": "compressed",
-            "ignore": list(excluded), "config_groups": {"group_0": group},
-            "kv_cache_scheme": dict(KV_CACHE_SCHEME[kv_cache]) if kv_cache else None}
+    return {
+        "quant_method": FORMAT,
+        "format": CT_FORMAT[spec.quant],
+        "quantization_status": "compressed",
+        "ignore": list(excluded),
+        "config_groups": {"group_0": group},
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME[kv_cache]) if kv_cache else None,
+    }
 
 
 def _one(n: int, k: int) -> tuple[int, ...]:
@@ -59,20 +75,31 @@ def _one(n: int, k: int) -> tuple[int, ...]:
 
 def _spec(quant: str) -> LayoutSpec:
     if quant == "fp8":
-        tensors = [TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
-                   TensorSpec("weight_global", "weight_scale", "F32", _one),
-                   TensorSpec("input_global", "input_scale", "F32", _one)]
+        tensors = [
+            TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+            TensorSpec("weight_global", "weight_scale", "F32", _one),
+            TensorSpec("input_global", "input_scale", "F32", _one),
+        ]
     else:
-        tensors = [TensorSpec("weight", "weight_packed", "U8", lambda n, k: (n, k // 2)),
-                   TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
-                   TensorSpec("weight_global", "weight_global_scale", "F32", _one)]
+        tensors = [
+            TensorSpec("weight", "weight_packed", "U8", lambda n, k: (n, k // 2)),
+            TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
+            TensorSpec("weight_global", "weight_global_scale", "F32", _one),
+        ]
         if quant == "nvfp4":
             tensors.append(TensorSpec("input_global", "input_global_scale", "F32", _one))
-    return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors),
-                      convention="decode" if quant == "fp8" else "encode", pattern_style="exact-or-re",
-                      element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-                      packing=1 if quant == "fp8" else 2, kv_scales=KV_SCALES, build_config=_config,
-                      build_hf_quant_config=None)
+    return LayoutSpec(
+        format=FORMAT,
+        quant=quant,
+        tensors=tuple(tensors),
+        convention="decode" if quant == "fp8" else "encode",
+        pattern_style="exact-or-re",
+        element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
+        packing=1 if quant == "fp8" else 2,
+        kv_scales=KV_SCALES,
+        build_config=_config,
+        build_hf_quant_config=None,
+    )
 
 
 SPECS = {quant: _spec(quant) for quant in CT_FORMAT}
@@ -98,8 +125,9 @@ def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, s
         return None, None, (), problems, named
     fmt = next(iter(formats))
     if qc.get("quantization_status") != "compressed":
-        problems.append((CONFIG_FILE, f"quantization_status is {qc.get('quantization_status')!r}, "
-                                      f"expected 'compressed'"))
+        problems.append(
+            (CONFIG_FILE, f"quantization_status is {qc.get('quantization_status')!r}, expected 'compressed'")
+        )
     nvfp4 = fmt == CT_FORMAT["nvfp4"]
     expected_args = {k: (NVFP4_ARGS if nvfp4 else FP8_ARGS)[k] for k in (NVFP4_KEYS if nvfp4 else FP8_KEYS)}
     targets: list[str] = []
@@ -109,8 +137,9 @@ def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, s
         weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
         wrong = {k: weights.get(k) for k, v in expected_args.items() if weights.get(k) != v}
         if wrong:
-            problems.append((CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, "
-                                          f"{fmt} needs {expected_args}"))
+            problems.append(
+                (CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, {fmt} needs {expected_args}")
+            )
         has_input = has_input or bool(group.get("input_activations"))
         group_targets = group.get("targets") or []
         targets += [t for t in group_targets if isinstance(t, str)] if isinstance(group_targets, list) else []
@@ -129,6 +158,11 @@ def parse_kv_cache(qc: dict) -> tuple[str | None, list[tuple[str, str]]]:
     want = KV_CACHE_SCHEME["fp8"]
     wrong = {k: scheme.get(k) for k in want if scheme.get(k) != want[k]} if isinstance(scheme, dict) else scheme
     if wrong:
-        return None, [(CONFIG_FILE, f"quantization_config.kv_cache_scheme has {wrong}; the FP8 KV cache "
-                                    f"needs {want} (or null: no quantized KV cache)")]
+        return None, [
+            (
+                CONFIG_FILE,
+                f"quantization_config.kv_cache_scheme has {wrong}; the FP8 KV cache "
+                f"needs {want} (or null: no quantized KV cache)",
+            )
+        ]
     return "fp8", []

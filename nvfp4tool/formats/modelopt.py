@@ -32,30 +32,43 @@ QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
 KV_CACHE_ALGO = {"fp8": "FP8"}  # --kv-cache -> kv_cache_quant_algo
 KV_CACHE_SCHEME = {"fp8": {"dynamic": False, "num_bits": 8, "type": "float"}}  # config.json's form
 KV_SCALES = KVScaleSpec(k_suffix="k_proj.k_scale", v_suffix="v_proj.v_scale", shape=())
-REQUIRED_KEYS = {"nvfp4": ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"),
-                 "fp8": ("quant_algo", "kv_cache_quant_algo", "exclude_modules")}
+REQUIRED_KEYS = {
+    "nvfp4": ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"),
+    "fp8": ("quant_algo", "kv_cache_quant_algo", "exclude_modules"),
+}
 
 
 def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
-    weights: dict[str, Any] = ({"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK, "dynamic": False}
-                               if spec.is_nvfp4 else {"num_bits": 8, "type": "float", "dynamic": False})
+    weights: dict[str, Any] = (
+        {"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK, "dynamic": False}
+        if spec.is_nvfp4
+        else {"num_bits": 8, "type": "float", "dynamic": False}
+    )
     group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
     if spec.has_input_scales:
         group["input_activations"] = dict(weights)
-    config: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": QUANT_ALGO[spec.quant],
-                              "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
-                              "kv_cache_scheme": KV_CACHE_SCHEME.get(kv_cache), "ignore": list(excluded),
-                              "exclude_modules": list(excluded), "config_groups": {"group_0": group}}
+    config: dict[str, Any] = {
+        "quant_method": "modelopt",
+        "quant_algo": QUANT_ALGO[spec.quant],
+        "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
+        "kv_cache_scheme": KV_CACHE_SCHEME.get(kv_cache),
+        "ignore": list(excluded),
+        "exclude_modules": list(excluded),
+        "config_groups": {"group_0": group},
+    }
     if spec.is_nvfp4:
         config["group_size"] = NVFP4_BLOCK
     return config
 
 
-def _hf_quant_config(spec: LayoutSpec, excluded: tuple[str, ...], producer: dict[str, str],
-                     kv_cache: str | None) -> dict[str, Any]:
-    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGO[spec.quant],
-                                    "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
-                                    "exclude_modules": list(excluded)}
+def _hf_quant_config(
+    spec: LayoutSpec, excluded: tuple[str, ...], producer: dict[str, str], kv_cache: str | None
+) -> dict[str, Any]:
+    quantization: dict[str, Any] = {
+        "quant_algo": QUANT_ALGO[spec.quant],
+        "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
+        "exclude_modules": list(excluded),
+    }
     if spec.is_nvfp4:
         quantization["group_size"] = NVFP4_BLOCK
     return {"producer": producer, "quantization": quantization}
@@ -67,19 +80,30 @@ def _scalar(n: int, k: int) -> tuple[int, ...]:
 
 def _spec(quant: str) -> LayoutSpec:
     if quant == "fp8":
-        tensors = [TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
-                   TensorSpec("weight_global", "weight_scale", "F32", _scalar)]
+        tensors = [
+            TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+            TensorSpec("weight_global", "weight_scale", "F32", _scalar),
+        ]
     else:
-        tensors = [TensorSpec("weight", "weight", "U8", lambda n, k: (n, k // 2)),
-                   TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
-                   TensorSpec("weight_global", "weight_scale_2", "F32", _scalar)]
+        tensors = [
+            TensorSpec("weight", "weight", "U8", lambda n, k: (n, k // 2)),
+            TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
+            TensorSpec("weight_global", "weight_scale_2", "F32", _scalar),
+        ]
     if quant != "nvfp4-weight-only":
         tensors.append(TensorSpec("input_global", "input_scale", "F32", _scalar))
-    return LayoutSpec(format=FORMAT, quant=quant, tensors=tuple(tensors), convention="decode",
-                      pattern_style="fnmatch",
-                      element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-                      packing=1 if quant == "fp8" else 2, kv_scales=KV_SCALES, build_config=_config,
-                      build_hf_quant_config=_hf_quant_config)
+    return LayoutSpec(
+        format=FORMAT,
+        quant=quant,
+        tensors=tuple(tensors),
+        convention="decode",
+        pattern_style="fnmatch",
+        element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
+        packing=1 if quant == "fp8" else 2,
+        kv_scales=KV_SCALES,
+        build_config=_config,
+        build_hf_quant_config=_hf_quant_config,
+    )
 
 
 SPECS = {quant: _spec(quant) for quant in QUANT_ALGO}
@@ -98,7 +122,7 @@ def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tu
     if hf_quant is None:
         problems.append((HF_QUANT_CONFIG_FILE, "missing (TensorRT-LLM and vLLM's modelopt loader read it)"))
     elif not isinstance(quantization, dict):
-        problems.append((HF_QUANT_CONFIG_FILE, "has no \"quantization\" object"))
+        problems.append((HF_QUANT_CONFIG_FILE, 'has no "quantization" object'))
         quantization = None
     algo = (quantization or {}).get("quant_algo") or (qc.get("quant_algo") if isinstance(qc, dict) else None)
     quant = QUANT_OF_ALGO.get(algo) if isinstance(algo, str) else None
@@ -108,28 +132,40 @@ def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tu
         required = REQUIRED_KEYS["fp8" if quant == "fp8" else "nvfp4"]
         missing = [k for k in required if k not in quantization]
         if missing:
-            problems.append((HF_QUANT_CONFIG_FILE, f"quantization lacks {', '.join(missing)} (vLLM "
-                                                   f"requires {', '.join(required)})"))
+            problems.append(
+                (HF_QUANT_CONFIG_FILE, f"quantization lacks {', '.join(missing)} (vLLM requires {', '.join(required)})")
+            )
         if quant != "fp8" and "group_size" in quantization and quantization["group_size"] != NVFP4_BLOCK:
-            problems.append((HF_QUANT_CONFIG_FILE, f"group_size is {quantization['group_size']}, "
-                                                   f"NVFP4 needs {NVFP4_BLOCK}"))
+            problems.append(
+                (HF_QUANT_CONFIG_FILE, f"group_size is {quantization['group_size']}, NVFP4 needs {NVFP4_BLOCK}")
+            )
     exclude, source = (quantization or {}).get("exclude_modules"), HF_QUANT_CONFIG_FILE
     if not isinstance(qc, dict):
-        problems.append((CONFIG_FILE, "has no quantization_config (vLLM and transformers detect the "
-                                      "format from it)"))
+        problems.append((CONFIG_FILE, "has no quantization_config (vLLM and transformers detect the format from it)"))
     else:
         if qc.get("quant_method") != FORMAT:
-            problems.append((CONFIG_FILE, f"quantization_config.quant_method is "
-                                          f"{qc.get('quant_method')!r}, expected {FORMAT!r}"))
+            problems.append(
+                (CONFIG_FILE, f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected {FORMAT!r}")
+            )
         if qc.get("quant_algo") != algo:
-            problems.append((CONFIG_FILE, f"quantization_config.quant_algo is {qc.get('quant_algo')!r} "
-                                          f"but {HF_QUANT_CONFIG_FILE} says {algo!r}"))
+            problems.append(
+                (
+                    CONFIG_FILE,
+                    f"quantization_config.quant_algo is {qc.get('quant_algo')!r} "
+                    f"but {HF_QUANT_CONFIG_FILE} says {algo!r}",
+                )
+            )
         ignore = qc.get("ignore", qc.get("exclude_modules"))
         if exclude is None:
             exclude, source = ignore, CONFIG_FILE
         elif ignore is not None and _sorted(ignore) != _sorted(exclude):
-            problems.append((CONFIG_FILE, f"quantization_config.ignore {ignore} differs from "
-                                          f"{HF_QUANT_CONFIG_FILE} exclude_modules {exclude}"))
+            problems.append(
+                (
+                    CONFIG_FILE,
+                    f"quantization_config.ignore {ignore} differs from "
+                    f"{HF_QUANT_CONFIG_FILE} exclude_modules {exclude}",
+                )
+            )
     return quant, exclude, source, problems
 
 
@@ -147,16 +183,30 @@ def parse_kv_cache(qc: Any, hf_quant: Any) -> tuple[str | None, list[tuple[str, 
     of_algo = {a: kv for kv, a in KV_CACHE_ALGO.items()}
     kv = of_algo.get(algo) if isinstance(algo, str) else None
     if algo is not None and kv is None:
-        problems.append((HF_QUANT_CONFIG_FILE, f"kv_cache_quant_algo {algo!r} is not supported; "
-                                               f"supported: {', '.join(KV_CACHE_ALGO.values())} or null"))
+        problems.append(
+            (
+                HF_QUANT_CONFIG_FILE,
+                f"kv_cache_quant_algo {algo!r} is not supported; "
+                f"supported: {', '.join(KV_CACHE_ALGO.values())} or null",
+            )
+        )
     if isinstance(qc, dict):
         scheme, qc_algo = qc.get("kv_cache_scheme"), qc.get("kv_cache_quant_algo")
         by_scheme = next((k for k, v in KV_CACHE_SCHEME.items() if scheme == v), None)
         if scheme is not None and by_scheme is None:
-            problems.append((CONFIG_FILE, f"quantization_config.kv_cache_scheme {scheme!r} is not "
-                                          f"{KV_CACHE_SCHEME['fp8']} (FP8) or null"))
+            problems.append(
+                (
+                    CONFIG_FILE,
+                    f"quantization_config.kv_cache_scheme {scheme!r} is not {KV_CACHE_SCHEME['fp8']} (FP8) or null",
+                )
+            )
         elif by_scheme != kv or (qc_algo is not None and qc_algo != algo):
-            problems.append((CONFIG_FILE, f"quantization_config.kv_cache_scheme {scheme!r} / "
-                                          f"kv_cache_quant_algo {qc_algo!r} disagree with "
-                                          f"{HF_QUANT_CONFIG_FILE} kv_cache_quant_algo {algo!r}"))
+            problems.append(
+                (
+                    CONFIG_FILE,
+                    f"quantization_config.kv_cache_scheme {scheme!r} / "
+                    f"kv_cache_quant_algo {qc_algo!r} disagree with "
+                    f"{HF_QUANT_CONFIG_FILE} kv_cache_quant_algo {algo!r}",
+                )
+            )
     return kv, problems

@@ -104,8 +104,7 @@ class LayoutSpec:
     packing: int  # elements per stored weight item along K (2 for packed E2M1, 1 for FP8)
     kv_scales: KVScaleSpec  # where FP8 KV-cache scales go (written only with --kv-cache fp8)
     build_config: Callable[[LayoutSpec, tuple[str, ...], str | None], dict[str, Any]]
-    build_hf_quant_config: Callable[[LayoutSpec, tuple[str, ...], dict[str, str], str | None],
-                                    dict[str, Any]] | None
+    build_hf_quant_config: Callable[[LayoutSpec, tuple[str, ...], dict[str, str], str | None], dict[str, Any]] | None
 
     # ---------------------------------------------------------------- tensors
     @property
@@ -171,8 +170,10 @@ class LayoutSpec:
         for name, value in tensors.items():
             owner, _, suffix = name.rpartition(".")
             if owner != module or suffix not in by_suffix:
-                raise NVFP4ToolError(f"{name}: not a tensor of a {self.label} quantized module "
-                                     f"(expected {module}.{{{', '.join(by_suffix)}}})")
+                raise NVFP4ToolError(
+                    f"{name}: not a tensor of a {self.label} quantized module "
+                    f"(expected {module}.{{{', '.join(by_suffix)}}})"
+                )
             role = by_suffix[suffix].role
             roles[role] = self.decode_global(value) if role in GLOBAL_ROLES else value
         missing = [t.suffix for t in self.tensors if t.role not in roles]
@@ -182,9 +183,10 @@ class LayoutSpec:
 
     def from_roles(self, module: str, roles: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """{role: value} (global scales as S_dec) -> this layout's named tensors, in file order."""
-        return {f"{module}.{t.suffix}": (self.stored_global(roles[t.role]) if t.role in GLOBAL_ROLES
-                                         else roles[t.role])
-                for t in self.tensors}
+        return {
+            f"{module}.{t.suffix}": (self.stored_global(roles[t.role]) if t.role in GLOBAL_ROLES else roles[t.role])
+            for t in self.tensors
+        }
 
     # ---------------------------------------------------------------- configs
     def quantization_config(self, excluded: tuple[str, ...], kv_cache: str | None = None) -> dict[str, Any]:
@@ -192,8 +194,9 @@ class LayoutSpec:
         announcing a quantized KV cache (`kv_cache`: one of KV_CACHES) or none."""
         return self.build_config(self, tuple(excluded), kv_cache)
 
-    def hf_quant_config(self, excluded: tuple[str, ...], producer: dict[str, str],
-                        kv_cache: str | None = None) -> dict[str, Any] | None:
+    def hf_quant_config(
+        self, excluded: tuple[str, ...], producer: dict[str, str], kv_cache: str | None = None
+    ) -> dict[str, Any] | None:
         """hf_quant_config.json (ModelOpt layouts), None for layouts without one."""
         if self.build_hf_quant_config is None:
             return None

@@ -38,8 +38,9 @@ from nvfp4tool.records.validation import ValidationRecord
 LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
 
 
-def card_identity(folder: str, base_model: str | None = None, license: str | None = None
-                  ) -> tuple[str | None, str | None]:
+def card_identity(
+    folder: str, base_model: str | None = None, license: str | None = None
+) -> tuple[str | None, str | None]:
     """(base_model, license) the card's metadata gives: the arguments when set, else the
     provenance's source repo id and the source's license; None where unknown."""
     provenance = _provenance(folder)
@@ -49,8 +50,15 @@ def card_identity(folder: str, base_model: str | None = None, license: str | Non
     return base_model, license
 
 
-def build_model_card(folder: str, report: Any, *, repo_id: str, validation: ValidationRecord | None,
-                     base_model: str | None = None, license: str | None = None) -> str:
+def build_model_card(
+    folder: str,
+    report: Any,
+    *,
+    repo_id: str,
+    validation: ValidationRecord | None,
+    base_model: str | None = None,
+    license: str | None = None,
+) -> str:
     """README.md text for the export in `folder`, checked as `report` (a check.CheckReport).
 
     `base_model` / `license` override what the provenance record and the source folder say;
@@ -60,9 +68,13 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
     provenance = _provenance(folder)
     base_model, license = card_identity(folder, base_model, license)
     data = ModelCardData(
-        base_model=base_model, base_model_relation="quantized" if base_model else None,
-        library_name=LIBRARY_NAME.get(spec.format, spec.format), pipeline_tag="text-generation",
-        tags=[*quant_tags(spec), spec.format, "nvfp4tool"], license=license)
+        base_model=base_model,
+        base_model_relation="quantized" if base_model else None,
+        library_name=LIBRARY_NAME.get(spec.format, spec.format),
+        pipeline_tag="text-generation",
+        tags=[*quant_tags(spec), spec.format, "nvfp4tool"],
+        license=license,
+    )
     name = repo_id.split("/")[-1]
     model_type = read_hf_config(folder)[1].get("model_type")
     what = f"a `{model_type}` model" if isinstance(model_type, str) else "a model"
@@ -72,8 +84,11 @@ def build_model_card(folder: str, report: Any, *, repo_id: str, validation: Vali
         f" in the **{spec.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
         f"before upload ({report.tensors_checked} tensors, {len(report.modules)} quantized modules, "
         "no problems found).",
-        *([_mismatch_banner(validation, provenance)] if validation is not None and validation.source_mismatch_ok
-          else []),
+        *(
+            [_mismatch_banner(validation, provenance)]
+            if validation is not None and validation.source_mismatch_ok
+            else []
+        ),
         _quantized_section(report, layout, provenance),
         _validation_section(validation, provenance),
         *_eval_section(folder),
@@ -131,7 +146,7 @@ def _provenance(folder: str) -> ExportRecord | None:
 
 
 def _wa(spec: formats.LayoutSpec) -> str:
-    """"w4a4" / "w4a16" / "w8a8": weight bits, activation bits (16: BF16, not quantized)."""
+    """ "w4a4" / "w4a16" / "w8a8": weight bits, activation bits (16: BF16, not quantized)."""
     weight_bits = 4 if spec.is_nvfp4 else 8
     return f"w{weight_bits}a{weight_bits if spec.has_input_scales else 16}"
 
@@ -140,21 +155,38 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
     spec = layout.spec
     quantized = _collapse_layers(m.module for m in report.modules)
     kept = list(dict.fromkeys([*layout.exclude, *(provenance.exclude_modules if provenance else ())]))
-    blocks = ("16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor"
-              if spec.is_nvfp4 else "one FP32 scale per tensor")
-    activations = ("; activations quantized on the fly with a calibrated per-tensor input scale"
-                   if spec.has_input_scales else "; activations stay BF16 (weight-only, no input scales)")
-    lines = ["## What was quantized", "",
-             f"{len(report.modules)} linear modules in {quant_text(spec)}, {blocks}{activations}.", "",
-             "| modules | count |", "|---|---|"]
+    blocks = (
+        "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor"
+        if spec.is_nvfp4
+        else "one FP32 scale per tensor"
+    )
+    activations = (
+        "; activations quantized on the fly with a calibrated per-tensor input scale"
+        if spec.has_input_scales
+        else "; activations stay BF16 (weight-only, no input scales)"
+    )
+    lines = [
+        "## What was quantized",
+        "",
+        f"{len(report.modules)} linear modules in {quant_text(spec)}, {blocks}{activations}.",
+        "",
+        "| modules | count |",
+        "|---|---|",
+    ]
     lines += [f"| `{pattern}` | {count} |" for pattern, count in quantized]
-    lines += ["", "Kept in BF16: embeddings, norms"
-              + (", and the excluded modules " + ", ".join(f"`{k}`" for k in _collapse_names(kept))
-                 if kept else "") + "."]
+    lines += [
+        "",
+        "Kept in BF16: embeddings, norms"
+        + (", and the excluded modules " + ", ".join(f"`{k}`" for k in _collapse_names(kept)) if kept else "")
+        + ".",
+    ]
     if layout.kv_cache is not None:
-        lines += ["", f"KV cache: {layout.kv_cache.upper()} (E4M3) with one calibrated K and one V scale per "
-                      "attention layer (amax / 448, keys after RoPE); vLLM applies them with "
-                      f"`--kv-cache-dtype {layout.kv_cache}`."]
+        lines += [
+            "",
+            f"KV cache: {layout.kv_cache.upper()} (E4M3) with one calibrated K and one V scale per "
+            "attention layer (amax / 448, keys after RoPE); vLLM applies them with "
+            f"`--kv-cache-dtype {layout.kv_cache}`.",
+        ]
     if provenance is not None:
         lines += ["", "Methods that shaped the bytes: " + "; ".join(_methods(provenance)) + "."]
     return "\n".join(lines)
@@ -162,16 +194,21 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
 
 def _methods(provenance: ExportRecord) -> list[str]:
     """Every choice of the export that changed the written bytes, in words."""
-    methods = [f"block-scale search {_scale_search(provenance.scale_search)}",
-               f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks",
-               _rounding(provenance)]
+    methods = [
+        f"block-scale search {_scale_search(provenance.scale_search)}",
+        f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks",
+        _rounding(provenance),
+    ]
     if provenance.quant != "nvfp4-weight-only" and provenance.input_amax_origin:
         methods.append(f"input scales from {provenance.input_amax_origin}")
     if provenance.kv_cache != "none":
         methods.append(f"{provenance.kv_cache.upper()} KV-cache scales calibrated per attention layer")
     if provenance.exclude_modules:
-        methods.append(f"{len(provenance.exclude_modules)} module(s) kept in BF16 ("
-                       + ", ".join(f"`{k}`" for k in _collapse_names(list(provenance.exclude_modules))) + ")")
+        methods.append(
+            f"{len(provenance.exclude_modules)} module(s) kept in BF16 ("
+            + ", ".join(f"`{k}`" for k in _collapse_names(list(provenance.exclude_modules)))
+            + ")"
+        )
     return methods
 
 
@@ -185,17 +222,24 @@ def _rounding(provenance: ExportRecord) -> str:
     gptq = provenance.gptq
     if gptq is None:
         return "GPTQ weight rounding (settings not recorded)"
-    return (f"GPTQ weight rounding (damp {gptq.damp:g} x mean diag(H), {gptq.block_size}-column blocks, "
-            f"act order {gptq.act_order}, block scales {gptq.block_scales}; output error on the calibration inputs "
-            f"{gptq.mean_output_err_reduction:.1%} below round-to-nearest's, mean over the linears)")
+    return (
+        f"GPTQ weight rounding (damp {gptq.damp:g} x mean diag(H), {gptq.block_size}-column blocks, "
+        f"act order {gptq.act_order}, block scales {gptq.block_scales}; output error on the calibration inputs "
+        f"{gptq.mean_output_err_reduction:.1%} below round-to-nearest's, mean over the linears)"
+    )
 
 
 def _mismatch_banner(validation: ValidationRecord, provenance: ExportRecord | None) -> str:
-    exported = (f"the export's source `{portable_name(provenance.source.name)}` (nvfp4tool_export.json)"
-                if provenance is not None else "the source the export was made from")
-    return (f"> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
-            f"below measure this export against `{validation.source.name}`, whose weights are not those of "
-            f"{exported}.")
+    exported = (
+        f"the export's source `{portable_name(provenance.source.name)}` (nvfp4tool_export.json)"
+        if provenance is not None
+        else "the source the export was made from"
+    )
+    return (
+        f"> **Validated against another source** (`nvfp4tool validate --source-mismatch-ok`): the numbers "
+        f"below measure this export against `{validation.source.name}`, whose weights are not those of "
+        f"{exported}."
+    )
 
 
 def _eval_section(folder: str) -> list[str]:
@@ -206,23 +250,34 @@ def _eval_section(folder: str) -> list[str]:
 
     if not EvalRecord.exists(folder):
         return []
-    return [markdown(EvalRecord.read(folder)).strip() + f"\n\nPer-item scores: `eval_items.json`; full report: "
-            f"`{EvalRecord.FILE_NAME}`."]
+    return [
+        markdown(EvalRecord.read(folder)).strip() + f"\n\nPer-item scores: `eval_items.json`; full report: "
+        f"`{EvalRecord.FILE_NAME}`."
+    ]
 
 
 def _validation_section(validation: ValidationRecord | None, provenance: ExportRecord | None) -> str:
     from nvfp4tool.validate.report import markdown, verdict
 
     if validation is None:
-        return ("## Validation\n\nNot validated: published with `--no-validation`. Run "
-                "`nvfp4tool validate` against the BF16 source and an FP8 reference before relying on it.")
+        return (
+            "## Validation\n\nNot validated: published with `--no-validation`. Run "
+            "`nvfp4tool validate` against the BF16 source and an FP8 reference before relying on it."
+        )
     outcome = "passed" if validation.passed else "did not pass"
     table = re.sub(r"\A## Validation\s*\n", "", markdown(validation)).strip()  # validate writes its own heading
-    table = table.replace(verdict(validation), _verdict(validation)) if verdict(validation) in table else \
-        table + "\n\n" + _verdict(validation)
-    lines = ["## Validation", "",
-             f"`nvfp4tool validate` {outcome} its thresholds, measured against {_references(validation)}. "
-             f"Full report: `{ValidationRecord.FILE_NAME}`.", ""]
+    table = (
+        table.replace(verdict(validation), _verdict(validation))
+        if verdict(validation) in table
+        else table + "\n\n" + _verdict(validation)
+    )
+    lines = [
+        "## Validation",
+        "",
+        f"`nvfp4tool validate` {outcome} its thresholds, measured against {_references(validation)}. "
+        f"Full report: `{ValidationRecord.FILE_NAME}`.",
+        "",
+    ]
     if validation.source_mismatch_ok:
         lines += [_mismatch_banner(validation, provenance), ""]
     lines += [table, "", _thresholds_table(validation)]
@@ -235,8 +290,9 @@ def _references(validation: ValidationRecord) -> str:
     if not fp8_reference_ran(validation):
         return f"{source} only (no FP8 reference was run: `--reference bf16`)"
     named = f" `{validation.reference_export.name}`" if validation.reference_export is not None else ""
-    calibrated = (f"; its input scales from {validation.reference_calibration}"
-                  if validation.reference_calibration else "")
+    calibrated = (
+        f"; its input scales from {validation.reference_calibration}" if validation.reference_calibration else ""
+    )
     return f"{source} and the FP8 reference{named} ({validation.reference}{calibrated})"
 
 
@@ -249,13 +305,17 @@ def _verdict(validation: ValidationRecord) -> str:
     loosened = [c for c in changes if c[3] == "loosened"]
     tightened = [c for c in changes if c[3] == "tightened"]
     if loosened:
-        text = ("**PASSED** its thresholds, **some loosened from the defaults**: "
-                + "; ".join(f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in loosened))
+        text = "**PASSED** its thresholds, **some loosened from the defaults**: " + "; ".join(
+            f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in loosened
+        )
     else:
         text = "**PASSED** all thresholds" + (" at their defaults" if not tightened else "")
     if tightened:
-        text += (", tightened: " if loosened else " (tightened from the defaults: ") + "; ".join(
-            f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in tightened) + ("" if loosened else ")")
+        text += (
+            (", tightened: " if loosened else " (tightened from the defaults: ")
+            + "; ".join(f"`{k}` {_limit(u)} (default {_limit(d)})" for k, u, d, _ in tightened)
+            + ("" if loosened else ")")
+        )
     return text + "."
 
 
@@ -289,62 +349,91 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         ("weight rounding", _rounding(provenance)),
         ("weight block scaling", provenance.weight_block),
         ("input scales from", provenance.input_amax_origin),
-        ("KV cache", None if provenance.kv_cache == "none" else
-         f"{provenance.kv_cache.upper()} E4M3, one K and one V scale (amax / 448) per attention layer, "
-         f"{len(provenance.kv_amax or {})} layers calibrated"),
+        (
+            "KV cache",
+            None
+            if provenance.kv_cache == "none"
+            else f"{provenance.kv_cache.upper()} E4M3, one K and one V scale (amax / 448) per attention layer, "
+            f"{len(provenance.kv_amax or {})} layers calibrated",
+        ),
         ("kept in BF16", ", ".join(f"`{k}`" for k in _collapse_names(list(provenance.exclude_modules))) or "none"),
-        ("calibration", None if calibration is None else
-         f"{calibration.file}: samples {calibration.samples}, seq_len {calibration.seq_len}, "
-         f"sha256 {calibration.sha256}"),
-        ("MoE experts", None if calibration is None or not calibration.all_experts else
-         f"all-experts calibration; {len(calibration.unrouted_experts)} of {len(calibration.routed_tokens)} "
-         f"experts got no routed calibration token"),
+        (
+            "calibration",
+            None
+            if calibration is None
+            else f"{calibration.file}: samples {calibration.samples}, seq_len {calibration.seq_len}, "
+            f"sha256 {calibration.sha256}",
+        ),
+        (
+            "MoE experts",
+            None
+            if calibration is None or not calibration.all_experts
+            else f"all-experts calibration; {len(calibration.unrouted_experts)} of {len(calibration.routed_tokens)} "
+            f"experts got no routed calibration token",
+        ),
     ]
     if provenance.recipe:
         rows.append(("training recipe", json.dumps(provenance.recipe, sort_keys=True)))
     errors = [layer.rel_l2 for layer in provenance.layers.values()]
     if errors:
-        rows.append(("weight rel. L2 error", f"mean {sum(errors) / len(errors):.4g}, max {max(errors):.4g} "
-                                             f"over {len(errors)} layers"))
+        rows.append(
+            (
+                "weight rel. L2 error",
+                f"mean {sum(errors) / len(errors):.4g}, max {max(errors):.4g} over {len(errors)} layers",
+            )
+        )
     body = "\n".join(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))
-    return ("## Recipe and provenance\n\n| | |\n|---|---|\n" + body +
-            f"\n\nThe full record, with the sha256 of every source weight file and written tensor, is "
-            f"`{ExportRecord.FILE_NAME}`.")
+    return (
+        "## Recipe and provenance\n\n| | |\n|---|---|\n"
+        + body
+        + f"\n\nThe full record, with the sha256 of every source weight file and written tensor, is "
+        f"`{ExportRecord.FILE_NAME}`."
+    )
 
 
 def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | None) -> str:
     """How to serve what this layout stores (W4A4 / W4A16 / W8A8 from the spec)."""
     kv_flag = f" --kv-cache-dtype {kv_cache}" if kv_cache else ""
     if spec.is_nvfp4 and spec.has_input_scales:
-        kernels = ("NVFP4 W4A4: FP4 tensor-core GEMMs on Blackwell; on Hopper/Ampere the weights run through "
-                   "weight-only FP4 Marlin kernels with BF16 activations")
+        kernels = (
+            "NVFP4 W4A4: FP4 tensor-core GEMMs on Blackwell; on Hopper/Ampere the weights run through "
+            "weight-only FP4 Marlin kernels with BF16 activations"
+        )
     elif spec.is_nvfp4:
-        kernels = ("NVFP4 W4A16: weight-only FP4 Marlin kernels, activations in BF16 on every GPU; no FP4 "
-                   "activation GEMMs, also on Blackwell")
+        kernels = (
+            "NVFP4 W4A16: weight-only FP4 Marlin kernels, activations in BF16 on every GPU; no FP4 "
+            "activation GEMMs, also on Blackwell"
+        )
     else:
         kernels = "FP8 W8A8 per tensor: FP8 GEMMs on Ada, Hopper and Blackwell; weight-only FP8 Marlin on Ampere"
     if spec.format == "compressed-tensors":
-        return (f"## How to serve it\n\nvLLM (compressed-tensors; {kernels}):\n\n"
-                f"```bash\nvllm serve {repo_id}{kv_flag}\n```\n\n"
-                "transformers (with `compressed-tensors` installed; decompresses to BF16, runs on CPU):\n\n"
-                "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                f"model = AutoModelForCausalLM.from_pretrained(\"{repo_id}\")\n"
-                f"tokenizer = AutoTokenizer.from_pretrained(\"{repo_id}\")\n```")
+        return (
+            f"## How to serve it\n\nvLLM (compressed-tensors; {kernels}):\n\n"
+            f"```bash\nvllm serve {repo_id}{kv_flag}\n```\n\n"
+            "transformers (with `compressed-tensors` installed; decompresses to BF16, runs on CPU):\n\n"
+            "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n```'
+        )
     algo = modelopt.QUANT_ALGO[spec.quant]
-    convert = ("`nvfp4tool convert-format DIR OUT --to compressed-tensors` converts it losslessly")
+    convert = "`nvfp4tool convert-format DIR OUT --to compressed-tensors` converts it losslessly"
     if not spec.has_input_scales and spec.is_nvfp4:
-        return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` (not loadable by "
-                f"transformers). vLLM's ModelOpt loader reads `{modelopt.QUANT_ALGO['nvfp4']}` (W4A4) and "
-                f"`{modelopt.QUANT_ALGO['fp8']}` checkpoints, not this weight-only one: to serve it with vLLM, "
-                f"convert it losslessly and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
-                f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```")
+        return (
+            f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` (not loadable by "
+            f"transformers). vLLM's ModelOpt loader reads `{modelopt.QUANT_ALGO['nvfp4']}` (W4A4) and "
+            f"`{modelopt.QUANT_ALGO['fp8']}` checkpoints, not this weight-only one: to serve it with vLLM, "
+            f"convert it losslessly and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
+            f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```"
+        )
     vllm_quant = "modelopt_fp4" if spec.is_nvfp4 else "modelopt"
-    return (f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}). Not "
-            f"loadable by transformers: {convert}.\n\n"
-            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization {vllm_quant}{kv_flag}\n```\n\n"
-            f"TensorRT-LLM:\n\n```bash\ntrtllm-serve {repo_id}\n```\n\n"
-            f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {repo_id} "
-            f"--quantization {vllm_quant}\n```")
+    return (
+        f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}). Not "
+        f"loadable by transformers: {convert}.\n\n"
+        f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization {vllm_quant}{kv_flag}\n```\n\n"
+        f"TensorRT-LLM:\n\n```bash\ntrtllm-serve {repo_id}\n```\n\n"
+        f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {repo_id} "
+        f"--quantization {vllm_quant}\n```"
+    )
 
 
 def _source_license(source_name: str, config: dict) -> str | None:
@@ -369,10 +458,12 @@ def _collapse_layers(names: Any) -> list[tuple[str, int]]:
     layers: dict[str, list[str]] = {}
     for name in names:
         match = re.search(r"\.(\d+)\.", name)
-        pattern = name if match is None else name[:match.start()] + ".{}." + name[match.end():]
+        pattern = name if match is None else name[: match.start()] + ".{}." + name[match.end() :]
         layers.setdefault(pattern, []).append(match.group(1) if match else "")
-    return [(p if "{}" not in p else p.replace("{}", "{" + ",".join(ids) + "}" if len(ids) > 1 else ids[0]),
-             len(ids)) for p, ids in layers.items()]
+    return [
+        (p if "{}" not in p else p.replace("{}", "{" + ",".join(ids) + "}" if len(ids) > 1 else ids[0]), len(ids))
+        for p, ids in layers.items()
+    ]
 
 
 def _collapse_names(names: list[str]) -> list[str]:

@@ -41,8 +41,9 @@ from nvfp4tool.records.validation import ValidationRecord
 REVALIDATE = "rerun `nvfp4tool validate` on the export"
 
 
-def verify_custody(folder: str, validation: ValidationRecord, upload: list[str], *,
-                   skip: tuple[str, ...] = ()) -> list[str]:
+def verify_custody(
+    folder: str, validation: ValidationRecord, upload: list[str], *, skip: tuple[str, ...] = ()
+) -> list[str]:
     """Refuse (NVFP4ToolError) an export whose files are not the validated ones or a validation of
     another source; returns the notices to print (a source mismatch the record allows). `upload`:
     the paths (POSIX, relative to `folder`) push would send; `skip`: paths push replaces itself.
@@ -57,26 +58,34 @@ def verify_claims(folder: str, validation: ValidationRecord, report: Any) -> Non
     check.CheckReport of `folder`), or a validation.md that is not its rendering."""
     where = ValidationRecord.path(folder)
     if (validation.quant, validation.format) != (report.quant, report.format):
-        raise NVFP4ToolError(f"{where}: validated a {validation.format} {validation.quant} export, but "
-                             f"{folder} is {report.format} {report.quant}; {REVALIDATE}")
+        raise NVFP4ToolError(
+            f"{where}: validated a {validation.format} {validation.quant} export, but "
+            f"{folder} is {report.format} {report.quant}; {REVALIDATE}"
+        )
     for label in ("bf16", validation.quant):
         if label not in validation.models:
             raise NVFP4ToolError(f"{where}: models: no metrics of {label!r}; {REVALIDATE}")
     has_fp8 = fp8_reference_ran(validation)
     if validation.quant != "fp8" and (validation.reference == "bf16") == has_fp8:
-        raise NVFP4ToolError(f"{where}: reference {validation.reference!r} but "
-                             f"{'an' if has_fp8 else 'no'} FP8 column in models; {REVALIDATE}")
+        raise NVFP4ToolError(
+            f"{where}: reference {validation.reference!r} but "
+            f"{'an' if has_fp8 else 'no'} FP8 column in models; {REVALIDATE}"
+        )
     thresholds = recorded_thresholds(validation, where)
     if validation.passed and validation.failures:
-        raise NVFP4ToolError(f"{where}: passed is true but it lists {len(validation.failures)} failed limit(s) "
-                             f"({', '.join(f.metric for f in validation.failures)}); {REVALIDATE}")
+        raise NVFP4ToolError(
+            f"{where}: passed is true but it lists {len(validation.failures)} failed limit(s) "
+            f"({', '.join(f.metric for f in validation.failures)}); {REVALIDATE}"
+        )
     if validation.passed:
         failed = _recheck(validation, thresholds, where)
         if failed:
             first = failed[0]
-            raise NVFP4ToolError(f"{where}: passed is true but its own metrics fail its thresholds: "
-                                 f"{first['metric']} ({first['detail']}) = {first['value']:.4g}, limit "
-                                 f"{first['limit']:.4g}; {REVALIDATE}")
+            raise NVFP4ToolError(
+                f"{where}: passed is true but its own metrics fail its thresholds: "
+                f"{first['metric']} ({first['detail']}) = {first['value']:.4g}, limit "
+                f"{first['limit']:.4g}; {REVALIDATE}"
+            )
     _verify_markdown(folder, validation)
 
 
@@ -89,9 +98,11 @@ def recorded_thresholds(validation: ValidationRecord, where: str = ValidationRec
     unknown = [k for k in validation.thresholds if k not in fields]
     missing = [k for k in fields if k not in validation.thresholds]
     if unknown or missing:
-        raise NVFP4ToolError(f"{where}: thresholds: " + (f"unknown limit {unknown[0]!r}" if unknown else
-                                                         f"missing limit {missing[0]!r}")
-                             + f" (expected: {', '.join(fields)}); {REVALIDATE}")
+        raise NVFP4ToolError(
+            f"{where}: thresholds: "
+            + (f"unknown limit {unknown[0]!r}" if unknown else f"missing limit {missing[0]!r}")
+            + f" (expected: {', '.join(fields)}); {REVALIDATE}"
+        )
     return Thresholds(**{k: validation.thresholds[k] for k in fields})
 
 
@@ -105,25 +116,38 @@ def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], 
     where = ValidationRecord.path(folder)
     validated = validation.export.sha256
     for name in validated:
-        if (not name or os.path.isabs(name) or "\\" in name
-                or posixpath.normpath(name) != name or name.split("/")[0] == ".."):
-            raise NVFP4ToolError(f"{where}: export.sha256 lists {name!r}, not a file inside the export "
-                                 f"(a malformed record); {REVALIDATE}")
+        if (
+            not name
+            or os.path.isabs(name)
+            or "\\" in name
+            or posixpath.normpath(name) != name
+            or name.split("/")[0] == ".."
+        ):
+            raise NVFP4ToolError(
+                f"{where}: export.sha256 lists {name!r}, not a file inside the export "
+                f"(a malformed record); {REVALIDATE}"
+            )
     uploaded = set(upload)
     for name in sorted(set(validated) | (uploaded - set(REPORT_FILES) - set(EVAL_FILES))):
         if name in skip:
             continue
         path = os.path.join(folder, *name.split("/"))
         if name not in validated:
-            raise NVFP4ToolError(f"{path}: not validated (validation.json does not list it: added or renamed "
-                                 f"after validation?); {REVALIDATE}, or remove the file")
+            raise NVFP4ToolError(
+                f"{path}: not validated (validation.json does not list it: added or renamed "
+                f"after validation?); {REVALIDATE}, or remove the file"
+            )
         if not os.path.isfile(path):
-            raise NVFP4ToolError(f"{path}: validated (listed in validation.json) but missing from the export; "
-                                 f"restore it, or {REVALIDATE}")
+            raise NVFP4ToolError(
+                f"{path}: validated (listed in validation.json) but missing from the export; "
+                f"restore it, or {REVALIDATE}"
+            )
         digest = sha256_file(path)
         if digest != validated[name]:
-            raise NVFP4ToolError(f"{path}: changed since validation (sha256 {digest[:12]}..., validation.json "
-                                 f"recorded {validated[name][:12]}...); {REVALIDATE}")
+            raise NVFP4ToolError(
+                f"{path}: changed since validation (sha256 {digest[:12]}..., validation.json "
+                f"recorded {validated[name][:12]}...); {REVALIDATE}"
+            )
 
 
 def _verify_source(folder: str, validation: ValidationRecord, provenance: ExportRecord | None) -> list[str]:
@@ -134,10 +158,14 @@ def _verify_source(folder: str, validation: ValidationRecord, provenance: Export
         return []
     where = ValidationRecord.path(folder)
     if validation.source_mismatch_ok:
-        return [f"Warning: {where}: validated against a source that is not the export's ({problem}); "
-                "published as `validate --source-mismatch-ok` recorded it, and the card says so"]
-    raise NVFP4ToolError(f"{where}: not a validation of this export's source: {problem}; rerun `nvfp4tool "
-                         "validate` with the source the export was made from")
+        return [
+            f"Warning: {where}: validated against a source that is not the export's ({problem}); "
+            "published as `validate --source-mismatch-ok` recorded it, and the card says so"
+        ]
+    raise NVFP4ToolError(
+        f"{where}: not a validation of this export's source: {problem}; rerun `nvfp4tool "
+        "validate` with the source the export was made from"
+    )
 
 
 def source_difference(validation: ValidationRecord, provenance: ExportRecord) -> str | None:
@@ -149,8 +177,10 @@ def source_difference(validation: ValidationRecord, provenance: ExportRecord) ->
         same = " (same weight files)" if named.sha256 == record.files else ""
         return f"it names {named.name!r}, {prov} names {record.name!r}{same}"
     if (validation.source_kind, validation.source_step) != (record.kind, record.step):
-        return (f"{_kind(validation.source_kind, validation.source_step)} in validation.json, "
-                f"{_kind(record.kind, record.step)} in {prov}")
+        return (
+            f"{_kind(validation.source_kind, validation.source_step)} in validation.json, "
+            f"{_kind(record.kind, record.step)} in {prov}"
+        )
     found = first_file_difference(record.files, named.sha256)
     if found is None:
         return None
@@ -159,8 +189,10 @@ def source_difference(validation: ValidationRecord, provenance: ExportRecord) ->
         return f"weight file {name!r} of {prov} is not among the validated source's files"
     if how == "extra":
         return f"weight file {name!r} of the validated source is not in {prov}"
-    return (f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
-            f"{record.files[name][:12]}... in {prov})")
+    return (
+        f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
+        f"{record.files[name][:12]}... in {prov})"
+    )
 
 
 def _kind(kind: str, step: int | None) -> str:
@@ -172,13 +204,20 @@ def _recheck(validation: ValidationRecord, thresholds: Any, where: str) -> list[
     `check_thresholds` reads: `<label>_weight_sqnr_db` per layer)."""
     from nvfp4tool.validate.thresholds import check_thresholds
 
-    layers = [{"name": row.name, **{f"{k}_weight_sqnr_db": v for k, v in row.weight_sqnr_db.items()},
-               **{f"{k}_output_sqnr_db": v for k, v in row.output_sqnr_db.items()}} for row in validation.layers]
+    layers = [
+        {
+            "name": row.name,
+            **{f"{k}_weight_sqnr_db": v for k, v in row.weight_sqnr_db.items()},
+            **{f"{k}_output_sqnr_db": v for k, v in row.output_sqnr_db.items()},
+        }
+        for row in validation.layers
+    ]
     try:
         return check_thresholds({"models": validation.models, "layers": layers}, thresholds, label=validation.quant)
     except KeyError as missing:
-        raise NVFP4ToolError(f"{where}: models.{validation.quant}: no {missing.args[0]!r} metric though its "
-                             f"limit is set; {REVALIDATE}") from None
+        raise NVFP4ToolError(
+            f"{where}: models.{validation.quant}: no {missing.args[0]!r} metric though its limit is set; {REVALIDATE}"
+        ) from None
 
 
 def verify_eval(folder: str, validation: ValidationRecord | None) -> None:
@@ -194,30 +233,43 @@ def verify_eval(folder: str, validation: ValidationRecord | None) -> None:
     if not EvalRecord.exists(folder):
         stray = [n for n in EVAL_FILES if os.path.exists(os.path.join(folder, n))]
         if stray:
-            raise NVFP4ToolError(f"{os.path.join(folder, stray[0])}: an eval report without "
-                                 f"{EvalRecord.FILE_NAME}; {rerun}")
+            raise NVFP4ToolError(
+                f"{os.path.join(folder, stray[0])}: an eval report without {EvalRecord.FILE_NAME}; {rerun}"
+            )
         return
     record = EvalRecord.read(folder)
-    expected = (validation.export.sha256 if validation is not None else
-                {os.path.relpath(f, folder).replace(os.sep, "/"): h for f, h in validated_files(folder).items()})
+    expected = (
+        validation.export.sha256
+        if validation is not None
+        else {os.path.relpath(f, folder).replace(os.sep, "/"): h for f, h in validated_files(folder).items()}
+    )
     if record.export.sha256 != expected:
         changed = sorted(set(record.export.sha256) ^ set(expected)) or sorted(
-            n for n in expected if record.export.sha256.get(n) != expected[n])
-        raise NVFP4ToolError(f"{EvalRecord.path(folder)}: measured other bytes than the "
-                             f"{'validated' if validation is not None else 'present'} export "
-                             f"(first: {changed[0] if changed else '?'}); {rerun}")
+            n for n in expected if record.export.sha256.get(n) != expected[n]
+        )
+        raise NVFP4ToolError(
+            f"{EvalRecord.path(folder)}: measured other bytes than the "
+            f"{'validated' if validation is not None else 'present'} export "
+            f"(first: {changed[0] if changed else '?'}); {rerun}"
+        )
     if EvalItems.exists(folder):
         EvalItems.read(folder)
-    _verify_rendering(os.path.join(folder, EVAL_MD), markdown(record),
-                      f"differs from what {EvalRecord.FILE_NAME} says (edited?); {rerun}")
+    _verify_rendering(
+        os.path.join(folder, EVAL_MD),
+        markdown(record),
+        f"differs from what {EvalRecord.FILE_NAME} says (edited?); {rerun}",
+    )
 
 
 def _verify_markdown(folder: str, validation: ValidationRecord) -> None:
     from nvfp4tool.validate.report import VALIDATION_MD, markdown
 
-    _verify_rendering(os.path.join(folder, VALIDATION_MD), markdown(validation),
-                      f"differs from what {ValidationRecord.FILE_NAME} says (edited after validation?); "
-                      f"{REVALIDATE}, or remove {VALIDATION_MD}")
+    _verify_rendering(
+        os.path.join(folder, VALIDATION_MD),
+        markdown(validation),
+        f"differs from what {ValidationRecord.FILE_NAME} says (edited after validation?); "
+        f"{REVALIDATE}, or remove {VALIDATION_MD}",
+    )
 
 
 def _verify_rendering(path: str, expected: str, problem: str) -> None:

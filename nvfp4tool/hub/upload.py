@@ -89,13 +89,16 @@ class PushResult:
 
     def file_table(self) -> str:
         width = max(len(p) for p, _ in self.files)
-        lines = [f"  {path:<{width}}  {format_size(size):>10}" + ("  (model card, generated)"
-                 if path == CARD_FILE else "") for path, size in self.files]
+        lines = [
+            f"  {path:<{width}}  {format_size(size):>10}" + ("  (model card, generated)" if path == CARD_FILE else "")
+            for path, size in self.files
+        ]
         return "\n".join(lines + [f"  {len(self.files)} files, {format_size(self.total_bytes)}"])
 
 
-def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
-                    echo: Callable[[str], None] = progress.info) -> PushResult:
+def push_checkpoint(
+    folder: str | os.PathLike, options: PushOptions, echo: Callable[[str], None] = progress.info
+) -> PushResult:
     """Check, card and upload the export at `folder` as `options` say (see the module docstring)."""
     folder = os.fspath(folder)
     _check_options(options)
@@ -103,8 +106,7 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
 
     files = upload_files(folder)
     validation = _read_validation(folder)
-    notices = (verify_custody(folder, validation, sorted(files), skip=(CARD_FILE,))
-               if validation is not None else [])
+    notices = verify_custody(folder, validation, sorted(files), skip=(CARD_FILE,)) if validation is not None else []
     report = check_checkpoint(folder)
     if not report.ok:
         for problem in report.problems:
@@ -112,8 +114,10 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
         raise NVFP4ToolError(report.failure("nothing uploaded"))
     echo(report.summary_line())
     if validation is None and options.require_validation:
-        raise NVFP4ToolError(f"{ValidationRecord.path(folder)}: no validation report; run `nvfp4tool validate` "
-                             "on the export first, or pass --no-validation to publish without one")
+        raise NVFP4ToolError(
+            f"{ValidationRecord.path(folder)}: no validation report; run `nvfp4tool validate` "
+            "on the export first, or pass --no-validation to publish without one"
+        )
     if validation is not None:
         verify_claims(folder, validation, report)
     verify_eval(folder, validation)
@@ -121,13 +125,17 @@ def push_checkpoint(folder: str | os.PathLike, options: PushOptions,
         echo(notice)
     base_model, license = card_identity(folder, options.base_model, options.license)
     if base_model is None:
-        echo("Warning: the model card has no base_model (the provenance names no Hub repo as the source); "
-             "pass --base-model ORG/NAME")
+        echo(
+            "Warning: the model card has no base_model (the provenance names no Hub repo as the source); "
+            "pass --base-model ORG/NAME"
+        )
     if license is None:
-        echo("Warning: the model card has no license (none in the source's README.md or config.json); "
-             "pass --license ID")
-    card = build_model_card(folder, report, repo_id=options.repo_id, validation=validation,
-                            base_model=base_model, license=license)
+        echo(
+            "Warning: the model card has no license (none in the source's README.md or config.json); pass --license ID"
+        )
+    card = build_model_card(
+        folder, report, repo_id=options.repo_id, validation=validation, base_model=base_model, license=license
+    )
     replaced = CARD_FILE in files
     files[CARD_FILE] = len(card.encode("utf-8"))
     result = PushResult(options.repo_id, sorted(files.items()), card, replaced, options.dry_run)
@@ -156,8 +164,9 @@ def _check_options(options: PushOptions) -> None:
     except HFValidationError:
         raise NVFP4UsageError(f"--repo-id {options.repo_id!r}: expected ORG/NAME") from None
     if "/" not in options.repo_id:
-        raise NVFP4UsageError(f"--repo-id {options.repo_id!r}: expected ORG/NAME (the user or organization, "
-                              "a slash, the model name)")
+        raise NVFP4UsageError(
+            f"--repo-id {options.repo_id!r}: expected ORG/NAME (the user or organization, a slash, the model name)"
+        )
     if not (math.isfinite(options.timeout) and options.timeout > 0):
         raise NVFP4UsageError(f"--timeout {options.timeout}: expected a number of seconds > 0")
     if options.tries < 1:
@@ -174,8 +183,10 @@ def _read_validation(folder: str) -> ValidationRecord | None:
     validation = ValidationRecord.read(folder)
     if not validation.passed:
         failed = ", ".join(f.metric for f in validation.failures)
-        raise NVFP4ToolError(f"{path}: the export failed validation{f' ({failed})' if failed else ''}; "
-                             "fix it (see validation.md) before publishing")
+        raise NVFP4ToolError(
+            f"{path}: the export failed validation{f' ({failed})' if failed else ''}; "
+            "fix it (see validation.md) before publishing"
+        )
     return validation
 
 
@@ -186,20 +197,31 @@ def _upload(folder: str, result: PushResult, options: PushOptions) -> None:
     if not token:
         raise NVFP4ToolError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
     api = HfApi(endpoint=options.endpoint, token=token)
-    with tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging, \
-            _bounded_http(options.timeout, options.tries), _hub_bars_follow_reporter():
+    with (
+        tempfile.TemporaryDirectory(prefix="nvfp4tool-push-") as staging,
+        _bounded_http(options.timeout, options.tries),
+        _hub_bars_follow_reporter(),
+    ):
         _stage(folder, staging, result)
         try:
             repo_url = api.create_repo(options.repo_id, private=options.private, exist_ok=True, repo_type="model")
             if options.revision not in (None, "main"):
                 api.create_branch(options.repo_id, branch=options.revision, exist_ok=True)
             # huggingface_hub's bars show the upload where they may (a terminal); else our lines
-            with progress.task("upload", total=len(result.files), unit="file",
-                               enabled=not getattr(progress.reporter(), "external_bars", True)) as task:
+            with progress.task(
+                "upload",
+                total=len(result.files),
+                unit="file",
+                enabled=not getattr(progress.reporter(), "external_bars", True),
+            ) as task:
                 commit = api.upload_folder(
-                    repo_id=options.repo_id, folder_path=staging, repo_type="model", revision=options.revision,
+                    repo_id=options.repo_id,
+                    folder_path=staging,
+                    repo_type="model",
+                    revision=options.revision,
                     create_pr=options.create_pr,
-                    commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)")
+                    commit_message=options.commit_message or "Upload checked export with model card (nvfp4tool push)",
+                )
                 task.advance(len(result.files), nbytes=result.total_bytes)
         except Exception as exc:  # any failure of the upload: one line, the token masked
             no_answer = _cause(exc, _NoAnswer)
@@ -233,8 +255,10 @@ class _NoAnswer(Exception):
 
     def __init__(self, url: str, timeout: float, tries: int) -> None:
         parts = urlparse(url)
-        super().__init__(f"{parts.scheme}://{parts.netloc}: no answer after {timeout:g} s "
-                         f"({tries} {'try' if tries == 1 else 'tries'})")
+        super().__init__(
+            f"{parts.scheme}://{parts.netloc}: no answer after {timeout:g} s "
+            f"({tries} {'try' if tries == 1 else 'tries'})"
+        )
 
 
 @contextlib.contextmanager
@@ -255,8 +279,9 @@ def _bounded_http(timeout: float, tries: int) -> Iterator[None]:
             raise _NoAnswer(str(request.url), timeout, attempts)
 
     previous = _http._GLOBAL_CLIENT_FACTORY  # no public getter; restored below
-    set_client_factory(lambda: httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(timeout),
-                                             transport=BoundedTransport()))
+    set_client_factory(
+        lambda: httpx2.Client(follow_redirects=True, timeout=httpx2.Timeout(timeout), transport=BoundedTransport())
+    )
     try:
         yield
     finally:

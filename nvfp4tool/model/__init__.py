@@ -16,5 +16,16 @@ from nvfp4tool.model.linear import LinearFn, default_linear
 from nvfp4tool.model.transformer import CausalLM, KVCache, default_positions, forward
 from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors
 
-__all__ = ["CausalLM", "KVCache", "KVFn", "LinearFn", "ModelTensorSource", "default_kv", "default_linear",
-           "default_positions", "forward", "generate", "model_from_tensors"]
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "KVFn",
+    "LinearFn",
+    "ModelTensorSource",
+    "default_kv",
+    "default_linear",
+    "default_positions",
+    "forward",
+    "generate",
+    "model_from_tensors",
+]

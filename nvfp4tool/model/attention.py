@@ -63,8 +63,7 @@ class AttentionMask:
         return "explicit" if self.allowed_BxTxS is not None else "causal"
 
 
-def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array,
-           mask: AttentionMask) -> jax.Array:
+def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array, mask: AttentionMask) -> jax.Array:
     """softmax(q k^T / sqrt(D), masked by `mask`) v: [B, T, H, D] in q's dtype (query head h uses
     kv head h // (H / KV)); k and v must have q's dtype.
 
@@ -72,30 +71,53 @@ def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array,
     finite negative, so a fully masked (padding) query row of an explicit mask is the mean of v
     rather than NaN. cuDNN: the same math in one fused kernel (online softmax in fp32).
     """
-    implementation = attention_implementation(_platform(), q_BxTxHxD.dtype, q_BxTxHxD.shape[-1],
-                                              q_BxTxHxD.shape[1], mask.kind)
+    implementation = attention_implementation(
+        _platform(), q_BxTxHxD.dtype, q_BxTxHxD.shape[-1], q_BxTxHxD.shape[1], mask.kind
+    )
     scale = q_BxTxHxD.shape[-1] ** -0.5
     if mask.allowed_BxTxS is not None:
-        return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, mask=mask.allowed_BxTxS[:, None],
-                                            scale=scale, implementation=implementation)
+        return jax.nn.dot_product_attention(
+            q_BxTxHxD,
+            k_BxSxKVxD,
+            v_BxSxKVxD,
+            mask=mask.allowed_BxTxS[:, None],
+            scale=scale,
+            implementation=implementation,
+        )
     window = None if mask.window is None else (mask.window - 1, 0)  # (keys before, keys after)
-    return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKVxD, v_BxSxKVxD, scale=scale, is_causal=True,
-                                        local_window_size=window, implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q_BxTxHxD,
+        k_BxSxKVxD,
+        v_BxSxKVxD,
+        scale=scale,
+        is_causal=True,
+        local_window_size=window,
+        implementation=implementation,
+    )
 
 
 def attention_implementation(platform: str, dtype: jnp.dtype, head_dim: int, seq_len: int, mask_kind: str) -> str:
-    """"cudnn" on a CUDA GPU for a causal mask over an even `seq_len`, bf16/fp16 q/k/v and a head
+    """ "cudnn" on a CUDA GPU for a causal mask over an even `seq_len`, bf16/fp16 q/k/v and a head
     dim cuDNN's flash kernel takes (a multiple of 8, <= 128); "xla" otherwise (the CPU, fp32, an
     explicit mask)."""
-    cudnn = (platform == "cuda" and mask_kind == "causal" and jnp.dtype(dtype) in _CUDNN_DTYPES
-             and head_dim % _CUDNN_HEAD_DIM_MULTIPLE == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
-             and seq_len % 2 == 0)
+    cudnn = (
+        platform == "cuda"
+        and mask_kind == "causal"
+        and jnp.dtype(dtype) in _CUDNN_DTYPES
+        and head_dim % _CUDNN_HEAD_DIM_MULTIPLE == 0
+        and head_dim <= _CUDNN_MAX_HEAD_DIM
+        and seq_len % 2 == 0
+    )
     return "cudnn" if cudnn else "xla"
 
 
-def attention_allowed(query_index_T: jax.Array, key_valid_BxS: jax.Array, sliding_window: int | None,
-                      query_positions_BxT: jax.Array | None = None,
-                      key_positions_BxS: jax.Array | None = None) -> jax.Array:
+def attention_allowed(
+    query_index_T: jax.Array,
+    key_valid_BxS: jax.Array,
+    sliding_window: int | None,
+    query_positions_BxT: jax.Array | None = None,
+    key_positions_BxS: jax.Array | None = None,
+) -> jax.Array:
     """[B, T, S] bool: query at sequence slot q may see the key in slot k iff k <= q and slot k is
     not padding, and (sliding window W) the key's position is within W - 1 of the query's.
 

@@ -66,8 +66,9 @@ class EqualizedSource:
                 self._rows[tensor] = found.s.astype(np.float32)
 
     @classmethod
-    def from_record(cls, source, record: EqualizationRecord, config: ModelConfig, *,
-                    as_stored: bool = False) -> EqualizedSource:
+    def from_record(
+        cls, source, record: EqualizationRecord, config: ModelConfig, *, as_stored: bool = False
+    ) -> EqualizedSource:
         """The folded model an export's record describes (validate compares the export with it;
         `train equalize_from=` starts from it, `as_stored`)."""
         return cls(source, scales_from_record(record, config), as_stored=as_stored)

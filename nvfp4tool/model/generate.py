@@ -25,11 +25,21 @@ from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.model.transformer import CausalLM, default_positions, empty_cache, forward_with_cache
 
 
-def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
-             attention_mask: jax.Array | None = None, greedy: bool = True, temperature: float = 1.0,
-             top_k: int | None = None, key: jax.Array | None = None, eos_token_id: int | None = None,
-             pad_token_id: int | None = None, linear: LinearFn | None = None,
-             kv: KVFn = default_kv) -> jax.Array:
+def generate(
+    model: CausalLM,
+    prompt_ids_BxT: jax.Array,
+    max_new_tokens: int,
+    *,
+    attention_mask: jax.Array | None = None,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: jax.Array | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    linear: LinearFn | None = None,
+    kv: KVFn = default_kv,
+) -> jax.Array:
     """New tokens [B, max_new_tokens] (int32) continuing each prompt row.
 
     attention_mask: 1 = prompt token, 0 = padding (every row needs at least one token).
@@ -47,8 +57,10 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
     if not bool(jnp.all(jnp.any(mask_BxT, axis=-1))):
         raise NVFP4ToolError("generate: a prompt row has no tokens (its attention mask is all zeros)")
     if _has_recurrent_layers(model) and not bool(jnp.all(mask_BxT[:, 1:] >= mask_BxT[:, :-1])):
-        raise NVFP4ToolError("generate: a model with Mamba layers needs left-padded prompts (a recurrent "
-                             "state cannot skip padding after the prompt, as HF's generate requires too)")
+        raise NVFP4ToolError(
+            "generate: a model with Mamba layers needs left-padded prompts (a recurrent "
+            "state cannot skip padding after the prompt, as HF's generate requires too)"
+        )
     if not greedy and key is None:
         raise NVFP4ToolError("generate: sampling (greedy=False) needs a PRNG key")
     if not greedy and not temperature > 0:
@@ -57,15 +69,26 @@ def generate(model: CausalLM, prompt_ids_BxT: jax.Array, max_new_tokens: int, *,
     if top_k is not None and not 1 <= top_k <= vocab_size:
         raise NVFP4ToolError(f"generate: top_k must be in 1..{vocab_size}, got {top_k}")
     options = _SamplingOptions(
-        greedy=jnp.asarray(greedy), temperature=jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
+        greedy=jnp.asarray(greedy),
+        temperature=jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
         top_k=jnp.asarray(top_k or vocab_size, jnp.int32),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
-        pad_token_id=jnp.asarray(pad_token_id if pad_token_id is not None else
-                                 (eos_token_id if eos_token_id is not None else 0), jnp.int32))
+        pad_token_id=jnp.asarray(
+            pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0), jnp.int32
+        ),
+    )
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt_ids_BxT, mask_BxT,
-                     key if key is not None else jax.random.key(0), options,
-                     max_new_tokens=max_new_tokens, linear=linear or model.linear, kv=kv)
+    return _generate(
+        graphdef,
+        state,
+        prompt_ids_BxT,
+        mask_BxT,
+        key if key is not None else jax.random.key(0),
+        options,
+        max_new_tokens=max_new_tokens,
+        linear=linear or model.linear,
+        kv=kv,
+    )
 
 
 def _has_recurrent_layers(model: CausalLM) -> bool:
@@ -92,12 +115,15 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     prompt_positions_BxT = default_positions(mask_BxT)
     first_position_B = jnp.sum(mask_BxT, axis=-1).astype(jnp.int32)
     key_positions_BxS = jnp.concatenate(
-        [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1)
+        [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1
+    )
     window = config.sliding_window
-    prompt_mask = AttentionMask.explicit(attention_allowed(jnp.arange(T), key_valid_BxS, window,
-                                                           prompt_positions_BxT, key_positions_BxS), mask_BxT)
-    logits_BxTxV, cache = forward_with_cache(model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask,
-                                             cache, 0, linear, kv)
+    prompt_mask = AttentionMask.explicit(
+        attention_allowed(jnp.arange(T), key_valid_BxS, window, prompt_positions_BxT, key_positions_BxS), mask_BxT
+    )
+    logits_BxTxV, cache = forward_with_cache(
+        model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv
+    )
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).
     last_index_B = T - 1 - jnp.argmax(mask_BxT[:, ::-1], axis=-1)
     next_logits_BxV = jnp.take_along_axis(logits_BxTxV, last_index_B[:, None, None], axis=1)[:, 0]
@@ -114,15 +140,16 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         slot = T + i  # cache slot of `token_B`
         position_Bx1 = (first_position_B + i)[:, None]
         step_mask = AttentionMask.explicit(
-            attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS))
-        logits_Bx1xV, cache = forward_with_cache(model, token_B[:, None], position_Bx1, step_mask, cache,
-                                                 slot, linear, kv)
+            attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS)
+        )
+        logits_Bx1xV, cache = forward_with_cache(
+            model, token_B[:, None], position_Bx1, step_mask, cache, slot, linear, kv
+        )
         key, step_key = jax.random.split(key)
         next_B, done_B = pick(logits_Bx1xV[:, 0], step_key, done_B)
         return (next_B, done_B, cache, key), token_B
 
-    (last_B, _, _, _), tokens_NxB = jax.lax.scan(step, (token_B, done_B, cache, key),
-                                                 jnp.arange(max_new_tokens - 1))
+    (last_B, _, _, _), tokens_NxB = jax.lax.scan(step, (token_B, done_B, cache, key), jnp.arange(max_new_tokens - 1))
     return jnp.concatenate([tokens_NxB.T, last_B[:, None]], axis=-1).astype(jnp.int32)
 
 

@@ -35,8 +35,9 @@ from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape
 class ReLU2MLP(nnx.Module):
     """down(relu(up(x))^2): a `-` layer's mixer, each routed expert, the shared expert."""
 
-    def __init__(self, dim: int, width: int, *, prefix: str, bias: bool, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, dim: int, width: int, *, prefix: str, bias: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
         self.up_proj = Linear(dim, width, bias=bias, name=f"{prefix}.up_proj", param_dtype=param_dtype, rngs=rngs)
         self.down_proj = Linear(width, dim, bias=bias, name=f"{prefix}.down_proj", param_dtype=param_dtype, rngs=rngs)
 
@@ -50,22 +51,44 @@ class ReLU2MLP(nnx.Module):
 class HybridMoE(nnx.Module):
     """An `E` layer's mixer (see the module docstring). `experts`: the family's HybridExperts."""
 
-    def __init__(self, dim: int, experts, *, prefix: str, mlp_bias: bool, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, dim: int, experts, *, prefix: str, mlp_bias: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
         n, width = experts.n_routed_experts, experts.moe_latent_size or dim
         self.gate = Linear(dim, n, bias=False, name=f"{prefix}.gate", param_dtype=jnp.float32, rngs=rngs)
         self.gate.e_score_correction_bias = nnx.Param(jnp.zeros((n,), jnp.float32))
-        self.experts = nnx.List([
-            ReLU2MLP(width, experts.moe_intermediate_size, prefix=f"{prefix}.experts.{e}", bias=False,
-                     param_dtype=param_dtype, rngs=rngs) for e in range(n)])
-        self.shared_experts = ReLU2MLP(dim, experts.moe_shared_expert_intermediate_size,
-                                       prefix=f"{prefix}.shared_experts", bias=mlp_bias, param_dtype=param_dtype,
-                                       rngs=rngs)
+        self.experts = nnx.List(
+            [
+                ReLU2MLP(
+                    width,
+                    experts.moe_intermediate_size,
+                    prefix=f"{prefix}.experts.{e}",
+                    bias=False,
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                )
+                for e in range(n)
+            ]
+        )
+        self.shared_experts = ReLU2MLP(
+            dim,
+            experts.moe_shared_expert_intermediate_size,
+            prefix=f"{prefix}.shared_experts",
+            bias=mlp_bias,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         latent = experts.moe_latent_size is not None
-        self.fc1_latent_proj = Linear(dim, width, bias=mlp_bias, name=f"{prefix}.fc1_latent_proj",
-                                      param_dtype=param_dtype, rngs=rngs) if latent else None
-        self.fc2_latent_proj = Linear(width, dim, bias=mlp_bias, name=f"{prefix}.fc2_latent_proj",
-                                      param_dtype=param_dtype, rngs=rngs) if latent else None
+        self.fc1_latent_proj = (
+            Linear(dim, width, bias=mlp_bias, name=f"{prefix}.fc1_latent_proj", param_dtype=param_dtype, rngs=rngs)
+            if latent
+            else None
+        )
+        self.fc2_latent_proj = (
+            Linear(width, dim, bias=mlp_bias, name=f"{prefix}.fc2_latent_proj", param_dtype=param_dtype, rngs=rngs)
+            if latent
+            else None
+        )
         self.routing = experts
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
@@ -73,8 +96,14 @@ class HybridMoE(nnx.Module):
         r = self.routing
         logits_BxTxN, router_side = self.gate(x_BxTxE.astype(jnp.float32), seam)
         weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
-            logits_BxTxN, r.num_experts_per_tok, correction_bias_N=self.gate.e_score_correction_bias[...],
-            n_group=r.n_group, topk_group=r.topk_group, normalize=r.norm_topk_prob, scaling=r.routed_scaling_factor)
+            logits_BxTxN,
+            r.num_experts_per_tok,
+            correction_bias_N=self.gate.e_score_correction_bias[...],
+            n_group=r.n_group,
+            topk_group=r.topk_group,
+            normalize=r.norm_topk_prob,
+            scaling=r.routed_scaling_factor,
+        )
         sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
         h_BxTxL = x_BxTxE
         if self.fc1_latent_proj is not None:
@@ -82,9 +111,9 @@ class HybridMoE(nnx.Module):
             sides.append(side)
         out_BxTxL = jnp.zeros(h_BxTxL.shape, jnp.float32)
         for e, expert in enumerate(self.experts):
-            routed = h_BxTxL if seam.all_experts else jnp.where(chosen_BxTxN[..., e:e + 1], h_BxTxL, 0)
+            routed = h_BxTxL if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], h_BxTxL, 0)
             y, side = expert(routed, seam)
-            out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e:e + 1]
+            out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e : e + 1]
             sides.append(side)
         out = out_BxTxL.astype(x_BxTxE.dtype)
         if self.fc2_latent_proj is not None:
@@ -98,9 +127,16 @@ def mamba_shape(config: ModelConfig) -> MambaShape:
     """The Mamba-2 mixer's sizes from a nemotron_h config (the gated norm's epsilon is the
     blocks' `layer_norm_epsilon`)."""
     f: HybridFields = config.family_config
-    return MambaShape(heads=f.mamba_num_heads, head_dim=f.mamba_head_dim, groups=f.n_groups, state=f.ssm_state_size,
-                      conv_kernel=f.conv_kernel, chunk=f.chunk_size, dt_limit=f.time_step_limit,
-                      eps=config.rms_norm_eps)
+    return MambaShape(
+        heads=f.mamba_num_heads,
+        head_dim=f.mamba_head_dim,
+        groups=f.n_groups,
+        state=f.ssm_state_size,
+        conv_kernel=f.conv_kernel,
+        chunk=f.chunk_size,
+        dt_limit=f.time_step_limit,
+        eps=config.rms_norm_eps,
+    )
 
 
 class HybridBlock(nnx.Module):
@@ -109,23 +145,31 @@ class HybridBlock(nnx.Module):
     residual. The same call as `transformer.Block`; its decode state is the attention's (k, v),
     the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
 
-    def __init__(self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
         E, prefix = config.hidden_size, f"{layer_name}.mixer"
         self.kind = kind
         self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=True)
         fields: HybridFields = config.family_config
         if kind == MAMBA:
-            self.mixer = Mamba2Mixer(E, mamba_shape(config), prefix=prefix, use_bias=fields.use_bias,
-                                     conv_bias=fields.use_conv_bias, param_dtype=param_dtype, rngs=rngs)
+            self.mixer = Mamba2Mixer(
+                E,
+                mamba_shape(config),
+                prefix=prefix,
+                use_bias=fields.use_bias,
+                conv_bias=fields.use_conv_bias,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
         elif kind == ATTENTION:
             self.mixer = Attention(config, prefix, param_dtype=param_dtype, rngs=rngs, rope=False)
         elif kind == MLP:
-            self.mixer = ReLU2MLP(E, config.intermediate_size, prefix=prefix, bias=False, param_dtype=param_dtype,
-                                  rngs=rngs)
+            self.mixer = ReLU2MLP(
+                E, config.intermediate_size, prefix=prefix, bias=False, param_dtype=param_dtype, rngs=rngs
+            )
         elif kind == MOE:
-            self.mixer = HybridMoE(E, fields.experts, prefix=prefix, mlp_bias=False, param_dtype=param_dtype,
-                                   rngs=rngs)
+            self.mixer = HybridMoE(E, fields.experts, prefix=prefix, mlp_bias=False, param_dtype=param_dtype, rngs=rngs)
         else:
             raise ValueError(f"{layer_name}: {kind!r} is not a hybrid layer kind")
 

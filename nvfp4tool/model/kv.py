@@ -19,8 +19,7 @@ import jax
 class KVFn(Protocol):
     """(k, v) as cached and used by the attention called `name`."""
 
-    def __call__(self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *,
-                 name: str) -> tuple[jax.Array, jax.Array]: ...
+    def __call__(self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str) -> tuple[jax.Array, jax.Array]: ...
 
 
 def default_kv(k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str) -> tuple[jax.Array, jax.Array]:

@@ -27,10 +27,10 @@ _INIT_STD = 0.02  # random init (training from scratch): normal(0, 0.02) weights
 class Linear(nnx.Module):
     """Weight [out, in] (HF orientation), optional bias; calls the linear seam with its HF name."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, name: str,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.weight = nnx.Param(
-            _INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), param_dtype))
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, name: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
+        self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features, in_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.name = name
 
@@ -79,8 +79,9 @@ class Attention(nnx.Module):
     """GQA self-attention: q/k/v projections, optional q/k norm, RoPE (unless `rope=False`: a
     family without positional encoding), masked softmax, o_proj."""
 
-    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 rope: bool = True) -> None:
+    def __init__(
+        self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, rope: bool = True
+    ) -> None:
         E, D = config.hidden_size, config.head_dim
         H, KV = config.num_heads, config.num_kv_heads
 
@@ -91,16 +92,23 @@ class Attention(nnx.Module):
         self.k_proj = proj("k_proj", E, KV * D, config.attention_bias)
         self.v_proj = proj("v_proj", E, KV * D, config.attention_bias)
         self.o_proj = proj("o_proj", H * D, E, config.o_proj_bias)
-        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
+        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
         self.name = prefix  # the KV seam's name of this layer
         self.rope = rope
 
-    def __call__(self, x_BxTxE: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array,
-                 mask: AttentionMask, cache_kv: tuple[jax.Array, jax.Array] | None,
-                 write_index: jax.Array | int, seam: Seam):
+    def __call__(
+        self,
+        x_BxTxE: jax.Array,
+        cos_BxTxD: jax.Array,
+        sin_BxTxD: jax.Array,
+        mask: AttentionMask,
+        cache_kv: tuple[jax.Array, jax.Array] | None,
+        write_index: jax.Array | int,
+        seam: Seam,
+    ):
         """Returns (y_BxTxE, (k, v), side): k/v the updated cache [B, S, KV, D] (or this chunk's,
         no cache)."""
         B, T, _ = x_BxTxE.shape
@@ -121,8 +129,7 @@ class Attention(nnx.Module):
             start = (0, write_index, 0, 0)
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
-        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype),
-                             mask)
+        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype), mask)
         y_BxTxE, o_side = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
 
@@ -131,9 +138,16 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); projections named gate_proj/up_proj/down_proj (a dense
     MLP, a Qwen3-MoE expert) or `names` (a Mixtral expert: w1/w3/w2)."""
 
-    def __init__(self, config: ModelConfig, prefix: str, *, width: int | None = None,
-                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        *,
+        width: int | None = None,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ) -> None:
         E, F = config.hidden_size, width or config.intermediate_size
         self.names = names
         for attr, k, n in zip(names, (E, E, F), (F, F, E)):
@@ -147,8 +161,9 @@ class MLP(nnx.Module):
         return y_BxTxE, merged(gate_side, up_side, down_side)
 
 
-def route(router_logits_BxTxN: jax.Array, k: int, normalize: bool,
-          weights_dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array]:
+def route(
+    router_logits_BxTxN: jax.Array, k: int, normalize: bool, weights_dtype: jnp.dtype = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
     """Top-k routing as transformers' Qwen3-MoE / Mixtral: softmax over the experts in fp32, the k
     largest probabilities, renormalised to sum to 1 when `normalize`, rounded to `weights_dtype`
     (Qwen3-MoE: the logits' dtype; Mixtral keeps fp32).
@@ -165,9 +180,16 @@ def route(router_logits_BxTxN: jax.Array, k: int, normalize: bool,
     return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
 
 
-
-def route_grouped_sigmoid(router_logits_BxTxN: jax.Array, k: int, *, correction_bias_N: jax.Array, n_group: int,
-                          topk_group: int, normalize: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+def route_grouped_sigmoid(
+    router_logits_BxTxN: jax.Array,
+    k: int,
+    *,
+    correction_bias_N: jax.Array,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[jax.Array, jax.Array]:
     """Top-k routing as Nemotron-H / DeepSeek-V3 (transformers' `NemotronHTopkRouter`): sigmoid
     scores in fp32; the correction bias is added only to choose: the experts split into `n_group`
     groups, each group scored by the sum of its two best biased scores, the `topk_group` best
@@ -192,6 +214,7 @@ def route_grouped_sigmoid(router_logits_BxTxN: jax.Array, k: int, *, correction_
     weights_BxTxN = jnp.sum(jnp.where(chosen_BxTxKxN, top_BxTxK[..., None], 0), axis=-2)
     return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
 
+
 class SparseMoE(nnx.Module):
     """A sparse MLP: the router (`gate`, [num_experts, E], kept in high precision by every recipe)
     scores each token, `route` picks its top-k experts, and the output is the routing-weighted sum
@@ -210,26 +233,45 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.gate = Linear(config.hidden_size, config.experts.num_experts, bias=False, name=f"{prefix}.gate",
-                           param_dtype=param_dtype, rngs=rngs)
-        self.experts = nnx.List([
-            MLP(config, f"{prefix}.experts.{e}", width=config.expert_intermediate_size,
-                names=config.expert_projections, param_dtype=param_dtype, rngs=rngs)
-            for e in range(config.experts.num_experts)])
+        self.gate = Linear(
+            config.hidden_size,
+            config.experts.num_experts,
+            bias=False,
+            name=f"{prefix}.gate",
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.experts = nnx.List(
+            [
+                MLP(
+                    config,
+                    f"{prefix}.experts.{e}",
+                    width=config.expert_intermediate_size,
+                    names=config.expert_projections,
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                )
+                for e in range(config.experts.num_experts)
+            ]
+        )
         self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         """(the output, side results: the experts' records, the router's logits under its name)."""
         logits_BxTxN, router_side = self.gate(x_BxTxE, seam)
-        weights_BxTxN, chosen_BxTxN = route(logits_BxTxN, self.top_k, self.normalize,
-                                            logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32)
+        weights_BxTxN, chosen_BxTxN = route(
+            logits_BxTxN,
+            self.top_k,
+            self.normalize,
+            logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32,
+        )
         out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
         sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
         for e, expert in enumerate(self.experts):
-            routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e:e + 1], x_BxTxE, 0)
+            routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
             y_BxTxE, expert_side = expert(routed_BxTxE, seam)
-            y_BxTxE = y_BxTxE * weights_BxTxN[..., e:e + 1]  # dtype promotion as torch
+            y_BxTxE = y_BxTxE * weights_BxTxN[..., e : e + 1]  # dtype promotion as torch
             out_BxTxE = out_BxTxE + y_BxTxE.astype(jnp.float32)
             sides.append(expert_side)
         return out_BxTxE.astype(x_BxTxE.dtype), merged(*sides)

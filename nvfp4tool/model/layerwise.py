@@ -72,21 +72,40 @@ STAR = layer_prefix("*")  # the layer prefix of the names a block program sees
 class LayerwiseModel:
     """A decoder whose layers run one at a time (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, outer: CausalLM, layer: Callable[[int], nnx.State], *,
-                 streamed: bool, mesh: jax.sharding.Mesh | None = None, whole: CausalLM | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        outer: CausalLM,
+        layer: Callable[[int], nnx.State],
+        *,
+        streamed: bool,
+        mesh: jax.sharding.Mesh | None = None,
+        whole: CausalLM | None = None,
+    ) -> None:
         self.config, self.streamed, self.mesh = config, streamed, mesh
         self.whole = whole  # the held CausalLM (for generation); None when streamed
         self._layer = layer
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
         # one block program per kind of layer (dense / sparse MLP), shared by all layers of the kind
-        self._block_graphdefs = {kind: block_program(config, kind)
-                                 for kind in {config.layer_kind(i) for i in range(config.num_layers)}}
+        self._block_graphdefs = {
+            kind: block_program(config, kind) for kind in {config.layer_kind(i) for i in range(config.num_layers)}
+        }
         self._gather = None if mesh is None else replicated(mesh)
 
     @classmethod
-    def open(cls, config: ModelConfig, *, build: Callable[[jax.sharding.Mesh | None], CausalLM], source: Any,
-             offload: str, what: str, weights: int, working: int, compute_dtype: jnp.dtype) -> LayerwiseModel:
+    def open(
+        cls,
+        config: ModelConfig,
+        *,
+        build: Callable[[jax.sharding.Mesh | None], CausalLM],
+        source: Any,
+        offload: str,
+        what: str,
+        weights: int,
+        working: int,
+        compute_dtype: jnp.dtype,
+    ) -> LayerwiseModel:
         """Held (`build(mesh)`) or streamed from `source`, as `memory.choose_offload`
         decides for `weights` bytes as stored and `working` bytes per device; on several devices,
         sharded over all of them (`model.sharding.model_mesh`; said)."""
@@ -108,8 +127,9 @@ class LayerwiseModel:
         return cls(model.config, outer, lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh, whole=model)
 
     @classmethod
-    def streamed(cls, config: ModelConfig, source: Any, *, compute_dtype: jnp.dtype,
-                 mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
+    def streamed(
+        cls, config: ModelConfig, source: Any, *, compute_dtype: jnp.dtype, mesh: jax.sharding.Mesh | None = None
+    ) -> LayerwiseModel:
         """Weights read from `source.get(HF name)` (arrays kept in their stored dtype, stored
         quantized weights as they are): the outer tensors once, each layer when it runs."""
         outer = nnx.eval_shape(lambda: CausalLM(config, param_dtype=jnp.float32, compute_dtype=compute_dtype))
@@ -126,9 +146,18 @@ class LayerwiseModel:
 
         return cls(config, outer, layer, streamed=True, mesh=mesh)
 
-    def logits(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, aux: Callable[[int | None], Any] | None = None,
-               on_record: Callable[[str, Any], None] | None = None, kv_tap: KVTap | None = None,
-               label: str = "forward", all_experts: bool = False) -> Iterator[tuple[int, jax.Array]]:
+    def logits(
+        self,
+        ids_SxT: np.ndarray,
+        batch_size: int,
+        *,
+        tap: Tap,
+        aux: Callable[[int | None], Any] | None = None,
+        on_record: Callable[[str, Any], None] | None = None,
+        kv_tap: KVTap | None = None,
+        label: str = "forward",
+        all_experts: bool = False,
+    ) -> Iterator[tuple[int, jax.Array]]:
         """(first window index, fp32 logits [B, T, V]) of every batch of `batch_size` windows, in
         order; records of the tap (and of `kv_tap`, keys and values as they are cached; None: the
         identity) go to `on_record(name, record)` (one call per batch). `all_experts`: every sparse
@@ -142,16 +171,28 @@ class LayerwiseModel:
             started, layer_tokens = time.perf_counter(), 0
             for w0 in range(0, S, wave):
                 starts = list(range(w0, min(w0 + wave, S), batch_size))
-                carry = [self._embed(ids_SxT[s:s + batch_size]) for s in starts]
+                carry = [self._embed(ids_SxT[s : s + batch_size]) for s in starts]
                 for i in range(layers):
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
                     graphdef = self._block_graphdefs[self.config.layer_kind(i)]
                     for b, (x, cos, sin, mask) in enumerate(carry):
-                        with progress.compiling(f"{label} layer program",
-                                                key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x,
-                                                                 all_experts)):
-                            y, records = _block_step(graphdef, state, x, cos, sin, mask, layer_aux, tap=tap,
-                                                     kv_tap=kv_tap, gather=self._gather, all_experts=all_experts)
+                        with progress.compiling(
+                            f"{label} layer program",
+                            key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x, all_experts),
+                        ):
+                            y, records = _block_step(
+                                graphdef,
+                                state,
+                                x,
+                                cos,
+                                sin,
+                                mask,
+                                layer_aux,
+                                tap=tap,
+                                kv_tap=kv_tap,
+                                gather=self._gather,
+                                all_experts=all_experts,
+                            )
                         carry[b] = (y, cos, sin, mask)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
@@ -162,20 +203,32 @@ class LayerwiseModel:
                     task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
-                    with progress.compiling(f"{label} LM head",
-                                            key=_program_key(_head_step, self._outer_graphdef, tap, None,
-                                                             self._gather, x)):
-                        logits, records = _head_step(self._outer_graphdef, self._outer_state, x, head_aux, tap=tap,
-                                                      gather=self._gather)
+                    with progress.compiling(
+                        f"{label} LM head",
+                        key=_program_key(_head_step, self._outer_graphdef, tap, None, self._gather, x),
+                    ):
+                        logits, records = _head_step(
+                            self._outer_graphdef, self._outer_state, x, head_aux, tap=tap, gather=self._gather
+                        )
                     _deliver(records, on_record, None)
                     yield s, logits
                 del carry
 
-    def sequential(self, ids_SxT: np.ndarray, batch_size: int, *, tap: Tap, replay: Tap,
-                   on_record: Callable[[str, Any], None],
-                   replace: Callable[[int], dict[str, np.ndarray]], label: str = "sequential",
-                   reference: Tap | None = None, kv_tap: KVTap | None = None,
-                   on_reference: Callable[[str, Any], None] | None = None, all_experts: bool = False) -> None:
+    def sequential(
+        self,
+        ids_SxT: np.ndarray,
+        batch_size: int,
+        *,
+        tap: Tap,
+        replay: Tap,
+        on_record: Callable[[str, Any], None],
+        replace: Callable[[int], dict[str, np.ndarray]],
+        label: str = "sequential",
+        reference: Tap | None = None,
+        kv_tap: KVTap | None = None,
+        on_reference: Callable[[str, Any], None] | None = None,
+        all_experts: bool = False,
+    ) -> None:
         """GPTQ's sequential pass: for each layer i, all windows go through layer i (its weights as
         stored, `batch_size` windows at a time) with `tap`, its records going to `on_record`; then
         `replace(i)` gives new values of some of its parameters ({path inside the layer, e.g.
@@ -185,30 +238,55 @@ class LayerwiseModel:
         the replaced earlier layers. With `reference`, a second copy of the windows goes through
         every layer first with its weights as stored (never replaced), with that tap and `kv_tap`,
         their records going to `on_reference`: what the original model computes (calibration), in
-        the same pass, exactly as `logits` computes it (`all_experts`: as there). Held or streamed alike; the peak is one layer (twice while it
+        the same pass, exactly as `logits` computes it (`all_experts`: as there). Held or streamed alike; the peak is
+        one layer (twice while it
         is replaced) + the activations of all windows (twice with `reference`). The LM head is not run."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
-        carry = [self._embed(ids_SxT[s:s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
+        carry = [self._embed(ids_SxT[s : s + batch_size]) for s in range(0, len(ids_SxT), batch_size)]
         original = list(carry) if reference is not None else []  # the windows through the stored layers
         with progress.task(label, total=self.config.num_layers, unit="layer") as task:
             for i in range(self.config.num_layers):
                 graphdef = self._block_graphdefs[self.config.layer_kind(i)]
                 state = self._place(self._layer(i))
                 for b, (x, cos, sin, mask) in enumerate(original):
-                    with progress.compiling(f"{label} layer program (reference)",
-                                            key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x,
-                                                             all_experts)):
-                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=reference,
-                                                 kv_tap=kv_tap, gather=self._gather, all_experts=all_experts)
+                    with progress.compiling(
+                        f"{label} layer program (reference)",
+                        key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x, all_experts),
+                    ):
+                        y, records = _block_step(
+                            graphdef,
+                            state,
+                            x,
+                            cos,
+                            sin,
+                            mask,
+                            None,
+                            tap=reference,
+                            kv_tap=kv_tap,
+                            gather=self._gather,
+                            all_experts=all_experts,
+                        )
                     _deliver(records, on_reference, i)
                     original[b] = (y, cos, sin, mask)
                 outputs = []
                 for x, cos, sin, mask in carry:
-                    with progress.compiling(f"{label} layer program",
-                                            key=_program_key(_block_step, graphdef, tap, None, self._gather, x,
-                                                             all_experts)):
-                        y, records = _block_step(graphdef, state, x, cos, sin, mask, None, tap=tap, kv_tap=None,
-                                                 gather=self._gather, all_experts=all_experts)
+                    with progress.compiling(
+                        f"{label} layer program",
+                        key=_program_key(_block_step, graphdef, tap, None, self._gather, x, all_experts),
+                    ):
+                        y, records = _block_step(
+                            graphdef,
+                            state,
+                            x,
+                            cos,
+                            sin,
+                            mask,
+                            None,
+                            tap=tap,
+                            kv_tap=None,
+                            gather=self._gather,
+                            all_experts=all_experts,
+                        )
                     _deliver(records, on_record, i)
                     outputs.append(y)
                 new = replace(i)
@@ -221,11 +299,25 @@ class LayerwiseModel:
                     del block
                     outputs = []
                     for x, cos, sin, mask in carry:
-                        with progress.compiling(f"{label} layer program (replay)",
-                                                key=_program_key(_block_step, graphdef, replay, None, self._gather, x,
-                                                                 all_experts)):
-                            outputs.append(_block_step(graphdef, state, x, cos, sin, mask, None, tap=replay,
-                                                       kv_tap=None, gather=self._gather, all_experts=all_experts)[0])
+                        with progress.compiling(
+                            f"{label} layer program (replay)",
+                            key=_program_key(_block_step, graphdef, replay, None, self._gather, x, all_experts),
+                        ):
+                            outputs.append(
+                                _block_step(
+                                    graphdef,
+                                    state,
+                                    x,
+                                    cos,
+                                    sin,
+                                    mask,
+                                    None,
+                                    tap=replay,
+                                    kv_tap=None,
+                                    gather=self._gather,
+                                    all_experts=all_experts,
+                                )[0]
+                            )
                 carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
                 del state, outputs
                 if self.streamed:
@@ -255,7 +347,7 @@ def layer_modules(modules, layer: int | None) -> dict[str, str]:
     if layer is None:
         return {m: m for m in modules if m == LM_HEAD}
     prefix = f"{layer_prefix(layer)}."
-    return {f"{STAR}.{m[len(prefix):]}": m for m in modules if m.startswith(prefix)}
+    return {f"{STAR}.{m[len(prefix) :]}": m for m in modules if m.startswith(prefix)}
 
 
 def _param_paths(module: nnx.Module) -> list[str]:
@@ -298,7 +390,9 @@ class _InOrder:
         def run(x, w_NxK, b_N, aux):
             return self.tap(x, w_NxK, b_N, name=name, aux=aux)
 
-        y, record = computed_after(self.outputs[-1], run, x, w_NxK, b_N, aux) if self.outputs else run(x, w_NxK, b_N, aux)
+        y, record = (
+            computed_after(self.outputs[-1], run, x, w_NxK, b_N, aux) if self.outputs else run(x, w_NxK, b_N, aux)
+        )
         self.outputs.append(y)
         return y, record
 
@@ -316,11 +410,11 @@ def _embed_step(graphdef, state, ids_BxT, *, gather):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather", "all_experts"))
-def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, aux, *, tap, kv_tap, gather,
-                all_experts=False):
+def _block_step(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, aux, *, tap, kv_tap, gather, all_experts=False):
     state, aux = _gathered((state, aux), gather)
-    y_BxTxE, _, side = nnx.merge(graphdef, state)(x_BxTxE, cos_BxTxD, sin_BxTxD, mask, None, 0,
-                                                  _seam(tap, kv_tap, aux, all_experts))
+    y_BxTxE, _, side = nnx.merge(graphdef, state)(
+        x_BxTxE, cos_BxTxD, sin_BxTxD, mask, None, 0, _seam(tap, kv_tap, aux, all_experts)
+    )
     return y_BxTxE, side.records
 
 

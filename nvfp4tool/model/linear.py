@@ -38,8 +38,7 @@ from nvfp4tool.numerics import dense
 class LinearFn(Protocol):
     """`y = x @ w.T + b` for the linear layer called `name`."""
 
-    def __call__(self, x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *,
-                 name: str) -> jax.Array: ...
+    def __call__(self, x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *, name: str) -> jax.Array: ...
 
 
 def default_linear(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *, name: str) -> jax.Array:
@@ -51,15 +50,17 @@ def default_linear(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *, nam
 class Tap(Protocol):
     """A linear seam that may record: (y, record) where record is None or a pytree of arrays."""
 
-    def __call__(self, x: jax.Array, w_NxK: Any, b_N: jax.Array | None, *, name: str,
-                 aux: Any) -> tuple[jax.Array, Any]: ...
+    def __call__(
+        self, x: jax.Array, w_NxK: Any, b_N: jax.Array | None, *, name: str, aux: Any
+    ) -> tuple[jax.Array, Any]: ...
 
 
 class KVTap(Protocol):
     """A KV seam that may record: ((k, v), record) where record is None or a pytree of arrays."""
 
-    def __call__(self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str,
-                 aux: Any) -> tuple[tuple[jax.Array, jax.Array], Any]: ...
+    def __call__(
+        self, k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, *, name: str, aux: Any
+    ) -> tuple[tuple[jax.Array, jax.Array], Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +97,9 @@ def no_side() -> Side:
 
 def merged(*sides: Side) -> Side:
     """The side results of modules run one after another, in order."""
-    return Side({k: v for s in sides for k, v in s.records.items()},
-                {k: v for s in sides for k, v in s.router_logits.items()})
+    return Side(
+        {k: v for s in sides for k, v in s.records.items()}, {k: v for s in sides for k, v in s.router_logits.items()}
+    )
 
 
 def _no_aux(layer: int | None) -> None:

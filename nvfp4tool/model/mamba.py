@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.layers import Linear
+from nvfp4tool.model.linear import Seam, Side, merged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +95,15 @@ class MambaState:
 
     @classmethod
     def zeros(cls, batch: int, shape: MambaShape) -> MambaState:
-        return cls(jnp.zeros((batch, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
-                   jnp.zeros((batch, shape.heads, shape.head_dim, shape.state), jnp.float32))
+        return cls(
+            jnp.zeros((batch, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
+            jnp.zeros((batch, shape.heads, shape.head_dim, shape.state), jnp.float32),
+        )
 
 
-def causal_conv(xbc_BxTxC: jax.Array, weight_CxK: jax.Array, bias_C: jax.Array | None,
-                past_BxKxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_conv(
+    xbc_BxTxC: jax.Array, weight_CxK: jax.Array, bias_C: jax.Array | None, past_BxKxC: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The depthwise causal conv1d then SiLU, fp32: out[t] = silu(sum_k w[:, k] x[t - (K-1) + k]
     + b), the K - 1 inputs before the first taken from `past` (zeros at a sequence start); the
     output and the new past (the last K - 1 inputs)."""
@@ -108,7 +111,7 @@ def causal_conv(xbc_BxTxC: jax.Array, weight_CxK: jax.Array, bias_C: jax.Array |
     t = xbc_BxTxC.shape[1]
     window = jnp.concatenate([past_BxKxC, xbc_BxTxC.astype(jnp.float32)], axis=1)  # [B, K - 1 + T, C]
     w = weight_CxK.astype(jnp.float32)
-    out = sum(window[:, j:j + t, :] * w[:, j] for j in range(k))
+    out = sum(window[:, j : j + t, :] * w[:, j] for j in range(k))
     if bias_C is not None:
         out = out + bias_C.astype(jnp.float32)
     return jax.nn.silu(out), window[:, t:, :]
@@ -123,8 +126,15 @@ def _segsum(a_XxL: jax.Array) -> jax.Array:
     return jnp.where(jnp.tril(jnp.ones((length, length), bool)), segments, -jnp.inf)
 
 
-def ssd_chunked(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_BxTxGxN: jax.Array,
-                c_BxTxGxN: jax.Array, chunk: int, h0_BxHxPxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ssd_chunked(
+    x_BxTxHxP: jax.Array,
+    dt_BxTxH: jax.Array,
+    a_H: jax.Array,
+    b_BxTxGxN: jax.Array,
+    c_BxTxGxN: jax.Array,
+    chunk: int,
+    h0_BxHxPxN: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """The recurrence of the module docstring (without D) as the chunked SSD scan, fp32: inside
     each chunk of `chunk` positions the exact quadratic form, between chunks the recurrence on the
     chunk-boundary states. dt is the final step size (after softplus and limit). The sequence is
@@ -157,16 +167,23 @@ def ssd_chunked(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_BxT
         decay_BxH, add_BxHxPxN = inputs
         return decay_BxH[..., None, None] * state + add_BxHxPxN, state  # emit the chunk's start state
 
-    final, starts = jax.lax.scan(carry, h0_BxHxPxN.astype(f32),
-                                 (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0)))
+    final, starts = jax.lax.scan(
+        carry, h0_BxHxPxN.astype(f32), (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
     starts = jnp.moveaxis(starts, 0, 1)  # [B, nc, H, P, N]
     y_off = jnp.einsum("bclhn,bchpn->bclhp", ch, starts) * jnp.exp(a_cum)[..., None]
     y = (y_diag + y_off).reshape(bsz, -1, h, p)[:, :t]
     return y, final
 
 
-def ssd_recurrent(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_BxTxGxN: jax.Array,
-                  c_BxTxGxN: jax.Array, h0_BxHxPxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ssd_recurrent(
+    x_BxTxHxP: jax.Array,
+    dt_BxTxH: jax.Array,
+    a_H: jax.Array,
+    b_BxTxGxN: jax.Array,
+    c_BxTxGxN: jax.Array,
+    h0_BxHxPxN: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """The same recurrence one position at a time (decode; `ssd_chunked`'s cross-check), fp32."""
     rep = x_BxTxHxP.shape[2] // b_BxTxGxN.shape[2]
     f32 = jnp.float32
@@ -175,8 +192,10 @@ def ssd_recurrent(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_B
         x_BxHxP, dt_BxH, b_BxGxN, c_BxGxN = inputs
         bh = jnp.repeat(b_BxGxN, rep, axis=1)
         ch = jnp.repeat(c_BxGxN, rep, axis=1)
-        state = (jnp.exp(dt_BxH * a_H.astype(f32))[..., None, None] * state
-                 + (dt_BxH[..., None] * x_BxHxP)[..., None] * bh[:, :, None, :])
+        state = (
+            jnp.exp(dt_BxH * a_H.astype(f32))[..., None, None] * state
+            + (dt_BxH[..., None] * x_BxHxP)[..., None] * bh[:, :, None, :]
+        )
         return state, jnp.einsum("bhpn,bhn->bhp", state, ch)
 
     inputs = tuple(jnp.moveaxis(v.astype(f32), 1, 0) for v in (x_BxTxHxP, dt_BxTxH, b_BxTxGxN, c_BxTxGxN))
@@ -184,8 +203,7 @@ def ssd_recurrent(x_BxTxHxP: jax.Array, dt_BxTxH: jax.Array, a_H: jax.Array, b_B
     return jnp.moveaxis(y, 0, 1), final
 
 
-def gated_rms_norm(y_BxTxI: jax.Array, z_BxTxI: jax.Array, weight_I: jax.Array, groups: int,
-                   eps: float) -> jax.Array:
+def gated_rms_norm(y_BxTxI: jax.Array, z_BxTxI: jax.Array, weight_I: jax.Array, groups: int, eps: float) -> jax.Array:
     """y * silu(z), RMS-normalised over each of `groups` equal slices of the channels, times the
     weight, all in fp32 (the norm before out_proj)."""
     f32 = jnp.float32
@@ -204,9 +222,15 @@ def step_size(dt_BxTxH: jax.Array, dt_bias_H: jax.Array, dt_limit: tuple[float, 
     return dt
 
 
-def mixer(zxbcdt_BxTxF: jax.Array, params: dict[str, jax.Array], shape: MambaShape, *,
-          mask_BxT: jax.Array | None = None, state: MambaState | None = None,
-          dtype=jnp.float32) -> tuple[jax.Array, MambaState]:
+def mixer(
+    zxbcdt_BxTxF: jax.Array,
+    params: dict[str, jax.Array],
+    shape: MambaShape,
+    *,
+    mask_BxT: jax.Array | None = None,
+    state: MambaState | None = None,
+    dtype=jnp.float32,
+) -> tuple[jax.Array, MambaState]:
     """in_proj's output -> out_proj's input (in `dtype`) and the decode state after the last
     position. `params`: conv1d_weight [C, K] (the stored [C, 1, K] squeezed), conv1d_bias [C] or
     absent, dt_bias, A_log, D [H], norm_weight [I]. With `state`, continues from it (a decode
@@ -217,14 +241,14 @@ def mixer(zxbcdt_BxTxF: jax.Array, params: dict[str, jax.Array], shape: MambaSha
     if state is None:
         state = MambaState.zeros(bsz, shape)
     z = zxbcdt_BxTxF[..., :i]
-    xbc = zxbcdt_BxTxF[..., i:i + shape.conv_dim]
-    dt_raw = zxbcdt_BxTxF[..., i + shape.conv_dim:]
+    xbc = zxbcdt_BxTxF[..., i : i + shape.conv_dim]
+    dt_raw = zxbcdt_BxTxF[..., i + shape.conv_dim :]
     xbc, conv_past = causal_conv(xbc, params["conv1d_weight"], params.get("conv1d_bias"), state.conv_BxKxC)
     if mask_BxT is not None:
         xbc = xbc * mask_BxT[..., None].astype(xbc.dtype)
     x = xbc[..., :i].reshape(bsz, t, h, p)
-    b = xbc[..., i:i + gn].reshape(bsz, t, shape.groups, shape.state)
-    c = xbc[..., i + gn:].reshape(bsz, t, shape.groups, shape.state)
+    b = xbc[..., i : i + gn].reshape(bsz, t, shape.groups, shape.state)
+    c = xbc[..., i + gn :].reshape(bsz, t, shape.groups, shape.state)
     dt = step_size(dt_raw, params["dt_bias"], shape.dt_limit)
     a = -jnp.exp(params["A_log"].astype(jnp.float32))
     if t == 1:
@@ -256,27 +280,44 @@ class Mamba2Mixer(nnx.Module):
     GEMMs a recipe quantizes), the rest in fp32 as `mixer`. The initial values are transformers'
     (A = 1..heads, D = 1, dt_bias = 1); the parameters of a loaded checkpoint replace them."""
 
-    def __init__(self, hidden: int, shape: MambaShape, *, prefix: str, use_bias: bool, conv_bias: bool,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        shape: MambaShape,
+        *,
+        prefix: str,
+        use_bias: bool,
+        conv_bias: bool,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ) -> None:
         self.shape = shape
-        self.in_proj = Linear(hidden, shape.in_proj_rows, bias=use_bias, name=f"{prefix}.in_proj",
-                              param_dtype=param_dtype, rngs=rngs)
+        self.in_proj = Linear(
+            hidden, shape.in_proj_rows, bias=use_bias, name=f"{prefix}.in_proj", param_dtype=param_dtype, rngs=rngs
+        )
         self.conv1d = _Conv1d(shape.conv_dim, shape.conv_kernel, bias=conv_bias, param_dtype=param_dtype, rngs=rngs)
         self.dt_bias = nnx.Param(jnp.ones((shape.heads,), param_dtype))
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, shape.heads + 1, dtype=jnp.float32)).astype(param_dtype))
         self.D = nnx.Param(jnp.ones((shape.heads,), param_dtype))
         self.norm = _GatedNorm(shape.inner, param_dtype=param_dtype)
-        self.out_proj = Linear(shape.inner, hidden, bias=use_bias, name=f"{prefix}.out_proj",
-                               param_dtype=param_dtype, rngs=rngs)
+        self.out_proj = Linear(
+            shape.inner, hidden, bias=use_bias, name=f"{prefix}.out_proj", param_dtype=param_dtype, rngs=rngs
+        )
 
-    def __call__(self, x_BxTxE: jax.Array, seam: Seam, *, mask_BxT: jax.Array | None = None,
-                 state: MambaState | None = None) -> tuple[jax.Array, MambaState, Side]:
+    def __call__(
+        self, x_BxTxE: jax.Array, seam: Seam, *, mask_BxT: jax.Array | None = None, state: MambaState | None = None
+    ) -> tuple[jax.Array, MambaState, Side]:
         """(y [B, T, E] in x's dtype, the decode state after the last position, the seam's records)."""
         if mask_BxT is not None:
             x_BxTxE = x_BxTxE * mask_BxT[..., None].astype(x_BxTxE.dtype)
         zxbcdt, in_side = self.in_proj(x_BxTxE, seam)
-        params = {"conv1d_weight": self.conv1d.weight[...][:, 0, :], "dt_bias": self.dt_bias[...],
-                  "A_log": self.A_log[...], "D": self.D[...], "norm_weight": self.norm.weight[...]}
+        params = {
+            "conv1d_weight": self.conv1d.weight[...][:, 0, :],
+            "dt_bias": self.dt_bias[...],
+            "A_log": self.A_log[...],
+            "D": self.D[...],
+            "norm_weight": self.norm.weight[...],
+        }
         if self.conv1d.bias is not None:
             params["conv1d_bias"] = self.conv1d.bias[...]
         y, state = mixer(zxbcdt, params, self.shape, mask_BxT=mask_BxT, state=state, dtype=x_BxTxE.dtype)

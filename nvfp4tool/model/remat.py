@@ -26,8 +26,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 REMAT_LEVELS = ("none", "block", "full")
 LINEAR_OUT = "linear_out"  # the checkpoint name of every linear layer's output
-_POLICIES = {"block": jax.checkpoint_policies.save_only_these_names(LINEAR_OUT),
-             "full": jax.checkpoint_policies.nothing_saveable}
+_POLICIES = {
+    "block": jax.checkpoint_policies.save_only_these_names(LINEAR_OUT),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 def linear_output(y: jax.Array) -> jax.Array:

@@ -32,14 +32,14 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(scaling.factor), inv_freq)
     # ... short ones kept, and the band between them interpolated linearly in 1/wavelength.
     smooth = (old_context / wavelen - np.float32(scaling.low_freq_factor)) / np.float32(
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / np.float32(scaling.factor) + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions_BxT: jax.Array, inv_freq_half: np.ndarray,
-                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions_BxT: jax.Array, inv_freq_half: np.ndarray, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, T, D] (angles computed in float32, then cast to `dtype`, as HF)."""
     angles_BxTxHalf = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_half)
     angles_BxTxD = jnp.concatenate([angles_BxTxHalf, angles_BxTxHalf], axis=-1)

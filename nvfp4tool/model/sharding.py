@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nvfp4tool.errors import NVFP4ToolError
 
@@ -91,5 +92,6 @@ def place_state(state: Any, shardings: Any) -> Any:
 def check_divisible(batch_size: int, grad_accum: int, mesh: Mesh) -> None:
     micro = batch_size // grad_accum
     if micro % mesh.size:
-        raise NVFP4ToolError(f"micro-batch of {micro} sequences (batch_size / grad_accum) is not a "
-                             f"multiple of the {mesh.size} devices")
+        raise NVFP4ToolError(
+            f"micro-batch of {micro} sequences (batch_size / grad_accum) is not a multiple of the {mesh.size} devices"
+        )

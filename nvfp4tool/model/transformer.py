@@ -46,10 +46,9 @@ from flax import nnx
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LM_HEAD, layer_prefix
-from nvfp4tool.families import nemotron_h
-from nvfp4tool.model.hybrid import HybridBlock
+from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LM_HEAD, layer_prefix, nemotron_h
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
+from nvfp4tool.model.hybrid import HybridBlock
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, SparseMoE
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
@@ -101,7 +100,7 @@ def _run_cache(cache: KVCache | LayerStates | None, layers: list[int]):
     if isinstance(cache, KVCache):
         if count == 1:
             return cache.k_LxBxSxKVxD[first], cache.v_LxBxSxKVxD[first]
-        return cache.k_LxBxSxKVxD[first:first + count], cache.v_LxBxSxKVxD[first:first + count]
+        return cache.k_LxBxSxKVxD[first : first + count], cache.v_LxBxSxKVxD[first : first + count]
     states = [cache.per_layer[i] for i in layers]
     return states[0] if count == 1 else _stacked(states)
 
@@ -121,21 +120,26 @@ def _with_run_cache(cache: KVCache | LayerStates, layers: list[int], cached) -> 
 class Block(nnx.Module):
     """One pre-norm decoder layer (its MLP dense, or sparse when `sparse`)."""
 
-    def __init__(self, config: ModelConfig, layer_name: str, *, sparse: bool = False, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_name: str, *, sparse: bool = False, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
         E = config.hidden_size
         self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        mlp = (SparseMoE(config, f"{layer_name}.{config.expert_block}", param_dtype=param_dtype, rngs=rngs)
-               if sparse else MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs))
+        mlp = (
+            SparseMoE(config, f"{layer_name}.{config.expert_block}", param_dtype=param_dtype, rngs=rngs)
+            if sparse
+            else MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)
+        )
         self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
         setattr(self, self.mlp_attr, mlp)
 
     def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam: Seam):
         """(the block's output, its (k, v), its side results)."""
-        attn_BxTxE, cached, attn_side = self.self_attn(self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD,
-                                                       mask, cache_kv, write_index, seam)
+        attn_BxTxE, cached, attn_side = self.self_attn(
+            self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam
+        )
         h_BxTxE = x_BxTxE + attn_BxTxE
         mlp_BxTxE, mlp_side = getattr(self, self.mlp_attr)(self.post_attention_layernorm(h_BxTxE), seam)
         return h_BxTxE + mlp_BxTxE, cached, merged(attn_side, mlp_side)
@@ -143,25 +147,41 @@ class Block(nnx.Module):
 
 # The block class of each layer kind a family declares (`families.base`): a family with a new kind
 # adds its block class here (the hybrid's single-mixer kinds: `hybrid.HybridBlock`).
-BLOCKS = {ATTENTION_MLP: functools.partial(Block, sparse=False), ATTENTION_MOE: functools.partial(Block, sparse=True),
-          **{kind: functools.partial(HybridBlock, kind=kind)
-             for kind in (nemotron_h.MAMBA, nemotron_h.ATTENTION, nemotron_h.MLP, nemotron_h.MOE)}}
+BLOCKS = {
+    ATTENTION_MLP: functools.partial(Block, sparse=False),
+    ATTENTION_MOE: functools.partial(Block, sparse=True),
+    **{
+        kind: functools.partial(HybridBlock, kind=kind)
+        for kind in (nemotron_h.MAMBA, nemotron_h.ATTENTION, nemotron_h.MLP, nemotron_h.MOE)
+    },
+}
 
 
-def make_block(config: ModelConfig, kind: str, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+def make_block(
+    config: ModelConfig, kind: str, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs
+) -> nnx.Module:
     """A block of layer kind `kind` named `layer_name` (`model.layers.3`, or `model.layers.*`)."""
     if kind not in BLOCKS:
-        raise NVFP4ToolError(f"{config.family}: layer kind {kind!r} has no block in the model "
-                             f"(kinds with blocks: {', '.join(BLOCKS)})")
+        raise NVFP4ToolError(
+            f"{config.family}: layer kind {kind!r} has no block in the model (kinds with blocks: {', '.join(BLOCKS)})"
+        )
     return BLOCKS[kind](config, layer_name, param_dtype=param_dtype, rngs=rngs)
 
 
 class CausalLM(nnx.Module):
     """The whole model: embedding, L blocks, final norm, LM head (absent when tied)."""
 
-    def __init__(self, config: ModelConfig, *, param_dtype: jnp.dtype = jnp.float32,
-                 compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                 remat: str = "none", linear: LinearFn = default_linear, rngs: nnx.Rngs | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        param_dtype: jnp.dtype = jnp.float32,
+        compute_dtype: jnp.dtype | None = None,
+        scan_layers: bool = False,
+        remat: str = "none",
+        linear: LinearFn = default_linear,
+        rngs: nnx.Rngs | None = None,
+    ) -> None:
         if remat not in REMAT_LEVELS:
             raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMAT_LEVELS)}")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -172,20 +192,40 @@ class CausalLM(nnx.Module):
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
         self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([make_block(config, config.layer_kind(i), layer_prefix(i), param_dtype=param_dtype,
-                                           rngs=rngs) for i in range(config.num_layers)])
-        self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype,
-                            scale_in_fp32=config.family_spec.norm_scale_in_fp32)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            E, config.vocab_size, bias=False, name=LM_HEAD, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                make_block(config, config.layer_kind(i), layer_prefix(i), param_dtype=param_dtype, rngs=rngs)
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(
+            E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=config.family_spec.norm_scale_in_fp32
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(E, config.vocab_size, bias=False, name=LM_HEAD, param_dtype=param_dtype, rngs=rngs)
+        )
 
-    def __call__(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
-                 positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
+    def __call__(
+        self,
+        input_ids_BxT: jax.Array,
+        attention_mask_BxT: jax.Array | None = None,
+        positions_BxT: jax.Array | None = None,
+        *,
+        linear: LinearFn | None = None,
+    ) -> jax.Array:
         return forward(self, input_ids_BxT, attention_mask_BxT, positions_BxT, linear=linear)
 
 
-def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
-            positions_BxT: jax.Array | None = None, *, linear: LinearFn | None = None) -> jax.Array:
+def forward(
+    model: CausalLM,
+    input_ids_BxT: jax.Array,
+    attention_mask_BxT: jax.Array | None = None,
+    positions_BxT: jax.Array | None = None,
+    *,
+    linear: LinearFn | None = None,
+) -> jax.Array:
     """Logits [B, T, V] in float32 (no cache). Mask: 1 = token, 0 = padding (left or right).
     With neither a mask nor positions (unpadded rows at 0..T-1, the training loss) attention is
     causal by structure (`AttentionMask.causal`: flash attention on a GPU), else explicit.
@@ -198,8 +238,14 @@ def forward(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.A
     return _forward(graphdef, state, jnp.asarray(input_ids_BxT), mask_BxT, positions_BxT, linear=linear or model.linear)
 
 
-def forward_side(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array | None = None,
-                 positions_BxT: jax.Array | None = None, *, seam: Seam) -> tuple[jax.Array, Side]:
+def forward_side(
+    model: CausalLM,
+    input_ids_BxT: jax.Array,
+    attention_mask_BxT: jax.Array | None = None,
+    positions_BxT: jax.Array | None = None,
+    *,
+    seam: Seam,
+) -> tuple[jax.Array, Side]:
     """`forward`'s logits and the side results of the whole model (every layer's, under its own
     name, and the LM head's), through `seam`; traced inline (call it under jit / grad)."""
     input_ids_BxT = jnp.asarray(input_ids_BxT)
@@ -207,11 +253,16 @@ def forward_side(model: CausalLM, input_ids_BxT: jax.Array, attention_mask_BxT: 
     if attention_mask_BxT is None and positions_BxT is None:
         positions_BxT, mask = default_positions(jnp.ones(input_ids_BxT.shape, bool)), AttentionMask.causal(window)
     else:
-        mask_BxT = (jnp.ones(input_ids_BxT.shape, bool) if attention_mask_BxT is None
-                    else jnp.asarray(attention_mask_BxT).astype(bool))
+        mask_BxT = (
+            jnp.ones(input_ids_BxT.shape, bool)
+            if attention_mask_BxT is None
+            else jnp.asarray(attention_mask_BxT).astype(bool)
+        )
         positions_BxT = default_positions(mask_BxT) if positions_BxT is None else jnp.asarray(positions_BxT)
-        mask = AttentionMask.explicit(attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window,
-                                                        positions_BxT, positions_BxT), mask_BxT)
+        mask = AttentionMask.explicit(
+            attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window, positions_BxT, positions_BxT),
+            mask_BxT,
+        )
     x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
     logits, head_side = lm_logits(model, x_BxTxE, seam)
     return logits, merged(side, head_side)
@@ -222,9 +273,16 @@ def default_positions(mask_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward_with_cache(model: CausalLM, input_ids_BxT: jax.Array, positions_BxT: jax.Array,
-                       mask: AttentionMask, cache: KVCache | LayerStates | None, write_index: jax.Array | int,
-                       linear: LinearFn, kv: KVFn = default_kv) -> tuple[jax.Array, KVCache | None]:
+def forward_with_cache(
+    model: CausalLM,
+    input_ids_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    mask: AttentionMask,
+    cache: KVCache | LayerStates | None,
+    write_index: jax.Array | int,
+    linear: LinearFn,
+    kv: KVFn = default_kv,
+) -> tuple[jax.Array, KVCache | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
     KV seam `kv` before they are written."""
@@ -268,8 +326,9 @@ def layer_runs(config: ModelConfig, seam: Seam, scan: bool) -> list[tuple[str, l
 def abstract_block(config: ModelConfig, kind: str) -> nnx.Module:
     """A block of layer kind `kind` with no values, named `model.layers.*` (the names a scanned or
     layer-by-layer block program sees); it computes in its input's dtype."""
-    return nnx.eval_shape(lambda: make_block(config, kind, layer_prefix("*"), param_dtype=jnp.float32,
-                                             rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(
+        lambda: make_block(config, kind, layer_prefix("*"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -296,16 +355,19 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
 
     def run_block(graphdef, state, x_BxTxE, cache_kv, aux):
         """One block, under the model's remat policy: (output, (k, v), side)."""
+
         def call(state, x_BxTxE, cache_kv, aux, layer_args):
             return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, seam.with_aux(aux))
+
         return checkpointed(call, model.remat)(state, x_BxTxE, cache_kv, aux, layer_args)
 
     new_cache, sides = cache, []
     for kind, layers in layer_runs(model.config, seam, model.scan_layers):
         first, count = layers[0], len(layers)
         if count == 1:
-            x_BxTxE, cached, side = run_block(*nnx.split(model.layers[first]), x_BxTxE,
-                                              _run_cache(new_cache, layers), seam.aux_of(first))
+            x_BxTxE, cached, side = run_block(
+                *nnx.split(model.layers[first]), x_BxTxE, _run_cache(new_cache, layers), seam.aux_of(first)
+            )
             if cache is not None:
                 new_cache = _with_run_cache(new_cache, layers, cached)
             sides.append(side)
@@ -324,8 +386,12 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
         if cache is not None:
             new_cache = _with_run_cache(new_cache, layers, cached)
         for j, i in enumerate(layers):  # the stacked side results, under each layer's own name
-            sides.append(Side({real_name(n, i): jax.tree.map(lambda a, j=j: a[j], r) for n, r in side.records.items()},
-                              {real_name(n, i): a[j] for n, a in side.router_logits.items()}))
+            sides.append(
+                Side(
+                    {real_name(n, i): jax.tree.map(lambda a, j=j: a[j], r) for n, r in side.records.items()},
+                    {real_name(n, i): a[j] for n, a in side.router_logits.items()},
+                )
+            )
     return x_BxTxE, new_cache, merged(*sides)
 
 
@@ -352,5 +418,6 @@ def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Arra
 @partial(jax.jit, static_argnames=("graphdef", "linear"))
 def _forward(graphdef, state, input_ids_BxT, attention_mask_BxT, positions_BxT, *, linear):
     """`forward`'s body (mask and positions None or arrays, as `forward_side` takes them)."""
-    return forward_side(nnx.merge(graphdef, state), input_ids_BxT, attention_mask_BxT, positions_BxT,
-                        seam=Seam.of(linear))[0]
+    return forward_side(
+        nnx.merge(graphdef, state), input_ids_BxT, attention_mask_BxT, positions_BxT, seam=Seam.of(linear)
+    )[0]

@@ -23,10 +23,18 @@ from nvfp4tool.model.sharding import shard
 from nvfp4tool.model.transformer import CausalLM
 
 
-def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.dtype | None = jnp.float32,
-                       compute_dtype: jnp.dtype | None = None, scan_layers: bool = False,
-                       remat: str = "none", linear: LinearFn = default_linear, check: bool = True,
-                       mesh: jax.sharding.Mesh | None = None) -> CausalLM:
+def model_from_tensors(
+    config: ModelConfig,
+    source: TensorSource,
+    *,
+    dtype: jnp.dtype | None = jnp.float32,
+    compute_dtype: jnp.dtype | None = None,
+    scan_layers: bool = False,
+    remat: str = "none",
+    linear: LinearFn = default_linear,
+    check: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+) -> CausalLM:
     """Build the model from HF-named tensors (every shape checked against `config` first).
 
     dtype: parameter dtype (values are cast exactly when widening, e.g. bf16 -> fp32); None keeps
@@ -42,11 +50,19 @@ def model_from_tensors(config: ModelConfig, source: TensorSource, *, dtype: jnp.
         raise ValueError("model_from_tensors: dtype=None (as stored) needs a compute_dtype")
     expected = config.expected_tensor_shapes()
     if check:
-        check_against_config(source, expected,
-                             ignore_extra=(f"{LM_HEAD}.weight",) if config.tie_word_embeddings else ())
-    model = nnx.eval_shape(lambda: CausalLM(config, param_dtype=dtype or jnp.float32,
-                                            compute_dtype=compute_dtype, scan_layers=scan_layers,
-                                            remat=remat, linear=linear))
+        check_against_config(
+            source, expected, ignore_extra=(f"{LM_HEAD}.weight",) if config.tie_word_embeddings else ()
+        )
+    model = nnx.eval_shape(
+        lambda: CausalLM(
+            config,
+            param_dtype=dtype or jnp.float32,
+            compute_dtype=compute_dtype,
+            scan_layers=scan_layers,
+            remat=remat,
+            linear=linear,
+        )
+    )
     with progress.task("loading weights", total=len(expected), unit="tensor") as task:
         for name in expected:
             value = source.get(name)
@@ -119,4 +135,3 @@ def _locate(model: CausalLM, hf_name: str) -> nnx.Variable:
     if not isinstance(node, nnx.Variable):
         raise NVFP4ToolError(f"<model>: {hf_name!r} is not a parameter")
     return node
-

@@ -15,6 +15,7 @@ from nvfp4tool.numerics.fp8 import (
     fp8_decode_scale,
     quantize_fp8,
 )
+from nvfp4tool.numerics.fp8_gemm import fp8_matmul
 from nvfp4tool.numerics.gemm import native_fp4_available, native_gemm_lowers, nvfp4_matmul, nvfp4_operand_matmul
 from nvfp4tool.numerics.hadamard import rht16, rht_matrix
 from nvfp4tool.numerics.nvfp4 import (
@@ -36,7 +37,6 @@ from nvfp4tool.numerics.nvfp4 import (
     transpose_2d,
     unpack_codes,
 )
-from nvfp4tool.numerics.fp8_gemm import fp8_matmul
 
 __all__ = [
     "FP8Array",

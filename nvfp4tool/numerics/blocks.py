@@ -72,8 +72,9 @@ def check_finite(x: jax.Array | np.ndarray, name: str = "tensor") -> None:
     with jax.ensure_compile_time_eval():  # a concrete array closed over inside a jit trace
         finite = bool(jnp.isfinite(jnp.asarray(x)).all())
     if not finite:
-        raise NVFP4ToolError(f"tensor '{name}' (shape {tuple(np.shape(x))}) holds inf or NaN; "
-                             "non-finite values cannot be quantized")
+        raise NVFP4ToolError(
+            f"tensor '{name}' (shape {tuple(np.shape(x))}) holds inf or NaN; non-finite values cannot be quantized"
+        )
 
 
 def check_scale_scalar(value, what: str, name: str, *, positive: bool = False) -> jax.Array:
@@ -81,14 +82,14 @@ def check_scale_scalar(value, what: str, name: str, *, positive: bool = False) -
     value >= 0 (> 0 when `positive`). Traced values get only the shape check."""
     value = jnp.asarray(value, jnp.float32)
     if value.ndim != 0:
-        raise NVFP4ToolError(f"tensor '{name}': {what} must be a scalar, got shape "
-                             f"{tuple(value.shape)}")
+        raise NVFP4ToolError(f"tensor '{name}': {what} must be a scalar, got shape {tuple(value.shape)}")
     if isinstance(value, jax.core.Tracer):
         return value
     number = float(value)
     if not np.isfinite(number) or number < 0 or (positive and number == 0):
-        raise NVFP4ToolError(f"tensor '{name}': {what} must be finite and "
-                             f"{'> 0' if positive else '>= 0'}, got {number}")
+        raise NVFP4ToolError(
+            f"tensor '{name}': {what} must be finite and {'> 0' if positive else '>= 0'}, got {number}"
+        )
     return value
 
 
@@ -124,8 +125,7 @@ def tile_amax(abs_x: jax.Array, tile_rows: int, tile_cols: int) -> jax.Array:
     return tiled.max(axis=(-3, -1))
 
 
-def expand_tiles(per_tile: jax.Array, tile_rows: int, tile_cols: int,
-                 shape: tuple[int, ...]) -> jax.Array:
+def expand_tiles(per_tile: jax.Array, tile_rows: int, tile_cols: int, shape: tuple[int, ...]) -> jax.Array:
     """Inverse of `tile_amax`'s layout: repeat each tile value over its tile, cut to `shape`."""
     out = jnp.repeat(per_tile, tile_cols, axis=-1)[..., : shape[-1]]
     if tile_rows != 1:

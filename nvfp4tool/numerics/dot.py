@@ -36,12 +36,16 @@ import jax.numpy as jnp
 WIDEN_BYTES = 64 * 2**20  # dense_widening: the most of a weight held widened at once
 
 
-def dot_nt(a: jax.Array, b_NxK: jax.Array, *,
-           precision: jax.lax.Precision | None = None) -> jax.Array:
+def dot_nt(a: jax.Array, b_NxK: jax.Array, *, precision: jax.lax.Precision | None = None) -> jax.Array:
     """`a @ b.T` for a [..., K] and b [N, K] (b cast to a's dtype), accumulated and returned in
     fp32, [..., N]."""
-    return jax.lax.dot_general(a, b_NxK.astype(a.dtype), (((a.ndim - 1,), (1,)), ((), ())),
-                               precision=precision, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(
+        a,
+        b_NxK.astype(a.dtype),
+        (((a.ndim - 1,), (1,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
 
 
 def linear_output(y_f32: jax.Array, b_N: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
@@ -51,8 +55,9 @@ def linear_output(y_f32: jax.Array, b_N: jax.Array | None, dtype: jnp.dtype) -> 
     return y_f32.astype(dtype)
 
 
-def dense(x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None = None, *,
-          compute_dtype: jnp.dtype | None = None) -> jax.Array:
+def dense(
+    x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None = None, *, compute_dtype: jnp.dtype | None = None
+) -> jax.Array:
     """`x @ w.T + b` in `compute_dtype` (default x.dtype) with fp32 accumulation; x.dtype out."""
     x_c = x if compute_dtype is None else x.astype(compute_dtype)
     return linear_output(dot_nt(x_c, w_NxK), b_N, x.dtype)

@@ -58,19 +58,22 @@ class FP8Array:
     granularity: str
 
 
-jax.tree_util.register_dataclass(FP8Array, data_fields=["data", "scale"],
-                                 meta_fields=["shape", "dtype", "fmt", "granularity"])
+jax.tree_util.register_dataclass(
+    FP8Array, data_fields=["data", "scale"], meta_fields=["shape", "dtype", "fmt", "granularity"]
+)
 
 
-def quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
-                 granularity: Granularity = "tensor", name: str = "tensor") -> FP8Array:
+def quantize_fp8(
+    x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3", granularity: Granularity = "tensor", name: str = "tensor"
+) -> FP8Array:
     """Quantize `x` to FP8 with current (amax) scaling at the given granularity."""
     x = jnp.asarray(x)
     _validate(x, fmt, granularity, name)
     check_finite(x, name)
     data, scale = _quantize(x, fmt=fmt, granularity=granularity)
-    return FP8Array(data=data, scale=scale, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype),
-                    fmt=fmt, granularity=granularity)
+    return FP8Array(
+        data=data, scale=scale, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype), fmt=fmt, granularity=granularity
+    )
 
 
 def dequantize_fp8(q: FP8Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -78,16 +81,28 @@ def dequantize_fp8(q: FP8Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     return decode_fp8(q.data, q.scale, granularity=q.granularity, dtype=dtype)
 
 
-def decode_fp8(data: jax.Array | np.ndarray, scale: jax.Array | np.ndarray | float, *,
-               granularity: Granularity = "tensor", dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def decode_fp8(
+    data: jax.Array | np.ndarray,
+    scale: jax.Array | np.ndarray | float,
+    *,
+    granularity: Granularity = "tensor",
+    dtype: jnp.dtype = jnp.float32,
+) -> jax.Array:
     """Decode stored FP8 bytes with their stored decode scale(s): fp32(data) * scale (flushed)."""
-    return _dequantize(jnp.asarray(data), jnp.asarray(scale, jnp.float32),
-                       granularity=granularity, dtype=jnp.dtype(dtype))
+    return _dequantize(
+        jnp.asarray(data), jnp.asarray(scale, jnp.float32), granularity=granularity, dtype=jnp.dtype(dtype)
+    )
 
 
-def fake_quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
-                      granularity: Granularity = "tensor", dtype: jnp.dtype | None = None,
-                      scale: jax.Array | float | None = None, name: str = "tensor") -> jax.Array:
+def fake_quantize_fp8(
+    x: jax.Array | np.ndarray,
+    *,
+    fmt: Fmt = "e4m3",
+    granularity: Granularity = "tensor",
+    dtype: jnp.dtype | None = None,
+    scale: jax.Array | float | None = None,
+    name: str = "tensor",
+) -> jax.Array:
     """Quantize-dequantize in one pass; equals dequantize_fp8(quantize_fp8(x), dtype).
 
     `scale` given (granularity "tensor" only): a static decode scale (e.g. a stored
@@ -98,8 +113,7 @@ def fake_quantize_fp8(x: jax.Array | np.ndarray, *, fmt: Fmt = "e4m3",
     check_finite(x, name)
     if scale is not None:
         if granularity != "tensor":
-            raise NVFP4ToolError(f"tensor '{name}': a static FP8 scale needs granularity "
-                                 f"'tensor', got {granularity!r}")
+            raise NVFP4ToolError(f"tensor '{name}': a static FP8 scale needs granularity 'tensor', got {granularity!r}")
         scale = check_scale_scalar(scale, "static FP8 scale", name, positive=True)
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     return _fake_quantize(x, scale, fmt=fmt, granularity=granularity, dtype=out_dtype)
@@ -124,14 +138,14 @@ def _validate(x: jax.Array, fmt: str, granularity: str, name: str) -> None:
         raise NVFP4ToolError(f"tensor '{name}': dtype {x.dtype} cannot be quantized to FP8")
     min_ndim = 2 if granularity in ("channel", "block128x128") else 1
     if x.ndim < min_ndim:
-        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: granularity "
-                             f"{granularity!r} needs a {min_ndim}-D or larger input")
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(x.shape)}: granularity {granularity!r} needs a {min_ndim}-D or larger input"
+        )
 
 
 def _tile(granularity: str, shape: tuple[int, ...]) -> tuple[int, int]:
     """(tile_rows, tile_cols) of a granularity for an input of `shape` (K last)."""
-    return {"channel": (1, shape[-1]), "block128": (1, FP8_BLOCK),
-            "block128x128": (FP8_BLOCK, FP8_BLOCK)}[granularity]
+    return {"channel": (1, shape[-1]), "block128": (1, FP8_BLOCK), "block128x128": (FP8_BLOCK, FP8_BLOCK)}[granularity]
 
 
 def _scale_per_element(scale: jax.Array, granularity: str, shape: tuple[int, ...]) -> jax.Array:
@@ -140,8 +154,7 @@ def _scale_per_element(scale: jax.Array, granularity: str, shape: tuple[int, ...
     return expand_tiles(scale, *_tile(granularity, shape), shape)
 
 
-def _encode(x: jax.Array, fmt: str, granularity: str,
-            scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def _encode(x: jax.Array, fmt: str, granularity: str, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(fp8 data, decode scale) for x; the scale from the amax unless a static one is given."""
     x32 = flush_subnormal(x.astype(jnp.float32))
     if scale is None:
@@ -158,8 +171,7 @@ def _encode(x: jax.Array, fmt: str, granularity: str,
 
 
 def _decode(data: jax.Array, scale: jax.Array, granularity: str) -> jax.Array:
-    return flush_subnormal(data.astype(jnp.float32) *
-                           _scale_per_element(scale, granularity, data.shape))
+    return flush_subnormal(data.astype(jnp.float32) * _scale_per_element(scale, granularity, data.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity"))

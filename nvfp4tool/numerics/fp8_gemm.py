@@ -52,9 +52,14 @@ def fp8_matmul(a_q: FP8Array, b_q: FP8Array) -> jax.Array:
     _validate(a_q, b_q)
     if a_q.granularity in _ALONG_K_CONSTANT:
         return _matmul_per_row(a_q.data, a_q.scale, b_q.data, b_q.scale)
-    return _matmul_blocked(a_q.data, a_q.scale, b_q.data, b_q.scale,
-                           a_tiled=a_q.granularity == "block128x128",
-                           b_tiled=b_q.granularity == "block128x128")
+    return _matmul_blocked(
+        a_q.data,
+        a_q.scale,
+        b_q.data,
+        b_q.scale,
+        a_tiled=a_q.granularity == "block128x128",
+        b_tiled=b_q.granularity == "block128x128",
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -73,7 +78,8 @@ def _validate(a_q: FP8Array, b_q: FP8Array) -> None:
         raise NVFP4ToolError(
             f"fp8_matmul: granularities {pair[0]!r} (a) and {pair[1]!r} (b) do not pair: both "
             f"scales must be constant along K ('tensor'/'channel') or both per 128 along K "
-            f"('block128'/'block128x128')")
+            f"('block128'/'block128x128')"
+        )
 
 
 def _bf16_dot(a_data: jax.Array, b_data: jax.Array) -> jax.Array:
@@ -101,8 +107,11 @@ def _matmul_blocked(a_data, a_scale, b_data, b_scale, *, a_tiled, b_tiled):
 
     def add_chunk(c, acc_MxN):
         start = c * FP8_BLOCK
-        return acc_MxN + chunk_term(jax.lax.dynamic_slice_in_dim(a_data, start, FP8_BLOCK, axis=-1),
-                                    jax.lax.dynamic_slice_in_dim(b_data, start, FP8_BLOCK, axis=-1), c)
+        return acc_MxN + chunk_term(
+            jax.lax.dynamic_slice_in_dim(a_data, start, FP8_BLOCK, axis=-1),
+            jax.lax.dynamic_slice_in_dim(b_data, start, FP8_BLOCK, axis=-1),
+            c,
+        )
 
     full, k = a_data.shape[-1] // FP8_BLOCK, a_data.shape[-1]
     out_shape = (*a_data.shape[:-1], b_data.shape[0])

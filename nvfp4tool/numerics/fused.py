@@ -112,37 +112,50 @@ def fused_quantize(
     gamax = check_scale_scalar(global_amax, "global_amax", name)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    outs = _fused_call(x, gamax.reshape(1), bits, mode=mode, rounding=rounding, block=block,
-                       rht=rht, transpose=transpose, interpret=interpret)
+    outs = _fused_call(
+        x,
+        gamax.reshape(1),
+        bits,
+        mode=mode,
+        rounding=rounding,
+        block=block,
+        rht=rht,
+        transpose=transpose,
+        interpret=interpret,
+    )
     if mode == "operand":
         return NVFP4Operand(values=outs, s_dec=nvfp4_global_scales(gamax)[1], axis=1)
     packed, scales = outs
-    return NVFP4Array(packed=packed, scales=scales, global_amax=gamax, shape=op_shape,
-                      dtype=jnp.dtype(x.dtype), axis=1, block=block)
+    return NVFP4Array(
+        packed=packed, scales=scales, global_amax=gamax, shape=op_shape, dtype=jnp.dtype(x.dtype), axis=1, block=block
+    )
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
 
 
-def _check(x: jax.Array, mode: str, rounding: str, bits: jax.Array | None, block: str,
-           transpose: bool, name: str) -> tuple[int, int]:
+def _check(
+    x: jax.Array, mode: str, rounding: str, bits: jax.Array | None, block: str, transpose: bool, name: str
+) -> tuple[int, int]:
     """Validate the options; return the quantized operand's shape (x's, or x.T's)."""
     if x.ndim != 2:
-        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: the fused quantizers take "
-                             "a 2-D matrix (flatten batch axes first)")
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(x.shape)}: the fused quantizers take a 2-D matrix (flatten batch axes first)"
+        )
     check_nvfp4_args(x, 0 if transpose else 1, block, "rne", None, name)
     op_shape = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
     if mode not in ("packed", "operand"):
         raise NVFP4ToolError(f"tensor '{name}': mode must be 'packed' or 'operand', got {mode!r}")
     if rounding not in ("rne", "stochastic"):
-        raise NVFP4ToolError(f"tensor '{name}': rounding must be 'rne' or 'stochastic', "
-                             f"got {rounding!r}")
+        raise NVFP4ToolError(f"tensor '{name}': rounding must be 'rne' or 'stochastic', got {rounding!r}")
     if rounding == "stochastic":
         if bits is None or bits.dtype != jnp.uint32 or tuple(bits.shape) != op_shape:
             got = "none" if bits is None else f"{bits.dtype} {tuple(bits.shape)}"
-            raise NVFP4ToolError(f"tensor '{name}': stochastic rounding needs uint32 bits of the "
-                                 f"quantized operand's shape {op_shape}, got {got}")
+            raise NVFP4ToolError(
+                f"tensor '{name}': stochastic rounding needs uint32 bits of the "
+                f"quantized operand's shape {op_shape}, got {got}"
+            )
     elif bits is not None:
         raise NVFP4ToolError(f"tensor '{name}': random bits given without stochastic rounding")
     return op_shape
@@ -156,16 +169,17 @@ def _tile_cols(k: int) -> int:
     return cols
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "rounding", "block", "rht", "transpose",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("mode", "rounding", "block", "rht", "transpose", "interpret"))
 def _fused_call(x, gamax_1, bits, *, mode, rounding, block, rht, transpose, interpret):
     """Build and run the pallas_call for one configuration."""
     rows, k = (x.shape[1], x.shape[0]) if transpose else x.shape
     tile_rows, tile_cols = _TILE_ROWS, _tile_cols(k)
     grid = (pl.cdiv(rows, tile_rows), k // tile_cols)
     op_tile = pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j))
-    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)) if transpose else op_tile]
+    in_specs = [
+        pl.BlockSpec((1,), lambda i, j: (0,)),
+        pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)) if transpose else op_tile,
+    ]
     inputs = [gamax_1, x]
     if rht:
         in_specs.append(pl.BlockSpec((16, 16), lambda i, j: (0, 0)))
@@ -177,15 +191,26 @@ def _fused_call(x, gamax_1, bits, *, mode, rounding, block, rht, transpose, inte
         out_shape = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
         out_specs = op_tile
     else:
-        out_shape = (jax.ShapeDtypeStruct((rows, k // 2), jnp.uint8),
-                     jax.ShapeDtypeStruct((rows, k // NVFP4_BLOCK), jnp.float8_e4m3fn))
-        out_specs = (pl.BlockSpec((tile_rows, tile_cols // 2), lambda i, j: (i, j)),
-                     pl.BlockSpec((tile_rows, tile_cols // NVFP4_BLOCK), lambda i, j: (i, j)))
-    kernel = functools.partial(_kernel, xla=interpret, n_rows=rows, mode=mode,
-                               rounding=rounding, block=block, rht=rht, transpose=transpose)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                          out_specs=out_specs, interpret=interpret,
-                          compiler_params=pltriton.CompilerParams())(*inputs)
+        out_shape = (
+            jax.ShapeDtypeStruct((rows, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((rows, k // NVFP4_BLOCK), jnp.float8_e4m3fn),
+        )
+        out_specs = (
+            pl.BlockSpec((tile_rows, tile_cols // 2), lambda i, j: (i, j)),
+            pl.BlockSpec((tile_rows, tile_cols // NVFP4_BLOCK), lambda i, j: (i, j)),
+        )
+    kernel = functools.partial(
+        _kernel, xla=interpret, n_rows=rows, mode=mode, rounding=rounding, block=block, rht=rht, transpose=transpose
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),
+    )(*inputs)
 
 
 def _kernel(*refs, xla, **options):
@@ -212,8 +237,9 @@ def _tile(gamax_ref, x_ref, *refs, n_rows, mode, rounding, block, rht, transpose
     scales_RxB = nvfp4_block_scales(nvfp4_block_amax(x32_RxC, block), s_enc)
     blocks_RxBx16 = x32_RxC.reshape(tile_rows, tile_cols // NVFP4_BLOCK, NVFP4_BLOCK)
     bits_RxBx16 = None if bits_ref is None else bits_ref[...].reshape(blocks_RxBx16.shape)
-    codes_RxBx16, values_RxBx16 = encode_nvfp4_blocks(blocks_RxBx16, scales_RxB, s_dec,
-                                                      rounding=rounding, bits=bits_RxBx16)
+    codes_RxBx16, values_RxBx16 = encode_nvfp4_blocks(
+        blocks_RxBx16, scales_RxB, s_dec, rounding=rounding, bits=bits_RxBx16
+    )
     if mode == "operand":
         # S_dec = 1: the product of code value and block scale, which the GEMM scales after.
         operand = decode_nvfp4_blocks(values_RxBx16, scales_RxB, jnp.float32(1.0))

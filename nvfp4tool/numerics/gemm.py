@@ -39,8 +39,9 @@ from nvfp4tool.numerics.nvfp4 import NVFP4Array, NVFP4Operand, decode_nvfp4, nvf
 Backend = Literal["auto", "emulated", "native"]
 
 
-def nvfp4_matmul(a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp.float32,
-                 backend: Backend = "auto") -> jax.Array:
+def nvfp4_matmul(
+    a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp.float32, backend: Backend = "auto"
+) -> jax.Array:
     """`a @ b.T` for a [..., M, K] and b [N, K], both NVFP4 along K; returns [..., M, N]."""
     _check_layout("nvfp4_matmul", a_q.shape, a_q.axis, b_q.shape, b_q.axis)
     if backend == "auto":
@@ -51,24 +52,23 @@ def nvfp4_matmul(a_q: NVFP4Array, b_q: NVFP4Array, *, out_dtype: jnp.dtype = jnp
         if not native_gemm_lowers():
             raise NVFP4ToolError(
                 f"nvfp4_matmul backend='native' needs a CUDA GPU (jax.nn.scaled_matmul has no "
-                f"lowering on {jax.default_backend()!r}); use backend='emulated' or 'auto'")
+                f"lowering on {jax.default_backend()!r}); use backend='emulated' or 'auto'"
+            )
         fn = _matmul_native
     else:
-        raise NVFP4ToolError(f"nvfp4_matmul: backend must be 'auto', 'emulated' or 'native', "
-                             f"got {backend!r}")
+        raise NVFP4ToolError(f"nvfp4_matmul: backend must be 'auto', 'emulated' or 'native', got {backend!r}")
     out = fn(a_q.packed, a_q.scales, a_q.global_amax, b_q.packed, b_q.scales, b_q.global_amax)
     return out.astype(out_dtype)
 
 
-def nvfp4_operand_matmul(a_op: NVFP4Operand, b_op: NVFP4Operand, *,
-                         out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def nvfp4_operand_matmul(a_op: NVFP4Operand, b_op: NVFP4Operand, *, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """`a @ b.T` for operands a [..., M, K] and b [N, K], both along K (`nvfp4_operand`, or a
     fused quantizer's mode "operand"): the BF16 emulation (module docstring); [..., M, N]."""
-    _check_layout("nvfp4_operand_matmul", a_op.values.shape, a_op.axis, b_op.values.shape,
-                  b_op.axis)
+    _check_layout("nvfp4_operand_matmul", a_op.values.shape, a_op.axis, b_op.values.shape, b_op.axis)
     if a_op.values.dtype != jnp.bfloat16 or b_op.values.dtype != jnp.bfloat16:
-        raise NVFP4ToolError(f"nvfp4_operand_matmul: operand values must be bfloat16, got "
-                             f"{a_op.values.dtype} and {b_op.values.dtype}")
+        raise NVFP4ToolError(
+            f"nvfp4_operand_matmul: operand values must be bfloat16, got {a_op.values.dtype} and {b_op.values.dtype}"
+        )
     out = _operand_matmul(a_op.values, a_op.s_dec, b_op.values, b_op.s_dec)
     return out.astype(out_dtype)
 
@@ -96,14 +96,16 @@ def native_fp4_available() -> bool:
 # helpers
 
 
-def _check_layout(fn: str, a_shape: tuple[int, ...], a_axis: int, b_shape: tuple[int, ...],
-                  b_axis: int) -> None:
+def _check_layout(fn: str, a_shape: tuple[int, ...], a_axis: int, b_shape: tuple[int, ...], b_axis: int) -> None:
     if len(a_shape) < 2 or a_axis != len(a_shape) - 1:
-        raise NVFP4ToolError(f"{fn}: operand a (shape {tuple(a_shape)}) must be [..., M, K] "
-                             f"quantized along its last axis, got axis {a_axis}")
+        raise NVFP4ToolError(
+            f"{fn}: operand a (shape {tuple(a_shape)}) must be [..., M, K] "
+            f"quantized along its last axis, got axis {a_axis}"
+        )
     if len(b_shape) != 2 or b_axis != 1:
-        raise NVFP4ToolError(f"{fn}: operand b (shape {tuple(b_shape)}) must be [N, K] "
-                             f"quantized along K (axis 1), got axis {b_axis}")
+        raise NVFP4ToolError(
+            f"{fn}: operand b (shape {tuple(b_shape)}) must be [N, K] quantized along K (axis 1), got axis {b_axis}"
+        )
     if a_shape[-1] != b_shape[-1]:
         raise NVFP4ToolError(f"{fn}: K differs: a {tuple(a_shape)} vs b {tuple(b_shape)}")
 
@@ -125,8 +127,7 @@ def _matmul_emulated(a_packed, a_scales, a_amax, b_packed, b_scales, b_amax):
     # The operands without the global scale (S_dec = 1): exact in bf16.
     a_MxK = decode_nvfp4(a_packed, a_scales, jnp.float32(1.0), dtype=jnp.bfloat16)
     b_NxK = decode_nvfp4(b_packed, b_scales, jnp.float32(1.0), dtype=jnp.bfloat16)
-    return _operand_matmul(a_MxK, nvfp4_global_scales(a_amax)[1], b_NxK,
-                           nvfp4_global_scales(b_amax)[1])
+    return _operand_matmul(a_MxK, nvfp4_global_scales(a_amax)[1], b_NxK, nvfp4_global_scales(b_amax)[1])
 
 
 @jax.jit
@@ -136,8 +137,7 @@ def _matmul_native(a_packed, a_scales, a_amax, b_packed, b_scales, b_amax):
     b_1xNxK = _as_float4(b_packed).reshape(1, -1, k)
     a_scales_1xMxKb = a_scales.reshape(1, -1, k // NVFP4_BLOCK)
     b_scales_1xNxKb = b_scales.reshape(1, -1, k // NVFP4_BLOCK)
-    out = jax.nn.scaled_matmul(a_1xMxK, b_1xNxK, a_scales_1xMxKb, b_scales_1xNxKb,
-                               preferred_element_type=jnp.float32)
+    out = jax.nn.scaled_matmul(a_1xMxK, b_1xNxK, a_scales_1xMxKb, b_scales_1xNxKb, preferred_element_type=jnp.float32)
     out_MxN = out.reshape(*lead_shape, b_packed.shape[0])
     return out_MxN * _global_factor(a_amax, b_amax)
 

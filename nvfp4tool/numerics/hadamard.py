@@ -29,15 +29,16 @@ def rht_matrix(dtype: jnp.dtype = jnp.float32) -> jax.Array:
     return jnp.asarray(h, dtype)
 
 
-def rht16(x: jax.Array | np.ndarray, axis: int = -1, *, inverse: bool = False,
-          name: str = "tensor") -> jax.Array:
+def rht16(x: jax.Array | np.ndarray, axis: int = -1, *, inverse: bool = False, name: str = "tensor") -> jax.Array:
     """Apply `chunk @ H` (or `chunk @ H.T` when `inverse`: H is orthonormal, so that undoes it)
     to 16-element chunks along `axis`."""
     x = jnp.asarray(x)
     axis = normalize_axis(axis, x.ndim, name)
     if x.shape[axis] % RHT_SIZE != 0:
-        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of "
-                             f"axis {axis} is not a multiple of {RHT_SIZE} (RHT chunks)")
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of "
+            f"axis {axis} is not a multiple of {RHT_SIZE} (RHT chunks)"
+        )
     return _rht16(x, axis=axis, inverse=inverse)
 
 
@@ -57,8 +58,7 @@ def rht16_last_axis(x_K: jax.Array, h_16x16: jax.Array) -> jax.Array:
 
 @jax.jit
 def _chunk_matmul(chunks_Cx16: jax.Array, h_16x16: jax.Array) -> jax.Array:
-    return jnp.dot(chunks_Cx16, h_16x16, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
+    return jnp.dot(chunks_Cx16, h_16x16, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _rht16(x: jax.Array, *, axis: int, inverse: bool) -> jax.Array:

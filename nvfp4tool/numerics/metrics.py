@@ -67,7 +67,7 @@ def sqnr_db(ref: np.ndarray, approx: np.ndarray) -> float:
     """Signal-to-quantization-noise ratio in dB; inf when `approx` equals `ref` exactly."""
     ref64 = np.asarray(ref, np.float64)
     noise = float(np.sum((ref64 - np.asarray(approx, np.float64)) ** 2))
-    return sqnr_from_sums(float(np.sum(ref64 ** 2)), noise)
+    return sqnr_from_sums(float(np.sum(ref64**2)), noise)
 
 
 def sqnr_from_sums(signal_power: float, noise_power: float) -> float:
@@ -103,7 +103,7 @@ def _per_token(fn: Callable[..., np.ndarray], *arrays: np.ndarray) -> np.ndarray
     lead = np.shape(arrays[0])[:-1]
     flat = [np.reshape(a, (-1, np.shape(a)[-1])) for a in arrays]
     rows = max(1, CHUNK_BYTES // (8 * max(flat[0].shape[1], 1)))
-    parts = [fn(*(a[i:i + rows] for a in flat)) for i in range(0, len(flat[0]), rows)]
+    parts = [fn(*(a[i : i + rows] for a in flat)) for i in range(0, len(flat[0]), rows)]
     out = np.concatenate(parts) if parts else fn(*flat)
     return out.reshape(*lead, *out.shape[1:])
 

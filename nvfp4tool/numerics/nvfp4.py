@@ -122,8 +122,7 @@ class NVFP4Operand:
     axis: int
 
 
-jax.tree_util.register_dataclass(NVFP4Operand, data_fields=["values", "s_dec"],
-                                 meta_fields=["axis"])
+jax.tree_util.register_dataclass(NVFP4Operand, data_fields=["values", "s_dec"], meta_fields=["axis"])
 
 
 def quantize_nvfp4(
@@ -142,10 +141,16 @@ def quantize_nvfp4(
     needs a `jax.random` key; the scales are the same as with RNE. `name` is used in errors.
     """
     x, axis, global_amax = _prepare(x, axis, block, global_amax, rounding, key, name)
-    packed, scales, gamax = _quantize_packed(x, global_amax, key, axis=axis, block=block,
-                                             rounding=rounding)
-    return NVFP4Array(packed=packed, scales=scales, global_amax=gamax, shape=tuple(x.shape),
-                      dtype=jnp.dtype(x.dtype), axis=axis, block=block)
+    packed, scales, gamax = _quantize_packed(x, global_amax, key, axis=axis, block=block, rounding=rounding)
+    return NVFP4Array(
+        packed=packed,
+        scales=scales,
+        global_amax=gamax,
+        shape=tuple(x.shape),
+        dtype=jnp.dtype(x.dtype),
+        axis=axis,
+        block=block,
+    )
 
 
 def dequantize_nvfp4(q: NVFP4Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -172,8 +177,7 @@ def fake_quantize_nvfp4(
     """
     x, axis, global_amax = _prepare(x, axis, block, global_amax, rounding, key, name)
     out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-    return _fake_quantize(x, global_amax, key, axis=axis, block=block, rounding=rounding,
-                          dtype=out_dtype)
+    return _fake_quantize(x, global_amax, key, axis=axis, block=block, rounding=rounding, dtype=out_dtype)
 
 
 def nvfp4_operand(
@@ -203,18 +207,22 @@ def transpose_2d(q: NVFP4Array | NVFP4Operand) -> NVFP4Array | NVFP4Operand:
     block: the caller vouches that it was quantized with block "2d"."""
     if isinstance(q, NVFP4Operand):
         if q.values.ndim != 2 or q.axis != 1:
-            raise NVFP4ToolError(f"transpose_2d: expected a [N, K] operand along K, got shape "
-                                 f"{tuple(q.values.shape)} axis {q.axis}")
+            raise NVFP4ToolError(
+                f"transpose_2d: expected a [N, K] operand along K, got shape {tuple(q.values.shape)} axis {q.axis}"
+            )
         return NVFP4Operand(values=q.values.T, s_dec=q.s_dec, axis=1)
     if q.block != "2d" or len(q.shape) != 2 or q.axis != 1 or q.shape[0] % NVFP4_BLOCK != 0:
-        raise NVFP4ToolError(f"transpose_2d: expected a 16x16-scaled [N, K] array along K with N a "
-                             f"multiple of {NVFP4_BLOCK}, got shape {q.shape} axis {q.axis} block {q.block}")
+        raise NVFP4ToolError(
+            f"transpose_2d: expected a 16x16-scaled [N, K] array along K with N a "
+            f"multiple of {NVFP4_BLOCK}, got shape {q.shape} axis {q.axis} block {q.block}"
+        )
     n, k = q.shape
     packed = pack_codes(unpack_codes(q.packed).T)  # [K, N/2]
     # each 1x16 slot of a tile holds the tile's scale: one row per tile, transposed, repeated
     scales = jnp.repeat(q.scales[::NVFP4_BLOCK].T, NVFP4_BLOCK, axis=0)  # [K, N/16]
-    return NVFP4Array(packed=packed, scales=scales, global_amax=q.global_amax, shape=(k, n),
-                      dtype=q.dtype, axis=1, block="2d")
+    return NVFP4Array(
+        packed=packed, scales=scales, global_amax=q.global_amax, shape=(k, n), dtype=q.dtype, axis=1, block="2d"
+    )
 
 
 def nvfp4_global_scales(global_amax: jax.Array | float) -> tuple[jax.Array, jax.Array]:
@@ -262,8 +270,7 @@ def nvfp4_block_amax(x_K: jax.Array, block: Block = "1d") -> jax.Array:
     return jnp.abs(_blocks(x_K)).max(axis=-1)
 
 
-def nvfp4_block_scales(block_amax: jax.Array, s_enc: jax.Array, *,
-                       block_max: float = E2M1_MAX) -> jax.Array:
+def nvfp4_block_scales(block_amax: jax.Array, s_enc: jax.Array, *, block_max: float = E2M1_MAX) -> jax.Array:
     """E4M3 block scales mapping each block amax to `block_max`: e4m3(clamp(amax * (S_enc * r)))
 
     with r = fp32(1 / block_max) (TE >= 2.15 product order; fp32(1/6) for the standard 6, 0.25 for
@@ -273,9 +280,15 @@ def nvfp4_block_scales(block_amax: jax.Array, s_enc: jax.Array, *,
     return jnp.clip(sdb, 0.0, E4M3_MAX).astype(jnp.float8_e4m3fn)  # clamp first: >448 is NaN
 
 
-def encode_nvfp4_blocks(x_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Array, *,
-                        rounding: Rounding = "rne", key: jax.Array | None = None,
-                        bits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def encode_nvfp4_blocks(
+    x_Bx16: jax.Array,
+    scales: jax.Array,
+    s_dec: jax.Array,
+    *,
+    rounding: Rounding = "rne",
+    key: jax.Array | None = None,
+    bits: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The one E2M1 encoder: fp32 blocks [..., K/16, 16] against given E4M3 scales [..., K/16].
 
     enc = min(1 / (fp32(scale) * S_dec), FLT_MAX); code = e2m1(x * enc), RNE (or stochastic)
@@ -319,9 +332,15 @@ def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Ar
     return flush_subnormal((values_Bx16 * scale32[..., None]) * s_dec)
 
 
-def decode_nvfp4(packed: jax.Array | np.ndarray, scales: jax.Array | np.ndarray,
-                 s_dec: jax.Array | float, *, axis: int = -1, dtype: jnp.dtype = jnp.float32,
-                 name: str = "tensor") -> jax.Array:
+def decode_nvfp4(
+    packed: jax.Array | np.ndarray,
+    scales: jax.Array | np.ndarray,
+    s_dec: jax.Array | float,
+    *,
+    axis: int = -1,
+    dtype: jnp.dtype = jnp.float32,
+    name: str = "tensor",
+) -> jax.Array:
     """Decode stored NVFP4 bytes with a stored global decode scale (what a serving engine reads):
 
     packed uint8 [..., K/2 at axis], scales float8_e4m3fn [..., K/16 at axis], S_dec fp32 scalar;
@@ -331,40 +350,41 @@ def decode_nvfp4(packed: jax.Array | np.ndarray, scales: jax.Array | np.ndarray,
     """
     packed, scales = jnp.asarray(packed), jnp.asarray(scales)
     axis = normalize_axis(axis, packed.ndim, name)
-    expected = (*packed.shape[:axis], packed.shape[axis] * 2 // NVFP4_BLOCK, *packed.shape[axis + 1:])
+    expected = (*packed.shape[:axis], packed.shape[axis] * 2 // NVFP4_BLOCK, *packed.shape[axis + 1 :])
     if packed.dtype != jnp.uint8 or scales.dtype != jnp.float8_e4m3fn:
-        raise NVFP4ToolError(f"tensor '{name}': NVFP4 needs uint8 codes and float8_e4m3fn scales, "
-                             f"got {packed.dtype} and {scales.dtype}")
+        raise NVFP4ToolError(
+            f"tensor '{name}': NVFP4 needs uint8 codes and float8_e4m3fn scales, got {packed.dtype} and {scales.dtype}"
+        )
     if packed.shape[axis] % (NVFP4_BLOCK // 2) != 0 or tuple(scales.shape) != expected:
-        raise NVFP4ToolError(f"tensor '{name}': codes {tuple(packed.shape)} need scales "
-                             f"{expected} (one per 16 elements along axis {axis}), "
-                             f"got {tuple(scales.shape)}")
-    return _decode(packed, scales, jnp.asarray(s_dec, jnp.float32), axis=axis,
-                   dtype=jnp.dtype(dtype))
+        raise NVFP4ToolError(
+            f"tensor '{name}': codes {tuple(packed.shape)} need scales "
+            f"{expected} (one per 16 elements along axis {axis}), "
+            f"got {tuple(scales.shape)}"
+        )
+    return _decode(packed, scales, jnp.asarray(s_dec, jnp.float32), axis=axis, dtype=jnp.dtype(dtype))
 
 
-def check_nvfp4_args(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array | None,
-                     name: str) -> int:
+def check_nvfp4_args(x: jax.Array, axis: int, block: str, rounding: str, key: jax.Array | None, name: str) -> int:
     """The quantizers' argument checks (dtype, shape, axis, block, rounding, key): NVFP4ToolError
     naming `name`, else the non-negative axis. Values are not looked at (see `check_finite`)."""
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise NVFP4ToolError(f"tensor '{name}': dtype {x.dtype} cannot be quantized to NVFP4 "
-                             "(expected float32, bfloat16 or float16)")
+        raise NVFP4ToolError(
+            f"tensor '{name}': dtype {x.dtype} cannot be quantized to NVFP4 (expected float32, bfloat16 or float16)"
+        )
     if x.ndim == 0:
         raise NVFP4ToolError(f"tensor '{name}': a scalar cannot be quantized to NVFP4")
     axis = normalize_axis(axis, x.ndim, name)
     if x.shape[axis] % NVFP4_BLOCK != 0:
         raise NVFP4ToolError(
             f"tensor '{name}' shape {tuple(x.shape)}: length {x.shape[axis]} of axis {axis} is "
-            f"not a multiple of {NVFP4_BLOCK} (NVFP4 blocks are never padded)")
+            f"not a multiple of {NVFP4_BLOCK} (NVFP4 blocks are never padded)"
+        )
     if block not in ("1d", "2d"):
         raise NVFP4ToolError(f"tensor '{name}': block must be '1d' or '2d', got {block!r}")
     if block == "2d" and x.ndim < 2:
-        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: 2d (16x16) scaling "
-                             "needs at least 2 axes")
+        raise NVFP4ToolError(f"tensor '{name}' shape {tuple(x.shape)}: 2d (16x16) scaling needs at least 2 axes")
     if rounding not in ("rne", "stochastic"):
-        raise NVFP4ToolError(f"tensor '{name}': rounding must be 'rne' or 'stochastic', "
-                             f"got {rounding!r}")
+        raise NVFP4ToolError(f"tensor '{name}': rounding must be 'rne' or 'stochastic', got {rounding!r}")
     if rounding == "stochastic" and key is None:
         raise NVFP4ToolError(f"tensor '{name}': stochastic rounding needs a jax.random key")
     return axis
@@ -374,8 +394,9 @@ def check_nvfp4_args(x: jax.Array, axis: int, block: str, rounding: str, key: ja
 # helpers
 
 
-def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Array | None,
-             name: str) -> tuple[jax.Array, int, jax.Array | None]:
+def _prepare(
+    x, axis: int, block: str, global_amax, rounding: str, key: jax.Array | None, name: str
+) -> tuple[jax.Array, int, jax.Array | None]:
     """Validate the public arguments; (x as a jax array, axis >= 0, global_amax as fp32 or None)."""
     x = jnp.asarray(x)
     axis = check_nvfp4_args(x, axis, block, rounding, key, name)
@@ -385,8 +406,9 @@ def _prepare(x, axis: int, block: str, global_amax, rounding: str, key: jax.Arra
     return x, axis, global_amax
 
 
-def _encode(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int,
-            block: str, rounding: str):
+def _encode(
+    x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, axis: int, block: str, rounding: str
+):
     """Shared core with K moved last: (codes, values, scales e4m3, S_dec, gamax).
 
     codes (uint8 with sign bit) and values (their signed fp32 E2M1 value) are blocked
@@ -447,8 +469,7 @@ def _e2m1_magnitude(index: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("axis", "block", "rounding"))
 def _quantize_packed(x, global_amax, key, *, axis, block, rounding):
     """Quantize and pack; outputs with K (halved / sixteenth) back at `axis`."""
-    codes_Bx16, _, scales_K, _, gamax = _encode(x, global_amax, key, axis=axis, block=block,
-                                                rounding=rounding)
+    codes_Bx16, _, scales_K, _, gamax = _encode(x, global_amax, key, axis=axis, block=block, rounding=rounding)
     codes_K = codes_Bx16.reshape(*codes_Bx16.shape[:-2], -1)
     packed = jnp.moveaxis(pack_codes(codes_K), -1, axis)
     return packed, jnp.moveaxis(scales_K, -1, axis), gamax
@@ -457,8 +478,7 @@ def _quantize_packed(x, global_amax, key, *, axis, block, rounding):
 @functools.partial(jax.jit, static_argnames=("axis", "block", "rounding", "dtype"))
 def _fake_quantize(x, global_amax, key, *, axis, block, rounding, dtype):
     """Quantize-dequantize without packing; the same decode product as `decode_nvfp4`."""
-    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block,
-                                                 rounding=rounding)
+    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block, rounding=rounding)
     out_K = _unblock(decode_nvfp4_blocks(values_Bx16, scales_K, s_dec))
     return jnp.moveaxis(out_K, -1, axis).astype(dtype)
 
@@ -466,8 +486,7 @@ def _fake_quantize(x, global_amax, key, *, axis, block, rounding, dtype):
 @functools.partial(jax.jit, static_argnames=("axis", "block", "rounding"))
 def _operand(x, global_amax, key, *, axis, block, rounding):
     """(bf16 e2m1 value * block scale without S_dec, S_dec): the decode product at S_dec = 1."""
-    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block,
-                                                 rounding=rounding)
+    _, values_Bx16, scales_K, s_dec, _ = _encode(x, global_amax, key, axis=axis, block=block, rounding=rounding)
     out_K = _unblock(decode_nvfp4_blocks(values_Bx16, scales_K, jnp.float32(1.0)))
     return jnp.moveaxis(out_K, -1, axis).astype(jnp.bfloat16), s_dec
 

@@ -25,7 +25,8 @@ injects another, as the tests do with the emulated one on the CPU). "auto" is re
 platform (`resolve_backend`): quantizer "pallas" on a GPU, else "xla" (interpret-mode Pallas on
 the CPU is only for tests); gemm "native" where the FP4 GEMM is native (`native_fp4_available`),
 else "emulated". The trainer resolves both once, records them and passes them explicit.
-The fused kernels take the global amax as an input: the weight's is given (the fused group's), X's and dY's is `tensor_amax` of the tensor, and the RHT'd wgrad operands'
+The fused kernels take the global amax as an input: the weight's is given (the fused group's), X's and dY's is
+`tensor_amax` of the tensor, and the RHT'd wgrad operands'
 is `tensor_amax(rht16(...))` computed in XLA: one extra read of the tensor, as TE's amax kernel.
 
 The weight's operands (`quantize_weight` -> `NVFP4Weight`): fprop's W along K and dgrad's W^T
@@ -96,8 +97,7 @@ class NVFP4Options:
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
-            raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, "
-                                 f"got {self.quantizer!r}")
+            raise NVFP4ToolError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {self.quantizer!r}")
         if self.gemm not in GEMMS:
             raise NVFP4ToolError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
 
@@ -119,15 +119,17 @@ jax.tree_util.register_dataclass(NVFP4Weight, data_fields=["fprop", "dgrad"], me
 WEIGHT_QUANTIZED = "nvfp4_weight_quantized"  # the checkpoint name tagging each quantize_weight result
 
 
-def quantize_weight(w_NxK: jax.Array, w_global_amax: jax.Array | None = None,
-                    options: NVFP4Options = NVFP4Options()) -> NVFP4Weight:
+def quantize_weight(
+    w_NxK: jax.Array, w_global_amax: jax.Array | None = None, options: NVFP4Options = NVFP4Options()
+) -> NVFP4Weight:
     """The operands `nvfp4_dot` multiplies `w_NxK` with (see `NVFP4Weight`); `w_global_amax` as
     in `nvfp4_dot`. No gradient flows through them (nvfp4_dot's gradient reaches w directly).
     Each call tags one of its outputs `checkpoint_name(..., WEIGHT_QUANTIZED)` (an identity: one
     `name` equation per call in a jaxpr, which the tests count; no remat policy saves it)."""
     w_NxK = jax.lax.stop_gradient(w_NxK)
-    amax = jax.lax.stop_gradient(jnp.asarray(tensor_amax(w_NxK) if w_global_amax is None else w_global_amax,
-                                             jnp.float32))
+    amax = jax.lax.stop_gradient(
+        jnp.asarray(tensor_amax(w_NxK) if w_global_amax is None else w_global_amax, jnp.float32)
+    )
     gemm = _Gemms.of(options)
     if options.weight_2d:
         fprop, dgrad = gemm.operand(w_NxK, block="2d", global_amax=amax), None
@@ -138,10 +140,14 @@ def quantize_weight(w_NxK: jax.Array, w_global_amax: jax.Array | None = None,
     return jax.tree.unflatten(tree, [checkpoint_name(leaves[0], WEIGHT_QUANTIZED), *leaves[1:]])
 
 
-def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
-              w_global_amax: jax.Array | None = None,
-              options: NVFP4Options = NVFP4Options(),
-              weight: NVFP4Weight | None = None) -> jax.Array:
+def nvfp4_dot(
+    x_TxK: jax.Array,
+    w_NxK: jax.Array,
+    key: jax.Array,
+    w_global_amax: jax.Array | None = None,
+    options: NVFP4Options = NVFP4Options(),
+    weight: NVFP4Weight | None = None,
+) -> jax.Array:
     """`x @ w.T` in fp32 (x: [..., K], w: [N, K]) with the NVFP4 recipe's forward and backward.
 
     `key` seeds the stochastic rounding of this layer's gradient; `w_global_amax` is the shared
@@ -153,8 +159,14 @@ def nvfp4_dot(x_TxK: jax.Array, w_NxK: jax.Array, key: jax.Array,
     if w_global_amax is None:
         w_global_amax = tensor_amax(w_NxK)
     lead_shape = x_TxK.shape[:-1]
-    y_TxN = _nvfp4_dot(x_TxK.reshape(-1, x_TxK.shape[-1]), w_NxK, key,
-                       jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)), weight, options)
+    y_TxN = _nvfp4_dot(
+        x_TxK.reshape(-1, x_TxK.shape[-1]),
+        w_NxK,
+        key,
+        jax.lax.stop_gradient(jnp.asarray(w_global_amax, jnp.float32)),
+        weight,
+        options,
+    )
     return y_TxN.reshape(*lead_shape, w_NxK.shape[0])
 
 
@@ -219,24 +231,36 @@ class _Gemms:
     @classmethod
     def of(cls, options: NVFP4Options) -> _Gemms:
         quantizer, gemm = resolve_backend(options.quantizer, options.gemm)
-        return cls(pallas=quantizer == "pallas", native=gemm == "native",
-                   packed_matmul=options.packed_matmul)
+        return cls(pallas=quantizer == "pallas", native=gemm == "native", packed_matmul=options.packed_matmul)
 
-    def operand(self, x_RxC: jax.Array, *, transpose: bool = False, rht: bool = False,
-                block: str = "1d", global_amax: jax.Array | None = None,
-                key: jax.Array | None = None):
+    def operand(
+        self,
+        x_RxC: jax.Array,
+        *,
+        transpose: bool = False,
+        rht: bool = False,
+        block: str = "1d",
+        global_amax: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ):
         """The GEMM operand of op = [rht16 of] (x.T if transpose else x), quantized along its last
         axis; stochastic rounding with `key` when given; `global_amax` None: op's own amax."""
         rounding = "rne" if key is None else "stochastic"
         if self.pallas:
             op_shape = x_RxC.shape[::-1] if transpose else x_RxC.shape
             if global_amax is None:  # max|op|: a transpose does not change it, an RHT does
-                global_amax = tensor_amax(rht16(x_RxC, axis=0 if transpose else -1) if rht
-                                          else x_RxC)
+                global_amax = tensor_amax(rht16(x_RxC, axis=0 if transpose else -1) if rht else x_RxC)
             bits = None if key is None else stochastic_bits(key, op_shape)
-            return fused_quantize(x_RxC, global_amax, mode="packed" if self.native else "operand",
-                                  rounding=rounding, bits=bits, block=block, rht=rht,
-                                  transpose=transpose)
+            return fused_quantize(
+                x_RxC,
+                global_amax,
+                mode="packed" if self.native else "operand",
+                rounding=rounding,
+                bits=bits,
+                block=block,
+                rht=rht,
+                transpose=transpose,
+            )
         op = x_RxC.T if transpose else x_RxC
         if rht:
             op = rht16(op, axis=-1)

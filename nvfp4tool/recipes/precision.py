@@ -102,9 +102,11 @@ class RecipeConfig:
         GPU) is a usage error naming gemm."""
         quantizer, gemm = resolve_backend(self.quantizer, self.gemm)
         if gemm == "native" and not native_gemm_lowers():
-            raise NVFP4UsageError(f"gemm='native': jax.nn.scaled_matmul has no lowering on "
-                                  f"{jax.default_backend()!r} (the native FP4 GEMM needs a CUDA GPU); "
-                                  "use gemm=emulated or gemm=auto")
+            raise NVFP4UsageError(
+                f"gemm='native': jax.nn.scaled_matmul has no lowering on "
+                f"{jax.default_backend()!r} (the native FP4 GEMM needs a CUDA GPU); "
+                "use gemm=emulated or gemm=auto"
+            )
         return dataclasses.replace(self, quantizer=quantizer, gemm=gemm)
 
     def backend(self) -> dict[str, str] | None:
@@ -133,8 +135,12 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
     kept_layers = set(range(min(first, L))) | set(range(max(0, L - last), L))
     result = {}
     for m in config.modules.linears:  # lm_head and routers: keep_dtype
-        keep = (recipe.name == "bf16" or m.keep_dtype or m.layer in kept_layers
-                or any(fnmatch.fnmatchcase(m.name, pattern) for pattern in recipe.bf16_patterns))
+        keep = (
+            recipe.name == "bf16"
+            or m.keep_dtype
+            or m.layer in kept_layers
+            or any(fnmatch.fnmatchcase(m.name, pattern) for pattern in recipe.bf16_patterns)
+        )
         result[m.name] = "bf16" if keep else recipe.name
     return result
 
@@ -158,14 +164,23 @@ def layer_key(step_key: jax.Array, name: str) -> jax.Array:
 
 def nvfp4_options(recipe: RecipeConfig, bf16_scope: Literal["none", "forward", "all"] = "none") -> NVFP4Options:
     """The options of the recipe's nvfp4 layers (see `make_linear` for `bf16_scope`)."""
-    return NVFP4Options(rht=recipe.rht, stochastic_rounding=recipe.stochastic_rounding,
-                        weight_2d=recipe.weight_2d, quantize_fprop=bf16_scope == "none",
-                        quantizer=recipe.quantizer, gemm=recipe.gemm)
+    return NVFP4Options(
+        rht=recipe.rht,
+        stochastic_rounding=recipe.stochastic_rounding,
+        weight_2d=recipe.weight_2d,
+        quantize_fprop=bf16_scope == "none",
+        quantizer=recipe.quantizer,
+        gemm=recipe.gemm,
+    )
 
 
-def quantize_weights(recipe: RecipeConfig, pmap: Mapping[str, str], weights: Mapping[str, jax.Array],
-                     amax_by_group: Mapping[str, jax.Array] | None = None,
-                     bf16_scope: Literal["none", "forward", "all"] = "none") -> dict[str, NVFP4Weight]:
+def quantize_weights(
+    recipe: RecipeConfig,
+    pmap: Mapping[str, str],
+    weights: Mapping[str, jax.Array],
+    amax_by_group: Mapping[str, jax.Array] | None = None,
+    bf16_scope: Literal["none", "forward", "all"] = "none",
+) -> dict[str, NVFP4Weight]:
     """The GEMM operands of each nvfp4 layer's weight (module name -> weight [N, K] in `weights`),
     quantized from its BF16 rounding against its fused group's amax, as `make_linear`'s layers
     would; for `make_linear(..., weights=)`. Empty when no layer runs nvfp4 GEMMs."""
@@ -180,9 +195,18 @@ def quantize_weights(recipe: RecipeConfig, pmap: Mapping[str, str], weights: Map
     return result
 
 
-def recipe_gemm(recipe: RecipeConfig, precision: str, x: jax.Array, w_NxK: jax.Array, b_N: jax.Array | None, *,
-                key: jax.Array | None, amax: jax.Array | None, weight: NVFP4Weight | None,
-                bf16_scope: Literal["none", "forward", "all"] = "none") -> jax.Array:
+def recipe_gemm(
+    recipe: RecipeConfig,
+    precision: str,
+    x: jax.Array,
+    w_NxK: jax.Array,
+    b_N: jax.Array | None,
+    *,
+    key: jax.Array | None,
+    amax: jax.Array | None,
+    weight: NVFP4Weight | None,
+    bf16_scope: Literal["none", "forward", "all"] = "none",
+) -> jax.Array:
     """`y = x @ w.T + b` of one linear in `precision` ("bf16" | "fp8" | "fp8-block" | "nvfp4"):
     the one implementation behind `make_linear` and `RecipeTap`. nvfp4: `key` the layer's SR key
     (`layer_key`), `amax` its fused group's weight amax (None: its own), `weight` its operands
@@ -194,18 +218,28 @@ def recipe_gemm(recipe: RecipeConfig, precision: str, x: jax.Array, w_NxK: jax.A
     elif precision == "nvfp4":
         if key is None and recipe.stochastic_rounding:
             raise NVFP4ToolError("the nvfp4 recipe with stochastic rounding needs a PRNG key")
-        y = nvfp4_dot(x_lp, w_lp, key if key is not None else jax.random.key(0), amax,
-                      nvfp4_options(recipe, bf16_scope), weight)
+        y = nvfp4_dot(
+            x_lp, w_lp, key if key is not None else jax.random.key(0), amax, nvfp4_options(recipe, bf16_scope), weight
+        )
     else:
-        y = fp8_dot(x_lp, w_lp, FP8Options(scaling="block" if recipe.name == "fp8-block" else "tensor",
-                                           quantize_fprop=bf16_scope == "none"))
+        y = fp8_dot(
+            x_lp,
+            w_lp,
+            FP8Options(
+                scaling="block" if recipe.name == "fp8-block" else "tensor", quantize_fprop=bf16_scope == "none"
+            ),
+        )
     return linear_output(y, b_N, x.dtype)
 
 
-def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | None = None,
-                amax_by_group: Mapping[str, jax.Array] | None = None,
-                bf16_scope: Literal["none", "forward", "all"] = "none",
-                weights: Mapping[str, NVFP4Weight] | None = None) -> LinearFn:
+def make_linear(
+    recipe: RecipeConfig,
+    pmap: Mapping[str, str],
+    key: jax.Array | None = None,
+    amax_by_group: Mapping[str, jax.Array] | None = None,
+    bf16_scope: Literal["none", "forward", "all"] = "none",
+    weights: Mapping[str, NVFP4Weight] | None = None,
+) -> LinearFn:
     """The LinearFn of one step: each layer by its precision in `pmap` (concrete names).
 
     key: this step's randomness (SR), folded with a hash of the layer name (`layer_key`);
@@ -215,14 +249,24 @@ def make_linear(recipe: RecipeConfig, pmap: Mapping[str, str], key: jax.Array | 
     weights: the nvfp4 layers' weight operands from `quantize_weights` (same recipe, amax and
     scope), used instead of quantizing each weight where it is multiplied.
     """
+
     def linear(x, w_NxK, b_N, *, name):
         if name not in pmap:
             raise NVFP4ToolError(f"linear layer {name!r} is not in the precision map")
         # no key: nvfp4 with SR is refused (recipe_gemm); without SR the key is never drawn from
         layer = layer_key(key, name) if key is not None else None
         amax = None if amax_by_group is None else amax_by_group.get(fused_group(name))
-        return recipe_gemm(recipe, pmap[name], x, w_NxK, b_N, key=layer, amax=amax,
-                           weight=None if weights is None else weights.get(name), bf16_scope=bf16_scope)
+        return recipe_gemm(
+            recipe,
+            pmap[name],
+            x,
+            w_NxK,
+            b_N,
+            key=layer,
+            amax=amax,
+            weight=None if weights is None else weights.get(name),
+            bf16_scope=bf16_scope,
+        )
 
     return linear
 
@@ -237,16 +281,31 @@ class RecipeTap:
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         where = name_in_layer(name) or name
-        precision, inputs = next(((p, linears[where]) for p, linears in (aux or {}).items() if where in linears),
-                                 ("bf16", {}))
-        y = recipe_gemm(self.recipe, precision, x, w_NxK, b_N, key=inputs.get("key"), amax=inputs.get("amax"),
-                        weight=inputs.get("weight"), bf16_scope=self.bf16_scope)
+        precision, inputs = next(
+            ((p, linears[where]) for p, linears in (aux or {}).items() if where in linears), ("bf16", {})
+        )
+        y = recipe_gemm(
+            self.recipe,
+            precision,
+            x,
+            w_NxK,
+            b_N,
+            key=inputs.get("key"),
+            amax=inputs.get("amax"),
+            weight=inputs.get("weight"),
+            bf16_scope=self.bf16_scope,
+        )
         return y, None if precision == "bf16" else tensor_amax(x.astype(GEMM_INPUT_DTYPE))
 
 
-def training_seam(recipe: RecipeConfig, pmap: Mapping[str, str], config: ModelConfig, key: jax.Array,
-                  quantized: tuple[Mapping[str, jax.Array], Mapping[str, NVFP4Weight]] | None = None,
-                  bf16_scope: Literal["none", "forward", "all"] = "none") -> Seam:
+def training_seam(
+    recipe: RecipeConfig,
+    pmap: Mapping[str, str],
+    config: ModelConfig,
+    key: jax.Array,
+    quantized: tuple[Mapping[str, jax.Array], Mapping[str, NVFP4Weight]] | None = None,
+    bf16_scope: Literal["none", "forward", "all"] = "none",
+) -> Seam:
     """The seam of one training micro-batch: `RecipeTap` and each layer's aux (SR keys from `key`,
     `quantized` = (group amax, quantized weights) of this step, else each weight quantized where
     it is multiplied against its own amax)."""
@@ -262,9 +321,11 @@ def training_seam(recipe: RecipeConfig, pmap: Mapping[str, str], config: ModelCo
                 continue
             inputs = {}
             if precision == "nvfp4":
-                inputs = {"key": layer_key(key, name),
-                          "amax": None if amax_by_group is None else amax_by_group.get(fused_group(name)),
-                          "weight": None if weights is None else weights.get(name)}
+                inputs = {
+                    "key": layer_key(key, name),
+                    "amax": None if amax_by_group is None else amax_by_group.get(fused_group(name)),
+                    "weight": None if weights is None else weights.get(name),
+                }
             aux.setdefault(precision, {})[name_in_layer(name) or name] = inputs
         return aux
 

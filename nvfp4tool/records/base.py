@@ -99,8 +99,12 @@ def fields_from_json(cls: type, obj: dict[str, Any], label: str, *, require_all:
     unknown = sorted(set(obj) - set(fields))
     if unknown:
         raise RecordError(f"{label}: unknown key {unknown[0]!r} (expected: {', '.join(fields)})")
-    missing = [name for name, f in fields.items() if name not in obj and (
-        require_all or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))]
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in obj
+        and (require_all or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))
+    ]
     if missing:
         raise RecordError(f"{label}: missing key {missing[0]!r}")
     hints = typing.get_type_hints(cls)
@@ -137,16 +141,15 @@ def iter_jsonl(path: str | os.PathLike, *, allow_nan: bool = False) -> Iterator[
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as bad:
-                    raise RecordError(f"{path}:{number}: not UTF-8 text (byte {raw[bad.start]:#04x}); "
-                                      "binary data given as text?") from None
+                    raise RecordError(
+                        f"{path}:{number}: not UTF-8 text (byte {raw[bad.start]:#04x}); binary data given as text?"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
-                    yield number, (json.loads(line) if allow_nan
-                                   else json.loads(line, parse_constant=_refuse_constant))
+                    yield number, (json.loads(line) if allow_nan else json.loads(line, parse_constant=_refuse_constant))
                 except (json.JSONDecodeError, _NonFinite) as bad:
-                    raise RecordError(f"{path}:{number}: not valid JSON "
-                                      f"({getattr(bad, 'msg', bad)})") from None
+                    raise RecordError(f"{path}:{number}: not valid JSON ({getattr(bad, 'msg', bad)})") from None
     except OSError as bad:
         raise RecordError(f"{path}: cannot read ({bad.strerror or bad})") from None
 
@@ -189,8 +192,15 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            type(None): "null", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "a number",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def _to_json(value: Any) -> Any:

@@ -21,8 +21,17 @@ from typing import Any, ClassVar
 from nvfp4tool.records.base import Record, RecordError
 from nvfp4tool.records.validation import Named
 
-PAIRED_KEYS = ("diff", "se", "ci95", "unpaired_se", "mcnemar_p", "right_to_wrong", "wrong_to_right", "flip_rate",
-               "min_detectable")
+PAIRED_KEYS = (
+    "diff",
+    "se",
+    "ci95",
+    "unpaired_se",
+    "mcnemar_p",
+    "right_to_wrong",
+    "wrong_to_right",
+    "flip_rate",
+    "min_detectable",
+)
 
 
 @dataclasses.dataclass(frozen=True)

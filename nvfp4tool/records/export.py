@@ -4,7 +4,8 @@
 What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
 with the sha256 of each weight file (relative to the source); format / quant / scale search /
 weight block; recipe and precision map; calibration data by file name + sha256, the windows
-and tokens it actually gave and what was asked (or the run's tracked amax), for MoE models with all-experts calibration and each expert's routed-token count;
+and tokens it actually gave and what was asked (or the run's tracked amax), for MoE models with all-experts
+calibration and each expert's routed-token count;
 with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
 per quantized layer its relative L2 weight error (with `--weight-rounding gptq`, the GPTQ settings and
 per layer also the relative output error on the calibration inputs, after GPTQ and for nearest
@@ -49,8 +50,12 @@ class SourceRecord(Record):
     def of(cls, checkpoint: Any) -> SourceRecord:
         """An opened `nvfp4tool.checkpoints.Checkpoint` named portably, with its weight files hashed
         (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)."""
-        return cls(name=portable_name(checkpoint.path), kind=checkpoint.kind, step=checkpoint.step,
-                   files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files})
+        return cls(
+            name=portable_name(checkpoint.path),
+            kind=checkpoint.kind,
+            step=checkpoint.step,
+            files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files},
+        )
 
 
 def first_file_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> tuple[str, str] | None:
@@ -193,8 +198,12 @@ HASH_TASK_BYTES = 1 << 30  # hashing a file this large (~1 s or more) reports a 
 def _sha256_file(path: str, identity: tuple[int, int, int, int], chunk: int) -> str:
     digest = hashlib.sha256()
     size = identity[2]
-    with open(path, "rb") as f, progress.task(f"sha256 {os.path.basename(path)}", total=-(-size // chunk),
-                                              unit="chunk", enabled=size >= HASH_TASK_BYTES) as task:
+    with (
+        open(path, "rb") as f,
+        progress.task(
+            f"sha256 {os.path.basename(path)}", total=-(-size // chunk), unit="chunk", enabled=size >= HASH_TASK_BYTES
+        ) as task,
+    ):
         while block := f.read(chunk):
             digest.update(block)
             task.advance(nbytes=len(block))

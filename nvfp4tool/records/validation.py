@@ -40,8 +40,10 @@ class Named(Record):
         relative to it."""
         root = os.path.abspath(path)
         base = os.path.dirname(root) if os.path.isfile(root) else root
-        return cls(name=portable_name(path),
-                   sha256={os.path.relpath(os.path.abspath(f), base): h for f, h in sorted(hashes.items())})
+        return cls(
+            name=portable_name(path),
+            sha256={os.path.relpath(os.path.abspath(f), base): h for f, h in sorted(hashes.items())},
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +193,7 @@ class ValidationRecord(Record):
 # ------------------------------------------------------------------------------------------
 # helpers
 
+
 def _decode(obj: dict[str, Any]) -> dict[str, Any]:
     """The JSON object with "inf" / "-inf" / "nan" turned into floats in the numeric places."""
     obj = dict(obj)
@@ -199,9 +202,12 @@ def _decode(obj: dict[str, Any]) -> dict[str, Any]:
     if "thresholds" in obj:
         obj["thresholds"] = _numbers(obj["thresholds"])
     if isinstance(obj.get("layers"), list):
-        obj["layers"] = [{**row, **{k: _numbers(row.get(k)) for k in ("weight_sqnr_db", "output_sqnr_db")
-                                    if k in row}} if isinstance(row, dict) else row
-                         for row in obj["layers"]]
+        obj["layers"] = [
+            {**row, **{k: _numbers(row.get(k)) for k in ("weight_sqnr_db", "output_sqnr_db") if k in row}}
+            if isinstance(row, dict)
+            else row
+            for row in obj["layers"]
+        ]
     if isinstance(obj.get("failures"), list):
         obj["failures"] = [_numbers(f, ("value", "limit", "by")) for f in obj["failures"]]
     found = obj.get("sensitivity")
@@ -217,8 +223,10 @@ def _decode(obj: dict[str, Any]) -> dict[str, Any]:
 def _numbers(mapping: Any, keys: tuple[str, ...] | None = None) -> Any:
     if not isinstance(mapping, dict):
         return mapping
-    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) and (keys is None or k in keys) else v
-            for k, v in mapping.items()}
+    return {
+        k: _NON_FINITE.get(v, v) if isinstance(v, str) and (keys is None or k in keys) else v
+        for k, v in mapping.items()
+    }
 
 
 def _encode(value: Any) -> Any:

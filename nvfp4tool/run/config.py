@@ -39,8 +39,9 @@ class TrainConfig:
     is its one-line description, shown by `nvfp4tool train --help` and `--list-keys`)."""
 
     # what to train
-    model: str = _key("tiny",
-        "tiny | 100m (a preset trained from scratch), an HF folder, a MaxText checkpoint or a run")
+    model: str = _key(
+        "tiny", "tiny | 100m (a preset trained from scratch), an HF folder, a MaxText checkpoint or a run"
+    )
     model_config: str | None = _key(None, "MaxText source: an HF config.json or a MaxText model name")
     rope_layout: str | None = _key(None, "MaxText side: interleaved | half (default: from the MaxText name)")
     data: str = _key("", "training data: a text / JSONL / Parquet file or folder")
@@ -55,29 +56,42 @@ class TrainConfig:
     stochastic_rounding: bool = _key(True, "nvfp4 recipe: stochastic rounding of the gradients quantized to NVFP4")
     weight_2d: bool = _key(True, "nvfp4 recipe: 16x16 (2D) weight blocks (the weight and its transpose share scales)")
     quantizer: str = _key("auto", "auto | xla | pallas: who quantizes nvfp4's GEMM operands (auto: pallas on GPU)")
-    gemm: str = _key("auto", "auto | emulated | native: nvfp4's GEMM (native needs a CUDA GPU; auto: native on Blackwell)")
-    bf16_first_layers: int | None = _key(None,
-        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's: 1; nemotron_h 2/62 of the blocks)")
-    bf16_last_layers: int | None = _key(None,
+    gemm: str = _key(
+        "auto", "auto | emulated | native: nvfp4's GEMM (native needs a CUDA GPU; auto: native on Blackwell)"
+    )
+    bf16_first_layers: int | None = _key(
+        None,
+        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's: 1; nemotron_h 2/62 of the blocks)",
+    )
+    bf16_last_layers: int | None = _key(
+        None,
         "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's: 15% of the blocks, rounded up; "
-        "nemotron_h 8/62)")
+        "nemotron_h 8/62)",
+    )
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
-    switch_to_bf16_at: float | None = _key(None,
-        "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)")
-    switch_scope: str = _key("forward",
-        "forward | all: what switch_to_bf16_at moves to BF16 (the forward GEMMs, or all)")
+    switch_to_bf16_at: float | None = _key(
+        None, "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)"
+    )
+    switch_scope: str = _key(
+        "forward", "forward | all: what switch_to_bf16_at moves to BF16 (the forward GEMMs, or all)"
+    )
     amax_history: int = _key(16, "steps over which each quantized input's amax is tracked (max)")
     remat: str = _key("none", "none | block | full: what the backward pass recomputes (nvfp4tool.model.remat)")
-    scan_layers: str = _key("auto", "auto | true | false: run each run of alike layers as one lax.scan (compile "
-                                    "time flat in depth; parameters stay per layer); auto: from 12 layers")
+    scan_layers: str = _key(
+        "auto",
+        "auto | true | false: run each run of alike layers as one lax.scan (compile "
+        "time flat in depth; parameters stay per layer); auto: from 12 layers",
+    )
     # quantization-aware distillation (nvfp4tool.train.distill)
     teacher: str | None = _key(None, "frozen BF16 teacher: an HF folder, a MaxText checkpoint or a run")
     distill: str = _key("none", "none | kl (KL to the teacher; needs teacher)")
     temperature: float = _key(1.0, "softmax temperature of the distillation KL")
     distill_weight: float = _key(1.0, "loss = w T^2 KL + (1 - w) next-token CE")
-    equalize_from: str | None = _key(None,
+    equalize_from: str | None = _key(
+        None,
         "an `export --equalize awq|smoothquant` of `model`: start from `model` with its recorded scales folded in "
-        "(the same function; QAD from an equalized start)")
+        "(the same function; QAD from an equalized start)",
+    )
     # optimisation
     steps: int = _key(100, "optimizer steps to run (the whole run; a resume continues up to it)")
     seq_len: int = _key(128, "tokens per training sequence")
@@ -122,30 +136,62 @@ class TrainConfig:
         _check_choice("scan_layers", str(self.scan_layers).lower(), SCAN_CHOICES)
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
         _check_choice("gemm", self.gemm, GEMMS)
-        _require("distill", self.distill, self.distill == "none" or self.teacher is not None,
-                 "needs teacher=PATH (the model to distill from)")
-        _require("teacher", self.teacher, self.teacher is None or self.distill != "none",
-                 "needs distill=kl (a teacher is used only for distillation)")
+        _require(
+            "distill",
+            self.distill,
+            self.distill == "none" or self.teacher is not None,
+            "needs teacher=PATH (the model to distill from)",
+        )
+        _require(
+            "teacher",
+            self.teacher,
+            self.teacher is None or self.distill != "none",
+            "needs distill=kl (a teacher is used only for distillation)",
+        )
         _require("temperature", self.temperature, self.temperature > 0, "expected a number > 0")
-        _require("distill_weight", self.distill_weight, 0 <= self.distill_weight <= 1,
-                 "expected a number in [0, 1]")
+        _require("distill_weight", self.distill_weight, 0 <= self.distill_weight <= 1, "expected a number in [0, 1]")
         if self.rope_layout is not None:
             _check_choice("rope_layout", self.rope_layout, ("interleaved", "half"))
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "amax_history", "eval_batches",
-                     "keep_checkpoints", "vocab_size", "mesh_fsdp", "num_processes"):
+        for name in (
+            "steps",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "amax_history",
+            "eval_batches",
+            "keep_checkpoints",
+            "vocab_size",
+            "mesh_fsdp",
+            "num_processes",
+        ):
             _require(name, getattr(self, name), getattr(self, name) >= 1, "expected an integer >= 1")
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
             _require(name, getattr(self, name), getattr(self, name) >= 0, "expected an integer >= 0")
         for name in ("bf16_first_layers", "bf16_last_layers"):
-            _require(name, getattr(self, name), getattr(self, name) is None or getattr(self, name) >= 0,
-                     "expected an integer >= 0")
-        _require("mesh_data", self.mesh_data, self.mesh_data == -1 or self.mesh_data >= 1,
-                 "expected -1 (what mesh_fsdp leaves) or an integer >= 1")
-        _require("process_id", self.process_id, 0 <= self.process_id < self.num_processes,
-                 f"expected 0 <= process_id < num_processes={self.num_processes}")
-        _require("coordinator_address", self.coordinator_address,
-                 self.num_processes == 1 or self.coordinator_address is not None,
-                 f"num_processes={self.num_processes} needs coordinator_address=host:port")
+            _require(
+                name,
+                getattr(self, name),
+                getattr(self, name) is None or getattr(self, name) >= 0,
+                "expected an integer >= 0",
+            )
+        _require(
+            "mesh_data",
+            self.mesh_data,
+            self.mesh_data == -1 or self.mesh_data >= 1,
+            "expected -1 (what mesh_fsdp leaves) or an integer >= 1",
+        )
+        _require(
+            "process_id",
+            self.process_id,
+            0 <= self.process_id < self.num_processes,
+            f"expected 0 <= process_id < num_processes={self.num_processes}",
+        )
+        _require(
+            "coordinator_address",
+            self.coordinator_address,
+            self.num_processes == 1 or self.coordinator_address is not None,
+            f"num_processes={self.num_processes} needs coordinator_address=host:port",
+        )
         for name in ("lr", "eps", "clip_norm"):
             _require(name, getattr(self, name), getattr(self, name) > 0, "expected a number > 0")
         _require("weight_decay", self.weight_decay, self.weight_decay >= 0, "expected a number >= 0")
@@ -154,11 +200,19 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             _require(name, getattr(self, name), 0 <= getattr(self, name) < 1, "expected a number in [0, 1)")
         _require("eval_fraction", self.eval_fraction, 0 < self.eval_fraction < 1, "expected a number in (0, 1)")
-        _require("batch_size", self.batch_size, self.batch_size % self.grad_accum == 0,
-                 f"not a multiple of grad_accum={self.grad_accum}")
+        _require(
+            "batch_size",
+            self.batch_size,
+            self.batch_size % self.grad_accum == 0,
+            f"not a multiple of grad_accum={self.grad_accum}",
+        )
         at = self.switch_to_bf16_at
-        _require("switch_to_bf16_at", at, at is None or 0 < at < 1 or (at == int(at) and 1 <= at <= self.steps),
-                 f"expected a fraction in (0, 1) or a step in [1, steps={self.steps}]")
+        _require(
+            "switch_to_bf16_at",
+            at,
+            at is None or 0 < at < 1 or (at == int(at) and 1 <= at <= self.steps),
+            f"expected a fraction in (0, 1) or a step in [1, steps={self.steps}]",
+        )
         _require("text_field", self.text_field, bool(self.text_field), "cannot be empty")
         if not self.data:
             raise NVFP4UsageError("train config: data=PATH is required")
@@ -174,17 +228,33 @@ class TrainConfig:
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             _require(name, path, path is None or os.path.exists(path), "not found")
-        _require("equalize_from", self.equalize_from, self.equalize_from is None or os.path.isdir(self.equalize_from),
-                 "expected an export folder: no such folder")
-        _require("tokenizer", self.tokenizer, self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
-                 "expected train or a folder with tokenizer.json: no such folder")
+        _require(
+            "equalize_from",
+            self.equalize_from,
+            self.equalize_from is None or os.path.isdir(self.equalize_from),
+            "expected an export folder: no such folder",
+        )
+        _require(
+            "tokenizer",
+            self.tokenizer,
+            self.tokenizer in (None, "train") or os.path.isdir(self.tokenizer),
+            "expected train or a folder with tokenizer.json: no such folder",
+        )
 
     def recipe_config(self) -> RecipeConfig:
-        return RecipeConfig(name=self.recipe, rht=self.rht, stochastic_rounding=self.stochastic_rounding,
-                            weight_2d=self.weight_2d, quantizer=self.quantizer, gemm=self.gemm,
-                            bf16_first_layers=self.bf16_first_layers,
-                            bf16_last_layers=self.bf16_last_layers, bf16_patterns=tuple(self.bf16_patterns),
-                            switch_to_bf16_at=self.switch_to_bf16_at, switch_scope=self.switch_scope)
+        return RecipeConfig(
+            name=self.recipe,
+            rht=self.rht,
+            stochastic_rounding=self.stochastic_rounding,
+            weight_2d=self.weight_2d,
+            quantizer=self.quantizer,
+            gemm=self.gemm,
+            bf16_first_layers=self.bf16_first_layers,
+            bf16_last_layers=self.bf16_last_layers,
+            bf16_patterns=tuple(self.bf16_patterns),
+            switch_to_bf16_at=self.switch_to_bf16_at,
+            switch_scope=self.switch_scope,
+        )
 
     def resolved_recipe(self) -> RecipeConfig:
         """The recipe with quantizer and gemm resolved on this platform (`RecipeConfig.resolved`):
@@ -274,8 +344,7 @@ def _build(values: dict[str, Any], source: str) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise NVFP4UsageError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: "
-                              f"{', '.join(sorted(fields))}")
+        raise NVFP4UsageError(f"{source}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(fields))}")
     config = TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
     config.check_paths()
     return config
@@ -296,8 +365,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             try:
                 value = yaml.safe_load(value)
             except yaml.YAMLError as bad:
-                raise NVFP4UsageError(f"train config: {key}={value}: not a valid value "
-                                      f"({getattr(bad, 'problem', None) or 'YAML'})") from None
+                raise NVFP4UsageError(
+                    f"train config: {key}={value}: not a valid value ({getattr(bad, 'problem', None) or 'YAML'})"
+                ) from None
     if value is None:
         if optional:
             return None

@@ -92,7 +92,7 @@ class RunRecord(Record):
 
     @property
     def weight_block(self) -> str:
-        """"2d" when the run trained NVFP4 with 16x16 weight scaling (its export must match), else "1d"."""
+        """ "2d" when the run trained NVFP4 with 16x16 weight scaling (its export must match), else "1d"."""
         recipe = self.recipe_config()
         return "2d" if recipe.name == "nvfp4" and recipe.weight_2d else "1d"
 

@@ -22,10 +22,10 @@ class Checkpoints:
     """Periodic/final checkpoints of one run folder."""
 
     def __init__(self, run_dir: str | Path, keep: int) -> None:
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(Path(run_dir).absolute() / CHECKPOINTS_DIR,
-                                              options=options, item_names=("state", "meta"))
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(
+            Path(run_dir).absolute() / CHECKPOINTS_DIR, options=options, item_names=("state", "meta")
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -34,14 +34,16 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+        )
         self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """The state at `step`, laid out as `abstract_state` (jax.ShapeDtypeStruct with shardings)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        )
         return restored["state"], restored["meta"]
 
     def close(self) -> None:

@@ -40,8 +40,7 @@ def iter_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     path = Path(path)
     if not path.exists():
         raise NVFP4ToolError(f"{path}: data file or folder does not exist")
-    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file()) if path.is_dir() \
-        else [path]
+    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file()) if path.is_dir() else [path]
     if not files:
         raise NVFP4ToolError(f"{path}: no {', '.join(DATA_SUFFIXES)} files in the folder")
     empty = True
@@ -62,8 +61,10 @@ def pack_windows(token_docs: Iterator[list[int]], seq_len: int, eos_id: int) -> 
     window = seq_len + 1
     num_windows = (len(stream) - 1) // seq_len
     if num_windows < 2:
-        raise NVFP4ToolError(f"the data has {len(stream)} tokens: too few for two windows of "
-                             f"seq_len={seq_len} (one to train on, one to evaluate)")
+        raise NVFP4ToolError(
+            f"the data has {len(stream)} tokens: too few for two windows of "
+            f"seq_len={seq_len} (one to train on, one to evaluate)"
+        )
     tokens = np.asarray(stream, np.int32)
     starts = np.arange(num_windows) * seq_len
     return tokens[starts[:, None] + np.arange(window)[None, :]]
@@ -81,17 +82,16 @@ def batch_indices(num_windows: int, batch_size: int, seed: int, batch_number: in
     """The window indices of batch `batch_number` (0-based over the run): a pure function."""
     per_epoch = num_windows // batch_size
     if per_epoch == 0:
-        raise NVFP4ToolError(f"batch_size={batch_size} is larger than the {num_windows} training "
-                             "windows")
+        raise NVFP4ToolError(f"batch_size={batch_size} is larger than the {num_windows} training windows")
     epoch, offset = divmod(batch_number, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(num_windows)
-    return order[offset * batch_size:(offset + 1) * batch_size]
+    return order[offset * batch_size : (offset + 1) * batch_size]
 
 
 def eval_batches(windows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
     """The eval windows in order, in batches of at most `batch_size`."""
     for start in range(0, len(windows), batch_size):
-        yield windows[start:start + batch_size]
+        yield windows[start : start + batch_size]
 
 
 # ------------------------------------------------------------------------------------------
@@ -115,8 +115,9 @@ def _decode(data: bytes, file: Path, line_number: int | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as bad:
         line_number = line_number or data.count(b"\n", 0, bad.start) + 1
-        raise NVFP4ToolError(f"{file}:{line_number}: not UTF-8 text (byte {bad.object[bad.start]:#04x}); "
-                             "binary data given as text?") from None
+        raise NVFP4ToolError(
+            f"{file}:{line_number}: not UTF-8 text (byte {bad.object[bad.start]:#04x}); binary data given as text?"
+        ) from None
 
 
 def _read_jsonl(file: Path, text_field: str) -> Iterator[str]:
@@ -136,8 +137,7 @@ def _read_parquet(file: Path, text_field: str) -> Iterator[str]:
     except pa.ArrowException as bad:
         raise NVFP4ToolError(f"{file}: not a readable Parquet file ({bad})") from None
     if text_field not in parquet.schema_arrow.names:
-        raise NVFP4ToolError(f"{file}: no column '{text_field}' (columns: "
-                             f"{', '.join(parquet.schema_arrow.names)})")
+        raise NVFP4ToolError(f"{file}: no column '{text_field}' (columns: {', '.join(parquet.schema_arrow.names)})")
     for batch in parquet.iter_batches(columns=[text_field]):
         for text in batch.column(0).to_pylist():
             if text is not None and not isinstance(text, str):

@@ -47,28 +47,47 @@ class Distillation:
     weight: float  # distill_weight: the KL's share of the loss
     chunk: int = VOCAB_CHUNK
 
-    def terms(self, student: Any, teacher_params: Any, inputs_BxT: jax.Array, targets_BxT: jax.Array,
-              seam: Seam) -> tuple[dict[str, jax.Array], Side]:
+    def terms(
+        self, student: Any, teacher_params: Any, inputs_BxT: jax.Array, targets_BxT: jax.Array, seam: Seam
+    ) -> tuple[dict[str, jax.Array], Side]:
         """({"kl", "ce"}, the student's side results) of the student (its linears through `seam`)
         against the teacher (plain BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`."""
         teacher = nnx.merge(self.teacher_graphdef, jax.lax.stop_gradient(teacher_params))
         h_student, side = final_hidden(student, inputs_BxT, seam)
         h_teacher, _ = final_hidden(teacher, inputs_BxT, Seam.of(default_linear))
         head = seam.at(None)
-        flat = (lambda h: h.reshape(-1, h.shape[-1]))
+
+        def flat(h):
+            return h.reshape(-1, h.shape[-1])
+
         return chunked_terms(
-            flat(h_student), head_weight(student), flat(h_teacher), head_weight(teacher),
-            targets_BxT.reshape(-1), temperature=self.temperature, chunk=self.chunk,
+            flat(h_student),
+            head_weight(student),
+            flat(h_teacher),
+            head_weight(teacher),
+            targets_BxT.reshape(-1),
+            temperature=self.temperature,
+            chunk=self.chunk,
             student_head=lambda h, w: head.project(h, w, None, LM_HEAD)[0].astype(jnp.float32),
-            teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32)), side
+            teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32),
+        ), side
 
     def loss(self, terms: dict[str, jax.Array]) -> jax.Array:
-        return self.weight * self.temperature ** 2 * terms["kl"] + (1.0 - self.weight) * terms["ce"]
+        return self.weight * self.temperature**2 * terms["kl"] + (1.0 - self.weight) * terms["ce"]
 
 
-def chunked_terms(h_student_NxE: jax.Array, w_student_VxE: jax.Array, h_teacher_NxE: jax.Array,
-                  w_teacher_VxE: jax.Array, targets_N: jax.Array, *, temperature: float, chunk: int,
-                  student_head: Head, teacher_head: Head) -> dict[str, jax.Array]:
+def chunked_terms(
+    h_student_NxE: jax.Array,
+    w_student_VxE: jax.Array,
+    h_teacher_NxE: jax.Array,
+    w_teacher_VxE: jax.Array,
+    targets_N: jax.Array,
+    *,
+    temperature: float,
+    chunk: int,
+    student_head: Head,
+    teacher_head: Head,
+) -> dict[str, jax.Array]:
     """{"kl": mean KL(p_t^T || p_s^T), "ce": mean CE(student logits, targets)} over the N tokens,
     one vocabulary chunk of both heads at a time (see the module docstring)."""
     vocab = w_student_VxE.shape[0]
@@ -85,16 +104,17 @@ def chunked_terms(h_student_NxE: jax.Array, w_student_VxE: jax.Array, h_teacher_
         start = jnp.minimum(first, vocab - size)  # the last chunk ends at the vocabulary's end
         rows_C = start + jnp.arange(size)
         new_C = rows_C >= first
-        z_s = jnp.where(new_C, student_head(h_student_NxE, jax.lax.dynamic_slice_in_dim(w_student_VxE, start, size)),
-                        _NEG)
-        z_t = jnp.where(new_C, teacher_head(h_teacher_NxE, jax.lax.dynamic_slice_in_dim(w_teacher_VxE, start, size)),
-                        _NEG)
+        z_s = jnp.where(
+            new_C, student_head(h_student_NxE, jax.lax.dynamic_slice_in_dim(w_student_VxE, start, size)), _NEG
+        )
+        z_t = jnp.where(
+            new_C, teacher_head(h_teacher_NxE, jax.lax.dynamic_slice_in_dim(w_teacher_VxE, start, size)), _NEG
+        )
         s, t = jnp.where(new_C, z_s * inv_t, _NEG), jnp.where(new_C, z_t * inv_t, _NEG)
         lse_s_new = jnp.logaddexp(lse_s, jax.nn.logsumexp(s, axis=-1))
         lse_t_new = jnp.logaddexp(lse_t, jax.nn.logsumexp(t, axis=-1))
         # sum over the rows so far of p_t (t - s), with p_t normalised by the log-sum-exp so far
-        cross = (cross * jnp.exp(lse_t - lse_t_new)
-                 + jnp.sum(jnp.exp(t - lse_t_new[:, None]) * (t - s), axis=-1))
+        cross = cross * jnp.exp(lse_t - lse_t_new) + jnp.sum(jnp.exp(t - lse_t_new[:, None]) * (t - s), axis=-1)
         lse_1 = jnp.logaddexp(lse_1, jax.nn.logsumexp(z_s, axis=-1))
         target_logit = target_logit + jnp.sum(jnp.where(rows_C[None, :] == targets_N[:, None], z_s, 0.0), axis=-1)
         return (lse_s_new, lse_t_new, cross, lse_1, target_logit), None
@@ -102,5 +122,6 @@ def chunked_terms(h_student_NxE: jax.Array, w_student_VxE: jax.Array, h_teacher_
     empty = jnp.full((n,), _NEG, jnp.float32)
     zero = jnp.zeros((n,), jnp.float32)
     (lse_s, lse_t, cross, lse_1, target_logit), _ = jax.lax.scan(
-        jax.checkpoint(body), (empty, empty, zero, empty, zero), jnp.arange(count))
+        jax.checkpoint(body), (empty, empty, zero, empty, zero), jnp.arange(count)
+    )
     return {"kl": jnp.mean(cross - lse_t + lse_s), "ce": jnp.mean(lse_1 - target_logit)}

@@ -41,7 +41,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     records = []
     for number, record in iter_jsonl(path, allow_nan=True):  # a skipped step's loss is NaN
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise NVFP4ToolError(f"{path}:{number}: expected an object with an integer \"step\"")
+            raise NVFP4ToolError(f'{path}:{number}: expected an object with an integer "step"')
         records.append(record)
     return records
 
@@ -76,7 +76,7 @@ def plot_runs(run_dirs: list[str | Path], out_png: str | Path, labels: list[str]
     fig, axes = plt.subplots(panels, 1, figsize=(8, 4 * panels), squeeze=False)
     ax = axes[0][0]
     for label, s in series.items():
-        line, = ax.plot(s["step"], s["loss"], label=f"{label} train", linewidth=1)
+        (line,) = ax.plot(s["step"], s["loss"], label=f"{label} train", linewidth=1)
         if s["eval_step"]:
             ax.plot(s["eval_step"], s["eval_loss"], "o--", color=line.get_color(), label=f"{label} eval")
     ax.set_xlabel("step")
@@ -90,7 +90,8 @@ def plot_runs(run_dirs: list[str | Path], out_png: str | Path, labels: list[str]
         for label in labels[1:]:
             s = series[label]
             steps = [t for t in s["step"] if t in base_loss]
-            gaps = [100 * (l - base_loss[t]) / base_loss[t] for t, l in zip(s["step"], s["loss"]) if t in base_loss]
+            pairs = zip(s["step"], s["loss"])
+            gaps = [100 * (loss - base_loss[t]) / base_loss[t] for t, loss in pairs if t in base_loss]
             s["gap_pct_vs_first"] = gaps
             gap_ax.plot(steps, gaps, label=f"{label} vs {labels[0]}", linewidth=1)
         gap_ax.axhline(0, color="black", linewidth=0.5)

@@ -25,13 +25,17 @@ import jax.numpy as jnp
 from nvfp4tool.model.layers import route
 
 
-def load_balancing_loss(router_logits: Sequence[jax.Array], top_k: int,
-                        attention_mask_BxT: jax.Array | None = None) -> jax.Array:
+def load_balancing_loss(
+    router_logits: Sequence[jax.Array], top_k: int, attention_mask_BxT: jax.Array | None = None
+) -> jax.Array:
     """The auxiliary loss (fp32 scalar) of the sparse layers' router logits (each [B, T, N])."""
     tokens_N = probs_N = rows = jnp.zeros((), jnp.float32)
     for logits_BxTxN in router_logits:
-        weight_BxT = (jnp.ones(logits_BxTxN.shape[:-1], jnp.float32) if attention_mask_BxT is None
-                      else jnp.asarray(attention_mask_BxT).astype(jnp.float32))
+        weight_BxT = (
+            jnp.ones(logits_BxTxN.shape[:-1], jnp.float32)
+            if attention_mask_BxT is None
+            else jnp.asarray(attention_mask_BxT).astype(jnp.float32)
+        )
         probs_BxTxN = jax.nn.softmax(logits_BxTxN.astype(jnp.float32), axis=-1)
         _, chosen_BxTxN = route(logits_BxTxN, top_k, normalize=False)
         tokens_N = tokens_N + jnp.einsum("bt,btn->n", weight_BxT, chosen_BxTxN.astype(jnp.float32))

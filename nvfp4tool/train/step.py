@@ -60,12 +60,22 @@ class StepFns:
         return sorted(n for n, p in self.pmap.items() if p != "bf16")
 
     def init_state(self, params: Any, amax_history: int) -> State:
-        return {"params": params, "opt_state": self.optimizer.init(params),
-                "amax": {n: jnp.zeros((amax_history,), jnp.float32) for n in self.quantized},
-                "step": jnp.zeros((), jnp.int32)}
+        return {
+            "params": params,
+            "opt_state": self.optimizer.init(params),
+            "amax": {n: jnp.zeros((amax_history,), jnp.float32) for n in self.quantized},
+            "step": jnp.zeros((), jnp.int32),
+        }
 
-    def loss(self, params, windows_BxT1: jax.Array, key: jax.Array, bf16_scope: str = "none",
-             teacher: Any = None, quantized: tuple | None = None):
+    def loss(
+        self,
+        params,
+        windows_BxT1: jax.Array,
+        key: jax.Array,
+        bf16_scope: str = "none",
+        teacher: Any = None,
+        quantized: tuple | None = None,
+    ):
         """(the training loss (`training_loss`), ({quantized linear: max|input|}, its parts)).
         `quantized`: `quantize(params, bf16_scope)` of these params, made ahead (else here)."""
         model = nnx.merge(self.graphdef, params)
@@ -84,8 +94,9 @@ class StepFns:
         amax_by_group = group_amax(weights)
         return amax_by_group, quantize_weights(self.recipe, self.pmap, weights, amax_by_group, bf16_scope)
 
-    def train_step(self, state: State, windows_AxBxT1: jax.Array, key: jax.Array,
-                   bf16_scope: str = "none", teacher: Any = None) -> tuple[State, dict[str, jax.Array]]:
+    def train_step(
+        self, state: State, windows_AxBxT1: jax.Array, key: jax.Array, bf16_scope: str = "none", teacher: Any = None
+    ) -> tuple[State, dict[str, jax.Array]]:
         """One optimizer step over `grad_accum` micro-batches [A, B/A, T+1] (`teacher`: the
         teacher's parameters of a distillation run)."""
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
@@ -94,22 +105,27 @@ class StepFns:
         def micro(carry, inputs):
             grad_sum, loss_sum, parts_sum, amax_max = carry
             index, windows = inputs
-            (loss, (amax, parts)), grads = grad_fn(state["params"], windows,
-                                                   jax.random.fold_in(key, index), bf16_scope, teacher,
-                                                   quantized)
+            (loss, (amax, parts)), grads = grad_fn(
+                state["params"], windows, jax.random.fold_in(key, index), bf16_scope, teacher, quantized
+            )
             amax_max = {n: jnp.maximum(amax_max[n], amax.get(n, 0.0)) for n in amax_max}
-            return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss,
-                    jax.tree.map(jnp.add, parts_sum, parts), amax_max), None
+            return (
+                jax.tree.map(jnp.add, grad_sum, grads),
+                loss_sum + loss,
+                jax.tree.map(jnp.add, parts_sum, parts),
+                amax_max,
+            ), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
         # which parts the loss reports (none, or the MoE aux loss): from its shapes, traced only
-        part_shapes = jax.eval_shape(lambda p, w, t: self.loss(p, w, key, bf16_scope, t), state["params"],
-                                     windows_AxBxT1[0], teacher)[1][1]
+        part_shapes = jax.eval_shape(
+            lambda p, w, t: self.loss(p, w, key, bf16_scope, t), state["params"], windows_AxBxT1[0], teacher
+        )[1][1]
         no_parts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), part_shapes)
         no_amax = {n: jnp.zeros((), jnp.float32) for n in self.quantized}
         (grad_sum, loss_sum, parts_sum, amax_now), _ = jax.lax.scan(
-            micro, (zeros, jnp.zeros((), jnp.float32), no_parts, no_amax),
-            (jnp.arange(self.grad_accum), windows_AxBxT1))
+            micro, (zeros, jnp.zeros((), jnp.float32), no_parts, no_amax), (jnp.arange(self.grad_accum), windows_AxBxT1)
+        )
         grads = jax.tree.map(lambda g: g / self.grad_accum, grad_sum)
         loss = loss_sum / self.grad_accum
         grad_norm = optax.global_norm(grads)
@@ -124,8 +140,9 @@ class StepFns:
         parts = {n: total / self.grad_accum for n, total in parts_sum.items()}
         return new_state, {"loss": loss, **parts, "grad_norm": grad_norm, "finite": finite}
 
-    def eval_metrics(self, params, windows_BxT1: jax.Array, bf16_scope: str = "none",
-                     teacher: Any = None) -> dict[str, jax.Array]:
+    def eval_metrics(
+        self, params, windows_BxT1: jax.Array, bf16_scope: str = "none", teacher: Any = None
+    ) -> dict[str, jax.Array]:
         """The recipe's forward (no gradient, so no stochastic rounding) on held-out windows:
         {"loss": the training loss}; a distillation run: {"loss": the next-token cross-entropy
         (comparable with any run's), "kl": the KL to the teacher}."""
@@ -135,32 +152,46 @@ class StepFns:
         return {"loss": parts["ce"], "kl": parts["kl"]}
 
 
-def make_optimizer(schedule: Callable[[int], float], *, weight_decay: float, beta1: float,
-                   beta2: float, eps: float, clip_norm: float) -> optax.GradientTransformation:
+def make_optimizer(
+    schedule: Callable[[int], float], *, weight_decay: float, beta1: float, beta2: float, eps: float, clip_norm: float
+) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (decay on matrices only, not on norms or biases)."""
     return optax.chain(
         optax.clip_by_global_norm(clip_norm),
-        optax.adamw(schedule, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay,
-                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+        optax.adamw(
+            schedule,
+            b1=beta1,
+            b2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
 
 
-def make_schedule(kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr_ratio: float,
-                  decay_fraction: float) -> optax.Schedule:
+def make_schedule(
+    kind: str, *, lr: float, steps: int, warmup_steps: int, min_lr_ratio: float, decay_fraction: float
+) -> optax.Schedule:
     """Linear warmup, then cosine to lr*min_lr_ratio, or WSD (stable, then linear decay)."""
     warmup = min(warmup_steps, max(steps - 1, 0))
     end = lr * min_lr_ratio
     if kind == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 2),
-                                                  end_value=end)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 2), end_value=end)
     decay = max(1, int(round(steps * decay_fraction)))
     stable = max(0, steps - warmup - decay)
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr),
-         optax.linear_schedule(lr, end, decay)], [max(warmup, 1), max(warmup, 1) + stable])
+        [
+            optax.linear_schedule(0.0, lr, max(warmup, 1)),
+            optax.constant_schedule(lr),
+            optax.linear_schedule(lr, end, decay),
+        ],
+        [max(warmup, 1), max(warmup, 1) + stable],
+    )
 
 
-def training_loss(model: Any, windows_BxT1: jax.Array, seam: Seam, distill: Distillation | None = None,
-                  teacher: Any = None) -> tuple[jax.Array, dict, dict]:
+def training_loss(
+    model: Any, windows_BxT1: jax.Array, seam: Seam, distill: Distillation | None = None, teacher: Any = None
+) -> tuple[jax.Array, dict, dict]:
     """The loss the optimizer minimizes on windows [B, T+1] (tokens 0..T-1 predict 1..T): the mean
     next-token cross-entropy, or with `distill` the distillation loss against the teacher whose
     parameters are `teacher` (`Distillation.loss`); plus, for an MoE model,

@@ -57,9 +57,12 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, out_dir: str 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(documents, trainer=trainer)
     save_tokenizer(tokenizer, out_dir)
     return TextTokenizer(tokenizer, tokenizer.token_to_id(END_OF_TEXT))
@@ -69,8 +72,9 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path) -> None:
     """Write tokenizer.json + tokenizer_config.json that transformers' AutoTokenizer loads."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=END_OF_TEXT,
-                                   eos_token=END_OF_TEXT, unk_token=END_OF_TEXT)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+    )
     fast.save_pretrained(str(out_dir))
 
 
@@ -89,8 +93,10 @@ def _eos_id(folder: Path, tokenizer: Tokenizer) -> int:
             eos_id = eos_id[0]
         if isinstance(eos_id, int):
             return eos_id
-    raise NVFP4ToolError(f"{folder}: cannot tell the end-of-text token (no eos_token in "
-                         "tokenizer_config.json, no eos_token_id in config.json)")
+    raise NVFP4ToolError(
+        f"{folder}: cannot tell the end-of-text token (no eos_token in "
+        "tokenizer_config.json, no eos_token_id in config.json)"
+    )
 
 
 def _json_object(path: Path) -> dict:

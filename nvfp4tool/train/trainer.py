@@ -49,19 +49,31 @@ from flax import nnx
 
 from converters.atomic import atomic_output_dir, check_output_path
 from nvfp4tool import progress
-from nvfp4tool.checkpoints import (TEACHER_OPTIONS, TRAIN_OPTIONS, Checkpoint, open_checkpoint, resolve_rope_layout,
-                                   run_steps)
+from nvfp4tool.checkpoints import (
+    TEACHER_OPTIONS,
+    TRAIN_OPTIONS,
+    Checkpoint,
+    open_checkpoint,
+    resolve_rope_layout,
+    run_steps,
+)
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
-from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.model import sharding as mesh_lib
+from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
 from nvfp4tool.run.config import TrainConfig, scans_layers
-from nvfp4tool.run.records import (CHECKPOINTS_DIR, TOKENIZER_DIR, WEIGHTS_DIR, InputAmaxRecord,
-                                   PrecisionMapRecord, RunRecord)
+from nvfp4tool.run.records import (
+    CHECKPOINTS_DIR,
+    TOKENIZER_DIR,
+    WEIGHTS_DIR,
+    InputAmaxRecord,
+    PrecisionMapRecord,
+    RunRecord,
+)
 from nvfp4tool.train import data as data_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.distill import Distillation
@@ -72,9 +84,25 @@ from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokeni
 
 # Keys a resume may change: they do not touch the training math (the data, the tokenizer and the
 # teacher are compared by content instead of by path).
-RESUME_FREE_KEYS = frozenset({"out", "resume", "force", "eval_every", "eval_batches", "checkpoint_every",
-                              "keep_checkpoints", "export_maxtext", "coordinator_address", "process_id",
-                              "data", "eval_data", "tokenizer", "teacher", "equalize_from"})
+RESUME_FREE_KEYS = frozenset(
+    {
+        "out",
+        "resume",
+        "force",
+        "eval_every",
+        "eval_batches",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "export_maxtext",
+        "coordinator_address",
+        "process_id",
+        "data",
+        "eval_data",
+        "tokenizer",
+        "teacher",
+        "equalize_from",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -118,11 +146,22 @@ def train(config: TrainConfig) -> TrainResult:
     model_config, recipe, pmap, mesh = job.model_config, job.recipe, job.pmap, job.mesh
     switch_step = recipe.switch_step(config.steps)
 
-    schedule = make_schedule(config.schedule, lr=config.lr, steps=config.steps,
-                             warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio,
-                             decay_fraction=config.decay_fraction)
-    optimizer = make_optimizer(schedule, weight_decay=config.weight_decay, beta1=config.beta1,
-                               beta2=config.beta2, eps=config.eps, clip_norm=config.clip_norm)
+    schedule = make_schedule(
+        config.schedule,
+        lr=config.lr,
+        steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        min_lr_ratio=config.min_lr_ratio,
+        decay_fraction=config.decay_fraction,
+    )
+    optimizer = make_optimizer(
+        schedule,
+        weight_decay=config.weight_decay,
+        beta1=config.beta1,
+        beta2=config.beta2,
+        eps=config.eps,
+        clip_norm=config.clip_norm,
+    )
     graphdef, params = nnx.split(job.model)
     distill, teacher = None, None
     if job.teacher is not None:
@@ -143,8 +182,11 @@ def train(config: TrainConfig) -> TrainResult:
         _write_start(out, config, job)
         if config.resume:
             truncate_metrics(out, start_step)
-            progress.info(f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}" if start_step else
-                          f"{out}: no checkpoint yet; restarting the run from step 0")
+            progress.info(
+                f"resumed from {out / CHECKPOINTS_DIR / str(start_step)}"
+                if start_step
+                else f"{out}: no checkpoint yet; restarting the run from step 0"
+            )
         progress.info(precision_summary(pmap, recipe.name, model_config.router_names()))
         _report_backend(recipe, config)
     _barrier("started")
@@ -155,8 +197,9 @@ def train(config: TrainConfig) -> TrainResult:
     del host_state, params, job
 
     metric_sharding = mesh_lib.replicated(mesh)
-    step_fn = jax.jit(fns.train_step, static_argnames="bf16_scope", donate_argnums=(),
-                      out_shardings=(shardings, metric_sharding))
+    step_fn = jax.jit(
+        fns.train_step, static_argnames="bf16_scope", donate_argnums=(), out_shardings=(shardings, metric_sharding)
+    )
     eval_fn = jax.jit(fns.eval_metrics, static_argnames="bf16_scope", out_shardings=metric_sharding)
     batch_sharding = mesh_lib.batch_sharding(mesh, 3, batch_axis=1)
     eval_sharding = mesh_lib.batch_sharding(mesh, 2, batch_axis=0)
@@ -172,17 +215,26 @@ def train(config: TrainConfig) -> TrainResult:
             indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
             windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
             t0 = time.perf_counter()
-            with progress.compiling(_compile_label("train step", scope),
-                                    key=(step_fn, scope, windows.shape)):  # the first step of a scope compiles
-                new_state, metrics = step_fn(state, mesh_lib.to_global(windows, batch_sharding),
-                                             jax.random.fold_in(base_key, step), bf16_scope=scope,
-                                             teacher=teacher)
-            loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]),
-                                       bool(metrics["finite"]))
+            with progress.compiling(
+                _compile_label("train step", scope), key=(step_fn, scope, windows.shape)
+            ):  # the first step of a scope compiles
+                new_state, metrics = step_fn(
+                    state,
+                    mesh_lib.to_global(windows, batch_sharding),
+                    jax.random.fold_in(base_key, step),
+                    bf16_scope=scope,
+                    teacher=teacher,
+                )
+            loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["finite"]))
             step_time = time.perf_counter() - t0
-            record = {**step_header(step, backend), "loss": loss, "lr": float(schedule(step - 1)),
-                      "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_time,
-                      "step_time_s": step_time}
+            record = {
+                **step_header(step, backend),
+                "loss": loss,
+                "lr": float(schedule(step - 1)),
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time,
+            }
             if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
                 record["aux_loss"] = float(metrics["aux_loss"])
             if distill is not None:  # the KL to the teacher, and the next-token CE when mixed in
@@ -196,7 +248,8 @@ def train(config: TrainConfig) -> TrainResult:
                         f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
                         f"stopped. Last good checkpoint: "
                         f"{out / CHECKPOINTS_DIR / str(last) if last is not None else 'none'} "
-                        "(set on_nonfinite=skip to skip such steps)")
+                        "(set on_nonfinite=skip to skip such steps)"
+                    )
                 record["skipped"] = True
                 new_state = jax.tree.map(lambda old, new: old, state, new_state)
                 new_state["step"] = state["step"] + 1
@@ -204,19 +257,23 @@ def train(config: TrainConfig) -> TrainResult:
             losses[step] = loss
             run_tokens += tokens_per_step
             if _due(step, config.eval_every, config.steps):
-                evaluated = _evaluate(eval_fn, state["params"], teacher, eval_windows, config,
-                                      eval_sharding, mesh, scope)
+                evaluated = _evaluate(
+                    eval_fn, state["params"], teacher, eval_windows, config, eval_sharding, mesh, scope
+                )
                 record.update({f"eval_{name}": value for name, value in evaluated.items()})
                 eval_losses[step] = record["eval_loss"]
             if is_main:
                 append_metrics(out, record)
             if _due(step, config.checkpoint_every, config.steps):
-                checkpoints.save(step, state, {"step": step, "seed": config.seed,
-                                               "batches_seen": step, "config": config.to_dict()})
-            extra = {name: f"{record[key]:.4f}" for name, key in (("aux", "aux_loss"), ("kl", "kl"), ("ce", "ce"))
-                     if key in record}
-            task.advance(fields={"loss": f"{loss:.4f}", **extra,
-                                 "tokens/s": f"{record['tokens_per_s']:,.0f}"})
+                checkpoints.save(
+                    step, state, {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()}
+                )
+            extra = {
+                name: f"{record[key]:.4f}"
+                for name, key in (("aux", "aux_loss"), ("kl", "kl"), ("ce", "ce"))
+                if key in record
+            }
+            task.advance(fields={"loss": f"{loss:.4f}", **extra, "tokens/s": f"{record['tokens_per_s']:,.0f}"})
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
 
@@ -225,8 +282,14 @@ def train(config: TrainConfig) -> TrainResult:
         if losses:
             plot_runs([out], out / "loss.png")
         hf_dir = _write_final(out, config, model_config, graphdef, state, pmap, tokenizer, source)
-    return TrainResult(out=out, losses=losses, eval_losses=eval_losses, final_step=config.steps,
-                       hf_dir=hf_dir, tokens_per_s=run_tokens / max(elapsed, 1e-9))
+    return TrainResult(
+        out=out,
+        losses=losses,
+        eval_losses=eval_losses,
+        final_step=config.steps,
+        hf_dir=hf_dir,
+        tokens_per_s=run_tokens / max(elapsed, 1e-9),
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,8 +300,11 @@ def _init_distributed(config: TrainConfig) -> None:
     if config.num_processes > 1 and not jax.distributed.is_initialized():
         if config.coordinator_address is None:
             raise NVFP4ToolError("num_processes > 1 needs coordinator_address=host:port")
-        jax.distributed.initialize(coordinator_address=config.coordinator_address,
-                                   num_processes=config.num_processes, process_id=config.process_id)
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+        )
 
 
 def _prepare(config: TrainConfig, out: Path) -> _Prepared:
@@ -252,8 +318,9 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         _check_same_config(saved, config, out)
     source = None
     if config.model not in PRESETS:
-        source = open_checkpoint(config.model, model_config=config.model_config,
-                                 rope_layout=config.rope_layout, options=TRAIN_OPTIONS)
+        source = open_checkpoint(
+            config.model, model_config=config.model_config, rope_layout=config.rope_layout, options=TRAIN_OPTIONS
+        )
     equalization = None
     if config.equalize_from is not None:
         source, equalization = _equalized(config, source)
@@ -271,30 +338,54 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if len(eval_windows) < mesh.size:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
     record = RunRecord(
-        config=config.to_dict(), model_config=model_config.to_hf_config(),
+        config=config.to_dict(),
+        model_config=model_config.to_hf_config(),
         data_sha256=_data_sha256(config.data),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
-        tokenizer_sha256=_tokenizer_sha256(tokenizer), train_windows=len(train_windows),
-        eval_windows=len(eval_windows), devices=jax.device_count(), processes=jax.process_count(),
-        teacher=teacher_record, teacher_model_config=teacher_config, gemm_backend=recipe.backend(),
-        equalization=equalization)
+        tokenizer_sha256=_tokenizer_sha256(tokenizer),
+        train_windows=len(train_windows),
+        eval_windows=len(eval_windows),
+        devices=jax.device_count(),
+        processes=jax.process_count(),
+        teacher=teacher_record,
+        teacher_model_config=teacher_config,
+        gemm_backend=recipe.backend(),
+        equalization=equalization,
+    )
     resume_step = None
     if saved is not None:
         _check_same_run(saved, record, out, config.teacher)
         steps = run_steps(str(out))
         resume_step = steps[-1] if steps else None
         record = saved
-    return _Prepared(record=record, tokenizer=tokenizer, save_tokenizer=trained_here, source=source,
-                     model_config=model_config, model=model, teacher=teacher, train_windows=train_windows,
-                     eval_windows=eval_windows, recipe=recipe, pmap=precision_map(recipe, model_config),
-                     mesh=mesh, resume_step=resume_step)
+    return _Prepared(
+        record=record,
+        tokenizer=tokenizer,
+        save_tokenizer=trained_here,
+        source=source,
+        model_config=model_config,
+        model=model,
+        teacher=teacher,
+        train_windows=train_windows,
+        eval_windows=eval_windows,
+        recipe=recipe,
+        pmap=precision_map(recipe, model_config),
+        mesh=mesh,
+        resume_step=resume_step,
+    )
 
 
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
-    paths = [config.data, config.eval_data, config.model_config, config.teacher, config.equalize_from,
-             None if config.model in PRESETS else config.model,
-             None if config.tokenizer in (None, "train") else config.tokenizer]
+    paths = [
+        config.data,
+        config.eval_data,
+        config.model_config,
+        config.teacher,
+        config.equalize_from,
+        None if config.model in PRESETS else config.model,
+        None if config.tokenizer in (None, "train") else config.tokenizer,
+    ]
     return [p for p in paths if p is not None and Path(p).exists()]
 
 
@@ -304,51 +395,70 @@ def _check_out(config: TrainConfig, out: Path) -> None:
         raise NVFP4ToolError(f"{out}: exists and is not a folder")
     if config.resume:
         if not RunRecord.exists(out):
-            raise NVFP4ToolError(f"{out}: resume=true but this is not a run folder "
-                                 f"(no {RunRecord.FILE_NAME})")
+            raise NVFP4ToolError(f"{out}: resume=true but this is not a run folder (no {RunRecord.FILE_NAME})")
     elif out.exists() and any(out.iterdir()) and not config.force:
-        raise NVFP4ToolError(f"{out}: already exists (resume=true to continue it, force=true to "
-                             "replace it)")
+        raise NVFP4ToolError(f"{out}: already exists (resume=true to continue it, force=true to replace it)")
 
 
 def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None:
     """Refuse a resume whose configuration differs in a key that changes the training math."""
     before, now = saved.train_config().to_dict(), config.to_dict()
-    changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now
-               if k not in RESUME_FREE_KEYS and before[k] != now[k]]
+    changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now if k not in RESUME_FREE_KEYS and before[k] != now[k]]
     if changed:
-        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {'; '.join(changed)} since the run "
-                             "started (nothing was changed; use another out= for a new run)")
+        raise NVFP4ToolError(
+            f"{out}: cannot resume bit-exactly: {'; '.join(changed)} since the run "
+            "started (nothing was changed; use another out= for a new run)"
+        )
 
 
 def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | None) -> None:
     """Refuse a resume on other data, another tokenizer, model or teacher, or another device count
     (a distillation run whose run.json predates teacher records: the teacher cannot be compared)."""
     if now.teacher is not None and saved.teacher is None:
-        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: its {RunRecord.FILE_NAME} records no teacher "
-                             f"weight hashes (written by an older nvfp4tool), so teacher={teacher} cannot be "
-                             "shown to be the teacher the run started with (nothing was changed; use another "
-                             "out= for a new run)")
-    changed = [what for what, a, b in (
-        ("the training data", saved.data_sha256, now.data_sha256),
-        ("the eval data", saved.eval_data_sha256, now.eval_data_sha256),
-        ("the tokenizer", saved.tokenizer_sha256, now.tokenizer_sha256),
-        ("the model config", saved.model_config, json.loads(json.dumps(now.model_config))),  # as stored
-        (f"the teacher's weights (teacher={teacher}: {_first_changed_file(saved.teacher, now.teacher)})",
-         saved.teacher and (saved.teacher.kind, saved.teacher.files),
-         now.teacher and (now.teacher.kind, now.teacher.files)),
-        (f"the teacher's model config (teacher={teacher})", saved.teacher_model_config,
-         json.loads(json.dumps(now.teacher_model_config))),
-        (f"the folded scales (equalize_from={now.config['equalize_from']})",
-         saved.equalization and saved.equalization.to_json(), now.equalization and now.equalization.to_json()),
-        (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
-        (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
-        # the GEMM sums in another order (a recorded gemm only; pallas and xla quantize bit for bit)
-        (f"the nvfp4 GEMM (gemm {_gemm(saved)} -> {_gemm(now)})", _gemm(saved), _gemm(now) if _gemm(saved) else None),
-    ) if a != b]
+        raise NVFP4ToolError(
+            f"{out}: cannot resume bit-exactly: its {RunRecord.FILE_NAME} records no teacher "
+            f"weight hashes (written by an older nvfp4tool), so teacher={teacher} cannot be "
+            "shown to be the teacher the run started with (nothing was changed; use another "
+            "out= for a new run)"
+        )
+    changed = [
+        what
+        for what, a, b in (
+            ("the training data", saved.data_sha256, now.data_sha256),
+            ("the eval data", saved.eval_data_sha256, now.eval_data_sha256),
+            ("the tokenizer", saved.tokenizer_sha256, now.tokenizer_sha256),
+            ("the model config", saved.model_config, json.loads(json.dumps(now.model_config))),  # as stored
+            (
+                f"the teacher's weights (teacher={teacher}: {_first_changed_file(saved.teacher, now.teacher)})",
+                saved.teacher and (saved.teacher.kind, saved.teacher.files),
+                now.teacher and (now.teacher.kind, now.teacher.files),
+            ),
+            (
+                f"the teacher's model config (teacher={teacher})",
+                saved.teacher_model_config,
+                json.loads(json.dumps(now.teacher_model_config)),
+            ),
+            (
+                f"the folded scales (equalize_from={now.config['equalize_from']})",
+                saved.equalization and saved.equalization.to_json(),
+                now.equalization and now.equalization.to_json(),
+            ),
+            (f"the device count ({saved.devices} -> {now.devices})", saved.devices, now.devices),
+            (f"the process count ({saved.processes} -> {now.processes})", saved.processes, now.processes),
+            # the GEMM sums in another order (a recorded gemm only; pallas and xla quantize bit for bit)
+            (
+                f"the nvfp4 GEMM (gemm {_gemm(saved)} -> {_gemm(now)})",
+                _gemm(saved),
+                _gemm(now) if _gemm(saved) else None,
+            ),
+        )
+        if a != b
+    ]
     if changed:
-        raise NVFP4ToolError(f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since the "
-                             "run started (nothing was changed; use another out= for a new run)")
+        raise NVFP4ToolError(
+            f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since the "
+            "run started (nothing was changed; use another out= for a new run)"
+        )
 
 
 def _gemm(record: RunRecord) -> str | None:
@@ -375,22 +485,29 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         return load_tokenizer(scratch), True
 
 
-def _model(config: TrainConfig, tokenizer: TextTokenizer,
-           source: Checkpoint | None) -> tuple[ModelConfig, CausalLM]:
+def _model(config: TrainConfig, tokenizer: TextTokenizer, source: Checkpoint | None) -> tuple[ModelConfig, CausalLM]:
     kwargs = dict(compute_dtype=jnp.bfloat16, remat=config.remat)
     if source is None:
         model_config = preset_config(config.model, tokenizer.vocab_size, max(config.seq_len, 2048))
-        model_config = dataclasses.replace(model_config, eos_token_id=tokenizer.eos_id,
-                                           bos_token_id=tokenizer.eos_id)
-        return model_config, CausalLM(model_config, param_dtype=jnp.float32, rngs=nnx.Rngs(config.seed),
-                                      scan_layers=scans_layers(config.scan_layers, model_config.num_layers),
-                                      **kwargs)
+        model_config = dataclasses.replace(model_config, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.eos_id)
+        return model_config, CausalLM(
+            model_config,
+            param_dtype=jnp.float32,
+            rngs=nnx.Rngs(config.seed),
+            scan_layers=scans_layers(config.scan_layers, model_config.num_layers),
+            **kwargs,
+        )
     if tokenizer.vocab_size > source.config.vocab_size:
-        raise NVFP4ToolError(f"tokenizer has {tokenizer.vocab_size} tokens but {config.model} "
-                             f"embeds only {source.config.vocab_size}")
-    return source.config, model_from_tensors(source.config, source.tensors, dtype=jnp.float32,
-                                             scan_layers=scans_layers(config.scan_layers, source.config.num_layers),
-                                             **kwargs)
+        raise NVFP4ToolError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but {config.model} embeds only {source.config.vocab_size}"
+        )
+    return source.config, model_from_tensors(
+        source.config,
+        source.tensors,
+        dtype=jnp.float32,
+        scan_layers=scans_layers(config.scan_layers, source.config.num_layers),
+        **kwargs,
+    )
 
 
 def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoint, EqualizationRecord]:
@@ -401,43 +518,59 @@ def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoi
     sha256 of each weight file, as validate binds an export to its source)."""
     where = config.equalize_from
     if source is None:
-        raise NVFP4UsageError(f"train config: equalize_from={where}: needs model=CHECKPOINT (the model the export "
-                              f"equalized), not the preset {config.model!r}")
+        raise NVFP4UsageError(
+            f"train config: equalize_from={where}: needs model=CHECKPOINT (the model the export "
+            f"equalized), not the preset {config.model!r}"
+        )
     if not ExportRecord.exists(where):
         raise NVFP4ToolError(f"equalize_from={where}: not an nvfp4tool export (no {ExportRecord.FILE_NAME})")
     record = ExportRecord.read(where)
     if record.equalization is None:
-        raise NVFP4ToolError(f"equalize_from={where}: the export was not equalized (--equalize none): no scales "
-                             "to fold")
+        raise NVFP4ToolError(
+            f"equalize_from={where}: the export was not equalized (--equalize none): no scales to fold"
+        )
     now = SourceRecord.of(source)
     difference = first_file_difference(record.source.files, now.files)
     if (record.source.kind, record.source.step) != (now.kind, now.step) or difference is not None:
-        what = (f"weight file {difference[0]} {difference[1]}" if difference is not None
-                else f"{now.kind} at step {now.step}, recorded {record.source.kind} at step {record.source.step}")
-        raise NVFP4ToolError(f"equalize_from={where}: not the export of model={config.model} ({what}: "
-                             f"{ExportRecord.path(where)} records the source {record.source.name!r})")
+        what = (
+            f"weight file {difference[0]} {difference[1]}"
+            if difference is not None
+            else f"{now.kind} at step {now.step}, recorded {record.source.kind} at step {record.source.step}"
+        )
+        raise NVFP4ToolError(
+            f"equalize_from={where}: not the export of model={config.model} ({what}: "
+            f"{ExportRecord.path(where)} records the source {record.source.name!r})"
+        )
     tensors = EqualizedSource.from_record(source.tensors, record.equalization, source.config, as_stored=True)
-    progress.info(f"equalize_from={where}: the model starts with the {len(record.equalization.sites)} "
-                  f"{record.equalization.method} scales it recorded folded in (checked there: KL "
-                  f"{record.equalization.check_kl_mean:.2g} nats to the original)")
+    progress.info(
+        f"equalize_from={where}: the model starts with the {len(record.equalization.sites)} "
+        f"{record.equalization.method} scales it recorded folded in (checked there: KL "
+        f"{record.equalization.check_kl_mean:.2g} nats to the original)"
+    )
     return dataclasses.replace(source, tensors=tensors), record.equalization
 
 
-def _teacher(config: TrainConfig, model_config: ModelConfig,
-             tokenizer: TextTokenizer) -> tuple[CausalLM, SourceRecord, dict[str, Any]]:
+def _teacher(
+    config: TrainConfig, model_config: ModelConfig, tokenizer: TextTokenizer
+) -> tuple[CausalLM, SourceRecord, dict[str, Any]]:
     """(the distillation teacher in BF16, its record, its HF config), opened as the model is; it
     must predict over the student's vocabulary with the student's tokenizer (a bad-data error
     naming the teacher otherwise). The record names it as an export names its source (the sha256 of
     each weight file), which a resume compares."""
-    opened = open_checkpoint(config.teacher, model_config=config.model_config, rope_layout=config.rope_layout,
-                             options=TEACHER_OPTIONS)
+    opened = open_checkpoint(
+        config.teacher, model_config=config.model_config, rope_layout=config.rope_layout, options=TEACHER_OPTIONS
+    )
     if opened.config.vocab_size != model_config.vocab_size:
-        raise NVFP4ToolError(f"teacher={config.teacher}: vocabulary of {opened.config.vocab_size} tokens, "
-                             f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer")
+        raise NVFP4ToolError(
+            f"teacher={config.teacher}: vocabulary of {opened.config.vocab_size} tokens, "
+            f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer"
+        )
     if opened.aux_dir is not None and (Path(opened.aux_dir) / "tokenizer.json").is_file():
         if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
-            raise NVFP4ToolError(f"teacher={config.teacher}: its tokenizer.json differs from the run's "
-                                 "tokenizer; distillation needs the same tokenizer")
+            raise NVFP4ToolError(
+                f"teacher={config.teacher}: its tokenizer.json differs from the run's "
+                "tokenizer; distillation needs the same tokenizer"
+            )
     model = model_from_tensors(opened.config, opened.tensors, dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     return model, SourceRecord.of(opened), opened.config.to_hf_config()
 
@@ -476,8 +609,7 @@ def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray,
 def _data_sha256(path: str) -> str:
     """sha256 of the data's bytes (a folder: each file's relative name and bytes, in reading order)."""
     root = Path(path)
-    files = (sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES)
-             if root.is_dir() else [root])
+    files = sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES) if root.is_dir() else [root]
     digest = hashlib.sha256()
     for file in files:
         if root.is_dir():  # a folder's layout is part of its data; a single file's name is not
@@ -509,14 +641,15 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _evaluate(eval_fn, params, teacher, eval_windows, config: TrainConfig, sharding, mesh,
-              scope: str) -> dict[str, float]:
+def _evaluate(
+    eval_fn, params, teacher, eval_windows, config: TrainConfig, sharding, mesh, scope: str
+) -> dict[str, float]:
     """Mean eval metrics (`StepFns.eval_metrics`: "loss", and "kl" to a teacher) over up to
     `eval_batches` full batches of held-out windows (trimmed to the mesh)."""
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[:config.eval_batches]
+    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[: config.eval_batches]
     with progress.task("eval", total=len(chunks), unit="batch") as task:
         for chunk in chunks:
             with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
@@ -562,8 +695,10 @@ def precision_summary(pmap: dict[str, str], recipe: str, routers: list[str]) -> 
         return f"recipe {recipe}: all {len(pmap)} linear layers run in BF16 (nothing quantized)"
     always = [LM_HEAD] + (["the MoE routers"] if routers else [])
     # the blocks holding a BF16 linear (apart from the routers, which always are)
-    kept = [layer_prefix(i) for i in sorted({layer_index(n) for n, p in pmap.items()
-                                            if p == "bf16" and n != LM_HEAD and n not in routers})]
+    kept = [
+        layer_prefix(i)
+        for i in sorted({layer_index(n) for n, p in pmap.items() if p == "bf16" and n != LM_HEAD and n not in routers})
+    ]
     quantized = ", ".join(f"{n} of {len(pmap)} linear layers in {p}" for p, n in sorted(counts.items()) if p != "bf16")
     return f"recipe {recipe}: {quantized}; kept in bf16: {', '.join(always + kept)}"
 
@@ -572,14 +707,22 @@ def _report_backend(recipe: RecipeConfig, config: TrainConfig) -> None:
     """One line: the nvfp4 GEMM path the run resolved (as run.json and metrics.jsonl record it)."""
     backend = recipe.backend()
     if backend is not None:
-        how = {key: "" if getattr(config, key) != "auto" else f" (auto on {jax.default_backend()})"
-               for key in backend}
-        progress.info(f"nvfp4 GEMMs: quantizer={backend['quantizer']}{how['quantizer']}, "
-                      f"gemm={backend['gemm']}{how['gemm']}")
+        how = {key: "" if getattr(config, key) != "auto" else f" (auto on {jax.default_backend()})" for key in backend}
+        progress.info(
+            f"nvfp4 GEMMs: quantizer={backend['quantizer']}{how['quantizer']}, gemm={backend['gemm']}{how['gemm']}"
+        )
 
 
-def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, graphdef, state,
-                 pmap: dict[str, str], tokenizer: TextTokenizer, source: Checkpoint | None) -> Path:
+def _write_final(
+    out: Path,
+    config: TrainConfig,
+    model_config: ModelConfig,
+    graphdef,
+    state,
+    pmap: dict[str, str],
+    tokenizer: TextTokenizer,
+    source: Checkpoint | None,
+) -> Path:
     from converters.hf import write_hf_folder
 
     params = jax.tree.map(np.asarray, state["params"])
@@ -594,13 +737,25 @@ def _write_final(out: Path, config: TrainConfig, model_config: ModelConfig, grap
         amax.write(folder)
         PrecisionMapRecord(dict(pmap)).write(folder)
 
-    write_hf_folder(hf_dir, model_config, ModelTensorSource(model, path=str(out)), dtype="bf16",
-                    copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (
-                        source.aux_dir if source is not None else None), force=True, finish=finish)
+    write_hf_folder(
+        hf_dir,
+        model_config,
+        ModelTensorSource(model, path=str(out)),
+        dtype="bf16",
+        copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (source.aux_dir if source is not None else None),
+        force=True,
+        finish=finish,
+    )
     if config.export_maxtext:
         from converters.hf import HFFolderSource
         from converters.maxtext import write_maxtext
 
-        write_maxtext(out / "maxtext", model_config, HFFolderSource(hf_dir), scan_layers=True,
-                      rope_layout=_output_rope_layout(config, source), force=True)
+        write_maxtext(
+            out / "maxtext",
+            model_config,
+            HFFolderSource(hf_dir),
+            scan_layers=True,
+            rope_layout=_output_rope_layout(config, source),
+            force=True,
+        )
     return hf_dir

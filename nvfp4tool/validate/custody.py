@@ -11,7 +11,8 @@
   differing recorded file is named (then the first extra one); for a differing file, also the
   first tensor that the export stored unchanged (BF16 embeddings, norms, kept layers: same name,
   dtype and shape) whose bytes differ from the export's copy, when there is one (a changed
-  quantized weight cannot be compared: its original bytes are not stored). A MaxText source cannot be compared: validate reads HF sources
+  quantized weight cannot be compared: its original bytes are not stored). A MaxText source cannot be compared:
+  validate reads HF sources
   only (a MaxText checkpoint must be converted to HF first, with other bytes), so an export of a
   MaxText checkpoint is always a mismatch (`validate --source-mismatch-ok` runs it anyway and
   says so in the report).
@@ -42,22 +43,29 @@ def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -
     recorded = record.source
     name = recorded.name
     if recorded.kind == "maxtext":
-        return (f"{where}: the export was made from the MaxText checkpoint {name!r}, which validate cannot "
-                f"open; the weight files of the HF --source {source.path} cannot be compared with the recorded ones")
+        return (
+            f"{where}: the export was made from the MaxText checkpoint {name!r}, which validate cannot "
+            f"open; the weight files of the HF --source {source.path} cannot be compared with the recorded ones"
+        )
     if source.kind != recorded.kind:
-        return (f"{source.path}: {_KINDS.get(source.kind, source.kind)}, but {where} records the source "
-                f"{name!r} as {_KINDS.get(recorded.kind, recorded.kind)}")
+        return (
+            f"{source.path}: {_KINDS.get(source.kind, source.kind)}, but {where} records the source "
+            f"{name!r} as {_KINDS.get(recorded.kind, recorded.kind)}"
+        )
     if source.step != recorded.step:
-        return (f"{source.path}: step {source.step}, but {where} records the source {name!r} at step "
-                f"{recorded.step}")
+        return f"{source.path}: step {source.step}, but {where} records the source {name!r} at step {recorded.step}"
     actual = {os.path.relpath(f, source.path): f for f in source.weight_files}
     for rel, digest in sorted(recorded.files.items()):  # the recorded files first, then any extra one
         if rel not in actual:
-            return (f"{os.path.join(source.path, rel)}: missing; {where} records it among the weight files "
-                    f"of the source {name!r}")
+            return (
+                f"{os.path.join(source.path, rel)}: missing; {where} records it among the weight files "
+                f"of the source {name!r}"
+            )
         if sha256_file(actual[rel]) != digest:
-            return (f"{actual[rel]}: sha256 differs from the one {where} records for the source {name!r}"
-                    + _first_tensor(actual[rel], record))
+            return (
+                f"{actual[rel]}: sha256 differs from the one {where} records for the source {name!r}"
+                + _first_tensor(actual[rel], record)
+            )
     for rel in sorted(set(actual) - set(recorded.files)):
         return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
     return None
@@ -74,8 +82,11 @@ def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:
     found = first_file_difference(ours.files, theirs.files)
     if found is None and (theirs.kind, theirs.step) == (ours.kind, ours.step):
         return None
-    what = (f"weight file {found[0]}" if found is not None else
-            f"{theirs.kind} at step {theirs.step}, the export's {ours.kind} at step {ours.step}")
+    what = (
+        f"weight file {found[0]}"
+        if found is not None
+        else f"{theirs.kind} at step {theirs.step}, the export's {ours.kind} at step {ours.step}"
+    )
     return f"{ExportRecord.path(fp8_dir)}: its source {theirs.name!r} differs from the export's {ours.name!r} ({what})"
 
 
@@ -87,8 +98,11 @@ def validated_files(export_dir: str) -> dict[str, str]:
     from nvfp4tool.validate.report import REPORT_FILES
 
     skip = {*REPORT_FILES, *EVAL_FILES, CARD_FILE}
-    return {os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
-            for rel in sorted(upload_files(export_dir)) if rel not in skip}
+    return {
+        os.path.join(export_dir, *rel.split("/")): sha256_file(os.path.join(export_dir, *rel.split("/")))
+        for rel in sorted(upload_files(export_dir))
+        if rel not in skip
+    }
 
 
 def upload_files(folder: str) -> dict[str, int]:
@@ -103,12 +117,16 @@ def upload_files(folder: str) -> dict[str, int]:
 
 
 def _first_tensor(file: str, record: ExportRecord) -> str:
-    """" (tensor NAME differs from the export's copy)" for the first tensor of `file` that the export
+    """ " (tensor NAME differs from the export's copy)" for the first tensor of `file` that the export
     stored as it is in the source (same dtype and shape) and whose bytes differ; "" if none."""
     for entry in read_safetensors_header(file).values():
         stored = record.tensors.get(entry.name)
-        if stored is None or stored.amax is not None or stored.dtype != entry.code or \
-                tuple(stored.shape) != tuple(entry.shape):
+        if (
+            stored is None
+            or stored.amax is not None
+            or stored.dtype != entry.code
+            or tuple(stored.shape) != tuple(entry.shape)
+        ):
             continue
         with open(file, "rb") as f:
             f.seek(entry.start)

@@ -25,8 +25,12 @@ _TITLES = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
 
 def write_reports(record: EvalRecord, items: EvalItems, export_dir: str, json_copy: str | None = None) -> list[str]:
     """eval.json, eval_items.json, eval.md and eval.png into `export_dir` (+ a JSON copy); their paths."""
-    finals = [EvalRecord.path(export_dir), EvalItems.path(export_dir), os.path.join(export_dir, EVAL_MD),
-              os.path.join(export_dir, EVAL_PNG)] + ([json_copy] if json_copy else [])
+    finals = [
+        EvalRecord.path(export_dir),
+        EvalItems.path(export_dir),
+        os.path.join(export_dir, EVAL_MD),
+        os.path.join(export_dir, EVAL_PNG),
+    ] + ([json_copy] if json_copy else [])
     temps = [f"{os.path.dirname(p) or '.'}/.tmp-{os.getpid()}-{os.path.basename(p)}" for p in finals]
     try:
         write_json(temps[0], record.to_json())
@@ -59,8 +63,9 @@ def rows(record: EvalRecord) -> tuple[list[str], list[list[str]]]:
     for pair in pairs:
         header += [f"{pair.upper().replace('-', ' - ')} [95% CI]", "McNemar p", "flips r->w / w->r", "min detectable"]
     out = []
-    entries = list(record.tasks.items()) + ([("overall", record.overall)] if len(
-        [t for t in record.tasks.values() if t["paired"]]) > 1 else [])
+    entries = list(record.tasks.items()) + (
+        [("overall", record.overall)] if len([t for t in record.tasks.values() if t["paired"]]) > 1 else []
+    )
     for task, entry in entries:
         metric = entry.get("metric", "score") if task != "overall" else "pooled"
         key = metric if task != "overall" else "score"
@@ -78,10 +83,14 @@ def rows(record: EvalRecord) -> tuple[list[str], list[list[str]]]:
                 row += ["-", "-", "-", "-"]
                 continue
             ci = stats["ci95"]
-            row += [f"{_pct(stats['diff'], True)} [{_pct(ci[0], True)}, {_pct(ci[1], True)}]" if ci else
-                    _pct(stats["diff"], True), f"{stats['mcnemar_p']:.3g}",
-                    f"{stats['right_to_wrong']} / {stats['wrong_to_right']} ({100 * stats['flip_rate']:.1f}%)",
-                    _pct(stats["min_detectable"])]
+            row += [
+                f"{_pct(stats['diff'], True)} [{_pct(ci[0], True)}, {_pct(ci[1], True)}]"
+                if ci
+                else _pct(stats["diff"], True),
+                f"{stats['mcnemar_p']:.3g}",
+                f"{stats['right_to_wrong']} / {stats['wrong_to_right']} ({100 * stats['flip_rate']:.1f}%)",
+                _pct(stats["min_detectable"]),
+            ]
         out.append(row)
     return header, out
 
@@ -91,27 +100,46 @@ def markdown(record: EvalRecord) -> str:
     header, body = rows(record)
     reference = f"the FP8 reference `{record.reference.name}`" if record.reference else "no FP8 reference"
     limit = f"the first {record.limit} items of each task" if record.limit else "every item of each task"
-    lines = ["## Task accuracy", "",
-             f"Measured by `nvfp4tool eval` (lm-evaluation-harness {record.lm_eval_version}) on {limit}: the BF16 "
-             f"source `{record.source.name}`, {reference} and this {record.quant} export as served, on the same "
-             "items. Scores in percent; differences are paired (the same items), with the paired standard "
-             "error's 95% interval, McNemar's exact p and the flips between the models"
-             + (" (prompts in the tokenizer's chat template)." if record.chat_template else ".")
-             + (f" Sampled tasks ({', '.join(record.sampled_tasks)}): {record.samples} generations per item, each "
-                "item's score their mean." if record.samples > 1 and record.sampled_tasks else ""), "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        "## Task accuracy",
+        "",
+        f"Measured by `nvfp4tool eval` (lm-evaluation-harness {record.lm_eval_version}) on {limit}: the BF16 "
+        f"source `{record.source.name}`, {reference} and this {record.quant} export as served, on the same "
+        "items. Scores in percent; differences are paired (the same items), with the paired standard "
+        "error's 95% interval, McNemar's exact p and the flips between the models"
+        + (" (prompts in the tokenizer's chat template)." if record.chat_template else ".")
+        + (
+            f" Sampled tasks ({', '.join(record.sampled_tasks)}): {record.samples} generations per item, each "
+            "item's score their mean."
+            if record.samples > 1 and record.sampled_tasks
+            else ""
+        ),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     generative = [(t, e) for t, e in record.tasks.items() if "mean_output_tokens" in e.get(record.labels[0], {})]
     if generative:
-        lines += ["", "Generation (degeneration signs): mean output tokens, share hitting max_gen_toks, repeated "
-                  "4-gram rate.", "", "| task | " + " | ".join(_TITLES.get(x, x) for x in record.labels) + " |",
-                  "|" + "---|" * (len(record.labels) + 1)]
+        lines += [
+            "",
+            "Generation (degeneration signs): mean output tokens, share hitting max_gen_toks, repeated 4-gram rate.",
+            "",
+            "| task | " + " | ".join(_TITLES.get(x, x) for x in record.labels) + " |",
+            "|" + "---|" * (len(record.labels) + 1),
+        ]
         for task, entry in generative:
-            cells = [f"{entry[x]['mean_output_tokens']:.1f} tok, {100 * entry[x]['hit_max_gen_toks']:.0f}% max, "
-                     f"{100 * entry[x]['repeated_4gram_rate']:.1f}% rep" for x in record.labels]
+            cells = [
+                f"{entry[x]['mean_output_tokens']:.1f} tok, {100 * entry[x]['hit_max_gen_toks']:.0f}% max, "
+                f"{100 * entry[x]['repeated_4gram_rate']:.1f}% rep"
+                for x in record.labels
+            ]
             lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    verdict = ("PASSED" if record.passed else "FAILED: " + "; ".join(record.failures)) if _judged(record) \
+    verdict = (
+        ("PASSED" if record.passed else "FAILED: " + "; ".join(record.failures))
+        if _judged(record)
         else "no --max-drop threshold set"
+    )
     lines += ["", f"Verdict: {verdict}.", ""]
     return "\n".join(lines)
 
@@ -137,13 +165,22 @@ def plot(record: EvalRecord, path: str) -> None:
                 continue
             ci = stats["ci95"] or [stats["diff"], stats["diff"]]
             spread = [[100 * (stats["diff"] - ci[0])], [100 * (ci[1] - stats["diff"])]]
-            ax.errorbar([100 * stats["diff"]], [y], xerr=spread, fmt="o", capsize=4, color=f"C{k}",
-                        label=pair if task == entries[0][0] else None)
+            ax.errorbar(
+                [100 * stats["diff"]],
+                [y],
+                xerr=spread,
+                fmt="o",
+                capsize=4,
+                color=f"C{k}",
+                label=pair if task == entries[0][0] else None,
+            )
             ticks.append(y)
             names.append(f"{task} ({pair})")
             y += 1
     ax.axvline(0, color="gray", lw=0.8)
-    for k, (limit, name) in enumerate(((record.max_drop, "-max drop (BF16)"), (record.max_drop_fp8, "-max drop (FP8)"))):
+    for k, (limit, name) in enumerate(
+        ((record.max_drop, "-max drop (BF16)"), (record.max_drop_fp8, "-max drop (FP8)"))
+    ):
         if limit is not None:
             ax.axvline(-100 * limit, color="red", lw=0.8, ls="--" if k == 0 else ":", label=name)
     ax.set_yticks(ticks, names, fontsize=7)

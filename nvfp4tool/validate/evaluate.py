@@ -92,8 +92,9 @@ class _TaskLoader(yaml.SafeLoader):
     """YAML with lm-eval's tags (`!function module.fn`) read as plain strings."""
 
 
-_TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: loader.construct_scalar(node)
-                                  if isinstance(node, yaml.ScalarNode) else None)
+_TaskLoader.add_multi_constructor(
+    "!", lambda loader, suffix, node: loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else None
+)
 
 
 def _read_task_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -113,8 +114,11 @@ def _read_task_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     includes = config.pop("include", None)
     merged: dict[str, Any] = {}
     for name in [includes] if isinstance(includes, str) else includes or []:
-        merged.update(_read_task_yaml(os.path.join(os.path.dirname(os.path.abspath(path)), str(name)),
-                                      seen + (os.path.abspath(path),)))
+        merged.update(
+            _read_task_yaml(
+                os.path.join(os.path.dirname(os.path.abspath(path)), str(name)), seen + (os.path.abspath(path),)
+            )
+        )
     merged.update(config)
     return merged
 
@@ -170,8 +174,9 @@ def resolve_tasks(specs: tuple[str, ...]) -> tuple[list[str], Any]:
         manager = task_manager(tuple(include), defaults=True)  # lm-eval's own tasks (indexing takes ~20 s)
         unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise NVFP4UsageError(f"--tasks {unknown[0]}: unknown task (not an lm-eval task name, nor a task YAML "
-                              "file or folder)")
+        raise NVFP4UsageError(
+            f"--tasks {unknown[0]}: unknown task (not an lm-eval task name, nor a task YAML file or folder)"
+        )
     return list(dict.fromkeys(names)), manager
 
 
@@ -201,13 +206,14 @@ def _build_tasks(names: list[str], manager) -> dict[str, Any]:
         try:
             built = get_task_dict([name], manager)
         except Exception as bad:  # lm-eval / datasets raise anything for a broken task
-            raise NVFP4ToolError(f"task {name}: cannot be built ({type(bad).__name__}: "
-                                 f"{str(bad).splitlines()[0] if str(bad) else ''})") from None
+            raise NVFP4ToolError(
+                f"task {name}: cannot be built ({type(bad).__name__}: {str(bad).splitlines()[0] if str(bad) else ''})"
+            ) from None
         found.update(_leaves(built))
     for name, task in found.items():
         try:
             docs = list(task.eval_docs)
-        except Exception as bad:  # noqa: BLE001
+        except Exception as bad:
             raise NVFP4ToolError(f"task {name}: its documents cannot be read ({type(bad).__name__}: {bad})") from None
         if not docs:
             raise NVFP4ToolError(f"task {name}: no documents in its evaluation split")
@@ -252,13 +258,16 @@ def check_outputs(export_dir: str, json_copy: str | None, *, force: bool) -> Non
 
 def tokenizer_hashes(folder: str) -> dict[str, str]:
     """{tokenizer file name: sha256} of the tokenizer files a folder has."""
-    return {name: sha256_file(os.path.join(folder, name)) for name in TOKENIZER_FILES
-            if os.path.isfile(os.path.join(folder, name))}
+    return {
+        name: sha256_file(os.path.join(folder, name))
+        for name in TOKENIZER_FILES
+        if os.path.isfile(os.path.join(folder, name))
+    }
 
 
 def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
-    from nvfp4tool.checkpoints import open_checkpoint
     from nvfp4tool.check import check_checkpoint
+    from nvfp4tool.checkpoints import open_checkpoint
     from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
     from nvfp4tool.validate.lm_backend import is_export
     from nvfp4tool.validate.runner import _VALIDATE_OPTIONS, _source_of
@@ -269,16 +278,19 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         raise NVFP4UsageError(f"--limit must be >= 1, got {options.limit}")
     names, manager = resolve_tasks(options.tasks)
     if not is_export(export_dir):
-        raise NVFP4ToolError(f"{export_dir}: not an export (its config.json declares no quantization); "
-                             "eval runs an `nvfp4tool export` folder against its source")
+        raise NVFP4ToolError(
+            f"{export_dir}: not an export (its config.json declares no quantization); "
+            "eval runs an `nvfp4tool export` folder against its source"
+        )
     report = check_checkpoint(export_dir)
     if not report.ok:
         raise NVFP4ToolError(report.failure("not evaluated"))
     memory.release()
     record = ExportRecord.read(export_dir) if ExportRecord.exists(export_dir) else None
     if record is None and options.source is None:
-        raise NVFP4UsageError(f"{export_dir}: no {ExportRecord.FILE_NAME}; pass --source (the BF16 model it was "
-                              "made from)")
+        raise NVFP4UsageError(
+            f"{export_dir}: no {ExportRecord.FILE_NAME}; pass --source (the BF16 model it was made from)"
+        )
     source_path, step = _source_of(export_dir, options.source, record)
     source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
@@ -293,50 +305,68 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
 
         quant = formats.describe(options.reference).quant
         if quant != "fp8":
-            raise NVFP4ToolError(f"--reference {options.reference}: a {quant} export, not an FP8 one "
-                                 "(--reference wants an `export --quant fp8` folder)")
+            raise NVFP4ToolError(
+                f"--reference {options.reference}: a {quant} export, not an FP8 one "
+                "(--reference wants an `export --quant fp8` folder)"
+            )
         found = None if record is None else reference_mismatch(options.reference, record)
         if found is not None:
             raise NVFP4ToolError(f"{found}: the FP8 reference must be an export of the same source")
         if not ExportRecord.exists(options.reference):
-            raise NVFP4ToolError(f"--reference {options.reference}: no {ExportRecord.FILE_NAME}, so nothing says it "
-                                 "is an export of the same source")
+            raise NVFP4ToolError(
+                f"--reference {options.reference}: no {ExportRecord.FILE_NAME}, so nothing says it "
+                "is an export of the same source"
+            )
         reference_report = check_checkpoint(options.reference)
         if not reference_report.ok:
             raise NVFP4ToolError(reference_report.failure("not evaluated"))
         _same_tokenizer(export_dir, options.reference, "the reference")
         reference_named = Named.of(options.reference, validated_files(options.reference))
     from nvfp4tool import formats
-
     from nvfp4tool.validate.lm_backend import decoding
 
     tasks = _build_tasks(names, manager)
     generative, sampled = [], []
     for name, task in tasks.items():
         if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
-            how = decoding({**(task.config.generation_kwargs or {}), **(options.gen_kwargs or {})},
-                           options.max_gen_toks)
+            how = decoding(
+                {**(task.config.generation_kwargs or {}), **(options.gen_kwargs or {})}, options.max_gen_toks
+            )
             generative.append(name)
             if how.sample:
                 sampled.append(name)
             if options.offload == "always":
-                raise NVFP4UsageError(f"--offload always: task {name} generates text, which needs each model held "
-                                      "whole (--offload auto or never)")
+                raise NVFP4UsageError(
+                    f"--offload always: task {name} generates text, which needs each model held "
+                    "whole (--offload auto or never)"
+                )
             if how.max_gen_toks >= options.max_length:
-                raise NVFP4UsageError(f"--max-length {options.max_length}: task {name} generates up to "
-                                      f"{how.max_gen_toks} "
-                                      "tokens (max_gen_toks / --max-gen-toks); the context needs room too")
+                raise NVFP4UsageError(
+                    f"--max-length {options.max_length}: task {name} generates up to "
+                    f"{how.max_gen_toks} "
+                    "tokens (max_gen_toks / --max-gen-toks); the context needs room too"
+                )
     if options.gen_kwargs and not generative:
         raise NVFP4UsageError(f"--gen-kwargs: none of the tasks ({', '.join(tasks)}) generates text")
     if options.samples > 1 and not sampled:
-        raise NVFP4UsageError(f"--samples {options.samples}: no task samples (greedy decoding gives the same "
-                              "text every time); sample with --gen-kwargs do_sample=true,temperature=T")
+        raise NVFP4UsageError(
+            f"--samples {options.samples}: no task samples (greedy decoding gives the same "
+            "text every time); sample with --gen-kwargs do_sample=true,temperature=T"
+        )
     sizes = {name: len(list(task.eval_docs)) for name, task in tasks.items()}
     limits = {name: size if options.limit is None else min(options.limit, size) for name, size in sizes.items()}
-    return _Inputs(export_dir=export_dir, source_path=source.path, source_step=source.step,
-                   source_named=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
-                   reference_named=reference_named, quant=formats.describe(export_dir).quant,
-                   task_names=list(tasks), manager=manager, limits=limits, sampled=sampled)
+    return _Inputs(
+        export_dir=export_dir,
+        source_path=source.path,
+        source_step=source.step,
+        source_named=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
+        reference_named=reference_named,
+        quant=formats.describe(export_dir).quant,
+        task_names=list(tasks),
+        manager=manager,
+        limits=limits,
+        sampled=sampled,
+    )
 
 
 def _same_tokenizer(export_dir: str, other: str, what: str) -> None:
@@ -345,8 +375,10 @@ def _same_tokenizer(export_dir: str, other: str, what: str) -> None:
         raise NVFP4ToolError(f"{export_dir}: no tokenizer (tokenizer.json); lm-eval tasks need the model's tokenizer")
     for name in sorted(set(ours) | set(theirs)):
         if name in ("tokenizer.json", "tokenizer.model") and ours.get(name) != theirs.get(name):
-            raise NVFP4ToolError(f"{os.path.join(other, name)}: {what}'s tokenizer differs from the export's "
-                                 f"({os.path.join(export_dir, name)}); the models would not see the same tokens")
+            raise NVFP4ToolError(
+                f"{os.path.join(other, name)}: {what}'s tokenizer differs from the export's "
+                f"({os.path.join(export_dir, name)}); the models would not see the same tokens"
+            )
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -358,12 +390,12 @@ def _quiet_lm_eval() -> Iterator[None]:
     with rates, and stay lines when piped), and its `git describe` of the working directory not run
     (a hash of wherever the user stands, recorded nowhere here; outside a repository git prints
     "fatal: not a git repository" to the terminal)."""
+    from unittest import mock
+
     import lm_eval.api.model
     import lm_eval.api.task
     import lm_eval.evaluator
     import tqdm
-
-    from unittest import mock
 
     def quiet(*args, **kwargs):  # lm-eval passes its own disable=False to some bars
         return tqdm.tqdm(*args, **{**kwargs, "disable": True})
@@ -372,15 +404,19 @@ def _quiet_lm_eval() -> Iterator[None]:
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with mock.patch.object(lm_eval.api.task, "tqdm", quiet), mock.patch.object(lm_eval.api.model, "tqdm", quiet), \
-                mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+        with (
+            mock.patch.object(lm_eval.api.task, "tqdm", quiet),
+            mock.patch.object(lm_eval.api.model, "tqdm", quiet),
+            mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None),
+        ):
             yield
     finally:
         logger.setLevel(level)
 
 
-def _run_model(label: str, path: str, inputs: _Inputs, options: EvalOptions, step: int | None = None
-               ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+def _run_model(
+    label: str, path: str, inputs: _Inputs, options: EvalOptions, step: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """(lm-eval results, logged samples, the backend) of one model on every task. With `samples` > 1
     the sampled generative tasks run that many times, the sampling key seeded `seed + pass` (prompts
     and few-shot examples the same each time), and their per-item scores are averaged."""
@@ -405,22 +441,42 @@ def open_lm(label: str, path: str, options: EvalOptions, step: int | None = None
     eval's settings."""
     from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
 
-    variant = open_variant(path, label=label, offload=options.offload, step=step, batch_size=options.batch_size,
-                           max_length=options.max_length)
-    return NVFP4ToolLM(variant=variant, batch_size=options.batch_size, max_length=options.max_length,
-                       max_gen_toks=options.max_gen_toks, seed=options.seed)
+    variant = open_variant(
+        path,
+        label=label,
+        offload=options.offload,
+        step=step,
+        batch_size=options.batch_size,
+        max_length=options.max_length,
+    )
+    return NVFP4ToolLM(
+        variant=variant,
+        batch_size=options.batch_size,
+        max_length=options.max_length,
+        max_gen_toks=options.max_gen_toks,
+        seed=options.seed,
+    )
 
 
 def _simple_evaluate(lm, tasks: list[str], inputs: _Inputs, options: EvalOptions):
     import lm_eval
 
     with _quiet_lm_eval():
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=inputs.manager,
-                                      apply_chat_template=options.chat_template and bool(
-                                          lm.tokenizer.chat_template), gen_kwargs=options.gen_kwargs or None,
-                                      limit=options.limit, num_fewshot=options.num_fewshot, log_samples=True,
-                                      bootstrap_iters=0, random_seed=options.seed, numpy_random_seed=options.seed,
-                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed)
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=inputs.manager,
+            apply_chat_template=options.chat_template and bool(lm.tokenizer.chat_template),
+            gen_kwargs=options.gen_kwargs or None,
+            limit=options.limit,
+            num_fewshot=options.num_fewshot,
+            log_samples=True,
+            bootstrap_iters=0,
+            random_seed=options.seed,
+            numpy_random_seed=options.seed,
+            torch_random_seed=options.seed,
+            fewshot_random_seed=options.seed,
+        )
     return out["results"], out["samples"]
 
 
@@ -434,8 +490,9 @@ def average_passes(task: str, passes: list[list[dict]]) -> list[dict]:
         key = (row["doc_id"], row.get("filter"))
         same = [k.get(key) for k in keyed]
         if any(r is None or r["prompt_hash"] != row["prompt_hash"] for r in same):
-            raise NVFP4ToolError(f"task {task}: doc_id {row['doc_id']}: a sampling pass asked another prompt; "
-                                 "cannot average")
+            raise NVFP4ToolError(
+                f"task {task}: doc_id {row['doc_id']}: a sampling pass asked another prompt; cannot average"
+            )
         averaged = dict(row)
         for name in row["metrics"]:
             values = [r.get(name) for r in same]
@@ -445,8 +502,9 @@ def average_passes(task: str, passes: list[list[dict]]) -> list[dict]:
     return out
 
 
-def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | None = None,
-                    force: bool = False) -> EvalRun:
+def evaluate_export(
+    export_dir: str, options: EvalOptions, *, json_copy: str | None = None, force: bool = False
+) -> EvalRun:
     """Check everything, run the models one at a time, pair them, write the reports."""
     from nvfp4tool.validate.custody import validated_files
     from nvfp4tool.validate.eval_report import write_reports
@@ -466,8 +524,9 @@ def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | N
         chat = bool(lm.tokenizer.chat_template)
         items = sum(inputs.limits.values())
         rates[label] = items / (time.perf_counter() - t0)
-        progress.info(f"eval: {label} done, {items} items in {time.perf_counter() - t0:.1f} s "
-                      f"({rates[label]:.2f} items/s)")
+        progress.info(
+            f"eval: {label} done, {items} items in {time.perf_counter() - t0:.1f} s ({rates[label]:.2f} items/s)"
+        )
         degeneration = _degeneration(samples[label], lm)
         for task, signs in degeneration.items():
             results[label].setdefault(task, {}).update(signs)
@@ -475,9 +534,16 @@ def evaluate_export(export_dir: str, options: EvalOptions, *, json_copy: str | N
         memory.release()
     record, items = _record(inputs, options, results, samples, [r[0] for r in runs])
     record = dataclasses.replace(
-        record, chat_template=options.chat_template and chat, export=Named.of(export_dir, validated_files(export_dir)),
-        resources={"seconds": time.perf_counter() - started, "peak_rss_bytes": memory.peak_rss_bytes(),
-                   "models": how, "items_per_s": rates})
+        record,
+        chat_template=options.chat_template and chat,
+        export=Named.of(export_dir, validated_files(export_dir)),
+        resources={
+            "seconds": time.perf_counter() - started,
+            "peak_rss_bytes": memory.peak_rss_bytes(),
+            "models": how,
+            "items_per_s": rates,
+        },
+    )
     files = write_reports(record, items, export_dir, json_copy)
     return EvalRun(record=record, files=files)
 
@@ -495,8 +561,9 @@ def _per_item(task: str, rows: list[dict], label: str) -> tuple[str | None, dict
     metric = None
     for name in rows[0]["metrics"]:
         values = [r.get(name) for r in rows]
-        if all(isinstance(v, (bool, int, float, np.number)) for v in values) and \
-                all(0 <= float(v) <= 1 for v in values):
+        if all(isinstance(v, (bool, int, float, np.number)) for v in values) and all(
+            0 <= float(v) <= 1 for v in values
+        ):
             metric = name
             break
     if metric is None:
@@ -534,18 +601,27 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
                 raise NVFP4ToolError(f"task {task}: {label} was scored on other items than bf16; cannot pair")
             for d in docs:
                 if other[d][0] != per_model[labels[0]][1][d][0]:
-                    raise NVFP4ToolError(f"task {task}: doc_id {d}: {label}'s prompt differs from bf16's "
-                                         "(prompt hashes differ); cannot pair")
+                    raise NVFP4ToolError(
+                        f"task {task}: doc_id {d}: {label}'s prompt differs from bf16's "
+                        "(prompt hashes differ); cannot pair"
+                    )
         scores = {label: np.array([per_model[label][1][d][1] for d in docs]) for label in labels}
         for label in labels:
             signs = {k: v for k, v in results[label].get(task, {}).items() if k in _DEGENERATION}
-            entry[label] = {metric: float(scores[label].mean()), "n": len(docs),
-                            "stderr": mean_stderr(scores[label]), **signs}
+            entry[label] = {
+                metric: float(scores[label].mean()),
+                "n": len(docs),
+                "stderr": mean_stderr(scores[label]),
+                **signs,
+            }
             pooled[label].extend(scores[label].tolist())
         for label in labels[:-1]:
             entry["paired"][f"nvfp4-{label}"] = _paired_dict(paired(scores["nvfp4"], scores[label]))
-        item_file[task] = {"doc_id": docs, "prompt_hash": [per_model[labels[0]][1][d][0] for d in docs],
-                           **{label: scores[label].tolist() for label in labels}}
+        item_file[task] = {
+            "doc_id": docs,
+            "prompt_hash": [per_model[labels[0]][1][d][0] for d in docs],
+            **{label: scores[label].tolist() for label in labels},
+        }
         tasks[task] = entry
         failures += _drop_failures(task, entry["paired"], options)
     overall: dict[str, Any] = {"paired": {}}
@@ -554,17 +630,31 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
             values = np.array(pooled[label])
             overall[label] = {"score": float(values.mean()), "n": int(values.size), "stderr": mean_stderr(values)}
         for label in labels[:-1]:
-            overall["paired"][f"nvfp4-{label}"] = _paired_dict(paired(np.array(pooled["nvfp4"]),
-                                                                      np.array(pooled[label])))
+            overall["paired"][f"nvfp4-{label}"] = _paired_dict(
+                paired(np.array(pooled["nvfp4"]), np.array(pooled[label]))
+            )
         if len([t for t in tasks.values() if t["paired"]]) > 1:
             failures += _drop_failures("overall", overall["paired"], options)
     record = EvalRecord(
-        export=Named(name="", sha256={}), quant=inputs.quant, source=inputs.source_named,
-        reference=inputs.reference_named, labels=labels, tasks=tasks, overall=overall, limit=options.limit,
-        seed=options.seed, max_drop=options.max_drop, max_drop_fp8=options.max_drop_fp8, failures=failures,
+        export=Named(name="", sha256={}),
+        quant=inputs.quant,
+        source=inputs.source_named,
+        reference=inputs.reference_named,
+        labels=labels,
+        tasks=tasks,
+        overall=overall,
+        limit=options.limit,
+        seed=options.seed,
+        max_drop=options.max_drop,
+        max_drop_fp8=options.max_drop_fp8,
+        failures=failures,
         passed=not failures,
-        lm_eval_version=version("lm_eval"), resources={}, gen_kwargs=options.gen_kwargs or None,
-        samples=options.samples if inputs.sampled else 1, sampled_tasks=list(inputs.sampled))
+        lm_eval_version=version("lm_eval"),
+        resources={},
+        gen_kwargs=options.gen_kwargs or None,
+        samples=options.samples if inputs.sampled else 1,
+        sampled_tasks=list(inputs.sampled),
+    )
     return record, EvalItems(tasks=item_file)
 
 
@@ -581,21 +671,27 @@ def _degeneration(samples: dict[str, list[dict]], lm) -> dict[str, dict[str, flo
         first = {}
         for r in rows:
             first.setdefault(r["doc_id"], r)  # one row per item (a task with several filters repeats it)
-        outputs = [o for r in first.values() for a in r["arguments"]
-                   if isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[1], dict)
-                   for o in lm.generated.get(gen_key(a), [])]
+        outputs = [
+            o
+            for r in first.values()
+            for a in r["arguments"]
+            if isinstance(a, (list, tuple)) and len(a) == 2 and isinstance(a[1], dict)
+            for o in lm.generated.get(gen_key(a), [])
+        ]
         if not outputs:
             continue
         lengths = [len(tokens) for tokens, _ in outputs]
         repeats = [_repeated_ngrams(tokens) for tokens, _ in outputs if len(tokens) >= NGRAM]
-        out[task] = {"mean_output_tokens": float(np.mean(lengths)),
-                     "hit_max_gen_toks": float(np.mean([hit for _, hit in outputs])),
-                     "repeated_4gram_rate": float(np.mean(repeats)) if repeats else 0.0}
+        out[task] = {
+            "mean_output_tokens": float(np.mean(lengths)),
+            "hit_max_gen_toks": float(np.mean([hit for _, hit in outputs])),
+            "repeated_4gram_rate": float(np.mean(repeats)) if repeats else 0.0,
+        }
     return out
 
 
 def _repeated_ngrams(tokens: list[int]) -> float:
-    grams = [tuple(tokens[i:i + NGRAM]) for i in range(len(tokens) - NGRAM + 1)]
+    grams = [tuple(tokens[i : i + NGRAM]) for i in range(len(tokens) - NGRAM + 1)]
     return 1.0 - len(set(grams)) / len(grams)
 
 
@@ -632,6 +728,8 @@ def _drop_failures(task: str, paired_stats: dict[str, Any], options: EvalOptions
             continue
         low = stats["ci95"][0] if stats["ci95"] is not None else stats["diff"]
         if low < -max_drop:
-            out.append(f"{task}: {pair.replace('-', ' - ')} 95% interval reaches {low:+.4f} "
-                       f"(diff {stats['diff']:+.4f}), below -{max_drop:g} ({flag})")
+            out.append(
+                f"{task}: {pair.replace('-', ' - ')} 95% interval reaches {low:+.4f} "
+                f"(diff {stats['diff']:+.4f}), below -{max_drop:g} ({flag})"
+            )
     return out

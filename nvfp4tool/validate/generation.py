@@ -8,10 +8,8 @@ import numpy as np
 from nvfp4tool.model import KVFn, default_kv, generate
 
 
-def greedy_continuations(model, linear, prompts_BxT: np.ndarray, new_tokens: int,
-                         kv: KVFn = default_kv) -> np.ndarray:
+def greedy_continuations(model, linear, prompts_BxT: np.ndarray, new_tokens: int, kv: KVFn = default_kv) -> np.ndarray:
     """[B, new_tokens] greedy tokens continuing each prompt (no EOS stop: every row runs to the end),
     keys and values cached through the KV seam `kv`."""
-    tokens = generate(model, jnp.asarray(prompts_BxT, jnp.int32), new_tokens, greedy=True, linear=linear,
-                      kv=kv)
+    tokens = generate(model, jnp.asarray(prompts_BxT, jnp.int32), new_tokens, greedy=True, linear=linear, kv=kv)
     return np.asarray(tokens)

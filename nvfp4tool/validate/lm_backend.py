@@ -51,10 +51,10 @@ from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 try:  # the optional extra `nvfp4tool[eval]`
+    from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval import utils as lm_utils
 except ImportError as missing:  # pragma: no cover - exercised only without the extra
     raise NVFP4UsageError("lm-eval is not installed: pip install 'nvfp4tool[eval]'") from missing
 
@@ -105,9 +105,17 @@ def working_bytes(config, batch_size: int, seq_len: int) -> int:
     return 2 * (4 * (batch_size * seq_len * per_token + scores) + 3 * WIDEN_BYTES + largest)
 
 
-def open_variant(path: str, *, label: str | None = None, offload: str = "auto", fp8_kv: bool = True,
-                 step: int | None = None, batch_size: int = 8, max_length: int = 2048,
-                 tokenizer_dir: str | None = None) -> Variant:
+def open_variant(
+    path: str,
+    *,
+    label: str | None = None,
+    offload: str = "auto",
+    fp8_kv: bool = True,
+    step: int | None = None,
+    batch_size: int = 8,
+    max_length: int = 2048,
+    tokenizer_dir: str | None = None,
+) -> Variant:
     """Open `path` as served (an export) or as the BF16 source (an HF folder / training run)."""
     from nvfp4tool.export.simulate import ServedKVTap
     from nvfp4tool.model.layerwise import LayerwiseModel
@@ -120,7 +128,7 @@ def open_variant(path: str, *, label: str | None = None, offload: str = "auto", 
     if is_export(path):
         exported = Candidate.load(path).exported
         config, stored, source = exported.config, exported.stored_bytes(), exported
-        build = lambda mesh: exported.model(VALIDATION_DTYPE, mesh)  # noqa: E731
+        build = lambda mesh: exported.model(VALIDATION_DTYPE, mesh)
         label = label or exported.quant
         tokenizer_dir = tokenizer_dir or path
         kv = fp8_kv and exported.kv_cache is not None
@@ -130,18 +138,30 @@ def open_variant(path: str, *, label: str | None = None, offload: str = "auto", 
 
         checkpoint = open_checkpoint(path, step=step, options=_VALIDATE_OPTIONS)
         config, stored, source = checkpoint.config, source_bytes(checkpoint), checkpoint.tensors
-        build = lambda mesh: model_from_tensors(config, checkpoint.tensors, dtype=None,  # noqa: E731
-                                                compute_dtype=VALIDATION_DTYPE, mesh=mesh)
+
+        def build(mesh):
+            return model_from_tensors(config, checkpoint.tensors, dtype=None, compute_dtype=VALIDATION_DTYPE, mesh=mesh)
+
         label = label or "bf16"
         tokenizer_dir = tokenizer_dir or checkpoint.aux_dir or path
         kv = False
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")) and not os.path.isfile(
-            os.path.join(tokenizer_dir, "tokenizer_config.json")):
-        raise NVFP4ToolError(f"{tokenizer_dir}: no tokenizer (tokenizer.json / tokenizer_config.json); "
-                             "lm-eval tasks need the model's tokenizer")
-    model = LayerwiseModel.open(config, build=build, source=source, offload=offload,
-                                what=f"{label} ({stored / 1e9:.2f} GB as stored)", weights=stored,
-                                working=working_bytes(config, batch_size, max_length), compute_dtype=VALIDATION_DTYPE)
+        os.path.join(tokenizer_dir, "tokenizer_config.json")
+    ):
+        raise NVFP4ToolError(
+            f"{tokenizer_dir}: no tokenizer (tokenizer.json / tokenizer_config.json); "
+            "lm-eval tasks need the model's tokenizer"
+        )
+    model = LayerwiseModel.open(
+        config,
+        build=build,
+        source=source,
+        offload=offload,
+        what=f"{label} ({stored / 1e9:.2f} GB as stored)",
+        weights=stored,
+        working=working_bytes(config, batch_size, max_length),
+        compute_dtype=VALIDATION_DTYPE,
+    )
     variant = Variant(label=label, path=path, config=config, model=model, tokenizer_dir=tokenizer_dir)
     if kv:
         variant.kv_aux = lambda i: None if i is None else exported.kv_scales(i)
@@ -174,10 +194,23 @@ class NVFP4ToolLM(TemplateLM):
     fp8_kv=true, batch_size=8, max_length (default: the config's max_position_embeddings, at most
     4096), max_gen_toks=256, seed=0, add_bos_token=, share_prefixes=true (`shared_rows`)."""
 
-    def __init__(self, path: str | None = None, export: str | None = None, variant: Variant | None = None,
-                 label: str | None = None, offload: str = "auto", fp8_kv: Any = True, batch_size: Any = 8,
-                 max_length: Any = None, max_gen_toks: Any = 256, seed: Any = 0, add_bos_token: Any = None,
-                 step: Any = None, share_prefixes: Any = True, **ignored: Any) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        export: str | None = None,
+        variant: Variant | None = None,
+        label: str | None = None,
+        offload: str = "auto",
+        fp8_kv: Any = True,
+        batch_size: Any = 8,
+        max_length: Any = None,
+        max_gen_toks: Any = 256,
+        seed: Any = 0,
+        add_bos_token: Any = None,
+        step: Any = None,
+        share_prefixes: Any = True,
+        **ignored: Any,
+    ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -191,18 +224,29 @@ class NVFP4ToolLM(TemplateLM):
             if path is None:
                 raise NVFP4UsageError("model_args: path=FOLDER (an export or a BF16 source) is required")
             limit = _positive("max_length", max_length) if max_length is not None else 4096
-            variant = open_variant(path, label=label, offload=offload, fp8_kv=_bool(fp8_kv),
-                                   step=None if step is None else int(step), batch_size=self.batch_size,
-                                   max_length=limit)
+            variant = open_variant(
+                path,
+                label=label,
+                offload=offload,
+                fp8_kv=_bool(fp8_kv),
+                step=None if step is None else int(step),
+                batch_size=self.batch_size,
+                max_length=limit,
+            )
         self.variant = variant
-        self._max_length = (_positive("max_length", max_length) if max_length is not None
-                            else min(variant.config.max_position_embeddings, 4096))
+        self._max_length = (
+            _positive("max_length", max_length)
+            if max_length is not None
+            else min(variant.config.max_position_embeddings, 4096)
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(variant.tokenizer_dir)
         if self.tokenizer.eos_token_id is None:
             raise NVFP4ToolError(f"{variant.tokenizer_dir}: the tokenizer has no EOS token")
         if len(self.tokenizer) > variant.config.vocab_size:
-            raise NVFP4ToolError(f"{variant.tokenizer_dir}: the tokenizer has {len(self.tokenizer)} tokens, the "
-                                 f"model's vocabulary {variant.config.vocab_size}")
+            raise NVFP4ToolError(
+                f"{variant.tokenizer_dir}: the tokenizer has {len(self.tokenizer)} tokens, the "
+                f"model's vocabulary {variant.config.vocab_size}"
+            )
         # gen_key(args) -> [(output tokens, ran to max_gen_toks)], one per time it was generated
         self.generated: dict[str, list[tuple[list[int], bool]]] = {}
         self.timing: dict[str, float] = {}  # request type -> seconds
@@ -237,16 +281,26 @@ class NVFP4ToolLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.tokenizer.chat_template:
-            raise NVFP4UsageError(f"{self.variant.tokenizer_dir}: the tokenizer has no chat template "
-                                  "(drop --apply_chat_template)")
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+            raise NVFP4UsageError(
+                f"{self.variant.tokenizer_dir}: the tokenizer has no chat template (drop --apply_chat_template)"
+            )
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
-        special = ({"add_special_tokens": add_special_tokens} if add_special_tokens is not None else
-                   {"add_special_tokens": self.add_bos_token} if self.add_bos_token is not None else {})
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
+        special = (
+            {"add_special_tokens": add_special_tokens}
+            if add_special_tokens is not None
+            else {"add_special_tokens": self.add_bos_token}
+            if self.add_bos_token is not None
+            else {}
+        )
         bos = self.tokenizer.bos_token
         if add_special_tokens is None and bos and string.startswith(bos):
             special["add_special_tokens"] = False
@@ -257,18 +311,22 @@ class NVFP4ToolLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # ---------------------------------------------------------------- loglikelihood
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None,
-                              **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, override_bs: int | None = None, **kwargs
+    ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), greedy) per (key, context ids, continuation ids)."""
         started = time.perf_counter()
         rows = []
         for _, context, continuation in requests:
             if not continuation:
                 raise NVFP4ToolError("loglikelihood: a request has an empty continuation")
-            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+            whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
             rows.append((whole[:-1], whole[1:], min(len(continuation), len(whole) - 1)))
-        answered_by = shared_rows([tuple(context) for _, context, _ in requests], [r[0] for r in rows]) \
-            if self.share_prefixes else {i: [i] for i in range(len(rows))}
+        answered_by = (
+            shared_rows([tuple(context) for _, context, _ in requests], [r[0] for r in rows])
+            if self.share_prefixes
+            else {i: [i] for i in range(len(rows))}
+        )
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         by_bucket: dict[int, list[int]] = {}
         for i in sorted(answered_by, key=lambda i: -len(rows[i][0])):
@@ -279,10 +337,15 @@ class NVFP4ToolLM(TemplateLM):
                 pad = -len(members) % self.batch_size
                 ids = np.zeros((len(members) + pad, length), np.int32)
                 for r, i in enumerate(members + members[:1] * pad):
-                    ids[r, :len(rows[i][0])] = rows[i][0]
-                for start, logits in self.variant.model.logits(ids, self.batch_size, tap=_served_tap(),
-                                                               aux=self.variant.kv_aux, kv_tap=self.variant.kv_tap,
-                                                               label=f"{self.variant.label} forward"):
+                    ids[r, : len(rows[i][0])] = rows[i][0]
+                for start, logits in self.variant.model.logits(
+                    ids,
+                    self.batch_size,
+                    tap=_served_tap(),
+                    aux=self.variant.kv_aux,
+                    kv_tap=self.variant.kv_tap,
+                    label=f"{self.variant.label} forward",
+                ):
                     logits = np.asarray(logits)
                     done = 0
                     for b in range(min(len(logits), len(members) - start)):
@@ -302,9 +365,15 @@ class NVFP4ToolLM(TemplateLM):
         """Each string's total log-likelihood over lm-eval's disjoint rolling windows."""
         windows, owners = [], []
         for r, (string,) in enumerate(req.args for req in requests):
-            for window in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for window in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None,) + window)
                 owners.append(r)
         scored = self._loglikelihood_tokens(windows)
@@ -323,8 +392,10 @@ class NVFP4ToolLM(TemplateLM):
 
         held = self.variant.model.whole
         if held is None:
-            raise NVFP4ToolError(f"{self.variant.label}: generative tasks need the whole model in memory; it is "
-                                 "streamed layer by layer (offload=never, or a machine with more memory)")
+            raise NVFP4ToolError(
+                f"{self.variant.label}: generative tasks need the whole model in memory; it is "
+                "streamed layer by layer (offload=never, or a machine with more memory)"
+            )
         started = time.perf_counter()
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         results: list[str | None] = [None] * len(requests)
@@ -340,34 +411,47 @@ class NVFP4ToolLM(TemplateLM):
                 max_gen = how.max_gen_toks
                 if max_gen >= self.max_length:
                     raise NVFP4UsageError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
-                encoded = {i: self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
-                           for i in members}
+                encoded = {
+                    i: self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
+                    for i in members
+                }
                 order = sorted(members, key=lambda i: -len(encoded[i]))
                 # one padded length for the group: one compiled generation program per task
                 length = buckets(len(encoded[order[0]]), self.max_length - max_gen)
                 for c in range(0, len(order), self.batch_size):
-                    chunk = order[c:c + self.batch_size]
+                    chunk = order[c : c + self.batch_size]
                     rows = chunk + chunk[:1] * (self.batch_size - len(chunk))
                     ids = np.zeros((len(rows), length), np.int32)
                     mask = np.zeros((len(rows), length), bool)
                     for r, i in enumerate(rows):
-                        ids[r, length - len(encoded[i]):], mask[r, length - len(encoded[i]):] = encoded[i], True
+                        ids[r, length - len(encoded[i]) :], mask[r, length - len(encoded[i]) :] = encoded[i], True
                     key, step_key = jax.random.split(key)
                     with progress.compiling(f"{self.variant.label} generation", key=("generate", length, max_gen)):
-                        tokens = np.asarray(generate(held, jnp.asarray(ids), max_gen, attention_mask=mask,
-                                                     greedy=not how.sample, temperature=how.temperature,
-                                                     top_k=how.top_k, key=step_key,
-                                                     eos_token_id=self.eot_token_id, linear=served_linear,
-                                                     kv=self.variant.gen_kv or _default_kv()))
+                        tokens = np.asarray(
+                            generate(
+                                held,
+                                jnp.asarray(ids),
+                                max_gen,
+                                attention_mask=mask,
+                                greedy=not how.sample,
+                                temperature=how.temperature,
+                                top_k=how.top_k,
+                                key=step_key,
+                                eos_token_id=self.eot_token_id,
+                                linear=served_linear,
+                                kv=self.variant.gen_kv or _default_kv(),
+                            )
+                        )
                     for r, i in enumerate(chunk):
                         row = tokens[r].tolist()
                         ended = self.eot_token_id in row
                         if ended:
-                            row = row[:row.index(self.eot_token_id)]
+                            row = row[: row.index(self.eot_token_id)]
                         decoded = self.tok_decode(row)
                         text = postprocess_generated_text(decoded, until, None)
                         self.generated.setdefault(gen_key(requests[i].args), []).append(
-                            (self.tok_encode(text) if text != decoded else row, not ended and text == decoded))
+                            (self.tok_encode(text) if text != decoded else row, not ended and text == decoded)
+                        )
                         results[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
                     answered += len(chunk)
@@ -437,11 +521,19 @@ def decoding(gen_kwargs: dict[str, Any], default_max_gen_toks: int) -> Decoding:
     top_k = kwargs.pop("top_k", None)
     unsupported = {k: v for k, v in kwargs.items() if NEUTRAL_GEN_KWARGS.get(k, object()) != v}
     if unsupported:
-        raise NVFP4UsageError("generation kwargs " + ", ".join(f"{k}={v}" for k, v in sorted(unsupported.items()))
-                              + ": not supported (nvfp4tool decodes greedily or samples with do_sample, "
-                              "temperature, top_k; stop strings until, max_gen_toks)")
-    return Decoding(until=until, max_gen_toks=max_gen, sample=sample, temperature=temperature if sample else 1.0,
-                    top_k=None if top_k is None or not sample else int(top_k))
+        raise NVFP4UsageError(
+            "generation kwargs "
+            + ", ".join(f"{k}={v}" for k, v in sorted(unsupported.items()))
+            + ": not supported (nvfp4tool decodes greedily or samples with do_sample, "
+            "temperature, top_k; stop strings until, max_gen_toks)"
+        )
+    return Decoding(
+        until=until,
+        max_gen_toks=max_gen,
+        sample=sample,
+        temperature=temperature if sample else 1.0,
+        top_k=None if top_k is None or not sample else int(top_k),
+    )
 
 
 def gen_key(arguments) -> str:

@@ -63,8 +63,9 @@ def binom_cdf_half(k: int, n: int) -> float:
     if k >= n:
         return 1.0
     i = np.arange(k + 1, dtype=np.float64)
-    log_terms = (math.lgamma(n + 1) - np.array([math.lgamma(x + 1) + math.lgamma(n - x + 1) for x in i])
-                 - n * math.log(2.0))
+    log_terms = (
+        math.lgamma(n + 1) - np.array([math.lgamma(x + 1) + math.lgamma(n - x + 1) for x in i]) - n * math.log(2.0)
+    )
     top = float(log_terms.max())
     return min(1.0, math.exp(top) * float(np.sum(np.exp(log_terms - top))))
 
@@ -92,8 +93,14 @@ def paired(candidate: np.ndarray, reference: np.ndarray) -> Paired:
     flip_rate = (right_to_wrong + wrong_to_right) / n
     diff = float(d.mean())
     return Paired(
-        n=n, diff=diff, se=se, ci95=None if se is None else (diff - Z95 * se, diff + Z95 * se),
+        n=n,
+        diff=diff,
+        se=se,
+        ci95=None if se is None else (diff - Z95 * se, diff + Z95 * se),
         unpaired_se=None if se_c is None else math.hypot(se_c, se_r),
-        mcnemar_p=mcnemar_exact(right_to_wrong, wrong_to_right), right_to_wrong=right_to_wrong,
-        wrong_to_right=wrong_to_right, flip_rate=flip_rate,
-        min_detectable=None if n < 2 else (Z95 + Z_POWER) * math.sqrt(max(flip_rate, 1.0 / n) / n))
+        mcnemar_p=mcnemar_exact(right_to_wrong, wrong_to_right),
+        right_to_wrong=right_to_wrong,
+        wrong_to_right=wrong_to_right,
+        flip_rate=flip_rate,
+        min_detectable=None if n < 2 else (Z95 + Z_POWER) * math.sqrt(max(flip_rate, 1.0 / n) / n),
+    )

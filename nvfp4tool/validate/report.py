@@ -24,10 +24,15 @@ KL_PNG = "validation_kl_hist.png"
 KEEP_BF16_TXT = "keep_bf16.txt"  # --sensitivity's result, an `export --keep-bf16-file`
 # what validate writes (KEEP_BF16_TXT with --sensitivity only; a stale one is removed with --force)
 REPORT_FILES = (ValidationRecord.FILE_NAME, VALIDATION_MD, SQNR_PNG, KL_PNG, KEEP_BF16_TXT)
-_COLUMNS = (("kl_mean", "KL mean (nats)", "{:.4g}"), ("kl_p99", "KL p99 (nats)", "{:.4g}"),
-            ("top1", "top-1 agreement", "{:.2%}"), ("ppl", "perplexity", "{:.4g}"),
-            ("ppl_increase", "ppl increase", "{:+.2%}"), ("logit_max_err", "max logit err", "{:.4g}"),
-            ("logit_mean_err", "mean logit err", "{:.4g}"))
+_COLUMNS = (
+    ("kl_mean", "KL mean (nats)", "{:.4g}"),
+    ("kl_p99", "KL p99 (nats)", "{:.4g}"),
+    ("top1", "top-1 agreement", "{:.2%}"),
+    ("ppl", "perplexity", "{:.4g}"),
+    ("ppl_increase", "ppl increase", "{:+.2%}"),
+    ("logit_max_err", "max logit err", "{:.4g}"),
+    ("logit_mean_err", "mean logit err", "{:.4g}"),
+)
 
 
 def write_reports(record: ValidationRecord, export_dir: str, json_copy: str | None = None) -> list[str]:
@@ -59,37 +64,58 @@ def markdown(record: ValidationRecord) -> str:
     reference = record.reference + (f" `{record.reference_export.name}`" if record.reference_export else "")
     if record.reference_calibration:
         reference += f"; its input scales from {record.reference_calibration}"
-    lines = ["## Validation", "",
-             f"Measured by `nvfp4tool validate` on {record.data.sequences} sequences x "
-             f"{record.data.seq_len} tokens of `{record.data.file.name}` "
-             f"against the BF16 source `{record.source.name}` (reference: {reference}).", "",
-             "| metric (vs BF16) | " + " | ".join(_title(l) for l in labels) + " |",
-             "|---|" + "---:|" * len(labels)]
+    lines = [
+        "## Validation",
+        "",
+        f"Measured by `nvfp4tool validate` on {record.data.sequences} sequences x "
+        f"{record.data.seq_len} tokens of `{record.data.file.name}` "
+        f"against the BF16 source `{record.source.name}` (reference: {reference}).",
+        "",
+        "| metric (vs BF16) | " + " | ".join(_title(label) for label in labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
     for key, title, fmt in _COLUMNS:
-        lines.append(f"| {title} | " + " | ".join(_fmt(record.models[l].get(key), fmt) for l in labels) + " |")
+        lines.append(f"| {title} | " + " | ".join(_fmt(record.models[label].get(key), fmt) for label in labels) + " |")
     lines.append(f"| BF16 perplexity | {_fmt(record.models['bf16']['ppl'], '{:.4g}')} |" + " |" * (len(labels) - 1))
     gen = record.generation
-    lines.append(f"| first divergence from BF16 (greedy, {gen.tokens} tokens, median of "
-                 f"{gen.prompts}) | " + " | ".join(_divergence(gen, l) for l in labels) + " |")
-    kv = [l for l in labels if l not in record.layer_labels]
+    lines.append(
+        f"| first divergence from BF16 (greedy, {gen.tokens} tokens, median of "
+        f"{gen.prompts}) | " + " | ".join(_divergence(gen, label) for label in labels) + " |"
+    )
+    kv = [label for label in labels if label not in record.layer_labels]
     if kv:
-        lines += ["", ", ".join(_title(l) for l in kv) + ": the export served with its FP8 KV cache (keys "
-                  "after RoPE and values quantized to E4M3 with the stored per-layer scales, as vLLM "
-                  "caches them); its difference to the plain column is the KV cache's effect."]
+        lines += [
+            "",
+            ", ".join(_title(label) for label in kv) + ": the export served with its FP8 KV cache (keys "
+            "after RoPE and values quantized to E4M3 with the stored per-layer scales, as vLLM "
+            "caches them); its difference to the plain column is the KV cache's effect.",
+        ]
     layer_labels = record.layer_labels
-    lines += ["", "Worst layers (SQNR in dB, BF16 input activations):", "",
-              "| layer | " + " | ".join(f"{_title(l)} weight | {_title(l)} output" for l in layer_labels) + " |",
-              "|---|" + "---:|" * (2 * len(layer_labels))]
+    lines += [
+        "",
+        "Worst layers (SQNR in dB, BF16 input activations):",
+        "",
+        "| layer | " + " | ".join(f"{_title(label)} weight | {_title(label)} output" for label in layer_labels) + " |",
+        "|---|" + "---:|" * (2 * len(layer_labels)),
+    ]
     for row in record.layers[:8]:
-        lines.append(f"| `{row.name}` | " + " | ".join(
-            f"{_fmt(row.weight_sqnr_db.get(l), '{:.1f}')} | {_fmt(row.output_sqnr_db.get(l), '{:.1f}')}"
-            for l in layer_labels) + " |")
+        lines.append(
+            f"| `{row.name}` | "
+            + " | ".join(
+                f"{_fmt(row.weight_sqnr_db.get(label), '{:.1f}')} | {_fmt(row.output_sqnr_db.get(label), '{:.1f}')}"
+                for label in layer_labels
+            )
+            + " |"
+        )
     if record.sensitivity is not None:
         found = record.sensitivity
-        lines += ["", f"Layers to keep in BF16 for a mean KL of {found.kl_target:g} nats "
-                      f"({'met' if found.met else 'not met'}, "
-                      f"KL {found.trajectory[-1].kl_mean:.4g}{found.trajectory[-1].size_text()}): "
-                      + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none")]
+        lines += [
+            "",
+            f"Layers to keep in BF16 for a mean KL of {found.kl_target:g} nats "
+            f"({'met' if found.met else 'not met'}, "
+            f"KL {found.trajectory[-1].kl_mean:.4g}{found.trajectory[-1].size_text()}): "
+            + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none"),
+        ]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
     if record.resources is not None:
@@ -101,9 +127,11 @@ def markdown(record: ValidationRecord) -> str:
 def resources_line(record: ValidationRecord) -> str:
     """How each model ran (held / streamed), the peak memory and the wall time."""
     used = record.resources
-    return (f"Ran with --offload {used.offload} ("
-            + ", ".join(f"{label} {how}" for label, how in used.models.items())
-            + f"); peak memory {used.peak_rss_bytes / 1e9:.2f} GB, {used.seconds:.0f} s.")
+    return (
+        f"Ran with --offload {used.offload} ("
+        + ", ".join(f"{label} {how}" for label, how in used.models.items())
+        + f"); peak memory {used.peak_rss_bytes / 1e9:.2f} GB, {used.seconds:.0f} s."
+    )
 
 
 def verdict(record: ValidationRecord) -> str:
@@ -111,8 +139,8 @@ def verdict(record: ValidationRecord) -> str:
     if record.passed:
         return "**PASSED** all thresholds."
     return "**FAILED**: " + "; ".join(
-        f"{f.metric} ({f.detail}) = {f.value:.4g}, limit {f.limit:.4g}, off by {f.by:.4g}"
-        for f in record.failures)
+        f"{f.metric} ({f.detail}) = {f.value:.4g}, limit {f.limit:.4g}, off by {f.by:.4g}" for f in record.failures
+    )
 
 
 def print_report(record: ValidationRecord, console) -> None:
@@ -127,9 +155,9 @@ def print_report(record: ValidationRecord, console) -> None:
     for label in labels:
         table.add_column(_title(label), justify="right")
     for key, title, fmt in _COLUMNS:
-        table.add_row(title, *(_fmt(record.models[l].get(key), fmt) for l in labels))
+        table.add_row(title, *(_fmt(record.models[label].get(key), fmt) for label in labels))
     gen = record.generation
-    table.add_row(f"first divergence (of {gen.tokens})", *(_divergence(gen, l) for l in labels))
+    table.add_row(f"first divergence (of {gen.tokens})", *(_divergence(gen, label) for label in labels))
     print_table(console, table)
     if gen.skipped:
         console.print(f"greedy generation skipped: {gen.skipped}")
@@ -141,8 +169,14 @@ def print_report(record: ValidationRecord, console) -> None:
         layers.add_column(f"{_title(label)} weight", justify="right")
         layers.add_column(f"{_title(label)} output", justify="right")
     for row in record.layers[:8]:
-        layers.add_row(row.name, *(_fmt(sqnr.get(l), "{:.1f}") for l in record.layer_labels
-                                   for sqnr in (row.weight_sqnr_db, row.output_sqnr_db)))
+        layers.add_row(
+            row.name,
+            *(
+                _fmt(sqnr.get(label), "{:.1f}")
+                for label in record.layer_labels
+                for sqnr in (row.weight_sqnr_db, row.output_sqnr_db)
+            ),
+        )
     print_table(console, layers)
     if record.sensitivity is not None:
         print_table(console, _sensitivity_table(record.sensitivity))
@@ -157,15 +191,18 @@ def _sensitivity_table(found) -> Any:
     first, last = found.trajectory[0], found.trajectory[-1]
     after = {step.kept[-1]: step.kl_mean for step in found.trajectory if step.step == "keep"}
     pruned = {g for step in found.trajectory if step.step == "prune" for g in after if g not in step.kept}
-    table = Table(title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
-                        f"KL {first.kl_mean:.4g}{first.size_text()} with every group quantized, "
-                        f"{last.kl_mean:.4g}{last.size_text()} as kept)")
+    table = Table(
+        title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
+        f"KL {first.kl_mean:.4g}{first.size_text()} with every group quantized, "
+        f"{last.kl_mean:.4g}{last.size_text()} as kept)"
+    )
     for column in ("group", "KL alone", "kept in BF16", "KL after keeping it"):
         table.add_column(column, justify="left" if column == "group" else "right")
     for harm in found.harm:
         state = "yes" if harm.group in last.kept else "pruned" if harm.group in pruned else "no"
-        table.add_row(harm.group, f"{harm.kl_mean_alone:.4g}", state,
-                      f"{after[harm.group]:.4g}" if harm.group in after else "-")
+        table.add_row(
+            harm.group, f"{harm.kl_mean_alone:.4g}", state, f"{after[harm.group]:.4g}" if harm.group in after else "-"
+        )
     return table
 
 
@@ -237,5 +274,3 @@ def _finite(value: float | None) -> float:
     if value is None or math.isnan(value):
         return 0.0
     return 99.0 if math.isinf(value) else value
-
-

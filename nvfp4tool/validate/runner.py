@@ -53,21 +53,28 @@ from nvfp4tool import memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
-from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
+from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
-from nvfp4tool.numerics import computed_after
+from nvfp4tool.numerics import computed_after, metrics
 from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, sha256_file
-from nvfp4tool.records.validation import (DataRef, Failure, Generation, Histogram, LayerSQNR, Named,
-                                          Resources, ValidationRecord)
-from nvfp4tool.numerics import metrics
+from nvfp4tool.records.validation import (
+    DataRef,
+    Failure,
+    Generation,
+    Histogram,
+    LayerSQNR,
+    Named,
+    Resources,
+    ValidationRecord,
+)
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
@@ -155,8 +162,9 @@ class Inputs:
         """Every model compared with BF16: the candidates, then the export with its FP8 KV cache
         when it carries KV-cache scales."""
         kv = self.nvfp4.exported.kv_cache is not None
-        return self.candidates + ([Candidate(self.nvfp4.label + KV_SUFFIX, self.nvfp4.exported, fp8_kv=True)]
-                                  if kv else [])
+        return self.candidates + (
+            [Candidate(self.nvfp4.label + KV_SUFFIX, self.nvfp4.exported, fp8_kv=True)] if kv else []
+        )
 
     def working_bytes(self) -> int:
         """Memory a held model needs besides its weights, with a 2x margin: a forward of one batch
@@ -181,10 +189,16 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     reference is made or that is the evaluation data itself."""
     from nvfp4tool.export.calibrate import load_calibration_ids
 
-    for flag, value in (("--samples", options.samples), ("--seq-len", options.seq_len),
-                        ("--batch-size", options.batch_size), ("--prompts", options.prompts),
-                        ("--prompt-len", options.prompt_len), ("--gen-tokens", options.gen_tokens),
-                        ("--calib-samples", options.calib_samples), ("--calib-seq-len", options.calib_seq_len)):
+    for flag, value in (
+        ("--samples", options.samples),
+        ("--seq-len", options.seq_len),
+        ("--batch-size", options.batch_size),
+        ("--prompts", options.prompts),
+        ("--prompt-len", options.prompt_len),
+        ("--gen-tokens", options.gen_tokens),
+        ("--calib-samples", options.calib_samples),
+        ("--calib-seq-len", options.calib_seq_len),
+    ):
         if value < 1:
             raise NVFP4UsageError(f"{flag} must be >= 1, got {value}")
     if options.offload not in memory.OFFLOAD_MODES:
@@ -204,39 +218,74 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
     if mismatch is not None and not options.source_mismatch_ok:
-        raise NVFP4ToolError(f"{mismatch}: not the source the export was made from; pass the right --source, "
-                             "or --source-mismatch-ok to validate against this one anyway (the report says so)")
+        raise NVFP4ToolError(
+            f"{mismatch}: not the source the export was made from; pass the right --source, "
+            "or --source-mismatch-ok to validate against this one anyway (the report says so)"
+        )
     if mismatch is None and record is not None and options.reference not in ("fp8", "bf16"):
         mismatch = reference_mismatch(options.reference, record)
         if mismatch is not None and not options.source_mismatch_ok:
-            raise NVFP4ToolError(f"{mismatch}: the FP8 reference must be an export of the same source; pass "
-                                 "another --reference, or --source-mismatch-ok to compare with it anyway")
+            raise NVFP4ToolError(
+                f"{mismatch}: the FP8 reference must be an export of the same source; pass "
+                "another --reference, or --source-mismatch-ok to compare with it anyway"
+            )
     if mismatch is not None:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
     if record is not None and record.equalization is not None:  # compare with the model the export folded
-        source = dataclasses.replace(source, tensors=EqualizedSource.from_record(
-            source.tensors, record.equalization, source.config))
-        progress.info(f"the export is equalized (--equalize {record.equalize}): the BF16 model is the source with "
-                      f"its {len(record.equalization.sites)} recorded scales folded in (KL "
-                      f"{record.equalization.check_kl_mean:.2g} nats to the source, checked at export)")
+        source = dataclasses.replace(
+            source, tensors=EqualizedSource.from_record(source.tensors, record.equalization, source.config)
+        )
+        progress.info(
+            f"the export is equalized (--equalize {record.equalize}): the BF16 model is the source with "
+            f"its {len(record.equalization.sites)} recorded scales folded in (KL "
+            f"{record.equalization.check_kl_mean:.2g} nats to the source, checked at export)"
+        )
     tokenizer_dir = export_dir if os.path.isfile(os.path.join(export_dir, "tokenizer.json")) else source.aux_dir
     vocab = nvfp4.exported.config.vocab_size
-    ids = load_calibration_ids(options.data, samples=options.samples, seq_len=options.seq_len,
-                               tokenizer_dir=tokenizer_dir, vocab_size=vocab, flags=("--samples", "--seq-len"))
+    ids = load_calibration_ids(
+        options.data,
+        samples=options.samples,
+        seq_len=options.seq_len,
+        tokenizer_dir=tokenizer_dir,
+        vocab_size=vocab,
+        flags=("--samples", "--seq-len"),
+    )
     if options.calib_data is not None:  # read once here, so a bad file is refused before anything runs
-        load_calibration_ids(options.calib_data, samples=options.calib_samples, seq_len=options.calib_seq_len,
-                             tokenizer_dir=source.aux_dir, vocab_size=vocab)
+        load_calibration_ids(
+            options.calib_data,
+            samples=options.calib_samples,
+            seq_len=options.calib_seq_len,
+            tokenizer_dir=source.aux_dir,
+            vocab_size=vocab,
+        )
     with _scratch() as scratch:
         fp8, reference, reference_export, reference_calibration = _reference(
-            options, source, scratch, calibration, None if record is None else record.equalization)
-        yield Inputs(export_dir=export_dir, options=options, source=source, nvfp4=nvfp4, fp8=fp8,
-                     reference=reference, reference_export=reference_export, ids_SxL=ids, scratch=scratch,
-                     source_mismatch=mismatch, reference_calibration=reference_calibration)
+            options, source, scratch, calibration, None if record is None else record.equalization
+        )
+        yield Inputs(
+            export_dir=export_dir,
+            options=options,
+            source=source,
+            nvfp4=nvfp4,
+            fp8=fp8,
+            reference=reference,
+            reference_export=reference_export,
+            ids_SxL=ids,
+            scratch=scratch,
+            source_mismatch=mismatch,
+            reference_calibration=reference_calibration,
+        )
 
 
-def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str | None = None,
-                    kl_target: float | None = None, force: bool = False) -> ValidationRun:
+def validate_export(
+    export_dir: str,
+    options: ValidateOptions,
+    *,
+    json_copy: str | None = None,
+    kl_target: float | None = None,
+    force: bool = False,
+) -> ValidationRun:
     """Validate, optionally search the layers to keep in BF16 (`kl_target`), write the reports
     (validation.json / .md and the plots into the export, a copy of the JSON at `json_copy`).
     Existing reports are replaced only with `force` (refused before anything runs otherwise)."""
@@ -250,16 +299,24 @@ def validate_export(export_dir: str, options: ValidateOptions, *, json_copy: str
         if kl_target is not None:
             record = dataclasses.replace(record, sensitivity=sensitivity(inputs, kl_target=kl_target))
             memory.release()  # the search's model
-        record = dataclasses.replace(record, resources=Resources(
-            offload=options.offload, models=dict(inputs.ran), peak_rss_bytes=memory.peak_rss_bytes(),
-            seconds=time.perf_counter() - started))
+        record = dataclasses.replace(
+            record,
+            resources=Resources(
+                offload=options.offload,
+                models=dict(inputs.ran),
+                peak_rss_bytes=memory.peak_rss_bytes(),
+                seconds=time.perf_counter() - started,
+            ),
+        )
     files = write_reports(record, export_dir, json_copy)
-    return ValidationRun(record=record, files=files, source_path=inputs.source.path,
-                         source_mismatch=inputs.source_mismatch)
+    return ValidationRun(
+        record=record, files=files, source_path=inputs.source.path, source_mismatch=inputs.source_mismatch
+    )
 
 
-def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool,
-                       files: tuple[str, ...] | None = None) -> None:
+def check_report_paths(
+    export_dir: str, json_copy: str | None, *, force: bool, files: tuple[str, ...] | None = None
+) -> None:
     """Refuse (before any work) a `--json` copy into a missing folder or inside the export (push would
     publish a file validation.json does not hash), and, without `force`, replacing any report
     written (`files`, the first being the record the copy copies: validate's REPORT_FILES by
@@ -272,14 +329,20 @@ def check_report_paths(export_dir: str, json_copy: str | None, *, force: bool,
         folder = os.path.dirname(os.path.abspath(json_copy))
         if not os.path.isdir(folder):
             raise NVFP4UsageError(f"--json {json_copy}: its folder does not exist")
-        if os.path.isdir(export_dir) and os.path.commonpath([os.path.realpath(folder), os.path.realpath(export_dir)]) \
-                == os.path.realpath(export_dir):
-            raise NVFP4UsageError(f"--json {json_copy}: inside the export {export_dir}, which already gets "
-                                  f"{names[0]}; write the copy elsewhere")
+        if os.path.isdir(export_dir) and os.path.commonpath(
+            [os.path.realpath(folder), os.path.realpath(export_dir)]
+        ) == os.path.realpath(export_dir):
+            raise NVFP4UsageError(
+                f"--json {json_copy}: inside the export {export_dir}, which already gets "
+                f"{names[0]}; write the copy elsewhere"
+            )
     for path in [os.path.join(export_dir, name) for name in names] + ([json_copy] if json_copy else []):
         if os.path.lexists(path) and (not force or os.path.isdir(path)):
-            raise NVFP4ToolError(f"{path}: already exists; pass --force to replace it" if not os.path.isdir(path)
-                                 else f"{path}: exists and is not a file; refusing to replace it")
+            raise NVFP4ToolError(
+                f"{path}: already exists; pass --force to replace it"
+                if not os.path.isdir(path)
+                else f"{path}: exists and is not a file; refusing to replace it"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,15 +366,23 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     """
     options = inputs.options
     prompt_len = min(options.prompt_len, inputs.ids_SxL.shape[1])
-    prompts = inputs.ids_SxL[:options.prompts, :prompt_len]
+    prompts = inputs.ids_SxL[: options.prompts, :prompt_len]
 
     # 1. the BF16 source: reference logits (spooled), its perplexity, every layer's output SQNR
     source = inputs.source
-    spool = inputs.reference_logits = LogitSpool(os.path.join(inputs.scratch, "bf16.logits"),
-                                                 inputs.ids_SxL.shape, source.config.vocab_size)
-    model, held = _open_model("bf16", inputs, source_bytes(source), lambda mesh: model_from_tensors(
-        source.config, source.tensors, dtype=None, compute_dtype=VALIDATION_DTYPE, mesh=mesh), source.tensors,
-        source.config)
+    spool = inputs.reference_logits = LogitSpool(
+        os.path.join(inputs.scratch, "bf16.logits"), inputs.ids_SxL.shape, source.config.vocab_size
+    )
+    model, held = _open_model(
+        "bf16",
+        inputs,
+        source_bytes(source),
+        lambda mesh: model_from_tensors(
+            source.config, source.tensors, dtype=None, compute_dtype=VALIDATION_DTYPE, mesh=mesh
+        ),
+        source.tensors,
+        source.config,
+    )
     powers = _OutputPowers(labels=tuple(c.label for c in inputs.candidates))
     totals: dict[str, dict[str, np.ndarray]] = {}
 
@@ -321,12 +392,17 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
             by_label[name] = by_label.get(name, 0.0) + np.asarray(pair, np.float64)
 
     bf16_nll = []
-    for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=powers,
-                                      aux=lambda i: _layer_weights(inputs.candidates, source.config, i),
-                                      on_record=add_powers, label="bf16 logits"):
+    for start, logits in model.logits(
+        inputs.ids_SxL,
+        options.batch_size,
+        tap=powers,
+        aux=lambda i: _layer_weights(inputs.candidates, source.config, i),
+        on_record=add_powers,
+        label="bf16 logits",
+    ):
         logits = np.asarray(logits)
         spool.write(start, logits)
-        bf16_nll.append(metrics.next_token_nll(logits, inputs.ids_SxL[start:start + len(logits)]).ravel())
+        bf16_nll.append(metrics.next_token_nll(logits, inputs.ids_SxL[start : start + len(logits)]).ravel())
     bf16_ppl = metrics.perplexity(np.concatenate(bf16_nll))
     reference_tokens = _greedy("bf16", held, served_linear, prompts, options)
     del model, held
@@ -339,33 +415,57 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     skipped = None if reference_tokens is not None else _skip_reason(inputs)
     for c in inputs.runs:
         stats = _LogitStats()
-        model, held = _open_model(c.label, inputs, c.exported.stored_bytes(),
-                                  lambda mesh, c=c: c.exported.model(VALIDATION_DTYPE, mesh), c.exported,
-                                  c.exported.config)
+        model, held = _open_model(
+            c.label,
+            inputs,
+            c.exported.stored_bytes(),
+            lambda mesh, c=c: c.exported.model(VALIDATION_DTYPE, mesh),
+            c.exported,
+            c.exported.config,
+        )
         kv_scales = (lambda i, c=c: None if i is None else c.exported.kv_scales(i)) if c.fp8_kv else None
-        for start, logits in model.logits(inputs.ids_SxL, options.batch_size, tap=Plain(served_linear),
-                                          aux=kv_scales, kv_tap=ServedKVTap() if c.fp8_kv else None,
-                                          label=f"{c.label} logits"):
+        for start, logits in model.logits(
+            inputs.ids_SxL,
+            options.batch_size,
+            tap=Plain(served_linear),
+            aux=kv_scales,
+            kv_tap=ServedKVTap() if c.fp8_kv else None,
+            label=f"{c.label} logits",
+        ):
             logits = np.asarray(logits)
-            stats.add(spool.read(start, len(logits)), logits, inputs.ids_SxL[start:start + len(logits)])
+            stats.add(spool.read(start, len(logits)), logits, inputs.ids_SxL[start : start + len(logits)])
         models[c.label], kl_tokens[c.label] = stats.summary(bf16_ppl)
-        tokens = (_greedy(c.label, held, served_linear, prompts, options,
-                          c.exported.served_kv() if c.fp8_kv else default_kv) if skipped is None else None)
+        tokens = (
+            _greedy(c.label, held, served_linear, prompts, options, c.exported.served_kv() if c.fp8_kv else default_kv)
+            if skipped is None
+            else None
+        )
         if tokens is None:
             skipped = skipped or _skip_reason(inputs)
         else:
             divergence[c.label] = [metrics.first_divergence(r, t) for r, t in zip(reference_tokens, tokens)]
         del model, held
         memory.release()
-    generation = Generation(prompts=int(len(prompts)), prompt_len=int(prompt_len), tokens=int(options.gen_tokens),
-                            first_divergence={} if skipped else divergence, skipped=skipped)
+    generation = Generation(
+        prompts=int(len(prompts)),
+        prompt_len=int(prompt_len),
+        tokens=int(options.gen_tokens),
+        first_divergence={} if skipped else divergence,
+        skipped=skipped,
+    )
     if skipped:
         progress.info(f"greedy generation skipped: {skipped}")
 
     layers = layer_sqnr(inputs, totals)
     label = inputs.nvfp4.label
-    flat_layers = [{"name": r.name, **{f"{k}_weight_sqnr_db": v for k, v in r.weight_sqnr_db.items()},
-                    **{f"{k}_output_sqnr_db": v for k, v in r.output_sqnr_db.items()}} for r in layers]
+    flat_layers = [
+        {
+            "name": r.name,
+            **{f"{k}_weight_sqnr_db": v for k, v in r.weight_sqnr_db.items()},
+            **{f"{k}_output_sqnr_db": v for k, v in r.output_sqnr_db.items()},
+        }
+        for r in layers
+    ]
     failures = check_thresholds({"models": models, "layers": flat_layers}, options.thresholds, label=label)
     finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
     top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
@@ -378,9 +478,12 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         source_step=source.step,
         reference=inputs.reference,
         reference_export=inputs.reference_export,
-        data=DataRef(file=Named.of(options.data, {options.data: sha256_file(options.data)}),
-                     sequences=int(inputs.ids_SxL.shape[0]), seq_len=int(inputs.ids_SxL.shape[1]),
-                     tokens=int(inputs.ids_SxL.size)),
+        data=DataRef(
+            file=Named.of(options.data, {options.data: sha256_file(options.data)}),
+            sequences=int(inputs.ids_SxL.shape[0]),
+            seq_len=int(inputs.ids_SxL.shape[1]),
+            tokens=int(inputs.ids_SxL.size),
+        ),
         models=models,
         layers=layers,
         generation=generation,
@@ -405,8 +508,9 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     for c in inputs.candidates:
         for m, row in rows.items():
             if m in c.exported.quantized:
-                row.weight_sqnr_db[c.label] = metrics.sqnr_db(inputs.source.tensors.get(f"{m}.weight"),
-                                                              c.exported.dequantized(m))
+                row.weight_sqnr_db[c.label] = metrics.sqnr_db(
+                    inputs.source.tensors.get(f"{m}.weight"), c.exported.dequantized(m)
+                )
         for m, (signal, noise) in output_powers.get(c.label, {}).items():
             if m in rows:
                 rows[m].output_sqnr_db[c.label] = metrics.sqnr_from_sums(float(signal), float(noise))
@@ -427,15 +531,23 @@ def source_bytes(source: Checkpoint) -> int:
 def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
     """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so, over every
     device when there are several (`LayerwiseModel.open`)."""
-    model = LayerwiseModel.open(config, build=build, source=source, offload=inputs.options.offload,
-                                what=f"{label} ({stored / 1e9:.2f} GB as stored)", weights=stored,
-                                working=inputs.working_bytes(), compute_dtype=VALIDATION_DTYPE)
+    model = LayerwiseModel.open(
+        config,
+        build=build,
+        source=source,
+        offload=inputs.options.offload,
+        what=f"{label} ({stored / 1e9:.2f} GB as stored)",
+        weights=stored,
+        working=inputs.working_bytes(),
+        compute_dtype=VALIDATION_DTYPE,
+    )
     inputs.ran[label] = "streamed" if model.streamed else "held"
     return model, model.whole
 
 
-def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOptions,
-            kv: KVFn = default_kv) -> np.ndarray | None:
+def _greedy(
+    label: str, held, linear, prompts: np.ndarray, options: ValidateOptions, kv: KVFn = default_kv
+) -> np.ndarray | None:
     """Greedy continuations of the prompts by a held model (None for a streamed one)."""
     if held is None:
         return None
@@ -448,8 +560,9 @@ def _greedy(label: str, held, linear, prompts: np.ndarray, options: ValidateOpti
 
 def _skip_reason(inputs: Inputs) -> str:
     streamed = [label for label, how in inputs.ran.items() if how == "streamed"]
-    why = ("--offload always" if inputs.options.offload == "always"
-           else "not enough memory to hold it in its stored dtype")
+    why = (
+        "--offload always" if inputs.options.offload == "always" else "not enough memory to hold it in its stored dtype"
+    )
     return f"{', '.join(streamed)} streamed layer by layer ({why}); greedy generation needs the whole model"
 
 
@@ -468,16 +581,17 @@ class _OutputPowers:
                 # one model's decoded weight at a time: this served GEMM runs after the last one
                 last = computed_after(last, lambda x, w: served_linear(x, w, b_N, name=name), x, aux[label][name])
                 y32, y_q = y.astype(jnp.float32), last.astype(jnp.float32)
-                record[label] = jnp.stack([jnp.sum(y32 ** 2), jnp.sum((y32 - y_q) ** 2)])
+                record[label] = jnp.stack([jnp.sum(y32**2), jnp.sum((y32 - y_q) ** 2)])
         return y, (record or None)
 
 
 def _layer_weights(candidates: list[Candidate], config, layer: int | None) -> dict[str, dict[str, Any]]:
     """{label: {name as the block program sees it: stored weight}} of layer `layer` (None: the LM
     head) for every candidate."""
-    return {c.label: {name: c.exported.get(f"{m}.weight") for name, m in layer_modules(c.exported.quantized,
-                                                                                         layer).items()}
-            for c in candidates}
+    return {
+        c.label: {name: c.exported.get(f"{m}.weight") for name, m in layer_modules(c.exported.quantized, layer).items()}
+        for c in candidates
+    }
 
 
 class _LogitStats:
@@ -499,10 +613,15 @@ class _LogitStats:
     def summary(self, bf16_ppl: float) -> tuple[dict[str, float], np.ndarray]:
         kl = np.concatenate(self.kl)
         ppl = metrics.perplexity(np.concatenate(self.nll))
-        return {"kl_mean": float(kl.mean()), "kl_p99": metrics.percentile(kl, 99),
-                "top1": float(np.concatenate(self.agree).mean()), "ppl": ppl,
-                "ppl_increase": ppl / bf16_ppl - 1.0, "logit_max_err": self.max_err,
-                "logit_mean_err": self.abs_err_sum / max(self.count, 1)}, kl
+        return {
+            "kl_mean": float(kl.mean()),
+            "kl_p99": metrics.percentile(kl, 99),
+            "top1": float(np.concatenate(self.agree).mean()),
+            "ppl": ppl,
+            "ppl_increase": ppl / bf16_ppl - 1.0,
+            "logit_max_err": self.max_err,
+            "logit_mean_err": self.abs_err_sum / max(self.count, 1),
+        }, kl
 
 
 def _histogram(values: np.ndarray, top: float) -> Histogram:
@@ -532,13 +651,17 @@ def _check_calib_data(options: ValidateOptions) -> None:
     if options.calib_data is None:
         return
     if options.reference != "fp8":
-        raise NVFP4UsageError(f"--calib-data {options.calib_data}: only calibrates the FP8 reference made on "
-                              f"the fly (--reference fp8); with --reference {options.reference} it would be unused")
+        raise NVFP4UsageError(
+            f"--calib-data {options.calib_data}: only calibrates the FP8 reference made on "
+            f"the fly (--reference fp8); with --reference {options.reference} it would be unused"
+        )
     if not os.path.isfile(options.calib_data):
         raise NVFP4UsageError(f"--calib-data {options.calib_data}: not a file")
     if sha256_file(options.calib_data) == sha256_file(options.data):
-        raise NVFP4UsageError(f"--calib-data {options.calib_data}: the same data as --data {options.data}; "
-                              "calibrate the FP8 reference on other text than it is evaluated on")
+        raise NVFP4UsageError(
+            f"--calib-data {options.calib_data}: the same data as --data {options.data}; "
+            "calibrate the FP8 reference on other text than it is evaluated on"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,8 +673,9 @@ class _Calibration:
     what: str = ""  # said in the record; "" until the FP8 export says what it used
 
 
-def _reference_calibration(options: ValidateOptions, record: ExportRecord | None,
-                           source: Checkpoint) -> _Calibration | None:
+def _reference_calibration(
+    options: ValidateOptions, record: ExportRecord | None, source: Checkpoint
+) -> _Calibration | None:
     """What calibrates the FP8 reference (None: no FP8 reference is made): --calib-data, else a
     training run's tracked input amax, else the W4A4 export's own calibrated input amax (its
     provenance record), never the evaluation data. Nothing of these: exit 2 naming --calib-data."""
@@ -562,16 +686,22 @@ def _reference_calibration(options: ValidateOptions, record: ExportRecord | None
     if source.kind == "run" and source.input_amax is not None:
         return _Calibration(what="the training run's tracked input amax")
     plan = make_plan(source.config, "fp8", precision_map=source.precision_map)
-    amax = (record.input_amax if record is not None and record.quant == "nvfp4" and record.input_amax else {})
+    amax = record.input_amax if record is not None and record.quant == "nvfp4" and record.input_amax else {}
     if plan.quantized and all(m in amax and np.isfinite(amax[m]) and amax[m] > 0 for m in plan.quantized):
         calibrated = f"calibrated on `{record.calibration.file}`" if record.calibration else record.input_amax_origin
-        return _Calibration(input_amax={m: float(amax[m]) for m in plan.quantized},
-                            what=f"the export's input amax ({calibrated})")
-    why = ("a weight-only export carries no input scales" if record is None or record.quant != "nvfp4"
-           else "the export's provenance record has no usable input amax for every linear")
-    raise NVFP4UsageError(f"--reference fp8 makes an FP8 reference that needs calibration data ({why}); pass "
-                          "--calib-data PATH (calibration text, not the --data evaluation text), or "
-                          "--reference bf16 / an FP8 export folder")
+        return _Calibration(
+            input_amax={m: float(amax[m]) for m in plan.quantized}, what=f"the export's input amax ({calibrated})"
+        )
+    why = (
+        "a weight-only export carries no input scales"
+        if record is None or record.quant != "nvfp4"
+        else "the export's provenance record has no usable input amax for every linear"
+    )
+    raise NVFP4UsageError(
+        f"--reference fp8 makes an FP8 reference that needs calibration data ({why}); pass "
+        "--calib-data PATH (calibration text, not the --data evaluation text), or "
+        "--reference bf16 / an FP8 export folder"
+    )
 
 
 @contextlib.contextmanager
@@ -587,8 +717,13 @@ def _scratch() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calibration: _Calibration | None,
-               equalization: EqualizationRecord | None = None) -> tuple[Candidate | None, str, Named | None, str | None]:
+def _reference(
+    options: ValidateOptions,
+    source: Checkpoint,
+    scratch: str,
+    calibration: _Calibration | None,
+    equalization: EqualizationRecord | None = None,
+) -> tuple[Candidate | None, str, Named | None, str | None]:
     """(the FP8 candidate or None, what it is, the --reference folder named and hashed, what
     calibrated its input scales). Made on the fly for an equalized export, it folds the export's
     recorded scales too (`equalization`), so both quantize the same model."""
@@ -597,23 +732,43 @@ def _reference(options: ValidateOptions, source: Checkpoint, scratch: str, calib
     if options.reference != "fp8":
         candidate = Candidate.load(options.reference, label="fp8")
         if candidate.exported.quant != "fp8":
-            raise NVFP4ToolError(f"{options.reference}: a {candidate.exported.quant} export, "
-                                 "not an FP8 one (--reference wants an `export --quant fp8` folder)")
-        return (candidate, "fp8 export", Named.of(options.reference, validated_files(options.reference)),
-                _calibration_of(options.reference))
+            raise NVFP4ToolError(
+                f"{options.reference}: a {candidate.exported.quant} export, "
+                "not an FP8 one (--reference wants an `export --quant fp8` folder)"
+            )
+        return (
+            candidate,
+            "fp8 export",
+            Named.of(options.reference, validated_files(options.reference)),
+            _calibration_of(options.reference),
+        )
     from nvfp4tool.export import export_checkpoint
 
     assert calibration is not None
     progress.info("making the FP8 reference (export --quant fp8)")
     out = os.path.join(scratch, "fp8")
-    export_checkpoint(source.path, out, ExportOptions(
-        quant="fp8", step=source.step, calib_data=calibration.calib_data, calib_samples=options.calib_samples,
-        calib_seq_len=options.calib_seq_len, input_amax=calibration.input_amax,
-        offload=options.offload, equalize=equalization.method if equalization else "none",
-        equalization=equalization))
+    export_checkpoint(
+        source.path,
+        out,
+        ExportOptions(
+            quant="fp8",
+            step=source.step,
+            calib_data=calibration.calib_data,
+            calib_samples=options.calib_samples,
+            calib_seq_len=options.calib_seq_len,
+            input_amax=calibration.input_amax,
+            offload=options.offload,
+            equalize=equalization.method if equalization else "none",
+            equalization=equalization,
+        ),
+    )
     memory.release()
-    return (Candidate.load(out, label="fp8"), "fp8 (exported on the fly from the source)", None,
-            calibration.what or _calibration_of(out))
+    return (
+        Candidate.load(out, label="fp8"),
+        "fp8 (exported on the fly from the source)",
+        None,
+        calibration.what or _calibration_of(out),
+    )
 
 
 def _calibration_of(fp8_export: str) -> str | None:
@@ -624,5 +779,4 @@ def _calibration_of(fp8_export: str) -> str | None:
     found = record.calibration
     if found is None:
         return record.input_amax_origin
-    return (f"calibration data `{found.file}` (sha256 {found.sha256[:12]}..., {found.samples} x "
-            f"{found.seq_len} tokens)")
+    return f"calibration data `{found.file}` (sha256 {found.sha256[:12]}..., {found.samples} x {found.seq_len} tokens)"

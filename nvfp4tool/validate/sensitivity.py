@@ -13,7 +13,8 @@ still holds without it (harms do not add: a group needed early can be redundant 
 are kept), so no single kept group can be dropped from the result. Every step records the size of
 its model: the searched linears' bits per weight (their stored weights and scales, or BF16 where
 kept) and the whole model's bits per parameter as it would be exported. The model is the export
-as served; a kept group runs its BF16 source weights with unquantized inputs. One compiled program serves every combination (the keep flags are
+as served; a kept group runs its BF16 source weights with unquantized inputs. One compiled program serves every
+combination (the keep flags are
 traced), so the search costs one forward per step, not one compilation.
 
 Memory: the reference is the BF16 logits validation spooled (`model.logit_spool.LogitSpool`); the mixed model
@@ -36,8 +37,8 @@ from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.families import fused_group, group_glob
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.transformer import real_name
-from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 from nvfp4tool.numerics import metrics
+from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
 
 
 def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
@@ -51,13 +52,19 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     config = exported.config
     bf16_bytes = sum(tensor_bytes(source, f"{m}.weight") for m in quantized)
     stored = exported.stored_bytes() + bf16_bytes
-    model = LayerwiseModel.open(config, build=lambda mesh: exported.model(inputs.compute_dtype, mesh), source=exported,
-                                offload=inputs.options.offload, weights=stored, working=inputs.working_bytes(),
-                                what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)",
-                                compute_dtype=inputs.compute_dtype)
+    model = LayerwiseModel.open(
+        config,
+        build=lambda mesh: exported.model(inputs.compute_dtype, mesh),
+        source=exported,
+        offload=inputs.options.offload,
+        weights=stored,
+        working=inputs.working_bytes(),
+        what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)",
+        compute_dtype=inputs.compute_dtype,
+    )
     inputs.ran["sensitivity"] = "streamed" if model.streamed else "held"
     if model.streamed:
-        weights = lambda layer: _layer_bf16(source, quantized, layer)  # noqa: E731
+        weights = lambda layer: _layer_bf16(source, quantized, layer)
     else:
         held = {layer: _layer_bf16(source, quantized, layer) for layer in [None, *range(config.num_layers)]}
         weights = held.__getitem__
@@ -67,9 +74,12 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
             bf16 = weights(layer)
             return {"bf16": bf16, "keep": {n: jnp.asarray(fused_group(real_name(n, layer)) in kept) for n in bf16}}
 
-        kl = [metrics.token_kl(inputs.reference_logits.read(start, len(logits)), np.asarray(logits)).ravel()
-              for start, logits in model.logits(inputs.ids_SxL, inputs.options.batch_size, tap=_Mixed(),
-                                                aux=aux, label="sensitivity")]
+        kl = [
+            metrics.token_kl(inputs.reference_logits.read(start, len(logits)), np.asarray(logits)).ravel()
+            for start, logits in model.logits(
+                inputs.ids_SxL, inputs.options.batch_size, tap=_Mixed(), aux=aux, label="sensitivity"
+            )
+        ]
         return float(np.concatenate(kl).mean())
 
     names = list(groups)
@@ -83,11 +93,14 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
 
     trajectory = search(order, harm, lambda kept: mean_kl(set(kept)), size.bits, kl_target)
     kept = trajectory[-1].kept
-    return Sensitivity(kl_target=kl_target, met=trajectory[-1].kl_mean <= kl_target,
-                       harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
-                       trajectory=trajectory, keep_bf16=[group_glob(g, groups[g]) for g in kept],
-                       precision_map={m: ("bf16" if fused_group(m) in kept else inputs.nvfp4.label)
-                                      for m in quantized})
+    return Sensitivity(
+        kl_target=kl_target,
+        met=trajectory[-1].kl_mean <= kl_target,
+        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
+        trajectory=trajectory,
+        keep_bf16=[group_glob(g, groups[g]) for g in kept],
+        precision_map={m: ("bf16" if fused_group(m) in kept else inputs.nvfp4.label) for m in quantized},
+    )
 
 
 def search(order: list[str], harm: dict[str, float], kl_of, bits_of, kl_target: float) -> list[SearchStep]:
@@ -129,12 +142,17 @@ def keep_bf16_file_text(found: Sensitivity) -> str:
     from nvfp4tool.export.plan import format_keep_bf16_file
 
     first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
-    return format_keep_bf16_file(found.keep_bf16, [
-        f"nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= {found.kl_target:g} nats",
-        f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
-        f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
-        "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
-        f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'"])
+    return format_keep_bf16_file(
+        found.keep_bf16,
+        [
+            "nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= "
+            f"{found.kl_target:g} nats",
+            f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
+            f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
+            "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
+            f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'",
+        ],
+    )
 
 
 def export_with_file(source: str, keep_file: str) -> str:
@@ -175,8 +193,10 @@ class _Size:
     def bits(self, kept: list[str]) -> dict[str, float]:
         extra = sum(self._bf16[m] - self._stored[m] for g in kept for m in self._groups[g])
         linears = sum(self._stored.values()) + extra
-        return {"bits_per_weight": 8 * linears / self._weights,
-                "bits_per_parameter": 8 * (self._model_bytes + extra) / self._parameters}
+        return {
+            "bits_per_weight": 8 * linears / self._weights,
+            "bits_per_parameter": 8 * (self._model_bytes + extra) / self._parameters,
+        }
 
 
 def _layer_bf16(source, quantized: list[str], layer: int | None) -> dict[str, np.ndarray]:

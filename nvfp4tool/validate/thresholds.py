@@ -56,18 +56,19 @@ def check_thresholds(record: dict[str, Any], thresholds: Thresholds, *, label: s
     """
     model = record["models"][label]
     failures = _non_finite(record)
-    for metric, limit, upper in (("kl_mean", thresholds.max_kl_mean, True),
-                                 ("kl_p99", thresholds.max_kl_p99, True),
-                                 ("top1", thresholds.min_top1, False),
-                                 ("ppl_increase", thresholds.max_ppl_increase, True)):
+    for metric, limit, upper in (
+        ("kl_mean", thresholds.max_kl_mean, True),
+        ("kl_p99", thresholds.max_kl_p99, True),
+        ("top1", thresholds.min_top1, False),
+        ("ppl_increase", thresholds.max_ppl_increase, True),
+    ):
         if limit is not None and _finite(metric, model[metric]):
             failures += _check(metric, model[metric], limit, upper, f"{label} vs bf16")
     if thresholds.min_layer_sqnr_db is not None:
         for row in record["layers"]:
             value = row.get(f"{label}_weight_sqnr_db")
             if value is not None and _finite("weight_sqnr_db", value):
-                failures += _check("layer_weight_sqnr_db", value, thresholds.min_layer_sqnr_db, False,
-                                   row["name"])
+                failures += _check("layer_weight_sqnr_db", value, thresholds.min_layer_sqnr_db, False, row["name"])
     return failures
 
 
@@ -91,13 +92,25 @@ def _finite(metric: str, value: float) -> bool:
 
 
 def _non_finite_failure(metric: str, value: float, where: str) -> dict[str, Any]:
-    return {"metric": metric, "value": value, "limit": math.nan, "by": math.inf,
-            "detail": f"{where}: not a finite number"}
+    return {
+        "metric": metric,
+        "value": value,
+        "limit": math.nan,
+        "by": math.inf,
+        "detail": f"{where}: not a finite number",
+    }
 
 
 def _check(metric: str, value: float, limit: float, upper: bool, detail: str) -> list[dict[str, Any]]:
     failed = value > limit if upper else value < limit
     if not failed:
         return []
-    return [{"metric": metric, "value": value, "limit": limit,
-             "by": value - limit if upper else limit - value, "detail": detail}]
+    return [
+        {
+            "metric": metric,
+            "value": value,
+            "limit": limit,
+            "by": value - limit if upper else limit - value,
+            "detail": detail,
+        }
+    ]

@@ -45,7 +45,7 @@ def text(**kwargs):
     path = os.path.join(os.path.dirname(HERE), "..", "data", "shakespeare_val.txt")
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    pages = ["\n".join(lines[i * PAGE_LINES:(i + 1) * PAGE_LINES]) for i in range(PAGES)]
+    pages = ["\n".join(lines[i * PAGE_LINES : (i + 1) * PAGE_LINES]) for i in range(PAGES)]
     return _split([{"page": p} for p in pages if p.strip()])
 
 
@@ -60,4 +60,4 @@ def lettered(doc: dict) -> str:
 
 def letters(doc: dict) -> list[str]:
     """The answer letters of an item's options."""
-    return list(LETTERS[:len(doc["options"])])
+    return list(LETTERS[: len(doc["options"])])
