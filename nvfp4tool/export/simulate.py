@@ -104,7 +104,6 @@ class FP8Weight:
         return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype, name=f"input of {name}")
 
 
-StoredWeight = NVFP4Weight | FP8Weight
 KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []
 
 

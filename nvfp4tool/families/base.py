@@ -205,7 +205,6 @@ class Family:
     maxtext_rules: tuple | None = None  # its MaxText layout (`families/maxtext.py` Rules); None: none
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
-    config_type: type | None = None  # the frozen dataclass of its own fields (ModelConfig.family_config)
     positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
     norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon

@@ -73,7 +73,6 @@ class SparseDecoder(Decoder):
         self.maxtext_block = maxtext_block  # MaxText's name of the sparse block
         super().__init__(model_type, architecture, **attention)
         self.routing_weights_in_logits_dtype = model_type == "qwen3_moe"
-        self.config_type = Experts
         self.modeled_keys = self.modeled_keys | {
             *EXPERT_COUNT_KEYS,
             "num_experts_per_tok",

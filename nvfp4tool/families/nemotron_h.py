@@ -427,7 +427,6 @@ class HybridDecoder(Family):
 
     model_type = "nemotron_h"
     architecture = "NemotronHForCausalLM"
-    config_type = HybridFields
     modeled_keys = _KEYS
     positional = "none"
     projections = (MAMBA_IN, MAMBA_OUT, *LATENT)

@@ -468,7 +468,3 @@ def _collapse_layers(names: Any) -> list[tuple[str, int]]:
 
 def _collapse_names(names: list[str]) -> list[str]:
     return [p for p, _ in _collapse_layers(names)]
-
-
-def _fmt_value(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -91,10 +91,6 @@ class Side(NamedTuple):
     router_logits: dict[str, jax.Array]
 
 
-def no_side() -> Side:
-    return Side({}, {})
-
-
 def merged(*sides: Side) -> Side:
     """The side results of modules run one after another, in order."""
     return Side(
