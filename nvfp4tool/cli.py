@@ -17,6 +17,8 @@ stdout either way, tables through
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -95,14 +97,73 @@ class _NewFile(click.Path):
 
 
 _COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
-_OFFLOAD = click.option(
-    "--offload",
-    type=click.Choice(["auto", "never", "always"]),
-    default="auto",
-    show_default=True,
-    help="Run the model held in memory (never), streamed layer by layer from its files (always: peak = "
-    "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).",
-)
+
+
+def _default(owner, name: str):
+    """The default of `name` in `owner`, a library's options dataclass or function: the library
+    states each default once and the CLI shows and passes that value."""
+    if dataclasses.is_dataclass(owner):
+        (field,) = (f for f in dataclasses.fields(owner) if f.name == name)
+        default = field.default
+    else:
+        default = inspect.signature(owner).parameters[name].default
+    if default is dataclasses.MISSING or default is inspect.Parameter.empty:
+        raise TypeError(f"{owner.__qualname__}.{name} has no default")
+    return default
+
+
+def _offload(default: str):
+    """The --offload option of a command whose library option defaults to `default`."""
+    return click.option(
+        "--offload",
+        type=click.Choice(["auto", "never", "always"]),
+        default=default,
+        show_default=True,
+        help="Run the model held in memory (never), streamed layer by layer from its files (always: peak = "
+        "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).",
+    )
+
+
+def _convert_default(name: str):
+    """Default of a convert option (owned by nvfp4tool.convert.convert_checkpoint)."""
+    from nvfp4tool.convert import convert_checkpoint
+
+    return _default(convert_checkpoint, name)
+
+
+def _export_default(name: str):
+    """Default of an export option (owned by nvfp4tool.export.ExportOptions)."""
+    from nvfp4tool.export import ExportOptions
+
+    return _default(ExportOptions, name)
+
+
+def _push_default(name: str):
+    """Default of a push option (owned by nvfp4tool.hub.PushOptions)."""
+    from nvfp4tool.hub import PushOptions
+
+    return _default(PushOptions, name)
+
+
+def _validate_default(name: str):
+    """Default of a validate option (owned by nvfp4tool.validate.runner.ValidateOptions)."""
+    from nvfp4tool.validate.runner import ValidateOptions
+
+    return _default(ValidateOptions, name)
+
+
+def _eval_default(name: str):
+    """Default of an eval option (owned by nvfp4tool.validate.evaluate.EvalOptions)."""
+    from nvfp4tool.validate.evaluate import EvalOptions
+
+    return _default(EvalOptions, name)
+
+
+def _quickstart_default(name: str):
+    """Default of a quickstart option (owned by nvfp4tool.quickstart.QuickstartOptions)."""
+    from nvfp4tool.quickstart import QuickstartOptions
+
+    return _default(QuickstartOptions, name)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -199,29 +260,35 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
 @click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True, help="Output format.")
 @click.option(
     "--scan-layers/--no-scan-layers",
-    default=True,
+    default=_convert_default("scan_layers"),
     show_default=True,
     help="MaxText output: stack the layers (decoder/layers, layer axis 1) or not.",
 )
 @click.option(
     "--model-config",
-    default=None,
+    default=_convert_default("model_config"),
     help="HF config.json, HF folder, or MaxText model name (e.g. llama3.1-8b). Required for a MaxText source.",
 )
 @click.option(
     "--rope-layout",
     type=click.Choice(["interleaved", "half"]),
-    default=None,
+    default=_convert_default("rope_layout"),
     help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
     "Mixtral and Qwen3-MoE: always half, fixed by the family).",
 )
 @click.option(
     "--dtype",
     type=click.Choice(["bf16", "fp32"]),
-    default=None,
+    default=_convert_default("dtype"),
     help="Output dtype (MaxText default fp32; HF default: the model config's).",
 )
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size, help="HF output shard size.")
+@click.option(
+    "--max-shard-size",
+    default=_convert_default("max_shard_size"),
+    show_default=True,
+    callback=_size,
+    help="HF output shard size.",
+)
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 def convert_command(
     src: str,
@@ -403,7 +470,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "--format",
     "fmt",
     type=click.Choice(["modelopt", "compressed-tensors"]),
-    default="modelopt",
+    default=_export_default("format"),
     show_default=True,
     help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
     "compressed-tensors: vLLM compressed-tensors / transformers.",
@@ -411,36 +478,36 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--quant",
     type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]),
-    default="nvfp4",
+    default=_export_default("quant"),
     show_default=True,
     help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.",
 )
 @click.option(
     "--calib-data",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
+    default=_export_default("calib_data"),
     help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ, --equalize and the "
     "KV-cache scales (an error where none of them is needed).",
 )
 @click.option(
     "--calib-samples",
     type=_COUNT,
-    default=64,
+    default=_export_default("calib_samples"),
     show_default=True,
     help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.",
 )
 @click.option(
     "--calib-seq-len",
     type=click.IntRange(min=2),
-    default=512,
+    default=_export_default("calib_seq_len"),
     show_default=True,
     help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.",
 )
-@_OFFLOAD
+@_offload(_export_default("offload"))
 @click.option(
     "--kv-cache",
     type=click.Choice(["none", "fp8"]),
-    default="none",
+    default=_export_default("kv_cache"),
     show_default=True,
     help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
     "scales (amax / 448) and the config keys engines read (needs --calib-data).",
@@ -448,12 +515,13 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--keep-bf16",
     multiple=True,
+    default=_export_default("keep_bf16"),
     help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).",
 )
 @click.option(
     "--keep-bf16-file",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
+    default=_export_default("keep_bf16_file"),
     help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
     "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
     "Default: none.",
@@ -461,7 +529,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--scale-search",
     type=click.Choice(["rtn", "4over6", "mse"]),
-    default="rtn",
+    default=_export_default("scale_search"),
     show_default=True,
     help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
     "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
@@ -470,7 +538,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--weight-rounding",
     type=click.Choice(["rtn", "gptq"]),
-    default="rtn",
+    default=_export_default("weight_rounding"),
     show_default=True,
     help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
     "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).",
@@ -478,7 +546,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--equalize",
     type=click.Choice(["none", "awq", "smoothquant"]),
-    default="none",
+    default=_export_default("equalize"),
     show_default=True,
     help="Equivalent scaling before quantizing, folded into the preceding norm or linear (a plain "
     "checkpoint, the same function in BF16, checked): awq = per site the scale mean|x|^alpha with "
@@ -487,7 +555,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--gptq-damp",
     type=float,
-    default=0.05,
+    default=_export_default("gptq_damp"),
     show_default=True,
     callback=_damp,
     help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.",
@@ -495,7 +563,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--gptq-block-scales",
     type=click.Choice(["original", "updated"]),
-    default="original",
+    default=_export_default("gptq_block_scales"),
     show_default=True,
     help="GPTQ's block scales: original = chosen first on the original weight by --scale-search (RTN's); "
     "updated = each 16-column block's chosen by --scale-search when GPTQ reaches it, on the weights "
@@ -505,12 +573,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--weight-block",
     type=click.Choice(["1d", "2d"]),
-    default=None,
+    default=_export_default("weight_block"),
     help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).",
 )
 @click.option(
     "--max-shard-size",
-    default="5GB",
+    default=_export_default("max_shard_size"),
     show_default=True,
     callback=_size,
     help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.",
@@ -518,23 +586,23 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--step",
     type=click.IntRange(min=0),
-    default=None,
+    default=_export_default("step"),
     help="Training run: export this checkpoint step (default: the final weights).",
 )
 @click.option(
     "--model-config",
-    default=None,
+    default=_export_default("model_config"),
     help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
     "(required for a MaxText source; default: none).",
 )
 @click.option(
     "--rope-layout",
     type=click.Choice(["half", "interleaved"]),
-    default=None,
+    default=_export_default("rope_layout"),
     help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
     "fixes, Mixtral and Qwen3-MoE half; else required).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--force", is_flag=True, default=_export_default("force"), help="Replace an existing output folder.")
 def export_command(
     src,
     to,
@@ -630,20 +698,32 @@ def convert_format_command(src, out, to, force) -> None:
 @cli.command("push")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing).")
-@click.option("--private", is_flag=True, help="Create the repository private.")
-@click.option("--revision", default=None, help="Branch to commit to (created from main if missing).")
-@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing.")
-@click.option("--dry-run", is_flag=True, help="Print the file list, sizes and model card; upload nothing.")
+@click.option("--private", is_flag=True, default=_push_default("private"), help="Create the repository private.")
+@click.option(
+    "--revision", default=_push_default("revision"), help="Branch to commit to (created from main if missing)."
+)
+@click.option(
+    "--create-pr",
+    is_flag=True,
+    default=_push_default("create_pr"),
+    help="Open a pull request against main instead of committing.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    default=_push_default("dry_run"),
+    help="Print the file list, sizes and model card; upload nothing.",
+)
 @click.option(
     "--endpoint",
-    default=None,
+    default=_push_default("endpoint"),
     callback=_endpoint,
     help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).",
 )
 @click.option(
     "--timeout",
     type=_FiniteFloat(min=0, min_open=True),
-    default=30.0,
+    default=_push_default("timeout"),
     show_default=True,
     help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).",
 )
@@ -653,8 +733,14 @@ def convert_format_command(src, out, to, force) -> None:
     help="Publish without a validation.json from `nvfp4tool validate` (the card says so); "
     "a validation.json present is still checked against the files. Default: off.",
 )
-@click.option("--base-model", default=None, help="Source repo id for the card (default: from the provenance).")
-@click.option("--license", "license_", default=None, help="License for the card (default: the source's).")
+@click.option(
+    "--base-model",
+    default=_push_default("base_model"),
+    help="Source repo id for the card (default: from the provenance).",
+)
+@click.option(
+    "--license", "license_", default=_push_default("license"), help="License for the card (default: the source's)."
+)
 def push_command(
     path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation, base_model, license_
 ) -> None:
@@ -702,13 +788,6 @@ def _threshold_default(field: str):
     return getattr(Thresholds(), field)
 
 
-def _calib_default(field: str):
-    """Default of a calibration option (kept in nvfp4tool.export.ExportOptions)."""
-    from nvfp4tool.export import ExportOptions
-
-    return getattr(ExportOptions(), field)
-
-
 @cli.command("validate")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option(
@@ -719,7 +798,7 @@ def _calib_default(field: str):
 )
 @click.option(
     "--reference",
-    default="fp8",
+    default=_validate_default("reference"),
     show_default=True,
     callback=_reference,
     help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
@@ -728,20 +807,21 @@ def _calib_default(field: str):
 @click.option(
     "--source",
     type=click.Path(),
-    default=None,
+    default=_validate_default("source"),
     help="The BF16 source (default: named by the export's nvfp4tool_export.json). Its weight files "
     "must have the sha256 that record names.",
 )
 @click.option(
     "--source-mismatch-ok",
     is_flag=True,
+    default=_validate_default("source_mismatch_ok"),
     help="Validate against a --source whose weights differ from the export's provenance record "
     "(default: refused); the report and the model card say so.",
 )
 @click.option(
     "--calib-data",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
+    default=_validate_default("calib_data"),
     help="Calibration text (.txt/.jsonl) or ids (.npy) for the FP8 reference made on the fly "
     "(--reference fp8; default: the W4A4 export's own input amax or a training run's tracked "
     "amax; never --data).",
@@ -749,14 +829,14 @@ def _calib_default(field: str):
 @click.option(
     "--calib-samples",
     type=_COUNT,
-    default=_calib_default("calib_samples"),
+    default=_validate_default("calib_samples"),
     show_default=True,
     help="Sequences of --calib-data read.",
 )
 @click.option(
     "--calib-seq-len",
     type=click.IntRange(min=2),
-    default=_calib_default("calib_seq_len"),
+    default=_validate_default("calib_seq_len"),
     show_default=True,
     help="Tokens per --calib-data sequence.",
 )
@@ -766,18 +846,40 @@ def _calib_default(field: str):
     is_flag=True,
     help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.",
 )
-@click.option("--samples", type=_COUNT, default=16, show_default=True, help="Sequences evaluated.")
 @click.option(
-    "--seq-len", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens per evaluated sequence."
+    "--samples", type=_COUNT, default=_validate_default("samples"), show_default=True, help="Sequences evaluated."
 )
 @click.option(
-    "--batch-size", type=_COUNT, default=4, show_default=True, help="Sequences per forward pass (memory, not results)."
+    "--seq-len",
+    type=click.IntRange(min=2),
+    default=_validate_default("seq_len"),
+    show_default=True,
+    help="Tokens per evaluated sequence.",
 )
-@click.option("--prompts", type=_COUNT, default=4, show_default=True, help="Greedy-generation prompts.")
 @click.option(
-    "--prompt-len", type=_COUNT, default=32, show_default=True, help="Tokens of --data each greedy prompt starts from."
+    "--batch-size",
+    type=_COUNT,
+    default=_validate_default("batch_size"),
+    show_default=True,
+    help="Sequences per forward pass (memory, not results).",
 )
-@click.option("--gen-tokens", type=_COUNT, default=256, show_default=True, help="Greedy continuation length.")
+@click.option(
+    "--prompts", type=_COUNT, default=_validate_default("prompts"), show_default=True, help="Greedy-generation prompts."
+)
+@click.option(
+    "--prompt-len",
+    type=_COUNT,
+    default=_validate_default("prompt_len"),
+    show_default=True,
+    help="Tokens of --data each greedy prompt starts from.",
+)
+@click.option(
+    "--gen-tokens",
+    type=_COUNT,
+    default=_validate_default("gen_tokens"),
+    show_default=True,
+    help="Greedy continuation length.",
+)
 @click.option(
     "--max-kl-mean",
     type=_FiniteFloat(min=0),
@@ -814,7 +916,7 @@ def _calib_default(field: str):
     show_default=True,
     help="Floor (dB) of every quantized layer's weight SQNR.",
 )
-@_OFFLOAD
+@_offload(_validate_default("offload"))
 @click.option(
     "--sensitivity",
     is_flag=True,
@@ -935,66 +1037,66 @@ def validate_command(
 @click.option(
     "--reference",
     type=click.Path(exists=True, file_okay=False),
-    default=None,
+    default=_eval_default("reference"),
     help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 column (default: none).",
 )
 @click.option(
     "--source",
     type=click.Path(exists=True, file_okay=False),
-    default=None,
+    default=_eval_default("source"),
     help="The BF16 source (default: named by the export's nvfp4tool_export.json; its weight files "
     "must have the sha256 that record names).",
 )
 @click.option(
     "--limit",
     type=_COUNT,
-    default=None,
+    default=_eval_default("limit"),
     help="Evaluate only the first N items of each task (recorded in eval.json; default: all).",
 )
 @click.option(
     "--seed",
     type=int,
-    default=0,
+    default=_eval_default("seed"),
     show_default=True,
     help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.",
 )
 @click.option(
     "--max-drop",
     type=_FiniteFloat(min=0, max=1),
-    default=None,
+    default=_eval_default("max_drop"),
     help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
     "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).",
 )
 @click.option(
     "--max-drop-fp8",
     type=_FiniteFloat(min=0, max=1),
-    default=None,
+    default=_eval_default("max_drop_fp8"),
     help="The same threshold for NVFP4 - FP8 (needs --reference; default: none).",
 )
 @click.option(
     "--num-fewshot",
     type=click.IntRange(min=0),
-    default=None,
+    default=_eval_default("num_fewshot"),
     help="Few-shot examples per prompt (default: each task's own).",
 )
 @click.option(
     "--batch-size",
     type=_COUNT,
-    default=8,
+    default=_eval_default("batch_size"),
     show_default=True,
     help="Requests per forward pass / generation batch (memory and speed, not results).",
 )
 @click.option(
     "--max-length",
     type=click.IntRange(min=2),
-    default=2048,
+    default=_eval_default("max_length"),
     show_default=True,
     help="Most tokens of context a request sees (longer ones are left-truncated).",
 )
 @click.option(
     "--max-gen-toks",
     type=_COUNT,
-    default=256,
+    default=_eval_default("max_gen_toks"),
     show_default=True,
     help="Most new tokens of a generative request whose task sets none.",
 )
@@ -1007,15 +1109,15 @@ def validate_command(
 @click.option(
     "--samples",
     type=_COUNT,
-    default=1,
+    default=_eval_default("samples"),
     show_default=True,
     help="Generations per item of a sampled task (seeds SEED, SEED+1, ...), its score their mean; "
     "needs sampled decoding.",
 )
-@_OFFLOAD
+@_offload(_eval_default("offload"))
 @click.option(
     "--chat-template/--no-chat-template",
-    default=True,
+    default=_eval_default("chat_template"),
     show_default=True,
     help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.",
 )
@@ -1100,14 +1202,22 @@ def _gen_kwargs(text: str | None) -> dict | None:
 
 
 @cli.command("quickstart")
-@click.option("--out", default="nvfp4tool-quickstart", show_default=True, help="Folder for every stage's output.")
+@click.option("--out", default=_quickstart_default("out"), show_default=True, help="Folder for every stage's output.")
 @click.option(
-    "--pretrain-steps", type=_COUNT, default=300, show_default=True, help="Steps of the BF16 pretraining stage."
+    "--pretrain-steps",
+    type=_COUNT,
+    default=_quickstart_default("pretrain_steps"),
+    show_default=True,
+    help="Steps of the BF16 pretraining stage.",
 )
 @click.option(
-    "--finetune-steps", type=_COUNT, default=100, show_default=True, help="Steps of the NVFP4-recipe fine-tuning stage."
+    "--finetune-steps",
+    type=_COUNT,
+    default=_quickstart_default("finetune_steps"),
+    show_default=True,
+    help="Steps of the NVFP4-recipe fine-tuning stage.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--force", is_flag=True, default=_quickstart_default("force"), help="Replace an existing --out folder.")
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.
 
