@@ -46,7 +46,7 @@ import shutil
 import struct
 from typing import Any, Callable, Iterable, Mapping
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -421,7 +421,7 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
 
     Read in row chunks of at most `_READ_CHUNK_BYTES`, the file reopened (and so unmapped) for each:
     reading a whole tensor through one mapping keeps its pages resident next to the copy, which
-    raised export's peak memory by ~0.45x the largest tensor (tests/test_export_memory.py)."""
+    raised export's peak memory by ~0.45x the largest tensor (tests/export/test_export_memory.py)."""
     if entry.code in _HAND_READ_CODES:
         return _read_by_hand(entry)
     key = entry.stored or entry.name

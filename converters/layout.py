@@ -17,7 +17,7 @@ plus, on q and k only, the RoPE rule (`interleaved` layout: rows of each head go
 interleaved pairs), and on q only the query scale where the family's MaxText attention uses scale 1
 (llama, mistral, mixtral): the stored query kernel is pre-multiplied by 1/sqrt(head_dim). The scale
 is applied in fp32 and undone in fp32 (divide by the same fp32 constant): bf16 -> fp32 * s -> / s ->
-bf16 returns every bf16 value exactly (tests/test_maxtext_layout.py checks all of them); stored as
+bf16 returns every bf16 value exactly (tests/converters/test_maxtext_layout.py checks all of them); stored as
 bf16 (`--dtype bf16`) the scaled query is rounded to bf16 and the way back is no longer exact unless
 sqrt(head_dim) is a power of two (head_dim 64, 256).
 
@@ -70,7 +70,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 
 from nvfp4tool.config import ModelConfig

@@ -23,7 +23,7 @@ An experts array (`wi_0` etc., all experts of a layer, or of every layer when sc
 assembled one source expert tensor at a time into the array it is saved from.
 Memory: one parameter group (<= the largest stored array: a scanned stack, for a MoE model the
 `[experts, layers, E, F]` experts stack) plus Orbax's encoded copy of it, plus one source tensor;
-the result restores with plain Orbax (tests/test_maxtext.py).
+the result restores with plain Orbax (tests/converters/test_maxtext.py).
 
 `dtype="fp32"` (default, MaxText's weight dtype) stores every HF bf16/fp32 value exactly and the
 query scale round trip is exact for bf16 sources; `dtype="bf16"` halves the size but rounds fp32
@@ -41,7 +41,7 @@ import shutil
 import weakref
 from typing import Iterable, Iterator
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 
 from converters import atomic, layout, maxtext_models

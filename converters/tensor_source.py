@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, runtime_checkable
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError

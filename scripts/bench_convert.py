@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

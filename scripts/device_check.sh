@@ -6,7 +6,7 @@
 # Steps (each its own process and timeout, all within DEVICE_CHECK_BUDGET_S, 460 s by default:
 # with 10 s to kill a step that overran and the summary, the script ends in under 8 minutes; a
 # step the budget no longer covers FAILS as "out of time"):
-#   quantizers      GPU vs host CPU vs the independent oracle (tests/nvfp4_oracle.py), in bytes:
+#   quantizers      GPU vs host CPU vs the independent oracle (tests/fixtures/nvfp4_oracle.py), in bytes:
 #                   the XLA quantizers (NVFP4 1d/2d/SR, FP8, RHT, the emulated and native GEMM)
 #                   and the fused Pallas kernels (numerics/fused.py, compiled for the GPU: modes
 #                   packed and operand; 1d, 2d, RHT, transposed, SR with passed bits). A kernel
@@ -19,13 +19,13 @@
 #                   (the JSON is rewritten after each recipe: a step that times out keeps those);
 #   train_1b_4096   1b at seq 4096 with remat=block, nvfp4, one timed step: that it fits, its peak;
 #   train_100m      as train_1b on 100m.
-#   numerics_pytest tests/test_numerics_*.py on the GPU (last: it gets what the budget has left).
+#   numerics_pytest tests/numerics/test_numerics_*.py on the GPU (last: it gets what the budget has left).
 # It prints one table and writes JSON under $OUT (a temporary folder when unset): one file per
 # step (<step>.json; each step's output in <step>.txt) and summary.json (pass/fail per step).
 # Exit status 1 if any step failed. Goals (bandwidth, step-time ratios) are printed, not checked.
 #
 # Without a GPU (jax.default_backend() == "cpu") or with DEVICE_CHECK_SMOKE=1 it runs as a smoke
-# test at tiny sizes (tests/test_device_check.py runs it in CI so that it cannot rot): small
+# test at tiny sizes (tests/quickstart/test_device_check.py runs it in CI so that it cannot rot): small
 # quantizer shapes, a 256^2 benchmark, the tiny preset at seq 64, one numerics test file.
 # DEVICE_CHECK_STEPS="train_1b bench_quantize" runs only those steps (e.g. to rerun one; on the GPU
 # compiles are cached in JAX_COMPILATION_CACHE_DIR, /tmp/nvfp4tool-jax-cache by default, so a rerun
@@ -37,7 +37,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
 budget="${DEVICE_CHECK_BUDGET_S:-460}"
-python="${PYTHON:-python3}"  # the interpreter (tests/test_device_check.py passes its own)
+python="${PYTHON:-python3}"  # the interpreter (tests/quickstart/test_device_check.py passes its own)
 steps="${DEVICE_CHECK_STEPS:-quantizers bench_quantize train_1b train_1b_4096 train_100m numerics_pytest}"
 status=0
 
@@ -81,7 +81,7 @@ if [ "$smoke" = 1 ]; then
             --recipes fp8-block)
   train_1b_4096=(--model tiny --vocab-size 256 --seq-len 128 --batch-size 1 --iters 1
                  --remat block --recipes bf16)
-  pytest_files=(tests/test_numerics_hadamard.py)
+  pytest_files=(tests/numerics/test_numerics_hadamard.py)
 else
   bench_args=(--size 16384 --runs 5)
   # bf16 first, nvfp4 (the largest step) second: both get their own peak memory (see
@@ -96,7 +96,7 @@ else
             --recipes "$recipes")
   train_1b_4096=(--model 1b --vocab-size 128256 --seq-len 4096 --batch-size 2 --iters 1
                  --remat block --recipes nvfp4)
-  pytest_files=(tests/test_numerics_*.py)
+  pytest_files=(tests/numerics/test_numerics_*.py)
   # a rerun on the same machine (DEVICE_CHECK_STEPS=...) loads the compiles instead of redoing them
   export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/nvfp4tool-jax-cache}"
 fi
@@ -114,8 +114,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, "tests")
-import nvfp4_oracle as oracle  # noqa: E402
+sys.path.insert(0, "tests")  # the fixtures package
+from fixtures import nvfp4_oracle as oracle  # noqa: E402
 from nvfp4tool.numerics import (  # noqa: E402
     decode_nvfp4, dequantize_nvfp4, fake_quantize_nvfp4, nvfp4_global_scales, nvfp4_matmul,
     quantize_fp8,
@@ -199,7 +199,7 @@ def xla_case(x, kwargs):
             f"bytes != oracle: {bad_oracle}, != host: {bad_host}, fake != deq(q): {bad_fake}")
 
 
-if smoke:  # the smoke test proves the plumbing; tests/test_numerics_*.py test the numerics
+if smoke:  # the smoke test proves the plumbing; tests/numerics/test_numerics_*.py test the numerics
     cases = {name: cases[name] for name in ("normal 1d", "normal 2d")}
 for name, (x, kwargs) in cases.items():
     check(f"nvfp4 {name}", lambda x=x, kwargs=kwargs: xla_case(x, kwargs))
@@ -271,7 +271,7 @@ oracle_cache = {}
 
 
 def mixed_range(shape):
-    """bf16 values whose 16-blocks span 2^-3 .. 2^3 (as tests/test_numerics_fused.py)."""
+    """bf16 values whose 16-blocks span 2^-3 .. 2^3 (as tests/numerics/test_numerics_fused.py)."""
     r = np.random.default_rng(1)
     return jnp.asarray(r.standard_normal(shape) * np.exp2(r.integers(-3, 4, shape)), jnp.bfloat16)
 

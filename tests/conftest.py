@@ -23,44 +23,21 @@ XLA_FLAGS = os.environ.setdefault("NVFP4TOOL_TESTS_ORIGINAL_XLA_FLAGS", os.envir
 if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-import pytest
+import pytest  # noqa: E402
 
-# The suite runs on two xdist workers a file at a time, files handed out in collection order as a
-# worker frees up, so a long file collected late runs alone at the end (CI's run of 3518ba3 ended
-# with test_validate_memory.py alone on one worker: xdist's default order is by number of tests
-# per file, and that file has 6). The longest files go first (longest processing time first;
-# pyproject's addopts turns xdist's reordering off); then files with more slow tests; the rest keep
-# their order, and tests inside a file keep theirs.
-LONGEST_FILES = (
-    "test_quickstart.py",
-    "test_validate_memory.py",
-    "test_kill.py",
-    "test_validate_mesh.py",
-    "test_eval_cli.py",
-    "test_train_moe.py",
-    "test_train.py",
-    "test_moe_pipeline.py",
+# The schedule (longest recorded files first), the time limit of a test not marked slow and
+# `--record-durations` (tests/fixtures/schedule.py); the session-wide fixtures of the helpers.
+pytest_plugins = (
+    "fixtures.schedule",
+    "fixtures.backend_fixtures",
+    "fixtures.eval_fixtures",
+    "fixtures.hf_fixtures",
 )
-
-
-def pytest_collection_modifyitems(config, items):
-    files = list(dict.fromkeys(os.path.basename(str(item.path)) for item in items))
-    slow = {name: 0 for name in files}
-    for item in items:
-        if item.get_closest_marker("slow"):
-            slow[os.path.basename(str(item.path))] += 1
-
-    def rank(name: str) -> tuple[int, int, int]:
-        first = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
-        return first, -slow[name], files.index(name)
-
-    order = {name: rank(name) for name in files}
-    items.sort(key=lambda item: order[os.path.basename(str(item.path))])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,7 +69,7 @@ def default_xla_backend():
 def pristine(tmp_path_factory):
     """The adversarial corpus's read-only originals (`adversarial_harness.build_pristine`), built
     once for `test_adversarial.py` and its friends; a module may define its own `pristine`."""
-    from adversarial_harness import build_pristine
+    from fixtures.adversarial_harness import build_pristine
 
     return build_pristine(tmp_path_factory.mktemp("pristine"))
 
@@ -106,6 +83,6 @@ def hub_env(monkeypatch, tmp_path):
     monkeypatch.setattr(_detect_agent, "_registry", _detect_agent._EMPTY_REGISTRY)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-token"))
-    from adversarial_harness import TOKEN
+    from fixtures.adversarial_harness import TOKEN
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)

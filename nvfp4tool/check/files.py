@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Iterator
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
 import numpy as np
 
 from converters.hf import INDEX_FILE, TensorEntry, scan_safetensors_header

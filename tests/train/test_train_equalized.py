@@ -1,0 +1,179 @@
+"""QAD from an equalized start (`nvfp4tool train equalize_from=EXPORT`): the student is the model
+with the scales an `export --equalize` of it recorded folded in.
+
+* The student's starting weights are, bit for bit, the folded model as a checkpoint stores it
+  (`write_hf_folder` of the export's fold: what the export's own check ran), not the original.
+* It is the same function: a BF16 distillation run's first KL to the original teacher is the
+  fold's rounding (within the export's `FOLD_KL_LIMIT`), while its weights differ from the
+  original's; as an NVFP4 student its first KL differs from the unfolded student's (the fold moves
+  the quantization grid, which is the point).
+* run.json records the folded scales (the export's EqualizationRecord); a record without them, or
+  with them for a run without `equalize_from`, is a defect naming run.json; a resume whose export
+  now holds other scales is refused, the run untouched.
+* Bad input is one line, nothing created: a preset model or a missing folder (exit 2), a folder
+  that is no export, an export that was not equalized, an export of another model (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from converters.hf import HFFolderSource, write_hf_folder
+from nvfp4tool.cli import cli
+from nvfp4tool.config import ModelConfig
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export.equalize import FOLD_KL_LIMIT
+from nvfp4tool.model.fold import EqualizedSource
+from nvfp4tool.records.export import ExportRecord
+from nvfp4tool.run.config import load_train_config
+from nvfp4tool.run.records import RunRecord
+from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.metrics import read_metrics
+from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+from nvfp4tool.train.trainer import _equalized
+
+from fixtures.train_fixtures import run_train, train_args
+
+CALIB = ("--calib-samples", "4", "--calib-seq-len", "32")
+
+
+_args, _run = train_args, run_train
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The tiny preset trained 30 steps (its HF folder), its AWQ export and its plain export."""
+    root = tmp_path_factory.mktemp("equalized")
+    tokenizer_dir = root / "tokenizer"
+    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, tokenizer_dir)
+    hf = _run(tokenizer_dir, root / "run").hf_dir
+    calib = ["--calib-data", str(embedded_corpus()[0]), *CALIB]
+    for name, flags in (("awq", ["--equalize", "awq"]), ("plain", [])):
+        result = CliRunner().invoke(
+            cli,
+            ["export", str(hf), "--out", str(root / name), "--quant", "nvfp4", *calib, *flags],
+            catch_exceptions=False,
+        )
+        assert result.exit_code == 0, result.output
+    return {"tokenizer": tokenizer_dir, "hf": hf, "awq": root / "awq", "plain": root / "plain"}
+
+
+def _qad(base, out, **extra):
+    args = dict(
+        model=str(base["hf"]), teacher=str(base["hf"]), distill="kl", equalize_from=str(base["awq"]), steps=2, lr=1e-5
+    )
+    args.update(extra)
+    return _run(base["tokenizer"], out, **{k: v for k, v in args.items() if v is not None})
+
+
+def test_the_student_starts_from_the_folded_model_as_stored(base, tmp_path):
+    config = load_train_config(
+        None, _args(base["tokenizer"], tmp_path / "x", model=str(base["hf"]), equalize_from=str(base["awq"]))
+    )
+    from nvfp4tool.checkpoints import open_checkpoint
+
+    source = open_checkpoint(str(base["hf"]))
+    folded, record = _equalized(config, source)
+    assert record == ExportRecord.read(str(base["awq"])).equalization
+    model_config = ModelConfig.from_hf_folder(str(base["hf"]))
+    written = tmp_path / "folded"  # the fold as a checkpoint stores it: fp32 products rounded to BF16
+    write_hf_folder(
+        written, model_config, EqualizedSource.from_record(source.tensors, record, model_config), dtype="bf16"
+    )
+    stored = HFFolderSource(written).use_names_of(model_config)
+    changed = 0
+    for name in stored.names():
+        ours, theirs = np.asarray(folded.tensors.get(name)), np.asarray(stored.get(name))
+        assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes(), name
+        changed += np.asarray(source.tensors.get(name)).tobytes() != ours.tobytes()
+    assert changed >= 4 * model_config.num_layers  # the norms, v_proj and up_proj and their readers
+
+
+def test_the_folded_student_is_the_same_function_on_another_grid(base, tmp_path):
+    """BF16 student: its first KL to the teacher is the fold's rounding alone; NVFP4 student: its
+    first KL is not the unfolded student's; run.json records the scales."""
+    bf16 = read_metrics(_qad(base, tmp_path / "bf16", recipe="bf16", steps=1).out)[0]["kl"]
+    assert 0 < bf16 <= FOLD_KL_LIMIT, bf16
+    recorded = RunRecord.read(tmp_path / "bf16")
+    assert recorded.equalization == ExportRecord.read(str(base["awq"])).equalization
+    assert recorded.config["equalize_from"] == str(base["awq"])
+    nvfp4 = dict(recipe="nvfp4", bf16_first_layers=0, bf16_last_layers=0, weight_2d=False, steps=1)
+    folded = read_metrics(_qad(base, tmp_path / "folded", **nvfp4).out)[0]["kl"]
+    plain = read_metrics(_qad(base, tmp_path / "plain", equalize_from=None, **nvfp4).out)[0]["kl"]
+    assert folded != plain and folded > 10 * bf16, (folded, plain, bf16)
+
+
+def test_run_record_equalization_is_checked(base, tmp_path):
+    _qad(base, tmp_path / "run", steps=1)
+    obj = json.loads((tmp_path / "run" / "run.json").read_text())
+    for mutate in (lambda o: o.pop("equalization"), lambda o: o["config"].update(equalize_from=None)):
+        bad = json.loads(json.dumps(obj))
+        mutate(bad)
+        (tmp_path / "run" / "run.json").write_text(json.dumps(bad))
+        with pytest.raises(NVFP4ToolError, match="equalization: must be recorded exactly when") as raised:
+            RunRecord.read(tmp_path / "run")
+        assert str(raised.value).startswith(str(tmp_path / "run" / "run.json"))
+
+
+def test_a_resume_with_other_scales_is_refused(base, tmp_path):
+    export = tmp_path / "awq"
+    shutil.copytree(base["awq"], export)
+    out = tmp_path / "run"
+    _qad(base, out, equalize_from=str(export), checkpoint_every=1)
+    shutil.rmtree(out / "checkpoints" / "2")
+    record = json.loads((export / ExportRecord.FILE_NAME).read_text())
+    site = next(iter(record["equalization"]["sites"].values()))
+    site["alpha"] = 0.123456  # the export now records other scales
+    (export / ExportRecord.FILE_NAME).write_text(json.dumps(record))
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(NVFP4ToolError, match=r"the folded scales \(equalize_from=.*\) changed"):
+        _qad(base, out, equalize_from=str(export), checkpoint_every=1, resume=True)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "what,code,message",
+    [
+        ("preset", 2, "equalize_from=AWQ: needs model=CHECKPOINT"),
+        ("missing", 2, "equalize_from='no/such/export': expected an export folder"),
+        ("not-export", 1, "not an nvfp4tool export"),
+        ("plain", 1, "the export was not equalized"),
+        ("other-model", 1, "not the export of model="),
+    ],
+)
+def test_bad_equalize_from_is_one_line_and_creates_nothing(base, tmp_path, monkeypatch, what, code, message):
+    monkeypatch.chdir(tmp_path)
+    model, export = str(base["hf"]), str(base["awq"])
+    if what == "preset":
+        model = "tiny"
+    elif what == "missing":
+        export = "no/such/export"
+    elif what == "not-export":
+        export = str(base["hf"])
+    elif what == "plain":
+        export = str(base["plain"])
+    elif what == "other-model":
+        model = str(tmp_path / "other")
+        shutil.copytree(base["hf"], model)
+        raw = bytearray((tmp_path / "other" / "model.safetensors").read_bytes())
+        raw[-3] ^= 0x01
+        (tmp_path / "other" / "model.safetensors").write_bytes(bytes(raw))
+    teacher = str(base["hf"]) if what == "preset" else model
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            *_args(
+                base["tokenizer"], "runs/a", model=model, teacher=teacher, distill="kl", equalize_from=export, steps=1
+            ),
+        ],
+    )
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == code and len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert message.replace("AWQ", export) in errors[0], errors[0]
+    assert not (tmp_path / "runs").exists()
