@@ -47,7 +47,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
-from bench_scale import machine_facts
+from bench_scale import machine_facts  # noqa: E402
 
 PRESETS = ("tiny", "small")
 TASKS = ("nvfp4tool_mc", "nvfp4tool_gsm")  # timed first and steady

@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from real_model import smollm2_folder
+from real_model import smollm2_folder  # noqa: E402
 
 # The child: the CLI in-process, then its own peak RSS (Linux ru_maxrss: KiB) on the last line.
 _CHILD = (

@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
-from bench_export import _vm_hwm
+from bench_export import _vm_hwm  # noqa: E402
 
 TINY = dict(hidden=256, mlp=512, vocab=512)  # the warm-up model (with the measured model's depth)
 KINDS = ("calibrate-never", "calibrate-always", "validate-never", "validate-always")

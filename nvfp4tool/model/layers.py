@@ -92,7 +92,7 @@ class Attention(nnx.Module):
         self.k_proj = proj("k_proj", E, KV * D, config.attention_bias)
         self.v_proj = proj("v_proj", E, KV * D, config.attention_bias)
         self.o_proj = proj("o_proj", H * D, E, config.o_proj_bias)
-        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D

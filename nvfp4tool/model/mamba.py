@@ -32,7 +32,7 @@ Decode state (`MambaState`): the conv window's last K - 1 inputs and the SSM sta
 both fp32; a prefill returns them, each decode step advances them; cached generation equals
 recomputation.
 
-Proven against transformers' NemotronHMamba2Mixer (tests/test_nemotron_h_pieces.py); the
+Proven against transformers' NemotronHMamba2Mixer (tests/model/test_nemotron_h_pieces.py); the
 `nemotron_h` family's Mamba layers are `hybrid.HybridBlock`s around it.
 """
 

@@ -128,7 +128,7 @@ def open_variant(
     if is_export(path):
         exported = Candidate.load(path).exported
         config, stored, source = exported.config, exported.stored_bytes(), exported
-        build = lambda mesh: exported.model(VALIDATION_DTYPE, mesh)
+        build = lambda mesh: exported.model(VALIDATION_DTYPE, mesh)  # noqa: E731
         label = label or exported.quant
         tokenizer_dir = tokenizer_dir or path
         kv = fp8_kv and exported.kv_cache is not None

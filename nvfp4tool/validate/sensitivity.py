@@ -64,7 +64,7 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     )
     inputs.ran["sensitivity"] = "streamed" if model.streamed else "held"
     if model.streamed:
-        weights = lambda layer: _layer_bf16(source, quantized, layer)
+        weights = lambda layer: _layer_bf16(source, quantized, layer)  # noqa: E731
     else:
         held = {layer: _layer_bf16(source, quantized, layer) for layer in [None, *range(config.num_layers)]}
         weights = held.__getitem__
