@@ -5,6 +5,7 @@ fixtures."""
 import contextlib
 import gc
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -22,6 +23,23 @@ XLA_DEFAULT = os.environ.get("NVFP4TOOL_TESTS_XLA_DEFAULT") == "1"
 XLA_FLAGS = os.environ.setdefault("NVFP4TOOL_TESTS_ORIGINAL_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 if not XLA_DEFAULT and UNOPTIMIZED not in XLA_FLAGS.split():
     os.environ["XLA_FLAGS"] = f"{XLA_FLAGS} {UNOPTIMIZED}".strip()
+
+# One persistent compilation cache (JAX's own) shared by the workers and the children they start:
+# the suite compiles the same programs in many modules (the tiny presets' train steps, validation's
+# passes), and each module's in-memory programs are dropped when it ends (below). The cache key
+# holds the program, the XLA flags and the backend, so a hit is the program a compile would give.
+# The memory benches' children run without it (`default_xla_backend`): their peaks include compiling.
+# `NVFP4TOOL_TESTS_JAX_CACHE=` (empty) turns it off; by default it lives in the system's temp folder.
+JAX_CACHE = os.environ.setdefault(
+    "NVFP4TOOL_TESTS_JAX_CACHE", os.path.join(tempfile.gettempdir(), f"nvfp4tool-tests-jax-cache-{os.getuid()}")
+)
+CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": JAX_CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+if JAX_CACHE:
+    os.environ.update(CACHE_ENV)
 
 import jax  # noqa: E402
 
@@ -58,6 +76,8 @@ def default_xla_backend():
     passes on): for the memory benches, whose peaks must be those of a
     plain run (their measured runs are big models, not compilation)."""
     with pytest.MonkeyPatch.context() as patch:
+        for name in CACHE_ENV:
+            patch.delenv(name, raising=False)
         if XLA_FLAGS:
             patch.setenv("XLA_FLAGS", XLA_FLAGS)
         else:
