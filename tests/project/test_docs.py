@@ -1,0 +1,94 @@
+"""The docs against the code: every option and train key on its page, every relative link resolving, a short README."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import click
+import pytest
+
+from nvfp4tool.cli import cli
+from nvfp4tool.run.config import key_table
+
+from fixtures import REPO_ROOT
+
+ROOT = pathlib.Path(REPO_ROOT)
+COMMANDS_DIR = ROOT / "docs" / "commands"
+README_MAX_LINES = 250
+# [text](target) and [text](target "title"), not images' inner brackets; the target up to a space or ")"
+LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+
+
+def _options(command: click.Command) -> list[str]:
+    """Every spelling of every option of `command` (primary and secondary, e.g. --no-scan-layers),
+    hidden ones included, --help / -h left out."""
+    names = []
+    for param in command.params:
+        if not isinstance(param, click.Option) or "--help" in param.opts:
+            continue
+        names += [*param.opts, *param.secondary_opts]
+    return names
+
+
+def _mentions(text: str, option: str) -> bool:
+    """`option` appears as a whole word: `--to` is not found inside `--top`, `-o` not inside `--out`."""
+    return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text) is not None
+
+
+def _markdown_files() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _links(text: str) -> list[str]:
+    """The link targets of a Markdown text outside fenced code blocks."""
+    return LINK.findall(FENCE.sub("", text))
+
+
+@pytest.mark.parametrize("name", sorted(cli.commands))
+def test_every_command_has_a_page_naming_all_its_options(name):
+    page = COMMANDS_DIR / f"{name}.md"
+    assert page.is_file(), f"nvfp4tool {name} has no page {page.relative_to(ROOT)}"
+    text = page.read_text(encoding="utf-8")
+    missing = [option for option in _options(cli.commands[name]) if not _mentions(text, option)]
+    assert not missing, f"{page.relative_to(ROOT)} does not mention {', '.join(missing)}"
+
+
+def test_the_common_page_names_the_global_options():
+    page = COMMANDS_DIR / "README.md"
+    text = page.read_text(encoding="utf-8")
+    missing = [option for option in _options(cli) if not _mentions(text, option)]
+    assert not missing, f"{page.relative_to(ROOT)} does not mention {', '.join(missing)}"
+
+
+def test_every_train_key_is_on_the_train_page():
+    text = (COMMANDS_DIR / "train.md").read_text(encoding="utf-8")
+    missing = [key for key, *_ in key_table() if f"`{key}`" not in text]
+    assert not missing, f"docs/commands/train.md does not name the train keys {', '.join(missing)}"
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for path in _markdown_files():
+        for target in _links(path.read_text(encoding="utf-8")):
+            if re.match(r"(?i)(https?:|mailto:)", target):
+                continue
+            relative = target.split("#", 1)[0]
+            if relative and not (path.parent / relative).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n  " + "\n  ".join(broken)
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    """The helpers themselves: whole-word option matching, links outside code blocks only, anchors."""
+    assert _mentions("| `--scan-layers` / `--no-scan-layers` |", "--no-scan-layers")
+    assert not _mentions("`--top`", "--to") and not _mentions("--out", "-o") and _mentions("`-o`, `--out`", "-o")
+    text = "[a](x.md#part) [b](https://e.org) ![c](img.png)\n```\n[d](inside.md)\n```\n[e](<y z.md>)"
+    assert _links(text) == ["x.md#part", "https://e.org", "img.png"]
+    assert [o for p in cli.commands["convert"].params for o in p.secondary_opts] == ["--no-scan-layers"]
