@@ -4,7 +4,7 @@
         ...write files into tmp...
     # out now exists, complete, with the user's normal permissions (0777 & ~umask)
 
-Guarantees (the README's safety promises):
+Guarantees (the promises of docs/commands/README.md, "Outputs"):
 * An output that is, contains or lies inside any input (resolved real paths, symlinks included)
   is refused as bad usage (`NVFP4UsageError`, exit 2), `--force` or not: replacing it would
   destroy the source.

@@ -4,7 +4,7 @@
 
 Builds a random HF folder (safetensors written tensor by tensor) of about --size-gb of source
 bytes, times `convert_checkpoint` in both directions (scanned MaxText, fp32 storage) and prints
-GB/s of output bytes; --append adds the result and the exact command to BENCHMARKS.md.
+GB/s of output bytes; --append adds the result and the exact command to docs/benchmarks/convert.md.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-gb", type=float, default=2.0, help="source model size in GB")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="HF source dtype")
     parser.add_argument("--workdir", default="/tmp/bench_convert")
-    parser.add_argument("--append", action="store_true", help="append the result to BENCHMARKS.md")
+    parser.add_argument("--append", action="store_true", help="append the result to docs/benchmarks/convert.md")
     args = parser.parse_args(argv)
 
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _append(lines: list[str], args: argparse.Namespace, config: ModelConfig) -> None:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "convert.md")
     command = f"python scripts/bench_convert.py --size-gb {args.size_gb:g} --dtype {args.dtype}"
     header = (
         ""
-        if os.path.exists(path) and "## Convert throughput" in open(path).read()
-        else "\n## Convert throughput\n\n"
+        if os.path.exists(path) and "## Throughput" in open(path).read()
+        else "\n## Throughput\n\n"
         "Converted with `nvfp4tool.convert.convert_checkpoint` (what `nvfp4tool convert` runs), "
         "one tensor / one stacked parameter in memory at a time. GB/s = GB read (or written) / "
         "wall seconds.\n"

@@ -193,7 +193,7 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
     # the `small` preset (6 layers) trained 200 steps of 8 x 256 tokens on shakespeare train.txt, W4A4
     # GPTQ, calibration 32 x 256 tokens of train.txt, held-out KL vs BF16 on 32 x 256 tokens of val.txt
     # (`nvfp4tool export HF --quant nvfp4 --calib-data train.txt --calib-samples 32 --calib-seq-len 256
-    # --weight-rounding gptq`, then validate as scripts/accuracy_study.py does; BENCHMARKS.md):
+    # --weight-rounding gptq`, then validate as scripts/accuracy_study.py does; docs/benchmarks/accuracy-small.md):
     #   original layers:  KL mean 0.0012987, p99 0.010216, top-1 96.39%, ppl +0.17%
     #   quantized layers: KL mean 0.0013181, p99 0.010123, top-1 96.34%, ppl +0.13%
     # the quantized path moves 14 of the 42 input amax (-0.7% .. +0.8%; the others are equal in BF16)

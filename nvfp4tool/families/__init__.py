@@ -7,7 +7,7 @@
 
 Families: `llama.py` (llama, mistral, qwen2, qwen3), `moe.py` (qwen3_moe, mixtral) and
 `nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h); see
-`base.py` for what a family declares and the README's "Code layout" for adding one.
+`base.py` for what a family declares and docs/architecture.md, "Adding a model family".
 """
 
 from __future__ import annotations

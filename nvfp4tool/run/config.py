@@ -398,8 +398,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 
 SCAN_CHOICES = ("auto", "true", "false")
-SCAN_FROM_LAYERS = 12  # scan_layers=auto: measured (BENCHMARKS.md), a 6-layer step compiles 0.77x as long
+# scan_layers=auto, measured (docs/benchmarks/train-step.md): a 6-layer step compiles 0.77x as long
 # scanned but runs 15-60% slower on a CPU; from 12 layers compiling takes half as long or less
+SCAN_FROM_LAYERS = 12
 
 
 def scans_layers(scan_layers: str, num_layers: int) -> bool:

@@ -193,7 +193,7 @@ def test_a_task_file_takes_its_fields_from_its_include(tmp_path):
 
 
 def test_lm_eval_mmlu_pro_and_gsm8k_cot_run_offline_from_local_parquet(tmp_path):
-    """README's offline MMLU-Pro / GSM8K-CoT files: lm-eval's own task files included, the data
+    """docs/commands/eval.md's offline MMLU-Pro / GSM8K-CoT files: lm-eval's own task files included, the data
     from local parquet (stand-ins in each schema here); both resolve and build without a network."""
     import os
 

@@ -131,6 +131,6 @@ def test_the_scanned_program_traces_one_block_per_run():
     [("auto", 11, False), ("auto", 12, True), ("auto", 30, True), ("true", 4, True), ("false", 30, False)],
 )
 def test_scan_layers_auto_scans_deep_models(choice, layers, scans):
-    """`scan_layers=auto` scans from 12 layers (BENCHMARKS.md: below, a scanned step's slowdown
+    """`scan_layers=auto` scans from 12 layers (docs/benchmarks/train-step.md: below, a scanned step's slowdown
     outweighs its shorter compile)."""
     assert scans_layers(choice, layers) is scans
