@@ -274,6 +274,7 @@ def _expected_name(d: Folder, want: object) -> str:
 
 
 @pytest.mark.parametrize("fmt,case", ALL, ids=[f"{fmt}-{case[0]}" for fmt, case in ALL])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_each_defect_is_caught_and_named(exports, tmp_path, fmt, case):
     _, corrupt, want = case
     folder = str(tmp_path / "x")

@@ -48,6 +48,7 @@ def export_to(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt,quant,extra", CASES)
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_real_exports_pass(export_to, fmt, quant, extra):
     report = check_checkpoint(export_to(fmt, quant, **extra), tp=(1, 2, 4))
     assert report.ok, [p.line() for p in report.problems]

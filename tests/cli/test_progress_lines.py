@@ -128,6 +128,7 @@ COMMANDS = [
         for quiet in (False, True)[: 1 + also_quiet]
     ],
 )
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_a_piped_command_prints_progress_lines_and_quiet_none(
     build, stages, fragments, quiet, pristine, train_inputs, tmp_path, monkeypatch
 ):

@@ -437,6 +437,7 @@ SLOW = {"train/interleaved-rope-for-the-moe-preset"}  # trains a tokenizer and b
 @pytest.mark.parametrize(
     "case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES], ids=[c.id for c in CASES]
 )
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_bad_input_is_one_line_and_changes_nothing(case, paths, tmp_path, monkeypatch, hub_env):
     run_case(case, paths, tmp_path, monkeypatch)
 

@@ -148,6 +148,7 @@ def _expected(template: str, path: str, spelling: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("case, key, options, code, template", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_same_mistake_same_message_and_exit_code_in_every_command(inputs, tmp_path, case, key, options, code, template):
     path = inputs[key]
     options = {k: (os.path.join(inputs["hf"], "config.json") if v == "HF_CONFIG" else v) for k, v in options.items()}

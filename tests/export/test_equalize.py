@@ -182,6 +182,7 @@ def _export(args: list[str]):
         ("mixtral", "smoothquant", ["--weight-rounding", "gptq"]),
     ],
 )
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_equalized_exports_pass_check_and_record_their_scales(models, tmp_path, key, method, extra):
     out = str(tmp_path / "out")
     result = _export([models[key], "--out", out, "--calib-data", models["calib"], *CALIB, "--equalize", method, *extra])
@@ -257,6 +258,7 @@ def test_equalize_bad_usage_is_exit_2(models, tmp_path, flags, message):
     assert not os.path.exists(tmp_path / "o")
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_validate_compares_an_equalized_export_with_the_folded_model(models, tmp_path):
     out = str(tmp_path / "out")
     assert (

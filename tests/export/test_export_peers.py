@@ -62,6 +62,7 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_transformers_loads_our_export_bit_exact_weights_and_matching_logits(exported, rounding):
     import torch
     import transformers

@@ -283,6 +283,7 @@ def test_default_kv_seam_is_an_exact_no_op(source):
 
 
 @pytest.mark.parametrize("offload", ["never", "always"])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_validate_reports_the_fp8_kv_cache_effect_separately(exports, source, offload):
     """The export with an FP8 KV cache is also measured as "nvfp4+fp8-kv": its KL to BF16 differs
     from the plain row by a small nonzero amount (K / V to E4M3 with amax-calibrated scales), the

@@ -70,6 +70,7 @@ def _names(folder: str) -> dict[str, str]:
 @pytest.mark.parametrize("key", FIXTURES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_export_is_checked_and_in_the_checkpoints_spelling(exports, key, fmt, quant):
     folder = exports[key, fmt, quant]
     report = check_checkpoint(folder)
@@ -191,6 +192,7 @@ def test_compressed_tensors_converter_and_convert_format_agree(exports, key, tmp
             assert a.read() == b.read(), quant
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_a_hybrid_export_simulates_close_to_its_source(exports):
     """Our serving simulation of each export against the BF16 source's logits: FP8 closest, then
     W4A16, then W4A4 (the order quantization error must take), all finite."""
@@ -369,6 +371,7 @@ def test_compressed_tensors_nvfp4_of_a_moe_hybrid_says_vllm_does_not_serve_it(ex
 
 
 @pytest.mark.parametrize("rounding", ["gptq", "4over6"])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_gptq_and_scale_search_on_a_hybrid(exports, tmp_path, rounding):
     """GPTQ's Hessians for every hybrid linear (in_proj reads the block norm's output, out_proj
     the gated norm's, the experts all their layer's tokens) lower the output error below RTN's;

@@ -312,6 +312,7 @@ def uncached_greedy(model, ids, mask, steps):
     "key, scan_layers",
     [("llama3", False), ("mistral_window", False), ("qwen3_moe", False), ("mixtral", True), ("qwen3", True)],
 )
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_cached_generation_equals_uncached_loop(key, scan_layers):
     model = build(key, scan_layers=scan_layers)
     ids, mask = batch()

@@ -152,6 +152,7 @@ def test_multi_token_prediction_tensors_are_refused_naming_them(tmp_path):
 
 
 @pytest.mark.parametrize("options", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_cached_generation_equals_recomputation_and_transformers(tmp_path, options):
     """Greedy decoding with the per-kind decode state (attention KV cache, Mamba conv window and SSM
     state) picks the tokens full-sequence recomputation picks, a left-padded row included, and the

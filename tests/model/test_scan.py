@@ -102,6 +102,7 @@ def test_runs_follow_the_kinds_and_the_precisions():
     assert seam.aux_of(4) == {} and set(seam.aux_of(0)) == {"nvfp4"}
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_the_scanned_program_traces_one_block_per_run():
     """What makes compile time flat in depth: the step's jaxpr holds the GEMMs of one block per run
     (forward and backward), so their count does not grow with the number of layers scanned, while

@@ -346,6 +346,7 @@ def _(w):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_bad_input_is_one_line_and_changes_nothing(case, train_world, tmp_path, monkeypatch, hub_env):
     _Paths.current = train_world
     run_case(case, train_world, tmp_path, monkeypatch)

@@ -52,6 +52,7 @@ def test_every_linear_kind_runs_the_recipe():
     assert overridden["model.layers.0.mixer.in_proj"] == "nvfp4"
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_a_trained_hybrid_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open

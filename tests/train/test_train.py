@@ -58,6 +58,7 @@ def _run(tokenizer_dir, out, **extra):
     return train(load_train_config(None, _args(tokenizer_dir, out, **extra)))
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_run_outputs_and_bit_exact_resume(tokenizer_dir, tmp_path):
     out = tmp_path / "run"
     full = _run(tokenizer_dir, out, checkpoint_every=3)
@@ -226,6 +227,7 @@ def test_same_losses_on_8_devices_and_2_processes(tokenizer_dir, tmp_path):
         np.testing.assert_allclose([other[s] for s in (2, 3)], [reference[s] for s in (2, 3)], rtol=5e-4)
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_gradient_accumulation_matches_the_full_batch(tokenizer_dir, tmp_path):
     """Two micro-batches of 4 average to the gradient of the batch of 8 (bf16: no rounding noise
     from quantizers; fp32 sums in another order only)."""

@@ -55,6 +55,7 @@ def _weights(folder) -> bytes:
 @pytest.mark.parametrize(
     "kind", ["hf", pytest.param("run", marks=pytest.mark.slow), pytest.param("maxtext", marks=pytest.mark.slow)]
 )
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_qad_run_lowers_the_kl_to_a_frozen_teacher(teachers, tmp_path, kind):
     """An NVFP4 student from scratch (every block quantized) against the trained teacher: the KL
     falls, the reported eval loss is the next-token CE, the teacher's files are untouched and its

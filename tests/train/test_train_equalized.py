@@ -71,6 +71,7 @@ def _qad(base, out, **extra):
     return _run(base["tokenizer"], out, **{k: v for k, v in args.items() if v is not None})
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_the_student_starts_from_the_folded_model_as_stored(base, tmp_path):
     config = load_train_config(
         None, _args(base["tokenizer"], tmp_path / "x", model=str(base["hf"]), equalize_from=str(base["awq"]))
@@ -94,6 +95,7 @@ def test_the_student_starts_from_the_folded_model_as_stored(base, tmp_path):
     assert changed >= 4 * model_config.num_layers  # the norms, v_proj and up_proj and their readers
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_the_folded_student_is_the_same_function_on_another_grid(base, tmp_path):
     """BF16 student: its first KL to the teacher is the fold's rounding alone; NVFP4 student: its
     first KL is not the unfolded student's; run.json records the scales."""

@@ -82,6 +82,7 @@ class _SourceServedAsIs:
 
 
 @pytest.mark.parametrize("offload", ["never", "always"])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths, offload):
     with open_inputs(paths["nvfp4"], _options(paths, reference="bf16", offload=offload)) as inputs:
         inputs = dataclasses.replace(inputs, nvfp4=Candidate("nvfp4", _SourceServedAsIs(paths["src"])))
@@ -100,6 +101,7 @@ def test_identical_models_give_zero_kl_full_agreement_and_no_divergence(paths, o
     assert record.passed and record.failures == []
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_good_export_passes_and_fp8_is_closer_than_nvfp4(good):
     _, record = good
     nv, fp8 = record.models["nvfp4"], record.models["fp8"]
@@ -187,6 +189,7 @@ def test_mixed_model_is_the_served_export_or_the_bf16_source(good, keep):
 
 
 @pytest.mark.parametrize("offload", ["never", "always"])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
     # between the correct export's KL and the broken one's: keeping the broken layer suffices
     target = 0.5 * (good[1].models["nvfp4"]["kl_mean"] + broken[1].models["nvfp4"]["kl_mean"])
