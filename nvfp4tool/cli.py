@@ -153,8 +153,8 @@ def _validate_default(name: str):
 
 
 def _eval_default(name: str):
-    """Default of an eval option (owned by nvfp4tool.validate.evaluate.EvalOptions)."""
-    from nvfp4tool.validate.evaluate import EvalOptions
+    """Default of an eval option (owned by nvfp4tool.eval.evaluate.EvalOptions)."""
+    from nvfp4tool.eval.evaluate import EvalOptions
 
     return _default(EvalOptions, name)
 
@@ -1159,8 +1159,8 @@ def eval_command(
     """
     from rich.console import Console
 
-    from nvfp4tool.validate.eval_report import print_report
-    from nvfp4tool.validate.evaluate import EvalOptions, evaluate_export
+    from nvfp4tool.eval.evaluate import EvalOptions, evaluate_export
+    from nvfp4tool.eval.report import print_report
 
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if not names:

@@ -279,7 +279,7 @@ def _eval_stage(nvfp4_dir: Path, fp8_dir: Path, options: QuickstartOptions) -> d
 
     if importlib.util.find_spec("lm_eval") is None:
         return {"skipped": "lm-eval is not installed (pip install 'nvfp4tool[eval]')"}
-    from nvfp4tool.validate.evaluate import EvalOptions, evaluate_export
+    from nvfp4tool.eval.evaluate import EvalOptions, evaluate_export
 
     run = evaluate_export(
         str(nvfp4_dir),

@@ -232,7 +232,7 @@ def _model_facts(hf: str) -> dict:
 def measure(paths: dict, models: list[str], *, limit: int | None, batch_size: int, max_length: int) -> dict:
     """{label: its figures} for each of `models` (bf16, fp8, nvfp4; see the module docstring)."""
     from nvfp4tool import memory
-    from nvfp4tool.validate.evaluate import EvalOptions, _open_inputs
+    from nvfp4tool.eval.evaluate import EvalOptions, _open_inputs
 
     options = EvalOptions(
         tasks=(*TASKS, LETTER), reference=paths["fp8"], limit=limit, batch_size=batch_size, max_length=max_length
@@ -253,7 +253,7 @@ def measure(paths: dict, models: list[str], *, limit: int | None, batch_size: in
 
 def measure_model(label: str, path: str, step: int | None, inputs, options) -> dict:
     """One model's figures: opening, each task first and steady, the letter task shared and not."""
-    from nvfp4tool.validate.evaluate import open_lm
+    from nvfp4tool.eval.evaluate import open_lm
 
     t0 = time.perf_counter()
     lm = open_lm(label, path, options, step)
@@ -287,7 +287,7 @@ def measure_model(label: str, path: str, step: int | None, inputs, options) -> d
 def same_scores(what: str, shared: list[dict], unshared: list[dict]) -> float:
     """The mean per-item score (acc) of the letter task's logged samples with share_prefixes on,
     after checking that off gave every item the same prompt and score (RuntimeError otherwise)."""
-    from nvfp4tool.validate.evaluate import _per_item
+    from nvfp4tool.eval.evaluate import _per_item
 
     (metric, on), (metric_off, off) = _per_item(LETTER, shared, "shared"), _per_item(LETTER, unshared, "unshared")
     if not on or metric != metric_off or on != off:
@@ -302,7 +302,7 @@ def same_scores(what: str, shared: list[dict], unshared: list[dict]) -> float:
 def _timed(lm, task: str, inputs, options, what: str) -> tuple[dict, list[dict]]:
     """({items, seconds, items/s, requests, requests/s, rows run, backend seconds}, logged samples) of
     one simple_evaluate call of `task` alone."""
-    from nvfp4tool.validate.evaluate import _simple_evaluate
+    from nvfp4tool.eval.evaluate import _simple_evaluate
 
     counts, timing = dict(lm.counts), dict(lm.timing)
     t0 = time.perf_counter()

@@ -7,8 +7,8 @@ the NVFP4 export as served, compared item by item.
 Everything is checked before any model runs or anything is written: the tasks (`resolve_tasks`:
 lm-eval names, or YAML files / folders given as paths, each file's required fields, every task
 built and its dataset read), the export (`check` must pass), the BF16 source (the one the export's
-provenance record names, by hashes: validate's `custody.source_mismatch`), the FP8 reference (an
-FP8 export of the same source: `custody.reference_mismatch`), the tokenizers (the export's, the
+provenance record names, by hashes: `validate.custody.source_mismatch`), the FP8 reference (an
+FP8 export of the same source: `validate.custody.reference_mismatch`), the tokenizers (the export's, the
 source's and the reference's must be the same files), the outputs (`eval.json`, `eval.md`,
 `eval.png`, `eval_items.json`, a `--json` copy: replaced only with `force`).
 
@@ -17,7 +17,7 @@ Then each model runs alone (`lm_backend.open_variant` + `NVFP4ToolLM` through
 joined on lm-eval's per-sample `doc_id` and must carry the same `prompt_hash` in every model
 (refused otherwise: the models were not asked the same questions). A task's METRIC is the first of
 its metrics whose per-item values are 0/1 (or fractions: sampled decoding averaged per item);
-those items are paired (`validate.paired`) as nvfp4-bf16 and nvfp4-fp8, per task and pooled over
+those items are paired (`eval.paired`) as nvfp4-bf16 and nvfp4-fp8, per task and pooled over
 all tasks (`overall`). A task without per-item scores (perplexity) reports each model's lm-eval
 aggregate only. Generative tasks also report degeneration signs per model: mean output length in
 tokens, the share of outputs that ran to `max_gen_toks`, and the repeated 4-gram rate.
@@ -146,7 +146,7 @@ def _task_file(path: str) -> dict[str, Any]:
 def resolve_tasks(specs: tuple[str, ...]) -> tuple[list[str], Any]:
     """(task names, lm-eval TaskManager) for `--tasks`: names, YAML files and folders of YAML files
     (their folders become lm-eval `include_path`s). Unknown names exit 2; bad files exit 1."""
-    from nvfp4tool.validate.lm_backend import task_manager
+    from nvfp4tool.eval.lm_backend import task_manager
 
     if not specs:
         raise NVFP4UsageError("--tasks: no task given")
@@ -250,7 +250,7 @@ class _Inputs:
 def check_outputs(export_dir: str, json_copy: str | None, *, force: bool) -> None:
     """Refuse (before any work) a --json copy inside the export or in a missing folder, and, without
     `force`, replacing any report eval writes (validate's check, over eval's files)."""
-    from nvfp4tool.validate.eval_report import EVAL_FILES
+    from nvfp4tool.records.evaluation import EVAL_FILES
     from nvfp4tool.validate.runner import check_report_paths
 
     check_report_paths(export_dir, json_copy, force=force, files=EVAL_FILES)
@@ -268,9 +268,9 @@ def tokenizer_hashes(folder: str) -> dict[str, str]:
 def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     from nvfp4tool.check import check_checkpoint
     from nvfp4tool.checkpoints import open_checkpoint
+    from nvfp4tool.eval.lm_backend import is_export
     from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
-    from nvfp4tool.validate.lm_backend import is_export
-    from nvfp4tool.validate.runner import _VALIDATE_OPTIONS, _source_of
+    from nvfp4tool.validate.runner import VALIDATE_OPTIONS, source_of
 
     if options.max_drop_fp8 is not None and options.reference is None:
         raise NVFP4UsageError("--max-drop-fp8: there is no FP8 column to judge without --reference")
@@ -291,8 +291,8 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         raise NVFP4UsageError(
             f"{export_dir}: no {ExportRecord.FILE_NAME}; pass --source (the BF16 model it was made from)"
         )
-    source_path, step = _source_of(export_dir, options.source, record)
-    source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
+    source_path, step = source_of(export_dir, options.source, record)
+    source = open_checkpoint(source_path, step=step, options=VALIDATE_OPTIONS)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
     if mismatch is not None:
         raise NVFP4ToolError(f"{mismatch}: not the source the export was made from; pass the right --source")
@@ -323,7 +323,7 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         _same_tokenizer(export_dir, options.reference, "the reference")
         reference_named = Named.of(options.reference, validated_files(options.reference))
     from nvfp4tool import formats
-    from nvfp4tool.validate.lm_backend import decoding
+    from nvfp4tool.eval.lm_backend import decoding
 
     tasks = _build_tasks(names, manager)
     generative, sampled = [], []
@@ -439,7 +439,7 @@ def _run_model(
 def open_lm(label: str, path: str, options: EvalOptions, step: int | None = None):
     """The lm-eval model of one of eval's models (`lm_backend.open_variant` + `NVFP4ToolLM`) with
     eval's settings."""
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
+    from nvfp4tool.eval.lm_backend import NVFP4ToolLM, open_variant
 
     variant = open_variant(
         path,
@@ -506,8 +506,8 @@ def evaluate_export(
     export_dir: str, options: EvalOptions, *, json_copy: str | None = None, force: bool = False
 ) -> EvalRun:
     """Check everything, run the models one at a time, pair them, write the reports."""
+    from nvfp4tool.eval.report import write_reports
     from nvfp4tool.validate.custody import validated_files
-    from nvfp4tool.validate.eval_report import write_reports
 
     check_outputs(export_dir, json_copy, force=force)
     inputs = _open_inputs(export_dir, options)
@@ -579,7 +579,7 @@ def _per_item(task: str, rows: list[dict], label: str) -> tuple[str | None, dict
 def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: list[str]):
     from importlib.metadata import version
 
-    from nvfp4tool.validate.paired import mean_stderr, paired
+    from nvfp4tool.eval.paired import mean_stderr, paired
 
     tasks: dict[str, dict[str, Any]] = {}
     item_file: dict[str, dict[str, list]] = {}
@@ -664,7 +664,7 @@ _DEGENERATION = ("mean_output_tokens", "hit_max_gen_toks", "repeated_4gram_rate"
 def _degeneration(samples: dict[str, list[dict]], lm) -> dict[str, dict[str, float]]:
     """Per generative task: mean output length (tokens), share of outputs that ran to max_gen_toks,
     repeated 4-gram rate (share of an output's 4-grams seen earlier in it, averaged)."""
-    from nvfp4tool.validate.lm_backend import gen_key
+    from nvfp4tool.eval.lm_backend import gen_key
 
     out = {}
     for task, rows in samples.items():

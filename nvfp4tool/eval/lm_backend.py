@@ -1,10 +1,10 @@
 """An lm-evaluation-harness model backed by nvfp4tool: the BF16 source, an FP8 reference or an NVFP4
 export run as served, through the same code.
 
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM, open_variant
+    from nvfp4tool.eval.lm_backend import NVFP4ToolLM, open_variant
     lm = NVFP4ToolLM(path="out/a-nvfp4")          # or NVFP4ToolLM(variant=open_variant(...))
     lm_eval.simple_evaluate(model=lm, tasks=["nvfp4tool_mc"], ...)
-    python -m nvfp4tool.validate.lm_backend run --model nvfp4tool --model_args path=OUT --tasks ...
+    python -m nvfp4tool.eval.lm_backend run --model nvfp4tool --model_args path=OUT --tasks ...
 
 `open_variant(path)` opens a folder with validate's openers: an export (`validate.runner.Candidate`:
 refused if `check` refuses it; weights decoded from the stored bytes inside the forward by
@@ -12,7 +12,7 @@ refused if `check` refuses it; weights decoded from the stored bytes inside the 
 dynamic block scales; `fp8_kv` runs the export's FP8 KV cache as vLLM caches it) or a BF16 source
 (`checkpoints.open_checkpoint`: an HF folder or a training run), held whole or streamed layer by
 layer (`model.layerwise`, `--offload` as validate decides it), sharded over several devices when
-present. Every model computes in fp32 on its stored weights (`runner.VALIDATION_DTYPE`).
+present. Every model computes in fp32 on its stored weights (`validate.runner.VALIDATION_DTYPE`).
 
 `NVFP4ToolLM` is a `lm_eval.api.model.TemplateLM` registered as `nvfp4tool`:
 * loglikelihood: requests sorted by length and grouped into length buckets (powers of two, at least
@@ -119,7 +119,7 @@ def open_variant(
     """Open `path` as served (an export) or as the BF16 source (an HF folder / training run)."""
     from nvfp4tool.export.simulate import ServedKVTap
     from nvfp4tool.model.layerwise import LayerwiseModel
-    from nvfp4tool.validate.runner import _VALIDATE_OPTIONS, VALIDATION_DTYPE, Candidate, source_bytes
+    from nvfp4tool.validate.runner import VALIDATE_OPTIONS, VALIDATION_DTYPE, Candidate, source_bytes
 
     if offload not in memory.OFFLOAD_MODES:
         raise NVFP4UsageError(f"offload={offload}: expected one of {', '.join(memory.OFFLOAD_MODES)}")
@@ -136,7 +136,7 @@ def open_variant(
         from nvfp4tool.checkpoints import open_checkpoint
         from nvfp4tool.model import model_from_tensors
 
-        checkpoint = open_checkpoint(path, step=step, options=_VALIDATE_OPTIONS)
+        checkpoint = open_checkpoint(path, step=step, options=VALIDATE_OPTIONS)
         config, stored, source = checkpoint.config, source_bytes(checkpoint), checkpoint.tensors
 
         def build(mesh):
@@ -581,7 +581,7 @@ def _bool(value: Any) -> bool:
 
 
 def main() -> None:  # pragma: no cover - a thin wrapper over lm-eval's own CLI
-    """`python -m nvfp4tool.validate.lm_backend [run] ARGS`: lm-eval's command line with the model
+    """`python -m nvfp4tool.eval.lm_backend [run] ARGS`: lm-eval's command line with the model
     `nvfp4tool` registered (this module) and the shipped tasks on the include path (unless given)."""
     import sys
 

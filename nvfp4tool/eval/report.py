@@ -14,12 +14,8 @@ import os
 from typing import Any
 
 from nvfp4tool.records.base import write_json
-from nvfp4tool.records.evaluation import EvalItems, EvalRecord
+from nvfp4tool.records.evaluation import EVAL_MD, EVAL_PNG, EvalItems, EvalRecord
 
-EVAL_MD = "eval.md"
-EVAL_PNG = "eval.png"
-# what eval writes into the export (the per-item correctness is EvalItems' file)
-EVAL_FILES = (EvalRecord.FILE_NAME, EVAL_MD, EVAL_PNG, EvalItems.FILE_NAME)
 _TITLES = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
 
 

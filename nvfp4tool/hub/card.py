@@ -243,10 +243,10 @@ def _mismatch_banner(validation: ValidationRecord, provenance: ExportRecord | No
 
 
 def _eval_section(folder: str) -> list[str]:
-    """The task-accuracy table `nvfp4tool eval` measured (`validate.eval_report.markdown`, the owner of
+    """The task-accuracy table `nvfp4tool eval` measured (`eval.report.markdown`, the owner of
     that table), when eval.json is present (push's custody has checked it describes these bytes)."""
+    from nvfp4tool.eval.report import markdown
     from nvfp4tool.records.evaluation import EvalRecord
-    from nvfp4tool.validate.eval_report import markdown
 
     if not EvalRecord.exists(folder):
         return []

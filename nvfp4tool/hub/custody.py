@@ -110,7 +110,7 @@ def recorded_thresholds(validation: ValidationRecord, where: str = ValidationRec
 
 
 def _verify_files(folder: str, validation: ValidationRecord, upload: list[str], skip: tuple[str, ...]) -> None:
-    from nvfp4tool.validate.eval_report import EVAL_FILES
+    from nvfp4tool.records.evaluation import EVAL_FILES
     from nvfp4tool.validate.report import REPORT_FILES
 
     where = ValidationRecord.path(folder)
@@ -225,9 +225,9 @@ def verify_eval(folder: str, validation: ValidationRecord | None) -> None:
     export hashes are not the validated ones (or, without a validation, not the files' current
     ones), an `eval.md` that is not its rendering, an unreadable `eval_items.json`, or eval reports
     without `eval.json`. Nothing to check when `nvfp4tool eval` never ran."""
-    from nvfp4tool.records.evaluation import EvalItems, EvalRecord
+    from nvfp4tool.eval.report import markdown
+    from nvfp4tool.records.evaluation import EVAL_FILES, EVAL_MD, EvalItems, EvalRecord
     from nvfp4tool.validate.custody import validated_files
-    from nvfp4tool.validate.eval_report import EVAL_FILES, EVAL_MD, markdown
 
     rerun = "rerun `nvfp4tool eval --force` on the export, or remove the eval files"
     if not EvalRecord.exists(folder):

@@ -11,6 +11,7 @@ nvfp4, "metric": METRIC (the lm-eval metric name: acc, exact_match, ...), "paire
 min_detectable}} (empty for a task without per-item 0/1 scores, e.g. perplexity)}; `overall` is the
 same for every paired item of every task pooled. As in validation.json nothing names a local path:
 the export, the source and the reference are `Named` (base name + sha256 of their files).
+`EVAL_FILES` names every file eval writes into the export (validation's hashes and push leave them out).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any, ClassVar
 
 from nvfp4tool.records.base import Record, RecordError
 from nvfp4tool.records.validation import Named
+
+EVAL_MD = "eval.md"  # the model-card table (`eval.report.markdown`)
+EVAL_PNG = "eval.png"  # the paired differences per task with their 95% intervals
 
 PAIRED_KEYS = (
     "diff",
@@ -84,3 +88,8 @@ class EvalItems(Record):
     FILE_NAME: ClassVar[str] = "eval_items.json"
 
     tasks: dict[str, dict[str, list]]  # {task: {"doc_id": [...], "prompt_hash": [...], label: [score...]}}
+
+
+# every file eval writes into the export, named here (below validate and hub) because validation's
+# hashes and push's checks leave them out
+EVAL_FILES = (EvalRecord.FILE_NAME, EVAL_MD, EVAL_PNG, EvalItems.FILE_NAME)

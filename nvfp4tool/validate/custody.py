@@ -94,7 +94,7 @@ def validated_files(export_dir: str) -> dict[str, str]:
     """{absolute file: sha256} of every file of the export that push uploads, without the reports
     validate writes (validation.json, validation.md, the PNGs), those eval writes (eval.json, ...) and
     the model card push makes."""
-    from nvfp4tool.validate.eval_report import EVAL_FILES
+    from nvfp4tool.records.evaluation import EVAL_FILES
     from nvfp4tool.validate.report import REPORT_FILES
 
     skip = {*REPORT_FILES, *EVAL_FILES, CARD_FILE}

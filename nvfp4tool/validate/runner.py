@@ -213,9 +213,9 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     if nvfp4.exported.quant == "fp8" and options.reference != "bf16":
         raise NVFP4ToolError(f"{export_dir}: an FP8 export; validate it with --reference bf16")
     record = ExportRecord.read(export_dir) if ExportRecord.exists(export_dir) else None
-    source_path, step = _source_of(export_dir, options.source, record)
+    source_path, step = source_of(export_dir, options.source, record)
     progress.info(f"opening the BF16 source {source_path}")
-    source = open_checkpoint(source_path, step=step, options=_VALIDATE_OPTIONS)
+    source = open_checkpoint(source_path, step=step, options=VALIDATE_OPTIONS)
     mismatch = None if record is None else source_mismatch(export_dir, record, source)
     if mismatch is not None and not options.source_mismatch_ok:
         raise NVFP4ToolError(
@@ -633,11 +633,11 @@ def _histogram(values: np.ndarray, top: float) -> Histogram:
     return Histogram(edges=edges.tolist(), counts=counts.tolist())
 
 
-# validate takes no --model-config: a MaxText --source must be converted to HF first
-_VALIDATE_OPTIONS = dataclasses.replace(CLI_OPTIONS, path="--source {}", model_config=None)
+# how validate and eval open a --source: no --model-config (a MaxText --source must be converted to HF first)
+VALIDATE_OPTIONS = dataclasses.replace(CLI_OPTIONS, path="--source {}", model_config=None)
 
 
-def _source_of(export_dir: str, source: str | None, record: ExportRecord | None) -> tuple[str, int | None]:
+def source_of(export_dir: str, source: str | None, record: ExportRecord | None) -> tuple[str, int | None]:
     """(the BF16 source's path, its step): `--source` (at the step the export's record names), else
     the source the provenance record names, found by its hashes."""
     if source is not None:

@@ -266,5 +266,6 @@ def pristine(eval_models):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_bad_input_is_one_line_and_changes_nothing(case, pristine, tmp_path, monkeypatch, hub_env):
     run_case(case, pristine, tmp_path, monkeypatch)

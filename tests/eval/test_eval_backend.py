@@ -20,7 +20,7 @@ def _samples(model, model_args=None, **kwargs):
 @pytest.mark.slow
 @pytest.mark.peers
 def test_bf16_backend_equals_lm_eval_hf_backend(eval_models):
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM
+    from nvfp4tool.eval.lm_backend import NVFP4ToolLM
 
     lm = NVFP4ToolLM(path=eval_models["hf"], max_length=MAX_LENGTH, batch_size=4)
     ours = _samples(lm)

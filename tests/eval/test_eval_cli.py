@@ -17,8 +17,8 @@ LIMIT = 4
 
 @pytest.mark.slow
 def test_eval_three_models_paired_records(eval_models, tmp_path):
+    from nvfp4tool.eval.paired import paired
     from nvfp4tool.records.evaluation import PAIRED_KEYS, EvalItems, EvalRecord
-    from nvfp4tool.validate.paired import paired
 
     shutil.copytree(eval_models["hf"], tmp_path / "hf")
     export = str(shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4"))
@@ -86,7 +86,7 @@ def test_eval_three_models_paired_records(eval_models, tmp_path):
 
 
 def test_max_drop_judges_the_interval_lower_end():
-    from nvfp4tool.validate.evaluate import EvalOptions, _drop_failures
+    from nvfp4tool.eval.evaluate import EvalOptions, _drop_failures
 
     stats = {"diff": -0.004, "ci95": [-0.012, 0.004]}
     both = {"nvfp4-bf16": stats, "nvfp4-fp8": {"diff": -0.03, "ci95": [-0.05, -0.01]}}
@@ -154,7 +154,7 @@ def test_push_card_shows_the_eval_table(eval_models, tmp_path):
 
 def test_a_user_task_file_with_local_data_resolves_and_builds(tmp_path):
     """--tasks takes a YAML file reading a local JSONL (dataset_path: json + data_files): no network."""
-    from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
+    from nvfp4tool.eval.evaluate import _build_tasks, resolve_tasks
 
     data = tmp_path / "mc.jsonl"
     data.write_text(
@@ -179,7 +179,7 @@ def test_a_user_task_file_with_local_data_resolves_and_builds(tmp_path):
 
 def test_a_task_file_takes_its_fields_from_its_include(tmp_path):
     from nvfp4tool.errors import NVFP4ToolError
-    from nvfp4tool.validate.evaluate import _task_file
+    from nvfp4tool.eval.evaluate import _task_file
 
     (tmp_path / "_template.yaml").write_text(
         "dataset_path: json\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n"
@@ -200,7 +200,7 @@ def test_lm_eval_mmlu_pro_and_gsm8k_cot_run_offline_from_local_parquet(tmp_path)
     import lm_eval
     import pandas as pd
 
-    from nvfp4tool.validate.evaluate import _build_tasks, resolve_tasks
+    from nvfp4tool.eval.evaluate import _build_tasks, resolve_tasks
 
     tasks = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
     mmlu = [

@@ -1,11 +1,11 @@
-"""The paired statistics (`validate.paired`) against statsmodels' McNemar and a direct bootstrap, on
+"""The paired statistics (`eval.paired`) against statsmodels' McNemar and a direct bootstrap, on
 constructed tables: no flips, all flips, tiny n, lopsided and balanced flips."""
 
 import numpy as np
 import pytest
 from statsmodels.stats.contingency_tables import mcnemar
 
-from nvfp4tool.validate.paired import binom_cdf_half, mcnemar_exact, paired
+from nvfp4tool.eval.paired import binom_cdf_half, mcnemar_exact, paired
 
 
 def _items(both: int, r2w: int, w2r: int, neither: int):

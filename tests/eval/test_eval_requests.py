@@ -12,7 +12,7 @@ from fixtures import REPO_ROOT
 
 
 def test_shared_rows_serves_prefixes_of_one_context_from_the_longest_row():
-    from nvfp4tool.validate.lm_backend import shared_rows
+    from nvfp4tool.eval.lm_backend import shared_rows
 
     contexts = [(1, 2), (1, 2), (1, 2), (1, 2), (7,), (1, 2, 3)]
     inputs = [[1, 2], [1, 2], [1, 2, 5], [1, 2, 6, 8], [7], [1, 2]]
@@ -23,7 +23,7 @@ def test_shared_rows_serves_prefixes_of_one_context_from_the_longest_row():
 
 
 def test_shared_rows_give_each_request_its_own_loglikelihood(eval_models):
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM
+    from nvfp4tool.eval.lm_backend import NVFP4ToolLM
 
     lm = NVFP4ToolLM(path=eval_models["hf"], max_length=64, batch_size=4)
     rng = np.random.default_rng(3)
@@ -55,7 +55,7 @@ def test_shared_rows_give_each_request_its_own_loglikelihood(eval_models):
     ],
 )
 def test_decoding_follows_lm_eval_normalization(kwargs, expected):
-    from nvfp4tool.validate.lm_backend import decoding
+    from nvfp4tool.eval.lm_backend import decoding
 
     how = decoding(kwargs, 256)
     assert (how.sample, how.temperature, how.top_k, how.max_gen_toks) == expected
@@ -71,7 +71,7 @@ def test_decoding_follows_lm_eval_normalization(kwargs, expected):
 )
 def test_decoding_refuses_what_it_does_not_implement(kwargs, named):
     from nvfp4tool.errors import NVFP4UsageError
-    from nvfp4tool.validate.lm_backend import decoding
+    from nvfp4tool.eval.lm_backend import decoding
 
     with pytest.raises(NVFP4UsageError, match=named):
         decoding(kwargs, 256)
@@ -79,7 +79,7 @@ def test_decoding_refuses_what_it_does_not_implement(kwargs, named):
 
 def test_average_passes_means_each_items_scores_and_refuses_other_prompts():
     from nvfp4tool.errors import NVFP4ToolError
-    from nvfp4tool.validate.evaluate import average_passes
+    from nvfp4tool.eval.evaluate import average_passes
 
     def rows(scores, hashes=("a", "b")):
         return [
@@ -141,7 +141,7 @@ def test_streamed_weights_give_the_held_loglikelihoods_and_refuse_generation(eva
     """offload=always reads each layer of the NVFP4 export as it runs (validate's streamed model):
     the same log-likelihoods as the held model; generation, which needs it whole, is refused."""
     from nvfp4tool.errors import NVFP4ToolError
-    from nvfp4tool.validate.lm_backend import NVFP4ToolLM
+    from nvfp4tool.eval.lm_backend import NVFP4ToolLM
 
     rng = np.random.default_rng(4)
     requests = [(None, rng.integers(1, 250, n).tolist(), rng.integers(1, 250, 3).tolist()) for n in (5, 17, 40)]
@@ -161,7 +161,7 @@ def test_streamed_weights_give_the_held_loglikelihoods_and_refuse_generation(eva
 
 @pytest.mark.slow
 def test_lm_eval_command_line_runs_the_registered_model(eval_models):
-    """`python -m nvfp4tool.validate.lm_backend run --model nvfp4tool ...` is lm-eval's own command
+    """`python -m nvfp4tool.eval.lm_backend run --model nvfp4tool ...` is lm-eval's own command
     line with the model registered and the shipped tasks on its include path."""
     import os
     import subprocess
@@ -172,7 +172,7 @@ def test_lm_eval_command_line_runs_the_registered_model(eval_models):
         [
             sys.executable,
             "-m",
-            "nvfp4tool.validate.lm_backend",
+            "nvfp4tool.eval.lm_backend",
             "run",
             "--model",
             "nvfp4tool",

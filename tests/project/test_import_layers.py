@@ -9,13 +9,13 @@ is an edge to `pkg.mod`; `from pkg.mod import name` to `pkg.mod`).
 Layers, lowest first (`LAYERS`). Each module sits in the layer of the longest entry that prefixes
 its dotted name, and a module may import only modules of its own layer or of lower ones. The
 order follows the data flow (checkpoint in -> model -> train -> quantize -> export -> validate ->
-publish) with the shared leaves at the bottom and the CLI at the top:
+eval -> publish) with the shared leaves at the bottom and the CLI at the top:
 
     nvfp4tool            the package root (`__version__`) and `errors`: imported by everything
     progress, tables     the one output interface and its tables printed whole
     memory               available memory and the offload decision
     numerics             all NVFP4/FP8 math
-    records              the typed files stages hand each other (base reader, export, validation)
+    records              the typed files stages hand each other (base reader, export, validation, evaluation)
     families, config     the model families (their facts, the module table) and ModelConfig (HF config.json)
     converters           the checkpoint formats: HF safetensors and MaxText readers/writers, the
                          name/layout table, atomic output folders (a top-level package)
@@ -29,6 +29,8 @@ publish) with the shared leaves at the bottom and the CLI at the top:
     check                the checker of serving folders (export and convert-format run it)
     export               quantization, calibration, GPTQ, the writers, the serving simulation
     validate             validation runs, thresholds, reports, the files a validation hashes
+    eval                 task evaluation: the lm-eval model over validate's openers, the paired
+                         statistics, eval's reports, the shipped offline tasks
     hub                  the model card, the chain of custody push enforces, upload
     quickstart, cli      the one-command tour, then the click wiring on top of everything
 
@@ -65,6 +67,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvfp4tool.check",),
     ("nvfp4tool.export",),
     ("nvfp4tool.validate",),
+    ("nvfp4tool.eval",),
     ("nvfp4tool.hub",),
     ("nvfp4tool.quickstart",),
     ("nvfp4tool.cli",),
