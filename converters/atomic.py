@@ -2,24 +2,10 @@
 
     with atomic_output_dir(out, force=False, inputs=(src,), flag="--out") as tmp:
         ...write files into tmp...
-    # out now exists, complete, with the user's normal permissions (0777 & ~umask)
 
-Guarantees (the promises of docs/commands/README.md, "Outputs"):
-* An output that is, contains or lies inside any input (resolved real paths, symlinks included)
-  is refused as bad usage (`NVFP4UsageError`, exit 2), `--force` or not: replacing it would
-  destroy the source.
-* An existing output is replaced only with `force=True`, and only once the new one is complete;
-  a file (or a symlink) in its place is never replaced.
-* A failed or interrupted write leaves neither a half-written `out` nor, on the next run, its
-  temporary folder: each temporary sibling (`.<out>.tmp-*`, `.<out>.old-*`) carries a marker file
-  with the writer's pid; the next run removes those whose writer is gone (only ours, recognised by
-  name and marker) and says so. A previous output caught mid-replacement (in `.<out>.old-*` while
-  `out` is missing) is put back rather than removed.
-* Operating-system errors while writing (a read-only parent, a full disk) become one line naming
-  `out`, not the temporary path; one about another file (an unreadable input) names that file.
-* Parent folders created for `out` are removed again if the write fails.
-* `scratch_dir(prefix)`: work folders in the system temporary folder (MaxText re-chunking) are
-  marked the same way, and stale ones are removed by the next run.
+An output overlapping an input is refused (exit 2); an existing one is replaced only with `force=True`;
+a failed write leaves nothing behind. `scratch_dir(prefix)`: marked work folders in the system temp.
+Design notes: docs/design/converters.md.
 """
 
 from __future__ import annotations

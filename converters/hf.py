@@ -1,37 +1,9 @@
 """Hugging Face safetensors folders in and out, one tensor at a time; the one safetensors header parser.
 
-Headers: `scan_safetensors_header(path)` is the project's only safetensors header parser (check
-uses it too). It validates everything the safetensors library does and names what it finds: the
-header length lies within the file and is valid UTF-8 JSON (an object, no repeated names, string
-metadata), every dtype is known, every shape is non-negative integers, `dtype x shape == end -
-begin`, and the tensors tile the data region exactly (contiguous, non-overlapping, nothing after
-the last). It returns the well-formed entries and every defect; `read_safetensors_header(path)`
-raises the first defect as an `NVFP4ToolError` naming the file (and tensor).
-
-Reading: `HFFolderSource(path)` is a `TensorSource` over a single-file (`model.safetensors`) or
-sharded (`model.safetensors.index.json`) checkpoint. Every shard's header is validated before any
-data is read. `get` loads ONE tensor with safetensors' own `safe_open(..., framework="numpy")`
-(safetensors >= 0.8 returns `ml_dtypes.bfloat16` arrays), large tensors in row chunks with the
-file reopened for each, so that no file mapping holds more than one chunk resident. F8 tensors (the scales of
-exports) are read by hand (one seek + read):
-safetensors' numpy loader looks their dtypes up on numpy, which has none, and fails. Every floating
-tensor must be finite (`tensor_source.check_finite`). With `check_config=True` (default)
-config.json is parsed into `ModelConfig` and every tensor must be present with the shape the
-config implies and a floating dtype agreeing with the config's (`check_against_config`).
-
-Mixture-of-experts folders in transformers 5's fused expert layout (`mlp.experts.gate_up_proj
-[E, 2F, H]`, `mlp.experts.down_proj [E, H, F]`, see `converters.layout`) are read as the per-expert
-layout: each per-expert name becomes a view of its expert's rows of the fused tensor (one contiguous
-byte run, read with `get_slice`), so `get` loads one expert's weight and never the whole fused
-tensor. A fused tensor of the wrong shape or dtype, one missing, or a folder mixing the two layouts
-is an error naming the tensor.
-
-Writing: `write_hf_folder` writes shards tensor by tensor with our own `write_safetensors` (the
-safetensors library only saves a whole dict of tensors; ours computes the header from shapes and
-dtypes and then streams), so it holds ONE source tensor (plus its cast copy) in memory at a time,
-whatever the shard size. A cast that overflows (fp32 -> bf16 beyond its range) is refused; the
-tensors a family stores in FP32 (`Family.stored_fp32`: Nemotron-H's router) stay FP32. The
-folder is built in a temporary sibling and renamed into place (`converters.atomic`).
+`scan_safetensors_header` / `read_safetensors_header` (the only header parser), `HFFolderSource`
+(reading: ONE tensor per `get`, transformers 5's fused experts read as per-expert views),
+`write_hf_folder` (streamed, one source tensor in memory at a time, atomic).
+Design notes: docs/design/converters.md.
 """
 
 from __future__ import annotations

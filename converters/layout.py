@@ -1,68 +1,10 @@
 """The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
 directions, and the HF side's two mixture-of-experts layouts (per-expert and fused, at the end).
 
-Each `Rule` (declared by the families, `nvfp4tool/families/maxtext.py`) names an HF tensor, the
-MaxText parameter path it lives at (under `params/params/`) and the transform between the two
-orientations; `TABLE` is every family's rules, `rules_for` one model's. Per-layer rules are
-written relative to a decoder layer: scanned checkpoints keep every layer in one stacked array under
-`decoder/layers/` with the layer axis at position 1, unscanned ones use `decoder/layers_{i}/`
-(reference sheet section 6).
-
-Transforms (HF -> MaxText; `maxtext_to_hf` is the exact inverse):
-  identity     embedding, norms (also Qwen3-MoE's per-head q/k norms)
-  transpose    [out, in] -> [in, out]                       lm_head, gate/up/down, routers, experts
-  heads_in     [N*D, E] -> [E, N, D]                        q, k, v
-  heads_out    [E, H*D] -> [H, D, E]                        o
-plus, on q and k only, the RoPE rule (`interleaved` layout: rows of each head go half-split ->
-interleaved pairs), and on q only the query scale where the family's MaxText attention uses scale 1
-(llama, mistral, mixtral): the stored query kernel is pre-multiplied by 1/sqrt(head_dim). The scale
-is applied in fp32 and undone in fp32 (divide by the same fp32 constant): bf16 -> fp32 * s -> / s ->
-bf16 returns every bf16 value exactly (tests/converters/test_maxtext_layout.py checks all of them); stored as
-bf16 (`--dtype bf16`) the scaled query is rounded to bf16 and the way back is no longer exact unless
-sqrt(head_dim) is a power of two (head_dim 64, 256).
-
-Mixture of experts (read in AI-Hypercomputer/maxtext, 2026-11-30; no code copied):
-  * Names: Mixtral's decoder layer holds its `RoutedMoE` as `MoeBlock_0` (models/mixtral.py
-    `MixtralDecoderLayer`), Qwen3-MoE's as `moe_block` (models/qwen3.py `Qwen3MoeDecoderLayer`).
-    Under it: the router `gate/kernel [E, X]` (layers/moe.py `GateLogit`, no bias unless
-    `routed_bias`, which neither family sets) and the experts as bare arrays, no `/kernel`:
-    `wi_0`, `wi_1 [X, E, F]` and `wo [X, F, E]` (layers/moe.py `RoutedMoE.__init__`), i.e. every
-    expert's HF [out, in] weight transposed and stacked on a leading experts axis. HF gate/up/down =
-    MaxText wi_0/wi_1/wo; Mixtral's w1/w3/w2 = wi_0/wi_1/wo (checkpoint_conversion/standalone_scripts/
-    llama_or_mistral_ckpt.py `_convert_huggingface_to_jax_weights`; for Qwen3-MoE
-    standalone_scripts/convert_qwen3_moe.py `convert_hf_to_maxtext` and utils/param_mapping.py
-    `QWEN_MAXTEXT_TO_HF_PARAM_MAPPING` / `..._HOOK_FN` `reshape_expert_kernel`).
-  * Scanned: the layer axis goes at position 1 as for every stacked parameter (`param_scan_axis: 1`
-    in configs/base.yml), so the router is `gate/kernel [E, L, X]` and the experts `[X, L, E, F]`
-    (experts axis 0, layers axis 1: the same two scripts build `(num_experts, num_layers, ...)`).
-    Unscanned: `decoder/layers_{i}/<block>/wi_0 [X, E, F]` (param_mapping.py, unscanned branch).
-  * Qwen3-MoE's q/k norms: `self_attention/query_norm/scale`, `key_norm/scale [D]` (identity;
-    convert_qwen3_moe.py). Its attention scales queries itself (`query_pre_attn_scalar =
-    head_dim**-0.5` in models/qwen3.py `AttentionWithNorm`), so its query kernel is stored
-    unscaled; neither the conversion scripts nor MaxText's Qwen3 RoPE permute q/k rows (half-split).
-  * MaxText's Qwen3-MoE decoder makes every layer sparse: a qwen3_moe config with dense layers
-    (`mlp_only_layers`, `decoder_sparse_step` > 1) has no MaxText layout and is rejected.
-Each expert tensor is one slice of its stored array: the reader reads one expert (and layer) at a
-time, the writer assembles the array expert by expert (converters/maxtext.py).
-
-HF expert layouts (the HF side's names, both kept here; `ModelConfig.expected_tensor_shapes` names
-the per-expert one, which is what every reader hands on and every writer writes):
-  * per-expert (what transformers < 5 and `save_pretrained()` by default write): one tensor per
-    expert and projection, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, Mixtral's
-    `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` and router
-    `block_sparse_moe.gate.weight`.
-  * fused (transformers 5's in-memory layout, written by `save_pretrained(save_original_format=
-    False)`; read in transformers 5.24 `conversion_mapping.py` and checked by saving tiny models both
-    ways): per sparse layer `model.layers.{i}.mlp.experts.gate_up_proj [E, 2F, H]` (the experts'
-    [F, H] gate weights stacked on axis 0, `MergeModulelist(dim=0)`, then the up weights
-    concatenated after them on axis 1, `Concatenate(dim=1)`: rows [0, F) of expert e are its gate,
-    rows [F, 2F) its up; the experts' forward `linear(x, gate_up_proj[e]).chunk(2, dim=-1)` agrees)
-    and `model.layers.{i}.mlp.experts.down_proj [E, H, F]` (the [H, F] down weights stacked); the
-    router keeps its name, `model.layers.{i}.mlp.gate.weight`. For Mixtral w1 = gate, w3 = up,
-    w2 = down, and `WeightRenaming(".block_sparse_moe.", ".mlp.")` renames the whole block, router
-    included. `fused_expert_views` maps every per-expert name onto its slice of a fused tensor:
-    expert e's rows of one [E, R, C] tensor are one contiguous run of bytes, so a reader reads
-    one expert's weight without the rest (converters/hf.py).
+`TABLE` is every family's `Rule`s (HF tensor, MaxText path under `params/params/`, transform),
+`rules_for` one model's; `hf_to_maxtext` / `maxtext_to_hf` (its exact inverse) apply a rule;
+`fused_expert_views` maps each per-expert name onto its slice of a fused tensor.
+Design notes: docs/design/maxtext-layout.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """MaxText (Orbax) checkpoints in and out, one parameter at a time, through `converters.layout`.
 
-Reading: `MaxTextSource(path, model_config, rope_layout)` is a `TensorSource` with HF names over
-`<base>/<step>/items`, `<base>/<step>` or `<base>` (latest step). The tree comes from Orbax's
-metadata (nothing loaded); only `params/params` leaves are ever read (an `opt_state` is never
-touched), each straight from its zarr array in the OCDBT store with tensorstore, so one request
-reads one array -- or, for a scanned stack or an experts array whose chunks hold one layer / one
-expert each (what `write_maxtext` writes), only that layer's (expert's) chunks. An array whose
-chunks span layers or experts (MaxText's own saves chunk by bytes) is read whole once and re-chunked
-one layer / expert per chunk into a scratch folder (system temp, `atomic.scratch_dir`: deleted with
-the source, or by the next run if killed), so memory stays bounded by one stored array and reads in
-any order cost one HF tensor each.
-
-Writing: `write_maxtext` builds `<out>/0/items` as MaxText's `load_parameters_path` expects:
-`{step, params: {params: ...}}`, OCDBT + zarr3, and the step's custom metadata `{"scan_layers":
-...}`. Unlike Orbax's default the arrays are not zstd-compressed: compression made a 268 MB save
-5x and its restore 4x slower here, for half the size on fp32 stacks widened from bf16. Orbax saves a whole pytree per
-call, so each group of parameters (at most as many bytes as
-the largest one) is saved by Orbax on its own into a scratch checkpoint whose per-process OCDBT
-database is moved into the output as `ocdbt.process_<k>`; the tree metadata entries are merged and
-Orbax's own `merge_ocdbt_per_process_files` (what a multi-host save runs) joins the databases.
-An experts array (`wi_0` etc., all experts of a layer, or of every layer when scanned) is
-assembled one source expert tensor at a time into the array it is saved from.
-Memory: one parameter group (<= the largest stored array: a scanned stack, for a MoE model the
-`[experts, layers, E, F]` experts stack) plus Orbax's encoded copy of it, plus one source tensor;
-the result restores with plain Orbax (tests/converters/test_maxtext.py).
-
-`dtype="fp32"` (default, MaxText's weight dtype) stores every HF bf16/fp32 value exactly and the
-query scale round trip is exact for bf16 sources; `dtype="bf16"` halves the size but rounds fp32
-sources and the scaled query kernel to bf16 (see `converters.layout`).
+`MaxTextSource(path, model_config, rope_layout)`: a `TensorSource` with HF names (only `params/params`
+leaves are read); `write_maxtext`: `<out>/0/items`, OCDBT + zarr3, uncompressed. `dtype="fp32"`
+(default) stores bf16/fp32 values exactly; `dtype="bf16"` halves the size but rounds.
+Design notes: docs/design/converters.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """MaxText model names -> HF-style config dicts, and each name's RoPE row layout.
 
-MaxText checkpoints carry no model config: `--model-config llama3.1-8b` names one of these.
-Sources: the numbers (emb dim, heads, kv heads, layers, mlp dim, head dim, vocab, norm epsilon,
-rope_max_timescale, logits_via_embedding) are MaxText's `MaxText/configs/models/<name>.yml`
-(AI-Hypercomputer/maxtext, read 2026-11-30) for llama2-7b, llama2-13b, llama3-8b, llama3.1-8b,
-llama3.1-70b and mistral-7b (no `rope_max_timescale` there -> MaxText's default 10000, i.e.
-Mistral-7B-v0.1). llama3.2-1b/3b have no yml in the copy we could read: their numbers are Meta's
-published HF configs (Llama-3.2-1B / -3B config.json: tied embeddings, llama3 RoPE scaling
-factor 32), as are the llama3 RoPE scaling parameters of 3.1 (factor 8) and the token ids.
-Mixture of experts: mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b and qwen3-480b-a35b
-take emb dim, heads, kv heads, layers, head dim, vocab, norm epsilon, experts, experts per token,
-(moe) mlp dim, norm_topk_prob and rope_max_timescale (-> rope_theta) from the same ymls (now under
-src/maxtext/configs/models/). The Qwen3 ymls' base_mlp_dim equals the expert width (every layer is
-sparse, so intermediate_size is unused); their rope_max_timescale (1e7, 5e6, 1e7) is that of the
--2507 / Qwen3-Coder HF releases (the first Qwen3-30B-A3B / -235B-A22B configs say 1e6: pass their
-config.json instead). Context length, token ids and router_aux_loss_coef, which the ymls do not
-carry, are those published HF configs'.
-RoPE layout: reference sheet section 6 -- `llama3.1-*` interleaved, every other name half-split
-(MaxText's Mixtral and Qwen3-MoE conversions permute no q/k rows: see `converters.layout`). For
-those two families the layout is fixed by the family, whatever the model config
-(`FAMILY_ROPE_LAYOUTS`): MaxText has one decoder each, half-split, so an interleaved checkpoint of
-them would be misread (`family_rope_layout`).
+MaxText checkpoints carry no model config: `--model-config llama3.1-8b` names one of `MAXTEXT_MODELS`
+(numbers from MaxText's model ymls and the published HF configs). `llama3.1-*` is interleaved, every
+other name half-split; `family_rope_layout` fixes Mixtral's and Qwen3-MoE's (half).
+Design notes: docs/design/converters.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The one checkpoint opener: an HF folder, a MaxText checkpoint or an nvfp4tool training run.
 
     ckpt = open_checkpoint(path, model_config=None, rope_layout=None, step=None, options=CLI_OPTIONS)
-    ckpt.tensors        TensorSource with HF names (one tensor at a time)
-    ckpt.config         ModelConfig
-    ckpt.kind           "hf" | "maxtext" | "run"
-    ckpt.run            the RunRecord of a training run (None otherwise)
-    ckpt.precision_map  a run's {linear: precision} (None: plain checkpoints, BF16 runs)
-    ckpt.input_amax     a run's tracked {linear: max|input|} (None: calibrate)
-    ckpt.weight_block   "2d" for a run trained with 16x16 weight scaling, else "1d"
-    ckpt.maxtext_rope_layout()   the MaxText side's RoPE layout (exit 2 if it cannot be told)
+    ckpt.tensors, ckpt.config, ckpt.kind ("hf" | "maxtext" | "run"), ckpt.run, ckpt.precision_map
 
-convert, train (`model=`), export, validate (`--source`) and calibration open their inputs here
-and nowhere else, so one mistake gets one message and one exit code in every command; messages
-spell the options as the caller's user types them (`OptionNames`: `--model-config X` on the
-command line, `model_config=X` in train):
-
-    PATH does not exist                          exit 2  "PATH: not found" (as click says of any
-                                                          path argument that names nothing)
-    PATH is none of the three kinds              exit 1  "PATH: neither an HF folder ..."
-    a MaxText checkpoint without a model config  exit 2  "PATH: a MaxText checkpoint carries no model
-                                                          config; pass --model-config CONFIG ..."
-    a model config that is neither a file/folder nor a MaxText model name   exit 2
-    an unknown RoPE layout, or none given where the model config cannot tell   exit 2
-    a RoPE layout other than the one the family fixes (Mixtral, Qwen3-MoE: half)   exit 2
-    a step for something that is not a training run                         exit 2
-    a step without a usable checkpoint  exit 1  "PATH: no checkpoint for step 8 (have: 4, 12)"
-    an HF folder / run whose config.json disagrees with the model config given   exit 1
-
-A training run is `<run>/run.json` + `<run>/hf/` (the final BF16 weights with `input_amax.json`
-and `precision_map.json`, see `nvfp4tool.run.records`). `step=N` restores `<run>/checkpoints/N`
-instead: its FP32 master weights rounded to BF16 (what the trainer's quantizers read) and the amax
-history of that state.
+Every command opens its inputs here: one message and exit code per mistake (2 bad usage, 1 bad data),
+options spelled as the caller types them (`OptionNames`). `step=N` restores `<run>/checkpoints/N`.
+Design notes: docs/design/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Command-line wiring only: parse options, call one library function, turn errors into exit codes.
 
-Exit codes: 0 success; 1 a failed check or bad data (`NVFP4ToolError`, or an operating-system error
-naming a file: one `Error:` line naming the file); 2 bad usage (a bad option value, a count < 1, an
-unknown choice, a missing path, `NVFP4UsageError`), rejected by the click types below before any
-library code runs wherever an option can be checked on its own. A traceback only with `-v`.
-
-Signals: `main` turns SIGTERM into SystemExit (as SIGINT is KeyboardInterrupt), so a terminated
-command cleans up like an interrupted one.
-
-Output: every command runs with a `nvfp4tool.progress` reporter installed (`progress.for_cli`:
-rich bars on a terminal, timestamped or JSON lines otherwise or with `--log-format`; nothing with
-`--quiet`), restored afterwards; the command's result lines (summaries, tables, reports) go to
-stdout either way, tables through
-`nvfp4tool.tables.print_table` (whole values when piped, wrapped on a terminal).
+Exit codes: 0 success; 1 a failed check or bad data (`NVFP4ToolError`, or an OS error naming a
+file); 2 bad usage (`NVFP4UsageError`, bad option values rejected by the click types). A traceback
+only with `-v`. `main` turns SIGTERM into SystemExit; every command runs with a progress reporter.
+Design notes: docs/design/cli.md.
 """
 
 from __future__ import annotations
@@ -49,6 +40,9 @@ class _Group(click.Group):
             if _verbose(ctx):
                 raise
             raise click.ClickException(str(exc)) from None
+        except BrokenPipeError:  # the reader closed stdout (`| head`): stop quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            raise SystemExit(128 + signal.SIGPIPE) from None
         except Exception as exc:  # an internal error: one line unless --verbose
             if _verbose(ctx):
                 raise
@@ -237,7 +231,7 @@ def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 )
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None:
-    """nvfp4tool: NVFP4 training, export and validation for Llama-family models in JAX.
+    """nvfp4tool: NVFP4 training, export and validation of language models in JAX (dense, MoE, hybrid).
 
     \b
     Example:

@@ -1,16 +1,9 @@
 """How much memory there is, how much this process has used, and whether a model fits (`--offload`).
 
-    memory.peak_rss_bytes()           # this process's peak resident set (VmHWM), for the reports
-    memory.release()                  # after dropping a model: its memory back to the system
-    memory.available_bytes()          # what a new allocation can use: host MemAvailable, or the
-                                      # free memory of every accelerator of the default backend
-    streamed = memory.choose_offload("auto", weights=model_bytes, working=activation_bytes,
-                                     what="validate: the BF16 source", devices=jax.device_count())
-
-`choose_offload` decides whether a model is held whole or streamed layer by layer: "never" holds
-it, "always" streams it, "auto" holds it when what it needs (its stored size, sharded over the
-devices, plus the working memory of each device, from the caller) is within `HEADROOM` of what is
-available, and says what it chose and why.
+`peak_rss_bytes()`, `release()`, `available_bytes()` (bytes: host MemAvailable, or every accelerator's
+free memory); `choose_offload("never" | "always" | "auto", weights=, working=, what=, devices=)`
+decides whether a model is held whole or streamed layer by layer, and says why.
+Design notes: docs/design/memory.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
 """The one output convention: the library reports progress and status here; the CLI renders it.
 
-    from nvfp4tool import progress
-
     with progress.task("export", total=len(names), unit="tensor") as task:
-        for name in names:
-            ...
-            task.advance(description=name, nbytes=size)   # bytes feed the throughput column
+        task.advance(description=name, nbytes=size)       # bytes feed the throughput column
     progress.info("resumed from runs/a/checkpoints/40")    # a status line (never `print`)
-    with progress.compiling("train step", key=(step_fn, scope)):  # a first call that compiles
-        state = step_fn(state, batch)
 
-Library code never prints. Without a reporter installed (library use, tests) tasks are silent and
-`info` goes to the `nvfp4tool` logger at INFO. The CLI installs one reporter per command
-(`for_cli`, from `--quiet` / `--log-format` / `NVFP4TOOL_LOG_FORMAT`) with `use_reporter(...)`:
-* `RichReporter` (`rich`; `auto` on a terminal): progress bars with throughput and ETA, status
-  lines, on stderr;
-* `LineReporter` (`text`, `auto` when stderr is not a terminal: a log file, a pipe, Slurm, CI; or
-  `json`): plain timestamped lines on stderr, one JSON object a line with `json`. Per task: a
-  `start` line at once, then at most one `progress` line every `INTERVAL_S` seconds (10 s, measured
-  from the task's previous line), then a `done` line; so a task of any length prints at most
-  2 + its duration / 10 s lines. A task started inside another (a forward pass inside the
-  sensitivity search) prints only once it has lasted 10 s, so inner tasks add no lines of their
-  own to a stage that runs many short ones. Each line carries the stage, done/total, unit,
-  throughput (units/s, and MB/s when the task counts bytes), elapsed and ETA. JSON keys, always
-  all present (null when unknown): `time` (UTC, ISO 8601), `event` (`start` | `progress` |
-  `done`, or `stopped` when the stage ended by an error or an interrupt), `stage`, `done`,
-  `total`, `unit`, `rate` (units/s), `bytes_per_s`, `elapsed_s`, `eta_s`, `item` (what was last
-  done), `fields` (the task's own figures, e.g. loss); a status line is `{time, event: "info",
-  message}`; a compilation is `{time, event: "compile_start" | "compile_done", stage, elapsed_s}`;
-* `QuietReporter` (`--quiet`): nothing but errors.
-A reporter implements `start(name, total, unit)` -> a task object with `advance(n, description,
-nbytes, fields)`, `close()` and optionally `stop()` (the block raised; default: `close()`),
-`info(message)`, and optionally `compiling(label, seconds)` (seconds None when it starts; a
-reporter without it gets the two events as status lines).
-`external_bars` says whether third-party bars (huggingface_hub's tqdm) may show.
+Library code never prints; the CLI installs a reporter (`for_cli`: rich, text / json lines, quiet).
+Design notes: docs/design/progress.md.
 """
 
 from __future__ import annotations

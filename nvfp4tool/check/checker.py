@@ -1,24 +1,10 @@
 """`check_checkpoint`: verify an NVFP4 / FP8 serving folder before anyone serves or publishes it.
 
-Order of work: configs (format, exclusion lists, required keys) -> safetensors headers and index ->
-each module (dtypes, shapes, bits per parameter, scales, tensor-parallel splits, exclusions) ->
-fused groups (shared global scales) -> KV-cache scales against the configs (`kv.py`) -> the tensors
-config.json's model needs, and no tensor it does not have (`model.py`; config.json must parse as a
-supported family, read before anything else) -> every tensor's data, streamed one chunk at a time
-(all-zero tensors, NaN / non-finite values) -> unquantized tensors' dtypes against config.json's
-dtype -> where the export's provenance record (`nvfp4tool_export.json`) is present, every tensor
-against it (dtype, shape, sha256 of its bytes, decoded amax of quantized weights). Problems are
-collected, never raised: the report lists them all; only a folder that declares no supported format
-raises NVFP4ToolError.
-
-Plausible magnitude. A linear layer's decoded weights must stay below the element range of its
-layout (`LayoutSpec.element_range`: 2688 = 6 x 448 for NVFP4, 448 for FP8), i.e. the global decode
-scale S_dec = amax / range must be <= 1. Trained LM weights are O(0.01..10) (init std ~0.02, rare
-outliers in the tens); a weight of |w| >= 448 would move an output by 448 x |x| per input element.
-The bound is also the fixed point of the scale-convention mix-up: storing the reciprocal of a
-scale turns amax a into range^2 / a, which exceeds `range` exactly when a < range, i.e. for every
-real weight (a weight of amax 0.1 decodes to amax ~7e7). A global scale x4 keeps the weight
-plausible; the record's amax catches it.
+Configs, headers and index, each module, fused groups, KV-cache scales, the model's tensors, every
+tensor's data, dtypes, then the provenance record. Problems are collected, never raised; only a
+folder that declares no supported format raises NVFP4ToolError. Decoded weights must stay below
+`LayoutSpec.element_range` (2688 for NVFP4, 448 for FP8), i.e. S_dec <= 1.
+Design notes: docs/design/check.md.
 """
 
 from __future__ import annotations

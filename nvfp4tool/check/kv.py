@@ -1,16 +1,8 @@
-"""The FP8 KV-cache scales of a serving folder against what its configs announce.
+"""The FP8 KV-cache scales of a serving folder against what its configs announce (`check_kv_scales`).
 
-When the configs announce a quantized KV cache (ModelOpt `kv_cache_quant_algo` / `kv_cache_scheme`,
-compressed-tensors `kv_cache_scheme`), every attention layer (`model.layers.{i}.self_attn`, as the
-folder's tensors name them) must carry its K and V scales under the layout's names
-(`LayoutSpec.kv_scales`), F32 of the layout's scalar shape, finite and > 0: vLLM falls back to
-scale 1.0 for a missing one (an FP8 cache of unscaled values) and divides by a zero one. KV scales
-present without the configs announcing a quantized KV cache (or under the other layout's names)
-are an error too: no engine reads them, so the cache they were calibrated for is not what is served.
-The attention layers are those of config.json's model when it parses (`model.attention_modules`; a
-scale of a layer the model lacks is `model.py`'s to report), else those the folder's tensors name.
-Every KV scale found under the layout's names is listed (`KVScaleStats`: layer, k / v, dtype,
-value, whether it passed) for the report's table and JSON.
+Announced: every attention layer carries its K and V scales under `LayoutSpec.kv_scales`, F32, finite
+and > 0; not announced: none may be present. Each scale found is listed (`KVScaleStats`).
+Design notes: docs/design/check.md.
 """
 
 from __future__ import annotations

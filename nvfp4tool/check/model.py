@@ -1,23 +1,9 @@
 """The folder's tensors against the model its config.json describes, read as the loaders read it.
 
-`read_model_config`: config.json parsed by the one config parser (`ModelConfig.from_hf_config`, the
-parser every reader of a source uses). A config that does not parse as a supported family (a
-missing or mistyped key, `num_experts_per_tok` outside 1..num_experts, `decoder_sparse_step` 0,
-no `model_type`, an architecture we do not model) is a problem naming the key: transformers and
-vLLM build the model from this file, so a folder whose config they cannot build is not servable,
-and check never skips the model check to print OK.
-
-`check_against_model`: every tensor the model needs must be in the folder with its shape (a
-non-linear tensor as is, a linear layer either unquantized with its [N, K] weight or quantized with
-N x K (unpacked) equal to the model's), which catches layers or MoE experts an exporter skipped and
-transposed or mis-sized packed weights; and every tensor of the folder must belong to that model
-(`ModelConfig.expected_tensor_shapes()`, the list the readers check a source against) or be one of
-the documented extras: the layout's quantization tensors of a linear the model has
-(`LayoutSpec.suffixes`), and the layout's KV-cache scales of an attention layer the model has
-(`LayoutSpec.kv_scales`). An expert 8 in an 8-expert layer, a layer 5 in a 2-layer model, a stray
-tensor: engines refuse them (vLLM) or drop them silently (transformers). A MoE router must not be
-quantized (engines compute the routing from its BF16 weight; a too-broad pattern quantizes it).
-`check_dtypes`: the unquantized tensors' dtypes against the dtype config.json declares.
+`read_model_config` (config.json through `ModelConfig.from_hf_config`: a config that does not parse
+is a problem naming the key), `check_against_model` (every tensor the model needs with its shape,
+none it lacks beyond the layout's extras), `check_dtypes` (unquantized dtypes against config.json's).
+Design notes: docs/design/check.md.
 """
 
 from __future__ import annotations

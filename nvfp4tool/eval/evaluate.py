@@ -4,33 +4,8 @@ the NVFP4 export as served, compared item by item.
     run = evaluate_export("out/a-nvfp4", EvalOptions(tasks=("nvfp4tool_mc",), reference="out/a-fp8"))
     run.record.tasks["nvfp4tool_mc"]["paired"]["nvfp4-bf16"]["ci95"]
 
-Everything is checked before any model runs or anything is written: the tasks (`resolve_tasks`:
-lm-eval names, or YAML files / folders given as paths, each file's required fields, every task
-built and its dataset read), the export (`check` must pass), the BF16 source (the one the export's
-provenance record names, by hashes: `validate.custody.source_mismatch`), the FP8 reference (an
-FP8 export of the same source: `validate.custody.reference_mismatch`), the tokenizers (the export's, the
-source's and the reference's must be the same files), the outputs (`eval.json`, `eval.md`,
-`eval.png`, `eval_items.json`, a `--json` copy: replaced only with `force`).
-
-Then each model runs alone (`lm_backend.open_variant` + `NVFP4ToolLM` through
-`lm_eval.simple_evaluate`, logged samples kept), is dropped, and the next one runs. Items are
-joined on lm-eval's per-sample `doc_id` and must carry the same `prompt_hash` in every model
-(refused otherwise: the models were not asked the same questions). A task's METRIC is the first of
-its metrics whose per-item values are 0/1 (or fractions: sampled decoding averaged per item);
-those items are paired (`eval.paired`) as nvfp4-bf16 and nvfp4-fp8, per task and pooled over
-all tasks (`overall`). A task without per-item scores (perplexity) reports each model's lm-eval
-aggregate only. Generative tasks also report degeneration signs per model: mean output length in
-tokens, the share of outputs that ran to `max_gen_toks`, and the repeated 4-gram rate.
-
-Sampled decoding (a task's own `do_sample`, or `gen_kwargs` over every generative task's settings):
-with `samples` = k > 1 each sampled task runs k times with the sampling key seeded `seed`, `seed +
-1`, ... (the same prompts; `average_passes` refuses otherwise) and each item's score is the mean of
-its k scores, so the paired statistics compare per-item expected correctness; degeneration signs
-cover all k generations.
-
-`max_drop` (a fraction: 0.02 = 2 accuracy points) fails the run when the lower end of a paired
-95% interval of nvfp4-bf16 (per task and overall) is below -max_drop; `max_drop_fp8` the same for
-nvfp4-fp8 (it needs the FP8 reference).
+Everything is checked before any model runs; `max_drop` is a fraction (0.02 = 2 accuracy points).
+Design notes: docs/design/eval.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """An lm-evaluation-harness model backed by nvfp4tool: the BF16 source, an FP8 reference or an NVFP4
 export run as served, through the same code.
 
-    from nvfp4tool.eval.lm_backend import NVFP4ToolLM, open_variant
     lm = NVFP4ToolLM(path="out/a-nvfp4")          # or NVFP4ToolLM(variant=open_variant(...))
     lm_eval.simple_evaluate(model=lm, tasks=["nvfp4tool_mc"], ...)
     python -m nvfp4tool.eval.lm_backend run --model nvfp4tool --model_args path=OUT --tasks ...
 
-`open_variant(path)` opens a folder with validate's openers: an export (`validate.runner.Candidate`:
-refused if `check` refuses it; weights decoded from the stored bytes inside the forward by
-`export.simulate.served_linear`, W4A4 inputs fake-quantized with their stored input scales and
-dynamic block scales; `fp8_kv` runs the export's FP8 KV cache as vLLM caches it) or a BF16 source
-(`checkpoints.open_checkpoint`: an HF folder or a training run), held whole or streamed layer by
-layer (`model.layerwise`, `--offload` as validate decides it), sharded over several devices when
-present. Every model computes in fp32 on its stored weights (`validate.runner.VALIDATION_DTYPE`).
-
-`NVFP4ToolLM` is a `lm_eval.api.model.TemplateLM` registered as `nvfp4tool`:
-* loglikelihood: requests sorted by length and grouped into length buckets (powers of two, at least
-  `MIN_BUCKET` tokens, at most `max_length`), each bucket right-padded and run in full batches of
-  `batch_size` rows, so one compiled program serves a bucket (a causal model's padding after a row
-  never changes its logits); the continuation's log-probabilities summed in float64 and whether
-  each continuation token is the argmax, as lm-eval's `hf` backend computes them. Requests of one
-  context whose input is a prefix of another's (every choice of a letter-answer item: one-token
-  continuations) are read from that one row's logits (`shared_rows`, `share_prefixes`), as lm-eval's
-  `hf` backend groups one-token continuations;
-* loglikelihood_rolling: lm-eval's disjoint rolling windows of `max_length` tokens, scored as above;
-* generate_until: greedy, or sampled (`do_sample` with `temperature` / `top_k`, keyed by `seed`),
-  through `model.generate` (one prefill + a scanned decode with the KV cache, the export's FP8 KV
-  cache when it has one), contexts left-truncated to `max_length - max_gen_toks` and left-padded to
-  the bucket of the longest context of their generation settings (one compiled program for them);
-  the text is cut at EOS and at the first stop string (`until`). Generation needs a held model (a
-  streamed one is refused).
-The tokenizer is the folder's own (transformers' `AutoTokenizer`), its chat template applied when
-lm-eval asks for it (`--apply_chat_template`).
+Every model computes in fp32 on its stored weights.
+Design notes: docs/design/eval.md.
 """
 
 from __future__ import annotations

@@ -3,23 +3,8 @@
     stats = paired(candidate_correct, reference_correct)   # 0/1 per item, the same items in order
     stats.diff, stats.se, stats.ci95, stats.mcnemar_p, stats.right_to_wrong, stats.min_detectable
 
-With both models on the same n items, the difference of their accuracies is the mean of the per-item
-differences d_i = c_i - r_i, and its standard error is that of a mean, sd(d) / sqrt(n): it is set by
-the items whose answer flips, not by the spread of each accuracy, so it is much smaller than the
-unpaired sqrt(se_c^2 + se_r^2) (reported too, `unpaired_se`) whenever the two models mostly agree.
-
-* `se`: sd(d, ddof=1) / sqrt(n) (lm-eval's convention for a mean's standard error); `ci95`: diff
-  +- 1.96 se (the normal interval);
-* `mcnemar_p`: McNemar's exact test, two-sided: with b = right->wrong and c = wrong->right flips,
-  p = min(1, 2 P[Binomial(b + c, 1/2) <= min(b, c)]) (1 when nothing flips), the binomial
-  terms summed in log space;
-* `min_detectable`: the smallest true difference a two-sided test at alpha 0.05 detects with power
-  0.8 at this n, (z_0.975 + z_0.8) sqrt(max(flip rate, 1/n) / n): the paired variance near no
-  difference is the flip rate, floored at one flip so that a run with no flips does not claim to
-  detect everything;
-* None where a statistic needs two items (n = 1).
-Scores may be fractions (sampled decoding averaged over k samples per item): diff and se are then
-those of the means, and the flips count the items whose score went down (right_to_wrong) or up.
+se = sd(d, ddof=1) / sqrt(n) of the per-item differences; ci95 = diff +- 1.96 se; McNemar exact.
+Design notes: docs/design/eval.md.
 """
 
 from __future__ import annotations

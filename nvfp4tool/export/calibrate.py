@@ -2,29 +2,10 @@
 attention layer's keys and values), by running our JAX model on text.
 
     found = calibrate(config, source, names, "calib.txt", kv_cache=True, samples=64, seq_len=512,
-                      tokenizer_dir=hf_folder)
-    found.input_amax["model.layers.0.mlp.up_proj"], found.kv_amax["model.layers.0.self_attn"]
-    found.routed_tokens["model.layers.0.mlp.experts.7"]  # MoE: tokens the router sent expert 7
+                      tokenizer_dir=hf_folder)   # found.input_amax, found.kv_amax, found.routed_tokens
 
-The model runs in BF16 with plain BF16 GEMMs (what the source checkpoint computes); each linear in
-`names` records max|x| of its BF16 input (a `model.layerwise` tap: the values come back from the
-jitted layer program, maxed over batches here). With `kv_cache`, every attention layer records
-max|k| and max|v| of what it caches (K after k_norm and RoPE, as the engines quantize it; the
-layer's KV seam, `model.kv`) in the same pass. The model is held whole in BF16, or streamed layer
-by layer (`offload`: "always", or "auto" when it would not fit, `memory.choose_offload`): all windows
-through layer i, then layer i+1, so the peak is one layer + embeddings / LM head + the windows'
-activations. Both modes give the same amax. On several devices the weights are sharded over all
-of them (`LayerwiseModel.open`), with the same amax as on one.
-
-MoE models calibrate all experts (llm-compressor's moe_calibrate_all_experts): the tap asks every
-sparse MLP to run every expert on every token of its layer (`LayerwiseModel.logits(all_experts=True)`; the
-layer's output is unchanged), so an expert the router never picks still gets an input amax. The
-tap also sees each router's logits and counts, with the model's own `route`, how many tokens the
-router actually sent to each expert (`Calibration.routed_tokens`, recorded in the provenance).
-
-Calibration data: a `.txt` file (tokenized as one stream, cut into `samples` windows of `seq_len`
-tokens), a `.jsonl` file with a "text" field per line (one window per line, truncated), or a
-`.npy` int array [S, L] of token ids.
+The model runs in BF16, held or streamed layer by layer (the same amax); MoE models calibrate all experts.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

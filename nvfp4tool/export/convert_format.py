@@ -1,21 +1,9 @@
 """`convert_format`: lossless conversion of an export between the ModelOpt and compressed-tensors
 layouts, tensor by tensor.
 
-The source must pass `check` first (a zero or missing scale would otherwise become an inf or a
-mixed-format folder): the first problem is the error, nothing is written. Each quantized module's
-tensors are read by role with the source layout's spec and named by the target's
-(`LayoutSpec.to_roles` / `from_roles`, the one rename table): data (`weight` <-> `weight_packed`)
-and block-scale bytes are copied unchanged; NVFP4 global scales are reciprocated in fp32 (ModelOpt
-stores decode scales, compressed-tensors encode scales; the same `1 / x` as compressed-tensors'
-`ModelOptNvfp4Converter`) and reshaped [] <-> [1]; FP8 scales are only reshaped. FP8 KV-cache scales
-(decode scales in both layouts) are renamed (`self_attn.k_proj.k_scale` <-> `self_attn.k_scale`,
-`LayoutSpec.kv_scales`) and reshaped, and the configs announce the same KV cache.
-config.json's `quantization_config` is rewritten (and ModelOpt's `hf_quant_config.json` written or
-dropped); the provenance record, when present, is carried over with the new tensor names and
-hashes; other files are copied. The folder is written by export's own serving-folder writer
-(`serving_folder.py`: shards, index, configs, tensor records); this module only maps names and
-roles from one layout to the other. For exports of ours the round trip is exact: their decode scales
-satisfy fl(1 / fl(1 / s)) == s (tested).
+The source must pass `check` first. Data and block-scale bytes are copied unchanged; NVFP4 global
+scales are reciprocated in fp32 (ModelOpt stores decode scales, compressed-tensors encode scales).
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

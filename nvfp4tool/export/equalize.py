@@ -2,45 +2,10 @@
 
     found = equalize(config, source.tensors, plan, ids_SxL, method="awq", block="1d", offload="auto")
     tensors = EqualizedSource(source.tensors, found.scales)   # what the export quantizes and writes
-    found.record                                              # records.export.EqualizationRecord
 
-At each site a family declares (`families.Fold`: q/k/v after the input norm, o_proj after v_proj,
-gate/up after the post-attention norm, down_proj after up_proj; a sparse MLP's experts together)
-the readers' weight columns are multiplied by a per-input-channel s and the producer divided by it
-(the norm's weight elementwise, v_proj's / up_proj's rows and bias), so the folded model computes
-the original function exactly in real arithmetic and within BF16 rounding as stored. Nothing is
-added to the checkpoint: it is a plain NVFP4 export every engine reads (the tensors keep their
-names, shapes and dtypes). A site is equalized only when all its consumers are quantized.
-
-s is chosen on the calibration windows run through the ORIGINAL BF16 model (`LayerwiseModel`,
-held or streamed; every expert on every token of a MoE layer, `all_experts=True`):
-* SmoothQuant (Xiao et al. 2023): s_j = max|x_j|^a / max|w_j|^(1-a), a = `SMOOTHQUANT_ALPHA`
-  (0.5, the paper's default), max|w_j| over every consumer's column j; a channel that is zero in
-  either is left at 1.
-* AWQ (Lin et al. 2024; the grid of ModelOpt's `awq_lite`, alpha in 0, 0.1, ..., 1): s =
-  mean|x|^alpha normalised by sqrt(max s * min s), clipped to [1e-4, 1e4]; for each alpha the
-  site's consumers are quantized as the export quantizes them (NVFP4 weights with their fused
-  group's global amax, the `--weight-block` blocks, RTN; for W4A4 also the input x / s in 1x16
-  blocks against its amax) and the alpha with the smallest summed squared output error against
-  the BF16 GEMM wins. alpha = 0 is s = 1 (RTN), so the chosen one is never worse on the
-  calibration data. One pass collects the channel statistics, a second the errors of every alpha
-  (the grid runs inside the layer program, `jax.lax.map`: one alpha's temporaries at a time).
-The search scores with RTN whatever `--scale-search` is; the export then quantizes the folded
-weights with the chosen method (and GPTQ's Hessians, calibration's input amax and the FP8 KV
-cache's K / V amax are measured on the folded model, which is what serving runs).
-o_proj after a GQA v_proj: one s per v_proj row (KV head x head_dim), its statistics the mean
-(max) over the query heads that read that row, the same s repeated for each of them.
-A MoE layer's post-attention norm feeds the router and every expert: one s for all of them, its
-statistics over all tokens (every expert sees every token), AWQ's error summed over every
-expert; the router's columns take s in their stored dtype (it is never quantized). Each expert's
-down_proj gets its own s, folded into its own up_proj.
-
-Proof in the same run: the folded model in BF16 (every tensor as stored, the scaled weights
-rounded to BF16; fp32 compute, as validate runs models) is run on the first `CHECK_WINDOWS` calibration windows
-beside the original, and
-the export is refused unless the mean KL(original || folded) is at most `FOLD_KL_LIMIT` nats (the
-record keeps the KL and the top-1 agreement). The original's logits wait in a temporary file
-(`LogitSpool`), so only one model is held (or streamed) at a time.
+A per-input-channel s is folded into each site's consumers and producer (the same function); the
+export is refused unless the mean KL(original || folded) is at most `FOLD_KL_LIMIT` nats.
+Design notes: docs/design/equalize.md.
 """
 
 from __future__ import annotations

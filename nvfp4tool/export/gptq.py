@@ -3,36 +3,9 @@
     q, err = gptq_quantize(w_NxK, h_KxK, method="rtn", block="1d", global_amax=group_amax, damp=0.05,
                            block_scales="original")
 
-Round-to-nearest (RTN) rounds each weight on its own. GPTQ rounds the columns of W [N, K] one after
-another and, after each, spreads the column's rounding error over the columns not yet rounded, in
-the proportions that minimise the layer's output error ||(W - Q) X^T|| on the calibration inputs X
-(through the Hessian H = X^T X). Here, for NVFP4:
-1. The scales are fixed first, on the ORIGINAL weight: the global scale from the weight's (fused
-   group's) amax exactly as the RTN export, the block scales by `--scale-search`
-   (`scale_search.quantize_weight`, which also gives 4over6's record global amax). Only the E2M1
-   codes change, so the result is a plain NVFP4 record that every engine reads. With
-   `block_scales="updated"` (`--gptq-block-scales updated`) the block scales are chosen again, by
-   the same rule (`scale_search.slice_scales`), for each 16-column block when the loop of step 4
-   reaches it, on the weights as the earlier columns' errors have updated them (the reference
-   GPTQ's groups, `static_groups=False`); the global scale stays the original weight's.
-2. H (fp32 K x K, undamped, accumulated by the caller) is damped: dead columns (diag 0: an input
-   that was zero on every token) get H_jj = 1 and W[:, j] = 0, as GPTQ does; then
-   H += damp * mean(diag H) * I (`damp` 0.05 by default: llm-compressor's NVFP4 sweep, #2922,
-   measured it best; `DAMP_RANGE`: 0 < damp <= 1).
-3. Static activation order that keeps the 16-element blocks whole: the 16-column blocks are
-   permuted by descending sum of diag(H) over the block (stable on ties). A 2D (16 x 16) tile is
-   16 rows of one column block, so it stays valid too.
-4. U = upper Cholesky factor of H^-1. Column blocks of `block_size` (128; lazy batch updates):
-   within a block, column j is rounded to the nearest code with its FIXED block scale (the
-   numerics E2M1 encoder and decode product), err_j = (w_j - deq(q_j)) / U_jj, and err_j * U[j]
-   is subtracted from the block's later columns; after the block, its errors reach all later
-   columns in one matmul. (jit; `lax.fori_loop` over the blocks and over a block's columns.)
-5. The codes are un-permuted and packed (`numerics.pack_codes`).
-Every piece of format math (block scales, the E2M1 encoder, the decode, packing) is numerics'.
-
-The error recorded per linear is the relative output error on the calibration inputs,
-sqrt(tr(D H D^T) / tr(W H W^T)) with D = W - decode(Q) and the undamped H, for GPTQ and for RTN
-with the same scales (`GPTQError`).
+Scales come from the ORIGINAL weight as in the RTN export; columns are rounded one after another,
+each one's error spread over the later ones through H = X^T X. `err` is a `GPTQError`.
+Design notes: docs/design/gptq.md.
 """
 
 from __future__ import annotations

@@ -2,34 +2,10 @@
 
     result = run_gptq(config, tensors, plan, group_amax, "calib.txt", spill_dir=tmp, samples=64,
                       seq_len=512, tokenizer_dir=hf, offload="auto", method="rtn", block="1d", damp=0.05)
-    result.records.get("model.layers.0.mlp.up_proj")  # NVFP4Array, read back from spill_dir
-    result.errors["model.layers.0.mlp.up_proj"]       # GPTQError
 
-As GPTQ implementations do (llm-compressor's sequential pipeline), on the source in BF16 run layer
-by layer (`LayerwiseModel.sequential`, held or streamed): all calibration windows go through
-layer i with its ORIGINAL weights while a tap accumulates X^T X (fp32) of each linear's input;
-then layer i's quantized linears are GPTQ-quantized (`gptq.py`) with those Hessians; then the
-windows go through layer i again with the quantized (decoded) weights (a tap that records nothing)
-to make layer i+1's inputs, so layer i+1's Hessians see the already-quantized earlier layers.
-Linears reading the same input share one Hessian (`families.hessian_group`: q/k/v, gate/up; in a MoE
-layer the gate/up of all experts, since the tap asks every expert to run on every token of its
-layer, `all_experts=True`, as llm-compressor's moe_calibrate_all_experts; each expert's
-down_proj has its own, over all tokens).
-
-The same pass also calibrates (`amax_names`, `kv_cache`): a second copy of the windows goes through
-each layer first with its ORIGINAL weights, never replaced (`LayerwiseModel.sequential`'s
-`reference` stream), measuring what calibration measures (`calibrate.Tally`: the input amax of the
-linears in `amax_names`, with `kv_cache` every attention's K / V amax, each router's token counts)
-with calibration's own taps, so exactly calibrate()'s values; a GPTQ export then opens the model and
-runs its calibration windows through the layers once (`GPTQResult.calibration`). Why the original
-layers and not the already-quantized ones the Hessians see: measured, see `job.with_gptq`.
-
-A linear whose input was zero on every calibration token (its Hessian is 0: GPTQ would round it to
-zeros) is refused as calibration refuses it (`calibrate.check_calibrated`), naming the linear.
-
-Memory: one layer's weights + its Hessians + the windows' activations. Each quantized record is
-spilled to `spill_dir` (packed codes and scales as .npy) as soon as it is made and read back by the
-writer when it writes the module, so the records are never all held.
+Each layer's Hessians (X^T X, fp32) are taken with its original weights, its linears GPTQ-quantized
+(`gptq.py`), and its quantized outputs feed the next layer; each record is spilled to `spill_dir`.
+Design notes: docs/design/gptq.md.
 """
 
 from __future__ import annotations

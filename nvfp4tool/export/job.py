@@ -3,19 +3,9 @@
     job = prepare_job("runs/a", "out/a-nvfp4", ExportOptions(calib_data="calib.txt"))
     job.plan, job.spec, job.block, job.group_amax, job.input_amax, job.kv_amax, job.calibration
 
-`prepare_job` checks the options, opens the source (`nvfp4tool.checkpoints`), refuses an output
-that overlaps an input (or exists, without --force), makes the plan (`plan.py`) and the layout's
-spec (`nvfp4tool.formats`), runs the weight pass (each quantized weight read once for its amax and
-finiteness; a fused group's members share the max) and resolves the input amax: the run's tracked
-one, the library caller's (`ExportOptions.input_amax`), or calibration (`calibrate.py`) on the
-windows read from --calib-data once (K / V amax too with --kv-cache fp8). With
-`--equalize awq|smoothquant` the scales are chosen on those windows first (`equalize.py`) and
-everything after (the weight pass again, calibration, GPTQ, the writer) reads the folded model
-(`EqualizedSource`), so each composes with it by construction. With
-`--weight-rounding gptq` the calibration runs inside the GPTQ pass, in the same pass through the
-layers (`with_gptq`, run inside the output's temporary folder, where it spills its records): the job
-is made without it and `with_gptq` returns the job with GPTQ's records and what the pass
-measured. The writer (`writer.py`) takes the finished job, nothing else.
+`prepare_job` opens the source, refuses a bad output, makes the plan, runs the weight pass and
+resolves the input amax; `with_gptq` adds GPTQ's records. The writer takes the finished job.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Which linear modules an export quantizes, how they group, and what stays BF16.
 
     plan = make_plan(config, "nvfp4", precision_map=run_pmap, keep_bf16=("*.down_proj",))
-    plan.quantized       # ("model.layers.0.self_attn.q_proj", ...)
-    plan.excluded        # ("lm_head", ...): listed in exclude_modules / ignore, ship nothing quantized
-    plan.groups          # {"model.layers.0.self_attn.qkv": ("...q_proj", "...k_proj", "...v_proj")}
+    plan.quantized, plan.excluded, plan.groups
 
-Rules: `lm_head` and MoE routers (the module table's `keep_dtype` rows) are never quantized
-(embeddings and norms are not linears and never are); with a
-training run's precision map, the modules it trained in BF16 stay BF16; `keep_bf16` fnmatch
-patterns exclude more. A fused group (q/k/v, gate/up) is one GEMM in serving engines, so it is
-quantized whole or not at all: excluding one member excludes the group.
-
-A keep-BF16 file (`export --keep-bf16-file`, written by `validate --sensitivity`) holds such
-patterns, one fnmatch pattern or module name per line, `#` starting a comment, blank lines ignored;
-its patterns act as repeated `--keep-bf16` (`read_keep_bf16_file` / `format_keep_bf16_file`, the
-one reader and writer of that format). A pattern of the file that matches no module is refused
-naming the file and line.
+`lm_head` and MoE routers are never quantized; a fused group is quantized whole or not at all.
+`read_keep_bf16_file` / `format_keep_bf16_file`: the keep-BF16 file (one fnmatch pattern a line).
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """How an export quantizes one linear's weight: one interface, three implementations, chosen once.
 
     quantizer = quantizer_for(plan, "rtn", "1d", group_amax, gptq=None)
-    done = quantizer.quantize("model.layers.0.mlp.up_proj", w_NxK)
-    done.roles["weight"], done.roles["block_scale"], done.roles["weight_global"]  # by role (`formats`)
-    done.errors   # its layer errors for the provenance record; done.amax: max |decoded weight|
+    done = quantizer.quantize("model.layers.0.mlp.up_proj", w_NxK)   # done.roles, done.errors, done.amax
 
-* `ScaleSearch`: NVFP4 round-to-nearest or a scale search (`scale_search.quantize_weight`: rtn /
-  4over6 / mse), the fused group's joint weight amax fixing the global scale;
-* `GPTQ`: the record the GPTQ pass (`gptq_pass.py`) already made from this weight, read back from
-  its spill folder, with its output errors;
-* `FP8`: per-tensor E4M3 (the weight in one piece).
-Every implementation returns the weight's values by role, the global scale as the decode scale
-S_dec the numerics decode with; the input scale is not the weight's: the writer adds it.
+`ScaleSearch` (NVFP4 RTN or a scale search), `GPTQ` (the GPTQ pass's record), `FP8` (per tensor).
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

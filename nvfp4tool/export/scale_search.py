@@ -2,25 +2,9 @@
 
     q, err = quantize_weight(w_NxK, method="4over6", block="1d", global_amax=group_amax)
 
-Methods (the output is always a plain NVFP4 tensor: the stored bytes decode with the standard
-formula `e2m1(code) * fp32(block_scale) * S_dec`, so every engine loads it):
-* "rtn": `numerics.quantize_nvfp4` (TE reference rounding), the baseline.
-* "4over6" ("Four Over Six", sheet section 3; TE 2.17 `nvfp4_4over6`): per block, two candidate
-  E4M3 scales, the one mapping the block amax to 6 and the one mapping it to 4 (finer steps near
-  the block max); the lower squared error wins. So that the 4-candidate (1.5x larger) still fits
-  in E4M3, the global bound is 256 instead of 448: S_enc = 6 * 256 / amax = 1536 / amax. We
-  express that as an NVFP4 global amax of fl(amax * 1.75) (2688 / (1.75 * amax) = 1536 / amax),
-  so the record and its decode stay standard. Fused groups share it, as they share amax.
-* "mse": the standard global scale; per block the candidates are the RTN E4M3 scale and its
-  `mse_radius` neighbouring E4M3 codes on each side; the lower squared error wins (RTN on ties).
-  `mse_radius=0` reproduces "rtn" bit for bit (tested).
-With 2D (16x16) blocks the choice is made per tile (summed error of its 16 rows), so the result is
-still one scale per tile.
-The search (candidates, errors, the choice) is this module's; every piece of format math it
-uses is numerics' (block amax, block scales, the E2M1 encoder, the decode product, packing).
-
-Peak memory: the [N, K] input plus one chunk of about `CHUNK_ELEMENTS` fp32 temporaries (the
-outputs are 0.28x of a bf16 input); the weight error is accumulated chunk by chunk.
+Methods "rtn", "4over6" and "mse"; the output is always a plain NVFP4 tensor that every engine decodes.
+Peak memory: the input plus one chunk of about `CHUNK_ELEMENTS` fp32 temporaries.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

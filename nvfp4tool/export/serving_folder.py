@@ -2,20 +2,9 @@
 
     folder = ServingFolder(tmp, source_label=src)
     records = folder.write_shards([(file_name, [(name, dtype, shape), ...]), ...], load, amax=amax_of)
-    folder.write_index({"metadata": {"total_size": n}}, records)   # None: a single-file export
-    folder.write_configs(hf_config, spec, exclude, kv_cache)
-    folder.copy_files(paths)
-    folder.write_record(record_with(records))
 
-Export (`writer.py`) and convert-format (`convert_format.py`) both write through this: they decide
-what goes where (export: its shard plan and quantized modules; convert-format: the source's shards
-with names and roles mapped from one layout to the other), this writes it. Each tensor is loaded
-once by `load(name)` (one module's tensors held at a time: the caller's loader caches them) and
-streamed into its shard (`converters.hf.write_safetensors`); as it is written, its `TensorRecord`
-(file, dtype code, shape, sha256 of its bytes, and `amax(name)`: the decoded amax of a quantized
-weight, else None) is kept for the provenance record. config.json carries the layout's
-`quantization_config` (`LayoutSpec.quantization_config`) and ModelOpt's hf_quant_config.json is
-written when the layout has one; JSON files are written with indent 2, as always.
+Export (`writer.py`) and convert-format (`convert_format.py`) decide what goes where; this writes it.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

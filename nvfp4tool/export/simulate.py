@@ -1,32 +1,10 @@
 """What a serving engine computes from an export folder, run by our JAX model, weights held as stored.
 
     exported = load_export("out/model-nvfp4")          # either format, any --quant
-    exported.get("model.layers.0.mlp.up_proj.weight")  # an NVFP4Weight / FP8Weight: the stored bytes
-    model = exported.model()                           # CausalLM holding the weights as stored
-    logits = forward(model, ids, linear=served_linear) # decode + (W4A4) activation quantization
+    logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
-A quantized module's weight stays in memory as the export stores it, a pytree the linear seam
-decodes inside the jitted forward (what vLLM's kernels do), so a model costs its stored size, never
-an fp32 copy: `NVFP4Weight` (packed E2M1 codes, E4M3 block scales, S_dec) or `FP8Weight` (E4M3
-data, decode scale), each with its static input decode scale (W4A4 / W8A8; None weight-only).
-Everything else is the stored BF16.
-
-All the math is numerics': `NVFP4Weight.dequantize` is `numerics.decode_nvfp4`,
-`e2m1(code) * fp32(block_scale) * S_dec` in fp32 (bit for bit `dequantize_nvfp4` of the exported
-record; tested); `FP8Weight.dequantize` is `numerics.decode_fp8`, `fp32(e4m3) * weight_scale`.
-`quantize_input` (W4A4): each quantized linear's input is fake-quantized to NVFP4 with 1x16 dynamic
-block scales (RNE) against the static input global scale (global amax = 2688 * stored input decode
-scale); FP8 W8A8: per tensor, clamp(x / input_scale) to E4M3 and back (`fake_quantize_fp8(scale=)`,
-a true division). Weight-only exports leave the activations alone. The GEMM is `numerics.dense` in
-the model's compute dtype (fp32 for validation) on the decoded values, which is what the emulation
-paths of vLLM and transformers + compressed-tensors do.
-
-FP8 KV cache (an export with KV-cache scales, `--kv-cache fp8`): each attention's keys (after RoPE)
-and values are quantized as vLLM writes them into its cache, E4M3(sat(x / scale)) with the stored
-per-layer scale (`__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, E4M3)`), and read back as
-e4m3 * scale for attention (`served_kv`: `fake_quantize_fp8(scale=)`); through the KV seam
-(`model.kv`): `ServedKVTap` for a layer-by-layer run (the layer's scales come as its aux),
-`ServedKV` for a whole model (scales by attention name, e.g. for generation).
+Weights stay as stored (`NVFP4Weight`, `FP8Weight`), decoded inside the jitted forward; `served_kv`: FP8 KV.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

@@ -2,40 +2,9 @@
 
     summary = export_checkpoint("runs/a", "out/a-nvfp4", ExportOptions(format="compressed-tensors"))
 
-Streaming and atomic:
-The export's inputs are resolved first, into one `ExportJob` (`job.py`: steps 1 and 2, and the
-checks of step 4, before anything is created); the writer takes the job. Each weight is quantized
-by the one quantizer the job chooses (`quantizers.py`: scale search, GPTQ's records or FP8) and
-the folder is written by the one serving-folder writer (`serving_folder.py`: shards, index,
-configs, tensor records), which convert-format uses too.
-1. A first pass reads each quantized weight once (row chunk by row chunk) for its amax and
-   finiteness (NaN or inf anywhere: one error naming the tensor, nothing written); fused groups
-   (q/k/v, gate/up) take the max over their members (`plan.py`).
-2. Input amax: the run's tracked amax, else calibration (`calibrate.py`, or with --weight-rounding
-   gptq inside the GPTQ pass, through the original layers beside GPTQ's, the same values: the windows read from
-   --calib-data once; fewer or shorter than asked is said and recorded, the record holds the
-   windows and tokens that ran; --calib-data that nothing would use is bad usage, --kv-cache fp8
-   without it too, up front; MoE experts calibrate
-   on all their layer's tokens); a fused group shares the max over its members (one input scale
-   per GEMM). `--kv-cache fp8` calibrates every attention layer's K (after RoPE) / V amax in the
-   same pass and writes the layout's KV-cache scales (F32 decode scales amax / 448,
-   `LayoutSpec.kv_scales`) and the config keys announcing them.
-3. The output layout (names, dtypes, shapes) comes from the layout's spec (`nvfp4tool.formats`)
-   up front and is split into shards of at most `max_shard_size` (a module's tensors stay
-   together); each shard is written tensor by tensor: a quantized module is read, quantized
-   (`quantizers.py`) and its roles (packed weight, block scales, decode scales) named by the
-   spec (with `--weight-rounding gptq`, the GPTQ pass, `gptq_pass.py`, ran before and
-   spilled every record to `.gptq-spill/` inside the output's temporary folder of step 4, so a
-   killed run's spill is cleaned with it by the next run: the module's record is read back from
-   it, and the spill removed before publishing); other tensors are copied in BF16 (those a
-   family keeps as stored, `Family.kept_as_stored`, in the source's dtype; those it stores in
-   FP32, `Family.stored_fp32`, in FP32). Only one module's tensors are held at a time: peak
-   memory is the largest source tensor plus its quantized form plus one row chunk of temporaries,
-   whatever the model size (FP8 quantizes a weight in one piece: about 3x that weight).
-4. Everything goes into a temporary sibling folder renamed into place at the end (`--force`
-   replaces an existing output; an output overlapping the source or the calibration data is
-   refused); any error leaves nothing behind. The provenance record (`ExportRecord`) lists every
-   written tensor with its sha256 and, for quantized weights, its decoded amax.
+Streaming (one module's tensors held at a time) and atomic (a temporary sibling renamed into place);
+the inputs are resolved first (`job.py`), the folder written by `serving_folder.py`.
+Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations

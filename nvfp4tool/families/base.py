@@ -1,21 +1,9 @@
 """What a model family declares, and the module table every stage reads.
 
-A family (`Family`) owns the facts of one group of HF `model_type`s: how config.json spells its
-options (parse, emit, the combinations it can express), the kind of each decoder layer, the HF
-tensors of a layer of each kind (names, shapes, and for each linear its `Projection`: role, fused
-group, tensor-parallel split), its MaxText support, and its block classes (`model/transformer.py`
-holds the attention + MLP / MoE blocks). From that declaration one typed table is derived,
-`ModuleTable` (one `LinearModule` row per linear, in forward order, plus the attention modules and
-every HF tensor's shape): precision, the export plan, calibration, GPTQ, sensitivity, the serving
-simulation, check and the KV-cache code read its fields, and no stage outside `families/` spells
-an HF module name.
-
-Layer kinds name a decoder layer's mixers: "attention+mlp" and "attention+moe" today; a hybrid
-family adds single-mixer kinds ("mamba", "attention", "mlp", "moe") the same way.
-
-Names without a model (`projection_of`, `fused_group`): a folder whose config.json does not parse
-still has tensors to judge (check); its linears are recognised by the projections every registered
-family declares, plus the fused names other checkpoints use (`qkv_proj`, `gate_up_proj`).
+A `Family` owns the facts of a group of HF `model_type`s (config keys, layer kinds, tensors, MaxText
+support, block classes); `ModuleTable` (one `LinearModule` row per linear, in forward order) is
+derived from it, and no stage outside `families/` spells an HF module name.
+Design notes: docs/design/families.md.
 """
 
 from __future__ import annotations

@@ -3,36 +3,10 @@ section 12): the kind of every layer, the Mamba-2 and MoE fields, read and writt
 source's own spelling, and the parameter count they imply.
 
     fields = parse_hybrid(hf, "ckpt/config.json")   # HybridFields (NVFP4ToolError naming the key)
-    fields.layer_kinds                               # ("mamba", "mlp", "mamba", "attention", ...)
-    emit_hybrid(fields, out)                         # the same keys, in the source's form
-    parameter_count(hf)                              # (total, active per token)
+    emit_hybrid(fields, out); parameter_count(hf)    # the same keys back; (total, active per token)
 
-Layer kinds come from `hybrid_override_pattern` (M Mamba-2, * attention, - MLP, E MoE: what vLLM
-reads) or from `layers_block_type` (linear_attention / full_attention / mlp / moe, and the legacy
-`mamba` / `attention`: what transformers 5.24's save writes); both present must agree. The Mamba
-fields also have legacy aliases (`mamba_n_groups`, `mamba_d_conv`, `mamba_dt_limit`, ...), which
-transformers reads. Written back, each key keeps the name and form the source used: the pattern
-string or the list (its legacy names included), an alias or the plain key, and `time_step_limit`
-as the source spelled it (transformers writes its infinite upper limit as
-`{"__float__": "Infinity"}`).
-
-Serving's reading, which the family follows (vLLM `model_executor/models/nemotron_h.py` at
-00b08dc4, read for this module): layer classes by `hybrid_override_pattern` character; checkpoint
-names mapped by `hf_to_vllm_mapper` (`backbone.` -> `model.`, `embeddings` -> `embed_tokens`,
-`A_log` -> `A`, `mtp.*` dropped, q/k/v stacked into `qkv_proj`), which `SupportsQuant` also applies
-to the quantization config's exclusion lists: so our exports write tensors and exclusions in the
-checkpoint's spelling (`backbone.layers.{i}.mixer.gate`, `lm_head`); `norm_f` keeps its name;
-in_proj column- and out_proj row-parallel (MambaMixer2 shards in_proj's pieces by heads), the MLP's
-up / down column / row, the latent projections replicated; in_proj / out_proj biases from
-`use_bias`; the router a GateLinear in FP32 with its FP32 `e_score_correction_bias`; experts
-non-gated (`up_proj`, `down_proj`), grouped top-k with the sigmoid scores and the correction bias,
-the shared expert `n_shared_experts x moe_shared_expert_intermediate_size` wide; attention without
-rotary embedding.
-
-`HybridDecoder` is the registered family: our module paths are every family's (`model.layers.{i}.norm`,
-`model.layers.{i}.mixer.*`), renamed to the checkpoint's `backbone.*` at the HF reader and writer
-(`checkpoint_name`); the blocks are `model/hybrid.py`'s `HybridBlock` (the Mamba mixer
-`model/mamba.py`, the MoE router `model.layers.route_grouped_sigmoid`).
+`HybridDecoder` is the registered family.
+Design notes: docs/design/families.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Serving layouts, declared once: one `LayoutSpec` per (format x quant) the tool writes.
 
     spec = get("compressed-tensors", "nvfp4")
-    spec.layout("model.layers.0.mlp.up_proj", n, k)      # [(name, dtype, shape), ...]
-    spec.from_roles(module, {"weight": packed, "block_scale": scales, "weight_global": s_dec, ...})
-    spec.quantization_config(excluded, kv_cache="fp8")   # config.json["quantization_config"]
-    spec.kv_scales.names("model.layers.0.self_attn")     # where its FP8 KV-cache scales go
     layout = describe("out/llama-nvfp4")                 # what a folder is: .format, .quant, .spec
 
-    modelopt            ModelOpt NVFP4 (W4A4) / W4A16_NVFP4 / FP8, config.json + hf_quant_config.json
-    compressed_tensors  compressed-tensors nvfp4-pack-quantized (W4A4 / W4A16) and float-quantized FP8
-    spec                LayoutSpec / TensorSpec (roles, dtypes, shapes of [N, K], global-scale
-                        convention, exclusion matching) and the shared file names
-
-Who reads this: export's writer (names, dtypes, shapes, configs), convert-format (one layout's
-roles onto another's), the export simulation (decode scales of any layout), `check` (what a
-folder must hold: it shares these declarations, never the writer's code) and the hub card
-(`describe`). KV-cache scales (`spec.kv_scales`, the config keys announcing them) live here too.
-None of them keeps its own copy of a name, key or convention.
-
-Adding a layout = one new spec (a `LayoutSpec` in the family module, with its config builder and
-its branch of `parse`) + its peer test (the real loader loading our export of it); the cross-product
-test (export, check, convert-format) then covers it by iterating `SPECS`.
+Modules: `modelopt`, `compressed_tensors` (the layouts), `spec` (`LayoutSpec`, `TensorSpec`, file names).
+Design notes: docs/design/formats.md.
 """
 
 from __future__ import annotations

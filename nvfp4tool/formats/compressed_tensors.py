@@ -1,20 +1,9 @@
 """The compressed-tensors layouts (vLLM compressed-tensors, transformers + compressed-tensors):
 NVFP4 W4A4 / W4A16 (`nvfp4-pack-quantized`) and FP8 per tensor (`float-quantized`).
 
-    NVFP4  <m>.weight_packed U8 [N, K/2], <m>.weight_scale F8_E4M3 [N, K/16],
-           <m>.weight_global_scale F32 [1] (S_enc = 1 / S_dec = 2688 / amax),
-           <m>.input_global_scale F32 [1] (1 / input S_dec; W4A4 only)
-    FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [1], <m>.input_scale F32 [1] (decode)
-
-    KV     <a>.k_scale, <a>.v_scale F32 [1] (amax / 448 of K after RoPE, of V; decode scales) for
-           every attention <a> = model.layers.{i}.self_attn (the module compressed-tensors'
-           kv_cache_scheme targets), announced by quantization_config.kv_cache_scheme
-           {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
-
-Global scales have shape [1] (transformers refuses []); NVFP4 ones are encode scales. The format
-is declared in config.json["quantization_config"] (quant_method "compressed-tensors", `format`,
-`config_groups`); `ignore` and `targets` are exact names or `re:` regexes anchored at the start,
-the target "Linear" meaning any linear layer.
+Global scales have shape [1]: NVFP4 ones are encode scales (S_enc = 1 / S_dec = 2688 / amax), FP8
+and KV-cache ones decode scales (amax / 448); `ignore` / `targets` are exact names or `re:` regexes.
+Design notes: docs/design/formats.md.
 """
 
 from __future__ import annotations

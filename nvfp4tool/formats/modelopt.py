@@ -1,21 +1,9 @@
 """The ModelOpt "unified HF checkpoint" layouts (vLLM `modelopt_fp4` / `modelopt`, TensorRT-LLM,
 SGLang): NVFP4 W4A4, W4A16 and FP8, their configs, and how a folder's configs are parsed.
 
-    NVFP4  <m>.weight U8 [N, K/2], <m>.weight_scale F8_E4M3 [N, K/16],
-           <m>.weight_scale_2 F32 [] (S_dec = amax / 2688), <m>.input_scale F32 [] (W4A4 only)
-    FP8    <m>.weight F8_E4M3 [N, K], <m>.weight_scale F32 [] (amax / 448), <m>.input_scale F32 []
-
-    KV     <a>.k_proj.k_scale, <a>.v_proj.v_scale F32 [] (amax / 448 of K after RoPE, of V), for
-           every attention <a> = model.layers.{i}.self_attn, announced by
-           hf_quant_config.json quantization.kv_cache_quant_algo "FP8" and config.json
-           quantization_config.kv_cache_scheme {dynamic: false, num_bits: 8, type: float}
-           (ModelOpt's unified_export_hf / convert_hf_config; vLLM remaps the names to
-           self_attn.attn.k_scale and reads either config)
-
-Global scales are stored as decode scales, shape []. The format is declared twice in a folder:
-config.json["quantization_config"] (quant_method "modelopt", what transformers and vLLM detect)
-and hf_quant_config.json (what vLLM's modelopt loader and TensorRT-LLM read; vLLM requires its four
-keys). Exclusion lists (`exclude_modules`, `ignore`) are fnmatch patterns.
+Global scales are decode scales of shape [] (NVFP4 `weight_scale_2` = amax / 2688; FP8 and KV cache
+amax / 448), declared in config.json and hf_quant_config.json; exclusions are fnmatch patterns.
+Design notes: docs/design/formats.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """`LayoutSpec`: the declaration of one serving layout (format x quant), and the file-name
 constants every layout shares.
 
-A spec declares, per quantized linear `<m>` of shape [N, K], the tensors it stores by *role*:
-
-    weight         the (packed) weight data                 U8 [N, K/2] (NVFP4) / F8_E4M3 [N, K]
-    block_scale    E4M3 scale per 16 elements along K      F8_E4M3 [N, K/16] (NVFP4 only)
-    weight_global  the per-tensor weight scale             F32 [] or [1]
-    input_global   the static per-tensor activation scale  F32 [] or [1] (not in weight-only)
-
-Roles are the join key between layouts: converting a module from one layout to another maps each
-role's tensor onto the other's suffix, reciprocates the global scales when the two conventions
-differ ("decode": the stored value is the decode scale S_dec, ModelOpt and every FP8 layout;
-"encode": the stored value is 1 / S_dec, compressed-tensors NVFP4) and reshapes [] <-> [1].
-`to_roles` / `from_roles` are that one rename table: the writer, convert-format and the export
-simulation all go through them. The reciprocal is computed in fp32 (`1 / x`, as compressed-tensors'
-own `ModelOptNvfp4Converter` does); for our decode scales fl(1 / fl(1 / s)) == s, so a round trip
-is lossless.
-
-KV-cache scales (`--kv-cache fp8`) are per attention layer, not per linear: `KVScaleSpec` says
-where a layout stores the two F32 decode scales (amax / 448, one for K after RoPE and one for V)
-of attention `model.layers.{i}.self_attn`; `KV_CACHES` lists what a folder may announce.
-
-Exclusion lists are matched as their loaders match them: `fnmatch` wildcards (ModelOpt
-`exclude_modules`, vLLM's `is_layer_excluded`) or exact names and `re:` regexes anchored at the
-start (compressed-tensors `ignore` / `targets`, `compressed_tensors.utils.match`).
+Tensors are declared by role (weight, block_scale, weight_global, input_global), the join key of
+`to_roles` / `from_roles`; global scales are "decode" (S_dec: ModelOpt, every FP8 layout) or
+"encode" (1 / S_dec: compressed-tensors NVFP4). `KVScaleSpec`: where the KV-cache scales go.
+Design notes: docs/design/formats.md.
 """
 
 from __future__ import annotations

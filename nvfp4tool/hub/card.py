@@ -3,18 +3,7 @@
     base_model, license = card_identity(folder)          # what the metadata will say (None: unknown)
     card = build_model_card(folder, report, repo_id="org/llama-nvfp4", validation=validation)
 
-Sections: YAML metadata (`huggingface_hub.ModelCardData`: base_model, base_model_relation:
-quantized, library_name, pipeline_tag, tags, license), what was quantized and kept in BF16 and
-every method that shaped the bytes (block-scale search, GPTQ with its settings, the FP8 KV cache,
-the layers kept in BF16; from the check report, the configs and the typed `ExportRecord`,
-`nvfp4tool_export.json`), the validation (rendered from `validation.json` by
-`validate.report.markdown`, the owner of that table, with exactly the references that ran and every
-threshold used, each one that differs from `validate.thresholds.Thresholds`' defaults marked, and
-a verdict that says when limits were loosened), the recipe and provenance, and how to serve it for
-the quant actually exported. What each quant is (NVFP4 or FP8 weights, quantized or BF16
-activations) comes from the layout's `formats.LayoutSpec`, never from a table here. The source is
-named once: push refuses a validation of another source (`hub.custody`) unless the record says
-`source_mismatch_ok`, which the card then shows at its top and in the validation section.
+Design notes: docs/design/hub.md.
 """
 
 from __future__ import annotations

@@ -2,28 +2,9 @@
 and what was validated is the source the export was made from.
 
     notices = verify_custody(folder, validation, upload_paths)   # before check, card, staging
-    verify_claims(folder, validation, report)                           # after check: the record's own story
+    verify_claims(folder, validation, report)                    # after check: the record's own story
 
-`verify_custody` (each refusal is one `NVFP4ToolError` naming the first offending file):
-
-* the export's files against `validation.json`'s `export.sha256`: every file listed there must
-  exist with that sha256, and every file push would upload must be listed, except validate's own
-  reports (`validate.report.REPORT_FILES`, the owner of that list) and the README.md that push
-  replaces with the generated card. A weight byte changed, `nvfp4tool_export.json` edited or
-  removed, a file added after validation: refused. A listed path that is not a plain relative
-  path inside the export (`../x`, `/etc/x`) is refused as a malformed record.
-* `validation.json`'s `source` (name, kind, step and the sha256 of each weight file) against the
-  provenance record's `source`: validating one model and publishing its numbers on another's
-  export is refused, unless the record says `source_mismatch_ok` (`validate --source-mismatch-ok`):
-  then the mismatch is returned as a notice (push prints it; the card shows the flag). Without a
-  provenance record there is nothing to compare; the validation's source is the only one named.
-
-`verify_claims` checks that validation.json tells one consistent story about this export: its
-quant and format are the export's, a `passed: true` lists no failure and its own metrics meet its
-own recorded thresholds (re-checked with `validate.thresholds.check_thresholds`, the owner of the
-rule), every threshold of `Thresholds` is recorded, and the FP8 column is there exactly when a
-reference other than `bf16` ran. It also requires validation.md, when present, to be what
-validation.json renders (`validate.report.markdown`): it is uploaded beside the record.
+Design notes: docs/design/hub.md.
 """
 
 from __future__ import annotations

@@ -2,35 +2,9 @@
 
     result = push_checkpoint("out/llama-nvfp4", PushOptions(repo_id="org/llama-nvfp4"))
 
-Order: repo id and options -> `validation.json` when present (a failed one refuses) and its chain
-of custody (`hub.custody.verify_custody`: every file to upload is one validate hashed, unchanged,
-and the validated source is the provenance record's, unless the record says
-`source_mismatch_ok`) -> `check_checkpoint` (any problem refuses: nothing is contacted) -> a
-missing validation.json refuses unless `require_validation=False` -> the record's own claims
-(`verify_claims`: quant and format, passed vs its metrics and thresholds, validation.md) ->
-model card (one `Warning:` line each when it has no base_model or no license) -> the upload plan
-(every file of the folder + README.md) -> with `dry_run` stop here (no token, no network) ->
-token (`HF_TOKEN` or the saved login, never printed) -> `create_repo` (exist_ok),
-`create_branch` for a new `revision`, `upload_folder`. Every refusal comes before any staging.
-
-The user's folder is never written: the upload goes from a staging folder of symlinks to the
-export's files plus the generated README.md (a README.md already in the export is replaced in
-the upload, and the plan says so). huggingface_hub 2.4.0's `upload_folder` itself switches to
-its streamed multi-commit pipeline for large folders when `hf_xet` is installed (there is no
-separate `upload_large_folder` any more), so one call serves small and large exports.
-
-Network: huggingface_hub's shared HTTP client has no timeout (`timeout=None`; its knobs
-`HF_HUB_ETAG_TIMEOUT` / `HF_HUB_DOWNLOAD_TIMEOUT` only reach the download and metadata calls that
-pass a timeout of their own, and create_repo / preupload / commit pass none), so a Hub that
-accepts the connection and never answers would hang the push forever. For the duration of the
-upload `_bounded_http` installs (`huggingface_hub.set_client_factory`) a client whose every request
-times out after `options.timeout` seconds without an answer and is retried up to `options.tries`
-times in all (requests whose body is a stream, the LFS file uploads, cannot be replayed and get one
-try); then the push stops with one line, `<endpoint>: no answer after N s (M tries)`. The previous
-client factory is restored afterwards. Uploads through Xet storage (`hf_xet`, native code) are
-outside this client; the Hub calls before them (create_repo, preupload) are not.
-Status lines (the checker's summary, its problems) go to `echo`, by default `nvfp4tool.progress.info`;
-huggingface_hub's own upload bars are silenced under the quiet reporter (`nvfp4tool --quiet`).
+Every refusal (validation and its custody, check, the record's claims) comes before any staging or
+network; `dry_run` stops before the token. Requests time out after `options.timeout` seconds.
+Design notes: docs/design/hub.md.
 """
 
 from __future__ import annotations

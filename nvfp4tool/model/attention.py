@@ -1,25 +1,9 @@
 """Attention: which keys each query may see (`AttentionMask`), and the attention math (`attend`,
 through `jax.nn.dot_product_attention`) on the implementation `attention_implementation` picks.
 
-A mask is either structured or explicit:
-  causal(window)    unpadded rows, no cache (training, the loss, `final_hidden`, layer-by-layer
-                    runs): query t sees keys s <= t, and with a sliding window W only those with
-                    t - s < W (HF's `sliding_window`). Given to jax as `is_causal=True,
-                    local_window_size=(W - 1, 0)` (jax allows `left` keys before the query, so
-                    W - 1 of them and the query itself are W keys; cuDNN's
-                    `sliding_window_length` = left + 1 = W), so no [B, T, S] array exists.
-  explicit(allowed) anything else (padding on either side, a prefill or a decode step against a
-                    cache): a [B, T, S] bool array from `attention_allowed`.
-
-Implementations: "cudnn" (cuDNN's fused flash attention: never materialises the [T, S] scores,
-skips the blocks above the diagonal and outside the window) where it applies, else "xla" (einsum,
-softmax in fp32, einsum). What cuDNN accepts through jax 0.10.2: q/k/v of one dtype, bf16 or fp16;
-head dim a multiple of 8, at most 128 (256 from Hopper on; we keep 128 so the choice does not
-depend on the GPU); an even sequence length (jax's check for the gradient treats its placeholder
-bias as a bias, and cuDNN needs even lengths with a bias); GQA natively; masks only as a causal
-flag, right-padding sequence lengths and a left window with causal, so an explicit mask always
-takes XLA. Both give the same attention up to
-fp32 summation order and the bf16 rounding of the probabilities.
+Masks are causal (with a sliding window; no [B, T, S] array) or explicit (`attention_allowed`);
+"cudnn" (flash attention) where it applies, else "xla": the same attention up to fp32 summation order.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The other mixers of the hybrid Nemotron-H family (reference sheet section 12), as Flax modules
 with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
 
-    norm = RMSNorm(E, eps=1e-5, param_dtype=..., scale_in_fp32=True)   # model/layers.py's, as NemotronH's
-    mlp = ReLU2MLP(E, F, prefix="model.layers.1.mixer", ...)      # down(relu(up(x))^2), no gate
-    moe = HybridMoE(E, experts, prefix="model.layers.4.mixer", ...)
-    y_BxTxE, side = moe(x_BxTxE, seam)
-
-Every linear goes through the linear seam under its HF name (`up_proj`, `down_proj`,
-`experts.{e}.up_proj`, `shared_experts.down_proj`, `fc1_latent_proj`, ...), so recipes, exports and
-calibration treat them as any other. The MoE router (`gate.weight` [N, E] and
-`gate.e_score_correction_bias` [N], both FP32 in the checkpoints) runs in fp32 through the seam
-(its logits recorded under its name, as `layers.SparseMoE`'s); `route_grouped_sigmoid`
-chooses the experts; the routed experts (non-gated relu2, optionally between `fc1_latent_proj` and
-`fc2_latent_proj`) compute densely with the rows of tokens not routed to them zeroed, as
-SparseMoE's; their weighted sum in fp32 is cast to the input dtype before the latent up-projection,
-then the shared expert's output on the block input is added (transformers 5.24's order).
-
-`HybridBlock` is one layer of the `nemotron_h` family: its norm, the mixer of its kind, the residual.
+`ReLU2MLP` (down(relu(up(x))^2), no gate), `HybridMoE` (FP32 grouped-sigmoid router, relu2 experts,
+shared expert), `HybridBlock` (one `nemotron_h` layer). Every linear goes through the linear seam.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

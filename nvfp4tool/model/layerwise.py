@@ -1,37 +1,11 @@
 """Run a model layer by layer over token windows, its weights held whole or read one layer at a time.
 
-    model = LayerwiseModel.held(causal_lm)                      # a model in memory (as stored)
-    model = LayerwiseModel.streamed(config, source, compute_dtype=jnp.float32)  # read per layer
-    model = LayerwiseModel.open(config, build=..., source=..., offload="auto", ...)  # either, decided
-    for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):  # linear.Plain
+    model = LayerwiseModel.open(config, build=..., source=..., offload="auto", ...)  # held or streamed
+    for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):
         ...
 
-Every use of a model that is not generation (validate's logits and per-layer SQNR, export
-calibration, the sensitivity search) runs here, in one of two modes with the same numbers:
-* held: the whole model is in memory (a `CausalLM`, its weights in their stored dtypes); windows
-  go through it `batch_size` at a time, layer after layer;
-* streamed (`--offload`): all windows go through layer i, then layer i+1; layer i's weights are
-  read from the source (`get(HF name)`: an array or a stored quantized weight) just before and
-  dropped just after, so the peak is one layer + embeddings / final norm / LM head + the
-  activations of the windows.
-`sequential` is GPTQ's pass (all windows through layer i, then the caller replaces some of layer
-i's weights and the windows go through it again for layer i+1), in either mode.
-Each batch runs the same compiled block program in both modes (one program for every layer: the
-blocks are built with the scanned-layer names `model.layers.*....`), so the modes agree exactly.
-
-A `Tap` (`model.linear`) is the linear seam with a recorder: `tap(x, w, b, name=, aux=) -> (y, record | None)`;
-`aux` is what the caller hands each layer (`aux(i)`, `aux(None)` for the LM head: e.g. another
-model's weights of that layer). Records come back per batch through `on_record(name, record)`
-with the layer's real name (`model.layers.3.mlp.up_proj`). A `KVTap` is the KV seam (`model.kv`)
-with a recorder, `kv_tap(k, v, name=, aux=) -> ((k, v), record | None)`, its records delivered the
-same way under the attention's name (`model.layers.3.self_attn`).
-
-Devices: `open` runs on every device when there are several (`model.sharding.model_mesh`). With a
-`mesh`, each weight is laid out over it as training lays out its state (fsdp: sharded over its
-largest divisible axis; held: as the model is built, streamed: as each layer is read), so a model
-larger than one device's memory runs on several. Each step all-gathers the weights it uses (its
-layer, the embeddings / LM head) and runs replicated on replicated windows, as FSDP does: memory
-is 1/N of the weights + one layer whole per device, and the numbers are exactly those of one device.
+Both modes run the same compiled block program (the same numbers); `sequential` is GPTQ's pass.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

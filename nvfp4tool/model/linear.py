@@ -1,26 +1,10 @@
 """The seams: every projection of the model (and the LM head) calls one pluggable function, every
 attention hands its keys and values to another, and what they record comes back as a value.
 
-A `LinearFn` gets the activation `x_...xK`, the weight in HF orientation `w_NxK` (K = the
-contraction axis, the one NVFP4 quantizes along), an optional bias `b_N`, and the layer's HF
-module name (`"model.layers.3.mlp.gate_proj"`, `"lm_head"`; in a scanned run of layers, or a
-layer-by-layer block program, the index is `*`: `"model.layers.*.mlp.gate_proj"`), and returns
-`y_...xN` in the dtype of `x`. Recipes (bf16 / fp8 / nvfp4) are LinearFns chosen by name; the
-model code never changes. Embedding lookup, norms and attention math (QK^T, softmax, PV) do not
-go through the seam.
-
-A `Tap` is a linear seam that records: `tap(x, w, b, name=, aux=) -> (y, record | None)`, `aux`
-being what the caller hands the layer (its SR keys and quantized weights in training, another
-model's weights, the export's scales); a `KVTap` is the KV seam that records,
-`kv_tap(k, v, name=, aux=) -> ((k, v), record | None)`. `Plain` makes a LinearFn a Tap.
-
-A `Seam` is what the model is called with, explicitly: the linear tap, the KV tap, whether sparse
-MLPs show every token to every expert (`all_experts`: calibration; the output is unchanged,
-unrouted experts still weigh 0), the aux of each layer (`aux_of(i)`, `aux_of(None)` for the LM
-head) and which layers are treated alike (`treatment(i)`: consecutive layers of one kind and
-one treatment form one scanned run, `model.transformer`). Modules return their side results as
-values (`Side`: the taps' records by name and the routers' logits), never through containers
-filled while tracing, so `jax.checkpoint` and `jax.lax.scan` carry them like any output.
+`LinearFn(x_...xK, w_NxK, b_N, name) -> y_...xN` (HF orientation, K the contraction axis); `Tap` /
+`KVTap` record, `Plain` makes a LinearFn a Tap; a `Seam` is what the model is called with; `Side`
+holds the taps' records and the routers' logits.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
 """The Mamba-2 mixer of the hybrid Nemotron-H family (reference sheet section 12), between its two
 linears: `in_proj`'s output in, `out_proj`'s input out, so both linears stay on the linear seam
-(quantized like any other) and everything here runs in higher precision.
+(quantized like any other) and everything here runs in higher precision (the SSM in fp32).
 
-    shape = MambaShape(heads=8, head_dim=16, groups=2, state=16, conv_kernel=4, chunk=128)
-    y_BxTxI, state = mixer(zxbcdt_BxTxF, params, shape, mask_BxT=mask)     # prefill / full sequence
-    y_Bx1xI, state = mixer(zxbcdt_Bx1xF, params, shape, state=state)       # one decode step
     block = Mamba2Mixer(hidden, shape, prefix="model.layers.0.mixer", ...)   # the Flax module
     y_BxTxE, state, side = block(x_BxTxE, seam, mask_BxT=mask)              # in_proj, mixer, out_proj
 
-`in_proj`'s rows split z | x | B | C | dt (I = heads x head_dim, G groups of N state channels):
-F = I + (I + 2 G N) + heads. x | B | C go through the depthwise causal conv1d (+ bias) and SiLU;
-dt = softplus(dt + dt_bias) limited to `dt_limit`; A = -exp(A_log); the selective state space
-recurrence per head h (B and C shared by the heads of a group)
-
-    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T        y_t = h_t C_t + D x_t
-
-is computed by the chunked SSD scan (`ssd_chunked`: exact quadratic attention-like form inside a
-chunk, the recurrence between chunks) or step by step (`ssd_recurrent`, decode); both in fp32.
-Then y * silu(z) normalised per group of I / G channels (RMSNorm, weight multiplied in fp32) is
-`out_proj`'s input, cast to the compute dtype.
-
-dt's limit follows the config's `time_step_limit` as serving does (vLLM's `mamba_mixer2.py`,
-NVIDIA's `mamba_ssm` kernels; default (0, inf): no limit). transformers 5.24's PyTorch path instead
-clamps dt below at `time_step_min` in prefill (and not in decode); parity fixtures keep dt above it.
-
-Padding: masked positions (`mask_BxT` False, left padding) have their block input zeroed by the
-caller before `in_proj` and their conv output zeroed here, so they add nothing to the state (as
-transformers' `apply_mask_to_padding_states`).
-
-Decode state (`MambaState`): the conv window's last K - 1 inputs and the SSM state [B, H, P, N],
-both fp32; a prefill returns them, each decode step advances them; cached generation equals
-recomputation.
-
-Proven against transformers' NemotronHMamba2Mixer (tests/model/test_nemotron_h_pieces.py); the
-`nemotron_h` family's Mamba layers are `hybrid.HybridBlock`s around it.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

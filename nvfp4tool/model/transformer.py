@@ -1,37 +1,10 @@
 """The Llama-family decoder in Flax NNX (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, and the
 mixture-of-experts Qwen3-MoE and Mixtral).
 
-Pre-norm blocks: RMSNorm (fp32 inside, as HF) -> GQA attention with RoPE (half-split layout,
-optional llama3 scaling, optional per-head q/k RMSNorm, optional q/k/v(/o) bias, optional
-sliding window) -> residual -> RMSNorm -> SwiGLU MLP, or a sparse MLP (`SparseMoE`: a router
-picks the top-k experts of each token, each a SwiGLU MLP) -> residual; final RMSNorm; LM head
-(tied or not). Module attribute names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` is the path
-of that parameter (see `weights.py`). Every projection goes through the linear seam (`linear.py`);
-the LM head too, under the name "lm_head", so a recipe can keep it in high precision by name.
-Keys (after RoPE) and values go through the KV seam (`kv.py`, identity by default) before they are
-cached and used, under the attention's name ("model.layers.3.self_attn"). The attention math itself
-is `attention.attend` (`jax.nn.dot_product_attention`, cuDNN flash attention on a CUDA GPU) under an
-`AttentionMask`: causal (with the sliding window) for unpadded rows without a cache, the training
-path; an explicit [B, T, S] array (`attention_allowed`) for padding and cached generation.
-
-The seams come in one explicit `linear.Seam`; every module returns its output and its side results
-(`linear.Side`: the taps' records, the routers' logits), a block also its keys and values.
-
-Scanned layers (`scan_layers=True`): the parameters stay per layer (`model.layers.3....`, as stored
-and checkpointed), and each run of consecutive layers of one kind and one treatment
-(`Seam.treatment`: training's precision of each linear) runs as one `jax.lax.scan` over the run's
-stacked parameters and stacked per-layer aux (`layer_runs`); the program then traces one block per
-run, whose linear names read "model.layers.*....", so compile time stops growing with depth. The
-stacking copies the run's weights once per call. Side results come out of the scan stacked and
-are given back under each layer's own name.
-
-Remat (`remat="block"|"full"`, `remat.py`): each block runs under `jax.checkpoint`; every linear's
-output is tagged (`linear_output`) for the `block` policy to keep.
-
-Padding: `attention_mask_BxT` (1 = token, 0 = padding, left or right) hides padded keys; padded
-query rows produce garbage that callers ignore. Default positions are `cumsum(mask) - 1`, so a
-left-padded row starts at position 0 like HF's `generate` (HF's plain forward uses 0..T-1 instead:
-pass `positions` explicitly to reproduce that).
+Attribute names mirror HF's (`model.layers.3.self_attn.q_proj.weight`). Every projection and the LM
+head ("lm_head") go through the linear seam (`linear.py`), keys and values through the KV seam
+(`kv.py`); `scan_layers=True` runs each run of like layers as one `jax.lax.scan`.
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations

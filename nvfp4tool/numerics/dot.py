@@ -4,28 +4,8 @@
     y = linear_output(y_f32, b_N, x.dtype)          # + fp32(bias), then cast
     y = dense(x, w_NxK, b_N, compute_dtype=bf16)    # the plain (BF16) linear layer: both of the above
 
-Every unquantized linear (the model's default seam, the BF16 layers of a recipe, calibration, the
-serving simulation) is `dense`. The emulated quantized GEMMs take BF16 operands too, with `dot_nt`
-at `precision=None` (XLA's default: the BF16 tensor-core GEMM on a GPU): the NVFP4 matmul
-(`numerics.gemm`) contracts e2m1(code) x e4m3(block scale), exact in bf16, and applies the global
-decode factor to the fp32 result; the FP8 baselines (`recipes.fp8_dot`) likewise feed BF16
-operands. A bf16 x bf16 product is exact in fp32, so these equal the fp32 products of the same
-values up to summation order: no quantized training GEMM needs precision HIGHEST (fp32
-products, as the RHT and GPTQ's fp32 math use, still do).
-
-    w32 = computed_after(x, lambda w: w.astype(jnp.float32), w_bf16)   # widened once x exists
-    y = dense_widening(x, w_bf16, b_N)              # dense, w widened a block of rows at a time
-
-`computed_after` is for programs that widen or decode many stored weights (a model held as stored,
-run in fp32): XLA schedules a conversion that depends only on a parameter at the start of the
-program, so every weight of a layer would sit converted in memory at once; computed inside a
-conditional on `x` (both branches the same), each is made only when its GEMM's input exists and
-freed after it. The values are the same either way. (A conversion inside a loop whose `x` does not
-change between iterations is still hoisted out of it. A conditional that computes nothing, an
-identity `fn`, is removed by XLA and orders nothing: put the work that has to wait, e.g. the GEMM
-itself, in `fn`.) `dense_widening` goes one step further for a
-large weight (the LM head of a large vocabulary): it widens and multiplies `WIDEN_BYTES` of rows at a
-time, each block after the previous block's product, so one block is widened at a time.
+`computed_after` / `dense_widening`: widen stored weights only when their GEMM's input exists.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

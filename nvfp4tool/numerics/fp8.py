@@ -1,17 +1,9 @@
 """FP8 (E4M3 / E5M2) current-scaling quantizers: the FP8 baselines the NVFP4 recipe is compared to.
 
-    scale = amax / fmt_max        (fp32 decode scale; 1 where amax is 0 or scale underflows;
-                                   `fp8_decode_scale`), or a given static scale (`scale=`)
-    data  = fp8_rne(clamp(x / scale, -fmt_max, fmt_max))   # clamp first: e4m3fn overflow is NaN
-    x~    = fp32(data) * scale
-
-amax is taken per granularity, always with K = the last axis:
-  "tensor"        one scale, shape []                     (TE Float8CurrentScaling)
-  "channel"       one per row of [..., N, K], shape [..., N, 1]
-  "block128"      1x128 along K, shape [..., N, ceil(K/128)]    (paper: activations, gradients)
-  "block128x128"  128x128 tiles, shape [..., ceil(N/128), ceil(K/128)]  (paper: weights)
-Ragged edge blocks use the elements that exist. Subnormals are flushed as in blocks.py.
-Two FP8Arrays quantized along K multiply with `fp8_gemm.fp8_matmul` (BF16 operands, fp32 sums).
+scale = amax / fmt_max (an fp32 decode scale, `fp8_decode_scale`, or a given static `scale=`),
+data = fp8_rne(clamp(x / scale)), x~ = fp32(data) * scale; amax per granularity along K (the last
+axis): "tensor", "channel", "block128", "block128x128". `fp8_gemm.fp8_matmul` multiplies two.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """FP8 x FP8 matrix product `a @ b.T` with BF16 operands and fp32 accumulation (emulation).
 
-Every FP8 value (e4m3: 4 significant bits, e5m2: 3; exponents within bf16's) is exact in bf16, and
-the product of two is exact in fp32, so a BF16 dot of the FP8 data with fp32 accumulation computes
-what an FP8 tensor-core GEMM computes, up to the order of the fp32 sum. The decode scales are
-applied in fp32 after the dot; where they vary along K they cannot be factored out of the whole sum
-(and data * fp32 scale is not exact in bf16), so the sum is split at the scale boundaries:
-
-  scales constant along K ("tensor", "channel", either operand):
-      out[m, n] = bf16_dot(a_data, b_data)[m, n] * (scale_a[m] * scale_b[n])
-      (TE's Float8CurrentScaling GEMM for "tensor" x "tensor")
-  scales per 128 along K ("block128", "block128x128", either operand; DeepSeek-style):
-      out[m, n] = sum_c bf16_dot(a_data[:, chunk c], b_data[:, chunk c])[m, n]
-                        * (scale_a[m, c] * scale_b[n, c])          (c = 0 .. ceil(K/128) - 1)
-      each chunk's [M, N] partial scaled in fp32, chunks accumulated in fp32 in order of c.
-
-The scale product is flushed to zero below 2**-126, as `gemm.nvfp4_matmul`'s global factor, so it
-is the same on every backend. A ragged last chunk (K not a multiple of 128) holds the elements
-that exist, as `quantize_fp8`'s block128 amax does: it is one more, shorter dot after the loop
-(not zero padding, which costs a copy of both operands).
-
-The block path is a `lax.fori_loop` over the whole chunks, one [..., M, 128] x [N, 128] BF16 dot each,
-accumulated into one fp32 [..., M, N]: memory is bounded by one output and one partial for any K
-(a batched dot over all chunks would hold [K/128, ..., M, N]). On a GPU each chunk is a K=128 GEMM
-plus an [M, N] fp32 read-modify-write, so this path runs below the tensor cores' peak; the
-per-tensor path is one BF16 GEMM.
+FP8 values are exact in bf16 and their products exact in fp32, so a BF16 dot computes what an FP8
+tensor-core GEMM does, up to summation order. Scales constant along K multiply the result once;
+scales per 128 along K split the sum into 128-wide chunks, each scaled in fp32.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

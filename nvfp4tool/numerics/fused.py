@@ -1,48 +1,9 @@
 """Fused NVFP4 quantizers as Pallas kernels: one read of the input, the consumer's output written.
 
 `fused_quantize(x_RxK, global_amax, ...)` quantizes a 2-D matrix along its last axis (or, with
-`transpose=True`, along its first axis) exactly as `quantize_nvfp4` does, in one kernel:
-
-* block "1d" (1x16 scales) or "2d" (16x16 tiles: one scale per 16 rows x 16 K-elements);
-* rounding "rne", or "stochastic" with the random bits passed in (`bits`, uint32, shaped like
-  the quantized operand, i.e. [R, K], or [N, M] for a transposed [M, N] input): hand it
-  `stochastic_bits(key, shape)` and the result equals the keyed XLA path bit for bit;
-* `rht=True`: the 16-point Hadamard transform (`rht16_last_axis`) applied to each 16-element chunk
-  along the quantized axis inside the kernel, rounded to x's dtype as `rht16` does, then quantized;
-* `transpose=True`: x [M, N] is quantized along M (the blocks run down its columns) and the
-  result is laid out as the quantization of x.T along its last axis, [N, M] (what the backward
-  pass's GEMMs consume), with no XLA transpose of the input: each kernel instance transposes its
-  tile in registers.
-
-Outputs (`mode`):
-* "packed": an `NVFP4Array` of the operand (x, or x.T) along its last axis: uint8 codes two per
-  byte (`pack_codes` order) and float8_e4m3fn block scales (the native Blackwell operands).
-* "operand": an `NVFP4Operand`, what `nvfp4_operand` gives: bf16 e2m1(code) * e4m3(block scale)
-  WITHOUT the global decode factor S_dec (exact in bf16, see `numerics.nvfp4`), and S_dec, for the
-  emulated GEMM (`nvfp4_operand_matmul`), which multiplies its fp32 result by S_dec.
-
-The global amax is an input (an fp32 scalar: the tensor's or a fused group's amax; the kernel does
-not reduce over the whole tensor), turned into S_enc / S_dec by `nvfp4_global_scales`. Every
-formula is the numerics' own (`nvfp4_block_amax`, `nvfp4_block_scales`, `encode_nvfp4_blocks`,
-`decode_nvfp4_blocks`, `pack_codes`, `rht16_last_axis`) applied to one tile, so the bytes equal
-`quantize_nvfp4`'s.
-
-Grid and tiling: the quantized operand [R, K] is cut into tiles of `_TILE_ROWS` rows (a multiple
-of 16, so 2d tiles never straddle two kernel tiles) x `_tile_cols(K)` K-elements (the largest of
-256, 128, ..., 16 dividing K, so 1x16 blocks and RHT chunks never straddle either); the grid is
-(ceil(R / rows), K / cols). R need not be a multiple of the tile: rows past the end are zeroed
-before a 2d tile max (they cannot raise a max of |x|) and their outputs are dropped.
-
-Interpret mode: on the CPU, Pallas has no compiler; `interpret=None` runs the kernels with
-`interpret=True` there (the kernel body is evaluated as XLA ops, tile by tile), which is how the
-tests prove them bit-exact. Compiled, they go through Pallas' Triton lowering (chosen explicitly:
-jax's default GPU lowering, Mosaic GPU, wants warpgroup-sized copies and refuses the scalar amax
-block); the kernel body is traced without the XLA-only `xla_barrier`s there, which Triton cannot
-lower and does not need (it has no algebraic simplifier to guard against). The tests cross-lower
-the kernels for CUDA on the CPU; compiling that Triton IR and running it needs a GPU (not done
-yet). The NVFP4 recipe (`recipes.nvfp4_dot`, `quantizer="pallas"`, the default on a GPU) quantizes
-every GEMM operand with one call of `fused_quantize`; the XLA quantizers remain the CPU path and
-the reference.
+`transpose=True`, along its first) exactly as `quantize_nvfp4` does, in one kernel: 1d or 2d
+blocks, RNE or stochastic rounding, optional RHT; `mode` "packed" or "operand". CPU: interpret mode.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """NVFP4 x NVFP4 matrix product `a @ b.T` with TE's GEMM semantics, emulated or native.
 
-Semantics: every element is e2m1(code) * fp32(block scale); products are summed in fp32; the two
-global decode scales (S_dec_a * S_dec_b, i.e. amax_a * amax_b / 2688^2 up to fp32 rounding of
-the reciprocals, the same S_dec that `dequantize_nvfp4` uses) multiply the result once at the end.
-
     y = nvfp4_operand_matmul(a_op, b_op)   # NVFP4Operands (nvfp4_operand / fused_quantize): training
     y = nvfp4_matmul(a_q, b_q)             # packed NVFP4Arrays: emulated, or native on Blackwell
 
-The emulation (`nvfp4_operand_matmul`, and `nvfp4_matmul`'s "emulated" backend, which decodes the
-packed codes to the same operand) contracts BF16 operands e2m1(code) * e4m3(block scale), exact in
-bf16 (see `numerics.nvfp4`), in one BF16 `dot_general` with fp32 accumulation (precision DEFAULT:
-the BF16 tensor-core GEMM on a GPU; a bf16 x bf16 product is exact in fp32, so nothing is lost
-against an fp32 HIGHEST product of the same values), then multiplies by S_dec_a * S_dec_b. The sums
-are those of the fp32 dequantized operands up to summation order (on the CPU the same bits: tested).
-
-Backends of `nvfp4_matmul`:
-  "emulated"  decode code * block scale (`decode_nvfp4` with S_dec = 1, to bf16: exact), then the
-              emulation above. Runs everywhere.
-  "native"    `jax.nn.scaled_matmul` on float4_e2m1fn data and float8_e4m3fn scales. Needs a
-              CUDA GPU (no CPU lowering in jax 0.10); on Hopper XLA rewrites it to a dequantize +
-              dot, on Blackwell (compute capability >= 10) cuDNN runs it on FP4 tensor cores.
-  "auto"      "native" where it is native (CUDA compute capability >= 10.0), else "emulated".
+Products summed in fp32; S_dec_a * S_dec_b applied once at the end. Backends: emulated, native, auto.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

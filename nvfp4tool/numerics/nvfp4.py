@@ -1,48 +1,9 @@
 """NVFP4 quantize / dequantize / pack / fake-quantize, bit-exact to TE's reference formulas.
 
-Semantics (sheet section 2), all in IEEE fp32 with round-to-nearest-even:
-
-    S_enc = 2688 / gamax  (min FLT_MAX; 1 if gamax == 0 or S_enc == 0);  S_dec = 1 / S_enc
-    sdb   = bamax * (S_enc * fp32(1/6))          # TE >= 2.15 product order
-    scale = e4m3_rne(clamp(sdb, 0, 448))         # stored block scale
-    enc   = min(1 / (fp32(scale) * S_dec), FLT_MAX)
-    code  = e2m1_rne_satfinite(x * enc)
-    x~    = (e2m1(code) * fp32(scale)) * S_dec   # flushed; the decode of stored bytes too
-
-Each line has one implementation here, and every caller in the package uses it: the tensor-level
-API (`quantize_nvfp4`, `dequantize_nvfp4`, `fake_quantize_nvfp4`, and `nvfp4_operand`, the BF16
-operand of the emulated GEMM, see below), `decode_nvfp4` for stored
-bytes with a stored S_dec (the serving simulation), and the block-level pieces for callers that
-choose their own scales (export's scale search): `nvfp4_block_amax`, `nvfp4_block_scales`,
-`encode_nvfp4_blocks` (the one E2M1 encoder) and `decode_nvfp4_blocks` (the one decode product).
-
-Choices this module makes (and the tests pin down):
-* Sign: the code's sign bit is the sign bit of x, so a negative value that rounds to zero gets
-  code 8 (-0), as the hardware, ModelOpt and compressed-tensors do (TE's Python reference writes
-  0). An input of -0.0 also gets code 8. Both decode to zero.
-* A given `global_amax` (shared by a fused group) replaces the tensor's own amax. A block whose
-  amax exceeds it saturates: sdb > 448 is clamped to scale 448 and x * enc > 6 to code +-6.
-* K (the length of `axis`) must be a multiple of 16: NVFP4ToolError, no implicit padding.
-* block="2d": one scale per tile of 16 rows x 16 K-elements, written into each 1x16 slot of the
-  tile. The rows are the last axis other than `axis` (for a weight [N, K] quantized along K: N);
-  any axes before it are batch axes (e.g. stacked layers). When N % 16 != 0 the edge tiles use
-  the rows that exist (TE pads with zeros, which cannot change a max of |x|).
-* Non-finite input raises NVFP4ToolError in the public entry when `x` is concrete. Traced
-  callers must check themselves (see `check_finite`).
-* Subnormal fp32 values are flushed to signed zero (blocks.flush_subnormal), on every backend.
-* Packing: element 2i in the low nibble, 2i+1 in the high nibble, along K (the order
-  `lax.bitcast_convert_type` gives for float4_e2m1fn pairs; tested).
-
-The GEMM operand (`nvfp4_operand` -> `NVFP4Operand`): e2m1(code) * fp32(block scale) WITHOUT the
-global decode factor, in bf16, plus that S_dec; the emulated GEMM contracts the bf16 values with
-fp32 accumulation and multiplies by S_dec_a * S_dec_b after. The bf16 values are exact: an E2M1
-magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6) has at most 2 significant bits and an E4M3 scale at most 4
-(a subnormal one, m * 2^-9 with m = 1..7, at most 3), so their product has at most 6 significant
-bits (bf16 keeps 8); nonzero products lie in [0.5 * 2^-9, 6 * 448] = [2^-10, 2688], far inside
-bf16's normal range (2^-126 .. 3.4e38). So no rounding, no subnormal and no flush happens in the
-cast (tested over all 16 codes x all 126 finite positive E4M3 scales), and a bf16 x bf16 product
-(at most 12 significant bits) is exact in the fp32 accumulator: the sums are those of the fp32
-dequantized operands, up to the order in which the GEMM adds them.
+In IEEE fp32 with RNE: S_enc = 2688 / gamax, S_dec = 1 / S_enc; one E4M3 scale per 16 elements
+along K (K a multiple of 16); x~ = (e2m1(code) * fp32(scale)) * S_dec. Entry points:
+`quantize_nvfp4`, `dequantize_nvfp4`, `fake_quantize_nvfp4`, `nvfp4_operand`, `decode_nvfp4`.
+Design notes: docs/design/numerics.md.
 """
 
 from __future__ import annotations

@@ -4,36 +4,8 @@
     dgrad  dX = dY W     dY: 1x16 along N, SR          W: the same 2D-quantized values (along N)
     wgrad  dW = dY^T X   dY^T: RHT, 1x16 along T, SR   X^T: RHT, 1x16 along T, RNE
 
-T is the number of tokens (all leading axes of x flattened). Each piece can be switched off for
-ablations (`NVFP4Options`). Gradients are straight-through: the quantizers' rounding has no
-derivative of its own, and the (fused-group) weight amax gets no gradient.
-
-The GEMMs: with gemm "native" (the default where the FP4 GEMM is native: Blackwell), each
-operand is quantized to a packed `NVFP4Array` and multiplied by `nvfp4_matmul(backend="native")`;
-with "emulated" (the default elsewhere: CPU, Hopper) nothing is packed: each operand is an
-`NVFP4Operand` (bf16 code x block scale, exact, plus its S_dec) and `nvfp4_operand_matmul` runs a
-BF16 GEMM with fp32 accumulation and applies the global decode factors after. Both compute the
-same sums (`numerics.gemm`).
-
-Who quantizes (`NVFP4Options.quantizer`): "xla" builds each operand with the XLA quantizers
-(`nvfp4_operand` / `quantize_nvfp4` of x, x.T or rht16(x.T)); "pallas" makes each operand in ONE
-fused kernel call (`numerics.fused.fused_quantize`: the transpose and the RHT of the wgrad operands
-happen inside the kernel, SR bits are `stochastic_bits` of the same key, so the bytes are the XLA
-path's bit for bit). Which GEMM (`NVFP4Options.gemm`): "emulated" (operands, BF16 GEMM) or
-"native" (packed operands, `packed_matmul`: `nvfp4_matmul(backend="native")` unless a caller
-injects another, as the tests do with the emulated one on the CPU). "auto" is resolved by the
-platform (`resolve_backend`): quantizer "pallas" on a GPU, else "xla" (interpret-mode Pallas on
-the CPU is only for tests); gemm "native" where the FP4 GEMM is native (`native_fp4_available`),
-else "emulated". The trainer resolves both once, records them and passes them explicit.
-The fused kernels take the global amax as an input: the weight's is given (the fused group's), X's and dY's is
-`tensor_amax` of the tensor, and the RHT'd wgrad operands'
-is `tensor_amax(rht16(...))` computed in XLA: one extra read of the tensor, as TE's amax kernel.
-
-The weight's operands (`quantize_weight` -> `NVFP4Weight`): fprop's W along K and dgrad's W^T
-along N. With 16x16 scaling they are one quantization: dgrad's is fprop's transposed
-(`numerics.transpose_2d`, bit for bit), so W is quantized once. A caller may quantize them ahead
-(`nvfp4_dot(..., weight=)`: the trainer does, once per optimizer step, outside the micro-batch
-loop and outside any remat); otherwise the forward quantizes them and keeps them for the backward.
+`NVFP4Options.quantizer` (xla | pallas) and `.gemm` (emulated | native); `resolve_backend` picks "auto".
+Design notes: docs/design/precision.md.
 """
 
 from __future__ import annotations

@@ -3,34 +3,9 @@
     recipe = RecipeConfig(name="nvfp4").resolved()         # NVIDIA's recipe; quantizer / gemm "auto" -> this platform's
     pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
     linear = make_linear(recipe, pmap, key, group_amax)    # a LinearFn: the model's linear seam
-    seam = training_seam(recipe, pmap, model_config, key, (group_amax, weights))  # training's: records
 
-Precision map: `lm_head` and MoE routers always stay BF16 (as do embeddings, norms and attention math, which
-never go through the seam); of the decoder blocks, the first `bf16_first_layers` and the last
-`bf16_last_layers` stay BF16 (defaults: the family's, `Family.bf16_blocks`: the first block and
-ceil(15%) of the blocks at the end; Nemotron-H's 2 and 8 of 62, scaled), plus every module matching one
-of `bf16_patterns` (fnmatch, e.g. "*.mlp.down_proj"); the rest run the recipe.
-
-Fused groups: q/k/v of a block and gate/up of a block are one GEMM in serving engines, which
-take one global scale for the group. The weights of a group are therefore quantized against
-their joint amax (`group_amax`), so the values training uses are exactly the ones export writes.
-Weights are quantized from their BF16 rounding (the dtype the trained model is saved in), for
-the same reason. `quantize_weights` quantizes every NVFP4 weight once (the trainer: once per
-optimizer step, outside the micro-batch loop); `make_linear(..., weights=)` then multiplies with
-those operands instead of quantizing the weight in each call.
-
-Training's seam (`training_seam`): a `RecipeTap` that returns each quantized layer's input amax
-as its record, and per layer an aux holding, for each non-BF16 linear, its SR key, its fused
-group's amax and its quantized weight, keyed by precision and by the name inside the layer
-({"nvfp4": {"self_attn.q_proj": {...}}}). The aux's structure says each linear's precision, so a
-scanned run of layers (whose block program sees `model.layers.*` names) gets every layer's own
-keys and operands as scanned inputs and the same GEMMs as the unrolled layers; layers whose
-structures differ (the BF16 first and last layers) are separate runs (`Seam.treatment`).
-
-The GEMM backend (`quantizer` xla | pallas, `gemm` emulated | native, each "auto" by default) is
-resolved once, `RecipeConfig.resolved()` (auto as `nvfp4_dot.resolve_backend` picks it; gemm
-"native" refused where `jax.nn.scaled_matmul` has no lowering), and then travels explicit in the
-recipe; `backend()` is what a run records of it.
+`lm_head` and MoE routers stay BF16; fused groups share `group_amax`; `training_seam` is training's.
+Design notes: docs/design/precision.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """`Record`: the one strict JSON reader/writer of the files stages hand each other.
 
-    @dataclasses.dataclass(frozen=True)
-    class RunRecord(Record):
-        FILE_NAME: ClassVar[str] = "run.json"
-        step: int
-        note: str | None = None
-
     RunRecord(step=3).write(folder)            # folder/run.json, written atomically
     record = RunRecord.read(folder)            # NVFP4ToolError naming the file on any defect
-    RunRecord.exists(folder)
 
-Reading is strict: a missing file, invalid JSON, a non-object, an unknown key, a missing required
-key, a value of the wrong JSON type or a non-finite number is an `RecordError` (a
-`NVFP4ToolError`, exit 1) whose message names the file and the key. Writing refuses non-finite
-floats (`allow_nan=False`) and replaces the file atomically (temporary sibling + `os.replace`).
-
-Fields hold JSON values (str, int, float, bool, None, lists, dicts) or nested `Record`s; a subclass
-whose fields need more (a dict of nested records, tuples) overrides `_from_json_fields` /
-`to_json`. Type checks follow each field's annotation: `int | None`, `float` (an int is accepted),
-`str`, `bool`, `list[...]`, `dict[...]`, `tuple[...]` (stored as a list), a nested Record; other
-annotations are not checked.
+A subclass declares `FILE_NAME` and its fields; any defect on reading is a `RecordError` (exit 1).
+Design notes: docs/design/records.md.
 """
 
 from __future__ import annotations

@@ -4,14 +4,8 @@
     record = EvalRecord.read(export_dir)
     record.tasks["nvfp4tool_mc"]["nvfp4"]["acc"], record.tasks[t]["paired"]["nvfp4-bf16"]["ci95"]
 
-`tasks` maps each task to {label: {METRIC: value, "n": items, "stderr": ..., [generative tasks:
-"mean_output_tokens", "hit_max_gen_toks", "repeated_4gram_rate"]} for label in bf16 / fp8 /
-nvfp4, "metric": METRIC (the lm-eval metric name: acc, exact_match, ...), "paired": {"nvfp4-bf16" |
-"nvfp4-fp8": {diff, se, ci95, unpaired_se, mcnemar_p, right_to_wrong, wrong_to_right, flip_rate,
-min_detectable}} (empty for a task without per-item 0/1 scores, e.g. perplexity)}; `overall` is the
-same for every paired item of every task pooled. As in validation.json nothing names a local path:
-the export, the source and the reference are `Named` (base name + sha256 of their files).
-`EVAL_FILES` names every file eval writes into the export (validation's hashes and push leave them out).
+`EVAL_FILES` names every file eval writes into the export.
+Design notes: docs/design/records.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """`ExportRecord`: the provenance record `nvfp4tool_export.json` written next to every export
 (by `export/writer.py`) and read by `check` (and the hub card).
 
-What was exported from what, how: tool version; the source by name (its folder name, or Hub id)
-with the sha256 of each weight file (relative to the source); format / quant / scale search /
-weight block; recipe and precision map; calibration data by file name + sha256, the windows
-and tokens it actually gave and what was asked (or the run's tracked amax), for MoE models with all-experts
-calibration and each expert's routed-token count;
-with an FP8 KV cache, each attention layer's calibrated K / V amax (its scales are amax / 448);
-per quantized layer its relative L2 weight error (with `--weight-rounding gptq`, the GPTQ settings and
-per layer also the relative output error on the calibration inputs, after GPTQ and for nearest
-rounding with the same scales); with `--equalize`, the method, every site's scale (statistics and
-the values) and the check of the folded model; and per written tensor its file
-(relative to the export), dtype, shape and sha256 of its bytes, plus, for quantized weights, the
-amax of the decoded weight (max |decode(stored bytes)|), so `check` can tell a tampered tensor and
-a scale that no longer decodes to what was exported. Nothing in it names an absolute path of the
-machine it was made on.
+What was exported from what, how (source by name + sha256, options, calibration, per-layer errors),
+and per written tensor its file, dtype, shape, sha256 and (quantized) decoded amax; no absolute path.
+Design notes: docs/design/records.md.
 """
 
 from __future__ import annotations

@@ -4,14 +4,8 @@ the hub card and `push`).
     record = ValidationRecord.read(export_dir)
     record.passed, record.failures, record.models["nvfp4"]["kl_mean"], record.layers[0].name
 
-Nothing in it names a path of the machine it was made on (it is uploaded with the export): the
-export, the BF16 source, an FP8 reference folder and the evaluation data are each a `Named`: a Hub
-repo id or the folder / file name, plus the sha256 of its files relative to it.
-
-Metric values are floats and may be non-finite in memory (an infinite SQNR of identical weights, a
-NaN metric of a broken model, which fails validation); the file stores those as the strings
-"inf", "-inf" and "nan" (strict JSON has no Infinity), and reading turns them back into floats
-in the metric places (models, layers, thresholds, failures, sensitivity) only.
+No local path (inputs are `Named`); non-finite metrics are stored as "inf", "-inf", "nan".
+Design notes: docs/design/records.md.
 """
 
 from __future__ import annotations

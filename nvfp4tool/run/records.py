@@ -1,24 +1,11 @@
 """The records of a training run: `run.json`, and the export hand-off `input_amax.json` and
 `precision_map.json` (written by `nvfp4tool train`, read by resume, export and validate).
 
-    RunRecord.read(run_dir)              <run>/run.json: the run's configuration, data and teacher hashes
-    record.train_config()                the TrainConfig it ran with (typed, strict)
-    record.recipe_config()               its RecipeConfig; record.weight_block: "2d" | "1d"
-    record.gemm_backend                  {"quantizer": xla | pallas, "gemm": emulated | native}: the
-                                         nvfp4 GEMM path it resolved and trained with (else None)
+    RunRecord.read(run_dir)                  <run>/run.json: the run's configuration, data and teacher hashes
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
     PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "fp8" | "fp8-block"}
 
-A run folder: `run.json`, `WEIGHTS_DIR` (`hf/`: the final BF16 weights with the two map files),
-`CHECKPOINTS_DIR` (`checkpoints/<step>/state`, Orbax), `TOKENIZER_DIR` (a tokenizer trained by
-the run); the trainer writes it, the checkpoint opener reads it.
-
-Schemas. run.json is an object with exactly the keys of `RunRecord` (`config` holds every
-`TrainConfig` key, no more, no fewer; a run.json written before a key of `KEYS_ADDED_LATER` existed
-lacks it and reads as that key's default, which is what such a run did). The two map files keep their flat JSON shape
-`{module name: value}` (what a user reads at a glance), with strict typed readers: input_amax
-values are finite numbers >= 0, precision_map values one of the recipe names
-(`nvfp4tool.recipes.precision.RECIPES`). Any other content is a `RecordError` naming the file.
+Design notes: docs/design/records.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Training data: read documents (text, JSONL, Parquet), tokenize, pack, split, and batch in a
 deterministic, resumable order.
 
-* A `.txt` file is one document; a `.jsonl` line's `text` field is one; a Parquet row's `text`
-  column is one. A folder is read file by file in sorted name order (`*.txt`, `*.jsonl`,
-  `*.parquet`). Text must be UTF-8; a file that is not (binary data), a bad JSONL line or a file
-  without any text is an `NVFP4ToolError` naming the file (and line).
-* Packing: every document's tokens followed by the end-of-text id, concatenated, cut into
-  non-overlapping windows of `seq_len + 1` tokens (inputs = window[:-1], targets = window[1:]);
-  the ragged tail is dropped.
-* Eval split: the last `eval_fraction` of the windows (at least one), never seen in training.
-* Order: batch `b` (counted from 0 over the whole run) is a pure function of (seed, b): epoch
-  `e` uses `np.random.default_rng([seed, e])`'s permutation of the training windows. Resuming at
-  step s needs nothing but s.
+Windows of `seq_len + 1` tokens (each document's tokens and the end-of-text id, concatenated); the last `eval_fraction`
+is the eval split; batch `b` is a pure function of (seed, b), so a resume at step s needs only s.
+Design notes: docs/design/training.md.
 """
 
 from __future__ import annotations

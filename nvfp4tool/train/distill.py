@@ -3,17 +3,9 @@ frozen BF16 teacher's next-token distribution, from the two models' final hidden
 
     loss = w * T^2 * KL(p_teacher^T || p_student^T) + (1 - w) * CE(next token)
 
-mean over the tokens (the plain cross-entropy's tokens: every position of the windows), with
-p^T = softmax(logits / T), w = `distill_weight`, T = `temperature`. The reported "kl" is the mean
-KL at temperature T (not scaled by T^2), "ce" the student's plain next-token cross-entropy.
-
-Memory: neither model's [tokens, V] logits exist whole. `chunked_terms` walks the vocabulary in
-chunks of the two LM heads' rows (a `lax.scan`), keeping per token online log-sum-exps of both
-models and the running sum of p_t (t - s), rescaled as the teacher's log-sum-exp grows; then
-KL = sum p_t (t - s) - lse_t + lse_s (t, s: logits / T). Each chunk's body is rematerialised in
-the backward pass (`jax.checkpoint`), so the gradient also holds one [tokens, chunk] block at a time.
-The last chunk is the last `chunk` rows (overlapping its predecessor; the rows seen before are
-masked out), so a vocabulary that the chunk does not divide needs no padded copy of the heads.
+w = `distill_weight`, T = `temperature`. `chunked_terms` walks the vocabulary in chunks, so neither
+model's [tokens, V] logits exist whole.
+Design notes: docs/design/training.md.
 """
 
 from __future__ import annotations

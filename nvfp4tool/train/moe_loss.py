@@ -4,15 +4,7 @@
     aux = load_balancing_loss(list(side.router_logits.values()), config.experts.num_experts_per_tok)
     loss = cross_entropy(...) + config.experts.router_aux_loss_coef * aux
 
-`load_balancing_loss` is transformers' `load_balancing_loss_func` (Qwen3-MoE and Mixtral share it;
-Switch Transformer eqs. 4-6): over the tokens of every sparse layer together (mask-weighted, so
-padding does not count), the fraction of top-k assignments each expert got times its mean router
-probability, summed over the experts and multiplied by the number of experts (perfect balance
-gives k). The softmax runs in fp32 (transformers: in the logits' dtype; equal for fp32 models) and
-the top-k choice is `route`'s, the one the model routes with.
-
-The logits come back from the model as side results (`model.linear.Side`), one entry per sparse
-layer in layer order, whether the layers run unrolled or scanned.
+Design notes: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """One optimizer step and one eval step, as pure functions of the train state (jit-able).
 
-The train state is a plain pytree (what Orbax checkpoints and the mesh shards):
-    {"params":    the model's parameters (FP32 master weights, nested dict),
-     "opt_state": optax state (FP32),
-     "amax":      {linear name: float32[amax_history]} max|x| of each quantized layer's input,
-                  newest first (export takes the max),
-     "step":      int32, optimizer steps taken}
-A step quantizes the NVFP4 layers' weights once (`recipes.precision.quantize_weights`: the
-weights do not change within a step; with 16x16 scaling one quantization serves fprop and dgrad),
-then runs `grad_accum` micro-batches (a `lax.scan`) with those operands, averages their gradients, clips, updates,
-and reports loss (an MoE model: with its weighted load-balancing loss, also reported unweighted as
-"aux_loss"; a distillation run: also "kl" to the teacher, and "ce" when mixed with it), gradient
-norm and whether both were finite; the caller decides what a non-finite step means (the returned
-state is then not to be used).
-
-Distillation (`distill`, `nvfp4tool.train.distill`): the teacher's parameters (BF16, frozen) are an
-argument of the steps beside the state, never part of it (so never in the optimizer state nor in a
-checkpoint).
+The state is a plain pytree {"params" (FP32 master weights), "opt_state", "amax" (per quantized
+layer's input, newest first), "step"}; a step quantizes the NVFP4 weights once, scans `grad_accum`
+micro-batches and reports loss, gradient norm and whether both were finite.
+Design notes: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -4,23 +4,7 @@
     problem = reference_mismatch(fp8_dir, record)            # the --reference FP8 export of another source?
     hashes = validated_files(export_dir)                    # {absolute path: sha256} recorded as `export`
 
-* The BF16 source validate opens must be the source the export was made from, as its provenance
-  record (`nvfp4tool_export.json`, `records.export.SourceRecord`) names it: the same kind (HF folder
-  or training run, at the recorded step) with exactly the recorded weight files (relative to the
-  source) and their sha256 (`records.export.sha256_file`, the one hasher). The first missing or
-  differing recorded file is named (then the first extra one); for a differing file, also the
-  first tensor that the export stored unchanged (BF16 embeddings, norms, kept layers: same name,
-  dtype and shape) whose bytes differ from the export's copy, when there is one (a changed
-  quantized weight cannot be compared: its original bytes are not stored). A MaxText source cannot be compared:
-  validate reads HF sources
-  only (a MaxText checkpoint must be converted to HF first, with other bytes), so an export of a
-  MaxText checkpoint is always a mismatch (`validate --source-mismatch-ok` runs it anyway and
-  says so in the report).
-* An FP8 export given as `--reference` must record the same source (name aside: the same weight
-  files and sha256) as the export, when both carry provenance records.
-* validation.json's `export` hashes cover every file `push` uploads (`upload_files`, owned here,
-  below both stages, and what `hub.upload` sends) except the reports validate itself writes into
-  the export (`report.REPORT_FILES`) and the model card push generates (`CARD_FILE`).
+Design notes: docs/design/validate.md.
 """
 
 from __future__ import annotations

@@ -5,33 +5,8 @@ at a time, each held as stored (or streamed layer by layer).
         record = run_validation(inputs)    # a ValidationRecord
     run = validate_export("out/m-nvfp4", options, json_copy="v.json")  # + validation.json etc.
 
-The NVFP4 export runs as served (`export.simulate`: weights decoded from the stored bytes inside
-the forward, W4A4 inputs fake-quantized with the stored input scale). The BF16 source is found
-through the export's provenance record (or `source=`); an equalized export's (`export --equalize`)
-BF16 model is the source with the recorded scales folded in (`export.equalize.EqualizedSource`: the
-function the export proved equal to the source's, whose weights the export quantized), so weight
-and output SQNR and the sensitivity search compare like with like. The FP8 reference is an FP8 export folder
-(`reference=PATH`), or made on the fly from the source by `nvfp4tool export --quant fp8` into a
-temporary folder and run through the same simulation (`reference="fp8"`); `reference="bf16"`
-compares against BF16 only. An export with FP8 KV-cache scales (`export --kv-cache fp8`) runs twice:
-as "<quant>" with a plain KV cache, and as "<quant>+fp8-kv" with its keys and values quantized to
-E4M3 with the stored per-layer scales as vLLM caches them (`export.simulate.served_kv`), so the KV
-cache's own effect is the difference of the two rows. Every model computes in fp32 on its weights as
-stored (BF16, or decoded per layer inside the jitted forward), so the only differences are the ones
-quantization makes.
-
-Memory: one model at a time. The BF16 source runs first; its fp32 logits (what every metric
-compares against) are spooled to a temporary file, batch by batch, and the per-layer output SQNR of
-every candidate is measured in the same pass (each quantized linear's BF16 input also goes through
-the candidate's served GEMM, that layer's stored weights read for it). The source is then dropped;
-each candidate runs and is compared against the spool batch by batch, the float64 metric math in
-chunks of tokens (`metrics`), never a [samples, seq, vocab] tensor in memory. Each model is held
-whole in its stored dtypes (`model.layerwise`, "held") or streamed layer by layer ("streamed";
-`offload`: auto decides from the model's size and the available memory, `memory.choose_offload`).
-Greedy generation needs a held model; with a streamed one it is skipped and the report says why.
-The record names the export, the source, the reference and the data by Hub id or folder / file
-name plus sha256 (never a local path: it is published with the export), and records how each model
-ran and the peak memory. Progress (layers, tokens/s) goes through `nvfp4tool.progress`.
+Every model computes in fp32 on its weights as stored.
+Design notes: docs/design/validate.md.
 """
 
 from __future__ import annotations

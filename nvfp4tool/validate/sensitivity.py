@@ -5,21 +5,8 @@
     keep_bf16_file_text(found)  # them as a keep-BF16 file (validate writes it: keep_bf16.txt)
     found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
 
-The unit is a fused group (q/k/v, gate/up: one GEMM in serving engines, kept or quantized whole).
-Each group's harm is the mean KL to BF16 when only that group is quantized; groups are then kept
-in BF16 one at a time, most harmful first, re-measuring the whole model's KL after each, until the
-KL target is met; then each kept group, least harmful first, is quantized again if the target
-still holds without it (harms do not add: a group needed early can be redundant once later ones
-are kept), so no single kept group can be dropped from the result. Every step records the size of
-its model: the searched linears' bits per weight (their stored weights and scales, or BF16 where
-kept) and the whole model's bits per parameter as it would be exported. The model is the export
-as served; a kept group runs its BF16 source weights with unquantized inputs. One compiled program serves every
-combination (the keep flags are
-traced), so the search costs one forward per step, not one compilation.
-
-Memory: the reference is the BF16 logits validation spooled (`model.logit_spool.LogitSpool`); the mixed model
-is the export as stored plus the source's BF16 weights of the quantized modules (about 1.3x the
-BF16 model), held, or streamed a layer of each at a time (`--offload`), never N copies.
+The unit is a fused group.
+Design notes: docs/design/validate.md.
 """
 
 from __future__ import annotations

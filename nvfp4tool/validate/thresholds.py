@@ -1,24 +1,8 @@
 """Pass/fail limits of `nvfp4tool validate` and the check of a validation record against them.
 
-Defaults, from measurements of correct W4A4 RTN exports (16 x 64 tokens; see the report of the
-validate work for the commands):
-
-| model                                  | KL mean | KL p99 | top-1 | ppl incr. | layer weight SQNR |
-|----------------------------------------|---------|--------|-------|-----------|-------------------|
-| tiny trained (Shakespeare, 150 steps)  | 0.0018  | 0.016  | 0.952 | +0.13%    | 20.2-20.6 dB      |
-| tiny random llama3 / qwen3 / mistral   | 0.023-0.032 | 0.060-0.078 | 0.51-0.56 | < 0.2% | 20.2-20.7 dB |
-| the same exports in FP8 (reference)    | 0.0001-0.003 | 0.001-0.007 | 0.83-0.98 | < 0.2% | ~31.5 dB |
-| one block scale x16 in one layer       | 0.00027 (synthetic) | | | | 5.6 dB in that layer |
-
-So: KL mean <= 0.1 and p99 <= 0.5 nats (3x / 6x the worst correct export measured), perplexity
-+10%, and every layer's weight SQNR >= 12 dB (8 dB under RTN's ~20.5 dB; the broken block scale
-sits at 5.6 dB while barely moving the KL). Top-1 agreement has no default limit: on random models
-with near-flat logits it measures tie-breaking (0.51-0.56 for a correct export), not damage.
-
-Non-finite metrics fail whatever the limits (a comparison with NaN is always False, so a NaN
-would otherwise pass every limit): NaN anywhere, -inf anywhere, and +inf in every metric but an
-SQNR (+inf dB is an exact match). They fail with `by` = inf, also when that metric has no limit
-or belongs to the BF16 or FP8 column.
+Defaults: KL mean <= 0.1 and p99 <= 0.5 nats, perplexity +10%, every layer's weight SQNR >= 12 dB;
+top-1 agreement has no default limit. Non-finite metrics fail whatever the limits.
+Design notes: docs/design/validate.md.
 """
 
 from __future__ import annotations
