@@ -80,3 +80,22 @@ def test_train_help_and_list_keys_show_every_key_with_type_and_default():
         ), key
         assert by_key[key].split(None, 1)[1].startswith(kind) and default in by_key[key] and text in by_key[key]
     assert "batch_size" in by_key and "16" in by_key["batch_size"]
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_listing_quietly():
+    """`nvfp4tool train --list-keys | head -1`: SIGPIPE's exit status (141), nothing on stderr."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from nvfp4tool.cli import main; main(['train', '--list-keys'])"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+    first = child.stdout.read(16)  # the reader takes the start of the table, then goes away
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert first.startswith(b"key") and child.wait(timeout=60) == 141 and err == "", err
+    listed = CliRunner().invoke(cli, ["--help"])
+    assert "Llama-family" not in listed.output and "(dense, MoE, hybrid)" in listed.output
