@@ -103,10 +103,17 @@ def _task_file(path: str) -> dict[str, Any]:
     file and the field)."""
     config = _read_task_yaml(path)
     if "group" in config and "task" in config and isinstance(config["task"], list):
+        if not isinstance(config["group"], str) or not config["group"]:
+            raise NVFP4ToolError(f"{path}: `group` is {_yaml_kind(config['group'])}, expected the group's name")
         return config  # a group of tasks: lm-eval resolves its members
     for field in REQUIRED_FIELDS:
         if field not in config:
             raise NVFP4ToolError(f"{path}: the task has no `{field}` field")
+    if not isinstance(config["task"], str) or not config["task"]:
+        raise NVFP4ToolError(
+            f"{path}: `task` is {_yaml_kind(config['task'])}, expected the task's name (a string; "
+            "a list of tasks needs a `group` name)"
+        )
     if config["output_type"] not in OUTPUT_TYPES:
         raise NVFP4ToolError(f"{path}: output_type {config['output_type']!r} is not one of {', '.join(OUTPUT_TYPES)}")
     if config["output_type"] != "loglikelihood_rolling" and "doc_to_text" not in config:
@@ -115,7 +122,45 @@ def _task_file(path: str) -> dict[str, Any]:
         raise NVFP4ToolError(f"{path}: a multiple_choice task without `doc_to_choice`")
     if "dataset_path" not in config and "custom_dataset" not in config:
         raise NVFP4ToolError(f"{path}: the task has no `dataset_path` (e.g. json or parquet with data_files)")
+    if config.get("dataset_path") == "json" and "custom_dataset" not in config:
+        for data in _local_data_files(config):
+            _check_json_data(data, config["task"])
     return config
+
+
+def _yaml_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "an empty string"
+    return {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "a mapping"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+def _local_data_files(config: dict[str, Any]) -> list[str]:
+    """The local files of a task's `dataset_kwargs.data_files` (a path, a list, or split -> path or
+    list; relative to the working directory, as datasets reads them); globs and URLs are left to datasets."""
+    kwargs = config.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    values = list(files.values()) if isinstance(files, dict) else [files]
+    paths = [p for v in values for p in (v if isinstance(v, list) else [v]) if isinstance(p, str)]
+    return [p for p in paths if "://" not in p and not any(c in p for c in "*?[") and os.path.isfile(p)]
+
+
+def _check_json_data(path: str, task: str) -> None:
+    """A json task's data file: not empty, and JSON lines (or one JSON document); the package's
+    JSON readers name the file and the line."""
+    from nvfp4tool.records.base import RecordError, iter_jsonl, read_json_file
+
+    try:
+        rows = sum(1 for _ in iter_jsonl(path))
+    except RecordError as bad:
+        try:
+            read_json_file(path)  # one JSON document (a list of items): datasets reads that too
+        except RecordError:
+            raise NVFP4ToolError(f"{bad} (the data file of task {task})") from None
+        return
+    if rows == 0:
+        raise NVFP4ToolError(f"{path}: empty, no items (the data file of task {task})")
 
 
 def resolve_tasks(specs: tuple[str, ...]) -> tuple[list[str], Any]:
@@ -176,10 +221,13 @@ def _build_tasks(names: list[str], manager) -> dict[str, Any]:
     """Every task built and its dataset read, before any model runs (one line naming the task)."""
     from lm_eval.tasks import get_task_dict
 
+    from nvfp4tool.eval.items import check_items
+
     found = {}
     for name in names:
         try:
-            built = get_task_dict([name], manager)
+            with _datasets_quiet():
+                built = get_task_dict([name], manager)
         except Exception as bad:  # lm-eval / datasets raise anything for a broken task
             raise NVFP4ToolError(
                 f"task {name}: cannot be built ({type(bad).__name__}: {str(bad).splitlines()[0] if str(bad) else ''})"
@@ -192,7 +240,23 @@ def _build_tasks(names: list[str], manager) -> dict[str, Any]:
             raise NVFP4ToolError(f"task {name}: its documents cannot be read ({type(bad).__name__}: {bad})") from None
         if not docs:
             raise NVFP4ToolError(f"task {name}: no documents in its evaluation split")
+        check_items(name, task, docs)
     return found
+
+
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """HF datasets' progress bars ("Generating test split: ...") off while eval builds its tasks
+    (our progress lines say what runs; under --quiet nothing may print)."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
 
 
 def _leaves(tasks: dict) -> dict[str, Any]:
@@ -328,6 +392,13 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
             f"--samples {options.samples}: no task samples (greedy decoding gives the same "
             "text every time); sample with --gen-kwargs do_sample=true,temperature=T"
         )
+    from nvfp4tool.eval.items import check_fewshot
+
+    for name, task in tasks.items():
+        if options.num_fewshot is not None:
+            check_fewshot(name, task, options.num_fewshot, flag="--num-fewshot")
+        else:
+            check_fewshot(name, task, task.config.num_fewshot or 0, flag="its num_fewshot")
     sizes = {name: len(list(task.eval_docs)) for name, task in tasks.items()}
     limits = {name: size if options.limit is None else min(options.limit, size) for name, size in sizes.items()}
     return _Inputs(

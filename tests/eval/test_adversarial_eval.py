@@ -216,6 +216,112 @@ def _(w):
     return (["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--samples", "0"], ("--samples",))
 
 
+# ---------------------------------------------------------------- task items (issue 39: one validator)
+
+GOOD_ITEM = {"question": "1+1?", "options": ["2", "3"], "answer_index": 0}
+
+
+def _items_task(w: World, *items: dict, raw: str | None = None, **change) -> str:
+    """my_mc.yaml over a data file of `items` (JSON lines) or of the text `raw`."""
+    text = raw if raw is not None else "".join(json.dumps(item) + "\n" for item in items)
+    data = w.file("data/mc.jsonl", text)
+    lines = [
+        f"{line.split(':')[0]}: {change[line.split(':')[0]]}" if line.split(":")[0] in change else line
+        for line in GOOD_TASK.format(data=data).splitlines()
+    ]
+    return w.file("tasks/my_mc.yaml", "\n".join(lines) + "\n")
+
+
+@case("eval/item-answer-index-minus-one", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {**GOOD_ITEM, "answer_index": -1})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 1", "answer_index", "-1", "outside")
+
+
+@case("eval/item-answer-index-past-the-options", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, GOOD_ITEM, {**GOOD_ITEM, "answer_index": 2})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 2", "answer_index", "outside")
+
+
+@case("eval/item-empty-options", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {**GOOD_ITEM, "options": []})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 1", "options", "empty list")
+
+
+@case("eval/item-answer-index-boolean", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {**GOOD_ITEM, "answer_index": True})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 1", "answer_index", "a boolean")
+
+
+@case("eval/item-answer-index-not-an-integer", 1)
+def _(w):
+    path = _items_task(w, {**GOOD_ITEM, "answer_index": 0.5})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 0", "answer_index", "a number")
+
+
+@case("eval/item-answer-index-missing", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {"question": "2+2?", "options": ["4", "5"]})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 1", "no `answer_index` field")
+
+
+@case("eval/item-options-missing", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {"question": "2+2?", "answer_index": 0})
+    return ["eval", _pair(w), "--tasks", path], ("task my_mc", "item 1", "no `options` field")
+
+
+@case("eval/task-data-file-empty", 1)
+def _(w):
+    path = _items_task(w, raw="")
+    return ["eval", _pair(w), "--tasks", path], ("data/mc.jsonl", "empty", "my_mc")
+
+
+@case("eval/task-data-file-blank-lines", 1)
+def _(w):
+    path = _items_task(w, raw="\n  \n")
+    return ["eval", _pair(w), "--tasks", path], ("data/mc.jsonl", "empty", "my_mc")
+
+
+@case("eval/task-data-file-not-json", 1)
+def _(w):
+    path = _items_task(w, raw=json.dumps(GOOD_ITEM) + "\nquestion: 2+2?\n")
+    return ["eval", _pair(w), "--tasks", path], ("data/mc.jsonl:2", "not valid JSON", "my_mc")
+
+
+@case("eval/task-data-file-binary", 1)
+def _(w):
+    path = _items_task(w, raw="")
+    w.file("data/mc.jsonl", BINARY)
+    return ["eval", _pair(w), "--tasks", path], ("data/mc.jsonl", "my_mc")
+
+
+@case("eval/task-name-a-list", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, task="[a, b]")
+    return ["eval", _pair(w), "--tasks", path], ("my_mc.yaml", "`task`", "a list")
+
+
+@case("eval/task-name-a-number", 1)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, task="7")
+    return ["eval", _pair(w), "--tasks", path], ("my_mc.yaml", "`task`", "a number")
+
+
+@case("eval/num-fewshot-beyond-the-pool", 2)
+def _(w):
+    path = _items_task(w, GOOD_ITEM, {**GOOD_ITEM, "question": "1+2?"})
+    return ["eval", _pair(w), "--tasks", path, "--num-fewshot", "3"], ("--num-fewshot 3", "my_mc", "2 few-shot")
+
+
+@case("eval/num-fewshot-beyond-a-shipped-pool", 2)
+def _(w):
+    return _eval(w, "--num-fewshot", "500"), ("--num-fewshot 500", "nvfp4tool_mc", "40 few-shot")
+
+
 # ---------------------------------------------------------------- push and the eval reports
 
 
@@ -269,3 +375,25 @@ def pristine(eval_models):
 @pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_bad_input_is_one_line_and_changes_nothing(case, pristine, tmp_path, monkeypatch, hub_env):
     run_case(case, pristine, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # builds the eval models (tests/fixtures/eval_fixtures.py) when first in its process
+def test_quiet_eval_prints_only_its_error_line(pristine, tmp_path, monkeypatch, hub_env):
+    """Under -q nothing but the result or the error prints: HF datasets' progress bars ("Generating
+    test split") included, which eval's task building used to let through."""
+    import datasets
+    from click.testing import CliRunner
+
+    from nvfp4tool.cli import cli
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.chdir(tmp_path)
+    datasets.enable_progress_bars()  # as a fresh process has them
+    world = World(str(tmp_path / "w"), pristine)
+    path = _items_task(world, GOOD_ITEM, {**GOOD_ITEM, "question": "1+2?"})
+    result = CliRunner().invoke(cli, ["-q", "eval", _pair(world), "--tasks", path, "--num-fewshot", "5"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("Error: --num-fewshot 5:") and "Generating" not in result.output, result.output
+    assert lines[:-1] == ["Usage: cli [OPTIONS] COMMAND [ARGS]...", "Try 'cli --help' for help."], result.output
+    assert datasets.is_progress_bar_enabled()  # restored after the build
