@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
@@ -114,6 +115,65 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
         os.unlink(os.path.join(out_dir, MARKER_FILE))
         progress.info(f"removed the marker of an interrupted run (pid {pid}) from {out_dir}")
     return done
+
+
+def write_files(folder: str, names: list[str], write: Callable[[str], None]) -> list[str]:
+    """Files `names` into the existing `folder`, each complete or not there: `write(stage)` writes
+    them into a marked temporary sibling `.<folder>.tmp-*` (atomic_output_dir's naming), then each
+    is renamed into `folder`. A run killed meanwhile leaves the sibling, never a temporary file
+    inside `folder`; the next call (or atomic_output_dir) removes it first, as it removes the
+    temporary files of older writers inside `folder` (`stale_files`). Returns the paths written.
+    The one report writer of validate and eval."""
+    folder = os.path.abspath(folder)
+    parent, base = os.path.split(folder)
+    clean_stale(folder)
+    with _one_line(folder):
+        stage = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    try:
+        with _one_line(folder):
+            _write_marker(stage)
+            write(stage)
+            missing = [n for n in names if not os.path.isfile(os.path.join(stage, n))]
+            if missing:
+                raise NVFP4ToolError(f"{os.path.join(folder, missing[0])}: was not written")
+            for name in names:
+                os.replace(os.path.join(stage, name), os.path.join(folder, name))
+    finally:
+        _remove(stage)
+    return [os.path.join(folder, name) for name in names]
+
+
+def clean_stale(folder: str) -> None:
+    """Remove what interrupted writers of `folder` left: its stale temporary siblings
+    (`clean_stale_siblings`) and our stale temporary files inside it (`stale_files`), each said.
+    Validate and eval call it before anything else (before hashing the export's files)."""
+    folder = os.path.abspath(folder)
+    with _one_line(folder):
+        clean_stale_siblings(folder)
+        for path, pid in stale_files(folder):
+            os.unlink(path)
+            progress.info(f"removed {path}: temporary file of an interrupted run (pid {pid})")
+
+
+_TEMP_FILE = re.compile(r"^\.tmp-(\d+)-.+$|^.+\.tmp-(\d+)$")  # older report writers', records.base.write_json's
+
+
+def leftover_pid(name: str) -> int | None:
+    """The writer's pid when file `name` is one of our temporary files (`.tmp-PID-NAME` of the older
+    eval report writer, `NAME.tmp-PID` of write_json), else None."""
+    found = _TEMP_FILE.match(name)
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def stale_files(folder: str) -> list[tuple[str, int]]:
+    """(path, pid) of our temporary files directly in `folder` whose writer has exited."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        pid = leftover_pid(name)
+        path = os.path.join(folder, name)
+        if pid is not None and os.path.isfile(path) and not os.path.islink(path) and not _alive(pid):
+            out.append((path, pid))
+    return out
 
 
 def scratch_dir(prefix: str) -> str:

@@ -4,8 +4,9 @@ differences with their 95% intervals per task), and the files written (eval.json
     paths = write_reports(record, items, export_dir, json_copy="e.json")
     print_report(record, console)
 
-Every file is written to a temporary sibling first and renamed once all of them are complete, so
-an interrupted eval leaves the previous reports (or none), never half of a new set.
+Every file is written into a temporary sibling folder of the export first and renamed in once all
+of them are complete (`converters.atomic.write_files`, validate's writer too): a killed eval leaves
+no temporary file inside the export, and the next run removes the sibling.
 """
 
 from __future__ import annotations
@@ -20,29 +21,23 @@ _TITLES = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
 
 
 def write_reports(record: EvalRecord, items: EvalItems, export_dir: str, json_copy: str | None = None) -> list[str]:
-    """eval.json, eval_items.json, eval.md and eval.png into `export_dir` (+ a JSON copy); their paths."""
-    finals = [
-        EvalRecord.path(export_dir),
-        EvalItems.path(export_dir),
-        os.path.join(export_dir, EVAL_MD),
-        os.path.join(export_dir, EVAL_PNG),
-    ] + ([json_copy] if json_copy else [])
-    temps = [f"{os.path.dirname(p) or '.'}/.tmp-{os.getpid()}-{os.path.basename(p)}" for p in finals]
-    try:
-        write_json(temps[0], record.to_json())
-        write_json(temps[1], items.to_json(), indent=None)
-        with open(temps[2], "w", encoding="utf-8") as f:
+    """eval.json, eval_items.json, eval.md and eval.png into `export_dir` (+ a JSON copy) through the
+    one report writer (`converters.atomic.write_files`); their paths."""
+    from converters.atomic import write_files
+
+    def write(stage: str) -> None:
+        write_json(EvalRecord.path(stage), record.to_json())
+        write_json(EvalItems.path(stage), items.to_json(), indent=None)
+        with open(os.path.join(stage, EVAL_MD), "w", encoding="utf-8") as f:
             f.write(markdown(record))
-        plot(record, temps[3])
-        if json_copy:
-            write_json(temps[4], record.to_json())
-        for temp, final in zip(temps, finals):
-            os.replace(temp, final)
-    finally:
-        for temp in temps:
-            if os.path.exists(temp):
-                os.remove(temp)
-    return finals
+        plot(record, os.path.join(stage, EVAL_PNG))
+
+    names = [EvalRecord.FILE_NAME, EvalItems.FILE_NAME, EVAL_MD, EVAL_PNG]
+    paths = write_files(export_dir, names, write)
+    if json_copy:
+        write_json(json_copy, record.to_json())
+        paths.append(json_copy)
+    return paths
 
 
 def _pct(value: float | None, signed: bool = False) -> str:

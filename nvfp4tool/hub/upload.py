@@ -79,6 +79,7 @@ def push_checkpoint(
     from nvfp4tool.check import check_checkpoint
 
     files = upload_files(folder)
+    _refuse_leftovers(folder, files)
     validation = _read_validation(folder)
     notices = verify_custody(folder, validation, sorted(files), skip=(CARD_FILE,)) if validation is not None else []
     report = check_checkpoint(folder)
@@ -147,6 +148,22 @@ def _check_options(options: PushOptions) -> None:
         raise NVFP4UsageError(f"tries={options.tries}: expected at least 1")
     if options.create_pr and options.revision not in (None, "main"):
         raise NVFP4UsageError("--create-pr opens a pull request against main: do not combine it with --revision")
+
+
+def _refuse_leftovers(folder: str, files: dict[str, int]) -> None:
+    """Refuse (with or without validation) a temporary file of an nvfp4tool writer in the export,
+    naming it: never uploaded, never passed over silently."""
+    from converters.atomic import MARKER_FILE, leftover_pid
+
+    for name in sorted(files):
+        base = name.rsplit("/", 1)[-1]
+        pid = leftover_pid(base)
+        if pid is not None or base == MARKER_FILE:
+            raise NVFP4ToolError(
+                f"{os.path.join(folder, *name.split('/'))}: a temporary file of an interrupted nvfp4tool "
+                f"run{f' (pid {pid})' if pid is not None else ''}, not part of the export; nothing uploaded "
+                "(rerun the interrupted eval or validate with --force, which removes it, or delete it)"
+            )
 
 
 def _read_validation(folder: str) -> ValidationRecord | None:

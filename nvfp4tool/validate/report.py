@@ -39,22 +39,28 @@ def write_reports(record: ValidationRecord, export_dir: str, json_copy: str | No
     """Write validation.json/.md and the two PNGs into `export_dir` (+ a JSON copy), and with a
     sensitivity result its keep-BF16 file (a stale one, from an earlier --sensitivity, is removed:
     the caller checked that replacing reports is allowed); their paths."""
+    from converters.atomic import write_files
     from nvfp4tool.validate.sensitivity import keep_bf16_file_text
 
-    paths = [record.write(export_dir), os.path.join(export_dir, VALIDATION_MD)]
-    with open(paths[1], "w", encoding="utf-8") as f:
-        f.write(markdown(record))
+    names = [ValidationRecord.FILE_NAME, VALIDATION_MD, SQNR_PNG, KL_PNG]
+    names += [KEEP_BF16_TXT] if record.sensitivity is not None else []
+
+    def write(stage: str) -> None:
+        record.write(stage)
+        with open(os.path.join(stage, VALIDATION_MD), "w", encoding="utf-8") as f:
+            f.write(markdown(record))
+        plot(record, stage)
+        if record.sensitivity is not None:
+            with open(os.path.join(stage, KEEP_BF16_TXT), "w", encoding="utf-8") as f:
+                f.write(keep_bf16_file_text(record.sensitivity))
+
+    paths = write_files(export_dir, names, write)
+    keep_file = os.path.join(export_dir, KEEP_BF16_TXT)
+    if record.sensitivity is None and os.path.isfile(keep_file):
+        os.remove(keep_file)
     if json_copy:
         write_json(json_copy, record.to_json())
         paths.append(json_copy)
-    paths += plot(record, export_dir)
-    keep_file = os.path.join(export_dir, KEEP_BF16_TXT)
-    if record.sensitivity is not None:
-        with open(keep_file, "w", encoding="utf-8") as f:
-            f.write(keep_bf16_file_text(record.sensitivity))
-        paths.append(keep_file)
-    elif os.path.isfile(keep_file):
-        os.remove(keep_file)
     return paths
 
 

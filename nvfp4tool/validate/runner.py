@@ -296,9 +296,12 @@ def check_report_paths(
     publish a file validation.json does not hash), and, without `force`, replacing any report
     written (`files`, the first being the record the copy copies: validate's REPORT_FILES by
     default, eval passes its EVAL_FILES; and the `--json` copy)."""
+    from converters.atomic import clean_stale
     from nvfp4tool.validate.report import REPORT_FILES
 
     names = files or REPORT_FILES
+    if os.path.isdir(export_dir):
+        clean_stale(export_dir)  # an interrupted report writer's leftovers, before the export is hashed
 
     if json_copy is not None:
         folder = os.path.dirname(os.path.abspath(json_copy))
