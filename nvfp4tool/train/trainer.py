@@ -2,38 +2,15 @@
 
     result = train(load_train_config("run.yaml", ["recipe=nvfp4", "steps=60"]))
 
-Distillation (`teacher=PATH distill=kl`): the teacher is opened by the same opener as the model
-(with its `model_config` / `rope_layout`), checked to share the student's vocabulary and tokenizer,
-held in BF16 on the training mesh in the state's layout, and handed to every step beside the state
-(`nvfp4tool.train.step`); it is never checkpointed (a resume opens it again, and must find the same
-weight files and model config as `run.json` records for it).
-
-An equalized start (`equalize_from=EXPORT`, for QAD): the student is `model` with the scales an
-`export --equalize awq|smoothquant` of it recorded folded in (`_equalized`; the export's own
-fold, `nvfp4tool.model.fold.EqualizedSource`, rounded as a checkpoint stores it): the same
-function, on weights whose NVFP4 grid suits the activations better. `run.json` records those
-scales; a resume compares them.
-
-The run folder `out` ends up holding: `run.json` (`nvfp4tool.run.records.RunRecord`: the config,
-model config, the hashes of data, tokenizer and teacher, and the nvfp4 GEMM path resolved once at
-the start, `RecipeConfig.resolved`), `metrics.jsonl` (each step headed by that path) and `loss.png`,
-`checkpoints/<step>` (Orbax: params, optimizer, amax history), `tokenizer/` (when trained here),
-and the final weights as an HF folder `hf/` (BF16, with tokenizer, `precision_map.json` and
-`input_amax.json` for export) and, on request, `maxtext/`.
-
-Nothing is created or changed before the whole job is known to be runnable (`_prepare`): the
-output path, the model (opened by `nvfp4tool.checkpoints`), the tokenizer, the data (read,
-tokenized, packed and split), the batch size against the data and the devices. A resume
-(`resume=true`) is refused without side effects unless it can continue bit-exactly: the same
-configuration (apart from `RESUME_FREE_KEYS`), the same data bytes, tokenizer, model config and
-teacher (its weight files' sha256 and its model config; wherever it now lies) as the run record
-says, and the same device and process count; `run.json` is never rewritten by a resume. The run
-folder itself is created atomically (`atomic_output_dir`).
-Progress and status lines go through `nvfp4tool.progress`.
+Nothing is created before the whole job is known to be runnable (`_prepare`); a resume continues
+bit-exactly or is refused. A step's metrics are read after the next step is dispatched. The run
+folder holds run.json, metrics.jsonl, loss.png, checkpoints/<step>, hf/ (and maxtext/).
+Design notes: docs/design/training.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -198,7 +175,10 @@ def train(config: TrainConfig) -> TrainResult:
 
     metric_sharding = mesh_lib.replicated(mesh)
     step_fn = jax.jit(
-        fns.train_step, static_argnames="bf16_scope", donate_argnums=(), out_shardings=(shardings, metric_sharding)
+        _skipping_nonfinite(fns.train_step) if config.on_nonfinite == "skip" else fns.train_step,
+        static_argnames="bf16_scope",
+        donate_argnums=(),
+        out_shardings=(shardings, metric_sharding),
     )
     eval_fn = jax.jit(fns.eval_metrics, static_argnames="bf16_scope", out_shardings=metric_sharding)
     batch_sharding = mesh_lib.batch_sharding(mesh, 3, batch_axis=1)
@@ -207,73 +187,105 @@ def train(config: TrainConfig) -> TrainResult:
     base_key = jax.random.key(config.seed)
     backend = recipe.backend()  # the GEMM path every step runs (metrics.jsonl records it per step)
 
+    # A step's metrics stay on the device until the next step has been dispatched: `finish` reads
+    # them then (so the device never waits for the host between steps), checks them and writes the
+    # step's record. A step that evaluates or checkpoints (and the last) is finished at once, as is
+    # the one before a step that compiles (so no step's time holds a compilation).
     losses, eval_losses = {}, {}
     run_start, run_tokens = time.perf_counter(), 0
+    last_done = run_start  # when the last finished step's results were read
+    compiled: set[tuple] = set()  # (BF16 scope, batch shape) of the step programs compiled so far
+
+    def finish(done_step: _RunningStep, state, task) -> None:
+        """Read step `done_step`'s metrics (waiting for it), stop on a non-finite one (or record it
+        skipped), evaluate / checkpoint `state` (the state after it) where due, log the record."""
+        nonlocal last_done, run_tokens
+        step, metrics = done_step.step, jax.device_get(done_step.metrics)  # waits for the step
+        done = time.perf_counter()
+        step_time = done - max(done_step.dispatched, last_done)  # from when it could start on the device
+        last_done = done
+        loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["finite"]))
+        record = {
+            **step_header(step, backend),
+            "loss": loss,
+            "lr": float(done_step.lr),
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+        }
+        if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
+            record["aux_loss"] = float(metrics["aux_loss"])
+        if distill is not None:  # the KL to the teacher, and the next-token CE when mixed in
+            record["kl"] = float(metrics["kl"])
+            if distill.weight < 1:
+                record["ce"] = float(metrics["ce"])
+        if not finite:
+            if config.on_nonfinite == "stop":
+                last = checkpoints.latest_step()
+                raise NVFP4ToolError(
+                    f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
+                    f"stopped. Last good checkpoint: "
+                    f"{out / CHECKPOINTS_DIR / str(last) if last is not None else 'none'} "
+                    "(set on_nonfinite=skip to skip such steps)"
+                )
+            record["skipped"] = True  # the step program kept the state before it (_skipping_nonfinite)
+        losses[step] = loss
+        run_tokens += tokens_per_step
+        if _due(step, config.eval_every, config.steps):
+            evaluated = _evaluate(
+                eval_fn, state["params"], teacher, eval_windows, config, eval_sharding, mesh, done_step.scope
+            )
+            record.update({f"eval_{name}": value for name, value in evaluated.items()})
+            eval_losses[step] = record["eval_loss"]
+        if is_main:
+            append_metrics(out, record)
+        if _due(step, config.checkpoint_every, config.steps):
+            checkpoints.save(
+                step, state, {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()}
+            )
+        extra = {
+            name: f"{record[key]:.4f}"
+            for name, key in (("aux", "aux_loss"), ("kl", "kl"), ("ce", "ce"))
+            if key in record
+        }
+        task.advance(fields={"loss": f"{loss:.4f}", **extra, "tokens/s": f"{record['tokens_per_s']:,.0f}"})
+
     with progress.task("train", total=config.steps - start_step, unit="step") as task:
-        for step in range(start_step + 1, config.steps + 1):
-            scope = _bf16_scope(step, switch_step, recipe.switch_scope)
-            indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
-            windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
-            t0 = time.perf_counter()
-            with progress.compiling(
-                _compile_label("train step", scope), key=(step_fn, scope, windows.shape)
-            ):  # the first step of a scope compiles
-                new_state, metrics = step_fn(
-                    state,
-                    mesh_lib.to_global(windows, batch_sharding),
-                    jax.random.fold_in(base_key, step),
-                    bf16_scope=scope,
-                    teacher=teacher,
-                )
-            loss, grad_norm, finite = (float(metrics["loss"]), float(metrics["grad_norm"]), bool(metrics["finite"]))
-            step_time = time.perf_counter() - t0
-            record = {
-                **step_header(step, backend),
-                "loss": loss,
-                "lr": float(schedule(step - 1)),
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time,
-            }
-            if "aux_loss" in metrics:  # an MoE model: the routers' load-balancing loss (unweighted)
-                record["aux_loss"] = float(metrics["aux_loss"])
-            if distill is not None:  # the KL to the teacher, and the next-token CE when mixed in
-                record["kl"] = float(metrics["kl"])
-                if distill.weight < 1:
-                    record["ce"] = float(metrics["ce"])
-            if not finite:
-                if config.on_nonfinite == "stop":
-                    last = checkpoints.latest_step()
-                    raise NVFP4ToolError(
-                        f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); "
-                        f"stopped. Last good checkpoint: "
-                        f"{out / CHECKPOINTS_DIR / str(last) if last is not None else 'none'} "
-                        "(set on_nonfinite=skip to skip such steps)"
+        pending = None  # the step dispatched last and not finished yet (never one that is due)
+        try:
+            for step in range(start_step + 1, config.steps + 1):
+                scope = _bf16_scope(step, switch_step, recipe.switch_scope)
+                indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
+                windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
+                if pending is not None and (scope, windows.shape) not in compiled:
+                    done_step, pending = pending, None
+                    finish(done_step, None, task)
+                dispatched = time.perf_counter()
+                lr = schedule(step - 1)  # on the device, read with the step's metrics
+                with progress.compiling(
+                    _compile_label("train step", scope), key=(step_fn, scope, windows.shape)
+                ):  # the first step of a scope compiles
+                    state, metrics = step_fn(
+                        state,
+                        mesh_lib.to_global(windows, batch_sharding),
+                        jax.random.fold_in(base_key, step),
+                        bf16_scope=scope,
+                        teacher=teacher,
                     )
-                record["skipped"] = True
-                new_state = jax.tree.map(lambda old, new: old, state, new_state)
-                new_state["step"] = state["step"] + 1
-            state = new_state
-            losses[step] = loss
-            run_tokens += tokens_per_step
-            if _due(step, config.eval_every, config.steps):
-                evaluated = _evaluate(
-                    eval_fn, state["params"], teacher, eval_windows, config, eval_sharding, mesh, scope
-                )
-                record.update({f"eval_{name}": value for name, value in evaluated.items()})
-                eval_losses[step] = record["eval_loss"]
-            if is_main:
-                append_metrics(out, record)
-            if _due(step, config.checkpoint_every, config.steps):
-                checkpoints.save(
-                    step, state, {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()}
-                )
-            extra = {
-                name: f"{record[key]:.4f}"
-                for name, key in (("aux", "aux_loss"), ("kl", "kl"), ("ce", "ce"))
-                if key in record
-            }
-            task.advance(fields={"loss": f"{loss:.4f}", **extra, "tokens/s": f"{record['tokens_per_s']:,.0f}"})
+                compiled.add((scope, windows.shape))
+                if pending is not None:  # the step before, now that this one is queued behind it
+                    done_step, pending = pending, None
+                    finish(done_step, None, task)
+                pending = _RunningStep(step, scope, metrics, lr, dispatched)
+                if _due(step, config.eval_every, config.steps) or _due(step, config.checkpoint_every, config.steps):
+                    done_step, pending = pending, None
+                    finish(done_step, state, task)
+        except BaseException:
+            if pending is not None:  # the step before the failure still gets its record, if it can
+                with contextlib.suppress(Exception):
+                    finish(pending, None, task)
+            raise
+    jax.block_until_ready(state)  # the run's time ends when its last update has been computed
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
 
@@ -635,6 +647,34 @@ def _bf16_scope(step: int, switch_step: int | None, scope: str) -> str:
 def _compile_label(what: str, scope: str) -> str:
     """What `progress.compiling` calls a step program ("train step", "train step (BF16 scope last)")."""
     return what if scope == "none" else f"{what} (BF16 scope {scope})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunningStep:
+    """A dispatched training step whose results are still on the device."""
+
+    step: int
+    scope: str  # its BF16 scope (the eval after it runs in the same)
+    metrics: dict[str, jax.Array]  # `StepFns.train_step`'s
+    lr: jax.Array  # the schedule's learning rate of the step
+    dispatched: float  # perf_counter() just before it was dispatched
+
+
+def _skipping_nonfinite(train_step):
+    """`train_step` for `on_nonfinite=skip`: where the step's loss or gradient norm is not finite,
+    the state it returns is the one it was given (only its step counter advanced), chosen on the
+    device so the next step can be dispatched before the host has read the metrics."""
+
+    def step(state, *args, **kwargs):
+        new_state, metrics = train_step(state, *args, **kwargs)
+        kept = {
+            key: jax.tree.map(lambda old, new: jnp.where(metrics["finite"], new, old), state[key], value)
+            for key, value in new_state.items()
+            if key != "step"
+        }
+        return {**kept, "step": new_state["step"]}, metrics
+
+    return step
 
 
 def _due(step: int, every: int, last: int) -> bool:

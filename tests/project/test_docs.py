@@ -21,9 +21,6 @@ README_MAX_LINES = 250
 DESIGN_DIR = ROOT / "docs" / "design"
 PACKAGES = ("nvfp4tool", "converters")
 DOCSTRING_MAX_LINES = 15
-# Modules whose long docstring has not been shortened yet (its notes are on the design page too);
-# trainer.py is being edited elsewhere: shorten it to point to docs/design/training.md, then drop it.
-LONG_DOCSTRING_PENDING = {"nvfp4tool/train/trainer.py"}
 # "Design notes: docs/design/X.md" in a module docstring; a page's "## `path/to/module.py`" sections
 DESIGN_POINTER = re.compile(r"Design notes: (docs/design/[^\s]+?\.md)\b")
 DESIGN_SECTION = re.compile(r"^## `([^`]+\.py)`$", re.MULTILINE)
@@ -115,7 +112,7 @@ def test_module_docstrings_are_short():
     too_long = [
         f"{path}: {len(doc.splitlines())} lines"
         for path, doc in _module_docstrings().items()
-        if len(doc.splitlines()) > DOCSTRING_MAX_LINES and path not in LONG_DOCSTRING_PENDING
+        if len(doc.splitlines()) > DOCSTRING_MAX_LINES
     ]
     assert not too_long, (
         f"module docstrings over {DOCSTRING_MAX_LINES} lines (move the design notes to docs/design/ "
@@ -137,7 +134,7 @@ def test_design_pointers_and_sections_agree():
             problems.append(f"{module}: a section on {', '.join(pages)}")
         if module not in docstrings:
             problems.append(f"{pages[0]}: a section of {module}, which does not exist")
-        elif module not in LONG_DOCSTRING_PENDING and pages[0] not in DESIGN_POINTER.findall(docstrings[module]):
+        elif pages[0] not in DESIGN_POINTER.findall(docstrings[module]):
             problems.append(f"{module}: its docstring does not say 'Design notes: {pages[0]}.'")
     for module, doc in docstrings.items():
         for target in DESIGN_POINTER.findall(doc):
