@@ -30,15 +30,26 @@ from nvfp4tool.records.validation import ValidationRecord
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartOptions:
-    """Sizes of the quickstart (defaults: a few minutes on a 2-core CPU)."""
+    """Sizes of the quickstart (defaults: about two minutes on an idle 2-core CPU).
+
+    Validation and eval run each model (BF16, FP8, NVFP4) with the same shapes, so each model's
+    forward and greedy generation is compiled once, in validation, and eval reuses the programs:
+    eval runs its requests in batches of `eval_batch_size` rows padded to a power-of-two length
+    (the shipped tasks' prompts are 45-57 tokens with the quickstart's tokenizer: 64 =
+    `prompt_len` = `seq_len`) and nvfp4tool_gsm generates up to 24 tokens (`gen_tokens`);
+    validation runs `val_samples` x `seq_len` tokens in batches of `eval_batch_size` and as many
+    prompts of `prompt_len` tokens. Other sizes work too (then each stage compiles its own)."""
 
     out: str = "nvfp4tool-quickstart"
-    pretrain_steps: int = 300
+    pretrain_steps: int = 150
     finetune_steps: int = 100
     seq_len: int = 64
     batch_size: int = 16
     vocab_size: int = 512
-    gen_tokens: int = 128  # greedy continuation length compared in validation
+    eval_batch_size: int = 8  # rows per forward / prompts per generation, in validation and eval
+    val_samples: int = 32  # held-out sequences of seq_len tokens validation compares the models on
+    prompt_len: int = 64  # validation's greedy-generation prompts: the first prompt_len tokens
+    gen_tokens: int = 24  # greedy continuation length compared in validation
     eval_tasks: tuple[str, ...] = ("nvfp4tool_mc_letter", "nvfp4tool_gsm")  # the shipped offline tasks
     eval_limit: int | None = None  # items per task (None: all: 40 multiple-choice, 24 generative)
     seed: int = 0
@@ -133,10 +144,11 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
             ValidateOptions(
                 data=str(val_txt),
                 reference=str(fp8_dir),
-                seq_len=options.seq_len * 2,
-                samples=16,
-                prompts=4,
-                prompt_len=16,
+                seq_len=options.seq_len,
+                samples=options.val_samples,
+                batch_size=options.eval_batch_size,
+                prompts=options.eval_batch_size,
+                prompt_len=options.prompt_len,
                 gen_tokens=options.gen_tokens,
             ),
         )
@@ -288,6 +300,7 @@ def _eval_stage(nvfp4_dir: Path, fp8_dir: Path, options: QuickstartOptions) -> d
             reference=str(fp8_dir),
             limit=options.eval_limit,
             seed=options.seed,
+            batch_size=options.eval_batch_size,
             max_length=4 * options.seq_len,
         ),
     )

@@ -26,9 +26,14 @@ def test_quickstart_refuses_an_existing_folder_without_force(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
+    from nvfp4tool.model.generate import _generate
+
     out = tmp_path / "qs"
+    programs = _generate._cache_size()
     result = CliRunner().invoke(cli, ["quickstart", "--out", str(out)])
     assert result.exit_code == 0, result.output[-3000:]
+    # one greedy-generation program per model (BF16, FP8, NVFP4): eval reuses validation's
+    assert _generate._cache_size() - programs <= 3
     figures = json.loads((out / "quickstart.json").read_text())
     assert list(figures) == [
         "pretrain",
@@ -44,7 +49,11 @@ def test_quickstart_runs_every_stage_with_the_defaults(tmp_path):
     assert figures["machine"]["cores"] >= 1 and figures["machine"]["wall_seconds"] > 0
     # pretraining learns (a uniform model over the vocabulary would sit at ln(512) = 6.24 nats)
     assert figures["pretrain"]["final_loss"] < figures["pretrain"]["first_loss"] - 1.0
-    assert figures["finetune"]["eval_loss"] < figures["pretrain"]["first_loss"]
+    # the fine-tune continues from the pretrained model (not from scratch) and keeps learning
+    pre, fine = figures["pretrain"], figures["finetune"]
+    assert (pre["steps"], fine["steps"]) == (150, 100)
+    assert fine["first_loss"] < pre["first_loss"] - 1.0
+    assert fine["final_loss"] < fine["first_loss"] and fine["eval_loss"] < pre["eval_loss"]
     assert figures["validate"]["passed"] and figures["check"]["ok"]
     tasks = figures["eval"]["tasks"]  # the three variants on the shipped tasks, paired
     assert {t: e["n"] for t, e in tasks.items()} == {"nvfp4tool_mc_letter": 40, "nvfp4tool_gsm": 24}
