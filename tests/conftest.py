@@ -55,6 +55,7 @@ pytest_plugins = (
     "fixtures.backend_fixtures",
     "fixtures.eval_fixtures",
     "fixtures.hf_fixtures",
+    "fixtures.train_fixtures",
 )
 
 

@@ -181,13 +181,8 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> str:
-    from nvfp4tool.train.data import embedded_corpus, iter_documents
-    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, folder)
-    return str(folder)
+def tokenizer_dir(corpus_tokenizer) -> str:
+    return str(corpus_tokenizer)
 
 
 @pytest.mark.slow

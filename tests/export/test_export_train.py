@@ -23,22 +23,20 @@ from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE, fused_group, group_amax
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.step import linear_weight
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 from nvfp4tool.train.trainer import train
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, corpus_tokenizer):
     root = tmp_path_factory.mktemp("run")
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, root / "tok")
     train_txt, val_txt = embedded_corpus()
     args = dict(
         model="tiny",
         data=str(train_txt),
         eval_data=str(val_txt),
-        tokenizer=str(root / "tok"),
+        tokenizer=str(corpus_tokenizer),
         recipe="nvfp4",
         steps=3,
         seq_len=32,

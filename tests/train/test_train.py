@@ -15,9 +15,8 @@ import pytest
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 from nvfp4tool.train.trainer import train
 
 from fixtures import REPO_ROOT
@@ -26,10 +25,8 @@ REPO = Path(REPO_ROOT)
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, folder)
-    return folder
+def tokenizer_dir(corpus_tokenizer):
+    return corpus_tokenizer
 
 
 def _args(tokenizer_dir, out, **extra):

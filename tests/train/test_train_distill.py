@@ -20,9 +20,7 @@ from click.testing import CliRunner
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.data import embedded_corpus, iter_documents
 from nvfp4tool.train.metrics import read_metrics
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 from fixtures.train_fixtures import run_train, train_args
 
@@ -30,18 +28,16 @@ _args, _run = train_args, run_train
 
 
 @pytest.fixture(scope="module")
-def teachers(tmp_path_factory):
+def teachers(tmp_path_factory, corpus_tokenizer, tiny_run):
     """The tiny preset trained 30 steps, as a run folder, its HF folder and a MaxText checkpoint."""
     from nvfp4tool.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("teachers")
-    tokenizer_dir = root / "tokenizer"
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, tokenizer_dir)
-    base = _run(tokenizer_dir, root / "run")
+    base = tiny_run
     convert_checkpoint(str(base.hf_dir), str(root / "maxtext"), to="maxtext", rope_layout="half")
     return {
-        "tokenizer": tokenizer_dir,
-        "run": root / "run",
+        "tokenizer": corpus_tokenizer,
+        "run": base.out,
         "hf": base.hf_dir,
         "maxtext": root / "maxtext",
         "maxtext_options": dict(model_config=str(base.hf_dir / "config.json"), rope_layout="half"),

@@ -32,9 +32,8 @@ from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 from nvfp4tool.train.trainer import _equalized
 
 from fixtures.train_fixtures import run_train, train_args
@@ -46,12 +45,11 @@ _args, _run = train_args, run_train
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, corpus_tokenizer, tiny_run):
     """The tiny preset trained 30 steps (its HF folder), its AWQ export and its plain export."""
     root = tmp_path_factory.mktemp("equalized")
-    tokenizer_dir = root / "tokenizer"
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), 384, tokenizer_dir)
-    hf = _run(tokenizer_dir, root / "run").hf_dir
+    tokenizer_dir = corpus_tokenizer
+    hf = tiny_run.hf_dir
     calib = ["--calib-data", str(embedded_corpus()[0]), *CALIB]
     for name, flags in (("awq", ["--equalize", "awq"]), ("plain", [])):
         result = CliRunner().invoke(

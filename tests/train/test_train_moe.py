@@ -21,22 +21,20 @@ from nvfp4tool.cli import cli
 from nvfp4tool.model import CausalLM, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, fused_group, group_amax, precision_map
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus, iter_documents
+from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, linear_weight
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 from fixtures.hf_fixtures import build_tiny_model
+from fixtures.train_fixtures import CORPUS_VOCAB
 
-VOCAB = 384  # the BPE below; the HF fixtures are rebuilt with this vocabulary
+VOCAB = CORPUS_VOCAB  # corpus_tokenizer's; the HF fixtures are rebuilt with this vocabulary
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_bpe_tokenizer(iter_documents(embedded_corpus()[0]), VOCAB, folder)
-    return folder
+def tokenizer_dir(corpus_tokenizer):
+    return corpus_tokenizer
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mixtral"])
