@@ -83,19 +83,25 @@ def test_train_help_and_list_keys_show_every_key_with_type_and_default():
 
 
 def test_a_reader_that_closes_the_pipe_ends_the_listing_quietly():
-    """`nvfp4tool train --list-keys | head -1`: SIGPIPE's exit status (141), nothing on stderr."""
+    """`nvfp4tool train --list-keys | head -1` with the reader gone before the first write (a pipe
+    whose read end is closed: deterministic, unlike racing a live reader): SIGPIPE's exit status
+    (141), nothing on stderr."""
+    import os
     import subprocess
     import sys
 
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from nvfp4tool.cli import main; main(['train', '--list-keys'])"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        bufsize=0,
-    )
-    first = child.stdout.read(16)  # the reader takes the start of the table, then goes away
-    child.stdout.close()
-    err = child.stderr.read().decode()
-    assert first.startswith(b"key") and child.wait(timeout=60) == 141 and err == "", err
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", "from nvfp4tool.cli import main; main(['train', '--list-keys'])"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    err = child.stderr.decode()
+    assert child.returncode == 141 and err == "", (child.returncode, err)
     listed = CliRunner().invoke(cli, ["--help"])
     assert "Llama-family" not in listed.output and "(dense, MoE, hybrid)" in listed.output
