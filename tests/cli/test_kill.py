@@ -15,9 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +31,7 @@ from nvfp4tool.config import ModelConfig
 
 from fixtures import REPO_ROOT
 from fixtures.file_fixtures import Recorder
+from fixtures.kill_fixtures import kill_at
 
 ROOT = Path(REPO_ROOT)
 CONFIG = ModelConfig(
@@ -112,44 +110,6 @@ def _tensors(folder: str, kind: str) -> dict[str, bytes]:
     return {n: source.get(n).tobytes() for n in source.names()}
 
 
-def _kill_at(
-    point: str,
-    args: list[str],
-    ready: Path,
-    tmp_prefix: str = ".",
-    *,
-    sig: signal.Signals = signal.SIGKILL,
-    returncode: list | None = None,
-) -> tuple[str, int]:
-    """Run kill_child.py until it reaches `point` in the first temporary folder whose name starts
-    with `tmp_prefix`, send it `sig` (SIGKILL) and wait; (that temporary folder, its pid); its exit
-    status is appended to `returncode` when given."""
-    child = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fixtures" / "kill_child.py"), point, str(ready), *args],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMP_PREFIX=tmp_prefix),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if child.poll() is not None:
-                pytest.fail(
-                    f"the command ended (exit {child.returncode}) before {point!r}:\n{child.stdout.read()[-3000:]}"
-                )
-            assert time.monotonic() < deadline, f"{point!r} not reached in 300 s"
-            time.sleep(0.02)
-    finally:
-        child.send_signal(sig)
-        child.wait(timeout=120)
-        if returncode is not None:
-            returncode.append((child.returncode, child.stdout.read()))
-        child.stdout.close()
-    return ready.read_text(), child.pid
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("command, point", CASES, ids=[f"{c}@{p}" for c, p in CASES])
 def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path, command, point):
@@ -162,7 +122,7 @@ def test_kill_9_leaves_no_broken_output_and_the_rerun_cleans_up(inputs, tmp_path
         (out / "previous.txt").write_text("the previous output")
     args = _fill(args, inputs, str(out)) + (["--force"] if existing else [])
 
-    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+    tmp, pid = kill_at(point, args, tmp_path / "ready")
 
     left = sorted(os.listdir(out.parent))
     assert os.path.basename(tmp) in left and os.path.basename(tmp).startswith(".out.tmp-")
@@ -208,7 +168,7 @@ def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tm
         f"out={run}",
         "seed=1",
     ]
-    tmp, pid = _kill_at(point, args, tmp_path / "ready", tmp_prefix=".hf.tmp-")  # not the run folder's
+    tmp, pid = kill_at(point, args, tmp_path / "ready", tmp_prefix=".hf.tmp-")  # not the run folder's
     assert Path(tmp).parent == run and Path(tmp).name.startswith(".hf.tmp-")
     assert not (run / "hf").exists()  # no complete-looking broken folder
 
@@ -234,7 +194,7 @@ def test_kill_9_while_rechunking_a_maxtext_stack_the_rerun_removes_the_scratch(i
     monkeypatch.setenv("TMPDIR", str(system_tmp))
     args = _fill(COMMANDS["convert maxtext->hf"][0], {**inputs, "mt": orbax_saved}, str(tmp_path / "out"))
 
-    _, pid = _kill_at("mid", args, tmp_path / "ready")
+    _, pid = kill_at("mid", args, tmp_path / "ready")
     scratch = [p for p in system_tmp.iterdir() if p.name.startswith("nvfp4tool-maxtext-")]
     assert len(scratch) == 1, scratch
     assert [p for p in scratch[0].iterdir() if p.name != MARKER_FILE]  # re-chunked stacks left behind
@@ -283,7 +243,7 @@ def test_kill_9_during_a_gptq_export_leaves_only_what_the_rerun_cleans(gptq_refe
     out = tmp_path / "outs" / "out"
     args = _fill(GPTQ_EXPORT, gptq_reference, str(out))
 
-    tmp, pid = _kill_at(point, args, tmp_path / "ready")
+    tmp, pid = kill_at(point, args, tmp_path / "ready")
 
     assert sorted(os.listdir(out.parent)) == [os.path.basename(tmp)]  # nothing else next to the output
     assert os.path.basename(tmp).startswith(".out.tmp-") and (Path(tmp) / MARKER_FILE).exists()
@@ -307,7 +267,7 @@ def test_sigterm_during_a_gptq_export_removes_every_temporary(gptq_reference, tm
     folder, no spill, without a rerun; exit status 143."""
     out = tmp_path / "outs" / "out"
     ended: list = []
-    _kill_at(
+    kill_at(
         point, _fill(GPTQ_EXPORT, gptq_reference, str(out)), tmp_path / "ready", sig=signal.SIGTERM, returncode=ended
     )
     assert ended[0][0] == 128 + signal.SIGTERM, ended

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from nvfp4tool.records.evaluation import EVAL_FILES
 
 from fixtures import REPO_ROOT
 from fixtures.file_fixtures import Recorder
+from fixtures.kill_fixtures import kill_at
 
 ROOT = Path(REPO_ROOT)
 ARGS = ["--tasks", "nvfp4tool_mc", "--limit", "2", "--batch-size", "2"]
@@ -34,29 +31,6 @@ def pair(eval_models, tmp_path) -> Path:
     shutil.copytree(eval_models["hf"], tmp_path / "hf")
     shutil.copytree(eval_models["nvfp4"], tmp_path / "nvfp4")
     return tmp_path / "nvfp4"
-
-
-def _kill_at(point: str, args: list[str], ready: Path, tmp_prefix: str) -> tuple[str, int]:
-    child = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "fixtures" / "kill_child.py"), point, str(ready), *args],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", TMP_PREFIX=tmp_prefix),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if child.poll() is not None:
-                pytest.fail(f"eval ended (exit {child.returncode}) before {point!r}:\n{child.stdout.read()[-3000:]}")
-            assert time.monotonic() < deadline, f"{point!r} not reached in 120 s"
-            time.sleep(0.02)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-        child.stdout.close()
-    return ready.read_text(), child.pid
 
 
 def _run(args: list[str]) -> str:
@@ -77,7 +51,7 @@ def _leftovers(export: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["start", "reports"])
 def test_kill_9_while_eval_writes_its_reports_leaves_nothing_inside_the_export(pair, tmp_path, point, hub_env):
-    tmp, pid = _kill_at(point, ["eval", str(pair), *ARGS], tmp_path / "ready", ".nvfp4.tmp-")
+    tmp, pid = kill_at(point, ["eval", str(pair), *ARGS], tmp_path / "ready", ".nvfp4.tmp-")
     assert os.path.dirname(tmp) == str(tmp_path) and os.path.isdir(tmp)  # beside the export, not in it
     assert _leftovers(pair) == []
     moved = [n for n in EVAL_FILES if (pair / n).exists()]
