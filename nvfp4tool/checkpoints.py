@@ -63,6 +63,22 @@ class Checkpoint:
     recipe: dict[str, Any] | None = None  # a run's recipe as the provenance record states it
     step: int | None = None
 
+    @property
+    def definition_files(self) -> list[str]:
+        """The files besides the weights that define what the checkpoint computes and how it is
+        read: config.json, the generation settings and the tokenizer's files of its folder
+        (`converters.hf.AUX_FILE_PATTERNS`); bound with the weights into provenance records. None
+        for a MaxText checkpoint (its model config is given apart)."""
+        if self.kind == "maxtext" or self.aux_dir is None:
+            return []
+        from converters.hf import AUX_FILE_PATTERNS
+
+        folder = glob.escape(self.aux_dir)
+        found = {os.path.join(self.aux_dir, "config.json")}
+        for pattern in AUX_FILE_PATTERNS:
+            found.update(glob.glob(os.path.join(folder, pattern)))
+        return sorted(f for f in found if os.path.isfile(f))
+
     def maxtext_rope_layout(self) -> str:
         """The RoPE layout of the MaxText side (the given one, else the MaxText model name's)."""
         return resolve_rope_layout(
@@ -110,6 +126,8 @@ def open_checkpoint(
             maxtext_name=maxtext_name,
             rope_layout=layout,
         )
+    if kind == "hf":
+        _refuse_export(shown, options)
     opened = _open_run(absolute, step) if kind == "run" else _open_hf(absolute)
     if rope_layout is not None:  # the MaxText side this source will be written to, if any
         resolve_rope_layout(rope_layout, maxtext_name, options, shown, family=opened.config.family)
@@ -228,6 +246,18 @@ def _needs_model_config(path: str, options: OptionNames) -> str:
         f"{options.model_config.format('CONFIG')} (an HF config.json / folder, or a MaxText "
         "model name such as llama3.1-8b)"
     )
+
+
+def _refuse_export(path: str, options: OptionNames) -> None:
+    """A serving export (its configs declare a quantization layout) is not a BF16 checkpoint."""
+    from nvfp4tool.formats import describe, is_quantized_export
+
+    if is_quantized_export(path):
+        layout = describe(path)
+        raise NVFP4ToolError(
+            f"{options.path.format(path)}: a quantized export ({layout.format} {layout.quant}), not a "
+            "BF16 checkpoint; pass the BF16 folder (or training run) it was made from"
+        )
 
 
 def _open_hf(path: str) -> Checkpoint:

@@ -49,6 +49,7 @@ __all__ = [
     "TensorSpec",
     "describe",
     "get",
+    "is_quantized_export",
 ]
 
 
@@ -86,6 +87,18 @@ class FolderLayout:
     def targeted(self, module: str, is_linear: bool) -> bool:
         """Whether the config's targets cover `module` (ModelOpt: every linear layer)."""
         return any((is_linear and t == "Linear") or self.spec.matches(module, t) for t in self.targets)
+
+
+def is_quantized_export(folder: str) -> bool:
+    """Whether a folder's configs declare a quantization layout (a serving export, not a BF16
+    checkpoint): config.json with a `quantization_config`, or ModelOpt's hf_quant_config.json."""
+    if os.path.isfile(os.path.join(folder, HF_QUANT_CONFIG_FILE)):
+        return True
+    try:
+        config = read_json_file(os.path.join(folder, CONFIG_FILE))
+    except RecordError:
+        return False
+    return isinstance(config, dict) and "quantization_config" in config
 
 
 def describe(folder: str) -> FolderLayout:

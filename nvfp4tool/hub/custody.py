@@ -151,7 +151,8 @@ def _verify_source(folder: str, validation: ValidationRecord, provenance: Export
 
 def source_difference(validation: ValidationRecord, provenance: ExportRecord) -> str | None:
     """How validation.json's source differs from the provenance record's (the first difference),
-    or None when they are the same: same name, kind, step and weight-file hashes."""
+    or None when they are the same: same name, kind, step, weight-file hashes and hashes of the
+    files that define the source besides its weights (config, generation settings, tokenizer)."""
     record, named = provenance.source, validation.source
     prov = ExportRecord.FILE_NAME
     if named.name != record.name:
@@ -164,7 +165,7 @@ def source_difference(validation: ValidationRecord, provenance: ExportRecord) ->
         )
     found = first_file_difference(record.files, named.sha256)
     if found is None:
-        return None
+        return _definition_difference(validation, record)
     name, how = found
     if how == "missing":
         return f"weight file {name!r} of {prov} is not among the validated source's files"
@@ -173,6 +174,29 @@ def source_difference(validation: ValidationRecord, provenance: ExportRecord) ->
     return (
         f"weight file {name!r} differs (sha256 {named.sha256[name][:12]}... validated, "
         f"{record.files[name][:12]}... in {prov})"
+    )
+
+
+def _definition_difference(validation: ValidationRecord, record) -> str | None:
+    """How the validated source's defining files besides its weights (config.json, generation
+    settings, tokenizer files) differ from the provenance record's; None when the same, or when the
+    provenance record predates binding them."""
+    if record.config_files is None:
+        return None
+    prov = ExportRecord.FILE_NAME
+    if validation.source_config_files is None:
+        return f"validation.json records no hashes of the source's config and tokenizer files, {prov} does"
+    found = first_file_difference(record.config_files, validation.source_config_files)
+    if found is None:
+        return None
+    name, how = found
+    if how == "missing":
+        return f"file {name!r} that defines the source in {prov} is not among the validated source's files"
+    if how == "extra":
+        return f"file {name!r} that defines the validated source is not in {prov}"
+    return (
+        f"file {name!r} that defines the source differs (sha256 {validation.source_config_files[name][:12]}... "
+        f"validated, {record.config_files[name][:12]}... in {prov})"
     )
 
 

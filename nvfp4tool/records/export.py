@@ -34,17 +34,29 @@ class SourceRecord(Record):
     kind: str  # "hf" | "maxtext" | "run"
     step: int | None  # a training run's checkpoint step (None: its final weights)
     files: dict[str, str]  # weight file, relative to the source folder -> sha256
+    # the files that define the model with its weights (config.json, generation_config.json, the
+    # tokenizer's: `Checkpoint.definition_files`), relative to the source folder -> sha256; None in
+    # a record written before they were bound (then only the weights are compared)
+    config_files: dict[str, str] | None = None
 
     @classmethod
     def of(cls, checkpoint: Any) -> SourceRecord:
         """An opened `nvfp4tool.checkpoints.Checkpoint` named portably, with its weight files hashed
-        (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)."""
+        (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)
+        and the files that define it besides them."""
         return cls(
             name=portable_name(checkpoint.path),
             kind=checkpoint.kind,
             step=checkpoint.step,
             files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files},
+            config_files=definition_hashes(checkpoint),
         )
+
+
+def definition_hashes(checkpoint: Any) -> dict[str, str]:
+    """{file relative to the checkpoint's folder: sha256} of `Checkpoint.definition_files`: what
+    export records and validate compares and records beside the weight files."""
+    return {os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.definition_files}
 
 
 def first_file_difference(expected: Mapping[str, str], actual: Mapping[str, str]) -> tuple[str, str] | None:

@@ -165,6 +165,9 @@ class ValidationRecord(Record):
     # input amax, a training run's tracked amax, an FP8 export's own record); None: no FP8 column,
     # or a report written before this field
     reference_calibration: str | None = None
+    # the validated source's files that define it besides its weights (`SourceRecord.config_files`):
+    # relative file -> sha256; None in a report written before they were bound
+    source_config_files: dict[str, str] | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import os
 
 from converters.hf import read_safetensors_header
 from nvfp4tool.checkpoints import Checkpoint
-from nvfp4tool.records.export import ExportRecord, first_file_difference, sha256_file
+from nvfp4tool.records.export import ExportRecord, definition_hashes, first_file_difference, sha256_file
 
 _KINDS = {"hf": "an HF folder", "run": "a training run", "maxtext": "a MaxText checkpoint"}
 CARD_FILE = "README.md"  # the model card push writes into the repository
@@ -52,7 +52,27 @@ def source_mismatch(export_dir: str, record: ExportRecord, source: Checkpoint) -
             )
     for rel in sorted(set(actual) - set(recorded.files)):
         return f"{actual[rel]}: a weight file {where} does not record for the source {name!r}"
-    return None
+    return _definition_mismatch(where, recorded, source)
+
+
+def _definition_mismatch(where: str, recorded, source: Checkpoint) -> str | None:
+    """The first of the source's defining files besides its weights (config.json, generation
+    settings, tokenizer files) that is not as the record states (records written before these
+    were bound state none: nothing to compare)."""
+    if recorded.config_files is None:
+        return None
+    found = first_file_difference(recorded.config_files, definition_hashes(source))
+    if found is None:
+        return None
+    rel, how = found
+    path = os.path.join(source.path, rel)
+    what = f"the source {recorded.name!r}"
+    return {
+        "missing": f"{path}: missing; {where} records it among the files that define {what} with its weights",
+        "extra": f"{path}: a file that defines the model, which {where} does not record for {what}",
+        "differs": f"{path}: sha256 differs from the one {where} records for {what} (it defines the "
+        "model with the weights: another config, generation settings or tokenizer)",
+    }[how]
 
 
 def reference_mismatch(fp8_dir: str, record: ExportRecord) -> str | None:

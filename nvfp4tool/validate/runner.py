@@ -39,7 +39,7 @@ from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.numerics import computed_after, metrics
 from nvfp4tool.numerics.dot import WIDEN_BYTES
-from nvfp4tool.records.export import EqualizationRecord, ExportRecord, sha256_file
+from nvfp4tool.records.export import EqualizationRecord, ExportRecord, definition_hashes, sha256_file
 from nvfp4tool.records.validation import (
     DataRef,
     Failure,
@@ -471,6 +471,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         passed=not failures,
         source_mismatch_ok=inputs.source_mismatch is not None,
         reference_calibration=inputs.reference_calibration,
+        source_config_files=definition_hashes(source),
     )
 
 

@@ -229,6 +229,26 @@ def _(w):
     return _dry(v), (os.path.join(v, V), "'extra.safetensors'")
 
 
+@case("push/validation-source-config-hash-edited", 1)
+def _(w):
+    v = _edit_validation(w.copy("v"), lambda r: r["source_config_files"].__setitem__("config.json", "e" * 64))
+    return _dry(v), (os.path.join(v, V), "'config.json' that defines the source differs", "not a validation")
+
+
+@case("push/validation-source-config-hashes-removed", 1)
+def _(w):
+    v = _edit_validation(w.copy("v"), lambda r: r.__setitem__("source_config_files", None))
+    return _dry(v), (os.path.join(v, V), "no hashes of the source's config")
+
+
+@case("push/validation-source-has-an-extra-config-file", 1, hub=True)
+def _(w):
+    v = _edit_validation(
+        w.copy("v"), lambda r: r["source_config_files"].__setitem__("generation_config.json", "1" * 64)
+    )
+    return _live(v), (os.path.join(v, V), "'generation_config.json'")
+
+
 @case("push/source-mismatch-not-allowed-by-an-edited-flag", 1)
 def _(w):
     """source_mismatch_ok false, the hashes differ: the flag is what allows it, nothing else."""

@@ -168,6 +168,55 @@ def _(w):
     return _validate(w, w.copy("mo"), source=hf), ("extra",)
 
 
+# the files that define the source besides its weights are bound with them (issue 39)
+
+
+@case("validate/source-config-rope-theta-changed", 1)
+def _(w):
+    hf = w.copy("hf")
+    edit_json(os.path.join(hf, "config.json"), lambda c: c.update(rope_theta=c.get("rope_theta", 10000.0) * 2))
+    return _validate(w, w.copy("mo"), source=hf), (os.path.join(hf, "config.json"), "sha256", "--source-mismatch-ok")
+
+
+@case("validate/source-config-changed-compressed-tensors", 1)
+def _(w):
+    hf = w.copy("hf")
+    edit_json(os.path.join(hf, "config.json"), lambda c: c.update(rms_norm_eps=1e-3))
+    return _validate(w, w.copy("ct"), source=hf), (os.path.join(hf, "config.json"), "not the source")
+
+
+@case("validate/source-generation-config-added", 1)
+def _(w):
+    hf = w.copy("hf")
+    w.file("hf/generation_config.json", '{"do_sample": true, "temperature": 0.7}')
+    return _validate(w, w.copy("mo"), source=hf), (os.path.join(hf, "generation_config.json"), "does not record")
+
+
+@case("validate/source-tokenizer-file-added", 1)
+def _(w):
+    hf = w.copy("hf")
+    w.file("hf/tokenizer_config.json", '{"eos_token": "</s>"}')
+    return _validate(w, w.copy("ct"), source=hf), (os.path.join(hf, "tokenizer_config.json"),)
+
+
+@case("validate/record-source-config-hash-edited", 1)
+def _(w):
+    mo = w.copy("mo")
+    edit_json(os.path.join(mo, RECORD), lambda r: r["source"]["config_files"].update({"config.json": "0" * 64}))
+    return _validate(w, mo), ("config.json", RECORD)
+
+
+@case("validate/source-is-the-export-itself", 1)
+def _(w):
+    mo = w.copy("mo")
+    return _validate(w, mo, source=mo), ("--source", "a quantized export (modelopt nvfp4)", "not a BF16")
+
+
+@case("validate/source-is-another-export", 1)
+def _(w):
+    return _validate(w, w.copy("mo"), source=w.copy("ct")), ("--source", "compressed-tensors", "not a BF16")
+
+
 @case("validate/located-source-edited", 1)
 def _(w):
     hf = w.copy("hf")

@@ -69,6 +69,9 @@ def test_chain_of_custody_validate_side(pair):
     )
     assert all(record.export.sha256[f] == sha256_file(os.path.join(export, f)) for f in uploaded)
     assert record.source.sha256 == ExportRecord.read(export).source.files
+    # the files that define the source besides its weights are bound too (issue 39)
+    assert record.source_config_files == ExportRecord.read(export).source.config_files
+    assert set(record.source_config_files) >= {"config.json"}
 
     before = _hashes(export)
     again = _validate(export, source, ids)  # a rerun does not replace the reports silently
@@ -253,3 +256,17 @@ def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
     assert result.exit_code == 1 and "an HF folder" in result.output and "a training run" in result.output, (
         result.output
     )
+
+
+def test_a_provenance_record_written_before_config_files_were_bound_still_validates(pair):
+    """An export record without `source.config_files` (an older nvfp4tool) reads, and only its
+    weight files are compared: a source with another config.json is not refused for it."""
+    from fixtures.adversarial_harness import edit_json
+
+    source, export, ids = pair
+    edit_json(os.path.join(export, ExportRecord.FILE_NAME), lambda r: r["source"].pop("config_files"))
+    assert ExportRecord.read(export).source.config_files is None
+    edit_json(os.path.join(source, "config.json"), lambda c: c.update(rope_theta=123456.0))
+    options = ValidateOptions(data=ids, reference="bf16", samples=4, seq_len=SEQ, source=source)
+    with open_inputs(export, options) as inputs:
+        assert inputs.source_mismatch is None
