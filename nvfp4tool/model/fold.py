@@ -4,7 +4,7 @@ so the model computes the same function (`export --equalize` chooses s: `export/
 
     scales = scales_from_record(export_record.equalization, config)   # the sites' s, as recorded
     tensors = EqualizedSource(source.tensors, scales)                 # the folded model, as read
-    EqualizedSource.from_record(source.tensors, record, config, as_stored=True)  # ... rounded as stored
+    EqualizedSource.from_export(source.tensors, export_dir, record, config, as_stored=True)  # bound
 
 The one owner of the fold: the export quantizes the folded model, validate compares an equalized
 export with it, and `train equalize_from=` starts QAD from it. The sites are the family's
@@ -14,7 +14,10 @@ export with it, and `train equalize_from=` starts QAD from it. The sites are the
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
+import hashlib
+import os
 import re
 from collections.abc import Sequence
 
@@ -23,7 +26,7 @@ import numpy as np
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import Fold, folds, fused_group
-from nvfp4tool.records.export import EqualizationRecord
+from nvfp4tool.records.export import EqualizationRecord, ExportRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,21 @@ class EqualizedSource:
         `train equalize_from=` starts from it, `as_stored`)."""
         return cls(source, scales_from_record(record, config), as_stored=as_stored)
 
+    @classmethod
+    def from_export(
+        cls, source, export_dir: str, record: ExportRecord, config: ModelConfig, *, as_stored: bool = False
+    ) -> EqualizedSource:
+        """The folded model the equalized export in `export_dir` (its provenance `record`) was made
+        from, its scales bound to the bytes they made: every producer the export stores unquantized
+        (a norm weight, a BF16-kept linear) must be the source's tensor folded with the recorded
+        scales, as the export wrote it. NVFP4ToolError naming the record, the site and the tensor
+        otherwise (scales edited after export, or another source)."""
+        where = ExportRecord.path(export_dir)
+        assert record.equalization is not None
+        scales = scales_from_record(record.equalization, config, where=where)
+        _check_bound(cls(source, scales), scales, export_dir, record, where)
+        return cls(source, scales, as_stored=as_stored)
+
     @property
     def path(self) -> str:
         return self._source.path
@@ -99,16 +117,72 @@ class EqualizedSource:
         return out.astype(np.asarray(array).dtype) if self._as_stored else out
 
 
-def scales_from_record(record: EqualizationRecord, config: ModelConfig) -> tuple[FoldScale, ...]:
-    """The sites' scales an export's record stores (NVFP4ToolError naming a site the model lacks)."""
+def scales_from_record(
+    record: EqualizationRecord, config: ModelConfig, *, where: str = "equalization record"
+) -> tuple[FoldScale, ...]:
+    """The sites' scales an export's record stores, each checked before anything uses it: base64
+    of little-endian fp32, one per channel of the site's producer, finite and > 0 (as AWQ and
+    SmoothQuant choose them); NVFP4ToolError `where: equalization site KEY: problem` otherwise."""
     by_key = {site_key(f): f for f in folds(config)}
+    shapes = config.expected_tensor_shapes()
     result = []
     for key, found in record.sites.items():
+        site = f"{where}: equalization site {key!r}"
         if key not in by_key:
-            raise NVFP4ToolError(f"equalization record: site {key!r} is not a site of the model")
-        s = np.frombuffer(base64.b64decode(found.scales), "<f4").astype(np.float32)
+            raise NVFP4ToolError(f"{site}: not a site of the model")
+        fold = by_key[key]
+        try:
+            raw = base64.b64decode(found.scales, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            raise NVFP4ToolError(f"{site}: scales: not base64 (little-endian fp32 values)") from None
+        channels = int(shapes[fold.producer[0]][0])
+        if len(raw) != 4 * channels:
+            count = f"{len(raw) // 4} scales" if len(raw) % 4 == 0 else f"{len(raw)} bytes"
+            raise NVFP4ToolError(
+                f"{site}: scales: {count}, expected {channels} (one fp32 per channel of {fold.producer[0]})"
+            )
+        s = np.frombuffer(raw, "<f4").astype(np.float32)
+        bad = np.flatnonzero(~(np.isfinite(s) & (s > 0)))
+        if bad.size:
+            raise NVFP4ToolError(
+                f"{site}: scales: channel {int(bad[0])} is {float(s[bad[0]])!r}"
+                + (f" ({bad.size} such)" if bad.size > 1 else "")
+                + "; every scale must be finite and > 0"
+            )
         result.append(FoldScale(fold=by_key[key], s=s, alpha=found.alpha))
     return tuple(result)
+
+
+def _check_bound(
+    folded: EqualizedSource, scales: Sequence[FoldScale], export_dir: str, record: ExportRecord, where: str
+) -> None:
+    """Refuse scales that did not make the export's stored producers (`EqualizedSource.from_export`)."""
+    from converters.hf import SAFETENSORS_DTYPES, read_safetensors_header
+
+    headers: dict[str, dict] = {}
+    for found in scales:
+        for name in found.fold.producer:
+            stored = record.tensors.get(name)
+            if stored is None or stored.amax is not None or stored.dtype not in ("BF16", "F16", "F32"):
+                continue  # quantized (its bytes are the quantizer's), or not written as such
+            if tuple(stored.shape) != tuple(folded.shape(name)):
+                continue
+            path = os.path.join(export_dir, *stored.file.split("/"))
+            if path not in headers:
+                headers[path] = read_safetensors_header(path) if os.path.isfile(path) else {}
+            entry = headers[path].get(name)
+            if entry is None or entry.code != stored.dtype:
+                continue  # check's business: the record does not describe the file
+            with open(path, "rb") as f:
+                f.seek(entry.start)
+                actual = hashlib.sha256(f.read(entry.nbytes)).hexdigest()
+            made = np.asarray(folded.get(name), np.float32).astype(SAFETENSORS_DTYPES[stored.dtype])
+            if hashlib.sha256(made.tobytes()).hexdigest() != actual:
+                raise NVFP4ToolError(
+                    f"{where}: equalization site {site_key(found.fold)!r}: its scales did not make the "
+                    f"export's {name} (in {stored.file}): the record was edited after export, or the "
+                    "source is not the one the export was made from"
+                )
 
 
 def site_key(fold: Fold) -> str:

@@ -553,7 +553,7 @@ def _equalized(config: TrainConfig, source: Checkpoint | None) -> tuple[Checkpoi
             f"equalize_from={where}: not the export of model={config.model} ({what}: "
             f"{ExportRecord.path(where)} records the source {record.source.name!r})"
         )
-    tensors = EqualizedSource.from_record(source.tensors, record.equalization, source.config, as_stored=True)
+    tensors = EqualizedSource.from_export(source.tensors, where, record, source.config, as_stored=True)
     progress.info(
         f"equalize_from={where}: the model starts with the {len(record.equalization.sites)} "
         f"{record.equalization.method} scales it recorded folded in (checked there: KL "

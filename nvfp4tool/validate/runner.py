@@ -208,9 +208,12 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
     if record is not None and record.equalization is not None:  # compare with the model the export folded
-        source = dataclasses.replace(
-            source, tensors=EqualizedSource.from_record(source.tensors, record.equalization, source.config)
+        folded = (  # the scales bound to the export's bytes, unless another source was allowed
+            EqualizedSource.from_export(source.tensors, export_dir, record, source.config)
+            if mismatch is None
+            else EqualizedSource.from_record(source.tensors, record.equalization, source.config)
         )
+        source = dataclasses.replace(source, tensors=folded)
         progress.info(
             f"the export is equalized (--equalize {record.equalize}): the BF16 model is the source with "
             f"its {len(record.equalization.sites)} recorded scales folded in (KL "

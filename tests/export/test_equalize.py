@@ -297,3 +297,36 @@ def test_validate_compares_an_equalized_export_with_the_folded_model(models, tmp
     assert min(r["nvfp4"] for r in sqnr) > 15 and min(r["fp8"] for r in sqnr) > 25
     assert "the export's input amax" in record["reference_calibration"]
     assert record["models"]["fp8"]["kl_mean"] < record["models"]["nvfp4"]["kl_mean"]
+
+
+@pytest.mark.parametrize(
+    "key,method,quant", [("mixtral", "smoothquant", "nvfp4"), ("qwen2", "awq", "nvfp4-weight-only")]
+)
+def test_recorded_scales_are_bound_to_the_bytes_they_made(models, tmp_path, key, method, quant):
+    """`EqualizedSource.from_export`: an export's own scales fold (its norm weights are the
+    source's divided by them, as written); the same scales times 1.5 (the same function, other
+    weights) are refused naming the record, the site and the tensor (issue 39)."""
+    import base64
+    import dataclasses
+
+    from nvfp4tool.checkpoints import open_checkpoint
+    from nvfp4tool.errors import NVFP4ToolError
+
+    out = str(tmp_path / "out")
+    flags = ["--calib-data", models["calib"], *CALIB, "--equalize", method, "--quant", quant]
+    assert _export([models[key], "--out", out, *flags]).exit_code == 0
+    source, record = open_checkpoint(models[key]), ExportRecord.read(out)
+    mf.EqualizedSource.from_export(source.tensors, out, record, source.config)  # bound: no error
+    forged = {
+        k: dataclasses.replace(
+            site,
+            scales=base64.b64encode(
+                (np.frombuffer(base64.b64decode(site.scales), "<f4") * np.float32(1.5)).astype("<f4").tobytes()
+            ).decode(),
+        )
+        for k, site in record.equalization.sites.items()
+    }
+    tampered = dataclasses.replace(record, equalization=dataclasses.replace(record.equalization, sites=forged))
+    with pytest.raises(NVFP4ToolError, match=r"equalization site .*its scales did not make the export's .*norm") as e:
+        mf.EqualizedSource.from_export(source.tensors, out, tampered, source.config)
+    assert str(e.value).startswith(ExportRecord.path(out))

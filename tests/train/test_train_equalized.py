@@ -16,6 +16,7 @@ with the scales an `export --equalize` of it recorded folded in.
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 
@@ -177,3 +178,80 @@ def test_bad_equalize_from_is_one_line_and_creates_nothing(base, tmp_path, monke
     assert result.exit_code == code and len(errors) == 1 and "Traceback" not in result.output, result.output
     assert message.replace("AWQ", export) in errors[0], errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def _tamper(site_change):
+    """A change of the export's record: `site_change(key, site)` on every site (issue 39)."""
+
+    def change(record):
+        for key, site in record["equalization"]["sites"].items():
+            site_change(key, site)
+
+    return change
+
+
+def _scaled(factor):
+    def change(key, site):
+        s = np.frombuffer(base64.b64decode(site["scales"]), "<f4") * np.float32(factor)
+        site["scales"] = base64.b64encode(s.astype("<f4").tobytes()).decode()
+
+    return change
+
+
+def _channel(value):
+    def change(key, site):
+        s = np.frombuffer(base64.b64decode(site["scales"]), "<f4").copy()
+        s[3] = value
+        site["scales"] = base64.b64encode(s.tobytes()).decode()
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "what,change,message",
+    [
+        ("doubled", _scaled(2.0), "its scales did not make the export's model.layers.0.input_layernorm.weight"),
+        ("negated", _scaled(-1.0), "channel 0 is -"),
+        ("zero", _channel(0.0), "channel 3 is 0.0; every scale must be finite and > 0"),
+        ("nan", _channel(np.nan), "channel 3 is nan"),
+        ("short", lambda k, s: s.update(scales=s["scales"][:-8]), "scales: "),
+        ("not-base64", lambda k, s: s.update(scales="not base64!"), "scales: not base64"),
+    ],
+)
+def test_a_tampered_equalization_record_is_refused_before_anything_is_created(
+    base, tmp_path, monkeypatch, what, change, message
+):
+    """Forged scales (doubled, negated: the same function, other weights), impossible ones (zero,
+    NaN), a wrong count or no base64: one line naming the record, the site and the problem, exit
+    1, no run folder, the export untouched."""
+    monkeypatch.chdir(tmp_path)
+    export = tmp_path / "awq"
+    shutil.copytree(base["awq"], export)
+    record_path = export / ExportRecord.FILE_NAME
+    record = json.loads(record_path.read_text())
+    _tamper(change)(record)
+    record_path.write_text(json.dumps(record))
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    model = str(base["hf"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            *_args(
+                base["tokenizer"],
+                "runs/a",
+                model=model,
+                teacher=model,
+                distill="kl",
+                equalize_from=str(export),
+                steps=1,
+            ),
+        ],
+    )
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    first = next(iter(record["equalization"]["sites"]))
+    assert str(record_path) in errors[0] and f"equalization site {first!r}" in errors[0], errors[0]
+    assert message in errors[0], errors[0]
+    assert not (tmp_path / "runs").exists()
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before

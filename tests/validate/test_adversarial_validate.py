@@ -6,6 +6,7 @@ code, one `Error:` line naming the file / tensor / option, and nothing created o
 
 from __future__ import annotations
 
+import base64
 import os
 
 import ml_dtypes
@@ -44,9 +45,11 @@ def paths(pristine, tmp_path_factory):
     """The pristine fixtures plus a W4A16 export of `hf`, an FP8 export of it and `hf` resharded
     into two files (the same weights in other files)."""
     root = tmp_path_factory.mktemp("adversarial_validate")
-    extra = {"w4a16": str(root / "w4a16"), "fp8": str(root / "fp8"), "hf2": str(root / "hf2")}
+    extra = {"w4a16": str(root / "w4a16"), "fp8": str(root / "fp8"), "hf2": str(root / "hf2"), "awq": str(root / "awq")}
     runner = CliRunner()
+    calib = ["--calib-data", pristine["ids"], "--calib-samples", "4", "--calib-seq-len", str(SEQ)]
     for argv in (
+        ["export", pristine["hf"], "--out", extra["awq"], "--equalize", "awq", *calib],
         ["export", pristine["hf"], "--out", extra["w4a16"], "--quant", "nvfp4-weight-only"],
         [
             "export",
@@ -273,6 +276,51 @@ def _(w):
     fp8 = w.copy("fp8")
     edit_json(os.path.join(fp8, RECORD), lambda r: r["source"].update(kind="run", step=3))
     return _validate(w, w.copy("ct"), reference=fp8), (os.path.join(fp8, RECORD),)
+
+
+# ---- an equalized export's recorded scales are bound to the bytes they made (issue 39) -----
+
+
+def _edit_scales(w: World, change) -> str:
+    awq = w.copy("awq")
+
+    def edit(record):
+        for site in record["equalization"]["sites"].values():
+            s = np.frombuffer(base64.b64decode(site["scales"]), "<f4").copy()
+            site["scales"] = base64.b64encode(change(s).astype("<f4").tobytes()).decode()
+
+    edit_json(os.path.join(awq, RECORD), edit)
+    return awq
+
+
+@case("validate/equalization-scales-doubled", 1)
+def _(w):
+    awq = _edit_scales(w, lambda s: s * 2)
+    return _validate(w, awq), (os.path.join(awq, RECORD), "input_layernorm.weight", "did not make")
+
+
+@case("validate/equalization-scales-halved-force-does-not-excuse", 1)
+def _(w):
+    awq = _edit_scales(w, lambda s: s / 2)
+    return _validate(w, awq, "--force"), (os.path.join(awq, RECORD), "equalization site")
+
+
+@case("validate/equalization-scales-negated", 1)
+def _(w):
+    awq = _edit_scales(w, lambda s: -s)
+    return _validate(w, awq), (os.path.join(awq, RECORD), "finite and > 0")
+
+
+@case("validate/equalization-scale-nan", 1)
+def _(w):
+    awq = _edit_scales(w, lambda s: np.where(np.arange(s.size) == 1, np.nan, s))
+    return _validate(w, awq), (os.path.join(awq, RECORD), "channel 1 is nan")
+
+
+@case("validate/equalization-scales-too-many", 1)
+def _(w):
+    awq = _edit_scales(w, lambda s: np.concatenate([s, s[:1]]))
+    return _validate(w, awq), (os.path.join(awq, RECORD), "scales, expected")
 
 
 # ---- reports are outputs -------------------------------------------------------------------
