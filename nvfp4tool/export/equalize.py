@@ -175,6 +175,10 @@ def _statistics(model, config: ModelConfig, sites: list[Fold], ids_SxL: np.ndarr
     missing = [n for n in first if n not in sums]
     if missing:
         raise NVFP4ToolError(f"--equalize: {missing[0]} was never called by the model")
+    from nvfp4tool.export.calibrate import check_calibrated
+
+    for name in first:  # a zero input has no scale to choose (W4A4's calibration refuses it the same way)
+        check_calibrated(name, float(np.max(sums[name][1])))
     return {n: (sums[n][0] / sums[n][2], sums[n][1]) for n in first}
 
 

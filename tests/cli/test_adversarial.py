@@ -525,6 +525,19 @@ def _(w):
     return _export(w, mo), (mo,)
 
 
+# W4A16 and W4A4 refuse an input that is zero on every calibration token the same way (issue 39)
+for _quant, _method in (("nvfp4-weight-only", "awq"), ("nvfp4", "awq"), ("nvfp4-weight-only", "smoothquant")):
+
+    @case(f"export/equalize-{_method}-{_quant}-on-all-zero-activations", 1)
+    def _(w, _quant=_quant, _method=_method):
+        hf = w.copy("hf")
+        poke(os.path.join(hf, WEIGHTS), "model.embed_tokens.weight", lambda b: bytes(len(b)))
+        return _export(w, hf, "--quant", _quant, "--equalize", _method), (
+            "model.layers.0.self_attn.q_proj",
+            "zero on every calibration token",
+        )
+
+
 @case("export/k-not-a-multiple-of-16", 1)
 def _(w):
     hf = w.path("odd")
