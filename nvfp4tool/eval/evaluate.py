@@ -307,7 +307,7 @@ def tokenizer_hashes(folder: str) -> dict[str, str]:
 def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     from nvfp4tool.check import check_checkpoint
     from nvfp4tool.checkpoints import open_checkpoint
-    from nvfp4tool.eval.lm_backend import is_export
+    from nvfp4tool.formats import is_quantized_export
     from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
     from nvfp4tool.validate.runner import VALIDATE_OPTIONS, source_of
 
@@ -316,7 +316,7 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     if options.limit is not None and options.limit < 1:
         raise NVFP4UsageError(f"--limit must be >= 1, got {options.limit}")
     names, manager = resolve_tasks(options.tasks)
-    if not is_export(export_dir):
+    if not is_quantized_export(export_dir):
         raise NVFP4ToolError(
             f"{export_dir}: not an export (its config.json declares no quantization); "
             "eval runs an `nvfp4tool export` folder against its source"
@@ -338,7 +338,7 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     _same_tokenizer(export_dir, source.aux_dir or source.path, "the source")
     reference_named = None
     if options.reference is not None:
-        if not is_export(options.reference):
+        if not is_quantized_export(options.reference):
             raise NVFP4ToolError(f"--reference {options.reference}: not an export folder")
         from nvfp4tool import formats
 

@@ -55,20 +55,6 @@ class Variant:
         return "streamed" if self.model.streamed else "held"
 
 
-def is_export(folder: str) -> bool:
-    """A serving export (its config declares a quantization layout), not a BF16 source."""
-    from nvfp4tool.formats.spec import CONFIG_FILE, HF_QUANT_CONFIG_FILE
-
-    if os.path.isfile(os.path.join(folder, HF_QUANT_CONFIG_FILE)):
-        return True
-    try:
-        with open(os.path.join(folder, CONFIG_FILE), "rb") as f:
-            config = json.loads(f.read())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "quantization_config" in config
-
-
 def working_bytes(config, batch_size: int, seq_len: int) -> int:
     """Memory a held model needs besides its weights for one batch, with a 2x margin (validate's
     estimate: fp32 logits, activations, attention scores, widened weight blocks, the largest tensor)."""
@@ -93,6 +79,7 @@ def open_variant(
 ) -> Variant:
     """Open `path` as served (an export) or as the BF16 source (an HF folder / training run)."""
     from nvfp4tool.export.simulate import ServedKVTap
+    from nvfp4tool.formats import is_quantized_export
     from nvfp4tool.model.layerwise import LayerwiseModel
     from nvfp4tool.validate.runner import VALIDATE_OPTIONS, VALIDATION_DTYPE, Candidate, source_bytes
 
@@ -100,7 +87,7 @@ def open_variant(
         raise NVFP4UsageError(f"offload={offload}: expected one of {', '.join(memory.OFFLOAD_MODES)}")
     if not os.path.isdir(path):
         raise NVFP4ToolError(f"{path}: not a folder (expected an export or an HF / training-run folder)")
-    if is_export(path):
+    if is_quantized_export(path):
         exported = Candidate.load(path).exported
         config, stored, source = exported.config, exported.stored_bytes(), exported
         build = lambda mesh: exported.model(VALIDATION_DTYPE, mesh)  # noqa: E731
