@@ -19,12 +19,14 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from converters.hf import HFFolderSource, write_hf_folder
+from nvfp4tool import progress
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
@@ -37,6 +39,8 @@ from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.trainer import _equalized
 
+from fixtures.file_fixtures import Recorder
+from fixtures.kill_fixtures import kill_at
 from fixtures.train_fixtures import run_train, train_args
 
 CALIB = ("--calib-samples", "4", "--calib-seq-len", "32")
@@ -255,3 +259,47 @@ def test_a_tampered_equalization_record_is_refused_before_anything_is_created(
     assert message in errors[0], errors[0]
     assert not (tmp_path / "runs").exists()
     assert {p.name: p.read_bytes() for p in export.iterdir()} == before
+
+
+@pytest.mark.slow  # a child process per point (tests/fixtures/kill_child.py)
+@pytest.mark.parametrize(("point", "prefix"), [("start", "."), ("publish", ".hf.tmp-")])
+def test_kill_9_of_an_equalized_start_leaves_nothing_the_rerun_does_not_clean(base, tmp_path, point, prefix):
+    """kill -9 of `train equalize_from=` when its run folder is created (nothing in it yet) or when
+    its final HF folder is complete but not renamed in: no complete-looking run or hf/ is left; the
+    rerun (resume=true after the checkpoints exist) removes the kill's temporary folder, saying so,
+    and finishes with the export's scales recorded."""
+    run = tmp_path / "run"
+    model = str(base["hf"])
+    args = [
+        "train",
+        *_args(
+            base["tokenizer"],
+            run,
+            model=model,
+            teacher=model,
+            distill="kl",
+            equalize_from=str(base["awq"]),
+            steps=2,
+            lr=1e-5,
+            checkpoint_every=1,
+        ),
+    ]
+    tmp, pid = kill_at(point, args, tmp_path / "ready", tmp_prefix=prefix)
+    if point == "start":
+        assert Path(tmp).parent == tmp_path and not run.exists()
+    else:
+        assert Path(tmp).parent == run and not (run / "hf").exists()
+        args.append("resume=true")
+    recorder = Recorder()
+    previous = progress.use_reporter(recorder)
+    try:
+        result = CliRunner().invoke(cli, args)
+    finally:
+        progress.use_reporter(previous)
+    said = "\n".join(recorder.lines) + result.output
+    assert result.exit_code == 0, said
+    assert f"removed {tmp}: temporary folder of an interrupted run (pid {pid})" in said, said
+    assert not Path(tmp).exists() and not any(".tmp-" in p.name for p in [*tmp_path.iterdir(), *run.iterdir()])
+    recorded = RunRecord.read(run)
+    assert recorded.equalization.to_json() == ExportRecord.read(str(base["awq"])).equalization.to_json()
+    assert len(HFFolderSource(run / "hf").names()) == len(HFFolderSource(run / "hf").config.expected_tensor_shapes())
