@@ -135,7 +135,9 @@ class HFFolderSource:
             ignore = tuple(n for n in self._entries if n.endswith(".rotary_emb.inv_freq"))
             ignore += ("lm_head.weight",) if self.config.tie_word_embeddings else ()
             expected = self.config.expected_tensor_shapes()
-            check_against_config(self, expected, ignore_extra=ignore, config_dtype=self.config.dtype)
+            check_against_config(
+                self, expected, ignore_extra=ignore, config_dtype=self.config.dtype, config=self.config
+            )
             self._entries = {n: self._entries[n] for n in expected}  # the config's canonical order
 
     @property
@@ -221,7 +223,7 @@ def write_hf_folder(
     shard_limit = parse_size(max_shard_size)
     expected = config.expected_tensor_shapes()
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    check_against_config(source, expected, ignore_extra=ignore)
+    check_against_config(source, expected, ignore_extra=ignore, config=config)
     inputs = [*inputs, *([copy_from] if copy_from is not None else [])]
     names = list(expected)
     keep_fp32 = config.family_spec.stored_fp32

@@ -220,7 +220,7 @@ def write_maxtext(
     layout.check_supported(config, source.path)
     maxtext_models.check_family_rope_layout(config.family, rope_layout, source.path)
     ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    check_against_config(source, config.expected_tensor_shapes(), ignore_extra=ignore)
+    check_against_config(source, config.expected_tensor_shapes(), ignore_extra=ignore, config=config)
     if rope_layout not in layout.ROPE_LAYOUTS:
         raise NVFP4ToolError(f"RoPE layout {rope_layout!r} unknown; supported: {', '.join(layout.ROPE_LAYOUTS)}")
     import orbax.checkpoint as ocp

@@ -117,6 +117,7 @@ def check_against_config(
     *,
     ignore_extra: tuple[str, ...] = (),
     config_dtype: str | None = None,
+    config=None,
 ) -> None:
     """Raise NVFP4ToolError unless `source` holds exactly the `expected` names with those shapes,
     each in a floating dtype (`WEIGHT_DTYPES`).
@@ -125,9 +126,16 @@ def check_against_config(
     without being expected (e.g. a tied `lm_head.weight` some checkpoints still store). With
     `config_dtype` (the dtype config.json declares), a float16 tensor in a bfloat16 model or the
     reverse is refused: the two have the same size, so such a tensor is a relabelled header.
+    With `config` (the `ModelConfig` `expected` is of), names that are not the expected ones are
+    first put to its family (`Family.tensors_contradiction`): a config.json key the tensors
+    contradict is named as the cause, not the tensors it makes missing.
     """
     present = set(source.names())
     missing = [n for n in expected if n not in present]
+    if config is not None and (missing or present - set(expected) - set(ignore_extra)):
+        contradiction = config.family_spec.tensors_contradiction(config, present)
+        if contradiction is not None:
+            raise NVFP4ToolError(f"{source.path}: {contradiction}")
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise NVFP4ToolError(f"{source.path}: tensor {missing[0]!r} missing{more}; the config expects it")

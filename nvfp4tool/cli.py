@@ -217,7 +217,9 @@ def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nvfp4tool")
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging and full tracebacks.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress (bars, lines) or status lines; results and errors only.")
+@click.option(
+    "-q", "--quiet", is_flag=True, help="No progress (bars, lines) or status lines; results, warnings and errors only."
+)
 @click.option(
     "--log-format",
     type=click.Choice(progress.LOG_FORMATS),

@@ -3,6 +3,7 @@
     with progress.task("export", total=len(names), unit="tensor") as task:
         task.advance(description=name, nbytes=size)       # bytes feed the throughput column
     progress.info("resumed from runs/a/checkpoints/40")    # a status line (never `print`)
+    progress.warn("Warning: the card has no license")       # shown even under --quiet
 
 Library code never prints; the CLI installs a reporter (`for_cli`: rich, text / json lines, quiet).
 Design notes: docs/design/progress.md.
@@ -62,9 +63,12 @@ class LoggingReporter:
     def info(self, message: str) -> None:
         _LOG.info(message)
 
+    def warn(self, message: str) -> None:
+        _LOG.warning(message)
+
 
 class QuietReporter:
-    """`--quiet`: nothing at all."""
+    """`--quiet`: nothing but warnings (bare lines on stderr)."""
 
     external_bars = False
 
@@ -73,6 +77,10 @@ class QuietReporter:
 
     def info(self, message: str) -> None:
         pass
+
+    def warn(self, message: str) -> None:
+        sys.stderr.write(message + "\n")  # looked up now: the stream the command runs with
+        sys.stderr.flush()
 
     def compiling(self, label: str, seconds: float | None) -> None:
         pass
@@ -161,6 +169,9 @@ class LineReporter:
 
     def info(self, message: str) -> None:
         self.emit({"event": "info", "message": message}, message)
+
+    def warn(self, message: str) -> None:
+        self.emit({"event": "warning", "message": message}, message)
 
     def compiling(self, label: str, seconds: float | None) -> None:
         self.emit(
@@ -344,6 +355,12 @@ def task(name: str, total: int | None = None, unit: str = "item", *, enabled: bo
 def info(message: str) -> None:
     """A status line (the library's only way to say something)."""
     _reporter.info(message)
+
+
+def warn(message: str) -> None:
+    """A warning line: something the user must see, shown by every reporter, `--quiet`'s
+    included (on stderr); a reporter without `warn` shows it as a status line."""
+    getattr(_reporter, "warn", _reporter.info)(message)
 
 
 @contextlib.contextmanager

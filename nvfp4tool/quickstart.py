@@ -192,7 +192,10 @@ def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = pro
     with _stage(echo, "8/8 push --dry-run (model card, nothing uploaded)", figures, "push") as record:
         lines: list[str] = []
         result = push_checkpoint(
-            nvfp4_dir, PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4", dry_run=True), echo=lines.append
+            nvfp4_dir,
+            PushOptions(repo_id="your-org/nvfp4tool-quickstart-nvfp4", dry_run=True),
+            echo=lines.append,
+            warn=lines.append,  # its placeholder repo has no base_model or license to warn about
         )
         card_path = out / "MODEL_CARD.md"
         card_path.write_text(str(result.card))

@@ -65,7 +65,12 @@ def check_against_model(
 ) -> list[Problem]:
     """Problems of the folder's tensors against `config`'s model (see the module docstring).
     Modules and tensors in `reported` (named by earlier problems) are skipped: one root cause, one
-    report."""
+    report. A config.json key the tensors contradict (`Family.tensors_contradiction`) is the one
+    problem then, not the tensors it makes missing or unexpected."""
+    spec_family = config.family_spec
+    contradiction = spec_family.tensors_contradiction(config, [spec_family.our_name(n) for n in entries])
+    if contradiction is not None:
+        return [Problem(CONFIG_LEVEL, CONFIG, contradiction.removeprefix(f"{CONFIG}'s "))]
     problems = [
         Problem(
             router,

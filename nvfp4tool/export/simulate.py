@@ -222,5 +222,6 @@ def load_export(folder: str) -> ExportedModel:
     for name in expected:
         module = name.rpartition(".")[0]
         if module not in quantized and name not in source.names():
-            raise NVFP4ToolError(f"{folder}: tensor {name!r} missing; the config expects it")
+            contradiction = config.family_spec.tensors_contradiction(config, source.names())
+            raise NVFP4ToolError(f"{folder}: {contradiction or f'tensor {name!r} missing; the config expects it'}")
     return ExportedModel(folder, config, spec, source, quantized, layout.kv_cache)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 ATTENTION_MLP = "attention+mlp"  # a pre-norm decoder layer: attention, then a dense SwiGLU MLP
@@ -214,6 +214,13 @@ class Family:
         """Lines an export of `config`'s model in layout `fmt` x `quant` prints before it runs (a
         layout the engines do not serve for this model): none for these families."""
         return []
+
+    def tensors_contradiction(self, config: ModelConfig, names: Collection[str]) -> str | None:
+        """When the tensors a checkpoint holds (`names`, ours: `Family.our_name`) are not the ones
+        `config`'s model needs because a config.json key says something the tensors contradict (a
+        layer kind), the sentence naming the key, the layer, what the key says and what the
+        tensors are; the missing / unexpected tensor is reported otherwise. None for these families."""
+        return None
 
     def tp_problems(self, config: ModelConfig, tp: int) -> list[str]:
         """What keeps `config`'s model from being served at tensor-parallel degree `tp`, beyond

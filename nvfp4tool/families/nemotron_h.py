@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
@@ -30,11 +30,13 @@ from nvfp4tool.families.base import (
     Tensor,
     layer_prefix,
     projection_tensors,
+    split_layer,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer layer kinds
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's characters
+KIND_NAMES = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}  # as messages say them
 BLOCK_TYPES = {
     "linear_attention": MAMBA,
     "mamba": MAMBA,
@@ -66,6 +68,14 @@ ALIASES = {
     "mamba_conv_bias": "use_conv_bias",
     "mamba_chunk_size": "chunk_size",
 }
+# the modules under a layer's mixer, by the kind of mixer they belong to (`tensors_contradiction`)
+_MIXER_CHILDREN = {
+    MAMBA: ("in_proj", "out_proj", "conv1d", "dt_bias", "A_log", "D", "norm"),
+    ATTENTION: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    MLP: ("up_proj", "down_proj"),
+    MOE: ("gate", "experts", "shared_experts", "fc1_latent_proj", "fc2_latent_proj"),
+}
+_KIND_OF_CHILD = {child: kind for kind, children in _MIXER_CHILDREN.items() for child in children}
 MAMBA_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True}  # NemotronHConfig's
 
 
@@ -131,14 +141,31 @@ def layer_kinds(hf: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]
         found[key] = tuple(table[v] for v in raw)
     kinds = list(found.values())
     if len(kinds) == 2 and kinds[0] != kinds[1]:
-        raise NVFP4ToolError(
-            "hybrid_override_pattern and layers_block_type disagree "
-            f"({len(kinds[0])} and {len(kinds[1])} layers); give one, or both equal"
-        )
+        raise NVFP4ToolError(_disagreement(kept, *kinds))
     layers = integer(hf, "num_hidden_layers", None)
     if layers is not None and layers != len(kinds[0]):
         raise NVFP4ToolError(f"num_hidden_layers={layers} but the layer kinds list {len(kinds[0])} layers")
     return kinds[0], kept
+
+
+def _disagreement(kept: Mapping[str, Any], pattern: tuple[str, ...], block_types: tuple[str, ...]) -> str:
+    """Where hybrid_override_pattern and layers_block_type (both given, `kept`; their kinds
+    `pattern` and `block_types`) first disagree, each entry as the source spelled it."""
+    first, second = kept["hybrid_override_pattern"], kept["layers_block_type"]
+    differ = next((i for i, (a, b) in enumerate(zip(pattern, block_types)) if a != b), None)
+    if differ is not None:
+        text = (
+            f"hybrid_override_pattern says layer {differ} is {first[differ]!r} ({KIND_NAMES[pattern[differ]]}), "
+            f"layers_block_type says {second[differ]!r} ({KIND_NAMES[block_types[differ]]})"
+        )
+        if len(pattern) != len(block_types):
+            text += f", and they list {len(pattern)} and {len(block_types)} layers"
+    else:
+        text = (
+            f"hybrid_override_pattern lists {len(pattern)} layers, layers_block_type {len(block_types)} "
+            f"(the first {min(len(pattern), len(block_types))} agree)"
+        )
+    return text + "; give one, or both equal"
 
 
 def _mamba_value(hf: Mapping[str, Any], key: str, read, keys: dict[str, str]) -> Any:
@@ -489,6 +516,41 @@ class HybridDecoder(Family):
             return f"{BASE_MODEL}.{stored.removeprefix(f'{CHECKPOINT_BASE}.')}"
         return stored
 
+    def tensors_contradiction(self, config: ModelConfig, names: Collection[str]) -> str | None:
+        """A layer whose mixer tensors are all of one kind other than the one config.json's layer
+        keys give it, or mixers stored for more or fewer layers than the keys list (a layer
+        holding tensors of several kinds is no one mixer: its tensors are reported)."""
+        f: HybridFields = config.family_config
+        found: dict[int, dict[str, str]] = {}  # layer -> {the kind its mixer tensors are: the first one}
+        for name in names:
+            where = split_layer(name)
+            if where is None or not where[1].startswith(f"{MIXER}."):
+                continue
+            child = where[1].split(".")[1]
+            kind = _KIND_OF_CHILD.get(child)
+            if kind is not None:
+                first = found.setdefault(where[0], {}).setdefault(kind, name)
+                if _rank(name) < _rank(first):  # the example named: the kind's first module, whatever the order
+                    found[where[0]][kind] = name
+        kinds = f.layer_kinds
+        for layer in sorted(found):
+            if len(found[layer]) != 1:
+                continue
+            ((stored, example),) = found[layer].items()
+            named = self.checkpoint_name(example)
+            tensors = f"the checkpoint's layer {layer} holds {KIND_NAMES[stored]} tensors ({named})"
+            if layer >= len(kinds):
+                return f"{_layer_keys(f)} {len(kinds)} layers, but {tensors}"
+            if stored != kinds[layer]:
+                return f"{_layer_keys(f, layer)}, but {tensors}"
+        stored_layers = max(found, default=-1) + 1
+        if 0 < stored_layers < len(kinds) and all(i in found for i in range(stored_layers)):
+            return (
+                f"{_layer_keys(f)} {len(kinds)} layers, but the checkpoint holds mixers of layers "
+                f"0-{stored_layers - 1} only ({stored_layers})"
+            )
+        return None
+
     def tp_problems(self, config: ModelConfig, tp: int) -> list[str]:
         """vLLM's MambaMixer2 shards in_proj's z | x | B | C | dt pieces, conv1d and the SSM
         parameters by Mamba heads (it asserts the degree divides them); B and C by groups, which a
@@ -567,6 +629,26 @@ class HybridDecoder(Family):
             "nemotron_h: equivalent scaling (--equalize) is not built for the hybrid "
             "family yet (its relu2 MLPs and Mamba mixers fold differently)"
         )
+
+
+def _rank(name: str) -> tuple[int, str]:
+    """Where a mixer tensor's module comes in its kind's `_MIXER_CHILDREN`, then the name."""
+    child = split_layer(name)[1].split(".")[1]
+    return _MIXER_CHILDREN[_KIND_OF_CHILD[child]].index(child), name
+
+
+def _layer_keys(f: HybridFields, layer: int | None = None) -> str:
+    """config.json's layer keys as the source gave them: "config.json's hybrid_override_pattern
+    lists" (`layer` None), or "... says layer 3 is '*' (attention)"."""
+    keys = " and ".join(f.hf_layers) or "layer kinds"
+    plural = len(f.hf_layers) != 1
+    if layer is None:
+        return f"config.json's {keys} {'list' if plural else 'lists'}"
+    kind = KIND_NAMES[f.layer_kinds[layer]]
+    spelled = " and ".join(repr(raw[layer]) for raw in f.hf_layers.values())
+    return f"config.json's {keys} {'say' if plural else 'says'} layer {layer} is " + (
+        f"{spelled} ({kind})" if spelled else kind
+    )
 
 
 def nvidia_nano_keep_bf16(config: ModelConfig) -> list[str]:

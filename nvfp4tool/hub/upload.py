@@ -71,9 +71,14 @@ class PushResult:
 
 
 def push_checkpoint(
-    folder: str | os.PathLike, options: PushOptions, echo: Callable[[str], None] = progress.info
+    folder: str | os.PathLike,
+    options: PushOptions,
+    echo: Callable[[str], None] = progress.info,
+    warn: Callable[[str], None] = progress.warn,
 ) -> PushResult:
-    """Check, card and upload the export at `folder` as `options` say (see the module docstring)."""
+    """Check, card and upload the export at `folder` as `options` say (see the module docstring).
+    Status lines go to `echo`, the "Warning:" lines (custody's, the card's) to `warn`: by default
+    `progress.warn`, shown even under --quiet."""
     folder = os.fspath(folder)
     _check_options(options)
     from nvfp4tool.check import check_checkpoint
@@ -97,15 +102,15 @@ def push_checkpoint(
         verify_claims(folder, validation, report)
     verify_eval(folder, validation)
     for notice in notices:
-        echo(notice)
+        warn(notice)
     base_model, license = card_identity(folder, options.base_model, options.license)
     if base_model is None:
-        echo(
+        warn(
             "Warning: the model card has no base_model (the provenance names no Hub repo as the source); "
             "pass --base-model ORG/NAME"
         )
     if license is None:
-        echo(
+        warn(
             "Warning: the model card has no license (none in the source's README.md or config.json); pass --license ID"
         )
     card = build_model_card(

@@ -51,7 +51,10 @@ def model_from_tensors(
     expected = config.expected_tensor_shapes()
     if check:
         check_against_config(
-            source, expected, ignore_extra=(f"{LM_HEAD}.weight",) if config.tie_word_embeddings else ()
+            source,
+            expected,
+            ignore_extra=(f"{LM_HEAD}.weight",) if config.tie_word_embeddings else (),
+            config=config,
         )
     model = nnx.eval_shape(
         lambda: CausalLM(

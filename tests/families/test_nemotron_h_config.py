@@ -68,7 +68,20 @@ def test_layer_kinds_in_every_spelling_and_written_back_as_given(spelling):
     "change,message",
     [
         ({"hybrid_override_pattern": "M-X*"}, "'X' at position 2 is not a layer kind"),
-        ({"hybrid_override_pattern": "M-M*-", "layers_block_type": ["mamba", "mlp"]}, "disagree"),
+        (
+            {"hybrid_override_pattern": "M-M*-", "layers_block_type": ["mamba", "mlp"]},
+            "hybrid_override_pattern lists 5 layers, layers_block_type 2 (the first 2 agree); give one, or both equal",
+        ),
+        (
+            {"hybrid_override_pattern": "M-M*-", "layers_block_type": ["mamba", "mlp", "mamba", "mamba", "mlp"]},
+            "hybrid_override_pattern says layer 3 is '*' (attention), layers_block_type says 'mamba' (Mamba-2); "
+            "give one, or both equal",
+        ),
+        (
+            {"hybrid_override_pattern": "M-M*-", "layers_block_type": ["linear_attention", "moe", "mamba"]},
+            "hybrid_override_pattern says layer 1 is '-' (MLP), layers_block_type says 'moe' (MoE), and they "
+            "list 5 and 3 layers; give one, or both equal",
+        ),
         ({"hybrid_override_pattern": "M-M*-", "num_hidden_layers": 6}, "num_hidden_layers=6"),
         ({"layers_block_type": ["mamba", "hybrid"]}, "layers_block_type[1]: 'hybrid'"),
         (

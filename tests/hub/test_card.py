@@ -42,7 +42,9 @@ FP8_METRICS = {
 
 def _push(folder, **options):
     lines: list[str] = []
-    result = push_checkpoint(folder, PushOptions(repo_id=REPO, dry_run=True, **options), echo=lines.append)
+    result = push_checkpoint(
+        folder, PushOptions(repo_id=REPO, dry_run=True, **options), echo=lines.append, warn=lines.append
+    )
     return result.card, lines
 
 
@@ -284,3 +286,28 @@ def test_warnings_reach_the_cli_output(tmp_path):
         line for line in result.output.splitlines() if re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ )?Warning:", line)
     ]
     assert len(warnings) == 1 and "no license" in warnings[0]
+
+
+def test_quiet_push_still_prints_the_card_warnings(tmp_path):
+    """--quiet silences status lines, never a warning: both of the card's reach stderr, nothing else."""
+    folder = _write_export(tmp_path / "e", "compressed-tensors", source_name="llama-local")
+    result = CliRunner().invoke(cli, ["-q", "push", folder, "--repo-id", REPO, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    warnings = result.stderr.splitlines()
+    assert len(warnings) == 2, result.stderr
+    assert warnings[0].startswith("Warning: the model card has no base_model") and "--base-model" in warnings[0]
+    assert warnings[1].startswith("Warning: the model card has no license") and "--license" in warnings[1]
+    assert "Warning" not in result.stdout
+
+
+def test_quiet_push_still_prints_the_custody_warning(tmp_path):
+    """A validation of another source that `validate --source-mismatch-ok` allowed: its warning
+    reaches stderr under --quiet too, once (--license: the fixture's other warning is not earned)."""
+    folder = _write_export(tmp_path / "e", "compressed-tensors")
+    bind_validation(folder, source=Named("my-finetune", {"model.safetensors": "4" * 64}), source_mismatch_ok=True)
+    result = CliRunner().invoke(cli, ["-q", "push", folder, "--repo-id", REPO, "--dry-run", "--license", "mit"])
+    assert result.exit_code == 0, result.output
+    warnings = result.stderr.splitlines()
+    assert len(warnings) == 1, result.stderr
+    assert warnings[0].startswith("Warning: ") and "validated against a source that is not the export's" in warnings[0]
+    assert "'my-finetune'" in warnings[0]
