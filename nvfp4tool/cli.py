@@ -1051,7 +1051,7 @@ def validate_command(
 )
 @click.option(
     "--seed",
-    type=int,
+    type=click.IntRange(0, 2**32 - 1),
     default=_eval_default("seed"),
     show_default=True,
     help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.",
@@ -1186,15 +1186,12 @@ def eval_command(
 
 
 def _gen_kwargs(text: str | None) -> dict | None:
-    """--gen-kwargs "k=v,k=v" as lm-eval parses it (values typed: true / 0.7 / 50), or None."""
+    """--gen-kwargs "k=v,k=v" typed and checked (`eval.gen_settings`), or None."""
     if text is None:
         return None
-    pairs = [p for p in text.split(",") if p.strip()]
-    if not pairs or any("=" not in p or not p.split("=", 1)[0].strip() for p in pairs):
-        raise NVFP4UsageError(f"--gen-kwargs {text!r}: expected KEY=VALUE[,KEY=VALUE...]")
-    from lm_eval.utils import simple_parse_args_string
+    from nvfp4tool.eval.gen_settings import parse
 
-    return simple_parse_args_string(text)
+    return parse(text, "--gen-kwargs")
 
 
 @cli.command("quickstart")

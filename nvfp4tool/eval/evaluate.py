@@ -369,7 +369,9 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
     for name, task in tasks.items():
         if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
             how = decoding(
-                {**(task.config.generation_kwargs or {}), **(options.gen_kwargs or {})}, options.max_gen_toks
+                {**(task.config.generation_kwargs or {}), **(options.gen_kwargs or {})},
+                options.max_gen_toks,
+                origin=f"task {name}: generation_kwargs",
             )
             generative.append(name)
             if how.sample:

@@ -24,6 +24,7 @@ import numpy as np
 
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.eval.gen_settings import boolean, check, integer
 
 try:  # the optional extra `nvfp4tool[eval]`
     from lm_eval import utils as lm_utils
@@ -171,16 +172,24 @@ class NVFP4ToolLM(TemplateLM):
         add_bos_token: Any = None,
         step: Any = None,
         share_prefixes: Any = True,
-        **ignored: Any,
+        device: Any = None,  # lm-eval's own settings, passed to every model: unused here
+        max_batch_size: Any = None,
+        **unknown: Any,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
+        if unknown:
+            raise NVFP4UsageError(
+                f"model_args {', '.join(sorted(unknown))}: unknown (accepted: {', '.join(model_args())})"
+            )
         self.batch_size = _positive("batch_size", batch_size if batch_size not in (None, "auto") else 8)
         self._max_gen_toks = _positive("max_gen_toks", max_gen_toks)
-        self.seed = int(seed)
-        self.share_prefixes = _bool(share_prefixes)
-        self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token)
+        self.seed = integer(seed, "model_args seed")
+        if not 0 <= self.seed < 2**32:
+            raise NVFP4UsageError(f"model_args seed={seed}: must be in 0..2**32-1")
+        self.share_prefixes = boolean(share_prefixes, "model_args share_prefixes")
+        self.add_bos_token = None if add_bos_token is None else boolean(add_bos_token, "model_args add_bos_token")
         if variant is None:
             path = path or export
             if path is None:
@@ -190,8 +199,8 @@ class NVFP4ToolLM(TemplateLM):
                 path,
                 label=label,
                 offload=offload,
-                fp8_kv=_bool(fp8_kv),
-                step=None if step is None else int(step),
+                fp8_kv=boolean(fp8_kv, "model_args fp8_kv"),
+                step=None if step is None else integer(step, "model_args step"),
                 batch_size=self.batch_size,
                 max_length=limit,
             )
@@ -213,6 +222,20 @@ class NVFP4ToolLM(TemplateLM):
         self.generated: dict[str, list[tuple[list[int], bool]]] = {}
         self.timing: dict[str, float] = {}  # request type -> seconds
         self.counts: dict[str, int] = {}  # request type -> requests
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> NVFP4ToolLM:
+        """lm-eval's `--model_args` with its own settings (batch_size, max_batch_size, device)
+        merged: a key in model_args wins over lm-eval's default `--batch_size 1`; the same key
+        given both ways with two values is a usage error naming both."""
+        args = lm_utils.simple_parse_args_string(arg_string)
+        for key, value in (additional_config or {}).items():
+            if value is None:
+                continue
+            if key in args and str(args[key]) != str(value) and not (key == "batch_size" and str(value) == "1"):
+                raise NVFP4UsageError(f"{key} given twice: model_args {key}={args[key]} and --{key} {value}; give one")
+            args.setdefault(key, value)
+        return cls(**args)
 
     # ---------------------------------------------------------------- what lm-eval asks about
     @property
@@ -472,10 +495,11 @@ class Decoding:
 NEUTRAL_GEN_KWARGS = {"top_p": 1.0, "num_beams": 1, "repetition_penalty": 1.0, "typical_p": 1.0}
 
 
-def decoding(gen_kwargs: dict[str, Any], default_max_gen_toks: int) -> Decoding:
-    """The `Decoding` of a request's generation kwargs; a setting this backend does not implement
-    (top_p < 1, beams, penalties, ...) is refused, naming it, rather than silently ignored."""
-    kwargs = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks)
+def decoding(gen_kwargs: dict[str, Any], default_max_gen_toks: int, origin: str = "generation kwargs") -> Decoding:
+    """The `Decoding` of a request's generation kwargs, typed and range-checked by
+    `gen_settings.check` (`origin` names where they came from); a setting this backend does not
+    implement (top_p < 1, beams, penalties, ...) is refused, naming it, rather than silently ignored."""
+    kwargs = normalize_gen_kwargs(check(gen_kwargs, origin), default_max_gen_toks)
     until = kwargs.pop("until", None)
     max_gen = int(kwargs.pop("max_gen_toks"))
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
@@ -494,7 +518,7 @@ def decoding(gen_kwargs: dict[str, Any], default_max_gen_toks: int) -> Decoding:
         max_gen_toks=max_gen,
         sample=sample,
         temperature=temperature if sample else 1.0,
-        top_k=None if top_k is None or not sample else int(top_k),
+        top_k=None if not top_k or not sample else int(top_k),  # 0: no restriction (as in HF)
     )
 
 
@@ -521,6 +545,14 @@ def _logsumexp(x_NxV: np.ndarray) -> np.ndarray:
     return top + np.log(np.sum(np.exp(x_NxV - top), axis=-1, keepdims=True))
 
 
+def model_args() -> tuple[str, ...]:
+    """The keys `--model_args` accepts (NVFP4ToolLM's keyword arguments but `variant`)."""
+    import inspect
+
+    names = inspect.signature(NVFP4ToolLM.__init__).parameters
+    return tuple(n for n, p in names.items() if n not in ("self", "variant") and p.kind is p.POSITIONAL_OR_KEYWORD)
+
+
 def _positive(name: str, value: Any) -> int:
     try:
         number = int(value)
@@ -531,18 +563,7 @@ def _positive(name: str, value: Any) -> int:
     return number
 
 
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes"):
-        return True
-    if text in ("0", "false", "no"):
-        return False
-    raise NVFP4UsageError(f"model_args: {value!r} is not true or false")
-
-
-def main() -> None:  # pragma: no cover - a thin wrapper over lm-eval's own CLI
+def main() -> None:
     """`python -m nvfp4tool.eval.lm_backend [run] ARGS`: lm-eval's command line with the model
     `nvfp4tool` registered (this module) and the shipped tasks on the include path (unless given)."""
     import sys
@@ -551,7 +572,14 @@ def main() -> None:  # pragma: no cover - a thin wrapper over lm-eval's own CLI
 
     if "--include_path" not in sys.argv and (len(sys.argv) < 2 or sys.argv[1] not in ("ls", "validate")):
         sys.argv += ["--include_path", TASKS_DIR]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except NVFP4UsageError as exc:  # bad usage: one line, exit 2 (as the nvfp4tool CLI)
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+    except NVFP4ToolError as exc:  # bad data: one line, exit 1
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

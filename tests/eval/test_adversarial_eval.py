@@ -206,6 +206,28 @@ def _(w):
     )
 
 
+@case("eval/gen-kwargs-boolean-no", 2)
+def _(w):
+    sampled = ["--gen-kwargs", "do_sample=no,temperature=0.7", "--samples", "2"]
+    return ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", *sampled], ("--gen-kwargs do_sample=no", "not a boolean")
+
+
+@case("eval/gen-kwargs-temperature-not-a-number", 2)
+def _(w):
+    return (
+        ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "do_sample=true,temperature=warm"],
+        ("--gen-kwargs temperature=warm", "not a number"),
+    )
+
+
+@case("eval/gen-kwargs-negative-temperature", 2)
+def _(w):
+    return (
+        ["eval", _pair(w), "--tasks", "nvfp4tool_gsm", "--gen-kwargs", "do_sample=true,temperature=-1"],
+        ("--gen-kwargs temperature=-1", "must be >= 0"),
+    )
+
+
 @case("eval/max-drop-fp8-without-reference", 2)
 def _(w):
     return _eval(w, "--max-drop-fp8", "0.01"), ("--max-drop-fp8", "--reference")
