@@ -112,7 +112,7 @@ class Tally:
             check_calibrated(name, value, what="keys / values" if name in self.attentions else "input")
         for expert, count in self.routed.items():
             if count == 0:
-                progress.info(
+                progress.warn(
                     f"warning: calibration routed no token to {expert} (its input scales come "
                     f"from all-experts calibration)"
                 )

@@ -118,7 +118,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     )  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config, rope_layout=options.rope_layout)
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
-        progress.info(line)
+        progress.warn(line)
     spec = formats.get(options.format, options.quant)
     plan = make_plan(
         source.config,
@@ -386,7 +386,7 @@ def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray |
     )
     samples, seq_len = ids.shape
     if (samples, seq_len) != (options.calib_samples, options.calib_seq_len):
-        progress.info(
+        progress.warn(
             f"warning: {options.calib_data} gives {samples} calibration window(s) of {seq_len} tokens, "
             f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
             f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)"

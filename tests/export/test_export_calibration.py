@@ -97,3 +97,13 @@ def test_gptq_weight_only_records_its_calibration_and_publishes_no_spill(tiny):
         ["model.safetensors", "config.json", "hf_quant_config.json", ExportRecord.FILE_NAME]
     )
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # no temporary folder, no spill left
+
+
+def test_the_short_data_warning_prints_under_quiet(tiny, tmp_path):
+    """-q silences status lines, not warnings (progress.warn): the one line reaches stderr."""
+    root, src, ids = tiny
+    args = ["export", src, "--out", str(tmp_path / "q"), "--calib-data", ids, "--calib-samples", "64"]
+    result = CliRunner().invoke(cli, ["-q", *args, "--calib-seq-len", "32"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {ids} gives 3 calibration window(s)"), result.stderr
