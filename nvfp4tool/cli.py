@@ -250,7 +250,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
     ctx.call_on_close(lambda: progress.use_reporter(previous))
 
 
-@cli.command("convert")
+@cli.command("convert", short_help="Convert between HF safetensors and MaxText, or reshard")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True, help="Output format.")
@@ -346,7 +346,12 @@ def _list_keys(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     ctx.exit(0)
 
 
-@cli.command("train", cls=_TrainCommand, context_settings={"ignore_unknown_options": True})
+@cli.command(
+    "train",
+    cls=_TrainCommand,
+    context_settings={"ignore_unknown_options": True},
+    short_help="Train or fine-tune with a precision recipe (NVFP4, FP8)",
+)
 @click.argument("args", nargs=-1)
 @click.option(
     "--list-keys",
@@ -380,7 +385,7 @@ def train_command(args: tuple[str, ...]) -> None:
     click.echo(f"run folder: {result.out}  (metrics.jsonl, loss.png, checkpoints/, hf/)")
 
 
-@cli.command("plot")
+@cli.command("plot", short_help="Overlay training runs' loss curves and their gap")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(
     "-o",
@@ -410,7 +415,7 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
     click.echo(f"wrote {out_png}")
 
 
-@cli.command("check")
+@cli.command("check", short_help="Check an NVFP4/FP8 serving checkpoint before serving")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--tp",
@@ -450,7 +455,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
         raise NVFP4ToolError(report.failure())
 
 
-@cli.command("export")
+@cli.command("export", short_help="Export a model as an NVFP4 / FP8 serving checkpoint")
 @click.argument("src", type=click.Path())
 @click.option(
     "--to",
@@ -666,7 +671,7 @@ def export_command(
     click.echo(export_checkpoint(src, out, options).line())
 
 
-@cli.command("convert-format")
+@cli.command("convert-format", short_help="Convert an export: ModelOpt <-> compressed-tensors")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path())
 @click.option(
@@ -691,7 +696,7 @@ def convert_format_command(src, out, to, force) -> None:
     click.echo(f"wrote {out} ({to}) in {seconds:.1f} s")
 
 
-@cli.command("push")
+@cli.command("push", short_help="Check an export, write its model card, upload to the Hub")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing).")
 @click.option("--private", is_flag=True, default=_push_default("private"), help="Create the repository private.")
@@ -784,7 +789,7 @@ def _threshold_default(field: str):
     return getattr(Thresholds(), field)
 
 
-@cli.command("validate")
+@cli.command("validate", short_help="Prove an export against its BF16 source and FP8")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--data",
@@ -1021,7 +1026,7 @@ def validate_command(
         )
 
 
-@cli.command("eval")
+@cli.command("eval", short_help="Task accuracy as served: BF16, FP8, NVFP4, paired")
 @click.argument("export", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--tasks",
@@ -1194,7 +1199,7 @@ def _gen_kwargs(text: str | None) -> dict | None:
     return parse(text, "--gen-kwargs")
 
 
-@cli.command("quickstart")
+@cli.command("quickstart", short_help="Run the whole pipeline on the embedded tiny model")
 @click.option("--out", default=_quickstart_default("out"), show_default=True, help="Folder for every stage's output.")
 @click.option(
     "--pretrain-steps",

@@ -36,6 +36,17 @@ def test_every_option_has_help_and_its_default(command, option):
         assert option.show_default or "default" in option.help.lower(), f"{command} {option.opts}: default not shown"
 
 
+def test_the_command_list_shows_each_summary_whole():
+    """`nvfp4tool --help` at 80 columns: each command's summary whole (click cuts a long first
+    sentence with "..."), and each one that command's own (its short_help)."""
+    text = CliRunner().invoke(cli, ["--help"], terminal_width=80).output
+    listed = text.split("Commands:", 1)[1].splitlines()[1:]
+    assert len(listed) == len(cli.commands), text
+    for line in listed:
+        name, summary = line.split(None, 1)
+        assert summary == cli.commands[name].short_help and not summary.endswith("..."), line
+
+
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_shows_no_meaningless_range_or_single_choice(command):
     text = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
