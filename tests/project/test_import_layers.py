@@ -20,6 +20,7 @@ eval -> publish) with the shared leaves at the bottom and the CLI at the top:
     converters           the checkpoint formats: HF safetensors and MaxText readers/writers, the
                          name/layout table, atomic output folders (a top-level package)
     formats              the serving layouts (LayoutSpec), declared once
+    corpus               training data: documents, tokenizers, the token cache, packing, batches
     model                the Flax model, running it layer by layer, its sharding on a device mesh
     recipes              the BF16/FP8/NVFP4 training GEMMs and the precision map
     run                  a training run's files: its TrainConfig and its records (run.json, ...)
@@ -58,6 +59,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvfp4tool.families", "nvfp4tool.config"),
     ("converters",),
     ("nvfp4tool.formats",),
+    ("nvfp4tool.corpus",),
     ("nvfp4tool.model",),
     ("nvfp4tool.recipes",),
     ("nvfp4tool.run",),
