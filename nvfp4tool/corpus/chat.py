@@ -12,6 +12,7 @@ Design notes: docs/design/data.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Iterable, Iterator
@@ -141,16 +142,16 @@ class SftEncoder:
             raise NVFP4ToolError(f"{where}: messages: no assistant turn (nothing to learn from)")
         tokenizer = self._chat_tokenizer()
         if self.spec.loss_on == "all":
-            ids, _ = self._tokenize(self._render(messages, False))
+            ids, _ = self._tokenize(self._render(messages, False, where))
             return ids, np.ones(len(ids), bool)
         if _GENERATION_TAG.search(tokenizer.get_chat_template()):
             return self._marked_by_template(messages, where)
-        full = self._render(messages, False)
+        full = self._render(messages, False, where)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                before = self._render(messages[:i], True)
-                through = self._render(messages[: i + 1], False)
+                before = self._render(messages[:i], True, where)
+                through = self._render(messages[: i + 1], False, where)
                 if not through.startswith(before):
                     why = f"messages[:{i}] with the generation prompt does not render as a prefix of messages[:{i + 1}]"
                     raise self._unmarkable(where, why)
@@ -165,9 +166,10 @@ class SftEncoder:
 
     def _marked_by_template(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
         """The assistant's tokens as transformers marks them from the template's generation tags."""
-        out = self._chat_tokenizer().apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        with self._template_refusals(where):
+            out = self._chat_tokenizer().apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
         loss = np.asarray(out["assistant_masks"], bool)
         if not loss.any():
             raise self._unmarkable(where, "its {% generation %} markers mark no token of the assistant's turns")
@@ -191,8 +193,8 @@ class SftEncoder:
                 raise NVFP4ToolError(f"{where}: completion: an empty list of messages")
             messages = _messages(prompt + completion, where, "prompt + completion")
             self._chat_tokenizer()
-            before = self._render(messages[: len(prompt)], True) if prompt else ""
-            full = self._render(messages, False)
+            before = self._render(messages[: len(prompt)], True, where) if prompt else ""
+            full = self._render(messages, False, where)
             if not full.startswith(before):
                 raise self._unmarkable(
                     where, "rendering the prompt with the generation prompt is not a prefix of the whole"
@@ -228,8 +230,22 @@ class SftEncoder:
             ) from None
         return tokenizer
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
+        with self._template_refusals(where):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    @contextlib.contextmanager
+    def _template_refusals(self, where: str) -> Iterator[None]:
+        """A template's own refusal (`raise_exception(...)`, e.g. roles that do not alternate) as one line."""
+        import jinja2
+
+        try:
+            yield
+        except jinja2.TemplateError as bad:
+            reason = (str(bad).splitlines() or [type(bad).__name__])[0]
+            raise NVFP4ToolError(
+                f"{where}: the chat template of {self.folder} refused the conversation ({reason})"
+            ) from None
 
     def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids [n] int32, character offsets [n, 2]) of `text`, without added special tokens (as

@@ -211,9 +211,10 @@ def test_bad_prompt_completion_rows_refused_in_one_line(chat_tokenizer, row, pro
     assert message.startswith("dataset row 4: ") and problem in message and "\n" not in message
 
 
-def test_template_that_cannot_mark_the_assistant_is_refused(chat_tokenizer, corpus_tokenizer, tmp_path):
+def test_unusable_templates_are_refused(chat_tokenizer, corpus_tokenizer, tmp_path):
     """A template whose earlier turns render differently once a later turn follows (here: the last
-    message is flagged) has no generation markers and no prefix property: refused naming the folder."""
+    message is flagged) has no generation markers and no prefix property: refused naming the folder;
+    a template's own refusal and a tokenizer without a template: one line each."""
     template = (
         "{% for message in messages %}{% if loop.last %}<|im_start|>{% endif %}{{ message['content'] }}"
         "{% endfor %}{% if add_generation_prompt %}<|im_end|>{% endif %}"
@@ -224,6 +225,21 @@ def test_template_that_cannot_mark_the_assistant_is_refused(chat_tokenizer, corp
     message = str(caught.value)
     assert message.startswith(f"{folder}: the chat template cannot mark the assistant's span: ")
     assert "c.jsonl:1" in message and "\n" not in message
+    # a template's own refusal (Mistral's templates raise on roles that do not alternate)
+    strict = _with_template(
+        chat_tokenizer,
+        tmp_path / "strict",
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}",
+    )
+    pair = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(NVFP4ToolError) as caught:
+        SftEncoder(strict, SftSpec("chat")).encode({"messages": pair}, "c.jsonl:2")
+    assert str(caught.value) == (
+        f"c.jsonl:2: the chat template of {strict} refused the conversation "
+        "(Conversation roles must alternate user/assistant/user/assistant/...)"
+    )
     # loss_on=all needs no span
     assert SftEncoder(folder, SftSpec("chat", loss_on="all")).encode({"messages": CONVERSATIONS[0]}, "c:1").loss.all()
     # no template at all
