@@ -17,6 +17,7 @@ import hashlib
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 import types
@@ -71,8 +72,10 @@ def prepare_cache(
         encoder = _Encoder(workers, tokenizer_folder, tokenizer, format, dtype)
         try:
             _run(encoder, documents, writer, sources_read, sum(map(len, units)))
-        finally:
-            encoder.close()
+        except BaseException:
+            encoder.close(abort=True)  # bad data, Ctrl-C, SIGTERM: the workers' batches are not wanted
+            raise
+        encoder.close()
         shards, index = writer.finish()
         manifest = CorpusManifest(
             format_version=FORMAT_VERSION,
@@ -199,11 +202,12 @@ class _Encoder:
                 raise NVFP4ToolError(f"data prepare: tokenizer worker {worker} failed: {result}")
             return result
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers: each after its last batch, or at once (`abort`)."""
         for tasks in self.tasks:
             tasks.put(None)
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(timeout=0 if abort else 10)
             if process.is_alive():
                 process.terminate()
                 process.join()
@@ -228,6 +232,8 @@ def _main_module_hidden() -> Iterator[None]:
 def _worker(folder: str, format: str, dtype: str, tasks, results) -> None:
     """A worker process: encode each batch handed to it until None (or until its parent is gone)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
+    results.cancel_join_thread()  # exit without waiting for unread results (the parent aborted)
     parent = os.getppid()
     try:
         tokenizer = load_tokenizer(folder)
