@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import itertools
 import json
 import tempfile
 import time
@@ -35,6 +35,17 @@ from nvfp4tool.checkpoints import (
     run_steps,
 )
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.encode import encode_documents
+from nvfp4tool.corpus.sources import data_sha256, iter_documents
+from nvfp4tool.corpus.tokenizer import (
+    TextTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_sha256,
+    train_bpe_tokenizer,
+)
+from nvfp4tool.corpus.windows import Windows, windows_in_memory
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -42,7 +53,7 @@ from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
-from nvfp4tool.run.config import TrainConfig, scans_layers
+from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
     CHECKPOINTS_DIR,
     TOKENIZER_DIR,
@@ -57,7 +68,6 @@ from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, step_header, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
-from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
 # Keys a resume may change: they do not touch the training math (the data, the tokenizer and the
 # teacher are compared by content instead of by path).
@@ -105,8 +115,8 @@ class _Prepared:
     model_config: ModelConfig
     model: CausalLM
     teacher: CausalLM | None  # a distillation run's teacher (BF16)
-    train_windows: np.ndarray
-    eval_windows: np.ndarray
+    train_windows: Windows
+    eval_windows: Windows
     recipe: RecipeConfig
     pmap: dict[str, str]
     mesh: Any
@@ -256,7 +266,7 @@ def train(config: TrainConfig) -> TrainResult:
             for step in range(start_step + 1, config.steps + 1):
                 scope = _bf16_scope(step, switch_step, recipe.switch_scope)
                 indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
-                windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
+                windows = train_windows.rows(indices).tokens.reshape(config.grad_accum, -1, config.seq_len + 1)
                 if pending is not None and (scope, windows.shape) not in compiled:
                     done_step, pending = pending, None
                     finish(done_step, None, task)
@@ -326,6 +336,11 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     recipe = config.resolved_recipe()  # quantizer / gemm resolved once (gemm=native refused here where it cannot run)
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
+    config = dataclasses.replace(config, packing=config.packing or (saved.packing if saved else NEW_RUN_PACKING))
+    if config.packing == "segmented":
+        raise NVFP4UsageError(
+            "train config: packing=segmented: the training step does not take segment ids yet; use packing=concat"
+        )
     if saved is not None:
         _check_same_config(saved, config, out)
     source = None
@@ -354,7 +369,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         model_config=model_config.to_hf_config(),
         data_sha256=_data_sha256(config.data),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
-        tokenizer_sha256=_tokenizer_sha256(tokenizer),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
         train_windows=len(train_windows),
         eval_windows=len(eval_windows),
         devices=jax.device_count(),
@@ -414,7 +429,7 @@ def _check_out(config: TrainConfig, out: Path) -> None:
 
 def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None:
     """Refuse a resume whose configuration differs in a key that changes the training math."""
-    before, now = saved.train_config().to_dict(), config.to_dict()
+    before, now = {**saved.train_config().to_dict(), "packing": saved.packing}, config.to_dict()
     changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now if k not in RESUME_FREE_KEYS and before[k] != now[k]]
     if changed:
         raise NVFP4ToolError(
@@ -488,8 +503,13 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         if source.aux_dir is not None and (Path(source.aux_dir) / "tokenizer.json").is_file():
             return load_tokenizer(source.aux_dir), False
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
+    if is_cache(config.data):
+        raise NVFP4UsageError(
+            f"train config: tokenizer={config.tokenizer or 'train'}: data={config.data} is a token cache "
+            "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
+        )
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
-        documents = data_lib.iter_documents(config.data, config.text_field)
+        documents = iter_documents(config.data, config.text_field)
         with progress.task("tokenizer training", total=1, unit="tokenizer") as task:  # a large corpus: minutes
             train_bpe_tokenizer(documents, config.vocab_size, scratch)
             task.advance(description=f"{config.vocab_size} tokens")
@@ -578,7 +598,7 @@ def _teacher(
             f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer"
         )
     if opened.aux_dir is not None and (Path(opened.aux_dir) / "tokenizer.json").is_file():
-        if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
+        if tokenizer_sha256(load_tokenizer(opened.aux_dir)) != tokenizer_sha256(tokenizer):
             raise NVFP4ToolError(
                 f"teacher={config.teacher}: its tokenizer.json differs from the run's "
                 "tokenizer; distillation needs the same tokenizer"
@@ -608,32 +628,26 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray, np.ndarray]:
-    def windows_of(path: str) -> np.ndarray:
-        docs = (tokenizer.encode(d) for d in data_lib.iter_documents(path, config.text_field))
-        return data_lib.pack_windows(docs, config.seq_len, tokenizer.eos_id)
+def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[Windows, Windows]:
+    """(train, eval) windows: a token cache memory-mapped (its tokenizer must be the run's), other
+    data read and tokenized here; eval from `eval_data`, else the last `eval_fraction` of `data`."""
+
+    def windows_of(key: str, path: str) -> Windows:
+        if is_cache(path):
+            cache = open_cache(path)
+            cache.check_tokenizer(tokenizer, key)
+            return cache.windows(config.seq_len, config.packing)
+        documents = iter_documents(path, config.text_field)
+        return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
 
     if config.eval_data:
-        return windows_of(config.data), windows_of(config.eval_data)
-    return data_lib.split_eval(windows_of(config.data), config.eval_fraction)
+        return windows_of("data", config.data), windows_of("eval_data", config.eval_data)
+    return windows_of("data", config.data).split(config.eval_fraction)
 
 
 def _data_sha256(path: str) -> str:
-    """sha256 of the data's bytes (a folder: each file's relative name and bytes, in reading order)."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES) if root.is_dir() else [root]
-    digest = hashlib.sha256()
-    for file in files:
-        if root.is_dir():  # a folder's layout is part of its data; a single file's name is not
-            digest.update(str(file.relative_to(root)).encode() + b"\0")
-        with file.open("rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _tokenizer_sha256(tokenizer: TextTokenizer) -> str:
-    return hashlib.sha256(tokenizer.tokenizer.to_str().encode("utf-8")).hexdigest()
+    """A token cache: its manifest's sha256 (which binds every shard's); other data: its bytes'."""
+    return manifest_sha256(path) if is_cache(path) else data_sha256(path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -689,7 +703,7 @@ def _evaluate(
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[: config.eval_batches]
+    chunks = [b.tokens for b in itertools.islice(eval_windows.batches(batch, count=usable), config.eval_batches)]
     with progress.task("eval", total=len(chunks), unit="batch") as task:
         for chunk in chunks:
             with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
