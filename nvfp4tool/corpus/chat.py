@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.records.corpus import CorpusSft
 
 FORMATS = ("chat", "prompt_completion")
 LOSS_ON = {"chat": ("assistant", "all"), "prompt_completion": ("completion", "all")}  # first: the default
+LOSS_ON_CHOICES = ("assistant", "completion", "all")
 OVERLONG = ("drop", "truncate")
 ROLES = ("system", "user", "assistant")
 # transformers' own test for a template with generation markers (chat_template_utils.render_jinja_template)
@@ -76,6 +79,21 @@ class SftCounts:
     tokens: int = 0  # tokens of the rows kept
     loss_tokens: int = 0  # of which carry loss
 
+    def merge(self, other: SftCounts) -> None:
+        """Add another batch's counts (a worker process's) to these."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    def record(self, spec: SftSpec, chat_template_sha256: str | None) -> CorpusSft:
+        """The counts as the cache manifest and run.json record them."""
+        return CorpusSft(
+            loss_on=spec.loss_on,
+            overlong=spec.overlong,
+            seq_len=spec.seq_len,
+            chat_template_sha256=chat_template_sha256,
+            **dataclasses.asdict(self),
+        )
+
     def add(self, encoded: Encoded) -> None:
         self.rows += 1
         self.dropped += encoded.status == "dropped"
@@ -101,6 +119,35 @@ class SftCounts:
         return line
 
 
+def sft_options(
+    format: str, loss_on: str | None, overlong: str | None, seq_len: int | None = None, label: str = ""
+) -> SftSpec | None:
+    """The spec of a fine-tuning format; None for another format, which takes none of the options
+    (a usage error, prefixed with `label`, when one is given)."""
+    if format not in FORMATS:
+        given = [f"{k}={v}" for k, v in (("loss_on", loss_on), ("overlong", overlong), ("seq_len", seq_len)) if v]
+        if given:
+            raise NVFP4UsageError(f"{label}{given[0]}: only for format {' / '.join(FORMATS)} (format={format})")
+        return None
+    try:
+        return SftSpec(format, loss_on, overlong or "drop", seq_len)
+    except NVFP4UsageError as bad:
+        raise NVFP4UsageError(f"{label}{bad}") from None
+
+
+def sft_encoder(
+    tokenizer_folder: str | Path,
+    format: str,
+    loss_on: str | None,
+    overlong: str | None,
+    seq_len: int | None,
+    label: str = "",
+) -> SftEncoder | None:
+    """The encoder of a fine-tuning format (None for another format: see `sft_options`)."""
+    spec = sft_options(format, loss_on, overlong, seq_len, label)
+    return None if spec is None else SftEncoder(tokenizer_folder, spec)
+
+
 def encode_rows(rows: Iterable[tuple[str, Any]], encoder: SftEncoder, counts: SftCounts) -> Iterator[Encoded]:
     """The kept rows of (where, row) pairs as `Encoded`, each row counted in `counts`."""
     for where, row in rows:
@@ -121,6 +168,22 @@ class SftEncoder:
 
     def __getstate__(self):
         return {**self.__dict__, "_tokenizer": None}
+
+    def check(self) -> None:
+        """Load the tokenizer now (and, for format=chat, its chat template): refused before any
+        output is created."""
+        if self.spec.format == "chat":
+            self._chat_tokenizer()
+        else:
+            self._eos_id()
+
+    def chat_template_sha256(self) -> str | None:
+        """sha256 of the folder's chat template (None: the tokenizer has none)."""
+        try:
+            template = self.tokenizer.get_chat_template()
+        except ValueError:
+            return None
+        return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
     def encode(self, row: Any, where: str) -> Encoded:
         """One row (a dict) as tokens and loss marks; `where` names it in errors (`file:line`)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import Record, RecordError, _json_type, fields_from_json
+from nvfp4tool.records.corpus import CorpusSft
 from nvfp4tool.records.export import EqualizationRecord, SourceRecord
 
 WEIGHTS_DIR = "hf"  # a run's final weights
@@ -57,6 +58,11 @@ class RunRecord(Record):
     # `equalize_from=`: the scales folded into the model before the first step (the export's
     # EqualizationRecord as it was read; a resume compares them); None: no fold
     equalization: EqualizationRecord | None = None
+    # fine-tuning rows (format chat / prompt_completion) of `data` / `eval_data`: loss_on, overlong,
+    # the rows dropped / truncated and the tokens carrying loss (a token cache's as its manifest has
+    # them); None: text, or a run.json written before they were recorded
+    data_sft: CorpusSft | None = None
+    eval_data_sft: CorpusSft | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -153,7 +159,7 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing")
+KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing", "format", "loss_on", "overlong")
 LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}

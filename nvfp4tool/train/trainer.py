@@ -16,6 +16,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ from nvfp4tool.checkpoints import (
 )
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
-from nvfp4tool.corpus.encode import encode_documents
-from nvfp4tool.corpus.sources import data_sha256, iter_documents
+from nvfp4tool.corpus.chat import SftCounts, SftEncoder, sft_options
+from nvfp4tool.corpus.encode import EncodedBatch, encode_documents
+from nvfp4tool.corpus.sources import data_sha256, iter_documents, iter_rows
 from nvfp4tool.corpus.tokenizer import (
     TextTokenizer,
     load_tokenizer,
@@ -52,6 +54,7 @@ from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.records.corpus import CorpusManifest, CorpusSft
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
 from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
@@ -358,7 +361,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    train_windows, eval_windows = _windows(config, tokenizer)
+    tokenizer_folder = _tokenizer_folder(config, out, source, trained_here)
+    (train_windows, data_sft), (eval_windows, eval_data_sft) = _windows(config, tokenizer, tokenizer_folder)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
@@ -378,6 +382,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         teacher_model_config=teacher_config,
         gemm_backend=recipe.backend(),
         equalization=equalization,
+        data_sft=data_sft,
+        eval_data_sft=eval_data_sft,
     )
     resume_step = None
     if saved is not None:
@@ -628,21 +634,84 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[Windows, Windows]:
-    """(train, eval) windows: a token cache memory-mapped (its tokenizer must be the run's), other
-    data read and tokenized here; eval from `eval_data`, else the last `eval_fraction` of `data`."""
+Sft = CorpusSft | None  # what the fine-tuning formats did to a data key's rows (None: text)
 
-    def windows_of(key: str, path: str) -> Windows:
+
+def _windows(
+    config: TrainConfig, tokenizer: TextTokenizer, tokenizer_folder: Path | None
+) -> tuple[tuple[Windows, Sft], tuple[Windows, Sft]]:
+    """((train, its rows' counts), (eval, its)): a token cache memory-mapped (its tokenizer must be
+    the run's, its format the one asked for), other data read and tokenized here; eval from
+    `eval_data`, else the last `eval_fraction` of `data`."""
+
+    def windows_of(key: str, path: str) -> tuple[Windows, Sft]:
         if is_cache(path):
             cache = open_cache(path)
             cache.check_tokenizer(tokenizer, key)
-            return cache.windows(config.seq_len, config.packing)
-        documents = iter_documents(path, config.text_field)
-        return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
+            return cache.windows(config.seq_len, config.packing), _cache_sft(config, cache.manifest, key, path)
+        data_format = config.format or "text"
+        spec = sft_options(data_format, config.loss_on, config.overlong, label="train config: ")
+        if spec is None:
+            documents = iter_documents(path, config.text_field)
+            return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing), None
+        if tokenizer_folder is None:
+            raise NVFP4UsageError(
+                f"train config: format={data_format} needs the tokenizer's folder (its chat template, its "
+                "end-of-text token): pass tokenizer=FOLDER, or a model folder that holds one"
+            )
+        spec = dataclasses.replace(spec, seq_len=config.seq_len)  # rows are held to the run's rows
+        encoder = SftEncoder(tokenizer_folder, spec)
+        encoder.check()
+        counts = SftCounts()
+        encoded = encode_documents(tokenizer, iter_rows(path), format=data_format, sft=encoder)
+        windows = windows_in_memory(_counted(encoded, counts), config.seq_len, config.packing)
+        progress.info(f"{key}={path}: {counts.summary(spec)}")
+        return windows, counts.record(spec, encoder.chat_template_sha256())
 
     if config.eval_data:
         return windows_of("data", config.data), windows_of("eval_data", config.eval_data)
-    return windows_of("data", config.data).split(config.eval_fraction)
+    (windows, sft) = windows_of("data", config.data)
+    train_part, eval_part = windows.split(config.eval_fraction)
+    return (train_part, sft), (eval_part, sft)
+
+
+def _counted(encoded: Iterator[EncodedBatch], counts: SftCounts) -> Iterator[EncodedBatch]:
+    for batch in encoded:
+        if batch.sft is not None:
+            counts.merge(batch.sft)
+        yield batch
+
+
+def _cache_sft(config: TrainConfig, manifest: CorpusManifest, key: str, path: str) -> Sft:
+    """The cache's fine-tuning record, refusing train keys that ask for what it does not hold."""
+    sft = manifest.sft
+    held = {"format": manifest.format, "loss_on": sft and sft.loss_on, "overlong": sft and sft.overlong}
+    for name, value in held.items():
+        asked = getattr(config, name)
+        if asked is not None and asked != value:
+            raise NVFP4UsageError(
+                f"train config: {name}={asked}: {key}={path} is a token cache of "
+                f"{name}={value} (prepared so; data prepare again to change it)"
+            )
+    if sft is not None and sft.seq_len is not None and config.seq_len < sft.seq_len:
+        raise NVFP4UsageError(
+            f"train config: seq_len={config.seq_len}: {key}={path} holds rows of up to seq_len + 1 = "
+            f"{sft.seq_len + 1} tokens (data prepare --seq-len {sft.seq_len}); prepare it again with "
+            f"--seq-len {config.seq_len}"
+        )
+    return sft
+
+
+def _tokenizer_folder(config: TrainConfig, out: Path, source: Checkpoint | None, trained_here: bool) -> Path | None:
+    """The folder the run's tokenizer was read from (as `_tokenizer` chose it; None: trained here)."""
+    saved = out / TOKENIZER_DIR
+    if trained_here:
+        return None
+    if config.resume and (saved / "tokenizer.json").is_file():
+        return saved
+    if config.tokenizer not in (None, "train"):
+        return Path(config.tokenizer)
+    return Path(source.aux_dir) if source is not None and source.aux_dir is not None else None
 
 
 def _data_sha256(path: str) -> str:
