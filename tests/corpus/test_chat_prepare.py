@@ -5,6 +5,7 @@ line with the right exit code, nothing written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import datasets
@@ -22,8 +23,11 @@ from nvfp4tool.records.corpus import CorpusManifest
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.train.trainer import _windows
 
+from fixtures.chat_fixtures import SMOLLM2_CHAT_TEMPLATE
+
 SEQ = 255  # 8 of the first ROWS shipped conversations are longer than SEQ + 1 tokens with the suite's tokenizer
 ROWS = 24
+TEMPLATE_SHA256 = hashlib.sha256(SMOLLM2_CHAT_TEMPLATE.encode("utf-8")).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,7 @@ def test_prepare_chat_stores_the_marks_and_the_counts(tmp_path, chats, chat_toke
     assert manifest.format == "chat" and manifest.documents == len(kept) == ROWS - counts.dropped
     sft = manifest.sft
     assert (sft.loss_on, sft.overlong, sft.seq_len) == ("assistant", "drop", SEQ)
+    assert sft.chat_template_sha256 == TEMPLATE_SHA256
     assert (sft.rows, sft.dropped, sft.truncated, sft.tokens, sft.loss_tokens) == (
         ROWS, counts.dropped, 0, counts.tokens, counts.loss_tokens
     )  # fmt: skip
@@ -154,3 +159,19 @@ def test_bad_rows_and_options_refused_in_one_line(tmp_path, chats, chat_tokenize
     _one_line_error(_cli(*prepare, chats, "--format", "chat", "--loss-on", "completion"), 2, "assistant | all")
     _one_line_error(_cli(*prepare, chats, "--format", "chat", "--seq-len", 0), 2, "--seq-len")
     assert not out.exists()
+
+
+def test_run_json_records_the_rows_counts(tmp_path, chats, chat_tokenizer):
+    """What a run starts with (`_prepare`: no step compiled) records the rows' counts in run.json."""
+    from nvfp4tool.run.records import RunRecord
+    from nvfp4tool.train.trainer import _prepare
+
+    out = tmp_path / "run"
+    keys = dict(data=chats, format="chat", tokenizer=chat_tokenizer, seq_len=SEQ, batch_size=2, out=out)
+    prepared = _prepare(load_train_config(None, [f"{k}={v}" for k, v in keys.items()]), out)
+    _, counts = _direct(chats, chat_tokenizer, SftSpec("chat", seq_len=SEQ))
+    assert prepared.record.data_sft == counts.record(SftSpec("chat", seq_len=SEQ), TEMPLATE_SHA256)
+    assert prepared.record.eval_data_sft == prepared.record.data_sft  # eval split off the same rows
+    prepared.record.write(tmp_path)
+    assert RunRecord.read(tmp_path).data_sft == prepared.record.data_sft
+    assert RunRecord.read(tmp_path).config["format"] == "chat"
