@@ -391,8 +391,9 @@ def _load_tokenizer(folder: Path):
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as bad:
-        raise NVFP4ToolError(f"{folder}: cannot load the tokenizer ({str(bad).splitlines()[0]})") from None
+    except Exception as bad:  # transformers and tokenizers raise many types for a damaged folder
+        reason = (str(bad).splitlines() or [type(bad).__name__])[0]
+        raise NVFP4ToolError(f"{folder}: cannot load the tokenizer ({reason})") from None
     if not tokenizer.is_fast:
         raise NVFP4ToolError(f"{folder}: not a fast tokenizer (tokenizer.json); its token offsets are needed")
     return tokenizer

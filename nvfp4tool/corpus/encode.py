@@ -27,6 +27,7 @@ from nvfp4tool.corpus.chat import FORMATS as SFT_FORMATS
 from nvfp4tool.corpus.chat import SftCounts, SftEncoder, encode_rows
 from nvfp4tool.corpus.sources import iter_documents, iter_rows
 from nvfp4tool.corpus.tokenizer import TextTokenizer
+from nvfp4tool.errors import NVFP4ToolError
 
 BATCH_DOCUMENTS = 1000  # documents encoded per `encode_batch` call
 
@@ -52,7 +53,11 @@ def _encode_text(tokenizer: TextTokenizer, documents: list[str], sft: None) -> t
 def _encode_rows(tokenizer: TextTokenizer, rows: list[tuple[str, Any]], sft: SftEncoder) -> tuple[list, SftCounts]:
     """Fine-tuning rows as their ids and marks (a row `overlong=drop` leaves out is not returned)."""
     counts = SftCounts()
-    return [(e.ids, e.loss) for e in encode_rows(rows, sft, counts)], counts
+    encoded = [(e.ids, e.loss) for e in encode_rows(rows, sft, counts)]
+    top = max((int(ids.max()) for ids, _ in encoded if len(ids)), default=-1)
+    if top >= tokenizer.vocab_size:  # transformers' tokenizer of the folder has tokens tokenizer.json lacks
+        raise NVFP4ToolError(f"{sft.folder}: token id {top} outside the vocabulary of {tokenizer.vocab_size}")
+    return encoded, counts
 
 
 def _row_size(row: tuple[str, Any]) -> int:
