@@ -1,8 +1,7 @@
-"""Training data: read documents (text, JSONL, Parquet), tokenize, pack, split, and batch in a
-deterministic, resumable order.
+"""Training data: read documents (text, JSONL, Parquet), tokenize, pack and split.
 
 Windows of `seq_len + 1` tokens (each document's tokens and the end-of-text id, concatenated); the last `eval_fraction`
-is the eval split; batch `b` is a pure function of (seed, b), so a resume at step s needs only s.
+is the eval split. The training batches' order is nvfp4tool/corpus/loader.py's.
 Design notes: docs/design/training.md.
 """
 
@@ -68,16 +67,6 @@ def split_eval(windows: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, n
         raise NVFP4UsageError(f"eval_fraction={eval_fraction}: expected a number in (0, 1)")
     num_eval = max(1, int(round(len(windows) * eval_fraction)))
     return windows[:-num_eval], windows[-num_eval:]
-
-
-def batch_indices(num_windows: int, batch_size: int, seed: int, batch_number: int) -> np.ndarray:
-    """The window indices of batch `batch_number` (0-based over the run): a pure function."""
-    per_epoch = num_windows // batch_size
-    if per_epoch == 0:
-        raise NVFP4ToolError(f"batch_size={batch_size} is larger than the {num_windows} training windows")
-    epoch, offset = divmod(batch_number, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(num_windows)
-    return order[offset * batch_size : (offset + 1) * batch_size]
 
 
 def eval_batches(windows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from nvfp4tool.corpus.loader import batch_indices
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.train.data import batch_indices, iter_documents, pack_windows, split_eval
+from nvfp4tool.train.data import iter_documents, pack_windows, split_eval
 from nvfp4tool.train.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe_tokenizer
 
 DOCS = ["first document, with words.", "second: more words here", "third one"]
