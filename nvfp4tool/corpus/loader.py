@@ -57,10 +57,15 @@ def batch_indices(num_windows: int, batch_size: int, seed: int, batch_number: in
     return order(num_windows, seed, epoch)[offset * batch_size : (offset + 1) * batch_size]
 
 
-def mixture_draws(cumulative: np.ndarray, seed: int, batch_number: int, batch_size: int) -> np.ndarray:
-    """[batch_size] the source of each row of a mixture's batch: row j takes the j-th uniform draw
-    of the generator seeded by (seed, batch) and the source whose cumulative weight first exceeds it."""
-    draws = np.random.default_rng([MIX_SALT, seed, batch_number]).random(batch_size)
+MIX_CHUNK = 256  # batches whose sources one generator draws
+
+
+def mixture_draws(cumulative: np.ndarray, seed: int, chunk: int, batch_size: int) -> np.ndarray:
+    """[MIX_CHUNK, batch_size] the source of each row of batches chunk * MIX_CHUNK, ...: row j of
+    batch b takes uniform (b mod MIX_CHUNK) * batch_size + j of the generator seeded by (seed,
+    b div MIX_CHUNK), and the source whose cumulative weight first exceeds it (a pure function of
+    (seed, b, j); one generator per chunk keeps a batch's cost at a few microseconds)."""
+    draws = np.random.default_rng([MIX_SALT, seed, chunk]).random((MIX_CHUNK, batch_size))
     return np.minimum(np.searchsorted(cumulative, draws, side="right"), len(cumulative) - 1)
 
 
@@ -138,33 +143,38 @@ class _Orders:
 
 
 class _MixCounts:
-    """How many rows of each source the batches before batch b drew (thread-safe): kept every
-    STRIDE batches and at the last batch asked, so reading in order costs one batch's draws."""
-
-    STRIDE = 256
+    """Each batch's sources and how many rows of each source the batches before it drew
+    (thread-safe): the counts before every chunk, and the last two chunks' draws with their
+    running counts, so reading in order costs one generator per MIX_CHUNK batches."""
 
     def __init__(self, cumulative: np.ndarray, seed: int, batch_size: int) -> None:
         self._cumulative, self._seed, self._batch_size = cumulative, seed, batch_size
-        self._table = [np.zeros(len(cumulative), np.int64)]  # before batch k * STRIDE
-        self._last = (0, self._table[0])
+        self._before_chunk = [np.zeros(len(cumulative), np.int64)]  # counts before chunk c
+        self._chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # c -> (draws, counts before each batch)
         self._lock = threading.Lock()
 
-    def before(self, batch: int) -> np.ndarray:
+    def batch(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """([batch_size] the source of each row of `batch`, [sources] the rows of each source drawn
+        by the batches before it)."""
+        chunk, at = divmod(batch, MIX_CHUNK)
         with self._lock:
-            start, counts = self._last
-            if not start <= batch < start + self.STRIDE:
-                start = min(batch // self.STRIDE, len(self._table) - 1) * self.STRIDE
-                counts = self._table[start // self.STRIDE]
-            counts = counts.copy()
-            for b in range(start, batch):
-                counts += np.bincount(self._draws(b), minlength=len(counts))
-                if (b + 1) % self.STRIDE == 0 and (b + 1) // self.STRIDE == len(self._table):
-                    self._table.append(counts.copy())
-            self._last = (batch, counts)
-            return counts.copy()
+            while len(self._before_chunk) <= chunk:  # the counts before each chunk up to this one
+                draws, running = self._chunk(len(self._before_chunk) - 1)
+                self._before_chunk.append(self._before_chunk[-1] + running[-1])
+            draws, running = self._chunk(chunk)
+            return draws[at], self._before_chunk[chunk] + running[at]
 
-    def _draws(self, batch: int) -> np.ndarray:
-        return mixture_draws(self._cumulative, self._seed, batch, self._batch_size)
+    def _chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """(draws [MIX_CHUNK, B], [MIX_CHUNK + 1, sources] counts within the chunk before each batch)."""
+        found = self._chunks.get(chunk)
+        if found is None:
+            draws = mixture_draws(self._cumulative, self._seed, chunk, self._batch_size)
+            per_batch = (draws[:, :, None] == np.arange(len(self._cumulative))).sum(axis=1)
+            running = np.concatenate([np.zeros((1, per_batch.shape[1]), np.int64), np.cumsum(per_batch, axis=0)])
+            found = self._chunks[chunk] = (draws, running)
+            for old in [c for c in self._chunks if c < chunk - 1]:
+                del self._chunks[old]
+        return found
 
 
 class BatchSource:
@@ -229,26 +239,26 @@ class BatchSource:
         """(source, window) of each of this process's rows: row j of the batch takes the next
         window of its source's own order (its rank among the batch's rows of that source, after
         all earlier batches' rows of it)."""
-        draws = mixture_draws(self._cumulative, self._seed, batch, self._batch_size)
-        before = self._counts.before(batch)
+        draws, before = self._counts.batch(batch)
         position = np.empty(self._batch_size, np.int64)
         for s in range(len(self._sources)):
-            mine = draws == s
-            position[mine] = before[s] + np.arange(int(mine.sum()))
+            mine = np.flatnonzero(draws == s)
+            position[mine] = before[s] + np.arange(len(mine))
         sources, position = draws[self._rows], position[self._rows]
         windows = np.empty(len(self._rows), np.int64)
-        for s in np.unique(sources):
+        for s in np.flatnonzero(np.bincount(sources, minlength=len(self._sources))):
             mine = sources == s
             epoch, offset = np.divmod(position[mine], self._sizes[s])
-            picked = np.empty(len(offset), np.int64)
-            for e in np.unique(epoch):  # at most two epochs of a source meet in one batch, mostly one
-                picked[epoch == e] = self._orders(int(s), int(e))[offset[epoch == e]]
-            windows[mine] = picked
+            if epoch[0] == epoch[-1]:  # mostly: one epoch of the source in the batch
+                windows[mine] = self._orders(int(s), int(epoch[0]))[offset]
+            else:
+                windows[mine] = [self._orders(int(s), int(e))[o] for e, o in zip(epoch, offset, strict=True)]
         return sources, windows
 
     def _mixed(self, batch: int) -> Batch:
         sources, windows = self._mixed_indices(batch)
-        parts = {int(s): self._sources[s].rows(windows[sources == s]) for s in np.unique(sources)}
+        present = np.flatnonzero(np.bincount(sources, minlength=len(self._sources)))
+        parts = {int(s): self._sources[s].rows(windows[sources == s]) for s in present}
         fields = []
         for field in Batch._fields:
             given = [getattr(part, field) for part in parts.values()]

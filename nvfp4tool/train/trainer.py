@@ -305,6 +305,7 @@ def train(config: TrainConfig) -> TrainResult:
     jax.block_until_ready(state)  # the run's time ends when its last update has been computed
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
+    batches.close()  # the loader's read-ahead threads
 
     hf_dir = None
     if is_main:

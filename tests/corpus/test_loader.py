@@ -6,6 +6,7 @@ killed with SIGKILL after a checkpoint resumes to the uninterrupted run's bits."
 from __future__ import annotations
 
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from nvfp4tool.checkpoints import run_steps
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.loader import Loader, batch_indices, next_index, parse_mixture
-from nvfp4tool.errors import NVFP4UsageError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.checkpoint import Checkpoints
@@ -195,13 +196,13 @@ def test_bad_mixture_specs_are_refused_in_one_line(spec, says, tmp_path):
 def test_a_mixture_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_bits(corpus_tokenizer, tmp_path):
     """`data=A:0.7,B:0.3` (the embedded corpus's two files), kill -9 right after the step-2
     checkpoint is saved: resume=true replays steps 3 and 4 to the uninterrupted run's losses, eval
-    loss (each source's held-out windows) and final weights, bit for bit; run.json records the
-    weights."""
+    loss (each source's held-out windows) and final weights, bit for bit, from the saved loader
+    state and from the step alone (the checkpoint without it); run.json records the weights."""
     train_txt, val_txt = embedded_corpus()
     mixture = f"{train_txt}:7,{val_txt}:3"
 
     def args(out, **extra):
-        given = train_args(corpus_tokenizer, out, data=mixture, steps=4, checkpoint_every=2, **extra)
+        given = train_args(corpus_tokenizer, out, **{"data": mixture, "steps": 4, "checkpoint_every": 2, **extra})
         return [a for a in given if not a.startswith("eval_data=")]  # each source's held-out split
 
     full = train(load_train_config(None, args(tmp_path / "full")))
@@ -209,11 +210,17 @@ def test_a_mixture_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_bi
     kill_at("checkpoint", ["train", *args(killed)], tmp_path / "ready", env={"CHECKPOINT_AT": "1"})
     assert run_steps(str(killed)) == [2] and (killed / "checkpoints" / "2" / "loader").is_dir()
     assert not (killed / "hf").exists()
-    resumed = train(load_train_config(None, args(killed, resume="true")))
-    assert sorted(resumed.losses) == [3, 4]
-    assert [resumed.losses[s] for s in (3, 4)] == [full.losses[s] for s in (3, 4)]  # to the last bit
-    assert resumed.eval_losses == full.eval_losses
-    assert (killed / "hf/model.safetensors").read_bytes() == (full.out / "hf/model.safetensors").read_bytes()
+    old = tmp_path / "old"  # as a checkpoint written before the loader's state was: its step is the position
+    shutil.copytree(killed, old)
+    shutil.rmtree(old / "checkpoints" / "2" / "loader")
+    for run in (killed, old):
+        resumed = train(load_train_config(None, args(run, resume="true")))
+        assert sorted(resumed.losses) == [3, 4]
+        assert [resumed.losses[s] for s in (3, 4)] == [full.losses[s] for s in (3, 4)]  # to the last bit
+        assert resumed.eval_losses == full.eval_losses
+        assert (run / "hf/model.safetensors").read_bytes() == (full.out / "hf/model.safetensors").read_bytes()
+    with pytest.raises(NVFP4ToolError, match="the training data"):  # other weights are other data
+        train(load_train_config(None, args(killed, resume="true", data=f"{train_txt}:1,{val_txt}:1")))
     record = RunRecord.read(killed)
     assert record.data_weights == {str(train_txt): 0.7, str(val_txt): 0.3}
     assert record.data_sha256 == RunRecord.read(full.out).data_sha256
