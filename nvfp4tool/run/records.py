@@ -149,7 +149,7 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from")
+KEYS_ADDED_LATER = ("gemm", "equalize_from", "loader_threads", "loader_prefetch")
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}
 

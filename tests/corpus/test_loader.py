@@ -5,8 +5,10 @@ killed with SIGKILL after a checkpoint resumes to the uninterrupted run's bits."
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -224,3 +226,9 @@ def test_a_mixture_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_bi
     record = RunRecord.read(killed)
     assert record.data_weights == {str(train_txt): 0.7, str(val_txt): 0.3}
     assert record.data_sha256 == RunRecord.read(full.out).data_sha256
+    # a run.json written before the loader (one source, no loader keys) still reads, as their defaults
+    before = json.loads(Path(RunRecord.path(full.out)).read_text())
+    del before["data_weights"], before["config"]["loader_threads"], before["config"]["loader_prefetch"]
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "run.json").write_text(json.dumps(before))
+    assert RunRecord.read(tmp_path / "before").train_config() == RunRecord.read(full.out).train_config()
