@@ -29,7 +29,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 MIX_SALT = 0x6D6978  # ("mix") keeps a mixture's random streams apart from the one-source order's
 
 
-class Windows(Protocol):
+class RandomAccessWindows(Protocol):
     """Training windows: `len(windows)` rows of seq_len + 1 tokens, read by index."""
 
     def __len__(self) -> int: ...
@@ -183,7 +183,7 @@ class BatchSource:
 
     def __init__(
         self,
-        sources: Sequence[Windows],
+        sources: Sequence[RandomAccessWindows],
         weights: Sequence[float] | None,
         *,
         batch_size: int,
@@ -257,22 +257,49 @@ class BatchSource:
 
     def _mixed(self, batch: int) -> Batch:
         sources, windows = self._mixed_indices(batch)
-        present = np.flatnonzero(np.bincount(sources, minlength=len(self._sources)))
-        parts = {int(s): self._sources[s].rows(windows[sources == s]) for s in present}
-        fields = []
-        for field in Batch._fields:
-            given = [getattr(part, field) for part in parts.values()]
-            if all(g is None for g in given):
-                fields.append(None)
-                continue
-            first = next(g for g in given if g is not None)
-            out = np.empty((len(sources), *first.shape[1:]), first.dtype)
-            for s, part in parts.items():
-                value = getattr(part, field)
-                # a stream row (no segments) is one document; a row without loss marks counts whole
-                out[sources == s] = value if value is not None else (1 if field == "segments" else True)
-            fields.append(out)
-        return Batch(*fields)
+        return _gather(self._sources, sources, windows)
+
+
+class ConcatWindows:
+    """Windows of several sources one after the other (a mixture's eval set), read by index."""
+
+    def __init__(self, parts: Sequence[RandomAccessWindows]) -> None:
+        self._parts = list(parts)
+        self._ends = np.cumsum([len(p) for p in self._parts])
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        indices = np.asarray(indices, np.int64)
+        part = np.searchsorted(self._ends, indices, side="right")
+        return _gather(self._parts, part, indices - (self._ends - [len(p) for p in self._parts])[part])
+
+    def batches(self, batch_size: int, count: int | None = None):
+        """The first `count` windows (default: all) in order, in batches of at most `batch_size`."""
+        count = len(self) if count is None else min(count, len(self))
+        for start in range(0, count, batch_size):
+            yield self.rows(np.arange(start, min(start + batch_size, count)))
+
+
+def _gather(sources: Sequence[RandomAccessWindows], source: np.ndarray, window: np.ndarray) -> Batch:
+    """The Batch whose row i is window `window[i]` of source `source[i]` (one `rows()` call per
+    source). A source without segments (one stream) gives all-one segments, one without loss marks
+    all-true marks, where another source has them."""
+    parts = [(mine, sources[s].rows(window[mine])) for s in np.unique(source) for mine in [source == s]]
+    fields = []
+    for field in Batch._fields:
+        given = [getattr(part, field) for _, part in parts]
+        if all(g is None for g in given):
+            fields.append(None)
+            continue
+        first = next(g for g in given if g is not None)
+        out = np.empty((len(source), *first.shape[1:]), first.dtype)
+        for mine, part in parts:
+            value = getattr(part, field)
+            out[mine] = value if value is not None else (1 if field == "segments" else True)
+        fields.append(out)
+    return Batch(*fields)
 
 
 class Loader:
@@ -282,7 +309,7 @@ class Loader:
 
     def __init__(
         self,
-        sources: Sequence[Windows],
+        sources: Sequence[RandomAccessWindows],
         weights: Sequence[float] | None = None,
         *,
         batch_size: int,

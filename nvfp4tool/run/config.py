@@ -23,10 +23,13 @@ from typing import Any
 import yaml
 
 from nvfp4tool.corpus.loader import parse_mixture
+from nvfp4tool.corpus.windows import PACKINGS
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.nvfp4_dot import GEMMS, QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
+
+NEW_RUN_PACKING = "concat"  # `packing` of a new run that does not set it
 
 
 def _key(default: Any, text: str) -> Any:
@@ -45,10 +48,19 @@ class TrainConfig:
     )
     model_config: str | None = _key(None, "MaxText source: an HF config.json or a MaxText model name")
     rope_layout: str | None = _key(None, "MaxText side: interleaved | half (default: from the MaxText name)")
-    data: str = _key("", "training data: a text / JSONL / Parquet file or folder, or a mixture A:0.7,B:0.3 of them")
-    eval_data: str | None = _key(None, "held-out data (default: the last eval_fraction of `data`)")
+    data: str = _key(
+        "",
+        "training data: a text / JSONL / Parquet file or folder, a saved dataset, or a token cache "
+        "(data prepare); or a mixture A:0.7,B:0.3 of them",
+    )
+    eval_data: str | None = _key(None, "held-out data, as `data` (default: the last eval_fraction of `data`)")
     eval_fraction: float = _key(0.05, "share of `data` held out for evaluation when eval_data is not given")
-    text_field: str = _key("text", "JSONL key / Parquet column holding the documents")
+    text_field: str = _key("text", "JSONL key / Parquet or dataset column holding the documents")
+    packing: str | None = _key(
+        None,
+        "concat | segmented: documents in a row as one stream, or kept apart (segment ids); "
+        f"default: {NEW_RUN_PACKING} for a new run, a resume keeps the run's",
+    )
     tokenizer: str | None = _key(None, "a folder with tokenizer.json, or train (default: the model's, else train)")
     vocab_size: int = _key(1024, "vocabulary size of a tokenizer trained here (tokenizer=train)")
     # precision recipe (see nvfp4tool.recipes.precision)
@@ -139,6 +151,8 @@ class TrainConfig:
         _check_choice("scan_layers", str(self.scan_layers).lower(), SCAN_CHOICES)
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
         _check_choice("gemm", self.gemm, GEMMS)
+        if self.packing is not None:
+            _check_choice("packing", self.packing, PACKINGS)
         _require(
             "distill",
             self.distill,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import tempfile
 import time
@@ -36,7 +37,17 @@ from nvfp4tool.checkpoints import (
 )
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.corpus import loader as loader_lib
-from nvfp4tool.corpus.batch import Batch
+from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.encode import encode_documents
+from nvfp4tool.corpus.sources import data_sha256, iter_documents
+from nvfp4tool.corpus.tokenizer import (
+    TextTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_sha256,
+    train_bpe_tokenizer,
+)
+from nvfp4tool.corpus.windows import Windows, windows_in_memory
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -44,7 +55,7 @@ from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
-from nvfp4tool.run.config import TrainConfig, scans_layers
+from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
     CHECKPOINTS_DIR,
     TOKENIZER_DIR,
@@ -53,13 +64,11 @@ from nvfp4tool.run.records import (
     PrecisionMapRecord,
     RunRecord,
 )
-from nvfp4tool.train import data as data_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, step_header, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
-from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
 # Keys a resume may change: they do not touch the training math (the data, the tokenizer and the
 # teacher are compared by content instead of by path).
@@ -110,7 +119,7 @@ class _Prepared:
     model: CausalLM
     teacher: CausalLM | None  # a distillation run's teacher (BF16)
     loader: loader_lib.Loader  # this process's rows of every training batch
-    eval_windows: np.ndarray
+    eval_windows: Windows | loader_lib.ConcatWindows
     recipe: RecipeConfig
     pmap: dict[str, str]
     mesh: Any
@@ -344,6 +353,11 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     recipe = config.resolved_recipe()  # quantizer / gemm resolved once (gemm=native refused here where it cannot run)
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
+    config = dataclasses.replace(config, packing=config.packing or (saved.packing if saved else NEW_RUN_PACKING))
+    if config.packing == "segmented":
+        raise NVFP4UsageError(
+            "train config: packing=segmented: the training step does not take segment ids yet; use packing=concat"
+        )
     if saved is not None:
         _check_same_config(saved, config, out)
     source = None
@@ -373,7 +387,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         model_config=model_config.to_hf_config(),
         data_sha256=_mixture_sha256(mixture),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
-        tokenizer_sha256=_tokenizer_sha256(tokenizer),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
         train_windows=sum(len(w) for w in train_sources),
         eval_windows=len(eval_windows),
         devices=jax.device_count(),
@@ -434,7 +448,7 @@ def _check_out(config: TrainConfig, out: Path) -> None:
 
 def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None:
     """Refuse a resume whose configuration differs in a key that changes the training math."""
-    before, now = saved.train_config().to_dict(), config.to_dict()
+    before, now = {**saved.train_config().to_dict(), "packing": saved.packing}, config.to_dict()
     changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now if k not in RESUME_FREE_KEYS and before[k] != now[k]]
     if changed:
         raise NVFP4ToolError(
@@ -508,12 +522,15 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         if source.aux_dir is not None and (Path(source.aux_dir) / "tokenizer.json").is_file():
             return load_tokenizer(source.aux_dir), False
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
-    with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
-        documents = (
-            text
-            for path, _ in loader_lib.parse_mixture(config.data)
-            for text in data_lib.iter_documents(path, config.text_field)
+    caches = [path for path, _ in loader_lib.parse_mixture(config.data) if is_cache(path)]
+    if caches:
+        raise NVFP4UsageError(
+            f"train config: tokenizer={config.tokenizer or 'train'}: data={caches[0]} is a token cache "
+            "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
         )
+    with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
+        paths = [path for path, _ in loader_lib.parse_mixture(config.data)]
+        documents = (text for path in paths for text in iter_documents(path, config.text_field))
         with progress.task("tokenizer training", total=1, unit="tokenizer") as task:  # a large corpus: minutes
             train_bpe_tokenizer(documents, config.vocab_size, scratch)
             task.advance(description=f"{config.vocab_size} tokens")
@@ -602,7 +619,7 @@ def _teacher(
             f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer"
         )
     if opened.aux_dir is not None and (Path(opened.aux_dir) / "tokenizer.json").is_file():
-        if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
+        if tokenizer_sha256(load_tokenizer(opened.aux_dir)) != tokenizer_sha256(tokenizer):
             raise NVFP4ToolError(
                 f"teacher={config.teacher}: its tokenizer.json differs from the run's "
                 "tokenizer; distillation needs the same tokenizer"
@@ -632,25 +649,33 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]) -> tuple[list[np.ndarray], np.ndarray]:
-    """(each training source's windows, the eval windows): `eval_data`'s, else each source's held-out
-    last `eval_fraction`, concatenated in the sources' order."""
+def _windows(
+    config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]
+) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows]:
+    """(each training source's windows, the eval windows): a token cache memory-mapped (its
+    tokenizer must be the run's), other data read and tokenized here; eval from `eval_data`, else
+    the last `eval_fraction` of each source, concatenated in the sources' order."""
 
-    def windows_of(path: str) -> np.ndarray:
-        docs = (tokenizer.encode(d) for d in data_lib.iter_documents(path, config.text_field))
-        return data_lib.pack_windows(docs, config.seq_len, tokenizer.eos_id)
+    def windows_of(key: str, path: str) -> Windows:
+        if is_cache(path):
+            cache = open_cache(path)
+            cache.check_tokenizer(tokenizer, key)
+            return cache.windows(config.seq_len, config.packing)
+        documents = iter_documents(path, config.text_field)
+        return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
 
     if config.eval_data:
-        return [windows_of(path) for path in paths], windows_of(config.eval_data)
-    splits = [data_lib.split_eval(windows_of(path), config.eval_fraction) for path in paths]
-    return [train for train, _ in splits], np.concatenate([held for _, held in splits])
+        return [windows_of("data", path) for path in paths], windows_of("eval_data", config.eval_data)
+    splits = [windows_of("data", path).split(config.eval_fraction) for path in paths]
+    held_out = [held for _, held in splits]
+    return [train for train, _ in splits], held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
 
 
-def _loader(config: TrainConfig, sources: list[np.ndarray], weights: list[float] | None, mesh) -> loader_lib.Loader:
+def _loader(config: TrainConfig, sources: list[Windows], weights: list[float] | None, mesh) -> loader_lib.Loader:
     """The run's loader (this process's rows of each batch), checked to read the rows the batch
     sharding places on this process's devices."""
     loader = loader_lib.Loader(
-        [_ArrayWindows(w) for w in sources],
+        sources,
         weights,
         batch_size=config.batch_size,
         seed=config.seed,
@@ -671,19 +696,6 @@ def _loader(config: TrainConfig, sources: list[np.ndarray], weights: list[float]
     return loader
 
 
-class _ArrayWindows:
-    """Windows held in memory ([num_windows, seq_len + 1]), read by index as a `Batch`."""
-
-    def __init__(self, windows: np.ndarray) -> None:
-        self._windows = windows
-
-    def __len__(self) -> int:
-        return len(self._windows)
-
-    def rows(self, indices: np.ndarray) -> Batch:
-        return Batch(tokens=self._windows[indices])
-
-
 def _mixture_sha256(mixture: list[tuple[str, float]]) -> str:
     """The training data's hash: one source's `_data_sha256`; a mixture's, of each source's hash
     and weight in order (so a changed weight is changed data)."""
@@ -693,21 +705,8 @@ def _mixture_sha256(mixture: list[tuple[str, float]]) -> str:
 
 
 def _data_sha256(path: str) -> str:
-    """sha256 of the data's bytes (a folder: each file's relative name and bytes, in reading order)."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES) if root.is_dir() else [root]
-    digest = hashlib.sha256()
-    for file in files:
-        if root.is_dir():  # a folder's layout is part of its data; a single file's name is not
-            digest.update(str(file.relative_to(root)).encode() + b"\0")
-        with file.open("rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _tokenizer_sha256(tokenizer: TextTokenizer) -> str:
-    return hashlib.sha256(tokenizer.tokenizer.to_str().encode("utf-8")).hexdigest()
+    """A token cache: its manifest's sha256 (which binds every shard's); other data: its bytes'."""
+    return manifest_sha256(path) if is_cache(path) else data_sha256(path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -763,7 +762,7 @@ def _evaluate(
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[: config.eval_batches]
+    chunks = [b.tokens for b in itertools.islice(eval_windows.batches(batch, count=usable), config.eval_batches)]
     with progress.task("eval", total=len(chunks), unit="batch") as task:
         for chunk in chunks:
             with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):

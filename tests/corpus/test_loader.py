@@ -20,11 +20,12 @@ from nvfp4tool.checkpoints import run_steps
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.loader import Loader, batch_indices, next_index, parse_mixture
+from nvfp4tool.corpus.prepare import prepare_cache
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.checkpoint import Checkpoints
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.trainer import train
 
 from fixtures.kill_fixtures import kill_at
@@ -196,12 +197,15 @@ def test_bad_mixture_specs_are_refused_in_one_line(spec, says, tmp_path):
 
 @pytest.mark.slow  # three tiny runs, one of them a child process (tests/fixtures/kill_child.py)
 def test_a_mixture_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_bits(corpus_tokenizer, tmp_path):
-    """`data=A:0.7,B:0.3` (the embedded corpus's two files), kill -9 right after the step-2
+    """`data=A:0.7,B:0.3` (the embedded corpus's training text, and its held-out text prepared
+    into a token cache: memory-mapped), kill -9 right after the step-2
     checkpoint is saved: resume=true replays steps 3 and 4 to the uninterrupted run's losses, eval
     loss (each source's held-out windows) and final weights, bit for bit, from the saved loader
     state and from the step alone (the checkpoint without it); run.json records the weights."""
     train_txt, val_txt = embedded_corpus()
-    mixture = f"{train_txt}:7,{val_txt}:3"
+    cache = tmp_path / "val-cache"
+    prepare_cache([val_txt], corpus_tokenizer, cache, workers=0)
+    mixture = f"{train_txt}:7,{cache}:3"
 
     def args(out, **extra):
         given = train_args(corpus_tokenizer, out, **{"data": mixture, "steps": 4, "checkpoint_every": 2, **extra})
@@ -222,9 +226,9 @@ def test_a_mixture_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_bi
         assert resumed.eval_losses == full.eval_losses
         assert (run / "hf/model.safetensors").read_bytes() == (full.out / "hf/model.safetensors").read_bytes()
     with pytest.raises(NVFP4ToolError, match="the training data"):  # other weights are other data
-        train(load_train_config(None, args(killed, resume="true", data=f"{train_txt}:1,{val_txt}:1")))
+        train(load_train_config(None, args(killed, resume="true", data=f"{train_txt}:1,{cache}:1")))
     record = RunRecord.read(killed)
-    assert record.data_weights == {str(train_txt): 0.7, str(val_txt): 0.3}
+    assert record.data_weights == {str(train_txt): 0.7, str(cache): 0.3}
     assert record.data_sha256 == RunRecord.read(full.out).data_sha256
     # a run.json written before the loader (one source, no loader keys) still reads, as their defaults
     before = json.loads(Path(RunRecord.path(full.out)).read_text())

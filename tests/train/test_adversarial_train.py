@@ -19,8 +19,8 @@ from bench_convert import write_synthetic_hf_folder
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
+from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 from fixtures.adversarial_harness import (
     BF16_INF,
