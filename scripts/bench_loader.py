@@ -3,9 +3,10 @@ reading memory-mapped windows, over rows/s of the model's step at its measured s
 
     python scripts/bench_loader.py --model tiny --seq-len 128 --batch-size 16 [--sources 2] [--threads 2]
 
-Writes `--windows` random windows of `--seq-len` + 1 int32 tokens to a memory-mapped file (as the
-token cache holds them), times `--batches` batches through `Loader.iterator()` (one source, or
-`--sources` equal-weight sources: a mixture), then compiles and times the preset's train step
+Writes a random uint16 token stream of `--windows` windows of `--seq-len` + 1 tokens to a file and
+reads it memory-mapped through `corpus/windows.py`'s `Windows` (as a token cache's shards), times
+`--batches` batches through `Loader.iterator()` (one source, or `--sources` equal-weight sources:
+a mixture), then compiles and times the preset's train step
 (scripts/bench_train_step.py's `compile_step` / `run_step`, recipe `--recipe`) at the same batch.
 Prints loader rows/s, step rows/s (batch / median step time) and their ratio (the issue's goal:
 >= 20); `--json` writes them.
@@ -25,33 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from bench_train_step import H200_DENSE_BF16_TFLOPS, compile_step, run_step
 
-from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.loader import Loader
+from nvfp4tool.corpus.windows import TokenStream, Windows
 
 
-class MappedWindows:
-    """Windows [num_windows, seq_len + 1] int32 in a memory-mapped file, read by index."""
-
-    def __init__(self, path: Path, num_windows: int, width: int, seed: int) -> None:
-        tokens = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(num_windows, width))
-        rng = np.random.default_rng(seed)
-        for start in range(0, num_windows, 65536):  # bounded memory while writing
-            stop = min(start + 65536, num_windows)
-            tokens[start:stop] = rng.integers(0, 1024, (stop - start, width), dtype=np.int32)
-        tokens.flush()
-        del tokens
-        self._tokens = np.load(path, mmap_mode="r")
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    def rows(self, indices: np.ndarray) -> Batch:
-        return Batch(tokens=np.asarray(self._tokens[indices]))
+def mapped_windows(path: Path, num_windows: int, seq_len: int, seed: int) -> Windows:
+    """`num_windows` windows of a random uint16 token stream written to `path` and memory-mapped:
+    what a token cache's `windows()` reads (`Windows` over `TokenStream`s of `np.memmap` shards)."""
+    length = num_windows * seq_len + 1
+    tokens = np.memmap(path, dtype=np.uint16, mode="w+", shape=(length,))
+    rng = np.random.default_rng(seed)
+    for start in range(0, length, 1 << 22):  # bounded memory while writing
+        stop = min(start + (1 << 22), length)
+        tokens[start:stop] = rng.integers(0, 1024, stop - start, dtype=np.uint16)
+    tokens.flush()
+    del tokens
+    return Windows(TokenStream([np.memmap(path, dtype=np.uint16, mode="r", shape=(length,))]), seq_len)
 
 
 def loader_rows_per_s(args, folder: Path) -> float:
     sources = [
-        MappedWindows(folder / f"windows{i}.npy", args.windows, args.seq_len + 1, seed=i) for i in range(args.sources)
+        mapped_windows(folder / f"tokens{i}.bin", args.windows, args.seq_len, seed=i) for i in range(args.sources)
     ]
     weights = None if args.sources == 1 else [1.0] * args.sources
     loader = Loader(
