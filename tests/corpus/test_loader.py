@@ -19,7 +19,7 @@ from grain.sharding import ShardOptions
 from nvfp4tool.checkpoints import run_steps
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
-from nvfp4tool.corpus.loader import Loader, batch_indices, next_index, parse_mixture
+from nvfp4tool.corpus.loader import ConcatWindows, Loader, batch_indices, next_index, parse_mixture
 from nvfp4tool.corpus.prepare import prepare_cache
 from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
@@ -159,6 +159,36 @@ def test_mixture_draws_follow_the_weights_each_source_in_its_own_order():
     # a batch read out of order (a resume) continues each source where the batches before left it
     fresh = Loader(sources, weights, batch_size=16, seed=11, num_batches=batches)
     assert fresh.source.window_indices(299) == picked[299] and fresh.source.window_indices(3) == picked[3]
+
+
+class MarkedWindows(ArrayWindows):
+    """A stand-in whose rows carry segment ids and loss marks."""
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        tokens = self.array[indices]
+        return Batch(tokens, segments=(tokens % 3 + 1).astype(np.int32), loss=tokens % 2 == 0)
+
+
+def test_concatenated_windows_read_each_source_in_order():
+    """A mixture's eval set: the sources' windows one after the other; a source without segments
+    or loss marks reads as one document with every token marked, next to one that has them."""
+    plain, marked = ArrayWindows(5), MarkedWindows(4, first_token=1000)
+    both = ConcatWindows([plain, marked])
+    assert len(both) == 9
+    batch = both.rows(np.array([7, 0, 4, 5, 8]))
+    expected = np.concatenate([plain.array, marked.array])[[7, 0, 4, 5, 8]]  # an oracle: numpy's concatenation
+    np.testing.assert_array_equal(batch.tokens, expected)
+    whole = np.concatenate([plain.array, marked.array])
+    from_marked = np.array([True, False, False, True, True])
+    np.testing.assert_array_equal(batch.segments[~from_marked], 1)
+    np.testing.assert_array_equal(batch.segments[from_marked], expected[from_marked] % 3 + 1)
+    assert batch.loss[~from_marked].all()
+    np.testing.assert_array_equal(batch.loss[from_marked], expected[from_marked] % 2 == 0)
+    chunks = list(both.batches(4, count=7))
+    assert [len(c.tokens) for c in chunks] == [4, 3]
+    np.testing.assert_array_equal(np.concatenate([c.tokens for c in chunks]), whole[:7])
+    plain_only = ConcatWindows([plain, ArrayWindows(2)]).rows(np.array([6, 1]))
+    assert plain_only.segments is None and plain_only.loss is None
 
 
 def test_mixture_specs(tmp_path):
