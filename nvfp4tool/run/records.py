@@ -58,10 +58,14 @@ class RunRecord(Record):
     # `equalize_from=`: the scales folded into the model before the first step (the export's
     # EqualizationRecord as it was read; a resume compares them); None: no fold
     equalization: EqualizationRecord | None = None
-    # fine-tuning rows (format chat / prompt_completion) of `data` / `eval_data`: loss_on, overlong,
-    # the rows dropped / truncated and the tokens carrying loss (a token cache's as its manifest has
-    # them); None: text, or a run.json written before they were recorded
-    data_sft: CorpusSft | None = None
+    # a mixture `data=A:0.7,B:0.3`: {source path: weight}, normalised to sum to 1, in the given
+    # order (data_sha256 hashes each source's hash and weight); None: one source
+    data_weights: dict[str, float] | None = None
+    # fine-tuning rows (format chat / prompt_completion): loss_on, overlong, the rows dropped /
+    # truncated and the tokens carrying loss (a token cache's as its manifest has them), for each
+    # source of `data` in order (None: a text source) and for `eval_data`; None: no fine-tuning
+    # rows, or a run.json written before they were recorded
+    data_sft: list[CorpusSft | None] | None = None
     eval_data_sft: CorpusSft | None = None
 
     @classmethod
@@ -159,7 +163,16 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing", "format", "loss_on", "overlong")
+KEYS_ADDED_LATER = (
+    "gemm",
+    "equalize_from",
+    "packing",
+    "loader_threads",
+    "loader_prefetch",
+    "format",
+    "loss_on",
+    "overlong",
+)
 LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}

@@ -93,10 +93,13 @@ def test_train_reads_the_same_rows_from_the_file_and_the_cache(tmp_path, chats, 
     def windows(data, **keys):
         args = dict(data=data, tokenizer=chat_tokenizer, seq_len=SEQ, out=tmp_path / "run", packing="concat")
         args.update(keys)
-        return _windows(load_train_config(None, [f"{k}={v}" for k, v in args.items()]), tokenizer, chat_tokenizer)
+        config = load_train_config(None, [f"{k}={v}" for k, v in args.items()])
+        (train,), held_out, (sft,), eval_sft = _windows(config, tokenizer, [str(data)], chat_tokenizer)
+        assert eval_sft is None  # no eval_data: held out of the data, whose counts sft has
+        return train, held_out, sft
 
-    (file_train, file_sft), (file_eval, _) = windows(chats, format="chat")
-    (cache_train, cache_sft), (cache_eval, _) = windows(tmp_path / "c", packing="segmented")
+    file_train, file_eval, file_sft = windows(chats, format="chat")
+    cache_train, cache_eval, cache_sft = windows(tmp_path / "c", packing="segmented")
     assert file_sft == cache_sft == CorpusManifest.read(tmp_path / "c").sft
     for a, b in ((file_train, cache_train), (file_eval, cache_eval)):
         assert len(a) == len(b) > 0
@@ -170,8 +173,8 @@ def test_run_json_records_the_rows_counts(tmp_path, chats, chat_tokenizer):
     keys = dict(data=chats, format="chat", tokenizer=chat_tokenizer, seq_len=SEQ, batch_size=2, out=out)
     prepared = _prepare(load_train_config(None, [f"{k}={v}" for k, v in keys.items()]), out)
     _, counts = _direct(chats, chat_tokenizer, SftSpec("chat", seq_len=SEQ))
-    assert prepared.record.data_sft == counts.record(SftSpec("chat", seq_len=SEQ), TEMPLATE_SHA256)
-    assert prepared.record.eval_data_sft == prepared.record.data_sft  # eval split off the same rows
+    assert prepared.record.data_sft == [counts.record(SftSpec("chat", seq_len=SEQ), TEMPLATE_SHA256)]
+    assert prepared.record.eval_data_sft is None  # eval split off the same rows
     prepared.record.write(tmp_path)
     assert RunRecord.read(tmp_path).data_sft == prepared.record.data_sft
     assert RunRecord.read(tmp_path).config["format"] == "chat"
