@@ -39,6 +39,7 @@ from nvfp4tool.checkpoints import (
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.corpus import loader as loader_lib
 from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.chat import FORMATS as SFT_FORMATS
 from nvfp4tool.corpus.chat import SftCounts, SftEncoder, sft_options
 from nvfp4tool.corpus.encode import EncodedBatch, encode_documents
 from nvfp4tool.corpus.sources import data_sha256, iter_documents, iter_rows
@@ -535,6 +536,11 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         raise NVFP4UsageError(
             f"train config: tokenizer={config.tokenizer or 'train'}: data={caches[0]} is a token cache "
             "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
+        )
+    if config.format in SFT_FORMATS:
+        raise NVFP4UsageError(
+            f"train config: format={config.format}: a tokenizer trained here has no chat template "
+            "(nor the model's end-of-text token); pass tokenizer=FOLDER, the model's tokenizer"
         )
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
         paths = [path for path, _ in loader_lib.parse_mixture(config.data)]

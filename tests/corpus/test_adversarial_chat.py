@@ -122,6 +122,18 @@ def _(w):
     return [*argv, f"out={w.path('run')}"], ("loss_on=completion", "assistant | all")
 
 
+@case("train/chat/unknown-role", 1)
+def _(w):
+    rows = _rows(w, {"messages": [USER, {"role": "robot", "content": "b"}]})
+    argv = ["train", f"data={rows}", "format=chat", f"tokenizer={w.copy('tok')}", f"out={w.path('run')}"]
+    return argv, ("rows.jsonl:3", "messages[1].role: unknown role 'robot'")
+
+
+@case("train/chat/tokenizer-trained-here", 2)
+def _(w):
+    return ["train", f"data={_rows(w)}", "format=chat", f"out={w.path('run')}"], ("format=chat", "tokenizer=FOLDER")
+
+
 @case("train/overlong-for-text", 2)
 def _(w):
     data = w.file("a.txt", "To be.\n" * 200)
