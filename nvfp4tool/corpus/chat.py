@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.records.corpus import CorpusSft
 
@@ -105,6 +106,12 @@ class SftCounts:
     def loss_share(self) -> float:
         """The share of the kept tokens that carry loss (0 when none were kept)."""
         return self.loss_tokens / self.tokens if self.tokens else 0.0
+
+    def report(self, spec: SftSpec, name: str) -> None:
+        """The summary line in the logs, prefixed with `name` (the data): a warning, shown even
+        with --quiet, when rows were dropped or truncated."""
+        line = f"{name}: {self.summary(spec)}"
+        (progress.warn if self.dropped or self.truncated else progress.info)(line)
 
     def summary(self, spec: SftSpec) -> str:
         """One line: rows, what overlong rows became, the share of tokens carrying loss."""

@@ -89,7 +89,7 @@ def prepare_cache(
         sft_record = None
         if sft is not None:
             sft_record = counts.record(sft.spec, sft.chat_template_sha256())
-            progress.info(f"{out}: {counts.summary(sft.spec)}")
+            counts.report(sft.spec, os.fspath(out))
         manifest = CorpusManifest(
             format_version=FORMAT_VERSION,
             tokenizer_sha256=tokenizer_sha256(tokenizer),

@@ -695,7 +695,7 @@ def _windows(
         counts = SftCounts()
         encoded = encode_documents(tokenizer, iter_rows(path), format=data_format, sft=encoder)
         windows = windows_in_memory(_counted(encoded, counts), config.seq_len, config.packing)
-        progress.info(f"{key}={path}: {counts.summary(spec)}")
+        counts.report(spec, f"{key}={path}")
         return windows, counts.record(spec, encoder.chat_template_sha256())
 
     data = [windows_of("data", path) for path in paths]

@@ -62,7 +62,7 @@ def _direct(chats, folder, spec):
 def test_prepare_chat_stores_the_marks_and_the_counts(tmp_path, chats, chat_tokenizer):
     out = tmp_path / "cache"
     result = _cli(
-        "data", "prepare", chats, "--format", "chat", "--seq-len", SEQ, "--tokenizer", chat_tokenizer,
+        "-q", "data", "prepare", chats, "--format", "chat", "--seq-len", SEQ, "--tokenizer", chat_tokenizer,
         "--out", out, "--workers", 1,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -77,6 +77,8 @@ def test_prepare_chat_stores_the_marks_and_the_counts(tmp_path, chats, chat_toke
         ROWS, counts.dropped, 0, counts.tokens, counts.loss_tokens
     )  # fmt: skip
     assert f"{sft.loss_share:.1%} carrying loss" in result.output
+    # the dropped rows are a warning, shown even with -q
+    assert f"{counts.dropped} longer than seq_len + 1 = {SEQ + 1} tokens dropped (overlong=drop)" in result.output
     cache = open_cache(out)
     np.testing.assert_array_equal(cache.tokens.take(np.array([0]), manifest.tokens, np.int64)[0],
                                   np.concatenate([e.ids for e in kept]))  # fmt: skip
