@@ -35,6 +35,7 @@ from nvfp4tool.checkpoints import (
     run_steps,
 )
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -267,7 +268,7 @@ def train(config: TrainConfig) -> TrainResult:
                 ):  # the first step of a scope compiles
                     state, metrics = step_fn(
                         state,
-                        mesh_lib.to_global(windows, batch_sharding),
+                        Batch(tokens=mesh_lib.to_global(windows, batch_sharding)),
                         jax.random.fold_in(base_key, step),
                         bf16_scope=scope,
                         teacher=teacher,
@@ -693,7 +694,9 @@ def _evaluate(
     with progress.task("eval", total=len(chunks), unit="batch") as task:
         for chunk in chunks:
             with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
-                metrics = eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope, teacher=teacher)
+                metrics = eval_fn(
+                    params, Batch(tokens=mesh_lib.to_global(chunk, sharding)), bf16_scope=scope, teacher=teacher
+                )
             results.append({name: float(value) for name, value in metrics.items()})
             weights.append(len(chunk))
             task.advance()
