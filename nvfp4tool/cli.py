@@ -385,6 +385,100 @@ def train_command(args: tuple[str, ...]) -> None:
     click.echo(f"run folder: {result.out}  (metrics.jsonl, loss.png, checkpoints/, hf/)")
 
 
+@cli.group("data", short_help="Prepare and verify token caches for train")
+def data_group() -> None:
+    """Tokenize training data once into a token cache (`data prepare`) that `train data=CACHE`
+    memory-maps, and check a cache (`data verify`).
+
+    \b
+    Example:
+      nvfp4tool data prepare corpus/ --tokenizer tok/ --out cache/
+      nvfp4tool train data=cache/ tokenizer=tok/ out=runs/a
+    """
+
+
+def _prepare_default(name: str):
+    from nvfp4tool.corpus.prepare import prepare_cache
+
+    return _default(prepare_cache, name)
+
+
+@data_group.command("prepare", short_help="Tokenize documents into a token cache")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option(
+    "--tokenizer", "tokenizer", required=True, type=click.Path(exists=True), help="Folder with tokenizer.json."
+)
+@click.option("--out", "out", required=True, type=click.Path(), help="Cache folder to write (atomically).")
+@click.option(
+    "--text-field",
+    default=_prepare_default("text_field"),
+    show_default=True,
+    help="JSONL key / Parquet or dataset column holding the documents.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=_prepare_default("workers"),
+    show_default=True,
+    help="Tokenizer worker processes (0: tokenize in this process).",
+)
+@click.option(
+    "--shard-tokens",
+    type=_COUNT,
+    default=_prepare_default("shard_tokens"),
+    show_default=True,
+    help="Tokens per shard file.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing cache folder.")
+def data_prepare_command(
+    sources: tuple[str, ...], tokenizer: str, out: str, text_field: str, workers: int, shard_tokens: int, force: bool
+) -> None:
+    """Tokenize SOURCE... (text / JSONL / Parquet files or folders, `save_to_disk` datasets, read in
+    the order given) into a token cache for `train data=CACHE`.
+
+    \b
+    Example:
+      nvfp4tool data prepare corpus.jsonl more/ --tokenizer tok/ --out cache/ --workers 8
+    """
+    from nvfp4tool.corpus.prepare import prepare_cache
+
+    manifest = prepare_cache(
+        list(sources),
+        tokenizer,
+        out,
+        text_field=text_field,
+        workers=workers,
+        shard_tokens=shard_tokens,
+        force=force,
+    )
+    click.echo(
+        f"{out}: {manifest.documents:,} documents, {manifest.tokens:,} {manifest.dtype} tokens "
+        f"in {len(manifest.shards)} shard(s)"
+    )
+
+
+@data_group.command("verify", short_help="Rehash a token cache and its sources")
+@click.argument("cache", type=click.Path(exists=True, file_okay=False))
+@click.option("--skip-sources", is_flag=True, help="Check only the cache's own files, not the source files it records.")
+def data_verify_command(cache: str, skip_sources: bool) -> None:
+    """Check every file of CACHE against its manifest's sha256 and, unless --skip-sources, each
+    source file it records (paths as given to prepare) against its recorded sha256.
+
+    \b
+    Example:
+      nvfp4tool data verify cache/
+    """
+    from nvfp4tool.corpus.cache import verify_cache
+
+    opened = verify_cache(cache, sources=not skip_sources)
+    manifest = opened.manifest
+    sources = "" if skip_sources else f"; its {len(manifest.sources)} source file(s) unchanged"
+    click.echo(
+        f"{cache}: ok: {len(manifest.shards)} shard(s), {manifest.tokens:,} tokens, "
+        f"{manifest.documents:,} documents{sources}"
+    )
+
+
 @cli.command("plot", short_help="Overlay training runs' loss curves and their gap")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option(

@@ -59,10 +59,10 @@ class QuickstartOptions:
 def run_quickstart(options: QuickstartOptions, echo: Callable[[str], None] = progress.info) -> dict[str, Any]:
     """Run every stage; return (and write to `<out>/quickstart.json`) the figures of each."""
     from nvfp4tool.check import check_checkpoint
+    from nvfp4tool.corpus.sources import embedded_corpus
     from nvfp4tool.export import ExportOptions, export_checkpoint
     from nvfp4tool.hub.upload import PushOptions, push_checkpoint
     from nvfp4tool.run.config import TrainConfig
-    from nvfp4tool.train.data import embedded_corpus
     from nvfp4tool.train.trainer import train
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
 

@@ -184,8 +184,8 @@ def build_models(folder: str, preset: str, vocab_size: int) -> tuple[dict, dict]
 def _write_source(folder: str, preset: str, vocab_size: int) -> None:
     from bench_convert import write_synthetic_hf_folder
 
+    from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
     from nvfp4tool.train.presets import preset_config
-    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
     if os.path.isdir(folder):  # an interrupted earlier build
         shutil.rmtree(folder)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nvfp4tool.corpus.sources import iter_documents
+from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import iter_documents
 from nvfp4tool.train.metrics import plot_runs
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 from nvfp4tool.train.trainer import train
 
 # run name -> recipe overrides

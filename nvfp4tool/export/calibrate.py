@@ -249,8 +249,8 @@ def _tokenize(path: str, samples: int, seq_len: int, tokenizer_dir: str | None) 
             f"{path}: text calibration data needs the source's tokenizer.json "
             f"(not found in {tokenizer_dir}); or pass token ids as .npy"
         )
-    from nvfp4tool.train.data import iter_documents
-    from nvfp4tool.train.tokenizer import load_tokenizer
+    from nvfp4tool.corpus.sources import iter_documents
+    from nvfp4tool.corpus.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     documents = iter_documents(path)  # the training data reader: one-line errors naming file and line

@@ -22,10 +22,14 @@ from typing import Any
 
 import yaml
 
+from nvfp4tool.corpus.loader import parse_mixture
+from nvfp4tool.corpus.windows import PACKINGS
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.nvfp4_dot import GEMMS, QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
+
+NEW_RUN_PACKING = "concat"  # `packing` of a new run that does not set it
 
 
 def _key(default: Any, text: str) -> Any:
@@ -44,10 +48,19 @@ class TrainConfig:
     )
     model_config: str | None = _key(None, "MaxText source: an HF config.json or a MaxText model name")
     rope_layout: str | None = _key(None, "MaxText side: interleaved | half (default: from the MaxText name)")
-    data: str = _key("", "training data: a text / JSONL / Parquet file or folder")
-    eval_data: str | None = _key(None, "held-out data (default: the last eval_fraction of `data`)")
+    data: str = _key(
+        "",
+        "training data: a text / JSONL / Parquet file or folder, a saved dataset, or a token cache "
+        "(data prepare); or a mixture A:0.7,B:0.3 of them",
+    )
+    eval_data: str | None = _key(None, "held-out data, as `data` (default: the last eval_fraction of `data`)")
     eval_fraction: float = _key(0.05, "share of `data` held out for evaluation when eval_data is not given")
-    text_field: str = _key("text", "JSONL key / Parquet column holding the documents")
+    text_field: str = _key("text", "JSONL key / Parquet or dataset column holding the documents")
+    packing: str | None = _key(
+        None,
+        "concat | segmented: documents in a row as one stream, or kept apart (segment ids); "
+        f"default: {NEW_RUN_PACKING} for a new run, a resume keeps the run's",
+    )
     tokenizer: str | None = _key(None, "a folder with tokenizer.json, or train (default: the model's, else train)")
     vocab_size: int = _key(1024, "vocabulary size of a tokenizer trained here (tokenizer=train)")
     # precision recipe (see nvfp4tool.recipes.precision)
@@ -108,6 +121,8 @@ class TrainConfig:
     eps: float = _key(1e-8, "AdamW epsilon")
     clip_norm: float = _key(1.0, "global gradient-norm clip")
     seed: int = _key(0, "seed of the initialisation, data order and stochastic rounding")
+    loader_threads: int = _key(2, "threads reading training batches ahead (0: read when asked)")
+    loader_prefetch: int = _key(8, "training batches read ahead (the loader's buffer)")
     # evaluation, checkpoints, output
     eval_every: int = _key(50, "steps between evaluations (0: only at the end)")
     eval_batches: int = _key(8, "batches of the held-out data per evaluation")
@@ -136,6 +151,8 @@ class TrainConfig:
         _check_choice("scan_layers", str(self.scan_layers).lower(), SCAN_CHOICES)
         _check_choice("quantizer", self.quantizer, QUANTIZERS)
         _check_choice("gemm", self.gemm, GEMMS)
+        if self.packing is not None:
+            _check_choice("packing", self.packing, PACKINGS)
         _require(
             "distill",
             self.distill,
@@ -163,9 +180,10 @@ class TrainConfig:
             "vocab_size",
             "mesh_fsdp",
             "num_processes",
+            "loader_prefetch",
         ):
             _require(name, getattr(self, name), getattr(self, name) >= 1, "expected an integer >= 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "loader_threads"):
             _require(name, getattr(self, name), getattr(self, name) >= 0, "expected an integer >= 0")
         for name in ("bf16_first_layers", "bf16_last_layers"):
             _require(
@@ -216,6 +234,7 @@ class TrainConfig:
         _require("text_field", self.text_field, bool(self.text_field), "cannot be empty")
         if not self.data:
             raise NVFP4UsageError("train config: data=PATH is required")
+        parse_mixture(self.data)  # a mixture's entries: PATH:WEIGHT, each weight > 0
         try:
             self.recipe_config()
         except NVFP4ToolError as bad:  # the recipe's own checks, reported as the keys they are
@@ -225,9 +244,9 @@ class TrainConfig:
         """The data and tokenizer paths a run reads exist (usage error naming the key); `model` is
         checked by the one checkpoint opener, as in every command (and so is `teacher`). Not part of construction: a
         finished run's recorded config stays readable after its data moved."""
-        for name in ("data", "eval_data"):
-            path = getattr(self, name)
-            _require(name, path, path is None or os.path.exists(path), "not found")
+        for path, _ in parse_mixture(self.data):
+            _require("data", path, os.path.exists(path), "not found")
+        _require("eval_data", self.eval_data, self.eval_data is None or os.path.exists(self.eval_data), "not found")
         _require(
             "equalize_from",
             self.equalize_from,

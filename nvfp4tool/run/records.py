@@ -35,8 +35,10 @@ class RunRecord(Record):
 
     config: dict[str, Any]  # every TrainConfig key (TrainConfig.to_dict())
     model_config: dict[str, Any]  # the model's HF config.json dict
-    data_sha256: str  # of the training data's bytes (its files in reading order)
-    eval_data_sha256: str | None  # of `eval_data` (None: split off the training data)
+    # of the training data's bytes (its files in reading order); a token cache: of its manifest,
+    # which records every shard's sha256 (corpus.cache.manifest_sha256)
+    data_sha256: str
+    eval_data_sha256: str | None  # of `eval_data`, as data_sha256 (None: split off the training data)
     tokenizer_sha256: str  # of the tokenizer's serialized tokenizer.json
     train_windows: int
     eval_windows: int
@@ -55,6 +57,9 @@ class RunRecord(Record):
     # `equalize_from=`: the scales folded into the model before the first step (the export's
     # EqualizationRecord as it was read; a resume compares them); None: no fold
     equalization: EqualizationRecord | None = None
+    # a mixture `data=A:0.7,B:0.3`: {source path: weight}, normalised to sum to 1, in the given
+    # order (data_sha256 hashes each source's hash and weight); None: one source
+    data_weights: dict[str, float] | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -76,6 +81,11 @@ class RunRecord(Record):
 
     def recipe_config(self) -> RecipeConfig:
         return self.train_config().recipe_config()
+
+    @property
+    def packing(self) -> str:
+        """How the run packs documents: as recorded, concat for a run.json written before the key."""
+        return self.config.get("packing") or LEGACY_PACKING
 
     @property
     def weight_block(self) -> str:
@@ -146,7 +156,8 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from")
+KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing", "loader_threads", "loader_prefetch")
+LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}
 

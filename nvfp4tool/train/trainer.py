@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import tempfile
 import time
@@ -35,7 +36,18 @@ from nvfp4tool.checkpoints import (
     run_steps,
 )
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.corpus.batch import Batch
+from nvfp4tool.corpus import loader as loader_lib
+from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.encode import encode_documents
+from nvfp4tool.corpus.sources import data_sha256, iter_documents
+from nvfp4tool.corpus.tokenizer import (
+    TextTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_sha256,
+    train_bpe_tokenizer,
+)
+from nvfp4tool.corpus.windows import Windows, windows_in_memory
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
@@ -43,7 +55,7 @@ from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
-from nvfp4tool.run.config import TrainConfig, scans_layers
+from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
     CHECKPOINTS_DIR,
     TOKENIZER_DIR,
@@ -52,13 +64,11 @@ from nvfp4tool.run.records import (
     PrecisionMapRecord,
     RunRecord,
 )
-from nvfp4tool.train import data as data_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, step_header, truncate_metrics
 from nvfp4tool.train.presets import PRESETS, preset_config
 from nvfp4tool.train.step import StepFns, make_optimizer, make_schedule
-from nvfp4tool.train.tokenizer import TextTokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 
 # Keys a resume may change: they do not touch the training math (the data, the tokenizer and the
 # teacher are compared by content instead of by path).
@@ -79,6 +89,8 @@ RESUME_FREE_KEYS = frozenset(
         "tokenizer",
         "teacher",
         "equalize_from",
+        "loader_threads",
+        "loader_prefetch",
     }
 )
 
@@ -106,8 +118,8 @@ class _Prepared:
     model_config: ModelConfig
     model: CausalLM
     teacher: CausalLM | None  # a distillation run's teacher (BF16)
-    train_windows: np.ndarray
-    eval_windows: np.ndarray
+    loader: loader_lib.Loader  # this process's rows of every training batch
+    eval_windows: Windows | loader_lib.ConcatWindows
     recipe: RecipeConfig
     pmap: dict[str, str]
     mesh: Any
@@ -152,10 +164,20 @@ def train(config: TrainConfig) -> TrainResult:
     host_state = fns.init_state(params.to_pure_dict(), config.amax_history)
     shardings = mesh_lib.state_shardings(mesh, host_state)
     start_step, checkpoints = 0, None
+    batches = job.loader.iterator()
     if job.resume_step is not None:  # the run folder exists: opening its checkpoints changes nothing
         checkpoints = Checkpoints(out, config.keep_checkpoints)
-        restored, _ = checkpoints.restore(job.resume_step, abstract_like(host_state, shardings))
+        restored, _, has_loader = checkpoints.restore(
+            job.resume_step, abstract_like(host_state, shardings), loader=batches
+        )
         start_step = job.resume_step
+        if not has_loader:  # a checkpoint written before the loader's state was: its step is the position
+            batches = job.loader.iterator(start=start_step)
+        if loader_lib.next_index(batches) != start_step:
+            raise NVFP4ToolError(
+                f"{out / CHECKPOINTS_DIR / str(start_step)}: its loader state is at batch "
+                f"{loader_lib.next_index(batches)}, not at its step {start_step}"
+            )
     if is_main:
         _write_start(out, config, job)
         if config.resume:
@@ -170,7 +192,7 @@ def train(config: TrainConfig) -> TrainResult:
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
     checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
-    train_windows, eval_windows = job.train_windows, job.eval_windows
+    eval_windows = job.eval_windows
     tokenizer, source = job.tokenizer, job.source
     del host_state, params, job
 
@@ -183,6 +205,7 @@ def train(config: TrainConfig) -> TrainResult:
     )
     eval_fn = jax.jit(fns.eval_metrics, static_argnames="bf16_scope", out_shardings=metric_sharding)
     batch_sharding = mesh_lib.batch_sharding(mesh, 3, batch_axis=1)
+    batch_shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
     eval_sharding = mesh_lib.batch_sharding(mesh, 2, batch_axis=0)
     tokens_per_step = config.batch_size * config.seq_len
     base_key = jax.random.key(config.seed)
@@ -242,7 +265,10 @@ def train(config: TrainConfig) -> TrainResult:
             append_metrics(out, record)
         if _due(step, config.checkpoint_every, config.steps):
             checkpoints.save(
-                step, state, {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()}
+                step,
+                state,
+                {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()},
+                loader=batches,
             )
         extra = {
             name: f"{record[key]:.4f}"
@@ -256,24 +282,24 @@ def train(config: TrainConfig) -> TrainResult:
         try:
             for step in range(start_step + 1, config.steps + 1):
                 scope = _bf16_scope(step, switch_step, recipe.switch_scope)
-                indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
-                windows = train_windows[indices].reshape(config.grad_accum, -1, config.seq_len + 1)
-                if pending is not None and (scope, windows.shape) not in compiled:
+                # this process's rows, tokens with their segments / loss marks, as micro-batches
+                rows = jax.tree.map(lambda a: a.reshape(config.grad_accum, -1, config.seq_len + 1), next(batches))
+                if pending is not None and (scope, rows.tokens.shape) not in compiled:
                     done_step, pending = pending, None
                     finish(done_step, None, task)
                 dispatched = time.perf_counter()
                 lr = schedule(step - 1)  # on the device, read with the step's metrics
                 with progress.compiling(
-                    _compile_label("train step", scope), key=(step_fn, scope, windows.shape)
+                    _compile_label("train step", scope), key=(step_fn, scope, rows.tokens.shape)
                 ):  # the first step of a scope compiles
                     state, metrics = step_fn(
                         state,
-                        Batch(tokens=mesh_lib.to_global(windows, batch_sharding)),
+                        jax.tree.map(lambda a: mesh_lib.from_process_rows(a, batch_sharding, batch_shape), rows),
                         jax.random.fold_in(base_key, step),
                         bf16_scope=scope,
                         teacher=teacher,
                     )
-                compiled.add((scope, windows.shape))
+                compiled.add((scope, rows.tokens.shape))
                 if pending is not None:  # the step before, now that this one is queued behind it
                     done_step, pending = pending, None
                     finish(done_step, None, task)
@@ -289,6 +315,7 @@ def train(config: TrainConfig) -> TrainResult:
     jax.block_until_ready(state)  # the run's time ends when its last update has been computed
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
+    batches.close()  # the loader's read-ahead threads
 
     hf_dir = None
     if is_main:
@@ -327,6 +354,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     recipe = config.resolved_recipe()  # quantizer / gemm resolved once (gemm=native refused here where it cannot run)
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
+    config = dataclasses.replace(config, packing=config.packing or (saved.packing if saved else NEW_RUN_PACKING))
     if saved is not None:
         _check_same_config(saved, config, out)
     source = None
@@ -344,19 +372,20 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    train_windows, eval_windows = _windows(config, tokenizer)
-    data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
+    mixture = loader_lib.parse_mixture(config.data)
+    train_sources, eval_windows = _windows(config, tokenizer, [path for path, _ in mixture])
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
+    loader = _loader(config, train_sources, [w for _, w in mixture] if len(mixture) > 1 else None, mesh)
     if len(eval_windows) < mesh.size:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
     record = RunRecord(
         config=config.to_dict(),
         model_config=model_config.to_hf_config(),
-        data_sha256=_data_sha256(config.data),
+        data_sha256=_mixture_sha256(mixture),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
-        tokenizer_sha256=_tokenizer_sha256(tokenizer),
-        train_windows=len(train_windows),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        train_windows=sum(len(w) for w in train_sources),
         eval_windows=len(eval_windows),
         devices=jax.device_count(),
         processes=jax.process_count(),
@@ -364,6 +393,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         teacher_model_config=teacher_config,
         gemm_backend=recipe.backend(),
         equalization=equalization,
+        data_weights=dict(mixture) if len(mixture) > 1 else None,
     )
     resume_step = None
     if saved is not None:
@@ -379,7 +409,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         model_config=model_config,
         model=model,
         teacher=teacher,
-        train_windows=train_windows,
+        loader=loader,
         eval_windows=eval_windows,
         recipe=recipe,
         pmap=precision_map(recipe, model_config),
@@ -391,7 +421,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
     paths = [
-        config.data,
+        *(path for path, _ in loader_lib.parse_mixture(config.data)),
         config.eval_data,
         config.model_config,
         config.teacher,
@@ -415,7 +445,7 @@ def _check_out(config: TrainConfig, out: Path) -> None:
 
 def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None:
     """Refuse a resume whose configuration differs in a key that changes the training math."""
-    before, now = saved.train_config().to_dict(), config.to_dict()
+    before, now = {**saved.train_config().to_dict(), "packing": saved.packing}, config.to_dict()
     changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now if k not in RESUME_FREE_KEYS and before[k] != now[k]]
     if changed:
         raise NVFP4ToolError(
@@ -489,8 +519,15 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         if source.aux_dir is not None and (Path(source.aux_dir) / "tokenizer.json").is_file():
             return load_tokenizer(source.aux_dir), False
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
+    caches = [path for path, _ in loader_lib.parse_mixture(config.data) if is_cache(path)]
+    if caches:
+        raise NVFP4UsageError(
+            f"train config: tokenizer={config.tokenizer or 'train'}: data={caches[0]} is a token cache "
+            "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
+        )
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
-        documents = data_lib.iter_documents(config.data, config.text_field)
+        paths = [path for path, _ in loader_lib.parse_mixture(config.data)]
+        documents = (text for path in paths for text in iter_documents(path, config.text_field))
         with progress.task("tokenizer training", total=1, unit="tokenizer") as task:  # a large corpus: minutes
             train_bpe_tokenizer(documents, config.vocab_size, scratch)
             task.advance(description=f"{config.vocab_size} tokens")
@@ -579,7 +616,7 @@ def _teacher(
             f"the student's has {model_config.vocab_size}; distillation needs the same tokenizer"
         )
     if opened.aux_dir is not None and (Path(opened.aux_dir) / "tokenizer.json").is_file():
-        if _tokenizer_sha256(load_tokenizer(opened.aux_dir)) != _tokenizer_sha256(tokenizer):
+        if tokenizer_sha256(load_tokenizer(opened.aux_dir)) != tokenizer_sha256(tokenizer):
             raise NVFP4ToolError(
                 f"teacher={config.teacher}: its tokenizer.json differs from the run's "
                 "tokenizer; distillation needs the same tokenizer"
@@ -609,32 +646,64 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[np.ndarray, np.ndarray]:
-    def windows_of(path: str) -> np.ndarray:
-        docs = (tokenizer.encode(d) for d in data_lib.iter_documents(path, config.text_field))
-        return data_lib.pack_windows(docs, config.seq_len, tokenizer.eos_id)
+def _windows(
+    config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]
+) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows]:
+    """(each training source's windows, the eval windows): a token cache memory-mapped (its
+    tokenizer must be the run's), other data read and tokenized here; eval from `eval_data`, else
+    the last `eval_fraction` of each source, concatenated in the sources' order."""
+
+    def windows_of(key: str, path: str) -> Windows:
+        if is_cache(path):
+            cache = open_cache(path)
+            cache.check_tokenizer(tokenizer, key)
+            return cache.windows(config.seq_len, config.packing)
+        documents = iter_documents(path, config.text_field)
+        return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
 
     if config.eval_data:
-        return windows_of(config.data), windows_of(config.eval_data)
-    return data_lib.split_eval(windows_of(config.data), config.eval_fraction)
+        return [windows_of("data", path) for path in paths], windows_of("eval_data", config.eval_data)
+    splits = [windows_of("data", path).split(config.eval_fraction) for path in paths]
+    held_out = [held for _, held in splits]
+    return [train for train, _ in splits], held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
+
+
+def _loader(config: TrainConfig, sources: list[Windows], weights: list[float] | None, mesh) -> loader_lib.Loader:
+    """The run's loader (this process's rows of each batch), checked to read the rows the batch
+    sharding places on this process's devices."""
+    loader = loader_lib.Loader(
+        sources,
+        weights,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        num_batches=config.steps,
+        grad_accum=config.grad_accum,
+        threads=config.loader_threads,
+        prefetch=config.loader_prefetch,
+    )
+    micro = config.batch_size // config.grad_accum
+    shape = (config.grad_accum, micro, config.seq_len + 1)
+    held = mesh_lib.process_rows(mesh_lib.batch_sharding(mesh, 3, batch_axis=1), shape, axis=1)
+    placed = (np.arange(config.grad_accum)[:, None] * micro + held[None, :]).reshape(-1)
+    if not np.array_equal(placed, loader.rows):
+        raise NVFP4ToolError(
+            f"process {jax.process_index()}: its devices hold rows {placed.tolist()} of each batch, "
+            f"the loader's process shard reads {loader.rows.tolist()} (the devices are not in process order)"
+        )
+    return loader
+
+
+def _mixture_sha256(mixture: list[tuple[str, float]]) -> str:
+    """The training data's hash: one source's `_data_sha256`; a mixture's, of each source's hash
+    and weight in order (so a changed weight is changed data)."""
+    if len(mixture) == 1:
+        return _data_sha256(mixture[0][0])
+    return hashlib.sha256(json.dumps([[_data_sha256(p), w] for p, w in mixture]).encode()).hexdigest()
 
 
 def _data_sha256(path: str) -> str:
-    """sha256 of the data's bytes (a folder: each file's relative name and bytes, in reading order)."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.suffix in data_lib.DATA_SUFFIXES) if root.is_dir() else [root]
-    digest = hashlib.sha256()
-    for file in files:
-        if root.is_dir():  # a folder's layout is part of its data; a single file's name is not
-            digest.update(str(file.relative_to(root)).encode() + b"\0")
-        with file.open("rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _tokenizer_sha256(tokenizer: TextTokenizer) -> str:
-    return hashlib.sha256(tokenizer.tokenizer.to_str().encode("utf-8")).hexdigest()
+    """A token cache: its manifest's sha256 (which binds every shard's); other data: its bytes'."""
+    return manifest_sha256(path) if is_cache(path) else data_sha256(path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -690,15 +759,18 @@ def _evaluate(
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    chunks = list(data_lib.eval_batches(eval_windows[:usable], batch))[: config.eval_batches]
+    chunks = list(itertools.islice(eval_windows.batches(batch, count=usable), config.eval_batches))
     with progress.task("eval", total=len(chunks), unit="batch") as task:
-        for chunk in chunks:
-            with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
+        for chunk in chunks:  # a Batch: tokens with their segments / loss marks
+            with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.tokens.shape)):
                 metrics = eval_fn(
-                    params, Batch(tokens=mesh_lib.to_global(chunk, sharding)), bf16_scope=scope, teacher=teacher
+                    params,
+                    jax.tree.map(lambda a: mesh_lib.to_global(a, sharding), chunk),
+                    bf16_scope=scope,
+                    teacher=teacher,
                 )
             results.append({name: float(value) for name, value in metrics.items()})
-            weights.append(len(chunk))
+            weights.append(len(chunk.tokens))
             task.advance()
     if not results:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")

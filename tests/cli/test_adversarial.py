@@ -969,6 +969,63 @@ def _(w):
     )
 
 
+# ---- data ----------------------------------------------------------------------------------
+
+
+def _word_tokenizer(w: World) -> str:
+    """A tiny word-level tokenizer folder (its end-of-text token in tokenizer_config.json)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set(TEXT.split())) + ["<eos>", "<unk>"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder = w.folder("tok")
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    w.file("tok/tokenizer_config.json", json.dumps({"eos_token": "<eos>"}))
+    return folder
+
+
+def _prepared(w: World) -> str:
+    from nvfp4tool.corpus.prepare import prepare_cache
+
+    prepare_cache([w.file("t.txt", TEXT)], _word_tokenizer(w), w.path("cache"), workers=0, shard_tokens=64)
+    return w.path("cache")
+
+
+@case("data/prepare-binary-source", 1)
+def _(w):
+    return ["data", "prepare", w.file("bin.txt", BINARY), "--tokenizer", _word_tokenizer(w), "--out", "c"], (
+        "bin.txt:1",
+    )
+
+
+@case("data/prepare-missing-source", 2)
+def _(w):
+    return ["data", "prepare", w.path("nothing.jsonl"), "--tokenizer", _word_tokenizer(w), "--out", "c"], (
+        "nothing.jsonl",
+    )
+
+
+@case("data/prepare-over-an-existing-cache", 1)
+def _(w):
+    cache = _prepared(w)
+    return ["data", "prepare", w.path("t.txt"), "--tokenizer", w.path("tok"), "--out", cache], ("already exists",)
+
+
+@case("data/verify-truncated-shard", 1)
+def _(w):
+    cache = _prepared(w)
+    truncate(os.path.join(cache, "tokens-00001.bin"), 2)
+    return ["data", "verify", cache], ("tokens-00001.bin",)
+
+
+@case("data/verify-changed-source", 1)
+def _(w):
+    cache = _prepared(w)
+    w.file("t.txt", TEXT + "more")
+    return ["data", "verify", cache], ("t.txt", "changed since")
+
+
 # ---------------------------------------------------------------------------------------- the test
 
 

@@ -23,6 +23,8 @@ ENTRY_POINTS = [
     ("nvfp4tool.hub", "push_checkpoint"),
     ("nvfp4tool.validate.runner", "validate_export"),
     ("nvfp4tool.quickstart", "run_quickstart"),
+    ("nvfp4tool.corpus.prepare", "prepare_cache"),
+    ("nvfp4tool.corpus.cache", "verify_cache"),
 ]
 
 # A missing checkpoint (convert / export SRC, validate --source, train model=) is refused by the
@@ -48,6 +50,14 @@ CASES = [
     (["train", "data={f}", "no_such_key=1"], "no_such_key"),
     (["train", "{m}.yaml", "data={f}"], ".yaml: config file not found"),
     (["train"], "data=PATH is required"),
+    # data
+    (["data", "prepare", "{m}", "--tokenizer", "{d}", "--out", "{d}/c"], "{m}"),
+    (["data", "prepare", "{f}", "--tokenizer", "{m}", "--out", "{d}/c"], "--tokenizer"),
+    (["data", "prepare", "{f}", "--tokenizer", "{d}"], "--out"),
+    (["data", "prepare", "{f}", "--tokenizer", "{d}", "--out", "{d}/c", "--workers", "-1"], "--workers"),
+    (["data", "prepare", "{f}", "--tokenizer", "{d}", "--out", "{d}/c", "--shard-tokens", "0"], "--shard-tokens"),
+    (["data", "verify", "{m}"], "{m}"),
+    (["data", "verify", "{f}"], "{f}"),
     # plot
     (["plot"], "RUNS"),
     (["plot", "{m}"], "{m}"),

@@ -150,7 +150,7 @@ def tokenizer_dir(corpus_tokenizer) -> str:
 def test_kill_9_in_trains_final_write_and_the_resume_cleans_up(tokenizer_dir, tmp_path, point):
     """train's final HF folder (run/hf) is written atomically too: killed while writing it, the
     run has no hf/ (only its checkpoints), and resume=true writes it and removes the debris."""
-    from nvfp4tool.train.data import embedded_corpus
+    from nvfp4tool.corpus.sources import embedded_corpus
 
     train_txt, val_txt = embedded_corpus()
     run = tmp_path / "run"

@@ -54,8 +54,8 @@ def done_lines(stderr: str) -> dict[str, re.Match]:
 
 @pytest.fixture(scope="module")
 def train_inputs(tmp_path_factory):
-    from nvfp4tool.train.data import embedded_corpus
-    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
+    from nvfp4tool.corpus.sources import embedded_corpus
+    from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("progress_train")
     text = embedded_corpus()[1].read_text(encoding="utf-8")[:6000]

@@ -23,8 +23,8 @@ def test_hybrid_backend_equals_lm_eval_hf_backend(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
+    from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
     from nvfp4tool.eval.lm_backend import NVFP4ToolLM
-    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
     folder = str(tmp_path / "hybrid")
     with open(os.path.join(REPO_ROOT, "nvfp4tool", "data", "shakespeare_train.txt"), encoding="utf-8") as f:

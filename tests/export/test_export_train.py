@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from converters.hf import HFFolderSource
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE, fused_group, group_amax
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.step import linear_weight
 from nvfp4tool.train.trainer import train
 

@@ -40,6 +40,14 @@ def _options(command: click.Command) -> list[str]:
     return names
 
 
+def _all_options(command: click.Command) -> list[str]:
+    """`_options` of a command and, for a group (`data`), of each of its subcommands."""
+    names = _options(command)
+    for sub in getattr(command, "commands", {}).values():
+        names += _all_options(sub)
+    return names
+
+
 def _mentions(text: str, option: str) -> bool:
     """`option` appears as a whole word: `--to` is not found inside `--top`, `-o` not inside `--out`."""
     return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text) is not None
@@ -69,7 +77,7 @@ def test_every_command_has_a_page_naming_all_its_options(name):
     page = COMMANDS_DIR / f"{name}.md"
     assert page.is_file(), f"nvfp4tool {name} has no page {page.relative_to(ROOT)}"
     text = page.read_text(encoding="utf-8")
-    missing = [option for option in _options(cli.commands[name]) if not _mentions(text, option)]
+    missing = [option for option in _all_options(cli.commands[name]) if not _mentions(text, option)]
     assert not missing, f"{page.relative_to(ROOT)} does not mention {', '.join(missing)}"
 
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
-from nvfp4tool.train.data import embedded_corpus
+from nvfp4tool.corpus.sources import embedded_corpus
 
 pytestmark = pytest.mark.slow
 

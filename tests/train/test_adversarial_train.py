@@ -19,8 +19,8 @@ from bench_convert import write_synthetic_hf_folder
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
+from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 from fixtures.adversarial_harness import (
     BF16_INF,
@@ -343,6 +343,54 @@ def _(w):
         text = f.read()
     w.file("moe/config.json", text.replace('"router_aux_loss_coef": 0.0', '"router_aux_loss_coef": 1e999'))
     return args, ("router_aux_loss_coef",)
+
+
+# ---- data mixtures (data=A:0.7,B:0.3) -----------------------------------------------------
+
+
+def _mixture(w: World, spec: str) -> list[str]:
+    paths = _Paths.current
+    return [
+        "train",
+        f"model={paths['student']}",
+        f"tokenizer={paths['tok']}",
+        f"data={spec}",
+        "steps=1",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"out={w.path('run')}",
+    ]
+
+
+@case("train/mixture-entry-without-a-weight", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:0.7,{w.copy('data', 'b.txt')}"
+    return _mixture(w, spec), (f"data={spec}", "is not PATH:WEIGHT")
+
+
+@case("train/mixture-weight-zero", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:0,{w.copy('data', 'b.txt')}:1"
+    return _mixture(w, spec), (f"data={spec}", "weight 0 is not a finite number > 0")
+
+
+@case("train/mixture-source-given-twice", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:1,{_Paths.current['data']}:2"
+    return _mixture(w, spec), (f"data={spec}", "is given twice")
+
+
+@case("train/mixture-source-missing", 2)
+def _(w):
+    missing = w.path("missing.txt")
+    return _mixture(w, f"{_Paths.current['data']}:1,{missing}:1"), (f"data={missing!r}", "not found")
+
+
+@case("train/resume-with-a-mixture-of-the-run-s-data", 1)
+def _(w):
+    spec = f"{_Paths.current['data']}:1,{w.copy('data', 'b.txt')}:1"
+    return _resume(w, f"data={spec}"), ("cannot resume bit-exactly", "the training data")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -8,6 +8,7 @@ micro-batches weights them by their counted predictions; a row with nothing to c
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +18,17 @@ import pytest
 from flax import nnx
 
 from nvfp4tool.corpus.batch import Batch
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.model import CausalLM, forward
 from nvfp4tool.model.linear import Seam, default_linear
 from nvfp4tool.model.transformer import forward_side
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.moe_loss import load_balancing_loss
 from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, cross_entropy, training_loss
+
+from fixtures.train_fixtures import run_train
 
 VOCAB = 64
 _TINY_MOE = preset_config("tiny-moe", VOCAB, 32)
@@ -203,3 +208,32 @@ def test_micro_batches_are_weighted_by_their_counted_predictions():
     mean_of_means = np.concatenate([np.ravel((a + b) / 2) for a, b in zip(*(jax.tree.leaves(h[2]) for h in halves))])
     assert np.linalg.norm(update - mean_of_means) > 0.1 * np.linalg.norm(flat)
     assert abs(float(metrics["loss"]) - np.mean([float(h[0]) for h in halves])) > 1e-3  # the mean of means
+
+
+def test_the_trainer_hands_the_segments_to_the_step(tmp_path, corpus_tokenizer):
+    """`packing=segmented` over the embedded corpus cut into its speeches (JSONL, one document
+    each: a few per 33-token window) reads the same windows as concat, with segment ids: the first
+    step's loss and the eval loss (before any update: the same weights) differ, so the segments
+    reach the train and eval steps."""
+    data = {}
+    for name, text in zip(("train", "val"), (p.read_text(encoding="utf-8") for p in embedded_corpus())):
+        data[name] = tmp_path / f"{name}.jsonl"
+        speeches = [s for s in text.split("\n\n") if s.strip()]
+        data[name].write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches), encoding="utf-8")
+    runs = {
+        packing: run_train(
+            corpus_tokenizer,
+            tmp_path / packing,
+            steps=1,
+            eval_every=1,
+            packing=packing,
+            data=data["train"],
+            eval_data=data["val"],
+        )
+        for packing in ("concat", "segmented")
+    }
+    concat, segmented = runs["concat"], runs["segmented"]
+    assert RunRecord.read(tmp_path / "segmented").packing == "segmented"
+    assert np.isfinite(segmented.losses[1]) and segmented.losses[1] != concat.losses[1]
+    assert abs(segmented.losses[1] - concat.losses[1]) < 0.1 * concat.losses[1]  # the same windows
+    assert segmented.eval_losses[1] != concat.eval_losses[1]

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.trainer import train
 

@@ -8,9 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from nvfp4tool.corpus.loader import batch_indices
+from nvfp4tool.corpus.sources import iter_documents
+from nvfp4tool.corpus.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe_tokenizer
+from nvfp4tool.corpus.windows import TokenStream, Windows
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.train.data import batch_indices, iter_documents, pack_windows, split_eval
-from nvfp4tool.train.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe_tokenizer
 
 DOCS = ["first document, with words.", "second: more words here", "third one"]
 
@@ -87,13 +89,15 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path)
 
 
-def test_pack_windows_separates_documents_and_shifts_by_seq_len():
-    windows = pack_windows(iter([[1, 2, 3], [4, 5], [6, 7, 8, 9]]), seq_len=3, eos_id=0)
+def test_windows_separate_documents_and_shift_by_seq_len():
     # stream: 1 2 3 0 4 5 0 6 7 8 9 0  (12 tokens) -> (12 - 1) // 3 = 3 windows of 4
-    np.testing.assert_array_equal(windows, [[1, 2, 3, 0], [0, 4, 5, 0], [0, 6, 7, 8]])
-    train, held_out = split_eval(windows, 0.34)
-    np.testing.assert_array_equal(held_out, windows[-1:])
-    np.testing.assert_array_equal(train, windows[:2])
+    stream = TokenStream([np.array([1, 2, 3, 0, 4, 5]), np.array([0, 6, 7, 8, 9, 0])])  # two pieces
+    windows = Windows(stream, seq_len=3)
+    expected = [[1, 2, 3, 0], [0, 4, 5, 0], [0, 6, 7, 8]]
+    np.testing.assert_array_equal(windows.rows(np.arange(3)).tokens, expected)
+    train, held_out = windows.split(0.34)
+    np.testing.assert_array_equal(held_out.rows(np.arange(len(held_out))).tokens, expected[-1:])
+    np.testing.assert_array_equal(train.rows(np.array([1, 0])).tokens, [expected[1], expected[0]])
 
 
 def test_batch_order_is_a_pure_function_of_seed_and_batch_number():

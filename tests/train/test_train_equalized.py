@@ -29,13 +29,13 @@ from converters.hf import HFFolderSource, write_hf_folder
 from nvfp4tool import progress
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.equalize import FOLD_KL_LIMIT
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.records.export import ExportRecord
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.trainer import _equalized
 

@@ -19,10 +19,10 @@ from flax import nnx
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
+from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.model import CausalLM, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, fused_group, group_amax, precision_map
 from nvfp4tool.run.config import load_train_config
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
 from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, linear_weight

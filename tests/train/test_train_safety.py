@@ -15,10 +15,10 @@ from converters.hf import write_hf_folder
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.corpus.sources import embedded_corpus
+from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
 from nvfp4tool.run.records import RunRecord
-from nvfp4tool.train.data import embedded_corpus
 from nvfp4tool.train.metrics import read_metrics
-from nvfp4tool.train.tokenizer import train_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -198,10 +198,10 @@ def test_sigterm_leaves_nothing_and_a_kill_9_scratch_is_removed_by_the_next_run(
 
 @pytest.mark.slow  # trains a tiny run (2 steps, a checkpoint at step 2) and exports it twice
 def test_a_run_export_binds_to_the_run_at_its_recorded_step(tmp_path):
+    from nvfp4tool.corpus.sources import embedded_corpus, iter_documents
+    from nvfp4tool.corpus.tokenizer import train_bpe_tokenizer
     from nvfp4tool.export import ExportOptions, export_checkpoint
     from nvfp4tool.run.config import load_train_config
-    from nvfp4tool.train.data import embedded_corpus, iter_documents
-    from nvfp4tool.train.tokenizer import train_bpe_tokenizer
     from nvfp4tool.train.trainer import train
 
     train_txt, val_txt = embedded_corpus()

@@ -2,12 +2,15 @@
 
 A trained tokenizer is saved with transformers' `PreTrainedTokenizerFast.save_pretrained`
 (`tokenizer.json` + `tokenizer_config.json`), so `AutoTokenizer.from_pretrained(folder)` loads it
-and it ships with the model folder the trainer writes.
+and it ships with the model folder the trainer writes. `tokenizer_sha256` is the one identity of a
+tokenizer (run.json, a token cache's manifest, a distillation teacher's).
+Design notes: docs/design/data.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,6 +53,11 @@ def load_tokenizer(folder: str | Path) -> TextTokenizer:
     except Exception as bad:  # tokenizers raises a bare Exception for unreadable / malformed files
         raise NVFP4ToolError(f"{path}: not a valid tokenizer ({str(bad).splitlines()[0]})") from None
     return TextTokenizer(tokenizer, _eos_id(folder, tokenizer))
+
+
+def tokenizer_sha256(tokenizer: TextTokenizer) -> str:
+    """sha256 of the serialized tokenizer (`Tokenizer.to_str()`, the content of its tokenizer.json)."""
+    return hashlib.sha256(tokenizer.tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
 def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, out_dir: str | Path) -> TextTokenizer:

@@ -1,0 +1,137 @@
+"""`nvfp4tool_corpus.json`: the manifest of a token cache (`nvfp4tool data prepare`).
+
+    manifest = CorpusManifest.read(cache)        # strict: every key typed, counts and sizes agree
+    manifest.shards[0].file, manifest.tokens     # "tokens-00000.bin", the stream's length
+
+The tokenizer (sha256 of its serialized tokenizer.json), the token dtype, each source file's
+sha256, bytes and documents, each shard's and the document index's file, bytes, sha256 and mtime.
+Design notes: docs/design/records.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, ClassVar, Literal
+
+from nvfp4tool.records.base import Record, RecordError
+
+FORMAT_VERSION = 1  # of the cache's layout; a cache of another version is refused
+DTYPE_BYTES = {"uint16": 2, "uint32": 4}  # the token dtypes, little-endian
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # a file inside the cache folder (no path)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredFile(Record):
+    """A file of the cache: its name in the cache folder, size, sha256 and modification time (ns;
+    a file whose mtime still matches is trusted without rehashing)."""
+
+    file: str
+    bytes: int
+    sha256: str
+    mtime_ns: int
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        fields = super()._from_json_fields(obj, label)
+        if not _PLAIN_NAME.match(fields["file"]):
+            raise RecordError(f"{label}: file: {fields['file']!r} is not a file name inside the cache folder")
+        _check_sha256(fields["sha256"], f"{label}: sha256")
+        if fields["bytes"] < 0:
+            raise RecordError(f"{label}: bytes: {fields['bytes']} < 0")
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusShard(StoredFile):
+    """One flat file of tokens (the next `tokens` of the stream) and its optional aligned loss
+    marks (uint8, 1: the token is a target that carries loss)."""
+
+    tokens: int
+    loss: StoredFile | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSource(Record):
+    """A file read (or a `save_to_disk` dataset folder): its path as given, sha256, bytes, documents."""
+
+    name: str  # the path as given to prepare (a folder's file: the folder as given / its relative path)
+    sha256: str
+    bytes: int
+    documents: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusManifest(Record):
+    """The token cache: documents, each followed by the end-of-text id, as one stream in shards."""
+
+    FILE_NAME: ClassVar[str] = "nvfp4tool_corpus.json"
+
+    format_version: int
+    tokenizer_sha256: str  # sha256 of tokenizer.to_str() (corpus.tokenizer.tokenizer_sha256)
+    eos_id: int
+    vocab_size: int
+    dtype: Literal["uint16", "uint32"]
+    format: str  # the data format the documents were read and encoded as ("text")
+    text_field: str
+    sources: list[CorpusSource]
+    shards: list[CorpusShard]
+    index: StoredFile  # int64 .npy: each document's start offset in the stream
+    documents: int
+    tokens: int
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        version = obj.get("format_version") if isinstance(obj, dict) else None
+        if isinstance(version, int) and version != FORMAT_VERSION:
+            raise RecordError(
+                f"{label}: format_version {version}; this nvfp4tool reads version {FORMAT_VERSION} "
+                "(prepare the cache again)"
+            )
+        fields = super()._from_json_fields(obj, label)
+        _check_sha256(fields["tokenizer_sha256"], f"{label}: tokenizer_sha256")
+        itemsize = DTYPE_BYTES[fields["dtype"]]
+        for i, shard in enumerate(fields["shards"]):
+            where = f"{label}: shards[{i}]"
+            if shard.tokens < 1 or shard.bytes != shard.tokens * itemsize:
+                raise RecordError(f"{where}: {shard.bytes} bytes for {shard.tokens} {fields['dtype']} tokens")
+            if shard.loss is not None and shard.loss.bytes != shard.tokens:
+                raise RecordError(f"{where}: loss: {shard.loss.bytes} bytes for {shard.tokens} tokens")
+        marked = {s.loss is not None for s in fields["shards"]}
+        if len(marked) > 1:
+            raise RecordError(f"{label}: shards: loss marks recorded for some shards only")
+        counts = (
+            ("tokens", fields["tokens"], sum(s.tokens for s in fields["shards"]), "the shards' tokens"),
+            ("documents", fields["documents"], sum(s.documents for s in fields["sources"]), "the sources' documents"),
+        )
+        for key, value, expected, what in counts:
+            if value != expected:
+                raise RecordError(f"{label}: {key}: {value}, but {what} make {expected}")
+        names = [s.file for s in fields["shards"]] + [s.loss.file for s in fields["shards"] if s.loss]
+        names.append(fields["index"].file)
+        if len(set(names)) != len(names) or cls.FILE_NAME in names:
+            raise RecordError(f"{label}: a file is named twice")
+        if not 0 <= fields["eos_id"] < fields["vocab_size"]:
+            raise RecordError(f"{label}: eos_id {fields['eos_id']} outside the vocabulary of {fields['vocab_size']}")
+        if fields["vocab_size"] > 2 ** (8 * itemsize):
+            raise RecordError(f"{label}: vocab_size {fields['vocab_size']} does not fit {fields['dtype']}")
+        return fields
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def has_loss(self) -> bool:
+        return bool(self.shards) and self.shards[0].loss is not None
+
+
+def token_dtype(vocab_size: int) -> str:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _check_sha256(value: str, label: str) -> None:
+    if not _SHA256.match(value):
+        raise RecordError(f"{label}: {value!r} is not a sha256 (64 lowercase hex digits)")
