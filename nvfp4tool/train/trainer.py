@@ -924,17 +924,25 @@ def _write_final(
     amax = InputAmaxRecord({n: float(np.max(np.asarray(h))) for n, h in state["amax"].items()})
 
     def finish(folder: str) -> None:  # published together with the weights, or not at all
-        if not (Path(folder) / "tokenizer.json").is_file():
+        if not all((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             save_tokenizer(tokenizer.tokenizer, Path(folder))
         amax.write(folder)
         PrecisionMapRecord(dict(pmap)).write(folder)
 
+    # the tokenizer's files (its chat template with them) come from where the run's tokenizer came
+    # from: the one trained here, the model's folder, or for a preset the `tokenizer` folder
+    if tokenizer_dir.is_dir():
+        copy_from = tokenizer_dir
+    elif source is not None:
+        copy_from = source.aux_dir
+    else:
+        copy_from = config.tokenizer if config.tokenizer not in (None, "train") else None
     write_hf_folder(
         hf_dir,
         model_config,
         ModelTensorSource(model, path=str(out)),
         dtype="bf16",
-        copy_from=tokenizer_dir if tokenizer_dir.is_dir() else (source.aux_dir if source is not None else None),
+        copy_from=copy_from,
         force=True,
         finish=finish,
     )

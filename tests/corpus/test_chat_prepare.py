@@ -180,3 +180,22 @@ def test_run_json_records_the_rows_counts(tmp_path, chats, chat_tokenizer):
     prepared.record.write(tmp_path)
     assert RunRecord.read(tmp_path).data_sft == prepared.record.data_sft
     assert RunRecord.read(tmp_path).config["format"] == "chat"
+
+
+def test_a_preset_run_keeps_the_tokenizer_folders_chat_template(tmp_path, chats, chat_tokenizer):
+    """A preset trained on chat rows with tokenizer=FOLDER: its hf/ (what export copies and serving
+    reads) has the folder's tokenizer files, the chat template with them, and renders a conversation
+    to the same ids as the folder's tokenizer does (transformers on both)."""
+    from transformers import AutoTokenizer
+
+    from nvfp4tool.train.trainer import train
+
+    keys = dict(model="tiny", data=chats, format="chat", tokenizer=chat_tokenizer, recipe="bf16", steps=1, seq_len=32,
+                batch_size=2, overlong="truncate", eval_every=0, eval_batches=1, out=tmp_path / "run")  # fmt: skip
+    hf_dir = train(load_train_config(None, [f"{k}={v}" for k, v in keys.items()])).hf_dir
+    served, source = AutoTokenizer.from_pretrained(str(hf_dir)), AutoTokenizer.from_pretrained(str(chat_tokenizer))
+    assert served.get_chat_template() == SMOLLM2_CHAT_TEMPLATE
+    messages = json.loads(chats.read_text().splitlines()[1])["messages"]
+    rendered = served.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert rendered == source.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert (hf_dir / "tokenizer.json").read_bytes() == (chat_tokenizer / "tokenizer.json").read_bytes()
