@@ -35,7 +35,7 @@ from nvfp4tool.checkpoints import (
     run_steps,
 )
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.cache import TokenCache, is_cache, manifest_sha256, open_cache
 from nvfp4tool.corpus.encode import encode_documents
 from nvfp4tool.corpus.sources import data_sha256, iter_documents
 from nvfp4tool.corpus.tokenizer import (
@@ -352,13 +352,14 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if config.equalize_from is not None:
         source, equalization = _equalized(config, source)
     tokenizer, trained_here = _tokenizer(config, out, source)
+    caches = _caches(config, tokenizer)  # a cache of another tokenizer is refused before a model is built
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    train_windows, eval_windows = _windows(config, tokenizer)
+    train_windows, eval_windows = _windows(config, tokenizer, caches)
     data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
@@ -628,21 +629,31 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer) -> tuple[Windows, Windows]:
-    """(train, eval) windows: a token cache memory-mapped (its tokenizer must be the run's), other
-    data read and tokenized here; eval from `eval_data`, else the last `eval_fraction` of `data`."""
+def _caches(config: TrainConfig, tokenizer: TextTokenizer) -> dict[str, TokenCache]:
+    """The token caches among `data` / `eval_data`, opened (sizes checked, a file whose mtime moved
+    rehashed), each refused unless prepared with the run's tokenizer."""
+    caches = {}
+    for key in ("data", "eval_data"):
+        path = getattr(config, key)
+        if path is not None and is_cache(path):
+            caches[path] = open_cache(path)
+            caches[path].check_tokenizer(tokenizer, key)
+    return caches
 
-    def windows_of(key: str, path: str) -> Windows:
-        if is_cache(path):
-            cache = open_cache(path)
-            cache.check_tokenizer(tokenizer, key)
-            return cache.windows(config.seq_len, config.packing)
+
+def _windows(config: TrainConfig, tokenizer: TextTokenizer, caches: dict[str, TokenCache]) -> tuple[Windows, Windows]:
+    """(train, eval) windows: a token cache memory-mapped, other data read and tokenized here; eval
+    from `eval_data`, else the last `eval_fraction` of `data`."""
+
+    def windows_of(path: str) -> Windows:
+        if path in caches:
+            return caches[path].windows(config.seq_len, config.packing)
         documents = iter_documents(path, config.text_field)
         return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
 
     if config.eval_data:
-        return windows_of("data", config.data), windows_of("eval_data", config.eval_data)
-    return windows_of("data", config.data).split(config.eval_fraction)
+        return windows_of(config.data), windows_of(config.eval_data)
+    return windows_of(config.data).split(config.eval_fraction)
 
 
 def _data_sha256(path: str) -> str:
