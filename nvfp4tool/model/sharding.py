@@ -5,7 +5,9 @@ Mesh axes ("data", "fsdp") over `jax.devices()` (all processes' devices in multi
 Parameters and optimizer state: each array's largest axis that the fsdp size divides is sharded
 over "fsdp" (fully sharded data parallel); everything else is replicated. Batches: the sequence
 axis is sharded over both axes. Host data (numpy, identical on every process) becomes a global
-array with `jax.make_array_from_callback`, so each process hands over only its own shards.
+array with `jax.make_array_from_callback`, so each process hands over only its own shards; a
+training batch, of which each process reads only its own rows, with
+`jax.make_array_from_process_local_data` (`from_process_rows`).
 Outside training (validate, calibration: `model_mesh`) every device is on the fsdp axis and the
 model's weights are laid out as the train state is (`shard`).
 """
@@ -82,6 +84,23 @@ def to_global(host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global jax.Array from a host array that every process holds whole."""
     host_array = np.asarray(host_array)
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
+
+
+def from_process_rows(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
+    """A global jax.Array of `global_shape` from the rows this process holds (`process_rows`: what
+    its devices take of it); one process holds the whole array (`to_global`)."""
+    if jax.process_count() == 1:
+        return to_global(local, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
+
+
+def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """The positions along `axis` of an array of `global_shape` that this process's devices hold
+    under `sharding`, in order."""
+    held: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        held.update(range(*index[axis].indices(global_shape[axis])))
+    return np.asarray(sorted(held), np.int64)
 
 
 def place_state(state: Any, shardings: Any) -> Any:

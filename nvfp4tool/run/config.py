@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from nvfp4tool.corpus.loader import parse_mixture
 from nvfp4tool.corpus.windows import PACKINGS
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
@@ -48,7 +49,9 @@ class TrainConfig:
     model_config: str | None = _key(None, "MaxText source: an HF config.json or a MaxText model name")
     rope_layout: str | None = _key(None, "MaxText side: interleaved | half (default: from the MaxText name)")
     data: str = _key(
-        "", "training data: a text / JSONL / Parquet file or folder, a saved dataset, or a token cache (data prepare)"
+        "",
+        "training data: a text / JSONL / Parquet file or folder, a saved dataset, or a token cache "
+        "(data prepare); or a mixture A:0.7,B:0.3 of them",
     )
     eval_data: str | None = _key(None, "held-out data, as `data` (default: the last eval_fraction of `data`)")
     eval_fraction: float = _key(0.05, "share of `data` held out for evaluation when eval_data is not given")
@@ -118,6 +121,8 @@ class TrainConfig:
     eps: float = _key(1e-8, "AdamW epsilon")
     clip_norm: float = _key(1.0, "global gradient-norm clip")
     seed: int = _key(0, "seed of the initialisation, data order and stochastic rounding")
+    loader_threads: int = _key(2, "threads reading training batches ahead (0: read when asked)")
+    loader_prefetch: int = _key(8, "training batches read ahead (the loader's buffer)")
     # evaluation, checkpoints, output
     eval_every: int = _key(50, "steps between evaluations (0: only at the end)")
     eval_batches: int = _key(8, "batches of the held-out data per evaluation")
@@ -175,9 +180,10 @@ class TrainConfig:
             "vocab_size",
             "mesh_fsdp",
             "num_processes",
+            "loader_prefetch",
         ):
             _require(name, getattr(self, name), getattr(self, name) >= 1, "expected an integer >= 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "loader_threads"):
             _require(name, getattr(self, name), getattr(self, name) >= 0, "expected an integer >= 0")
         for name in ("bf16_first_layers", "bf16_last_layers"):
             _require(
@@ -228,6 +234,7 @@ class TrainConfig:
         _require("text_field", self.text_field, bool(self.text_field), "cannot be empty")
         if not self.data:
             raise NVFP4UsageError("train config: data=PATH is required")
+        parse_mixture(self.data)  # a mixture's entries: PATH:WEIGHT, each weight > 0
         try:
             self.recipe_config()
         except NVFP4ToolError as bad:  # the recipe's own checks, reported as the keys they are
@@ -237,9 +244,9 @@ class TrainConfig:
         """The data and tokenizer paths a run reads exist (usage error naming the key); `model` is
         checked by the one checkpoint opener, as in every command (and so is `teacher`). Not part of construction: a
         finished run's recorded config stays readable after its data moved."""
-        for name in ("data", "eval_data"):
-            path = getattr(self, name)
-            _require(name, path, path is None or os.path.exists(path), "not found")
+        for path, _ in parse_mixture(self.data):
+            _require("data", path, os.path.exists(path), "not found")
+        _require("eval_data", self.eval_data, self.eval_data is None or os.path.exists(self.eval_data), "not found")
         _require(
             "equalize_from",
             self.equalize_from,

@@ -57,6 +57,9 @@ class RunRecord(Record):
     # `equalize_from=`: the scales folded into the model before the first step (the export's
     # EqualizationRecord as it was read; a resume compares them); None: no fold
     equalization: EqualizationRecord | None = None
+    # a mixture `data=A:0.7,B:0.3`: {source path: weight}, normalised to sum to 1, in the given
+    # order (data_sha256 hashes each source's hash and weight); None: one source
+    data_weights: dict[str, float] | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -153,7 +156,7 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing")
+KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing", "loader_threads", "loader_prefetch")
 LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import tempfile
@@ -35,6 +36,7 @@ from nvfp4tool.checkpoints import (
     run_steps,
 )
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.corpus import loader as loader_lib
 from nvfp4tool.corpus.cache import TokenCache, is_cache, manifest_sha256, open_cache
 from nvfp4tool.corpus.encode import encode_documents
 from nvfp4tool.corpus.sources import data_sha256, iter_documents
@@ -62,7 +64,6 @@ from nvfp4tool.run.records import (
     PrecisionMapRecord,
     RunRecord,
 )
-from nvfp4tool.train import data as data_lib
 from nvfp4tool.train.checkpoint import Checkpoints, abstract_like
 from nvfp4tool.train.distill import Distillation
 from nvfp4tool.train.metrics import append_metrics, plot_runs, step_header, truncate_metrics
@@ -88,6 +89,8 @@ RESUME_FREE_KEYS = frozenset(
         "tokenizer",
         "teacher",
         "equalize_from",
+        "loader_threads",
+        "loader_prefetch",
     }
 )
 
@@ -115,8 +118,8 @@ class _Prepared:
     model_config: ModelConfig
     model: CausalLM
     teacher: CausalLM | None  # a distillation run's teacher (BF16)
-    train_windows: Windows
-    eval_windows: Windows
+    loader: loader_lib.Loader  # this process's rows of every training batch
+    eval_windows: Windows | loader_lib.ConcatWindows
     recipe: RecipeConfig
     pmap: dict[str, str]
     mesh: Any
@@ -161,10 +164,20 @@ def train(config: TrainConfig) -> TrainResult:
     host_state = fns.init_state(params.to_pure_dict(), config.amax_history)
     shardings = mesh_lib.state_shardings(mesh, host_state)
     start_step, checkpoints = 0, None
+    batches = job.loader.iterator()
     if job.resume_step is not None:  # the run folder exists: opening its checkpoints changes nothing
         checkpoints = Checkpoints(out, config.keep_checkpoints)
-        restored, _ = checkpoints.restore(job.resume_step, abstract_like(host_state, shardings))
+        restored, _, has_loader = checkpoints.restore(
+            job.resume_step, abstract_like(host_state, shardings), loader=batches
+        )
         start_step = job.resume_step
+        if not has_loader:  # a checkpoint written before the loader's state was: its step is the position
+            batches = job.loader.iterator(start=start_step)
+        if loader_lib.next_index(batches) != start_step:
+            raise NVFP4ToolError(
+                f"{out / CHECKPOINTS_DIR / str(start_step)}: its loader state is at batch "
+                f"{loader_lib.next_index(batches)}, not at its step {start_step}"
+            )
     if is_main:
         _write_start(out, config, job)
         if config.resume:
@@ -179,7 +192,7 @@ def train(config: TrainConfig) -> TrainResult:
     _barrier("started")
     state = restored if job.resume_step is not None else mesh_lib.place_state(host_state, shardings)
     checkpoints = checkpoints or Checkpoints(out, config.keep_checkpoints)
-    train_windows, eval_windows = job.train_windows, job.eval_windows
+    eval_windows = job.eval_windows
     tokenizer, source = job.tokenizer, job.source
     del host_state, params, job
 
@@ -192,6 +205,7 @@ def train(config: TrainConfig) -> TrainResult:
     )
     eval_fn = jax.jit(fns.eval_metrics, static_argnames="bf16_scope", out_shardings=metric_sharding)
     batch_sharding = mesh_lib.batch_sharding(mesh, 3, batch_axis=1)
+    batch_shape = (config.grad_accum, config.batch_size // config.grad_accum, config.seq_len + 1)
     eval_sharding = mesh_lib.batch_sharding(mesh, 2, batch_axis=0)
     tokens_per_step = config.batch_size * config.seq_len
     base_key = jax.random.key(config.seed)
@@ -251,7 +265,10 @@ def train(config: TrainConfig) -> TrainResult:
             append_metrics(out, record)
         if _due(step, config.checkpoint_every, config.steps):
             checkpoints.save(
-                step, state, {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()}
+                step,
+                state,
+                {"step": step, "seed": config.seed, "batches_seen": step, "config": config.to_dict()},
+                loader=batches,
             )
         extra = {
             name: f"{record[key]:.4f}"
@@ -265,8 +282,7 @@ def train(config: TrainConfig) -> TrainResult:
         try:
             for step in range(start_step + 1, config.steps + 1):
                 scope = _bf16_scope(step, switch_step, recipe.switch_scope)
-                indices = data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, step - 1)
-                windows = train_windows.rows(indices).tokens.reshape(config.grad_accum, -1, config.seq_len + 1)
+                windows = next(batches).tokens.reshape(config.grad_accum, -1, config.seq_len + 1)  # this process's rows
                 if pending is not None and (scope, windows.shape) not in compiled:
                     done_step, pending = pending, None
                     finish(done_step, None, task)
@@ -277,7 +293,7 @@ def train(config: TrainConfig) -> TrainResult:
                 ):  # the first step of a scope compiles
                     state, metrics = step_fn(
                         state,
-                        mesh_lib.to_global(windows, batch_sharding),
+                        mesh_lib.from_process_rows(windows, batch_sharding, batch_shape),
                         jax.random.fold_in(base_key, step),
                         bf16_scope=scope,
                         teacher=teacher,
@@ -298,6 +314,7 @@ def train(config: TrainConfig) -> TrainResult:
     jax.block_until_ready(state)  # the run's time ends when its last update has been computed
     elapsed = time.perf_counter() - run_start
     checkpoints.close()
+    batches.close()  # the loader's read-ahead threads
 
     hf_dir = None
     if is_main:
@@ -352,26 +369,27 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if config.equalize_from is not None:
         source, equalization = _equalized(config, source)
     tokenizer, trained_here = _tokenizer(config, out, source)
-    caches = _caches(config, tokenizer)  # a cache of another tokenizer is refused before a model is built
+    mixture = loader_lib.parse_mixture(config.data)
+    caches = _caches(config, tokenizer, [path for path, _ in mixture])  # before a model is built
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    train_windows, eval_windows = _windows(config, tokenizer, caches)
-    data_lib.batch_indices(len(train_windows), config.batch_size, config.seed, 0)  # enough windows?
+    train_sources, eval_windows = _windows(config, tokenizer, [path for path, _ in mixture], caches)
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
+    loader = _loader(config, train_sources, [w for _, w in mixture] if len(mixture) > 1 else None, mesh)
     if len(eval_windows) < mesh.size:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")
     record = RunRecord(
         config=config.to_dict(),
         model_config=model_config.to_hf_config(),
-        data_sha256=_data_sha256(config.data),
+        data_sha256=_mixture_sha256(mixture),
         eval_data_sha256=_data_sha256(config.eval_data) if config.eval_data else None,
         tokenizer_sha256=tokenizer_sha256(tokenizer),
-        train_windows=len(train_windows),
+        train_windows=sum(len(w) for w in train_sources),
         eval_windows=len(eval_windows),
         devices=jax.device_count(),
         processes=jax.process_count(),
@@ -379,6 +397,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         teacher_model_config=teacher_config,
         gemm_backend=recipe.backend(),
         equalization=equalization,
+        data_weights=dict(mixture) if len(mixture) > 1 else None,
     )
     resume_step = None
     if saved is not None:
@@ -394,7 +413,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         model_config=model_config,
         model=model,
         teacher=teacher,
-        train_windows=train_windows,
+        loader=loader,
         eval_windows=eval_windows,
         recipe=recipe,
         pmap=precision_map(recipe, model_config),
@@ -406,7 +425,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
     paths = [
-        config.data,
+        *(path for path, _ in loader_lib.parse_mixture(config.data)),
         config.eval_data,
         config.model_config,
         config.teacher,
@@ -504,13 +523,15 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
         if source.aux_dir is not None and (Path(source.aux_dir) / "tokenizer.json").is_file():
             return load_tokenizer(source.aux_dir), False
         raise NVFP4ToolError(f"{config.model}: no tokenizer.json; pass tokenizer=PATH or tokenizer=train")
-    if is_cache(config.data):
+    caches = [path for path, _ in loader_lib.parse_mixture(config.data) if is_cache(path)]
+    if caches:
         raise NVFP4UsageError(
-            f"train config: tokenizer={config.tokenizer or 'train'}: data={config.data} is a token cache "
+            f"train config: tokenizer={config.tokenizer or 'train'}: data={caches[0]} is a token cache "
             "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
         )
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
-        documents = iter_documents(config.data, config.text_field)
+        paths = [path for path, _ in loader_lib.parse_mixture(config.data)]
+        documents = (text for path in paths for text in iter_documents(path, config.text_field))
         with progress.task("tokenizer training", total=1, unit="tokenizer") as task:  # a large corpus: minutes
             train_bpe_tokenizer(documents, config.vocab_size, scratch)
             task.advance(description=f"{config.vocab_size} tokens")
@@ -629,21 +650,23 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
-def _caches(config: TrainConfig, tokenizer: TextTokenizer) -> dict[str, TokenCache]:
-    """The token caches among `data` / `eval_data`, opened (sizes checked, a file whose mtime moved
-    rehashed), each refused unless prepared with the run's tokenizer."""
+def _caches(config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]) -> dict[str, TokenCache]:
+    """The token caches among the training sources `paths` and `eval_data`, opened (sizes checked,
+    a file whose mtime moved rehashed), each refused unless prepared with the run's tokenizer."""
     caches = {}
-    for key in ("data", "eval_data"):
-        path = getattr(config, key)
-        if path is not None and is_cache(path):
+    for key, path in [*(("data", p) for p in paths), ("eval_data", config.eval_data)]:
+        if path is not None and path not in caches and is_cache(path):
             caches[path] = open_cache(path)
             caches[path].check_tokenizer(tokenizer, key)
     return caches
 
 
-def _windows(config: TrainConfig, tokenizer: TextTokenizer, caches: dict[str, TokenCache]) -> tuple[Windows, Windows]:
-    """(train, eval) windows: a token cache memory-mapped, other data read and tokenized here; eval
-    from `eval_data`, else the last `eval_fraction` of `data`."""
+def _windows(
+    config: TrainConfig, tokenizer: TextTokenizer, paths: list[str], caches: dict[str, TokenCache]
+) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows]:
+    """(each training source's windows, the eval windows): a token cache memory-mapped (`caches`,
+    opened and checked), other data read and tokenized here; eval from `eval_data`, else the last
+    `eval_fraction` of each source, concatenated in the sources' order."""
 
     def windows_of(path: str) -> Windows:
         if path in caches:
@@ -652,8 +675,43 @@ def _windows(config: TrainConfig, tokenizer: TextTokenizer, caches: dict[str, To
         return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
 
     if config.eval_data:
-        return windows_of(config.data), windows_of(config.eval_data)
-    return windows_of(config.data).split(config.eval_fraction)
+        return [windows_of(path) for path in paths], windows_of(config.eval_data)
+    splits = [windows_of(path).split(config.eval_fraction) for path in paths]
+    held_out = [held for _, held in splits]
+    return [train for train, _ in splits], held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
+
+
+def _loader(config: TrainConfig, sources: list[Windows], weights: list[float] | None, mesh) -> loader_lib.Loader:
+    """The run's loader (this process's rows of each batch), checked to read the rows the batch
+    sharding places on this process's devices."""
+    loader = loader_lib.Loader(
+        sources,
+        weights,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        num_batches=config.steps,
+        grad_accum=config.grad_accum,
+        threads=config.loader_threads,
+        prefetch=config.loader_prefetch,
+    )
+    micro = config.batch_size // config.grad_accum
+    shape = (config.grad_accum, micro, config.seq_len + 1)
+    held = mesh_lib.process_rows(mesh_lib.batch_sharding(mesh, 3, batch_axis=1), shape, axis=1)
+    placed = (np.arange(config.grad_accum)[:, None] * micro + held[None, :]).reshape(-1)
+    if not np.array_equal(placed, loader.rows):
+        raise NVFP4ToolError(
+            f"process {jax.process_index()}: its devices hold rows {placed.tolist()} of each batch, "
+            f"the loader's process shard reads {loader.rows.tolist()} (the devices are not in process order)"
+        )
+    return loader
+
+
+def _mixture_sha256(mixture: list[tuple[str, float]]) -> str:
+    """The training data's hash: one source's `_data_sha256`; a mixture's, of each source's hash
+    and weight in order (so a changed weight is changed data)."""
+    if len(mixture) == 1:
+        return _data_sha256(mixture[0][0])
+    return hashlib.sha256(json.dumps([[_data_sha256(p), w] for p, w in mixture]).encode()).hexdigest()
 
 
 def _data_sha256(path: str) -> str:

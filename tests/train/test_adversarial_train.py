@@ -345,6 +345,54 @@ def _(w):
     return args, ("router_aux_loss_coef",)
 
 
+# ---- data mixtures (data=A:0.7,B:0.3) -----------------------------------------------------
+
+
+def _mixture(w: World, spec: str) -> list[str]:
+    paths = _Paths.current
+    return [
+        "train",
+        f"model={paths['student']}",
+        f"tokenizer={paths['tok']}",
+        f"data={spec}",
+        "steps=1",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_every=0",
+        f"out={w.path('run')}",
+    ]
+
+
+@case("train/mixture-entry-without-a-weight", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:0.7,{w.copy('data', 'b.txt')}"
+    return _mixture(w, spec), (f"data={spec}", "is not PATH:WEIGHT")
+
+
+@case("train/mixture-weight-zero", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:0,{w.copy('data', 'b.txt')}:1"
+    return _mixture(w, spec), (f"data={spec}", "weight 0 is not a finite number > 0")
+
+
+@case("train/mixture-source-given-twice", 2)
+def _(w):
+    spec = f"{_Paths.current['data']}:1,{_Paths.current['data']}:2"
+    return _mixture(w, spec), (f"data={spec}", "is given twice")
+
+
+@case("train/mixture-source-missing", 2)
+def _(w):
+    missing = w.path("missing.txt")
+    return _mixture(w, f"{_Paths.current['data']}:1,{missing}:1"), (f"data={missing!r}", "not found")
+
+
+@case("train/resume-with-a-mixture-of-the-run-s-data", 1)
+def _(w):
+    spec = f"{_Paths.current['data']}:1,{w.copy('data', 'b.txt')}:1"
+    return _resume(w, f"data={spec}"), ("cannot resume bit-exactly", "the training data")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
 def test_bad_input_is_one_line_and_changes_nothing(case, train_world, tmp_path, monkeypatch, hub_env):

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from nvfp4tool.corpus.loader import batch_indices
 from nvfp4tool.corpus.sources import iter_documents
 from nvfp4tool.corpus.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe_tokenizer
 from nvfp4tool.corpus.windows import TokenStream, Windows
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.train.data import batch_indices
 
 DOCS = ["first document, with words.", "second: more words here", "third one"]
 
