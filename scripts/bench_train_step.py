@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.model import CausalLM
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.train.presets import preset_config
@@ -165,7 +166,7 @@ def compile_step(name: str, args, batch: int) -> dict:
     fns = StepFns(graphdef, recipe, precision_map(recipe, model_config), optimizer, grad_accum=1)
     state_shapes = jax.eval_shape(lambda p: fns.init_state(p, AMAX_HISTORY), abstract_params.to_pure_dict())
     rng = np.random.default_rng(0)
-    windows = jnp.asarray(rng.integers(0, args.vocab_size, (1, batch, args.seq_len + 1)), jnp.int32)
+    windows = Batch(jnp.asarray(rng.integers(0, args.vocab_size, (1, batch, args.seq_len + 1)), jnp.int32))
     keys = [jax.random.fold_in(jax.random.key(0), i) for i in range(args.iters + 1)]
     start = time.perf_counter()
     compiled = jax.jit(fns.train_step).lower(state_shapes, windows, keys[0]).compile()

@@ -25,10 +25,12 @@ class Batch(NamedTuple):
     def targets_weight(self) -> np.ndarray | None:
         """[B, T] bool, which of the T next-token predictions count (None: all of them): the
         target is in the same document as its input (no prediction across a boundary or from
-        or into padding) and carries loss."""
+        or into padding) and carries loss. Written with the arrays' own operators over the last
+        axis, so the same rule runs on numpy rows, on jax arrays inside the train step, and on
+        a step's micro-batches [A, B/A, T+1]."""
         weight = None
         if self.segments is not None:
-            weight = (self.segments[:, 1:] == self.segments[:, :-1]) & (self.segments[:, 1:] != 0)
+            weight = (self.segments[..., 1:] == self.segments[..., :-1]) & (self.segments[..., 1:] != 0)
         if self.loss is not None:
-            weight = self.loss[:, 1:] if weight is None else weight & self.loss[:, 1:]
+            weight = self.loss[..., 1:] if weight is None else weight & self.loss[..., 1:]
         return weight

@@ -20,17 +20,23 @@ _CUDNN_MAX_HEAD_DIM = 128  # jax's check: <= 128 before Hopper, <= 256 from Hopp
 _CUDNN_HEAD_DIM_MULTIPLE = 8
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["allowed_BxTxS", "tokens_BxT"], meta_fields=["window"])
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["allowed_BxTxS", "tokens_BxT", "segments_BxT"],
+    meta_fields=["window"],
+)
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
     """Which keys each query may see: build with `causal(window)` or `explicit(allowed_BxTxS)`.
     A pytree (the arrays leaves, the window static), so it passes through jit, scan and checkpoint.
-    `tokens_BxT` (explicit masks of padded rows): which of this chunk's slots hold tokens, for the
-    mixers that read the sequence without attending (a Mamba layer zeroes padding before its scan)."""
+    `tokens_BxT` (explicit masks of padded rows): which of this chunk's slots hold tokens, and
+    `segments_BxT` (packed rows): which document each slot belongs to, for the mixers that read
+    the sequence without attending (a Mamba layer zeroes padding and restarts at each document)."""
 
     allowed_BxTxS: jax.Array | None  # explicit: True = may see; None: causal
     window: int | None = None  # causal only: keys at distance < window (None: unbounded)
     tokens_BxT: jax.Array | None = None  # this chunk's real tokens (None: every slot is one)
+    segments_BxT: jax.Array | None = None  # this chunk's document ids, 0 = padding (None: one stream)
 
     @classmethod
     def causal(cls, window: int | None = None) -> AttentionMask:
@@ -38,9 +44,12 @@ class AttentionMask:
         return cls(None, window)
 
     @classmethod
-    def explicit(cls, allowed_BxTxS: jax.Array, tokens_BxT: jax.Array | None = None) -> AttentionMask:
-        """An explicit [B, T, S] bool mask (`attention_allowed`), and which slots hold tokens."""
-        return cls(allowed_BxTxS, None, tokens_BxT)
+    def explicit(
+        cls, allowed_BxTxS: jax.Array, tokens_BxT: jax.Array | None = None, segments_BxT: jax.Array | None = None
+    ) -> AttentionMask:
+        """An explicit [B, T, S] bool mask (`attention_allowed`), which slots hold tokens and
+        (packed rows) their document ids."""
+        return cls(allowed_BxTxS, None, tokens_BxT, segments_BxT)
 
     @property
     def kind(self) -> str:
@@ -101,19 +110,25 @@ def attention_allowed(
     sliding_window: int | None,
     query_positions_BxT: jax.Array | None = None,
     key_positions_BxS: jax.Array | None = None,
+    query_segments_BxT: jax.Array | None = None,
+    key_segments_BxS: jax.Array | None = None,
 ) -> jax.Array:
     """[B, T, S] bool: query at sequence slot q may see the key in slot k iff k <= q and slot k is
-    not padding, and (sliding window W) the key's position is within W - 1 of the query's.
+    not padding, (sliding window W) the key's position is within W - 1 of the query's, and
+    (segments given: packed documents) the key is in the query's document.
 
     The window is measured in positions (positions needed only then): for unpadded and
     left-padded rows that equals HF's slot distance; for right-padded rows continued by
-    `generate` it keeps the padding from eating into the window.
+    `generate` it keeps the padding from eating into the window; in packed rows the positions
+    restart at each document, and within one document their distance is the slots'.
     """
     key_index_S = jnp.arange(key_valid_BxS.shape[-1])
     allowed_BxTxS = (key_index_S[None, :] <= query_index_T[:, None])[None] & key_valid_BxS[:, None, :].astype(bool)
     if sliding_window is not None:
         distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
         allowed_BxTxS &= distance_BxTxS < sliding_window
+    if query_segments_BxT is not None:
+        allowed_BxTxS &= query_segments_BxT[:, :, None] == key_segments_BxS[:, None, :]
     return allowed_BxTxS
 
 

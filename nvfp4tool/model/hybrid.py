@@ -165,7 +165,9 @@ class HybridBlock(nnx.Module):
         h_BxTxE = self.norm(x_BxTxE)
         cached = None
         if self.kind == MAMBA:
-            y_BxTxE, cached, side = self.mixer(h_BxTxE, seam, mask_BxT=mask.tokens_BxT, state=cache)
+            y_BxTxE, cached, side = self.mixer(
+                h_BxTxE, seam, mask_BxT=mask.tokens_BxT, segments_BxT=mask.segments_BxT, state=cache
+            )
         elif self.kind == ATTENTION:
             y_BxTxE, cached, side = self.mixer(h_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache, write_index, seam)
         else:

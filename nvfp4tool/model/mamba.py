@@ -74,16 +74,30 @@ class MambaState:
 
 
 def causal_conv(
-    xbc_BxTxC: jax.Array, weight_CxK: jax.Array, bias_C: jax.Array | None, past_BxKxC: jax.Array
+    xbc_BxTxC: jax.Array,
+    weight_CxK: jax.Array,
+    bias_C: jax.Array | None,
+    past_BxKxC: jax.Array,
+    segments_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The depthwise causal conv1d then SiLU, fp32: out[t] = silu(sum_k w[:, k] x[t - (K-1) + k]
     + b), the K - 1 inputs before the first taken from `past` (zeros at a sequence start); the
-    output and the new past (the last K - 1 inputs)."""
+    output and the new past (the last K - 1 inputs). With `segments_BxT` (packed documents) an
+    input of another segment than t's reads as zero, as the zeros before a sequence start (the
+    past counts as the first position's segment)."""
     k = weight_CxK.shape[1]
     t = xbc_BxTxC.shape[1]
     window = jnp.concatenate([past_BxKxC, xbc_BxTxC.astype(jnp.float32)], axis=1)  # [B, K - 1 + T, C]
     w = weight_CxK.astype(jnp.float32)
-    out = sum(window[:, j : j + t, :] * w[:, j] for j in range(k))
+    taps = [window[:, j : j + t, :] for j in range(k)]
+    if segments_BxT is not None:
+        past_segments = jnp.repeat(segments_BxT[:, :1], k - 1, axis=1)
+        window_segments = jnp.concatenate([past_segments, segments_BxT], axis=1)  # [B, K - 1 + T]
+        taps = [
+            jnp.where((window_segments[:, j : j + t] == segments_BxT)[..., None], tap, 0.0)
+            for j, tap in enumerate(taps)
+        ]
+    out = sum(tap * w[:, j] for j, tap in enumerate(taps))
     if bias_C is not None:
         out = out + bias_C.astype(jnp.float32)
     return jax.nn.silu(out), window[:, t:, :]
@@ -106,12 +120,15 @@ def ssd_chunked(
     c_BxTxGxN: jax.Array,
     chunk: int,
     h0_BxHxPxN: jax.Array,
+    segments_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence of the module docstring (without D) as the chunked SSD scan, fp32: inside
     each chunk of `chunk` positions the exact quadratic form, between chunks the recurrence on the
     chunk-boundary states. dt is the final step size (after softplus and limit). The sequence is
     padded at the end to whole chunks (dt = 0 there: no decay, no input). (y [B, T, H, P], final
-    state)."""
+    state). With `segments_BxT` (packed documents, Mamba-2's `seq_idx`) the state restarts from
+    zero at each segment: every decay across a segment change is 0 (`_cut_at_segments`); `h0`
+    continues the first position's segment."""
     bsz, t, h, p = x_BxTxHxP.shape
     rep = h // b_BxTxGxN.shape[2]
     f32 = jnp.float32
@@ -129,11 +146,18 @@ def ssd_chunked(
     xdt, adt, bh, ch = map(chunks, (xdt, adt, bh, ch))  # [B, nc, L, ...]
     a_cum = jnp.cumsum(adt, axis=2)  # [B, nc, L, H]
     decay_LxS = jnp.exp(_segsum(jnp.moveaxis(adt, 2, -1)))  # [B, nc, H, L, S]
+    to_end = jnp.exp(a_cum[:, :, -1:, :] - a_cum)  # [B, nc, L, H]: decay from l to the chunk's end
+    chunk_decay = jnp.exp(a_cum[:, :, -1, :])  # [B, nc, H]
+    from_start = jnp.exp(a_cum)  # [B, nc, L, H]: decay from the chunk's start to l
+    if segments_BxT is not None:
+        # the padded end continues the last segment (dt = 0 there: it changes no state)
+        segments = jnp.pad(segments_BxT, [(0, 0), (0, pad)], mode="edge").reshape(bsz, -1, chunk)
+        decay_LxS, to_end, chunk_decay, from_start = _cut_at_segments(
+            segments, decay_LxS, to_end, chunk_decay, from_start
+        )
     scores = jnp.einsum("bclhn,bcshn->bchls", ch, bh) * decay_LxS
     y_diag = jnp.einsum("bchls,bcshp->bclhp", scores, xdt)
-    to_end = jnp.exp(a_cum[:, :, -1:, :] - a_cum)  # [B, nc, L, H]: decay from l to the chunk's end
     chunk_states = jnp.einsum("bclhn,bclh,bclhp->bchpn", bh, to_end, xdt)
-    chunk_decay = jnp.exp(a_cum[:, :, -1, :])  # [B, nc, H]
 
     def carry(state, inputs):
         decay_BxH, add_BxHxPxN = inputs
@@ -143,9 +167,26 @@ def ssd_chunked(
         carry, h0_BxHxPxN.astype(f32), (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0))
     )
     starts = jnp.moveaxis(starts, 0, 1)  # [B, nc, H, P, N]
-    y_off = jnp.einsum("bclhn,bchpn->bclhp", ch, starts) * jnp.exp(a_cum)[..., None]
+    y_off = jnp.einsum("bclhn,bchpn->bclhp", ch, starts) * from_start[..., None]
     y = (y_diag + y_off).reshape(bsz, -1, h, p)[:, :t]
     return y, final
+
+
+def _cut_at_segments(segments_BxCxL, decay_BxCxHxLxS, to_end_BxCxLxH, chunk_decay_BxCxH, from_start_BxCxLxH):
+    """The chunked scan's decays with every path across a segment change cut (Mamba-2's
+    `seq_idx`): inside a chunk, position s reaches l only in l's segment; a position adds to the
+    chunk's end state only in the chunk end's segment; the state entering a chunk (the previous
+    chunk end's segment; the first chunk's: its first position's) carries on through the chunk
+    only when the chunk ends in that segment, and reaches the positions of that segment only."""
+    same_LxS = segments_BxCxL[:, :, :, None] == segments_BxCxL[:, :, None, :]  # [B, nc, L, S]
+    end_BxC = segments_BxCxL[:, :, -1]
+    entering_BxC = jnp.concatenate([segments_BxCxL[:, :1, 0], end_BxC[:, :-1]], axis=1)  # the state's segment
+    return (
+        jnp.where(same_LxS[:, :, None], decay_BxCxHxLxS, 0.0),
+        jnp.where((segments_BxCxL == end_BxC[..., None])[..., None], to_end_BxCxLxH, 0.0),
+        jnp.where((end_BxC == entering_BxC)[..., None], chunk_decay_BxCxH, 0.0),
+        jnp.where((segments_BxCxL == entering_BxC[..., None])[..., None], from_start_BxCxLxH, 0.0),
+    )
 
 
 def ssd_recurrent(
@@ -200,6 +241,7 @@ def mixer(
     shape: MambaShape,
     *,
     mask_BxT: jax.Array | None = None,
+    segments_BxT: jax.Array | None = None,
     state: MambaState | None = None,
     dtype=jnp.float32,
 ) -> tuple[jax.Array, MambaState]:
@@ -207,7 +249,8 @@ def mixer(
     position. `params`: conv1d_weight [C, K] (the stored [C, 1, K] squeezed), conv1d_bias [C] or
     absent, dt_bias, A_log, D [H], norm_weight [I]. With `state`, continues from it (a decode
     step of one position runs the recurrence, longer inputs the chunked scan); without, starts
-    from zeros."""
+    from zeros. `segments_BxT` (packed documents): the conv and the scan restart at each segment,
+    as if each document ran alone (the state returned is then the last segment's)."""
     bsz, t, _ = zxbcdt_BxTxF.shape
     i, gn, h, p = shape.inner, shape.groups * shape.state, shape.heads, shape.head_dim
     if state is None:
@@ -215,7 +258,9 @@ def mixer(
     z = zxbcdt_BxTxF[..., :i]
     xbc = zxbcdt_BxTxF[..., i : i + shape.conv_dim]
     dt_raw = zxbcdt_BxTxF[..., i + shape.conv_dim :]
-    xbc, conv_past = causal_conv(xbc, params["conv1d_weight"], params.get("conv1d_bias"), state.conv_BxKxC)
+    xbc, conv_past = causal_conv(
+        xbc, params["conv1d_weight"], params.get("conv1d_bias"), state.conv_BxKxC, segments_BxT
+    )
     if mask_BxT is not None:
         xbc = xbc * mask_BxT[..., None].astype(xbc.dtype)
     x = xbc[..., :i].reshape(bsz, t, h, p)
@@ -226,7 +271,7 @@ def mixer(
     if t == 1:
         y, ssm = ssd_recurrent(x, dt, a, b, c, state.ssm_BxHxPxN)
     else:
-        y, ssm = ssd_chunked(x, dt, a, b, c, shape.chunk, state.ssm_BxHxPxN)
+        y, ssm = ssd_chunked(x, dt, a, b, c, shape.chunk, state.ssm_BxHxPxN, segments_BxT)
     y = y + params["D"].astype(jnp.float32)[:, None] * x
     out = gated_rms_norm(y.reshape(bsz, t, i), z, params["norm_weight"], shape.groups, shape.eps)
     return out.astype(dtype), MambaState(conv_past, ssm)
@@ -277,7 +322,13 @@ class Mamba2Mixer(nnx.Module):
         )
 
     def __call__(
-        self, x_BxTxE: jax.Array, seam: Seam, *, mask_BxT: jax.Array | None = None, state: MambaState | None = None
+        self,
+        x_BxTxE: jax.Array,
+        seam: Seam,
+        *,
+        mask_BxT: jax.Array | None = None,
+        segments_BxT: jax.Array | None = None,
+        state: MambaState | None = None,
     ) -> tuple[jax.Array, MambaState, Side]:
         """(y [B, T, E] in x's dtype, the decode state after the last position, the seam's records)."""
         if mask_BxT is not None:
@@ -292,6 +343,8 @@ class Mamba2Mixer(nnx.Module):
         }
         if self.conv1d.bias is not None:
             params["conv1d_bias"] = self.conv1d.bias[...]
-        y, state = mixer(zxbcdt, params, self.shape, mask_BxT=mask_BxT, state=state, dtype=x_BxTxE.dtype)
+        y, state = mixer(
+            zxbcdt, params, self.shape, mask_BxT=mask_BxT, segments_BxT=segments_BxT, state=state, dtype=x_BxTxE.dtype
+        )
         out, out_side = self.out_proj(y, seam)
         return out, state, merged(in_side, out_side)

@@ -186,9 +186,12 @@ class CausalLM(nnx.Module):
         attention_mask_BxT: jax.Array | None = None,
         positions_BxT: jax.Array | None = None,
         *,
+        segment_ids_BxT: jax.Array | None = None,
         linear: LinearFn | None = None,
     ) -> jax.Array:
-        return forward(self, input_ids_BxT, attention_mask_BxT, positions_BxT, linear=linear)
+        return forward(
+            self, input_ids_BxT, attention_mask_BxT, positions_BxT, segment_ids_BxT=segment_ids_BxT, linear=linear
+        )
 
 
 def forward(
@@ -197,18 +200,29 @@ def forward(
     attention_mask_BxT: jax.Array | None = None,
     positions_BxT: jax.Array | None = None,
     *,
+    segment_ids_BxT: jax.Array | None = None,
     linear: LinearFn | None = None,
 ) -> jax.Array:
     """Logits [B, T, V] in float32 (no cache). Mask: 1 = token, 0 = padding (left or right).
-    With neither a mask nor positions (unpadded rows at 0..T-1, the training loss) attention is
-    causal by structure (`AttentionMask.causal`: flash attention on a GPU), else explicit.
-    A jitted program (model structure and `linear` static); under a transformation that needs the
-    side results (training), call `forward_side` with a `Seam`.
+    Segment ids (packed rows: 1, 2, ... per document, 0 = padding): each document is run as if
+    alone (`sequence_mask`). With none of the three (unpadded rows at 0..T-1, the training loss)
+    attention is causal by structure (`AttentionMask.causal`: flash attention on a GPU), else
+    explicit. A jitted program (model structure and `linear` static); under a transformation
+    that needs the side results (training), call `forward_side` with a `Seam`.
     """
     graphdef, state = nnx.split(model)
-    mask_BxT = None if attention_mask_BxT is None else jnp.asarray(attention_mask_BxT)
-    positions_BxT = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    return _forward(graphdef, state, jnp.asarray(input_ids_BxT), mask_BxT, positions_BxT, linear=linear or model.linear)
+    mask_BxT, positions_BxT, segments_BxT = (
+        None if a is None else jnp.asarray(a) for a in (attention_mask_BxT, positions_BxT, segment_ids_BxT)
+    )
+    return _forward(
+        graphdef,
+        state,
+        jnp.asarray(input_ids_BxT),
+        mask_BxT,
+        positions_BxT,
+        segments_BxT,
+        linear=linear or model.linear,
+    )
 
 
 def forward_side(
@@ -217,33 +231,65 @@ def forward_side(
     attention_mask_BxT: jax.Array | None = None,
     positions_BxT: jax.Array | None = None,
     *,
+    segment_ids_BxT: jax.Array | None = None,
     seam: Seam,
 ) -> tuple[jax.Array, Side]:
     """`forward`'s logits and the side results of the whole model (every layer's, under its own
     name, and the LM head's), through `seam`; traced inline (call it under jit / grad)."""
     input_ids_BxT = jnp.asarray(input_ids_BxT)
-    window = model.config.sliding_window
-    if attention_mask_BxT is None and positions_BxT is None:
-        positions_BxT, mask = default_positions(jnp.ones(input_ids_BxT.shape, bool)), AttentionMask.causal(window)
-    else:
-        mask_BxT = (
-            jnp.ones(input_ids_BxT.shape, bool)
-            if attention_mask_BxT is None
-            else jnp.asarray(attention_mask_BxT).astype(bool)
-        )
-        positions_BxT = default_positions(mask_BxT) if positions_BxT is None else jnp.asarray(positions_BxT)
-        mask = AttentionMask.explicit(
-            attention_allowed(jnp.arange(input_ids_BxT.shape[1]), mask_BxT, window, positions_BxT, positions_BxT),
-            mask_BxT,
-        )
+    positions_BxT, mask = sequence_mask(
+        model.config, input_ids_BxT.shape, attention_mask_BxT, positions_BxT, segment_ids_BxT
+    )
     x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
     logits, head_side = lm_logits(model, x_BxTxE, seam)
     return logits, merged(side, head_side)
 
 
+def sequence_mask(
+    config: ModelConfig,
+    shape_BxT: tuple[int, int],
+    attention_mask_BxT: jax.Array | None = None,
+    positions_BxT: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
+) -> tuple[jax.Array, AttentionMask]:
+    """(positions [B, T], the `AttentionMask`) of rows without a cache: causal by structure when
+    no mask, positions or segments are given; else explicit over the real tokens (mask 1, and
+    segment != 0), each query seeing its own segment only, positions restarting at 0 at each
+    segment (`segment_positions`) unless given."""
+    window = config.sliding_window
+    if attention_mask_BxT is None and positions_BxT is None and segment_ids_BxT is None:
+        return default_positions(jnp.ones(shape_BxT, bool)), AttentionMask.causal(window)
+    mask_BxT = jnp.ones(shape_BxT, bool) if attention_mask_BxT is None else jnp.asarray(attention_mask_BxT).astype(bool)
+    segments_BxT = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT).astype(jnp.int32)
+    if segments_BxT is not None:
+        mask_BxT = mask_BxT & (segments_BxT != 0)
+    if positions_BxT is not None:
+        positions_BxT = jnp.asarray(positions_BxT)
+    elif segments_BxT is not None:
+        positions_BxT = segment_positions(segments_BxT)
+    else:
+        positions_BxT = default_positions(mask_BxT)
+    allowed_BxTxS = attention_allowed(
+        jnp.arange(shape_BxT[1]), mask_BxT, window, positions_BxT, positions_BxT, segments_BxT, segments_BxT
+    )
+    return positions_BxT, AttentionMask.explicit(allowed_BxTxS, mask_BxT, segments_BxT)
+
+
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
     """Position of each token = number of real tokens before it (padding does not count)."""
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def segment_positions(segments_BxT: jax.Array) -> jax.Array:
+    """Position of each token in its segment (MaxText's `inputs_position`): slots since the
+    segment's first slot, so a packed document counts from 0 as if alone."""
+    T = segments_BxT.shape[-1]
+    index_T = jnp.arange(T, dtype=jnp.int32)
+    starts_BxT = jnp.concatenate(
+        [jnp.ones(segments_BxT.shape[:-1] + (1,), bool), segments_BxT[..., 1:] != segments_BxT[..., :-1]], axis=-1
+    )
+    first_BxT = jax.lax.cummax(jnp.where(starts_BxT, index_T, 0), axis=segments_BxT.ndim - 1)
+    return index_T - first_BxT
 
 
 def forward_with_cache(
@@ -264,13 +310,14 @@ def forward_with_cache(
     return lm_logits(model, x_BxTxE, seam)[0], new_cache
 
 
-def final_hidden(model: CausalLM, input_ids_BxT: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
+def final_hidden(
+    model: CausalLM, input_ids_BxT: jax.Array, seam: Seam, segment_ids_BxT: jax.Array | None = None
+) -> tuple[jax.Array, Side]:
     """The LM head's input [B, T, E] (the last block's output after the final norm) of unpadded
-    rows, for a loss that applies the head itself (distillation, chunked over the vocabulary with
-    `head_weight`), and the blocks' side results. Call it under a transformation (jit / grad), as
-    the train step does."""
-    positions_BxT = default_positions(jnp.ones(input_ids_BxT.shape, bool))
-    mask = AttentionMask.causal(model.config.sliding_window)
+    (or, with segment ids, packed) rows, for a loss that applies the head itself (distillation,
+    chunked over the vocabulary with `head_weight`), and the blocks' side results. Call it under a
+    transformation (jit / grad), as the train step does."""
+    positions_BxT, mask = sequence_mask(model.config, input_ids_BxT.shape, segment_ids_BxT=segment_ids_BxT)
     x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
     return model.norm(x_BxTxE), side
 
@@ -389,8 +436,13 @@ def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Arra
 
 
 @partial(jax.jit, static_argnames=("graphdef", "linear"))
-def _forward(graphdef, state, input_ids_BxT, attention_mask_BxT, positions_BxT, *, linear):
-    """`forward`'s body (mask and positions None or arrays, as `forward_side` takes them)."""
+def _forward(graphdef, state, input_ids_BxT, attention_mask_BxT, positions_BxT, segment_ids_BxT, *, linear):
+    """`forward`'s body (mask, positions and segments None or arrays, as `forward_side` takes them)."""
     return forward_side(
-        nnx.merge(graphdef, state), input_ids_BxT, attention_mask_BxT, positions_BxT, seam=Seam.of(linear)
+        nnx.merge(graphdef, state),
+        input_ids_BxT,
+        attention_mask_BxT,
+        positions_BxT,
+        segment_ids_BxT=segment_ids_BxT,
+        seam=Seam.of(linear),
     )[0]

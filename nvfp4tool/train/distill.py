@@ -40,13 +40,23 @@ class Distillation:
     chunk: int = VOCAB_CHUNK
 
     def terms(
-        self, student: Any, teacher_params: Any, inputs_BxT: jax.Array, targets_BxT: jax.Array, seam: Seam
+        self,
+        student: Any,
+        teacher_params: Any,
+        inputs_BxT: jax.Array,
+        targets_BxT: jax.Array,
+        seam: Seam,
+        segments_BxT: jax.Array | None = None,
+        weight_BxT: jax.Array | None = None,
+        normalizer: jax.Array | None = None,
     ) -> tuple[dict[str, jax.Array], Side]:
         """({"kl", "ce"}, the student's side results) of the student (its linears through `seam`)
-        against the teacher (plain BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`."""
+        against the teacher (plain BF16 GEMMs, no gradient) on `inputs_BxT` predicting `targets_BxT`;
+        both models see the packed documents apart (`segments_BxT`), and the terms average over
+        the predictions `weight_BxT` counts (`chunked_terms`)."""
         teacher = nnx.merge(self.teacher_graphdef, jax.lax.stop_gradient(teacher_params))
-        h_student, side = final_hidden(student, inputs_BxT, seam)
-        h_teacher, _ = final_hidden(teacher, inputs_BxT, Seam.of(default_linear))
+        h_student, side = final_hidden(student, inputs_BxT, seam, segments_BxT)
+        h_teacher, _ = final_hidden(teacher, inputs_BxT, Seam.of(default_linear), segments_BxT)
         head = seam.at(None)
 
         def flat(h):
@@ -62,6 +72,8 @@ class Distillation:
             chunk=self.chunk,
             student_head=lambda h, w: head.project(h, w, None, LM_HEAD)[0].astype(jnp.float32),
             teacher_head=lambda h, w: default_linear(h, w, None, name=LM_HEAD).astype(jnp.float32),
+            weight_N=None if weight_BxT is None else weight_BxT.reshape(-1),
+            normalizer=normalizer,
         ), side
 
     def loss(self, terms: dict[str, jax.Array]) -> jax.Array:
@@ -79,9 +91,15 @@ def chunked_terms(
     chunk: int,
     student_head: Head,
     teacher_head: Head,
+    weight_N: jax.Array | None = None,
+    normalizer: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """{"kl": mean KL(p_t^T || p_s^T), "ce": mean CE(student logits, targets)} over the N tokens,
-    one vocabulary chunk of both heads at a time (see the module docstring)."""
+    one vocabulary chunk of both heads at a time (see the module docstring); with `weight_N`
+    (bool) the sums over the weighted tokens / `normalizer` (`step.training_loss`'s: their count,
+    at least 1), an unweighted token's terms 0 (its target read as row 0)."""
+    if (weight_N is None) != (normalizer is None):
+        raise ValueError("chunked_terms: weight_N and normalizer go together")
     vocab = w_student_VxE.shape[0]
     if w_teacher_VxE.shape[0] != vocab:
         raise ValueError(f"teacher vocabulary {w_teacher_VxE.shape[0]} != student's {vocab}")
@@ -108,12 +126,22 @@ def chunked_terms(
         # sum over the rows so far of p_t (t - s), with p_t normalised by the log-sum-exp so far
         cross = cross * jnp.exp(lse_t - lse_t_new) + jnp.sum(jnp.exp(t - lse_t_new[:, None]) * (t - s), axis=-1)
         lse_1 = jnp.logaddexp(lse_1, jax.nn.logsumexp(z_s, axis=-1))
-        target_logit = target_logit + jnp.sum(jnp.where(rows_C[None, :] == targets_N[:, None], z_s, 0.0), axis=-1)
+        # a row the last chunk repeats (new_C False) was counted in its own chunk
+        hit_NxC = (rows_C[None, :] == targets_N[:, None]) & new_C[None, :]
+        target_logit = target_logit + jnp.sum(jnp.where(hit_NxC, z_s, 0.0), axis=-1)
         return (lse_s_new, lse_t_new, cross, lse_1, target_logit), None
 
+    if weight_N is not None:
+        targets_N = jnp.where(weight_N, targets_N, 0)
     empty = jnp.full((n,), _NEG, jnp.float32)
     zero = jnp.zeros((n,), jnp.float32)
     (lse_s, lse_t, cross, lse_1, target_logit), _ = jax.lax.scan(
         jax.checkpoint(body), (empty, empty, zero, empty, zero), jnp.arange(count)
     )
-    return {"kl": jnp.mean(cross - lse_t + lse_s), "ce": jnp.mean(lse_1 - target_logit)}
+    kl_N, ce_N = cross - lse_t + lse_s, lse_1 - target_logit
+    if weight_N is None:
+        return {"kl": jnp.mean(kl_N), "ce": jnp.mean(ce_N)}
+    return {
+        "kl": jnp.sum(jnp.where(weight_N, kl_N, 0.0)) / normalizer,
+        "ce": jnp.sum(jnp.where(weight_N, ce_N, 0.0)) / normalizer,
+    }

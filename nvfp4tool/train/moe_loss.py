@@ -34,4 +34,6 @@ def load_balancing_loss(
         probs_N = probs_N + jnp.einsum("bt,btn->n", weight_BxT, probs_BxTxN)
         rows = rows + jnp.sum(weight_BxT)
     num_experts = router_logits[0].shape[-1]
+    if attention_mask_BxT is not None:  # rows of padding only: 0, not 0 / 0
+        rows = jnp.maximum(rows, 1.0)
     return num_experts * jnp.sum((tokens_N / rows) * (probs_N / rows))

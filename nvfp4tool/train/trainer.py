@@ -282,23 +282,24 @@ def train(config: TrainConfig) -> TrainResult:
         try:
             for step in range(start_step + 1, config.steps + 1):
                 scope = _bf16_scope(step, switch_step, recipe.switch_scope)
-                windows = next(batches).tokens.reshape(config.grad_accum, -1, config.seq_len + 1)  # this process's rows
-                if pending is not None and (scope, windows.shape) not in compiled:
+                # this process's rows, tokens with their segments / loss marks, as micro-batches
+                rows = jax.tree.map(lambda a: a.reshape(config.grad_accum, -1, config.seq_len + 1), next(batches))
+                if pending is not None and (scope, rows.tokens.shape) not in compiled:
                     done_step, pending = pending, None
                     finish(done_step, None, task)
                 dispatched = time.perf_counter()
                 lr = schedule(step - 1)  # on the device, read with the step's metrics
                 with progress.compiling(
-                    _compile_label("train step", scope), key=(step_fn, scope, windows.shape)
+                    _compile_label("train step", scope), key=(step_fn, scope, rows.tokens.shape)
                 ):  # the first step of a scope compiles
                     state, metrics = step_fn(
                         state,
-                        mesh_lib.from_process_rows(windows, batch_sharding, batch_shape),
+                        jax.tree.map(lambda a: mesh_lib.from_process_rows(a, batch_sharding, batch_shape), rows),
                         jax.random.fold_in(base_key, step),
                         bf16_scope=scope,
                         teacher=teacher,
                     )
-                compiled.add((scope, windows.shape))
+                compiled.add((scope, rows.tokens.shape))
                 if pending is not None:  # the step before, now that this one is queued behind it
                     done_step, pending = pending, None
                     finish(done_step, None, task)
@@ -354,10 +355,6 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     _check_out(config, out)
     saved = RunRecord.read(out) if config.resume else None
     config = dataclasses.replace(config, packing=config.packing or (saved.packing if saved else NEW_RUN_PACKING))
-    if config.packing == "segmented":
-        raise NVFP4UsageError(
-            "train config: packing=segmented: the training step does not take segment ids yet; use packing=concat"
-        )
     if saved is not None:
         _check_same_config(saved, config, out)
     source = None
@@ -772,13 +769,18 @@ def _evaluate(
     batch = max(mesh.size, (config.batch_size // config.grad_accum) // mesh.size * mesh.size)
     usable = len(eval_windows) // mesh.size * mesh.size
     results, weights = [], []
-    chunks = [b.tokens for b in itertools.islice(eval_windows.batches(batch, count=usable), config.eval_batches)]
+    chunks = list(itertools.islice(eval_windows.batches(batch, count=usable), config.eval_batches))
     with progress.task("eval", total=len(chunks), unit="batch") as task:
-        for chunk in chunks:
-            with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.shape)):
-                metrics = eval_fn(params, mesh_lib.to_global(chunk, sharding), bf16_scope=scope, teacher=teacher)
+        for chunk in chunks:  # a Batch: tokens with their segments / loss marks
+            with progress.compiling(_compile_label("eval step", scope), key=(eval_fn, scope, chunk.tokens.shape)):
+                metrics = eval_fn(
+                    params,
+                    jax.tree.map(lambda a: mesh_lib.to_global(a, sharding), chunk),
+                    bf16_scope=scope,
+                    teacher=teacher,
+                )
             results.append({name: float(value) for name, value in metrics.items()})
-            weights.append(len(chunk))
+            weights.append(len(chunk.tokens))
             task.advance()
     if not results:
         raise NVFP4ToolError(f"too few eval windows ({len(eval_windows)}) for {mesh.size} devices")

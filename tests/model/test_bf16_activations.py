@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import pytest
 from test_remat import VOCAB, _step_fns
 
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.train.presets import preset_config
 
 B, T, E = 4, 128, 128  # the tiny preset's width; B*T*E = 65536 > its largest weight (384 x 128)
@@ -53,7 +54,7 @@ def saved_residuals(fn, *args) -> list[tuple[str, tuple[int, ...], str]]:
 def test_backward_keeps_bf16_activations(recipe_name):
     fns, state = _step_fns(preset_config("tiny", VOCAB, T), recipe_name, "none")
     windows = jnp.zeros((B, T + 1), jnp.int32)
-    residuals = saved_residuals(lambda p: fns.loss(p, windows, jax.random.key(0))[0], state["params"])
+    residuals = saved_residuals(lambda p: fns.loss(p, Batch(windows), jax.random.key(0))[0], state["params"])
     large = [r for r in residuals if math.prod(r[1]) >= B * T * E]
     wide = [r for r in large if r[0] not in NARROW]
     unexplained = [r for r in wide if _producer(r[2]) not in FP32_KEPT]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.model import CausalLM
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.train.presets import preset_config
@@ -52,7 +53,7 @@ def _gradients(remat: str):
     fns, state = _step_fns(MIXED, "nvfp4", remat)
     windows = np.random.default_rng(0).integers(0, VOCAB, (2, 33))
     (loss, (amax, parts)), grads = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))(
-        state["params"], windows, jax.random.key(0)
+        state["params"], Batch(windows), jax.random.key(0)
     )
     return jax.tree.map(np.asarray, {"loss": loss, "amax": amax, "parts": parts, "grads": grads})
 
@@ -98,7 +99,7 @@ def test_remat_keeps_less_for_the_backward_pass(recipe_name):
         fns, state = _step_fns(preset_config("tiny", VOCAB, 512), recipe_name, remat)
         windows = jax.ShapeDtypeStruct((4, 513), jnp.int32)
         backward = jax.eval_shape(
-            lambda p, w: jax.vjp(lambda p: fns.loss(p, w, jax.random.key(0))[0], p)[1], state["params"], windows
+            lambda p, w: jax.vjp(lambda p: fns.loss(p, w, jax.random.key(0))[0], p)[1], state["params"], Batch(windows)
         )
         kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
     assert kept["full"] < kept["block"] < kept["none"] / 5, kept

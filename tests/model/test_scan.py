@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.model import CausalLM
 from nvfp4tool.model.linear import Seam
 from nvfp4tool.model.transformer import layer_runs
@@ -55,7 +56,7 @@ def _step(scan: bool, remat: str):
     fns = StepFns(graphdef, RECIPE, precision_map(RECIPE, CONFIG), optimizer, grad_accum=2)
     state = fns.init_state(params.to_pure_dict(), amax_history=2)
     windows = np.random.default_rng(0).integers(0, VOCAB, (2, 2, 33))
-    new_state, metrics = jax.jit(fns.train_step)(state, windows, jax.random.key(7))
+    new_state, metrics = jax.jit(fns.train_step)(state, Batch(windows), jax.random.key(7))
     return jax.tree.map(np.asarray, {"state": new_state, "metrics": metrics})
 
 
@@ -118,7 +119,9 @@ def test_the_scanned_program_traces_one_block_per_run():
         optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
         fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer, grad_accum=1)
         state = jax.eval_shape(lambda p: fns.init_state(p, 1), params.to_pure_dict())
-        jaxpr = jax.make_jaxpr(fns.train_step)(state, jax.ShapeDtypeStruct((1, 2, 17), jnp.int32), jax.random.key(0))
+        jaxpr = jax.make_jaxpr(fns.train_step)(
+            state, Batch(jax.ShapeDtypeStruct((1, 2, 17), jnp.int32)), jax.random.key(0)
+        )
         return str(jaxpr).count("dot_general")
 
     unrolled = [equations(n, False) for n in (4, 8)]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model import CausalLM
 from nvfp4tool.numerics import nvfp4_operand, quantize_nvfp4, transpose_2d
@@ -158,13 +159,13 @@ def test_the_weight_is_quantized_once_per_optimizer_step():
     n_linears = sum(p == "nvfp4" for p in fns.pmap.values())
     assert n_linears == 7  # q/k/v/o, gate/up/down
     windows = np.zeros((2, 1, 33), np.int32)
-    step = jax.make_jaxpr(lambda s, w: fns.train_step(s, w, jax.random.key(0)))(state, windows)
+    step = jax.make_jaxpr(lambda s, w: fns.train_step(s, Batch(w), jax.random.key(0)))(state, windows)
     assert _tags(step) == (n_linears, 0)
     # the count sees quantizations inside a loop: a loss gradient left to quantize in its forward
     # (no weights given, as eval does) quantizes once per linear there, inside the scan over two
     grads = jax.make_jaxpr(
         lambda p, w: jax.lax.scan(lambda c, x: (c, jax.grad(lambda q: fns.loss(q, x, jax.random.key(0))[0])(p)), 0, w)
-    )(state["params"], windows)
+    )(state["params"], Batch(windows))
     assert _tags(grads) == (0, n_linears)
 
 

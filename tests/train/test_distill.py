@@ -90,3 +90,42 @@ def test_kl_of_a_model_against_itself_is_zero():
     hs, ws, _, _, targets = map(jnp.asarray, _inputs(2))
     terms = chunked_terms(hs, ws, hs, ws, targets, temperature=1.5, chunk=7, student_head=_head, teacher_head=_head)
     assert abs(float(terms["kl"])) < 1e-6
+
+
+def test_weighted_terms_are_the_weighted_tokens_terms():
+    """`weight_N` (packed documents, loss marks): the terms of the weighted tokens alone (the
+    numpy formula on those rows), whatever the unweighted tokens' target ids (out of the
+    vocabulary here); with no weighted token, 0 and a finite gradient."""
+    hs, ws, ht, wt, targets = _inputs(3)
+    weight = np.arange(N) % 3 != 0
+    settings = dict(temperature=1.5, chunk=7, student_head=_head, teacher_head=_head)
+    junk = np.where(weight, targets, V + 5)
+    terms = chunked_terms(
+        *map(jnp.asarray, (hs, ws, ht, wt, junk)),
+        weight_N=jnp.asarray(weight),
+        normalizer=jnp.float32(weight.sum()),
+        **settings,
+    )
+    kl, ce = _numpy_terms(hs[weight], ws, ht[weight], wt, targets[weight], 1.5)
+    np.testing.assert_allclose(float(terms["kl"]), kl, rtol=1e-5)
+    np.testing.assert_allclose(float(terms["ce"]), ce, rtol=1e-5)
+
+    def nothing(hs):
+        terms = chunked_terms(
+            hs, ws, ht, wt, junk, weight_N=jnp.zeros(N, bool), normalizer=jnp.float32(1.0), **settings
+        )
+        return terms["kl"] + terms["ce"]
+
+    value, grad = jax.value_and_grad(nothing)(jnp.asarray(hs))
+    assert float(value) == 0.0 and np.isfinite(np.asarray(grad)).all()
+
+
+def test_a_target_the_last_chunk_repeats_counts_once():
+    """Vocabulary 37 in chunks of 7: the last chunk re-reads rows 30-34 (marked not new); a target
+    there is the student's logit once (it was 1e30 when the repeat added the masked value)."""
+    hs, ws, ht, wt, _ = _inputs(4)
+    targets = np.arange(30, 30 + N) % V
+    terms = chunked_terms(
+        *map(jnp.asarray, (hs, ws, ht, wt, targets)), temperature=1.0, chunk=7, student_head=_head, teacher_head=_head
+    )
+    np.testing.assert_allclose(float(terms["ce"]), _numpy_terms(hs, ws, ht, wt, targets, 1.0)[1], rtol=1e-5)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from nvfp4tool.checkpoints import open_checkpoint
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.linear import Seam, default_linear
 from nvfp4tool.train.moe_loss import load_balancing_loss
@@ -66,7 +67,7 @@ def test_training_loss_equals_the_hf_model_loss(key, tmp_path):
     windows = np.random.default_rng(1).integers(3, source.config.vocab_size, (3, 13))
     graphdef, state = nnx.split(model)
     # under jit, as in training: the router logits are recorded at trace time
-    loss, parts, _ = jax.jit(lambda s, w: training_loss(nnx.merge(graphdef, s), w, Seam.of(default_linear)))(
+    loss, parts, _ = jax.jit(lambda s, w: training_loss(nnx.merge(graphdef, s), Batch(w), Seam.of(default_linear)))(
         state, windows
     )
 

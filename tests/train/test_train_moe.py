@@ -18,6 +18,7 @@ from flax import nnx
 
 from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
+from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.model import CausalLM, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, fused_group, group_amax, precision_map
@@ -87,7 +88,7 @@ def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_
     graphdef, params = nnx.split(model)
     fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer=None, grad_accum=1)
     windows = np.random.default_rng(0).integers(3, config.vocab_size, (4, 17))
-    loss, (amax, parts) = jax.jit(fns.loss)(params.to_pure_dict(), windows, jax.random.key(0))
+    loss, (amax, parts) = jax.jit(fns.loss)(params.to_pure_dict(), Batch(windows), jax.random.key(0))
     assert math.isfinite(float(loss)) and float(parts["aux_loss"]) > 0
     assert set(amax) == set(fns.quantized) and not set(amax) & set(config.router_names())
     last = config.experts.num_experts - 1
