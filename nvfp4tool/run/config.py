@@ -29,7 +29,7 @@ from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.nvfp4_dot import GEMMS, QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 
-NEW_RUN_PACKING = "concat"  # `packing` of a new run that does not set it
+NEW_RUN_PACKING = "segmented"  # `packing` of a new run that does not set it
 
 
 def _key(default: Any, text: str) -> Any:
