@@ -397,6 +397,12 @@ def data_group() -> None:
     """
 
 
+def _data_formats() -> list[str]:
+    from nvfp4tool.corpus.encode import FORMATS
+
+    return list(FORMATS)
+
+
 def _prepare_default(name: str):
     from nvfp4tool.corpus.prepare import prepare_cache
 
@@ -416,6 +422,32 @@ def _prepare_default(name: str):
     help="JSONL key / Parquet or dataset column holding the documents.",
 )
 @click.option(
+    "--format",
+    "data_format",
+    type=click.Choice(_data_formats()),
+    default=_prepare_default("format"),
+    show_default=True,
+    help="text: documents; chat: rows of `messages`; prompt_completion: rows of `prompt` and `completion`.",
+)
+@click.option(
+    "--loss-on",
+    type=click.Choice(["assistant", "completion", "all"]),
+    default=None,
+    help="chat: assistant (default) | all; prompt_completion: completion (default) | all.",
+)
+@click.option(
+    "--overlong",
+    type=click.Choice(["drop", "truncate"]),
+    default=None,
+    help="chat / prompt_completion: a row longer than --seq-len + 1 tokens is dropped (default) or truncated.",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="chat / prompt_completion: the row length --overlong holds rows to (default: no limit).",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=0),
     default=_prepare_default("workers"),
@@ -431,7 +463,17 @@ def _prepare_default(name: str):
 )
 @click.option("--force", is_flag=True, help="Replace an existing cache folder.")
 def data_prepare_command(
-    sources: tuple[str, ...], tokenizer: str, out: str, text_field: str, workers: int, shard_tokens: int, force: bool
+    sources: tuple[str, ...],
+    tokenizer: str,
+    out: str,
+    text_field: str,
+    data_format: str,
+    loss_on: str | None,
+    overlong: str | None,
+    seq_len: int | None,
+    workers: int,
+    shard_tokens: int,
+    force: bool,
 ) -> None:
     """Tokenize SOURCE... (text / JSONL / Parquet files or folders, `save_to_disk` datasets, read in
     the order given) into a token cache for `train data=CACHE`.
@@ -439,6 +481,7 @@ def data_prepare_command(
     \b
     Example:
       nvfp4tool data prepare corpus.jsonl more/ --tokenizer tok/ --out cache/ --workers 8
+      nvfp4tool data prepare chats.jsonl --format chat --seq-len 2048 --tokenizer tok/ --out sft-cache/
     """
     from nvfp4tool.corpus.prepare import prepare_cache
 
@@ -447,12 +490,18 @@ def data_prepare_command(
         tokenizer,
         out,
         text_field=text_field,
+        format=data_format,
+        loss_on=loss_on,
+        overlong=overlong,
+        seq_len=seq_len,
         workers=workers,
         shard_tokens=shard_tokens,
         force=force,
     )
+    sft = manifest.sft
+    loss = "" if sft is None else f", {sft.loss_share:.1%} carrying loss"
     click.echo(
-        f"{out}: {manifest.documents:,} documents, {manifest.tokens:,} {manifest.dtype} tokens "
+        f"{out}: {manifest.documents:,} documents, {manifest.tokens:,} {manifest.dtype} tokens{loss} "
         f"in {len(manifest.shards)} shard(s)"
     )
 

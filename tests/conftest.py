@@ -53,6 +53,7 @@ import pytest  # noqa: E402
 pytest_plugins = (
     "fixtures.schedule",
     "fixtures.backend_fixtures",
+    "fixtures.chat_fixtures",
     "fixtures.eval_fixtures",
     "fixtures.hf_fixtures",
     "fixtures.train_fixtures",

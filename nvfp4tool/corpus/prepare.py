@@ -29,6 +29,7 @@ import numpy as np
 
 from converters.atomic import atomic_output_dir, check_output_path
 from nvfp4tool import progress
+from nvfp4tool.corpus.chat import SftCounts, SftEncoder, sft_encoder
 from nvfp4tool.corpus.encode import FORMATS, DataFormat, EncodedBatch, batches, encode_batch, single_threaded
 from nvfp4tool.corpus.sources import data_files, file_sha256, unit_bytes
 from nvfp4tool.corpus.tokenizer import TextTokenizer, load_tokenizer, tokenizer_sha256
@@ -49,34 +50,46 @@ def prepare_cache(
     *,
     text_field: str = "text",
     format: str = "text",
+    loss_on: str | None = None,
+    overlong: str | None = None,
+    seq_len: int | None = None,
     workers: int = DEFAULT_WORKERS,
     shard_tokens: int = SHARD_TOKENS,
     force: bool = False,
 ) -> CorpusManifest:
     """Tokenize `sources` (files, folders, `save_to_disk` datasets; read in the order given) with the
-    tokenizer of `tokenizer_folder` into the cache folder `out`; `workers=0` encodes in this process."""
+    tokenizer of `tokenizer_folder` into the cache folder `out`; `workers=0` encodes in this process.
+    The fine-tuning formats (chat, prompt_completion) take `loss_on`, `overlong` and `seq_len`."""
     if not sources:
         raise NVFP4UsageError("data prepare: no SOURCE given")
     if format not in FORMATS:
         raise NVFP4UsageError(f"data prepare: format {format!r}; choose one of {', '.join(FORMATS)}")
     if workers < 0 or shard_tokens < 1 or not text_field:
         raise NVFP4UsageError("data prepare: workers >= 0, shard_tokens >= 1 and a text field are required")
+    sft = sft_encoder(tokenizer_folder, format, loss_on, overlong, seq_len, "data prepare: ")
     check_output_path(out, [*sources, tokenizer_folder], flag="--out", force=force)
     units = [data_files(source) for source in sources]  # every source exists, before anything is created
     tokenizer = load_tokenizer(tokenizer_folder)
+    if sft is not None:
+        sft.check()
     dtype = token_dtype(tokenizer.vocab_size)
     with atomic_output_dir(out, force=force, inputs=[*sources, tokenizer_folder], flag="--out") as tmp:
         writer = _CacheWriter(Path(tmp), np.dtype(dtype).newbyteorder("<"), shard_tokens)
         sources_read = _Sources(units, sources)
         documents = sources_read.read(FORMATS[format], text_field)
-        encoder = _Encoder(workers, tokenizer_folder, tokenizer, format, dtype)
+        encoder = _Encoder(workers, tokenizer_folder, tokenizer, format, dtype, sft)
+        counts = SftCounts()
         try:
-            _run(encoder, documents, writer, sources_read, sum(map(len, units)))
+            _run(encoder, documents, writer, sources_read, sum(map(len, units)), counts)
         except BaseException:
             encoder.close(abort=True)  # bad data, Ctrl-C, SIGTERM: the workers' batches are not wanted
             raise
         encoder.close()
         shards, index = writer.finish()
+        sft_record = None
+        if sft is not None:
+            sft_record = counts.record(sft.spec, sft.chat_template_sha256())
+            counts.report(sft.spec, os.fspath(out))
         manifest = CorpusManifest(
             format_version=FORMAT_VERSION,
             tokenizer_sha256=tokenizer_sha256(tokenizer),
@@ -90,6 +103,7 @@ def prepare_cache(
             index=index,
             documents=writer.documents,
             tokens=writer.tokens,
+            sft=sft_record,
         )
         manifest.write(tmp)
     return manifest
@@ -99,12 +113,15 @@ def prepare_cache(
 # helpers
 
 
-def _run(encoder, documents, writer, sources_read, files: int) -> None:
-    """Feed batches to the encoder and write its results in order, with progress lines."""
+def _run(encoder, documents, writer, sources_read, files: int, counts: SftCounts) -> None:
+    """Feed batches to the encoder and write its results in order, with progress lines; the
+    fine-tuning rows' counts are summed into `counts`."""
     started = time.perf_counter()
     with progress.task("prepare", total=None, unit="document") as task:
         for batch in encoder.map(batches(documents)):
             writer.write(batch)
+            if batch.sft is not None:
+                counts.merge(batch.sft)
             rate = writer.tokens / max(time.perf_counter() - started, 1e-9)
             task.advance(
                 len(batch.lengths),
@@ -151,15 +168,17 @@ class _Encoder:
     """Encodes batches in order: in this process (`workers=0`) or in worker processes, each with
     at most IN_FLIGHT_PER_WORKER batches handed to it and not yet taken back."""
 
-    def __init__(self, workers: int, folder, tokenizer: TextTokenizer, format: str, dtype: str) -> None:
-        self.tokenizer, self.format, self.dtype = tokenizer, format, dtype
+    def __init__(
+        self, workers: int, folder, tokenizer: TextTokenizer, format: str, dtype: str, sft: SftEncoder | None
+    ) -> None:
+        self.tokenizer, self.format, self.dtype, self.sft = tokenizer, format, dtype, sft
         self.processes, self.tasks, self.results = [], [], []
         context = multiprocessing.get_context("spawn")
         for i in range(workers):
             tasks, results = context.Queue(), context.Queue()
             process = context.Process(
                 target=_worker,
-                args=(os.fspath(folder), format, dtype, tasks, results),
+                args=(os.fspath(folder), format, dtype, sft, tasks, results),
                 daemon=True,
                 name=f"nvfp4tool-prepare-{i}",
             )
@@ -173,7 +192,7 @@ class _Encoder:
         if not self.processes:
             for batch in document_batches:
                 with single_threaded():
-                    encoded = encode_batch(self.tokenizer, self.format, batch, self.dtype)
+                    encoded = encode_batch(self.tokenizer, self.format, batch, self.dtype, self.sft)
                 yield encoded
             return
         pending: collections.deque[int] = collections.deque()  # the worker of each batch in flight, in order
@@ -198,6 +217,8 @@ class _Encoder:
                         f"data prepare: tokenizer worker {worker} ended (exit code {process.exitcode})"
                     ) from None
                 continue
+            if isinstance(result, NVFP4ToolError):
+                raise result
             if isinstance(result, str):
                 raise NVFP4ToolError(f"data prepare: tokenizer worker {worker} failed: {result}")
             return result
@@ -229,7 +250,7 @@ def _main_module_hidden() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _worker(folder: str, format: str, dtype: str, tasks, results) -> None:
+def _worker(folder: str, format: str, dtype: str, sft: SftEncoder | None, tasks, results) -> None:
     """A worker process: encode each batch handed to it until None (or until its parent is gone)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
@@ -250,7 +271,9 @@ def _worker(folder: str, format: str, dtype: str, tasks, results) -> None:
         if batch is None:
             return
         try:
-            results.put(encode_batch(tokenizer, format, batch, dtype))
+            results.put(encode_batch(tokenizer, format, batch, dtype, sft))
+        except NVFP4ToolError as bad:  # bad data, named by the library: handed back as is
+            results.put(bad)
         except Exception as bad:
             results.put(f"{type(bad).__name__}: {bad}")
 

@@ -2,6 +2,7 @@
 (`save_to_disk`), one document at a time, in a fixed order.
 
     for text in iter_documents("corpus/", text_field="text"): ...
+    for where, row in iter_rows("chats.jsonl"): ...    # whole rows (fine-tuning), where = "file:line"
     data_files("corpus/")      # the files read, in reading order (what a manifest hashes)
 
 Any defect (a missing path, non-UTF-8 text, a bad JSONL line, a missing text field or column, no
@@ -15,6 +16,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import iter_jsonl, read_json_file
@@ -47,6 +49,24 @@ def iter_documents(
             yield text
     if empty:
         raise NVFP4ToolError(f"{path}: no text (empty data)")
+
+
+def iter_rows(
+    path: str | Path, text_field: str = "text", on_file: Callable[[Path], None] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """Yield (where, row) for each row of a JSONL / Parquet file, a folder of them or a
+    `save_to_disk` dataset folder (the fine-tuning formats' rows, whole): `where` names it in
+    errors (`file:line`, `file: row N`). `text_field` is not used (the rows' fields are fixed)."""
+    path = Path(path)
+    empty = True
+    for file in data_files(path):
+        if on_file is not None:
+            on_file(file)
+        for row in _file_rows(file):
+            empty = False
+            yield row
+    if empty:
+        raise NVFP4ToolError(f"{path}: no rows (empty data)")
 
 
 def data_files(path: str | Path) -> list[Path]:
@@ -126,6 +146,39 @@ def _read_file(file: Path, text_field: str) -> Iterator[str]:
         raise NVFP4ToolError(f"{file}: unsupported data file type (use {', '.join(DATA_SUFFIXES)})")
 
 
+def _file_rows(file: Path) -> Iterator[tuple[str, Any]]:
+    if is_dataset_folder(file):
+        for number, row in enumerate(_dataset_rows(file), 1):
+            yield f"{file}: row {number}", row
+    elif file.suffix == ".jsonl":
+        for line_number, row in iter_jsonl(file):
+            yield f"{file}:{line_number}", row
+    elif file.suffix == ".parquet":
+        for number, row in enumerate(_parquet_rows(file), 1):
+            yield f"{file}: row {number}", row
+    else:
+        raise NVFP4ToolError(f"{file}: a text file holds no rows (use JSONL, Parquet or a saved dataset)")
+
+
+def _parquet_rows(file: Path) -> Iterator[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(file)
+        for batch in parquet.iter_batches(batch_size=_ROWS_PER_READ):
+            yield from batch.to_pylist()
+    except pa.ArrowException as bad:
+        raise NVFP4ToolError(f"{file}: not a readable Parquet file ({bad})") from None
+
+
+def _dataset_rows(folder: Path) -> Iterator[dict]:
+    dataset = _load_dataset(folder)
+    for batch in dataset.iter(batch_size=_ROWS_PER_READ):
+        names = list(batch)
+        yield from (dict(zip(names, values)) for values in zip(*(batch[n] for n in names)))
+
+
 def _decode(data: bytes, file: Path, line_number: int | None = None) -> str:
     """UTF-8 text, or one line naming the file (and line) where it is not (binary data)."""
     try:
@@ -161,6 +214,15 @@ def _read_parquet(file: Path, text_field: str) -> Iterator[str]:
 
 def _read_dataset(folder: Path, text_field: str) -> Iterator[str]:
     """A `save_to_disk` dataset, memory-mapped by `datasets` and read a batch of rows at a time."""
+    dataset = _load_dataset(folder)
+    if text_field not in dataset.column_names:
+        raise NVFP4ToolError(f"{folder}: no column '{text_field}' (columns: {', '.join(dataset.column_names)})")
+    for batch in dataset.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
+        yield from _texts(batch[text_field], folder, f"column '{text_field}'")
+
+
+def _load_dataset(folder: Path):
+    """A `save_to_disk` dataset, memory-mapped by `datasets`."""
     import datasets
 
     try:
@@ -169,10 +231,7 @@ def _read_dataset(folder: Path, text_field: str) -> Iterator[str]:
         raise NVFP4ToolError(f"{folder}: not a readable saved dataset ({str(bad).splitlines()[0]})") from None
     if not isinstance(dataset, datasets.Dataset):
         raise NVFP4ToolError(f"{folder}: a saved {type(dataset).__name__}; give one split's folder")
-    if text_field not in dataset.column_names:
-        raise NVFP4ToolError(f"{folder}: no column '{text_field}' (columns: {', '.join(dataset.column_names)})")
-    for batch in dataset.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
-        yield from _texts(batch[text_field], folder, f"column '{text_field}'")
+    return dataset
 
 
 def _texts(values: list, file: Path, what: str) -> Iterator[str]:

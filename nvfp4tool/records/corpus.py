@@ -20,6 +20,7 @@ FORMAT_VERSION = 1  # of the cache's layout; a cache of another version is refus
 DTYPE_BYTES = {"uint16": 2, "uint32": 4}  # the token dtypes, little-endian
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # a file inside the cache folder (no path)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DOCUMENTS_READ = {False: "the sources' documents", True: "the sources' rows less those dropped"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,39 @@ class CorpusSource(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class CorpusSft(Record):
+    """Fine-tuning rows (format chat / prompt_completion, `corpus/chat.py`): which tokens carry loss,
+    what happened to rows longer than `seq_len + 1` tokens, and the counts (never a silent change)."""
+
+    loss_on: str  # assistant | completion | all
+    overlong: str  # drop | truncate
+    seq_len: int | None  # the limit rows were held to (None: none)
+    chat_template_sha256: str | None  # sha256 of the template the messages were rendered with (None: not used)
+    rows: int  # rows read
+    dropped: int  # longer than seq_len + 1 tokens, left out
+    truncated: int  # longer than seq_len + 1 tokens, cut to seq_len + 1
+    tokens: int  # tokens of the rows kept
+    loss_tokens: int  # of which carry loss
+
+    @classmethod
+    def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
+        fields = super()._from_json_fields(obj, label)
+        counts = ("rows", "dropped", "truncated", "tokens", "loss_tokens")
+        if any(fields[k] < 0 for k in counts) or fields["dropped"] + fields["truncated"] > fields["rows"]:
+            raise RecordError(f"{label}: counts out of range ({', '.join(f'{k}={fields[k]}' for k in counts)})")
+        if fields["loss_tokens"] > fields["tokens"]:
+            raise RecordError(f"{label}: loss_tokens {fields['loss_tokens']} > tokens {fields['tokens']}")
+        if fields["chat_template_sha256"] is not None:
+            _check_sha256(fields["chat_template_sha256"], f"{label}: chat_template_sha256")
+        return fields
+
+    @property
+    def loss_share(self) -> float:
+        """The share of the kept tokens that carry loss."""
+        return self.loss_tokens / self.tokens if self.tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class CorpusManifest(Record):
     """The token cache: documents, each followed by the end-of-text id, as one stream in shards."""
 
@@ -80,6 +114,7 @@ class CorpusManifest(Record):
     index: StoredFile  # int64 .npy: each document's start offset in the stream
     documents: int
     tokens: int
+    sft: CorpusSft | None = None  # fine-tuning rows' loss and overlong counts (format chat / prompt_completion)
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -101,10 +136,17 @@ class CorpusManifest(Record):
         marked = {s.loss is not None for s in fields["shards"]}
         if len(marked) > 1:
             raise RecordError(f"{label}: shards: loss marks recorded for some shards only")
+        sft = fields.get("sft")
+        read = sum(s.documents for s in fields["sources"])
         counts = (
             ("tokens", fields["tokens"], sum(s.tokens for s in fields["shards"]), "the shards' tokens"),
-            ("documents", fields["documents"], sum(s.documents for s in fields["sources"]), "the sources' documents"),
+            ("documents", fields["documents"], read - (sft.dropped if sft else 0), _DOCUMENTS_READ[sft is not None]),
         )
+        if sft is not None and (sft.rows != read or sft.tokens != fields["tokens"]):
+            raise RecordError(
+                f"{label}: sft: {sft.rows} rows / {sft.tokens} tokens, but the sources hold {read} rows "
+                f"and the shards {fields['tokens']} tokens"
+            )
         for key, value, expected, what in counts:
             if value != expected:
                 raise RecordError(f"{label}: {key}: {value}, but {what} make {expected}")

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from nvfp4tool.corpus.chat import LOSS_ON_CHOICES, OVERLONG, sft_options
+from nvfp4tool.corpus.encode import FORMATS as DATA_FORMATS
 from nvfp4tool.corpus.loader import parse_mixture
 from nvfp4tool.corpus.windows import PACKINGS
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
@@ -60,6 +62,17 @@ class TrainConfig:
         None,
         "concat | segmented: documents in a row as one stream, or kept apart (segment ids); "
         f"default: {NEW_RUN_PACKING} for a new run, a resume keeps the run's",
+    )
+    format: str | None = _key(
+        None,
+        "text | chat | prompt_completion: documents, rows of `messages`, or of `prompt` and `completion` "
+        "(default: a token cache's, else text)",
+    )
+    loss_on: str | None = _key(
+        None, "chat: assistant | all; prompt_completion: completion | all (default: the first; a cache's)"
+    )
+    overlong: str | None = _key(
+        None, "chat / prompt_completion: a row longer than seq_len + 1 tokens: drop | truncate (default: drop)"
     )
     tokenizer: str | None = _key(None, "a folder with tokenizer.json, or train (default: the model's, else train)")
     vocab_size: int = _key(1024, "vocabulary size of a tokenizer trained here (tokenizer=train)")
@@ -153,6 +166,11 @@ class TrainConfig:
         _check_choice("gemm", self.gemm, GEMMS)
         if self.packing is not None:
             _check_choice("packing", self.packing, PACKINGS)
+        for key, choices in (("format", DATA_FORMATS), ("loss_on", LOSS_ON_CHOICES), ("overlong", OVERLONG)):
+            if getattr(self, key) is not None:
+                _check_choice(key, getattr(self, key), choices)
+        if self.format is not None:  # the options of a format it does not have (a cache's is checked by train)
+            sft_options(self.format, self.loss_on, self.overlong)
         _require(
             "distill",
             self.distill,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.base import Record, RecordError, _json_type, fields_from_json
+from nvfp4tool.records.corpus import CorpusSft
 from nvfp4tool.records.export import EqualizationRecord, SourceRecord
 
 WEIGHTS_DIR = "hf"  # a run's final weights
@@ -60,6 +61,12 @@ class RunRecord(Record):
     # a mixture `data=A:0.7,B:0.3`: {source path: weight}, normalised to sum to 1, in the given
     # order (data_sha256 hashes each source's hash and weight); None: one source
     data_weights: dict[str, float] | None = None
+    # fine-tuning rows (format chat / prompt_completion): loss_on, overlong, the rows dropped /
+    # truncated and the tokens carrying loss (a token cache's as its manifest has them), for each
+    # source of `data` in order (None: a text source) and for `eval_data`; None: no fine-tuning
+    # rows, or a run.json written before they were recorded
+    data_sft: list[CorpusSft | None] | None = None
+    eval_data_sft: CorpusSft | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:
@@ -156,7 +163,16 @@ class PrecisionMapRecord(_FlatMap):
 
 
 # TrainConfig keys added after run.json files were written without them (read as the default)
-KEYS_ADDED_LATER = ("gemm", "equalize_from", "packing", "loader_threads", "loader_prefetch")
+KEYS_ADDED_LATER = (
+    "gemm",
+    "equalize_from",
+    "packing",
+    "loader_threads",
+    "loader_prefetch",
+    "format",
+    "loss_on",
+    "overlong",
+)
 LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")
 _BACKEND_CHOICES = {"quantizer": ("xla", "pallas"), "gemm": ("emulated", "native")}

@@ -17,6 +17,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,10 @@ from nvfp4tool.checkpoints import (
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.corpus import loader as loader_lib
 from nvfp4tool.corpus.cache import TokenCache, is_cache, manifest_sha256, open_cache
-from nvfp4tool.corpus.encode import encode_documents
-from nvfp4tool.corpus.sources import data_sha256, iter_documents
+from nvfp4tool.corpus.chat import FORMATS as SFT_FORMATS
+from nvfp4tool.corpus.chat import SftCounts, SftEncoder, sft_options
+from nvfp4tool.corpus.encode import EncodedBatch, encode_documents
+from nvfp4tool.corpus.sources import data_sha256, iter_documents, iter_rows
 from nvfp4tool.corpus.tokenizer import (
     TextTokenizer,
     load_tokenizer,
@@ -54,6 +57,7 @@ from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
 from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.records.corpus import CorpusManifest, CorpusSft
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
 from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
@@ -374,7 +378,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    train_sources, eval_windows = _windows(config, tokenizer, [path for path, _ in mixture], caches)
+    tokenizer_folder = _tokenizer_folder(config, out, source, trained_here)
+    train_sources, eval_windows, data_sft, eval_data_sft = _windows(
+        config, tokenizer, [path for path, _ in mixture], tokenizer_folder, caches
+    )
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
     loader = _loader(config, train_sources, [w for _, w in mixture] if len(mixture) > 1 else None, mesh)
@@ -395,6 +402,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         gemm_backend=recipe.backend(),
         equalization=equalization,
         data_weights=dict(mixture) if len(mixture) > 1 else None,
+        data_sft=data_sft if any(s is not None for s in data_sft) else None,
+        eval_data_sft=eval_data_sft,
     )
     resume_step = None
     if saved is not None:
@@ -526,6 +535,11 @@ def _tokenizer(config: TrainConfig, out: Path, source: Checkpoint | None) -> tup
             f"train config: tokenizer={config.tokenizer or 'train'}: data={caches[0]} is a token cache "
             "(already tokenized); pass tokenizer=FOLDER, the tokenizer it was prepared with"
         )
+    if config.format in SFT_FORMATS:
+        raise NVFP4UsageError(
+            f"train config: format={config.format}: a tokenizer trained here has no chat template "
+            "(nor the model's end-of-text token); pass tokenizer=FOLDER, the model's tokenizer"
+        )
     with tempfile.TemporaryDirectory(prefix="nvfp4tool-tokenizer-") as scratch:
         paths = [path for path, _ in loader_lib.parse_mixture(config.data)]
         documents = (text for path in paths for text in iter_documents(path, config.text_field))
@@ -647,6 +661,9 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
     return config.rope_layout or "half"
 
 
+Sft = CorpusSft | None  # what the fine-tuning formats did to a data key's rows (None: text)
+
+
 def _caches(config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]) -> dict[str, TokenCache]:
     """The token caches among the training sources `paths` and `eval_data`, opened (sizes checked,
     a file whose mtime moved rehashed), each refused unless prepared with the run's tokenizer."""
@@ -659,23 +676,90 @@ def _caches(config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]) -> 
 
 
 def _windows(
-    config: TrainConfig, tokenizer: TextTokenizer, paths: list[str], caches: dict[str, TokenCache]
-) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows]:
-    """(each training source's windows, the eval windows): a token cache memory-mapped (`caches`,
-    opened and checked), other data read and tokenized here; eval from `eval_data`, else the last
-    `eval_fraction` of each source, concatenated in the sources' order."""
+    config: TrainConfig,
+    tokenizer: TextTokenizer,
+    paths: list[str],
+    tokenizer_folder: Path | None,
+    caches: dict[str, TokenCache] | None = None,
+) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows, list[Sft], Sft]:
+    """(each training source's windows, the eval windows, each source's fine-tuning counts,
+    eval_data's): a token cache memory-mapped (`caches`: opened, its tokenizer checked, `_caches`
+    when not given; its format must be the one asked for), other data read and tokenized here;
+    eval from `eval_data`, else the last `eval_fraction` of each source, concatenated in the
+    sources' order."""
+    caches = _caches(config, tokenizer, paths) if caches is None else caches
 
-    def windows_of(path: str) -> Windows:
+    def windows_of(key: str, path: str) -> tuple[Windows, Sft]:
         if path in caches:
-            return caches[path].windows(config.seq_len, config.packing)
-        documents = iter_documents(path, config.text_field)
-        return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing)
+            cache = caches[path]
+            return cache.windows(config.seq_len, config.packing), _cache_sft(config, cache.manifest, key, path)
+        data_format = config.format or "text"
+        spec = sft_options(data_format, config.loss_on, config.overlong, label="train config: ")
+        if spec is None:
+            documents = iter_documents(path, config.text_field)
+            return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing), None
+        if tokenizer_folder is None:
+            raise NVFP4UsageError(
+                f"train config: format={data_format} needs the tokenizer's folder (its chat template, its "
+                "end-of-text token): pass tokenizer=FOLDER, or a model folder that holds one"
+            )
+        spec = dataclasses.replace(spec, seq_len=config.seq_len)  # rows are held to the run's rows
+        encoder = SftEncoder(tokenizer_folder, spec)
+        encoder.check()
+        counts = SftCounts()
+        encoded = encode_documents(tokenizer, iter_rows(path), format=data_format, sft=encoder)
+        windows = windows_in_memory(_counted(encoded, counts), config.seq_len, config.packing)
+        counts.report(spec, f"{key}={path}")
+        return windows, counts.record(spec, encoder.chat_template_sha256())
 
+    data = [windows_of("data", path) for path in paths]
+    sfts = [sft for _, sft in data]
     if config.eval_data:
-        return [windows_of(path) for path in paths], windows_of(config.eval_data)
-    splits = [windows_of(path).split(config.eval_fraction) for path in paths]
+        eval_windows, eval_sft = windows_of("eval_data", config.eval_data)
+        return [windows for windows, _ in data], eval_windows, sfts, eval_sft
+    splits = [windows.split(config.eval_fraction) for windows, _ in data]
     held_out = [held for _, held in splits]
-    return [train for train, _ in splits], held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
+    eval_windows = held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
+    return [train for train, _ in splits], eval_windows, sfts, None
+
+
+def _counted(encoded: Iterator[EncodedBatch], counts: SftCounts) -> Iterator[EncodedBatch]:
+    for batch in encoded:
+        if batch.sft is not None:
+            counts.merge(batch.sft)
+        yield batch
+
+
+def _cache_sft(config: TrainConfig, manifest: CorpusManifest, key: str, path: str) -> Sft:
+    """The cache's fine-tuning record, refusing train keys that ask for what it does not hold."""
+    sft = manifest.sft
+    held = {"format": manifest.format, "loss_on": sft and sft.loss_on, "overlong": sft and sft.overlong}
+    for name, value in held.items():
+        asked = getattr(config, name)
+        if asked is not None and asked != value:
+            raise NVFP4UsageError(
+                f"train config: {name}={asked}: {key}={path} is a token cache of "
+                f"{name}={value} (prepared so; data prepare again to change it)"
+            )
+    if sft is not None and sft.seq_len is not None and config.seq_len < sft.seq_len:
+        raise NVFP4UsageError(
+            f"train config: seq_len={config.seq_len}: {key}={path} holds rows of up to seq_len + 1 = "
+            f"{sft.seq_len + 1} tokens (data prepare --seq-len {sft.seq_len}); prepare it again with "
+            f"--seq-len {config.seq_len}"
+        )
+    return sft
+
+
+def _tokenizer_folder(config: TrainConfig, out: Path, source: Checkpoint | None, trained_here: bool) -> Path | None:
+    """The folder the run's tokenizer was read from (as `_tokenizer` chose it; None: trained here)."""
+    saved = out / TOKENIZER_DIR
+    if trained_here:
+        return None
+    if config.resume and (saved / "tokenizer.json").is_file():
+        return saved
+    if config.tokenizer not in (None, "train"):
+        return Path(config.tokenizer)
+    return Path(source.aux_dir) if source is not None and source.aux_dir is not None else None
 
 
 def _loader(config: TrainConfig, sources: list[Windows], weights: list[float] | None, mesh) -> loader_lib.Loader:

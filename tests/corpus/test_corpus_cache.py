@@ -179,11 +179,9 @@ def test_a_format_with_loss_marks_stores_them_aligned(tmp_path, monkeypatch, sou
     """A data format returning marks (here: every third token of a document) gets a loss file per
     shard; the rows' loss equals the marks cut like the tokens (each end-of-text id marked)."""
 
-    def marked(tokenizer, documents):
-        return [
-            (ids, [i % 3 == 0 for i in range(len(ids))])
-            for ids, _ in encode.FORMATS["text"].encode(tokenizer, documents)
-        ]
+    def marked(tokenizer, documents, sft):
+        encoded, _ = encode.FORMATS["text"].encode(tokenizer, documents, sft)
+        return [(ids, [i % 3 == 0 for i in range(len(ids))]) for ids, _ in encoded], None
 
     monkeypatch.setitem(encode.FORMATS, "marked", DataFormat("marked", iter_documents, marked, len))
     manifest = prepare_cache(
