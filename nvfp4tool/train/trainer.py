@@ -382,6 +382,11 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     train_sources, eval_windows, data_sft, eval_data_sft = _windows(
         config, tokenizer, [path for path, _ in mixture], tokenizer_folder, caches
     )
+    padding = _padding_share(train_sources)
+    progress.info(
+        f"rows: {sum(len(w) for w in train_sources):,} training, {len(eval_windows):,} eval "
+        f"(packing={config.packing}, {padding:.1%} padding)"
+    )
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
     loader = _loader(config, train_sources, [w for _, w in mixture] if len(mixture) > 1 else None, mesh)
@@ -404,6 +409,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         data_weights=dict(mixture) if len(mixture) > 1 else None,
         data_sft=data_sft if any(s is not None for s in data_sft) else None,
         eval_data_sft=eval_data_sft,
+        padding_share=padding,
     )
     resume_step = None
     if saved is not None:
@@ -692,12 +698,16 @@ def _windows(
     def windows_of(key: str, path: str) -> tuple[Windows, Sft]:
         if path in caches:
             cache = caches[path]
-            return cache.windows(config.seq_len, config.packing), _cache_sft(config, cache.manifest, key, path)
+            sft = _cache_sft(config, cache.manifest, key, path)  # its rows fit seq_len before they are packed
+            return cache.windows(config.seq_len, config.packing), sft
         data_format = config.format or "text"
         spec = sft_options(data_format, config.loss_on, config.overlong, label="train config: ")
         if spec is None:
             documents = iter_documents(path, config.text_field)
-            return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing), None
+            windows = windows_in_memory(
+                encode_documents(tokenizer, documents), config.seq_len, config.packing, label=f"{key}={path}"
+            )
+            return windows, None
         if tokenizer_folder is None:
             raise NVFP4UsageError(
                 f"train config: format={data_format} needs the tokenizer's folder (its chat template, its "
@@ -708,7 +718,14 @@ def _windows(
         encoder.check()
         counts = SftCounts()
         encoded = encode_documents(tokenizer, iter_rows(path), format=data_format, sft=encoder)
-        windows = windows_in_memory(_counted(encoded, counts), config.seq_len, config.packing)
+        windows = windows_in_memory(
+            _counted(encoded, counts),
+            config.seq_len,
+            config.packing,
+            format=data_format,
+            pad_id=tokenizer.eos_id,
+            label=f"{key}={path}",
+        )
         counts.report(spec, f"{key}={path}")
         return windows, counts.record(spec, encoder.chat_template_sha256())
 
@@ -721,6 +738,12 @@ def _windows(
     held_out = [held for _, held in splits]
     eval_windows = held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
     return [train for train, _ in splits], eval_windows, sfts, None
+
+
+def _padding_share(sources: list[Windows]) -> float:
+    """The share of padding among the tokens of all training rows (rows weighed by their count)."""
+    rows = sum(len(w) for w in sources)
+    return sum(w.padding_share() * len(w) for w in sources) / rows if rows else 0.0
 
 
 def _counted(encoded: Iterator[EncodedBatch], counts: SftCounts) -> Iterator[EncodedBatch]:
