@@ -33,29 +33,48 @@ class TokenStream:
     def __init__(self, pieces: list[np.ndarray]) -> None:
         self.pieces = [p for p in pieces if len(p)]
         self.ends = np.cumsum([len(p) for p in self.pieces], dtype=np.int64)
+        self.firsts = self.ends - [len(p) for p in self.pieces]  # each piece's first position
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # (piece, length): its windows (a strided view)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
 
     def take(self, starts: np.ndarray, length: int, dtype, lengths: np.ndarray | None = None, fill=0) -> np.ndarray:
         """[len(starts), length]: stream[s : s + length] for each start s (within the stream); with
-        `lengths`, row r holds only its first lengths[r] tokens and `fill` after them. One gather
-        per piece the rows touch (a row may run across the end of a piece)."""
+        `lengths`, row r holds only its first lengths[r] tokens and `fill` after them. Rows inside
+        one piece: one gather per piece from its windows' strided view; the few that run across a
+        piece's end (or past the stream's): one gather per piece of their tokens."""
         starts = np.asarray(starts, np.int64)
-        out = np.full((len(starts), length), fill, dtype)
-        positions = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
-        valid = None if lengths is None else np.arange(length)[None, :] < np.asarray(lengths, np.int64)[:, None]
-        wanted = positions if valid is None else positions[valid]
-        piece = np.searchsorted(self.ends, wanted, side="right")
-        offset = wanted - (self.ends - [len(p) for p in self.pieces])[np.minimum(piece, len(self.ends) - 1)]
-        values = np.empty(wanted.shape, dtype)
-        for p in np.unique(piece).tolist():
-            mine = piece == p
-            values[mine] = self.pieces[p][offset[mine]]
-        if valid is None:
-            out[...] = values
-        else:
-            out[valid] = values
+        out = np.empty((len(starts), length), dtype)
+        if not len(starts):
+            return out
+        first = self.firsts
+        piece = np.minimum(np.searchsorted(self.ends, starts, side="right"), len(self.ends) - 1)
+        inside = starts + length <= self.ends[piece]
+        rows = np.flatnonzero(inside)
+        rows = rows[np.argsort(piece[rows], kind="stable")]  # grouped by piece
+        for group in np.split(rows, np.flatnonzero(np.diff(piece[rows])) + 1) if len(rows) else []:
+            p = int(piece[group[0]])
+            windows = self._views.get((p, length))
+            if windows is None:
+                windows = self._views[p, length] = np.lib.stride_tricks.sliding_window_view(self.pieces[p], length)
+            out[group] = windows[starts[group] - first[p]]
+        keep = None
+        if lengths is not None:
+            keep = np.arange(length)[None, :] < np.asarray(lengths, np.int64)[:, None]
+            out[~keep] = fill
+        if not inside.all():  # token by token
+            rows = np.flatnonzero(~inside)
+            valid = np.ones((len(rows), length), bool) if keep is None else keep[rows]
+            wanted = (starts[rows, None] + np.arange(length, dtype=np.int64)[None, :])[valid]
+            where = np.searchsorted(self.ends, wanted, side="right")
+            values = np.empty(wanted.shape, dtype)
+            for p in np.unique(where).tolist():
+                mine = where == p
+                values[mine] = self.pieces[p][wanted[mine] - first[p]]
+            part = np.full((len(rows), length), fill, dtype)
+            part[valid] = values
+            out[rows] = part
         return out
 
 
@@ -84,7 +103,7 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
         first = int(np.argmax(lengths > width))
         raise NVFP4ToolError(
             f"{label}: document {first} has {int(lengths[first])} tokens, longer than a row of seq_len + 1 = "
-            f"{width} (encode it with overlong=drop | truncate at this seq_len)"
+            f"{width} (rows are held to it by overlong=drop | truncate when encoded: data prepare --seq-len {seq_len})"
         )
     if packing == "padded":
         kept = lengths > 0

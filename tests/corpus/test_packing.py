@@ -1,8 +1,9 @@
 """Fine-tuning rows that keep each conversation whole: `packing=segmented` packs the chat set's
 conversations greedily in order and `packing=padded` one per row, each equal to an independent
 oracle (tokens, loss marks, segments, end-of-text padding); the loader and the eval split read
-these rows; an overlong document and padded text are refused in one line; `TokenStream.take`
-equals slicing; a tiny train run with each packing has finite losses and records its padding."""
+these rows; an overlong document (a cache prepared without a row limit) and padded text are
+refused in one line; `TokenStream.take` equals slicing; a tiny train run with each packing has
+finite losses and records its padding."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import math
 import numpy as np
 import pytest
 
+from nvfp4tool.corpus.cache import open_cache
 from nvfp4tool.corpus.chat import SftCounts, SftEncoder, SftSpec, encode_rows
 from nvfp4tool.corpus.encode import encode_documents
 from nvfp4tool.corpus.loader import Loader
+from nvfp4tool.corpus.prepare import prepare_cache
 from nvfp4tool.corpus.sources import iter_rows
 from nvfp4tool.corpus.tokenizer import load_tokenizer
 from nvfp4tool.corpus.windows import TokenStream, document_rows, windows_in_memory
@@ -150,3 +153,15 @@ def test_a_tiny_chat_run_with_each_packing(tmp_path, chats, chat_tokenizer, pack
     assert all(math.isfinite(v) for v in result.eval_losses.values())
     record = RunRecord.read(tmp_path / "run")
     assert record.packing == packing and 0 < record.padding_share < 1
+
+
+def test_a_cache_prepared_without_a_row_limit_is_refused_when_packed(tmp_path, chats, chat_tokenizer):
+    """A conversation longer than seq_len + 1 reaching the rows (a cache prepared without --seq-len):
+    one line naming the cache; cut from the stream (packing=concat) it is read as before."""
+    prepare_cache([chats], chat_tokenizer, tmp_path / "c", format="chat", workers=0)
+    cache = open_cache(tmp_path / "c")
+    with pytest.raises(NVFP4ToolError, match=rf"^{tmp_path / 'c'}: document \d+ has \d+ tokens, longer than a row"):
+        cache.windows(SEQ, "segmented")
+    assert len(cache.windows(SEQ, "concat")) == (cache.manifest.tokens - 1) // SEQ
+    padded = cache.windows(4 * SEQ, "padded")  # every conversation fits a row of 4 * SEQ + 1
+    assert len(padded) == ROWS and (padded.rows(np.arange(ROWS)).segments.max(axis=1) == 1).all()
