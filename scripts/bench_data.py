@@ -9,7 +9,8 @@ text; then, each in its own process (so each peak RSS is its own): `prepare_cach
 the baseline: the same JSONL read line by line and encoded with `Tokenizer.encode_batch` on batches
 of 1,000 documents, TOKENIZERS_PARALLELISM=false (one thread). Prints MB/s of source text, tokens/s,
 CPU seconds (all processes), peak RSS (prepare: its main process and its largest worker) and the
-speed-up; --json writes them.
+speed-up, with the speed-up N busy processes get on the machine at that moment (its ceiling on a
+shared machine); --json writes them.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         result[run] = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["prepare"]["tokens"] == result["baseline"]["tokens"], "the two runs saw different tokens"
+    result["parallel_capacity"] = _parallel_capacity(args.workers)
     result["speedup"] = result["baseline"]["seconds"] / result["prepare"]["seconds"]
     for run in ("baseline", "prepare"):
         r = result[run]
@@ -67,11 +69,39 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['tokens'] / r['seconds']:,.0f} tokens/s  CPU {r['cpu_s']:.1f} s  {rss}"
         )
     print(f"prepare (workers={args.workers}) / one single-threaded encoder: {result['speedup']:.2f}x")
+    print(
+        f"(on this machine now, {args.workers} busy processes get through "
+        f"{result['parallel_capacity']:.2f}x the work of one: the ceiling of the speed-up)"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(os.path.join(args.workdir, "cache"), ignore_errors=True)
     return result
+
+
+def _burn(n: int) -> None:
+    total = 0
+    for i in range(n):
+        total += i
+
+
+def _parallel_capacity(processes: int, n: int = 40_000_000) -> float:
+    """How much more work `processes` busy processes get done than one in the same time (a shared
+    machine's free cores: 2.0 on two idle cores)."""
+    import multiprocessing
+
+    started = time.perf_counter()
+    _burn(n)
+    one = time.perf_counter() - started
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_burn, args=(n,)) for _ in range(processes)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return processes * one / (time.perf_counter() - started)
 
 
 def _forwarded(args) -> list[str]:

@@ -45,7 +45,17 @@ class TokenCache:
             )
 
     def windows(self, seq_len: int, packing: str = "concat") -> Windows:
-        return Windows(self.tokens, seq_len, starts=self.starts, loss=self.loss, packing=packing).require_two()
+        """The cache's rows (its format decides their layout: `Windows.of`), padded with its end-of-text id."""
+        return Windows.of(
+            self.tokens,
+            seq_len,
+            starts=self.starts,
+            loss=self.loss,
+            packing=packing,
+            format=self.manifest.format,
+            pad_id=self.manifest.eos_id,
+            label=str(self.folder),
+        )
 
 
 def is_cache(path: str | os.PathLike) -> bool:

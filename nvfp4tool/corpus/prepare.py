@@ -37,7 +37,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.records.corpus import FORMAT_VERSION, CorpusManifest, CorpusShard, CorpusSource, StoredFile, token_dtype
 
 SHARD_TOKENS = 1 << 28  # tokens per shard file by default (512 MiB of uint16)
-DEFAULT_WORKERS = max(1, min(os.cpu_count() or 1, 16))
+DEFAULT_WORKERS = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 16)
 IN_FLIGHT_PER_WORKER = 2  # batches handed to a worker and not yet written: memory flat in the corpus
 INDEX_FILE = "documents.npy"
 _WORKER_POLL_S = 1.0  # how often a waiting worker checks its parent, and the parent its workers

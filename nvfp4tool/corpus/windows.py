@@ -1,12 +1,15 @@
-"""`Windows`: the training rows cut from a token stream (in memory, or a memory-mapped cache).
+"""`Windows`: the training rows of a token stream (in memory, or a memory-mapped cache).
 
-    windows = Windows(stream, seq_len=128, starts=document_starts, packing="segmented")
+    windows = Windows.of(stream, seq_len=128, starts=document_starts, packing="segmented", format="chat")
     train, held_out = windows.split(eval_fraction=0.05)
     batch = train.rows(np.array([3, 0, 7]))     # a Batch: tokens [3, 129], segments, loss
 
-Window i is stream[i*T : i*T + T + 1] (T = seq_len; consecutive windows share one token, the
-ragged tail is dropped); the eval split is the last `eval_fraction` of the windows. With
-`packing="segmented"` a row's documents are numbered 1, 2, ... from the document starts.
+A row is `length <= T + 1` consecutive tokens of the stream from `start`, padded to T + 1 (T =
+seq_len; padding: the end-of-text id, segment 0, no loss). Text (and `packing=concat`): row i is
+stream[i*T : i*T + T + 1] (the stream cut; no table). Fine-tuning rows (`format` chat /
+prompt_completion) with `packing=segmented` / `padded`: a table of (start, length) per row from the
+document index, whole documents packed greedily in order, or one per row (`document_rows`). The
+eval split is the last `eval_fraction` of the rows. Segments number a row's documents 1, 2, ...
 Design notes: docs/design/data.md.
 """
 
@@ -17,10 +20,11 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from nvfp4tool.corpus.batch import Batch
+from nvfp4tool.corpus.chat import FORMATS as SFT_FORMATS
 from nvfp4tool.corpus.encode import EncodedBatch
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
-PACKINGS = ("concat", "segmented")
+PACKINGS = ("concat", "segmented", "padded")
 
 
 class TokenStream:
@@ -29,27 +33,93 @@ class TokenStream:
     def __init__(self, pieces: list[np.ndarray]) -> None:
         self.pieces = [p for p in pieces if len(p)]
         self.ends = np.cumsum([len(p) for p in self.pieces], dtype=np.int64)
+        self.firsts = self.ends - [len(p) for p in self.pieces]  # each piece's first position
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # (piece, length): its windows (a strided view)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
 
-    def take(self, starts: np.ndarray, length: int, dtype) -> np.ndarray:
-        """[len(starts), length]: stream[s : s + length] for each start s (within the stream)."""
+    def take(self, starts: np.ndarray, length: int, dtype, lengths: np.ndarray | None = None, fill=0) -> np.ndarray:
+        """[len(starts), length]: stream[s : s + length] for each start s (within the stream); with
+        `lengths`, row r holds only its first lengths[r] tokens and `fill` after them. Rows inside
+        one piece: one gather per piece from its windows' strided view; the few that run across a
+        piece's end (or past the stream's): one gather per piece of their tokens."""
+        starts = np.asarray(starts, np.int64)
         out = np.empty((len(starts), length), dtype)
-        for row, start in enumerate(np.asarray(starts, np.int64).tolist()):
-            done = 0
-            piece = int(np.searchsorted(self.ends, start, side="right"))
-            while done < length:  # a row may run across the end of a piece
-                first = start + done - (int(self.ends[piece - 1]) if piece else 0)
-                chunk = self.pieces[piece][first : first + length - done]
-                out[row, done : done + len(chunk)] = chunk
-                done += len(chunk)
-                piece += 1
+        if not len(starts):
+            return out
+        first = self.firsts
+        piece = np.minimum(np.searchsorted(self.ends, starts, side="right"), len(self.ends) - 1)
+        inside = starts + length <= self.ends[piece]
+        rows = np.flatnonzero(inside)
+        rows = rows[np.argsort(piece[rows], kind="stable")]  # grouped by piece
+        for group in np.split(rows, np.flatnonzero(np.diff(piece[rows])) + 1) if len(rows) else []:
+            p = int(piece[group[0]])
+            windows = self._views.get((p, length))
+            if windows is None:
+                windows = self._views[p, length] = np.lib.stride_tricks.sliding_window_view(self.pieces[p], length)
+            out[group] = windows[starts[group] - first[p]]
+        keep = None
+        if lengths is not None:
+            keep = np.arange(length)[None, :] < np.asarray(lengths, np.int64)[:, None]
+            out[~keep] = fill
+        if not inside.all():  # token by token
+            rows = np.flatnonzero(~inside)
+            valid = np.ones((len(rows), length), bool) if keep is None else keep[rows]
+            wanted = (starts[rows, None] + np.arange(length, dtype=np.int64)[None, :])[valid]
+            where = np.searchsorted(self.ends, wanted, side="right")
+            values = np.empty(wanted.shape, dtype)
+            for p in np.unique(where).tolist():
+                mine = where == p
+                values[mine] = self.pieces[p][wanted[mine] - first[p]]
+            part = np.full((len(rows), length), fill, dtype)
+            part[valid] = values
+            out[rows] = part
         return out
 
 
+def whole_documents(format: str, packing: str) -> bool:
+    """Whether rows hold whole documents (fine-tuning rows with segmented / padded packing) rather
+    than the stream cut every T tokens; packing=padded of text is a usage error."""
+    if packing not in PACKINGS:
+        raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
+    if packing == "padded" and format not in SFT_FORMATS:
+        raise NVFP4UsageError(
+            f"packing=padded: format={format} is cut from one stream (concat | segmented); padded "
+            f"(one document per row) is for format={' | '.join(SFT_FORMATS)}"
+        )
+    return format in SFT_FORMATS and packing != "concat"
+
+
+def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, label: str = "data") -> np.ndarray:
+    """[rows, 2] int64 (start, length) of each row of whole documents: `segmented` packs them in
+    order, greedily (a document that does not fit the rest of a row starts the next one), `padded`
+    one per row; empty documents are left out. A document longer than seq_len + 1 is refused
+    (`overlong=` drops or truncates them when rows are encoded)."""
+    width = seq_len + 1
+    ends = np.append(np.asarray(starts, np.int64), np.int64(total))
+    lengths = np.diff(ends)
+    if len(lengths) and lengths.max() > width:
+        first = int(np.argmax(lengths > width))
+        raise NVFP4ToolError(
+            f"{label}: document {first} has {int(lengths[first])} tokens, longer than a row of seq_len + 1 = "
+            f"{width} (rows are held to it by overlong=drop | truncate when encoded: data prepare --seq-len {seq_len})"
+        )
+    if packing == "padded":
+        kept = lengths > 0
+        return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
+    nonempty = np.flatnonzero(lengths)
+    table, at = [], 0  # at: the row's first document, as an index into `nonempty`
+    while at < len(nonempty):  # one search per row, not a step per document
+        start = ends[nonempty[at]]
+        last = int(np.searchsorted(ends, start + width, side="right")) - 1  # documents [first, last) fit
+        table.append((start, ends[last] - start))
+        at = int(np.searchsorted(nonempty, last))
+    return np.array(table, np.int64).reshape(-1, 2)
+
+
 class Windows:
-    """Windows `first .. first + count - 1` of a stream cut into rows of `seq_len + 1` tokens."""
+    """Rows `first .. first + count - 1` of a stream: the table's, or the stream cut every seq_len."""
 
     def __init__(
         self,
@@ -59,55 +129,97 @@ class Windows:
         starts: np.ndarray | None = None,
         loss: TokenStream | None = None,
         packing: str = "concat",
+        table: np.ndarray | None = None,
+        pad_id: int = 0,
         first: int = 0,
         count: int | None = None,
     ) -> None:
         if packing not in PACKINGS:
             raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
-        if packing == "segmented" and starts is None:
-            raise NVFP4UsageError("packing=segmented needs the documents' start offsets")
+        if packing != "concat" and starts is None:
+            raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
         self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
-        self.first = first
-        self.count = max(0, (len(tokens) - 1) // seq_len) - first if count is None else count
+        self.table, self.pad_id, self.first = table, pad_id, first
+        total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
+        self.count = total - first if count is None else count
+
+    @classmethod
+    def of(
+        cls,
+        tokens: TokenStream,
+        seq_len: int,
+        *,
+        starts: np.ndarray,
+        loss: TokenStream | None = None,
+        packing: str = "concat",
+        format: str = "text",
+        pad_id: int = 0,
+        label: str = "data",
+    ) -> Windows:
+        """The rows of documents of `format` (`whole_documents` decides their layout), two or more."""
+        table = None
+        if whole_documents(format, packing):
+            table = document_rows(starts, len(tokens), seq_len, packing, label)
+        windows = cls(tokens, seq_len, starts=starts, loss=loss, packing=packing, table=table, pad_id=pad_id)
+        return windows.require_two()
 
     def __len__(self) -> int:
         return self.count
 
+    def extents(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(start, length) in the stream of rows `indices` (length None: every row is T + 1 tokens)."""
+        if self.table is None:
+            return (self.first + indices) * self.seq_len, None
+        row = self.table[self.first + indices]
+        return row[:, 0], row[:, 1]
+
     def rows(self, indices: np.ndarray) -> Batch:
-        """The Batch of windows `indices` (0-based within these windows), in that order."""
+        """The Batch of rows `indices` (0-based within these rows), in that order."""
         indices = np.asarray(indices, np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
             raise IndexError(f"window index out of range 0..{self.count - 1}")
-        row_starts = (self.first + indices) * self.seq_len
+        row_starts, lengths = self.extents(indices)
         width = self.seq_len + 1
-        tokens = self.tokens.take(row_starts, width, np.int32)
+        tokens = self.tokens.take(row_starts, width, np.int32, lengths, self.pad_id)
         segments = None
-        if self.packing == "segmented":
+        if self.packing != "concat":
             positions = row_starts[:, None] + np.arange(width)[None, :]
             document = np.searchsorted(self.starts, positions, side="right") - 1  # each token's document
             segments = (document - document[:, :1] + 1).astype(np.int32)  # 1, 2, ... within each row
-        loss = None if self.loss is None else self.loss.take(row_starts, width, np.uint8).astype(bool)
+            if lengths is not None:
+                segments[np.arange(width)[None, :] >= lengths[:, None]] = 0  # padding
+        loss = None
+        if self.loss is not None:
+            loss = self.loss.take(row_starts, width, np.uint8, lengths, 0).astype(bool)
         return Batch(tokens, segments, loss)
 
+    def padding_share(self) -> float:
+        """The share of these rows' tokens that are padding (0 for the stream cut)."""
+        if self.table is None or self.count == 0:
+            return 0.0
+        used = int(self.table[self.first : self.first + self.count, 1].sum())
+        return 1.0 - used / (self.count * (self.seq_len + 1))
+
     def split(self, eval_fraction: float) -> tuple[Windows, Windows]:
-        """(train, eval): the last `eval_fraction` of the windows (at least one) are held out."""
+        """(train, eval): the last `eval_fraction` of the rows (at least one) are held out."""
         if not 0.0 < eval_fraction < 1.0:
             raise NVFP4UsageError(f"eval_fraction={eval_fraction}: expected a number in (0, 1)")
         num_eval = max(1, int(round(self.count * eval_fraction)))
         return self._part(0, self.count - num_eval), self._part(self.count - num_eval, num_eval)
 
     def batches(self, batch_size: int, count: int | None = None) -> Iterator[Batch]:
-        """The first `count` windows (default: all) in order, in batches of at most `batch_size`."""
+        """The first `count` rows (default: all) in order, in batches of at most `batch_size`."""
         count = self.count if count is None else min(count, self.count)
         for start in range(0, count, batch_size):
             yield self.rows(np.arange(start, min(start + batch_size, count)))
 
     def require_two(self) -> Windows:
-        """These windows, if there are two or more (one to train on, one to evaluate)."""
+        """These rows, if there are two or more (one to train on, one to evaluate)."""
         if self.count < 2:
             raise NVFP4ToolError(
                 f"the data has {len(self.tokens)} tokens: too few for two windows of "
-                f"seq_len={self.seq_len} (one to train on, one to evaluate)"
+                f"seq_len={self.seq_len} (one to train on, one to evaluate; packing={self.packing} "
+                f"gives {self.count})"
             )
         return self
 
@@ -118,13 +230,23 @@ class Windows:
             starts=self.starts,
             loss=self.loss,
             packing=self.packing,
+            table=self.table,
+            pad_id=self.pad_id,
             first=self.first + first,
             count=count,
         )
 
 
-def windows_in_memory(encoded: Iterable[EncodedBatch], seq_len: int, packing: str = "concat") -> Windows:
-    """The windows of documents encoded in this process (train's text / JSONL / Parquet data)."""
+def windows_in_memory(
+    encoded: Iterable[EncodedBatch],
+    seq_len: int,
+    packing: str = "concat",
+    *,
+    format: str = "text",
+    pad_id: int = 0,
+    label: str = "data",
+) -> Windows:
+    """The rows of documents encoded in this process (train's text / JSONL / Parquet data)."""
     ids, lengths, marks = [], [], []
     for batch in encoded:
         ids.append(batch.ids)
@@ -134,4 +256,6 @@ def windows_in_memory(encoded: Iterable[EncodedBatch], seq_len: int, packing: st
     starts = np.cumsum(lengths) - lengths
     loss = None if not marks or any(m is None for m in marks) else TokenStream([np.concatenate(marks)])
     tokens = TokenStream([np.concatenate(ids)] if ids else [])
-    return Windows(tokens, seq_len, starts=starts, loss=loss, packing=packing).require_two()
+    return Windows.of(
+        tokens, seq_len, starts=starts, loss=loss, packing=packing, format=format, pad_id=pad_id, label=label
+    )

@@ -25,13 +25,13 @@ import yaml
 from nvfp4tool.corpus.chat import LOSS_ON_CHOICES, OVERLONG, sft_options
 from nvfp4tool.corpus.encode import FORMATS as DATA_FORMATS
 from nvfp4tool.corpus.loader import parse_mixture
-from nvfp4tool.corpus.windows import PACKINGS
+from nvfp4tool.corpus.windows import PACKINGS, whole_documents
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.model.remat import REMAT_LEVELS
 from nvfp4tool.recipes.nvfp4_dot import GEMMS, QUANTIZERS
 from nvfp4tool.recipes.precision import RECIPES, RecipeConfig
 
-NEW_RUN_PACKING = "concat"  # `packing` of a new run that does not set it
+NEW_RUN_PACKING = "segmented"  # `packing` of a new run that does not set it
 
 
 def _key(default: Any, text: str) -> Any:
@@ -60,7 +60,8 @@ class TrainConfig:
     text_field: str = _key("text", "JSONL key / Parquet or dataset column holding the documents")
     packing: str | None = _key(
         None,
-        "concat | segmented: documents in a row as one stream, or kept apart (segment ids); "
+        "concat | segmented | padded: documents in a row as one stream, or kept apart (segment ids; "
+        "fine-tuning rows: whole conversations packed per row), or one per row (fine-tuning rows); "
         f"default: {NEW_RUN_PACKING} for a new run, a resume keeps the run's",
     )
     format: str | None = _key(
@@ -171,6 +172,8 @@ class TrainConfig:
                 _check_choice(key, getattr(self, key), choices)
         if self.format is not None:  # the options of a format it does not have (a cache's is checked by train)
             sft_options(self.format, self.loss_on, self.overlong)
+        if self.format is not None and self.packing is not None:  # padded text refused (a cache's: by its rows)
+            whole_documents(self.format, self.packing)
         _require(
             "distill",
             self.distill,

@@ -67,6 +67,10 @@ class RunRecord(Record):
     # rows, or a run.json written before they were recorded
     data_sft: list[CorpusSft | None] | None = None
     eval_data_sft: CorpusSft | None = None
+    # the share of the training rows' tokens that are padding (packing=segmented / padded of
+    # fine-tuning rows keep each document whole in a row; 0.0: rows cut from the stream); None: a
+    # run.json written before it was recorded
+    padding_share: float | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

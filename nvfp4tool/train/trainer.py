@@ -38,7 +38,7 @@ from nvfp4tool.checkpoints import (
 )
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.corpus import loader as loader_lib
-from nvfp4tool.corpus.cache import is_cache, manifest_sha256, open_cache
+from nvfp4tool.corpus.cache import TokenCache, is_cache, manifest_sha256, open_cache
 from nvfp4tool.corpus.chat import FORMATS as SFT_FORMATS
 from nvfp4tool.corpus.chat import SftCounts, SftEncoder, sft_options
 from nvfp4tool.corpus.encode import EncodedBatch, encode_documents
@@ -370,16 +370,22 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     if config.equalize_from is not None:
         source, equalization = _equalized(config, source)
     tokenizer, trained_here = _tokenizer(config, out, source)
+    mixture = loader_lib.parse_mixture(config.data)
+    caches = _caches(config, tokenizer, [path for path, _ in mixture])  # before a model is built
     model_config, model = _model(config, tokenizer, source)
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
     teacher, teacher_record, teacher_config = None, None, None
     if config.teacher is not None:
         teacher, teacher_record, teacher_config = _teacher(config, model_config, tokenizer)
-    mixture = loader_lib.parse_mixture(config.data)
     tokenizer_folder = _tokenizer_folder(config, out, source, trained_here)
     train_sources, eval_windows, data_sft, eval_data_sft = _windows(
-        config, tokenizer, [path for path, _ in mixture], tokenizer_folder
+        config, tokenizer, [path for path, _ in mixture], tokenizer_folder, caches
+    )
+    padding = _padding_share(train_sources)
+    progress.info(
+        f"rows: {sum(len(w) for w in train_sources):,} training, {len(eval_windows):,} eval "
+        f"(packing={config.packing}, {padding:.1%} padding)"
     )
     mesh = mesh_lib.make_mesh(config.mesh_data, config.mesh_fsdp)
     mesh_lib.check_divisible(config.batch_size, config.grad_accum, mesh)
@@ -403,6 +409,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         data_weights=dict(mixture) if len(mixture) > 1 else None,
         data_sft=data_sft if any(s is not None for s in data_sft) else None,
         eval_data_sft=eval_data_sft,
+        padding_share=padding,
     )
     resume_step = None
     if saved is not None:
@@ -663,24 +670,44 @@ def _output_rope_layout(config: TrainConfig, source: Checkpoint | None) -> str:
 Sft = CorpusSft | None  # what the fine-tuning formats did to a data key's rows (None: text)
 
 
+def _caches(config: TrainConfig, tokenizer: TextTokenizer, paths: list[str]) -> dict[str, TokenCache]:
+    """The token caches among the training sources `paths` and `eval_data`, opened (sizes checked,
+    a file whose mtime moved rehashed), each refused unless prepared with the run's tokenizer."""
+    caches = {}
+    for key, path in [*(("data", p) for p in paths), ("eval_data", config.eval_data)]:
+        if path is not None and path not in caches and is_cache(path):
+            caches[path] = open_cache(path)
+            caches[path].check_tokenizer(tokenizer, key)
+    return caches
+
+
 def _windows(
-    config: TrainConfig, tokenizer: TextTokenizer, paths: list[str], tokenizer_folder: Path | None
+    config: TrainConfig,
+    tokenizer: TextTokenizer,
+    paths: list[str],
+    tokenizer_folder: Path | None,
+    caches: dict[str, TokenCache] | None = None,
 ) -> tuple[list[Windows], Windows | loader_lib.ConcatWindows, list[Sft], Sft]:
     """(each training source's windows, the eval windows, each source's fine-tuning counts,
-    eval_data's): a token cache memory-mapped (its tokenizer must be the run's, its format the one
-    asked for), other data read and tokenized here; eval from `eval_data`, else the last
-    `eval_fraction` of each source, concatenated in the sources' order."""
+    eval_data's): a token cache memory-mapped (`caches`: opened, its tokenizer checked, `_caches`
+    when not given; its format must be the one asked for), other data read and tokenized here;
+    eval from `eval_data`, else the last `eval_fraction` of each source, concatenated in the
+    sources' order."""
+    caches = _caches(config, tokenizer, paths) if caches is None else caches
 
     def windows_of(key: str, path: str) -> tuple[Windows, Sft]:
-        if is_cache(path):
-            cache = open_cache(path)
-            cache.check_tokenizer(tokenizer, key)
-            return cache.windows(config.seq_len, config.packing), _cache_sft(config, cache.manifest, key, path)
+        if path in caches:
+            cache = caches[path]
+            sft = _cache_sft(config, cache.manifest, key, path)  # its rows fit seq_len before they are packed
+            return cache.windows(config.seq_len, config.packing), sft
         data_format = config.format or "text"
         spec = sft_options(data_format, config.loss_on, config.overlong, label="train config: ")
         if spec is None:
             documents = iter_documents(path, config.text_field)
-            return windows_in_memory(encode_documents(tokenizer, documents), config.seq_len, config.packing), None
+            windows = windows_in_memory(
+                encode_documents(tokenizer, documents), config.seq_len, config.packing, label=f"{key}={path}"
+            )
+            return windows, None
         if tokenizer_folder is None:
             raise NVFP4UsageError(
                 f"train config: format={data_format} needs the tokenizer's folder (its chat template, its "
@@ -691,7 +718,14 @@ def _windows(
         encoder.check()
         counts = SftCounts()
         encoded = encode_documents(tokenizer, iter_rows(path), format=data_format, sft=encoder)
-        windows = windows_in_memory(_counted(encoded, counts), config.seq_len, config.packing)
+        windows = windows_in_memory(
+            _counted(encoded, counts),
+            config.seq_len,
+            config.packing,
+            format=data_format,
+            pad_id=tokenizer.eos_id,
+            label=f"{key}={path}",
+        )
         counts.report(spec, f"{key}={path}")
         return windows, counts.record(spec, encoder.chat_template_sha256())
 
@@ -704,6 +738,12 @@ def _windows(
     held_out = [held for _, held in splits]
     eval_windows = held_out[0] if len(held_out) == 1 else loader_lib.ConcatWindows(held_out)
     return [train for train, _ in splits], eval_windows, sfts, None
+
+
+def _padding_share(sources: list[Windows]) -> float:
+    """The share of padding among the tokens of all training rows (rows weighed by their count)."""
+    rows = sum(len(w) for w in sources)
+    return sum(w.padding_share() * len(w) for w in sources) / rows if rows else 0.0
 
 
 def _counted(encoded: Iterator[EncodedBatch], counts: SftCounts) -> Iterator[EncodedBatch]:

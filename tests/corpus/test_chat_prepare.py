@@ -93,7 +93,7 @@ def test_train_reads_the_same_rows_from_the_file_and_the_cache(tmp_path, chats, 
     tokenizer = load_tokenizer(chat_tokenizer)
 
     def windows(data, **keys):
-        args = dict(data=data, tokenizer=chat_tokenizer, seq_len=SEQ, out=tmp_path / "run", packing="concat")
+        args = dict(data=data, tokenizer=chat_tokenizer, seq_len=SEQ, out=tmp_path / "run", packing="segmented")
         args.update(keys)
         config = load_train_config(None, [f"{k}={v}" for k, v in args.items()])
         (train,), held_out, (sft,), eval_sft = _windows(config, tokenizer, [str(data)], chat_tokenizer)
@@ -101,13 +101,14 @@ def test_train_reads_the_same_rows_from_the_file_and_the_cache(tmp_path, chats, 
         return train, held_out, sft
 
     file_train, file_eval, file_sft = windows(chats, format="chat")
-    cache_train, cache_eval, cache_sft = windows(tmp_path / "c", packing="segmented")
+    cache_train, cache_eval, cache_sft = windows(tmp_path / "c")
     assert file_sft == cache_sft == CorpusManifest.read(tmp_path / "c").sft
     for a, b in ((file_train, cache_train), (file_eval, cache_eval)):
         assert len(a) == len(b) > 0
         rows_a, rows_b = a.rows(np.arange(len(a))), b.rows(np.arange(len(b)))
         np.testing.assert_array_equal(rows_a.tokens, rows_b.tokens)
         np.testing.assert_array_equal(rows_a.loss, rows_b.loss)
+        np.testing.assert_array_equal(rows_a.segments, rows_b.segments)  # whole conversations, padded alike
         assert rows_a.loss.any() and not rows_a.loss.all()
 
     # the cache holds its format and options: asking for others is a usage error

@@ -54,6 +54,8 @@ def test_kill_mid_prepare_then_rerun(tmp_path, monkeypatch, corpus_tokenizer):
     result = CliRunner().invoke(cli, ["--log-format", "text", *args])
     assert result.exit_code == 0, result.output
     assert f"removed {temporary}: temporary folder of an interrupted run (pid {pid})" in result.output
+    done = [line for line in result.output.splitlines() if "prepare: done, 2500 document" in line]
+    assert len(done) == 1 and " MB/s" in done[0] and "tokens/s" in done[0], result.output  # the progress line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "d.jsonl", "ready"]
     prepare_cache([source], corpus_tokenizer, tmp_path / "again", workers=0, shard_tokens=3000)
     for file in sorted(os.listdir(out)):

@@ -4,6 +4,7 @@ tokenizer refused in one line naming the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,9 @@ from nvfp4tool.corpus.sources import embedded_corpus, iter_documents
 from nvfp4tool.corpus.tokenizer import load_tokenizer, tokenizer_sha256, train_bpe_tokenizer
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.records.corpus import CorpusManifest
+from nvfp4tool.run.config import NEW_RUN_PACKING, load_train_config
 from nvfp4tool.run.records import RunRecord
+from nvfp4tool.train import trainer
 
 from fixtures.train_fixtures import run_train, train_args
 
@@ -58,10 +61,17 @@ def test_train_on_a_cache_reproduces_the_text_run(tmp_path, caches, corpus_token
     result = CliRunner().invoke(cli, ["train", *resume, f"eval_data={caches / 'val'}"])
     assert result.exit_code == 1 and "the training data" in result.output, result.output
 
-    # a run.json written before the packing key reads as concat
+    # a run.json written before the packing key reads as concat: its resume continues concat, and
+    # refuses segmented; a new run that does not say is segmented
     saved = json.loads((tmp_path / "cached" / RunRecord.FILE_NAME).read_text())
     del saved["config"]["packing"]
-    assert RunRecord.from_json(saved).packing == "concat"
+    legacy = RunRecord.from_json(saved)
+    assert legacy.packing == "concat"
+    same = load_train_config(None, train_args(corpus_tokenizer, tmp_path / "cached", steps=STEPS, resume="true"))
+    assert same.packing is None and NEW_RUN_PACKING == "segmented"
+    trainer._check_same_config(legacy, dataclasses.replace(same, packing=legacy.packing), tmp_path / "cached")
+    with pytest.raises(NVFP4ToolError, match="packing 'concat' -> 'segmented'"):
+        trainer._check_same_config(legacy, dataclasses.replace(same, packing="segmented"), tmp_path / "cached")
 
 
 def test_another_tokenizer_is_refused_naming_the_cache(tmp_path, caches, corpus_tokenizer):

@@ -1,0 +1,167 @@
+"""Fine-tuning rows that keep each conversation whole: `packing=segmented` packs the chat set's
+conversations greedily in order and `packing=padded` one per row, each equal to an independent
+oracle (tokens, loss marks, segments, end-of-text padding); the loader and the eval split read
+these rows; an overlong document (a cache prepared without a row limit) and padded text are
+refused in one line; `TokenStream.take` equals slicing; a tiny train run with each packing has
+finite losses and records its padding."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from nvfp4tool.corpus.cache import open_cache
+from nvfp4tool.corpus.chat import SftCounts, SftEncoder, SftSpec, encode_rows
+from nvfp4tool.corpus.encode import encode_documents
+from nvfp4tool.corpus.loader import Loader
+from nvfp4tool.corpus.prepare import prepare_cache
+from nvfp4tool.corpus.sources import iter_rows
+from nvfp4tool.corpus.tokenizer import load_tokenizer
+from nvfp4tool.corpus.windows import TokenStream, document_rows, windows_in_memory
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.run.config import load_train_config
+from nvfp4tool.run.records import RunRecord
+
+from fixtures.train_fixtures import run_train
+
+SEQ = 127
+ROWS = 40
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """ROWS short conversations of varied length (a few longer than SEQ + 1 tokens: dropped)."""
+    rows = [
+        {"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": f"What says line {i}?"},
+            {"role": "assistant", "content": " ".join(["Good my lord"] * (1 + i * 7 % 13 * 2))},
+            *([{"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Peace."}] * (i % 3 == 0)),
+        ]}
+        for i in range(ROWS)
+    ]  # fmt: skip
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def conversations(chats, chat_tokenizer):
+    """The kept conversations' (ids, loss marks) as corpus/chat.py encodes them, one at a time."""
+    rows = [(f"{chats}:{n}", json.loads(line)) for n, line in enumerate(chats.read_text().splitlines(), 1)]
+    kept = list(encode_rows(rows, SftEncoder(chat_tokenizer, SftSpec("chat", seq_len=SEQ)), SftCounts()))
+    assert 1 < len(kept) < ROWS  # some dropped (overlong=drop)
+    return [(np.asarray(e.ids), np.asarray(e.loss, bool)) for e in kept]
+
+
+def _windows(chats, chat_tokenizer, packing):
+    tokenizer = load_tokenizer(chat_tokenizer)
+    encoder = SftEncoder(chat_tokenizer, SftSpec("chat", seq_len=SEQ))
+    encoded = encode_documents(tokenizer, iter_rows(chats), format="chat", sft=encoder)
+    return windows_in_memory(encoded, SEQ, packing, format="chat", pad_id=tokenizer.eos_id), tokenizer.eos_id
+
+
+def _oracle(conversations, packing, eos):
+    """Rows built conversation by conversation: a new row when the next one does not fit."""
+    width, groups = SEQ + 1, [[]]
+    for conversation in conversations:
+        used = sum(len(ids) for ids, _ in groups[-1])
+        if groups[-1] and (packing == "padded" or used + len(conversation[0]) > width):
+            groups.append([])
+        groups[-1].append(conversation)
+    tokens = np.full((len(groups), width), eos, np.int64)
+    segments = np.zeros((len(groups), width), np.int64)
+    loss = np.zeros((len(groups), width), bool)
+    for row, group in enumerate(groups):
+        at = 0
+        for number, (ids, marks) in enumerate(group, 1):
+            tokens[row, at : at + len(ids)], loss[row, at : at + len(ids)] = ids, marks
+            segments[row, at : at + len(ids)] = number
+            at += len(ids)
+    return tokens, segments, loss
+
+
+@pytest.mark.parametrize("packing", ["segmented", "padded"])
+def test_each_conversation_whole_in_one_row_as_the_oracle_packs_them(chats, chat_tokenizer, conversations, packing):
+    windows, eos = _windows(chats, chat_tokenizer, packing)
+    batch = windows.rows(np.arange(len(windows)))
+    tokens, segments, loss = _oracle(conversations, packing, eos)
+    np.testing.assert_array_equal(batch.tokens, tokens)
+    np.testing.assert_array_equal(batch.segments, segments)
+    np.testing.assert_array_equal(batch.loss, loss)
+    if packing == "padded":
+        assert len(windows) == len(conversations) and batch.segments.max() == 1
+    else:
+        assert len(windows) < len(conversations)  # rows hold several conversations
+    # every conversation in exactly one row, in order, followed only by padding or the next one
+    found = [(r, s) for r in range(len(batch.tokens)) for s in range(1, batch.segments[r].max() + 1)]
+    assert len(found) == len(conversations)
+    for (r, s), (ids, marks) in zip(found, conversations, strict=True):
+        np.testing.assert_array_equal(batch.tokens[r][batch.segments[r] == s], ids)
+        np.testing.assert_array_equal(batch.loss[r][batch.segments[r] == s], marks)
+    padding = batch.segments == 0
+    assert (batch.tokens[padding] == eos).all() and not batch.targets_weight()[padding[:, 1:]].any()
+    assert windows.padding_share() == pytest.approx(padding.mean())
+
+    # the eval split and the loader read these rows
+    train, held_out = windows.split(0.2)
+    assert len(train) + len(held_out) == len(windows)
+    np.testing.assert_array_equal(held_out.rows(np.arange(len(held_out))).tokens, tokens[len(train) :])
+    loader = Loader([train], batch_size=2, seed=3, num_batches=3, threads=0)
+    for b, got in enumerate(loader.iterator()):
+        picked = loader.source.window_indices(b)
+        np.testing.assert_array_equal(got.tokens, tokens[[w for _, w in picked]])
+        np.testing.assert_array_equal(got.segments, segments[[w for _, w in picked]])
+
+
+def test_overlong_documents_and_padded_text_are_refused_in_one_line(tmp_path):
+    starts = np.array([0, 5, 9], np.int64)
+    np.testing.assert_array_equal(document_rows(starts, 14, 9, "segmented"), [[0, 9], [9, 5]])
+    np.testing.assert_array_equal(document_rows(starts, 14, 9, "padded"), [[0, 5], [5, 4], [9, 5]])
+    for packing in ("segmented", "padded"):  # empty documents take no row
+        np.testing.assert_array_equal(document_rows(np.array([0, 0, 3, 3]), 3, 3, packing), [[0, 3]])
+    with pytest.raises(NVFP4ToolError, match=r"^x.jsonl: document 1 has 6 tokens, longer than a row of seq_len \+ 1"):
+        document_rows(np.array([0, 5]), 11, 4, "segmented", "x.jsonl")
+    with pytest.raises(NVFP4UsageError, match="packing=padded: format=text is cut from one stream"):
+        load_train_config(None, ["data=x", "format=text", "packing=padded", f"out={tmp_path / 'r'}"])
+
+
+def test_take_equals_slicing_across_pieces():
+    rng = np.random.default_rng(0)
+    whole = rng.integers(0, 60000, 200).astype(np.uint16)
+    stream = TokenStream([whole[:7], whole[7:7], whole[7:90], whole[90:]])
+    starts = rng.integers(0, 200 - 33, 40)
+    got = stream.take(starts, 33, np.int32)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.stack([whole[s : s + 33] for s in starts]))
+    lengths = rng.integers(0, 34, 40)
+    got = stream.take(starts, 33, np.int32, lengths, -1)
+    want = np.stack([np.concatenate([whole[s : s + n], np.full(33 - n, -1)]) for s, n in zip(starts, lengths)])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("packing", ["segmented", "padded"])
+def test_a_tiny_chat_run_with_each_packing(tmp_path, chats, chat_tokenizer, packing):
+    result = run_train(
+        chat_tokenizer, tmp_path / "run", data=chats, eval_data=chats, format="chat", packing=packing,
+        seq_len=SEQ, batch_size=2, steps=2, eval_batches=1,
+    )  # fmt: skip
+    assert len(result.losses) == 2 and all(math.isfinite(v) for v in result.losses.values())
+    assert all(math.isfinite(v) for v in result.eval_losses.values())
+    record = RunRecord.read(tmp_path / "run")
+    assert record.packing == packing and 0 < record.padding_share < 1
+
+
+def test_a_cache_prepared_without_a_row_limit_is_refused_when_packed(tmp_path, chats, chat_tokenizer):
+    """A conversation longer than seq_len + 1 reaching the rows (a cache prepared without --seq-len):
+    one line naming the cache; cut from the stream (packing=concat) it is read as before."""
+    prepare_cache([chats], chat_tokenizer, tmp_path / "c", format="chat", workers=0)
+    cache = open_cache(tmp_path / "c")
+    with pytest.raises(NVFP4ToolError, match=rf"^{tmp_path / 'c'}: document \d+ has \d+ tokens, longer than a row"):
+        cache.windows(SEQ, "segmented")
+    assert len(cache.windows(SEQ, "concat")) == (cache.manifest.tokens - 1) // SEQ
+    padded = cache.windows(4 * SEQ, "padded")  # every conversation fits a row of 4 * SEQ + 1
+    assert len(padded) == ROWS and (padded.rows(np.arange(ROWS)).segments.max(axis=1) == 1).all()
