@@ -60,9 +60,8 @@ class TrainConfig:
     text_field: str = _key("text", "JSONL key / Parquet or dataset column holding the documents")
     packing: str | None = _key(
         None,
-        "concat | segmented | padded: documents in a row as one stream, or kept apart (segment ids; "
-        "fine-tuning rows: whole conversations packed per row), or one per row (fine-tuning rows); "
-        f"default: {NEW_RUN_PACKING} for a new run, a resume keeps the run's",
+        "concat: one stream; segmented: documents apart (fine-tuning rows whole); padded: one per "
+        f"row (fine-tuning); default: {NEW_RUN_PACKING}, a resume's: the run's",
     )
     format: str | None = _key(
         None,
