@@ -109,13 +109,21 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
         kept = lengths > 0
         return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
     nonempty = np.flatnonzero(lengths)
-    table, at = [], 0  # at: the row's first document, as an index into `nonempty`
-    while at < len(nonempty):  # one search per row, not a step per document
-        start = ends[nonempty[at]]
-        last = int(np.searchsorted(ends, start + width, side="right")) - 1  # documents [first, last) fit
-        table.append((start, ends[last] - start))
-        at = int(np.searchsorted(nonempty, last))
-    return np.array(table, np.int64).reshape(-1, 2)
+    # A row that starts at nonempty document d holds documents [d, last[d]) (all that fit); the
+    # next row starts at the first nonempty one from last[d]: f(d), an index into `nonempty`
+    # (> d: a document fits a row; n = len(nonempty) past the end, f(n) = n). The rows start at
+    # 0, f(0), f(f(0)), ...: found by doubling (`firsts` holds f^0(0) .. f^(m-1)(0), `jump` is
+    # f^m), log2(rows) passes over the documents instead of a Python step per row.
+    n = len(nonempty)
+    last = np.searchsorted(ends, ends[nonempty] + width, side="right") - 1
+    jump = np.append(np.searchsorted(nonempty, last), n)
+    firsts = np.zeros(1, np.int64)
+    while firsts[-1] < n:
+        firsts = np.concatenate([firsts, jump[firsts]])
+        jump = jump[jump]
+    firsts = firsts[firsts < n]
+    row_starts = ends[nonempty[firsts]]
+    return np.stack([row_starts, ends[last[firsts]] - row_starts], axis=1)
 
 
 class Windows:

@@ -129,6 +129,32 @@ def test_overlong_documents_and_padded_text_are_refused_in_one_line(tmp_path):
         load_train_config(None, ["data=x", "format=text", "packing=padded", f"out={tmp_path / 'r'}"])
 
 
+def test_the_row_table_packs_as_a_document_by_document_packer():
+    """`document_rows` (one search over all the documents, then a walk from row to row) packs as
+    a plain packer taking one document at a time, empty ones and ones a whole row long among them."""
+    rng = np.random.default_rng(5)
+    width = SEQ + 1
+    lengths = rng.integers(1, width + 1, size=3000)
+    lengths[rng.random(len(lengths)) < 0.1] = 0
+    lengths[rng.random(len(lengths)) < 0.05] = width
+    starts = np.cumsum(lengths) - lengths
+    rows, start, used = [], None, 0
+    for first, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+        if n == 0:
+            continue
+        if start is not None and used + n <= width:
+            used += n
+            continue
+        if start is not None:
+            rows.append((start, used))
+        start, used = first, n
+    rows.append((start, used))
+    table = document_rows(starts, int(lengths.sum()), SEQ, "segmented")
+    assert table.dtype == np.int64 and len(rows) > 1000
+    np.testing.assert_array_equal(table, rows)
+    assert document_rows(np.zeros(3, np.int64), 0, SEQ, "segmented").shape == (0, 2)
+
+
 def test_take_equals_slicing_across_pieces():
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 60000, 200).astype(np.uint16)
