@@ -10,11 +10,13 @@ stream[i*T : i*T + T + 1] (the stream cut; no table). Fine-tuning rows (`format`
 prompt_completion) with `packing=segmented` / `padded`: a table of (start, length) per row from the
 document index, whole documents packed greedily in order, or one per row (`document_rows`). The
 eval split is the last `eval_fraction` of the rows. Segments number a row's documents 1, 2, ...
+Pages that reads map from a memory map are unmapped every RELEASE_ROWS rows (`PageRelease`).
 Design notes: docs/design/data.md.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -35,6 +37,7 @@ class TokenStream:
         self.ends = np.cumsum([len(p) for p in self.pieces], dtype=np.int64)
         self.firsts = self.ends - [len(p) for p in self.pieces]  # each piece's first position
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (piece, length): its windows (a strided view)
+        self._release = PageRelease([file_map(p) for p in self.pieces])  # memory-mapped pieces' pages
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -75,7 +78,40 @@ class TokenStream:
             part = np.full((len(rows), length), fill, dtype)
             part[valid] = values
             out[rows] = part
+        self._release.read(len(starts))
         return out
+
+
+RELEASE_ROWS = 256  # rows read from memory maps between two releases of their pages
+
+
+class PageRelease:
+    """Unmaps the pages reads mapped from read-only memory maps (a cache's shards, its document
+    index) every RELEASE_ROWS rows read. The pages stay in the page cache (a later read of one is a
+    minor fault) but leave the process's RSS, which random rows of a large cache would otherwise
+    grow by ~0.1 MB each (a fault maps a whole large folio of the file) up to the cache's size."""
+
+    def __init__(self, maps: Iterable[mmap.mmap | None]) -> None:
+        self.maps = [m for m in maps if m is not None]
+        self.rows = 0  # read since the last release (threads may race on it: a release comes late or early)
+
+    def read(self, rows: int) -> None:
+        if not self.maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        self.rows += rows
+        if self.rows >= RELEASE_ROWS:
+            self.rows = 0
+            for file in self.maps:
+                file.madvise(mmap.MADV_DONTNEED)
+
+
+def file_map(array: np.ndarray | None) -> mmap.mmap | None:
+    """The read-only memory map `array` is a view of (an `np.memmap` / `np.load(mmap_mode="r")`
+    array's `base`), or None (an array in memory, or a writable map)."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    return None if base is None or array.flags.writeable else base
 
 
 def whole_documents(format: str, packing: str) -> bool:
@@ -89,6 +125,24 @@ def whole_documents(format: str, packing: str) -> bool:
             f"(one document per row) is for format={' | '.join(SFT_FORMATS)}"
         )
     return format in SFT_FORMATS and packing != "concat"
+
+
+def segment_ids(starts: np.ndarray, row_starts: np.ndarray, width: int) -> np.ndarray:
+    """[rows, width] int32: each token's document numbered from its row's first token's (1, 2,
+    ...): `searchsorted(starts, position, "right")` less the row's first token's, plus 1. Found with
+    two searches a row and the few documents that start inside it (not a search per token: a
+    cache's document index is read at a few pages a row)."""
+    row_starts = np.asarray(row_starts, np.int64)
+    first = np.searchsorted(starts, row_starts, side="right")  # the first document starting after the row's start
+    inside = np.searchsorted(starts, row_starts + width - 1, side="right") - first  # start in the row
+    marks = np.zeros((len(row_starts), width + 1), np.int32)  # column width: not in the row
+    most = int(inside.max()) if len(inside) else 0
+    if most:
+        at = np.minimum(first[:, None] + np.arange(most), len(starts) - 1)
+        begins = np.asarray(starts[at], np.int64) - row_starts[:, None]  # offsets in the row: 1 .. width - 1
+        begins[np.arange(most)[None, :] >= inside[:, None]] = width
+        np.add.at(marks, (np.arange(len(row_starts))[:, None], begins), 1)  # empty documents count too
+    return 1 + np.cumsum(marks[:, :width], axis=1, dtype=np.int32)
 
 
 def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, label: str = "data") -> np.ndarray:
@@ -148,6 +202,7 @@ class Windows:
             raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
         self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
         self.table, self.pad_id, self.first = table, pad_id, first
+        self._index_release = PageRelease([file_map(starts)])  # a cache's document index
         total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
         self.count = total - first if count is None else count
 
@@ -191,9 +246,8 @@ class Windows:
         tokens = self.tokens.take(row_starts, width, np.int32, lengths, self.pad_id)
         segments = None
         if self.packing != "concat":
-            positions = row_starts[:, None] + np.arange(width)[None, :]
-            document = np.searchsorted(self.starts, positions, side="right") - 1  # each token's document
-            segments = (document - document[:, :1] + 1).astype(np.int32)  # 1, 2, ... within each row
+            segments = segment_ids(self.starts, row_starts, width)
+            self._index_release.read(len(indices))
             if lengths is not None:
                 segments[np.arange(width)[None, :] >= lengths[:, None]] = 0  # padding
         loss = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -20,7 +21,14 @@ from nvfp4tool.corpus.loader import Loader
 from nvfp4tool.corpus.prepare import prepare_cache
 from nvfp4tool.corpus.sources import iter_rows
 from nvfp4tool.corpus.tokenizer import load_tokenizer
-from nvfp4tool.corpus.windows import TokenStream, document_rows, windows_in_memory
+from nvfp4tool.corpus.windows import (
+    RELEASE_ROWS,
+    TokenStream,
+    Windows,
+    document_rows,
+    segment_ids,
+    windows_in_memory,
+)
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
@@ -155,6 +163,23 @@ def test_the_row_table_packs_as_a_document_by_document_packer():
     assert document_rows(np.zeros(3, np.int64), 0, SEQ, "segmented").shape == (0, 2)
 
 
+def test_segment_ids_number_each_tokens_document_as_a_search_per_token():
+    """`segment_ids` (two searches a row) equals searching every token's document, with empty
+    documents, rows starting on a document's first token and rows reaching the stream's end."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 40, 500)
+    lengths[rng.random(500) < 0.2] = 0
+    starts = np.cumsum(lengths) - lengths
+    total, width = int(lengths.sum()), 33
+    row_starts = np.concatenate([rng.integers(0, total - width, 300), starts[:50], [total - width]])
+    positions = row_starts[:, None] + np.arange(width)[None, :]
+    document = np.searchsorted(starts, positions, side="right") - 1
+    got = segment_ids(starts, row_starts, width)
+    assert got.dtype == np.int32 and got.max() > 3
+    np.testing.assert_array_equal(got, document - document[:, :1] + 1)
+    np.testing.assert_array_equal(segment_ids(np.array([0]), np.array([0, 5]), 4), np.ones((2, 4)))
+
+
 def test_take_equals_slicing_across_pieces():
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 60000, 200).astype(np.uint16)
@@ -167,6 +192,45 @@ def test_take_equals_slicing_across_pieces():
     got = stream.take(starts, 33, np.int32, lengths, -1)
     want = np.stack([np.concatenate([whole[s : s + n], np.full(33 - n, -1)]) for s, n in zip(starts, lengths)])
     np.testing.assert_array_equal(got, want)
+
+
+def _mapped_kb(path) -> int:
+    """The resident kB of this process's mappings of file `path` (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
+                mine = len(head) >= 6 and head[5] == str(path)
+            elif mine and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads mapped pages from /proc/self/smaps")
+def test_rows_of_a_memory_map_leave_none_of_its_pages_mapped(tmp_path):
+    """Random rows read from a memory-mapped shard and document index (as a cache's) are the
+    in-memory stream's; pages they mapped stay mapped until RELEASE_ROWS rows have been read, then
+    none of either file is (RSS does not grow with the rows read)."""
+    whole = np.random.default_rng(0).integers(0, 60000, 1 << 21).astype(np.uint16)  # 4 MiB
+    documents = np.arange(0, len(whole), 1000, dtype=np.int64)
+    whole.tofile(tmp_path / "tokens.bin")
+    np.save(tmp_path / "starts.npy", documents)
+    mapped = Windows(
+        TokenStream([np.memmap(tmp_path / "tokens.bin", np.uint16, "r")]),
+        SEQ,
+        starts=np.load(tmp_path / "starts.npy", mmap_mode="r"),
+        packing="segmented",
+    )
+    in_memory = Windows(TokenStream([whole]), SEQ, starts=documents, packing="segmented")
+    picked = np.random.default_rng(1).permutation(len(in_memory))[:RELEASE_ROWS].reshape(-1, 16)
+    for number, rows in enumerate(picked, 1):
+        got, want = mapped.rows(rows), in_memory.rows(rows)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.segments, want.segments)
+        if number == len(picked) - 1:  # the control: mapped until the release
+            assert _mapped_kb(tmp_path / "tokens.bin") > 0 and _mapped_kb(tmp_path / "starts.npy") > 0
+    assert _mapped_kb(tmp_path / "tokens.bin") == 0 and _mapped_kb(tmp_path / "starts.npy") == 0
 
 
 @pytest.mark.parametrize("packing", ["segmented", "padded"])
