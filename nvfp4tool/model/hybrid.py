@@ -2,22 +2,26 @@
 with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
 
 `ReLU2MLP` (down(relu(up(x))^2), no gate), `HybridMoE` (FP32 grouped-sigmoid router, relu2 experts,
-shared expert), `HybridBlock` (one `nemotron_h` layer). Every linear goes through the linear seam.
+shared expert), `HybridBlock` (one `nemotron_h` layer, registered for the family's four layer kinds:
+`blocks.register_blocks`; it builds its own decode state). Every linear goes through the linear seam.
 Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ROUTER
-from nvfp4tool.families.nemotron_h import ATTENTION, LATENT, MAMBA, MLP, MOE, RELU2, HybridFields
+from nvfp4tool.families import ROUTER, nemotron_h
+from nvfp4tool.families.nemotron_h import ATTENTION, KIND_NAMES, LATENT, MAMBA, MLP, MOE, RELU2, HybridFields
+from nvfp4tool.model.blocks import register_blocks
 from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
-from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape
+from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape, MambaState
 
 
 class ReLU2MLP(nnx.Module):
@@ -134,14 +138,15 @@ def mamba_shape(config: ModelConfig) -> MambaShape:
 class HybridBlock(nnx.Module):
     """One single-mixer layer of a hybrid decoder: `norm` (RMSNorm, weight applied in fp32) ->
     `mixer` (a layer kind's: Mamba-2, attention without positional encoding, relu2 MLP, MoE) ->
-    residual. The same call as `transformer.Block`; its decode state is the attention's (k, v),
-    the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
+    residual. The same call as `decoder.DecoderBlock` (`blocks.Block`); its decode state is the
+    attention's (k, v), the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
 
     def __init__(
         self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
     ) -> None:
         E, prefix = config.hidden_size, f"{layer_name}.mixer"
         self.kind = kind
+        self.recurrent = kind == MAMBA  # the SSM state summarises every position it saw, padding too
         self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=True)
         fields: HybridFields = config.family_config
         if kind == MAMBA:
@@ -178,3 +183,15 @@ class HybridBlock(nnx.Module):
         else:
             y_BxTxE, side = self.mixer(h_BxTxE, seam)
         return x_BxTxE + y_BxTxE.astype(x_BxTxE.dtype), cached, side
+
+    def empty_state(self, batch: int, length: int, dtype: jnp.dtype) -> object:
+        """Its decode state before a prefill: the attention's `length` KV slots of zeros in `dtype`,
+        the Mamba mixer's zero conv window and SSM state (fp32, whatever the length), None (MLP, MoE)."""
+        if self.kind == MAMBA:
+            return MambaState.zeros(batch, self.mixer.shape)
+        if self.kind == ATTENTION:
+            return self.mixer.empty_state(batch, length, dtype)
+        return None
+
+
+register_blocks(nemotron_h.FAMILIES, {kind: functools.partial(HybridBlock, kind=kind) for kind in KIND_NAMES})

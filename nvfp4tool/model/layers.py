@@ -134,6 +134,11 @@ class Attention(nnx.Module):
         y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
 
+    def empty_state(self, batch: int, length: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Its KV cache before a prefill: `length` slots of zeros, (k, v) [B, S, KV, D] in `dtype`."""
+        shape = (batch, length, self.num_kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); projections named as the families' `SWIGLU`

@@ -347,3 +347,22 @@ def test_the_import_time_checker_sees_a_cycle_through_a_package(tmp_path):
     ):
         (package / "job.py").write_text(fixed)
         assert cycles(import_time_edges(mods, tmp_path)) == [], fixed
+
+
+def test_the_model_names_a_family_only_in_its_blocks_modules():
+    """Only a family's blocks module (`Family.blocks_module`), and the modules only blocks modules
+    import (the Mamba mixer), import a family group's module (`families.llama`, `families.moe`,
+    `families.nemotron_h`) or a blocks module: the generic model (transformer, generate,
+    layerwise, ...) builds every family's model without naming one."""
+    from nvfp4tool.families import REGISTRY
+
+    edges = _tree_edges()
+    groups = {type(family).__module__ for family in REGISTRY.values()}
+    blocks = {family.blocks_module for family in REGISTRY.values()}
+    assert groups == {"nvfp4tool.families.llama", "nvfp4tool.families.moe", "nvfp4tool.families.nemotron_h"}
+    assert blocks <= set(modules())
+    model = [m for m in modules() if m.startswith("nvfp4tool.model.")]
+    importers = {m: {a for a, b in edges if b == m and a.startswith("nvfp4tool.")} for m in model}
+    owned = blocks | {m for m in model if importers[m] and importers[m] <= blocks}
+    found = sorted((a, b) for a, b in edges if a in model and a not in owned and (b in groups or b in blocks))
+    assert not found, f"model modules naming a family outside its blocks modules:\n{_show(edges, found)}"
