@@ -15,6 +15,7 @@ Design notes: docs/design/data.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -118,30 +119,29 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
     return np.array(table, np.int64).reshape(-1, 2)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Windows:
     """Rows `first .. first + count - 1` of a stream: the table's, or the stream cut every seq_len."""
 
-    def __init__(
-        self,
-        tokens: TokenStream,
-        seq_len: int,
-        *,
-        starts: np.ndarray | None = None,
-        loss: TokenStream | None = None,
-        packing: str = "concat",
-        table: np.ndarray | None = None,
-        pad_id: int = 0,
-        first: int = 0,
-        count: int | None = None,
-    ) -> None:
-        if packing not in PACKINGS:
-            raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
-        if packing != "concat" and starts is None:
-            raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
-        self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
-        self.table, self.pad_id, self.first = table, pad_id, first
-        total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
-        self.count = total - first if count is None else count
+    tokens: TokenStream
+    seq_len: int
+    _: dataclasses.KW_ONLY
+    starts: np.ndarray | None = None  # [documents] int64: each document's first token (packing != concat)
+    loss: TokenStream | None = None  # the tokens' loss marks (None: every token carries loss)
+    packing: str = "concat"
+    table: np.ndarray | None = None  # [rows, 2] int64 (start, length) of whole-document rows; None: the stream cut
+    pad_id: int = 0
+    first: int = 0  # the first row of the layout these rows begin at
+    count: int | None = None  # how many rows (None: all from `first`)
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise NVFP4UsageError(f"packing={self.packing!r}; choose one of {', '.join(PACKINGS)}")
+        if self.packing != "concat" and self.starts is None:
+            raise NVFP4UsageError(f"packing={self.packing} needs the documents' start offsets")
+        if self.count is None:
+            total = len(self.table) if self.table is not None else max(0, (len(self.tokens) - 1) // self.seq_len)
+            object.__setattr__(self, "count", total - self.first)
 
     @classmethod
     def of(
@@ -224,17 +224,7 @@ class Windows:
         return self
 
     def _part(self, first: int, count: int) -> Windows:
-        return Windows(
-            self.tokens,
-            self.seq_len,
-            starts=self.starts,
-            loss=self.loss,
-            packing=self.packing,
-            table=self.table,
-            pad_id=self.pad_id,
-            first=self.first + first,
-            count=count,
-        )
+        return dataclasses.replace(self, first=self.first + first, count=count)
 
 
 def windows_in_memory(
