@@ -109,14 +109,27 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
     if packing == "padded":
         kept = lengths > 0
         return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
-    nonempty = np.flatnonzero(lengths)
-    table, at = [], 0  # at: the row's first document, as an index into `nonempty`
-    while at < len(nonempty):  # one search per row, not a step per document
-        start = ends[nonempty[at]]
-        last = int(np.searchsorted(ends, start + width, side="right")) - 1  # documents [first, last) fit
-        table.append((start, ends[last] - start))
-        at = int(np.searchsorted(nonempty, last))
-    return np.array(table, np.int64).reshape(-1, 2)
+    nonempty = np.flatnonzero(lengths)  # empty documents take no row
+    first = ends[nonempty]  # each nonempty document's first token
+    # a row opened by nonempty document k holds documents nonempty[k] .. last[k] - 1 (those ending
+    # within `width` of its start); the next row opens at the first nonempty document from last[k]
+    last = np.searchsorted(ends, first + width, side="right") - 1
+    opened = _chain(np.searchsorted(nonempty, last))  # the rows' first documents, as indices into nonempty
+    return np.stack([first[opened], ends[last[opened]] - first[opened]], axis=1)
+
+
+def _chain(following: np.ndarray) -> np.ndarray:
+    """0, following[0], following[following[0]], ... while below n = len(following) (each
+    following[k] in (k, n]): the path from 0, found by doubling instead of a step per row. With
+    jump = following applied 2^t times, the path's first 2^t nodes extended by jump of each are
+    its first 2^(t+1); O(n log rows) work in numpy, memory a few int64 per document."""
+    n = len(following)
+    path = np.zeros(min(n, 1), np.int64)
+    jump = np.append(following, np.int64(n))  # n: past the last document, where it stays
+    while len(path) and path[-1] < n:
+        path = np.concatenate([path, jump[path]])
+        jump = jump[jump]
+    return path[: np.searchsorted(path, n)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -129,6 +129,58 @@ def test_overlong_documents_and_padded_text_are_refused_in_one_line(tmp_path):
         load_train_config(None, ["data=x", "format=text", "packing=padded", f"out={tmp_path / 'r'}"])
 
 
+def _document_rows_loop(starts, total: int, seq_len: int, packing: str, label: str = "data") -> np.ndarray:
+    """The oracle: `document_rows` as it was, a Python step per row (before it was vectorised)."""
+    width = seq_len + 1
+    ends = np.append(np.asarray(starts, np.int64), np.int64(total))
+    lengths = np.diff(ends)
+    if len(lengths) and lengths.max() > width:
+        first = int(np.argmax(lengths > width))
+        raise NVFP4ToolError(
+            f"{label}: document {first} has {int(lengths[first])} tokens, longer than a row of seq_len + 1 = "
+            f"{width} (rows are held to it by overlong=drop | truncate when encoded: data prepare --seq-len {seq_len})"
+        )
+    if packing == "padded":
+        kept = lengths > 0
+        return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
+    nonempty = np.flatnonzero(lengths)
+    table, at = [], 0
+    while at < len(nonempty):
+        start = ends[nonempty[at]]
+        last = int(np.searchsorted(ends, start + width, side="right")) - 1
+        table.append((start, ends[last] - start))
+        at = int(np.searchsorted(nonempty, last))
+    return np.array(table, np.int64).reshape(-1, 2)
+
+
+def test_document_rows_equal_the_row_loop_on_random_lengths():
+    """The vectorised table against the row loop it replaced (the oracle above), both packings, on
+    random document lengths: empty documents, documents of exactly seq_len + 1 and of 1 token, none,
+    one, thousands; an overlong document refused with the same line."""
+    rng = np.random.default_rng(0)
+    cases = [(np.zeros(0, np.int64), 4), (np.zeros(5, np.int64), 4), (np.full(7, 9), 8), (np.ones(3000, np.int64), 8)]
+    for _ in range(300):
+        seq_len, count = int(rng.integers(1, 40)), int(rng.integers(1, 80))
+        kind = rng.integers(0, 4, count)  # empty, exactly seq_len + 1, 1 token, anything that fits
+        cases.append((np.choose(kind, [0, seq_len + 1, 1, rng.integers(0, seq_len + 2, count)]), seq_len))
+    cases.append((rng.integers(0, 200, 20000), 199))  # thousands of rows: many doubling steps
+    for lengths, seq_len in cases:
+        starts, total = np.cumsum(lengths) - lengths, int(lengths.sum())
+        for packing in ("segmented", "padded"):
+            want = _document_rows_loop(starts, total, seq_len, packing)
+            got = document_rows(starts, total, seq_len, packing)
+            assert got.dtype == want.dtype == np.int64 and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+        overlong = np.insert(lengths, int(rng.integers(0, len(lengths) + 1)), seq_len + 2 + int(rng.integers(0, 5)))
+        starts, total = np.cumsum(overlong) - overlong, int(overlong.sum())
+        for packing in ("segmented", "padded"):
+            with pytest.raises(NVFP4ToolError) as want:
+                _document_rows_loop(starts, total, seq_len, packing, "x.jsonl")
+            with pytest.raises(NVFP4ToolError) as got:
+                document_rows(starts, total, seq_len, packing, "x.jsonl")
+            assert str(got.value) == str(want.value)
+
+
 def test_take_equals_slicing_across_pieces():
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 60000, 200).astype(np.uint16)
