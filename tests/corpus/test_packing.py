@@ -2,13 +2,16 @@
 conversations greedily in order and `packing=padded` one per row, each equal to an independent
 oracle (tokens, loss marks, segments, end-of-text padding); the loader and the eval split read
 these rows; an overlong document (a cache prepared without a row limit) and padded text are
-refused in one line; `TokenStream.take` equals slicing; a tiny train run with each packing has
-finite losses and records its padding."""
+refused in one line; the row table equals the row loop it replaced (kept here as the oracle);
+`TokenStream.take` equals slicing; a tiny train run with each packing has finite losses and records
+its padding; a resume of a chat run begun when its rows were cut from the stream is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -217,3 +220,37 @@ def test_a_cache_prepared_without_a_row_limit_is_refused_when_packed(tmp_path, c
     assert len(cache.windows(SEQ, "concat")) == (cache.manifest.tokens - 1) // SEQ
     padded = cache.windows(4 * SEQ, "padded")  # every conversation fits a row of 4 * SEQ + 1
     assert len(padded) == ROWS and (padded.rows(np.arange(ROWS)).segments.max(axis=1) == 1).all()
+
+
+def test_a_resume_of_a_chat_run_begun_on_the_stream_cut_is_refused(tmp_path, chats, chat_tokenizer):
+    """A chat run begun before whole-conversation rows (its run.json has no `padding_share`, the key
+    that change began recording) had its packing=segmented rows cut from the token stream: a resume
+    is refused in one line naming run.json and the key, since this nvfp4tool packs other rows. With
+    the key, or with packing=concat (the stream cut then and now), the resume check passes.
+    (`_prepare` only: no step compiled.)"""
+    from nvfp4tool.train.trainer import _prepare
+
+    keys = dict(data=chats, format="chat", tokenizer=chat_tokenizer, seq_len=SEQ, batch_size=2)
+    rows = {}
+    for packing in ("segmented", "concat"):
+        out = tmp_path / packing
+        config = load_train_config(None, [f"{k}={v}" for k, v in {**keys, "packing": packing, "out": out}.items()])
+        record = _prepare(config, out).record
+        rows[packing] = record.train_windows
+        out.mkdir(exist_ok=True)
+        record.write(out)
+        resume = dataclasses.replace(config, resume=True)
+        if packing == "segmented":
+            _prepare(resume, out)  # a run.json with the key: the resume check passes
+        legacy = {k: v for k, v in record.to_json().items() if k != "padding_share"}
+        (out / "run.json").write_text(json.dumps(legacy))
+        assert RunRecord.read(out).padding_share is None
+        if packing == "concat":
+            _prepare(resume, out)
+            continue
+        with pytest.raises(NVFP4ToolError) as refused:
+            _prepare(resume, out)
+        message = str(refused.value)
+        assert re.match(rf"{re.escape(str(out / 'run.json'))}: no padding_share: ", message) and "\n" not in message
+        assert "packing=segmented" in message and "other rows" in message
+    assert rows["segmented"] != rows["concat"]  # whole conversations per row are other rows than the cut
