@@ -15,6 +15,7 @@ Design notes: docs/design/data.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -108,40 +109,52 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
     if packing == "padded":
         kept = lengths > 0
         return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
-    nonempty = np.flatnonzero(lengths)
-    table, at = [], 0  # at: the row's first document, as an index into `nonempty`
-    while at < len(nonempty):  # one search per row, not a step per document
-        start = ends[nonempty[at]]
-        last = int(np.searchsorted(ends, start + width, side="right")) - 1  # documents [first, last) fit
-        table.append((start, ends[last] - start))
-        at = int(np.searchsorted(nonempty, last))
-    return np.array(table, np.int64).reshape(-1, 2)
+    nonempty = np.flatnonzero(lengths)  # empty documents take no row
+    first = ends[nonempty]  # each nonempty document's first token
+    # a row opened by nonempty document k holds documents nonempty[k] .. last[k] - 1 (those ending
+    # within `width` of its start); the next row opens at the first nonempty document from last[k]
+    last = np.searchsorted(ends, first + width, side="right") - 1
+    opened = _chain(np.searchsorted(nonempty, last))  # the rows' first documents, as indices into nonempty
+    return np.stack([first[opened], ends[last[opened]] - first[opened]], axis=1)
 
 
+def _chain(following: np.ndarray) -> np.ndarray:
+    """0, following[0], following[following[0]], ... while below n = len(following) (each
+    following[k] in (k, n]): the path from 0, found by doubling instead of a step per row. With
+    jump = following applied 2^t times, the path's first 2^t nodes extended by jump of each are
+    its first 2^(t+1); O(n log rows) work in numpy, memory a few int64 per document."""
+    n = len(following)
+    path = np.zeros(min(n, 1), np.int64)
+    jump = np.append(following, np.int64(n))  # n: past the last document, where it stays
+    while len(path) and path[-1] < n:
+        path = np.concatenate([path, jump[path]])
+        jump = jump[jump]
+    return path[: np.searchsorted(path, n)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Windows:
     """Rows `first .. first + count - 1` of a stream: the table's, or the stream cut every seq_len."""
 
-    def __init__(
-        self,
-        tokens: TokenStream,
-        seq_len: int,
-        *,
-        starts: np.ndarray | None = None,
-        loss: TokenStream | None = None,
-        packing: str = "concat",
-        table: np.ndarray | None = None,
-        pad_id: int = 0,
-        first: int = 0,
-        count: int | None = None,
-    ) -> None:
-        if packing not in PACKINGS:
-            raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
-        if packing != "concat" and starts is None:
-            raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
-        self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
-        self.table, self.pad_id, self.first = table, pad_id, first
-        total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
-        self.count = total - first if count is None else count
+    tokens: TokenStream
+    seq_len: int
+    _: dataclasses.KW_ONLY
+    starts: np.ndarray | None = None  # [documents] int64: each document's first token (packing != concat)
+    loss: TokenStream | None = None  # the tokens' loss marks (None: every token carries loss)
+    packing: str = "concat"
+    table: np.ndarray | None = None  # [rows, 2] int64 (start, length) of whole-document rows; None: the stream cut
+    pad_id: int = 0
+    first: int = 0  # the first row of the layout these rows begin at
+    count: int | None = None  # how many rows (None: all from `first`)
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise NVFP4UsageError(f"packing={self.packing!r}; choose one of {', '.join(PACKINGS)}")
+        if self.packing != "concat" and self.starts is None:
+            raise NVFP4UsageError(f"packing={self.packing} needs the documents' start offsets")
+        if self.count is None:
+            total = len(self.table) if self.table is not None else max(0, (len(self.tokens) - 1) // self.seq_len)
+            object.__setattr__(self, "count", total - self.first)
 
     @classmethod
     def of(
@@ -224,17 +237,7 @@ class Windows:
         return self
 
     def _part(self, first: int, count: int) -> Windows:
-        return Windows(
-            self.tokens,
-            self.seq_len,
-            starts=self.starts,
-            loss=self.loss,
-            packing=self.packing,
-            table=self.table,
-            pad_id=self.pad_id,
-            first=self.first + first,
-            count=count,
-        )
+        return dataclasses.replace(self, first=self.first + first, count=count)
 
 
 def windows_in_memory(
