@@ -4,8 +4,9 @@ optional: a family without positional encoding passes `rope=False`), the SwiGLU 
 routers (`route`: softmax top-k; `route_grouped_sigmoid`: sigmoid scores with a correction bias,
 grouped top-k) and the sparse `SparseMoE`.
 
-`transformer.py` assembles them into the Llama-family blocks and the whole `CausalLM`;
-`hybrid.py` and `mamba.py` add the hybrid family's mixers on the same layers.
+Each family's blocks module (`Family.blocks_module`: `decoder.py` for the Llama and MoE groups)
+builds its blocks of them, with its own mixers where it has some; `transformer.py` assembles the
+blocks into the whole `CausalLM`. Linears are named from the families' `Projection`s.
 """
 
 from __future__ import annotations
