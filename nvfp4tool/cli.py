@@ -511,7 +511,8 @@ def data_prepare_command(
 @click.option("--skip-sources", is_flag=True, help="Check only the cache's own files, not the source files it records.")
 def data_verify_command(cache: str, skip_sources: bool) -> None:
     """Check every file of CACHE against its manifest's sha256 and, unless --skip-sources, each
-    source file it records (paths as given to prepare) against its recorded sha256.
+    source file it records against its recorded sha256 (a source given to prepare as a relative
+    path is found from the cache folder, from any current folder).
 
     \b
     Example:

@@ -16,6 +16,7 @@ Design notes: docs/design/data.md.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from collections.abc import Iterable, Iterator
 
@@ -162,49 +163,54 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
     if packing == "padded":
         kept = lengths > 0
         return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
-    nonempty = np.flatnonzero(lengths)
-    # A row that starts at nonempty document d holds documents [d, last[d]) (all that fit); the
-    # next row starts at the first nonempty one from last[d]: f(d), an index into `nonempty`
-    # (> d: a document fits a row; n = len(nonempty) past the end, f(n) = n). The rows start at
-    # 0, f(0), f(f(0)), ...: found by doubling (`firsts` holds f^0(0) .. f^(m-1)(0), `jump` is
-    # f^m), log2(rows) passes over the documents instead of a Python step per row.
-    n = len(nonempty)
-    last = np.searchsorted(ends, ends[nonempty] + width, side="right") - 1
-    jump = np.append(np.searchsorted(nonempty, last), n)
-    firsts = np.zeros(1, np.int64)
-    while firsts[-1] < n:
-        firsts = np.concatenate([firsts, jump[firsts]])
+    nonempty = np.flatnonzero(lengths)  # empty documents take no row
+    first = ends[nonempty]  # each nonempty document's first token
+    # a row opened by nonempty document k holds documents nonempty[k] .. last[k] - 1 (those ending
+    # within `width` of its start); the next row opens at the first nonempty document from last[k]
+    last = np.searchsorted(ends, first + width, side="right") - 1
+    opened = _chain(np.searchsorted(nonempty, last))  # the rows' first documents, as indices into nonempty
+    return np.stack([first[opened], ends[last[opened]] - first[opened]], axis=1)
+
+
+def _chain(following: np.ndarray) -> np.ndarray:
+    """0, following[0], following[following[0]], ... while below n = len(following) (each
+    following[k] in (k, n]): the path from 0, found by doubling instead of a step per row. With
+    jump = following applied 2^t times, the path's first 2^t nodes extended by jump of each are
+    its first 2^(t+1); O(n log rows) work in numpy, memory a few int64 per document."""
+    n = len(following)
+    path = np.zeros(min(n, 1), np.int64)
+    jump = np.append(following, np.int64(n))  # n: past the last document, where it stays
+    while len(path) and path[-1] < n:
+        path = np.concatenate([path, jump[path]])
         jump = jump[jump]
-    firsts = firsts[firsts < n]
-    row_starts = ends[nonempty[firsts]]
-    return np.stack([row_starts, ends[last[firsts]] - row_starts], axis=1)
+    return path[: np.searchsorted(path, n)]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Windows:
     """Rows `first .. first + count - 1` of a stream: the table's, or the stream cut every seq_len."""
 
-    def __init__(
-        self,
-        tokens: TokenStream,
-        seq_len: int,
-        *,
-        starts: np.ndarray | None = None,
-        loss: TokenStream | None = None,
-        packing: str = "concat",
-        table: np.ndarray | None = None,
-        pad_id: int = 0,
-        first: int = 0,
-        count: int | None = None,
-    ) -> None:
-        if packing not in PACKINGS:
-            raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
-        if packing != "concat" and starts is None:
-            raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
-        self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
-        self.table, self.pad_id, self.first = table, pad_id, first
-        self._index_release = PageRelease([file_map(starts)])  # a cache's document index
-        total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
-        self.count = total - first if count is None else count
+    tokens: TokenStream
+    seq_len: int
+    _: dataclasses.KW_ONLY
+    starts: np.ndarray | None = None  # [documents] int64: each document's first token (packing != concat)
+    loss: TokenStream | None = None  # the tokens' loss marks (None: every token carries loss)
+    packing: str = "concat"
+    table: np.ndarray | None = None  # [rows, 2] int64 (start, length) of whole-document rows; None: the stream cut
+    pad_id: int = 0
+    first: int = 0  # the first row of the layout these rows begin at
+    count: int | None = None  # how many rows (None: all from `first`)
+    _index_release: PageRelease = dataclasses.field(init=False, repr=False)  # a cache's document index
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise NVFP4UsageError(f"packing={self.packing!r}; choose one of {', '.join(PACKINGS)}")
+        if self.packing != "concat" and self.starts is None:
+            raise NVFP4UsageError(f"packing={self.packing} needs the documents' start offsets")
+        object.__setattr__(self, "_index_release", PageRelease([file_map(self.starts)]))
+        if self.count is None:
+            total = len(self.table) if self.table is not None else max(0, (len(self.tokens) - 1) // self.seq_len)
+            object.__setattr__(self, "count", total - self.first)
 
     @classmethod
     def of(
@@ -286,17 +292,7 @@ class Windows:
         return self
 
     def _part(self, first: int, count: int) -> Windows:
-        return Windows(
-            self.tokens,
-            self.seq_len,
-            starts=self.starts,
-            loss=self.loss,
-            packing=self.packing,
-            table=self.table,
-            pad_id=self.pad_id,
-            first=self.first + first,
-            count=count,
-        )
+        return dataclasses.replace(self, first=self.first + first, count=count)
 
 
 def windows_in_memory(

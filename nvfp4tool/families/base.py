@@ -205,6 +205,9 @@ class Family:
     router_blocks: tuple[str, ...] = ()  # the attributes whose `gate` is a MoE router ("mlp", "mixer", ...)
     may_be_zero: tuple[str, ...] = ()  # fnmatch patterns of tensors legitimately all zero (check says nothing)
     no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
+    # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
+    # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
+    blocks_module: str | None = None
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""

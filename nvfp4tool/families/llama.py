@@ -7,7 +7,7 @@ What differs per model type is how config.json spells the attention options:
   mistral no attention bias; `sliding_window` (every layer, as HF's MistralModel applies it).
   qwen2   q/k/v always biased, o_proj never; full attention in every layer only.
   qwen3   per-head q/k RMSNorm (`qk_norm`); `attention_bias` on all four; full attention only.
-The blocks are `model/transformer.py`'s `Block` (Attention + MLP).
+The blocks are `model/decoder.py`'s `DecoderBlock` (Attention + MLP).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from nvfp4tool.families.maxtext import Rule, decoder_rules, dense_mlp_rules
 
 class Decoder(Family):
     """A pre-norm attention + SwiGLU decoder; the switches say how config.json spells its options."""
+
+    blocks_module = "nvfp4tool.model.decoder"
 
     def __init__(
         self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str, maxtext: str | None

@@ -9,7 +9,7 @@ Attention as the Llama group's (Qwen3's with q/k norm and `attention_bias`; Mist
              (i + 1) % decoder_sparse_step != 0, as transformers decides.
   mixtral    every MLP sparse: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}`
              (= gate/up/down) of width `intermediate_size`, top-k renormalised.
-The blocks are `model/transformer.py`'s `Block` with a `SparseMoE`.
+The blocks are `model/decoder.py`'s `DecoderBlock` with a `SparseMoE`.
 """
 
 from __future__ import annotations

@@ -428,6 +428,7 @@ class HybridDecoder(Family):
 
     model_type = "nemotron_h"
     architecture = "NemotronHForCausalLM"
+    blocks_module = "nvfp4tool.model.hybrid"
     modeled_keys = _KEYS
     positional = "none"
     projections = (MAMBA_IN, MAMBA_OUT, *LATENT)

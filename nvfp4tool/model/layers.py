@@ -4,8 +4,9 @@ optional: a family without positional encoding passes `rope=False`), the SwiGLU 
 routers (`route`: softmax top-k; `route_grouped_sigmoid`: sigmoid scores with a correction bias,
 grouped top-k) and the sparse `SparseMoE`.
 
-`transformer.py` assembles them into the Llama-family blocks and the whole `CausalLM`;
-`hybrid.py` and `mamba.py` add the hybrid family's mixers on the same layers.
+Each family's blocks module (`Family.blocks_module`: `decoder.py` for the Llama and MoE groups)
+builds its blocks of them, with its own mixers where it has some; `transformer.py` assembles the
+blocks into the whole `CausalLM`. Linears are named from the families' `Projection`s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.remat import linear_output
@@ -85,13 +87,12 @@ class Attention(nnx.Module):
         E, D = config.hidden_size, config.head_dim
         H, KV = config.num_heads, config.num_kv_heads
 
-        def proj(name: str, k: int, n: int, bias: bool) -> Linear:
-            return Linear(k, n, bias=bias, name=f"{prefix}.{name}", param_dtype=param_dtype, rngs=rngs)
-
-        self.q_proj = proj("q_proj", E, H * D, config.attention_bias)
-        self.k_proj = proj("k_proj", E, KV * D, config.attention_bias)
-        self.v_proj = proj("v_proj", E, KV * D, config.attention_bias)
-        self.o_proj = proj("o_proj", H * D, E, config.o_proj_bias)
+        shapes = ((E, H * D), (E, KV * D), (E, KV * D), (H * D, E))
+        biases = (config.attention_bias,) * 3 + (config.o_proj_bias,)
+        for p, (k, n), bias in zip(ATTENTION_PROJECTIONS, shapes, biases):  # q, k, v, o: HF's attributes
+            setattr(
+                self, p.attr, Linear(k, n, bias=bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
+            )
         norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
@@ -113,9 +114,10 @@ class Attention(nnx.Module):
         no cache)."""
         B, T, _ = x_BxTxE.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, q_side = self.q_proj(x_BxTxE, seam)
-        k, k_side = self.k_proj(x_BxTxE, seam)
-        v, v_side = self.v_proj(x_BxTxE, seam)
+        q_proj, k_proj, v_proj, o_proj = (getattr(self, p.attr) for p in ATTENTION_PROJECTIONS)
+        q, q_side = q_proj(x_BxTxE, seam)
+        k, k_side = k_proj(x_BxTxE, seam)
+        v, v_side = v_proj(x_BxTxE, seam)
         q_BxTxHxD, k_BxTxKVxD, v_BxTxKVxD = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, D)
         if self.q_norm is not None:
             q_BxTxHxD, k_BxTxKVxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxTxKVxD)
@@ -130,13 +132,19 @@ class Attention(nnx.Module):
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
         out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype), mask)
-        y_BxTxE, o_side = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
+        y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
+
+    def empty_state(self, batch: int, length: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Its KV cache before a prefill: `length` slots of zeros, (k, v) [B, S, KV, D] in `dtype`."""
+        shape = (batch, length, self.num_kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); projections named gate_proj/up_proj/down_proj (a dense
-    MLP, a Qwen3-MoE expert) or `names` (a Mixtral expert: w1/w3/w2)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); projections named as the families' `SWIGLU`
+    (gate_proj/up_proj/down_proj: a dense MLP, a Qwen3-MoE expert) or `names` (a family's expert
+    projections: Mixtral's w1/w3/w2)."""
 
     def __init__(
         self,
@@ -144,7 +152,7 @@ class MLP(nnx.Module):
         prefix: str,
         *,
         width: int | None = None,
-        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        names: tuple[str, ...] = tuple(p.attr for p in SWIGLU),
         param_dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ) -> None:
@@ -233,14 +241,15 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.gate = Linear(
+        router = Linear(
             config.hidden_size,
             config.experts.num_experts,
             bias=False,
-            name=f"{prefix}.gate",
+            name=f"{prefix}.{ROUTER.attr}",
             param_dtype=param_dtype,
             rngs=rngs,
         )
+        setattr(self, ROUTER.attr, router)  # HF's attribute: `gate`
         self.experts = nnx.List(
             [
                 MLP(
@@ -259,7 +268,8 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         """(the output, side results: the experts' records, the router's logits under its name)."""
-        logits_BxTxN, router_side = self.gate(x_BxTxE, seam)
+        router = getattr(self, ROUTER.attr)
+        logits_BxTxN, router_side = router(x_BxTxE, seam)
         weights_BxTxN, chosen_BxTxN = route(
             logits_BxTxN,
             self.top_k,
@@ -267,7 +277,7 @@ class SparseMoE(nnx.Module):
             logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32,
         )
         out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
-        sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
+        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
         for e, expert in enumerate(self.experts):
             routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
             y_BxTxE, expert_side = expert(routed_BxTxE, seam)
