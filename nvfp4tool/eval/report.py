@@ -201,7 +201,7 @@ def print_report(record: EvalRecord, console: Any) -> None:
     `tables.print_table`; each fits 120 columns, `sections`)."""
     from rich.table import Table
 
-    from nvfp4tool.tables import print_table
+    from nvfp4tool.tables import print_line, print_table
 
     for title, header, body in sections(record):
         table = Table(title=title)
@@ -211,7 +211,7 @@ def print_report(record: EvalRecord, console: Any) -> None:
             table.add_row(*row)
         print_table(console, table)
     if _judged(record):
-        console.print("eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
+        print_line(console, "eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
 
 
 def _judged(record: EvalRecord) -> bool:
