@@ -141,7 +141,10 @@ class LayerwiseModel:
         wave = S if self.streamed else batch_size  # windows that go through one layer together
         layers = self.config.num_layers
         aux = aux or (lambda i: None)
-        with progress.task(label, total=layers * -(-S // wave), unit="layer") as task:
+        # what the task counts: streamed, all windows go through one layer at a time (layers);
+        # held, each batch of windows goes through every layer in turn (windows)
+        total, unit = (layers, "layer") if self.streamed else (S, "window")
+        with progress.task(label, total=total, unit=unit) as task:
             started, layer_tokens = time.perf_counter(), 0
             for w0 in range(0, S, wave):
                 starts = list(range(w0, min(w0 + wave, S), batch_size))
@@ -174,7 +177,15 @@ class LayerwiseModel:
                         memory.release()
                     layer_tokens += (min(w0 + wave, S) - w0) * T
                     rate = layer_tokens / layers / (time.perf_counter() - started)
-                    task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
+                    if self.streamed:
+                        task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
+                if not self.streamed:
+                    rate = layer_tokens / layers / (time.perf_counter() - started)
+                    task.advance(
+                        min(w0 + wave, S) - w0,
+                        description=f"windows {w0}-{min(w0 + wave, S) - 1}",
+                        fields={"tokens/s": f"{rate:.0f}"},
+                    )
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
                     with progress.compiling(
