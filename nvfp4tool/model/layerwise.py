@@ -41,6 +41,23 @@ from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 
 STAR = layer_prefix("*")  # the layer prefix of the names a block program sees
+FORWARD_MARGIN = 1.25  # held_forward_bytes' margin over the larger phase (measured: 1.1-1.3x on tiny / small)
+
+
+def held_forward_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Memory a held model's `logits` needs besides its weights for one batch of `batch_size` rows
+    of `seq_len` tokens. Its two phases never overlap, so the larger counts, with a margin: a layer
+    (fp32 activations, the MLP's gate / up / product, the attention's fp32 scores and
+    probabilities [B, H, T, T]) or the LM head (fp32 logits [B, T, V]); plus the weight blocks
+    widened for a GEMM (`numerics.dense_widening`) and the largest tensor read from its file."""
+    from nvfp4tool.numerics.dot import WIDEN_BYTES
+
+    tokens = batch_size * seq_len
+    layer = 4 * tokens * (3 * config.intermediate_size + 6 * config.hidden_size)
+    layer += 2 * 4 * batch_size * config.num_heads * seq_len * seq_len
+    head = 4 * tokens * (config.vocab_size + config.hidden_size)
+    largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
+    return int(FORWARD_MARGIN * max(layer, head)) + WIDEN_BYTES + largest
 
 
 class LayerwiseModel:
