@@ -241,9 +241,10 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        experts = config.family_spec.experts(config)  # the family's `moe.Experts`
         router = Linear(
             config.hidden_size,
-            config.experts.num_experts,
+            experts.num_experts,
             bias=False,
             name=f"{prefix}.{ROUTER.attr}",
             param_dtype=param_dtype,
@@ -255,15 +256,15 @@ class SparseMoE(nnx.Module):
                 MLP(
                     config,
                     f"{prefix}.experts.{e}",
-                    width=config.expert_intermediate_size,
-                    names=config.expert_projections,
+                    width=config.family_spec.expert_width(config),
+                    names=config.family_spec.expert_attrs,
                     param_dtype=param_dtype,
                     rngs=rngs,
                 )
-                for e in range(config.experts.num_experts)
+                for e in range(experts.num_experts)
             ]
         )
-        self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
+        self.top_k, self.normalize = experts.num_experts_per_tok, experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
