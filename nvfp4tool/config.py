@@ -243,7 +243,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": self.family_spec.hidden_act,
+            "hidden_act": self.family_spec.activation,
             self.family_spec.norm_eps_key: self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -372,8 +372,11 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
 def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Family) -> None:
     if family.positional != "rope":
         return  # a hybrid's options are its family's (`Family.parse`)
-    if hf.get("hidden_act", "silu") != "silu":
-        raise NVFP4ToolError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; supported: silu")
+    if hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
+        raise NVFP4ToolError(
+            f"{source}: hidden_act {hf['hidden_act']!r} unsupported for {family.model_type}; "
+            f"supported: {family.activation}"
+        )
     if hf.get("mlp_bias"):
         raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
     for key in ("rope_parameters", "rope_scaling"):

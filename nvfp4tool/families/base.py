@@ -196,7 +196,9 @@ class Family:
     positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
     norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
-    hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
+    # its MLPs' activation, by transformers' `hidden_act` name (a key of `model.activations.ACTIVATIONS`):
+    # config.json's hidden_act must name it (absent: this), and it is written back
+    activation = "silu"
     common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
     stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
     # fnmatch patterns of unquantized tensors an export copies in the source's dtype (others: BF16)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU
+from nvfp4tool.model.activations import activation
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.remat import linear_output
@@ -142,7 +143,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); projections named as the families' `SWIGLU`
+    """A gated MLP, down(act(gate(x)) * up(x)) with its family's activation (`Family.activation`:
+    SwiGLU for silu, GeGLU for gelu_pytorch_tanh); projections named as the families' `SWIGLU`
     (gate_proj/up_proj/down_proj: a dense MLP, a Qwen3-MoE expert) or `names` (a family's expert
     projections: Mixtral's w1/w3/w2)."""
 
@@ -158,6 +160,7 @@ class MLP(nnx.Module):
     ) -> None:
         E, F = config.hidden_size, width or config.intermediate_size
         self.names = names
+        self.activation = config.family_spec.activation  # its name (`model.activations`)
         for attr, k, n in zip(names, (E, E, F), (F, F, E)):
             setattr(self, attr, Linear(k, n, bias=False, name=f"{prefix}.{attr}", param_dtype=param_dtype, rngs=rngs))
 
@@ -165,7 +168,7 @@ class MLP(nnx.Module):
         gate, up, down = (getattr(self, attr) for attr in self.names)
         g_BxTxF, gate_side = gate(x_BxTxE, seam)
         u_BxTxF, up_side = up(x_BxTxE, seam)
-        y_BxTxE, down_side = down(jax.nn.silu(g_BxTxF) * u_BxTxF, seam)
+        y_BxTxE, down_side = down(activation(self.activation)(g_BxTxF) * u_BxTxF, seam)
         return y_BxTxE, merged(gate_side, up_side, down_side)
 
 
