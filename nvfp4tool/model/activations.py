@@ -4,7 +4,7 @@
     y = act(x)
 
 A family declares its activation by name (`Family.activation`: silu for the Llama and MoE groups,
-relu2 for the hybrid's MLPs); the functions are transformers' definitions (`ACT2FN`), computed in
+relu2 for a relu(x)^2 MLP); the functions are transformers' definitions (`ACT2FN`), computed in
 the input's dtype. An unknown name is NVFP4ToolError naming config.json's `hidden_act`.
 Design notes: docs/design/model.md.
 """

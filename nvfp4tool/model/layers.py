@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU
+from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU, layer_index
 from nvfp4tool.model.activations import activation
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
@@ -80,7 +80,8 @@ class Embedding(nnx.Module):
 
 class Attention(nnx.Module):
     """GQA self-attention: q/k/v projections, optional q/k norm, RoPE (unless `rope=False`: a
-    family without positional encoding), masked softmax, o_proj."""
+    family without positional encoding), masked softmax within its layer's sliding window (the
+    family's `layer_attention(config, layer)`, the layer read from `prefix`), o_proj."""
 
     def __init__(
         self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, rope: bool = True
@@ -100,6 +101,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
         self.name = prefix  # the KV seam's name of this layer
         self.rope = rope
+        self.window = config.family_spec.layer_attention(config, layer_index(prefix)).window
 
     def __call__(
         self,
@@ -132,7 +134,12 @@ class Attention(nnx.Module):
             start = (0, write_index, 0, 0)
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
-        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype), mask)
+        out_BxTxHxD = attend(
+            q_BxTxHxD,
+            k_BxSxKVxD.astype(x_BxTxE.dtype),
+            v_BxSxKVxD.astype(x_BxTxE.dtype),
+            mask.within(self.window),  # its layer's sliding window
+        )
         y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
 
