@@ -1113,6 +1113,7 @@ def validate_command(
     """
     from rich.console import Console
 
+    from nvfp4tool.tables import print_line
     from nvfp4tool.validate.report import KEEP_BF16_TXT, print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
     from nvfp4tool.validate.sensitivity import export_with_file
@@ -1151,11 +1152,12 @@ def validate_command(
     print_report(record, console)
     if record.sensitivity is not None:
         found = record.sensitivity
-        console.print(
+        print_line(
+            console,
             f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
             f"keeping {len(found.keep_bf16)} group(s) in BF16 "
             f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g}"
-            f"{found.trajectory[-1].size_text()})"
+            f"{found.trajectory[-1].size_text()})",
         )
         keep_file = os.path.join(export, KEEP_BF16_TXT)
         click.echo(
