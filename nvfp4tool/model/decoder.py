@@ -33,11 +33,11 @@ class DecoderBlock(nnx.Module):
         self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         mlp = (
-            SparseMoE(config, f"{layer_name}.{config.expert_block}", param_dtype=param_dtype, rngs=rngs)
+            SparseMoE(config, f"{layer_name}.{config.family_spec.block}", param_dtype=param_dtype, rngs=rngs)
             if sparse
             else MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)
         )
-        self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
+        self.mlp_attr = config.family_spec.block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
         setattr(self, self.mlp_attr, mlp)
 
     def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam: Seam):

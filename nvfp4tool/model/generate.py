@@ -108,7 +108,6 @@ class _SamplingOptions(NamedTuple):
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "linear", "kv"))
 def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_new_tokens, linear, kv):
     model = nnx.merge(graphdef, state)
-    config = model.config
     B, T = prompt_ids_BxT.shape
     S = T + max_new_tokens
     cache = empty_decode_state(model, B, S)
@@ -119,9 +118,11 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     key_positions_BxS = jnp.concatenate(
         [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1
     )
-    window = config.sliding_window
-    prompt_mask = AttentionMask.explicit(
-        attention_allowed(jnp.arange(T), key_valid_BxS, window, prompt_positions_BxT, key_positions_BxS), mask_BxT
+    prompt_mask = AttentionMask.explicit(  # each attention layer narrows it to its window (`within`)
+        attention_allowed(jnp.arange(T), key_valid_BxS, None),
+        mask_BxT,
+        query_positions_BxT=prompt_positions_BxT,
+        key_positions_BxS=key_positions_BxS,
     )
     logits_BxTxV, cache = forward_with_cache(
         model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv
@@ -142,7 +143,9 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         slot = T + i  # cache slot of `token_B`
         position_Bx1 = (first_position_B + i)[:, None]
         step_mask = AttentionMask.explicit(
-            attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS)
+            attention_allowed(slot[None], key_valid_BxS, None),
+            query_positions_BxT=position_Bx1,
+            key_positions_BxS=key_positions_BxS,
         )
         logits_Bx1xV, cache = forward_with_cache(
             model, token_B[:, None], position_Bx1, step_mask, cache, slot, linear, kv

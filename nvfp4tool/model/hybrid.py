@@ -17,7 +17,18 @@ from flax import nnx
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.families import ROUTER, nemotron_h
-from nvfp4tool.families.nemotron_h import ATTENTION, KIND_NAMES, LATENT, MAMBA, MLP, MOE, RELU2, HybridFields
+from nvfp4tool.families.nemotron_h import (
+    ACTIVATION,
+    ATTENTION,
+    KIND_NAMES,
+    LATENT,
+    MAMBA,
+    MLP,
+    MOE,
+    RELU2,
+    HybridFields,
+)
+from nvfp4tool.model.activations import activation
 from nvfp4tool.model.blocks import register_blocks
 from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
@@ -38,8 +49,7 @@ class ReLU2MLP(nnx.Module):
     def __call__(self, x: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         up, down = (getattr(self, p.attr) for p in RELU2)
         u, up_side = up(x, seam)
-        r = jax.nn.relu(u)
-        y, down_side = down(r * r, seam)
+        y, down_side = down(activation(ACTIVATION)(u), seam)
         return y, merged(up_side, down_side)
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU
+from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU, layer_index
+from nvfp4tool.model.activations import activation
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.remat import linear_output
@@ -79,7 +80,8 @@ class Embedding(nnx.Module):
 
 class Attention(nnx.Module):
     """GQA self-attention: q/k/v projections, optional q/k norm, RoPE (unless `rope=False`: a
-    family without positional encoding), masked softmax, o_proj."""
+    family without positional encoding), masked softmax within its layer's sliding window (the
+    family's `layer_attention(config, layer)`, the layer read from `prefix`), o_proj."""
 
     def __init__(
         self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, rope: bool = True
@@ -99,6 +101,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
         self.name = prefix  # the KV seam's name of this layer
         self.rope = rope
+        self.window = config.family_spec.layer_attention(config, layer_index(prefix)).window
 
     def __call__(
         self,
@@ -131,7 +134,12 @@ class Attention(nnx.Module):
             start = (0, write_index, 0, 0)
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
-        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype), mask)
+        out_BxTxHxD = attend(
+            q_BxTxHxD,
+            k_BxSxKVxD.astype(x_BxTxE.dtype),
+            v_BxSxKVxD.astype(x_BxTxE.dtype),
+            mask.within(self.window),  # its layer's sliding window
+        )
         y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
 
@@ -142,7 +150,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); projections named as the families' `SWIGLU`
+    """A gated MLP, down(act(gate(x)) * up(x)) with its family's activation (`Family.activation`:
+    SwiGLU for silu, GeGLU for gelu_pytorch_tanh); projections named as the families' `SWIGLU`
     (gate_proj/up_proj/down_proj: a dense MLP, a Qwen3-MoE expert) or `names` (a family's expert
     projections: Mixtral's w1/w3/w2)."""
 
@@ -158,6 +167,7 @@ class MLP(nnx.Module):
     ) -> None:
         E, F = config.hidden_size, width or config.intermediate_size
         self.names = names
+        self.activation = config.family_spec.activation  # its name (`model.activations`)
         for attr, k, n in zip(names, (E, E, F), (F, F, E)):
             setattr(self, attr, Linear(k, n, bias=False, name=f"{prefix}.{attr}", param_dtype=param_dtype, rngs=rngs))
 
@@ -165,7 +175,7 @@ class MLP(nnx.Module):
         gate, up, down = (getattr(self, attr) for attr in self.names)
         g_BxTxF, gate_side = gate(x_BxTxE, seam)
         u_BxTxF, up_side = up(x_BxTxE, seam)
-        y_BxTxE, down_side = down(jax.nn.silu(g_BxTxF) * u_BxTxF, seam)
+        y_BxTxE, down_side = down(activation(self.activation)(g_BxTxF) * u_BxTxF, seam)
         return y_BxTxE, merged(gate_side, up_side, down_side)
 
 
@@ -241,9 +251,10 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        experts = config.family_spec.experts(config)  # the family's `moe.Experts`
         router = Linear(
             config.hidden_size,
-            config.experts.num_experts,
+            experts.num_experts,
             bias=False,
             name=f"{prefix}.{ROUTER.attr}",
             param_dtype=param_dtype,
@@ -255,15 +266,15 @@ class SparseMoE(nnx.Module):
                 MLP(
                     config,
                     f"{prefix}.experts.{e}",
-                    width=config.expert_intermediate_size,
-                    names=config.expert_projections,
+                    width=config.family_spec.expert_width(config),
+                    names=config.family_spec.expert_attrs,
                     param_dtype=param_dtype,
                     rngs=rngs,
                 )
-                for e in range(config.experts.num_experts)
+                for e in range(experts.num_experts)
             ]
         )
-        self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
+        self.top_k, self.normalize = experts.num_experts_per_tok, experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:

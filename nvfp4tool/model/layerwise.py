@@ -408,7 +408,7 @@ def _embed_step(graphdef, state, ids_BxT, *, gather):
     state = _gathered(state, gather)
     model = nnx.merge(graphdef, state)
     cos_BxTxD, sin_BxTxD = rope(model, default_positions(jnp.ones(ids_BxT.shape, bool)))
-    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal(model.config.sliding_window)
+    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal()
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather", "all_experts"))

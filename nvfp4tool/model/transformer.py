@@ -27,7 +27,7 @@ from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layers import Embedding, Linear, RMSNorm
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed
-from nvfp4tool.model.rope import inverse_frequencies, rope_cos_sin
+from nvfp4tool.model.rope import layer_frequencies, rope_cos_sin
 
 
 class DecodeState(NamedTuple):
@@ -202,10 +202,10 @@ def sequence_mask(
     """(positions [B, T], the `AttentionMask`) of rows without a cache: causal by structure when
     no mask, positions or segments are given; else explicit over the real tokens (mask 1, and
     segment != 0), each query seeing its own segment only, positions restarting at 0 at each
-    segment (`segment_positions`) unless given."""
-    window = config.sliding_window
+    segment (`segment_positions`) unless given. Each attention layer narrows it to its own sliding
+    window (`AttentionMask.within`)."""
     if attention_mask_BxT is None and positions_BxT is None and segment_ids_BxT is None:
-        return default_positions(jnp.ones(shape_BxT, bool)), AttentionMask.causal(window)
+        return default_positions(jnp.ones(shape_BxT, bool)), AttentionMask.causal()
     mask_BxT = jnp.ones(shape_BxT, bool) if attention_mask_BxT is None else jnp.asarray(attention_mask_BxT).astype(bool)
     segments_BxT = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT).astype(jnp.int32)
     if segments_BxT is not None:
@@ -217,9 +217,11 @@ def sequence_mask(
     else:
         positions_BxT = default_positions(mask_BxT)
     allowed_BxTxS = attention_allowed(
-        jnp.arange(shape_BxT[1]), mask_BxT, window, positions_BxT, positions_BxT, segments_BxT, segments_BxT
+        jnp.arange(shape_BxT[1]), mask_BxT, None, positions_BxT, positions_BxT, segments_BxT, segments_BxT
     )
-    return positions_BxT, AttentionMask.explicit(allowed_BxTxS, mask_BxT, segments_BxT)
+    return positions_BxT, AttentionMask.explicit(
+        allowed_BxTxS, mask_BxT, segments_BxT, query_positions_BxT=positions_BxT, key_positions_BxS=positions_BxT
+    )
 
 
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
@@ -371,11 +373,10 @@ def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
 
 
 def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
-    """(cos, sin) [B, T, D] of the positions, in the compute dtype; (None, None) for a family
-    without positional encoding."""
-    if model.config.family_spec.positional == "none":
-        return None, None
-    return rope_cos_sin(positions_BxT, inverse_frequencies(model.config), model.compute_dtype)
+    """(cos, sin) [B, T, D] of the positions, in the compute dtype, at the frequencies its family
+    gives the layers (`rope.layer_frequencies`); (None, None) for a family without positional encoding."""
+    inv_freq = layer_frequencies(model.config)
+    return (None, None) if inv_freq is None else rope_cos_sin(positions_BxT, inv_freq, model.compute_dtype)
 
 
 def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:

@@ -383,7 +383,7 @@ def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
     np.testing.assert_array_equal(np.asarray(routed_logits), np.asarray(every_logits))
     tokens = ids.size
     for layer in (0, 2):
-        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.experts.num_experts)]
+        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.family_config.num_experts)]
         zero = np.array([int(routed[n]) for n in experts])
         # top-2 of 4: every token leaves 2 experts out, so 2 * tokens zero rows in all
         assert zero.sum() == 2 * tokens and (zero > 0).all(), zero
