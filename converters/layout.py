@@ -17,7 +17,7 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import MAXTEXT_FAMILIES, REGISTRY, layer_prefix
+from nvfp4tool.families import ATTENTION_MOE, MAXTEXT_FAMILIES, REGISTRY, layer_prefix
 from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -51,10 +51,11 @@ class ExpertView:
 def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors the fused layout stores instead of the per-expert ones -> their shapes: per sparse
     layer, the router (renamed for Mixtral), gate_up_proj [E, 2F, H] and down_proj [E, H, F]."""
-    E, H, F = config.experts.num_experts, config.hidden_size, config.expert_intermediate_size
+    E, H = config.family_spec.experts(config).num_experts, config.hidden_size
+    F = config.family_spec.expert_width(config)
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(config.num_layers):
-        if config.is_sparse_layer(i):
+        if config.layer_kind(i) == ATTENTION_MOE:
             block = f"{layer_prefix(i)}.{FUSED_BLOCK}"
             shapes[f"{block}.gate.weight"] = (E, H)
             shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
@@ -65,15 +66,17 @@ def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
     """Every per-expert name `ModelConfig.expected_tensor_shapes` gives a sparse layer -> where the
     fused layout keeps it (see the module docstring). Empty for a dense model."""
-    F = config.expert_intermediate_size
-    gate, up, down = config.expert_projections
+    if config.family_spec.experts(config) is None:
+        return {}
+    F = config.family_spec.expert_width(config)
+    gate, up, down = config.family_spec.expert_attrs
     views: dict[str, ExpertView] = {}
     for i in range(config.num_layers):
-        if not config.is_sparse_layer(i):
+        if config.layer_kind(i) != ATTENTION_MOE:
             continue
         mlp, fused = config.mlp_prefix(i), f"{layer_prefix(i)}.{FUSED_BLOCK}"
         views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
-        for e in range(config.experts.num_experts):
+        for e in range(config.family_spec.experts(config).num_experts):
             views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
             views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
             views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
@@ -95,11 +98,12 @@ def check_supported(config: ModelConfig, label: str) -> None:
             f"{label}: the MaxText converter supports models without attention "
             f"biases; this {config.family} model has them"
         )
-    dense = [i for i in range(config.num_layers) if not config.is_sparse_layer(i)]
-    if config.is_moe and dense:
+    dense = [i for i in range(config.num_layers) if config.layer_kind(i) != ATTENTION_MOE]
+    experts = config.family_spec.experts(config)
+    if experts is not None and dense:
         raise NVFP4ToolError(
             f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
-            f"{list(config.experts.mlp_only_layers)}, decoder_sparse_step={config.experts.decoder_sparse_step}) has no "
+            f"{list(experts.mlp_only_layers)}, decoder_sparse_step={experts.decoder_sparse_step}) has no "
             f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse"
         )
 
@@ -123,7 +127,7 @@ def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> 
 
 def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     """The expert indices one parameter of `rule` holds ([None]: not an expert weight)."""
-    return list(range(config.experts.num_experts)) if rule.per_expert else [None]
+    return list(range(config.family_spec.experts(config).num_experts)) if rule.per_expert else [None]
 
 
 def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
@@ -131,7 +135,7 @@ def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[in
     hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
-        shape = (config.experts.num_experts,) + shape
+        shape = (config.family_spec.experts(config).num_experts,) + shape
     if rule.per_layer and scanned:
         shape = shape[:LAYER_AXIS] + (config.num_layers,) + shape[LAYER_AXIS:]
     return shape

@@ -511,7 +511,8 @@ def data_prepare_command(
 @click.option("--skip-sources", is_flag=True, help="Check only the cache's own files, not the source files it records.")
 def data_verify_command(cache: str, skip_sources: bool) -> None:
     """Check every file of CACHE against its manifest's sha256 and, unless --skip-sources, each
-    source file it records (paths as given to prepare) against its recorded sha256.
+    source file it records against its recorded sha256 (a source given to prepare as a relative
+    path is found from the cache folder, from any current folder).
 
     \b
     Example:
@@ -1112,6 +1113,7 @@ def validate_command(
     """
     from rich.console import Console
 
+    from nvfp4tool.tables import print_line
     from nvfp4tool.validate.report import KEEP_BF16_TXT, print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
     from nvfp4tool.validate.sensitivity import export_with_file
@@ -1150,11 +1152,12 @@ def validate_command(
     print_report(record, console)
     if record.sensitivity is not None:
         found = record.sensitivity
-        console.print(
+        print_line(
+            console,
             f"sensitivity: KL target {kl_target} {'met' if found.met else 'NOT met'} "
             f"keeping {len(found.keep_bf16)} group(s) in BF16 "
             f"(KL {found.trajectory[0].kl_mean:.4g} -> {found.trajectory[-1].kl_mean:.4g}"
-            f"{found.trajectory[-1].size_text()})"
+            f"{found.trajectory[-1].size_text()})",
         )
         keep_file = os.path.join(export, KEEP_BF16_TXT)
         click.echo(

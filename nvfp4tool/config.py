@@ -23,10 +23,8 @@ from typing import Any
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import (
     ARCHITECTURE_BY_FAMILY,
-    MOE_FAMILIES,
     REGISTRY,
     SUPPORTED_FAMILIES,
-    SWIGLU,
     Family,
     ModuleTable,
     get_family,
@@ -35,7 +33,6 @@ from nvfp4tool.families import (
 from nvfp4tool.families.hf_values import flag as _flag
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
-from nvfp4tool.families.moe import Experts
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -246,7 +243,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": self.family_spec.hidden_act,
+            "hidden_act": self.family_spec.activation,
             self.family_spec.norm_eps_key: self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -292,46 +289,14 @@ class ModelConfig:
         kind, fused group, tensor-parallel split, router / attention role."""
         return module_table(self)
 
-    @property
-    def is_moe(self) -> bool:
-        """A mixture-of-experts family (its sparse layers route tokens to experts)."""
-        return self.family in MOE_FAMILIES
-
-    @property
-    def experts(self) -> Experts | None:
-        """The sparse MLPs' fields (experts, top-k, widths, which layers are sparse) of a
-        mixture-of-experts family, None for a dense one."""
-        return self.family_spec.experts(self)
-
     def layer_kind(self, layer: int) -> str:
-        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe"), as its family decides."""
+        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe", a hybrid's), as its family decides."""
         return self.family_spec.layer_kind(self, layer)
-
-    def is_sparse_layer(self, layer: int) -> bool:
-        """Whether decoder layer `layer` has a sparse MLP (router + experts), as transformers decides."""
-        return self.layer_kind(layer) == "attention+moe"
-
-    @property
-    def expert_intermediate_size(self) -> int:
-        """An expert's SwiGLU width (mixtral's experts use intermediate_size)."""
-        return self.family_spec.expert_width(self) if self.is_moe else self.intermediate_size
 
     def mlp_prefix(self, layer: int) -> str:
         """The HF module path of layer `layer`'s MLP (dense or sparse): `model.layers.{i}.mlp` or
         mixtral's `model.layers.{i}.block_sparse_moe`."""
         return self.family_spec.mlp_module(self, layer)
-
-    @property
-    def expert_block(self) -> str:
-        """A sparse layer's MLP attribute: `mlp` (qwen3_moe) or `block_sparse_moe` (mixtral)."""
-        return self.family_spec.block if self.is_moe else "mlp"
-
-    @property
-    def expert_projections(self) -> tuple[str, str, str]:
-        """Names of an expert's (gate, up, down) projections: gate_proj/up_proj/down_proj, or
-        mixtral's w1/w3/w2."""
-        projections = self.family_spec.expert_projections if self.is_moe else SWIGLU
-        return tuple(p.attr for p in projections)  # type: ignore[return-value]
 
     def router_names(self) -> list[str]:
         """The router (gate) linear of every sparse layer: never quantized."""
@@ -407,8 +372,11 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
 def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Family) -> None:
     if family.positional != "rope":
         return  # a hybrid's options are its family's (`Family.parse`)
-    if hf.get("hidden_act", "silu") != "silu":
-        raise NVFP4ToolError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; supported: silu")
+    if hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
+        raise NVFP4ToolError(
+            f"{source}: hidden_act {hf['hidden_act']!r} unsupported for {family.model_type}; "
+            f"supported: {family.activation}"
+        )
     if hf.get("mlp_bias"):
         raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
     for key in ("rope_parameters", "rope_scaling"):

@@ -111,10 +111,10 @@ def print_report(report: CheckReport, console: Any) -> None:
     from rich import box
     from rich.table import Table
 
-    from nvfp4tool.tables import print_table
+    from nvfp4tool.tables import print_line, print_table
 
     for problem in report.problems:
-        console.print(problem.line(), markup=False, highlight=False, soft_wrap=True)
+        print_line(console, problem.line())
     table = Table(title=f"{report.format} {report.quant}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("module", "NxK", "bits", "zero", "w scale", "in scale", "problems"):
         table.add_column(column, justify="left" if column == "module" else "right", no_wrap=column == "module")
@@ -131,7 +131,7 @@ def print_report(report: CheckReport, console: Any) -> None:
     print_table(console, table)
     if report.kv_cache:
         print_table(console, _kv_table(report))
-    console.print(report.summary_line(), markup=False, highlight=False, soft_wrap=True)
+    print_line(console, report.summary_line())
 
 
 def _kv_table(report: CheckReport) -> Any:

@@ -103,14 +103,18 @@ def open_cache(folder: str | os.PathLike, *, verify: bool = False) -> TokenCache
 
 def verify_cache(folder: str | os.PathLike, *, sources: bool = True) -> TokenCache:
     """`data verify`: every file of the cache rehashed, and (with `sources`) each source file the
-    manifest records (a path relative to where prepare ran) against its recorded sha256."""
+    manifest records against its recorded sha256, found where `CorpusSource.location` says (a
+    relative path from the cache folder, whatever the current folder)."""
     cache = open_cache(folder, verify=True)
     for source in cache.manifest.sources if sources else []:
-        path = Path(source.name)
+        path = Path(source.location(folder))
         if not path.exists():
-            raise NVFP4ToolError(
-                f"{path}: a source of {folder} not found (paths are as given to prepare; --skip-sources skips them)"
+            where = (
+                "relative to the folder prepare ran in: this manifest predates recording it from the cache"
+                if source.path_from_cache is None
+                else f"given to prepare as {source.name}; a relative path is found from the cache folder"
             )
+            raise NVFP4ToolError(f"{path}: a source of {folder} not found ({where}; --skip-sources skips them)")
         now = file_sha256(path)
         if now != source.sha256:
             raise NVFP4ToolError(

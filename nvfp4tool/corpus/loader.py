@@ -42,8 +42,17 @@ class RandomAccessWindows(Protocol):
 
 
 def epoch_order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    """The windows of one epoch of the one-source order, permuted by (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+    """The windows of one epoch of the one-source order, permuted by (seed, epoch):
+    `default_rng([seed, epoch]).permutation(num_windows)`, shuffled as int32 where the windows fit
+    (the same order, half the memory: the shuffle's draws do not depend on the dtype)."""
+    return _permutation(np.random.default_rng([seed, epoch]), num_windows)
+
+
+def _permutation(rng: np.random.Generator, n: int) -> np.ndarray:
+    """`rng.permutation(n)`'s values (the same draws from `rng`), int32 where n fits."""
+    order = np.arange(n, dtype=np.int32 if n <= np.iinfo(np.int32).max else np.int64)
+    rng.shuffle(order)
+    return order
 
 
 def batch_indices(num_windows: int, batch_size: int, seed: int, batch_number: int, order=epoch_order) -> np.ndarray:
@@ -214,7 +223,7 @@ class BatchSource:
 
     def _source_order(self, source: int, epoch: int) -> np.ndarray:
         """A mixture source's windows in epoch `epoch` of its own order, permuted by (seed, source, epoch)."""
-        return np.random.default_rng([MIX_SALT, self._seed, source, epoch]).permutation(self._sizes[source])
+        return _permutation(np.random.default_rng([MIX_SALT, self._seed, source, epoch]), self._sizes[source])
 
     def __repr__(self) -> str:  # Grain names a source by its repr
         return f"BatchSource(windows={self._sizes}, batch_size={self._batch_size}, seed={self._seed})"

@@ -75,7 +75,7 @@ def prepare_cache(
     dtype = token_dtype(tokenizer.vocab_size)
     with atomic_output_dir(out, force=force, inputs=[*sources, tokenizer_folder], flag="--out") as tmp:
         writer = _CacheWriter(Path(tmp), np.dtype(dtype).newbyteorder("<"), shard_tokens)
-        sources_read = _Sources(units, sources)
+        sources_read = _Sources(units, sources, out)
         documents = sources_read.read(FORMATS[format], text_field)
         encoder = _Encoder(workers, tokenizer_folder, tokenizer, format, dtype, sft)
         counts = SftCounts()
@@ -135,17 +135,20 @@ class _Sources:
     """The source files as they are read: each one hashed when its reading starts, its documents
     and their bytes counted."""
 
-    def __init__(self, units: list[list[Path]], given: Sequence[str | os.PathLike]) -> None:
+    def __init__(self, units: list[list[Path]], given: Sequence[str | os.PathLike], out: str | os.PathLike) -> None:
         self.given = {Path(u): os.fspath(g) for files, g in zip(units, given) for u in files}
         self.roots = {Path(u): Path(g) for files, g in zip(units, given) for u in files}
         self.sources = list(given)
+        self.out = os.path.realpath(out)  # the cache folder a relative source is recorded from
         self.records: list[dict[str, Any]] = []
         self.file_number, self.bytes = 0, 0
 
     def start_file(self, file: Path) -> None:
         root = self.roots[file]
         name = os.fspath(self.given[file]) if file == root else os.path.join(self.given[file], file.relative_to(root))
-        self.records.append(dict(name=name, sha256=file_sha256(file), bytes=unit_bytes(file), documents=0))
+        found = name if os.path.isabs(name) else os.path.relpath(os.path.realpath(file), self.out)
+        record = dict(name=name, sha256=file_sha256(file), bytes=unit_bytes(file), documents=0, path_from_cache=found)
+        self.records.append(record)
         self.file_number += 1
 
     def read(self, format: DataFormat, text_field: str) -> Iterator[Any]:
@@ -161,7 +164,7 @@ class _Sources:
         return done
 
     def finish(self) -> list[CorpusSource]:
-        return [CorpusSource(r["name"], r["sha256"], r["bytes"], r["documents"]) for r in self.records]
+        return [CorpusSource(**r) for r in self.records]
 
 
 class _Encoder:

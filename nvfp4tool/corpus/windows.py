@@ -10,11 +10,14 @@ stream[i*T : i*T + T + 1] (the stream cut; no table). Fine-tuning rows (`format`
 prompt_completion) with `packing=segmented` / `padded`: a table of (start, length) per row from the
 document index, whole documents packed greedily in order, or one per row (`document_rows`). The
 eval split is the last `eval_fraction` of the rows. Segments number a row's documents 1, 2, ...
+Pages that reads map from a memory map are unmapped every RELEASE_ROWS rows (`PageRelease`).
 Design notes: docs/design/data.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -35,6 +38,7 @@ class TokenStream:
         self.ends = np.cumsum([len(p) for p in self.pieces], dtype=np.int64)
         self.firsts = self.ends - [len(p) for p in self.pieces]  # each piece's first position
         self._views: dict[tuple[int, int], np.ndarray] = {}  # (piece, length): its windows (a strided view)
+        self._release = PageRelease([file_map(p) for p in self.pieces])  # memory-mapped pieces' pages
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -75,7 +79,40 @@ class TokenStream:
             part = np.full((len(rows), length), fill, dtype)
             part[valid] = values
             out[rows] = part
+        self._release.read(len(starts))
         return out
+
+
+RELEASE_ROWS = 256  # rows read from memory maps between two releases of their pages
+
+
+class PageRelease:
+    """Unmaps the pages reads mapped from read-only memory maps (a cache's shards, its document
+    index) every RELEASE_ROWS rows read. The pages stay in the page cache (a later read of one is a
+    minor fault) but leave the process's RSS, which random rows of a large cache would otherwise
+    grow by ~0.1 MB each (a fault maps a whole large folio of the file) up to the cache's size."""
+
+    def __init__(self, maps: Iterable[mmap.mmap | None]) -> None:
+        self.maps = [m for m in maps if m is not None]
+        self.rows = 0  # read since the last release (threads may race on it: a release comes late or early)
+
+    def read(self, rows: int) -> None:
+        if not self.maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        self.rows += rows
+        if self.rows >= RELEASE_ROWS:
+            self.rows = 0
+            for file in self.maps:
+                file.madvise(mmap.MADV_DONTNEED)
+
+
+def file_map(array: np.ndarray | None) -> mmap.mmap | None:
+    """The read-only memory map `array` is a view of (an `np.memmap` / `np.load(mmap_mode="r")`
+    array's `base`), or None (an array in memory, or a writable map)."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    return None if base is None or array.flags.writeable else base
 
 
 def whole_documents(format: str, packing: str) -> bool:
@@ -89,6 +126,24 @@ def whole_documents(format: str, packing: str) -> bool:
             f"(one document per row) is for format={' | '.join(SFT_FORMATS)}"
         )
     return format in SFT_FORMATS and packing != "concat"
+
+
+def segment_ids(starts: np.ndarray, row_starts: np.ndarray, width: int) -> np.ndarray:
+    """[rows, width] int32: each token's document numbered from its row's first token's (1, 2,
+    ...): `searchsorted(starts, position, "right")` less the row's first token's, plus 1. Found with
+    two searches a row and the few documents that start inside it (not a search per token: a
+    cache's document index is read at a few pages a row)."""
+    row_starts = np.asarray(row_starts, np.int64)
+    first = np.searchsorted(starts, row_starts, side="right")  # the first document starting after the row's start
+    inside = np.searchsorted(starts, row_starts + width - 1, side="right") - first  # start in the row
+    marks = np.zeros((len(row_starts), width + 1), np.int32)  # column width: not in the row
+    most = int(inside.max()) if len(inside) else 0
+    if most:
+        at = np.minimum(first[:, None] + np.arange(most), len(starts) - 1)
+        begins = np.asarray(starts[at], np.int64) - row_starts[:, None]  # offsets in the row: 1 .. width - 1
+        begins[np.arange(most)[None, :] >= inside[:, None]] = width
+        np.add.at(marks, (np.arange(len(row_starts))[:, None], begins), 1)  # empty documents count too
+    return 1 + np.cumsum(marks[:, :width], axis=1, dtype=np.int32)
 
 
 def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, label: str = "data") -> np.ndarray:
@@ -108,40 +163,54 @@ def document_rows(starts: np.ndarray, total: int, seq_len: int, packing: str, la
     if packing == "padded":
         kept = lengths > 0
         return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
-    nonempty = np.flatnonzero(lengths)
-    table, at = [], 0  # at: the row's first document, as an index into `nonempty`
-    while at < len(nonempty):  # one search per row, not a step per document
-        start = ends[nonempty[at]]
-        last = int(np.searchsorted(ends, start + width, side="right")) - 1  # documents [first, last) fit
-        table.append((start, ends[last] - start))
-        at = int(np.searchsorted(nonempty, last))
-    return np.array(table, np.int64).reshape(-1, 2)
+    nonempty = np.flatnonzero(lengths)  # empty documents take no row
+    first = ends[nonempty]  # each nonempty document's first token
+    # a row opened by nonempty document k holds documents nonempty[k] .. last[k] - 1 (those ending
+    # within `width` of its start); the next row opens at the first nonempty document from last[k]
+    last = np.searchsorted(ends, first + width, side="right") - 1
+    opened = _chain(np.searchsorted(nonempty, last))  # the rows' first documents, as indices into nonempty
+    return np.stack([first[opened], ends[last[opened]] - first[opened]], axis=1)
 
 
+def _chain(following: np.ndarray) -> np.ndarray:
+    """0, following[0], following[following[0]], ... while below n = len(following) (each
+    following[k] in (k, n]): the path from 0, found by doubling instead of a step per row. With
+    jump = following applied 2^t times, the path's first 2^t nodes extended by jump of each are
+    its first 2^(t+1); O(n log rows) work in numpy, memory a few int64 per document."""
+    n = len(following)
+    path = np.zeros(min(n, 1), np.int64)
+    jump = np.append(following, np.int64(n))  # n: past the last document, where it stays
+    while len(path) and path[-1] < n:
+        path = np.concatenate([path, jump[path]])
+        jump = jump[jump]
+    return path[: np.searchsorted(path, n)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Windows:
     """Rows `first .. first + count - 1` of a stream: the table's, or the stream cut every seq_len."""
 
-    def __init__(
-        self,
-        tokens: TokenStream,
-        seq_len: int,
-        *,
-        starts: np.ndarray | None = None,
-        loss: TokenStream | None = None,
-        packing: str = "concat",
-        table: np.ndarray | None = None,
-        pad_id: int = 0,
-        first: int = 0,
-        count: int | None = None,
-    ) -> None:
-        if packing not in PACKINGS:
-            raise NVFP4UsageError(f"packing={packing!r}; choose one of {', '.join(PACKINGS)}")
-        if packing != "concat" and starts is None:
-            raise NVFP4UsageError(f"packing={packing} needs the documents' start offsets")
-        self.tokens, self.seq_len, self.starts, self.loss, self.packing = tokens, seq_len, starts, loss, packing
-        self.table, self.pad_id, self.first = table, pad_id, first
-        total = len(table) if table is not None else max(0, (len(tokens) - 1) // seq_len)
-        self.count = total - first if count is None else count
+    tokens: TokenStream
+    seq_len: int
+    _: dataclasses.KW_ONLY
+    starts: np.ndarray | None = None  # [documents] int64: each document's first token (packing != concat)
+    loss: TokenStream | None = None  # the tokens' loss marks (None: every token carries loss)
+    packing: str = "concat"
+    table: np.ndarray | None = None  # [rows, 2] int64 (start, length) of whole-document rows; None: the stream cut
+    pad_id: int = 0
+    first: int = 0  # the first row of the layout these rows begin at
+    count: int | None = None  # how many rows (None: all from `first`)
+    _index_release: PageRelease = dataclasses.field(init=False, repr=False)  # a cache's document index
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise NVFP4UsageError(f"packing={self.packing!r}; choose one of {', '.join(PACKINGS)}")
+        if self.packing != "concat" and self.starts is None:
+            raise NVFP4UsageError(f"packing={self.packing} needs the documents' start offsets")
+        object.__setattr__(self, "_index_release", PageRelease([file_map(self.starts)]))
+        if self.count is None:
+            total = len(self.table) if self.table is not None else max(0, (len(self.tokens) - 1) // self.seq_len)
+            object.__setattr__(self, "count", total - self.first)
 
     @classmethod
     def of(
@@ -183,9 +252,8 @@ class Windows:
         tokens = self.tokens.take(row_starts, width, np.int32, lengths, self.pad_id)
         segments = None
         if self.packing != "concat":
-            positions = row_starts[:, None] + np.arange(width)[None, :]
-            document = np.searchsorted(self.starts, positions, side="right") - 1  # each token's document
-            segments = (document - document[:, :1] + 1).astype(np.int32)  # 1, 2, ... within each row
+            segments = segment_ids(self.starts, row_starts, width)
+            self._index_release.read(len(indices))
             if lengths is not None:
                 segments[np.arange(width)[None, :] >= lengths[:, None]] = 0  # padding
         loss = None
@@ -224,17 +292,7 @@ class Windows:
         return self
 
     def _part(self, first: int, count: int) -> Windows:
-        return Windows(
-            self.tokens,
-            self.seq_len,
-            starts=self.starts,
-            loss=self.loss,
-            packing=self.packing,
-            table=self.table,
-            pad_id=self.pad_id,
-            first=self.first + first,
-            count=count,
-        )
+        return dataclasses.replace(self, first=self.first + first, count=count)
 
 
 def windows_in_memory(

@@ -226,7 +226,7 @@ def _build_tasks(names: list[str], manager) -> dict[str, Any]:
     found = {}
     for name in names:
         try:
-            with _datasets_quiet():
+            with _datasets_quiet(), _without_metadata_notice():
                 built = get_task_dict([name], manager)
         except Exception as bad:  # lm-eval / datasets raise anything for a broken task
             raise NVFP4ToolError(
@@ -242,6 +242,29 @@ def _build_tasks(names: list[str], manager) -> dict[str, Any]:
             raise NVFP4ToolError(f"task {name}: no documents in its evaluation split")
         check_items(name, task, docs)
     return found
+
+
+METADATA_NOTICE = "Custom kwargs can be passed to `--metadata`"  # lm-eval's, per custom_dataset task
+
+
+class _MetadataNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return METADATA_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_metadata_notice() -> Iterator[None]:
+    """lm-eval's notice that a `custom_dataset` task takes kwargs from its `--metadata` option off
+    while eval builds its tasks: the shipped tasks read their data with `custom_dataset`, so lm-eval
+    printed it for every task, and eval has no `--metadata` to pass. Every other lm-eval message
+    (a task's real warnings) still shows."""
+    logger = logging.getLogger("lm_eval.api.task")
+    notice = _MetadataNoticeFilter()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 @contextlib.contextmanager

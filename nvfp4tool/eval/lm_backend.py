@@ -57,14 +57,11 @@ class Variant:
 
 
 def working_bytes(config, batch_size: int, seq_len: int) -> int:
-    """Memory a held model needs besides its weights for one batch, with a 2x margin (validate's
-    estimate: fp32 logits, activations, attention scores, widened weight blocks, the largest tensor)."""
-    from nvfp4tool.numerics.dot import WIDEN_BYTES
+    """Memory a held model needs besides its weights for one batch of eval's loglikelihood rows
+    (`layerwise.held_forward_bytes`: the larger of a layer's and the LM head's, not their sum)."""
+    from nvfp4tool.model.layerwise import held_forward_bytes
 
-    per_token = config.vocab_size + 4 * config.intermediate_size + 8 * config.hidden_size
-    scores = batch_size * config.num_heads * seq_len * seq_len
-    largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
-    return 2 * (4 * (batch_size * seq_len * per_token + scores) + 3 * WIDEN_BYTES + largest)
+    return held_forward_bytes(config, batch_size, seq_len)
 
 
 def open_variant(

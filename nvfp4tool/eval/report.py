@@ -183,21 +183,35 @@ def plot(record: EvalRecord, path: str) -> None:
     plt.close(fig)
 
 
+def sections(record: EvalRecord) -> list[tuple[str, list[str], list[list[str]]]]:
+    """`rows` split for a log: the scores (task, metric, n, each model) and one table per pair
+    (task and its paired columns), so that each fits 120 columns; every cell of `rows` in one of them."""
+    header, body = rows(record)
+    models = 3 + len(record.labels)
+    out = [("task accuracy (percent)", header[:models], [row[:models] for row in body])]
+    for k, label in enumerate(record.labels[:-1]):
+        cols = slice(models + 4 * k, models + 4 * (k + 1))
+        title = f"NVFP4 - {_TITLES.get(label, label)}, paired differences (points)"
+        out.append((title, [header[0]] + header[cols], [[row[0]] + row[cols] for row in body]))
+    return out
+
+
 def print_report(record: EvalRecord, console: Any) -> None:
-    """The paired table on the terminal (whole when piped, `tables.print_table`)."""
+    """The scores table and one paired table per reference on the terminal (whole when piped,
+    `tables.print_table`; each fits 120 columns, `sections`)."""
     from rich.table import Table
 
-    from nvfp4tool.tables import print_table
+    from nvfp4tool.tables import print_line, print_table
 
-    header, body = rows(record)
-    table = Table(title="task accuracy (percent), paired differences")
-    for name in header:
-        table.add_column(name)
-    for row in body:
-        table.add_row(*row)
-    print_table(console, table)
+    for title, header, body in sections(record):
+        table = Table(title=title)
+        for name in header:
+            table.add_column(name)
+        for row in body:
+            table.add_row(*row)
+        print_table(console, table)
     if _judged(record):
-        console.print("eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
+        print_line(console, "eval: PASSED" if record.passed else "eval: FAILED: " + "; ".join(record.failures))
 
 
 def _judged(record: EvalRecord) -> bool:

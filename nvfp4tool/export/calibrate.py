@@ -91,7 +91,7 @@ class Tally:
         self.seen: set[str] = set()
         # in layer order, and so is `routed`; a hybrid's routers are not counted (`InputAmax` routes
         # with softmax top-k; Nemotron-H's choice needs its correction bias): its experts calibrate on all tokens
-        self.routers = config.router_names() if config.is_moe else []
+        self.routers = config.router_names() if config.family_spec.experts(config) is not None else []
         self._experts = {r: config.modules.experts(r) for r in self.routers}
         self.routed = {expert: 0 for r in self.routers for expert in self._experts[r]}
 
@@ -210,7 +210,8 @@ class InputAmax:
     @classmethod
     def of(cls, config: ModelConfig) -> InputAmax:
         """The tap for `config`'s model (its routers, if it is a MoE model)."""
-        return cls(routes=config.is_moe, top_k=config.experts.num_experts_per_tok if config.is_moe else 0)
+        experts = config.family_spec.experts(config)
+        return cls(routes=experts is not None, top_k=0 if experts is None else experts.num_experts_per_tok)
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
         y = dense(x, w_NxK, b_N, compute_dtype=GEMM_INPUT_DTYPE)

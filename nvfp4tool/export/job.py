@@ -20,12 +20,12 @@ from converters.atomic import check_output_path
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.export import provenance
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
+from nvfp4tool.export.provenance import calibration_record, gptq_record
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.model.fold import EqualizedSource, scales_from_record
@@ -211,7 +211,7 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
         amax_names=plan.quantized if calibrates_inputs else None,
         kv_cache=job.kv_cache is not None,
     )
-    record = provenance.gptq_record(
+    record = gptq_record(
         damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors, block_scales=options.gptq_block_scales
     )
     progress.info(
@@ -397,7 +397,7 @@ def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray |
 def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_tokens: dict[str, int] | None = None):
     """The record of the calibration data and the windows that ran; `routed_tokens` when it
     calibrated MoE experts' inputs."""
-    return provenance.calibration_record(
+    return calibration_record(
         options.calib_data,
         ids_SxL,
         requested=(options.calib_samples, options.calib_seq_len),

@@ -21,9 +21,9 @@ from converters.atomic import atomic_output_dir
 from converters.hf import AUX_FILE_PATTERNS, SINGLE_FILE, parse_size, plan_shards
 from nvfp4tool import progress
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export import provenance
 from nvfp4tool.export.job import ExportJob, ExportOptions, prepare_job, with_gptq
 from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.export.provenance import build_record
 from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, quantizer_for
 from nvfp4tool.export.serving_folder import ServingFolder
 from nvfp4tool.formats import LayoutSpec
@@ -156,7 +156,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
                 if any(fnmatch.fnmatch(f, p) for p in AUX_FILE_PATTERNS)
             )
         folder.write_record(
-            provenance.build_record(
+            build_record(
                 source=source,
                 options=options,
                 plan=plan,

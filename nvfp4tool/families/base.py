@@ -55,6 +55,16 @@ ROUTER = Projection("gate", "router", "none")
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What one decoder layer's attention computes beyond its shapes, as its family decides
+    (`Family.layer_attention`): the attention blocks and RoPE read it, no model-wide field."""
+
+    window: int | None  # sliding window W: key k visible from query q iff q - k < W; None: every earlier key
+    rope_theta: float | None  # RoPE base; None: no positional encoding
+    rope_scaling: Any = None  # its `config.RopeScaling` (llama3), or None
+
+
+@dataclasses.dataclass(frozen=True)
 class LinearModule:
     """One row of the module table: a linear layer of the model."""
 
@@ -196,7 +206,9 @@ class Family:
     positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
     norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
-    hidden_act: str | None = "silu"  # config.json's hidden_act, written back (None: the family has no such key)
+    # its MLPs' activation, by transformers' `hidden_act` name (a key of `model.activations.ACTIVATIONS`):
+    # config.json's hidden_act must name it (absent: this), and it is written back
+    activation = "silu"
     common_keys_not_modeled: frozenset[str] = frozenset()  # common keys its configs lack (kept as given)
     stored_fp32: tuple[str, ...] = ()  # fnmatch patterns of tensors written in FP32 whatever the cast
     # fnmatch patterns of unquantized tensors an export copies in the source's dtype (others: BF16)
@@ -205,6 +217,9 @@ class Family:
     router_blocks: tuple[str, ...] = ()  # the attributes whose `gate` is a MoE router ("mlp", "mixer", ...)
     may_be_zero: tuple[str, ...] = ()  # fnmatch patterns of tensors legitimately all zero (check says nothing)
     no_maxtext_reason: str | None = None  # why the family has no MaxText layout (said by convert --to maxtext)
+    # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
+    # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
+    blocks_module: str | None = None
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
@@ -255,6 +270,14 @@ class Family:
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MLP
+
+    def layer_attention(self, config: ModelConfig, layer: int) -> LayerAttention:
+        """Decoder layer `layer`'s attention settings (window, RoPE base and scaling): the one owner
+        of which layer sees which keys at which frequencies. Here: the same in every layer, no
+        window, RoPE from config.json's rope_theta / rope_scaling (none when `positional` is "none")."""
+        if self.positional != "rope":
+            return LayerAttention(None, None)
+        return LayerAttention(None, config.rope_theta, config.rope_scaling)
 
     def layer_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
         """Every HF tensor of decoder layer `layer`, in checkpoint order."""

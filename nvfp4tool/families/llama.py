@@ -7,11 +7,12 @@ What differs per model type is how config.json spells the attention options:
   mistral no attention bias; `sliding_window` (every layer, as HF's MistralModel applies it).
   qwen2   q/k/v always biased, o_proj never; full attention in every layer only.
   qwen3   per-head q/k RMSNorm (`qk_norm`); `attention_bias` on all four; full attention only.
-The blocks are `model/transformer.py`'s `Block` (Attention + MLP).
+The blocks are `model/decoder.py`'s `DecoderBlock` (Attention + MLP).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ from nvfp4tool.families.base import (
     POST_ATTENTION_NORM,
     SWIGLU,
     Family,
+    LayerAttention,
     ModelConfig,
     Tensor,
     layer_prefix,
@@ -34,6 +36,8 @@ from nvfp4tool.families.maxtext import Rule, decoder_rules, dense_mlp_rules
 
 class Decoder(Family):
     """A pre-norm attention + SwiGLU decoder; the switches say how config.json spells its options."""
+
+    blocks_module = "nvfp4tool.model.decoder"
 
     def __init__(
         self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str, maxtext: str | None
@@ -108,6 +112,14 @@ class Decoder(Family):
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
         return [] if config.family_config is None else ["mixture-of-experts fields are for qwen3_moe and mixtral only"]
+
+    def layer_attention(self, config: ModelConfig, layer: int) -> LayerAttention:
+        """Mistral / Mixtral ("sliding"): `sliding_window` in every layer, as HF's MistralModel
+        applies it; Qwen2 / Qwen3 ("full"): full attention in every layer (their per-layer windows,
+        use_sliding_window / max_window_layers / layer_types, are refused by `parse`); Llama: none."""
+        return dataclasses.replace(
+            super().layer_attention(config, layer), window=config.sliding_window if self.window == "sliding" else None
+        )
 
     # ----------------------------------------------------------------------------- tensors
 

@@ -9,7 +9,7 @@ Attention as the Llama group's (Qwen3's with q/k norm and `attention_bias`; Mist
              (i + 1) % decoder_sparse_step != 0, as transformers decides.
   mixtral    every MLP sparse: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}`
              (= gate/up/down) of width `intermediate_size`, top-k renormalised.
-The blocks are `model/transformer.py`'s `Block` with a `SparseMoE`.
+The blocks are `model/decoder.py`'s `DecoderBlock` with a `SparseMoE`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert
 @dataclasses.dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts family's own config fields (`ModelConfig.family_config`, read as
-    `config.experts`); validated by the family (`SparseDecoder.problems`) with the whole config."""
+    `config.family_spec.experts(config)`); validated by the family (`SparseDecoder.problems`) with the whole config."""
 
     num_experts: int  # experts of a sparse MLP
     num_experts_per_tok: int  # k of the top-k routing
@@ -120,58 +120,45 @@ class SparseDecoder(Decoder):
         )
 
     def emit_mlp(self, config: ModelConfig, hf: dict[str, Any]) -> None:
-        hf[config.experts.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = (
-            config.experts.num_experts
-        )
-        hf["num_experts_per_tok"] = config.experts.num_experts_per_tok
-        hf["router_aux_loss_coef"] = config.experts.router_aux_loss_coef
+        x = config.family_config  # its `Experts`
+        hf[x.hf_experts_key or EXPERT_COUNT_KEYS[self.model_type == "mixtral"]] = x.num_experts
+        hf["num_experts_per_tok"] = x.num_experts_per_tok
+        hf["router_aux_loss_coef"] = x.router_aux_loss_coef
         if self.model_type == "qwen3_moe":
             hf.update(
-                moe_intermediate_size=config.experts.moe_intermediate_size,
-                norm_topk_prob=config.experts.norm_topk_prob,
-                decoder_sparse_step=config.experts.decoder_sparse_step,
-                mlp_only_layers=list(config.experts.mlp_only_layers),
+                moe_intermediate_size=x.moe_intermediate_size,
+                norm_topk_prob=x.norm_topk_prob,
+                decoder_sparse_step=x.decoder_sparse_step,
+                mlp_only_layers=list(x.mlp_only_layers),
             )
 
     def mlp_problems(self, config: ModelConfig) -> list[str]:
+        x = config.family_config  # its `Experts`
         if not isinstance(config.family_config, Experts):
             return [
                 f"{self.model_type} needs its experts' fields (family_config=Experts(...)), "
                 f"got {config.family_config!r}"
             ]
         problems = []
-        if not (isinstance(config.experts.num_experts, int) and config.experts.num_experts >= 1):
-            problems.append(f"num_experts must be a positive integer, got {config.experts.num_experts!r}")
-        elif not (
-            isinstance(config.experts.num_experts_per_tok, int)
-            and 1 <= config.experts.num_experts_per_tok <= config.experts.num_experts
-        ):
+        if not (isinstance(x.num_experts, int) and x.num_experts >= 1):
+            problems.append(f"num_experts must be a positive integer, got {x.num_experts!r}")
+        elif not (isinstance(x.num_experts_per_tok, int) and 1 <= x.num_experts_per_tok <= x.num_experts):
             problems.append(
-                f"num_experts_per_tok must be in 1..num_experts={config.experts.num_experts}, "
-                f"got {config.experts.num_experts_per_tok!r}"
+                f"num_experts_per_tok must be in 1..num_experts={x.num_experts}, got {x.num_experts_per_tok!r}"
             )
-        if not (isinstance(config.experts.decoder_sparse_step, int) and config.experts.decoder_sparse_step >= 1):
-            problems.append(
-                f"decoder_sparse_step must be a positive integer, got {config.experts.decoder_sparse_step!r}"
-            )
-        bad_layers = [
-            i for i in config.experts.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)
-        ]
+        if not (isinstance(x.decoder_sparse_step, int) and x.decoder_sparse_step >= 1):
+            problems.append(f"decoder_sparse_step must be a positive integer, got {x.decoder_sparse_step!r}")
+        bad_layers = [i for i in x.mlp_only_layers if not (isinstance(i, int) and 0 <= i < config.num_layers)]
         if bad_layers:
             problems.append(f"mlp_only_layers {bad_layers[0]!r} is not a layer index in 0..{config.num_layers - 1}")
-        if not (config.experts.router_aux_loss_coef >= 0 and math.isfinite(config.experts.router_aux_loss_coef)):
-            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {config.experts.router_aux_loss_coef}")
+        if not (x.router_aux_loss_coef >= 0 and math.isfinite(x.router_aux_loss_coef)):
+            problems.append(f"router_aux_loss_coef must be finite and >= 0, got {x.router_aux_loss_coef}")
         if self.model_type == "qwen3_moe" and not (
-            isinstance(config.experts.moe_intermediate_size, int) and config.experts.moe_intermediate_size > 0
+            isinstance(x.moe_intermediate_size, int) and x.moe_intermediate_size > 0
         ):
-            problems.append(
-                f"moe_intermediate_size must be a positive integer, got {config.experts.moe_intermediate_size!r}"
-            )
+            problems.append(f"moe_intermediate_size must be a positive integer, got {x.moe_intermediate_size!r}")
         if self.model_type == "mixtral" and (
-            config.experts.moe_intermediate_size
-            or not config.experts.norm_topk_prob
-            or config.experts.decoder_sparse_step != 1
-            or config.experts.mlp_only_layers
+            x.moe_intermediate_size or not x.norm_topk_prob or x.decoder_sparse_step != 1 or x.mlp_only_layers
         ):
             problems.append(
                 "mixtral experts are intermediate_size wide, renormalise the top-k "
@@ -182,14 +169,21 @@ class SparseDecoder(Decoder):
     # ----------------------------------------------------------------------------- layers
 
     def experts(self, config: ModelConfig) -> Experts:
+        """The sparse MLPs' fields (experts, top-k, widths, which layers are sparse)."""
         return config.family_config
+
+    @property
+    def expert_attrs(self) -> tuple[str, str, str]:
+        """HF attributes of an expert's (gate, up, down): gate_proj/up_proj/down_proj, mixtral's w1/w3/w2."""
+        return tuple(p.attr for p in self.expert_projections)  # type: ignore[return-value]
 
     def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
         # MaxText's decoders of these families make every layer sparse (converters.layout refuses dense ones)
         return moe_rules(self.maxtext_block, self.block, tuple(p.attr for p in self.expert_projections))
 
     def is_sparse(self, config: ModelConfig, layer: int) -> bool:
-        return layer not in config.experts.mlp_only_layers and (layer + 1) % config.experts.decoder_sparse_step == 0
+        x = config.family_config  # its `Experts`
+        return layer not in x.mlp_only_layers and (layer + 1) % x.decoder_sparse_step == 0
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MOE if self.is_sparse(config, layer) else ATTENTION_MLP
@@ -198,15 +192,18 @@ class SparseDecoder(Decoder):
         return f"{layer_prefix(layer)}.{self.block if self.is_sparse(config, layer) else 'mlp'}"
 
     def expert_width(self, config: ModelConfig) -> int:
-        return config.experts.moe_intermediate_size if self.model_type == "qwen3_moe" else config.intermediate_size
+        """An expert's SwiGLU width (mixtral's experts use intermediate_size)."""
+        x = config.family_config  # its `Experts`
+        return x.moe_intermediate_size if self.model_type == "qwen3_moe" else config.intermediate_size
 
     def mlp_tensors(self, config: ModelConfig, layer: int) -> list[Tensor]:
+        x = config.family_config  # its `Experts`
         if not self.is_sparse(config, layer):
             return super().mlp_tensors(config, layer)
         E, Fe = config.hidden_size, self.expert_width(config)
         block = self.mlp_module(config, layer)
-        tensors = projection_tensors(block, (ROUTER,), ((config.experts.num_experts, E),))
-        for e in range(config.experts.num_experts):
+        tensors = projection_tensors(block, (ROUTER,), ((x.num_experts, E),))
+        for e in range(x.num_experts):
             tensors += projection_tensors(
                 f"{block}.experts.{e}", self.expert_projections, ((Fe, E), (Fe, E), (E, Fe)), expert=e, block=block
             )

@@ -35,6 +35,7 @@ from nvfp4tool.families.base import (
 from nvfp4tool.families.hf_values import flag, integer, number
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"  # single-mixer layer kinds
+ACTIVATION = "relu2"  # the MLPs' and experts' (mlp_hidden_act): down(relu(up(x))^2)
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # hybrid_override_pattern's characters
 KIND_NAMES = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}  # as messages say them
 BLOCK_TYPES = {
@@ -213,7 +214,7 @@ def parse_hybrid(hf: Mapping[str, Any], source: str) -> HybridFields:
                 "tie_word_embeddings=true unsupported: NemotronHForCausalLM never ties lm_head "
                 "to the embeddings (transformers 5.24), so the model would not be the one declared"
             )
-        for act_key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        for act_key, want in (("mlp_hidden_act", ACTIVATION), ("mamba_hidden_act", "silu")):
             if hf.get(act_key, want) != want:
                 raise NVFP4ToolError(f"{act_key}={hf[act_key]!r} unsupported; supported: {want}")
         experts = None
@@ -428,6 +429,7 @@ class HybridDecoder(Family):
 
     model_type = "nemotron_h"
     architecture = "NemotronHForCausalLM"
+    blocks_module = "nvfp4tool.model.hybrid"
     modeled_keys = _KEYS
     positional = "none"
     projections = (MAMBA_IN, MAMBA_OUT, *LATENT)
@@ -448,7 +450,7 @@ class HybridDecoder(Family):
     may_be_zero = (f"*.{MIXER}.gate.e_score_correction_bias",)
     norm_scale_in_fp32 = True
     norm_eps_key = "layer_norm_epsilon"
-    hidden_act = None
+    activation = ACTIVATION  # its MLPs' and experts' (config.json spells it mlp_hidden_act)
     # common keys a hybrid config does not have: kept as the source spelled them (or absent), never written
     no_maxtext_reason = "MaxText has no Mamba-2 decoder, so a hybrid nemotron_h model has no MaxText layout"
     common_keys_not_modeled = frozenset(

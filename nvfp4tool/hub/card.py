@@ -19,7 +19,7 @@ from huggingface_hub import ModelCardData
 from nvfp4tool import formats
 from nvfp4tool.config import read_hf_config
 from nvfp4tool.formats import modelopt
-from nvfp4tool.records.export import ExportRecord
+from nvfp4tool.records.export import ExportRecord, source_license
 from nvfp4tool.records.names import portable_name, source_repo_id
 from nvfp4tool.records.validation import ValidationRecord
 
@@ -30,12 +30,20 @@ LIBRARY_NAME = {"compressed-tensors": "transformers", "modelopt": "modelopt"}
 def card_identity(
     folder: str, base_model: str | None = None, license: str | None = None
 ) -> tuple[str | None, str | None]:
-    """(base_model, license) the card's metadata gives: the arguments when set, else the
-    provenance's source repo id and the source's license; None where unknown."""
+    """(base_model, license) the card's metadata gives: the arguments when set, else the Hub repo id
+    the provenance names as the source or, for a local source, the one its config names
+    (`_name_or_path`, kept in the export's config.json: an owner/name, not a local path), and the
+    license the provenance recorded from the source's README.md / config.json (or, for an older
+    record, the source folder's); None where unknown."""
     provenance = _provenance(folder)
     source_name = provenance.source.name if provenance is not None else ""
-    base_model = base_model or source_repo_id(source_name)
-    license = license or _source_license(source_name, read_hf_config(folder)[1])
+    config = read_hf_config(folder)[1]
+    named = config.get("_name_or_path")
+    base_model = (
+        base_model or source_repo_id(source_name) or (source_repo_id(named) if isinstance(named, str) else None)
+    )
+    recorded = provenance.source.license if provenance is not None else None
+    license = license or recorded or _source_license(source_name, config)
     return base_model, license
 
 
@@ -426,18 +434,12 @@ def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | Non
 
 
 def _source_license(source_name: str, config: dict) -> str | None:
-    """`license` from the source folder's README.md metadata (the folder the record names, relative
-    to the working directory), else from config.json, else None."""
-    readme = os.path.join(source_name, "README.md") if source_name else ""
-    if readme and os.path.isfile(readme):
-        from huggingface_hub import metadata_load
-
-        try:
-            license = (metadata_load(readme) or {}).get("license")
-        except Exception:  # an unreadable source card is not a reason to refuse the push
-            license = None
-        if isinstance(license, str):
-            return license
+    """`license` of the source folder the record names (relative to the working directory) as
+    `records.export.source_license` reads it, else from the export's config.json, else None."""
+    if source_name and os.path.isdir(source_name):
+        found = source_license(source_name)
+        if found is not None:
+            return found
     license = config.get("license")
     return license if isinstance(license, str) else None
 

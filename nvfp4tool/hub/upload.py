@@ -106,7 +106,8 @@ def push_checkpoint(
     base_model, license = card_identity(folder, options.base_model, options.license)
     if base_model is None:
         warn(
-            "Warning: the model card has no base_model (the provenance names no Hub repo as the source); "
+            "Warning: the model card has no base_model (neither the provenance nor the source's config.json "
+            "`_name_or_path` names a Hub repo); "
             "pass --base-model ORG/NAME"
         )
     if license is None:

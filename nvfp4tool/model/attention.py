@@ -1,7 +1,8 @@
 """Attention: which keys each query may see (`AttentionMask`), and the attention math (`attend`,
 through `jax.nn.dot_product_attention`) on the implementation `attention_implementation` picks.
 
-Masks are causal (with a sliding window; no [B, T, S] array) or explicit (`attention_allowed`);
+Masks are causal (no [B, T, S] array) or explicit (`attention_allowed`); each attention layer
+narrows the model's mask to its own sliding window (`AttentionMask.within`: its family's setting);
 "cudnn" (flash attention) where it applies, else "xla": the same attention up to fp32 summation order.
 Design notes: docs/design/model.md.
 """
@@ -22,7 +23,7 @@ _CUDNN_HEAD_DIM_MULTIPLE = 8
 
 @partial(
     jax.tree_util.register_dataclass,
-    data_fields=["allowed_BxTxS", "tokens_BxT", "segments_BxT"],
+    data_fields=["allowed_BxTxS", "tokens_BxT", "segments_BxT", "query_positions_BxT", "key_positions_BxS"],
     meta_fields=["window"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +32,16 @@ class AttentionMask:
     A pytree (the arrays leaves, the window static), so it passes through jit, scan and checkpoint.
     `tokens_BxT` (explicit masks of padded rows): which of this chunk's slots hold tokens, and
     `segments_BxT` (packed rows): which document each slot belongs to, for the mixers that read
-    the sequence without attending (a Mamba layer zeroes padding and restarts at each document)."""
+    the sequence without attending (a Mamba layer zeroes padding and restarts at each document).
+    `query_positions_BxT` / `key_positions_BxS` (explicit masks): the positions a layer's sliding
+    window is measured in (`within`)."""
 
     allowed_BxTxS: jax.Array | None  # explicit: True = may see; None: causal
     window: int | None = None  # causal only: keys at distance < window (None: unbounded)
     tokens_BxT: jax.Array | None = None  # this chunk's real tokens (None: every slot is one)
     segments_BxT: jax.Array | None = None  # this chunk's document ids, 0 = padding (None: one stream)
+    query_positions_BxT: jax.Array | None = None  # explicit: each query's position
+    key_positions_BxS: jax.Array | None = None  # explicit: each key slot's position
 
     @classmethod
     def causal(cls, window: int | None = None) -> AttentionMask:
@@ -45,11 +50,31 @@ class AttentionMask:
 
     @classmethod
     def explicit(
-        cls, allowed_BxTxS: jax.Array, tokens_BxT: jax.Array | None = None, segments_BxT: jax.Array | None = None
+        cls,
+        allowed_BxTxS: jax.Array,
+        tokens_BxT: jax.Array | None = None,
+        segments_BxT: jax.Array | None = None,
+        *,
+        query_positions_BxT: jax.Array | None = None,
+        key_positions_BxS: jax.Array | None = None,
     ) -> AttentionMask:
-        """An explicit [B, T, S] bool mask (`attention_allowed`), which slots hold tokens and
-        (packed rows) their document ids."""
-        return cls(allowed_BxTxS, None, tokens_BxT, segments_BxT)
+        """An explicit [B, T, S] bool mask (`attention_allowed`), which slots hold tokens,
+        (packed rows) their document ids and the positions of queries and keys (a windowed layer
+        needs them)."""
+        return cls(allowed_BxTxS, None, tokens_BxT, segments_BxT, query_positions_BxT, key_positions_BxS)
+
+    def within(self, window: int | None) -> AttentionMask:
+        """This mask for a layer with sliding window `window` (None: itself): causal, the window
+        given to the kernel; explicit, keys whose position is `window` or more before the query's
+        masked (`window_allowed`)."""
+        if window is None:
+            return self
+        if self.allowed_BxTxS is None:
+            return dataclasses.replace(self, window=window)
+        if self.query_positions_BxT is None or self.key_positions_BxS is None:
+            raise ValueError("an explicit mask needs the query and key positions for a sliding-window layer")
+        allowed_BxTxS = self.allowed_BxTxS & window_allowed(self.query_positions_BxT, self.key_positions_BxS, window)
+        return dataclasses.replace(self, allowed_BxTxS=allowed_BxTxS)
 
     @property
     def kind(self) -> str:
@@ -125,11 +150,15 @@ def attention_allowed(
     key_index_S = jnp.arange(key_valid_BxS.shape[-1])
     allowed_BxTxS = (key_index_S[None, :] <= query_index_T[:, None])[None] & key_valid_BxS[:, None, :].astype(bool)
     if sliding_window is not None:
-        distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
-        allowed_BxTxS &= distance_BxTxS < sliding_window
+        allowed_BxTxS &= window_allowed(query_positions_BxT, key_positions_BxS, sliding_window)
     if query_segments_BxT is not None:
         allowed_BxTxS &= query_segments_BxT[:, :, None] == key_segments_BxS[:, None, :]
     return allowed_BxTxS
+
+
+def window_allowed(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array, window: int) -> jax.Array:
+    """[B, T, S] bool: the key's position is within `window` - 1 of the query's."""
+    return query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :] < window
 
 
 def _platform() -> str:

@@ -1,5 +1,5 @@
-"""Autoregressive generation with a KV cache (greedy or temperature / top-k sampling); a hybrid
-model's Mamba layers carry their recurrent state instead (`transformer.empty_cache`).
+"""Autoregressive generation with a decode state (greedy or temperature / top-k sampling): each
+block's own (`transformer.empty_decode_state`: an attention's KV cache, a recurrent mixer's state).
 
 One jitted program: a prefill over the (left- or right-padded) prompt fills the cache, then a
 `lax.scan` decodes one token per step. Generated tokens go to cache slots T, T+1, ...; their
@@ -18,11 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families.nemotron_h import MAMBA
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.transformer import CausalLM, default_positions, empty_cache, forward_with_cache
+from nvfp4tool.model.transformer import CausalLM, default_positions, empty_decode_state, forward_with_cache
 
 
 def generate(
@@ -56,10 +55,11 @@ def generate(
         raise NVFP4ToolError(f"generate: max_new_tokens must be > 0, got {max_new_tokens}")
     if not bool(jnp.all(jnp.any(mask_BxT, axis=-1))):
         raise NVFP4ToolError("generate: a prompt row has no tokens (its attention mask is all zeros)")
-    if _has_recurrent_layers(model) and not bool(jnp.all(mask_BxT[:, 1:] >= mask_BxT[:, :-1])):
+    recurrent = _recurrent_kinds(model)
+    if recurrent and not bool(jnp.all(mask_BxT[:, 1:] >= mask_BxT[:, :-1])):
         raise NVFP4ToolError(
-            "generate: a model with Mamba layers needs left-padded prompts (a recurrent "
-            "state cannot skip padding after the prompt, as HF's generate requires too)"
+            f"generate: a model with recurrent layers ({', '.join(recurrent)}) needs left-padded prompts "
+            "(a recurrent state cannot skip padding after the prompt, as HF's generate requires too)"
         )
     if not greedy and key is None:
         raise NVFP4ToolError("generate: sampling (greedy=False) needs a PRNG key")
@@ -91,8 +91,10 @@ def generate(
     )
 
 
-def _has_recurrent_layers(model: CausalLM) -> bool:
-    return any(model.config.layer_kind(i) == MAMBA for i in range(model.config.num_layers))
+def _recurrent_kinds(model: CausalLM) -> list[str]:
+    """The layer kinds whose blocks' decode state summarises the past (`blocks.Block.recurrent`)."""
+    kinds = (model.config.layer_kind(i) for i, layer in enumerate(model.layers) if layer.recurrent)
+    return list(dict.fromkeys(kinds))
 
 
 class _SamplingOptions(NamedTuple):
@@ -106,10 +108,9 @@ class _SamplingOptions(NamedTuple):
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "linear", "kv"))
 def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_new_tokens, linear, kv):
     model = nnx.merge(graphdef, state)
-    config = model.config
     B, T = prompt_ids_BxT.shape
     S = T + max_new_tokens
-    cache = empty_cache(model, B, S)
+    cache = empty_decode_state(model, B, S)
     key_valid_BxS = jnp.concatenate([mask_BxT, jnp.ones((B, max_new_tokens), bool)], axis=-1)
 
     prompt_positions_BxT = default_positions(mask_BxT)
@@ -117,9 +118,11 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
     key_positions_BxS = jnp.concatenate(
         [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1
     )
-    window = config.sliding_window
-    prompt_mask = AttentionMask.explicit(
-        attention_allowed(jnp.arange(T), key_valid_BxS, window, prompt_positions_BxT, key_positions_BxS), mask_BxT
+    prompt_mask = AttentionMask.explicit(  # each attention layer narrows it to its window (`within`)
+        attention_allowed(jnp.arange(T), key_valid_BxS, None),
+        mask_BxT,
+        query_positions_BxT=prompt_positions_BxT,
+        key_positions_BxS=key_positions_BxS,
     )
     logits_BxTxV, cache = forward_with_cache(
         model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv
@@ -140,7 +143,9 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         slot = T + i  # cache slot of `token_B`
         position_Bx1 = (first_position_B + i)[:, None]
         step_mask = AttentionMask.explicit(
-            attention_allowed(slot[None], key_valid_BxS, window, position_Bx1, key_positions_BxS)
+            attention_allowed(slot[None], key_valid_BxS, None),
+            query_positions_BxT=position_Bx1,
+            key_positions_BxS=key_positions_BxS,
         )
         logits_Bx1xV, cache = forward_with_cache(
             model, token_B[:, None], position_Bx1, step_mask, cache, slot, linear, kv

@@ -2,21 +2,37 @@
 with HF's attribute names; the Mamba-2 mixer is `model/mamba.py`.
 
 `ReLU2MLP` (down(relu(up(x))^2), no gate), `HybridMoE` (FP32 grouped-sigmoid router, relu2 experts,
-shared expert), `HybridBlock` (one `nemotron_h` layer). Every linear goes through the linear seam.
+shared expert), `HybridBlock` (one `nemotron_h` layer, registered for the family's four layer kinds:
+`blocks.register_blocks`; it builds its own decode state). Every linear goes through the linear seam.
 Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families.nemotron_h import ATTENTION, MAMBA, MLP, MOE, HybridFields
+from nvfp4tool.families import ROUTER, nemotron_h
+from nvfp4tool.families.nemotron_h import (
+    ACTIVATION,
+    ATTENTION,
+    KIND_NAMES,
+    LATENT,
+    MAMBA,
+    MLP,
+    MOE,
+    RELU2,
+    HybridFields,
+)
+from nvfp4tool.model.activations import activation
+from nvfp4tool.model.blocks import register_blocks
 from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
-from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape
+from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape, MambaState
 
 
 class ReLU2MLP(nnx.Module):
@@ -25,13 +41,15 @@ class ReLU2MLP(nnx.Module):
     def __init__(
         self, dim: int, width: int, *, prefix: str, bias: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs
     ) -> None:
-        self.up_proj = Linear(dim, width, bias=bias, name=f"{prefix}.up_proj", param_dtype=param_dtype, rngs=rngs)
-        self.down_proj = Linear(width, dim, bias=bias, name=f"{prefix}.down_proj", param_dtype=param_dtype, rngs=rngs)
+        for p, (k, n) in zip(RELU2, ((dim, width), (width, dim))):  # up, down: HF's attributes
+            setattr(
+                self, p.attr, Linear(k, n, bias=bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
+            )
 
     def __call__(self, x: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
-        u, up_side = self.up_proj(x, seam)
-        r = jax.nn.relu(u)
-        y, down_side = self.down_proj(r * r, seam)
+        up, down = (getattr(self, p.attr) for p in RELU2)
+        u, up_side = up(x, seam)
+        y, down_side = down(activation(ACTIVATION)(u), seam)
         return y, merged(up_side, down_side)
 
 
@@ -42,8 +60,9 @@ class HybridMoE(nnx.Module):
         self, dim: int, experts, *, prefix: str, mlp_bias: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs
     ) -> None:
         n, width = experts.n_routed_experts, experts.moe_latent_size or dim
-        self.gate = Linear(dim, n, bias=False, name=f"{prefix}.gate", param_dtype=jnp.float32, rngs=rngs)
-        self.gate.e_score_correction_bias = nnx.Param(jnp.zeros((n,), jnp.float32))
+        router = Linear(dim, n, bias=False, name=f"{prefix}.{ROUTER.attr}", param_dtype=jnp.float32, rngs=rngs)
+        router.e_score_correction_bias = nnx.Param(jnp.zeros((n,), jnp.float32))
+        setattr(self, ROUTER.attr, router)  # HF's attribute: `gate`
         self.experts = nnx.List(
             [
                 ReLU2MLP(
@@ -66,35 +85,35 @@ class HybridMoE(nnx.Module):
             rngs=rngs,
         )
         latent = experts.moe_latent_size is not None
-        self.fc1_latent_proj = (
-            Linear(dim, width, bias=mlp_bias, name=f"{prefix}.fc1_latent_proj", param_dtype=param_dtype, rngs=rngs)
-            if latent
-            else None
-        )
-        self.fc2_latent_proj = (
-            Linear(width, dim, bias=mlp_bias, name=f"{prefix}.fc2_latent_proj", param_dtype=param_dtype, rngs=rngs)
-            if latent
-            else None
-        )
+        for p, (k, n) in zip(LATENT, ((dim, width), (width, dim))):  # fc1 / fc2_latent_proj, or None
+            setattr(
+                self,
+                p.attr,
+                Linear(k, n, bias=mlp_bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
+                if latent
+                else None,
+            )
         self.routing = experts
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         """(the output, side results: every linear's records, the router's logits under its name)."""
         r = self.routing
-        logits_BxTxN, router_side = self.gate(x_BxTxE.astype(jnp.float32), seam)
+        router = getattr(self, ROUTER.attr)
+        fc1_latent, fc2_latent = (getattr(self, p.attr) for p in LATENT)
+        logits_BxTxN, router_side = router(x_BxTxE.astype(jnp.float32), seam)
         weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
             logits_BxTxN,
             r.num_experts_per_tok,
-            correction_bias_N=self.gate.e_score_correction_bias[...],
+            correction_bias_N=router.e_score_correction_bias[...],
             n_group=r.n_group,
             topk_group=r.topk_group,
             normalize=r.norm_topk_prob,
             scaling=r.routed_scaling_factor,
         )
-        sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
+        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
         h_BxTxL = x_BxTxE
-        if self.fc1_latent_proj is not None:
-            h_BxTxL, side = self.fc1_latent_proj(x_BxTxE, seam)
+        if fc1_latent is not None:
+            h_BxTxL, side = fc1_latent(x_BxTxE, seam)
             sides.append(side)
         out_BxTxL = jnp.zeros(h_BxTxL.shape, jnp.float32)
         for e, expert in enumerate(self.experts):
@@ -103,8 +122,8 @@ class HybridMoE(nnx.Module):
             out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e : e + 1]
             sides.append(side)
         out = out_BxTxL.astype(x_BxTxE.dtype)
-        if self.fc2_latent_proj is not None:
-            out, side = self.fc2_latent_proj(out, seam)
+        if fc2_latent is not None:
+            out, side = fc2_latent(out, seam)
             sides.append(side)
         shared, side = self.shared_experts(x_BxTxE, seam)
         return out + shared, merged(*sides, side)
@@ -129,14 +148,15 @@ def mamba_shape(config: ModelConfig) -> MambaShape:
 class HybridBlock(nnx.Module):
     """One single-mixer layer of a hybrid decoder: `norm` (RMSNorm, weight applied in fp32) ->
     `mixer` (a layer kind's: Mamba-2, attention without positional encoding, relu2 MLP, MoE) ->
-    residual. The same call as `transformer.Block`; its decode state is the attention's (k, v),
-    the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
+    residual. The same call as `decoder.DecoderBlock` (`blocks.Block`); its decode state is the
+    attention's (k, v), the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
 
     def __init__(
         self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
     ) -> None:
         E, prefix = config.hidden_size, f"{layer_name}.mixer"
         self.kind = kind
+        self.recurrent = kind == MAMBA  # the SSM state summarises every position it saw, padding too
         self.norm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=True)
         fields: HybridFields = config.family_config
         if kind == MAMBA:
@@ -173,3 +193,15 @@ class HybridBlock(nnx.Module):
         else:
             y_BxTxE, side = self.mixer(h_BxTxE, seam)
         return x_BxTxE + y_BxTxE.astype(x_BxTxE.dtype), cached, side
+
+    def empty_state(self, batch: int, length: int, dtype: jnp.dtype) -> object:
+        """Its decode state before a prefill: the attention's `length` KV slots of zeros in `dtype`,
+        the Mamba mixer's zero conv window and SSM state (fp32, whatever the length), None (MLP, MoE)."""
+        if self.kind == MAMBA:
+            return MambaState.zeros(batch, self.mixer.shape)
+        if self.kind == ATTENTION:
+            return self.mixer.empty_state(batch, length, dtype)
+        return None
+
+
+register_blocks(nemotron_h.FAMILIES, {kind: functools.partial(HybridBlock, kind=kind) for kind in KIND_NAMES})

@@ -4,8 +4,9 @@ optional: a family without positional encoding passes `rope=False`), the SwiGLU 
 routers (`route`: softmax top-k; `route_grouped_sigmoid`: sigmoid scores with a correction bias,
 grouped top-k) and the sparse `SparseMoE`.
 
-`transformer.py` assembles them into the Llama-family blocks and the whole `CausalLM`;
-`hybrid.py` and `mamba.py` add the hybrid family's mixers on the same layers.
+Each family's blocks module (`Family.blocks_module`: `decoder.py` for the Llama and MoE groups)
+builds its blocks of them, with its own mixers where it has some; `transformer.py` assembles the
+blocks into the whole `CausalLM`. Linears are named from the families' `Projection`s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU, layer_index
+from nvfp4tool.model.activations import activation
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.remat import linear_output
@@ -77,7 +80,8 @@ class Embedding(nnx.Module):
 
 class Attention(nnx.Module):
     """GQA self-attention: q/k/v projections, optional q/k norm, RoPE (unless `rope=False`: a
-    family without positional encoding), masked softmax, o_proj."""
+    family without positional encoding), masked softmax within its layer's sliding window (the
+    family's `layer_attention(config, layer)`, the layer read from `prefix`), o_proj."""
 
     def __init__(
         self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, rope: bool = True
@@ -85,19 +89,19 @@ class Attention(nnx.Module):
         E, D = config.hidden_size, config.head_dim
         H, KV = config.num_heads, config.num_kv_heads
 
-        def proj(name: str, k: int, n: int, bias: bool) -> Linear:
-            return Linear(k, n, bias=bias, name=f"{prefix}.{name}", param_dtype=param_dtype, rngs=rngs)
-
-        self.q_proj = proj("q_proj", E, H * D, config.attention_bias)
-        self.k_proj = proj("k_proj", E, KV * D, config.attention_bias)
-        self.v_proj = proj("v_proj", E, KV * D, config.attention_bias)
-        self.o_proj = proj("o_proj", H * D, E, config.o_proj_bias)
+        shapes = ((E, H * D), (E, KV * D), (E, KV * D), (H * D, E))
+        biases = (config.attention_bias,) * 3 + (config.o_proj_bias,)
+        for p, (k, n), bias in zip(ATTENTION_PROJECTIONS, shapes, biases):  # q, k, v, o: HF's attributes
+            setattr(
+                self, p.attr, Linear(k, n, bias=bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
+            )
         norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
         self.name = prefix  # the KV seam's name of this layer
         self.rope = rope
+        self.window = config.family_spec.layer_attention(config, layer_index(prefix)).window
 
     def __call__(
         self,
@@ -113,9 +117,10 @@ class Attention(nnx.Module):
         no cache)."""
         B, T, _ = x_BxTxE.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, q_side = self.q_proj(x_BxTxE, seam)
-        k, k_side = self.k_proj(x_BxTxE, seam)
-        v, v_side = self.v_proj(x_BxTxE, seam)
+        q_proj, k_proj, v_proj, o_proj = (getattr(self, p.attr) for p in ATTENTION_PROJECTIONS)
+        q, q_side = q_proj(x_BxTxE, seam)
+        k, k_side = k_proj(x_BxTxE, seam)
+        v, v_side = v_proj(x_BxTxE, seam)
         q_BxTxHxD, k_BxTxKVxD, v_BxTxKVxD = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, D)
         if self.q_norm is not None:
             q_BxTxHxD, k_BxTxKVxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxTxKVxD)
@@ -129,14 +134,26 @@ class Attention(nnx.Module):
             start = (0, write_index, 0, 0)
             k_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKVxD.astype(cache_kv[0].dtype), start)
             v_BxSxKVxD = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKVxD.astype(cache_kv[1].dtype), start)
-        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKVxD.astype(x_BxTxE.dtype), v_BxSxKVxD.astype(x_BxTxE.dtype), mask)
-        y_BxTxE, o_side = self.o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
+        out_BxTxHxD = attend(
+            q_BxTxHxD,
+            k_BxSxKVxD.astype(x_BxTxE.dtype),
+            v_BxSxKVxD.astype(x_BxTxE.dtype),
+            mask.within(self.window),  # its layer's sliding window
+        )
+        y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
+
+    def empty_state(self, batch: int, length: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Its KV cache before a prefill: `length` slots of zeros, (k, v) [B, S, KV, D] in `dtype`."""
+        shape = (batch, length, self.num_kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); projections named gate_proj/up_proj/down_proj (a dense
-    MLP, a Qwen3-MoE expert) or `names` (a Mixtral expert: w1/w3/w2)."""
+    """A gated MLP, down(act(gate(x)) * up(x)) with its family's activation (`Family.activation`:
+    SwiGLU for silu, GeGLU for gelu_pytorch_tanh); projections named as the families' `SWIGLU`
+    (gate_proj/up_proj/down_proj: a dense MLP, a Qwen3-MoE expert) or `names` (a family's expert
+    projections: Mixtral's w1/w3/w2)."""
 
     def __init__(
         self,
@@ -144,12 +161,13 @@ class MLP(nnx.Module):
         prefix: str,
         *,
         width: int | None = None,
-        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        names: tuple[str, ...] = tuple(p.attr for p in SWIGLU),
         param_dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ) -> None:
         E, F = config.hidden_size, width or config.intermediate_size
         self.names = names
+        self.activation = config.family_spec.activation  # its name (`model.activations`)
         for attr, k, n in zip(names, (E, E, F), (F, F, E)):
             setattr(self, attr, Linear(k, n, bias=False, name=f"{prefix}.{attr}", param_dtype=param_dtype, rngs=rngs))
 
@@ -157,7 +175,7 @@ class MLP(nnx.Module):
         gate, up, down = (getattr(self, attr) for attr in self.names)
         g_BxTxF, gate_side = gate(x_BxTxE, seam)
         u_BxTxF, up_side = up(x_BxTxE, seam)
-        y_BxTxE, down_side = down(jax.nn.silu(g_BxTxF) * u_BxTxF, seam)
+        y_BxTxE, down_side = down(activation(self.activation)(g_BxTxF) * u_BxTxF, seam)
         return y_BxTxE, merged(gate_side, up_side, down_side)
 
 
@@ -233,33 +251,36 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.gate = Linear(
+        experts = config.family_spec.experts(config)  # the family's `moe.Experts`
+        router = Linear(
             config.hidden_size,
-            config.experts.num_experts,
+            experts.num_experts,
             bias=False,
-            name=f"{prefix}.gate",
+            name=f"{prefix}.{ROUTER.attr}",
             param_dtype=param_dtype,
             rngs=rngs,
         )
+        setattr(self, ROUTER.attr, router)  # HF's attribute: `gate`
         self.experts = nnx.List(
             [
                 MLP(
                     config,
                     f"{prefix}.experts.{e}",
-                    width=config.expert_intermediate_size,
-                    names=config.expert_projections,
+                    width=config.family_spec.expert_width(config),
+                    names=config.family_spec.expert_attrs,
                     param_dtype=param_dtype,
                     rngs=rngs,
                 )
-                for e in range(config.experts.num_experts)
+                for e in range(experts.num_experts)
             ]
         )
-        self.top_k, self.normalize = config.experts.num_experts_per_tok, config.experts.norm_topk_prob
+        self.top_k, self.normalize = experts.num_experts_per_tok, experts.norm_topk_prob
         self.weights_in_logits_dtype = config.family_spec.routing_weights_in_logits_dtype  # as transformers
 
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         """(the output, side results: the experts' records, the router's logits under its name)."""
-        logits_BxTxN, router_side = self.gate(x_BxTxE, seam)
+        router = getattr(self, ROUTER.attr)
+        logits_BxTxN, router_side = router(x_BxTxE, seam)
         weights_BxTxN, chosen_BxTxN = route(
             logits_BxTxN,
             self.top_k,
@@ -267,7 +288,7 @@ class SparseMoE(nnx.Module):
             logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32,
         )
         out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
-        sides = [router_side, Side({}, {self.gate.name: logits_BxTxN})]
+        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
         for e, expert in enumerate(self.experts):
             routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
             y_BxTxE, expert_side = expert(routed_BxTxE, seam)

@@ -41,6 +41,23 @@ from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
 
 STAR = layer_prefix("*")  # the layer prefix of the names a block program sees
+FORWARD_MARGIN = 1.25  # held_forward_bytes' margin over the larger phase (measured: 1.1-1.3x on tiny / small)
+
+
+def held_forward_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Memory a held model's `logits` needs besides its weights for one batch of `batch_size` rows
+    of `seq_len` tokens. Its two phases never overlap, so the larger counts, with a margin: a layer
+    (fp32 activations, the MLP's gate / up / product, the attention's fp32 scores and
+    probabilities [B, H, T, T]) or the LM head (fp32 logits [B, T, V]); plus the weight blocks
+    widened for a GEMM (`numerics.dense_widening`) and the largest tensor read from its file."""
+    from nvfp4tool.numerics.dot import WIDEN_BYTES
+
+    tokens = batch_size * seq_len
+    layer = 4 * tokens * (3 * config.intermediate_size + 6 * config.hidden_size)
+    layer += 2 * 4 * batch_size * config.num_heads * seq_len * seq_len
+    head = 4 * tokens * (config.vocab_size + config.hidden_size)
+    largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
+    return int(FORWARD_MARGIN * max(layer, head)) + WIDEN_BYTES + largest
 
 
 class LayerwiseModel:
@@ -141,7 +158,10 @@ class LayerwiseModel:
         wave = S if self.streamed else batch_size  # windows that go through one layer together
         layers = self.config.num_layers
         aux = aux or (lambda i: None)
-        with progress.task(label, total=layers * -(-S // wave), unit="layer") as task:
+        # what the task counts: streamed, all windows go through one layer at a time (layers);
+        # held, each batch of windows goes through every layer in turn (windows)
+        total, unit = (layers, "layer") if self.streamed else (S, "window")
+        with progress.task(label, total=total, unit=unit) as task:
             started, layer_tokens = time.perf_counter(), 0
             for w0 in range(0, S, wave):
                 starts = list(range(w0, min(w0 + wave, S), batch_size))
@@ -174,7 +194,15 @@ class LayerwiseModel:
                         memory.release()
                     layer_tokens += (min(w0 + wave, S) - w0) * T
                     rate = layer_tokens / layers / (time.perf_counter() - started)
-                    task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
+                    if self.streamed:
+                        task.advance(description=f"layer {i}", fields={"tokens/s": f"{rate:.0f}"})
+                if not self.streamed:
+                    rate = layer_tokens / layers / (time.perf_counter() - started)
+                    task.advance(
+                        min(w0 + wave, S) - w0,
+                        description=f"windows {w0}-{min(w0 + wave, S) - 1}",
+                        fields={"tokens/s": f"{rate:.0f}"},
+                    )
                 head_aux = self._place(aux(None))
                 for s, (x, _, _, _) in zip(starts, carry):
                     with progress.compiling(
@@ -380,7 +408,7 @@ def _embed_step(graphdef, state, ids_BxT, *, gather):
     state = _gathered(state, gather)
     model = nnx.merge(graphdef, state)
     cos_BxTxD, sin_BxTxD = rope(model, default_positions(jnp.ones(ids_BxT.shape, bool)))
-    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal(model.config.sliding_window)
+    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal()
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather", "all_experts"))

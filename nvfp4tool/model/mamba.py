@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nvfp4tool.families import Projection
+from nvfp4tool.families.nemotron_h import MAMBA_IN, MAMBA_OUT
 from nvfp4tool.model.layers import Linear
 from nvfp4tool.model.linear import Seam, Side, merged
 
@@ -309,17 +311,17 @@ class Mamba2Mixer(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         self.shape = shape
-        self.in_proj = Linear(
-            hidden, shape.in_proj_rows, bias=use_bias, name=f"{prefix}.in_proj", param_dtype=param_dtype, rngs=rngs
-        )
+
+        def linear(p: Projection, k: int, n: int) -> Linear:  # under HF's attribute, the family's `p.attr`
+            return Linear(k, n, bias=use_bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
+
+        setattr(self, MAMBA_IN.attr, linear(MAMBA_IN, hidden, shape.in_proj_rows))
         self.conv1d = _Conv1d(shape.conv_dim, shape.conv_kernel, bias=conv_bias, param_dtype=param_dtype, rngs=rngs)
         self.dt_bias = nnx.Param(jnp.ones((shape.heads,), param_dtype))
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, shape.heads + 1, dtype=jnp.float32)).astype(param_dtype))
         self.D = nnx.Param(jnp.ones((shape.heads,), param_dtype))
         self.norm = _GatedNorm(shape.inner, param_dtype=param_dtype)
-        self.out_proj = Linear(
-            shape.inner, hidden, bias=use_bias, name=f"{prefix}.out_proj", param_dtype=param_dtype, rngs=rngs
-        )
+        setattr(self, MAMBA_OUT.attr, linear(MAMBA_OUT, shape.inner, hidden))
 
     def __call__(
         self,
@@ -333,7 +335,7 @@ class Mamba2Mixer(nnx.Module):
         """(y [B, T, E] in x's dtype, the decode state after the last position, the seam's records)."""
         if mask_BxT is not None:
             x_BxTxE = x_BxTxE * mask_BxT[..., None].astype(x_BxTxE.dtype)
-        zxbcdt, in_side = self.in_proj(x_BxTxE, seam)
+        zxbcdt, in_side = getattr(self, MAMBA_IN.attr)(x_BxTxE, seam)
         params = {
             "conv1d_weight": self.conv1d.weight[...][:, 0, :],
             "dt_bias": self.dt_bias[...],
@@ -346,5 +348,5 @@ class Mamba2Mixer(nnx.Module):
         y, state = mixer(
             zxbcdt, params, self.shape, mask_BxT=mask_BxT, segments_BxT=segments_BxT, state=state, dtype=x_BxTxE.dtype
         )
-        out, out_side = self.out_proj(y, seam)
+        out, out_side = getattr(self, MAMBA_OUT.attr)(y, seam)
         return out, state, merged(in_side, out_side)

@@ -2,7 +2,8 @@
 
 The inverse frequencies are computed once in float32 numpy, step for step as transformers does
 (`_compute_default_rope_parameters` / `_compute_llama3_parameters`), so tiny models that put most
-wavelengths in the scaled band match HF to float32 rounding.
+wavelengths in the scaled band match HF to float32 rounding. The base and scaling are each
+layer's as its family gives them (`Family.layer_attention`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4tool.config import ModelConfig
+from nvfp4tool.config import ModelConfig, RopeScaling
+from nvfp4tool.errors import NVFP4ToolError
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """inv_freq_{D/2} (float32): theta^(-2i/D), then llama3 scaling when the config has it."""
-    D = config.head_dim
+def layer_frequencies(config: ModelConfig) -> np.ndarray | None:
+    """The inverse frequencies every layer's attention rotates by (its family's `layer_attention`:
+    base and scaling); None when the family has no positional encoding. The model computes one
+    (cos, sin) for all its layers, so layers with different RoPE settings are refused here."""
+    family = config.family_spec
+    settings = {
+        (a.rope_theta, a.rope_scaling) for a in (family.layer_attention(config, i) for i in range(config.num_layers))
+    }
+    if len(settings) > 1:
+        raise NVFP4ToolError(
+            f"model config ({config.family}): layers with different RoPE bases or scaling are not "
+            f"supported by this model yet"
+        )
+    ((theta, scaling),) = settings
+    return None if theta is None else inverse_frequencies(config.head_dim, theta, scaling)
+
+
+def inverse_frequencies(D: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """inv_freq_{D/2} (float32) of head width `D`: theta^(-2i/D), then llama3 `scaling` when given."""
     exponent = np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / np.float32(D)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
-    scaling = config.rope_scaling
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     if scaling is None:
         return inv_freq
     old_context = np.float32(scaling.original_max_position_embeddings)

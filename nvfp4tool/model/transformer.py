@@ -1,5 +1,7 @@
-"""The Llama-family decoder in Flax NNX (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, and the
-mixture-of-experts Qwen3-MoE and Mixtral).
+"""The causal language model in Flax NNX, for every family: embedding, the family's blocks (the
+block of each layer kind, as the family's blocks module registers it: `blocks.py`), final norm and
+LM head, run whole, scanned or with a decode state (`DecodeState`: each block's own, stacked per
+layer kind).
 
 Attribute names mirror HF's (`model.layers.3.self_attn.q_proj.weight`). Every projection and the LM
 head ("lm_head") go through the linear seam (`linear.py`), keys and values through the KV seam
@@ -11,134 +13,79 @@ from __future__ import annotations
 
 import functools
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LM_HEAD, layer_prefix, nemotron_h
+from nvfp4tool.families import LM_HEAD, layer_prefix
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
-from nvfp4tool.model.hybrid import HybridBlock
+from nvfp4tool.model.blocks import make_block
 from nvfp4tool.model.kv import KVFn, default_kv
-from nvfp4tool.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, SparseMoE
+from nvfp4tool.model.layers import Embedding, Linear, RMSNorm
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
-from nvfp4tool.model.mamba import MambaState
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed
-from nvfp4tool.model.rope import inverse_frequencies, rope_cos_sin
+from nvfp4tool.model.rope import layer_frequencies, rope_cos_sin
 
 
-class KVCache(NamedTuple):
-    """Keys and values of every layer: [L, B, S, KV, D] each, in the compute dtype."""
+class DecodeState(NamedTuple):
+    """Every layer's decode state as its block builds it (`empty_state`), stacked per layer kind:
+    kind -> a pytree whose leaves are [layers of the kind, ...] in layer order (an attention's keys
+    and values: [N, B, S, KV, D] each); a kind whose blocks keep none is absent. A run of
+    consecutive layers of one kind (`layer_runs`) is a slice of its kind's stack."""
 
-    k_LxBxSxKVxD: jax.Array
-    v_LxBxSxKVxD: jax.Array
-
-
-class LayerStates(NamedTuple):
-    """The decode state of a model with layers of other kinds than attention + MLP (a hybrid's):
-    per layer, its attention's (k [B, S, KV, D], v), its Mamba mixer's `MambaState`, or None (a
-    layer that keeps no state: MLP, MoE)."""
-
-    per_layer: tuple
+    by_kind: dict[str, Any]
 
 
-def empty_cache(model: CausalLM, batch: int, length: int) -> KVCache | LayerStates:
-    """The decode state before a prefill: every attention's `length` slots of zeros (compute
-    dtype), every Mamba mixer's zero conv window and SSM state (fp32)."""
-    config = model.config
-    kinds = [config.layer_kind(i) for i in range(config.num_layers)]
-    kv_shape = (batch, length, config.num_kv_heads, config.head_dim)
-    if all(k in (ATTENTION_MLP, ATTENTION_MOE) for k in kinds):
-        shape = (config.num_layers, *kv_shape)
-        return KVCache(jnp.zeros(shape, model.compute_dtype), jnp.zeros(shape, model.compute_dtype))
-    states = []
-    for i, kind in enumerate(kinds):
-        if kind == nemotron_h.ATTENTION:
-            states.append((jnp.zeros(kv_shape, model.compute_dtype), jnp.zeros(kv_shape, model.compute_dtype)))
-        elif kind == nemotron_h.MAMBA:
-            states.append(MambaState.zeros(batch, model.layers[i].mixer.shape))
-        else:
-            states.append(None)
-    return LayerStates(tuple(states))
+@functools.lru_cache(maxsize=64)
+def _state_slots(config: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(kind, index among the layers of its kind) of every layer: where its decode state lies."""
+    counts: dict[str, int] = {}
+    slots = []
+    for i in range(config.num_layers):
+        kind = config.layer_kind(i)
+        slots.append((kind, counts.get(kind, 0)))
+        counts[kind] = counts.get(kind, 0) + 1
+    return tuple(slots)
 
 
-def _run_cache(cache: KVCache | LayerStates | None, layers: list[int]):
-    """The decode state of a run of layers: one layer's own, or the run's stacked (scanned)."""
-    if cache is None:
+def empty_decode_state(model: CausalLM, batch: int, length: int) -> DecodeState:
+    """The decode state before a prefill of `length` slots: each kind's block's `empty_state`
+    (compute dtype; the layers of a kind share one block program, so its first layer's state
+    stands for each of them), repeated over the kind's layers."""
+    slots = _state_slots(model.config)
+    by_kind: dict[str, Any] = {}
+    for i, (kind, index) in enumerate(slots):
+        if index == 0:
+            state = model.layers[i].empty_state(batch, length, model.compute_dtype)
+            if state is not None:
+                n = sum(1 for k, _ in slots if k == kind)
+                by_kind[kind] = jax.tree.map(lambda a, n=n: jnp.broadcast_to(a, (n, *a.shape)), state)
+    return DecodeState(by_kind)
+
+
+def _run_state(config: ModelConfig, state: DecodeState | None, layers: list[int]):
+    """The decode state of a run of layers: one layer's own, or the run's stacked (scanned); None
+    without a state or for a kind that keeps none."""
+    if state is None:
         return None
-    first, count = layers[0], len(layers)
-    if isinstance(cache, KVCache):
-        if count == 1:
-            return cache.k_LxBxSxKVxD[first], cache.v_LxBxSxKVxD[first]
-        return cache.k_LxBxSxKVxD[first : first + count], cache.v_LxBxSxKVxD[first : first + count]
-    states = [cache.per_layer[i] for i in layers]
-    return states[0] if count == 1 else _stacked(states)
+    kind, first = _state_slots(config)[layers[0]]
+    if kind not in state.by_kind:
+        return None
+    at = first if len(layers) == 1 else slice(first, first + len(layers))
+    return jax.tree.map(lambda a: a[at], state.by_kind[kind])
 
 
-def _with_run_cache(cache: KVCache | LayerStates, layers: list[int], cached) -> KVCache | LayerStates:
-    """`cache` with the run's new state written (an in-place update under jit)."""
-    first, count = layers[0], len(layers)
-    if isinstance(cache, KVCache):
-        at = first if count == 1 else slice(first, first + count)
-        return KVCache(cache.k_LxBxSxKVxD.at[at].set(cached[0]), cache.v_LxBxSxKVxD.at[at].set(cached[1]))
-    per_layer = list(cache.per_layer)
-    for j, i in enumerate(layers):
-        per_layer[i] = cached if count == 1 else jax.tree.map(lambda a, j=j: a[j], cached)
-    return LayerStates(tuple(per_layer))
-
-
-class Block(nnx.Module):
-    """One pre-norm decoder layer (its MLP dense, or sparse when `sparse`)."""
-
-    def __init__(
-        self, config: ModelConfig, layer_name: str, *, sparse: bool = False, param_dtype: jnp.dtype, rngs: nnx.Rngs
-    ) -> None:
-        E = config.hidden_size
-        self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        mlp = (
-            SparseMoE(config, f"{layer_name}.{config.expert_block}", param_dtype=param_dtype, rngs=rngs)
-            if sparse
-            else MLP(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)
-        )
-        self.mlp_attr = config.expert_block if sparse else "mlp"  # HF's attribute: mlp / block_sparse_moe
-        setattr(self, self.mlp_attr, mlp)
-
-    def __call__(self, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam: Seam):
-        """(the block's output, its (k, v), its side results)."""
-        attn_BxTxE, cached, attn_side = self.self_attn(
-            self.input_layernorm(x_BxTxE), cos_BxTxD, sin_BxTxD, mask, cache_kv, write_index, seam
-        )
-        h_BxTxE = x_BxTxE + attn_BxTxE
-        mlp_BxTxE, mlp_side = getattr(self, self.mlp_attr)(self.post_attention_layernorm(h_BxTxE), seam)
-        return h_BxTxE + mlp_BxTxE, cached, merged(attn_side, mlp_side)
-
-
-# The block class of each layer kind a family declares (`families.base`): a family with a new kind
-# adds its block class here (the hybrid's single-mixer kinds: `hybrid.HybridBlock`).
-BLOCKS = {
-    ATTENTION_MLP: functools.partial(Block, sparse=False),
-    ATTENTION_MOE: functools.partial(Block, sparse=True),
-    **{
-        kind: functools.partial(HybridBlock, kind=kind)
-        for kind in (nemotron_h.MAMBA, nemotron_h.ATTENTION, nemotron_h.MLP, nemotron_h.MOE)
-    },
-}
-
-
-def make_block(
-    config: ModelConfig, kind: str, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs
-) -> nnx.Module:
-    """A block of layer kind `kind` named `layer_name` (`model.layers.3`, or `model.layers.*`)."""
-    if kind not in BLOCKS:
-        raise NVFP4ToolError(
-            f"{config.family}: layer kind {kind!r} has no block in the model (kinds with blocks: {', '.join(BLOCKS)})"
-        )
-    return BLOCKS[kind](config, layer_name, param_dtype=param_dtype, rngs=rngs)
+def _with_run_state(config: ModelConfig, state: DecodeState, layers: list[int], cached) -> DecodeState:
+    """`state` with the run's new decode state written (an in-place update under jit)."""
+    kind, first = _state_slots(config)[layers[0]]
+    if kind not in state.by_kind:
+        return state
+    at = first if len(layers) == 1 else slice(first, first + len(layers))
+    written = jax.tree.map(lambda a, new: a.at[at].set(new), state.by_kind[kind], cached)
+    return DecodeState({**state.by_kind, kind: written})
 
 
 class CausalLM(nnx.Module):
@@ -255,10 +202,10 @@ def sequence_mask(
     """(positions [B, T], the `AttentionMask`) of rows without a cache: causal by structure when
     no mask, positions or segments are given; else explicit over the real tokens (mask 1, and
     segment != 0), each query seeing its own segment only, positions restarting at 0 at each
-    segment (`segment_positions`) unless given."""
-    window = config.sliding_window
+    segment (`segment_positions`) unless given. Each attention layer narrows it to its own sliding
+    window (`AttentionMask.within`)."""
     if attention_mask_BxT is None and positions_BxT is None and segment_ids_BxT is None:
-        return default_positions(jnp.ones(shape_BxT, bool)), AttentionMask.causal(window)
+        return default_positions(jnp.ones(shape_BxT, bool)), AttentionMask.causal()
     mask_BxT = jnp.ones(shape_BxT, bool) if attention_mask_BxT is None else jnp.asarray(attention_mask_BxT).astype(bool)
     segments_BxT = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT).astype(jnp.int32)
     if segments_BxT is not None:
@@ -270,9 +217,11 @@ def sequence_mask(
     else:
         positions_BxT = default_positions(mask_BxT)
     allowed_BxTxS = attention_allowed(
-        jnp.arange(shape_BxT[1]), mask_BxT, window, positions_BxT, positions_BxT, segments_BxT, segments_BxT
+        jnp.arange(shape_BxT[1]), mask_BxT, None, positions_BxT, positions_BxT, segments_BxT, segments_BxT
     )
-    return positions_BxT, AttentionMask.explicit(allowed_BxTxS, mask_BxT, segments_BxT)
+    return positions_BxT, AttentionMask.explicit(
+        allowed_BxTxS, mask_BxT, segments_BxT, query_positions_BxT=positions_BxT, key_positions_BxS=positions_BxT
+    )
 
 
 def default_positions(mask_BxT: jax.Array) -> jax.Array:
@@ -297,11 +246,11 @@ def forward_with_cache(
     input_ids_BxT: jax.Array,
     positions_BxT: jax.Array,
     mask: AttentionMask,
-    cache: KVCache | LayerStates | None,
+    cache: DecodeState | None,
     write_index: jax.Array | int,
     linear: LinearFn,
     kv: KVFn = default_kv,
-) -> tuple[jax.Array, KVCache | None]:
+) -> tuple[jax.Array, DecodeState | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
     KV seam `kv` before they are written."""
@@ -386,15 +335,18 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
         first, count = layers[0], len(layers)
         if count == 1:
             x_BxTxE, cached, side = run_block(
-                *nnx.split(model.layers[first]), x_BxTxE, _run_cache(new_cache, layers), seam.aux_of(first)
+                *nnx.split(model.layers[first]),
+                x_BxTxE,
+                _run_state(model.config, new_cache, layers),
+                seam.aux_of(first),
             )
             if cache is not None:
-                new_cache = _with_run_cache(new_cache, layers, cached)
+                new_cache = _with_run_state(model.config, new_cache, layers, cached)
             sides.append(side)
             continue
         states = _stacked([nnx.split(model.layers[i])[1] for i in layers])
         auxes = _stacked([seam.aux_of(i) for i in layers])
-        run_cache = _run_cache(new_cache, layers)
+        run_cache = _run_state(model.config, new_cache, layers)
         graphdef = block_program(model.config, kind)
 
         def body(x, per_layer, graphdef=graphdef):
@@ -404,7 +356,7 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
 
         x_BxTxE, (cached, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
         if cache is not None:
-            new_cache = _with_run_cache(new_cache, layers, cached)
+            new_cache = _with_run_state(model.config, new_cache, layers, cached)
         for j, i in enumerate(layers):  # the stacked side results, under each layer's own name
             sides.append(
                 Side(
@@ -421,11 +373,10 @@ def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
 
 
 def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
-    """(cos, sin) [B, T, D] of the positions, in the compute dtype; (None, None) for a family
-    without positional encoding."""
-    if model.config.family_spec.positional == "none":
-        return None, None
-    return rope_cos_sin(positions_BxT, inverse_frequencies(model.config), model.compute_dtype)
+    """(cos, sin) [B, T, D] of the positions, in the compute dtype, at the frequencies its family
+    gives the layers (`rope.layer_frequencies`); (None, None) for a family without positional encoding."""
+    inv_freq = layer_frequencies(model.config)
+    return (None, None) if inv_freq is None else rope_cos_sin(positions_BxT, inv_freq, model.compute_dtype)
 
 
 def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:

@@ -11,6 +11,7 @@ Design notes: docs/design/records.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any, ClassVar, Literal
 
@@ -55,12 +56,24 @@ class CorpusShard(StoredFile):
 
 @dataclasses.dataclass(frozen=True)
 class CorpusSource(Record):
-    """A file read (or a `save_to_disk` dataset folder): its path as given, sha256, bytes, documents."""
+    """A file read (or a `save_to_disk` dataset folder): its path as given, where it lies from the
+    cache, sha256, bytes, documents."""
 
     name: str  # the path as given to prepare (a folder's file: the folder as given / its relative path)
     sha256: str
     bytes: int
     documents: int
+    # where `data verify` finds it: absolute when given absolute, else relative to the cache folder
+    # (so from any current folder); None: a manifest written before it was recorded, whose `name` is
+    # relative to the folder prepare ran in
+    path_from_cache: str | None = None
+
+    def location(self, cache: str | os.PathLike) -> str:
+        """The source's path now, for the cache in folder `cache` (`path_from_cache` joined to it,
+        an absolute one as is; without it, `name` from the current folder)."""
+        if self.path_from_cache is None:
+            return self.name
+        return os.path.join(os.fspath(cache), self.path_from_cache)  # an absolute one replaces the folder
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,9 @@ class SourceRecord(Record):
     # tokenizer's: `Checkpoint.definition_files`), relative to the source folder -> sha256; None in
     # a record written before they were bound (then only the weights are compared)
     config_files: dict[str, str] | None = None
+    # the source's license as its README.md's metadata (else its config.json) says (`source_license`);
+    # None: it says none, or a record written before it was kept (push then reads the source folder)
+    license: str | None = None
 
     @classmethod
     def of(cls, checkpoint: Any) -> SourceRecord:
@@ -50,7 +53,37 @@ class SourceRecord(Record):
             step=checkpoint.step,
             files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files},
             config_files=definition_hashes(checkpoint),
+            license=source_license(checkpoint.path),
         )
+
+
+def source_license(folder: str, config: Mapping[str, Any] | None = None) -> str | None:
+    """`license` of a model folder: its README.md's metadata (the model card's YAML front matter),
+    else `config` (its config.json, read here when not given), else None. An unreadable card or
+    config says nothing (None): a license is a courtesy to the card, never a reason to refuse."""
+    import json
+
+    import yaml
+
+    readme = os.path.join(folder, "README.md")
+    if os.path.isfile(readme):
+        try:
+            with open(readme, encoding="utf-8") as f:
+                text = f.read()
+            front = text.split("---", 2)[1] if text.startswith("---") else ""
+            found = (yaml.safe_load(front) or {}).get("license") if front else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, IndexError):
+            found = None
+        if isinstance(found, str):
+            return found
+    if config is None:
+        try:
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError):
+            config = {}
+    found = config.get("license") if isinstance(config, Mapping) else None
+    return found if isinstance(found, str) else None
 
 
 def definition_hashes(checkpoint: Any) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """The routers' load-balancing auxiliary loss of MoE training, as transformers defines it.
 
     logits, side = forward_side(model, ids, seam=seam)  # side.router_logits: each router's, by name
-    aux = load_balancing_loss(list(side.router_logits.values()), config.experts.num_experts_per_tok)
-    loss = cross_entropy(...) + config.experts.router_aux_loss_coef * aux
+    experts = config.family_spec.experts(config)        # the family's `moe.Experts`
+    aux = load_balancing_loss(list(side.router_logits.values()), experts.num_experts_per_tok)
+    loss = cross_entropy(...) + experts.router_aux_loss_coef * aux
 
 Design notes: docs/design/training.md.
 """

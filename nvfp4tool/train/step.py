@@ -221,11 +221,12 @@ def training_loss(
     else:
         parts, side = distill.terms(model, teacher, inputs_BxT, targets_BxT, seam, segments_BxT, weight_BxT, normalizer)
         loss = distill.loss(parts)
-    if not config.is_moe:
+    experts = config.family_spec.experts(config)
+    if experts is None:
         return loss, parts, side.records
     tokens_BxT = None if segments_BxT is None else segments_BxT != 0
-    aux = load_balancing_loss(list(side.router_logits.values()), config.experts.num_experts_per_tok, tokens_BxT)
-    return loss + config.experts.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}, side.records
+    aux = load_balancing_loss(list(side.router_logits.values()), experts.num_experts_per_tok, tokens_BxT)
+    return loss + experts.router_aux_loss_coef * aux, {**parts, "aux_loss": aux}, side.records
 
 
 def cross_entropy(

@@ -473,6 +473,7 @@ def _check_same_config(saved: RunRecord, config: TrainConfig, out: Path) -> None
 def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | None) -> None:
     """Refuse a resume on other data, another tokenizer, model or teacher, or another device count
     (a distillation run whose run.json predates teacher records: the teacher cannot be compared)."""
+    _check_same_rows(saved, now, out)
     if now.teacher is not None and saved.teacher is None:
         raise NVFP4ToolError(
             f"{out}: cannot resume bit-exactly: its {RunRecord.FILE_NAME} records no teacher "
@@ -517,6 +518,21 @@ def _check_same_run(saved: RunRecord, now: RunRecord, out: Path, teacher: str | 
         raise NVFP4ToolError(
             f"{out}: cannot resume bit-exactly: {', '.join(changed)} changed since the "
             "run started (nothing was changed; use another out= for a new run)"
+        )
+
+
+def _check_same_rows(saved: RunRecord, now: RunRecord, out: Path) -> None:
+    """Refuse a resume that would read other rows than the run trained on: fine-tuning rows with
+    packing=segmented were cut from the token stream before they held whole conversations (the
+    change that began recording `padding_share`), so a run.json without the key and with such
+    rows started on the stream cut, which this nvfp4tool no longer builds for them."""
+    fine_tuning = now.data_sft is not None or now.eval_data_sft is not None
+    if saved.padding_share is None and fine_tuning and saved.packing != "concat":
+        raise NVFP4ToolError(
+            f"{RunRecord.path(out)}: no padding_share: the run started before fine-tuning rows held whole "
+            f"conversations (its packing={saved.packing} rows were cut from the token stream; this nvfp4tool "
+            "packs whole ones), so a resume would read other rows (nothing was changed; use another out= for "
+            "a new run)"
         )
 
 

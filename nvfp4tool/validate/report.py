@@ -153,7 +153,7 @@ def print_report(record: ValidationRecord, console) -> None:
     """The terminal tables (rich) and the verdict, on the console the CLI passes in."""
     from rich.table import Table
 
-    from nvfp4tool.tables import print_table
+    from nvfp4tool.tables import print_line, print_table
 
     labels = record.labels
     table = Table(title=f"{record.export.name} vs BF16 (bf16 ppl {_fmt(record.models['bf16']['ppl'], '{:.4g}')})")
@@ -166,9 +166,9 @@ def print_report(record: ValidationRecord, console) -> None:
     table.add_row(f"first divergence (of {gen.tokens})", *(_divergence(gen, label) for label in labels))
     print_table(console, table)
     if gen.skipped:
-        console.print(f"greedy generation skipped: {gen.skipped}")
+        print_line(console, f"greedy generation skipped: {gen.skipped}")
     if record.resources is not None:
-        console.print(resources_line(record))
+        print_line(console, resources_line(record))
     layers = Table(title="worst layers (SQNR dB)")
     layers.add_column("layer", overflow="fold")
     for label in record.layer_labels:
@@ -186,7 +186,7 @@ def print_report(record: ValidationRecord, console) -> None:
     print_table(console, layers)
     if record.sensitivity is not None:
         print_table(console, _sensitivity_table(record.sensitivity))
-    console.print(verdict(record).replace("**", ""))
+    print_line(console, verdict(record).replace("**", ""))
 
 
 def _sensitivity_table(found) -> Any:

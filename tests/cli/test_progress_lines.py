@@ -105,7 +105,7 @@ COMMANDS = [
     (
         "export",
         _export,
-        {"loading weights": "tensor", "calibration": "layer", "export": "tensor"},
+        {"loading weights": "tensor", "calibration": "window", "export": "tensor"},
         ["loading calibration"],
         True,
     ),

@@ -126,7 +126,11 @@ def _child(workdir: str, family: str) -> None:
             report["overhead_bytes"] = _rss("VmHWM")
     report["peak_bytes"] = _rss("VmHWM")
     report["largest_stacked_bytes"] = (
-        (big.experts.num_experts if big.is_moe else 1) * big.hidden_size * big.num_layers * big.intermediate_size * 4
+        (big.family_config.num_experts if big.family_spec.experts(big) is not None else 1)
+        * big.hidden_size
+        * big.num_layers
+        * big.intermediate_size
+        * 4
     )
     original, back = HFFolderSource(os.path.join(workdir, "big")), HFFolderSource(os.path.join(workdir, "big-back"))
     report["tensors_equal"] = all(

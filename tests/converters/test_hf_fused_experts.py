@@ -119,7 +119,7 @@ def test_the_fused_reader_reads_one_expert_at_a_time(saved, monkeypatch):
     gate = source.get("model.layers.1.block_sparse_moe.experts.2.w1.weight")
     up = source.get("model.layers.1.block_sparse_moe.experts.2.w3.weight")
     down = source.get("model.layers.1.block_sparse_moe.experts.2.w2.weight")
-    F = source.config.expert_intermediate_size
+    F = source.config.family_spec.expert_width(source.config)
     assert reads == [
         ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(0, F))),
         ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(F, 2 * F))),

@@ -270,6 +270,58 @@ def test_changed_source_is_named_by_verify(tmp_path, corpus_tokenizer):
     _one_line_error(_cli("data", "verify", tmp_path / "c"), 1, f"{source}: a source of")
 
 
+def _jsonl(docs: list[str]) -> str:
+    return "".join(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def test_verify_finds_relative_sources_from_the_cache_in_any_folder(tmp_path, monkeypatch, corpus_tokenizer):
+    """A source given to prepare as a relative path is recorded relative to the cache folder, so
+    `data verify` run from another folder checks the same files (resolved from the current folder,
+    it called them missing, or hashed a decoy of the same name there); an absolute source stays
+    absolute; a manifest written before `path_from_cache` resolves the name from the current folder."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "src" / "parts").mkdir(parents=True)
+    (elsewhere / "src").mkdir(parents=True)
+    (project / "src" / "d.jsonl").write_text(_jsonl(DOCS[:10]))
+    for i, doc in enumerate(DOCS[10:12]):
+        (project / "src" / "parts" / f"{i}.txt").write_text(doc)
+    absolute = tmp_path / "abs.jsonl"
+    absolute.write_text(_jsonl(DOCS[12:16]))
+    (elsewhere / "src" / "d.jsonl").write_text(_jsonl(DOCS[:9]))  # a decoy where cwd-relative names lead
+    monkeypatch.chdir(project)
+    prepare_cache(["src/d.jsonl", "src/parts", absolute], corpus_tokenizer, "out/cache", workers=0)
+    cache = project / "out" / "cache"
+    assert [(s.name, s.path_from_cache) for s in CorpusManifest.read(cache).sources] == [
+        ("src/d.jsonl", "../../src/d.jsonl"),
+        ("src/parts/0.txt", "../../src/parts/0.txt"),
+        ("src/parts/1.txt", "../../src/parts/1.txt"),
+        (str(absolute), str(absolute)),
+    ]
+    monkeypatch.chdir(elsewhere)
+    for given in (cache, Path("..") / "project" / "out" / "cache"):  # the cache named absolute or relative
+        result = _cli("data", "verify", given)
+        assert result.exit_code == 0 and "its 4 source file(s) unchanged" in result.output, result.output
+    (project / "src" / "d.jsonl").write_text(_jsonl(DOCS[:9]))
+    _one_line_error(_cli("data", "verify", cache), 1, f"{cache}/../../src/d.jsonl: changed since {cache}")
+    (project / "src" / "d.jsonl").unlink()
+    _one_line_error(
+        _cli("data", "verify", cache), 1, f"{cache}/../../src/d.jsonl: a source of", "given to prepare as src/d.jsonl"
+    )
+    # a manifest without `path_from_cache` (written before it): the name from the current folder, as before
+    manifest = json.loads(Path(CorpusManifest.path(cache)).read_text())
+    for source in manifest["sources"]:
+        del source["path_from_cache"]
+    Path(CorpusManifest.path(cache)).write_text(json.dumps(manifest))
+    (project / "src" / "d.jsonl").write_text(_jsonl(DOCS[:10]))
+    _one_line_error(_cli("data", "verify", cache), 1, "src/d.jsonl: changed since")  # the decoy
+    monkeypatch.chdir(project)
+    assert _cli("data", "verify", cache).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(
+        _cli("data", "verify", cache), 1, "src/d.jsonl: a source of", "relative to the folder prepare ran in"
+    )
+
+
 def test_prepare_refuses_bad_input_and_creates_nothing(tmp_path, sources, corpus_tokenizer, jsonl_cache):
     prepare = ["data", "prepare", "--tokenizer", corpus_tokenizer]
     out = tmp_path / "out"

@@ -19,7 +19,16 @@ from grain.sharding import ShardOptions
 from nvfp4tool.checkpoints import run_steps
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
-from nvfp4tool.corpus.loader import ConcatWindows, Loader, batch_indices, next_index, parse_mixture
+from nvfp4tool.corpus.loader import (
+    MIX_SALT,
+    BatchSource,
+    ConcatWindows,
+    Loader,
+    batch_indices,
+    epoch_order,
+    next_index,
+    parse_mixture,
+)
 from nvfp4tool.corpus.prepare import prepare_cache
 from nvfp4tool.corpus.sources import embedded_corpus
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
@@ -53,6 +62,21 @@ def todays_batch_indices(num_windows: int, batch_size: int, seed: int, batch_num
     epoch, offset = divmod(batch_number, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(num_windows)
     return order[offset * batch_size : (offset + 1) * batch_size]
+
+
+@pytest.mark.parametrize("num_windows", [1, 2, 1000, 100_003])
+def test_epoch_orders_are_numpys_permutations_held_as_int32(num_windows):
+    """One source's and a mixture source's epoch orders are the permutations every earlier run
+    drew (`default_rng(...).permutation`, int64), at half the memory."""
+    for seed, epoch in ((0, 0), (7, 3)):
+        order = epoch_order(num_windows, seed, epoch)
+        assert order.dtype == np.int32
+        np.testing.assert_array_equal(order, np.random.default_rng([seed, epoch]).permutation(num_windows))
+    mixture = BatchSource(
+        [ArrayWindows(3), ArrayWindows(num_windows)], [0.5, 0.5], batch_size=1, seed=11, num_batches=1, rows=[0]
+    )
+    expected = np.random.default_rng([MIX_SALT, 11, 1, 2]).permutation(num_windows)
+    np.testing.assert_array_equal(mixture._source_order(1, 2), expected)
 
 
 @pytest.mark.parametrize("threads", [0, 1, 4])

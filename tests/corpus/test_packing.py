@@ -2,13 +2,17 @@
 conversations greedily in order and `packing=padded` one per row, each equal to an independent
 oracle (tokens, loss marks, segments, end-of-text padding); the loader and the eval split read
 these rows; an overlong document (a cache prepared without a row limit) and padded text are
-refused in one line; `TokenStream.take` equals slicing; a tiny train run with each packing has
-finite losses and records its padding."""
+refused in one line; the row table equals the row loop it replaced (kept here as the oracle);
+`TokenStream.take` equals slicing; a tiny train run with each packing has finite losses and records
+its padding; a resume of a chat run begun when its rows were cut from the stream is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +24,14 @@ from nvfp4tool.corpus.loader import Loader
 from nvfp4tool.corpus.prepare import prepare_cache
 from nvfp4tool.corpus.sources import iter_rows
 from nvfp4tool.corpus.tokenizer import load_tokenizer
-from nvfp4tool.corpus.windows import TokenStream, document_rows, windows_in_memory
+from nvfp4tool.corpus.windows import (
+    RELEASE_ROWS,
+    TokenStream,
+    Windows,
+    document_rows,
+    segment_ids,
+    windows_in_memory,
+)
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.run.config import load_train_config
 from nvfp4tool.run.records import RunRecord
@@ -129,6 +140,75 @@ def test_overlong_documents_and_padded_text_are_refused_in_one_line(tmp_path):
         load_train_config(None, ["data=x", "format=text", "packing=padded", f"out={tmp_path / 'r'}"])
 
 
+def _document_rows_loop(starts, total: int, seq_len: int, packing: str, label: str = "data") -> np.ndarray:
+    """The oracle: `document_rows` as it was, a Python step per row (before it was vectorised)."""
+    width = seq_len + 1
+    ends = np.append(np.asarray(starts, np.int64), np.int64(total))
+    lengths = np.diff(ends)
+    if len(lengths) and lengths.max() > width:
+        first = int(np.argmax(lengths > width))
+        raise NVFP4ToolError(
+            f"{label}: document {first} has {int(lengths[first])} tokens, longer than a row of seq_len + 1 = "
+            f"{width} (rows are held to it by overlong=drop | truncate when encoded: data prepare --seq-len {seq_len})"
+        )
+    if packing == "padded":
+        kept = lengths > 0
+        return np.stack([ends[:-1][kept], lengths[kept]], axis=1)
+    nonempty = np.flatnonzero(lengths)
+    table, at = [], 0
+    while at < len(nonempty):
+        start = ends[nonempty[at]]
+        last = int(np.searchsorted(ends, start + width, side="right")) - 1
+        table.append((start, ends[last] - start))
+        at = int(np.searchsorted(nonempty, last))
+    return np.array(table, np.int64).reshape(-1, 2)
+
+
+def test_document_rows_equal_the_row_loop_on_random_lengths():
+    """The vectorised table against the row loop it replaced (the oracle above), both packings, on
+    random document lengths: empty documents, documents of exactly seq_len + 1 and of 1 token, none,
+    one, thousands; an overlong document refused with the same line."""
+    rng = np.random.default_rng(0)
+    cases = [(np.zeros(0, np.int64), 4), (np.zeros(5, np.int64), 4), (np.full(7, 9), 8), (np.ones(3000, np.int64), 8)]
+    for _ in range(300):
+        seq_len, count = int(rng.integers(1, 40)), int(rng.integers(1, 80))
+        kind = rng.integers(0, 4, count)  # empty, exactly seq_len + 1, 1 token, anything that fits
+        cases.append((np.choose(kind, [0, seq_len + 1, 1, rng.integers(0, seq_len + 2, count)]), seq_len))
+    cases.append((rng.integers(0, 200, 20000), 199))  # thousands of rows: many doubling steps
+    for lengths, seq_len in cases:
+        starts, total = np.cumsum(lengths) - lengths, int(lengths.sum())
+        for packing in ("segmented", "padded"):
+            want = _document_rows_loop(starts, total, seq_len, packing)
+            got = document_rows(starts, total, seq_len, packing)
+            assert got.dtype == want.dtype == np.int64 and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+        overlong = np.insert(lengths, int(rng.integers(0, len(lengths) + 1)), seq_len + 2 + int(rng.integers(0, 5)))
+        starts, total = np.cumsum(overlong) - overlong, int(overlong.sum())
+        for packing in ("segmented", "padded"):
+            with pytest.raises(NVFP4ToolError) as want:
+                _document_rows_loop(starts, total, seq_len, packing, "x.jsonl")
+            with pytest.raises(NVFP4ToolError) as got:
+                document_rows(starts, total, seq_len, packing, "x.jsonl")
+            assert str(got.value) == str(want.value)
+
+
+def test_segment_ids_number_each_tokens_document_as_a_search_per_token():
+    """`segment_ids` (two searches a row) equals searching every token's document, with empty
+    documents, rows starting on a document's first token and rows reaching the stream's end."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 40, 500)
+    lengths[rng.random(500) < 0.2] = 0
+    starts = np.cumsum(lengths) - lengths
+    total, width = int(lengths.sum()), 33
+    row_starts = np.concatenate([rng.integers(0, total - width, 300), starts[:50], [total - width]])
+    positions = row_starts[:, None] + np.arange(width)[None, :]
+    document = np.searchsorted(starts, positions, side="right") - 1
+    got = segment_ids(starts, row_starts, width)
+    assert got.dtype == np.int32 and got.max() > 3
+    np.testing.assert_array_equal(got, document - document[:, :1] + 1)
+    np.testing.assert_array_equal(segment_ids(np.array([0]), np.array([0, 5]), 4), np.ones((2, 4)))
+
+
 def test_take_equals_slicing_across_pieces():
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 60000, 200).astype(np.uint16)
@@ -141,6 +221,45 @@ def test_take_equals_slicing_across_pieces():
     got = stream.take(starts, 33, np.int32, lengths, -1)
     want = np.stack([np.concatenate([whole[s : s + n], np.full(33 - n, -1)]) for s, n in zip(starts, lengths)])
     np.testing.assert_array_equal(got, want)
+
+
+def _mapped_kb(path) -> int:
+    """The resident kB of this process's mappings of file `path` (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
+                mine = len(head) >= 6 and head[5] == str(path)
+            elif mine and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads mapped pages from /proc/self/smaps")
+def test_rows_of_a_memory_map_leave_none_of_its_pages_mapped(tmp_path):
+    """Random rows read from a memory-mapped shard and document index (as a cache's) are the
+    in-memory stream's; pages they mapped stay mapped until RELEASE_ROWS rows have been read, then
+    none of either file is (RSS does not grow with the rows read)."""
+    whole = np.random.default_rng(0).integers(0, 60000, 1 << 21).astype(np.uint16)  # 4 MiB
+    documents = np.arange(0, len(whole), 1000, dtype=np.int64)
+    whole.tofile(tmp_path / "tokens.bin")
+    np.save(tmp_path / "starts.npy", documents)
+    mapped = Windows(
+        TokenStream([np.memmap(tmp_path / "tokens.bin", np.uint16, "r")]),
+        SEQ,
+        starts=np.load(tmp_path / "starts.npy", mmap_mode="r"),
+        packing="segmented",
+    )
+    in_memory = Windows(TokenStream([whole]), SEQ, starts=documents, packing="segmented")
+    picked = np.random.default_rng(1).permutation(len(in_memory))[:RELEASE_ROWS].reshape(-1, 16)
+    for number, rows in enumerate(picked, 1):
+        got, want = mapped.rows(rows), in_memory.rows(rows)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.segments, want.segments)
+        if number == len(picked) - 1:  # the control: mapped until the release
+            assert _mapped_kb(tmp_path / "tokens.bin") > 0 and _mapped_kb(tmp_path / "starts.npy") > 0
+    assert _mapped_kb(tmp_path / "tokens.bin") == 0 and _mapped_kb(tmp_path / "starts.npy") == 0
 
 
 @pytest.mark.parametrize("packing", ["segmented", "padded"])
@@ -165,3 +284,37 @@ def test_a_cache_prepared_without_a_row_limit_is_refused_when_packed(tmp_path, c
     assert len(cache.windows(SEQ, "concat")) == (cache.manifest.tokens - 1) // SEQ
     padded = cache.windows(4 * SEQ, "padded")  # every conversation fits a row of 4 * SEQ + 1
     assert len(padded) == ROWS and (padded.rows(np.arange(ROWS)).segments.max(axis=1) == 1).all()
+
+
+def test_a_resume_of_a_chat_run_begun_on_the_stream_cut_is_refused(tmp_path, chats, chat_tokenizer):
+    """A chat run begun before whole-conversation rows (its run.json has no `padding_share`, the key
+    that change began recording) had its packing=segmented rows cut from the token stream: a resume
+    is refused in one line naming run.json and the key, since this nvfp4tool packs other rows. With
+    the key, or with packing=concat (the stream cut then and now), the resume check passes.
+    (`_prepare` only: no step compiled.)"""
+    from nvfp4tool.train.trainer import _prepare
+
+    keys = dict(data=chats, format="chat", tokenizer=chat_tokenizer, seq_len=SEQ, batch_size=2)
+    rows = {}
+    for packing in ("segmented", "concat"):
+        out = tmp_path / packing
+        config = load_train_config(None, [f"{k}={v}" for k, v in {**keys, "packing": packing, "out": out}.items()])
+        record = _prepare(config, out).record
+        rows[packing] = record.train_windows
+        out.mkdir(exist_ok=True)
+        record.write(out)
+        resume = dataclasses.replace(config, resume=True)
+        if packing == "segmented":
+            _prepare(resume, out)  # a run.json with the key: the resume check passes
+        legacy = {k: v for k, v in record.to_json().items() if k != "padding_share"}
+        (out / "run.json").write_text(json.dumps(legacy))
+        assert RunRecord.read(out).padding_share is None
+        if packing == "concat":
+            _prepare(resume, out)
+            continue
+        with pytest.raises(NVFP4ToolError) as refused:
+            _prepare(resume, out)
+        message = str(refused.value)
+        assert re.match(rf"{re.escape(str(out / 'run.json'))}: no padding_share: ", message) and "\n" not in message
+        assert "packing=segmented" in message and "other rows" in message
+    assert rows["segmented"] != rows["concat"]  # whole conversations per row are other rows than the cut

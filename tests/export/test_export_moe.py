@@ -32,6 +32,7 @@ from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.simulate import load_export
+from nvfp4tool.families import ATTENTION_MOE
 from nvfp4tool.hub.card import build_model_card
 from nvfp4tool.numerics import nvfp4_global_scales, quantize_nvfp4
 from nvfp4tool.records.export import ExportRecord
@@ -77,8 +78,8 @@ def _experts(config: ModelConfig) -> list[tuple[int, int, str]]:
     return [
         (i, e, f"{config.mlp_prefix(i)}.experts.{e}")
         for i in range(config.num_layers)
-        if config.is_sparse_layer(i)
-        for e in range(config.experts.num_experts)
+        if config.layer_kind(i) == ATTENTION_MOE
+        for e in range(config.family_config.num_experts)
     ]
 
 
@@ -101,7 +102,7 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
     config, layout, d = _config(folder), formats.describe(folder), Folder(folder)
     spec, shapes = layout.spec, config.expected_tensor_shapes()
     record = ExportRecord.read(folder)
-    gate, up, down = config.expert_projections
+    gate, up, down = config.family_spec.expert_attrs
     for layer, e, expert in _experts(config):
         for proj in (gate, up, down):
             module = f"{expert}.{proj}"
@@ -123,12 +124,12 @@ def test_every_expert_ships_its_tensors_and_calibrated_input_scales(moe, key, fm
     calibration = record.calibration
     assert calibration.all_experts
     assert list(calibration.routed_tokens) == [expert for _, _, expert in _experts(config)]
-    last = config.experts.num_experts - 1
+    last = config.family_config.num_experts - 1
     assert {x for _, e, x in _experts(config) if e == last} <= set(calibration.unrouted_experts)  # (maybe others)
     for router in config.router_names():  # each token goes to top_k experts
         prefix = router.removesuffix(".gate") + ".experts."
         counts = [n for x, n in calibration.routed_tokens.items() if x.startswith(prefix)]
-        assert sum(counts) == SAMPLES * SEQ_LEN * config.experts.num_experts_per_tok
+        assert sum(counts) == SAMPLES * SEQ_LEN * config.family_config.num_experts_per_tok
     report = check_checkpoint(folder)
     assert report.ok
     card = build_model_card(folder, report, repo_id="org/tiny-moe", validation=None)
@@ -155,7 +156,7 @@ def test_export_names_the_experts_without_routed_tokens(moe, tmp_path):
     assert result.exit_code == 0, result.output
     config = _config(out)
     for layer in range(config.num_layers):
-        expert = f"model.layers.{layer}.block_sparse_moe.experts.{config.experts.num_experts - 1}"
+        expert = f"model.layers.{layer}.block_sparse_moe.experts.{config.family_config.num_experts - 1}"
         assert f"warning: calibration routed no token to {expert} " in result.output
     assert result.output.count("warning: calibration routed no token to ") == config.num_layers
 
@@ -205,7 +206,7 @@ def test_fp8_export_of_moe(moe, tmp_path, key, fmt):
     config, spec = _config(out), formats.describe(out).spec
     tensors = _tensors(out)
     for _, _, expert in _experts(config):
-        for proj in config.expert_projections:
+        for proj in config.family_spec.expert_attrs:
             module = f"{expert}.{proj}"
             assert str(tensors[f"{module}.weight"].dtype) == "torch.float8_e4m3fn"
             scale = float(spec.decode_global(tensors[f"{module}.{spec.suffix('input_global')}"].numpy()))
@@ -216,13 +217,13 @@ def test_fp8_export_of_moe(moe, tmp_path, key, fmt):
 
 
 def _zero_input_scale(d: Folder, config: ModelConfig) -> str:
-    name = d.name(f"{_experts(config)[-1][2]}.{config.expert_projections[0]}", "input_global")
+    name = d.name(f"{_experts(config)[-1][2]}.{config.family_spec.expert_attrs[0]}", "input_global")
     d.scale(name, lambda v: v * 0)
     return name
 
 
 def _gate_up_differ(d: Folder, config: ModelConfig) -> str:
-    name = d.name(f"{_experts(config)[1][2]}.{config.expert_projections[1]}", "weight_global")
+    name = d.name(f"{_experts(config)[1][2]}.{config.family_spec.expert_attrs[1]}", "weight_global")
     d.scale(name, lambda v: np.nextafter(v, np.float32(np.inf)))
     return name
 
@@ -250,18 +251,18 @@ def _router_quantized(d: Folder, config: ModelConfig) -> str:
 
 def _expert_missing(d: Folder, config: ModelConfig) -> str:
     expert = _experts(config)[2][2]
-    for proj in config.expert_projections:
+    for proj in config.family_spec.expert_attrs:
         for suffix in d.spec.suffixes:
             d.drop(f"{expert}.{proj}.{suffix}")
             d.edit_json("model.safetensors.index.json", lambda j: j["weight_map"].pop(f"{expert}.{proj}.{suffix}"))
-    return f"{expert}.{config.expert_projections[0]}.weight"
+    return f"{expert}.{config.family_spec.expert_attrs[0]}.weight"
 
 
 def _expert_unquantized(d: Folder, config: ModelConfig) -> str:
     """One expert shipped in BF16 although the exclusion lists do not name it."""
     expert = _experts(config)[3][2]
     shapes = config.expected_tensor_shapes()
-    for proj in config.expert_projections:
+    for proj in config.family_spec.expert_attrs:
         module = f"{expert}.{proj}"
         d.add(
             f"{module}.weight_bf16",
@@ -272,7 +273,7 @@ def _expert_unquantized(d: Folder, config: ModelConfig) -> str:
             d.drop(f"{module}.{suffix}")
             d.edit_json("model.safetensors.index.json", lambda j: j["weight_map"].pop(f"{module}.{suffix}"))
         d.rename(f"{module}.weight_bf16", f"{module}.weight")
-    return f"{expert}.{config.expert_projections[0]}.weight"
+    return f"{expert}.{config.family_spec.expert_attrs[0]}.weight"
 
 
 DEFECTS = [  # (id, corrupt(folder, config) -> the tensor / module the output must name, words it must say)
@@ -336,7 +337,7 @@ def test_compressed_tensors_decompresses_every_expert_to_our_weights(moe, key):
     config, tensors, ours = _config(folder), _tensors(folder), load_export(folder)
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     for _, _, expert in _experts(config):
-        for proj in config.expert_projections:
+        for proj in config.family_spec.expert_attrs:
             module = f"{expert}.{proj}"
             state = {s: tensors[f"{module}.{s}"] for s in ("weight_packed", "weight_scale", "weight_global_scale")}
             theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"]
@@ -353,9 +354,9 @@ def test_expert_bytes_equal_the_oracle_and_decode_within_the_nvfp4_bound(moe, ke
     folder = moe[key, "modelopt"]
     config, d = _config(folder), Folder(folder)
     source = {n: t.float().numpy() for n, t in load_file(os.path.join(moe[key], "model.safetensors")).items()}
-    gate, up, down = config.expert_projections
+    gate, up, down = config.family_spec.expert_attrs
     for _, e, expert in _experts(config):
-        if e not in (0, config.experts.num_experts - 1):
+        if e not in (0, config.family_config.num_experts - 1):
             continue
         for proj in (gate, up, down):
             module = f"{expert}.{proj}"
@@ -404,7 +405,7 @@ def test_transformers_loads_our_moe_export(moe, key):
     model(torch.tensor(np.random.default_rng(1).integers(3, 256, (2, 12))))  # decompresses
     dense = assert_linear_weights_bit_exact(model, ours)
     assert dense == len([m for m in ours.quantized if ".experts." not in m])
-    gate, up, down = config.expert_projections
+    gate, up, down = config.family_spec.expert_attrs
     scaled_right = True
     for layer, e, expert in _experts(config):
         fused = model.model.layers[layer].mlp.experts

@@ -18,6 +18,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import gptq_pass
 from nvfp4tool.export.calibrate import load_calibration_ids, open_bf16_model
 from nvfp4tool.export.plan import make_plan
+from nvfp4tool.families import ATTENTION_MOE
 from nvfp4tool.numerics import dequantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 from nvfp4tool.records.export import ExportRecord
@@ -235,8 +236,8 @@ def test_moe_gptq_export(tmp_path):
     record = ExportRecord.read(out)
     config = ModelConfig.from_hf_folder(src)
     experts = [m for m in record.layers if ".experts." in m]
-    assert len(experts) == 3 * config.experts.num_experts * sum(
-        config.is_sparse_layer(i) for i in range(config.num_layers)
+    assert len(experts) == 3 * config.family_config.num_experts * sum(
+        config.layer_kind(i) == ATTENTION_MOE for i in range(config.num_layers)
     )
     assert all(
         e.output_rel_err is not None and e.output_rel_err < e.rtn_output_rel_err

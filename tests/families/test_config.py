@@ -9,6 +9,7 @@ import pytest
 
 from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import ATTENTION_MOE
 
 LLAMA31_8B = {  # config.json of Llama 3.1 8B (transformers 4.x style), plus a key we do not model
     "architectures": ["LlamaForCausalLM"],
@@ -195,11 +196,14 @@ MIXTRAL_8X7B = {  # Mixtral-8x7B-v0.1's config.json
 )
 def test_moe_fields_sizes_and_round_trip(hf, params, linears, experts_key):
     config = ModelConfig.from_hf_config({k: v for k, v in hf.items() if v is not None})
-    assert config.is_moe and config.num_parameters() == params
+    assert config.family_spec.experts(config) is not None and config.num_parameters() == params
     if linears is not None:
         assert len(config.linear_names()) == linears
     out = config.to_hf_config()
-    assert out[experts_key] == config.experts.num_experts and out["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
+    assert (
+        out[experts_key] == config.family_config.num_experts
+        and out["router_aux_loss_coef"] == hf["router_aux_loss_coef"]
+    )
     assert ModelConfig.from_hf_config(json.loads(json.dumps(out))) == config
     assert config.router_names()[0] == f"{config.mlp_prefix(0)}.gate"
 
@@ -215,7 +219,7 @@ def test_moe_layer_names_follow_transformers():
             "num_experts_per_tok": 1,
         }
     )
-    assert [qwen.is_sparse_layer(i) for i in range(4)] == [False, True, False, False]
+    assert [qwen.layer_kind(i) == ATTENTION_MOE for i in range(4)] == [False, True, False, False]
     shapes = qwen.expected_tensor_shapes()
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (6144, 2048)
     assert shapes["model.layers.1.mlp.gate.weight"] == (2, 2048)
@@ -268,7 +272,7 @@ def test_moe_rejections_name_the_problem(change, fragment):
     assert fragment in str(error.value) and str(error.value).startswith("/m/config.json: ")
     with pytest.raises(NVFP4ToolError, match="mixture-of-experts fields are for qwen3_moe and mixtral only"):
         dataclasses.replace(
-            ModelConfig.from_hf_config(QWEN3_06B), family_config=ModelConfig.from_hf_config(QWEN3_30B_A3B).experts
+            ModelConfig.from_hf_config(QWEN3_06B), family_config=ModelConfig.from_hf_config(QWEN3_30B_A3B).family_config
         )
 
 

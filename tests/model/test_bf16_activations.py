@@ -17,11 +17,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from test_remat import VOCAB, _step_fns
 
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.train.presets import preset_config
 
+from fixtures.step_fixtures import recipe, step_state
+
+VOCAB = 256
 B, T, E = 4, 128, 128  # the tiny preset's width; B*T*E = 65536 > its largest weight (384 x 128)
 NARROW = ("bf16", "bool", "i8", "u8", "i32", "u32")  # short dtype names of print_saved_residuals
 # function that made an fp32 activation-sized residual -> why it is kept in fp32
@@ -52,7 +54,7 @@ def saved_residuals(fn, *args) -> list[tuple[str, tuple[int, ...], str]]:
 
 @pytest.mark.parametrize("recipe_name", ["bf16", "nvfp4"])
 def test_backward_keeps_bf16_activations(recipe_name):
-    fns, state = _step_fns(preset_config("tiny", VOCAB, T), recipe_name, "none")
+    fns, state = step_state(preset_config("tiny", VOCAB, T), recipe(recipe_name))
     windows = jnp.zeros((B, T + 1), jnp.int32)
     residuals = saved_residuals(lambda p: fns.loss(p, Batch(windows), jax.random.key(0))[0], state["params"])
     large = [r for r in residuals if math.prod(r[1]) >= B * T * E]

@@ -167,6 +167,8 @@ def test_moe_fixture_leaves_an_expert_without_tokens(key, hf_tiny_models):
     routers = router_logits(model)
     assert sorted(routers) == config.router_names()
     for name, logits in routers.items():
-        _, chosen = route(np.asarray(logits), config.experts.num_experts_per_tok, config.experts.norm_topk_prob)
+        _, chosen = route(
+            np.asarray(logits), config.family_config.num_experts_per_tok, config.family_config.norm_topk_prob
+        )
         counts = np.asarray(chosen)[real(mask)].sum(axis=0)
         assert counts[-1] == 0 and (counts[:-1] > 0).sum() >= 3, (name, counts)

@@ -19,6 +19,7 @@ from flax import nnx
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE
 from nvfp4tool.families.moe import Experts
 from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate, model_from_tensors
 from nvfp4tool.model.linear import Seam
@@ -382,7 +383,7 @@ def test_sparse_mlp_shows_each_expert_only_its_tokens_unless_calibrating():
     np.testing.assert_array_equal(np.asarray(routed_logits), np.asarray(every_logits))
     tokens = ids.size
     for layer in (0, 2):
-        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.experts.num_experts)]
+        experts = [f"model.layers.{layer}.mlp.experts.{e}.gate_proj" for e in range(config.family_config.num_experts)]
         zero = np.array([int(routed[n]) for n in experts])
         # top-2 of 4: every token leaves 2 experts out, so 2 * tokens zero rows in all
         assert zero.sum() == 2 * tokens and (zero > 0).all(), zero
@@ -479,3 +480,51 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     ((_, logits),) = model.logits(ids, batch_size=2, tap=Plain(served_linear))
     expected = forward(model.whole, ids, linear=served_linear)  # one program: other fusions, fp32 rounding
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
+    """A family's blocks module (in `nvfp4tool.model`) registers a block for every layer kind its
+    models use; the kinds are the family's own (a family never gets another family's blocks)."""
+    from nvfp4tool.families import REGISTRY
+    from nvfp4tool.model.blocks import family_blocks
+    from nvfp4tool.train.presets import preset_config
+
+    configs = [*CONFIGS.values(), preset_config("tiny-hybrid-moe", 97, 64)]
+    kinds: dict[str, set[str]] = {}
+    for config in configs:
+        kinds.setdefault(config.family, set()).update(config.layer_kind(i) for i in range(config.num_layers))
+    assert set(kinds) == set(REGISTRY)  # every registered family has a config here
+    for model_type, family in REGISTRY.items():
+        assert family.blocks_module.startswith("nvfp4tool.model."), model_type
+        assert kinds[model_type] <= set(family_blocks(family)), model_type
+    assert set(family_blocks(REGISTRY["llama"])) == {ATTENTION_MLP}
+    assert set(family_blocks(REGISTRY["nemotron_h"])) == {"mamba", "attention", "mlp", "moe"}
+
+
+def test_the_decode_state_is_each_blocks_own_stacked_per_kind():
+    """`empty_decode_state`: each kind's layers' states stacked in layer order, in the shapes the
+    blocks build (an attention's (k, v) [N, B, S, KV, D] in the compute dtype, a Mamba mixer's fp32
+    conv window and SSM state); kinds that keep no state are absent."""
+    from nvfp4tool.model.mamba import MambaState
+    from nvfp4tool.model.transformer import CausalLM, empty_decode_state
+    from nvfp4tool.train.presets import preset_config
+
+    moe = nnx.eval_shape(lambda: CausalLM(CONFIGS["qwen3_moe"], compute_dtype=jnp.bfloat16))
+    state = jax.eval_shape(lambda: empty_decode_state(moe, 2, 5))
+    kv = jax.ShapeDtypeStruct((2, 2, 5, 2, 8), jnp.bfloat16)  # layers 0 and 2 sparse, [B, S, KV, D]
+    assert state.by_kind == {
+        ATTENTION_MOE: (kv, kv),
+        ATTENTION_MLP: (jax.ShapeDtypeStruct((1, 2, 5, 2, 8), jnp.bfloat16),) * 2,
+    }
+    config = preset_config("tiny-hybrid-moe", 97, 64)  # M E - M * E M E
+    hybrid = nnx.eval_shape(lambda: CausalLM(config))
+    state = jax.eval_shape(lambda: empty_decode_state(hybrid, 3, 7))
+    assert set(state.by_kind) == {"mamba", "attention"}
+    shape = hybrid.layers[0].mixer.shape
+    assert state.by_kind["mamba"] == MambaState(
+        jax.ShapeDtypeStruct((3, 3, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
+        jax.ShapeDtypeStruct((3, 3, shape.heads, shape.head_dim, shape.state), jnp.float32),
+    )
+    kv = jax.ShapeDtypeStruct((1, 3, 7, config.num_kv_heads, config.head_dim), jnp.float32)
+    assert state.by_kind["attention"] == (kv, kv)
+    assert [layer.recurrent for layer in hybrid.layers] == [k == "mamba" for k in config.family_config.layer_kinds]

@@ -4,12 +4,6 @@ backward pass (a bad value: tests/train/test_train_config.py); and the `1b` pres
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,39 +12,18 @@ from flax import nnx
 
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.model import CausalLM
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map
 from nvfp4tool.train.presets import preset_config
-from nvfp4tool.train.step import StepFns, make_optimizer
 
-from fixtures import REPO_ROOT
+from fixtures.step_fixtures import assert_trees_equal, in_exact_bf16_child, recipe, step_state, tiny_moe
 
-REPO = Path(REPO_ROOT)
 VOCAB = 256
 
 
-def _step_fns(config, recipe_name: str, remat: str):
-    model = CausalLM(config, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat, rngs=nnx.Rngs(0))
-    recipe = RecipeConfig(name=recipe_name, bf16_first_layers=0, bf16_last_layers=0)
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(lambda step: 1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
-    fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer, grad_accum=1)
-    return fns, fns.init_state(params.to_pure_dict(), amax_history=2)
-
-
-# the smallest model with both MLP kinds: layer 0 dense, layer 1 sparse (4 experts, top-2)
-_TINY_MOE = preset_config("tiny-moe", VOCAB, 64)
-MIXED = dataclasses.replace(
-    _TINY_MOE,
-    hidden_size=64,
-    num_layers=2,
-    head_dim=16,
-    intermediate_size=128,
-    family_config=dataclasses.replace(_TINY_MOE.experts, moe_intermediate_size=32, num_experts=4, mlp_only_layers=(0,)),
-)
+MIXED = tiny_moe(VOCAB, 64)  # the smallest model with both MLP kinds: layer 0 dense, layer 1 sparse
 
 
 def _gradients(remat: str):
-    fns, state = _step_fns(MIXED, "nvfp4", remat)
+    fns, state = step_state(MIXED, recipe("nvfp4"), remat=remat)
     windows = np.random.default_rng(0).integers(0, VOCAB, (2, 33))
     (loss, (amax, parts)), grads = jax.jit(jax.value_and_grad(fns.loss, has_aux=True))(
         state["params"], Batch(windows), jax.random.key(0)
@@ -63,10 +36,7 @@ def same_as_no_remat() -> None:
     jax.config.update("jax_default_matmul_precision", "highest")  # as conftest.py
     reference = _gradients("none")
     for remat in ("block", "full"):
-        got = _gradients(remat)
-        assert jax.tree.structure(got) == jax.tree.structure(reference)
-        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(reference), jax.tree.leaves(got)):
-            np.testing.assert_array_equal(have, want, err_msg=f"remat={remat} {jax.tree_util.keystr(path)}")
+        assert_trees_equal(_gradients(remat), reference, f"remat={remat}")
 
 
 @pytest.mark.slow  # ~2 minutes on a loaded 2-core CPU: one process, three compiles of a 2-layer model
@@ -77,15 +47,7 @@ def test_remat_gives_the_same_loss_amax_and_gradients():
     default XLA may skip a BF16 rounding inside a fusion, and remat changes the fusions (measured
     with it on: the loss equal, gradients up to 2% (bf16) / 28% (nvfp4) of their largest entry
     apart), so the check runs in its own process with the flag off."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-    )
-    code = "import sys; sys.path[:0] = ['tests', 'tests/model']; import test_remat; test_remat.same_as_no_remat()"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    in_exact_bf16_child(__file__, "same_as_no_remat")
 
 
 @pytest.mark.parametrize("recipe_name", ["bf16", "nvfp4"])
@@ -96,7 +58,7 @@ def test_remat_keeps_less_for_the_backward_pass(recipe_name):
     reports the same for every level (and for a toy stack of checkpointed layers)."""
     kept = {}
     for remat in ("none", "block", "full"):
-        fns, state = _step_fns(preset_config("tiny", VOCAB, 512), recipe_name, remat)
+        fns, state = step_state(preset_config("tiny", VOCAB, 512), recipe(recipe_name), remat=remat)
         windows = jax.ShapeDtypeStruct((4, 513), jnp.int32)
         backward = jax.eval_shape(
             lambda p, w: jax.vjp(lambda p: fns.loss(p, w, jax.random.key(0))[0], p)[1], state["params"], Batch(windows)

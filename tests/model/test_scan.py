@@ -8,53 +8,36 @@ changes the compiled program: see test_train_safety)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from nvfp4tool.corpus.batch import Batch
-from nvfp4tool.model import CausalLM
 from nvfp4tool.model.linear import Seam
 from nvfp4tool.model.transformer import layer_runs
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map, training_seam
+from nvfp4tool.recipes.precision import precision_map, training_seam
 from nvfp4tool.run.config import scans_layers
-from nvfp4tool.train.presets import preset_config
-from nvfp4tool.train.step import StepFns, make_optimizer
 
-from fixtures import REPO_ROOT
-
-REPO = Path(REPO_ROOT)
-VOCAB = 256
-_TINY_MOE = preset_config("tiny-moe", VOCAB, 64)
-# layers 0-1 dense, 2-4 sparse (4 experts, top-2); the last layer stays BF16: runs [0, 1], [2, 3], [4]
-CONFIG = dataclasses.replace(
-    _TINY_MOE,
-    hidden_size=64,
-    num_layers=5,
-    head_dim=16,
-    intermediate_size=128,
-    family_config=dataclasses.replace(
-        _TINY_MOE.experts, moe_intermediate_size=32, num_experts=4, mlp_only_layers=(0, 1)
-    ),
+from fixtures.step_fixtures import (
+    adamw,
+    assert_trees_equal,
+    in_exact_bf16_child,
+    recipe,
+    step_fns,
+    step_state,
+    tiny_moe,
 )
-RECIPE = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=1)
+
+VOCAB = 256
+# layers 0-1 dense, 2-4 sparse (4 experts, top-2); the last layer stays BF16: runs [0, 1], [2, 3], [4]
+CONFIG = tiny_moe(VOCAB, 64, num_layers=5, dense_layers=(0, 1))
+RECIPE = recipe("nvfp4", bf16_last_layers=1)
 
 
 def _step(scan: bool, remat: str):
-    model = CausalLM(
-        CONFIG, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat, scan_layers=scan, rngs=nnx.Rngs(0)
-    )
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(lambda step: 1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
-    fns = StepFns(graphdef, RECIPE, precision_map(RECIPE, CONFIG), optimizer, grad_accum=2)
-    state = fns.init_state(params.to_pure_dict(), amax_history=2)
+    fns, state = step_state(CONFIG, RECIPE, grad_accum=2, remat=remat, scan=scan)
     windows = np.random.default_rng(0).integers(0, VOCAB, (2, 2, 33))
     new_state, metrics = jax.jit(fns.train_step)(state, Batch(windows), jax.random.key(7))
     return jax.tree.map(np.asarray, {"state": new_state, "metrics": metrics})
@@ -66,10 +49,7 @@ def same_as_unrolled() -> None:
     reference = _step(False, "none")
     assert float(reference["metrics"]["aux_loss"]) > 0 and reference["metrics"]["finite"]
     for remat in ("none", "block"):
-        got = _step(True, remat)
-        assert jax.tree.structure(got) == jax.tree.structure(reference)
-        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(reference), jax.tree.leaves(got)):
-            np.testing.assert_array_equal(have, want, err_msg=f"scanned, remat={remat} {jax.tree_util.keystr(path)}")
+        assert_trees_equal(_step(True, remat), reference, f"scanned, remat={remat}")
 
 
 @pytest.mark.slow  # one child process, three compiles of a 5-layer step
@@ -77,17 +57,7 @@ def test_scanned_step_equals_the_unrolled_step_bit_for_bit():
     """Bit-exact with `--xla_allow_excess_precision=false` only, as test_remat: by default XLA may
     skip a BF16 rounding inside a fusion, and a scan body fuses differently from the unrolled
     layers, so the check runs in its own process with the flag off."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO),
-    )
-    code = "import sys; sys.path[:0] = ['tests', 'tests/model']; import test_scan; test_scan.same_as_unrolled()"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    in_exact_bf16_child(__file__, "same_as_unrolled")
 
 
 def test_runs_follow_the_kinds_and_the_precisions():
@@ -113,12 +83,10 @@ def test_the_scanned_program_traces_one_block_per_run():
 
     def equations(num_layers: int, scan: bool) -> int:
         config = dataclasses.replace(CONFIG, num_layers=num_layers)
-        model = nnx.eval_shape(lambda: CausalLM(config, compute_dtype=jnp.bfloat16, scan_layers=scan))
-        graphdef, params = nnx.split(model)
-        recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0)
-        optimizer = make_optimizer(lambda step: 1e-3, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
-        fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer, grad_accum=1)
-        state = jax.eval_shape(lambda p: fns.init_state(p, 1), params.to_pure_dict())
+        fns, params = step_fns(
+            config, recipe("nvfp4"), optimizer=adamw(1e-3, weight_decay=0.0), scan=scan, abstract=True
+        )
+        state = jax.eval_shape(lambda p: fns.init_state(p, 1), params)
         jaxpr = jax.make_jaxpr(fns.train_step)(
             state, Batch(jax.ShapeDtypeStruct((1, 2, 17), jnp.int32)), jax.random.key(0)
         )

@@ -158,6 +158,17 @@ def test_readme_is_short():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
 
 
+def test_the_inner_loop_is_cis_command_less_the_slow_tests():
+    """docs/testing.md's inner loop is the command we run: CI's (.ci/run: two workers, each test file
+    on one) with `-m "not slow"`, not the same tests in one process."""
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pytest")]
+    page = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8").splitlines()
+    inner = [
+        line.partition("#")[0].strip() for line in page if line.partition("#")[2].strip().startswith("the inner loop")
+    ]
+    assert len(ci) == 1 and inner == [f'{ci[0]} -m "not slow"'], (ci, inner)
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     """The helpers themselves: whole-word option matching, links outside code blocks only, anchors."""
     assert _mentions("| `--scan-layers` / `--no-scan-layers` |", "--no-scan-layers")

@@ -37,6 +37,14 @@ eval -> publish) with the shared leaves at the bottom and the CLI at the top:
 
 The exemption list is empty and stays empty: an edge that breaks the order is fixed by moving
 code, not by listing it here.
+
+A second graph, of what runs at import time (`import_time_edges`): the imports a module executes
+when it is imported (module and class level, not in functions, not under `if TYPE_CHECKING:`),
+where `from pkg import name` reads `pkg`'s namespace and so is an edge to the package `pkg` itself
+(its `__init__`), besides one to `pkg.name` when that is a module. A cycle there is a package whose
+`__init__` imports a submodule that imports back through the package (`nvfp4tool.export` ->
+`export.job` -> `from nvfp4tool.export import provenance`): it works or fails by import order. A
+submodule imports its siblings directly (`from nvfp4tool.export.provenance import ...`).
 """
 
 from __future__ import annotations
@@ -113,6 +121,52 @@ def import_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> di
                 targets = [
                     f"{source}.{alias.name}" if f"{source}.{alias.name}" in mods else deepest(source)
                     for alias in node.names
+                ]
+            for target in targets:
+                if target is not None and target != name:
+                    where, at = edges.setdefault((name, target), []), f"{path.relative_to(root)}:{node.lineno}"
+                    if at not in where:
+                        where.append(at)
+    return edges
+
+
+def import_time_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> dict[tuple[str, str], list[str]]:
+    """(importer, imported) -> ["file:line", ...] for every import a module runs when it is imported,
+    an import through a package (`from pkg import name`) being an edge to the package too."""
+
+    def deepest(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def executed(body: list[ast.stmt]):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                yield from executed(node.orelse)
+                continue
+            yield node
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from executed([n for n in getattr(node, field, []) if isinstance(n, ast.stmt)])
+            for handler in getattr(node, "handlers", []):
+                yield from executed(handler.body)
+
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in executed(ast.parse(path.read_text(encoding="utf-8"), str(path)).body):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [deepest(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [deepest(source)] + [
+                    f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in mods
                 ]
             for target in targets:
                 if target is not None and target != name:
@@ -202,6 +256,17 @@ def test_no_import_cycle():
     assert not found, f"{len(found)} import cycle(s):\n{report}"
 
 
+def test_no_import_time_cycle_through_a_package():
+    """What runs at import time has no cycle: no package's `__init__` imports a module that imports
+    back through the package (see the module docstring)."""
+    edges = import_time_edges(modules())
+    found = cycles(set(edges))
+    report = "\n".join(
+        f"cycle {' <-> '.join(c)}:\n" + _show(edges, [e for e in edges if e[0] in c and e[1] in c]) for c in found
+    )
+    assert not found, f"{len(found)} import-time cycle(s):\n{report}"
+
+
 def test_no_import_from_a_lower_layer_to_a_higher_one():
     edges = _tree_edges()
     found = upward(edges)
@@ -258,3 +323,46 @@ def test_the_checker_sees_a_planted_cycle_and_an_upward_import(tmp_path):
     assert upward(edges) == [("nvfp4tool.model.weights", "nvfp4tool.train.trainer")]
     assert layer_of("nvfp4tool.errors") == layer_of("nvfp4tool") == 0
     assert layer_of("converters.hf") < layer_of("nvfp4tool.checkpoints") < layer_of("nvfp4tool.train.trainer")
+
+
+def test_the_import_time_checker_sees_a_cycle_through_a_package(tmp_path):
+    """On a made-up tree: a package whose `__init__` imports a submodule that imports a sibling
+    through the package is a cycle; the same sibling imported directly, or inside a function, or
+    under TYPE_CHECKING is not."""
+    package = tmp_path / "nvfp4tool" / "export"
+    package.mkdir(parents=True)
+    (tmp_path / "nvfp4tool" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from nvfp4tool.export.job import run\n")
+    (package / "provenance.py").write_text("def record():\n    pass\n")
+    (package / "job.py").write_text("from nvfp4tool.export import provenance\n")
+    mods = modules(tmp_path, ("nvfp4tool",))
+    edges = import_time_edges(mods, tmp_path)
+    assert ("nvfp4tool.export.job", "nvfp4tool.export") in edges
+    assert cycles(edges) == [["nvfp4tool.export", "nvfp4tool.export.job"]]
+    assert cycles(import_edges(mods, tmp_path)) == []  # the whole-file graph names the module, not the package
+    for fixed in (
+        "from nvfp4tool.export.provenance import record\n",
+        "def f():\n    from nvfp4tool.export import provenance\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nvfp4tool.export import provenance\n",
+    ):
+        (package / "job.py").write_text(fixed)
+        assert cycles(import_time_edges(mods, tmp_path)) == [], fixed
+
+
+def test_the_model_names_a_family_only_in_its_blocks_modules():
+    """Only a family's blocks module (`Family.blocks_module`), and the modules only blocks modules
+    import (the Mamba mixer), import a family group's module (`families.llama`, `families.moe`,
+    `families.nemotron_h`) or a blocks module: the generic model (transformer, generate,
+    layerwise, ...) builds every family's model without naming one."""
+    from nvfp4tool.families import REGISTRY
+
+    edges = _tree_edges()
+    groups = {type(family).__module__ for family in REGISTRY.values()}
+    blocks = {family.blocks_module for family in REGISTRY.values()}
+    assert groups == {"nvfp4tool.families.llama", "nvfp4tool.families.moe", "nvfp4tool.families.nemotron_h"}
+    assert blocks <= set(modules())
+    model = [m for m in modules() if m.startswith("nvfp4tool.model.")]
+    importers = {m: {a for a, b in edges if b == m and a.startswith("nvfp4tool.")} for m in model}
+    owned = blocks | {m for m in model if importers[m] and importers[m] <= blocks}
+    found = sorted((a, b) for a, b in edges if a in model and a not in owned and (b in groups or b in blocks))
+    assert not found, f"model modules naming a family outside its blocks modules:\n{_show(edges, found)}"

@@ -60,14 +60,14 @@ def pipeline(tmp_path_factory):
 def test_every_export_passes_check_with_every_expert_and_kv_scale(pipeline):
     run, exports, _ = pipeline
     config = open_checkpoint(str(run / "hf")).config
-    assert config.family == "qwen3_moe" and config.experts.num_experts == 8
+    assert config.family == "qwen3_moe" and config.family_config.num_experts == 8
     for fmt in ("compressed-tensors", "modelopt"):
         folder = exports[fmt]
         invoke("check", folder)
         provenance = json.loads((folder / "nvfp4tool_export.json").read_text())
         text = json.dumps(provenance)
         for layer in range(config.num_layers):  # every expert of every sparse layer was calibrated
-            for e in range(config.experts.num_experts):
+            for e in range(config.family_config.num_experts):
                 assert f"{config.mlp_prefix(layer)}.experts.{e}." in text
         assert "kv" in text
     invoke("check", exports["fp8"])

@@ -7,7 +7,6 @@ in the step's jaxpr).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -15,19 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.model import CausalLM
 from nvfp4tool.numerics import nvfp4_operand, quantize_nvfp4, transpose_2d
 from nvfp4tool.recipes.nvfp4_dot import WEIGHT_QUANTIZED
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.recipes.precision import RecipeConfig
 from nvfp4tool.run.config import TrainConfig
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.metrics import read_metrics
-from nvfp4tool.train.presets import preset_config
-from nvfp4tool.train.step import StepFns, make_optimizer
+
+from fixtures.step_fixtures import recipe, step_state, tiny_dense
 
 CPU = {"quantizer": "xla", "gemm": "emulated"}  # what "auto" resolves to here
 
@@ -115,18 +112,11 @@ def test_the_16x16_dgrad_weight_is_the_fprop_one_transposed_bit_for_bit():
 
 
 # one dense block, 64 wide: 7 NVFP4 linears (lm_head stays bf16)
-DENSE = dataclasses.replace(
-    preset_config("tiny", 256, 64), hidden_size=64, num_layers=1, head_dim=16, intermediate_size=128
-)
+DENSE = tiny_dense(256, 64, num_layers=1)
 
 
 def _step_fns(remat: str, grad_accum: int = 2):
-    model = CausalLM(DENSE, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, remat=remat, rngs=nnx.Rngs(0))
-    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0).resolved()
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(lambda step: 1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_norm=1.0)
-    fns = StepFns(graphdef, recipe, precision_map(recipe, DENSE), optimizer, grad_accum=grad_accum)
-    return fns, fns.init_state(params.to_pure_dict(), amax_history=2)
+    return step_state(DENSE, recipe("nvfp4").resolved(), remat=remat, grad_accum=grad_accum)
 
 
 def _tags(jaxpr) -> tuple[int, int]:

@@ -7,7 +7,6 @@ micro-batches weights them by their counted predictions; a row with nothing to c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -19,43 +18,35 @@ from flax import nnx
 
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.sources import embedded_corpus
-from nvfp4tool.model import CausalLM, forward
+from nvfp4tool.model import forward
 from nvfp4tool.model.linear import Seam, default_linear
 from nvfp4tool.model.transformer import forward_side
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.recipes.precision import RecipeConfig
 from nvfp4tool.run.records import RunRecord
 from nvfp4tool.train.moe_loss import load_balancing_loss
-from nvfp4tool.train.presets import preset_config
 from nvfp4tool.train.step import StepFns, cross_entropy, training_loss
 
+from fixtures.step_fixtures import step_fns as tiny_step_fns
+from fixtures.step_fixtures import tiny_dense, tiny_moe
 from fixtures.train_fixtures import run_train
 
 VOCAB = 64
-_TINY_MOE = preset_config("tiny-moe", VOCAB, 32)
-# layer 0 dense, layer 1 sparse (4 experts, top-2): every loss term of a MoE model
-MOE = dataclasses.replace(
-    _TINY_MOE,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    family_config=dataclasses.replace(_TINY_MOE.experts, moe_intermediate_size=16, num_experts=4, mlp_only_layers=(0,)),
-)
-DENSE = dataclasses.replace(
-    preset_config("tiny", VOCAB, 32), hidden_size=32, num_layers=2, head_dim=8, intermediate_size=48
-)
+NARROW = dict(hidden_size=32, head_dim=8, intermediate_size=48)
+MOE = tiny_moe(VOCAB, 32, num_heads=4, num_kv_heads=2, moe_intermediate_size=16, **NARROW)  # layer 0 dense, 1 sparse
+DENSE = tiny_dense(VOCAB, 32, num_layers=2, **NARROW)
 
 
 def step_fns(config, grad_accum: int = 1, optimizer=None, remat: str = "none") -> tuple[StepFns, dict]:
     """The bf16 recipe's step functions of a random fp32 model, and its parameters."""
-    model = CausalLM(config, param_dtype=jnp.float32, remat=remat, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    params = jax.tree.map(lambda p: p * 20.0 if p.ndim == 2 else p, params.to_pure_dict())  # visible logits
-    recipe = RecipeConfig(name="bf16")
-    fns = StepFns(graphdef, recipe, precision_map(recipe, config), optimizer or optax.sgd(1.0), grad_accum)
-    return fns, params
+    fns, params = tiny_step_fns(
+        config,
+        RecipeConfig(name="bf16"),
+        optimizer=optimizer or optax.sgd(1.0),
+        grad_accum=grad_accum,
+        remat=remat,
+        compute_dtype=None,
+    )
+    return fns, jax.tree.map(lambda p: p * 20.0 if p.ndim == 2 else p, params)  # visible logits
 
 
 def packed(lengths: list[int], T: int, seed: int = 0) -> Batch:

@@ -77,6 +77,6 @@ def test_training_loss_equals_the_hf_model_loss(key, tmp_path):
         out = hf(
             input_ids=ids[:, :-1], labels=ids[:, :-1], shift_labels=ids[:, 1:].contiguous(), output_router_logits=True
         )
-    assert source.config.experts.router_aux_loss_coef == hf.config.router_aux_loss_coef > 0
+    assert source.config.family_config.router_aux_loss_coef == hf.config.router_aux_loss_coef > 0
     np.testing.assert_allclose(float(parts["aux_loss"]), float(out.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(loss), float(out.loss), rtol=1e-5)

@@ -20,6 +20,7 @@ from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.corpus.batch import Batch
 from nvfp4tool.corpus.sources import embedded_corpus
+from nvfp4tool.families import ATTENTION_MOE
 from nvfp4tool.model import CausalLM, model_from_tensors
 from nvfp4tool.recipes.precision import RecipeConfig, fused_group, group_amax, precision_map
 from nvfp4tool.run.config import load_train_config
@@ -41,12 +42,12 @@ def tokenizer_dir(corpus_tokenizer):
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-mixtral"])
 def test_precision_map_and_fused_groups_name_every_expert(preset):
     config = preset_config(preset, VOCAB, 256)
-    gate, up, down = config.expert_projections
+    gate, up, down = config.family_spec.expert_attrs
     recipe = RecipeConfig(name="nvfp4", bf16_first_layers=0, bf16_last_layers=0)
     pmap = precision_map(recipe, config)
     routers = config.router_names()
     experts = [n for n in pmap if ".experts." in n]
-    assert len(experts) == config.num_layers * config.experts.num_experts * 3
+    assert len(experts) == config.num_layers * config.family_config.num_experts * 3
     assert all(pmap[n] == "bf16" for n in routers) and all(pmap[n] == "nvfp4" for n in experts)
     # the CLI's key: one pattern keeps every expert in BF16, and nothing else
     kept = load_train_config(
@@ -73,7 +74,13 @@ def test_precision_map_and_fused_groups_name_every_expert(preset):
         float(jnp.max(jnp.abs(weights[f"{expert}.{p}"].astype(jnp.bfloat16)))) for p in (gate, up)
     )
     assert (
-        len({float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"]) for e in range(config.experts.num_experts)}) > 1
+        len(
+            {
+                float(amax[f"{config.mlp_prefix(1)}.experts.{e}.gate_up"])
+                for e in range(config.family_config.num_experts)
+            }
+        )
+        > 1
     )
 
 
@@ -91,10 +98,10 @@ def test_input_amax_is_per_expert_and_an_expert_without_tokens_records_none(tmp_
     loss, (amax, parts) = jax.jit(fns.loss)(params.to_pure_dict(), Batch(windows), jax.random.key(0))
     assert math.isfinite(float(loss)) and float(parts["aux_loss"]) > 0
     assert set(amax) == set(fns.quantized) and not set(amax) & set(config.router_names())
-    last = config.experts.num_experts - 1
+    last = config.family_config.num_experts - 1
     for layer in range(config.num_layers):
-        for e in range(config.experts.num_experts):
-            for proj in config.expert_projections:
+        for e in range(config.family_config.num_experts):
+            for proj in config.family_spec.expert_attrs:
                 value = float(amax[f"{config.mlp_prefix(layer)}.experts.{e}.{proj}"])
                 assert value == 0.0 if e == last else value > 0, (layer, e, proj)
 
@@ -141,11 +148,14 @@ def test_train_moe_with_the_nvfp4_recipe(model, tokenizer_dir, tmp_path):
 
     hf = open_checkpoint(str(out / "hf"))
     config = hf.config
-    assert config.is_moe and sorted(hf.tensors.names()) == sorted(config.expected_tensor_shapes())
-    gate = config.expert_projections[0]
-    sparse = [i for i in range(config.num_layers) if config.is_sparse_layer(i)]
+    assert config.family_spec.experts(config) is not None and sorted(hf.tensors.names()) == sorted(
+        config.expected_tensor_shapes()
+    )
+    gate = config.family_spec.expert_attrs[0]
+    sparse = [i for i in range(config.num_layers) if config.layer_kind(i) == ATTENTION_MOE]
     assert (
-        f"{config.mlp_prefix(sparse[0])}.experts.{config.experts.num_experts - 1}.{gate}.weight" in hf.tensors.names()
+        f"{config.mlp_prefix(sparse[0])}.experts.{config.family_config.num_experts - 1}.{gate}.weight"
+        in hf.tensors.names()
     )
     pmap = json.loads((out / "hf/precision_map.json").read_text())
     amax = json.loads((out / "hf/input_amax.json").read_text())
