@@ -34,6 +34,7 @@ VOCAB = 64
 NARROW = dict(hidden_size=32, head_dim=8, intermediate_size=48)
 MOE = tiny_moe(VOCAB, 32, num_heads=4, num_kv_heads=2, moe_intermediate_size=16, **NARROW)  # layer 0 dense, 1 sparse
 DENSE = tiny_dense(VOCAB, 32, num_layers=2, **NARROW)
+EXPERTS = MOE.family_spec.experts(MOE)  # its Experts record (num_experts_per_tok, router_aux_loss_coef)
 
 
 def step_fns(config, grad_accum: int = 1, optimizer=None, remat: str = "none") -> tuple[StepFns, dict]:
@@ -84,8 +85,8 @@ def test_a_plain_batch_takes_todays_path_bit_for_bit():
         model = nnx.merge(fns.graphdef, params)
         seam = Seam.of(default_linear)
         logits, side = forward_side(model, tokens[:, :-1], seam=seam)
-        aux = load_balancing_loss(list(side.router_logits.values()), MOE.experts.num_experts_per_tok)
-        return cross_entropy(logits, tokens[:, 1:]) + MOE.experts.router_aux_loss_coef * aux
+        aux = load_balancing_loss(list(side.router_logits.values()), EXPERTS.num_experts_per_tok)
+        return cross_entropy(logits, tokens[:, 1:]) + EXPERTS.router_aux_loss_coef * aux
 
     def ours(params, tokens):
         model = nnx.merge(fns.graphdef, params)
@@ -183,7 +184,7 @@ def test_a_row_with_nothing_to_count_gives_finite_values(empty):
     assert np.isfinite(float(loss)) and np.isfinite(float(parts["aux_loss"]))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     if empty == "nothing marked":
-        assert float(loss) == np.float32(MOE.experts.router_aux_loss_coef) * np.float32(parts["aux_loss"])
+        assert float(loss) == np.float32(EXPERTS.router_aux_loss_coef) * np.float32(parts["aux_loss"])
 
 
 def test_micro_batches_are_weighted_by_their_counted_predictions():
