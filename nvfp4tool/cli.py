@@ -1385,12 +1385,18 @@ def main(argv: list[str] | None = None) -> None:
     KeyboardInterrupt) does, by an exception (SystemExit 143) that unwinds it, so every temporary
     folder and file is removed on the way out (`converters.atomic`); the default SIGTERM action
     would leave them behind."""
+    install_signal_handlers()
+    cli.main(args=argv, prog_name="nvfp4tool")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM raises SystemExit(143) (in the main thread), and one swallowed where Python cannot
+    raise it is sent again (`_redeliver_swallowed_exit`)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
         if sys.unraisablehook is not _redeliver_swallowed_exit:
             global _previous_unraisablehook
             _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _redeliver_swallowed_exit
-    cli.main(args=argv, prog_name="nvfp4tool")
 
 
 def _exit_on_signal(signum: int, frame) -> None:
@@ -1398,15 +1404,20 @@ def _exit_on_signal(signum: int, frame) -> None:
 
 
 _previous_unraisablehook = sys.unraisablehook
+_REDELIVER_AFTER_S = 0.05  # the swallowed SIGTERM is sent again this long after (its hook has returned)
 
 
 def _redeliver_swallowed_exit(unraisable) -> None:
     """A SIGTERM that arrives while Python runs a gc callback or a `__del__` (JAX has a gc
     callback) raises its SystemExit there, where Python only prints it and goes on: the command
-    would then finish as if never signalled. Send the signal again, so it lands outside."""
+    would then finish as if never signalled. Send the signal again, so it lands outside: from
+    another thread, a moment later, since one sent before this hook returns runs its handler
+    inside the hook, where its SystemExit is swallowed again (a later swallow sends it once more)."""
     exc = unraisable.exc_value
     if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
-        os.kill(os.getpid(), signal.SIGTERM)
+        again = threading.Timer(_REDELIVER_AFTER_S, os.kill, args=(os.getpid(), signal.SIGTERM))
+        again.daemon = True
+        again.start()
         return
     _previous_unraisablehook(unraisable)
 
