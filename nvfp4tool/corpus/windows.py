@@ -93,11 +93,12 @@ class PageRelease:
     grow by ~0.1 MB each (a fault maps a whole large folio of the file) up to the cache's size."""
 
     def __init__(self, maps: Iterable[mmap.mmap | None]) -> None:
-        self.maps = [m for m in maps if m is not None]
+        released = hasattr(mmap, "MADV_DONTNEED")  # a platform without madvise keeps its pages mapped
+        self.maps = [m for m in maps if m is not None] if released else []
         self.rows = 0  # read since the last release (threads may race on it: a release comes late or early)
 
     def read(self, rows: int) -> None:
-        if not self.maps or not hasattr(mmap, "MADV_DONTNEED"):
+        if not self.maps:
             return
         self.rows += rows
         if self.rows >= RELEASE_ROWS:

@@ -99,63 +99,44 @@ def modules(root: pathlib.Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> 
 
 def import_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> dict[tuple[str, str], list[str]]:
     """(importer, imported) -> ["file:line", ...] for every import between our modules."""
-
-    def deepest(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    edges: dict[tuple[str, str], list[str]] = {}
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            targets: list[str | None] = []
-            if isinstance(node, ast.Import):
-                targets = [deepest(alias.name) for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                targets = [
-                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in mods else deepest(source)
-                    for alias in node.names
-                ]
-            for target in targets:
-                if target is not None and target != name:
-                    where, at = edges.setdefault((name, target), []), f"{path.relative_to(root)}:{node.lineno}"
-                    if at not in where:
-                        where.append(at)
-    return edges
+    return _edges(mods, root, import_time=False)
 
 
 def import_time_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) -> dict[tuple[str, str], list[str]]:
     """(importer, imported) -> ["file:line", ...] for every import a module runs when it is imported,
     an import through a package (`from pkg import name`) being an edge to the package too."""
+    return _edges(mods, root, import_time=True)
+
+
+def _executed(body: list[ast.stmt]):
+    """The statements a module runs when imported: not function bodies nor `if TYPE_CHECKING:`."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _executed(node.orelse)
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from _executed([n for n in getattr(node, field, []) if isinstance(n, ast.stmt)])
+        for handler in getattr(node, "handlers", []):
+            yield from _executed(handler.body)
+
+
+def _edges(mods: dict[str, pathlib.Path], root: pathlib.Path, import_time: bool) -> dict[tuple[str, str], list[str]]:
+    """The import graph of `mods`: every import in a file (`import_time` False: `from pkg import mod`
+    an edge to pkg.mod only), or those run at import time (True: an edge to pkg too)."""
 
     def deepest(name: str) -> str | None:
         while name and name not in mods:
             name = name.rpartition(".")[0]
         return name or None
 
-    def executed(body: list[ast.stmt]):
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                yield from executed(node.orelse)
-                continue
-            yield node
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                yield from executed([n for n in getattr(node, field, []) if isinstance(n, ast.stmt)])
-            for handler in getattr(node, "handlers", []):
-                yield from executed(handler.body)
-
     edges: dict[tuple[str, str], list[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in executed(ast.parse(path.read_text(encoding="utf-8"), str(path)).body):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in _executed(tree.body) if import_time else ast.walk(tree):
             targets: list[str | None] = []
             if isinstance(node, ast.Import):
                 targets = [deepest(alias.name) for alias in node.names]
@@ -165,9 +146,11 @@ def import_time_edges(mods: dict[str, pathlib.Path], root: pathlib.Path = ROOT) 
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [deepest(source)] + [
-                    f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in mods
-                ]
+                named = [f"{source}.{alias.name}" for alias in node.names]
+                if import_time:
+                    targets = [deepest(source)] + [m for m in named if m in mods]
+                else:
+                    targets = [m if m in mods else deepest(source) for m in named]
             for target in targets:
                 if target is not None and target != name:
                     where, at = edges.setdefault((name, target), []), f"{path.relative_to(root)}:{node.lineno}"
