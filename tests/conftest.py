@@ -57,6 +57,7 @@ pytest_plugins = (
     "fixtures.eval_fixtures",
     "fixtures.hf_fixtures",
     "fixtures.train_fixtures",
+    "fixtures.conformance_fixtures",  # after train_fixtures, which it imports
 )
 
 

@@ -1,5 +1,6 @@
-"""`check` passes the real exports of `nvfp4tool export` (tiny synthetic model, every format), and
-flags a real export once it is broken."""
+"""`check` passes the real exports of `nvfp4tool export` with their options (sharded, scale search,
+2D weight blocks, kept BF16 layers, GPTQ) on a tiny synthetic model, and flags a real export once it
+is broken."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from nvfp4tool.check import check_checkpoint
 from fixtures.export_fixtures import export_options, synthetic_config, synthetic_source
 
 CONFIG = synthetic_config(hidden=64, mlp=128, layers=2, vocab=256, head_dim=16, kv_heads=2, dtype="bfloat16")
-CASES = [  # (format, quant, extra export options); the scale-search, 2D and GPTQ cases compile more: slow
-    ("modelopt", "nvfp4", {}),
-    ("modelopt", "nvfp4-weight-only", {}),
-    ("modelopt", "fp8", {}),
+# (format, quant, extra export options): the options' cases; each format x quant of every family's
+# plain export is checked by the conformance suite (tests/quickstart/test_conformance.py). The
+# scale-search, 2D and GPTQ cases compile more: slow.
+CASES = [
     ("compressed-tensors", "nvfp4", {"max_shard_size": "40KB"}),  # sharded, with an index
     pytest.param("compressed-tensors", "nvfp4-weight-only", {"scale_search": "4over6"}, marks=pytest.mark.slow),
     pytest.param(
