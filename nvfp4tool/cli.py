@@ -90,6 +90,18 @@ class _NewFile(click.Path):
         return path
 
 
+class _KeepBF16File(click.Path):
+    """--keep-bf16-file: an existing file, or the name of a recipe shipped with the tool."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, dir_okay=False)
+
+    def convert(self, value, param, ctx):
+        from nvfp4tool.export.plan import shipped_keep_bf16_file
+
+        return super().convert(shipped_keep_bf16_file(value) or value, param, ctx)
+
+
 _COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
 
 
@@ -665,10 +677,11 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option(
     "--keep-bf16-file",
-    type=click.Path(exists=True, dir_okay=False),
+    type=_KeepBF16File(),
     default=_export_default("keep_bf16_file"),
     help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
-    "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
+    "keep_bf16.txt of `validate --sensitivity`), or a recipe shipped with the tool by name "
+    "(nvidia-deepseek-r1, nvidia-deepseek-r1-v2); a pattern matching no module is refused. "
     "Default: none.",
 )
 @click.option(
