@@ -69,6 +69,28 @@ def test_fp8_source_reads_as_the_numpy_reading_of_the_format_bit_for_bit(folders
     assert "quantization_config" not in source.config.to_hf_config()
 
 
+def test_sharded_fp8_source_with_a_scale_in_another_shard(folders, tmp_path):
+    """The index may put a weight's scale in another shard than the weight (fp8_cast_bf16.py looks
+    scales up through the index too)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(folders["fp8"], "model.safetensors"))
+    moved = _scale()
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if n != moved}}
+    shards["model-00002-of-00002.safetensors"] = {moved: tensors[moved]}
+    (tmp_path / "src").mkdir()
+    for file_name, part in shards.items():
+        save_file(part, str(tmp_path / "src" / file_name), metadata={"format": "pt"})
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (tmp_path / "src" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(os.path.join(folders["fp8"], "config.json"), tmp_path / "src")
+    source, oracle = HFFolderSource(tmp_path / "src"), read_folder_tensors(folders["deq"])
+    assert sorted(source.names()) == sorted(oracle)
+    assert all(_bits(source.get(n)) == _bits(oracle[n]) for n in oracle)
+
+
 @pytest.mark.peers
 def test_fp8_source_equals_transformers_fp8_loader_bit_for_bit(folders):
     import torch
