@@ -13,6 +13,7 @@ The blocks are `model/decoder.py`'s `DecoderBlock` (Attention + MLP).
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ from nvfp4tool.families.base import (
     ModelConfig,
     Tensor,
     layer_prefix,
+    preset_shape,
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer
@@ -40,12 +42,21 @@ class Decoder(Family):
     blocks_module = "nvfp4tool.model.decoder"
 
     def __init__(
-        self, model_type: str, architecture: str, *, bias: str, qk_norm: bool, window: str, maxtext: str | None
+        self,
+        model_type: str,
+        architecture: str,
+        *,
+        bias: str,
+        qk_norm: bool,
+        window: str,
+        maxtext: str | None,
+        presets: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({}),
     ) -> None:
         """`maxtext`: MaxText's decoder for the family takes the query kernel "prescaled" by
         1/sqrt(head_dim) (its attention uses scale 1: Llama, Mistral, Mixtral) or "unscaled" (it
-        scales queries itself: Qwen3-MoE); None: no MaxText layout."""
+        scales queries itself: Qwen3-MoE); None: no MaxText layout. `presets`: its training sizes."""
         self.model_type, self.architecture = model_type, architecture
+        self.presets = types.MappingProxyType(dict(presets))
         self.bias = bias  # "all": attention_bias on q/k/v/o | "qkv": always q/k/v, never o | "none"
         self.qk_norm = qk_norm
         self.window = window  # "sliding": sliding_window key | "full": full attention only | "none"
@@ -144,8 +155,27 @@ class Decoder(Family):
         return projection_tensors(self.mlp_module(config, layer), SWIGLU, ((F, E), (F, E), (E, F)))
 
 
+def llama3_preset(shape: str, **fields: Any) -> dict[str, Any]:
+    """A training preset of Llama 3's shape at the named size (`base.PRESET_SHAPES`): GQA, SwiGLU,
+    RoPE base 500k without Llama 3.1's long-context scaling; `fields` over it."""
+    return preset_shape(shape, rope_theta=500000.0, **fields)
+
+
+# `1b` has Llama-3.2-1B's dimensions and tied embeddings
+_LLAMA_PRESETS = {
+    name: llama3_preset(name, tie_word_embeddings=name == "1b") for name in ("tiny", "small", "100m", "1b")
+}
+
 FAMILIES = (
-    Decoder("llama", "LlamaForCausalLM", bias="all", qk_norm=False, window="none", maxtext="prescaled"),
+    Decoder(
+        "llama",
+        "LlamaForCausalLM",
+        bias="all",
+        qk_norm=False,
+        window="none",
+        maxtext="prescaled",
+        presets=_LLAMA_PRESETS,
+    ),
     Decoder("mistral", "MistralForCausalLM", bias="none", qk_norm=False, window="sliding", maxtext="prescaled"),
     Decoder("qwen2", "Qwen2ForCausalLM", bias="qkv", qk_norm=False, window="full", maxtext=None),
     Decoder("qwen3", "Qwen3ForCausalLM", bias="all", qk_norm=True, window="full", maxtext=None),

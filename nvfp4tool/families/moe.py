@@ -31,7 +31,7 @@ from nvfp4tool.families.base import (
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
-from nvfp4tool.families.llama import Decoder
+from nvfp4tool.families.llama import Decoder, llama3_preset
 from nvfp4tool.families.maxtext import Rule, moe_rules
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
@@ -221,6 +221,9 @@ _MIXTRAL_EXPERT = (
     Projection("w2", "down", "row"),
 )
 
+# the tiny presets: the tiny Llama 3 shape with every MLP 8 SwiGLU experts 96 wide, top-2 routing
+_TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
+
 FAMILIES = (
     SparseDecoder(
         "qwen3_moe",
@@ -232,6 +235,11 @@ FAMILIES = (
         qk_norm=True,
         window="full",
         maxtext="unscaled",
+        presets={
+            "tiny-moe": llama3_preset(
+                "tiny", qk_norm=True, family_config=Experts(**_TINY_EXPERTS, moe_intermediate_size=96)
+            )
+        },
     ),
     SparseDecoder(
         "mixtral",
@@ -243,5 +251,6 @@ FAMILIES = (
         qk_norm=False,
         window="sliding",
         maxtext="prescaled",
+        presets={"tiny-mixtral": llama3_preset("tiny", intermediate_size=96, family_config=Experts(**_TINY_EXPERTS))},
     ),
 )
