@@ -219,6 +219,10 @@ class Family:
     model_type: str  # the HF model_type this instance describes
     architecture: str  # config.json's architectures[0] (what transformers and vLLM instantiate)
     maxtext_rules: tuple | None = None  # its MaxText layout (`families/maxtext.py` Rules); None: none
+    # its MaxText model names -> `maxtext.NamedModel` (config.json and RoPE layout); collected by
+    # `converters/maxtext_models.py`
+    maxtext_models: Mapping[str, Any] = types.MappingProxyType({})
+    maxtext_rope_layout: str | None = None  # the RoPE row layout its MaxText decoder fixes; None: the model's
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
     positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
