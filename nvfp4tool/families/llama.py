@@ -78,6 +78,8 @@ class Decoder(Family):
     # --------------------------------------------------------------------------- config.json
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if hf.get("mlp_bias"):
+            raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
         if self.window == "full" and (
             hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ())
         ):
