@@ -22,7 +22,7 @@ from nvfp4tool.errors import NVFP4ToolError
 QUANT_METHOD = "fp8"  # config.json quantization_config.quant_method of these checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight` is scaled by `<name>.weight_scale_inv`
 WEIGHT_DTYPE = "float8_e4m3fn"  # fmt "e4m3": the only one the format (and transformers) defines
-SCALE_DTYPE = "float32"  # DeepSeek's and Qwen3-FP8's scales; ue8m0 scales (DeepSeek-V4) are refused
+SCALE_DTYPE = "float32"  # DeepSeek's and Qwen3-FP8's scales; E8M0 / uint8 scale bytes (DeepSeek-V4) are refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +64,8 @@ def parse(qc: Any, where: str) -> FP8Block:
             f"{where}: quantization_config.activation_scheme {qc.get('activation_scheme')!r} unsupported; "
             "supported: 'dynamic' (static activation scales are not part of a BF16 model)"
         )
-    scale_fmt = qc.get("scale_fmt", "float")
-    if scale_fmt not in (None, "float"):
-        raise NVFP4ToolError(
-            f"{where}: quantization_config.scale_fmt {scale_fmt!r} unsupported; supported: 'float' (fp32 scales)"
-        )
+    # scale_fmt "ue8m0" (DeepSeek-V3.1) says the scales are powers of two; stored as float32 they
+    # dequantize the same way, and scales stored as E8M0 / uint8 bytes are refused by `pair`.
     block = qc.get("weight_block_size")
     if block is None:
         raise NVFP4ToolError(

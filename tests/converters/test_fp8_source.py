@@ -209,6 +209,16 @@ def test_bad_fp8_source_is_refused_in_one_line_and_nothing_is_written(folders, t
     assert sorted(os.listdir(tmp_path)) == ["src"]  # no output, no temporary folder left
 
 
+def test_ue8m0_scale_fmt_with_float32_scales_reads_the_same(folders, tmp_path):
+    """DeepSeek-V3.1 declares scale_fmt ue8m0 (power-of-two scales) and stores them F32."""
+    import shutil
+
+    shutil.copytree(folders["fp8"], tmp_path / "src")
+    _edit_config(tmp_path / "src", lambda q: q.__setitem__("scale_fmt", "ue8m0"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert _bits(HFFolderSource(tmp_path / "src").get(name)) == _bits(read_folder_tensors(folders["deq"])[name])
+
+
 def test_unknown_quant_method_is_refused_by_the_reader(folders, tmp_path):
     import shutil
 
