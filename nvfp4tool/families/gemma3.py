@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from nvfp4tool.families.base import (
     ModelConfig,
     Tensor,
     layer_prefix,
+    preset_shape,
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
@@ -55,18 +57,35 @@ class Gemma3Fields:
         return next((theta, scaling) for t, theta, scaling in self.rope if t == layer_type)
 
 
+def _tiny_preset() -> dict[str, Any]:
+    """`tiny-gemma3`: the tiny size as Gemma 3 (3 local layers of window 16 : 1 global, local RoPE
+    base 10k, global 1M, query_pre_attn_scalar = head_dim, tied embeddings)."""
+    fields = preset_shape("tiny", tie_word_embeddings=True, qk_norm=True, sliding_window=16, rms_norm_eps=1e-6)
+    return dict(
+        fields,
+        family_config=Gemma3Fields(
+            layer_types=(SLIDING, SLIDING, SLIDING, FULL),
+            rope=((FULL, _DEFAULT_THETA[FULL], None), (SLIDING, _DEFAULT_THETA[SLIDING], None)),
+            query_pre_attn_scalar=float(fields["head_dim"]),
+        ),
+    )
+
+
 class Gemma3(Family):
     """`gemma3_text` (see the module docstring)."""
 
     model_type = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
     blocks_module = "nvfp4tool.model.gemma3"
+    presets = types.MappingProxyType({"tiny-gemma3": _tiny_preset()})
     positional = "family"  # per layer type: rope_parameters, or rope_theta + rope_local_base_freq + rope_scaling
     norm_unit_offset = True
+    may_be_zero = ("*norm.weight",)  # a (1 + w) norm's weight is zero at identity (every norm at init)
     activation = ACTIVATION
     tie_word_embeddings_default = True
     no_maxtext_reason = (
-        "MaxText's gemma3 decoder layout is not implemented here yet, so gemma3_text has no MaxText layout"
+        "gemma3_text has no MaxText layout here yet (MaxText's gemma3 decoder scans the 5 local : 1 global "
+        "pattern as blocks and stores its norms and embedding its own way; not built)"
     )
     common_keys_not_modeled = frozenset({"hidden_act"})  # Gemma spells it hidden_activation
     modeled_keys = frozenset(
@@ -235,6 +254,11 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[tuple[str, float,
         rope = []
         for t in (FULL, SLIDING):
             p = params.get(t) or {}
+            if p.get("partial_rotary_factor", 1.0) != 1.0:
+                raise NVFP4ToolError(
+                    f"{source}: rope_parameters.{t}.partial_rotary_factor={p['partial_rotary_factor']} "
+                    "unsupported; supported: 1.0 (RoPE over the whole head)"
+                )
             theta = number({"rope_theta": p.get("rope_theta", _DEFAULT_THETA[t])}, "rope_theta")
             rope.append((t, theta, rope_scaling_from_hf(p, f"{source}: rope_parameters.{t}")))
         return tuple(rope)

@@ -92,3 +92,59 @@ def test_compressed_tensors_converter_turns_our_modelopt_export_into_ours(export
     ours = load_file(os.path.join(exports["compressed-tensors", "nvfp4"], "model.safetensors"))
     theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
     assert_converted_tensors_equal(theirs, ours)
+
+
+@pytest.mark.slow
+def test_validate_runs_gemma3_held_and_streamed(exports, tmp_path):
+    """validate on the W4A4 export: the same metrics held and streamed layer by layer (each layer's
+    block program and RoPE table, local or global), greedy generation held."""
+    import shutil
+
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    np.save(tmp_path / "val.npy", np.random.default_rng(5).integers(3, 256, (4, 24)))
+    records = {}
+    for offload in ("never", "always"):
+        folder = tmp_path / offload
+        shutil.copytree(exports["compressed-tensors", "nvfp4"], folder)
+        options = ValidateOptions(
+            data=str(tmp_path / "val.npy"),
+            source=exports["source"],
+            samples=4,
+            seq_len=24,
+            batch_size=2,
+            prompts=2,
+            prompt_len=8,
+            gen_tokens=6,
+            offload=offload,
+            reference="bf16",
+            thresholds=Thresholds(
+                max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None, min_layer_sqnr_db=None
+            ),
+        )
+        records[offload] = validate_export(str(folder), options).record
+    held, streamed = records["never"], records["always"]
+    assert held.generation.skipped is None and held.generation.tokens == 6
+    for metric in ("kl_mean", "top1", "ppl"):
+        np.testing.assert_allclose(held.models["nvfp4"][metric], streamed.models["nvfp4"][metric], rtol=1e-5)
+    assert 0 < held.models["nvfp4"]["kl_mean"] < 1
+    assert len(held.layers) == 21
+
+
+def test_zero_norm_weights_are_identity_norms_and_pass_check(tmp_path):
+    """A (1 + w) norm's weight is zero at identity (every norm of an untrained Gemma): check does
+    not call those all-zero tensors corrupt (it does without the family's `may_be_zero`)."""
+    from safetensors.numpy import load_file, save_file
+
+    source = build_tiny_model("gemma3", str(tmp_path / "source"), dtype="bfloat16")
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    zeroed = {n: np.zeros_like(t) if n.endswith("norm.weight") else t for n, t in tensors.items()}
+    assert sum(n.endswith("norm.weight") for n in zeroed) == 3 * 6 + 1
+    save_file(zeroed, os.path.join(source, "model.safetensors"), metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    export_checkpoint(
+        source, out, ExportOptions(format="compressed-tensors", quant="nvfp4-weight-only", show_progress=False)
+    )
+    report = check_checkpoint(out)
+    assert report.ok, [p.message for p in report.problems]
