@@ -1,0 +1,129 @@
+"""nvfp4tool.api against the CLI: the same keywords, defaults and rules, bad arguments refused before
+any work, and each command a call of its function."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from nvfp4tool import api
+from nvfp4tool.api import rules
+from nvfp4tool.cli import cli
+from nvfp4tool.errors import NVFP4UsageError
+from nvfp4tool.export import ExportOptions
+from nvfp4tool.validate.thresholds import Thresholds
+
+COMMANDS = {
+    "convert": api.convert,
+    "export": api.export,
+    "check": api.check,
+    "validate": api.validate,
+    "eval": api.evaluate,
+    "push": api.push,
+    "quickstart": api.quickstart,
+}
+CLI_ONLY = {  # what only the command line has: its output form, and a hidden alias
+    "check": {"as_json"},
+    "export": {"to"},
+}
+API_ONLY = {"quickstart": {"echo"}}  # where a Python caller gets the stage lines
+SPELLING = {"fmt": "format", "license_": "license"}  # click parameter -> keyword (a Python name clash)
+SOURCE = {"export": {"src": "source"}}  # export SRC is api.export(source, ...)
+
+
+def _keywords(fn) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_is_a_keyword_with_the_same_default(name):
+    command, fn = cli.commands[name], COMMANDS[name]
+    spelling = {**SPELLING, **SOURCE.get(name, {})}
+    params = {spelling.get(p.name, p.name): p for p in command.params if p.name not in CLI_ONLY.get(name, set())}
+    keywords = {k: p for k, p in _keywords(fn).items() if k not in API_ONLY.get(name, set())}
+    assert set(params) == set(keywords), (
+        f"{name}: CLI-only {set(params) - set(keywords)}, API-only {set(keywords) - set(params)}"
+    )
+    for key, param in params.items():
+        if isinstance(param, click.Argument):
+            assert keywords[key].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name} {key}: not positional"
+            continue
+        expected = keywords[key].default
+        if key == "tp":  # the command line's text of the API's tuple
+            expected = ",".join(map(str, expected))
+        if expected is inspect.Parameter.empty:
+            assert param.required, f"{name} --{key}: the API requires it, the CLI does not"
+        else:
+            assert param.default == expected, f"{name} --{key}: CLI default {param.default!r}, API {expected!r}"
+
+
+def test_the_defaults_are_the_library_options_own():
+    """Read from the options records, not retyped: the API's default is the library's value."""
+    for field in ("format", "quant", "calib_samples", "calib_seq_len", "scale_search", "gptq_damp", "offload"):
+        assert rules.default(api.export, field) == getattr(ExportOptions(), field)
+    assert rules.default(api.validate, "min_layer_sqnr") == Thresholds().min_layer_sqnr_db
+    assert rules.default(api.validate, "max_kl_mean") == Thresholds().max_kl_mean
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda d: api.export(d["src"], d["out"], calib_samples=0), "calib_samples=0: expected >= 1"),
+        (lambda d: api.export(d["src"], d["out"], quant="int4"), "quant='int4': expected one of nvfp4, "),
+        (lambda d: api.export(d["src"], d["out"], calib_data=d["missing"]), "calib_data="),
+        (lambda d: api.export(d["src"], d["out"], step=-1), "step=-1: expected >= 0"),
+        (lambda d: api.export(d["src"], d["out"], calib_seq_len=True), "calib_seq_len=True: expected an integer"),
+        (lambda d: api.export(d["src"], d["out"], calib_samples=8), "calib_samples sizes the calibration"),
+        (lambda d: api.validate(d["src"], data=d["data"], samples=0), "samples=0: expected >= 1"),
+        (lambda d: api.validate(d["src"], data=d["data"], max_kl_mean=float("nan")), "expected a finite number"),
+        (lambda d: api.validate(d["src"], data=d["data"], reference="int8"), "not fp8, bf16 or an existing"),
+        (lambda d: api.validate(d["src"], data=d["data"], json_copy=d["missing"] + "/v.json"), "does not exist"),
+        (lambda d: api.evaluate(d["src"], tasks="nvfp4tool_mc", seed=-1), "seed=-1: expected >= 0"),
+        (lambda d: api.evaluate(d["src"], tasks=" , "), "no task given"),
+        (lambda d: api.evaluate(d["src"], tasks="x", gen_kwargs={"temperature": -1}), "gen_kwargs temperature"),
+        (lambda d: api.check(d["missing"]), "path="),
+        (lambda d: api.push(d["src"], repo_id="o/n", endpoint="ftp://hub"), "not an http(s) URL"),
+        (lambda d: api.push(d["src"], repo_id="o/n", timeout=0), "timeout=0: expected > 0"),
+        (lambda d: api.convert(d["src"], d["out"], to="gguf"), "to='gguf': expected one of hf, maxtext"),
+        (lambda d: api.quickstart(out=d["out"], pretrain_steps=0), "pretrain_steps=0"),
+        (lambda d: api.train(steps="many"), "steps"),
+        (lambda d: api.train(no_such_key=1), "no_such_key"),
+    ],
+)
+def test_a_bad_argument_is_a_usage_error_naming_it_before_any_work(tmp_path, call, named):
+    paths = {"src": str(tmp_path), "out": str(tmp_path / "out"), "missing": str(tmp_path / "missing")}
+    paths["data"] = str(tmp_path / "val.txt")
+    with open(paths["data"], "w") as f:
+        f.write("text")
+    with pytest.raises(NVFP4UsageError, match=None) as raised:
+        call(paths)
+    assert named in str(raised.value) and "\n" not in str(raised.value)
+    assert sorted(os.listdir(tmp_path)) == ["val.txt"]  # nothing created
+
+
+def test_the_cli_refuses_with_the_api_rule_before_the_library_runs(tmp_path):
+    """The click types are built from the API's rules: the same bounds, exit 2, click's message."""
+    runner = CliRunner()
+    result = runner.invoke(cli, ["validate", str(tmp_path), "--data", __file__, "--reference", "int8"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--reference': 'int8' is not fp8, bf16 or an existing export folder." in result.output
+    result = runner.invoke(cli, ["export", str(tmp_path), "--out", str(tmp_path / "o"), "--calib-seq-len", "1"])
+    assert result.exit_code == 2 and "1 is not in the range x>=2" in result.output
+
+
+def test_the_cli_command_is_a_call_of_its_api_function(tmp_path, monkeypatch):
+    """`nvfp4tool check` passes its options to api.check and prints what it returns."""
+    seen = {}
+
+    def fake_check(path, *, tp, json_out):
+        seen.update(path=path, tp=tp, json_out=json_out)
+        raise NVFP4UsageError("stop here")
+
+    monkeypatch.setattr(api, "check", fake_check)
+    result = CliRunner().invoke(cli, ["check", str(tmp_path), "--tp", "1,2", "--json-out", str(tmp_path / "r.json")])
+    assert result.exit_code == 2 and "stop here" in result.output
+    assert seen == {"path": str(tmp_path), "tp": (1, 2), "json_out": str(tmp_path / "r.json")}
