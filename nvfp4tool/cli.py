@@ -108,7 +108,7 @@ def _checks(fn, name: str) -> dict:
     if isinstance(found, rules.OneOf):
         return {"type": click.Choice(list(found.choices))}
     if isinstance(found, rules.Exists):
-        return {"type": click.Path(exists=True, file_okay=not found.folder, dir_okay=found.folder)}
+        return {"type": click.Path(exists=True, file_okay=found.file, dir_okay=found.folder)}
     if isinstance(found, rules.NewFile):
         return {"type": _NewFile()}
     if found is None:
@@ -347,71 +347,59 @@ def data_group() -> None:
     """
 
 
-def _data_formats() -> list[str]:
-    from nvfp4tool.corpus.encode import FORMATS
-
-    return list(FORMATS)
-
-
-def _prepare_default(name: str):
-    from nvfp4tool.corpus.prepare import prepare_cache
-
-    return default(prepare_cache, name)
-
-
 @data_group.command("prepare", short_help="Tokenize documents into a token cache")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
+@click.argument("sources", nargs=-1, required=True, **_checks(api.prepare_data, "sources"))
 @click.option(
-    "--tokenizer", "tokenizer", required=True, type=click.Path(exists=True), help="Folder with tokenizer.json."
+    "--tokenizer",
+    "tokenizer",
+    required=True,
+    **_checks(api.prepare_data, "tokenizer"),
+    help="Folder with tokenizer.json.",
 )
 @click.option("--out", "out", required=True, type=click.Path(), help="Cache folder to write (atomically).")
 @click.option(
     "--text-field",
-    default=_prepare_default("text_field"),
+    default=default(api.prepare_data, "text_field"),
     show_default=True,
     help="JSONL key / Parquet or dataset column holding the documents.",
 )
 @click.option(
     "--format",
     "data_format",
-    type=click.Choice(_data_formats()),
-    default=_prepare_default("format"),
+    **_api(api.prepare_data, "format"),
     show_default=True,
     help="text: documents; chat: rows of `messages`; prompt_completion: rows of `prompt` and `completion`.",
 )
 @click.option(
     "--loss-on",
-    type=click.Choice(["assistant", "completion", "all"]),
-    default=None,
+    **_api(api.prepare_data, "loss_on"),
     help="chat: assistant (default) | all; prompt_completion: completion (default) | all.",
 )
 @click.option(
     "--overlong",
-    type=click.Choice(["drop", "truncate"]),
-    default=None,
+    **_api(api.prepare_data, "overlong"),
     help="chat / prompt_completion: a row longer than --seq-len + 1 tokens is dropped (default) or truncated.",
 )
 @click.option(
     "--seq-len",
-    type=click.IntRange(min=1),
-    default=None,
+    **_api(api.prepare_data, "seq_len"),
     help="chat / prompt_completion: the row length --overlong holds rows to (default: no limit).",
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=0),
-    default=_prepare_default("workers"),
+    **_api(api.prepare_data, "workers"),
     show_default=True,
     help="Tokenizer worker processes (0: tokenize in this process).",
 )
 @click.option(
     "--shard-tokens",
-    type=_COUNT,
-    default=_prepare_default("shard_tokens"),
+    **_api(api.prepare_data, "shard_tokens"),
     show_default=True,
     help="Tokens per shard file.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing cache folder.")
+@click.option(
+    "--force", is_flag=True, default=default(api.prepare_data, "force"), help="Replace an existing cache folder."
+)
 def data_prepare_command(
     sources: tuple[str, ...],
     tokenizer: str,
@@ -433,12 +421,10 @@ def data_prepare_command(
       nvfp4tool data prepare corpus.jsonl more/ --tokenizer tok/ --out cache/ --workers 8
       nvfp4tool data prepare chats.jsonl --format chat --seq-len 2048 --tokenizer tok/ --out sft-cache/
     """
-    from nvfp4tool.corpus.prepare import prepare_cache
-
-    manifest = prepare_cache(
-        list(sources),
-        tokenizer,
-        out,
+    manifest = api.prepare_data(
+        *sources,
+        tokenizer=tokenizer,
+        out=out,
         text_field=text_field,
         format=data_format,
         loss_on=loss_on,
@@ -457,8 +443,13 @@ def data_prepare_command(
 
 
 @data_group.command("verify", short_help="Rehash a token cache and its sources")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
-@click.option("--skip-sources", is_flag=True, help="Check only the cache's own files, not the source files it records.")
+@click.argument("cache", **_checks(api.verify_data, "cache"))
+@click.option(
+    "--skip-sources",
+    is_flag=True,
+    default=default(api.verify_data, "skip_sources"),
+    help="Check only the cache's own files, not the source files it records.",
+)
 def data_verify_command(cache: str, skip_sources: bool) -> None:
     """Check every file of CACHE against its manifest's sha256 and, unless --skip-sources, each
     source file it records against its recorded sha256 (a source given to prepare as a relative
@@ -468,9 +459,7 @@ def data_verify_command(cache: str, skip_sources: bool) -> None:
     Example:
       nvfp4tool data verify cache/
     """
-    from nvfp4tool.corpus.cache import verify_cache
-
-    opened = verify_cache(cache, sources=not skip_sources)
+    opened = api.verify_data(cache, skip_sources=skip_sources)
     manifest = opened.manifest
     sources = "" if skip_sources else f"; its {len(manifest.sources)} source file(s) unchanged"
     click.echo(
@@ -480,17 +469,22 @@ def data_verify_command(cache: str, skip_sources: bool) -> None:
 
 
 @cli.command("plot", short_help="Overlay training runs' loss curves and their gap")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument("runs", nargs=-1, required=True, **_checks(api.plot, "runs"))
 @click.option(
     "-o",
     "--out",
     "out_png",
-    default="loss.png",
+    **_api(api.plot, "out"),
     show_default=True,
-    type=_NewFile(),
     help="PNG to write (a JSON of the plotted series is written beside it).",
 )
-@click.option("--label", "labels", multiple=True, help="Legend label per run (default: folder names).")
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    default=default(api.plot, "labels"),
+    help="Legend label per run (default: folder names).",
+)
 def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -> None:
     """Overlay training runs' loss curves and their relative gap to the first run.
 
@@ -498,11 +492,7 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
     Example:
       nvfp4tool plot runs/bf16 runs/nvfp4 -o compare.png
     """
-    from nvfp4tool.train.metrics import plot_runs
-
-    if labels and len(labels) != len(runs):
-        raise click.UsageError(f"{len(labels)} --label for {len(runs)} runs")
-    series = plot_runs(list(runs), out_png, list(labels) or None)
+    series = api.plot(*runs, out=out_png, labels=labels)
     for label, s in series.items():
         if s["loss"]:
             click.echo(f"{label}: {len(s['loss'])} steps, final loss {s['loss'][-1]:.4f}")
@@ -749,17 +739,19 @@ def export_command(
 
 
 @cli.command("convert-format", short_help="Convert an export: ModelOpt <-> compressed-tensors")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src", **_checks(api.convert_format, "src"))
 @click.argument("out", type=click.Path())
 @click.option(
     "--to",
     "to",
-    type=click.Choice(["modelopt", "compressed-tensors"]),
+    **_checks(api.convert_format, "to"),
     required=True,
     help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
     "(vLLM compressed-tensors / transformers).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option(
+    "--force", is_flag=True, default=default(api.convert_format, "force"), help="Replace an existing output folder."
+)
 def convert_format_command(src, out, to, force) -> None:
     """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
 
@@ -767,10 +759,8 @@ def convert_format_command(src, out, to, force) -> None:
     Example:
       nvfp4tool convert-format out/a-nvfp4 out/a-nvfp4-ct --to compressed-tensors
     """
-    from nvfp4tool.export.convert_format import convert_format
-
-    seconds = convert_format(src, out, to=to, force=force)
-    click.echo(f"wrote {out} ({to}) in {seconds:.1f} s")
+    converted = api.convert_format(src, out, to=to, force=force)
+    click.echo(f"wrote {out} ({to}) in {converted.seconds:.1f} s")
 
 
 @cli.command("push", short_help="Check an export, write its model card, upload to the Hub")

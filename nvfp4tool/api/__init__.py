@@ -11,8 +11,22 @@ record, or the report) and never exits: bad arguments raise NVFP4UsageError, bad
 NVFP4ToolError. Reference: docs/api.md. Design notes: docs/design/cli.md.
 """
 
+from nvfp4tool.api.data import prepare_data, verify_data
 from nvfp4tool.api.proof import check, evaluate, validate
 from nvfp4tool.api.publish import push, quickstart
-from nvfp4tool.api.stages import convert, export, train
+from nvfp4tool.api.stages import convert, convert_format, export, plot, train
 
-__all__ = ["check", "convert", "evaluate", "export", "push", "quickstart", "train", "validate"]
+__all__ = [
+    "check",
+    "convert",
+    "convert_format",
+    "evaluate",
+    "export",
+    "plot",
+    "prepare_data",
+    "push",
+    "quickstart",
+    "train",
+    "validate",
+    "verify_data",
+]

@@ -4,7 +4,7 @@ and the CLI builds its click types from the same rules, so an option and its key
 
     Range   a finite number within bounds (an integer where `integer`)
     OneOf   one of the library's names (its constant: formats.FORMATS, memory.OFFLOAD_MODES, ...)
-    Exists  an existing file or folder
+    Exists  an existing file or folder (FILE, FOLDER, PATH: either)
     NewFile a file to write, in an existing folder
     OneOfOrFolder, Url   validate's --reference, push's --endpoint
 
@@ -62,16 +62,17 @@ class OneOf:
 
 @dataclasses.dataclass(frozen=True)
 class Exists:
-    """An existing file (`folder` False) or folder."""
+    """An existing file (where `file`) or folder (where `folder`)."""
 
+    file: bool = True
     folder: bool = False
 
     def problem(self, value: Any) -> str | None:
         if not isinstance(value, (str, os.PathLike)):
             return "expected a path"
-        if self.folder:
-            return None if os.path.isdir(value) else "not an existing folder"
-        return None if os.path.isfile(value) else "not an existing file"
+        if (self.file and os.path.isfile(value)) or (self.folder and os.path.isdir(value)):
+            return None
+        return f"not an existing {' or '.join(k for k, ok in (('file', self.file), ('folder', self.folder)) if ok)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,8 @@ class Url:
 COUNT = Range(low=1, integer=True)  # a number of things: samples, steps, tokens...
 SEQ_LEN = Range(low=2, integer=True)  # tokens of a window: one input and its next token at least
 FILE = Exists()
-FOLDER = Exists(folder=True)
+FOLDER = Exists(file=False, folder=True)
+PATH = Exists(folder=True)  # a file or a folder
 NEW_FILE = NewFile()
 Rule = Range | OneOf | Exists | NewFile | OneOfOrFolder | Url
 
@@ -130,9 +132,12 @@ def checked(fn: Callable) -> Callable:
             found = rule(fn, name)
             if found is None or (value is None and signature.parameters[name].default is None):
                 continue
-            problem = found.problem(value)
-            if problem is not None:
-                raise NVFP4UsageError(f"{fn.__module__.rpartition('.')[0]}.{fn.__name__}: {name}={value!r}: {problem}")
+            many = signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL
+            for one in value if many else [value]:  # *args: each one
+                problem = found.problem(one)
+                if problem is not None:
+                    where = f"{fn.__module__.rpartition('.')[0]}.{fn.__name__}"
+                    raise NVFP4UsageError(f"{where}: {name}={one!r}: {problem}")
         return fn(*args, **kwargs)
 
     return wrapper

@@ -1,4 +1,5 @@
-"""The API of the stages that make checkpoints: `convert`, `train`, `export`.
+"""The API of the stages that make checkpoints: `convert`, `train` (and `plot` of its runs), `export`,
+`convert_format`.
 
 Each takes its command's arguments positionally and its options as keywords, with the defaults of
 the library's options (the CLI reads them from here), and returns what the stage wrote.
@@ -12,11 +13,13 @@ from typing import Annotated, Any
 
 from converters.layout import ROPE_LAYOUTS
 from nvfp4tool import formats, memory
-from nvfp4tool.api.rules import COUNT, FILE, SEQ_LEN, OneOf, Range, checked, default
+from nvfp4tool.api.rules import COUNT, FILE, FOLDER, NEW_FILE, SEQ_LEN, OneOf, Range, checked, default
 from nvfp4tool.convert import FORMATS as CONVERT_FORMATS
 from nvfp4tool.convert import ConvertSummary, convert_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
 from nvfp4tool.export import ExportOptions, ExportSummary, export_checkpoint
+from nvfp4tool.export.convert_format import FormatConversion
+from nvfp4tool.export.convert_format import convert_format as convert_export_format
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.gptq import BLOCK_SCALES
 from nvfp4tool.export.job import WEIGHT_ROUNDINGS
@@ -64,6 +67,21 @@ def train(config: str | None = None, *overrides: str, **keys: Any):
     from nvfp4tool.train.trainer import train as run_training
 
     return run_training(load_train_config(config, list(overrides), keys))
+
+
+@checked
+def plot(
+    *runs: Annotated[str, FOLDER], out: Annotated[str, NEW_FILE] = "loss.png", labels: tuple[str, ...] = ()
+) -> dict[str, dict]:
+    """`nvfp4tool plot RUN... -o PNG`: the runs' loss curves overlaid and their relative gap to the
+    first; returns the plotted series (also written as JSON beside the PNG)."""
+    from nvfp4tool.train.metrics import plot_runs
+
+    if not runs:
+        raise NVFP4UsageError("plot: no RUN given")
+    if labels and len(labels) != len(runs):
+        raise NVFP4UsageError(f"{len(labels)} --label for {len(runs)} runs")
+    return plot_runs(list(runs), out, list(labels) or None)
 
 
 @checked
@@ -123,3 +141,16 @@ def export(
         force=force,
     )
     return export_checkpoint(source, out, options)
+
+
+@checked
+def convert_format(
+    src: Annotated[str, FOLDER],
+    out: str,
+    *,
+    to: Annotated[str, OneOf(formats.FORMATS)],
+    force: bool = default(convert_export_format, "force"),
+) -> FormatConversion:
+    """`nvfp4tool convert-format SRC OUT --to LAYOUT`: the export rewritten losslessly in the other
+    layout; `.record` is the ExportRecord carried over into OUT (None when SRC had none)."""
+    return convert_export_format(src, out, to=to, force=force)

@@ -25,14 +25,32 @@ COMMANDS = {
     "eval": api.evaluate,
     "push": api.push,
     "quickstart": api.quickstart,
+    "convert-format": api.convert_format,
+    "data prepare": api.prepare_data,
+    "data verify": api.verify_data,
+    "plot": api.plot,
 }
 CLI_ONLY = {  # what only the command line has: its output form, and a hidden alias
     "check": {"as_json"},
     "export": {"to"},
 }
 API_ONLY = {"quickstart": {"echo"}}  # where a Python caller gets the stage lines
-SPELLING = {"fmt": "format", "license_": "license"}  # click parameter -> keyword (a Python name clash)
-SOURCE = {"export": {"src": "source"}}  # export SRC is api.export(source, ...)
+SPELLING = {"fmt": "format", "data_format": "format", "license_": "license"}  # click parameter -> keyword
+RENAMED = {"export": {"src": "source"}, "plot": {"out_png": "out"}}  # export SRC is api.export(source, ...)
+
+
+def _command(name: str) -> click.Command:
+    """`nvfp4tool NAME` ("data prepare": a subcommand)."""
+    command = cli
+    for part in name.split():
+        command = command.commands[part]
+    return command
+
+
+def test_every_command_has_a_function():
+    commands = [f"{n} {s}" for n, c in cli.commands.items() for s in getattr(c, "commands", {})]
+    commands += [n for n, c in cli.commands.items() if not hasattr(c, "commands")]
+    assert set(commands) - {"train"} == set(COMMANDS)  # train: api.train(config, *overrides, **keys)
 
 
 def _keywords(fn) -> dict[str, inspect.Parameter]:
@@ -41,8 +59,8 @@ def _keywords(fn) -> dict[str, inspect.Parameter]:
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_option_is_a_keyword_with_the_same_default(name):
-    command, fn = cli.commands[name], COMMANDS[name]
-    spelling = {**SPELLING, **SOURCE.get(name, {})}
+    command, fn = _command(name), COMMANDS[name]
+    spelling = {**SPELLING, **RENAMED.get(name, {})}
     params = {spelling.get(p.name, p.name): p for p in command.params if p.name not in CLI_ONLY.get(name, set())}
     keywords = {k: p for k, p in _keywords(fn).items() if k not in API_ONLY.get(name, set())}
     assert set(params) == set(keywords), (
@@ -50,7 +68,8 @@ def test_every_option_is_a_keyword_with_the_same_default(name):
     )
     for key, param in params.items():
         if isinstance(param, click.Argument):
-            assert keywords[key].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name} {key}: not positional"
+            kind = inspect.Parameter.VAR_POSITIONAL if param.nargs == -1 else inspect.Parameter.POSITIONAL_OR_KEYWORD
+            assert keywords[key].kind is kind, f"{name} {key}: not positional as on the command line"
             continue
         expected = keywords[key].default
         if key == "tp":  # the command line's text of the API's tuple
@@ -90,6 +109,12 @@ def test_the_defaults_are_the_library_options_own():
         (lambda d: api.push(d["src"], repo_id="o/n", timeout=0), "timeout=0: expected > 0"),
         (lambda d: api.convert(d["src"], d["out"], to="gguf"), "to='gguf': expected one of hf, maxtext"),
         (lambda d: api.quickstart(out=d["out"], pretrain_steps=0), "pretrain_steps=0"),
+        (lambda d: api.prepare_data(d["src"], d["missing"], tokenizer=d["src"], out=d["out"]), "sources='"),
+        (lambda d: api.prepare_data(d["src"], tokenizer=d["src"], out=d["out"], workers=-1), "workers=-1"),
+        (lambda d: api.verify_data(d["missing"]), "cache="),
+        (lambda d: api.plot(d["src"], labels=("a", "b")), "2 --label for 1 runs"),
+        (lambda d: api.plot(d["src"], out=d["missing"] + "/loss.png"), "does not exist"),
+        (lambda d: api.convert_format(d["src"], d["out"], to="gguf"), "to='gguf'"),
         (lambda d: api.train(steps="many"), "steps"),
         (lambda d: api.train(no_such_key=1), "no_such_key"),
     ],
