@@ -7,6 +7,7 @@ and the CLI builds its click types from the same rules, so an option and its key
     Exists  an existing file or folder (FILE, FOLDER, PATH: either)
     NewFile a file to write, in an existing folder
     OneOfOrFolder, Url   validate's --reference, push's --endpoint
+    Size    a shard size ("5GB")
 
 Design notes: docs/design/cli.md.
 """
@@ -111,13 +112,27 @@ class Url:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A size in bytes: an int or text like "5GB" (`converters.hf.parse_size` owns the syntax)."""
+
+    def problem(self, value: Any) -> str | None:
+        from converters.hf import parse_size
+
+        try:
+            parse_size(value)
+        except NVFP4UsageError as bad:
+            return str(bad)
+        return None
+
+
 COUNT = Range(low=1, integer=True)  # a number of things: samples, steps, tokens...
 SEQ_LEN = Range(low=2, integer=True)  # tokens of a window: one input and its next token at least
 FILE = Exists()
 FOLDER = Exists(file=False, folder=True)
 PATH = Exists(folder=True)  # a file or a folder
 NEW_FILE = NewFile()
-Rule = Range | OneOf | Exists | NewFile | OneOfOrFolder | Url
+Rule = Range | OneOf | Exists | NewFile | OneOfOrFolder | Url | Size
 
 
 def checked(fn: Callable) -> Callable:

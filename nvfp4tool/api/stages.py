@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 from converters.layout import ROPE_LAYOUTS
 from nvfp4tool import formats, memory
-from nvfp4tool.api.rules import COUNT, FILE, FOLDER, NEW_FILE, SEQ_LEN, OneOf, Range, checked, default
+from nvfp4tool.api.rules import COUNT, FILE, FOLDER, NEW_FILE, SEQ_LEN, OneOf, Range, Size, checked, default
 from nvfp4tool.convert import FORMATS as CONVERT_FORMATS
-from nvfp4tool.convert import ConvertSummary, convert_checkpoint
+from nvfp4tool.convert import OUTPUT_DTYPES, ConvertSummary, convert_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
 from nvfp4tool.export import ExportOptions, ExportSummary, export_checkpoint
 from nvfp4tool.export.convert_format import FormatConversion
@@ -27,7 +27,6 @@ from nvfp4tool.export.scale_search import METHODS as SCALE_SEARCHES
 from nvfp4tool.numerics.nvfp4 import Block
 
 _EXPORT = ExportOptions()  # the export defaults
-CONVERT_DTYPES = ("bf16", "fp32")  # the dtypes convert writes
 WEIGHT_BLOCKS = typing.get_args(Block)  # 1d, 2d
 KV_CACHES = ("none", *formats.KV_CACHES)
 
@@ -41,9 +40,9 @@ def convert(
     scan_layers: bool = default(convert_checkpoint, "scan_layers"),
     model_config: str | None = default(convert_checkpoint, "model_config"),
     rope_layout: Annotated[str | None, OneOf(ROPE_LAYOUTS)] = default(convert_checkpoint, "rope_layout"),
-    dtype: Annotated[str | None, OneOf(CONVERT_DTYPES)] = default(convert_checkpoint, "dtype"),
-    max_shard_size: str | int = default(convert_checkpoint, "max_shard_size"),
-    force: bool = False,
+    dtype: Annotated[str | None, OneOf(OUTPUT_DTYPES)] = default(convert_checkpoint, "dtype"),
+    max_shard_size: Annotated[str | int, Size()] = default(convert_checkpoint, "max_shard_size"),
+    force: bool = default(convert_checkpoint, "force"),
 ) -> ConvertSummary:
     """`nvfp4tool convert SRC DST --to hf|maxtext`: convert or reshard a checkpoint."""
     return convert_checkpoint(
@@ -104,7 +103,7 @@ def export(
     gptq_damp: float = _EXPORT.gptq_damp,
     gptq_block_scales: Annotated[str, OneOf(BLOCK_SCALES)] = _EXPORT.gptq_block_scales,
     weight_block: Annotated[str | None, OneOf(WEIGHT_BLOCKS)] = _EXPORT.weight_block,
-    max_shard_size: str | int = _EXPORT.max_shard_size,
+    max_shard_size: Annotated[str | int, Size()] = _EXPORT.max_shard_size,
     step: Annotated[int | None, Range(low=0, integer=True)] = _EXPORT.step,
     model_config: str | None = _EXPORT.model_config,
     rope_layout: Annotated[str | None, OneOf(ROPE_LAYOUTS)] = _EXPORT.rope_layout,

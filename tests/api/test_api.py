@@ -97,6 +97,8 @@ def test_the_defaults_are_the_library_options_own():
         (lambda d: api.export(d["src"], d["out"], step=-1), "step=-1: expected >= 0"),
         (lambda d: api.export(d["src"], d["out"], calib_seq_len=True), "calib_seq_len=True: expected an integer"),
         (lambda d: api.export(d["src"], d["out"], calib_samples=8), "calib_samples sizes the calibration"),
+        (lambda d: api.export(d["src"], d["out"], max_shard_size="5XB"), "max_shard_size='5XB'"),
+        (lambda d: api.convert(d["src"], d["out"], to="hf", dtype="fp16"), "dtype='fp16': expected one of bf16, fp32"),
         (lambda d: api.validate(d["src"], data=d["data"], samples=0), "samples=0: expected >= 1"),
         (lambda d: api.validate(d["src"], data=d["data"], max_kl_mean=float("nan")), "expected a finite number"),
         (lambda d: api.validate(d["src"], data=d["data"], reference="int8"), "not fp8, bf16 or an existing"),
