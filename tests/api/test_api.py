@@ -142,15 +142,57 @@ def test_the_cli_refuses_with_the_api_rule_before_the_library_runs(tmp_path):
     assert result.exit_code == 2 and "1 is not in the range x>=2" in result.output
 
 
-def test_the_cli_command_is_a_call_of_its_api_function(tmp_path, monkeypatch):
-    """`nvfp4tool check` passes its options to api.check and prints what it returns."""
-    seen = {}
+class _Called(Exception):
+    pass
 
-    def fake_check(path, *, tp, json_out):
-        seen.update(path=path, tp=tp, json_out=json_out)
-        raise NVFP4UsageError("stop here")
 
-    monkeypatch.setattr(api, "check", fake_check)
-    result = CliRunner().invoke(cli, ["check", str(tmp_path), "--tp", "1,2", "--json-out", str(tmp_path / "r.json")])
-    assert result.exit_code == 2 and "stop here" in result.output
-    assert seen == {"path": str(tmp_path), "tp": (1, 2), "json_out": str(tmp_path / "r.json")}
+@pytest.mark.parametrize(
+    "argv, name, given",
+    [
+        (["convert", "{d}", "{d}/out", "--to", "hf"], "convert", {"src": "{d}", "dst": "{d}/out", "to": "hf"}),
+        (["export", "{d}", "--out", "{d}/out"], "export", {"source": "{d}", "out": "{d}/out"}),
+        (
+            ["convert-format", "{d}", "{d}/o", "--to", "modelopt"],
+            "convert_format",
+            {"src": "{d}", "out": "{d}/o", "to": "modelopt"},
+        ),
+        (["check", "{d}", "--tp", "1,2"], "check", {"path": "{d}", "tp": (1, 2)}),
+        (["validate", "{d}", "--data", "{f}"], "validate", {"export": "{d}", "data": "{f}"}),
+        (["eval", "{d}", "--tasks", "a,b"], "evaluate", {"export": "{d}", "tasks": "a,b"}),
+        (["push", "{d}", "--repo-id", "o/n"], "push", {"path": "{d}", "repo_id": "o/n"}),
+        (["quickstart"], "quickstart", {"echo": click.echo}),
+        (
+            ["data", "prepare", "{f}", "--tokenizer", "{d}", "--out", "{d}/c"],
+            "prepare_data",
+            {"sources": ("{f}",), "tokenizer": "{d}", "out": "{d}/c"},
+        ),
+        (["data", "verify", "{d}"], "verify_data", {"cache": "{d}"}),
+        (["plot", "{d}"], "plot", {"runs": ("{d}",)}),
+        (["train", "model=tiny", "steps=3"], "train", {"config": None, "overrides": ("model=tiny", "steps=3")}),
+    ],
+)
+def test_each_command_is_one_call_of_its_function_with_the_defaults(tmp_path, monkeypatch, argv, name, given):
+    """The command passes every keyword (train: its texts): what it parsed, and for every option not
+    given the function's own default."""
+    fn, calls = getattr(api, name), []
+    path = str(tmp_path / "val.txt")
+    with open(path, "w") as f:
+        f.write("text")
+
+    def fill(value):
+        if isinstance(value, tuple):
+            return tuple(fill(v) for v in value)
+        return value.format(d=tmp_path, f=path) if isinstance(value, str) else value
+
+    def record(*args, **kwargs):
+        calls.append(inspect.signature(fn).bind(*args, **kwargs).arguments)
+        raise _Called
+
+    monkeypatch.setattr(api, name, record)
+    result = CliRunner().invoke(cli, ["-v", *(fill(a) for a in argv)])  # -v: our exception, not a line
+    assert isinstance(result.exception, _Called), result.output
+    (arguments,) = calls
+    expected = {k: p.default for k, p in _keywords(fn).items() if p.default is not inspect.Parameter.empty}
+    expected.update({k: fill(v) for k, v in given.items()})
+    assert set(arguments) == {k for k, p in _keywords(fn).items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert {k: arguments[k] for k in expected} == expected
