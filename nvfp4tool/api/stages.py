@@ -9,7 +9,7 @@ Design notes: docs/design/cli.md.
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from converters.layout import ROPE_LAYOUTS
 from nvfp4tool import formats, memory
@@ -25,6 +25,9 @@ from nvfp4tool.export.gptq import BLOCK_SCALES
 from nvfp4tool.export.job import WEIGHT_ROUNDINGS
 from nvfp4tool.export.scale_search import METHODS as SCALE_SEARCHES
 from nvfp4tool.numerics.nvfp4 import Block
+
+if TYPE_CHECKING:
+    from nvfp4tool.train.trainer import TrainResult
 
 _EXPORT = ExportOptions()  # the export defaults
 WEIGHT_BLOCKS = typing.get_args(Block)  # 1d, 2d
@@ -58,7 +61,7 @@ def convert(
     )
 
 
-def train(config: str | None = None, *overrides: str, **keys: Any):
+def train(config: str | None = None, *overrides: str, **keys: Any) -> TrainResult:
     """`nvfp4tool train [CONFIG.yaml] [key=value ...]`: the YAML file's keys, then the `key=value`
     texts (parsed as the command line's), then `keys` (Python values, checked against each key's
     type); returns the `TrainResult` (its run folder holds run.json, metrics.jsonl, hf/)."""
