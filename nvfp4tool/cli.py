@@ -1,4 +1,4 @@
-"""Command-line wiring only: parse options, call one library function, turn errors into exit codes.
+"""Command-line wiring only: parse options, call one `nvfp4tool.api` function, turn errors into exit codes.
 
 Exit codes: 0 success; 1 a failed check or bad data (`NVFP4ToolError`, or an OS error naming a
 file); 2 bad usage (`NVFP4UsageError`, bad option values rejected by the click types). A traceback
