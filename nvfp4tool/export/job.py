@@ -32,6 +32,7 @@ from nvfp4tool.model.fold import EqualizedSource, scales_from_record
 from nvfp4tool.numerics import tensor_amax
 from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQRecord
 
+WEIGHT_ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: round to nearest, or GPTQ
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
 
@@ -249,8 +250,10 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of {', '.join(METHODS)}")
     if options.quant == "fp8" and options.scale_search != "rtn":
         raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
-    if options.weight_rounding not in ("rtn", "gptq"):
-        raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
+    if options.weight_rounding not in WEIGHT_ROUNDINGS:
+        raise NVFP4UsageError(
+            f"unknown --weight-rounding {options.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}"
+        )
     if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
         raise NVFP4UsageError(
             f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "
