@@ -11,7 +11,6 @@ from __future__ import annotations
 import fnmatch
 import re
 
-import click
 import pytest
 
 from nvfp4tool.export.plan import read_keep_bf16_file, shipped_keep_bf16_file, shipped_keep_bf16_files
@@ -78,14 +77,30 @@ def test_v2_recipe_quantizes_o_proj_too(attention):
     assert all(any(fnmatch.fnmatchcase(n, p) for n in names) for p in ("*.self_attn.q_*proj", "*.self_attn.kv_*proj*"))
 
 
-def test_a_file_of_the_recipes_name_wins_and_the_cli_type_resolves_names(tmp_path, monkeypatch):
-    from nvfp4tool.cli import _KeepBF16File
+def test_export_takes_a_recipe_by_name_and_a_file_of_that_name_wins(tmp_path, monkeypatch):
+    """The export API's rule accepts the names (and files), the job resolves a name to the shipped
+    file unless a file of that name exists; the CLI refuses an unknown name as bad usage."""
+    from click.testing import CliRunner
 
-    convert = _KeepBF16File().convert
-    assert convert("nvidia-deepseek-r1", None, None) == shipped_keep_bf16_files()["nvidia-deepseek-r1"]
+    from nvfp4tool import api
+    from nvfp4tool.api.rules import rule
+    from nvfp4tool.cli import cli
+    from nvfp4tool.export import ExportOptions
+    from nvfp4tool.export.job import prepare_job
+
+    from fixtures.export_fixtures import synthetic_config, write_synthetic_hf_folder
+
+    src = str(tmp_path / "hf")
+    write_synthetic_hf_folder(src, synthetic_config(hidden=64, mlp=128, layers=2, vocab=64, head_dim=16), seed=0)
+    check = rule(api.export, "keep_bf16_file").problem
+    assert check("nvidia-deepseek-r1") is None and check(src + "/config.json") is None
+    assert "nvidia-deepseek-r1-v2" in check("nvidia-deepseek-r2")
+    options = ExportOptions(quant="nvfp4-weight-only", keep_bf16_file="nvidia-deepseek-r1", show_progress=False)
+    job = prepare_job(src, str(tmp_path / "out"), options)
+    assert set(job.plan.excluded) == {n for n in job.source.config.linear_names() if ".self_attn." in n} | {"lm_head"}
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "nvidia-deepseek-r1").write_text("lm_head\n")
+    (tmp_path / "nvidia-deepseek-r1").write_text("lm_head\n")  # a file of the recipe's name wins
     assert shipped_keep_bf16_file("nvidia-deepseek-r1") is None
-    assert convert("nvidia-deepseek-r1", None, None) == "nvidia-deepseek-r1"
-    with pytest.raises(click.BadParameter, match="does not exist"):
-        convert("nvidia-deepseek-r2", None, None)
+    assert prepare_job(src, str(tmp_path / "out"), options).plan.excluded == ("lm_head",)
+    result = CliRunner().invoke(cli, ["export", src, "--out", "o", "--keep-bf16-file", "nvidia-deepseek-r2"])
+    assert result.exit_code == 2 and "not an existing file or one of nvidia-deepseek-r1" in result.output
