@@ -153,6 +153,13 @@ def _eval_default(name: str):
     return _default(EvalOptions, name)
 
 
+def _recipe_names() -> list[str]:
+    """The shipped export recipes (nvfp4tool/export/recipe_files)."""
+    from nvfp4tool.export.recipes import names
+
+    return names()
+
+
 def _quickstart_default(name: str):
     """Default of a quickstart option (owned by nvfp4tool.quickstart.QuickstartOptions)."""
     from nvfp4tool.quickstart import QuickstartOptions
@@ -612,6 +619,13 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option(
+    "--recipe",
+    type=click.Choice(_recipe_names()),
+    default=None,
+    help="A named combination of the options below that we stand behind (docs/commands/export.md#recipes: "
+    "what each costs and gave on SmolLM2-135M); an option you also give wins over the recipe's.",
+)
+@click.option(
     "--format",
     "fmt",
     type=click.Choice(["modelopt", "compressed-tensors"]),
@@ -752,6 +766,7 @@ def export_command(
     src,
     to,
     out,
+    recipe,
     fmt,
     quant,
     calib_data,
@@ -781,8 +796,10 @@ def export_command(
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
       nvfp4tool export hf/m --out out/m-awq --calib-data calib.txt --equalize awq
+      nvfp4tool export hf/m --out out/m-w4a16 --calib-data calib.txt --recipe w4a16-best
     """
     from nvfp4tool.export import ExportOptions, export_checkpoint
+    from nvfp4tool.export.recipes import apply_recipe
 
     del to  # safetensors is the only container
     ctx = click.get_current_context()
@@ -812,6 +829,10 @@ def export_command(
         rope_layout=rope_layout,
         force=force,
     )
+    if recipe is not None:
+        fields = {p.name: "format" if p.name == "fmt" else p.name for p in ctx.command.params}
+        given = {fields[n] for n in fields if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE}
+        options = apply_recipe(options, recipe, given)
     click.echo(export_checkpoint(src, out, options).line())
 
 
@@ -926,11 +947,11 @@ def push_command(
         click.echo(f"done: {result.pr_url or result.commit_url or result.repo_url}")
 
 
-def _threshold_default(field: str):
-    """Default of a validate threshold (kept in nvfp4tool.validate.thresholds)."""
-    from nvfp4tool.validate.thresholds import Thresholds
+def _threshold_default(field: str) -> str:
+    """A validate threshold's defaults per quant, for its --help (kept in nvfp4tool.validate.thresholds)."""
+    from nvfp4tool.validate.thresholds import defaults_help
 
-    return getattr(Thresholds(), field)
+    return f"Default by the export's quant: {defaults_help(field)}."
 
 
 @cli.command("validate", short_help="Prove an export against its BF16 source and FP8")
@@ -1028,38 +1049,33 @@ def _threshold_default(field: str):
 @click.option(
     "--max-kl-mean",
     type=_FiniteFloat(min=0),
-    default=_threshold_default("max_kl_mean"),
-    show_default=True,
-    help="Most mean KL(BF16 || NVFP4) per token, in nats.",
+    default=None,
+    help="Most mean KL(BF16 || NVFP4) per token, in nats. " + _threshold_default("max_kl_mean"),
 )
 @click.option(
     "--max-kl-p99",
     type=_FiniteFloat(min=0),
-    default=_threshold_default("max_kl_p99"),
-    show_default=True,
-    help="Most 99th-percentile per-token KL, in nats.",
+    default=None,
+    help="Most 99th-percentile per-token KL, in nats. " + _threshold_default("max_kl_p99"),
 )
 @click.option(
     "--min-top1",
     type=_FiniteFloat(min=0, max=1),
-    default=_threshold_default("min_top1"),
-    show_default=True,
+    default=None,
     help="Least fraction of tokens whose arg-max matches BF16's (default: no "
     "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).",
 )
 @click.option(
     "--max-ppl-increase",
     type=_FiniteFloat(min=0),
-    default=_threshold_default("max_ppl_increase"),
-    show_default=True,
-    help="Relative: ppl / ppl_bf16 - 1.",
+    default=None,
+    help="Relative: ppl / ppl_bf16 - 1. " + _threshold_default("max_ppl_increase"),
 )
 @click.option(
     "--min-layer-sqnr",
     type=_FiniteFloat(),
-    default=_threshold_default("min_layer_sqnr_db"),
-    show_default=True,
-    help="Floor (dB) of every quantized layer's weight SQNR.",
+    default=None,
+    help="Floor (dB) of every quantized layer's weight SQNR. " + _threshold_default("min_layer_sqnr_db"),
 )
 @_offload(_validate_default("offload"))
 @click.option(
@@ -1117,7 +1133,6 @@ def validate_command(
     from nvfp4tool.validate.report import KEEP_BF16_TXT, print_report
     from nvfp4tool.validate.runner import ValidateOptions, validate_export
     from nvfp4tool.validate.sensitivity import export_with_file
-    from nvfp4tool.validate.thresholds import Thresholds
 
     options = ValidateOptions(
         data=data,
@@ -1134,13 +1149,17 @@ def validate_command(
         calib_data=calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,
-        thresholds=Thresholds(
-            max_kl_mean=max_kl_mean,
-            max_kl_p99=max_kl_p99,
-            min_top1=min_top1,
-            max_ppl_increase=max_ppl_increase,
-            min_layer_sqnr_db=min_layer_sqnr,
-        ),
+        limits={
+            field: value
+            for field, value in (
+                ("max_kl_mean", max_kl_mean),
+                ("max_kl_p99", max_kl_p99),
+                ("min_top1", min_top1),
+                ("max_ppl_increase", max_ppl_increase),
+                ("min_layer_sqnr_db", min_layer_sqnr),
+            )
+            if value is not None
+        },
     )
     console = Console()
     run = validate_export(
