@@ -549,6 +549,12 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option(
+    "--recipe",
+    **_api(api.export, "recipe"),
+    help="A named combination of the options below that we stand behind (docs/commands/export.md#recipes: "
+    "what each costs and gave on SmolLM2-135M); an option you also set wins over the recipe's.",
+)
+@click.option(
     "--format",
     "fmt",
     **_api(api.export, "format"),
@@ -676,6 +682,7 @@ def export_command(
     src,
     to,
     out,
+    recipe,
     fmt,
     quant,
     calib_data,
@@ -705,6 +712,7 @@ def export_command(
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
       nvfp4tool export hf/m --out out/m-awq --calib-data calib.txt --equalize awq
+      nvfp4tool export hf/m --out out/m-w4a16 --calib-data calib.txt --recipe w4a16-best
     """
     del to  # safetensors is the only container
     ctx = click.get_current_context()
@@ -712,9 +720,12 @@ def export_command(
         if calib_data is None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
+    if recipe is not None:
+        _check_recipe_overrides(ctx, recipe)
     summary = api.export(
         src,
         out,
+        recipe=recipe,
         format=fmt,
         quant=quant,
         scale_search=scale_search,
@@ -737,6 +748,25 @@ def export_command(
         force=force,
     )
     click.echo(summary.line())
+
+
+def _check_recipe_overrides(ctx: click.Context, recipe: str) -> None:
+    """A recipe yields to the options set to other than their defaults (`export.recipes`); an option
+    typed at its default that the recipe sets otherwise would be silently overridden: refused."""
+    from nvfp4tool.export.recipes import SETTABLE, read_recipe
+
+    sets = read_recipe(recipe).options
+    for param in ctx.command.params:
+        field = "format" if param.name == "fmt" else param.name
+        typed = ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+        value = ctx.params[param.name]
+        if field in SETTABLE and field in sets and field != "keep_bf16" and typed and value == param.default:
+            if sets[field] != value:
+                raise click.UsageError(
+                    f"--recipe {recipe} sets {param.opts[0]} {sets[field]}; {param.opts[0]} {value} is the "
+                    "default, which a recipe overrides: give the options one by one instead of the recipe",
+                    ctx,
+                )
 
 
 @cli.command("convert-format", short_help="Convert an export: ModelOpt <-> compressed-tensors")
@@ -847,6 +877,13 @@ def push_command(
         click.echo(f"done: {result.pr_url or result.commit_url or result.repo_url}")
 
 
+def _threshold_default(field: str) -> str:
+    """A validate threshold's defaults per quant, for its --help (kept in nvfp4tool.validate.thresholds)."""
+    from nvfp4tool.validate.thresholds import defaults_help
+
+    return f"Default by the export's quant: {defaults_help(field)}."
+
+
 @cli.command("validate", short_help="Prove an export against its BF16 source and FP8")
 @click.argument("export", **_checks(api.validate, "export"))
 @click.option(
@@ -931,33 +968,28 @@ def push_command(
 @click.option(
     "--max-kl-mean",
     **_api(api.validate, "max_kl_mean"),
-    show_default=True,
-    help="Most mean KL(BF16 || NVFP4) per token, in nats.",
+    help="Most mean KL(BF16 || NVFP4) per token, in nats. " + _threshold_default("max_kl_mean"),
 )
 @click.option(
     "--max-kl-p99",
     **_api(api.validate, "max_kl_p99"),
-    show_default=True,
-    help="Most 99th-percentile per-token KL, in nats.",
+    help="Most 99th-percentile per-token KL, in nats. " + _threshold_default("max_kl_p99"),
 )
 @click.option(
     "--min-top1",
     **_api(api.validate, "min_top1"),
-    show_default=True,
     help="Least fraction of tokens whose arg-max matches BF16's (default: no "
     "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).",
 )
 @click.option(
     "--max-ppl-increase",
     **_api(api.validate, "max_ppl_increase"),
-    show_default=True,
-    help="Relative: ppl / ppl_bf16 - 1.",
+    help="Relative: ppl / ppl_bf16 - 1. " + _threshold_default("max_ppl_increase"),
 )
 @click.option(
     "--min-layer-sqnr",
     **_api(api.validate, "min_layer_sqnr"),
-    show_default=True,
-    help="Floor (dB) of every quantized layer's weight SQNR.",
+    help="Floor (dB) of every quantized layer's weight SQNR. " + _threshold_default("min_layer_sqnr_db"),
 )
 @_offload(api.validate)
 @click.option(

@@ -16,10 +16,8 @@ from nvfp4tool.check import CheckReport, check_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
 from nvfp4tool.eval.evaluate import EvalOptions, EvalRun, evaluate_export
 from nvfp4tool.validate.runner import ValidateOptions, ValidationRun, validate_export
-from nvfp4tool.validate.thresholds import Thresholds
 
 _VALIDATE = ValidateOptions(data="")  # the validate defaults (data has none)
-_THRESHOLDS = Thresholds()
 _EVAL = EvalOptions(tasks=())  # the eval defaults (tasks have none)
 _AT_LEAST_0 = Range(low=0)
 _FRACTION = Range(low=0, high=1)
@@ -61,11 +59,12 @@ def validate(
     prompts: Annotated[int, COUNT] = _VALIDATE.prompts,
     prompt_len: Annotated[int, COUNT] = _VALIDATE.prompt_len,
     gen_tokens: Annotated[int, COUNT] = _VALIDATE.gen_tokens,
-    max_kl_mean: Annotated[float | None, _AT_LEAST_0] = _THRESHOLDS.max_kl_mean,
-    max_kl_p99: Annotated[float | None, _AT_LEAST_0] = _THRESHOLDS.max_kl_p99,
-    min_top1: Annotated[float | None, _FRACTION] = _THRESHOLDS.min_top1,
-    max_ppl_increase: Annotated[float | None, _AT_LEAST_0] = _THRESHOLDS.max_ppl_increase,
-    min_layer_sqnr: Annotated[float | None, Range()] = _THRESHOLDS.min_layer_sqnr_db,
+    # the limits: None takes the export's quant's default (`validate.thresholds.defaults_for`)
+    max_kl_mean: Annotated[float | None, _AT_LEAST_0] = None,
+    max_kl_p99: Annotated[float | None, _AT_LEAST_0] = None,
+    min_top1: Annotated[float | None, _FRACTION] = None,
+    max_ppl_increase: Annotated[float | None, _AT_LEAST_0] = None,
+    min_layer_sqnr: Annotated[float | None, Range()] = None,
     offload: Annotated[str, OneOf(memory.OFFLOAD_MODES)] = _VALIDATE.offload,
     sensitivity: bool = False,
     kl_target: Annotated[float, Range(low=0, low_open=True)] = 0.01,
@@ -89,13 +88,17 @@ def validate(
         calib_data=calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,
-        thresholds=Thresholds(
-            max_kl_mean=max_kl_mean,
-            max_kl_p99=max_kl_p99,
-            min_top1=min_top1,
-            max_ppl_increase=max_ppl_increase,
-            min_layer_sqnr_db=min_layer_sqnr,
-        ),
+        limits={
+            field: value
+            for field, value in (
+                ("max_kl_mean", max_kl_mean),
+                ("max_kl_p99", max_kl_p99),
+                ("min_top1", min_top1),
+                ("max_ppl_increase", max_ppl_increase),
+                ("min_layer_sqnr_db", min_layer_sqnr),
+            )
+            if value is not None
+        },
     )
     return validate_export(
         export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None, force=force

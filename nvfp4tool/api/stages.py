@@ -29,7 +29,7 @@ from nvfp4tool.api.rules import (
 from nvfp4tool.convert import FORMATS as CONVERT_FORMATS
 from nvfp4tool.convert import OUTPUT_DTYPES, ConvertSummary, convert_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
-from nvfp4tool.export import ExportOptions, ExportSummary, export_checkpoint
+from nvfp4tool.export import ExportOptions, ExportSummary, export_checkpoint, recipes
 from nvfp4tool.export.convert_format import FormatConversion
 from nvfp4tool.export.convert_format import convert_format as convert_export_format
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
@@ -104,6 +104,7 @@ def export(
     source: str,
     out: str,
     *,
+    recipe: Annotated[str | None, OneOf(recipes.names())] = None,
     format: Annotated[str, OneOf(formats.FORMATS)] = _EXPORT.format,
     quant: Annotated[str, OneOf(formats.QUANTS)] = _EXPORT.quant,
     calib_data: Annotated[str | None, FILE] = _EXPORT.calib_data,
@@ -127,7 +128,8 @@ def export(
 ) -> ExportSummary:
     """`nvfp4tool export SOURCE --out OUT`: an NVFP4 / FP8 serving checkpoint of `source` (an HF
     folder, a MaxText checkpoint or a training run); the summary's `.record` is the ExportRecord
-    written as OUT/nvfp4tool_export.json."""
+    written as OUT/nvfp4tool_export.json. `recipe`: a named combination of the options
+    (`export.recipes`), under any option set to other than its default."""
     if calib_data is None:
         given = {"calib_samples": calib_samples, "calib_seq_len": calib_seq_len}
         sized = [name for name, value in given.items() if value != getattr(_EXPORT, name)]
@@ -155,6 +157,8 @@ def export(
         rope_layout=rope_layout,
         force=force,
     )
+    if recipe is not None:
+        options = recipes.apply_recipe(options, recipe, given=recipes.set_fields(options))
     return export_checkpoint(source, out, options)
 
 

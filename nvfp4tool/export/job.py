@@ -26,6 +26,7 @@ from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAU
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file, shipped_keep_bf16_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
+from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.model.fold import EqualizedSource, scales_from_record
@@ -68,6 +69,9 @@ class ExportOptions:
     # library callers: fold these recorded scales (another export's `equalization`) instead of
     # searching (validate's FP8 reference of an equalized export is made from the same folded model)
     equalization: EqualizationRecord | None = None
+    # the named recipe its options came from (`export.recipes.apply_recipe`): recorded, and its
+    # family's keep-BF16 rule applied once the model is open
+    recipe: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,10 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         out, inputs, flag="--out", force=options.force
     )  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config, rope_layout=options.rope_layout)
+    if options.recipe is not None:
+        from_file |= {
+            p: where for p, where in rule_patterns(options.recipe, source.config).items() if p not in from_file
+        }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
     spec = formats.get(options.format, options.quant)

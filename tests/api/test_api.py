@@ -15,7 +15,6 @@ from nvfp4tool.api import rules
 from nvfp4tool.cli import cli
 from nvfp4tool.errors import NVFP4UsageError
 from nvfp4tool.export import ExportOptions
-from nvfp4tool.validate.thresholds import Thresholds
 
 COMMANDS = {
     "convert": api.convert,
@@ -84,8 +83,8 @@ def test_the_defaults_are_the_library_options_own():
     """Read from the options records, not retyped: the API's default is the library's value."""
     for field in ("format", "quant", "calib_samples", "calib_seq_len", "scale_search", "gptq_damp", "offload"):
         assert rules.default(api.export, field) == getattr(ExportOptions(), field)
-    assert rules.default(api.validate, "min_layer_sqnr") == Thresholds().min_layer_sqnr_db
-    assert rules.default(api.validate, "max_kl_mean") == Thresholds().max_kl_mean
+    # the limits default to the export's quant's (validate.thresholds.defaults_for): None here
+    assert rules.default(api.validate, "min_layer_sqnr") is None and rules.default(api.validate, "max_kl_mean") is None
 
 
 @pytest.mark.parametrize(
