@@ -604,8 +604,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "--keep-bf16-file",
     **_api(api.export, "keep_bf16_file"),
     help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
-    "keep_bf16.txt of `validate --sensitivity`), or a recipe shipped with the tool by name "
-    "(nvidia-deepseek-r1, nvidia-deepseek-r1-v2); a pattern matching no module is refused. "
+    "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
     "Default: none.",
 )
 @click.option(

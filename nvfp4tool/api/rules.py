@@ -7,7 +7,6 @@ and the CLI builds its click types from the same rules, so an option and its key
     Exists  an existing file or folder (FILE, FOLDER, PATH: either)
     NewFile a file to write, in an existing folder
     OneOfOrFolder, Url   validate's --reference, push's --endpoint
-    OneOfOrFile          export's --keep-bf16-file (a file, or a recipe shipped with the tool)
     Size    a shard size ("5GB")
 
 Design notes: docs/design/cli.md.
@@ -103,18 +102,6 @@ class OneOfOrFolder:
 
 
 @dataclasses.dataclass(frozen=True)
-class OneOfOrFile:
-    """An existing file or one of `choices` (names of files the library ships)."""
-
-    choices: tuple[str, ...]
-
-    def problem(self, value: Any) -> str | None:
-        if value in self.choices or (isinstance(value, (str, os.PathLike)) and os.path.isfile(value)):
-            return None
-        return f"not an existing file or one of {', '.join(self.choices)}"
-
-
-@dataclasses.dataclass(frozen=True)
 class Url:
     """An http(s) URL."""
 
@@ -145,7 +132,7 @@ FILE = Exists()
 FOLDER = Exists(file=False, folder=True)
 PATH = Exists(folder=True)  # a file or a folder
 NEW_FILE = NewFile()
-Rule = Range | OneOf | Exists | NewFile | OneOfOrFolder | OneOfOrFile | Url | Size
+Rule = Range | OneOf | Exists | NewFile | OneOfOrFolder | Url | Size
 
 
 def checked(fn: Callable) -> Callable:

@@ -13,19 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from converters.layout import ROPE_LAYOUTS
 from nvfp4tool import formats, memory
-from nvfp4tool.api.rules import (
-    COUNT,
-    FILE,
-    FOLDER,
-    NEW_FILE,
-    SEQ_LEN,
-    OneOf,
-    OneOfOrFile,
-    Range,
-    Size,
-    checked,
-    default,
-)
+from nvfp4tool.api.rules import COUNT, FILE, FOLDER, NEW_FILE, SEQ_LEN, OneOf, Range, Size, checked, default
 from nvfp4tool.convert import FORMATS as CONVERT_FORMATS
 from nvfp4tool.convert import OUTPUT_DTYPES, ConvertSummary, convert_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
@@ -35,7 +23,6 @@ from nvfp4tool.export.convert_format import convert_format as convert_export_for
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.gptq import BLOCK_SCALES
 from nvfp4tool.export.job import WEIGHT_ROUNDINGS
-from nvfp4tool.export.plan import shipped_keep_bf16_files
 from nvfp4tool.export.scale_search import METHODS as SCALE_SEARCHES
 from nvfp4tool.numerics.nvfp4 import Block
 
@@ -113,7 +100,7 @@ def export(
     offload: Annotated[str, OneOf(memory.OFFLOAD_MODES)] = _EXPORT.offload,
     kv_cache: Annotated[str, OneOf(KV_CACHES)] = _EXPORT.kv_cache,
     keep_bf16: tuple[str, ...] = _EXPORT.keep_bf16,
-    keep_bf16_file: Annotated[str | None, OneOfOrFile(tuple(shipped_keep_bf16_files()))] = _EXPORT.keep_bf16_file,
+    keep_bf16_file: Annotated[str | None, FILE] = _EXPORT.keep_bf16_file,
     scale_search: Annotated[str, OneOf(SCALE_SEARCHES)] = _EXPORT.scale_search,
     weight_rounding: Annotated[str, OneOf(WEIGHT_ROUNDINGS)] = _EXPORT.weight_rounding,
     equalize: Annotated[str, OneOf(EQUALIZE_METHODS)] = _EXPORT.equalize,

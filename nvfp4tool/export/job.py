@@ -24,7 +24,7 @@ from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
-from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file, shipped_keep_bf16_file
+from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
 from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
@@ -51,7 +51,7 @@ class ExportOptions:
     gptq_block_scales: str = "original"  # GPTQ: export.gptq.BLOCK_SCALES (fixed first, or as it reaches them)
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
-    keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file), or a shipped recipe's name
+    keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -112,13 +112,10 @@ class ExportJob:
 def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
-    keep_file = options.keep_bf16_file and (
-        shipped_keep_bf16_file(options.keep_bf16_file) or options.keep_bf16_file
-    )  # a recipe shipped with the tool, by name
-    inputs = (src,) + tuple(f for f in (options.calib_data, keep_file) if f)
+    inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file) if f)
     from_file = {
         p: where
-        for p, where in (read_keep_bf16_file(keep_file).items() if keep_file else ())
+        for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
         if p not in options.keep_bf16
     }
     check_output_path(

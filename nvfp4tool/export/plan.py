@@ -4,8 +4,7 @@
     plan.quantized, plan.excluded, plan.groups
 
 `lm_head` and MoE routers are never quantized; a fused group is quantized whole or not at all.
-`read_keep_bf16_file` / `format_keep_bf16_file`: the keep-BF16 file (one fnmatch pattern a line);
-`shipped_keep_bf16_file(name)`: the recipes shipped as such files (`nvfp4tool/data/keep_bf16-*.txt`).
+`read_keep_bf16_file` / `format_keep_bf16_file`: the keep-BF16 file (one fnmatch pattern a line).
 Design notes: docs/design/export.md.
 """
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
@@ -102,26 +100,6 @@ def _patterns_for(modules: list[str]) -> list[str]:
     """fnmatch patterns covering `modules`, the layer index wildcarded (one projection has the
     same in_features in every layer of these models, so the pattern names exactly those)."""
     return list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in m.split(".")) for m in modules))
-
-
-SHIPPED_KEEP_BF16_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-SHIPPED_KEEP_BF16_PREFIX = "keep_bf16-"  # nvfp4tool/data/keep_bf16-NAME.txt is the recipe NAME
-
-
-def shipped_keep_bf16_files() -> dict[str, str]:
-    """{recipe name: its keep-BF16 file} of the recipes shipped with the package (each file's header
-    cites where the recipe comes from)."""
-    return {
-        f.removeprefix(SHIPPED_KEEP_BF16_PREFIX).removesuffix(".txt"): os.path.join(SHIPPED_KEEP_BF16_DIR, f)
-        for f in sorted(os.listdir(SHIPPED_KEEP_BF16_DIR))
-        if f.startswith(SHIPPED_KEEP_BF16_PREFIX) and f.endswith(".txt")
-    }
-
-
-def shipped_keep_bf16_file(name: str) -> str | None:
-    """The shipped recipe file called `name` (e.g. "nvidia-deepseek-r1"), None when `name` is not one
-    or when a file of that name exists (a file given by path always wins)."""
-    return None if os.path.exists(name) else shipped_keep_bf16_files().get(name)
 
 
 def read_keep_bf16_file(path: str) -> dict[str, str]:
