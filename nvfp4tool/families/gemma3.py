@@ -3,7 +3,8 @@
 Local layers attend within `sliding_window` at their own RoPE base, global layers to every earlier
 key at theirs (`layer_types` / `sliding_window_pattern`); q/k RMSNorm, (1 + w) norms in fp32 before
 and after attention and the MLP, a GeGLU MLP, scores scaled by query_pre_attn_scalar^-0.5, the
-embedding scaled by sqrt(hidden), tied embeddings by default. Its blocks: `model/gemma3.py`.
+embedding scaled by sqrt(hidden), tied embeddings by default. Its blocks: `model/gemma3.py`; its
+MaxText layout (MaxText's `gemma3` decoder, scanned in blocks of 6): docs/design/maxtext-layout.md.
 Design notes: docs/design/families.md.
 """
 
