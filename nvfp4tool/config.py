@@ -5,10 +5,8 @@ fields that change the math (shapes, RoPE, biases, norms, tying, sliding window,
 carries every other key of the source config.json untouched (`hf_extra`) so writing it back loses
 nothing. The common keys are parsed here; what a family adds (how config.json spells its
 attention bias, window and experts, which combinations it can express, the kind and tensors of
-each layer) is declared by its module under `nvfp4tool/families/` (`llama.py`: llama, mistral,
-qwen2, qwen3; `moe.py`: qwen3_moe, mixtral; `nemotron_h.py`: the hybrid Mamba-2 + attention
-nemotron_h, whose config spells the common keys its own way: `layer_norm_epsilon`, no RoPE, no
-`hidden_act`), and `modules` is the module table derived from it.
+each layer, which common keys its config spells its own way or lacks) is declared by its module
+under `nvfp4tool/families/` (the registry lists them), and `modules` is the module table derived from it.
 Anything unsupported raises `NVFP4ToolError` naming what is supported.
 """
 
@@ -93,9 +91,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model of a registered family: a Llama-family transformer (pre-norm, RMSNorm,
-    GQA attention, SwiGLU MLP or a sparse mixture of SwiGLU experts) or a hybrid Nemotron-H stack
-    (its own fields in `family_config`: `families.nemotron_h.HybridFields`)."""
+    """A decoder-only model of a registered family: the fields every family shares (shapes, RoPE,
+    norms, tying; the attention options of the Llama group's config.json), and the family's own
+    fields in `family_config` (its module's record: `moe.Experts`, `nemotron_h.HybridFields`)."""
 
     family: str  # one of SUPPORTED_FAMILIES (HF model_type)
     vocab_size: int  # V: rows of the embedding and of lm_head
@@ -293,7 +291,7 @@ class ModelConfig:
         return module_table(self)
 
     def layer_kind(self, layer: int) -> str:
-        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe", a hybrid's), as its family decides."""
+        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe", ...), as its family decides."""
         return self.family_spec.layer_kind(self, layer)
 
     def mlp_prefix(self, layer: int) -> str:
@@ -373,15 +371,17 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
 
 
 def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Family) -> None:
-    if family.positional != "rope":
-        return  # a hybrid's options are its family's (`Family.parse`)
-    if hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
+    """The common keys' values no family models: an activation other than the family's (where its
+    config spells it `hidden_act`), and for a RoPE family, RoPE over part of the head. What only a
+    family's keys say is its `parse`'s to refuse."""
+    activation_key = "hidden_act" not in family.common_keys_not_modeled
+    if activation_key and hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
         raise NVFP4ToolError(
             f"{source}: hidden_act {hf['hidden_act']!r} unsupported for {family.model_type}; "
             f"supported: {family.activation}"
         )
-    if hf.get("mlp_bias"):
-        raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
+    if family.positional != "rope":
+        return
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(hf.get(key) or {}, Mapping):
             raise NVFP4ToolError(f"{source}: {key} must be an object, got {hf[key]!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
@@ -52,6 +53,23 @@ SWIGLU = (
     Projection("down_proj", "down", "row"),
 )
 ROUTER = Projection("gate", "router", "none")
+
+# The training presets' shared sizes: name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP
+# width F); all multiples of 16. A family's presets (`Family.presets`) start from one (`preset_shape`).
+PRESET_SHAPES = {
+    "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
+    "small": (384, 6, 6, 2, 64, 1024),  # ~9.4M + embeddings: the accuracy study's model on a CPU
+    "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
+    "1b": (2048, 16, 32, 8, 64, 8192),  # Llama-3.2-1B: 973M + embeddings (263M at its 128256 tokens)
+}
+
+
+def preset_shape(shape: str, **fields: Any) -> dict[str, Any]:
+    """ModelConfig fields of the named size `shape` (`PRESET_SHAPES`): BF16, RMSNorm epsilon 1e-5,
+    untied embeddings, `fields` over them (a preset's RoPE base, its family's own fields, ...)."""
+    E, L, H, KV, D, F = PRESET_SHAPES[shape]
+    sizes = dict(hidden_size=E, num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, intermediate_size=F)
+    return {**sizes, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16", **fields}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +219,10 @@ class Family:
     model_type: str  # the HF model_type this instance describes
     architecture: str  # config.json's architectures[0] (what transformers and vLLM instantiate)
     maxtext_rules: tuple | None = None  # its MaxText layout (`families/maxtext.py` Rules); None: none
+    # its MaxText model names -> `maxtext.NamedModel` (config.json and RoPE layout); collected by
+    # `converters/maxtext_models.py`
+    maxtext_models: Mapping[str, Any] = types.MappingProxyType({})
+    maxtext_rope_layout: str | None = None  # the RoPE row layout its MaxText decoder fixes; None: the model's
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
     positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
@@ -220,6 +242,9 @@ class Family:
     # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
     # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
     blocks_module: str | None = None
+    # its named training sizes (`train --model <name>`): name -> ModelConfig fields but family,
+    # vocab_size and max_position_embeddings (`preset_shape`); `train/presets.py` collects them
+    presets: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({})
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""

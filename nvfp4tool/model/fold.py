@@ -104,6 +104,14 @@ class EqualizedSource:
     def dtype(self, name: str) -> str:
         return self._source.dtype(name)
 
+    def columns(self, module: str) -> np.ndarray | None:
+        """The factor on linear `module`'s weight columns (its input is divided by it), None: 1."""
+        return self._columns.get(f"{module}.weight")
+
+    def rows(self, module: str) -> np.ndarray | None:
+        """The divisor of linear `module`'s weight rows and bias (and so of its output), None: 1."""
+        return self._rows.get(f"{module}.weight")
+
     def get(self, name: str) -> np.ndarray:
         array = self._source.get(name)
         columns, rows = self._columns.get(name), self._rows.get(name)
@@ -190,3 +198,21 @@ def site_key(fold: Fold) -> str:
     a glob over a sparse MLP's experts (`model.layers.0.mlp.experts.*.gate_up`)."""
     groups = list(dict.fromkeys(fused_group(c) for c in fold.consumers))
     return groups[0] if len(groups) == 1 else re.sub(r"\.experts\.\d+\.", ".experts.*.", groups[0])
+
+
+def carried(into, from_, module: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(input factor [K], output factor [N]) that carry linear `module`'s input and output in the
+    model `from_` to the model `into` (each a source's tensors, folded or not): x_into = x_from *
+    input, y_into = y_from * output; None where the two models agree. A folded model sees its
+    consumers' inputs divided by their column scales and its producers' outputs by their row
+    scales, so an export of one fold is compared with another's activations through these."""
+
+    def ratio(of: str) -> np.ndarray | None:
+        mine = getattr(from_, of)(module) if isinstance(from_, EqualizedSource) else None
+        theirs = getattr(into, of)(module) if isinstance(into, EqualizedSource) else None
+        if mine is None and theirs is None:
+            return None
+        one = np.float32(1)
+        return ((one if mine is None else mine) / (one if theirs is None else theirs)).astype(np.float32)
+
+    return ratio("columns"), ratio("rows")

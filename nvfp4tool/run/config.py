@@ -87,12 +87,11 @@ class TrainConfig:
     )
     bf16_first_layers: int | None = _key(
         None,
-        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's: 1; nemotron_h 2/62 of the blocks)",
+        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's, docs/commands/train.md)",
     )
     bf16_last_layers: int | None = _key(
         None,
-        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's: 15% of the blocks, rounded up; "
-        "nemotron_h 8/62)",
+        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's, docs/commands/train.md)",
     )
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
     switch_to_bf16_at: float | None = _key(

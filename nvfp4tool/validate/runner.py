@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +32,7 @@ from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
 from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
-from nvfp4tool.model.fold import EqualizedSource
+from nvfp4tool.model.fold import EqualizedSource, carried
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
@@ -89,6 +89,10 @@ class Candidate:
     label: str  # "nvfp4" / "fp8" / "nvfp4+fp8-kv"
     exported: ExportedModel
     fp8_kv: bool = False  # run with the export's FP8 KV cache (its stored K / V scales)
+    # the BF16 model it quantized (the source's tensors, folded by its own `--equalize` scales or
+    # not): its weights are compared with this one's, its GEMMs fed this model's activations
+    # (`model.fold.carried`); None: the validation's source model (`Inputs.source`)
+    model: Any = None
 
     @classmethod
     def load(cls, folder: str, label: str | None = None) -> Candidate:
@@ -207,6 +211,7 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     if mismatch is not None:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
+    unfolded = source.tensors
     if record is not None and record.equalization is not None:  # compare with the model the export folded
         folded = (  # the scales bound to the export's bytes, unless another source was allowed
             EqualizedSource.from_export(source.tensors, export_dir, record, source.config)
@@ -238,9 +243,12 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
             vocab_size=vocab,
         )
     with _scratch() as scratch:
+        equalization = None if record is None else record.equalization
         fp8, reference, reference_export, reference_calibration = _reference(
-            options, source, scratch, calibration, None if record is None else record.equalization
+            options, source, scratch, calibration, equalization
         )
+        if fp8 is not None:
+            fp8.model = _model_of(fp8, equalization, unfolded, source)
         yield Inputs(
             export_dir=export_dir,
             options=options,
@@ -377,7 +385,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         inputs.ids_SxL,
         options.batch_size,
         tap=powers,
-        aux=lambda i: _layer_weights(inputs.candidates, source.config, i),
+        aux=lambda i: _layer_weights(inputs, i),
         on_record=add_powers,
         label="bf16 logits",
     ):
@@ -484,15 +492,16 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     Output SQNR (from the BF16 pass's sums): at each quantized linear the BF16 model's own input
     went through both the BF16 GEMM and the candidate's served GEMM (quantized weight, and for
     W4A4 the fake-quantized input), so each layer's error is measured on real activations, in
-    isolation. Weight SQNR: source vs decoded weight, one module at a time.
+    isolation (a candidate made from another fold of the source, `Candidate.model`, gets that
+    input carried into its own model and is compared with its own model's output). Weight SQNR:
+    the weight of the BF16 model the candidate quantized vs its decoded weight, one module at a time.
     """
     rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in inputs.nvfp4.exported.quantized}
     for c in inputs.candidates:
+        model = inputs.source.tensors if c.model is None else c.model
         for m, row in rows.items():
             if m in c.exported.quantized:
-                row.weight_sqnr_db[c.label] = metrics.sqnr_db(
-                    inputs.source.tensors.get(f"{m}.weight"), c.exported.dequantized(m)
-                )
+                row.weight_sqnr_db[c.label] = metrics.sqnr_db(model.get(f"{m}.weight"), c.exported.dequantized(m))
         for m, (signal, noise) in output_powers.get(c.label, {}).items():
             if m in rows:
                 rows[m].output_sqnr_db[c.label] = metrics.sqnr_from_sums(float(signal), float(noise))
@@ -551,7 +560,8 @@ def _skip_reason(inputs: Inputs) -> str:
 @dataclasses.dataclass(frozen=True)
 class _OutputPowers:
     """Tap of the BF16 pass: the BF16 GEMM, and for each candidate whose weights `aux` holds for this
-    layer, [sum y_bf16^2, sum (y_bf16 - y_served)^2] of its served GEMM on the same input."""
+    layer, [sum y_bf16^2, sum (y_bf16 - y_served)^2] of its served GEMM on the same input (carried
+    into the candidate's own model first when it folded other scales: `_Carried`)."""
 
     labels: tuple[str, ...]
 
@@ -560,19 +570,40 @@ class _OutputPowers:
         record, last = {}, y
         for label in self.labels:
             if name in (aux or {}).get(label, {}):
+                mine = aux[label][name]
+                y_ref, x_in, b_in = y, x, b_N
+                if mine.x is not None:
+                    x_in = (x.astype(jnp.float32) * mine.x).astype(x.dtype)
+                if mine.y is not None:
+                    y_ref = y.astype(jnp.float32) * mine.y
+                    b_in = None if b_N is None else (b_N.astype(jnp.float32) * mine.y).astype(b_N.dtype)
                 # one model's decoded weight at a time: this served GEMM runs after the last one
-                last = computed_after(last, lambda x, w: served_linear(x, w, b_N, name=name), x, aux[label][name])
-                y32, y_q = y.astype(jnp.float32), last.astype(jnp.float32)
+                last = computed_after(last, lambda x, w, b: served_linear(x, w, b, name=name), x_in, mine.w, b_in)
+                y32, y_q = y_ref.astype(jnp.float32), last.astype(jnp.float32)
                 record[label] = jnp.stack([jnp.sum(y32**2), jnp.sum((y32 - y_q) ** 2)])
         return y, (record or None)
 
 
-def _layer_weights(candidates: list[Candidate], config, layer: int | None) -> dict[str, dict[str, Any]]:
-    """{label: {name as the block program sees it: stored weight}} of layer `layer` (None: the LM
+class _Carried(NamedTuple):
+    """A candidate's stored weight for the BF16 pass's tap, and the factors carrying the pass's
+    input and output into the candidate's own model (`model.fold.carried`; None: the same)."""
+
+    w: Any
+    x: np.ndarray | None = None
+    y: np.ndarray | None = None
+
+
+def _layer_weights(inputs: Inputs, layer: int | None) -> dict[str, dict[str, _Carried]]:
+    """{label: {name as the block program sees it: `_Carried`}} of layer `layer` (None: the LM
     head) for every candidate."""
+
+    def weight(c: Candidate, m: str) -> _Carried:
+        w = c.exported.get(f"{m}.weight")
+        return _Carried(w) if c.model is None else _Carried(w, *carried(c.model, inputs.source.tensors, m))
+
     return {
-        c.label: {name: c.exported.get(f"{m}.weight") for name, m in layer_modules(c.exported.quantized, layer).items()}
-        for c in candidates
+        c.label: {name: weight(c, m) for name, m in layer_modules(c.exported.quantized, layer).items()}
+        for c in inputs.candidates
     }
 
 
@@ -751,6 +782,18 @@ def _reference(
         None,
         calibration.what or _calibration_of(out),
     )
+
+
+def _model_of(candidate: Candidate, equalization, unfolded, source: Checkpoint):
+    """The BF16 model `candidate` quantized: the validation's source model when its export folded
+    the same scales as the validated export (`equalization`), else the unfolded source folded by
+    its own recorded scales (an FP8 `--reference` export made without `--equalize`: the plain
+    source), so its per-layer SQNR compares it with what it was made from."""
+    folder = candidate.exported.folder
+    own = ExportRecord.read(folder).equalization if ExportRecord.exists(folder) else None
+    if own == equalization:
+        return None
+    return unfolded if own is None else EqualizedSource.from_record(unfolded, own, source.config)
 
 
 def _calibration_of(fp8_export: str) -> str | None:

@@ -209,3 +209,21 @@ def test_unknown_model_name_is_a_user_error():
 
     with pytest.raises(NVFP4ToolError, match="unknown MaxText model name 'llama9-1t'"):
         maxtext_models.maxtext_hf_config("llama9-1t")
+
+
+def test_maxtext_names_and_fixed_layouts_are_the_families_declarations(monkeypatch):
+    """What `--model-config NAME` and the RoPE layout read is what each family module declares:
+    each name's config.json is of its declaring family, and a name two families declare is refused."""
+    from nvfp4tool.families import REGISTRY
+    from nvfp4tool.families.maxtext import NamedModel
+
+    for family in REGISTRY.values():
+        for name, model in family.maxtext_models.items():
+            assert model.hf["model_type"] == family.model_type
+            assert maxtext_models.maxtext_hf_config(name) == model.hf
+            assert maxtext_models.rope_layout_for(name) == model.rope_layout
+        assert maxtext_models.family_rope_layout(family.model_type) == family.maxtext_rope_layout
+    twice = {t: type("F", (), {"model_type": t, "maxtext_models": {"m-1b": NamedModel({})}})() for t in ("a", "b")}
+    monkeypatch.setattr(maxtext_models, "REGISTRY", twice)
+    with pytest.raises(AssertionError, match="'m-1b' declared by a and b"):
+        maxtext_models._collect()

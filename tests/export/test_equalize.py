@@ -22,11 +22,14 @@ import pytest
 from click.testing import CliRunner
 
 from converters.hf import HFFolderSource
+from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import equalize as eq
+from nvfp4tool.export.simulate import load_export
 from nvfp4tool.families import folds
 from nvfp4tool.model import fold as mf
+from nvfp4tool.numerics import metrics
 from nvfp4tool.records.export import ExportRecord
 
 from fixtures import nvfp4_oracle as oracle
@@ -298,6 +301,30 @@ def test_validate_compares_an_equalized_export_with_the_folded_model(models, tmp
     assert "the export's input amax" in record["reference_calibration"]
     assert record["models"]["fp8"]["kl_mean"] < record["models"]["nvfp4"]["kl_mean"]
 
+    # An FP8 export made WITHOUT --equalize as the reference (issue 42: its column showed -0.6 dB
+    # on v_proj): its layers are measured against the model it was made from, the plain source:
+    # weights against the unfolded weights, its GEMMs fed the folded model's inputs carried back.
+    fp8 = str(tmp_path / "fp8")
+    assert (
+        _export([models["llama3"], "--out", fp8, "--quant", "fp8", "--calib-data", models["calib"], *CALIB]).exit_code
+        == 0
+    )
+    argv = ["validate", out, "--data", data, "--samples", "4", "--seq-len", "16", "--prompts", "1"]
+    argv += ["--gen-tokens", "4", "--source", models["llama3"], "--reference", fp8, "--force"]
+    result = CliRunner().invoke(cli, argv, catch_exceptions=False)
+    assert result.exit_code in (0, 1), result.output
+    plain = json.load(open(os.path.join(out, "validation.json")))
+    source, served = open_checkpoint(models["llama3"]).tensors, load_export(fp8)
+    first = {row["name"]: row for row in record["layers"]}
+    for row in plain["layers"]:
+        m, before = row["name"], first[row["name"]]
+        assert row["weight_sqnr_db"]["fp8"] == pytest.approx(
+            metrics.sqnr_db(source.get(f"{m}.weight"), served.dequantized(m)), abs=1e-9
+        )
+        assert row["weight_sqnr_db"]["fp8"] > 25 and row["output_sqnr_db"]["fp8"] > 20, row  # ~0 dB folded
+        assert row["weight_sqnr_db"]["nvfp4"] == before["weight_sqnr_db"]["nvfp4"]  # the export's unchanged
+    assert plain["models"]["fp8"]["kl_mean"] < plain["models"]["nvfp4"]["kl_mean"]
+
 
 @pytest.mark.parametrize(
     "key,method,quant", [("mixtral", "smoothquant", "nvfp4"), ("qwen2", "awq", "nvfp4-weight-only")]
@@ -309,7 +336,6 @@ def test_recorded_scales_are_bound_to_the_bytes_they_made(models, tmp_path, key,
     import base64
     import dataclasses
 
-    from nvfp4tool.checkpoints import open_checkpoint
     from nvfp4tool.errors import NVFP4ToolError
 
     out = str(tmp_path / "out")
