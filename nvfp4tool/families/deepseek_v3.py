@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ from nvfp4tool.families.base import (
     Q,
     Tensor,
     layer_prefix,
+    preset_shape,
     projection_tensors,
     split_layer,
 )
@@ -185,6 +187,28 @@ def field_problems(f: MLAFields, layers: int) -> list[str]:
     return problems
 
 
+# the tiny preset: the tiny shape's width and depth, one dense layer, 8 experts 96 wide in 2 groups
+# (top-2 of the best group), one shared expert; every in_features a multiple of 16
+_TINY = MLAFields(
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    rope_interleave=True,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=96,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+)
+
+
 class DeepseekV3(Family):
     """`deepseek_v3`: pre-norm layers of MLA + a dense SwiGLU MLP (layers < first_k_dense_replace) or
     DeepSeekMoE (sigmoid router with e_score_correction_bias in FP32, grouped top-k, routed experts
@@ -200,6 +224,13 @@ class DeepseekV3(Family):
     stored_fp32 = ("*.mlp.gate.weight", "*.mlp.gate.e_score_correction_bias")
     kept_as_stored = ("*norm*", "*.mlp.gate.*")
     may_be_zero = ("*.mlp.gate.e_score_correction_bias",)  # zero until aux-loss-free balancing moves it
+    presets = types.MappingProxyType(
+        {
+            "tiny-deepseek": preset_shape(
+                "tiny", num_kv_heads=4, head_dim=_TINY.qk_rope_head_dim, rms_norm_eps=NORM_EPS, family_config=_TINY
+            )
+        }
+    )
     no_maxtext_reason = (
         "deepseek_v3: no MaxText layout is built for this family yet (MaxText's deepseek decoder "
         "layout was not read for this tool)"
