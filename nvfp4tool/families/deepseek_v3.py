@@ -64,7 +64,6 @@ _KEYS = frozenset(
         "n_shared_experts",
         "moe_intermediate_size",
         "first_k_dense_replace",
-        "moe_layer_freq",
         "n_group",
         "topk_group",
         "routed_scaling_factor",
