@@ -1,4 +1,4 @@
-"""The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
+"""The one HF <-> MaxText name and transform table (the families' declared rules), used by both
 directions, and the HF side's two mixture-of-experts layouts (per-expert and fused, at the end).
 
 `TABLE` is every family's `Rule`s (HF tensor, MaxText path under `params/params/`, transform),
@@ -17,7 +17,7 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MOE, MAXTEXT_FAMILIES, REGISTRY, layer_prefix
+from nvfp4tool.families import MAXTEXT_FAMILIES, REGISTRY, ROUTER, LinearModule, layer_prefix
 from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -51,61 +51,64 @@ class ExpertView:
 def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors the fused layout stores instead of the per-expert ones -> their shapes: per sparse
     layer, the router (renamed for Mixtral), gate_up_proj [E, 2F, H] and down_proj [E, H, F]."""
-    E, H = config.family_spec.experts(config).num_experts, config.hidden_size
-    F = config.family_spec.expert_width(config)
+    H = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(config.num_layers):
-        if config.layer_kind(i) == ATTENTION_MOE:
-            block = f"{layer_prefix(i)}.{FUSED_BLOCK}"
-            shapes[f"{block}.gate.weight"] = (E, H)
-            shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
-            shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
+    for layer, experts in _gated_experts(config).items():
+        E, F = len(experts), experts[0][0].shape[0]
+        block = f"{layer_prefix(layer)}.{FUSED_BLOCK}"
+        shapes[f"{block}.gate.weight"] = (E, H)
+        shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
+        shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
     return shapes
 
 
 def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
     """Every per-expert name `ModelConfig.expected_tensor_shapes` gives a sparse layer -> where the
     fused layout keeps it (see the module docstring). Empty for a dense model."""
-    if config.family_spec.experts(config) is None:
-        return {}
-    F = config.family_spec.expert_width(config)
-    gate, up, down = config.family_spec.expert_attrs
+    table = config.modules
     views: dict[str, ExpertView] = {}
-    for i in range(config.num_layers):
-        if config.layer_kind(i) != ATTENTION_MOE:
-            continue
-        mlp, fused = config.mlp_prefix(i), f"{layer_prefix(i)}.{FUSED_BLOCK}"
-        views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
-        for e in range(config.family_spec.experts(config).num_experts):
-            views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
-            views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
-            views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
+    for layer, experts in _gated_experts(config).items():
+        fused = f"{layer_prefix(layer)}.{FUSED_BLOCK}"
+        router = table[experts[0][0].name].block + f".{ROUTER.attr}"
+        views[f"{router}.weight"] = ExpertView(f"{fused}.gate.weight")
+        for e, (gate, up, down) in enumerate(experts):
+            F = gate.shape[0]
+            views[f"{gate.name}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
+            views[f"{up.name}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
+            views[f"{down.name}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
     return views
 
 
+def _gated_experts(config: ModelConfig) -> dict[int, list[tuple[LinearModule, LinearModule, LinearModule]]]:
+    """layer -> its experts' (gate, up, down) linears in expert order, for every layer whose routed
+    experts are gated MLPs (the module table's; what transformers 5 fuses into gate_up_proj /
+    down_proj); a layer of non-gated experts (the hybrid's up / down) has no fused layout here."""
+    found: dict[int, dict[int, dict[str, LinearModule]]] = {}
+    for m in config.modules.linears:
+        if m.expert is not None and m.layer is not None:
+            found.setdefault(m.layer, {}).setdefault(m.expert, {})[m.role] = m
+    return {
+        layer: [(x["gate"], x["up"], x["down"]) for _, x in sorted(experts.items())]
+        for layer, experts in found.items()
+        if all(set(x) == {"gate", "up", "down"} for x in experts.values())
+    }
+
+
 def check_supported(config: ModelConfig, label: str) -> None:
-    """Raise unless the table describes `config` (Llama/Mistral without biases, Qwen3-MoE or
-    Mixtral with every layer sparse)."""
-    reason = REGISTRY[config.family].no_maxtext_reason
+    """Raise unless the table describes `config`: its family has MaxText rules and nothing in this
+    model keeps them from applying (`Family.maxtext_refusal`: attention biases, dense layers of a
+    family whose MaxText decoder makes every layer sparse)."""
+    family = REGISTRY[config.family]
+    if family.maxtext_rules is None:
+        raise NVFP4ToolError(
+            f"{label}: {family.no_maxtext_reason}"
+            if family.no_maxtext_reason is not None
+            else f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} models; this one is "
+            f"{config.family}"
+        )
+    reason = family.maxtext_refusal(config)
     if reason is not None:
         raise NVFP4ToolError(f"{label}: {reason}")
-    if config.family not in MAXTEXT_FAMILIES:
-        raise NVFP4ToolError(
-            f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} models; this one is {config.family}"
-        )
-    if config.attention_bias or config.o_proj_bias:
-        raise NVFP4ToolError(
-            f"{label}: the MaxText converter supports models without attention "
-            f"biases; this {config.family} model has them"
-        )
-    dense = [i for i in range(config.num_layers) if config.layer_kind(i) != ATTENTION_MOE]
-    experts = config.family_spec.experts(config)
-    if experts is not None and dense:
-        raise NVFP4ToolError(
-            f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
-            f"{list(experts.mlp_only_layers)}, decoder_sparse_step={experts.decoder_sparse_step}) has no "
-            f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse"
-        )
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:

@@ -49,6 +49,11 @@ def rope_layout_for(name: str) -> str:
     return _NAMED[name].rope_layout
 
 
+def interleaved_names() -> list[str]:
+    """The MaxText model names whose checkpoints are RoPE-interleaved (the others are half-split)."""
+    return [name for name, model in _NAMED.items() if model.rope_layout == "interleaved"]
+
+
 def family_rope_layout(family: str) -> str | None:
     """The RoPE row layout MaxText's decoder for `family` fixes, or None where the model decides."""
     return REGISTRY[family].maxtext_rope_layout

@@ -211,7 +211,7 @@ def resolve_rope_layout(
     raise NVFP4UsageError(
         f"{where}which RoPE layout does the MaxText side use? pass "
         f"{options.rope_layout.format('interleaved|half')}{config_hint} "
-        "(llama3.1-* are interleaved, the others half)"
+        f"({', '.join(maxtext_models.interleaved_names())} are interleaved, the others half)"
     )
 
 

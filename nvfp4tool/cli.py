@@ -270,7 +270,7 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
     type=click.Choice(["interleaved", "half"]),
     default=_convert_default("rope_layout"),
     help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
-    "Mixtral and Qwen3-MoE: always half, fixed by the family).",
+    "a family whose MaxText decoder fixes one always has it: docs/commands/convert.md).",
 )
 @click.option(
     "--dtype",
@@ -745,7 +745,7 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     type=click.Choice(["half", "interleaved"]),
     default=_export_default("rope_layout"),
     help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
-    "fixes, Mixtral and Qwen3-MoE half; else required).",
+    "fixes, docs/commands/convert.md; else required).",
 )
 @click.option("--force", is_flag=True, default=_export_default("force"), help="Replace an existing output folder.")
 def export_command(

@@ -53,7 +53,6 @@ __all__ = [
     "HEAD",
     "LM_HEAD",
     "MAXTEXT_FAMILIES",
-    "MOE_FAMILIES",
     "REGISTRY",
     "ROUTER",
     "SUPPORTED_FAMILIES",
@@ -86,7 +85,6 @@ REGISTRY: dict[str, Family] = {
     f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES, *deepseek_v3.FAMILIES)
 }
 SUPPORTED_FAMILIES = tuple(REGISTRY)
-MOE_FAMILIES = tuple(t for t, f in REGISTRY.items() if isinstance(f, moe.SparseDecoder))
 MAXTEXT_FAMILIES = tuple(t for t, f in REGISTRY.items() if f.maxtext_rules is not None)
 ARCHITECTURE_BY_FAMILY = {t: f.architecture for t, f in REGISTRY.items()}
 

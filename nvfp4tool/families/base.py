@@ -250,6 +250,11 @@ class Family:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
         return {}
 
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """Why `config`'s model, of a family with MaxText rules, has no MaxText layout all the same
+        (said by convert --to maxtext after the file name); None: its rules apply."""
+        return None
+
     def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
         """Lines an export of `config`'s model in layout `fmt` x `quant` prints before it runs (a
         layout the engines do not serve for this model): none for these families."""

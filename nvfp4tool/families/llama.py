@@ -129,6 +129,14 @@ class Decoder(Family):
             problems.append("sliding_window is supported for mistral and mixtral only")
         return problems + self.mlp_problems(config)
 
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """MaxText's decoders of the group have no attention biases."""
+        if config.attention_bias or config.o_proj_bias:
+            return (
+                f"the MaxText converter supports models without attention biases; this {self.model_type} model has them"
+            )
+        return None
+
     def mlp_problems(self, config: ModelConfig) -> list[str]:
         return [] if config.family_config is None else ["mixture-of-experts fields are for qwen3_moe and mixtral only"]
 

@@ -177,8 +177,21 @@ class SparseDecoder(Decoder):
         """HF attributes of an expert's (gate, up, down): gate_proj/up_proj/down_proj, mixtral's w1/w3/w2."""
         return tuple(p.attr for p in self.expert_projections)  # type: ignore[return-value]
 
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """Attention biases (`Decoder`), else dense layers: MaxText's decoders of these families
+        make every layer sparse."""
+        x = config.family_config  # its `Experts`
+        dense = [i for i in range(config.num_layers) if not self.is_sparse(config, i)]
+        if super().maxtext_refusal(config) is not None or not dense:
+            return super().maxtext_refusal(config)
+        return (
+            f"{self.model_type} with dense layers {dense} (mlp_only_layers={list(x.mlp_only_layers)}, "
+            f"decoder_sparse_step={x.decoder_sparse_step}) has no MaxText layout: MaxText's "
+            f"{self.model_type} decoder makes every layer sparse"
+        )
+
     def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
-        # MaxText's decoders of these families make every layer sparse (converters.layout refuses dense ones)
+        # MaxText's decoders of these families make every layer sparse (`maxtext_refusal` refuses dense ones)
         return moe_rules(self.maxtext_block, self.block, tuple(p.attr for p in self.expert_projections))
 
     def is_sparse(self, config: ModelConfig, layer: int) -> bool:

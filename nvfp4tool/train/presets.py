@@ -1,6 +1,5 @@
-"""Named model sizes for pretraining from scratch, as the families declare them (`Family.presets`:
-`tiny`, `small`, `100m`, `1b` of Llama 3's shape; `tiny-moe` / `tiny-mixtral` of Qwen3-MoE /
-Mixtral; `tiny-hybrid` / `tiny-hybrid-moe` of Nemotron-H), collected through the families registry.
+"""Named model sizes for pretraining from scratch, as the families declare them (`Family.presets`,
+each in its own module: `tiny` ... `1b` in `families/llama.py`), collected through the registry.
 
     config = preset_config("tiny-moe", vocab_size=512, max_position_embeddings=2048)
 """
