@@ -28,6 +28,7 @@ from nvfp4tool.families.base import (
     SWIGLU,
     Family,
     Fold,
+    LayerAttention,
     ModelConfig,
     Projection,
     Q,
@@ -38,6 +39,7 @@ from nvfp4tool.families.base import (
     split_layer,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
+from nvfp4tool.families.rope_scaling import YarnRopeScaling, yarn_mscale
 
 MLA_MLP, MLA_MOE = "mla+mlp", "mla+moe"  # a layer's kinds: MLA, then a dense SwiGLU MLP / DeepSeekMoE
 # vLLM (model_executor/models/deepseek_v2.py): q_a_proj and kv_a_proj_with_mqa replicated (fused into one
@@ -277,6 +279,20 @@ class DeepseekV3(Family):
         if config.qk_norm or config.attention_bias or config.o_proj_bias or config.sliding_window is not None:
             problems.append("deepseek_v3 attention has no q/k norm, no bias and no sliding window")
         return problems
+
+    def layer_attention(self, config: ModelConfig, layer: int) -> LayerAttention:
+        """Every layer alike: RoPE over qk_rope_head_dim at config.json's base and scaling; the
+        softmax scale 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times mscale(factor,
+        mscale_all_dim)^2 under YaRN scaling with mscale_all_dim (transformers' `yarn_apply_mscale`,
+        vLLM's DeepseekV2MLAAttention: the non-rotary dims are scaled too)."""
+        f: MLAFields = config.family_config
+        scale = f.qk_head_dim**-0.5
+        s = config.rope_scaling
+        if isinstance(s, YarnRopeScaling) and s.mscale_all_dim:
+            scale = scale * yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return LayerAttention(
+            None, config.rope_theta, config.rope_scaling, rope_dim=f.qk_rope_head_dim, softmax_scale=scale
+        )
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return MLA_MLP if layer < config.family_config.first_k_dense_replace else MLA_MOE

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ROUTER, deepseek_v3
+from nvfp4tool.families import ROUTER, LayerAttention, deepseek_v3
 from nvfp4tool.families.base import O_PROJ, Q
 from nvfp4tool.families.deepseek_v3 import KV_A, KV_B, MLA_MLP, MLA_MOE, NORM_EPS, Q_A, Q_B, SHARED, MLAFields
 from nvfp4tool.model.attention import AttentionMask, attend
@@ -42,9 +42,12 @@ class MLAttention(nnx.Module):
     q_b_proj), the latent and the shared rotated key from kv_a_proj_with_mqa (the latent through
     kv_a_layernorm), keys' nope part and values from kv_b_proj, o_proj."""
 
-    def __init__(self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, config: ModelConfig, prefix: str, *, attention: LayerAttention, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    ) -> None:
         f: MLAFields = config.family_config
         E, H = config.hidden_size, config.num_heads
+        self.softmax_scale = attention.softmax_scale  # 1/sqrt(qk_head_dim), times YaRN's mscale^2
         make = functools.partial(_linear, prefix=prefix, param_dtype=param_dtype, rngs=rngs)
         if f.q_lora_rank is None:
             self.q_proj = make(E, H * f.qk_head_dim, p=Q)
@@ -98,7 +101,7 @@ class MLAttention(nnx.Module):
         # the values padded with zeros to the query width (one head width for the kernel, as vLLM
         # pads them); the padding adds exact zeros and is cut off after
         v_BxSxHxQ = jnp.pad(v_BxSxHxV, ((0, 0), (0, 0), (0, 0), (0, f.qk_head_dim - f.v_head_dim)))
-        out = attend(q_BxTxHxQ, k_BxSxHxQ, v_BxSxHxQ, mask)[..., : f.v_head_dim]
+        out = attend(q_BxTxHxQ, k_BxSxHxQ, v_BxSxHxQ, mask, self.softmax_scale)[..., : f.v_head_dim]
         y, side = self.o_proj(out.reshape(B, T, H * f.v_head_dim), seam)
         sides.append(side)
         return y, (latent_BxSxR, k_pe_BxSxP), merged(*sides)
@@ -154,11 +157,20 @@ class MLABlock(nnx.Module):
     recurrent = False  # a latent cache: padded slots are masked, never summarised
 
     def __init__(
-        self, config: ModelConfig, layer_name: str, *, sparse: bool, param_dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        layer_name: str,
+        *,
+        sparse: bool,
+        attention: LayerAttention,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ) -> None:
         E = config.hidden_size
         self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = MLAttention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = MLAttention(
+            config, f"{layer_name}.self_attn", attention=attention, param_dtype=param_dtype, rngs=rngs
+        )
         self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         mlp = DeepSeekMoE if sparse else MLP
         self.mlp = mlp(config, f"{layer_name}.mlp", param_dtype=param_dtype, rngs=rngs)

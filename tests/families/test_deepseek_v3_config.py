@@ -7,6 +7,7 @@ differently refused in one line naming the key, MaxText refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,8 +16,16 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import fused_group, get_family, projection_of
 from nvfp4tool.families.deepseek_v3 import MLAFields, parameter_count
 
-# deepseek-ai/DeepSeek-V3's config.json (its quantization_config and auto_map left out, rope_scaling
-# (YaRN, not built yet) too)
+# deepseek-ai/DeepSeek-V3's config.json (its quantization_config and auto_map left out)
+YARN = {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+}
 PUBLISHED = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -50,6 +59,7 @@ PUBLISHED = {
     "initializer_range": 0.02,
     "rms_norm_eps": 1e-06,
     "rope_theta": 10000,
+    "rope_scaling": YARN,
     "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
@@ -67,7 +77,10 @@ def test_the_published_config_parses_writes_back_and_counts_671b_total_37b_activ
     kinds = [config.layer_kind(i) for i in range(61)]
     assert kinds == ["mla+mlp"] * 3 + ["mla+moe"] * 58
     written = config.to_hf_config()
-    assert {k: written[k] for k in PUBLISHED} == PUBLISHED
+    scaling = {("rope_type" if k == "type" else k): v for k, v in YARN.items()}  # written as transformers 5 names it
+    assert {k: written[k] for k in PUBLISHED} == {**PUBLISHED, "rope_scaling": scaling}
+    attention = config.family_spec.layer_attention(config, 0)
+    assert attention.rope_dim == 64 and attention.softmax_scale == 192**-0.5 * (0.1 * math.log(40) + 1) ** 2
     assert ModelConfig.from_hf_config(written) == config
     total, active = parameter_count(config)
     assert (total, active) == (671_026_419_200, 37_552_297_472)

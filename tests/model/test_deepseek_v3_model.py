@@ -10,6 +10,7 @@ are refused by name.
 from __future__ import annotations
 
 import json
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -156,3 +157,61 @@ def test_multi_token_prediction_layers_are_refused_by_name(folders, tmp_path):
     ) as e:
         HFFolderSource(copy)
     assert "\n" not in str(e.value)
+
+
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=8.0,
+    beta_slow=1.0,
+    mscale=0.707,
+    mscale_all_dim=1.0,
+)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [YARN, dict(YARN, mscale=None, mscale_all_dim=None), dict(YARN, truncate=False, attention_factor=1.3)],
+    ids=["mscale", "no-mscale", "attention-factor"],
+)
+def test_yarn_frequencies_equal_transformers(scaling):
+    """rope.py's yarn frequencies and attention factor equal transformers' `_compute_yarn_parameters`
+    bit for bit (DeepSeek-V3's RoPE: mscale / mscale_all_dim, an explicit attention_factor, truncate)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from nvfp4tool.families.rope_scaling import rope_scaling_from_hf
+    from nvfp4tool.model.rope import Rotation, frequencies
+
+    given = {k: v for k, v in scaling.items() if v is not None}
+    want, want_factor = _compute_yarn_parameters(
+        DeepseekV3Config(**dict(LORA, max_position_embeddings=32, rope_parameters=given))
+    )
+    record = rope_scaling_from_hf(given, "config.json")
+    got, factor = frequencies(Rotation(LORA["qk_rope_head_dim"], 10000.0, record))
+    assert got.tobytes() == want.numpy().tobytes() and factor == want_factor
+    assert record.to_hf() == {k: v for k, v in given.items() if k != "rope_theta"}
+
+
+def test_yarn_logits_equal_transformers(tmp_path):
+    """DeepSeek-V3 with YaRN RoPE (its published rope_scaling's keys, scaled to the tiny model):
+    the attention factor on cos / sin and the softmax scale times mscale(factor, mscale_all_dim)^2,
+    as transformers' DeepseekV3Attention; a padded batch longer than the original context."""
+    options = dict(LORA, max_position_embeddings=32, rope_parameters=YARN)
+    folder, reference = hf_folder(tmp_path, options, seed=9)
+    config = ModelConfig.from_hf_folder(folder)
+    assert config.rope_scaling.rope_type == "yarn"
+    attention = config.family_spec.layer_attention(config, 0)
+    assert attention.rope_dim == LORA["qk_rope_head_dim"] and attention.softmax_scale == pytest.approx(
+        16**-0.5 * (0.1 * math.log(4.0) + 1) ** 2
+    )
+    model = model_from_tensors(config, HFFolderSource(folder))
+    ids, mask = _batch(12, LORA["vocab_size"])
+    want = _reference_logits(reference, ids, mask)
+    got = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    written = config.to_hf_config()
+    assert ModelConfig.from_hf_config(written) == config
