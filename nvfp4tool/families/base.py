@@ -253,6 +253,9 @@ class Family:
     # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
     # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
     blocks_module: str | None = None
+    # keep-BF16 rules its publisher's recipes use (a recipe file's `keep_bf16_rule`, `export/recipes.py`):
+    # rule name -> (config -> fnmatch patterns of the linear modules kept in BF16)
+    keep_bf16_rules: Mapping[str, Any] = {}
     # its named training sizes (`train --model <name>`): name -> ModelConfig fields but family,
     # vocab_size and max_position_embeddings (`preset_shape`); `train/presets.py` collects them
     presets: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({})

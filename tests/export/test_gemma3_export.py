@@ -43,7 +43,38 @@ def exports(tmp_path_factory):
                 out[fmt, quant],
                 ExportOptions(format=fmt, quant=quant, show_progress=False, calib_seq_len=16, **calib),
             )
+    out["gptq"] = str(root / "gptq-kv")  # GPTQ's layer-by-layer pass and the FP8 KV cache
+    export_checkpoint(
+        out["source"],
+        out["gptq"],
+        ExportOptions(
+            format="compressed-tensors",
+            quant="nvfp4",
+            weight_rounding="gptq",
+            kv_cache="fp8",
+            show_progress=False,
+            calib_data=str(root / "calib.npy"),
+            calib_samples=4,
+            calib_seq_len=16,
+        ),
+    )
     return out
+
+
+def test_gptq_with_an_fp8_kv_cache_passes_check_with_a_scale_per_attention(exports):
+    """GPTQ runs layer by layer (each layer's own block program: local or global) and the KV
+    cache is calibrated in every attention, local and global alike."""
+    from safetensors import safe_open
+
+    report = check_checkpoint(exports["gptq"])
+    assert report.ok, [p.message for p in report.problems]
+    with safe_open(os.path.join(exports["gptq"], "model.safetensors"), framework="numpy") as f:
+        scales = sorted(n for n in f.keys() if n.endswith(("k_scale", "v_scale")))
+    assert scales == [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(3) for kv in "kv"]
+    gptq = load_export(exports["gptq"])
+    rtn = load_export(exports["compressed-tensors", "nvfp4"])
+    q = "model.layers.1.self_attn.q_proj"
+    assert not np.array_equal(np.asarray(gptq.dequantized(q)), np.asarray(rtn.dequantized(q)))  # GPTQ moved it
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
