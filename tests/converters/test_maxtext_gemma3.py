@@ -158,12 +158,10 @@ def test_maxtexts_checkpoint_converts_and_exports_like_the_original(gemma, tmp_p
     np.testing.assert_allclose(_torch_logits(str(tmp_path / "hf")), _torch_logits(torch_model), rtol=0, atol=1e-4)
     if not scanned:
         return
-    from nvfp4tool.export import ExportOptions, export_checkpoint
-
     from_mt, from_hf = str(tmp_path / "from-mt"), str(tmp_path / "from-hf")
-    options = dict(quant="nvfp4-weight-only", show_progress=False)
-    export_checkpoint(mt, from_mt, ExportOptions(model_config=fp32, **options))
-    export_checkpoint(str(tmp_path / "hf"), from_hf, ExportOptions(**options))
+    for src, out, more in ((mt, from_mt, ["--model-config", fp32]), (str(tmp_path / "hf"), from_hf, [])):
+        result = CliRunner().invoke(cli, ["export", src, "--out", out, "--quant", "nvfp4-weight-only", *more])
+        assert result.exit_code == 0, result.output
     a, b = _hf_tensors_unchecked(from_mt), _hf_tensors_unchecked(from_hf)
     assert a.keys() == b.keys() and all(a[n].tobytes() == b[n].tobytes() for n in a)
 

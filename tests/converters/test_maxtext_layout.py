@@ -105,6 +105,27 @@ def test_gemma3_embedding_scale_and_norm_offset_over_every_bf16_value(hidden):
     assert np.signbit(x_N[lost & (x_N == 0)].astype(np.float32)).all() and lost[x_N == 0].sum() == 1  # -0.0
 
 
+def test_gemma3_27b_scans_ten_blocks_of_six_and_a_remainder_of_two():
+    """MaxText's `_apply_gemma3_scanned_blocks` for 62 layers: scan_length 10 blocks of 6, then
+    layers 60 and 61 as `layers_remainder/layers_0` and `_1`, unstacked."""
+    config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config("gemma3-27b"))
+    q = next(r for r in layout.rules_for(config) if r.hf.endswith("q_proj.weight"))
+    at = {i: layout.placement(q, config, scanned=True, layer=i) for i in (0, 5, 6, 59, 60, 61)}
+    path = "decoder/layers/layers_{}/self_attention/query/kernel"
+    assert {i: ("/".join(key), index) for i, (key, index) in at.items()} == {
+        0: (path.format(0), 0),
+        5: (path.format(5), 0),
+        6: (path.format(0), 1),
+        59: (path.format(5), 9),
+        60: ("decoder/layers_remainder/layers_0/self_attention/query/kernel", None),
+        61: ("decoder/layers_remainder/layers_1/self_attention/query/kernel", None),
+    }
+    assert layout.maxtext_shape(q, config, scanned=True, layer=59) == (5376, 10, 32, 128)
+    assert layout.maxtext_shape(q, config, scanned=True, layer=61) == (5376, 32, 128)
+    assert "/".join(layout.placement(q, config, scanned=False, layer=61)[0]).startswith("decoder/layers_61/")
+    assert [r.hf for r in layout.rules_for(config) if "lm_head" in r.hf] == []  # tied: logits_via_embedding
+
+
 def test_query_scale_value_is_inverse_sqrt_head_dim_in_fp32():
     config = _config(128)
     q = np.ones((config.num_heads * 128, config.hidden_size), np.float32)
