@@ -14,6 +14,8 @@ remainder layer.
   logits equal the original model's; and `export --model-config` of it equals the HF original's.
 * HF -> MaxText -> HF is byte-identical for the bf16 model (fp32 storage). For the fp32 model every
   tensor is byte-identical but the norms, whose 1 + w is rounded to fp32 (the documented loss).
+* 4 layers (no whole block: only `layers_remainder`) and 8 (one block, a remainder of 2) round trip
+  through the library and read back as scanned.
 * The 3-layer fixture (sliding, full, sliding) is refused in one line naming the pattern.
 """
 
@@ -201,3 +203,37 @@ def test_the_named_maxtext_models_are_the_published_text_geometries():
         assert [getattr(ours, f) for f in fields] == [getattr(hub, f) for f in fields]
         assert ours.family_config == hub.family_config and ours.sliding_window == hub.sliding_window == 1024
         assert ours.tie_word_embeddings and ours.family_spec.maxtext_refusal(ours) is None
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_fewer_than_a_block_or_a_partial_one_round_trips_through_the_library(tmp_path, layers):
+    """L < 6: MaxText scans no block, only `layers_remainder` (read back as scanned); L = 8: one
+    block (stacks of 1) and a remainder of 2. bf16 values, fp32 storage: exact."""
+    from converters.maxtext import MaxTextSource, write_maxtext
+    from converters.tensor_source import DictTensorSource
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.families.gemma3 import FULL, SLIDING, Gemma3Fields
+
+    config = ModelConfig(
+        family="gemma3_text",
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_layers=layers,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        qk_norm=True,
+        sliding_window=4,
+        tie_word_embeddings=True,
+        family_config=Gemma3Fields(
+            layer_types=tuple(FULL if i % 6 == 5 else SLIDING for i in range(layers)),
+            rope=((FULL, 1e6, None), (SLIDING, 1e4, None)),
+        ),
+    )
+    rng = np.random.default_rng(layers)
+    tensors = {n: rng.standard_normal(s).astype(ml_dtypes.bfloat16) for n, s in config.expected_tensor_shapes().items()}
+    write_maxtext(tmp_path / "mt", config, DictTensorSource(tensors), rope_layout="half", scan_layers=True)
+    source = MaxTextSource(tmp_path / "mt", config, "half")
+    assert source.scanned and sorted(source.names()) == sorted(tensors)
+    assert all(source.get(n).astype(ml_dtypes.bfloat16).tobytes() == tensors[n].tobytes() for n in tensors)
