@@ -4,6 +4,7 @@
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
 Weights stay as stored (`NVFP4Weight`, `FP8Weight`), decoded inside the jitted forward; `served_kv`: FP8 KV.
+`for_generation`: the stored weights decoded once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
 
@@ -14,9 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from converters.hf import HFFolderSource
 from converters.tensor_source import tensor_bytes
+from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8, fake_quantize_nvfp4
@@ -48,10 +51,7 @@ class NVFP4Weight:
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         """x as the engine's activation quantizer leaves it (unchanged when weight-only)."""
-        if self.input_scale is None:
-            return x
-        global_amax = jnp.asarray(self.input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
-        return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
+        return _quantize_input("nvfp4", self.input_scale, x, name)
 
 
 @jax.tree_util.register_dataclass
@@ -77,9 +77,77 @@ class FP8Weight:
         return decode_fp8(self.data[start:stop], self.scale)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
-        if self.input_scale is None:
-            return x
-        return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype, name=f"input of {name}")
+        return _quantize_input("fp8", self.input_scale, x, name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodedWeight:
+    """A stored quantized weight decoded once (`for_generation`): `data` is its `dequantize()`,
+    fp32 [N, K], the values the stored weight gives at every use; its input quantizer is the
+    stored weight's (`quant` "nvfp4" or "fp8", the input's decode scale or None)."""
+
+    data: jax.Array
+    input_scale: jax.Array | None
+    quant: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        return self.data[start:stop]
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        return _quantize_input(self.quant, self.input_scale, x, name)
+
+
+def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
+    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only)."""
+    if input_scale is None:
+        return x
+    if quant == "fp8":
+        return fake_quantize_fp8(x, fmt="e4m3", scale=input_scale, dtype=x.dtype, name=f"input of {name}")
+    global_amax = jnp.asarray(input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
+    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
+
+
+def _stored(leaf) -> bool:
+    return isinstance(leaf, NVFP4Weight | FP8Weight)
+
+
+def decoded_bytes(model) -> int:
+    """What decoding a held model's stored quantized weights once costs: fp32 [N, K] each."""
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=_stored)
+    return sum(4 * w.shape[0] * w.shape[1] for w in leaves if _stored(w))
+
+
+def for_generation(model, label: str):
+    """The held model generation runs: its stored quantized weights decoded once (`DecodedWeight`;
+    the same values, GEMMs and blocks as decoding them at every step, `served_linear`) when that
+    copy fits beside it (at most `memory.HEADROOM` of the available memory), else the model as
+    it is (decoded at every step). Says which, and why, as a status line."""
+    need = decoded_bytes(model)
+    if need == 0:
+        return model
+    available = memory.available_bytes()
+    if need > memory.HEADROOM * available:
+        progress.info(
+            f"{label}: served weights decoded at every generation step (decoding them once needs "
+            f"{need / 1e9:.2f} GB, {available / 1e9:.2f} GB available)"
+        )
+        return model
+    progress.info(f"{label}: served weights decoded once for generation ({need / 1e9:.2f} GB fp32)")
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda w: _decode_once(w) if _stored(w) else w, state, is_leaf=_stored)
+    return nnx.merge(graphdef, state)
+
+
+@jax.jit
+def _decode_once(w: NVFP4Weight | FP8Weight) -> DecodedWeight:
+    return DecodedWeight(
+        data=w.dequantize(), input_scale=w.input_scale, quant="fp8" if isinstance(w, FP8Weight) else "nvfp4"
+    )
 
 
 KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []
@@ -116,11 +184,12 @@ class ServedKV:
 
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
     """The LinearFn of a model held as stored: a stored quantized weight quantizes its input (W4A4 /
-    W8A8) and is decoded; a plain weight (BF16) is used as it is. `numerics.dense` either way (the
+    W8A8) and is decoded (a `DecodedWeight`: its decoded rows sliced, in the same blocks, so the
+    same GEMMs); a plain weight (BF16) is used as it is. `numerics.dense` either way (the
     plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
     input exists and a block of rows at a time (`numerics.dense_widening`), so a program holds at most
     `numerics.dot.WIDEN_BYTES` of widened weight at a time."""
-    if isinstance(w_NxK, NVFP4Weight | FP8Weight):
+    if isinstance(w_NxK, NVFP4Weight | FP8Weight | DecodedWeight):
         x = w_NxK.quantize_input(x, name)
         return dense_widening(x, w_NxK, b_N, widen_rows=lambda w, start, stop: w.dequantize(start, stop))
     if w_NxK.dtype != x.dtype:
