@@ -4,13 +4,14 @@
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
 Weights stay as stored (`NVFP4Weight`, `FP8Weight`), decoded inside the jitted forward; `served_kv`: FP8 KV.
-`for_generation`: the stored weights decoded once (`DecodedWeight`) where the memory allows.
+`for_generation`: the weights decoded / widened once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +84,10 @@ class FP8Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodedWeight:
-    """A stored quantized weight decoded once (`for_generation`): `data` is its `dequantize()`,
-    fp32 [N, K], the values the stored weight gives at every use; its input quantizer is the
-    stored weight's (`quant` "nvfp4" or "fp8", the input's decode scale or None)."""
+    """A weight decoded once (`for_generation`): `data` is a stored quantized weight's `dequantize()`
+    or a BF16 weight cast, fp32 [N, K], the values `served_linear` makes of it at every use; its
+    input quantizer is the stored weight's (`quant` "nvfp4" / "fp8" with the input's decode scale;
+    "plain", no input scale, for BF16 and weight-only weights)."""
 
     data: jax.Array
     input_scale: jax.Array | None
@@ -112,42 +114,49 @@ def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, nam
     return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
 
 
-def _stored(leaf) -> bool:
-    return isinstance(leaf, NVFP4Weight | FP8Weight)
-
-
-def decoded_bytes(model) -> int:
-    """What decoding a held model's stored quantized weights once costs: fp32 [N, K] each."""
-    leaves = jax.tree.leaves(nnx.state(model), is_leaf=_stored)
-    return sum(4 * w.shape[0] * w.shape[1] for w in leaves if _stored(w))
-
-
 def for_generation(model, label: str):
-    """The held model generation runs: its stored quantized weights decoded once (`DecodedWeight`;
-    the same values, GEMMs and blocks as decoding them at every step, `served_linear`) when that
-    copy fits beside it (at most `memory.HEADROOM` of the available memory), else the model as
-    it is (decoded at every step). Says which, and why, as a status line."""
-    need = decoded_bytes(model)
+    """The held model generation runs with `served_linear`: each linear's weight held narrower than
+    the compute (stored NVFP4 / FP8, or BF16 in fp32 compute) decoded / widened once into a
+    `DecodedWeight` (the same values, sliced in the same `dense_widening` blocks, so the same GEMMs:
+    tokens and logits bit for bit those of decoding at every step) when that fp32 copy fits beside
+    the model (at most `memory.HEADROOM` of the available memory), else the model as it is. Says
+    which, and why, as a status line. The embedding table (a tied LM head too) stays as stored."""
+    from nvfp4tool.model.layers import Linear
+
+    linears = {(*path, "weight") for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    chosen = {p for p, v in flat if p in linears and _narrow(v.get_value(), model.compute_dtype)}
+    need = sum(4 * math.prod(v.get_value().shape) for p, v in flat if p in chosen)
     if need == 0:
         return model
     available = memory.available_bytes()
     if need > memory.HEADROOM * available:
         progress.info(
-            f"{label}: served weights decoded at every generation step (decoding them once needs "
+            f"{label}: weights decoded at every generation step (decoding them once needs "
             f"{need / 1e9:.2f} GB, {available / 1e9:.2f} GB available)"
         )
         return model
-    progress.info(f"{label}: served weights decoded once for generation ({need / 1e9:.2f} GB fp32)")
-    graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda w: _decode_once(w) if _stored(w) else w, state, is_leaf=_stored)
-    return nnx.merge(graphdef, state)
+    progress.info(f"{label}: weights decoded once for generation ({need / 1e9:.2f} GB fp32)")
+    flat = [(p, v.replace(_decode_once(v.get_value())) if p in chosen else v) for p, v in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _narrow(w, compute_dtype) -> bool:
+    """A weight `served_linear` decodes or widens at every use."""
+    if isinstance(w, NVFP4Weight | FP8Weight):
+        return True
+    return jnp.issubdtype(w.dtype, jnp.floating) and jnp.dtype(w.dtype).itemsize < jnp.dtype(compute_dtype).itemsize
 
 
 @jax.jit
-def _decode_once(w: NVFP4Weight | FP8Weight) -> DecodedWeight:
-    return DecodedWeight(
-        data=w.dequantize(), input_scale=w.input_scale, quant="fp8" if isinstance(w, FP8Weight) else "nvfp4"
-    )
+def _decode_once(w) -> DecodedWeight:
+    # weight-only: "plain" as a BF16 weight's, so a W4A16 model's programs are the BF16 source's
+    if isinstance(w, NVFP4Weight | FP8Weight) and w.input_scale is not None:
+        quant = "fp8" if isinstance(w, FP8Weight) else "nvfp4"
+        return DecodedWeight(data=w.dequantize(), input_scale=w.input_scale, quant=quant)
+    data = w.dequantize() if isinstance(w, NVFP4Weight | FP8Weight) else w.astype(jnp.float32)
+    return DecodedWeight(data=data, input_scale=None, quant="plain")
 
 
 KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []

@@ -29,6 +29,10 @@ from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions, empty_decode_state, forward_with_cache
 
 MIN_BUCKET = 16  # the shortest padded prompt and cache (slots)
+# XLA:CPU's LLVM passes off for both programs: their time is GEMMs (library calls, not generated
+# code) while compiling is most of a short generation's wall time (tiny preset, first prompt: 15.3 s
+# -> 9.3 s; docs/benchmarks/generate.md); fp semantics are the same (no fast math either way).
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 OnToken = Callable[[int, jax.Array, jax.Array], None]  # (index of the new token, tokens [B], their logits [B, V])
 
@@ -147,7 +151,7 @@ class _Carry(NamedTuple):
     key_positions_BxS: jax.Array  # int32: each cache slot's position
 
 
-@partial(jax.jit, static_argnames=("graphdef", "cache_len", "linear", "kv"))
+@partial(jax.jit, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=_COMPILER_OPTIONS)
 def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_len, linear, kv):
     """The prompt through the model into a fresh cache of `cache_len` slots: (carry, cache, the
     first new token's logits [B, V])."""
@@ -177,7 +181,12 @@ def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_l
     return carry, cache, next_logits_BxV
 
 
-@partial(jax.jit, static_argnames=("graphdef", "linear", "kv"), donate_argnames=("cache",))
+@partial(
+    jax.jit,
+    static_argnames=("graphdef", "linear", "kv"),
+    donate_argnames=("cache",),
+    compiler_options=_COMPILER_OPTIONS,
+)
 def _step(graphdef, state, carry: _Carry, cache: DecodeState, options, *, linear, kv):
     """One token: carry.token_B through the model at its slot (the cache updated in place): (the
     carry of the next token, the cache, that token's logits [B, V])."""

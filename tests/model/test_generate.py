@@ -1,11 +1,12 @@
-"""Generation's compiled programs are shared: prompts of two lengths in one bucket, two token
-counts and two models of one shape run one prefill and one decode step program; and the served
-weights decoded once give generation the tokens and logits of decoding them at every step."""
+"""Generation's compiled programs are shared: prompts of three lengths in one bucket, three token
+counts and two models of one shape run one prefill and one decode step program; and weights
+decoded once give generation the tokens and logits of decoding them at every step."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from model.test_model import CONFIGS, batch, random_tensors
@@ -61,12 +62,12 @@ class _StoredSource(DictTensorSource):
 
 
 def _served(config, seed: int = 0):
-    """A model holding its linear weights as an NVFP4 export stores them (`NVFP4Weight`): the
-    attention's W4A4 (a static input scale), the MLP's weight-only."""
-    tensors, stored = random_tensors(config, seed), {}
+    """A model held as an NVFP4 export stores it, computing in fp32: the attention's linears W4A4
+    (`NVFP4Weight` with a static input scale), the MLP's weight-only, the rest (LM head) BF16."""
+    tensors, stored = random_tensors(config, seed, dtype=ml_dtypes.bfloat16), {}
     for name, value in tensors.items():
         if name.endswith("_proj.weight"):
-            q = quantize_nvfp4(value)
+            q = quantize_nvfp4(value.astype(np.float32))
             s_dec = nvfp4_global_scales(q.global_amax)[1]
             input_scale = jnp.float32(3.0 / 2688) if ".self_attn." in name else None
             stored[name] = NVFP4Weight(q.packed, q.scales, s_dec, input_scale)
@@ -88,15 +89,14 @@ def _tokens_and_logits(model, ids, mask):
     return np.asarray(tokens), np.stack(logits)
 
 
-def test_served_weights_decoded_once_give_the_tokens_and_logits_of_decoding_them_every_step():
+def test_weights_decoded_once_give_the_tokens_and_logits_of_decoding_them_every_step():
+    """Stored NVFP4 (W4A4 and weight-only) and BF16 weights, decoded / widened once to fp32."""
     config = CONFIGS["llama3"]
     stored = _served(config)
     decoded = for_generation(stored, "test")
-    kinds = {
-        type(w)
-        for w in jax.tree.leaves(nnx.state(decoded), is_leaf=lambda w: isinstance(w, DecodedWeight | NVFP4Weight))
-    }
-    assert DecodedWeight in kinds and NVFP4Weight not in kinds
+    leaves = jax.tree.leaves(nnx.state(decoded), is_leaf=lambda w: isinstance(w, DecodedWeight | NVFP4Weight))
+    assert {w.quant for w in leaves if isinstance(w, DecodedWeight)} == {"nvfp4", "plain"}
+    assert not any(isinstance(w, NVFP4Weight) for w in leaves)
     ids, mask = batch()
     tokens, logits = _tokens_and_logits(stored, ids, mask)
     once_tokens, once_logits = _tokens_and_logits(decoded, ids, mask)
@@ -115,6 +115,6 @@ def test_weights_stay_stored_when_the_decoded_copy_does_not_fit(monkeypatch):
     finally:
         progress.use_reporter(previous)
     assert lines.lines == [
-        "greedy generation (nvfp4): served weights decoded at every generation step (decoding them once "
+        "greedy generation (nvfp4): weights decoded at every generation step (decoding them once "
         "needs 0.00 GB, 0.00 GB available)"
     ]
