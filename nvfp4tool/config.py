@@ -31,9 +31,15 @@ from nvfp4tool.families import (
 from nvfp4tool.families.hf_values import flag as _flag
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
+from nvfp4tool.families.rope_scaling import (  # noqa: F401  (RopeScaling, SUPPORTED_ROPE_TYPES: re-exported)
+    ROPE_SCALINGS,
+    SUPPORTED_ROPE_TYPES,
+    LinearRopeScaling,
+    RopeScaling,
+    rope_scaling_from_hf,
+)
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.items()}
 
 # config.json keys that ModelConfig models itself (with its family's `modeled_keys`, less the
@@ -67,29 +73,6 @@ _MODELED_KEYS = frozenset(
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """llama3-type RoPE frequency scaling (Llama 3.1 / 3.2); the only scaling type supported."""
-
-    factor: float  # wavelengths longer than original_max / low_freq_factor are divided by this
-    low_freq_factor: float  # wavelengths above original_max / low_freq_factor: fully scaled
-    high_freq_factor: float  # wavelengths below original_max / high_freq_factor: unscaled
-    original_max_position_embeddings: int  # the context length the model was pre-trained at
-
-    def __post_init__(self) -> None:
-        if not (self.factor >= 1.0 and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise NVFP4ToolError(
-                f"rope_scaling llama3: need factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
-                f"got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
-                f"high_freq_factor={self.high_freq_factor}"
-            )
-        if self.original_max_position_embeddings <= 0:
-            raise NVFP4ToolError(
-                f"rope_scaling llama3: original_max_position_embeddings must be > 0, "
-                f"got {self.original_max_position_embeddings}"
-            )
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model of a registered family: the fields every family shares (shapes, RoPE,
     norms, tying; the attention options of the Llama group's config.json), and the family's own
@@ -105,7 +88,7 @@ class ModelConfig:
     head_dim: int  # D: per-head width (not necessarily E // H, e.g. Qwen3)
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
     rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: RopeScaling | None = None  # llama3 frequency scaling, or None
+    rope_scaling: Any = None  # a frequency scaling record (`ROPE_SCALINGS`: llama3, linear), or None
     max_position_embeddings: int = 2048  # context length the config advertises
     tie_word_embeddings: bool = False  # lm_head reuses model.embed_tokens.weight
     attention_bias: bool = False  # q_proj/k_proj/v_proj carry a bias (Qwen2: always)
@@ -199,7 +182,7 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=_integer(hf, "max_position_embeddings", 2048),
-                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings", spec.tie_word_embeddings_default),
                 dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch."),
                 bos_token_id=_integer(hf, "bos_token_id", None),
                 eos_token_id=eos,
@@ -256,17 +239,7 @@ class ModelConfig:
         self.family_spec.emit(self, hf)
         if self.family_spec.positional != "rope":
             return hf
-        scaling = (
-            None
-            if self.rope_scaling is None
-            else {
-                "rope_type": "llama3",
-                "factor": self.rope_scaling.factor,
-                "low_freq_factor": self.rope_scaling.low_freq_factor,
-                "high_freq_factor": self.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
-            }
-        )
+        scaling = None if self.rope_scaling is None else self.rope_scaling.to_hf()
         if self.hf_config_style == "transformers5":
             hf["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         else:
@@ -324,8 +297,8 @@ class ModelConfig:
     def _check_family_options(self) -> None:
         """Only combinations the family's HF config can express (so to_hf_config is faithful)."""
         problems = self.family_spec.problems(self)
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            problems.append("rope_scaling must be a RopeScaling")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple(ROPE_SCALINGS.values())):
+            problems.append("rope_scaling must be a scaling record (config.ROPE_SCALINGS)")
         if problems:
             raise NVFP4ToolError(f"model config ({self.family}): {'; '.join(problems)}")
 
@@ -399,23 +372,7 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
     else:
         scaling = hf.get("rope_scaling") or {}
         theta = hf.get("rope_theta", 10000.0)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise NVFP4ToolError(
-            f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)"
-        )
-    if rope_type == "default":
-        return _number({"rope_theta": theta}, "rope_theta", 10000.0), None
-    try:
-        return _number({"rope_theta": theta}, "rope_theta", 10000.0), RopeScaling(
-            factor=_number(scaling, "factor"),
-            low_freq_factor=_number(scaling, "low_freq_factor"),
-            high_freq_factor=_number(scaling, "high_freq_factor"),
-            original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings"),
-        )
-    except KeyError as missing:
-        raise NVFP4ToolError(f"{source}: llama3 rope scaling lacks {missing.args[0]!r}") from None
+    return _number({"rope_theta": theta}, "rope_theta", 10000.0), rope_scaling_from_hf(scaling, source)
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:

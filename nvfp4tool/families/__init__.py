@@ -6,7 +6,7 @@
     fused_group("model.layers.3.mlp.up_proj")  # the same fact from a name alone (no config at hand)
 
 Families: `llama.py` (llama, mistral, qwen2, qwen3), `moe.py` (qwen3_moe, mixtral) and
-`nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h); see
+`nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h), `gemma3.py` (gemma3_text); see
 `base.py` for what a family declares and docs/architecture.md, "Adding a model family".
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import llama, moe, nemotron_h
+from nvfp4tool.families import gemma3, llama, moe, nemotron_h
 from nvfp4tool.families.base import (
     ATTENTION,
     ATTENTION_MLP,
@@ -81,7 +81,9 @@ __all__ = [
     "split_layer",
 ]
 
-REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
+REGISTRY: dict[str, Family] = {
+    f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES, *gemma3.FAMILIES)
+}
 SUPPORTED_FAMILIES = tuple(REGISTRY)
 MAXTEXT_FAMILIES = tuple(t for t, f in REGISTRY.items() if f.maxtext_rules is not None)
 ARCHITECTURE_BY_FAMILY = {t: f.architecture for t, f in REGISTRY.items()}

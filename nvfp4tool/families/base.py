@@ -75,11 +75,14 @@ def preset_shape(shape: str, **fields: Any) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class LayerAttention:
     """What one decoder layer's attention computes beyond its shapes, as its family decides
-    (`Family.layer_attention`): the attention blocks and RoPE read it, no model-wide field."""
+    (`Family.layer_attention`): the attention blocks and RoPE (`model/rope.py`) read it, no
+    model-wide field. Layers with equal settings share one block program and one (cos, sin)."""
 
     window: int | None  # sliding window W: key k visible from query q iff q - k < W; None: every earlier key
     rope_theta: float | None  # RoPE base; None: no positional encoding
-    rope_scaling: Any = None  # its `config.RopeScaling` (llama3), or None
+    rope_scaling: Any = None  # its scaling record (`config.ROPE_SCALINGS`: llama3, linear), or None
+    rope_dim: int | None = None  # the rotated width (MLA: qk_rope_head_dim); None: head_dim
+    softmax_scale: float | None = None  # the attention scores' scale; None: head_dim ** -0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +213,7 @@ class Fold:
     kind: Literal["norm", "rows"]
     readers: tuple[str, ...] = ()
     expand: tuple[int, int, int] | None = None
+    unit_offset: bool = False  # a "norm" producer that scales by (1 + w) (`Family.norm_unit_offset`): (1 + w) / s - 1
 
 
 class Family:
@@ -225,9 +229,16 @@ class Family:
     maxtext_rope_layout: str | None = None  # the RoPE row layout its MaxText decoder fixes; None: the model's
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
-    positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
+    # the attention's positional encoding: "rope" (config.json's model-wide rope_theta / rope_scaling /
+    # rope_parameters, parsed and written by config.py), "none" (a hybrid's), or "family" (RoPE whose
+    # keys the family parses and emits itself and gives each layer: `layer_attention`)
+    positional = "rope"
     norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
+    # RMSNorm scales by (1 + weight), in fp32, the weight stored as the offset from 1 (Gemma3RMSNorm);
+    # its norms start at zero, and an equivalent-scaling fold divides (1 + weight) by s
+    norm_unit_offset = False
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
+    tie_word_embeddings_default = False  # a config.json without tie_word_embeddings: its config class's default
     # its MLPs' activation, by transformers' `hidden_act` name (a key of `model.activations.ACTIVATIONS`):
     # config.json's hidden_act must name it (absent: this), and it is written back
     activation = "silu"
@@ -242,6 +253,9 @@ class Family:
     # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
     # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
     blocks_module: str | None = None
+    # keep-BF16 rules its publisher's recipes use (a recipe file's `keep_bf16_rule`, `export/recipes.py`):
+    # rule name -> (config -> fnmatch patterns of the linear modules kept in BF16)
+    keep_bf16_rules: Mapping[str, Any] = {}
     # its named training sizes (`train --model <name>`): name -> ModelConfig fields but family,
     # vocab_size and max_position_embeddings (`preset_shape`); `train/presets.py` collects them
     presets: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({})
@@ -300,6 +314,11 @@ class Family:
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MLP
+
+    def embedding_scale(self, config: ModelConfig) -> float | None:
+        """The factor the embedding's output is multiplied by, rounded to the table's dtype
+        (Gemma: sqrt(hidden_size)); None: the rows as stored."""
+        return None
 
     def layer_attention(self, config: ModelConfig, layer: int) -> LayerAttention:
         """Decoder layer `layer`'s attention settings (window, RoPE base and scaling): the one owner

@@ -469,6 +469,12 @@ class HybridDecoder(Family):
     model_type = "nemotron_h"
     architecture = "NemotronHForCausalLM"
     blocks_module = "nvfp4tool.model.hybrid"
+
+    @property
+    def keep_bf16_rules(self) -> dict[str, Any]:
+        """NVIDIA's published Nemotron-3-Nano NVFP4 recipe (`export --recipe nemotron-nano`)."""
+        return {"nvidia-nemotron-3-nano": nvidia_nano_keep_bf16}
+
     presets = types.MappingProxyType(
         {"tiny-hybrid": _preset("M-M-M*-M", None), "tiny-hybrid-moe": _preset("ME-M*EME", _TINY_EXPERTS)}
     )

@@ -50,23 +50,27 @@ class FoldScale:
 class EqualizedSource:
     """A `TensorSource` of the folded model: the source's tensors with every site's s applied as
     they are read (consumer and reader columns times s, norm weights and producer rows divided by
-    s), computed in fp32 and returned in fp32 (a quantized weight is quantized from the unrounded
-    product; the writer stores everything else in BF16 as it always does). Names, shapes and
-    dtypes are the source's. `as_stored=True` returns each folded tensor rounded (to nearest
-    even) to the dtype the source holds it in: the folded model as a checkpoint stores it, which
-    the export's check runs and `train equalize_from=` starts from."""
+    s; a (1 + w) norm's weight becomes (1 + w) / s - 1: `Fold.unit_offset`), computed in fp32 and
+    returned in fp32 (a quantized weight is quantized from the unrounded product; the writer
+    stores everything else in BF16 as it always does). Names, shapes and dtypes are the
+    source's. `as_stored=True` returns each folded tensor rounded (to nearest even) to the dtype
+    the source holds it in: the folded model as a checkpoint stores it, which the export's check
+    runs and `train equalize_from=` starts from."""
 
     def __init__(self, source, scales: Sequence[FoldScale], *, as_stored: bool = False) -> None:
         self._source = source
         self._as_stored = as_stored
         self._columns: dict[str, np.ndarray] = {}
         self._rows: dict[str, np.ndarray] = {}  # also the elementwise divisor of a norm weight
+        self._unit_offset: set[str] = set()  # (1 + w) norm weights: (1 + w) / s - 1
         for found in scales:
             s_in = found.consumer_scale().astype(np.float32)
             for module in (*found.fold.consumers, *found.fold.readers):
                 self._columns[f"{module}.weight"] = s_in
             for tensor in found.fold.producer:
                 self._rows[tensor] = found.s.astype(np.float32)
+                if found.fold.unit_offset:
+                    self._unit_offset.add(tensor)
 
     @classmethod
     def from_record(
@@ -120,7 +124,9 @@ class EqualizedSource:
         out = np.asarray(array, np.float32)
         if columns is not None:
             out = out * columns[None, :]
-        if rows is not None:
+        if name in self._unit_offset:
+            out = (1 + out) / rows - 1
+        elif rows is not None:
             out = out / (rows if out.ndim == 1 else rows[:, None])
         return out.astype(np.asarray(array).dtype) if self._as_stored else out
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ROUTER, nemotron_h
+from nvfp4tool.families import ROUTER, LayerAttention, nemotron_h
 from nvfp4tool.families.nemotron_h import (
     ACTIVATION,
     ATTENTION,
@@ -152,7 +152,14 @@ class HybridBlock(nnx.Module):
     attention's (k, v), the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
 
     def __init__(
-        self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        layer_name: str,
+        *,
+        kind: str,
+        attention: LayerAttention,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ) -> None:
         E, prefix = config.hidden_size, f"{layer_name}.mixer"
         self.kind = kind
@@ -170,7 +177,7 @@ class HybridBlock(nnx.Module):
                 rngs=rngs,
             )
         elif kind == ATTENTION:
-            self.mixer = Attention(config, prefix, param_dtype=param_dtype, rngs=rngs, rope=False)
+            self.mixer = Attention(config, prefix, attention=attention, param_dtype=param_dtype, rngs=rngs)
         elif kind == MLP:
             self.mixer = ReLU2MLP(
                 E, config.intermediate_size, prefix=prefix, bias=False, param_dtype=param_dtype, rngs=rngs

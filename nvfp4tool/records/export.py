@@ -215,6 +215,7 @@ class ExportRecord(Record):
     gptq: GPTQRecord | None = None  # with gptq: its settings
     equalize: str = "none"  # "none" | "awq" | "smoothquant" (--equalize)
     equalization: EqualizationRecord | None = None  # with --equalize: the scales and their check
+    export_recipe: str | None = None  # `export --recipe NAME` (export/recipe_files/NAME.toml); None: none
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> str:

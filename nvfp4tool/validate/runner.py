@@ -16,7 +16,7 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ from nvfp4tool.records.validation import (
 )
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
-from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
+from nvfp4tool.validate.thresholds import Thresholds, check_thresholds, defaults_for
 
 _EXPORT_DEFAULTS = ExportOptions()  # the FP8 reference's calibration defaults are export's
 SCRATCH_PREFIX = "nvfp4tool-validate-"  # the scratch folder in the system temp folder (atomic.scratch_dir)
@@ -74,12 +74,21 @@ class ValidateOptions:
     prompts: int = 4  # greedy-generation prompts (the first `prompt_len` tokens of the first sequences)
     prompt_len: int = 32
     gen_tokens: int = 256  # greedy continuation length
-    thresholds: Thresholds = Thresholds()
+    thresholds: Thresholds | None = None  # None: the export's quant's defaults (`thresholds.defaults_for`) ...
+    limits: Mapping[str, float] = dataclasses.field(default_factory=dict)  # ... with these limits over them
     offload: str = "auto"  # auto | never | always (memory.choose_offload)
     source_mismatch_ok: bool = False  # validate against a source that is not the export's recorded one
     calib_data: str | None = None  # calibration of the on-the-fly FP8 reference (never `data`)
     calib_samples: int = _EXPORT_DEFAULTS.calib_samples
     calib_seq_len: int = _EXPORT_DEFAULTS.calib_seq_len
+
+    def judged_by(self, quant: str) -> Thresholds:
+        """The limits an export of `quant` is judged by: `thresholds`, or its quant's defaults,
+        with `limits` (the ones a user gave) over them."""
+        try:
+            return dataclasses.replace(self.thresholds or defaults_for(quant), **self.limits)
+        except TypeError:
+            raise NVFP4UsageError(f"validate limits: {sorted(self.limits)}: unknown threshold names") from None
 
 
 @dataclasses.dataclass
@@ -455,7 +464,8 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         }
         for r in layers
     ]
-    failures = check_thresholds({"models": models, "layers": flat_layers}, options.thresholds, label=label)
+    thresholds = options.judged_by(inputs.nvfp4.exported.quant)
+    failures = check_thresholds({"models": models, "layers": flat_layers}, thresholds, label=label)
     finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
     top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
     return ValidationRecord(
@@ -477,7 +487,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         layers=layers,
         generation=generation,
         kl_histogram={k: _histogram(v, top) for k, v in kl_tokens.items()},
-        thresholds=dataclasses.asdict(options.thresholds),
+        thresholds=dataclasses.asdict(thresholds),
         failures=[Failure(**f) for f in failures],
         passed=not failures,
         source_mismatch_ok=inputs.source_mismatch is not None,

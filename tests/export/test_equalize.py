@@ -183,6 +183,7 @@ def _export(args: list[str]):
         ("qwen3", "awq", ["--scale-search", "4over6", "--format", "compressed-tensors"]),
         ("qwen3_moe", "awq", ["--quant", "nvfp4"]),
         ("mixtral", "smoothquant", ["--weight-rounding", "gptq"]),
+        ("gemma3", "awq", ["--quant", "nvfp4"]),  # its (1 + w) norms: (1 + w) / s - 1
     ],
 )
 @pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)

@@ -451,6 +451,8 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     from nvfp4tool.export.simulate import served_linear
     from nvfp4tool.model.layerwise import LayerwiseModel, _block_step
     from nvfp4tool.model.linear import Plain
+    from nvfp4tool.model.rope import layer_cos_sin
+    from nvfp4tool.model.transformer import layer_program
 
     config = ModelConfig(
         family="llama",
@@ -465,8 +467,9 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     )
     model = LayerwiseModel.held(_bf16_held(config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
-    x, cos, sin, allowed = model._embed(ids)
-    graphdef = model._block_graphdefs[config.layer_kind(0)]
+    x, tables, allowed = model._embed(ids)
+    cos, sin = layer_cos_sin(config, tables, 0)
+    graphdef = model._block_graphdefs[layer_program(config, 0)]
     compiled = _block_step.lower(
         graphdef, model._layer(0), x, cos, sin, allowed, None, tap=Plain(served_linear), kv_tap=None, gather=None
     ).compile()
