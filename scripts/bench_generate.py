@@ -8,13 +8,14 @@ process, interleaved prompt by prompt (issue 42's goal: ours <= 2x transformers'
     [--prompt-lens 7,12,23,40 --new-tokens 32 --workdir DIR --json out.json]
 
 Ours runs as validate's greedy generation does (`validate.generation.greedy_continuations`, models
-held in their stored dtypes computing in fp32, `served_linear`; the NVFP4 model's weights decoded
-once by `simulate.for_generation`, its time added to that model's first prompt). transformers runs
-the BF16 weights upcast to fp32 (`from_pretrained(dtype=float32)`), greedy, exactly --new-tokens
-(no EOS stop). Model loading is outside every timing; each prompt's first run of ours in a process
-pays the compilations its bucket needs (JAX's persistent cache is off unless the environment sets
-it). Prints a table and writes JSON: per prompt seconds and ratios ours / transformers, the totals,
-whether our BF16 tokens equal transformers', and the load average before and after.
+held in their stored dtypes computing in fp32, `served_linear`, each model's linear weights
+decoded / widened once by `simulate.for_generation`, its time added to that model's first
+prompt). transformers runs the BF16 weights upcast to fp32 (`from_pretrained(dtype=float32)`),
+greedy, exactly --new-tokens (no EOS stop). Model loading is outside every timing; each prompt's
+first run of ours in a process pays the compilations its bucket needs (JAX's persistent cache is
+off unless the environment sets it). Prints a table and writes JSON: per prompt seconds and ratios
+ours / transformers, the totals, whether our BF16 tokens equal transformers', and the load average
+before and after.
 """
 
 from __future__ import annotations
@@ -72,18 +73,18 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, (1, n)) for n in lengths]
 
-    started = time.perf_counter()
-    served = for_generation(served, "bench (nvfp4)")
-    decode_once_s = time.perf_counter() - started
+    models, decode_once_s = {}, {}
+    for label, model in (("bf16", bf16), ("nvfp4", served)):
+        started = time.perf_counter()
+        models[label] = for_generation(model, f"bench ({label})")
+        decode_once_s[label] = time.perf_counter() - started
     rows = []
     for i, prompt in enumerate(prompts):
         row = {"prompt_len": int(prompt.shape[1])}
-        for label, model in (("bf16", bf16), ("nvfp4", served)):
+        for label, model in models.items():
             started = time.perf_counter()
             tokens = greedy_continuations(model, served_linear, prompt, new_tokens)
-            row[f"ours_{label}_s"] = (
-                time.perf_counter() - started + (decode_once_s if label == "nvfp4" and i == 0 else 0)
-            )
+            row[f"ours_{label}_s"] = time.perf_counter() - started + (decode_once_s[label] if i == 0 else 0)
             row[f"ours_{label}_tokens"] = tokens[0].tolist()
         started = time.perf_counter()
         with torch.no_grad():
