@@ -274,6 +274,11 @@ class Family:
         layout the engines do not serve for this model): none for these families."""
         return []
 
+    def export_problem(self, config: ModelConfig, kv_cache: str) -> str | None:
+        """Why an export of `config`'s model with `--kv-cache kv_cache` cannot be made (a sentence,
+        refused before anything is written), else None: none for these families."""
+        return None
+
     def tensors_contradiction(self, config: ModelConfig, names: Collection[str]) -> str | None:
         """When the tensors a checkpoint holds (`names`, ours: `Family.our_name`) are not the ones
         `config`'s model needs because a config.json key says something the tensors contradict (a

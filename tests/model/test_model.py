@@ -487,7 +487,10 @@ def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
     from nvfp4tool.model.blocks import family_blocks
     from nvfp4tool.train.presets import preset_config
 
-    configs = [*CONFIGS.values(), preset_config("tiny-hybrid-moe", 97, 64)]
+    configs = [
+        *CONFIGS.values(),
+        *(preset_config(name, 97, 64) for name in ("tiny-hybrid-moe", "tiny-gemma3", "tiny-deepseek")),
+    ]
     kinds: dict[str, set[str]] = {}
     for config in configs:
         kinds.setdefault(config.family, set()).update(config.layer_kind(i) for i in range(config.num_layers))
@@ -497,6 +500,7 @@ def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
         assert kinds[model_type] <= set(family_blocks(family)), model_type
     assert set(family_blocks(REGISTRY["llama"])) == {ATTENTION_MLP}
     assert set(family_blocks(REGISTRY["nemotron_h"])) == {"mamba", "attention", "mlp", "moe"}
+    assert set(family_blocks(REGISTRY["deepseek_v3"])) == {"mla+mlp", "mla+moe"}
 
 
 def test_the_decode_state_is_each_blocks_own_stacked_per_kind():
