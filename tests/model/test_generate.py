@@ -1,4 +1,4 @@
-"""Generation's compiled programs are shared: prompts of three lengths in one bucket, three token
+"""Generation's compiled programs are shared: prompts of four lengths in one bucket, three token
 counts and two models of one shape run one prefill and one decode step program; and weights
 decoded once give generation the tokens and logits of decoding them at every step."""
 
