@@ -164,6 +164,9 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_from_hf(hf, source) if spec.positional == "rope" else (10000.0, None)
             family_fields = dict(spec.parse(hf, source))
             num_layers = family_fields.pop("num_layers", None) or _integer(hf, "num_hidden_layers")
+            head_dim = family_fields.pop("head_dim", None) or _default(
+                _integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)
+            )
             eos = hf.get("eos_token_id")
             if isinstance(eos, list):
                 eos = tuple(_integer({"eos_token_id": e}, "eos_token_id") for e in eos)
@@ -177,7 +180,7 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=_default(_integer(hf, "num_key_value_heads", None), num_heads),
-                head_dim=_default(_integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)),
+                head_dim=head_dim,
                 rms_norm_eps=_number(hf, spec.norm_eps_key, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,

@@ -122,6 +122,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         out, inputs, flag="--out", force=options.force
     )  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config, rope_layout=options.rope_layout)
+    problem = source.config.family_spec.export_problem(source.config, options.kv_cache)
+    if problem is not None:
+        raise NVFP4ToolError(problem)
     if options.recipe is not None:
         from_file |= {
             p: where for p, where in rule_patterns(options.recipe, source.config).items() if p not in from_file

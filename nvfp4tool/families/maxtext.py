@@ -33,6 +33,8 @@ class Rule:
     rope: bool = False  # q and k: the RoPE row layout may differ (interleaved vs half-split)
     query_scale: bool = False  # q: MaxText stores it pre-multiplied by 1/sqrt(head_dim)
     untied_only: bool = False  # lm_head: absent when the embedding is tied
+    unit_offset: bool = False  # a (1 + w) norm: MaxText stores 1 + w (its RMSNorm scales by the stored value)
+    embedding_scale: bool = False  # the embedding: MaxText stores it times the family's embedding scale
 
     @property
     def per_layer(self) -> bool:

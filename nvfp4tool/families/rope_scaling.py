@@ -15,7 +15,7 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,67 @@ class LinearRopeScaling:
         return {"rope_type": self.rope_type, "factor": self.factor}
 
 
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """yarn-type RoPE scaling (YaRN; DeepSeek-V3 / R1, Kimi-K2): frequencies between the
+    `beta_fast` and `beta_slow` rotation counts over `original_max_position_embeddings` ramped from
+    extrapolated to interpolated by `factor`; cos and sin times the attention factor (given, or
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim), or mscale(factor)). The keys as
+    transformers' `_compute_yarn_parameters` reads them; None: absent (its defaults apply)."""
+
+    rope_type: ClassVar[str] = "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float | None = None  # None: 32
+    beta_slow: float | None = None  # None: 1
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None  # None: True (the correction range rounded outwards)
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise NVFP4ToolError(f"rope_scaling yarn: factor must be > 0, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise NVFP4ToolError(
+                f"rope_scaling yarn: original_max_position_embeddings must be > 0, "
+                f"got {self.original_max_position_embeddings}"
+            )
+
+    @classmethod
+    def from_hf(cls, scaling: Mapping[str, Any]) -> YarnRopeScaling:
+        truncate = scaling.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise NVFP4ToolError(f"rope_scaling yarn: truncate must be true or false, got {truncate!r}")
+        return cls(
+            factor=_number(scaling, "factor"),
+            original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings"),
+            beta_fast=_number(scaling, "beta_fast", None),
+            beta_slow=_number(scaling, "beta_slow", None),
+            mscale=_number(scaling, "mscale", None),
+            mscale_all_dim=_number(scaling, "mscale_all_dim", None),
+            attention_factor=_number(scaling, "attention_factor", None),
+            truncate=truncate,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        keys = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+        given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {
+            "rope_type": self.rope_type,
+            "factor": self.factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            **given,
+        }
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's mscale (its Eq. 21, transformers' `yarn_get_mscale`): 0.1 mscale ln(scale) + 1, 1 at scale <= 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 # rope_type -> its scaling record (`from_hf` / `to_hf`; its math: `model/rope.py`); "default": none
-ROPE_SCALINGS: dict[str, Any] = {r.rope_type: r for r in (RopeScaling, LinearRopeScaling)}
+ROPE_SCALINGS: dict[str, Any] = {r.rope_type: r for r in (RopeScaling, LinearRopeScaling, YarnRopeScaling)}
 
 
 def rope_scaling_from_hf(scaling: Mapping[str, Any], source: str) -> Any:

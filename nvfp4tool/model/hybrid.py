@@ -30,7 +30,7 @@ from nvfp4tool.families.nemotron_h import (
 )
 from nvfp4tool.model.activations import activation
 from nvfp4tool.model.blocks import register_blocks
-from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
+from nvfp4tool.model.layers import Attention, Linear, RMSNorm, mix_experts, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape, MambaState
 
@@ -115,12 +115,8 @@ class HybridMoE(nnx.Module):
         if fc1_latent is not None:
             h_BxTxL, side = fc1_latent(x_BxTxE, seam)
             sides.append(side)
-        out_BxTxL = jnp.zeros(h_BxTxL.shape, jnp.float32)
-        for e, expert in enumerate(self.experts):
-            routed = h_BxTxL if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], h_BxTxL, 0)
-            y, side = expert(routed, seam)
-            out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e : e + 1]
-            sides.append(side)
+        out_BxTxL, side = mix_experts(self.experts, h_BxTxL, weights_BxTxN, chosen_BxTxN, seam)
+        sides.append(side)
         out = out_BxTxL.astype(x_BxTxE.dtype)
         if fc2_latent is not None:
             out, side = fc2_latent(out, seam)

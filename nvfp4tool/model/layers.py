@@ -3,7 +3,7 @@ projection through the linear seam, `linear.py`), `RMSNorm` (its family's form: 
 `Embedding` (its family's output scale), GQA `Attention` (window, RoPE and softmax scale: its
 layer's `LayerAttention`; no RoPE for a family without positional encoding), the gated `MLP`, the
 routers (`route`: softmax top-k; `route_grouped_sigmoid`: sigmoid scores with a correction bias,
-grouped top-k) and the sparse `SparseMoE`.
+grouped top-k), the experts' weighted sum (`mix_experts`) and the sparse `SparseMoE`.
 
 Each family's blocks module (`Family.blocks_module`: `decoder.py` for the Llama and MoE groups)
 builds its blocks of them, with its own mixers where it has some; `transformer.py` assembles the
@@ -317,12 +317,22 @@ class SparseMoE(nnx.Module):
             self.normalize,
             logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32,
         )
-        out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
-        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
-        for e, expert in enumerate(self.experts):
-            routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
-            y_BxTxE, expert_side = expert(routed_BxTxE, seam)
-            y_BxTxE = y_BxTxE * weights_BxTxN[..., e : e + 1]  # dtype promotion as torch
-            out_BxTxE = out_BxTxE + y_BxTxE.astype(jnp.float32)
-            sides.append(expert_side)
-        return out_BxTxE.astype(x_BxTxE.dtype), merged(*sides)
+        out_BxTxE, experts_side = mix_experts(self.experts, x_BxTxE, weights_BxTxN, chosen_BxTxN, seam)
+        return out_BxTxE.astype(x_BxTxE.dtype), merged(router_side, Side({}, {router.name: logits_BxTxN}), experts_side)
+
+
+def mix_experts(
+    experts, x_BxTxE: jax.Array, weights_BxTxN: jax.Array, chosen_BxTxN: jax.Array, seam: Seam
+) -> tuple[jax.Array, Side]:
+    """The routing-weighted sum (fp32) of the experts' outputs, in expert order (as transformers'
+    index_add), and their side results: each expert runs on the tokens routed to it (the others'
+    rows zeroed), or on every token when the seam asks for all experts (calibration). Each
+    expert's output is multiplied by its weight in their promoted dtype (as torch), then summed in fp32."""
+    out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
+    sides = []
+    for e, expert in enumerate(experts):
+        routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
+        y_BxTxE, expert_side = expert(routed_BxTxE, seam)
+        out_BxTxE = out_BxTxE + (y_BxTxE * weights_BxTxN[..., e : e + 1]).astype(jnp.float32)
+        sides.append(expert_side)
+    return out_BxTxE, merged(*sides)

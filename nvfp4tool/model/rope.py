@@ -7,7 +7,7 @@
 The inverse frequencies are computed once in float32 numpy, step for step as transformers does
 (`_compute_default_rope_parameters`, then the scaling type's own function), so tiny models that put
 most wavelengths in a scaled band match HF to float32 rounding. Every scaling type's math lives
-here, in `SCALED` (rope_type -> function), keyed as config.json names it ("llama3", "linear").
+here, in `SCALED` (rope_type -> function), keyed as config.json names it ("llama3", "linear", "yarn").
 Design notes: docs/design/model.md.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.families.rope_scaling import yarn_mscale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +37,10 @@ class Rotation:
     scaling: Any = None
 
 
-def _llama3(inv_freq: np.ndarray, scaling) -> tuple[np.ndarray, float]:
+def _llama3(inv_freq: np.ndarray, rotation: Rotation) -> tuple[np.ndarray, float]:
     """transformers' `_compute_llama3_parameters`: long wavelengths slowed by `factor`, short ones
     kept, the band between interpolated linearly in 1/wavelength."""
+    scaling = rotation.scaling
     old_context = np.float32(scaling.original_max_position_embeddings)
     low_freq_wavelen = old_context / np.float32(scaling.low_freq_factor)
     high_freq_wavelen = old_context / np.float32(scaling.high_freq_factor)
@@ -52,14 +54,46 @@ def _llama3(inv_freq: np.ndarray, scaling) -> tuple[np.ndarray, float]:
     return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
 
 
-def _linear(inv_freq: np.ndarray, scaling) -> tuple[np.ndarray, float]:
+def _linear(inv_freq: np.ndarray, rotation: Rotation) -> tuple[np.ndarray, float]:
     """transformers' `_compute_linear_scaling_rope_parameters`: every frequency divided by `factor`."""
-    return (inv_freq / np.float32(scaling.factor)).astype(np.float32), 1.0
+    return (inv_freq / np.float32(rotation.scaling.factor)).astype(np.float32), 1.0
+
+
+def _yarn(inv_freq: np.ndarray, rotation: Rotation) -> tuple[np.ndarray, float]:
+    """transformers' `_compute_yarn_parameters`: the frequencies whose rotations over the original
+    context lie between beta_fast and beta_slow ramp linearly from theta^(-2i/dim) (extrapolated) to
+    theta^(-2i/dim) / factor (interpolated), the correction range rounded outwards unless
+    `truncate` is false; the attention factor multiplies cos and sin."""
+    s, D, base = rotation.scaling, rotation.dim, rotation.theta
+    if s.attention_factor is not None:
+        factor = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        factor = yarn_mscale(s.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (D * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast or 32), correction_dim(s.beta_slow or 1)
+    if s.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    pos_freqs = np.float32(base) ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / np.float32(D))
+    interpolated = (np.float32(1.0) / (np.float32(s.factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(D // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolated_share = (np.float32(1) - ramp).astype(np.float32)
+    return (interpolated * (1 - extrapolated_share) + inv_freq * extrapolated_share).astype(np.float32), factor
 
 
 # rope_type -> (default inverse frequencies, the scaling record) -> (scaled inverse frequencies,
 # the factor cos and sin are multiplied by: transformers' `attention_factor`)
-SCALED: dict[str, Callable[[np.ndarray, Any], tuple[np.ndarray, float]]] = {"llama3": _llama3, "linear": _linear}
+SCALED: dict[str, Callable[[np.ndarray, Rotation], tuple[np.ndarray, float]]] = {
+    "llama3": _llama3,
+    "linear": _linear,
+    "yarn": _yarn,
+}
 
 
 def frequencies(rotation: Rotation) -> tuple[np.ndarray, float]:
@@ -73,7 +107,7 @@ def frequencies(rotation: Rotation) -> tuple[np.ndarray, float]:
     scaled = SCALED.get(rotation.scaling.rope_type)
     if scaled is None:
         raise NVFP4ToolError(f"RoPE scaling type {rotation.scaling.rope_type!r} has no frequencies in the model")
-    return scaled(inv_freq, rotation.scaling)
+    return scaled(inv_freq, rotation)
 
 
 def inverse_frequencies(D: int, theta: float, scaling: Any) -> np.ndarray:

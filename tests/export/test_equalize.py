@@ -357,3 +357,23 @@ def test_recorded_scales_are_bound_to_the_bytes_they_made(models, tmp_path, key,
     with pytest.raises(NVFP4ToolError, match=r"equalization site .*its scales did not make the export's .*norm") as e:
         mf.EqualizedSource.from_export(source.tensors, out, tampered, source.config)
     assert str(e.value).startswith(ExportRecord.path(out))
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["q_lora", "q_proj"])
+def test_the_folded_deepseek_v3_is_the_original_in_transformers(lora, tmp_path):
+    """deepseek_v3's folds (`DeepseekV3.folds`: the input norm into q_a_proj / q_proj and
+    kv_a_proj_with_mqa, q_a_layernorm into q_b_proj, kv_a_layernorm into kv_b_proj, the
+    post-attention norm into every routed and shared expert's gate/up with the FP32 router reading
+    it, up rows into down) leave transformers' logits unchanged, with random scales far from 1."""
+    from fixtures.deepseek_fixtures import LORA, NO_LORA, hf_folder
+
+    folder, _ = hf_folder(tmp_path, dict(LORA if lora else NO_LORA, vocab_size=256), seed=8)
+    source = HFFolderSource(folder)
+    config = ModelConfig.from_hf_folder(folder)
+    scales = _random_scales(config)
+    assert len(scales) == len(folds(config)) == 3 * (2 + lora) + 2 + 2 * (1 + 9)
+    original = _torch_logits(folder)
+    folded = _torch_logits(folder, mf.EqualizedSource(source, scales), str(tmp_path / "folded"))
+    np.testing.assert_allclose(folded, original, rtol=0, atol=2e-4 * np.abs(original).max())
+    router = "model.layers.1.mlp.gate.weight"
+    assert np.abs(mf.EqualizedSource(source, scales).get(router) - source.get(router)).max() > 0.01
