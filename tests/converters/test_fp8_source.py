@@ -258,3 +258,18 @@ def test_dequantization_holds_one_chunk_besides_the_result(tmp_path):
         block,
     )
     assert _bits(out[check]) == _bits(want)
+
+
+def test_a_deepseek_v3_fp8_source_reads_as_the_oracle(tmp_path):
+    """DeepSeek-V3's own layout (MLA projections, dense MLP, routed and shared experts FP8; norms,
+    routers and the FP32 e_score_correction_bias as stored), on the family's tiny fixture."""
+    from fixtures.deepseek_fixtures import BASE, hf_folder
+
+    folder, _ = hf_folder(tmp_path, BASE, seed=0)
+    write_fp8_block_folder(folder, str(tmp_path / "fp8"))
+    write_dequantized_folder(str(tmp_path / "fp8"), str(tmp_path / "deq"))
+    source, oracle = HFFolderSource(tmp_path / "fp8"), read_folder_tensors(str(tmp_path / "deq"))
+    stored = read_folder_tensors(str(tmp_path / "fp8"))
+    assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+    assert source.config.family == "deepseek_v3" and sorted(source.names()) == sorted(oracle)
+    assert all(_bits(source.get(n)) == _bits(oracle[n]) and source.dtype(n) == oracle[n].dtype.name for n in oracle)

@@ -2,9 +2,9 @@
 (nvfp4tool/export/recipe_files/): they keep in BF16 exactly what NVIDIA's published checkpoints keep.
 (`tests/export/test_recipes.py` exports every recipe and checks the result.)
 
-The DeepSeek-V3 module names are written out by hand here from transformers' DeepseekV3 module tree
+The full DeepSeek-V3 module names are written out by hand from transformers' DeepseekV3 module tree
 and the published config (61 layers, the first 3 dense, q_lora_rank 1536, 256 routed experts + 1
-shared): the deepseek_v3 family is not on main yet to compute them from a config."""
+shared); the deepseek_v3 family's own names are tested on its tiny fixture config."""
 
 from __future__ import annotations
 
@@ -70,3 +70,27 @@ def test_the_recipe_files_cite_their_sources():
         with open(f"{recipes.FOLDER}/{name}.toml") as f:
             header = f.read()
         assert "https://huggingface.co/nvidia/DeepSeek-R1-0528" in header and "ptq.py" in header, name
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "q_proj"])
+def test_the_recipes_on_the_tiny_deepseek_v3_family(q_lora_rank):
+    """The deepseek_v3 family's own module names (tests/fixtures/deepseek_fixtures.py's tiny config,
+    MLP widths made multiples of 16): the export plan under each recipe keeps what NVIDIA's patterns
+    keep, plus the routers nvfp4tool never quantizes; dense MLPs and both kinds of experts are NVFP4."""
+    from transformers import DeepseekV3Config
+
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.export.plan import make_plan
+
+    from fixtures.deepseek_fixtures import BASE
+
+    options = dict(BASE, intermediate_size=48, moe_intermediate_size=16, q_lora_rank=q_lora_rank)
+    config = ModelConfig.from_hf_config(DeepseekV3Config(**options).to_dict())
+    names = config.linear_names()
+    routers = {n for n in names if n.endswith(".mlp.gate")}
+    published = ["lm_head"] + [f"model.layers.{i}.self_attn*" for i in range(config.num_layers)]
+    for recipe, dropped in (("deepseek-r1", ()), ("deepseek-r1-v2", (".self_attn.o_proj",))):
+        plan = make_plan(config, "nvfp4", keep_bf16=_patterns(recipe))
+        assert set(plan.excluded) == {n for n in kept(names, published) if not n.endswith(dropped)} | routers
+        for part in (".mlp.gate_proj", ".mlp.experts.0.up_proj", ".mlp.shared_experts.down_proj"):
+            assert any(n.endswith(part) for n in plan.quantized), (recipe, part)
