@@ -1,4 +1,4 @@
-"""The one HF <-> MaxText name and transform table (Llama, Mistral, Qwen3-MoE, Mixtral), used by both
+"""The one HF <-> MaxText name and transform table (the families' declared rules), used by both
 directions, and the HF side's two mixture-of-experts layouts (per-expert and fused, at the end).
 
 `TABLE` is every family's `Rule`s (HF tensor, MaxText path under `params/params/`, transform),
@@ -12,17 +12,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
+import ml_dtypes  # also registers bfloat16 / float8 / float4 with numpy
 import numpy as np
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MOE, MAXTEXT_FAMILIES, REGISTRY, layer_prefix
+from nvfp4tool.families import MAXTEXT_FAMILIES, REGISTRY, ROUTER, LinearModule, layer_prefix
 from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
-SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
+SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule (per block position), layer axis 1
+REMAINDER_LAYERS = "decoder/layers_remainder"  # scanned in blocks: the layers after the last whole block
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 
@@ -51,61 +52,64 @@ class ExpertView:
 def fused_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors the fused layout stores instead of the per-expert ones -> their shapes: per sparse
     layer, the router (renamed for Mixtral), gate_up_proj [E, 2F, H] and down_proj [E, H, F]."""
-    E, H = config.family_spec.experts(config).num_experts, config.hidden_size
-    F = config.family_spec.expert_width(config)
+    H = config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(config.num_layers):
-        if config.layer_kind(i) == ATTENTION_MOE:
-            block = f"{layer_prefix(i)}.{FUSED_BLOCK}"
-            shapes[f"{block}.gate.weight"] = (E, H)
-            shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
-            shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
+    for layer, experts in _gated_experts(config).items():
+        E, F = len(experts), experts[0][0].shape[0]
+        block = f"{layer_prefix(layer)}.{FUSED_BLOCK}"
+        shapes[f"{block}.gate.weight"] = (E, H)
+        shapes[f"{block}.{FUSED_GATE_UP}"] = (E, 2 * F, H)
+        shapes[f"{block}.{FUSED_DOWN}"] = (E, H, F)
     return shapes
 
 
 def fused_expert_views(config: ModelConfig) -> dict[str, ExpertView]:
     """Every per-expert name `ModelConfig.expected_tensor_shapes` gives a sparse layer -> where the
     fused layout keeps it (see the module docstring). Empty for a dense model."""
-    if config.family_spec.experts(config) is None:
-        return {}
-    F = config.family_spec.expert_width(config)
-    gate, up, down = config.family_spec.expert_attrs
+    table = config.modules
     views: dict[str, ExpertView] = {}
-    for i in range(config.num_layers):
-        if config.layer_kind(i) != ATTENTION_MOE:
-            continue
-        mlp, fused = config.mlp_prefix(i), f"{layer_prefix(i)}.{FUSED_BLOCK}"
-        views[f"{mlp}.gate.weight"] = ExpertView(f"{fused}.gate.weight")
-        for e in range(config.family_spec.experts(config).num_experts):
-            views[f"{mlp}.experts.{e}.{gate}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
-            views[f"{mlp}.experts.{e}.{up}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
-            views[f"{mlp}.experts.{e}.{down}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
+    for layer, experts in _gated_experts(config).items():
+        fused = f"{layer_prefix(layer)}.{FUSED_BLOCK}"
+        router = table[experts[0][0].name].block + f".{ROUTER.attr}"
+        views[f"{router}.weight"] = ExpertView(f"{fused}.gate.weight")
+        for e, (gate, up, down) in enumerate(experts):
+            F = gate.shape[0]
+            views[f"{gate.name}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, 0, F)
+            views[f"{up.name}.weight"] = ExpertView(f"{fused}.{FUSED_GATE_UP}", e, F, F)
+            views[f"{down.name}.weight"] = ExpertView(f"{fused}.{FUSED_DOWN}", e, 0, config.hidden_size)
     return views
 
 
+def _gated_experts(config: ModelConfig) -> dict[int, list[tuple[LinearModule, LinearModule, LinearModule]]]:
+    """layer -> its experts' (gate, up, down) linears in expert order, for every layer whose routed
+    experts are gated MLPs (the module table's; what transformers 5 fuses into gate_up_proj /
+    down_proj); a layer of non-gated experts (the hybrid's up / down) has no fused layout here."""
+    found: dict[int, dict[int, dict[str, LinearModule]]] = {}
+    for m in config.modules.linears:
+        if m.expert is not None and m.layer is not None:
+            found.setdefault(m.layer, {}).setdefault(m.expert, {})[m.role] = m
+    return {
+        layer: [(x["gate"], x["up"], x["down"]) for _, x in sorted(experts.items())]
+        for layer, experts in found.items()
+        if all(set(x) == {"gate", "up", "down"} for x in experts.values())
+    }
+
+
 def check_supported(config: ModelConfig, label: str) -> None:
-    """Raise unless the table describes `config` (Llama/Mistral without biases, Qwen3-MoE or
-    Mixtral with every layer sparse)."""
-    reason = REGISTRY[config.family].no_maxtext_reason
+    """Raise unless the table describes `config`: its family has MaxText rules and nothing in this
+    model keeps them from applying (`Family.maxtext_refusal`: attention biases, dense layers of a
+    family whose MaxText decoder makes every layer sparse)."""
+    family = REGISTRY[config.family]
+    if family.maxtext_rules is None:
+        raise NVFP4ToolError(
+            f"{label}: {family.no_maxtext_reason}"
+            if family.no_maxtext_reason is not None
+            else f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} models; this one is "
+            f"{config.family}"
+        )
+    reason = family.maxtext_refusal(config)
     if reason is not None:
         raise NVFP4ToolError(f"{label}: {reason}")
-    if config.family not in MAXTEXT_FAMILIES:
-        raise NVFP4ToolError(
-            f"{label}: the MaxText converter supports {', '.join(MAXTEXT_FAMILIES)} models; this one is {config.family}"
-        )
-    if config.attention_bias or config.o_proj_bias:
-        raise NVFP4ToolError(
-            f"{label}: the MaxText converter supports models without attention "
-            f"biases; this {config.family} model has them"
-        )
-    dense = [i for i in range(config.num_layers) if config.layer_kind(i) != ATTENTION_MOE]
-    experts = config.family_spec.experts(config)
-    if experts is not None and dense:
-        raise NVFP4ToolError(
-            f"{label}: {config.family} with dense layers {dense} (mlp_only_layers="
-            f"{list(experts.mlp_only_layers)}, decoder_sparse_step={experts.decoder_sparse_step}) has no "
-            f"MaxText layout: MaxText's {config.family} decoder makes every layer sparse"
-        )
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
@@ -113,12 +117,38 @@ def rules_for(config: ModelConfig) -> list[Rule]:
     return [r for r in config.family_spec.maxtext_rules or () if not (r.untied_only and config.tie_word_embeddings)]
 
 
-def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
-    """Key path of `rule`'s parameter under params/params (one layer when unscanned)."""
+def placement(
+    rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None
+) -> tuple[tuple[str, ...], int | None]:
+    """(key path under params/params of the parameter holding `rule`'s tensor of `layer`, the
+    layer's index on that parameter's layer axis or None where the parameter is not a stack).
+
+    Unscanned: `decoder/layers_{layer}/`. Scanned, a family scanning single layers
+    (`Family.maxtext_scan_block` 1): `decoder/layers/`, stacked, index = layer. Scanned in blocks of
+    P layers: layer i < (L // P) * P lives in `decoder/layers/layers_{i % P}/`, stacked, index
+    i // P; the L % P layers after them in `decoder/layers_remainder/layers_{i - (L // P) * P}/`,
+    unstacked (MaxText's `_apply_gemma3_scanned_blocks`; docs/design/maxtext-layout.md)."""
     if not rule.per_layer:
-        return tuple(rule.maxtext.split("/"))
-    prefix = SCANNED_LAYERS if scanned else f"decoder/layers_{layer}"
-    return tuple(f"{prefix}/{rule.maxtext}".split("/"))
+        return tuple(rule.maxtext.split("/")), None
+    prefix, index = _layer_prefix(config, layer, scanned)
+    return tuple(f"{prefix}/{rule.maxtext}".split("/")), index
+
+
+def stack_length(config: ModelConfig) -> int:
+    """The layer axis of a scanned stack: every layer, or one per block of `maxtext_scan_block`."""
+    return config.num_layers // config.family_spec.maxtext_scan_block
+
+
+def _layer_prefix(config: ModelConfig, layer: int | None, scanned: bool) -> tuple[str, int | None]:
+    if not scanned:
+        return f"decoder/layers_{layer}", None
+    block = config.family_spec.maxtext_scan_block
+    if block == 1:
+        return SCANNED_LAYERS, layer
+    full = stack_length(config) * block
+    if layer < full:
+        return f"{SCANNED_LAYERS}/layers_{layer % block}", layer // block
+    return f"{REMAINDER_LAYERS}/layers_{layer - full}", None
 
 
 def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
@@ -130,27 +160,29 @@ def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     return list(range(config.family_spec.experts(config).num_experts)) if rule.per_expert else [None]
 
 
-def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
-    """Shape of the stored parameter (the whole stack when scanned and per-layer; every expert)."""
+def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int = 0) -> tuple[int, ...]:
+    """Shape of the stored parameter holding layer `layer` (the whole stack when it is one; every
+    expert)."""
     hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
         shape = (config.family_spec.experts(config).num_experts,) + shape
-    if rule.per_layer and scanned:
-        shape = shape[:LAYER_AXIS] + (config.num_layers,) + shape[LAYER_AXIS:]
+    if placement(rule, config, scanned=scanned, layer=layer)[1] is not None:
+        shape = shape[:LAYER_AXIS] + (stack_length(config),) + shape[LAYER_AXIS:]
     return shape
 
 
 def sliced_axes(rule: Rule, *, scanned: bool) -> tuple[int, ...]:
     """Axes of the stored parameter that one HF tensor takes a single index of: the experts axis
-    (0) and, in a scanned stack, the layer axis (1). The writer asks Orbax for chunks of size 1
-    along them, so that the reader can read one HF tensor without the rest."""
+    (0) and, in a scanned stack (`scanned`: the parameter is one), the layer axis (1). The writer
+    asks Orbax for chunks of size 1 along them, so that the reader can read one HF tensor without the rest."""
     axes = (EXPERTS_AXIS,) if rule.per_expert else ()
     return axes + ((LAYER_AXIS,) if rule.per_layer and scanned else ())
 
 
 def slice_index(rule: Rule, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
-    """Index of one HF tensor (layer `layer`, expert `expert`) in the stored parameter."""
+    """Index of one HF tensor (`layer`: its index on a stack's layer axis, expert `expert`) in the
+    stored parameter (`scanned`: a stack)."""
     index = (expert,) if rule.per_expert else ()
     if rule.per_layer and scanned:
         index = (index[0] if index else slice(None), layer)
@@ -160,6 +192,29 @@ def slice_index(rule: Rule, *, scanned: bool, layer: int | None, expert: int | N
 def query_scale(config: ModelConfig) -> np.float32:
     """The fp32 factor MaxText's stored query kernel carries: 1/sqrt(head_dim)."""
     return np.float32(1.0 / math.sqrt(config.head_dim))
+
+
+def embedding_factor(config: ModelConfig) -> np.float32:
+    """The factor MaxText's stored embedding carries (`Rule.embedding_scale`): the family's
+    embedding scale (sqrt(hidden)) rounded to bf16, as MaxText's converter and transformers' bf16
+    `embed_scale` round it."""
+    return np.float32(ml_dtypes.bfloat16(config.family_spec.embedding_scale(config)))
+
+
+def _offset_and_scale(rule: Rule, y: np.ndarray, config: ModelConfig, *, inverse: bool) -> np.ndarray:
+    """The value changes of the rules that carry them, in fp32 whatever the storage dtype: the
+    query scale (x * s), the embedding scale (x * n) and the norm offset (x + 1); `inverse`: their
+    exact inverses (/ s, / n, - 1, the same fp32 constants). Overflow gives inf (callers check)."""
+    factor = query_scale(config) if rule.query_scale else embedding_factor(config) if rule.embedding_scale else None
+    if factor is None and not rule.unit_offset:
+        return y
+    y = y.astype(np.float32)
+    with np.errstate(over="ignore"):
+        if inverse:
+            y = y - np.float32(1) if rule.unit_offset else y
+            return y if factor is None else y / factor
+        y = y if factor is None else y * factor
+        return y + np.float32(1) if rule.unit_offset else y
 
 
 def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: str, out_dtype: str) -> np.ndarray:
@@ -179,9 +234,8 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
         y = transpose_2d(x).reshape(x.shape[1] // config.head_dim, config.head_dim, x.shape[0])
     else:  # pragma: no cover - the table only uses the four above
         raise ValueError(rule.transform)
+    y = _offset_and_scale(rule, y, config, inverse=False)
     with np.errstate(over="ignore"):
-        if rule.query_scale:  # in fp32 whatever the storage dtype (see the module docstring)
-            y = y.astype(np.float32) * query_scale(config)
         return np.ascontiguousarray(y.astype(out_dtype, copy=False))
 
 
@@ -190,9 +244,7 @@ def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: s
 
     Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
     _check_rope_layout(rope_layout)
-    if rule.query_scale:  # divide by the same fp32 constant the forward direction multiplied by
-        with np.errstate(over="ignore"):
-            y = y.astype(np.float32) / query_scale(config)
+    y = _offset_and_scale(rule, y, config, inverse=True)
     if rule.transform == "identity":
         x = y
     elif rule.transform == "transpose":

@@ -1,4 +1,4 @@
-"""Command-line wiring only: parse options, call one library function, turn errors into exit codes.
+"""Command-line wiring only: parse options, call one `nvfp4tool.api` function, turn errors into exit codes.
 
 Exit codes: 0 success; 1 a failed check or bad data (`NVFP4ToolError`, or an OS error naming a
 file); 2 bad usage (`NVFP4UsageError`, bad option values rejected by the click types). A traceback
@@ -8,19 +8,18 @@ Design notes: docs/design/cli.md.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 import math
 import os
 import signal
 import sys
 import threading
-from urllib.parse import urlparse
 
 import click
 
-from nvfp4tool import __version__, progress
+from nvfp4tool import __version__, api, progress
+from nvfp4tool.api import rules
+from nvfp4tool.api.rules import default, rule
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 
 
@@ -93,71 +92,46 @@ class _NewFile(click.Path):
 _COUNT = click.IntRange(min=1)  # a number of things: samples, steps, tokens...
 
 
-def _default(owner, name: str):
-    """The default of `name` in `owner`, a library's options dataclass or function: the library
-    states each default once and the CLI shows and passes that value."""
-    if dataclasses.is_dataclass(owner):
-        (field,) = (f for f in dataclasses.fields(owner) if f.name == name)
-        default = field.default
-    else:
-        default = inspect.signature(owner).parameters[name].default
-    if default is dataclasses.MISSING or default is inspect.Parameter.empty:
-        raise TypeError(f"{owner.__qualname__}.{name} has no default")
-    return default
+def _api(fn, name: str) -> dict:
+    """The click `type` (or `callback`) and `default` of the option of keyword `name` of the API
+    function `fn`: the API owns each option's rule and default (`nvfp4tool.api.rules`)."""
+    return {**_checks(fn, name), "default": default(fn, name)}
 
 
-def _offload(default: str):
-    """The --offload option of a command whose library option defaults to `default`."""
+def _checks(fn, name: str) -> dict:
+    """The click type that applies the rule on keyword `name` of `fn`, or for a rule click has no
+    type for, a callback that applies it: a bad value exits 2 before the library runs."""
+    found = rule(fn, name)
+    if isinstance(found, rules.Range):
+        bounds = {"min": found.low, "max": found.high, "min_open": found.low_open}
+        return {"type": click.IntRange(**bounds) if found.integer else _FiniteFloat(**bounds)}
+    if isinstance(found, rules.OneOf):
+        return {"type": click.Choice(list(found.choices))}
+    if isinstance(found, rules.Exists):
+        return {"type": click.Path(exists=True, file_okay=found.file, dir_okay=found.folder)}
+    if isinstance(found, rules.NewFile):
+        return {"type": _NewFile()}
+    if found is None:
+        raise TypeError(f"{fn.__qualname__}: {name} has no rule")
+
+    def apply(ctx: click.Context, param: click.Parameter, value):
+        problem = None if value is None else found.problem(value)
+        if problem is not None:
+            raise click.BadParameter(f"{value!r} is {problem}.", ctx, param)
+        return value
+
+    return {"callback": apply}
+
+
+def _offload(fn):
+    """The --offload option of the command of API function `fn`."""
     return click.option(
         "--offload",
-        type=click.Choice(["auto", "never", "always"]),
-        default=default,
+        **_api(fn, "offload"),
         show_default=True,
         help="Run the model held in memory (never), streamed layer by layer from its files (always: peak = "
         "one layer + embeddings/LM head + activations), or decide from its size and the free memory (auto).",
     )
-
-
-def _convert_default(name: str):
-    """Default of a convert option (owned by nvfp4tool.convert.convert_checkpoint)."""
-    from nvfp4tool.convert import convert_checkpoint
-
-    return _default(convert_checkpoint, name)
-
-
-def _export_default(name: str):
-    """Default of an export option (owned by nvfp4tool.export.ExportOptions)."""
-    from nvfp4tool.export import ExportOptions
-
-    return _default(ExportOptions, name)
-
-
-def _push_default(name: str):
-    """Default of a push option (owned by nvfp4tool.hub.PushOptions)."""
-    from nvfp4tool.hub import PushOptions
-
-    return _default(PushOptions, name)
-
-
-def _validate_default(name: str):
-    """Default of a validate option (owned by nvfp4tool.validate.runner.ValidateOptions)."""
-    from nvfp4tool.validate.runner import ValidateOptions
-
-    return _default(ValidateOptions, name)
-
-
-def _eval_default(name: str):
-    """Default of an eval option (owned by nvfp4tool.eval.evaluate.EvalOptions)."""
-    from nvfp4tool.eval.evaluate import EvalOptions
-
-    return _default(EvalOptions, name)
-
-
-def _quickstart_default(name: str):
-    """Default of a quickstart option (owned by nvfp4tool.quickstart.QuickstartOptions)."""
-    from nvfp4tool.quickstart import QuickstartOptions
-
-    return _default(QuickstartOptions, name)
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -192,22 +166,6 @@ def _damp(ctx: click.Context, param: click.Parameter, value: float) -> float:
             ctx,
             param,
         )
-    return value
-
-
-def _reference(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """validate --reference: fp8, bf16 or an existing folder."""
-    if value not in ("fp8", "bf16") and not os.path.isdir(value):
-        raise click.BadParameter(f"{value!r} is not fp8, bf16 or an existing export folder.", ctx, param)
-    return value
-
-
-def _endpoint(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """push --endpoint: an http(s) URL."""
-    if value is not None:
-        url = urlparse(value)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise click.BadParameter(f"{value!r} is not an http(s) URL (e.g. https://hub.example.com).", ctx, param)
     return value
 
 
@@ -253,39 +211,37 @@ def cli(ctx: click.Context, verbose: bool, quiet: bool, log_format: str) -> None
 @cli.command("convert", short_help="Convert between HF safetensors and MaxText, or reshard")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", type=click.Choice(["hf", "maxtext"]), required=True, help="Output format.")
+@click.option("--to", "to", **_checks(api.convert, "to"), required=True, help="Output format.")
 @click.option(
     "--scan-layers/--no-scan-layers",
-    default=_convert_default("scan_layers"),
+    default=default(api.convert, "scan_layers"),
     show_default=True,
     help="MaxText output: stack the layers (decoder/layers, layer axis 1) or not.",
 )
 @click.option(
     "--model-config",
-    default=_convert_default("model_config"),
+    default=default(api.convert, "model_config"),
     help="HF config.json, HF folder, or MaxText model name (e.g. llama3.1-8b). Required for a MaxText source.",
 )
 @click.option(
     "--rope-layout",
-    type=click.Choice(["interleaved", "half"]),
-    default=_convert_default("rope_layout"),
+    **_api(api.convert, "rope_layout"),
     help="RoPE row layout on the MaxText side (default: from the MaxText model name; "
-    "Mixtral and Qwen3-MoE: always half, fixed by the family).",
+    "a family whose MaxText decoder fixes one always has it: docs/commands/convert.md).",
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp32"]),
-    default=_convert_default("dtype"),
+    **_api(api.convert, "dtype"),
     help="Output dtype (MaxText default fp32; HF default: the model config's).",
 )
 @click.option(
     "--max-shard-size",
-    default=_convert_default("max_shard_size"),
+    default=default(api.convert, "max_shard_size"),
     show_default=True,
     callback=_size,
     help="HF output shard size.",
 )
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--force", is_flag=True, default=default(api.convert, "force"), help="Replace DST if it exists.")
 def convert_command(
     src: str,
     dst: str,
@@ -304,9 +260,7 @@ def convert_command(
       nvfp4tool convert ./Llama-3.1-8B ./ckpt --to maxtext --model-config llama3.1-8b
       nvfp4tool convert ./ckpt/0/items ./hf --to hf --model-config llama3.1-8b
     """
-    from nvfp4tool.convert import convert_checkpoint
-
-    summary = convert_checkpoint(
+    summary = api.convert(
         src,
         dst,
         to=to,
@@ -372,12 +326,8 @@ def train_command(args: tuple[str, ...]) -> None:
       nvfp4tool train model=tiny data=corpus.txt recipe=nvfp4 steps=60 out=runs/a
       nvfp4tool train run.yaml lr=3e-4 resume=true
     """
-    from nvfp4tool.run.config import load_train_config
-    from nvfp4tool.train.trainer import train
-
     yaml_path = args[0] if args and "=" not in args[0] else None
-    overrides = list(args[1:] if yaml_path else args)
-    result = train(load_train_config(yaml_path, overrides))
+    result = api.train(yaml_path, *(args[1:] if yaml_path else args))
     if result.losses:
         last = max(result.losses)
         eval_text = f", eval loss {result.eval_losses[last]:.4f}" if last in result.eval_losses else ""
@@ -397,71 +347,59 @@ def data_group() -> None:
     """
 
 
-def _data_formats() -> list[str]:
-    from nvfp4tool.corpus.encode import FORMATS
-
-    return list(FORMATS)
-
-
-def _prepare_default(name: str):
-    from nvfp4tool.corpus.prepare import prepare_cache
-
-    return _default(prepare_cache, name)
-
-
 @data_group.command("prepare", short_help="Tokenize documents into a token cache")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
+@click.argument("sources", nargs=-1, required=True, **_checks(api.prepare_data, "sources"))
 @click.option(
-    "--tokenizer", "tokenizer", required=True, type=click.Path(exists=True), help="Folder with tokenizer.json."
+    "--tokenizer",
+    "tokenizer",
+    required=True,
+    **_checks(api.prepare_data, "tokenizer"),
+    help="Folder with tokenizer.json.",
 )
 @click.option("--out", "out", required=True, type=click.Path(), help="Cache folder to write (atomically).")
 @click.option(
     "--text-field",
-    default=_prepare_default("text_field"),
+    default=default(api.prepare_data, "text_field"),
     show_default=True,
     help="JSONL key / Parquet or dataset column holding the documents.",
 )
 @click.option(
     "--format",
     "data_format",
-    type=click.Choice(_data_formats()),
-    default=_prepare_default("format"),
+    **_api(api.prepare_data, "format"),
     show_default=True,
     help="text: documents; chat: rows of `messages`; prompt_completion: rows of `prompt` and `completion`.",
 )
 @click.option(
     "--loss-on",
-    type=click.Choice(["assistant", "completion", "all"]),
-    default=None,
+    **_api(api.prepare_data, "loss_on"),
     help="chat: assistant (default) | all; prompt_completion: completion (default) | all.",
 )
 @click.option(
     "--overlong",
-    type=click.Choice(["drop", "truncate"]),
-    default=None,
+    **_api(api.prepare_data, "overlong"),
     help="chat / prompt_completion: a row longer than --seq-len + 1 tokens is dropped (default) or truncated.",
 )
 @click.option(
     "--seq-len",
-    type=click.IntRange(min=1),
-    default=None,
+    **_api(api.prepare_data, "seq_len"),
     help="chat / prompt_completion: the row length --overlong holds rows to (default: no limit).",
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=0),
-    default=_prepare_default("workers"),
+    **_api(api.prepare_data, "workers"),
     show_default=True,
     help="Tokenizer worker processes (0: tokenize in this process).",
 )
 @click.option(
     "--shard-tokens",
-    type=_COUNT,
-    default=_prepare_default("shard_tokens"),
+    **_api(api.prepare_data, "shard_tokens"),
     show_default=True,
     help="Tokens per shard file.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing cache folder.")
+@click.option(
+    "--force", is_flag=True, default=default(api.prepare_data, "force"), help="Replace an existing cache folder."
+)
 def data_prepare_command(
     sources: tuple[str, ...],
     tokenizer: str,
@@ -483,12 +421,10 @@ def data_prepare_command(
       nvfp4tool data prepare corpus.jsonl more/ --tokenizer tok/ --out cache/ --workers 8
       nvfp4tool data prepare chats.jsonl --format chat --seq-len 2048 --tokenizer tok/ --out sft-cache/
     """
-    from nvfp4tool.corpus.prepare import prepare_cache
-
-    manifest = prepare_cache(
-        list(sources),
-        tokenizer,
-        out,
+    manifest = api.prepare_data(
+        *sources,
+        tokenizer=tokenizer,
+        out=out,
         text_field=text_field,
         format=data_format,
         loss_on=loss_on,
@@ -507,8 +443,13 @@ def data_prepare_command(
 
 
 @data_group.command("verify", short_help="Rehash a token cache and its sources")
-@click.argument("cache", type=click.Path(exists=True, file_okay=False))
-@click.option("--skip-sources", is_flag=True, help="Check only the cache's own files, not the source files it records.")
+@click.argument("cache", **_checks(api.verify_data, "cache"))
+@click.option(
+    "--skip-sources",
+    is_flag=True,
+    default=default(api.verify_data, "skip_sources"),
+    help="Check only the cache's own files, not the source files it records.",
+)
 def data_verify_command(cache: str, skip_sources: bool) -> None:
     """Check every file of CACHE against its manifest's sha256 and, unless --skip-sources, each
     source file it records against its recorded sha256 (a source given to prepare as a relative
@@ -518,9 +459,7 @@ def data_verify_command(cache: str, skip_sources: bool) -> None:
     Example:
       nvfp4tool data verify cache/
     """
-    from nvfp4tool.corpus.cache import verify_cache
-
-    opened = verify_cache(cache, sources=not skip_sources)
+    opened = api.verify_data(cache, skip_sources=skip_sources)
     manifest = opened.manifest
     sources = "" if skip_sources else f"; its {len(manifest.sources)} source file(s) unchanged"
     click.echo(
@@ -530,17 +469,22 @@ def data_verify_command(cache: str, skip_sources: bool) -> None:
 
 
 @cli.command("plot", short_help="Overlay training runs' loss curves and their gap")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument("runs", nargs=-1, required=True, **_checks(api.plot, "runs"))
 @click.option(
     "-o",
     "--out",
     "out_png",
-    default="loss.png",
+    **_api(api.plot, "out"),
     show_default=True,
-    type=_NewFile(),
     help="PNG to write (a JSON of the plotted series is written beside it).",
 )
-@click.option("--label", "labels", multiple=True, help="Legend label per run (default: folder names).")
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    default=default(api.plot, "labels"),
+    help="Legend label per run (default: folder names).",
+)
 def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -> None:
     """Overlay training runs' loss curves and their relative gap to the first run.
 
@@ -548,11 +492,7 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
     Example:
       nvfp4tool plot runs/bf16 runs/nvfp4 -o compare.png
     """
-    from nvfp4tool.train.metrics import plot_runs
-
-    if labels and len(labels) != len(runs):
-        raise click.UsageError(f"{len(labels)} --label for {len(runs)} runs")
-    series = plot_runs(list(runs), out_png, list(labels) or None)
+    series = api.plot(*runs, out=out_png, labels=labels)
     for label, s in series.items():
         if s["loss"]:
             click.echo(f"{label}: {len(s['loss'])} steps, final loss {s['loss'][-1]:.4f}")
@@ -560,16 +500,16 @@ def plot_command(runs: tuple[str, ...], out_png: str, labels: tuple[str, ...]) -
 
 
 @cli.command("check", short_help="Check an NVFP4/FP8 serving checkpoint before serving")
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", **_checks(api.check, "path"))
 @click.option(
     "--tp",
-    default="1",
+    default=",".join(str(degree) for degree in default(api.check, "tp")),
     show_default=True,
     callback=_tp,
     help="Tensor-parallel degrees to check the K/N splits for, comma-separated (e.g. 1,2,4,8).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the table.")
-@click.option("--json-out", type=_NewFile(), default=None, help="Also write the JSON report to this file.")
+@click.option("--json-out", **_api(api.check, "json_out"), help="Also write the JSON report to this file.")
 def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str | None) -> None:
     """Check an NVFP4/FP8 serving checkpoint (ModelOpt or compressed-tensors) before serving it.
 
@@ -585,12 +525,9 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 
     from rich.console import Console
 
-    from nvfp4tool.check import check_checkpoint, print_report
-    from nvfp4tool.records.base import write_json
+    from nvfp4tool.check import print_report
 
-    report = check_checkpoint(path, tp=tp)
-    if json_out:
-        write_json(json_out, report.to_dict(), indent=2)
+    report = api.check(path, tp=tp, json_out=json_out)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -612,47 +549,47 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (written atomically).")
 @click.option(
+    "--recipe",
+    **_api(api.export, "recipe"),
+    help="A named combination of the options below that we stand behind (docs/commands/export.md#recipes: "
+    "what each costs and gave on SmolLM2-135M); an option you also set wins over the recipe's.",
+)
+@click.option(
     "--format",
     "fmt",
-    type=click.Choice(["modelopt", "compressed-tensors"]),
-    default=_export_default("format"),
+    **_api(api.export, "format"),
     show_default=True,
     help="modelopt: vLLM modelopt_fp4 / TensorRT-LLM / SGLang; "
     "compressed-tensors: vLLM compressed-tensors / transformers.",
 )
 @click.option(
     "--quant",
-    type=click.Choice(["nvfp4", "nvfp4-weight-only", "fp8"]),
-    default=_export_default("quant"),
+    **_api(api.export, "quant"),
     show_default=True,
     help="nvfp4 = W4A4, nvfp4-weight-only = W4A16, fp8 = W8A8 per tensor.",
 )
 @click.option(
     "--calib-data",
-    type=click.Path(exists=True, dir_okay=False),
-    default=_export_default("calib_data"),
+    **_api(api.export, "calib_data"),
     help="Calibration text (.txt/.jsonl) or token ids (.npy) for the input scales, GPTQ, --equalize and the "
     "KV-cache scales (an error where none of them is needed).",
 )
 @click.option(
     "--calib-samples",
-    type=_COUNT,
-    default=_export_default("calib_samples"),
+    **_api(api.export, "calib_samples"),
     show_default=True,
     help="Most calibration windows used (a file with fewer: said and recorded); needs --calib-data.",
 )
 @click.option(
     "--calib-seq-len",
-    type=click.IntRange(min=2),
-    default=_export_default("calib_seq_len"),
+    **_api(api.export, "calib_seq_len"),
     show_default=True,
     help="Most tokens per calibration window (shorter rows: said and recorded); needs --calib-data.",
 )
-@_offload(_export_default("offload"))
+@_offload(api.export)
 @click.option(
     "--kv-cache",
-    type=click.Choice(["none", "fp8"]),
-    default=_export_default("kv_cache"),
+    **_api(api.export, "kv_cache"),
     show_default=True,
     help="fp8: calibrate every attention layer's K (after RoPE) / V amax and write FP8 KV-cache "
     "scales (amax / 448) and the config keys engines read (needs --calib-data).",
@@ -660,21 +597,19 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--keep-bf16",
     multiple=True,
-    default=_export_default("keep_bf16"),
+    default=default(api.export, "keep_bf16"),
     help="fnmatch pattern of linear modules kept in BF16 (repeatable; default: none beyond the run's).",
 )
 @click.option(
     "--keep-bf16-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=_export_default("keep_bf16_file"),
+    **_api(api.export, "keep_bf16_file"),
     help="File of --keep-bf16 patterns, one pattern or module name per line, # comments (e.g. the "
     "keep_bf16.txt of `validate --sensitivity`); a pattern matching no module is refused. "
     "Default: none.",
 )
 @click.option(
     "--scale-search",
-    type=click.Choice(["rtn", "4over6", "mse"]),
-    default=_export_default("scale_search"),
+    **_api(api.export, "scale_search"),
     show_default=True,
     help="NVFP4 block scales: rtn = the standard amax scale of each 16-value block; 4over6 = per block "
     "the better of the scales mapping its amax to 6 or to 4; mse = per block the E4M3 scale among the "
@@ -682,16 +617,14 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option(
     "--weight-rounding",
-    type=click.Choice(["rtn", "gptq"]),
-    default=_export_default("weight_rounding"),
+    **_api(api.export, "weight_rounding"),
     show_default=True,
     help="gptq: error-compensating rounding with each linear's calibration Hessian, layer by layer "
     "(needs --calib-data; NVFP4 only; the scales stay those of --scale-search).",
 )
 @click.option(
     "--equalize",
-    type=click.Choice(["none", "awq", "smoothquant"]),
-    default=_export_default("equalize"),
+    **_api(api.export, "equalize"),
     show_default=True,
     help="Equivalent scaling before quantizing, folded into the preceding norm or linear (a plain "
     "checkpoint, the same function in BF16, checked): awq = per site the scale mean|x|^alpha with "
@@ -700,15 +633,14 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 @click.option(
     "--gptq-damp",
     type=float,
-    default=_export_default("gptq_damp"),
+    default=default(api.export, "gptq_damp"),
     show_default=True,
     callback=_damp,
     help="GPTQ damping: H += damp * mean(diag H) * I; 0 < damp <= 1.",
 )
 @click.option(
     "--gptq-block-scales",
-    type=click.Choice(["original", "updated"]),
-    default=_export_default("gptq_block_scales"),
+    **_api(api.export, "gptq_block_scales"),
     show_default=True,
     help="GPTQ's block scales: original = chosen first on the original weight by --scale-search (RTN's); "
     "updated = each 16-column block's chosen by --scale-search when GPTQ reaches it, on the weights "
@@ -717,41 +649,39 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
 )
 @click.option(
     "--weight-block",
-    type=click.Choice(["1d", "2d"]),
-    default=_export_default("weight_block"),
+    **_api(api.export, "weight_block"),
     help="Block scaling of the weights (default: the run's, 2d for nvfp4 runs; else 1d).",
 )
 @click.option(
     "--max-shard-size",
-    default=_export_default("max_shard_size"),
+    default=default(api.export, "max_shard_size"),
     show_default=True,
     callback=_size,
     help="Largest safetensors file written (e.g. 500MB, 5GB); bigger models are split.",
 )
 @click.option(
     "--step",
-    type=click.IntRange(min=0),
-    default=_export_default("step"),
+    **_api(api.export, "step"),
     help="Training run: export this checkpoint step (default: the final weights).",
 )
 @click.option(
     "--model-config",
-    default=_export_default("model_config"),
+    default=default(api.export, "model_config"),
     help="MaxText source: MaxText model name (e.g. llama3.1-8b) or HF config.json / folder "
     "(required for a MaxText source; default: none).",
 )
 @click.option(
     "--rope-layout",
-    type=click.Choice(["half", "interleaved"]),
-    default=_export_default("rope_layout"),
+    **_api(api.export, "rope_layout"),
     help="MaxText source with an HF --model-config: its RoPE row layout (default: the one the family "
-    "fixes, Mixtral and Qwen3-MoE half; else required).",
+    "fixes, docs/commands/convert.md; else required).",
 )
-@click.option("--force", is_flag=True, default=_export_default("force"), help="Replace an existing output folder.")
+@click.option("--force", is_flag=True, default=default(api.export, "force"), help="Replace an existing output folder.")
 def export_command(
     src,
     to,
     out,
+    recipe,
     fmt,
     quant,
     calib_data,
@@ -781,16 +711,20 @@ def export_command(
       nvfp4tool export hf/m --out out/m-nvfp4 --calib-data calib.txt --kv-cache fp8
       nvfp4tool export hf/m --out out/m-gptq --calib-data calib.txt --weight-rounding gptq
       nvfp4tool export hf/m --out out/m-awq --calib-data calib.txt --equalize awq
+      nvfp4tool export hf/m --out out/m-w4a16 --calib-data calib.txt --recipe w4a16-best
     """
-    from nvfp4tool.export import ExportOptions, export_checkpoint
-
     del to  # safetensors is the only container
     ctx = click.get_current_context()
     for name in ("calib_samples", "calib_seq_len"):  # said, not silently ignored
         if calib_data is None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
-    options = ExportOptions(
+    if recipe is not None:
+        _check_recipe_overrides(ctx, recipe)
+    summary = api.export(
+        src,
+        out,
+        recipe=recipe,
         format=fmt,
         quant=quant,
         scale_search=scale_search,
@@ -799,7 +733,7 @@ def export_command(
         gptq_damp=gptq_damp,
         gptq_block_scales=gptq_block_scales,
         weight_block=weight_block,
-        keep_bf16=tuple(keep_bf16),
+        keep_bf16=keep_bf16,
         keep_bf16_file=keep_bf16_file,
         calib_data=calib_data,
         calib_samples=calib_samples,
@@ -812,21 +746,42 @@ def export_command(
         rope_layout=rope_layout,
         force=force,
     )
-    click.echo(export_checkpoint(src, out, options).line())
+    click.echo(summary.line())
+
+
+def _check_recipe_overrides(ctx: click.Context, recipe: str) -> None:
+    """A recipe yields to the options set to other than their defaults (`export.recipes`); an option
+    typed at its default that the recipe sets otherwise would be silently overridden: refused."""
+    from nvfp4tool.export.recipes import SETTABLE, read_recipe
+
+    sets = read_recipe(recipe).options
+    for param in ctx.command.params:
+        field = "format" if param.name == "fmt" else param.name
+        typed = ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+        value = ctx.params[param.name]
+        if field in SETTABLE and field in sets and field != "keep_bf16" and typed and value == param.default:
+            if sets[field] != value:
+                raise click.UsageError(
+                    f"--recipe {recipe} sets {param.opts[0]} {sets[field]}; {param.opts[0]} {value} is the "
+                    "default, which a recipe overrides: give the options one by one instead of the recipe",
+                    ctx,
+                )
 
 
 @cli.command("convert-format", short_help="Convert an export: ModelOpt <-> compressed-tensors")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src", **_checks(api.convert_format, "src"))
 @click.argument("out", type=click.Path())
 @click.option(
     "--to",
     "to",
-    type=click.Choice(["modelopt", "compressed-tensors"]),
+    **_checks(api.convert_format, "to"),
     required=True,
     help="Layout to write: modelopt (vLLM modelopt_fp4 / TensorRT-LLM / SGLang) or compressed-tensors "
     "(vLLM compressed-tensors / transformers).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option(
+    "--force", is_flag=True, default=default(api.convert_format, "force"), help="Replace an existing output folder."
+)
 def convert_format_command(src, out, to, force) -> None:
     """Convert an export between the ModelOpt and compressed-tensors layouts, losslessly.
 
@@ -834,57 +789,54 @@ def convert_format_command(src, out, to, force) -> None:
     Example:
       nvfp4tool convert-format out/a-nvfp4 out/a-nvfp4-ct --to compressed-tensors
     """
-    from nvfp4tool.export.convert_format import convert_format
-
-    seconds = convert_format(src, out, to=to, force=force)
-    click.echo(f"wrote {out} ({to}) in {seconds:.1f} s")
+    converted = api.convert_format(src, out, to=to, force=force)
+    click.echo(f"wrote {out} ({to}) in {converted.seconds:.1f} s")
 
 
 @cli.command("push", short_help="Check an export, write its model card, upload to the Hub")
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", **_checks(api.push, "path"))
 @click.option("--repo-id", required=True, help="Hub repository, ORG/NAME (created if missing).")
-@click.option("--private", is_flag=True, default=_push_default("private"), help="Create the repository private.")
+@click.option("--private", is_flag=True, default=default(api.push, "private"), help="Create the repository private.")
 @click.option(
-    "--revision", default=_push_default("revision"), help="Branch to commit to (created from main if missing)."
+    "--revision", default=default(api.push, "revision"), help="Branch to commit to (created from main if missing)."
 )
 @click.option(
     "--create-pr",
     is_flag=True,
-    default=_push_default("create_pr"),
+    default=default(api.push, "create_pr"),
     help="Open a pull request against main instead of committing.",
 )
 @click.option(
     "--dry-run",
     is_flag=True,
-    default=_push_default("dry_run"),
+    default=default(api.push, "dry_run"),
     help="Print the file list, sizes and model card; upload nothing.",
 )
 @click.option(
     "--endpoint",
-    default=_push_default("endpoint"),
-    callback=_endpoint,
+    **_api(api.push, "endpoint"),
     help="Hub URL for a private Hub (default: HF_ENDPOINT or huggingface.co).",
 )
 @click.option(
     "--timeout",
-    type=_FiniteFloat(min=0, min_open=True),
-    default=_push_default("timeout"),
+    **_api(api.push, "timeout"),
     show_default=True,
     help="Seconds to wait for each answer of the Hub before retrying (3 tries per request).",
 )
 @click.option(
     "--no-validation",
     is_flag=True,
+    default=default(api.push, "no_validation"),
     help="Publish without a validation.json from `nvfp4tool validate` (the card says so); "
     "a validation.json present is still checked against the files. Default: off.",
 )
 @click.option(
     "--base-model",
-    default=_push_default("base_model"),
+    default=default(api.push, "base_model"),
     help="Source repo id for the card (default: from the provenance).",
 )
 @click.option(
-    "--license", "license_", default=_push_default("license"), help="License for the card (default: the source's)."
+    "--license", "license_", default=default(api.push, "license"), help="License for the card (default: the source's)."
 )
 def push_command(
     path, repo_id, private, revision, create_pr, dry_run, endpoint, timeout, no_validation, base_model, license_
@@ -902,9 +854,8 @@ def push_command(
       nvfp4tool push out/llama-nvfp4 --repo-id my-org/Llama-3.2-1B-NVFP4 --dry-run
       nvfp4tool push out/llama-nvfp4 --repo-id my-org/Llama-3.2-1B-NVFP4 --private
     """
-    from nvfp4tool.hub import PushOptions, push_checkpoint
-
-    options = PushOptions(
+    result = api.push(
+        path,
         repo_id=repo_id,
         private=private,
         revision=revision,
@@ -912,11 +863,10 @@ def push_command(
         dry_run=dry_run,
         endpoint=endpoint,
         timeout=timeout,
-        require_validation=not no_validation,
+        no_validation=no_validation,
         base_model=base_model,
         license=license_,
     )
-    result = push_checkpoint(path, options)
     click.echo(("would upload" if dry_run else "uploaded") + f" to {repo_id}:\n{result.file_table()}")
     if result.replaced_readme:
         click.echo(f"note: {path}/README.md is replaced by the generated model card in the upload")
@@ -926,152 +876,131 @@ def push_command(
         click.echo(f"done: {result.pr_url or result.commit_url or result.repo_url}")
 
 
-def _threshold_default(field: str):
-    """Default of a validate threshold (kept in nvfp4tool.validate.thresholds)."""
-    from nvfp4tool.validate.thresholds import Thresholds
+def _threshold_default(field: str) -> str:
+    """A validate threshold's defaults per quant, for its --help (kept in nvfp4tool.validate.thresholds)."""
+    from nvfp4tool.validate.thresholds import defaults_help
 
-    return getattr(Thresholds(), field)
+    return f"Default by the export's quant: {defaults_help(field)}."
 
 
 @cli.command("validate", short_help="Prove an export against its BF16 source and FP8")
-@click.argument("export", type=click.Path(exists=True, file_okay=False))
+@click.argument("export", **_checks(api.validate, "export"))
 @click.option(
     "--data",
     required=True,
-    type=click.Path(exists=True, dir_okay=False),
+    **_checks(api.validate, "data"),
     help="Evaluation text (.txt/.jsonl, tokenized with the export's tokenizer) or ids (.npy).",
 )
 @click.option(
     "--reference",
-    default=_validate_default("reference"),
+    **_api(api.validate, "reference"),
     show_default=True,
-    callback=_reference,
     help="fp8 (FP8 export made on the fly from the source), bf16 (no FP8 column), "
     "or the folder of an `export --quant fp8`.",
 )
 @click.option(
     "--source",
     type=click.Path(),
-    default=_validate_default("source"),
+    default=default(api.validate, "source"),
     help="The BF16 source (default: named by the export's nvfp4tool_export.json). Its weight files "
     "must have the sha256 that record names.",
 )
 @click.option(
     "--source-mismatch-ok",
     is_flag=True,
-    default=_validate_default("source_mismatch_ok"),
+    default=default(api.validate, "source_mismatch_ok"),
     help="Validate against a --source whose weights differ from the export's provenance record "
     "(default: refused); the report and the model card say so.",
 )
 @click.option(
     "--calib-data",
-    type=click.Path(exists=True, dir_okay=False),
-    default=_validate_default("calib_data"),
+    **_api(api.validate, "calib_data"),
     help="Calibration text (.txt/.jsonl) or ids (.npy) for the FP8 reference made on the fly "
     "(--reference fp8; default: the W4A4 export's own input amax or a training run's tracked "
     "amax; never --data).",
 )
 @click.option(
     "--calib-samples",
-    type=_COUNT,
-    default=_validate_default("calib_samples"),
+    **_api(api.validate, "calib_samples"),
     show_default=True,
     help="Sequences of --calib-data read.",
 )
 @click.option(
     "--calib-seq-len",
-    type=click.IntRange(min=2),
-    default=_validate_default("calib_seq_len"),
+    **_api(api.validate, "calib_seq_len"),
     show_default=True,
     help="Tokens per --calib-data sequence.",
 )
-@click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write validation.json here.")
+@click.option("--json", "json_copy", **_api(api.validate, "json_copy"), help="Also write validation.json here.")
 @click.option(
     "--force",
     is_flag=True,
+    default=default(api.validate, "force"),
     help="Replace existing reports (validation.json / .md, the PNGs, the --json copy); default: refused.",
 )
-@click.option(
-    "--samples", type=_COUNT, default=_validate_default("samples"), show_default=True, help="Sequences evaluated."
-)
+@click.option("--samples", **_api(api.validate, "samples"), show_default=True, help="Sequences evaluated.")
 @click.option(
     "--seq-len",
-    type=click.IntRange(min=2),
-    default=_validate_default("seq_len"),
+    **_api(api.validate, "seq_len"),
     show_default=True,
     help="Tokens per evaluated sequence.",
 )
 @click.option(
     "--batch-size",
-    type=_COUNT,
-    default=_validate_default("batch_size"),
+    **_api(api.validate, "batch_size"),
     show_default=True,
     help="Sequences per forward pass (memory, not results).",
 )
-@click.option(
-    "--prompts", type=_COUNT, default=_validate_default("prompts"), show_default=True, help="Greedy-generation prompts."
-)
+@click.option("--prompts", **_api(api.validate, "prompts"), show_default=True, help="Greedy-generation prompts.")
 @click.option(
     "--prompt-len",
-    type=_COUNT,
-    default=_validate_default("prompt_len"),
+    **_api(api.validate, "prompt_len"),
     show_default=True,
     help="Tokens of --data each greedy prompt starts from.",
 )
 @click.option(
     "--gen-tokens",
-    type=_COUNT,
-    default=_validate_default("gen_tokens"),
+    **_api(api.validate, "gen_tokens"),
     show_default=True,
     help="Greedy continuation length.",
 )
 @click.option(
     "--max-kl-mean",
-    type=_FiniteFloat(min=0),
-    default=_threshold_default("max_kl_mean"),
-    show_default=True,
-    help="Most mean KL(BF16 || NVFP4) per token, in nats.",
+    **_api(api.validate, "max_kl_mean"),
+    help="Most mean KL(BF16 || NVFP4) per token, in nats. " + _threshold_default("max_kl_mean"),
 )
 @click.option(
     "--max-kl-p99",
-    type=_FiniteFloat(min=0),
-    default=_threshold_default("max_kl_p99"),
-    show_default=True,
-    help="Most 99th-percentile per-token KL, in nats.",
+    **_api(api.validate, "max_kl_p99"),
+    help="Most 99th-percentile per-token KL, in nats. " + _threshold_default("max_kl_p99"),
 )
 @click.option(
     "--min-top1",
-    type=_FiniteFloat(min=0, max=1),
-    default=_threshold_default("min_top1"),
-    show_default=True,
+    **_api(api.validate, "min_top1"),
     help="Least fraction of tokens whose arg-max matches BF16's (default: no "
     "limit, since on near-flat logits top-1 agreement measures tie-breaking, not damage).",
 )
 @click.option(
     "--max-ppl-increase",
-    type=_FiniteFloat(min=0),
-    default=_threshold_default("max_ppl_increase"),
-    show_default=True,
-    help="Relative: ppl / ppl_bf16 - 1.",
+    **_api(api.validate, "max_ppl_increase"),
+    help="Relative: ppl / ppl_bf16 - 1. " + _threshold_default("max_ppl_increase"),
 )
 @click.option(
     "--min-layer-sqnr",
-    type=_FiniteFloat(),
-    default=_threshold_default("min_layer_sqnr_db"),
-    show_default=True,
-    help="Floor (dB) of every quantized layer's weight SQNR.",
+    **_api(api.validate, "min_layer_sqnr"),
+    help="Floor (dB) of every quantized layer's weight SQNR. " + _threshold_default("min_layer_sqnr_db"),
 )
-@_offload(_validate_default("offload"))
+@_offload(api.validate)
 @click.option(
     "--sensitivity",
     is_flag=True,
+    default=default(api.validate, "sensitivity"),
     help="Also find the layers to keep in BF16 for --kl-target and write them to EXPORT/keep_bf16.txt "
     "(for `export --keep-bf16-file`).",
 )
 @click.option(
     "--kl-target",
-    type=_FiniteFloat(min=0, min_open=True),
-    default=0.01,
+    **_api(api.validate, "kl_target"),
     show_default=True,
     help="KL mean target of --sensitivity.",
 )
@@ -1115,36 +1044,34 @@ def validate_command(
 
     from nvfp4tool.tables import print_line
     from nvfp4tool.validate.report import KEEP_BF16_TXT, print_report
-    from nvfp4tool.validate.runner import ValidateOptions, validate_export
     from nvfp4tool.validate.sensitivity import export_with_file
-    from nvfp4tool.validate.thresholds import Thresholds
 
-    options = ValidateOptions(
+    console = Console()
+    run = api.validate(
+        export,
         data=data,
         reference=reference,
         source=source,
+        source_mismatch_ok=source_mismatch_ok,
+        calib_data=calib_data,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        json_copy=json_copy,
+        force=force,
         samples=samples,
         seq_len=seq_len,
         batch_size=batch_size,
         prompts=prompts,
         prompt_len=prompt_len,
         gen_tokens=gen_tokens,
+        max_kl_mean=max_kl_mean,
+        max_kl_p99=max_kl_p99,
+        min_top1=min_top1,
+        max_ppl_increase=max_ppl_increase,
+        min_layer_sqnr=min_layer_sqnr,
         offload=offload,
-        source_mismatch_ok=source_mismatch_ok,
-        calib_data=calib_data,
-        calib_samples=calib_samples,
-        calib_seq_len=calib_seq_len,
-        thresholds=Thresholds(
-            max_kl_mean=max_kl_mean,
-            max_kl_p99=max_kl_p99,
-            min_top1=min_top1,
-            max_ppl_increase=max_ppl_increase,
-            min_layer_sqnr_db=min_layer_sqnr,
-        ),
-    )
-    console = Console()
-    run = validate_export(
-        export, options, json_copy=json_copy, kl_target=kl_target if sensitivity else None, force=force
+        sensitivity=sensitivity,
+        kl_target=kl_target,
     )
     record = run.record
     if run.source_mismatch is not None:
@@ -1173,7 +1100,7 @@ def validate_command(
 
 
 @cli.command("eval", short_help="Task accuracy as served: BF16, FP8, NVFP4, paired")
-@click.argument("export", type=click.Path(exists=True, file_okay=False))
+@click.argument("export", **_checks(api.evaluate, "export"))
 @click.option(
     "--tasks",
     required=True,
@@ -1183,67 +1110,57 @@ def validate_command(
 )
 @click.option(
     "--reference",
-    type=click.Path(exists=True, file_okay=False),
-    default=_eval_default("reference"),
+    **_api(api.evaluate, "reference"),
     help="An FP8 export (`export --quant fp8`) of the same source, run as served for the FP8 column (default: none).",
 )
 @click.option(
     "--source",
-    type=click.Path(exists=True, file_okay=False),
-    default=_eval_default("source"),
+    **_api(api.evaluate, "source"),
     help="The BF16 source (default: named by the export's nvfp4tool_export.json; its weight files "
     "must have the sha256 that record names).",
 )
 @click.option(
     "--limit",
-    type=_COUNT,
-    default=_eval_default("limit"),
+    **_api(api.evaluate, "limit"),
     help="Evaluate only the first N items of each task (recorded in eval.json; default: all).",
 )
 @click.option(
     "--seed",
-    type=click.IntRange(0, 2**32 - 1),
-    default=_eval_default("seed"),
+    **_api(api.evaluate, "seed"),
     show_default=True,
     help="lm-eval's random seeds (few-shot sampling) and the key of sampled decoding.",
 )
 @click.option(
     "--max-drop",
-    type=_FiniteFloat(min=0, max=1),
-    default=_eval_default("max_drop"),
+    **_api(api.evaluate, "max_drop"),
     help="Fail (exit 1) when the lower end of the 95% interval of NVFP4 - BF16 (per task and "
     "overall) is below -MAX_DROP, a fraction (0.02 = 2 points; default: no threshold).",
 )
 @click.option(
     "--max-drop-fp8",
-    type=_FiniteFloat(min=0, max=1),
-    default=_eval_default("max_drop_fp8"),
+    **_api(api.evaluate, "max_drop_fp8"),
     help="The same threshold for NVFP4 - FP8 (needs --reference; default: none).",
 )
 @click.option(
     "--num-fewshot",
-    type=click.IntRange(min=0),
-    default=_eval_default("num_fewshot"),
+    **_api(api.evaluate, "num_fewshot"),
     help="Few-shot examples per prompt (default: each task's own).",
 )
 @click.option(
     "--batch-size",
-    type=_COUNT,
-    default=_eval_default("batch_size"),
+    **_api(api.evaluate, "batch_size"),
     show_default=True,
     help="Requests per forward pass / generation batch (memory and speed, not results).",
 )
 @click.option(
     "--max-length",
-    type=click.IntRange(min=2),
-    default=_eval_default("max_length"),
+    **_api(api.evaluate, "max_length"),
     show_default=True,
     help="Most tokens of context a request sees (longer ones are left-truncated).",
 )
 @click.option(
     "--max-gen-toks",
-    type=_COUNT,
-    default=_eval_default("max_gen_toks"),
+    **_api(api.evaluate, "max_gen_toks"),
     show_default=True,
     help="Most new tokens of a generative request whose task sets none.",
 )
@@ -1255,23 +1172,23 @@ def validate_command(
 )
 @click.option(
     "--samples",
-    type=_COUNT,
-    default=_eval_default("samples"),
+    **_api(api.evaluate, "samples"),
     show_default=True,
     help="Generations per item of a sampled task (seeds SEED, SEED+1, ...), its score their mean; "
     "needs sampled decoding.",
 )
-@_offload(_eval_default("offload"))
+@_offload(api.evaluate)
 @click.option(
     "--chat-template/--no-chat-template",
-    default=_eval_default("chat_template"),
+    default=default(api.evaluate, "chat_template"),
     show_default=True,
     help="Wrap prompts in the tokenizer's chat template where the tokenizer has one.",
 )
-@click.option("--json", "json_copy", type=_NewFile(), default=None, help="Also write eval.json here.")
+@click.option("--json", "json_copy", **_api(api.evaluate, "json_copy"), help="Also write eval.json here.")
 @click.option(
     "--force",
     is_flag=True,
+    default=default(api.evaluate, "force"),
     help="Replace existing reports (eval.json / .md / .png, eval_items.json, the --json copy); default: refused.",
 )
 def eval_command(
@@ -1306,30 +1223,28 @@ def eval_command(
     """
     from rich.console import Console
 
-    from nvfp4tool.eval.evaluate import EvalOptions, evaluate_export
     from nvfp4tool.eval.report import print_report
 
-    names = tuple(t.strip() for t in tasks.split(",") if t.strip())
-    if not names:
-        raise NVFP4UsageError("--tasks: no task given")
-    options = EvalOptions(
-        tasks=names,
+    run = api.evaluate(
+        export,
+        tasks=tasks,
         reference=reference,
         source=source,
         limit=limit,
         seed=seed,
         max_drop=max_drop,
         max_drop_fp8=max_drop_fp8,
+        num_fewshot=num_fewshot,
         batch_size=batch_size,
         max_length=max_length,
         max_gen_toks=max_gen_toks,
-        num_fewshot=num_fewshot,
-        offload=offload,
-        chat_template=chat_template,
         gen_kwargs=_gen_kwargs(gen_kwargs),
         samples=samples,
+        offload=offload,
+        chat_template=chat_template,
+        json_copy=json_copy,
+        force=force,
     )
-    run = evaluate_export(export, options, json_copy=json_copy, force=force)
     print_report(run.record, Console())
     click.echo(f"wrote {', '.join(run.files)}")
     if not run.record.passed:
@@ -1346,22 +1261,24 @@ def _gen_kwargs(text: str | None) -> dict | None:
 
 
 @cli.command("quickstart", short_help="Run the whole pipeline on the embedded tiny model")
-@click.option("--out", default=_quickstart_default("out"), show_default=True, help="Folder for every stage's output.")
+@click.option(
+    "--out", default=default(api.quickstart, "out"), show_default=True, help="Folder for every stage's output."
+)
 @click.option(
     "--pretrain-steps",
-    type=_COUNT,
-    default=_quickstart_default("pretrain_steps"),
+    **_api(api.quickstart, "pretrain_steps"),
     show_default=True,
     help="Steps of the BF16 pretraining stage.",
 )
 @click.option(
     "--finetune-steps",
-    type=_COUNT,
-    default=_quickstart_default("finetune_steps"),
+    **_api(api.quickstart, "finetune_steps"),
     show_default=True,
     help="Steps of the NVFP4-recipe fine-tuning stage.",
 )
-@click.option("--force", is_flag=True, default=_quickstart_default("force"), help="Replace an existing --out folder.")
+@click.option(
+    "--force", is_flag=True, default=default(api.quickstart, "force"), help="Replace an existing --out folder."
+)
 def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force: bool) -> None:
     """Run the whole pipeline on the embedded tiny model and Shakespeare corpus.
 
@@ -1372,12 +1289,7 @@ def quickstart_command(out: str, pretrain_steps: int, finetune_steps: int, force
     Example:
       nvfp4tool quickstart --out qs --force
     """
-    from nvfp4tool.quickstart import QuickstartOptions, run_quickstart
-
-    run_quickstart(
-        QuickstartOptions(out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps, force=force),
-        echo=click.echo,
-    )
+    api.quickstart(out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps, force=force, echo=click.echo)
 
 
 def main(argv: list[str] | None = None) -> None:

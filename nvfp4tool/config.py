@@ -5,10 +5,8 @@ fields that change the math (shapes, RoPE, biases, norms, tying, sliding window,
 carries every other key of the source config.json untouched (`hf_extra`) so writing it back loses
 nothing. The common keys are parsed here; what a family adds (how config.json spells its
 attention bias, window and experts, which combinations it can express, the kind and tensors of
-each layer) is declared by its module under `nvfp4tool/families/` (`llama.py`: llama, mistral,
-qwen2, qwen3; `moe.py`: qwen3_moe, mixtral; `nemotron_h.py`: the hybrid Mamba-2 + attention
-nemotron_h, whose config spells the common keys its own way: `layer_norm_epsilon`, no RoPE, no
-`hidden_act`), and `modules` is the module table derived from it.
+each layer, which common keys its config spells its own way or lacks) is declared by its module
+under `nvfp4tool/families/` (the registry lists them), and `modules` is the module table derived from it.
 Anything unsupported raises `NVFP4ToolError` naming what is supported.
 """
 
@@ -33,9 +31,15 @@ from nvfp4tool.families import (
 from nvfp4tool.families.hf_values import flag as _flag
 from nvfp4tool.families.hf_values import integer as _integer
 from nvfp4tool.families.hf_values import number as _number
+from nvfp4tool.families.rope_scaling import (  # noqa: F401  (RopeScaling, SUPPORTED_ROPE_TYPES: re-exported)
+    ROPE_SCALINGS,
+    SUPPORTED_ROPE_TYPES,
+    LinearRopeScaling,
+    RopeScaling,
+    rope_scaling_from_hf,
+)
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _FAMILY_BY_ARCHITECTURE = {arch: fam for fam, arch in ARCHITECTURE_BY_FAMILY.items()}
 
 # config.json keys that ModelConfig models itself (with its family's `modeled_keys`, less the
@@ -69,33 +73,10 @@ _MODELED_KEYS = frozenset(
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """llama3-type RoPE frequency scaling (Llama 3.1 / 3.2); the only scaling type supported."""
-
-    factor: float  # wavelengths longer than original_max / low_freq_factor are divided by this
-    low_freq_factor: float  # wavelengths above original_max / low_freq_factor: fully scaled
-    high_freq_factor: float  # wavelengths below original_max / high_freq_factor: unscaled
-    original_max_position_embeddings: int  # the context length the model was pre-trained at
-
-    def __post_init__(self) -> None:
-        if not (self.factor >= 1.0 and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise NVFP4ToolError(
-                f"rope_scaling llama3: need factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
-                f"got factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
-                f"high_freq_factor={self.high_freq_factor}"
-            )
-        if self.original_max_position_embeddings <= 0:
-            raise NVFP4ToolError(
-                f"rope_scaling llama3: original_max_position_embeddings must be > 0, "
-                f"got {self.original_max_position_embeddings}"
-            )
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model of a registered family: a Llama-family transformer (pre-norm, RMSNorm,
-    GQA attention, SwiGLU MLP or a sparse mixture of SwiGLU experts) or a hybrid Nemotron-H stack
-    (its own fields in `family_config`: `families.nemotron_h.HybridFields`)."""
+    """A decoder-only model of a registered family: the fields every family shares (shapes, RoPE,
+    norms, tying; the attention options of the Llama group's config.json), and the family's own
+    fields in `family_config` (its module's record: `moe.Experts`, `nemotron_h.HybridFields`)."""
 
     family: str  # one of SUPPORTED_FAMILIES (HF model_type)
     vocab_size: int  # V: rows of the embedding and of lm_head
@@ -107,7 +88,7 @@ class ModelConfig:
     head_dim: int  # D: per-head width (not necessarily E // H, e.g. Qwen3)
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
     rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: RopeScaling | None = None  # llama3 frequency scaling, or None
+    rope_scaling: Any = None  # a frequency scaling record (`ROPE_SCALINGS`: llama3, linear), or None
     max_position_embeddings: int = 2048  # context length the config advertises
     tie_word_embeddings: bool = False  # lm_head reuses model.embed_tokens.weight
     attention_bias: bool = False  # q_proj/k_proj/v_proj carry a bias (Qwen2: always)
@@ -183,6 +164,9 @@ class ModelConfig:
             rope_theta, rope_scaling = _rope_from_hf(hf, source) if spec.positional == "rope" else (10000.0, None)
             family_fields = dict(spec.parse(hf, source))
             num_layers = family_fields.pop("num_layers", None) or _integer(hf, "num_hidden_layers")
+            head_dim = family_fields.pop("head_dim", None) or _default(
+                _integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)
+            )
             eos = hf.get("eos_token_id")
             if isinstance(eos, list):
                 eos = tuple(_integer({"eos_token_id": e}, "eos_token_id") for e in eos)
@@ -196,12 +180,12 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=_default(_integer(hf, "num_key_value_heads", None), num_heads),
-                head_dim=_default(_integer(hf, "head_dim", None), hidden_size // max(num_heads, 1)),
+                head_dim=head_dim,
                 rms_norm_eps=_number(hf, spec.norm_eps_key, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=_integer(hf, "max_position_embeddings", 2048),
-                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings", spec.tie_word_embeddings_default),
                 dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch."),
                 bos_token_id=_integer(hf, "bos_token_id", None),
                 eos_token_id=eos,
@@ -258,17 +242,7 @@ class ModelConfig:
         self.family_spec.emit(self, hf)
         if self.family_spec.positional != "rope":
             return hf
-        scaling = (
-            None
-            if self.rope_scaling is None
-            else {
-                "rope_type": "llama3",
-                "factor": self.rope_scaling.factor,
-                "low_freq_factor": self.rope_scaling.low_freq_factor,
-                "high_freq_factor": self.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
-            }
-        )
+        scaling = None if self.rope_scaling is None else self.rope_scaling.to_hf()
         if self.hf_config_style == "transformers5":
             hf["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         else:
@@ -290,7 +264,7 @@ class ModelConfig:
         return module_table(self)
 
     def layer_kind(self, layer: int) -> str:
-        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe", a hybrid's), as its family decides."""
+        """Decoder layer `layer`'s kind ("attention+mlp", "attention+moe", ...), as its family decides."""
         return self.family_spec.layer_kind(self, layer)
 
     def mlp_prefix(self, layer: int) -> str:
@@ -326,8 +300,8 @@ class ModelConfig:
     def _check_family_options(self) -> None:
         """Only combinations the family's HF config can express (so to_hf_config is faithful)."""
         problems = self.family_spec.problems(self)
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            problems.append("rope_scaling must be a RopeScaling")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple(ROPE_SCALINGS.values())):
+            problems.append("rope_scaling must be a scaling record (config.ROPE_SCALINGS)")
         if problems:
             raise NVFP4ToolError(f"model config ({self.family}): {'; '.join(problems)}")
 
@@ -370,15 +344,17 @@ def _family_of(hf: Mapping[str, Any], source: str) -> str:
 
 
 def _reject_unsupported_options(hf: Mapping[str, Any], source: str, family: Family) -> None:
-    if family.positional != "rope":
-        return  # a hybrid's options are its family's (`Family.parse`)
-    if hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
+    """The common keys' values no family models: an activation other than the family's (where its
+    config spells it `hidden_act`), and for a RoPE family, RoPE over part of the head. What only a
+    family's keys say is its `parse`'s to refuse."""
+    activation_key = "hidden_act" not in family.common_keys_not_modeled
+    if activation_key and hf.get("hidden_act", family.activation) != family.activation:  # HF's default: the family's
         raise NVFP4ToolError(
             f"{source}: hidden_act {hf['hidden_act']!r} unsupported for {family.model_type}; "
             f"supported: {family.activation}"
         )
-    if hf.get("mlp_bias"):
-        raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported (no Llama-family release uses it)")
+    if family.positional != "rope":
+        return
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(hf.get(key) or {}, Mapping):
             raise NVFP4ToolError(f"{source}: {key} must be an object, got {hf[key]!r}")
@@ -399,23 +375,7 @@ def _rope_from_hf(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScalin
     else:
         scaling = hf.get("rope_scaling") or {}
         theta = hf.get("rope_theta", 10000.0)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise NVFP4ToolError(
-            f"{source}: RoPE scaling type {rope_type!r} unsupported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (none, or llama3)"
-        )
-    if rope_type == "default":
-        return _number({"rope_theta": theta}, "rope_theta", 10000.0), None
-    try:
-        return _number({"rope_theta": theta}, "rope_theta", 10000.0), RopeScaling(
-            factor=_number(scaling, "factor"),
-            low_freq_factor=_number(scaling, "low_freq_factor"),
-            high_freq_factor=_number(scaling, "high_freq_factor"),
-            original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings"),
-        )
-    except KeyError as missing:
-        raise NVFP4ToolError(f"{source}: llama3 rope scaling lacks {missing.args[0]!r}") from None
+    return _number({"rope_theta": theta}, "rope_theta", 10000.0), rope_scaling_from_hf(scaling, source)
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:

@@ -25,6 +25,7 @@ from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.errors import NVFP4UsageError
 
 FORMATS = ("hf", "maxtext")
+OUTPUT_DTYPES = ("bf16", "fp32")  # --dtype: what every floating tensor is cast to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,8 @@ def convert_checkpoint(
     """
     if to not in FORMATS:
         raise NVFP4UsageError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
+    if dtype not in (None, *OUTPUT_DTYPES):
+        raise NVFP4UsageError(f"--dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     start = time.perf_counter()
     source = open_checkpoint(src, model_config=model_config, rope_layout=rope_layout)
     inputs = [src] + ([model_config] if model_config and os.path.exists(model_config) else [])

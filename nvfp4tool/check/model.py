@@ -19,7 +19,7 @@ from nvfp4tool.check.formats import CONFIG
 from nvfp4tool.check.report import CONFIG_LEVEL, ModuleStats, Problem
 from nvfp4tool.config import ModelConfig, read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MOE, LM_HEAD, expert_of, layer_index
+from nvfp4tool.families import LM_HEAD, expert_of, layer_index
 from nvfp4tool.formats import LayoutSpec
 
 
@@ -145,17 +145,18 @@ def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
     expert = expert_of(name)
     if expert is not None and layer is not None:
         i, e = layer, expert[1]
-        if config.layer_kind(i) != ATTENTION_MOE:
+        count = len({m.expert for m in config.modules.linears if m.layer == i and m.expert is not None})
+        if count == 0:
             return (
                 f"an expert of layer {i}, which is dense in {CONFIG}'s model (decoder_sparse_step / "
                 f"mlp_only_layers, or not a mixture-of-experts family): {refused}"
             )
-        experts = config.family_spec.experts(config)
-        if e >= experts.num_experts:
-            key = experts.hf_experts_key or "num_experts"
+        if e >= count:
+            record = config.family_spec.experts(config)  # `moe.Experts` names the key the count came from
+            key = f"{record.hf_experts_key or 'num_experts'} = {count}, " if record is not None else ""
             return (
-                f"expert {e}, but {CONFIG}'s model has {experts.num_experts} experts per sparse layer "
-                f"({key} = {experts.num_experts}, experts 0..{experts.num_experts - 1}): {refused}"
+                f"expert {e}, but {CONFIG}'s model has {count} experts per sparse layer "
+                f"({key}experts 0..{count - 1}): {refused}"
             )
     if name == f"{LM_HEAD}.weight" and config.tie_word_embeddings:
         return (

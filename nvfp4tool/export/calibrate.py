@@ -89,8 +89,9 @@ class Tally:
         self.attentions = list(config.modules.attentions) if kv_cache else []
         self.amax = {n: np.zeros(2 if n in self.attentions else 1) for n in (*self.names, *self.attentions)}
         self.seen: set[str] = set()
-        # in layer order, and so is `routed`; a hybrid's routers are not counted (`InputAmax` routes
-        # with softmax top-k; Nemotron-H's choice needs its correction bias): its experts calibrate on all tokens
+        # in layer order, and so is `routed`; counted only where the family's experts are a `moe.Experts`
+        # record (a plain top-k of the router logits, which `InputAmax` emulates); a family whose choice
+        # needs more (`experts()` None: a correction bias, grouped top-k) calibrates its experts on all tokens
         self.routers = config.router_names() if config.family_spec.experts(config) is not None else []
         self._experts = {r: config.modules.experts(r) for r in self.routers}
         self.routed = {expert: 0 for r in self.routers for expert in self._experts[r]}

@@ -25,8 +25,18 @@ from nvfp4tool.export.serving_folder import ServingFolder
 from nvfp4tool.records.export import ExportRecord
 
 
-def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float:
-    """Convert the export folder `src` into `out` in layout `to`; returns seconds taken."""
+@dataclasses.dataclass(frozen=True)
+class FormatConversion:
+    """What `convert_format` wrote."""
+
+    out: str
+    format: str  # the layout written: "modelopt" | "compressed-tensors"
+    seconds: float
+    record: ExportRecord | None  # the provenance carried over (None: the source had none)
+
+
+def convert_format(src: str, out: str, *, to: str, force: bool = False) -> FormatConversion:
+    """Convert the export folder `src` into `out` in layout `to`."""
     start = time.perf_counter()
     if to not in formats.FORMATS:
         raise NVFP4ToolError(f"unknown --to {to!r}; choose one of {', '.join(formats.FORMATS)}")
@@ -97,8 +107,9 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> float
             for f in sorted(os.listdir(src))
             if os.path.isfile(os.path.join(src, f)) and not any(fnmatch.fnmatch(f, p) for p in skip)
         )
-        folder.write_record(None if record is None else dataclasses.replace(record, format=to, tensors=records))
-    return time.perf_counter() - start
+        converted = None if record is None else dataclasses.replace(record, format=to, tensors=records)
+        folder.write_record(converted)
+    return FormatConversion(out=out, format=to, seconds=time.perf_counter() - start, record=converted)
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,12 +26,14 @@ from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAU
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
+from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.model.fold import EqualizedSource, scales_from_record
 from nvfp4tool.numerics import tensor_amax
 from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQRecord
 
+WEIGHT_ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: round to nearest, or GPTQ
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
 
@@ -67,6 +69,9 @@ class ExportOptions:
     # library callers: fold these recorded scales (another export's `equalization`) instead of
     # searching (validate's FP8 reference of an equalized export is made from the same folded model)
     equalization: EqualizationRecord | None = None
+    # the named recipe its options came from (`export.recipes.apply_recipe`): recorded, and its
+    # family's keep-BF16 rule applied once the model is open
+    recipe: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,13 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         out, inputs, flag="--out", force=options.force
     )  # before any work (atomic_output_dir checks again)
     source = open_checkpoint(src, step=options.step, model_config=options.model_config, rope_layout=options.rope_layout)
+    problem = source.config.family_spec.export_problem(source.config, options.kv_cache)
+    if problem is not None:
+        raise NVFP4ToolError(problem)
+    if options.recipe is not None:
+        from_file |= {
+            p: where for p, where in rule_patterns(options.recipe, source.config).items() if p not in from_file
+        }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
     spec = formats.get(options.format, options.quant)
@@ -249,8 +261,10 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of {', '.join(METHODS)}")
     if options.quant == "fp8" and options.scale_search != "rtn":
         raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
-    if options.weight_rounding not in ("rtn", "gptq"):
-        raise NVFP4UsageError(f"unknown --weight-rounding {options.weight_rounding!r}; choose rtn or gptq")
+    if options.weight_rounding not in WEIGHT_ROUNDINGS:
+        raise NVFP4UsageError(
+            f"unknown --weight-rounding {options.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}"
+        )
     if not DAMP_RANGE[0] < options.gptq_damp <= DAMP_RANGE[1]:  # also refuses nan
         raise NVFP4UsageError(
             f"--gptq-damp must be > {DAMP_RANGE[0]} and <= {DAMP_RANGE[1]} "

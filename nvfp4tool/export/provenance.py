@@ -68,6 +68,7 @@ def build_record(
         gptq=gptq,
         equalize=options.equalize,
         equalization=equalization,
+        export_recipe=options.recipe,
     )
 
 

@@ -28,6 +28,7 @@ from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, qua
 from nvfp4tool.export.serving_folder import ServingFolder
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import fp8_decode_scale
+from nvfp4tool.records.export import ExportRecord
 
 __all__ = ["ExportOptions", "ExportSummary", "export_checkpoint"]
 
@@ -50,6 +51,7 @@ class ExportSummary:
     calibration_seconds: float = 0.0  # reading --calib-data and running the model on it (0: none)
     gptq_seconds: float = 0.0  # the GPTQ pass (0: none)
     equalization_seconds: float = 0.0  # --equalize: the search and the fold check (0: none)
+    record: ExportRecord | None = None  # the provenance it wrote (nvfp4tool_export.json)
 
     @property
     def write_seconds(self) -> float:
@@ -155,23 +157,22 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
                 for f in sorted(os.listdir(source.aux_dir))
                 if any(fnmatch.fnmatch(f, p) for p in AUX_FILE_PATTERNS)
             )
-        folder.write_record(
-            build_record(
-                source=source,
-                options=options,
-                plan=plan,
-                weight_block=job.block,
-                input_amax_origin=job.input_amax_origin,
-                calibration=job.calibration,
-                layer_errors=loader.layer_errors,
-                input_amax=job.input_amax,
-                files_written=files,
-                tensors=records,
-                kv_amax=job.kv_amax or None,
-                gptq=job.gptq_record,
-                equalization=None if job.equalization is None else job.equalization.record,
-            )
+        record = build_record(
+            source=source,
+            options=options,
+            plan=plan,
+            weight_block=job.block,
+            input_amax_origin=job.input_amax_origin,
+            calibration=job.calibration,
+            layer_errors=loader.layer_errors,
+            input_amax=job.input_amax,
+            files_written=files,
+            tensors=records,
+            kv_amax=job.kv_amax or None,
+            gptq=job.gptq_record,
+            equalization=None if job.equalization is None else job.equalization.record,
         )
+        folder.write_record(record)
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(
         out=tmp,
@@ -181,6 +182,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
         bytes_written=0,
         seconds=0.0,
         gptq_reduction=None if job.gptq_record is None else job.gptq_record.mean_output_err_reduction,
+        record=record,
     )
 
 

@@ -6,7 +6,8 @@
     fused_group("model.layers.3.mlp.up_proj")  # the same fact from a name alone (no config at hand)
 
 Families: `llama.py` (llama, mistral, qwen2, qwen3), `moe.py` (qwen3_moe, mixtral) and
-`nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h); see
+`nemotron_h.py` (the hybrid Mamba-2 + attention nemotron_h), `gemma3.py` (gemma3_text), `deepseek_v3.py`
+(MLA + DeepSeekMoE); see
 `base.py` for what a family declares and docs/architecture.md, "Adding a model family".
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import functools
 
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import llama, moe, nemotron_h
+from nvfp4tool.families import deepseek_v3, gemma3, llama, moe, nemotron_h
 from nvfp4tool.families.base import (
     ATTENTION,
     ATTENTION_MLP,
@@ -53,7 +54,6 @@ __all__ = [
     "HEAD",
     "LM_HEAD",
     "MAXTEXT_FAMILIES",
-    "MOE_FAMILIES",
     "REGISTRY",
     "ROUTER",
     "SUPPORTED_FAMILIES",
@@ -82,9 +82,11 @@ __all__ = [
     "split_layer",
 ]
 
-REGISTRY: dict[str, Family] = {f.model_type: f for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES)}
+REGISTRY: dict[str, Family] = {
+    f.model_type: f
+    for f in (*llama.FAMILIES, *moe.FAMILIES, *nemotron_h.FAMILIES, *gemma3.FAMILIES, *deepseek_v3.FAMILIES)
+}
 SUPPORTED_FAMILIES = tuple(REGISTRY)
-MOE_FAMILIES = tuple(t for t, f in REGISTRY.items() if isinstance(f, moe.SparseDecoder))
 MAXTEXT_FAMILIES = tuple(t for t, f in REGISTRY.items() if f.maxtext_rules is not None)
 ARCHITECTURE_BY_FAMILY = {t: f.architecture for t, f in REGISTRY.items()}
 

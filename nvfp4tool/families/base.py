@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
@@ -53,15 +54,35 @@ SWIGLU = (
 )
 ROUTER = Projection("gate", "router", "none")
 
+# The training presets' shared sizes: name -> (hidden E, layers L, heads H, kv heads KV, head dim D, MLP
+# width F); all multiples of 16. A family's presets (`Family.presets`) start from one (`preset_shape`).
+PRESET_SHAPES = {
+    "tiny": (128, 4, 4, 2, 32, 384),  # ~0.9M parameters + embeddings: minutes on a 2-core CPU
+    "small": (384, 6, 6, 2, 64, 1024),  # ~9.4M + embeddings: the accuracy study's model on a CPU
+    "100m": (768, 12, 12, 4, 64, 2048),  # ~85M + embeddings: a GPU-sized pretraining run
+    "1b": (2048, 16, 32, 8, 64, 8192),  # Llama-3.2-1B: 973M + embeddings (263M at its 128256 tokens)
+}
+
+
+def preset_shape(shape: str, **fields: Any) -> dict[str, Any]:
+    """ModelConfig fields of the named size `shape` (`PRESET_SHAPES`): BF16, RMSNorm epsilon 1e-5,
+    untied embeddings, `fields` over them (a preset's RoPE base, its family's own fields, ...)."""
+    E, L, H, KV, D, F = PRESET_SHAPES[shape]
+    sizes = dict(hidden_size=E, num_layers=L, num_heads=H, num_kv_heads=KV, head_dim=D, intermediate_size=F)
+    return {**sizes, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16", **fields}
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerAttention:
     """What one decoder layer's attention computes beyond its shapes, as its family decides
-    (`Family.layer_attention`): the attention blocks and RoPE read it, no model-wide field."""
+    (`Family.layer_attention`): the attention blocks and RoPE (`model/rope.py`) read it, no
+    model-wide field. Layers with equal settings share one block program and one (cos, sin)."""
 
     window: int | None  # sliding window W: key k visible from query q iff q - k < W; None: every earlier key
     rope_theta: float | None  # RoPE base; None: no positional encoding
-    rope_scaling: Any = None  # its `config.RopeScaling` (llama3), or None
+    rope_scaling: Any = None  # its scaling record (`config.ROPE_SCALINGS`: llama3, linear), or None
+    rope_dim: int | None = None  # the rotated width (MLA: qk_rope_head_dim); None: head_dim
+    softmax_scale: float | None = None  # the attention scores' scale; None: head_dim ** -0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +213,7 @@ class Fold:
     kind: Literal["norm", "rows"]
     readers: tuple[str, ...] = ()
     expand: tuple[int, int, int] | None = None
+    unit_offset: bool = False  # a "norm" producer that scales by (1 + w) (`Family.norm_unit_offset`): (1 + w) / s - 1
 
 
 class Family:
@@ -201,11 +223,25 @@ class Family:
     model_type: str  # the HF model_type this instance describes
     architecture: str  # config.json's architectures[0] (what transformers and vLLM instantiate)
     maxtext_rules: tuple | None = None  # its MaxText layout (`families/maxtext.py` Rules); None: none
+    # its MaxText model names -> `maxtext.NamedModel` (config.json and RoPE layout); collected by
+    # `converters/maxtext_models.py`
+    maxtext_models: Mapping[str, Any] = types.MappingProxyType({})
+    maxtext_rope_layout: str | None = None  # the RoPE row layout its MaxText decoder fixes; None: the model's
+    # how many consecutive layers its scanned MaxText checkpoints stack as one block (`converters/layout.py`
+    # `placement`): 1, one stack per parameter; P > 1, a stack per block position plus a remainder
+    maxtext_scan_block = 1
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
-    positional = "rope"  # "rope" | "none": the attention's positional encoding (a hybrid's has none)
+    # the attention's positional encoding: "rope" (config.json's model-wide rope_theta / rope_scaling /
+    # rope_parameters, parsed and written by config.py), "none" (a hybrid's), or "family" (RoPE whose
+    # keys the family parses and emits itself and gives each layer: `layer_attention`)
+    positional = "rope"
     norm_scale_in_fp32 = False  # RMSNorm multiplies its weight in fp32 (Nemotron-H) or in the input dtype
+    # RMSNorm scales by (1 + weight), in fp32, the weight stored as the offset from 1 (Gemma3RMSNorm);
+    # its norms start at zero, and an equivalent-scaling fold divides (1 + weight) by s
+    norm_unit_offset = False
     norm_eps_key = "rms_norm_eps"  # config.json's key of the norms' epsilon
+    tie_word_embeddings_default = False  # a config.json without tie_word_embeddings: its config class's default
     # its MLPs' activation, by transformers' `hidden_act` name (a key of `model.activations.ACTIVATIONS`):
     # config.json's hidden_act must name it (absent: this), and it is written back
     activation = "silu"
@@ -220,15 +256,31 @@ class Family:
     # the model module (`nvfp4tool.model.*`) defining its blocks: imported when a model of the family is
     # built, it registers a block for each of the family's layer kinds (`model.blocks.register_blocks`)
     blocks_module: str | None = None
+    # keep-BF16 rules its publisher's recipes use (a recipe file's `keep_bf16_rule`, `export/recipes.py`):
+    # rule name -> (config -> fnmatch patterns of the linear modules kept in BF16)
+    keep_bf16_rules: Mapping[str, Any] = {}
+    # its named training sizes (`train --model <name>`): name -> ModelConfig fields but family,
+    # vocab_size and max_position_embeddings (`preset_shape`); `train/presets.py` collects them
+    presets: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({})
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """ModelConfig fields this family derives from config.json (beyond the common ones)."""
         return {}
 
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """Why `config`'s model, of a family with MaxText rules, has no MaxText layout all the same
+        (said by convert --to maxtext after the file name); None: its rules apply."""
+        return None
+
     def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
         """Lines an export of `config`'s model in layout `fmt` x `quant` prints before it runs (a
         layout the engines do not serve for this model): none for these families."""
         return []
+
+    def export_problem(self, config: ModelConfig, kv_cache: str) -> str | None:
+        """Why an export of `config`'s model with `--kv-cache kv_cache` cannot be made (a sentence,
+        refused before anything is written), else None: none for these families."""
+        return None
 
     def tensors_contradiction(self, config: ModelConfig, names: Collection[str]) -> str | None:
         """When the tensors a checkpoint holds (`names`, ours: `Family.our_name`) are not the ones
@@ -270,6 +322,11 @@ class Family:
 
     def layer_kind(self, config: ModelConfig, layer: int) -> str:
         return ATTENTION_MLP
+
+    def embedding_scale(self, config: ModelConfig) -> float | None:
+        """The factor the embedding's output is multiplied by, rounded to the table's dtype
+        (Gemma: sqrt(hidden_size)); None: the rows as stored."""
+        return None
 
     def layer_attention(self, config: ModelConfig, layer: int) -> LayerAttention:
         """Decoder layer `layer`'s attention settings (window, RoPE base and scaling): the one owner

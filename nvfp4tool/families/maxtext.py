@@ -1,4 +1,5 @@
-"""The MaxText layout rules a family declares (`Family.maxtext_rules`; None: no MaxText layout).
+"""The MaxText layout rules a family declares (`Family.maxtext_rules`; None: no MaxText layout),
+and its MaxText model names (`Family.maxtext_models`: `NamedModel`).
 
 Each `Rule` names an HF tensor, the MaxText parameter path it lives at (under `params/params/`)
 and the transform between the two orientations; `converters/layout.py` owns what the transforms
@@ -10,6 +11,8 @@ hold "{e}".
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from nvfp4tool.families.base import (
     ATTENTION,
@@ -30,6 +33,8 @@ class Rule:
     rope: bool = False  # q and k: the RoPE row layout may differ (interleaved vs half-split)
     query_scale: bool = False  # q: MaxText stores it pre-multiplied by 1/sqrt(head_dim)
     untied_only: bool = False  # lm_head: absent when the embedding is tied
+    unit_offset: bool = False  # a (1 + w) norm: MaxText stores 1 + w (its RMSNorm scales by the stored value)
+    embedding_scale: bool = False  # the embedding: MaxText stores it times the family's embedding scale
 
     @property
     def per_layer(self) -> bool:
@@ -39,6 +44,15 @@ class Rule:
     def per_expert(self) -> bool:
         """An expert weight: slice `e` (axis 0) of a parameter that stacks all experts."""
         return "{e}" in self.hf
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedModel:
+    """A MaxText model name (`--model-config llama3.1-8b`; MaxText checkpoints carry no config): the
+    HF config.json it stands for and the RoPE row layout of MaxText's checkpoints of it."""
+
+    hf: Mapping[str, Any]  # the config.json dict (numbers from MaxText's model yml and the HF release)
+    rope_layout: str = "half"  # "interleaved" | "half" (when the family's decoder fixes none)
 
 
 _LAYER = layer_prefix("{i}")

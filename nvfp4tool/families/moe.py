@@ -31,8 +31,8 @@ from nvfp4tool.families.base import (
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
-from nvfp4tool.families.llama import Decoder
-from nvfp4tool.families.maxtext import Rule, moe_rules
+from nvfp4tool.families.llama import Decoder, llama3_preset
+from nvfp4tool.families.maxtext import NamedModel, Rule, moe_rules
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")  # HF spells the expert count either way
 
@@ -177,8 +177,21 @@ class SparseDecoder(Decoder):
         """HF attributes of an expert's (gate, up, down): gate_proj/up_proj/down_proj, mixtral's w1/w3/w2."""
         return tuple(p.attr for p in self.expert_projections)  # type: ignore[return-value]
 
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """Attention biases (`Decoder`), else dense layers: MaxText's decoders of these families
+        make every layer sparse."""
+        x = config.family_config  # its `Experts`
+        dense = [i for i in range(config.num_layers) if not self.is_sparse(config, i)]
+        if super().maxtext_refusal(config) is not None or not dense:
+            return super().maxtext_refusal(config)
+        return (
+            f"{self.model_type} with dense layers {dense} (mlp_only_layers={list(x.mlp_only_layers)}, "
+            f"decoder_sparse_step={x.decoder_sparse_step}) has no MaxText layout: MaxText's "
+            f"{self.model_type} decoder makes every layer sparse"
+        )
+
     def maxtext_mlp_rules(self) -> tuple[Rule, ...]:
-        # MaxText's decoders of these families make every layer sparse (converters.layout refuses dense ones)
+        # MaxText's decoders of these families make every layer sparse (`maxtext_refusal` refuses dense ones)
         return moe_rules(self.maxtext_block, self.block, tuple(p.attr for p in self.expert_projections))
 
     def is_sparse(self, config: ModelConfig, layer: int) -> bool:
@@ -221,6 +234,77 @@ _MIXTRAL_EXPERT = (
     Projection("w2", "down", "row"),
 )
 
+# ------------------------------------------------------------------------- MaxText model names
+# (numbers: docs/design/converters.md, `converters/maxtext_models.py`)
+
+
+def _mixtral(shape: tuple[int, int, int, int, int, int], vocab: int, context: int, aux_loss: float) -> NamedModel:
+    """Mixtral of (hidden, heads, kv heads, layers, mlp, experts)."""
+    hidden, heads, kv_heads, layers, mlp, experts = shape
+    return NamedModel(
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_act": "silu",
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "num_hidden_layers": layers,
+            "intermediate_size": mlp,
+            "head_dim": 128,
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6,
+            "max_position_embeddings": context,
+            "sliding_window": None,
+            "num_local_experts": experts,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": aux_loss,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+    )
+
+
+def _qwen3_moe(shape: tuple[int, int, int, int, int, int], rope_theta: float) -> NamedModel:
+    """Qwen3-MoE of (hidden, heads, kv heads, layers, expert mlp, experts)."""
+    hidden, heads, kv_heads, layers, expert_mlp, experts = shape
+    return NamedModel(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_act": "silu",
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "num_hidden_layers": layers,
+            "intermediate_size": expert_mlp,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": rope_theta,
+            "max_position_embeddings": 262144,
+            "num_experts": experts,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": expert_mlp,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "attention_bias": False,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+    )
+
+
+# the tiny presets: the tiny Llama 3 shape with every MLP 8 SwiGLU experts 96 wide, top-2 routing
+_TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
+
 FAMILIES = (
     SparseDecoder(
         "qwen3_moe",
@@ -232,6 +316,17 @@ FAMILIES = (
         qk_norm=True,
         window="full",
         maxtext="unscaled",
+        maxtext_models={
+            "qwen3-30b-a3b": _qwen3_moe((2048, 32, 4, 48, 768, 128), 1e7),
+            "qwen3-235b-a22b": _qwen3_moe((4096, 64, 4, 94, 1536, 128), 5e6),
+            "qwen3-480b-a35b": _qwen3_moe((6144, 96, 8, 62, 2560, 160), 1e7),
+        },
+        maxtext_rope_layout="half",  # MaxText's one Qwen3-MoE decoder: half-split (no q/k rows permuted)
+        presets={
+            "tiny-moe": llama3_preset(
+                "tiny", qk_norm=True, family_config=Experts(**_TINY_EXPERTS, moe_intermediate_size=96)
+            )
+        },
     ),
     SparseDecoder(
         "mixtral",
@@ -243,5 +338,11 @@ FAMILIES = (
         qk_norm=False,
         window="sliding",
         maxtext="prescaled",
+        maxtext_models={
+            "mixtral-8x7b": _mixtral((4096, 32, 8, 32, 14336, 8), 32000, 32768, 0.02),
+            "mixtral-8x22b": _mixtral((6144, 48, 8, 56, 16384, 8), 32768, 65536, 0.001),
+        },
+        maxtext_rope_layout="half",  # MaxText's one Mixtral decoder: half-split
+        presets={"tiny-mixtral": llama3_preset("tiny", intermediate_size=96, family_config=Experts(**_TINY_EXPERTS))},
     ),
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from nvfp4tool.families.base import (
     Projection,
     Tensor,
     layer_prefix,
+    preset_shape,
     projection_tensors,
     split_layer,
 )
@@ -422,6 +424,43 @@ _KEYS = frozenset(
 )
 
 
+def _preset(pattern: str, experts: HybridExperts | None) -> dict[str, Any]:
+    """A training preset: the single-mixer stack `pattern` at the tiny size's width (16 Mamba heads
+    of 8, one group of state 16: in_proj 2 x 128 + 2 x 16 + 16 = 304 rows, a multiple of the 16 x 16
+    weight blocks)."""
+    kinds, _ = layer_kinds({"hybrid_override_pattern": pattern})
+    fields = HybridFields(
+        layer_kinds=kinds,
+        mamba_num_heads=16,
+        mamba_head_dim=8,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=64,
+        time_step_limit=(0.0, float("inf")),
+        use_conv_bias=True,
+        use_bias=False,
+        experts=experts,
+        hf_layers={"hybrid_override_pattern": pattern},
+    )
+    return preset_shape("tiny", num_layers=len(kinds), family_config=fields)
+
+
+# `tiny-hybrid-moe`'s E layers: 8 relu2 experts 96 wide, top-2 of the sigmoid router, a shared expert
+_TINY_EXPERTS = HybridExperts(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    n_shared_experts=1,
+    moe_shared_expert_intermediate_size=96,
+    moe_latent_size=None,
+    routed_scaling_factor=1.0,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+)
+
+
 class HybridDecoder(Family):
     """`nemotron_h`: a stack of single-mixer layers (see the module docstring). Our module paths
     are every family's (`model.embed_tokens`, `model.layers.{i}.norm`, `model.layers.{i}.mixer.*`,
@@ -430,6 +469,15 @@ class HybridDecoder(Family):
     model_type = "nemotron_h"
     architecture = "NemotronHForCausalLM"
     blocks_module = "nvfp4tool.model.hybrid"
+
+    @property
+    def keep_bf16_rules(self) -> dict[str, Any]:
+        """NVIDIA's published Nemotron-3-Nano NVFP4 recipe (`export --recipe nemotron-nano`)."""
+        return {"nvidia-nemotron-3-nano": nvidia_nano_keep_bf16}
+
+    presets = types.MappingProxyType(
+        {"tiny-hybrid": _preset("M-M-M*-M", None), "tiny-hybrid-moe": _preset("ME-M*EME", _TINY_EXPERTS)}
+    )
     modeled_keys = _KEYS
     positional = "none"
     projections = (MAMBA_IN, MAMBA_OUT, *LATENT)

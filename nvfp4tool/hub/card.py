@@ -115,11 +115,11 @@ def fp8_reference_ran(validation: ValidationRecord) -> bool:
 
 def threshold_changes(validation: ValidationRecord) -> list[tuple[str, float | None, float | None, str]]:
     """(limit, used, default, "loosened" | "tightened") for each recorded threshold that differs
-    from `Thresholds`' default; a `max_` limit is loosened upwards, a `min_` one downwards, and a
-    limit turned off is loosened."""
-    from nvfp4tool.validate.thresholds import Thresholds
+    from its quant's default (`thresholds.defaults_for`); a `max_` limit is loosened upwards, a
+    `min_` one downwards, and a limit turned off is loosened."""
+    from nvfp4tool.validate.thresholds import defaults_for
 
-    defaults = dataclasses.asdict(Thresholds())
+    defaults = dataclasses.asdict(defaults_for(validation.quant))
     changes = []
     for key, default in defaults.items():
         used = validation.thresholds.get(key, default)
@@ -317,11 +317,11 @@ def _verdict(validation: ValidationRecord) -> str:
 
 
 def _thresholds_table(validation: ValidationRecord) -> str:
-    from nvfp4tool.validate.thresholds import Thresholds
+    from nvfp4tool.validate.thresholds import defaults_for
 
     changed = {k: how for k, _, _, how in threshold_changes(validation)}
-    rows = ["| threshold | used | default |", "|---|---:|---:|"]
-    for key, default in dataclasses.asdict(Thresholds()).items():
+    rows = [f"| threshold | used | default for {validation.quant} |", "|---|---:|---:|"]
+    for key, default in dataclasses.asdict(defaults_for(validation.quant)).items():
         used = validation.thresholds.get(key, default)
         mark = f" (**{changed[key]}**)" if key in changed else ""
         rows.append(f"| `{key}` | {_limit(used)}{mark} | {_limit(default)} |")

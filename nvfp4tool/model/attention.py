@@ -81,9 +81,15 @@ class AttentionMask:
         return "explicit" if self.allowed_BxTxS is not None else "causal"
 
 
-def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array, mask: AttentionMask) -> jax.Array:
-    """softmax(q k^T / sqrt(D), masked by `mask`) v: [B, T, H, D] in q's dtype (query head h uses
-    kv head h // (H / KV)); k and v must have q's dtype.
+def attend(
+    q_BxTxHxD: jax.Array,
+    k_BxSxKVxD: jax.Array,
+    v_BxSxKVxD: jax.Array,
+    mask: AttentionMask,
+    scale: float | None = None,
+) -> jax.Array:
+    """softmax(q k^T * scale, masked by `mask`) v: [B, T, H, D] in q's dtype (query head h uses
+    kv head h // (H / KV); `scale` None: 1 / sqrt(D)); k and v must have q's dtype.
 
     XLA: scores and softmax in fp32, the probabilities cast to v's dtype; masked scores get a large
     finite negative, so a fully masked (padding) query row of an explicit mask is the mean of v
@@ -92,7 +98,7 @@ def attend(q_BxTxHxD: jax.Array, k_BxSxKVxD: jax.Array, v_BxSxKVxD: jax.Array, m
     implementation = attention_implementation(
         _platform(), q_BxTxHxD.dtype, q_BxTxHxD.shape[-1], q_BxTxHxD.shape[1], mask.kind
     )
-    scale = q_BxTxHxD.shape[-1] ** -0.5
+    scale = q_BxTxHxD.shape[-1] ** -0.5 if scale is None else scale
     if mask.allowed_BxTxS is not None:
         return jax.nn.dot_product_attention(
             q_BxTxHxD,

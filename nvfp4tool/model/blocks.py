@@ -1,11 +1,13 @@
 """The decoder blocks of each family, registered by the module that defines them.
 
     register_blocks(llama.FAMILIES, {ATTENTION_MLP: dense_block})   # in the family's blocks module
-    block = make_block(config, kind, "model.layers.3", param_dtype=..., rngs=...)
+    block = make_block(config, kind, attention, "model.layers.3", param_dtype=..., rngs=...)
 
 A family names the module of its blocks (`Family.blocks_module`), imported on first use; that module
 registers a block class for each layer kind of its families, so the model knows no family's blocks.
-A block is called `block(x, cos, sin, mask, state, write_index, seam)` -> (output, state, `Side`),
+A factory is called `factory(config, layer_name, *, attention, param_dtype, rngs)` (`attention`: the
+layer's `LayerAttention`, which a block program of `model.layers.*` cannot read from its name); a
+block is called `block(x, cos, sin, mask, state, write_index, seam)` -> (output, state, `Side`),
 builds its own decode state (`empty_state(batch, length, dtype)`: None when it keeps none) and says
 whether that state is recurrent (`recurrent`: it cannot skip padding after a prompt).
 Design notes: docs/design/model.md.
@@ -23,7 +25,7 @@ from flax import nnx
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import Family
+from nvfp4tool.families import Family, LayerAttention
 
 MODEL_PACKAGE = "nvfp4tool.model"  # where every family's blocks module lies (the import layers allow no other)
 
@@ -42,7 +44,7 @@ class Block(Protocol):
         ...
 
 
-BlockFactory = Callable[..., nnx.Module]  # (config, layer_name, *, param_dtype, rngs) -> a Block
+BlockFactory = Callable[..., nnx.Module]  # (config, layer_name, *, attention, param_dtype, rngs) -> a Block
 _REGISTERED: dict[tuple[str, str], BlockFactory] = {}  # (model_type, layer kind) -> its block's factory
 
 
@@ -64,12 +66,19 @@ def family_blocks(family: Family) -> dict[str, BlockFactory]:
 
 
 def make_block(
-    config: ModelConfig, kind: str, layer_name: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs
+    config: ModelConfig,
+    kind: str,
+    attention: LayerAttention,
+    layer_name: str,
+    *,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
 ) -> nnx.Module:
-    """A block of layer kind `kind` named `layer_name` (`model.layers.3`, or `model.layers.*`)."""
+    """A block of layer kind `kind` with attention settings `attention` (its family's
+    `layer_attention`) named `layer_name` (`model.layers.3`, or `model.layers.*`)."""
     blocks = family_blocks(config.family_spec)
     if kind not in blocks:
         raise NVFP4ToolError(
             f"{config.family}: layer kind {kind!r} has no block in the model (kinds with blocks: {', '.join(blocks)})"
         )
-    return blocks[kind](config, layer_name, param_dtype=param_dtype, rngs=rngs)
+    return blocks[kind](config, layer_name, attention=attention, param_dtype=param_dtype, rngs=rngs)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, llama, moe
+from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE, LayerAttention, llama, moe
 from nvfp4tool.model.blocks import register_blocks
 from nvfp4tool.model.layers import MLP, Attention, RMSNorm, SparseMoE
 from nvfp4tool.model.linear import Seam, merged
@@ -26,11 +26,20 @@ class DecoderBlock(nnx.Module):
     recurrent = False  # keys and values: a padded slot is masked, never summarised
 
     def __init__(
-        self, config: ModelConfig, layer_name: str, *, sparse: bool = False, param_dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        layer_name: str,
+        *,
+        sparse: bool = False,
+        attention: LayerAttention,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ) -> None:
         E = config.hidden_size
         self.input_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(config, f"{layer_name}.self_attn", param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = Attention(
+            config, f"{layer_name}.self_attn", attention=attention, param_dtype=param_dtype, rngs=rngs
+        )
         self.post_attention_layernorm = RMSNorm(E, eps=config.rms_norm_eps, param_dtype=param_dtype)
         mlp = (
             SparseMoE(config, f"{layer_name}.{config.family_spec.block}", param_dtype=param_dtype, rngs=rngs)

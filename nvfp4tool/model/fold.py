@@ -50,23 +50,27 @@ class FoldScale:
 class EqualizedSource:
     """A `TensorSource` of the folded model: the source's tensors with every site's s applied as
     they are read (consumer and reader columns times s, norm weights and producer rows divided by
-    s), computed in fp32 and returned in fp32 (a quantized weight is quantized from the unrounded
-    product; the writer stores everything else in BF16 as it always does). Names, shapes and
-    dtypes are the source's. `as_stored=True` returns each folded tensor rounded (to nearest
-    even) to the dtype the source holds it in: the folded model as a checkpoint stores it, which
-    the export's check runs and `train equalize_from=` starts from."""
+    s; a (1 + w) norm's weight becomes (1 + w) / s - 1: `Fold.unit_offset`), computed in fp32 and
+    returned in fp32 (a quantized weight is quantized from the unrounded product; the writer
+    stores everything else in BF16 as it always does). Names, shapes and dtypes are the
+    source's. `as_stored=True` returns each folded tensor rounded (to nearest even) to the dtype
+    the source holds it in: the folded model as a checkpoint stores it, which the export's check
+    runs and `train equalize_from=` starts from."""
 
     def __init__(self, source, scales: Sequence[FoldScale], *, as_stored: bool = False) -> None:
         self._source = source
         self._as_stored = as_stored
         self._columns: dict[str, np.ndarray] = {}
         self._rows: dict[str, np.ndarray] = {}  # also the elementwise divisor of a norm weight
+        self._unit_offset: set[str] = set()  # (1 + w) norm weights: (1 + w) / s - 1
         for found in scales:
             s_in = found.consumer_scale().astype(np.float32)
             for module in (*found.fold.consumers, *found.fold.readers):
                 self._columns[f"{module}.weight"] = s_in
             for tensor in found.fold.producer:
                 self._rows[tensor] = found.s.astype(np.float32)
+                if found.fold.unit_offset:
+                    self._unit_offset.add(tensor)
 
     @classmethod
     def from_record(
@@ -104,6 +108,14 @@ class EqualizedSource:
     def dtype(self, name: str) -> str:
         return self._source.dtype(name)
 
+    def columns(self, module: str) -> np.ndarray | None:
+        """The factor on linear `module`'s weight columns (its input is divided by it), None: 1."""
+        return self._columns.get(f"{module}.weight")
+
+    def rows(self, module: str) -> np.ndarray | None:
+        """The divisor of linear `module`'s weight rows and bias (and so of its output), None: 1."""
+        return self._rows.get(f"{module}.weight")
+
     def get(self, name: str) -> np.ndarray:
         array = self._source.get(name)
         columns, rows = self._columns.get(name), self._rows.get(name)
@@ -112,7 +124,9 @@ class EqualizedSource:
         out = np.asarray(array, np.float32)
         if columns is not None:
             out = out * columns[None, :]
-        if rows is not None:
+        if name in self._unit_offset:
+            out = (1 + out) / rows - 1
+        elif rows is not None:
             out = out / (rows if out.ndim == 1 else rows[:, None])
         return out.astype(np.asarray(array).dtype) if self._as_stored else out
 
@@ -190,3 +204,21 @@ def site_key(fold: Fold) -> str:
     a glob over a sparse MLP's experts (`model.layers.0.mlp.experts.*.gate_up`)."""
     groups = list(dict.fromkeys(fused_group(c) for c in fold.consumers))
     return groups[0] if len(groups) == 1 else re.sub(r"\.experts\.\d+\.", ".experts.*.", groups[0])
+
+
+def carried(into, from_, module: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(input factor [K], output factor [N]) that carry linear `module`'s input and output in the
+    model `from_` to the model `into` (each a source's tensors, folded or not): x_into = x_from *
+    input, y_into = y_from * output; None where the two models agree. A folded model sees its
+    consumers' inputs divided by their column scales and its producers' outputs by their row
+    scales, so an export of one fold is compared with another's activations through these."""
+
+    def ratio(of: str) -> np.ndarray | None:
+        mine = getattr(from_, of)(module) if isinstance(from_, EqualizedSource) else None
+        theirs = getattr(into, of)(module) if isinstance(into, EqualizedSource) else None
+        if mine is None and theirs is None:
+            return None
+        one = np.float32(1)
+        return ((one if mine is None else mine) / (one if theirs is None else theirs)).astype(np.float32)
+
+    return ratio("columns"), ratio("rows")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ROUTER, nemotron_h
+from nvfp4tool.families import ROUTER, LayerAttention, nemotron_h
 from nvfp4tool.families.nemotron_h import (
     ACTIVATION,
     ATTENTION,
@@ -30,7 +30,7 @@ from nvfp4tool.families.nemotron_h import (
 )
 from nvfp4tool.model.activations import activation
 from nvfp4tool.model.blocks import register_blocks
-from nvfp4tool.model.layers import Attention, Linear, RMSNorm, route_grouped_sigmoid
+from nvfp4tool.model.layers import Attention, Linear, RMSNorm, mix_experts, route_grouped_sigmoid
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape, MambaState
 
@@ -115,12 +115,8 @@ class HybridMoE(nnx.Module):
         if fc1_latent is not None:
             h_BxTxL, side = fc1_latent(x_BxTxE, seam)
             sides.append(side)
-        out_BxTxL = jnp.zeros(h_BxTxL.shape, jnp.float32)
-        for e, expert in enumerate(self.experts):
-            routed = h_BxTxL if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], h_BxTxL, 0)
-            y, side = expert(routed, seam)
-            out_BxTxL = out_BxTxL + y.astype(jnp.float32) * weights_BxTxN[..., e : e + 1]
-            sides.append(side)
+        out_BxTxL, side = mix_experts(self.experts, h_BxTxL, weights_BxTxN, chosen_BxTxN, seam)
+        sides.append(side)
         out = out_BxTxL.astype(x_BxTxE.dtype)
         if fc2_latent is not None:
             out, side = fc2_latent(out, seam)
@@ -152,7 +148,14 @@ class HybridBlock(nnx.Module):
     attention's (k, v), the Mamba mixer's `MambaState`, or None (MLP, MoE)."""
 
     def __init__(
-        self, config: ModelConfig, layer_name: str, *, kind: str, param_dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        layer_name: str,
+        *,
+        kind: str,
+        attention: LayerAttention,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ) -> None:
         E, prefix = config.hidden_size, f"{layer_name}.mixer"
         self.kind = kind
@@ -170,7 +173,7 @@ class HybridBlock(nnx.Module):
                 rngs=rngs,
             )
         elif kind == ATTENTION:
-            self.mixer = Attention(config, prefix, param_dtype=param_dtype, rngs=rngs, rope=False)
+            self.mixer = Attention(config, prefix, attention=attention, param_dtype=param_dtype, rngs=rngs)
         elif kind == MLP:
             self.mixer = ReLU2MLP(
                 E, config.intermediate_size, prefix=prefix, bias=False, param_dtype=param_dtype, rngs=rngs

@@ -1,8 +1,9 @@
 """The layers the decoders are built of, in Flax NNX with HF's attribute names: `Linear` (every
-projection through the linear seam, `linear.py`), `RMSNorm`, `Embedding`, GQA `Attention` (RoPE
-optional: a family without positional encoding passes `rope=False`), the SwiGLU `MLP`, the
+projection through the linear seam, `linear.py`), `RMSNorm` (its family's form: `RMSNorm.of`),
+`Embedding` (its family's output scale), GQA `Attention` (window, RoPE and softmax scale: its
+layer's `LayerAttention`; no RoPE for a family without positional encoding), the gated `MLP`, the
 routers (`route`: softmax top-k; `route_grouped_sigmoid`: sigmoid scores with a correction bias,
-grouped top-k) and the sparse `SparseMoE`.
+grouped top-k), the experts' weighted sum (`mix_experts`) and the sparse `SparseMoE`.
 
 Each family's blocks module (`Family.blocks_module`: `decoder.py` for the Llama and MoE groups)
 builds its blocks of them, with its own mixers where it has some; `transformer.py` assembles the
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU, layer_index
+from nvfp4tool.families import ATTENTION_PROJECTIONS, ROUTER, SWIGLU, LayerAttention
 from nvfp4tool.model.activations import activation
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.linear import Seam, Side, merged
@@ -47,44 +49,71 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32, scaled in the input dtype (as HF's
     Llama), or with `scale_in_fp32` the weight multiplied in fp32 and only the product cast
-    (Nemotron-H's NemotronHRMSNorm)."""
+    (Nemotron-H's NemotronHRMSNorm), or with `unit_offset` by (1 + weight) in fp32, the weight
+    starting at zero (Gemma3RMSNorm). `RMSNorm.of(config, dim)`: its family's form."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, scale_in_fp32: bool = False) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    def __init__(
+        self, dim: int, *, eps: float, param_dtype: jnp.dtype, scale_in_fp32: bool = False, unit_offset: bool = False
+    ) -> None:
+        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), param_dtype))
         self.eps = eps
         self.scale_in_fp32 = scale_in_fp32
+        self.unit_offset = unit_offset
+
+    @classmethod
+    def of(cls, config: ModelConfig, dim: int, *, param_dtype: jnp.dtype) -> RMSNorm:
+        """A norm over `dim` channels in the form `config`'s family declares (`Family.norm_scale_in_fp32`,
+        `Family.norm_unit_offset`)."""
+        family = config.family_spec
+        return cls(
+            dim,
+            eps=config.rms_norm_eps,
+            param_dtype=param_dtype,
+            scale_in_fp32=family.norm_scale_in_fp32,
+            unit_offset=family.norm_unit_offset,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         if self.scale_in_fp32:
             return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
         return (self.weight[...].astype(x.dtype) * normed.astype(x.dtype)).astype(x.dtype)
 
 
 class Embedding(nnx.Module):
-    """Token embedding table [V, E] (HF `model.embed_tokens.weight`)."""
+    """Token embedding table [V, E] (HF `model.embed_tokens.weight`); its rows multiplied by
+    `scale` rounded to the table's dtype when given (Gemma3TextScaledWordEmbedding)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, param_dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, vocab_size: int, dim: int, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, scale: float | None = None
+    ) -> None:
         self.weight = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype))
+        self.scale = scale
 
     def __call__(self, ids_BxT: jax.Array) -> jax.Array:
         table_VxE = self.weight[...]
         if table_VxE.dtype == jnp.float32:  # training's parameters
-            return jnp.take(table_VxE, ids_BxT, axis=0)
-        # A table held as stored (BF16): XLA:CPU gathers from it through an fp32 copy of the whole
-        # table, which generation's decode loop hoisted out of the loop and held (262 MB for 32000 x
-        # 2048, 2.1 GB for 128256 x 4096); looked up once the ids exist, the copy stays inside the gather.
-        return computed_after(ids_BxT, lambda table: jnp.take(table, ids_BxT, axis=0), table_VxE)
+            rows = jnp.take(table_VxE, ids_BxT, axis=0)
+        else:
+            # A table held as stored (BF16): XLA:CPU gathers from it through an fp32 copy of the whole
+            # table, which generation's decode loop hoisted out of the loop and held (262 MB for 32000 x
+            # 2048, 2.1 GB for 128256 x 4096); looked up once the ids exist, the copy stays inside the gather.
+            rows = computed_after(ids_BxT, lambda table: jnp.take(table, ids_BxT, axis=0), table_VxE)
+        if self.scale is None:
+            return rows
+        return rows * jnp.asarray(np.float32(self.scale)).astype(rows.dtype)  # as HF: an fp32 scalar cast
 
 
 class Attention(nnx.Module):
-    """GQA self-attention: q/k/v projections, optional q/k norm, RoPE (unless `rope=False`: a
-    family without positional encoding), masked softmax within its layer's sliding window (the
-    family's `layer_attention(config, layer)`, the layer read from `prefix`), o_proj."""
+    """GQA self-attention: q/k/v projections, optional q/k norm (its family's form), RoPE (none
+    when its layer has no base), masked softmax within its layer's sliding window at its layer's
+    scale (`attention`: the family's `layer_attention(config, layer)`), o_proj."""
 
     def __init__(
-        self, config: ModelConfig, prefix: str, *, param_dtype: jnp.dtype, rngs: nnx.Rngs, rope: bool = True
+        self, config: ModelConfig, prefix: str, *, attention: LayerAttention, param_dtype: jnp.dtype, rngs: nnx.Rngs
     ) -> None:
         E, D = config.hidden_size, config.head_dim
         H, KV = config.num_heads, config.num_kv_heads
@@ -95,13 +124,13 @@ class Attention(nnx.Module):
             setattr(
                 self, p.attr, Linear(k, n, bias=bias, name=f"{prefix}.{p.attr}", param_dtype=param_dtype, rngs=rngs)
             )
-        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
-        self.q_norm = norm() if config.qk_norm else None
-        self.k_norm = norm() if config.qk_norm else None
+        self.q_norm = RMSNorm.of(config, D, param_dtype=param_dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm.of(config, D, param_dtype=param_dtype) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = H, KV, D
         self.name = prefix  # the KV seam's name of this layer
-        self.rope = rope
-        self.window = config.family_spec.layer_attention(config, layer_index(prefix)).window
+        self.rope = attention.rope_theta is not None
+        self.window = attention.window
+        self.scale = attention.softmax_scale  # None: head_dim ** -0.5
 
     def __call__(
         self,
@@ -139,6 +168,7 @@ class Attention(nnx.Module):
             k_BxSxKVxD.astype(x_BxTxE.dtype),
             v_BxSxKVxD.astype(x_BxTxE.dtype),
             mask.within(self.window),  # its layer's sliding window
+            scale=self.scale,
         )
         y_BxTxE, o_side = o_proj(out_BxTxHxD.reshape(B, T, H * D), seam)
         return y_BxTxE, (k_BxSxKVxD, v_BxSxKVxD), merged(q_side, k_side, v_side, kv_side, o_side)
@@ -287,12 +317,22 @@ class SparseMoE(nnx.Module):
             self.normalize,
             logits_BxTxN.dtype if self.weights_in_logits_dtype else jnp.float32,
         )
-        out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
-        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
-        for e, expert in enumerate(self.experts):
-            routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
-            y_BxTxE, expert_side = expert(routed_BxTxE, seam)
-            y_BxTxE = y_BxTxE * weights_BxTxN[..., e : e + 1]  # dtype promotion as torch
-            out_BxTxE = out_BxTxE + y_BxTxE.astype(jnp.float32)
-            sides.append(expert_side)
-        return out_BxTxE.astype(x_BxTxE.dtype), merged(*sides)
+        out_BxTxE, experts_side = mix_experts(self.experts, x_BxTxE, weights_BxTxN, chosen_BxTxN, seam)
+        return out_BxTxE.astype(x_BxTxE.dtype), merged(router_side, Side({}, {router.name: logits_BxTxN}), experts_side)
+
+
+def mix_experts(
+    experts, x_BxTxE: jax.Array, weights_BxTxN: jax.Array, chosen_BxTxN: jax.Array, seam: Seam
+) -> tuple[jax.Array, Side]:
+    """The routing-weighted sum (fp32) of the experts' outputs, in expert order (as transformers'
+    index_add), and their side results: each expert runs on the tokens routed to it (the others'
+    rows zeroed), or on every token when the seam asks for all experts (calibration). Each
+    expert's output is multiplied by its weight in their promoted dtype (as torch), then summed in fp32."""
+    out_BxTxE = jnp.zeros(x_BxTxE.shape, jnp.float32)
+    sides = []
+    for e, expert in enumerate(experts):
+        routed_BxTxE = x_BxTxE if seam.all_experts else jnp.where(chosen_BxTxN[..., e : e + 1], x_BxTxE, 0)
+        y_BxTxE, expert_side = expert(routed_BxTxE, seam)
+        out_BxTxE = out_BxTxE + (y_BxTxE * weights_BxTxN[..., e : e + 1]).astype(jnp.float32)
+        sides.append(expert_side)
+    return out_BxTxE, merged(*sides)

@@ -26,6 +26,7 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.families import BASE_MODEL, LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model.attention import AttentionMask
 from nvfp4tool.model.linear import KVTap, PlainKV, Seam, Tap
+from nvfp4tool.model.rope import layer_cos_sin
 from nvfp4tool.model.sharding import model_mesh, replicated, shard
 from nvfp4tool.model.transformer import (
     CausalLM,
@@ -33,6 +34,7 @@ from nvfp4tool.model.transformer import (
     block_program,
     default_positions,
     embed,
+    layer_program,
     lm_logits,
     real_name,
     rope,
@@ -78,9 +80,10 @@ class LayerwiseModel:
         self._layer = layer
         self._outer_graphdef, self._outer_state = nnx.split(outer)
         self._outer_state = self._place(self._outer_state)
-        # one block program per kind of layer (dense / sparse MLP), shared by all layers of the kind
+        # one block program per kind and attention settings of a layer (`layer_program`), shared by
+        # all layers alike
         self._block_graphdefs = {
-            kind: block_program(config, kind) for kind in {config.layer_kind(i) for i in range(config.num_layers)}
+            key: block_program(config, *key) for key in {layer_program(config, i) for i in range(config.num_layers)}
         }
         self._gather = None if mesh is None else replicated(mesh)
 
@@ -130,7 +133,7 @@ class LayerwiseModel:
                 _variable(outer, name.removeprefix(f"{BASE_MODEL}.")).set_value(as_param(source.get(name), None, mesh))
 
         def layer(i: int) -> nnx.State:
-            block = abstract_block(config, config.layer_kind(i))
+            block = abstract_block(config, *layer_program(config, i))
             for path in _param_paths(block):
                 _variable(block, path).set_value(as_param(source.get(f"{layer_prefix(i)}.{path}"), None, mesh))
             return nnx.state(block)
@@ -168,8 +171,9 @@ class LayerwiseModel:
                 carry = [self._embed(ids_SxT[s : s + batch_size]) for s in starts]
                 for i in range(layers):
                     state, layer_aux = self._place(self._layer(i)), self._place(aux(i))
-                    graphdef = self._block_graphdefs[self.config.layer_kind(i)]
-                    for b, (x, cos, sin, mask) in enumerate(carry):
+                    graphdef = self._block_graphdefs[layer_program(self.config, i)]
+                    for b, (x, tables, mask) in enumerate(carry):
+                        cos, sin = layer_cos_sin(self.config, tables, i)
                         with progress.compiling(
                             f"{label} layer program",
                             key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x, all_experts),
@@ -187,7 +191,7 @@ class LayerwiseModel:
                                 gather=self._gather,
                                 all_experts=all_experts,
                             )
-                        carry[b] = (y, cos, sin, mask)
+                        carry[b] = (y, tables, mask)
                         _deliver(records, on_record, i)
                     del state, layer_aux  # a streamed layer's weights go now
                     if self.streamed:
@@ -204,7 +208,7 @@ class LayerwiseModel:
                         fields={"tokens/s": f"{rate:.0f}"},
                     )
                 head_aux = self._place(aux(None))
-                for s, (x, _, _, _) in zip(starts, carry):
+                for s, (x, _, _) in zip(starts, carry):
                     with progress.compiling(
                         f"{label} LM head",
                         key=_program_key(_head_step, self._outer_graphdef, tap, None, self._gather, x),
@@ -248,9 +252,10 @@ class LayerwiseModel:
         original = list(carry) if reference is not None else []  # the windows through the stored layers
         with progress.task(label, total=self.config.num_layers, unit="layer") as task:
             for i in range(self.config.num_layers):
-                graphdef = self._block_graphdefs[self.config.layer_kind(i)]
+                graphdef = self._block_graphdefs[layer_program(self.config, i)]
                 state = self._place(self._layer(i))
-                for b, (x, cos, sin, mask) in enumerate(original):
+                for b, (x, tables, mask) in enumerate(original):
+                    cos, sin = layer_cos_sin(self.config, tables, i)
                     with progress.compiling(
                         f"{label} layer program (reference)",
                         key=_program_key(_block_step, graphdef, reference, kv_tap, self._gather, x, all_experts),
@@ -269,9 +274,10 @@ class LayerwiseModel:
                             all_experts=all_experts,
                         )
                     _deliver(records, on_reference, i)
-                    original[b] = (y, cos, sin, mask)
+                    original[b] = (y, tables, mask)
                 outputs = []
-                for x, cos, sin, mask in carry:
+                for x, tables, mask in carry:
+                    cos, sin = layer_cos_sin(self.config, tables, i)
                     with progress.compiling(
                         f"{label} layer program",
                         key=_program_key(_block_step, graphdef, tap, None, self._gather, x, all_experts),
@@ -300,7 +306,8 @@ class LayerwiseModel:
                     state = self._place(nnx.state(block))
                     del block
                     outputs = []
-                    for x, cos, sin, mask in carry:
+                    for x, tables, mask in carry:
+                        cos, sin = layer_cos_sin(self.config, tables, i)
                         with progress.compiling(
                             f"{label} layer program (replay)",
                             key=_program_key(_block_step, graphdef, replay, None, self._gather, x, all_experts),
@@ -320,7 +327,7 @@ class LayerwiseModel:
                                     all_experts=all_experts,
                                 )[0]
                             )
-                carry = [(y, cos, sin, mask) for y, (_, cos, sin, mask) in zip(outputs, carry)]
+                carry = [(y, tables, mask) for y, (_, tables, mask) in zip(outputs, carry)]
                 del state, outputs
                 if self.streamed:
                     memory.release()
@@ -407,8 +414,8 @@ def _seam(tap: Tap, kv_tap: KVTap | None, aux: Any, all_experts: bool) -> Seam:
 def _embed_step(graphdef, state, ids_BxT, *, gather):
     state = _gathered(state, gather)
     model = nnx.merge(graphdef, state)
-    cos_BxTxD, sin_BxTxD = rope(model, default_positions(jnp.ones(ids_BxT.shape, bool)))
-    return embed(model, ids_BxT), cos_BxTxD, sin_BxTxD, AttentionMask.causal()
+    tables = rope(model, default_positions(jnp.ones(ids_BxT.shape, bool)))
+    return embed(model, ids_BxT), tables, AttentionMask.causal()
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tap", "kv_tap", "gather", "all_experts"))

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4tool.config import ModelConfig
-from nvfp4tool.families import LM_HEAD, layer_prefix
+from nvfp4tool.families import LM_HEAD, LayerAttention, layer_prefix
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.blocks import make_block
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layers import Embedding, Linear, RMSNorm
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed
-from nvfp4tool.model.rope import layer_frequencies, rope_cos_sin
+from nvfp4tool.model.rope import layer_cos_sin, rope_tables
 
 
 class DecodeState(NamedTuple):
@@ -111,16 +111,22 @@ class CausalLM(nnx.Module):
         self.remat = remat  # what the backward pass recomputes (`remat.py`)
         self.linear = linear  # the default seam; forward(..., linear=) overrides it per call
         E = config.hidden_size
-        self.embed_tokens = Embedding(config.vocab_size, E, param_dtype=param_dtype, rngs=rngs)
+        self.embed_tokens = Embedding(
+            config.vocab_size, E, param_dtype=param_dtype, rngs=rngs, scale=config.family_spec.embedding_scale(config)
+        )
         self.layers = nnx.List(
             [
-                make_block(config, config.layer_kind(i), layer_prefix(i), param_dtype=param_dtype, rngs=rngs)
+                make_block(
+                    config,
+                    *layer_program(config, i),
+                    layer_prefix(i),
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                )
                 for i in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(
-            E, eps=config.rms_norm_eps, param_dtype=param_dtype, scale_in_fp32=config.family_spec.norm_scale_in_fp32
-        )
+        self.norm = RMSNorm.of(config, E, param_dtype=param_dtype)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -250,12 +256,17 @@ def forward_with_cache(
     write_index: jax.Array | int,
     linear: LinearFn,
     kv: KVFn = default_kv,
+    logits_at_B: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
-    KV seam `kv` before they are written."""
+    KV seam `kv` before they are written. `logits_at_B`: only the logits of that slot of each row
+    ([B, V]; a prefill's next token: the LM head runs on one row each, not T)."""
     seam = Seam.of(linear, kv)
     x_BxTxE, new_cache, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index, seam)
+    if logits_at_B is not None:
+        x_Bx1xE = jnp.take_along_axis(x_BxTxE, logits_at_B[:, None, None], axis=1)
+        return lm_logits(model, x_Bx1xE, seam)[0][:, 0], new_cache
     return lm_logits(model, x_BxTxE, seam)[0], new_cache
 
 
@@ -276,14 +287,21 @@ def head_weight(model: CausalLM) -> jax.Array:
     return model.lm_head.weight.get_value() if model.lm_head is not None else model.embed_tokens.weight[...]
 
 
+def layer_program(config: ModelConfig, layer: int) -> tuple[str, LayerAttention]:
+    """(kind, attention settings) of decoder layer `layer`: what its block program is built of
+    (`block_program`); layers alike in both run one program."""
+    return config.layer_kind(layer), config.family_spec.layer_attention(config, layer)
+
+
 def layer_runs(config: ModelConfig, seam: Seam, scan: bool) -> list[tuple[str, list[int]]]:
-    """(kind, layers) of each run of consecutive layers of one kind and one `seam.treatment`, in
-    order; every layer its own run when not scanning."""
+    """(kind, layers) of each run of consecutive layers of one block program (`layer_program`:
+    kind and attention settings, window and RoPE) and one `seam.treatment`, in order; every layer
+    its own run when not scanning."""
     runs: list[tuple[str, list[int]]] = []
     previous = None
     for i in range(config.num_layers):
         kind = config.layer_kind(i)
-        alike = (kind, seam.treatment(i))
+        alike = (layer_program(config, i), seam.treatment(i))
         if scan and runs and alike == previous:
             runs[-1][1].append(i)
         else:
@@ -292,18 +310,20 @@ def layer_runs(config: ModelConfig, seam: Seam, scan: bool) -> list[tuple[str, l
     return runs
 
 
-def abstract_block(config: ModelConfig, kind: str) -> nnx.Module:
-    """A block of layer kind `kind` with no values, named `model.layers.*` (the names a scanned or
-    layer-by-layer block program sees); it computes in its input's dtype."""
+def abstract_block(config: ModelConfig, kind: str, attention: LayerAttention) -> nnx.Module:
+    """A block of layer kind `kind` with attention settings `attention` and no values, named
+    `model.layers.*` (the names a scanned or layer-by-layer block program sees); it computes in
+    its input's dtype."""
     return nnx.eval_shape(
-        lambda: make_block(config, kind, layer_prefix("*"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        lambda: make_block(config, kind, attention, layer_prefix("*"), param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     )
 
 
 @functools.lru_cache(maxsize=64)
-def block_program(config: ModelConfig, kind: str) -> nnx.GraphDef:
-    """The graphdef of `abstract_block(config, kind)`: one program for every layer of the kind."""
-    return nnx.split(abstract_block(config, kind))[0]
+def block_program(config: ModelConfig, kind: str, attention: LayerAttention) -> nnx.GraphDef:
+    """The graphdef of `abstract_block(config, kind, attention)`: one program for every layer of
+    the kind with those settings (`layer_program`)."""
+    return nnx.split(abstract_block(config, kind, attention))[0]
 
 
 def real_name(name: str, layer: int | None) -> str:
@@ -319,15 +339,15 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
     """Embedding and the blocks: (the last block's output [B, T, E], the updated cache, the side
     results under each layer's own names)."""
     x_BxTxE = embed(model, input_ids_BxT)
-    cos_BxTxD, sin_BxTxD = rope(model, positions_BxT)
-    layer_args = (cos_BxTxD, sin_BxTxD, mask)
+    tables = rope(model, positions_BxT)
 
-    def run_block(graphdef, state, x_BxTxE, cache_kv, aux):
+    def run_block(graphdef, state, x_BxTxE, cache_kv, aux, layer):
         """One block, under the model's remat policy: (output, (k, v), side)."""
 
         def call(state, x_BxTxE, cache_kv, aux, layer_args):
             return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, seam.with_aux(aux))
 
+        layer_args = (*layer_cos_sin(model.config, tables, layer), mask)  # its layer's (cos, sin)
         return checkpointed(call, model.remat)(state, x_BxTxE, cache_kv, aux, layer_args)
 
     new_cache, sides = cache, []
@@ -339,6 +359,7 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
                 x_BxTxE,
                 _run_state(model.config, new_cache, layers),
                 seam.aux_of(first),
+                first,
             )
             if cache is not None:
                 new_cache = _with_run_state(model.config, new_cache, layers, cached)
@@ -347,11 +368,11 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
         states = _stacked([nnx.split(model.layers[i])[1] for i in layers])
         auxes = _stacked([seam.aux_of(i) for i in layers])
         run_cache = _run_state(model.config, new_cache, layers)
-        graphdef = block_program(model.config, kind)
+        graphdef = block_program(model.config, *layer_program(model.config, first))
 
-        def body(x, per_layer, graphdef=graphdef):
+        def body(x, per_layer, graphdef=graphdef, first=first):
             state, aux, cache_kv = per_layer
-            x, cached, side = run_block(graphdef, state, x, cache_kv, aux)
+            x, cached, side = run_block(graphdef, state, x, cache_kv, aux, first)
             return x, (cached if cache_kv is not None else None, side)
 
         x_BxTxE, (cached, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
@@ -372,11 +393,11 @@ def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
     return model.embed_tokens(input_ids_BxT).astype(model.compute_dtype)
 
 
-def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
-    """(cos, sin) [B, T, D] of the positions, in the compute dtype, at the frequencies its family
-    gives the layers (`rope.layer_frequencies`); (None, None) for a family without positional encoding."""
-    inv_freq = layer_frequencies(model.config)
-    return (None, None) if inv_freq is None else rope_cos_sin(positions_BxT, inv_freq, model.compute_dtype)
+def rope(model: CausalLM, positions_BxT: jax.Array) -> tuple:
+    """(cos, sin) [B, T, dim] of the positions, in the compute dtype, once per distinct RoPE
+    setting of the layers (`rope.rope_tables`; a layer's: `rope.layer_cos_sin`); empty for a
+    family without positional encoding."""
+    return rope_tables(model.config, positions_BxT, model.compute_dtype)
 
 
 def lm_logits(model: CausalLM, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:

@@ -17,6 +17,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +88,11 @@ class TrainConfig:
     )
     bf16_first_layers: int | None = _key(
         None,
-        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's: 1; nemotron_h 2/62 of the blocks)",
+        "recipes fp8/nvfp4: the first N blocks stay BF16 (default: the family's, docs/commands/train.md)",
     )
     bf16_last_layers: int | None = _key(
         None,
-        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's: 15% of the blocks, rounded up; "
-        "nemotron_h 8/62)",
+        "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's, docs/commands/train.md)",
     )
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
     switch_to_bf16_at: float | None = _key(
@@ -332,8 +332,11 @@ def _show_default(value: Any) -> str:
     return str(value)
 
 
-def load_train_config(yaml_path: str | None, overrides: list[str]) -> TrainConfig:
-    """The YAML file's keys (if any), then each `key=value` override.
+def load_train_config(
+    yaml_path: str | None, overrides: list[str], keys: Mapping[str, Any] | None = None
+) -> TrainConfig:
+    """The YAML file's keys (if any), then each `key=value` override, then `keys` (Python values,
+    checked against each key's type as the YAML file's are: `nvfp4tool.api.train`).
 
     Override values are parsed as YAML (numbers, booleans, [lists]) except for text keys (paths,
     names, patterns), which take the text as typed (`data=yes` is the file "yes", not True).
@@ -350,6 +353,7 @@ def load_train_config(yaml_path: str | None, overrides: list[str]) -> TrainConfi
         if not sep or not key:
             raise NVFP4UsageError(f"train: {item!r}: expected key=value")
         values[key] = _Raw(raw)
+    values.update(keys or {})
     return _build(values, yaml_path or "command line")
 
 

@@ -16,8 +16,8 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,9 +30,9 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
-from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
+from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, for_generation, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
-from nvfp4tool.model.fold import EqualizedSource
+from nvfp4tool.model.fold import EqualizedSource, carried
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
@@ -52,7 +52,7 @@ from nvfp4tool.records.validation import (
 )
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
 from nvfp4tool.validate.generation import greedy_continuations
-from nvfp4tool.validate.thresholds import Thresholds, check_thresholds
+from nvfp4tool.validate.thresholds import Thresholds, check_thresholds, defaults_for
 
 _EXPORT_DEFAULTS = ExportOptions()  # the FP8 reference's calibration defaults are export's
 SCRATCH_PREFIX = "nvfp4tool-validate-"  # the scratch folder in the system temp folder (atomic.scratch_dir)
@@ -74,12 +74,21 @@ class ValidateOptions:
     prompts: int = 4  # greedy-generation prompts (the first `prompt_len` tokens of the first sequences)
     prompt_len: int = 32
     gen_tokens: int = 256  # greedy continuation length
-    thresholds: Thresholds = Thresholds()
+    thresholds: Thresholds | None = None  # None: the export's quant's defaults (`thresholds.defaults_for`) ...
+    limits: Mapping[str, float] = dataclasses.field(default_factory=dict)  # ... with these limits over them
     offload: str = "auto"  # auto | never | always (memory.choose_offload)
     source_mismatch_ok: bool = False  # validate against a source that is not the export's recorded one
     calib_data: str | None = None  # calibration of the on-the-fly FP8 reference (never `data`)
     calib_samples: int = _EXPORT_DEFAULTS.calib_samples
     calib_seq_len: int = _EXPORT_DEFAULTS.calib_seq_len
+
+    def judged_by(self, quant: str) -> Thresholds:
+        """The limits an export of `quant` is judged by: `thresholds`, or its quant's defaults,
+        with `limits` (the ones a user gave) over them."""
+        try:
+            return dataclasses.replace(self.thresholds or defaults_for(quant), **self.limits)
+        except TypeError:
+            raise NVFP4UsageError(f"validate limits: {sorted(self.limits)}: unknown threshold names") from None
 
 
 @dataclasses.dataclass
@@ -89,6 +98,10 @@ class Candidate:
     label: str  # "nvfp4" / "fp8" / "nvfp4+fp8-kv"
     exported: ExportedModel
     fp8_kv: bool = False  # run with the export's FP8 KV cache (its stored K / V scales)
+    # the BF16 model it quantized (the source's tensors, folded by its own `--equalize` scales or
+    # not): its weights are compared with this one's, its GEMMs fed this model's activations
+    # (`model.fold.carried`); None: the validation's source model (`Inputs.source`)
+    model: Any = None
 
     @classmethod
     def load(cls, folder: str, label: str | None = None) -> Candidate:
@@ -207,6 +220,7 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
     if mismatch is not None:
         progress.info(f"--source-mismatch-ok: {mismatch}")
     calibration = _reference_calibration(options, record, source)
+    unfolded = source.tensors
     if record is not None and record.equalization is not None:  # compare with the model the export folded
         folded = (  # the scales bound to the export's bytes, unless another source was allowed
             EqualizedSource.from_export(source.tensors, export_dir, record, source.config)
@@ -238,9 +252,12 @@ def open_inputs(export_dir: str, options: ValidateOptions) -> Iterator[Inputs]:
             vocab_size=vocab,
         )
     with _scratch() as scratch:
+        equalization = None if record is None else record.equalization
         fp8, reference, reference_export, reference_calibration = _reference(
-            options, source, scratch, calibration, None if record is None else record.equalization
+            options, source, scratch, calibration, equalization
         )
+        if fp8 is not None:
+            fp8.model = _model_of(fp8, equalization, unfolded, source)
         yield Inputs(
             export_dir=export_dir,
             options=options,
@@ -377,7 +394,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         inputs.ids_SxL,
         options.batch_size,
         tap=powers,
-        aux=lambda i: _layer_weights(inputs.candidates, source.config, i),
+        aux=lambda i: _layer_weights(inputs, i),
         on_record=add_powers,
         label="bf16 logits",
     ):
@@ -447,7 +464,8 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         }
         for r in layers
     ]
-    failures = check_thresholds({"models": models, "layers": flat_layers}, options.thresholds, label=label)
+    thresholds = options.judged_by(inputs.nvfp4.exported.quant)
+    failures = check_thresholds({"models": models, "layers": flat_layers}, thresholds, label=label)
     finite = [v[np.isfinite(v)] for v in kl_tokens.values()]
     top = max([1e-7, *(float(np.max(v)) for v in finite if v.size)]) * 1.0001
     return ValidationRecord(
@@ -469,7 +487,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         layers=layers,
         generation=generation,
         kl_histogram={k: _histogram(v, top) for k, v in kl_tokens.items()},
-        thresholds=dataclasses.asdict(options.thresholds),
+        thresholds=dataclasses.asdict(thresholds),
         failures=[Failure(**f) for f in failures],
         passed=not failures,
         source_mismatch_ok=inputs.source_mismatch is not None,
@@ -484,15 +502,16 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     Output SQNR (from the BF16 pass's sums): at each quantized linear the BF16 model's own input
     went through both the BF16 GEMM and the candidate's served GEMM (quantized weight, and for
     W4A4 the fake-quantized input), so each layer's error is measured on real activations, in
-    isolation. Weight SQNR: source vs decoded weight, one module at a time.
+    isolation (a candidate made from another fold of the source, `Candidate.model`, gets that
+    input carried into its own model and is compared with its own model's output). Weight SQNR:
+    the weight of the BF16 model the candidate quantized vs its decoded weight, one module at a time.
     """
     rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in inputs.nvfp4.exported.quantized}
     for c in inputs.candidates:
+        model = inputs.source.tensors if c.model is None else c.model
         for m, row in rows.items():
             if m in c.exported.quantized:
-                row.weight_sqnr_db[c.label] = metrics.sqnr_db(
-                    inputs.source.tensors.get(f"{m}.weight"), c.exported.dequantized(m)
-                )
+                row.weight_sqnr_db[c.label] = metrics.sqnr_db(model.get(f"{m}.weight"), c.exported.dequantized(m))
         for m, (signal, noise) in output_powers.get(c.label, {}).items():
             if m in rows:
                 rows[m].output_sqnr_db[c.label] = metrics.sqnr_from_sums(float(signal), float(noise))
@@ -530,13 +549,20 @@ def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
 def _greedy(
     label: str, held, linear, prompts: np.ndarray, options: ValidateOptions, kv: KVFn = default_kv
 ) -> np.ndarray | None:
-    """Greedy continuations of the prompts by a held model (None for a streamed one)."""
+    """Greedy continuations of the prompts by a held model (None for a streamed one), its stored
+    weights decoded once where the memory allows (`simulate.for_generation`); progress per token."""
     if held is None:
         return None
-    progress.info(f"greedy generation ({label}): {len(prompts)} prompts x {options.gen_tokens} tokens")
-    with progress.task(f"greedy generation ({label})", total=len(prompts), unit="prompt") as task:
-        tokens = greedy_continuations(held, linear, prompts, options.gen_tokens, kv)  # one program, compiled here
-        task.advance(len(prompts))
+    what = f"greedy generation ({label})"
+    progress.info(f"{what}: {len(prompts)} prompts x {options.gen_tokens} tokens")
+    model = for_generation(held, what)
+    with progress.task(what, total=len(prompts) * options.gen_tokens, unit="token") as task:
+
+        def advance(i: int, tokens_B, logits_BxV) -> None:
+            tokens_B.block_until_ready()  # counted when computed, not when queued
+            task.advance(len(prompts))
+
+        tokens = greedy_continuations(model, linear, prompts, options.gen_tokens, kv, on_token=advance)
     return tokens
 
 
@@ -551,7 +577,8 @@ def _skip_reason(inputs: Inputs) -> str:
 @dataclasses.dataclass(frozen=True)
 class _OutputPowers:
     """Tap of the BF16 pass: the BF16 GEMM, and for each candidate whose weights `aux` holds for this
-    layer, [sum y_bf16^2, sum (y_bf16 - y_served)^2] of its served GEMM on the same input."""
+    layer, [sum y_bf16^2, sum (y_bf16 - y_served)^2] of its served GEMM on the same input (carried
+    into the candidate's own model first when it folded other scales: `_Carried`)."""
 
     labels: tuple[str, ...]
 
@@ -560,19 +587,40 @@ class _OutputPowers:
         record, last = {}, y
         for label in self.labels:
             if name in (aux or {}).get(label, {}):
+                mine = aux[label][name]
+                y_ref, x_in, b_in = y, x, b_N
+                if mine.x is not None:
+                    x_in = (x.astype(jnp.float32) * mine.x).astype(x.dtype)
+                if mine.y is not None:
+                    y_ref = y.astype(jnp.float32) * mine.y
+                    b_in = None if b_N is None else (b_N.astype(jnp.float32) * mine.y).astype(b_N.dtype)
                 # one model's decoded weight at a time: this served GEMM runs after the last one
-                last = computed_after(last, lambda x, w: served_linear(x, w, b_N, name=name), x, aux[label][name])
-                y32, y_q = y.astype(jnp.float32), last.astype(jnp.float32)
+                last = computed_after(last, lambda x, w, b: served_linear(x, w, b, name=name), x_in, mine.w, b_in)
+                y32, y_q = y_ref.astype(jnp.float32), last.astype(jnp.float32)
                 record[label] = jnp.stack([jnp.sum(y32**2), jnp.sum((y32 - y_q) ** 2)])
         return y, (record or None)
 
 
-def _layer_weights(candidates: list[Candidate], config, layer: int | None) -> dict[str, dict[str, Any]]:
-    """{label: {name as the block program sees it: stored weight}} of layer `layer` (None: the LM
+class _Carried(NamedTuple):
+    """A candidate's stored weight for the BF16 pass's tap, and the factors carrying the pass's
+    input and output into the candidate's own model (`model.fold.carried`; None: the same)."""
+
+    w: Any
+    x: np.ndarray | None = None
+    y: np.ndarray | None = None
+
+
+def _layer_weights(inputs: Inputs, layer: int | None) -> dict[str, dict[str, _Carried]]:
+    """{label: {name as the block program sees it: `_Carried`}} of layer `layer` (None: the LM
     head) for every candidate."""
+
+    def weight(c: Candidate, m: str) -> _Carried:
+        w = c.exported.get(f"{m}.weight")
+        return _Carried(w) if c.model is None else _Carried(w, *carried(c.model, inputs.source.tensors, m))
+
     return {
-        c.label: {name: c.exported.get(f"{m}.weight") for name, m in layer_modules(c.exported.quantized, layer).items()}
-        for c in candidates
+        c.label: {name: weight(c, m) for name, m in layer_modules(c.exported.quantized, layer).items()}
+        for c in inputs.candidates
     }
 
 
@@ -751,6 +799,18 @@ def _reference(
         None,
         calibration.what or _calibration_of(out),
     )
+
+
+def _model_of(candidate: Candidate, equalization, unfolded, source: Checkpoint):
+    """The BF16 model `candidate` quantized: the validation's source model when its export folded
+    the same scales as the validated export (`equalization`), else the unfolded source folded by
+    its own recorded scales (an FP8 `--reference` export made without `--equalize`: the plain
+    source), so its per-layer SQNR compares it with what it was made from."""
+    folder = candidate.exported.folder
+    own = ExportRecord.read(folder).equalization if ExportRecord.exists(folder) else None
+    if own == equalization:
+        return None
+    return unfolded if own is None else EqualizedSource.from_record(unfolded, own, source.config)
 
 
 def _calibration_of(fp8_export: str) -> str | None:

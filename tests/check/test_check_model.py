@@ -129,3 +129,18 @@ def test_metadata_format_pt_or_no_metadata_passes_other_formats_do_not(tmp_path)
     # Only the serving rule: a source's reader does not care.
     path = str(tmp_path / "pt" / "model.safetensors")
     assert scan_safetensors_header(path)[1] == [] and len(scan_safetensors_header(path, serving=True)[1]) == 1
+
+
+def test_an_extra_expert_is_judged_by_the_layers_experts_whatever_the_layer_kind():
+    """The message about an expert tensor the model lacks reads the module table's experts of its
+    layer, not one layer kind: the hybrid's "moe" layers (a kind other than attention+moe, as a
+    new family's may be) were called dense."""
+    from nvfp4tool.check.model import _why_not_in_model
+    from nvfp4tool.train.presets import preset_config
+
+    config = preset_config("tiny-hybrid-moe", 64, 128)  # ME-M*EME: layer 1 has 8 experts, layer 0 none
+    spec = SPECS[CT]
+    extra = _why_not_in_model("model.layers.1.mixer.experts.9.up_proj.weight", config, spec)
+    assert extra.startswith("expert 9, but config.json's model has 8 experts per sparse layer (experts 0..7)")
+    dense = _why_not_in_model("model.layers.0.mixer.experts.0.up_proj.weight", config, spec)
+    assert dense.startswith("an expert of layer 0, which is dense")

@@ -57,9 +57,12 @@ def test_help_shows_no_meaningless_range_or_single_choice(command):
 
 def test_validate_help_states_the_real_threshold_defaults():
     text = CliRunner().invoke(cli, ["validate", "--help"], terminal_width=200).output
-    assert re.search(r"--min-layer-sqnr.*\[default: 12\.0; any finite number\]", text)
+    assert re.search(
+        r"--min-layer-sqnr.*Default by the export's quant: 12 for every quant\.\s+\[any finite number\]", text
+    )
     assert re.search(r"--min-top1 .*default: no\s+limit", text)
-    assert re.search(r"--max-kl-mean .*KL.*\[default: 0\.1; x>=0\]", text)
+    assert re.search(r"--max-kl-mean .*KL.*quant: fp8 0\.1, nvfp4-weight-only 0\.1, nvfp4 0\.25\.\s+\[x>=0\]", text)
+    assert re.search(r"--max-kl-p99 .*quant: fp8 0\.5, nvfp4-weight-only 1, nvfp4 2\.\s+\[x>=0\]", text)
 
 
 def test_export_still_accepts_the_hidden_to_safetensors():

@@ -194,3 +194,19 @@ def test_a_sharded_fused_folder_read_in_small_chunks(saved, tmp_path, monkeypatc
     assert sharded.names() == reference.names()
     for name in reference.names():
         np.testing.assert_array_equal(sharded.get(name), reference.get(name), err_msg=name)
+
+
+def test_a_fused_expert_name_in_a_dense_folder_is_an_unexpected_tensor(tmp_path):
+    """The fused layout is read where the module table has gated experts; a dense model's folder
+    holding a fused-layout name is refused in one line (it raised AttributeError: no experts record)."""
+    from safetensors.numpy import load_file, save_file
+
+    from nvfp4tool.errors import NVFP4ToolError
+
+    folder = build_tiny_model("llama3", str(tmp_path / "dense"))
+    (path,) = glob.glob(os.path.join(folder, "*.safetensors"))
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = np.zeros((2, 4, 8), np.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(NVFP4ToolError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.gate_up_proj'"):
+        HFFolderSource(folder)

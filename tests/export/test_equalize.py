@@ -22,11 +22,14 @@ import pytest
 from click.testing import CliRunner
 
 from converters.hf import HFFolderSource
+from nvfp4tool.checkpoints import open_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import equalize as eq
+from nvfp4tool.export.simulate import load_export
 from nvfp4tool.families import folds
 from nvfp4tool.model import fold as mf
+from nvfp4tool.numerics import metrics
 from nvfp4tool.records.export import ExportRecord
 
 from fixtures import nvfp4_oracle as oracle
@@ -180,6 +183,7 @@ def _export(args: list[str]):
         ("qwen3", "awq", ["--scale-search", "4over6", "--format", "compressed-tensors"]),
         ("qwen3_moe", "awq", ["--quant", "nvfp4"]),
         ("mixtral", "smoothquant", ["--weight-rounding", "gptq"]),
+        ("gemma3", "awq", ["--quant", "nvfp4"]),  # its (1 + w) norms: (1 + w) / s - 1
     ],
 )
 @pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
@@ -298,6 +302,30 @@ def test_validate_compares_an_equalized_export_with_the_folded_model(models, tmp
     assert "the export's input amax" in record["reference_calibration"]
     assert record["models"]["fp8"]["kl_mean"] < record["models"]["nvfp4"]["kl_mean"]
 
+    # An FP8 export made WITHOUT --equalize as the reference (issue 42: its column showed -0.6 dB
+    # on v_proj): its layers are measured against the model it was made from, the plain source:
+    # weights against the unfolded weights, its GEMMs fed the folded model's inputs carried back.
+    fp8 = str(tmp_path / "fp8")
+    assert (
+        _export([models["llama3"], "--out", fp8, "--quant", "fp8", "--calib-data", models["calib"], *CALIB]).exit_code
+        == 0
+    )
+    argv = ["validate", out, "--data", data, "--samples", "4", "--seq-len", "16", "--prompts", "1"]
+    argv += ["--gen-tokens", "4", "--source", models["llama3"], "--reference", fp8, "--force"]
+    result = CliRunner().invoke(cli, argv, catch_exceptions=False)
+    assert result.exit_code in (0, 1), result.output
+    plain = json.load(open(os.path.join(out, "validation.json")))
+    source, served = open_checkpoint(models["llama3"]).tensors, load_export(fp8)
+    first = {row["name"]: row for row in record["layers"]}
+    for row in plain["layers"]:
+        m, before = row["name"], first[row["name"]]
+        assert row["weight_sqnr_db"]["fp8"] == pytest.approx(
+            metrics.sqnr_db(source.get(f"{m}.weight"), served.dequantized(m)), abs=1e-9
+        )
+        assert row["weight_sqnr_db"]["fp8"] > 25 and row["output_sqnr_db"]["fp8"] > 20, row  # ~0 dB folded
+        assert row["weight_sqnr_db"]["nvfp4"] == before["weight_sqnr_db"]["nvfp4"]  # the export's unchanged
+    assert plain["models"]["fp8"]["kl_mean"] < plain["models"]["nvfp4"]["kl_mean"]
+
 
 @pytest.mark.parametrize(
     "key,method,quant", [("mixtral", "smoothquant", "nvfp4"), ("qwen2", "awq", "nvfp4-weight-only")]
@@ -309,7 +337,6 @@ def test_recorded_scales_are_bound_to_the_bytes_they_made(models, tmp_path, key,
     import base64
     import dataclasses
 
-    from nvfp4tool.checkpoints import open_checkpoint
     from nvfp4tool.errors import NVFP4ToolError
 
     out = str(tmp_path / "out")
@@ -330,3 +357,23 @@ def test_recorded_scales_are_bound_to_the_bytes_they_made(models, tmp_path, key,
     with pytest.raises(NVFP4ToolError, match=r"equalization site .*its scales did not make the export's .*norm") as e:
         mf.EqualizedSource.from_export(source.tensors, out, tampered, source.config)
     assert str(e.value).startswith(ExportRecord.path(out))
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["q_lora", "q_proj"])
+def test_the_folded_deepseek_v3_is_the_original_in_transformers(lora, tmp_path):
+    """deepseek_v3's folds (`DeepseekV3.folds`: the input norm into q_a_proj / q_proj and
+    kv_a_proj_with_mqa, q_a_layernorm into q_b_proj, kv_a_layernorm into kv_b_proj, the
+    post-attention norm into every routed and shared expert's gate/up with the FP32 router reading
+    it, up rows into down) leave transformers' logits unchanged, with random scales far from 1."""
+    from fixtures.deepseek_fixtures import LORA, NO_LORA, hf_folder
+
+    folder, _ = hf_folder(tmp_path, dict(LORA if lora else NO_LORA, vocab_size=256), seed=8)
+    source = HFFolderSource(folder)
+    config = ModelConfig.from_hf_folder(folder)
+    scales = _random_scales(config)
+    assert len(scales) == len(folds(config)) == 3 * (2 + lora) + 2 + 2 * (1 + 9)
+    original = _torch_logits(folder)
+    folded = _torch_logits(folder, mf.EqualizedSource(source, scales), str(tmp_path / "folded"))
+    np.testing.assert_allclose(folded, original, rtol=0, atol=2e-4 * np.abs(original).max())
+    router = "model.layers.1.mlp.gate.weight"
+    assert np.abs(mf.EqualizedSource(source, scales).get(router) - source.get(router)).max() > 0.01

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from converters.hf import HFFolderSource
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.simulate import load_export
 
+from fixtures.export_fixtures import assert_fp8_weights_bit_exact
 from fixtures.hf_fixtures import build_tiny_model
 
 pytestmark = pytest.mark.peers
@@ -53,18 +52,6 @@ def test_transformers_loads_our_compressed_tensors_fp8_export_bit_exact(tmp_path
         logits = model(torch.tensor(ids)).logits
     assert torch.isfinite(logits).all()
     ours = load_export(folder)
-    spec = formats.get("compressed-tensors", "fp8")
-    stored = HFFolderSource(folder, check_config=False)
-    checked = 0
-    for name, module in model.named_modules():
-        if name not in ours.quantized:
-            continue
-        theirs = module.weight.detach()
-        roles = spec.to_roles(name, {f"{name}.{s}": stored.get(f"{name}.{s}") for s in spec.suffixes})
-        scale = np.float32(np.asarray(roles["weight_global"]).astype(jnp.bfloat16))
-        expected = np.asarray(jnp.asarray(roles["weight"]).astype(jnp.float32) * scale).astype(jnp.bfloat16)
-        assert theirs.dtype == torch.bfloat16
-        assert theirs.view(torch.int16).numpy().tobytes() == expected.view(np.int16).tobytes(), name
-        checked += 1
+    checked = assert_fp8_weights_bit_exact(model, folder, ours)
     assert checked == len(ours.quantized) == 14
     assert os.path.isfile(os.path.join(folder, "config.json"))

@@ -315,7 +315,7 @@ def test_linear_names_cover_every_projection():
         ),
         ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
         ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' unsupported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "'dynamic' unsupported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' unsupported"),
         ({"mlp_bias": True}, "mlp_bias"),

@@ -3,7 +3,7 @@ custody lets the honest cases through (`nvfp4tool/hub/custody.py`; the refusals 
 tests/hub/test_adversarial_push.py).
 
 Card: exactly the references validate ran (a `--reference bf16` run never reads "BF16 and FP8"),
-every threshold with the ones that differ from `Thresholds`' defaults marked and a verdict that
+every threshold with the ones that differ from its quant's defaults marked and a verdict that
 says when limits were loosened, GPTQ and its settings named, the FP8 KV cache and the BF16 layers
 listed, serving described for the quant actually exported (W4A16 and FP8 are not offered W4A4
 kernels), `source_mismatch_ok` shown at the top; push warns once each when the card has no
@@ -26,9 +26,9 @@ from nvfp4tool.cli import cli
 from nvfp4tool.hub import PushOptions, push_checkpoint
 from nvfp4tool.records.export import ExportRecord, GPTQRecord
 from nvfp4tool.records.validation import Named
-from nvfp4tool.validate.thresholds import Thresholds
+from nvfp4tool.validate.thresholds import defaults_for
 
-DEFAULTS = Thresholds()
+DEFAULTS = defaults_for("nvfp4")  # the W4A4 exports these cards are written for
 FP8_METRICS = {
     "kl_mean": 0.001,
     "kl_p99": 0.01,
@@ -117,6 +117,20 @@ def test_loosened_thresholds_are_marked_and_the_verdict_says_so(tmp_path):
     assert f"| `max_kl_mean` | {loose_kl:g} (**loosened**) | {DEFAULTS.max_kl_mean:g} |" in card
     assert f"| `min_layer_sqnr_db` | off (**loosened**) | {DEFAULTS.min_layer_sqnr_db:g} |" in card
     assert f"| `max_kl_p99` | {DEFAULTS.max_kl_p99:g} | {DEFAULTS.max_kl_p99:g} |" in card  # unchanged: unmarked
+
+
+def test_defaults_are_the_exports_quants(tmp_path):
+    """An FP8 export is judged, and its card compared, by FP8's defaults (KL mean 0.1), a W4A4 one by
+    W4A4's (0.25): the same limit reads "loosened" on one card and "at the defaults" on the other."""
+    assert defaults_for("fp8").max_kl_mean == 0.1 and DEFAULTS.max_kl_mean == 0.25
+    fp8 = _write_export(tmp_path / "fp8", "compressed-tensors", quant="fp8")
+    bind_validation(fp8, thresholds={**dataclasses.asdict(defaults_for("fp8")), "max_kl_mean": 0.25})
+    card, _ = _push(fp8)
+    assert "| threshold | used | default for fp8 |" in card
+    assert "| `max_kl_mean` | 0.25 (**loosened**) | 0.1 |" in card
+    nvfp4 = _write_export(tmp_path / "nvfp4", "compressed-tensors")
+    card, _ = _push(nvfp4)
+    assert "| `max_kl_mean` | 0.25 | 0.25 |" in card and "**PASSED** all thresholds at their defaults." in card
 
 
 def test_tightened_thresholds_are_marked_as_tightened(tmp_path):

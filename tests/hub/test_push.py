@@ -116,7 +116,7 @@ def bind_validation(folder, *, passed=True, **changes):
     from nvfp4tool.records.export import ExportRecord, sha256_file
     from nvfp4tool.records.validation import Named
     from nvfp4tool.validate.report import REPORT_FILES, markdown
-    from nvfp4tool.validate.thresholds import Thresholds
+    from nvfp4tool.validate.thresholds import defaults_for
 
     layout, provenance = formats.describe(folder), ExportRecord.read(folder)
     files = {
@@ -150,7 +150,7 @@ def bind_validation(folder, *, passed=True, **changes):
             ],
             "generation": dataclasses.replace(base.generation, first_divergence={layout.quant: [None, 5]}),
             "kl_histogram": {layout.quant: base.kl_histogram["nvfp4"]},
-            "thresholds": dataclasses.asdict(Thresholds()),
+            "thresholds": dataclasses.asdict(defaults_for(layout.quant)),
             **changes,
         },
     )

@@ -113,9 +113,9 @@ def test_unpadded_rows_take_the_causal_mask_with_the_same_logits(key, compute_dt
     up to 8.3e-7 at |logits| <= 3.3 for llama3 / qwen3_moe; mistral and all bf16 runs equal)."""
     kinds = []
 
-    def recording(q, k, v, mask):
+    def recording(q, k, v, mask, scale=None):
         kinds.append(mask.kind)
-        return attend(q, k, v, mask)
+        return attend(q, k, v, mask, scale)
 
     monkeypatch.setattr(model_layers, "attend", recording)
     model = build(key, compute_dtype=compute_dtype)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nvfp4tool.config import ModelConfig, RopeScaling
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.config import LinearRopeScaling, ModelConfig, RopeScaling
 from nvfp4tool.families import REGISTRY, LayerAttention
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
-from nvfp4tool.model.rope import layer_frequencies
+from nvfp4tool.model.rope import inverse_frequencies
 from nvfp4tool.model.transformer import CausalLM
 
 BASE = {
@@ -87,10 +86,76 @@ def test_a_layers_window_on_an_explicit_mask_is_attention_alloweds():
     assert AttentionMask.causal().within(4) == AttentionMask.causal(4)
 
 
-def test_layers_with_different_rope_settings_are_refused_in_one_line(monkeypatch):
-    config = _config("llama")
-    monkeypatch.setattr(
-        REGISTRY["llama"], "layer_attention", lambda c, layer: LayerAttention(None, 1000.0 * (1 + layer % 2))
-    )
-    with pytest.raises(NVFP4ToolError, match=r"^model config \(llama\): layers with different RoPE bases"):
-        layer_frequencies(config)
+# layer -> (base, linear scaling factor or None): layers 0, 1 and 3 alike, layer 2 its own
+_PER_LAYER_ROPE = {0: (1000.0, None), 1: (1000.0, None), 2: (100000.0, 4.0), 3: (1000.0, None)}
+
+
+def _per_layer(c, layer):
+    theta, factor = _PER_LAYER_ROPE[layer]
+    return LayerAttention(None, theta, None if factor is None else LinearRopeScaling(factor))
+
+
+def test_the_linear_scalings_frequencies_are_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(head_dim=16, rope_parameters={"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0})
+    theirs = ROPE_INIT_FUNCTIONS["linear"](hf, "cpu")[0].numpy()
+    np.testing.assert_array_equal(inverse_frequencies(16, 10000.0, LinearRopeScaling(8.0)), theirs)
+
+
+def test_layers_with_their_own_rope_match_transformers_layer_by_layer(monkeypatch):
+    """Layers at different RoPE settings in one model (the family's `layer_attention`): one
+    (cos, sin) per distinct setting, each block its own layer's; the logits equal transformers'
+    Llama whose decoder layers are each handed their own `LlamaRotaryEmbedding` (a config at that
+    layer's base and scaling), unscanned and scanned (runs split where the settings change)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from converters.tensor_source import DictTensorSource
+    from nvfp4tool.model import forward, model_from_tensors
+    from nvfp4tool.model.linear import Seam
+    from nvfp4tool.model.rope import rotation_index, rotations
+    from nvfp4tool.model.transformer import layer_runs
+
+    monkeypatch.setattr(REGISTRY["llama"], "layer_attention", _per_layer)
+    config = _config("llama", num_hidden_layers=4)
+    assert len(rotations(config)) == 2 and [rotation_index(config, i) for i in range(4)] == [0, 0, 1, 0]
+    assert layer_runs(config, Seam(), scan=True) == [
+        ("attention+mlp", [0, 1]),
+        ("attention+mlp", [2]),
+        ("attention+mlp", [3]),
+    ]
+
+    hf_config = transformers.LlamaConfig(**{**BASE, "num_hidden_layers": 4, "head_dim": 8})
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(torch.randn(p.shape) * (0.2 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
+    ids = np.random.default_rng(0).integers(0, 32, size=(2, 12))
+    with torch.no_grad():
+        one_rope = theirs(input_ids=torch.tensor(ids)).logits.numpy()  # every layer at base 1000
+    for i, layer in enumerate(theirs.model.layers):
+        theta, factor = _PER_LAYER_ROPE[i]
+        rope = (
+            {"rope_type": "default", "rope_theta": theta}
+            if factor is None
+            else {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+        )
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+            transformers.LlamaConfig(**{**BASE, "head_dim": 8, "rope_parameters": rope})
+        )
+
+        def own_rope(module, args, kwargs, rotary=rotary):
+            kwargs["position_embeddings"] = rotary(args[0], kwargs["position_ids"])
+            return args, kwargs
+
+        layer.register_forward_pre_hook(own_rope, with_kwargs=True)
+    with torch.no_grad():
+        expected = theirs(input_ids=torch.tensor(ids)).logits.numpy()
+    tensors = {n: t.detach().numpy() for n, t in theirs.state_dict().items()}
+    for scan in (False, True):
+        ours = forward(model_from_tensors(config, DictTensorSource(tensors), scan_layers=scan), ids)
+        np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=0)
+    assert np.abs(one_rope - expected).max() > 1e-2  # layer 2's own RoPE matters

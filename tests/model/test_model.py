@@ -418,8 +418,8 @@ def _bf16_held(config: ModelConfig):
 
 
 def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
-    """XLA:CPU gathers from a BF16 table through an fp32 copy of it; the decode loop must keep that
-    copy inside the gather, not hoist it out of the loop and hold it whole (it did: 262 MB on a
+    """XLA:CPU gathers from a BF16 table through an fp32 copy of it; neither the prefill nor the
+    decode step may hold that copy whole (the old one-program loop hoisted it: 262 MB on a
     32000 x 2048 table). The LM head is widened 1/8 of its rows at a time here."""
     import importlib
 
@@ -435,18 +435,14 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     options = gen._SamplingOptions(
         jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size), jnp.asarray(-1), jnp.asarray(0)
     )
-    compiled = gen._generate.lower(
-        graphdef,
-        state,
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.ones((2, 4), bool),
-        jax.random.key(0),
-        options,
-        max_new_tokens=3,
-        linear=served_linear,
-        kv=default_kv,
-    ).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < table_f32  # 1.6 MB; 3.7 MB with the table hoisted
+    prefill_args = (graphdef, state, jnp.zeros((2, 16), jnp.int32), jnp.ones((2, 16), bool), jax.random.key(0), options)
+    statics = {"linear": served_linear, "kv": default_kv}
+    jit_prefill, jit_step = gen._programs(jax.default_backend())
+    prefill = jit_prefill.lower(*prefill_args, cache_len=32, **statics).compile()
+    carry, cache, _ = jit_prefill(*prefill_args, cache_len=32, **statics)
+    step = jit_step.lower(graphdef, state, carry, cache, options, **statics).compile()
+    for program in (prefill, step):
+        assert program.memory_analysis().temp_size_in_bytes < table_f32
 
 
 def test_a_layer_program_widens_one_linear_at_a_time():
@@ -456,6 +452,8 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     from nvfp4tool.export.simulate import served_linear
     from nvfp4tool.model.layerwise import LayerwiseModel, _block_step
     from nvfp4tool.model.linear import Plain
+    from nvfp4tool.model.rope import layer_cos_sin
+    from nvfp4tool.model.transformer import layer_program
 
     config = ModelConfig(
         family="llama",
@@ -470,8 +468,9 @@ def test_a_layer_program_widens_one_linear_at_a_time():
     )
     model = LayerwiseModel.held(_bf16_held(config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
-    x, cos, sin, allowed = model._embed(ids)
-    graphdef = model._block_graphdefs[config.layer_kind(0)]
+    x, tables, allowed = model._embed(ids)
+    cos, sin = layer_cos_sin(config, tables, 0)
+    graphdef = model._block_graphdefs[layer_program(config, 0)]
     compiled = _block_step.lower(
         graphdef, model._layer(0), x, cos, sin, allowed, None, tap=Plain(served_linear), kv_tap=None, gather=None
     ).compile()
@@ -489,7 +488,10 @@ def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
     from nvfp4tool.model.blocks import family_blocks
     from nvfp4tool.train.presets import preset_config
 
-    configs = [*CONFIGS.values(), preset_config("tiny-hybrid-moe", 97, 64)]
+    configs = [
+        *CONFIGS.values(),
+        *(preset_config(name, 97, 64) for name in ("tiny-hybrid-moe", "tiny-gemma3", "tiny-deepseek")),
+    ]
     kinds: dict[str, set[str]] = {}
     for config in configs:
         kinds.setdefault(config.family, set()).update(config.layer_kind(i) for i in range(config.num_layers))
@@ -499,6 +501,7 @@ def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
         assert kinds[model_type] <= set(family_blocks(family)), model_type
     assert set(family_blocks(REGISTRY["llama"])) == {ATTENTION_MLP}
     assert set(family_blocks(REGISTRY["nemotron_h"])) == {"mamba", "attention", "mlp", "moe"}
+    assert set(family_blocks(REGISTRY["deepseek_v3"])) == {"mla+mlp", "mla+moe"}
 
 
 def test_the_decode_state_is_each_blocks_own_stacked_per_kind():

@@ -149,3 +149,34 @@ def test_non_finite_threshold_is_a_usage_error(field, value):
 
     with pytest.raises(NVFP4UsageError, match=field):
         Thresholds(**{field: value})
+
+
+def test_default_limits_are_the_exports_quants_and_given_limits_override_them():
+    """validate judges an export by its quant's defaults (W4A4 looser than W4A16, W4A16's p99 looser
+    than FP8's), with the limits a user gave over them; the best published exports of each kind
+    pass their own (accuracy-smollm2.md: FP8, `w4a16-best`, `w4a4-ptq`), RTN W4A4 does not."""
+    from nvfp4tool.errors import NVFP4UsageError
+    from nvfp4tool.validate.runner import ValidateOptions
+    from nvfp4tool.validate.thresholds import Thresholds, check_thresholds, defaults_for
+
+    options = ValidateOptions(data="ids.npy")
+    assert options.judged_by("fp8") == Thresholds()
+    assert options.judged_by("nvfp4-weight-only") == Thresholds(max_kl_p99=1.0)
+    assert options.judged_by("nvfp4") == Thresholds(max_kl_mean=0.25, max_kl_p99=2.0, max_ppl_increase=0.25)
+    given = ValidateOptions(data="ids.npy", limits={"max_kl_mean": 0.3, "min_top1": 0.5})
+    assert given.judged_by("nvfp4") == Thresholds(max_kl_mean=0.3, max_kl_p99=2.0, max_ppl_increase=0.25, min_top1=0.5)
+    fixed = ValidateOptions(data="ids.npy", thresholds=Thresholds(max_kl_mean=1e-9))
+    assert fixed.judged_by("nvfp4").max_kl_mean == 1e-9
+    with pytest.raises(NVFP4UsageError, match="unknown threshold names"):
+        ValidateOptions(data="ids.npy", limits={"max_kl": 1.0}).judged_by("nvfp4")
+
+    measured = {  # (quant, KL mean, KL p99, ppl increase) on SmolLM2-135M, held-out text
+        "fp8": ("fp8", 0.04509, 0.3156, 0.0458),
+        "w4a16-best": ("nvfp4-weight-only", 0.0794, 0.9022, 0.0825),
+        "w4a4-ptq": ("nvfp4", 0.2322, 1.946, 0.2293),
+        "w4a4 rtn": ("nvfp4", 0.4550, 2.516, 0.5042),
+    }
+    for name, (quant, kl, p99, ppl) in measured.items():
+        record = _record(kl_mean=kl, kl_p99=p99, ppl_increase=ppl, ppl=10.0 * (1 + ppl))
+        failed = check_thresholds(record, defaults_for(quant), label="nvfp4")
+        assert (failed == []) == (name != "w4a4 rtn"), (name, failed)

@@ -33,7 +33,8 @@ eval -> publish) with the shared leaves at the bottom and the CLI at the top:
     eval                 task evaluation: the lm-eval model over validate's openers, the paired
                          statistics, eval's reports, the shipped offline tasks
     hub                  the model card, the chain of custody push enforces, upload
-    quickstart, cli      the one-command tour, then the click wiring on top of everything
+    quickstart           the one-command tour
+    api, cli             one function per command (the Python API), then the click wiring over it
 
 The exemption list is empty and stays empty: an edge that breaks the order is fixed by moving
 code, not by listing it here.
@@ -80,6 +81,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvfp4tool.eval",),
     ("nvfp4tool.hub",),
     ("nvfp4tool.quickstart",),
+    ("nvfp4tool.api",),
     ("nvfp4tool.cli",),
 )
 EXEMPT: frozenset[tuple[str, str]] = frozenset()  # (importer, imported): must stay empty
@@ -342,7 +344,7 @@ def test_the_model_names_a_family_only_in_its_blocks_modules():
     edges = _tree_edges()
     groups = {type(family).__module__ for family in REGISTRY.values()}
     blocks = {family.blocks_module for family in REGISTRY.values()}
-    assert groups == {"nvfp4tool.families.llama", "nvfp4tool.families.moe", "nvfp4tool.families.nemotron_h"}
+    assert groups >= {"nvfp4tool.families.llama", "nvfp4tool.families.moe", "nvfp4tool.families.nemotron_h"}
     assert blocks <= set(modules())
     model = [m for m in modules() if m.startswith("nvfp4tool.model.")]
     importers = {m: {a for a, b in edges if b == m and a.startswith("nvfp4tool.")} for m in model}

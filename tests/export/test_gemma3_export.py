@@ -1,0 +1,181 @@
+"""Exporting Gemma 3 (`gemma3_text`: tied embeddings, (1 + w) norms, q/k norms, GeGLU), both layouts
+x W4A4 / W4A16 / FP8 with calibration: every export passes check; transformers + compressed-tensors
+load our compressed-tensors exports with our decoded weights bit for bit and logits equal to our
+serving simulation of the weights as transformers holds them; compressed-tensors' own ModelOpt
+converter turns our ModelOpt NVFP4 export into our compressed-tensors one tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4tool.check import check_checkpoint
+from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export.simulate import load_export
+from nvfp4tool.model import forward, model_from_tensors
+from nvfp4tool.numerics import dense
+
+from fixtures.export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
+from fixtures.hf_fixtures import build_tiny_model
+
+pytestmark = pytest.mark.peers
+torch = pytest.importorskip("torch")
+
+FORMATS = ("modelopt", "compressed-tensors")
+QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3_exports")
+    np.save(root / "calib.npy", np.random.default_rng(0).integers(3, 256, (4, 16)))
+    out = {"source": build_tiny_model("gemma3", str(root / "source"), dtype="bfloat16")}
+    for fmt in FORMATS:
+        for quant in QUANTS:
+            calib = {} if quant == "nvfp4-weight-only" else dict(calib_data=str(root / "calib.npy"), calib_samples=4)
+            out[fmt, quant] = str(root / f"{fmt}-{quant}")
+            export_checkpoint(
+                out["source"],
+                out[fmt, quant],
+                ExportOptions(format=fmt, quant=quant, show_progress=False, calib_seq_len=16, **calib),
+            )
+    out["gptq"] = str(root / "gptq-kv")  # GPTQ's layer-by-layer pass and the FP8 KV cache
+    export_checkpoint(
+        out["source"],
+        out["gptq"],
+        ExportOptions(
+            format="compressed-tensors",
+            quant="nvfp4",
+            weight_rounding="gptq",
+            kv_cache="fp8",
+            show_progress=False,
+            calib_data=str(root / "calib.npy"),
+            calib_samples=4,
+            calib_seq_len=16,
+        ),
+    )
+    return out
+
+
+def test_gptq_with_an_fp8_kv_cache_passes_check_with_a_scale_per_attention(exports):
+    """GPTQ runs layer by layer (each layer's own block program: local or global) and the KV
+    cache is calibrated in every attention, local and global alike."""
+    from safetensors import safe_open
+
+    report = check_checkpoint(exports["gptq"])
+    assert report.ok, [p.message for p in report.problems]
+    with safe_open(os.path.join(exports["gptq"], "model.safetensors"), framework="numpy") as f:
+        scales = sorted(n for n in f.keys() if n.endswith(("k_scale", "v_scale")))
+    assert scales == [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(3) for kv in "kv"]
+    gptq = load_export(exports["gptq"])
+    rtn = load_export(exports["compressed-tensors", "nvfp4"])
+    q = "model.layers.1.self_attn.q_proj"
+    assert not np.array_equal(np.asarray(gptq.dequantized(q)), np.asarray(rtn.dequantized(q)))  # GPTQ moved it
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_every_export_passes_check_with_every_linear_quantized(exports, fmt, quant):
+    report = check_checkpoint(exports[fmt, quant])
+    assert report.ok, [p.message for p in report.problems]
+    ours = load_export(exports[fmt, quant])
+    assert ours.config.family == "gemma3_text" and ours.config.tie_word_embeddings
+    assert len(ours.quantized) == 7 * ours.config.num_layers  # q k v o gate up down; the tied head kept
+
+
+def _as_transformers(x, w, b, *, name):
+    """Our served linear with the decoded weight rounded to the BF16 transformers holds."""
+    if hasattr(w, "dequantize"):
+        x = w.quantize_input(x, name)
+        w = w.dequantize().astype(jnp.bfloat16)
+    return dense(x, w, b)
+
+
+@pytest.mark.parametrize("quant", ("nvfp4", "nvfp4-weight-only"))
+def test_transformers_loads_the_compressed_tensors_export_bit_exact_with_our_logits(exports, quant):
+    import transformers
+
+    folder = exports["compressed-tensors", quant]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ids = np.random.default_rng(1).integers(3, 256, (2, 12))
+    model(torch.tensor(ids))  # the first forward decompresses the weights
+    ours = load_export(folder)
+    assert assert_linear_weights_bit_exact(model, ours) == len(ours.quantized) == 21
+    for p in model.parameters():
+        p.data = p.data.float()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.float().numpy()
+    held = model_from_tensors(ours.config, ours, dtype=None, compute_dtype=jnp.float32, check=False)
+    simulated = np.asarray(forward(held, jnp.asarray(ids), linear=_as_transformers))
+    assert np.abs(theirs).max() > 1.0
+    np.testing.assert_allclose(simulated, theirs, rtol=0, atol=3e-5)
+
+
+def test_compressed_tensors_converter_turns_our_modelopt_export_into_ours(exports):
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from safetensors.torch import load_file
+
+    modelopt = load_file(os.path.join(exports["modelopt", "nvfp4"], "model.safetensors"))
+    ours = load_file(os.path.join(exports["compressed-tensors", "nvfp4"], "model.safetensors"))
+    theirs = ModelOptNvfp4Converter(ignore=["lm_head"], targets=[r"re:.*_proj$"]).validate(dict(modelopt))
+    assert_converted_tensors_equal(theirs, ours)
+
+
+@pytest.mark.slow
+def test_validate_runs_gemma3_held_and_streamed(exports, tmp_path):
+    """validate on the W4A4 export: the same metrics held and streamed layer by layer (each layer's
+    block program and RoPE table, local or global), greedy generation held."""
+    import shutil
+
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    np.save(tmp_path / "val.npy", np.random.default_rng(5).integers(3, 256, (4, 24)))
+    records = {}
+    for offload in ("never", "always"):
+        folder = tmp_path / offload
+        shutil.copytree(exports["compressed-tensors", "nvfp4"], folder)
+        options = ValidateOptions(
+            data=str(tmp_path / "val.npy"),
+            source=exports["source"],
+            samples=4,
+            seq_len=24,
+            batch_size=2,
+            prompts=2,
+            prompt_len=8,
+            gen_tokens=6,
+            offload=offload,
+            reference="bf16",
+            thresholds=Thresholds(
+                max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None, min_layer_sqnr_db=None
+            ),
+        )
+        records[offload] = validate_export(str(folder), options).record
+    held, streamed = records["never"], records["always"]
+    assert held.generation.skipped is None and held.generation.tokens == 6
+    for metric in ("kl_mean", "top1", "ppl"):
+        np.testing.assert_allclose(held.models["nvfp4"][metric], streamed.models["nvfp4"][metric], rtol=1e-5)
+    assert 0 < held.models["nvfp4"]["kl_mean"] < 1
+    assert len(held.layers) == 21
+
+
+def test_zero_norm_weights_are_identity_norms_and_pass_check(tmp_path):
+    """A (1 + w) norm's weight is zero at identity (every norm of an untrained Gemma): check does
+    not call those all-zero tensors corrupt (it does without the family's `may_be_zero`)."""
+    from safetensors.numpy import load_file, save_file
+
+    source = build_tiny_model("gemma3", str(tmp_path / "source"), dtype="bfloat16")
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    zeroed = {n: np.zeros_like(t) if n.endswith("norm.weight") else t for n, t in tensors.items()}
+    assert sum(n.endswith("norm.weight") for n in zeroed) == 3 * 6 + 1
+    save_file(zeroed, os.path.join(source, "model.safetensors"), metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    export_checkpoint(
+        source, out, ExportOptions(format="compressed-tensors", quant="nvfp4-weight-only", show_progress=False)
+    )
+    report = check_checkpoint(out)
+    assert report.ok, [p.message for p in report.problems]
