@@ -22,7 +22,6 @@ from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
-SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule, layer axis 1
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 
@@ -112,16 +111,39 @@ def check_supported(config: ModelConfig, label: str) -> None:
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
-    """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied)."""
-    return [r for r in config.family_spec.maxtext_rules or () if not (r.untied_only and config.tie_word_embeddings)]
+    """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied,
+    a rule of an empty layer stack or an optional rule whose HF tensor the model lacks dropped)."""
+    shapes = config.expected_tensor_shapes()
+    return [
+        r
+        for r in config.family_spec.maxtext_rules or ()
+        if not (r.untied_only and config.tie_word_embeddings)
+        and (not r.per_layer or len(stack_layers(r, config)))
+        and not (r.optional and hf_name(r, _first_layer(r, config), 0) not in shapes)
+    ]
 
 
-def maxtext_path(rule: Rule, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
+def stack_layers(rule: Rule, config: ModelConfig) -> range:
+    """The HF layers of `rule`'s MaxText layer stack (`Family.maxtext_stacks`)."""
+    return config.family_spec.maxtext_stacks(config)[rule.stack]
+
+
+def layers_of(rule: Rule, config: ModelConfig) -> list[int | None]:
+    """The HF layers `rule` applies to ([None]: not a per-layer rule)."""
+    return list(stack_layers(rule, config)) if rule.per_layer else [None]
+
+
+def maxtext_path(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
     """Key path of `rule`'s parameter under params/params (one layer when unscanned)."""
     if not rule.per_layer:
         return tuple(rule.maxtext.split("/"))
-    prefix = SCANNED_LAYERS if scanned else f"decoder/layers_{layer}"
+    prefix = f"decoder/{rule.stack}" if scanned else f"decoder/{rule.stack}_{_in_stack(rule, config, layer)}"
     return tuple(f"{prefix}/{rule.maxtext}".split("/"))
+
+
+def stack_names(config: ModelConfig) -> list[str]:
+    """MaxText's non-empty layer stacks of `config`'s model."""
+    return [name for name, layers in config.family_spec.maxtext_stacks(config).items() if len(layers)]
 
 
 def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
@@ -130,17 +152,23 @@ def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> 
 
 def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     """The expert indices one parameter of `rule` holds ([None]: not an expert weight)."""
-    return list(range(config.family_spec.experts(config).num_experts)) if rule.per_expert else [None]
+    if not rule.per_expert:
+        return [None]
+    shapes, layer = config.expected_tensor_shapes(), _first_layer(rule, config)
+    count = 0
+    while hf_name(rule, layer, count) in shapes:  # the family's tensor table holds every expert
+        count += 1
+    return list(range(count))
 
 
 def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
     """Shape of the stored parameter (the whole stack when scanned and per-layer; every expert)."""
-    hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
+    hf_shape = config.expected_tensor_shapes()[hf_name(rule, _first_layer(rule, config), 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
-        shape = (config.family_spec.experts(config).num_experts,) + shape
+        shape = (len(experts_of(rule, config)),) + shape
     if rule.per_layer and scanned:
-        shape = shape[:LAYER_AXIS] + (config.num_layers,) + shape[LAYER_AXIS:]
+        shape = shape[:LAYER_AXIS] + (len(stack_layers(rule, config)),) + shape[LAYER_AXIS:]
     return shape
 
 
@@ -152,11 +180,11 @@ def sliced_axes(rule: Rule, *, scanned: bool) -> tuple[int, ...]:
     return axes + ((LAYER_AXIS,) if rule.per_layer and scanned else ())
 
 
-def slice_index(rule: Rule, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
+def slice_index(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
     """Index of one HF tensor (layer `layer`, expert `expert`) in the stored parameter."""
     index = (expert,) if rule.per_expert else ()
     if rule.per_layer and scanned:
-        index = (index[0] if index else slice(None), layer)
+        index = (index[0] if index else slice(None), _in_stack(rule, config, layer))
     return index
 
 
@@ -175,11 +203,13 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
     elif rule.transform == "transpose":
         y = transpose_2d(x)
     elif rule.transform == "heads_in":  # [N*D, E] -> [E, N, D]
-        y = transpose_2d(x).reshape(x.shape[1], x.shape[0] // config.head_dim, config.head_dim)
+        D = _head_dim(rule, config)
+        y = transpose_2d(x).reshape(x.shape[1], x.shape[0] // D, D)
         if rule.rope and rope_layout == "interleaved":
             y = half_to_interleaved(y)
     elif rule.transform == "heads_out":  # [E, H*D] -> [H, D, E]
-        y = transpose_2d(x).reshape(x.shape[1] // config.head_dim, config.head_dim, x.shape[0])
+        D = _head_dim(rule, config)
+        y = transpose_2d(x).reshape(x.shape[1] // D, D, x.shape[0])
     else:  # pragma: no cover - the table only uses the four above
         raise ValueError(rule.transform)
     with np.errstate(over="ignore"):
@@ -235,8 +265,24 @@ def interleaved_to_half(y_ExNxD: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- helpers
 
 
+def _head_dim(rule: Rule, config: ModelConfig) -> int:
+    """The head width `rule`'s heads_in / heads_out reshape uses (MLA's differ from head_dim)."""
+    return config.head_dim if rule.head_dim is None else rule.head_dim(config)
+
+
+def _first_layer(rule: Rule, config: ModelConfig) -> int | None:
+    """The first HF layer of `rule`'s stack (None: not a per-layer rule, or an empty stack)."""
+    layers = stack_layers(rule, config) if rule.per_layer else ()
+    return layers[0] if len(layers) else None
+
+
+def _in_stack(rule: Rule, config: ModelConfig, layer: int | None) -> int:
+    """HF layer `layer`'s index in `rule`'s MaxText stack."""
+    return stack_layers(rule, config).index(layer)
+
+
 def _forward_shape(rule: Rule, hf_shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:
-    D = config.head_dim
+    D = _head_dim(rule, config)
     if rule.transform == "identity":
         return hf_shape
     if rule.transform == "transpose":

@@ -48,7 +48,7 @@ class MaxTextSource:
         self._use_zarr3 = bool(flags.get("use_zarr3", False))
         self.custom_metadata = _step_custom_metadata(step_dir)
         params = _params_tree(self._items_dir, self._label)
-        self.scanned = _detect_scanned(params, self._label)
+        self.scanned = _detect_scanned(params, layout.stack_names(model_config), self._label)
         self._meta: dict[tuple[str, ...], object] = {}  # key path -> Orbax ArrayMetadata
         self._index = self._build_index(params)
         self._handles: dict[tuple[str, ...], object] = {}
@@ -73,14 +73,14 @@ class MaxTextSource:
     def get(self, name: str) -> np.ndarray:
         """One HF tensor; its stored values and the converted ones must be finite."""
         rule, layer, expert, _, dtype = self._entry(name)
-        key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
+        key = layout.maxtext_path(rule, self.config, scanned=self.scanned, layer=layer)
         where = f"{self._label}: parameter {_where(key)}"
         if expert is not None:
             where += f" expert {expert}"
         if self.scanned and rule.per_layer:
             where += f" layer {layer}"
         axes = layout.sliced_axes(rule, scanned=self.scanned)
-        index = layout.slice_index(rule, scanned=self.scanned, layer=layer, expert=expert)
+        index = layout.slice_index(rule, self.config, scanned=self.scanned, layer=layer, expert=expert)
         y = self._read_slice(key, axes, index, where) if axes else self._read(key, where)
         check_finite(y, where)
         hf = layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
@@ -102,10 +102,9 @@ class MaxTextSource:
         hf_shapes = config.expected_tensor_shapes()
         index: dict[str, tuple] = {}
         for rule in layout.rules_for(config):
-            layers = range(config.num_layers) if rule.per_layer else [None]
             want = layout.maxtext_shape(rule, config, scanned=self.scanned)
-            for layer in layers:
-                key = layout.maxtext_path(rule, scanned=self.scanned, layer=layer)
+            for layer in layout.layers_of(rule, config):
+                key = layout.maxtext_path(rule, config, scanned=self.scanned, layer=layer)
                 meta = _lookup(params, key)
                 where = _where(key)
                 if meta is None:
@@ -303,9 +302,8 @@ def _plan_leaves(config: ModelConfig, scanned: bool, out_dtype: str) -> list[tup
     leaves = []
     for rule in layout.rules_for(config):
         shape = layout.maxtext_shape(rule, config, scanned=scanned)
-        layers = [None] if (scanned or not rule.per_layer) else range(config.num_layers)
-        for layer in layers:
-            key = layout.maxtext_path(rule, scanned=scanned, layer=layer)
+        for layer in [None] if scanned else layout.layers_of(rule, config):
+            key = layout.maxtext_path(rule, config, scanned=scanned, layer=layer)
             leaves.append((rule, layer, key, shape, int(np.prod(shape)) * itemsize))
     return leaves
 
@@ -338,9 +336,9 @@ def _build_leaf(
     if not layout.sliced_axes(rule, scanned=scanned):
         return _converted(source, config, rule, layer, None, rope_layout, out_dtype)
     stacked = np.empty(shape, dtype=out_dtype)
-    for i in range(config.num_layers) if scanned and rule.per_layer else [layer]:
+    for i in layout.layers_of(rule, config) if scanned else [layer]:
         for e in layout.experts_of(rule, config):
-            index = layout.slice_index(rule, scanned=scanned, layer=i, expert=e)
+            index = layout.slice_index(rule, config, scanned=scanned, layer=i, expert=e)
             stacked[index] = _converted(source, config, rule, i, e, rope_layout, out_dtype)
     return stacked
 
@@ -436,16 +434,18 @@ def _params_tree(items_dir: str, label: str) -> dict:
     return params
 
 
-def _detect_scanned(params: dict, label: str) -> bool:
+def _detect_scanned(params: dict, stacks: list[str], label: str) -> bool:
+    """Whether the checkpoint stacks the layers of MaxText layer stack `stacks[0]` (the model's first)."""
     decoder = params.get("decoder")
     if not isinstance(decoder, dict):
         raise NVFP4ToolError(f"{label}: parameter params/params/decoder missing")
-    if "layers" in decoder:
+    if stacks[0] in decoder:
         return True
-    if "layers_0" in decoder:
+    if f"{stacks[0]}_0" in decoder:
         return False
     raise NVFP4ToolError(
-        f"{label}: neither params/params/decoder/layers (scanned) nor decoder/layers_0 (unscanned) is in the checkpoint"
+        f"{label}: neither params/params/decoder/{stacks[0]} (scanned) nor decoder/{stacks[0]}_0 (unscanned) "
+        "is in the checkpoint"
     )
 
 
