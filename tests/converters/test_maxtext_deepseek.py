@@ -9,6 +9,7 @@
   `self_attention/{wq_a,wq_b,q_norm,wkv_a,wkv_b,kv_norm,out}` (or `query`), the routed experts
   `DeepSeekMoeBlock_0/MoeBlock_0/wi_0 [X, L, E, F]`, the router `gate/kernel` and its `gate/bias`,
   `shared_experts/wi_0/kernel`; unscanned `decoder/dense_layers_{j}` / `moe_layers_{j}`.
+* That tree, saved by a plain Orbax CheckpointManager, converts back to the HF files' bytes.
 * rope_interleave=false is refused in one line naming the family and the field.
 """
 
@@ -25,6 +26,7 @@ from test_maxtext_moe import _assert_folders_identical
 from nvfp4tool.cli import cli
 
 from fixtures.deepseek_fixtures import LORA, NO_LORA, hf_folder
+from fixtures.maxtext_fixture import save_maxtext_checkpoint
 
 pytestmark = pytest.mark.peers
 torch = pytest.importorskip("torch")
@@ -116,6 +118,16 @@ def test_hf_to_maxtext_to_hf_is_byte_identical_and_the_tree_is_maxtexts(folders,
 
     restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(str(tmp_path / "mt" / "0" / "items"))
     _assert_trees_equal(restored["params"]["params"], _script_tree(folder, scanned))
+
+
+@pytest.mark.parametrize("scanned", [True, False])
+def test_the_scripts_tree_saved_by_plain_orbax_reads_back_as_the_hf_files(folders, tmp_path, scanned):
+    """The reader against the independent tree (chunked as Orbax's defaults chunk it, with an
+    optimizer state beside it): the HF folder it converts to holds the original's bytes."""
+    folder = folders["lora"]
+    save_maxtext_checkpoint(str(tmp_path / "mt"), _script_tree(folder, scanned), scanned=scanned)
+    _convert(str(tmp_path / "mt"), str(tmp_path / "hf"), "--to", "hf", "--model-config", folder)
+    _assert_folders_identical(folder, str(tmp_path / "hf"))
 
 
 def test_rope_interleave_false_is_refused_in_one_line(folders, tmp_path):
