@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
+import ml_dtypes  # also registers bfloat16 / float8 / float4 with numpy
 import numpy as np
 
 from nvfp4tool.config import ModelConfig
@@ -22,6 +22,8 @@ from nvfp4tool.families.maxtext import Rule
 
 ROPE_LAYOUTS = ("half", "interleaved")
 PARAMS_PREFIX = ("params", "params")  # TrainState.params is Flax's {"params": collection}
+SCANNED_LAYERS = "decoder/layers"  # one stacked array per rule (per block position), layer axis 1
+REMAINDER_LAYERS = "decoder/layers_remainder"  # scanned in blocks: the layers after the last whole block
 LAYER_AXIS = 1  # where scanned checkpoints stack the layers
 EXPERTS_AXIS = 0  # where an experts array stacks its experts (before the layer axis when scanned)
 
@@ -124,7 +126,7 @@ def rules_for(config: ModelConfig) -> list[Rule]:
 
 
 def stack_layers(rule: Rule, config: ModelConfig) -> range:
-    """The HF layers of `rule`'s MaxText layer stack (`Family.maxtext_stacks`)."""
+    """The HF layers of `rule`'s MaxText layer stack (`Rule.stack`, `Family.maxtext_stacks`)."""
     return config.family_spec.maxtext_stacks(config)[rule.stack]
 
 
@@ -133,17 +135,46 @@ def layers_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     return list(stack_layers(rule, config)) if rule.per_layer else [None]
 
 
-def maxtext_path(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None) -> tuple[str, ...]:
-    """Key path of `rule`'s parameter under params/params (one layer when unscanned)."""
-    if not rule.per_layer:
-        return tuple(rule.maxtext.split("/"))
-    prefix = f"decoder/{rule.stack}" if scanned else f"decoder/{rule.stack}_{_in_stack(rule, config, layer)}"
-    return tuple(f"{prefix}/{rule.maxtext}".split("/"))
-
-
 def stack_names(config: ModelConfig) -> list[str]:
-    """MaxText's non-empty layer stacks of `config`'s model."""
+    """MaxText's non-empty layer stacks of `config`'s model, in order."""
     return [name for name, layers in config.family_spec.maxtext_stacks(config).items() if len(layers)]
+
+
+def placement(
+    rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None
+) -> tuple[tuple[str, ...], int | None]:
+    """(key path under params/params of the parameter holding `rule`'s tensor of `layer`, the
+    layer's index on that parameter's layer axis or None where the parameter is not a stack).
+
+    With i the layer's index in its stack S (`Rule.stack`, "layers" unless the family's MaxText
+    decoder splits the layers: DeepSeek's dense_layers / moe_layers). Unscanned: `decoder/S_{i}/`.
+    Scanned, a family scanning single layers (`Family.maxtext_scan_block` 1): `decoder/S/`,
+    stacked, index = i. Scanned in blocks of P layers (one stack): layer i < (L // P) * P lives in
+    `decoder/layers/layers_{i % P}/`, stacked, index i // P; the L % P layers after them in
+    `decoder/layers_remainder/layers_{i - (L // P) * P}/`, unstacked (MaxText's
+    `_apply_gemma3_scanned_blocks`; docs/design/maxtext-layout.md)."""
+    if not rule.per_layer:
+        return tuple(rule.maxtext.split("/")), None
+    prefix, index = _layer_prefix(rule, config, layer, scanned)
+    return tuple(f"{prefix}/{rule.maxtext}".split("/")), index
+
+
+def stack_length(rule: Rule, config: ModelConfig) -> int:
+    """The layer axis of `rule`'s scanned stack: its every layer, or one per block of `maxtext_scan_block`."""
+    return len(stack_layers(rule, config)) // config.family_spec.maxtext_scan_block
+
+
+def _layer_prefix(rule: Rule, config: ModelConfig, layer: int | None, scanned: bool) -> tuple[str, int | None]:
+    i = stack_layers(rule, config).index(layer)
+    if not scanned:
+        return f"decoder/{rule.stack}_{i}", None
+    block = config.family_spec.maxtext_scan_block
+    if block == 1:
+        return f"decoder/{rule.stack}", i
+    full = stack_length(rule, config) * block
+    if i < full:
+        return f"{SCANNED_LAYERS}/layers_{i % block}", i // block
+    return f"{REMAINDER_LAYERS}/layers_{i - full}", None
 
 
 def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
@@ -161,36 +192,62 @@ def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     return list(range(count))
 
 
-def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool) -> tuple[int, ...]:
-    """Shape of the stored parameter (the whole stack when scanned and per-layer; every expert)."""
+def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None) -> tuple[int, ...]:
+    """Shape of the stored parameter holding layer `layer` (None: the first of the rule's stack; the
+    whole stack when it is one; every expert)."""
+    layer = _first_layer(rule, config) if layer is None else layer
     hf_shape = config.expected_tensor_shapes()[hf_name(rule, _first_layer(rule, config), 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
         shape = (len(experts_of(rule, config)),) + shape
-    if rule.per_layer and scanned:
-        shape = shape[:LAYER_AXIS] + (len(stack_layers(rule, config)),) + shape[LAYER_AXIS:]
+    if placement(rule, config, scanned=scanned, layer=layer)[1] is not None:
+        shape = shape[:LAYER_AXIS] + (stack_length(rule, config),) + shape[LAYER_AXIS:]
     return shape
 
 
 def sliced_axes(rule: Rule, *, scanned: bool) -> tuple[int, ...]:
     """Axes of the stored parameter that one HF tensor takes a single index of: the experts axis
-    (0) and, in a scanned stack, the layer axis (1). The writer asks Orbax for chunks of size 1
-    along them, so that the reader can read one HF tensor without the rest."""
+    (0) and, in a scanned stack (`scanned`: the parameter is one), the layer axis (1). The writer
+    asks Orbax for chunks of size 1 along them, so that the reader can read one HF tensor without the rest."""
     axes = (EXPERTS_AXIS,) if rule.per_expert else ()
     return axes + ((LAYER_AXIS,) if rule.per_layer and scanned else ())
 
 
-def slice_index(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
-    """Index of one HF tensor (layer `layer`, expert `expert`) in the stored parameter."""
+def slice_index(rule: Rule, *, scanned: bool, layer: int | None, expert: int | None) -> tuple:
+    """Index of one HF tensor (`layer`: its index on a stack's layer axis, expert `expert`) in the
+    stored parameter (`scanned`: a stack)."""
     index = (expert,) if rule.per_expert else ()
     if rule.per_layer and scanned:
-        index = (index[0] if index else slice(None), _in_stack(rule, config, layer))
+        index = (index[0] if index else slice(None), layer)
     return index
 
 
 def query_scale(config: ModelConfig) -> np.float32:
     """The fp32 factor MaxText's stored query kernel carries: 1/sqrt(head_dim)."""
     return np.float32(1.0 / math.sqrt(config.head_dim))
+
+
+def embedding_factor(config: ModelConfig) -> np.float32:
+    """The factor MaxText's stored embedding carries (`Rule.embedding_scale`): the family's
+    embedding scale (sqrt(hidden)) rounded to bf16, as MaxText's converter and transformers' bf16
+    `embed_scale` round it."""
+    return np.float32(ml_dtypes.bfloat16(config.family_spec.embedding_scale(config)))
+
+
+def _offset_and_scale(rule: Rule, y: np.ndarray, config: ModelConfig, *, inverse: bool) -> np.ndarray:
+    """The value changes of the rules that carry them, in fp32 whatever the storage dtype: the
+    query scale (x * s), the embedding scale (x * n) and the norm offset (x + 1); `inverse`: their
+    exact inverses (/ s, / n, - 1, the same fp32 constants). Overflow gives inf (callers check)."""
+    factor = query_scale(config) if rule.query_scale else embedding_factor(config) if rule.embedding_scale else None
+    if factor is None and not rule.unit_offset:
+        return y
+    y = y.astype(np.float32)
+    with np.errstate(over="ignore"):
+        if inverse:
+            y = y - np.float32(1) if rule.unit_offset else y
+            return y if factor is None else y / factor
+        y = y if factor is None else y * factor
+        return y + np.float32(1) if rule.unit_offset else y
 
 
 def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: str, out_dtype: str) -> np.ndarray:
@@ -212,9 +269,8 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
         y = transpose_2d(x).reshape(x.shape[1] // D, D, x.shape[0])
     else:  # pragma: no cover - the table only uses the four above
         raise ValueError(rule.transform)
+    y = _offset_and_scale(rule, y, config, inverse=False)
     with np.errstate(over="ignore"):
-        if rule.query_scale:  # in fp32 whatever the storage dtype (see the module docstring)
-            y = y.astype(np.float32) * query_scale(config)
         return np.ascontiguousarray(y.astype(out_dtype, copy=False))
 
 
@@ -223,9 +279,7 @@ def maxtext_to_hf(rule: Rule, y: np.ndarray, config: ModelConfig, rope_layout: s
 
     Overflow (in the query scale or the cast) gives inf silently: the callers check the result."""
     _check_rope_layout(rope_layout)
-    if rule.query_scale:  # divide by the same fp32 constant the forward direction multiplied by
-        with np.errstate(over="ignore"):
-            y = y.astype(np.float32) / query_scale(config)
+    y = _offset_and_scale(rule, y, config, inverse=True)
     if rule.transform == "identity":
         x = y
     elif rule.transform == "transpose":
@@ -274,11 +328,6 @@ def _first_layer(rule: Rule, config: ModelConfig) -> int | None:
     """The first HF layer of `rule`'s stack (None: not a per-layer rule, or an empty stack)."""
     layers = stack_layers(rule, config) if rule.per_layer else ()
     return layers[0] if len(layers) else None
-
-
-def _in_stack(rule: Rule, config: ModelConfig, layer: int | None) -> int:
-    """HF layer `layer`'s index in `rule`'s MaxText stack."""
-    return stack_layers(rule, config).index(layer)
 
 
 def _forward_shape(rule: Rule, hf_shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:

@@ -73,14 +73,14 @@ class MaxTextSource:
     def get(self, name: str) -> np.ndarray:
         """One HF tensor; its stored values and the converted ones must be finite."""
         rule, layer, expert, _, dtype = self._entry(name)
-        key = layout.maxtext_path(rule, self.config, scanned=self.scanned, layer=layer)
+        key, at = layout.placement(rule, self.config, scanned=self.scanned, layer=layer)
         where = f"{self._label}: parameter {_where(key)}"
         if expert is not None:
             where += f" expert {expert}"
-        if self.scanned and rule.per_layer:
-            where += f" layer {layer}"
-        axes = layout.sliced_axes(rule, scanned=self.scanned)
-        index = layout.slice_index(rule, self.config, scanned=self.scanned, layer=layer, expert=expert)
+        if at is not None:
+            where += f" layer {layer}" if at == layer else f" index {at} (layer {layer})"
+        axes = layout.sliced_axes(rule, scanned=at is not None)
+        index = layout.slice_index(rule, scanned=at is not None, layer=at, expert=expert)
         y = self._read_slice(key, axes, index, where) if axes else self._read(key, where)
         check_finite(y, where)
         hf = layout.maxtext_to_hf(rule, y, self.config, self.rope_layout, dtype)
@@ -102,9 +102,10 @@ class MaxTextSource:
         hf_shapes = config.expected_tensor_shapes()
         index: dict[str, tuple] = {}
         for rule in layout.rules_for(config):
-            want = layout.maxtext_shape(rule, config, scanned=self.scanned)
-            for layer in layout.layers_of(rule, config):
-                key = layout.maxtext_path(rule, config, scanned=self.scanned, layer=layer)
+            layers = layout.layers_of(rule, config)
+            for layer in layers:
+                key, _ = layout.placement(rule, config, scanned=self.scanned, layer=layer)
+                want = layout.maxtext_shape(rule, config, scanned=self.scanned, layer=layer)
                 meta = _lookup(params, key)
                 where = _where(key)
                 if meta is None:
@@ -232,16 +233,15 @@ def write_maxtext(
         tree_metadata = _read_json(os.path.join(items_dir, _METADATA_FILE))
         for group_index, group in enumerate(_groups(leaves, budget), start=1):
             tree, save_args = {}, {}
-            for rule, layer, key, shape, _ in group:
-                array = _build_leaf(source, config, rule, layer, shape, out_dtype, rope_layout, scan_layers)
+            for rule, layers, key, shape, _ in group:
+                array = _build_leaf(source, config, rule, layers, shape, out_dtype, rope_layout)
+                stacked = layers[0][0] is not None
                 _set(tree, layout.PARAMS_PREFIX + key, array.view(_Borrowed))
                 del array  # the tree holds it now; dropped with the tree once saved
                 _set(
                     save_args,
                     layout.PARAMS_PREFIX + key,
-                    ocp.SaveArgs(
-                        chunk_byte_size=_CHUNK_BYTES, shard_axes=layout.sliced_axes(rule, scanned=scan_layers)
-                    ),
+                    ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES, shard_axes=layout.sliced_axes(rule, scanned=stacked)),
                 )
             _save_group(
                 ocp, tree, save_args, os.path.join(scratch, str(group_index)), items_dir, group_index, tree_metadata
@@ -297,14 +297,19 @@ class _Borrowed(np.ndarray):
 
 
 def _plan_leaves(config: ModelConfig, scanned: bool, out_dtype: str) -> list[tuple]:
-    """(rule, layer, key path, shape, nbytes) for every stored parameter, in table order."""
+    """(rule, layers, key path, shape, nbytes) for every stored parameter, in table order; `layers`:
+    the model layers of a stack in stack order, or [(None, layer)] for one unstacked parameter
+    (each entry: (index on the layer axis or None, model layer or None))."""
     itemsize = np.dtype(out_dtype).itemsize
     leaves = []
     for rule in layout.rules_for(config):
-        shape = layout.maxtext_shape(rule, config, scanned=scanned)
-        for layer in [None] if scanned else layout.layers_of(rule, config):
-            key = layout.maxtext_path(rule, config, scanned=scanned, layer=layer)
-            leaves.append((rule, layer, key, shape, int(np.prod(shape)) * itemsize))
+        by_key: dict[tuple[str, ...], list[tuple[int | None, int | None]]] = {}
+        for layer in layout.layers_of(rule, config):
+            key, at = layout.placement(rule, config, scanned=scanned, layer=layer)
+            by_key.setdefault(key, []).append((at, layer))
+        for key, layers in by_key.items():
+            shape = layout.maxtext_shape(rule, config, scanned=scanned, layer=layers[0][1])
+            leaves.append((rule, layers, key, shape, int(np.prod(shape)) * itemsize))
     return leaves
 
 
@@ -325,22 +330,22 @@ def _build_leaf(
     source: TensorSource,
     config: ModelConfig,
     rule: layout.Rule,
-    layer: int | None,
+    layers: list[tuple[int | None, int | None]],
     shape: tuple[int, ...],
     out_dtype: str,
     rope_layout: str,
-    scanned: bool,
 ) -> np.ndarray:
-    """The stored array of one parameter; a scanned stack or an experts array is filled one source
-    tensor (layer, expert) at a time. Each converted tensor must be finite."""
-    if not layout.sliced_axes(rule, scanned=scanned):
-        return _converted(source, config, rule, layer, None, rope_layout, out_dtype)
-    stacked = np.empty(shape, dtype=out_dtype)
-    for i in layout.layers_of(rule, config) if scanned else [layer]:
+    """The stored array of one parameter (`layers`: `_plan_leaves`'); a scanned stack or an experts
+    array is filled one source tensor (layer, expert) at a time. Each converted tensor must be finite."""
+    stacked = layers[0][0] is not None
+    if not layout.sliced_axes(rule, scanned=stacked):
+        return _converted(source, config, rule, layers[0][1], None, rope_layout, out_dtype)
+    array = np.empty(shape, dtype=out_dtype)
+    for at, layer in layers:
         for e in layout.experts_of(rule, config):
-            index = layout.slice_index(rule, config, scanned=scanned, layer=i, expert=e)
-            stacked[index] = _converted(source, config, rule, i, e, rope_layout, out_dtype)
-    return stacked
+            index = layout.slice_index(rule, scanned=stacked, layer=at, expert=e)
+            array[index] = _converted(source, config, rule, layer, e, rope_layout, out_dtype)
+    return array
 
 
 def _converted(
@@ -435,11 +440,11 @@ def _params_tree(items_dir: str, label: str) -> dict:
 
 
 def _detect_scanned(params: dict, stacks: list[str], label: str) -> bool:
-    """Whether the checkpoint stacks the layers of MaxText layer stack `stacks[0]` (the model's first)."""
+    """Whether the checkpoint stacks the layers of the model's first MaxText layer stack `stacks[0]`."""
     decoder = params.get("decoder")
     if not isinstance(decoder, dict):
         raise NVFP4ToolError(f"{label}: parameter params/params/decoder missing")
-    if stacks[0] in decoder:
+    if stacks[0] in decoder or layout.REMAINDER_LAYERS.split("/")[1] in decoder:  # blocks: maybe no whole one
         return True
     if f"{stacks[0]}_0" in decoder:
         return False

@@ -369,7 +369,7 @@ class NVFP4ToolLM(TemplateLM):
     # ---------------------------------------------------------------- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled) continuations cut at EOS and the first stop string."""
-        from nvfp4tool.export.simulate import served_linear
+        from nvfp4tool.export.simulate import for_generation, served_linear
         from nvfp4tool.model import generate
 
         held = self.variant.model.whole
@@ -378,6 +378,7 @@ class NVFP4ToolLM(TemplateLM):
                 f"{self.variant.label}: generative tasks need the whole model in memory; it is "
                 "streamed layer by layer (offload=never, or a machine with more memory)"
             )
+        held = for_generation(held, f"{self.variant.label} generation")  # stored weights decoded once if they fit
         started = time.perf_counter()
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         results: list[str | None] = [None] * len(requests)

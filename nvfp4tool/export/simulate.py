@@ -4,19 +4,23 @@
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
 Weights stay as stored (`NVFP4Weight`, `FP8Weight`), decoded inside the jitted forward; `served_kv`: FP8 KV.
+`for_generation`: the weights decoded / widened once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from converters.hf import HFFolderSource
 from converters.tensor_source import tensor_bytes
+from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8, fake_quantize_nvfp4
@@ -48,10 +52,7 @@ class NVFP4Weight:
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         """x as the engine's activation quantizer leaves it (unchanged when weight-only)."""
-        if self.input_scale is None:
-            return x
-        global_amax = jnp.asarray(self.input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
-        return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
+        return _quantize_input("nvfp4", self.input_scale, x, name)
 
 
 @jax.tree_util.register_dataclass
@@ -77,9 +78,85 @@ class FP8Weight:
         return decode_fp8(self.data[start:stop], self.scale)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
-        if self.input_scale is None:
-            return x
-        return fake_quantize_fp8(x, fmt="e4m3", scale=self.input_scale, dtype=x.dtype, name=f"input of {name}")
+        return _quantize_input("fp8", self.input_scale, x, name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodedWeight:
+    """A weight decoded once (`for_generation`): `data` is a stored quantized weight's `dequantize()`
+    or a BF16 weight cast, fp32 [N, K], the values `served_linear` makes of it at every use; its
+    input quantizer is the stored weight's (`quant` "nvfp4" / "fp8" with the input's decode scale;
+    "plain", no input scale, for BF16 and weight-only weights)."""
+
+    data: jax.Array
+    input_scale: jax.Array | None
+    quant: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        return self.data[start:stop]
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        return _quantize_input(self.quant, self.input_scale, x, name)
+
+
+def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
+    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only)."""
+    if input_scale is None:
+        return x
+    if quant == "fp8":
+        return fake_quantize_fp8(x, fmt="e4m3", scale=input_scale, dtype=x.dtype, name=f"input of {name}")
+    global_amax = jnp.asarray(input_scale, jnp.float32) * jnp.float32(NVFP4_GLOBAL_RANGE)
+    return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
+
+
+def for_generation(model, label: str):
+    """The held model generation runs with `served_linear`: each linear's weight held narrower than
+    the compute (stored NVFP4 / FP8, or BF16 in fp32 compute) decoded / widened once into a
+    `DecodedWeight` (the same values, sliced in the same `dense_widening` blocks, so the same GEMMs:
+    tokens and logits bit for bit those of decoding at every step) when that fp32 copy fits beside
+    the model (at most `memory.HEADROOM` of the available memory), else the model as it is. Says
+    which, and why, as a status line. The embedding table (a tied LM head too) stays as stored."""
+    from nvfp4tool.model.layers import Linear
+
+    linears = {(*path, "weight") for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    chosen = {p for p, v in flat if p in linears and _narrow(v.get_value(), model.compute_dtype)}
+    need = sum(4 * math.prod(v.get_value().shape) for p, v in flat if p in chosen)
+    if need == 0:
+        return model
+    available = memory.available_bytes()
+    if need > memory.HEADROOM * available:
+        progress.info(
+            f"{label}: weights decoded at every generation step (decoding them once needs "
+            f"{need / 1e9:.2f} GB, {available / 1e9:.2f} GB available)"
+        )
+        return model
+    progress.info(f"{label}: weights decoded once for generation ({need / 1e9:.2f} GB fp32)")
+    flat = [(p, v.replace(_decode_once(v.get_value())) if p in chosen else v) for p, v in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _narrow(w, compute_dtype) -> bool:
+    """A weight `served_linear` decodes or widens at every use."""
+    if isinstance(w, NVFP4Weight | FP8Weight):
+        return True
+    return jnp.issubdtype(w.dtype, jnp.floating) and jnp.dtype(w.dtype).itemsize < jnp.dtype(compute_dtype).itemsize
+
+
+@jax.jit
+def _decode_once(w) -> DecodedWeight:
+    # weight-only: "plain" as a BF16 weight's, so a W4A16 model's programs are the BF16 source's
+    if isinstance(w, NVFP4Weight | FP8Weight) and w.input_scale is not None:
+        quant = "fp8" if isinstance(w, FP8Weight) else "nvfp4"
+        return DecodedWeight(data=w.dequantize(), input_scale=w.input_scale, quant=quant)
+    data = w.dequantize() if isinstance(w, NVFP4Weight | FP8Weight) else w.astype(jnp.float32)
+    return DecodedWeight(data=data, input_scale=None, quant="plain")
 
 
 KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []
@@ -116,11 +193,12 @@ class ServedKV:
 
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
     """The LinearFn of a model held as stored: a stored quantized weight quantizes its input (W4A4 /
-    W8A8) and is decoded; a plain weight (BF16) is used as it is. `numerics.dense` either way (the
+    W8A8) and is decoded (a `DecodedWeight`: its decoded rows sliced, in the same blocks, so the
+    same GEMMs); a plain weight (BF16) is used as it is. `numerics.dense` either way (the
     plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
     input exists and a block of rows at a time (`numerics.dense_widening`), so a program holds at most
     `numerics.dot.WIDEN_BYTES` of widened weight at a time."""
-    if isinstance(w_NxK, NVFP4Weight | FP8Weight):
+    if isinstance(w_NxK, NVFP4Weight | FP8Weight | DecodedWeight):
         x = w_NxK.quantize_input(x, name)
         return dense_widening(x, w_NxK, b_N, widen_rows=lambda w, start, stop: w.dequantize(start, stop))
     if w_NxK.dtype != x.dtype:

@@ -227,6 +227,9 @@ class Family:
     # `converters/maxtext_models.py`
     maxtext_models: Mapping[str, Any] = types.MappingProxyType({})
     maxtext_rope_layout: str | None = None  # the RoPE row layout its MaxText decoder fixes; None: the model's
+    # how many consecutive layers its scanned MaxText checkpoints stack as one block (`converters/layout.py`
+    # `placement`): 1, one stack per parameter; P > 1, a stack per block position plus a remainder
+    maxtext_scan_block = 1
     modeled_keys: frozenset[str] = frozenset()  # config.json keys this family's fields model
     routing_weights_in_logits_dtype = False  # MoE: routing weights rounded to the logits' dtype
     # the attention's positional encoding: "rope" (config.json's model-wide rope_theta / rope_scaling /

@@ -3,7 +3,8 @@
 Local layers attend within `sliding_window` at their own RoPE base, global layers to every earlier
 key at theirs (`layer_types` / `sliding_window_pattern`); q/k RMSNorm, (1 + w) norms in fp32 before
 and after attention and the MLP, a GeGLU MLP, scores scaled by query_pre_attn_scalar^-0.5, the
-embedding scaled by sqrt(hidden), tied embeddings by default. Its blocks: `model/gemma3.py`.
+embedding scaled by sqrt(hidden), tied embeddings by default. Its blocks: `model/gemma3.py`; its
+MaxText layout (MaxText's `gemma3` decoder, scanned in blocks of 6): docs/design/maxtext-layout.md.
 Design notes: docs/design/families.md.
 """
 
@@ -19,6 +20,8 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families.base import (
     ATTENTION,
     ATTENTION_PROJECTIONS,
+    EMBEDDING,
+    FINAL_NORM,
     INPUT_NORM,
     POST_ATTENTION_NORM,
     SWIGLU,
@@ -32,6 +35,7 @@ from nvfp4tool.families.base import (
     projection_tensors,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
+from nvfp4tool.families.maxtext import NamedModel, Rule, dense_mlp_rules
 from nvfp4tool.families.rope_scaling import rope_scaling_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer types
@@ -41,6 +45,69 @@ ACTIVATION = "gelu_pytorch_tanh"  # config.json's hidden_activation: GeGLU
 _DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # Gemma3TextConfig's defaults
 _DEFAULT_PATTERN = 6  # every 6th layer global (Gemma3TextConfig's sliding_window_pattern)
 _REFUSED = ("final_logit_softcapping", "attn_logit_softcapping")  # null in every Gemma 3 release
+MAXTEXT_PATTERN = 6  # MaxText's gemma3 decoder: layer i is global iff i % 6 == 5, scanned in blocks of 6
+
+
+def _maxtext_rules() -> tuple[Rule, ...]:
+    """MaxText's gemma3 layout (maxtext utils/param_mapping.py GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING /
+    _HOOK_FN; docs/design/maxtext-layout.md): every norm stored as 1 + w, the embedding times
+    bf16(sqrt(hidden)), q/k/v/o reshaped per head and unscaled (the attention applies
+    query_pre_attn_scalar), no lm_head (logits_via_embedding)."""
+    p = layer_prefix("{i}")
+    a = f"{p}.{ATTENTION}"
+    norms = (
+        (f"{p}.{INPUT_NORM}", "pre_self_attention_norm"),
+        (f"{p}.{POST_ATTENTION_NORM}", "post_self_attention_norm"),
+        (f"{a}.q_norm", "self_attention/query_norm"),
+        (f"{a}.k_norm", "self_attention/key_norm"),
+        (f"{p}.{PRE_FEEDFORWARD_NORM}", "pre_ffw_norm"),
+        (f"{p}.{POST_FEEDFORWARD_NORM}", "post_ffw_norm"),
+    )
+    return (
+        Rule(f"{EMBEDDING}.weight", "token_embedder/embedding", "identity", embedding_scale=True),
+        Rule(f"{FINAL_NORM}.weight", "decoder/decoder_norm/scale", "identity", unit_offset=True),
+        *(Rule(f"{hf}.weight", f"{mt}/scale", "identity", unit_offset=True) for hf, mt in norms),
+        Rule(f"{a}.q_proj.weight", "self_attention/query/kernel", "heads_in", rope=True),
+        Rule(f"{a}.k_proj.weight", "self_attention/key/kernel", "heads_in", rope=True),
+        Rule(f"{a}.v_proj.weight", "self_attention/value/kernel", "heads_in"),
+        Rule(f"{a}.o_proj.weight", "self_attention/out/kernel", "heads_out"),
+        *dense_mlp_rules(),
+    )
+
+
+def _maxtext_model(layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, head_dim: int, scalar: int):
+    """A MaxText gemma3 model name's text config.json: the geometry of MaxText's
+    configs/models/gemma3-*.yml, the rest as Google's gemma-3 text configs (vocabulary: MaxText's
+    262144; RoPE: 10k local, 1M global with linear scaling 8)."""
+    return NamedModel(
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "hidden_activation": ACTIVATION,
+            "hidden_size": hidden,
+            "intermediate_size": mlp,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "query_pre_attn_scalar": scalar,
+            "sliding_window": 1024,
+            "sliding_window_pattern": MAXTEXT_PATTERN,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "vocab_size": 262_144,
+            "max_position_embeddings": 131_072,
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+        },
+        rope_layout="half",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +150,15 @@ class Gemma3(Family):
     may_be_zero = ("*norm.weight",)  # a (1 + w) norm's weight is zero at identity (every norm at init)
     activation = ACTIVATION
     tie_word_embeddings_default = True
-    no_maxtext_reason = (
-        "gemma3_text has no MaxText layout here yet (MaxText's gemma3 decoder scans the 5 local : 1 global "
-        "pattern as blocks and stores its norms and embedding its own way; not built)"
+    maxtext_rules = _maxtext_rules()
+    maxtext_rope_layout = "half"  # MaxText's gemma3 attention: RotaryEmbedding, q/k rows not permuted
+    maxtext_scan_block = MAXTEXT_PATTERN
+    maxtext_models = types.MappingProxyType(
+        {
+            "gemma3-4b": _maxtext_model(34, 2560, 10240, 8, 4, 256, 256),
+            "gemma3-12b": _maxtext_model(48, 3840, 15360, 16, 8, 256, 256),
+            "gemma3-27b": _maxtext_model(62, 5376, 21504, 32, 16, 128, 168),
+        }
     )
     common_keys_not_modeled = frozenset({"hidden_act"})  # Gemma spells it hidden_activation
     modeled_keys = frozenset(
@@ -117,8 +190,12 @@ class Gemma3(Family):
             raise NVFP4ToolError(f"{source}: mlp_bias=true unsupported for gemma3_text")
         for key in ("hidden_activation", "hidden_act"):
             if (hf.get(key) or ACTIVATION) != ACTIVATION:
+                # MaxText's to_huggingface writes "gelu" (its flax gelu, the tanh form), which
+                # transformers reads as the exact erf GELU: refused, as transformers would differ
+                hint = " (MaxText writes 'gelu' for the tanh GELU: set it to gelu_pytorch_tanh)"
+                hint = hint if hf[key] == "gelu" else ""
                 raise NVFP4ToolError(
-                    f"{source}: {key} {hf[key]!r} unsupported for gemma3_text; supported: {ACTIVATION}"
+                    f"{source}: {key} {hf[key]!r} unsupported for gemma3_text; supported: {ACTIVATION}{hint}"
                 )
         num_layers = integer(hf, "num_hidden_layers")
         pattern = integer(hf, "sliding_window_pattern", None)
@@ -196,6 +273,24 @@ class Gemma3(Family):
             if not (theta > 0 and math.isfinite(theta)):
                 problems.append(f"the {t} layers' rope_theta must be > 0, got {theta}")
         return problems
+
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """MaxText's gemma3 decoder fixes 5 local : 1 global layers, has no attention biases and
+        takes the logits from the embedding."""
+        f: Gemma3Fields = config.family_config
+        want = tuple(FULL if i % MAXTEXT_PATTERN == MAXTEXT_PATTERN - 1 else SLIDING for i in range(config.num_layers))
+        if f.layer_types != want:
+            return (
+                "gemma3_text layer_types other than 5 sliding : 1 full (sliding_window_pattern 6) have no MaxText "
+                "layout: MaxText's gemma3 decoder fixes that pattern"
+            )
+        if config.attention_bias:
+            return "gemma3_text with attention_bias has no MaxText layout (MaxText's gemma3 attention has no biases)"
+        if not config.tie_word_embeddings:
+            return (
+                "gemma3_text with an untied lm_head has no MaxText layout (MaxText's gemma3 logits use the embedding)"
+            )
+        return None
 
     # ------------------------------------------------------------------------------ layers
 

@@ -36,6 +36,8 @@ class Rule:
     stack: str = "layers"  # per-layer rules: MaxText's layer stack (`Family.maxtext_stacks`) holding them
     head_dim: Callable[[Any], int] | None = None  # heads_in / heads_out: head width of a config; None: head_dim
     optional: bool = False  # absent when the model has no such HF tensor (DeepSeek's q_proj vs q_a_proj)
+    unit_offset: bool = False  # a (1 + w) norm: MaxText stores 1 + w (its RMSNorm scales by the stored value)
+    embedding_scale: bool = False  # the embedding: MaxText stores it times the family's embedding scale
 
     @property
     def per_layer(self) -> bool:

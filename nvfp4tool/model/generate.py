@@ -1,15 +1,20 @@
 """Autoregressive generation with a decode state (greedy or temperature / top-k sampling): each
 block's own (`transformer.empty_decode_state`: an attention's KV cache, a recurrent mixer's state).
 
-One jitted program: a prefill over the (left- or right-padded) prompt fills the cache, then a
-`lax.scan` decodes one token per step. Generated tokens go to cache slots T, T+1, ...; their
-positions continue from each row's own count of real prompt tokens, and padded slots stay masked,
-so both padding sides give the same tokens as an unpadded prompt. After a row emits
-`eos_token_id`, it continues with `pad_token_id` (as HF's generate).
+Two jitted programs, each compiled once per (graphdef, bucket, batch) and reused across prompts,
+prompt lengths, token counts and models of one shape (the weights are arguments): a prefill over
+the prompt left-padded to a power-of-two `bucket` fills a cache of a bucketed length, then a decode
+step runs once per token from a Python loop (`on_token` sees each token and its logits). Generated
+tokens go to cache slots Tb, Tb+1, ...; their positions continue from each row's own count of real
+prompt tokens, and padded slots stay masked, so padding (either side, any amount) gives the same
+tokens as an unpadded prompt. After a row emits `eos_token_id`, it continues with `pad_token_id`
+(as HF's generate).
+Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -21,7 +26,15 @@ from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.transformer import CausalLM, default_positions, empty_decode_state, forward_with_cache
+from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions, empty_decode_state, forward_with_cache
+
+MIN_BUCKET = 16  # the shortest padded prompt and cache (slots)
+# XLA:CPU's LLVM passes off for both programs: their time is GEMMs (library calls, not generated
+# code) while compiling is most of a short generation's wall time (tiny preset, first prompt: 15.3 s
+# -> 9.3 s; docs/benchmarks/generate.md); fp semantics are the same (no fast math either way).
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+OnToken = Callable[[int, jax.Array, jax.Array], None]  # (index of the new token, tokens [B], their logits [B, V])
 
 
 def generate(
@@ -38,6 +51,7 @@ def generate(
     pad_token_id: int | None = None,
     linear: LinearFn | None = None,
     kv: KVFn = default_kv,
+    on_token: OnToken | None = None,
 ) -> jax.Array:
     """New tokens [B, max_new_tokens] (int32) continuing each prompt row.
 
@@ -45,8 +59,10 @@ def generate(
     greedy=False samples from softmax(logits / temperature), restricted to the top_k largest
     logits when given (ties at the k-th value are all kept), using `key` (required).
     eos_token_id: once a row emits it, the row continues with pad_token_id (default: the EOS id).
-    Sampling options are traced, so changing them reuses the compiled program.
+    Sampling options are traced, so changing them reuses the compiled programs.
     kv: the KV seam every layer's new keys / values pass before they are cached (`model.kv`).
+    on_token(i, tokens_B, logits_BxV): called as each new token i is chosen (from the fp32 logits
+    it was chosen from; arrays still on the device: blocking on them is the caller's choice).
     """
     prompt_ids_BxT = jnp.asarray(prompt_ids_BxT, jnp.int32)
     B, T = prompt_ids_BxT.shape
@@ -77,18 +93,36 @@ def generate(
             pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0), jnp.int32
         ),
     )
+    padded = bucket(T)  # left padding: masked slots, as a left-padded row always was
+    prompt_ids_BxT = jnp.pad(prompt_ids_BxT, ((0, 0), (padded - T, 0)))
+    mask_BxT = jnp.pad(mask_BxT, ((0, 0), (padded - T, 0)))
     graphdef, state = nnx.split(model)
-    return _generate(
+    linear, key = linear or model.linear, key if key is not None else jax.random.key(0)
+    carry, cache, logits_BxV = _prefill(
         graphdef,
         state,
         prompt_ids_BxT,
         mask_BxT,
-        key if key is not None else jax.random.key(0),
+        key,
         options,
-        max_new_tokens=max_new_tokens,
-        linear=linear or model.linear,
+        cache_len=bucket(padded + max_new_tokens),
+        linear=linear,
         kv=kv,
     )
+    tokens = [carry.token_B]
+    for i in range(max_new_tokens):
+        if on_token is not None:
+            on_token(i, carry.token_B, logits_BxV)
+        if i + 1 < max_new_tokens:
+            carry, cache, logits_BxV = _step(graphdef, state, carry, cache, options, linear=linear, kv=kv)
+            tokens.append(carry.token_B)
+    return jnp.stack(tokens, axis=-1).astype(jnp.int32)
+
+
+def bucket(length: int) -> int:
+    """The padded length of `length` slots: the next power of two, at least MIN_BUCKET (so a
+    program serves every length up to it)."""
+    return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 
 def _recurrent_kinds(model: CausalLM) -> list[str]:
@@ -105,18 +139,30 @@ class _SamplingOptions(NamedTuple):
     pad_token_id: jax.Array  # int32: emitted after EOS
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "linear", "kv"))
-def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_new_tokens, linear, kv):
+class _Carry(NamedTuple):
+    """What a decode step reads besides the cache: the token to feed and where it goes."""
+
+    token_B: jax.Array  # int32: the last token chosen (the next step's input)
+    done_B: jax.Array  # bool: the row emitted EOS
+    key: jax.Array  # PRNG key
+    slot: jax.Array  # int32 []: the cache slot of token_B
+    position_B: jax.Array  # int32: token_B's position (the row's real tokens before it)
+    key_valid_BxS: jax.Array  # bool: the cache slots that are not padding
+    key_positions_BxS: jax.Array  # int32: each cache slot's position
+
+
+@partial(jax.jit, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=_COMPILER_OPTIONS)
+def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_len, linear, kv):
+    """The prompt through the model into a fresh cache of `cache_len` slots: (carry, cache, the
+    first new token's logits [B, V])."""
     model = nnx.merge(graphdef, state)
     B, T = prompt_ids_BxT.shape
-    S = T + max_new_tokens
-    cache = empty_decode_state(model, B, S)
-    key_valid_BxS = jnp.concatenate([mask_BxT, jnp.ones((B, max_new_tokens), bool)], axis=-1)
-
+    cache = empty_decode_state(model, B, cache_len)
+    key_valid_BxS = jnp.concatenate([mask_BxT, jnp.ones((B, cache_len - T), bool)], axis=-1)
     prompt_positions_BxT = default_positions(mask_BxT)
     first_position_B = jnp.sum(mask_BxT, axis=-1).astype(jnp.int32)
     key_positions_BxS = jnp.concatenate(
-        [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(max_new_tokens)], axis=-1
+        [prompt_positions_BxT, first_position_B[:, None] + jnp.arange(cache_len - T)], axis=-1
     )
     prompt_mask = AttentionMask.explicit(  # each attention layer narrows it to its window (`within`)
         attention_allowed(jnp.arange(T), key_valid_BxS, None),
@@ -124,38 +170,48 @@ def _generate(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, max_ne
         query_positions_BxT=prompt_positions_BxT,
         key_positions_BxS=key_positions_BxS,
     )
-    logits_BxTxV, cache = forward_with_cache(
-        model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv
-    )
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).
     last_index_B = T - 1 - jnp.argmax(mask_BxT[:, ::-1], axis=-1)
-    next_logits_BxV = jnp.take_along_axis(logits_BxTxV, last_index_B[:, None, None], axis=1)[:, 0]
-
-    def pick(logits_BxV, step_key, done_B):
-        token_B = jnp.where(done_B, options.pad_token_id, _select(logits_BxV, step_key, options))
-        return token_B, done_B | (token_B == options.eos_token_id)
-
+    next_logits_BxV, cache = forward_with_cache(
+        model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv, logits_at_B=last_index_B
+    )
     key, first_key = jax.random.split(key)
-    token_B, done_B = pick(next_logits_BxV, first_key, jnp.zeros((B,), bool))
+    token_B, done_B = _pick(next_logits_BxV, first_key, jnp.zeros((B,), bool), options)
+    carry = _Carry(token_B, done_B, key, jnp.asarray(T, jnp.int32), first_position_B, key_valid_BxS, key_positions_BxS)
+    return carry, cache, next_logits_BxV
 
-    def step(carry, i):
-        token_B, done_B, cache, key = carry
-        slot = T + i  # cache slot of `token_B`
-        position_Bx1 = (first_position_B + i)[:, None]
-        step_mask = AttentionMask.explicit(
-            attention_allowed(slot[None], key_valid_BxS, None),
-            query_positions_BxT=position_Bx1,
-            key_positions_BxS=key_positions_BxS,
-        )
-        logits_Bx1xV, cache = forward_with_cache(
-            model, token_B[:, None], position_Bx1, step_mask, cache, slot, linear, kv
-        )
-        key, step_key = jax.random.split(key)
-        next_B, done_B = pick(logits_Bx1xV[:, 0], step_key, done_B)
-        return (next_B, done_B, cache, key), token_B
 
-    (last_B, _, _, _), tokens_NxB = jax.lax.scan(step, (token_B, done_B, cache, key), jnp.arange(max_new_tokens - 1))
-    return jnp.concatenate([tokens_NxB.T, last_B[:, None]], axis=-1).astype(jnp.int32)
+@partial(
+    jax.jit,
+    static_argnames=("graphdef", "linear", "kv"),
+    donate_argnames=("cache",),
+    compiler_options=_COMPILER_OPTIONS,
+)
+def _step(graphdef, state, carry: _Carry, cache: DecodeState, options, *, linear, kv):
+    """One token: carry.token_B through the model at its slot (the cache updated in place): (the
+    carry of the next token, the cache, that token's logits [B, V])."""
+    model = nnx.merge(graphdef, state)
+    position_Bx1 = carry.position_B[:, None]
+    step_mask = AttentionMask.explicit(
+        attention_allowed(carry.slot[None], carry.key_valid_BxS, None),
+        query_positions_BxT=position_Bx1,
+        key_positions_BxS=carry.key_positions_BxS,
+    )
+    logits_Bx1xV, cache = forward_with_cache(
+        model, carry.token_B[:, None], position_Bx1, step_mask, cache, carry.slot, linear, kv
+    )
+    key, step_key = jax.random.split(carry.key)
+    token_B, done_B = _pick(logits_Bx1xV[:, 0], step_key, carry.done_B, options)
+    carry = carry._replace(
+        token_B=token_B, done_B=done_B, key=key, slot=carry.slot + 1, position_B=carry.position_B + 1
+    )
+    return carry, cache, logits_Bx1xV[:, 0]
+
+
+def _pick(logits_BxV, key, done_B, options: _SamplingOptions):
+    """The next token of each row (pad_token_id after EOS) and the rows done after it."""
+    token_B = jnp.where(done_B, options.pad_token_id, _select(logits_BxV, key, options))
+    return token_B, done_B | (token_B == options.eos_token_id)
 
 
 def _select(logits_BxV, key, options: _SamplingOptions):

@@ -256,12 +256,17 @@ def forward_with_cache(
     write_index: jax.Array | int,
     linear: LinearFn,
     kv: KVFn = default_kv,
+    logits_at_B: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState | None]:
     """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
     `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
-    KV seam `kv` before they are written."""
+    KV seam `kv` before they are written. `logits_at_B`: only the logits of that slot of each row
+    ([B, V]; a prefill's next token: the LM head runs on one row each, not T)."""
     seam = Seam.of(linear, kv)
     x_BxTxE, new_cache, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index, seam)
+    if logits_at_B is not None:
+        x_Bx1xE = jnp.take_along_axis(x_BxTxE, logits_at_B[:, None, None], axis=1)
+        return lm_logits(model, x_Bx1xE, seam)[0][:, 0], new_cache
     return lm_logits(model, x_BxTxE, seam)[0], new_cache
 
 

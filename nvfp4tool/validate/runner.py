@@ -30,7 +30,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
 from nvfp4tool.export.plan import make_plan
 from nvfp4tool.export.provenance import locate_source
-from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, load_export, served_linear
+from nvfp4tool.export.simulate import ExportedModel, ServedKVTap, for_generation, load_export, served_linear
 from nvfp4tool.model import model_from_tensors
 from nvfp4tool.model.fold import EqualizedSource, carried
 from nvfp4tool.model.kv import KVFn, default_kv
@@ -549,13 +549,20 @@ def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
 def _greedy(
     label: str, held, linear, prompts: np.ndarray, options: ValidateOptions, kv: KVFn = default_kv
 ) -> np.ndarray | None:
-    """Greedy continuations of the prompts by a held model (None for a streamed one)."""
+    """Greedy continuations of the prompts by a held model (None for a streamed one), its stored
+    weights decoded once where the memory allows (`simulate.for_generation`); progress per token."""
     if held is None:
         return None
-    progress.info(f"greedy generation ({label}): {len(prompts)} prompts x {options.gen_tokens} tokens")
-    with progress.task(f"greedy generation ({label})", total=len(prompts), unit="prompt") as task:
-        tokens = greedy_continuations(held, linear, prompts, options.gen_tokens, kv)  # one program, compiled here
-        task.advance(len(prompts))
+    what = f"greedy generation ({label})"
+    progress.info(f"{what}: {len(prompts)} prompts x {options.gen_tokens} tokens")
+    model = for_generation(held, what)
+    with progress.task(what, total=len(prompts) * options.gen_tokens, unit="token") as task:
+
+        def advance(i: int, tokens_B, logits_BxV) -> None:
+            tokens_B.block_until_ready()  # counted when computed, not when queued
+            task.advance(len(prompts))
+
+        tokens = greedy_continuations(model, linear, prompts, options.gen_tokens, kv, on_token=advance)
     return tokens
 
 

@@ -117,7 +117,8 @@ CASES = [
         2,
         "{model_config:llama9}: neither a file/folder nor a known MaxText model name (llama2-7b, "
         "llama2-13b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, llama3.2-3b, mistral-7b, "
-        "qwen3-30b-a3b, qwen3-235b-a22b, qwen3-480b-a35b, mixtral-8x7b, mixtral-8x22b)",
+        "qwen3-30b-a3b, qwen3-235b-a22b, qwen3-480b-a35b, mixtral-8x7b, mixtral-8x22b, gemma3-4b, gemma3-12b, "
+        "gemma3-27b)",
     ),
     (
         "RoPE layout cannot be told",

@@ -52,6 +52,80 @@ def test_query_scale_round_trip_is_exact_for_every_bf16_value(head_dim):
     assert back.view(np.uint16).tolist() == q_bf16.view(np.uint16).tolist()
 
 
+def _gemma3(hidden: int) -> ModelConfig:
+    from nvfp4tool.families.gemma3 import FULL, SLIDING, Gemma3Fields
+
+    return ModelConfig(
+        family="gemma3_text",
+        vocab_size=40,
+        hidden_size=hidden,
+        intermediate_size=36,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        sliding_window=4,
+        tie_word_embeddings=True,
+        family_config=Gemma3Fields(
+            layer_types=(SLIDING,) * 5 + (FULL,), rope=((FULL, 1e6, None), (SLIDING, 1e4, None))
+        ),
+    )
+
+
+@pytest.mark.parametrize("hidden", [64, 2560, 3840, 5376])
+def test_gemma3_embedding_scale_and_norm_offset_over_every_bf16_value(hidden):
+    """MaxText's gemma3 embedding is stored times bf16(sqrt(hidden)) (64 -> 8, 2560 -> 50.5, 3840 ->
+    62, 5376 -> 73.5: the published 4B / 12B / 27B): a bf16 x bf16 product is exact in fp32, so
+    every finite bf16 value comes back (those whose product overflows fp32 are refused by the
+    callers). Its norms are stored as 1 + w: every bf16 value with |w| >= 2^-16 comes back; -0.0
+    comes back +0.0, and smaller ones may be lost to the fp32 rounding of 1 + w (documented)."""
+    config = _gemma3(hidden)
+    bits_N = np.arange(2**16, dtype=np.uint16)
+    x_N = bits_N.view(ml_dtypes.bfloat16)
+    x_N = x_N[np.isfinite(x_N.astype(np.float32))]
+    embedding, norm = layout.rules_for(config)[:2]
+    assert embedding.embedding_scale and norm.unit_offset
+    factor = layout.embedding_factor(config)
+    assert factor == {64: 8.0, 2560: 50.5, 3840: 62.0, 5376: 73.5}[hidden]
+    table = x_N[: len(x_N) // hidden * hidden].reshape(-1, hidden)
+    with np.errstate(over="ignore"):
+        stored = layout.hf_to_maxtext(embedding, table, config, "half", "float32")
+        np.testing.assert_array_equal(stored, table.astype(np.float32) * factor)
+    fits = np.isfinite(stored)
+    back = layout.maxtext_to_hf(embedding, stored, config, "half", "bfloat16")
+    assert back[fits].view(np.uint16).tolist() == table[fits].view(np.uint16).tolist()
+    assert fits.mean() > 0.97 and np.all(np.abs(table[~fits].astype(np.float32)) > 2.0**120)
+
+    stored = layout.hf_to_maxtext(norm, x_N, config, "half", "float32")
+    np.testing.assert_array_equal(stored, x_N.astype(np.float32) + np.float32(1))
+    back = layout.maxtext_to_hf(norm, stored, config, "half", "bfloat16")
+    lost = back.view(np.uint16) != x_N.view(np.uint16)
+    assert np.all(np.abs(x_N[lost].astype(np.float32)) < 2.0**-16)
+    assert np.signbit(x_N[lost & (x_N == 0)].astype(np.float32)).all() and lost[x_N == 0].sum() == 1  # -0.0
+
+
+def test_gemma3_27b_scans_ten_blocks_of_six_and_a_remainder_of_two():
+    """MaxText's `_apply_gemma3_scanned_blocks` for 62 layers: scan_length 10 blocks of 6, then
+    layers 60 and 61 as `layers_remainder/layers_0` and `_1`, unstacked."""
+    config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config("gemma3-27b"))
+    q = next(r for r in layout.rules_for(config) if r.hf.endswith("q_proj.weight"))
+    at = {i: layout.placement(q, config, scanned=True, layer=i) for i in (0, 5, 6, 59, 60, 61)}
+    path = "decoder/layers/layers_{}/self_attention/query/kernel"
+    assert {i: ("/".join(key), index) for i, (key, index) in at.items()} == {
+        0: (path.format(0), 0),
+        5: (path.format(5), 0),
+        6: (path.format(0), 1),
+        59: (path.format(5), 9),
+        60: ("decoder/layers_remainder/layers_0/self_attention/query/kernel", None),
+        61: ("decoder/layers_remainder/layers_1/self_attention/query/kernel", None),
+    }
+    assert layout.maxtext_shape(q, config, scanned=True, layer=59) == (5376, 10, 32, 128)
+    assert layout.maxtext_shape(q, config, scanned=True, layer=61) == (5376, 32, 128)
+    assert "/".join(layout.placement(q, config, scanned=False, layer=61)[0]).startswith("decoder/layers_61/")
+    assert [r.hf for r in layout.rules_for(config) if "lm_head" in r.hf] == []  # tied: logits_via_embedding
+
+
 def test_query_scale_value_is_inverse_sqrt_head_dim_in_fp32():
     config = _config(128)
     q = np.ones((config.num_heads * 128, config.hidden_size), np.float32)
@@ -194,6 +268,10 @@ _PARAMETERS = {
     "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-235b-a22b": 235_093_634_560,
     "qwen3-480b-a35b": 480_154_875_392,
+    # transformers' Gemma3ForCausalLM of the same config on the meta device (MaxText's vocabulary 262144)
+    "gemma3-4b": 3_880_099_328,
+    "gemma3-12b": 11_765_788_416,
+    "gemma3-27b": 27_009_002_240,
 }
 
 

@@ -115,7 +115,11 @@ def test_transformers5s_rope_parameters_read_and_written_in_their_own_spelling()
         ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30\.0 unsupported for gemma3_text"),
         ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 unsupported for gemma3_text"),
         ({"use_bidirectional_attention": True}, r"use_bidirectional_attention=true unsupported"),
-        ({"hidden_activation": "gelu"}, r"hidden_activation 'gelu' unsupported for gemma3_text"),
+        (  # what MaxText's hf_model_configs.py writes for its tanh GELU: the fix said
+            {"hidden_activation": "gelu"},
+            r"hidden_activation 'gelu' unsupported for gemma3_text; supported: gelu_pytorch_tanh \(MaxText "
+            r"writes 'gelu' for the tanh GELU: set it to gelu_pytorch_tanh\)$",
+        ),
         ({"layer_types": ["local"] * 26}, r"layer_types must be a list of 'sliding_attention' / 'full_attention'"),
         ({"layer_types": ["full_attention"] * 26}, r"layer_types contradict sliding_window_pattern=6"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"RoPE scaling type 'dynamic' unsupported"),

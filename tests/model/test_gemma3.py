@@ -93,15 +93,3 @@ def test_cached_generation_equals_recomputation_and_transformers(hf_tiny_models)
         )
     np.testing.assert_array_equal(new, theirs)
     assert len(set(new.ravel().tolist())) > 3  # not a degenerate repeat of one token
-
-
-def test_convert_to_maxtext_is_refused_in_one_line_naming_the_family(hf_tiny_models, tmp_path):
-    from click.testing import CliRunner
-
-    from nvfp4tool.cli import cli
-
-    out = tmp_path / "mt"
-    result = CliRunner().invoke(cli, ["convert", hf_tiny_models["gemma3"], str(out), "--to", "maxtext"])
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if "gemma3_text has no MaxText layout" in line]
-    assert len(lines) == 1 and not out.exists()
