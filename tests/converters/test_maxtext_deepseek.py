@@ -8,7 +8,9 @@
   code copied): `decoder/dense_layers` and `decoder/moe_layers` stacked separately on axis 1,
   `self_attention/{wq_a,wq_b,q_norm,wkv_a,wkv_b,kv_norm,out}` (or `query`), the routed experts
   `DeepSeekMoeBlock_0/MoeBlock_0/wi_0 [X, L, E, F]`, the router `gate/kernel` and its `gate/bias`,
-  `shared_experts/wi_0/kernel`; unscanned `decoder/dense_layers_{j}` / `moe_layers_{j}`.
+  `shared_experts/wi_0/kernel`; unscanned `decoder/dense_layers_{j}` / `moe_layers_{j}` (the
+  correction bias whatever q_lora_rank is: the script's q_lora_rank test stands for DeepSeek-V2-Lite,
+  which has none; docs/design/maxtext-layout.md).
 * That tree, saved by a plain Orbax CheckpointManager, converts back to the HF files' bytes.
 * rope_interleave=false is refused in one line naming the family and the field.
 """
