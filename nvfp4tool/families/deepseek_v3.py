@@ -39,7 +39,7 @@ from nvfp4tool.families.base import (
     split_layer,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
-from nvfp4tool.families.maxtext import Rule, dense_mlp_rules, layer_norm_rules, model_rules, moe_rules
+from nvfp4tool.families.maxtext import NamedModel, Rule, dense_mlp_rules, layer_norm_rules, model_rules, moe_rules
 from nvfp4tool.families.rope_scaling import YarnRopeScaling, yarn_mscale
 
 MLA_MLP, MLA_MOE = "mla+mlp", "mla+moe"  # a layer's kinds: MLA, then a dense SwiGLU MLP / DeepSeekMoE
@@ -277,6 +277,58 @@ def _maxtext_rules() -> tuple[Rule, ...]:
     )
 
 
+# MaxText's `deepseek3-671b` (its DeepSeek converter's MODEL_PARAMS_DICT: 61 layers, 3 dense, 128
+# heads, emb 7168, 256 experts, q_lora_rank 1536, kv_lora_rank 512, head dims 128 / 64 / 128): the
+# config.json of the DeepSeek-V3 release, which has that geometry
+DEEPSEEK3_671B = NamedModel(
+    {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    rope_layout="interleaved",
+)
+
+
 class DeepseekV3(Family):
     """`deepseek_v3`: pre-norm layers of MLA + a dense SwiGLU MLP (layers < first_k_dense_replace) or
     DeepSeekMoE (sigmoid router with e_score_correction_bias in FP32, grouped top-k, routed experts
@@ -300,6 +352,7 @@ class DeepseekV3(Family):
         }
     )
     maxtext_rules = _maxtext_rules()
+    maxtext_models = types.MappingProxyType({"deepseek3-671b": DEEPSEEK3_671B})
     maxtext_rope_layout = "interleaved"  # MaxText's deepseek RoPE pairs (x0, x1), ...: HF's rows as stored
 
     def maxtext_stacks(self, config: ModelConfig) -> dict[str, range]:

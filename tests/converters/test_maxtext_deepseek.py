@@ -12,6 +12,8 @@
   correction bias whatever q_lora_rank is: the script's q_lora_rank test stands for DeepSeek-V2-Lite,
   which has none; docs/design/maxtext-layout.md).
 * That tree, saved by a plain Orbax CheckpointManager, converts back to the HF files' bytes.
+* MaxText's name `deepseek3-671b` is DeepSeek-V3's geometry (671B / 37B), and its scanned
+  parameters have the shapes the script builds for it.
 * rope_interleave=false is refused in one line naming the family and the field.
 """
 
@@ -130,6 +132,46 @@ def test_the_scripts_tree_saved_by_plain_orbax_reads_back_as_the_hf_files(folder
     save_maxtext_checkpoint(str(tmp_path / "mt"), _script_tree(folder, scanned), scanned=scanned)
     _convert(str(tmp_path / "mt"), str(tmp_path / "hf"), "--to", "hf", "--model-config", folder)
     _assert_folders_identical(folder, str(tmp_path / "hf"))
+
+
+def test_deepseek3_671b_is_the_scripts_geometry_with_its_stacked_shapes():
+    from converters import layout, maxtext_models
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.families.deepseek_v3 import parameter_count
+
+    config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config("deepseek3-671b"))
+    assert parameter_count(config) == (671_026_419_200, 37_552_297_472)
+    shapes = {
+        "/".join(layout.placement(rule, config, scanned=True, layer=layout.layers_of(rule, config)[0])[0]): (
+            layout.maxtext_shape(rule, config, scanned=True)
+        )
+        for rule in layout.rules_for(config)
+    }
+    # MODEL_PARAMS_DICT["deepseek3-671b"] through the script's reshapes, the layer axis moved to 1
+    dense, moe = "decoder/dense_layers", "decoder/moe_layers"
+    want = {
+        f"{dense}/self_attention/wq_a/kernel": (7168, 3, 1536),
+        f"{dense}/self_attention/wq_b/kernel": (1536, 3, 128, 192),
+        f"{dense}/self_attention/wkv_a/kernel": (7168, 3, 576),
+        f"{dense}/self_attention/kv_norm/scale": (512, 3),
+        f"{dense}/self_attention/wkv_b/kernel": (512, 3, 128, 256),
+        f"{dense}/self_attention/out/kernel": (128, 3, 128, 7168),
+        f"{dense}/mlp/wi_0/kernel": (7168, 3, 18432),
+        f"{dense}/mlp/wo/kernel": (18432, 3, 7168),
+        f"{moe}/self_attention/wq_b/kernel": (1536, 58, 128, 192),
+        f"{moe}/pre_self_attention_layer_norm/scale": (7168, 58),
+        f"{moe}/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel": (7168, 58, 256),
+        f"{moe}/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias": (256, 58),
+        f"{moe}/DeepSeekMoeBlock_0/MoeBlock_0/wi_0": (256, 58, 7168, 2048),
+        f"{moe}/DeepSeekMoeBlock_0/MoeBlock_0/wo": (256, 58, 2048, 7168),
+        f"{moe}/DeepSeekMoeBlock_0/shared_experts/wi_1/kernel": (7168, 58, 2048),
+        "decoder/logits_dense/kernel": (7168, 129280),
+        "token_embedder/embedding": (129280, 7168),
+    }
+    assert {k: shapes[k] for k in want} == want
+    # embedding, final norm, lm_head; per stack 2 norms + 7 MLA (no q_proj); dense MLP 3; router, bias,
+    # 3 experts, 3 shared
+    assert len(shapes) == 3 + 2 * 9 + 3 + 1 + 1 + 3 + 3
 
 
 def test_rope_interleave_false_is_refused_in_one_line(folders, tmp_path):
