@@ -2,7 +2,8 @@
 
 `scan_safetensors_header` / `read_safetensors_header` (the only header parser), `HFFolderSource`
 (reading: ONE tensor per `get`, transformers 5's fused experts read as per-expert views),
-`write_hf_folder` (streamed, one source tensor in memory at a time, atomic).
+`write_hf_folder` (streamed, one source tensor in memory at a time, atomic). An FP8 block-scaled
+source (`converters.fp8_block`) reads as its BF16 dequantization, one weight at a time.
 Design notes: docs/design/converters.md.
 """
 
@@ -18,11 +19,11 @@ import shutil
 import struct
 from typing import Any, Callable, Iterable, Mapping
 
-import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 / float4 with numpy)
+import ml_dtypes  # registers bfloat16 / float8 / float4 with numpy; bfloat16 for dequantized FP8
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from converters import layout
+from converters import fp8_block, layout
 from converters.atomic import atomic_output_dir
 from converters.tensor_source import WEIGHT_DTYPES, TensorSource, check_against_config, check_finite
 from nvfp4tool.config import ModelConfig
@@ -69,6 +70,7 @@ AUX_FILE_PATTERNS = (
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
 _HAND_READ_CODES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # safetensors' numpy loader cannot build these
 _READ_CHUNK_BYTES = 64 * 2**20  # the most of one tensor read through one file mapping
+_DEQUANT_CHUNK_ELEMENTS = 1 << 20  # values of an FP8 weight widened at once (~7 MB of temporaries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +129,11 @@ class HFFolderSource:
         if not os.path.isdir(self._path):
             raise NVFP4ToolError(f"{self._path}: not a folder (expected an HF model folder)")
         self.config: ModelConfig | None = ModelConfig.from_hf_folder(self._path) if check_config else None
+        self.fp8_block: fp8_block.FP8Block | None = None  # the source's FP8 block scaling, if it has one
+        self._scales: dict[str, TensorEntry] = {}  # FP8 weight (stored name) -> its block scales
         self._entries = self._read_headers()
         if self.config is not None:
+            self._entries = self._pair_fp8_scales(self._entries)
             self._entries = _our_names(_unfuse_experts(self._entries, self.config, self._path), self.config)
             # Tolerated and dropped: a tied lm_head.weight some exports keep, and the RoPE buffer
             # `rotary_emb.inv_freq` older conversions stored (we recompute it from the config).
@@ -164,12 +169,15 @@ class HFFolderSource:
         return self._entry(name).shape
 
     def dtype(self, name: str) -> str:
-        return self._entry(name).dtype.name
+        entry = self._entry(name)
+        return "bfloat16" if (entry.stored or entry.name) in self._scales else entry.dtype.name
 
     def get(self, name: str) -> np.ndarray:
-        """One tensor, checked finite if floating (NVFP4ToolError naming file and tensor if not)."""
+        """One tensor, checked finite if floating (NVFP4ToolError naming file and tensor if not);
+        an FP8 block-scaled weight comes back dequantized to bfloat16."""
         entry = self._entry(name)
-        array = read_tensor(entry)
+        scale = self._scales.get(entry.stored or entry.name)
+        array = read_tensor(entry) if scale is None else _dequantize(entry, scale, self.fp8_block.block)
         check_finite(array, f"{entry.file}: tensor {entry.label}")
         return array
 
@@ -180,6 +188,23 @@ class HFFolderSource:
             return self._entries[name]
         except KeyError:
             raise NVFP4ToolError(f"{self._path}: no tensor {name!r}") from None
+
+    def _pair_fp8_scales(self, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+        """`entries` less the block scales of an FP8 block-scaled source (config.json's
+        quantization_config, dropped from `self.config`: what we write is BF16), each FP8 weight
+        paired with its scales in `self._scales`; unchanged for a folder without one."""
+        extra = dict(self.config.hf_extra)
+        if "quantization_config" not in extra:
+            return entries
+        self.fp8_block = fp8_block.parse(extra.pop("quantization_config"), os.path.join(self._path, "config.json"))
+        self.config = dataclasses.replace(self.config, hf_extra=extra)
+        pairs = fp8_block.pair(
+            {n: (e.dtype.name, e.shape) for n, e in entries.items()},
+            self.fp8_block,
+            {n: e.file for n, e in entries.items()},
+        )
+        self._scales = {weight: entries[scale] for weight, scale in pairs.items()}
+        return {n: e for n, e in entries.items() if n not in set(pairs.values())}
 
     def _read_headers(self) -> dict[str, TensorEntry]:
         index_path = os.path.join(self._path, INDEX_FILE)
@@ -639,17 +664,38 @@ def _check_tiling(spans: list[tuple[int, int, str]], data_size: int, defects: li
     defects.extend(overlaps + gaps)
 
 
-def _read_by_hand(entry: TensorEntry) -> np.ndarray:
-    buffer = bytearray(entry.nbytes)
+def _read_by_hand(entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor, or its rows [start, stop) (one seek + read of their bytes)."""
+    start, stop = rows if rows is not None else (0, entry.shape[0] if entry.shape else 1)
+    row_bytes = entry.nbytes // max(1, entry.shape[0]) if entry.shape else entry.nbytes
+    nbytes = (stop - start) * row_bytes
+    buffer = bytearray(nbytes)
     try:
         with open(entry.file, "rb") as f:
-            f.seek(entry.start)
+            f.seek(entry.start + start * row_bytes)
             got = f.readinto(buffer)
     except OSError as bad:
         raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} cannot be read ({bad.strerror or bad})") from None
-    if got != entry.nbytes:  # the file shrank since its header was checked
-        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of {entry.nbytes} bytes")
-    return np.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+    if got != nbytes:  # the file shrank since its header was checked
+        raise NVFP4ToolError(f"{entry.file}: tensor {entry.name!r} truncated: read {got} of {nbytes} bytes")
+    shape = entry.shape if rows is None else (stop - start, *entry.shape[1:])
+    return np.frombuffer(buffer, dtype=entry.dtype).reshape(shape)
+
+
+def _dequantize(entry: TensorEntry, scale: TensorEntry, block: tuple[int, int]) -> np.ndarray:
+    """An FP8 block-scaled weight as bfloat16 (`fp8_block.dequantize_rows`), read and widened in
+    chunks of whole block rows of about `_DEQUANT_CHUNK_ELEMENTS` values, so that besides the
+    result only one chunk's fp8 / fp32 / bf16 copies are held."""
+    scales = read_tensor(scale)
+    fp8_block.check_scales(scales, f"{scale.file}: tensor {scale.label}")
+    rows, cols = entry.shape
+    out = np.empty(entry.shape, ml_dtypes.bfloat16)
+    step = max(1, _DEQUANT_CHUNK_ELEMENTS // max(1, cols * block[0])) * block[0]
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        values = _read_by_hand(entry, (start, stop))
+        out[start:stop] = fp8_block.dequantize_rows(values, scales[start // block[0] : -(-stop // block[0])], block)
+    return out
 
 
 def plan_shards(items: list, nbytes: Callable[[Any], int], limit: int) -> list[list]:

@@ -62,6 +62,8 @@ class Checkpoint:
     weight_block: str = "1d"
     recipe: dict[str, Any] | None = None  # a run's recipe as the provenance record states it
     step: int | None = None
+    # an FP8 block-scaled HF source (`converters.fp8_block.FP8Block`), read dequantized to BF16
+    source_quantization: Any = None
 
     @property
     def definition_files(self) -> list[str]:
@@ -271,6 +273,7 @@ def _open_hf(path: str) -> Checkpoint:
         kind="hf",
         weight_files=sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))),
         aux_dir=path,
+        source_quantization=source.fp8_block,
     )
 
 

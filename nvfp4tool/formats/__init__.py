@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Any
 
+from converters.fp8_block import is_fp8_block_config
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
@@ -91,14 +92,19 @@ class FolderLayout:
 
 def is_quantized_export(folder: str) -> bool:
     """Whether a folder's configs declare a quantization layout (a serving export, not a BF16
-    checkpoint): config.json with a `quantization_config`, or ModelOpt's hf_quant_config.json."""
+    checkpoint): config.json with a `quantization_config`, or ModelOpt's hf_quant_config.json. An
+    FP8 block-scaled checkpoint (`converters.fp8_block`: DeepSeek-V3's) is a source, read as BF16."""
     if os.path.isfile(os.path.join(folder, HF_QUANT_CONFIG_FILE)):
         return True
     try:
         config = read_json_file(os.path.join(folder, CONFIG_FILE))
     except RecordError:
         return False
-    return isinstance(config, dict) and "quantization_config" in config
+    return (
+        isinstance(config, dict)
+        and "quantization_config" in config
+        and not is_fp8_block_config(config["quantization_config"])
+    )
 
 
 def describe(folder: str) -> FolderLayout:

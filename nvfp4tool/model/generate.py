@@ -14,8 +14,8 @@ Design notes: docs/design/model.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -31,8 +31,9 @@ from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions
 MIN_BUCKET = 16  # the shortest padded prompt and cache (slots)
 # XLA:CPU's LLVM passes off for both programs: their time is GEMMs (library calls, not generated
 # code) while compiling is most of a short generation's wall time (tiny preset, first prompt: 15.3 s
-# -> 9.3 s; docs/benchmarks/generate.md); fp semantics are the same (no fast math either way).
-_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# -> 9.3 s; docs/benchmarks/generate.md); fp semantics are the same (no fast math either way). On
+# the CPU only: a GPU's fused kernels are generated code, which the passes make fast.
+_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 OnToken = Callable[[int, jax.Array, jax.Array], None]  # (index of the new token, tokens [B], their logits [B, V])
 
@@ -98,7 +99,8 @@ def generate(
     mask_BxT = jnp.pad(mask_BxT, ((0, 0), (padded - T, 0)))
     graphdef, state = nnx.split(model)
     linear, key = linear or model.linear, key if key is not None else jax.random.key(0)
-    carry, cache, logits_BxV = _prefill(
+    prefill, step = _programs(jax.default_backend())
+    carry, cache, logits_BxV = prefill(
         graphdef,
         state,
         prompt_ids_BxT,
@@ -114,7 +116,7 @@ def generate(
         if on_token is not None:
             on_token(i, carry.token_B, logits_BxV)
         if i + 1 < max_new_tokens:
-            carry, cache, logits_BxV = _step(graphdef, state, carry, cache, options, linear=linear, kv=kv)
+            carry, cache, logits_BxV = step(graphdef, state, carry, cache, options, linear=linear, kv=kv)
             tokens.append(carry.token_B)
     return jnp.stack(tokens, axis=-1).astype(jnp.int32)
 
@@ -151,7 +153,6 @@ class _Carry(NamedTuple):
     key_positions_BxS: jax.Array  # int32: each cache slot's position
 
 
-@partial(jax.jit, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=_COMPILER_OPTIONS)
 def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_len, linear, kv):
     """The prompt through the model into a fresh cache of `cache_len` slots: (carry, cache, the
     first new token's logits [B, V])."""
@@ -181,12 +182,6 @@ def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_l
     return carry, cache, next_logits_BxV
 
 
-@partial(
-    jax.jit,
-    static_argnames=("graphdef", "linear", "kv"),
-    donate_argnames=("cache",),
-    compiler_options=_COMPILER_OPTIONS,
-)
 def _step(graphdef, state, carry: _Carry, cache: DecodeState, options, *, linear, kv):
     """One token: carry.token_B through the model at its slot (the cache updated in place): (the
     carry of the next token, the cache, that token's logits [B, V])."""
@@ -221,3 +216,15 @@ def _select(logits_BxV, key, options: _SamplingOptions):
     scaled_BxV = jnp.where(scaled_BxV < kth_largest_B[:, None], -jnp.inf, scaled_BxV)
     sampled_B = jax.random.categorical(key, scaled_BxV, axis=-1)
     return jnp.where(options.greedy, greedy_B, sampled_B).astype(jnp.int32)
+
+
+@functools.cache
+def _programs(backend: str):
+    """The jitted (prefill, step) of `backend` (its compiler options: `_CPU_COMPILER_OPTIONS` on the
+    CPU), each compiled once per shape and shared by every model of that shape."""
+    options = _CPU_COMPILER_OPTIONS if backend == "cpu" else None
+    prefill = jax.jit(_prefill, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=options)
+    step = jax.jit(
+        _step, static_argnames=("graphdef", "linear", "kv"), donate_argnames=("cache",), compiler_options=options
+    )
+    return prefill, step

@@ -27,6 +27,17 @@ class ToolRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class SourceQuantizationRecord(Record):
+    """How the source stored its weights when it was not plain floating point: an FP8 block-scaled
+    checkpoint (config.json's quantization_config), read dequantized to BF16."""
+
+    quant_method: str  # "fp8"
+    fmt: str  # "e4m3"
+    weight_block_size: tuple[int, int]  # rows x columns sharing one scale, e.g. [128, 128]
+    activation_scheme: str  # "dynamic"
+
+
+@dataclasses.dataclass(frozen=True)
 class SourceRecord(Record):
     """The exported checkpoint, named without its location."""
 
@@ -41,12 +52,15 @@ class SourceRecord(Record):
     # the source's license as its README.md's metadata (else its config.json) says (`source_license`);
     # None: it says none, or a record written before it was kept (push then reads the source folder)
     license: str | None = None
+    # an FP8 block-scaled source, dequantized on reading; None: the source was floating point
+    quantization: SourceQuantizationRecord | None = None
 
     @classmethod
     def of(cls, checkpoint: Any) -> SourceRecord:
         """An opened `nvfp4tool.checkpoints.Checkpoint` named portably, with its weight files hashed
         (an HF folder's safetensors, a run's final or step weights, every file of a MaxText checkpoint)
         and the files that define it besides them."""
+        fp8 = getattr(checkpoint, "source_quantization", None)
         return cls(
             name=portable_name(checkpoint.path),
             kind=checkpoint.kind,
@@ -54,6 +68,14 @@ class SourceRecord(Record):
             files={os.path.relpath(f, checkpoint.path): sha256_file(f) for f in checkpoint.weight_files},
             config_files=definition_hashes(checkpoint),
             license=source_license(checkpoint.path),
+            quantization=None
+            if fp8 is None
+            else SourceQuantizationRecord(
+                quant_method=fp8.quant_method,
+                fmt=fp8.fmt,
+                weight_block_size=fp8.block,
+                activation_scheme=fp8.activation_scheme,
+            ),
         )
 
 

@@ -7,6 +7,7 @@ does."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import numpy as np
@@ -52,7 +53,7 @@ def test_every_recipe_exports_and_checks(models, tmp_path, name):
     assert report.ok, report.failure("check")
     record = ExportRecord.read(out)
     assert record.export_recipe == name
-    expected = {k: v for k, v in recipe.options.items() if k not in ("calib_samples", "calib_seq_len")}
+    expected = {k: v for k, v in recipe.options.items() if k not in ("calib_samples", "calib_seq_len", "keep_bf16")}
     recorded = {
         "quant": record.quant,
         "equalize": record.equalize,
@@ -65,6 +66,10 @@ def test_every_recipe_exports_and_checks(models, tmp_path, name):
     assert {k: recorded[k] for k in expected} == expected
     if recipe.calibration:  # the windows given on the command line won over the recipe's
         assert (record.calibration.samples, record.calibration.seq_len) == (4, 16)
+    if "keep_bf16" in recipe.options:  # every module a pattern names is excluded (deepseek-r1: attention)
+        names = ModelConfig.from_hf_folder(model).linear_names()
+        wanted = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in recipe.options["keep_bf16"])}
+        assert wanted and wanted <= set(record.exclude_modules)
     if recipe.keep_bf16_rule:
         kept = nvidia_nano_keep_bf16(ModelConfig.from_hf_folder(model))
         assert kept and all(any(m.startswith(p[:-1]) for m in record.exclude_modules) for p in kept)

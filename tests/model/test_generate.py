@@ -37,15 +37,16 @@ def test_one_prefill_and_one_step_program_for_lengths_counts_and_models_of_one_s
     config = CONFIGS["llama3"]
     first, second = (model_from_tensors(config, DictTensorSource(random_tensors(config, seed))) for seed in (0, 1))
     assert nnx.graphdef(first) == nnx.graphdef(second)
-    gen._prefill.clear_cache()
-    gen._step.clear_cache()
+    prefill, step = gen._programs(jax.default_backend())
+    prefill.clear_cache()
+    step.clear_cache()
     rng = np.random.default_rng(0)
     runs = [(first, 5, 4), (first, 11, 4), (second, 7, 3), (second, 16, 2)]  # (model, prompt length, new tokens)
     outputs = [
         np.asarray(generate(model, rng.integers(0, config.vocab_size, (2, length)), count))
         for model, length, count in runs
     ]
-    assert gen._prefill._cache_size() == 1 and gen._step._cache_size() == 1
+    assert prefill._cache_size() == 1 and step._cache_size() == 1
     assert [o.shape for o in outputs] == [(2, 4), (2, 4), (2, 3), (2, 2)]
     assert not np.array_equal(outputs[0], outputs[1])  # different prompts ran, not one cached answer
 

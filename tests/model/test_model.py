@@ -437,9 +437,10 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     )
     prefill_args = (graphdef, state, jnp.zeros((2, 16), jnp.int32), jnp.ones((2, 16), bool), jax.random.key(0), options)
     statics = {"linear": served_linear, "kv": default_kv}
-    prefill = gen._prefill.lower(*prefill_args, cache_len=32, **statics).compile()
-    carry, cache, _ = gen._prefill(*prefill_args, cache_len=32, **statics)
-    step = gen._step.lower(graphdef, state, carry, cache, options, **statics).compile()
+    jit_prefill, jit_step = gen._programs(jax.default_backend())
+    prefill = jit_prefill.lower(*prefill_args, cache_len=32, **statics).compile()
+    carry, cache, _ = jit_prefill(*prefill_args, cache_len=32, **statics)
+    step = jit_step.lower(graphdef, state, carry, cache, options, **statics).compile()
     for program in (prefill, step):
         assert program.memory_analysis().temp_size_in_bytes < table_f32
 
