@@ -113,8 +113,31 @@ def check_supported(config: ModelConfig, label: str) -> None:
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
-    """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied)."""
-    return [r for r in config.family_spec.maxtext_rules or () if not (r.untied_only and config.tie_word_embeddings)]
+    """The rules that apply to `config` (its family's; lm_head dropped when the embedding is tied,
+    a rule of an empty layer stack or an optional rule whose HF tensor the model lacks dropped)."""
+    shapes = config.expected_tensor_shapes()
+    return [
+        r
+        for r in config.family_spec.maxtext_rules or ()
+        if not (r.untied_only and config.tie_word_embeddings)
+        and (not r.per_layer or len(stack_layers(r, config)))
+        and not (r.optional and hf_name(r, _first_layer(r, config), 0) not in shapes)
+    ]
+
+
+def stack_layers(rule: Rule, config: ModelConfig) -> range:
+    """The HF layers of `rule`'s MaxText layer stack (`Rule.stack`, `Family.maxtext_stacks`)."""
+    return config.family_spec.maxtext_stacks(config)[rule.stack]
+
+
+def layers_of(rule: Rule, config: ModelConfig) -> list[int | None]:
+    """The HF layers `rule` applies to ([None]: not a per-layer rule)."""
+    return list(stack_layers(rule, config)) if rule.per_layer else [None]
+
+
+def stack_names(config: ModelConfig) -> list[str]:
+    """MaxText's non-empty layer stacks of `config`'s model, in order."""
+    return [name for name, layers in config.family_spec.maxtext_stacks(config).items() if len(layers)]
 
 
 def placement(
@@ -123,32 +146,35 @@ def placement(
     """(key path under params/params of the parameter holding `rule`'s tensor of `layer`, the
     layer's index on that parameter's layer axis or None where the parameter is not a stack).
 
-    Unscanned: `decoder/layers_{layer}/`. Scanned, a family scanning single layers
-    (`Family.maxtext_scan_block` 1): `decoder/layers/`, stacked, index = layer. Scanned in blocks of
-    P layers: layer i < (L // P) * P lives in `decoder/layers/layers_{i % P}/`, stacked, index
-    i // P; the L % P layers after them in `decoder/layers_remainder/layers_{i - (L // P) * P}/`,
-    unstacked (MaxText's `_apply_gemma3_scanned_blocks`; docs/design/maxtext-layout.md)."""
+    With i the layer's index in its stack S (`Rule.stack`, "layers" unless the family's MaxText
+    decoder splits the layers: DeepSeek's dense_layers / moe_layers). Unscanned: `decoder/S_{i}/`.
+    Scanned, a family scanning single layers (`Family.maxtext_scan_block` 1): `decoder/S/`,
+    stacked, index = i. Scanned in blocks of P layers (one stack): layer i < (L // P) * P lives in
+    `decoder/layers/layers_{i % P}/`, stacked, index i // P; the L % P layers after them in
+    `decoder/layers_remainder/layers_{i - (L // P) * P}/`, unstacked (MaxText's
+    `_apply_gemma3_scanned_blocks`; docs/design/maxtext-layout.md)."""
     if not rule.per_layer:
         return tuple(rule.maxtext.split("/")), None
-    prefix, index = _layer_prefix(config, layer, scanned)
+    prefix, index = _layer_prefix(rule, config, layer, scanned)
     return tuple(f"{prefix}/{rule.maxtext}".split("/")), index
 
 
-def stack_length(config: ModelConfig) -> int:
-    """The layer axis of a scanned stack: every layer, or one per block of `maxtext_scan_block`."""
-    return config.num_layers // config.family_spec.maxtext_scan_block
+def stack_length(rule: Rule, config: ModelConfig) -> int:
+    """The layer axis of `rule`'s scanned stack: its every layer, or one per block of `maxtext_scan_block`."""
+    return len(stack_layers(rule, config)) // config.family_spec.maxtext_scan_block
 
 
-def _layer_prefix(config: ModelConfig, layer: int | None, scanned: bool) -> tuple[str, int | None]:
+def _layer_prefix(rule: Rule, config: ModelConfig, layer: int | None, scanned: bool) -> tuple[str, int | None]:
+    i = stack_layers(rule, config).index(layer)
     if not scanned:
-        return f"decoder/layers_{layer}", None
+        return f"decoder/{rule.stack}_{i}", None
     block = config.family_spec.maxtext_scan_block
     if block == 1:
-        return SCANNED_LAYERS, layer
-    full = stack_length(config) * block
-    if layer < full:
-        return f"{SCANNED_LAYERS}/layers_{layer % block}", layer // block
-    return f"{REMAINDER_LAYERS}/layers_{layer - full}", None
+        return f"decoder/{rule.stack}", i
+    full = stack_length(rule, config) * block
+    if i < full:
+        return f"{SCANNED_LAYERS}/layers_{i % block}", i // block
+    return f"{REMAINDER_LAYERS}/layers_{i - full}", None
 
 
 def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
@@ -157,18 +183,25 @@ def hf_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> 
 
 def experts_of(rule: Rule, config: ModelConfig) -> list[int | None]:
     """The expert indices one parameter of `rule` holds ([None]: not an expert weight)."""
-    return list(range(config.family_spec.experts(config).num_experts)) if rule.per_expert else [None]
+    if not rule.per_expert:
+        return [None]
+    shapes, layer = config.expected_tensor_shapes(), _first_layer(rule, config)
+    count = 0
+    while hf_name(rule, layer, count) in shapes:  # the family's tensor table holds every expert
+        count += 1
+    return list(range(count))
 
 
-def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int = 0) -> tuple[int, ...]:
-    """Shape of the stored parameter holding layer `layer` (the whole stack when it is one; every
-    expert)."""
-    hf_shape = config.expected_tensor_shapes()[hf_name(rule, 0, 0)]
+def maxtext_shape(rule: Rule, config: ModelConfig, *, scanned: bool, layer: int | None = None) -> tuple[int, ...]:
+    """Shape of the stored parameter holding layer `layer` (None: the first of the rule's stack; the
+    whole stack when it is one; every expert)."""
+    layer = _first_layer(rule, config) if layer is None else layer
+    hf_shape = config.expected_tensor_shapes()[hf_name(rule, _first_layer(rule, config), 0)]
     shape = _forward_shape(rule, hf_shape, config)
     if rule.per_expert:
-        shape = (config.family_spec.experts(config).num_experts,) + shape
+        shape = (len(experts_of(rule, config)),) + shape
     if placement(rule, config, scanned=scanned, layer=layer)[1] is not None:
-        shape = shape[:LAYER_AXIS] + (stack_length(config),) + shape[LAYER_AXIS:]
+        shape = shape[:LAYER_AXIS] + (stack_length(rule, config),) + shape[LAYER_AXIS:]
     return shape
 
 
@@ -227,11 +260,13 @@ def hf_to_maxtext(rule: Rule, x: np.ndarray, config: ModelConfig, rope_layout: s
     elif rule.transform == "transpose":
         y = transpose_2d(x)
     elif rule.transform == "heads_in":  # [N*D, E] -> [E, N, D]
-        y = transpose_2d(x).reshape(x.shape[1], x.shape[0] // config.head_dim, config.head_dim)
+        D = _head_dim(rule, config)
+        y = transpose_2d(x).reshape(x.shape[1], x.shape[0] // D, D)
         if rule.rope and rope_layout == "interleaved":
             y = half_to_interleaved(y)
     elif rule.transform == "heads_out":  # [E, H*D] -> [H, D, E]
-        y = transpose_2d(x).reshape(x.shape[1] // config.head_dim, config.head_dim, x.shape[0])
+        D = _head_dim(rule, config)
+        y = transpose_2d(x).reshape(x.shape[1] // D, D, x.shape[0])
     else:  # pragma: no cover - the table only uses the four above
         raise ValueError(rule.transform)
     y = _offset_and_scale(rule, y, config, inverse=False)
@@ -284,8 +319,19 @@ def interleaved_to_half(y_ExNxD: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- helpers
 
 
+def _head_dim(rule: Rule, config: ModelConfig) -> int:
+    """The head width `rule`'s heads_in / heads_out reshape uses (MLA's differ from head_dim)."""
+    return config.head_dim if rule.head_dim is None else rule.head_dim(config)
+
+
+def _first_layer(rule: Rule, config: ModelConfig) -> int | None:
+    """The first HF layer of `rule`'s stack (None: not a per-layer rule, or an empty stack)."""
+    layers = stack_layers(rule, config) if rule.per_layer else ()
+    return layers[0] if len(layers) else None
+
+
 def _forward_shape(rule: Rule, hf_shape: tuple[int, ...], config: ModelConfig) -> tuple[int, ...]:
-    D = config.head_dim
+    D = _head_dim(rule, config)
     if rule.transform == "identity":
         return hf_shape
     if rule.transform == "transpose":

@@ -48,7 +48,7 @@ class MaxTextSource:
         self._use_zarr3 = bool(flags.get("use_zarr3", False))
         self.custom_metadata = _step_custom_metadata(step_dir)
         params = _params_tree(self._items_dir, self._label)
-        self.scanned = _detect_scanned(params, self._label)
+        self.scanned = _detect_scanned(params, layout.stack_names(model_config), self._label)
         self._meta: dict[tuple[str, ...], object] = {}  # key path -> Orbax ArrayMetadata
         self._index = self._build_index(params)
         self._handles: dict[tuple[str, ...], object] = {}
@@ -102,10 +102,10 @@ class MaxTextSource:
         hf_shapes = config.expected_tensor_shapes()
         index: dict[str, tuple] = {}
         for rule in layout.rules_for(config):
-            layers = range(config.num_layers) if rule.per_layer else [None]
+            layers = layout.layers_of(rule, config)
             for layer in layers:
                 key, _ = layout.placement(rule, config, scanned=self.scanned, layer=layer)
-                want = layout.maxtext_shape(rule, config, scanned=self.scanned, layer=layer or 0)
+                want = layout.maxtext_shape(rule, config, scanned=self.scanned, layer=layer)
                 meta = _lookup(params, key)
                 where = _where(key)
                 if meta is None:
@@ -304,11 +304,11 @@ def _plan_leaves(config: ModelConfig, scanned: bool, out_dtype: str) -> list[tup
     leaves = []
     for rule in layout.rules_for(config):
         by_key: dict[tuple[str, ...], list[tuple[int | None, int | None]]] = {}
-        for layer in range(config.num_layers) if rule.per_layer else [None]:
+        for layer in layout.layers_of(rule, config):
             key, at = layout.placement(rule, config, scanned=scanned, layer=layer)
             by_key.setdefault(key, []).append((at, layer))
         for key, layers in by_key.items():
-            shape = layout.maxtext_shape(rule, config, scanned=scanned, layer=layers[0][1] or 0)
+            shape = layout.maxtext_shape(rule, config, scanned=scanned, layer=layers[0][1])
             leaves.append((rule, layers, key, shape, int(np.prod(shape)) * itemsize))
     return leaves
 
@@ -439,16 +439,18 @@ def _params_tree(items_dir: str, label: str) -> dict:
     return params
 
 
-def _detect_scanned(params: dict, label: str) -> bool:
+def _detect_scanned(params: dict, stacks: list[str], label: str) -> bool:
+    """Whether the checkpoint stacks the layers of the model's first MaxText layer stack `stacks[0]`."""
     decoder = params.get("decoder")
     if not isinstance(decoder, dict):
         raise NVFP4ToolError(f"{label}: parameter params/params/decoder missing")
-    if "layers" in decoder or layout.REMAINDER_LAYERS.split("/")[1] in decoder:  # blocks: maybe no whole one
+    if stacks[0] in decoder or layout.REMAINDER_LAYERS.split("/")[1] in decoder:  # blocks: maybe no whole one
         return True
-    if "layers_0" in decoder:
+    if f"{stacks[0]}_0" in decoder:
         return False
     raise NVFP4ToolError(
-        f"{label}: neither params/params/decoder/layers (scanned) nor decoder/layers_0 (unscanned) is in the checkpoint"
+        f"{label}: neither params/params/decoder/{stacks[0]} (scanned) nor decoder/{stacks[0]}_0 (unscanned) "
+        "is in the checkpoint"
     )
 
 

@@ -272,6 +272,12 @@ class Family:
         (said by convert --to maxtext after the file name); None: its rules apply."""
         return None
 
+    def maxtext_stacks(self, config: ModelConfig) -> dict[str, range]:
+        """MaxText's layer stacks of `config`'s model -> the HF layers each holds, in order (scanned:
+        `decoder/<stack>`, unscanned `decoder/<stack>_<j>`); one stack of every layer unless the
+        family's MaxText decoder splits them (DeepSeek's dense_layers / moe_layers)."""
+        return {"layers": range(config.num_layers)}
+
     def export_warnings(self, config: ModelConfig, fmt: str, quant: str) -> list[str]:
         """Lines an export of `config`'s model in layout `fmt` x `quant` prints before it runs (a
         layout the engines do not serve for this model): none for these families."""

@@ -39,6 +39,7 @@ from nvfp4tool.families.base import (
     split_layer,
 )
 from nvfp4tool.families.hf_values import flag, integer, number
+from nvfp4tool.families.maxtext import NamedModel, Rule, dense_mlp_rules, layer_norm_rules, model_rules, moe_rules
 from nvfp4tool.families.rope_scaling import YarnRopeScaling, yarn_mscale
 
 MLA_MLP, MLA_MOE = "mla+mlp", "mla+moe"  # a layer's kinds: MLA, then a dense SwiGLU MLP / DeepSeekMoE
@@ -210,6 +211,124 @@ _TINY = MLAFields(
 )
 
 
+# ------------------------------------------------------------------------------ MaxText layout
+# MaxText's deepseek decoder (docs/design/maxtext-layout.md): the first_k_dense_replace dense layers
+# in stack `dense_layers`, the MoE layers in `moe_layers`, each scanned on its own.
+DENSE_STACK, MOE_STACK = "dense_layers", "moe_layers"
+MOE_BLOCK = "DeepSeekMoeBlock_0"  # MaxText's DeepSeekMoE: its routed `MoeBlock_0` and `shared_experts`
+
+
+def _qk_head_dim(config: ModelConfig) -> int:
+    return config.family_config.qk_head_dim
+
+
+def _kv_b_head_dim(config: ModelConfig) -> int:
+    return config.family_config.qk_nope_head_dim + config.family_config.v_head_dim
+
+
+def _v_head_dim(config: ModelConfig) -> int:
+    return config.family_config.v_head_dim
+
+
+def _mla_rules(stack: str) -> tuple[Rule, ...]:
+    """The two norms and MLA of a layer in MaxText stack `stack` (q_proj or q_a_proj / q_a_layernorm
+    / q_b_proj, whichever the model has); no RoPE rows permuted, no query scale."""
+    a = f"{layer_prefix('{i}')}.{ATTENTION}"
+    return layer_norm_rules(stack) + (
+        Rule(
+            f"{a}.q_proj.weight",
+            "self_attention/query/kernel",
+            "heads_in",
+            stack=stack,
+            head_dim=_qk_head_dim,
+            optional=True,
+        ),
+        Rule(f"{a}.q_a_proj.weight", "self_attention/wq_a/kernel", "transpose", stack=stack, optional=True),
+        Rule(f"{a}.q_a_layernorm.weight", "self_attention/q_norm/scale", "identity", stack=stack, optional=True),
+        Rule(
+            f"{a}.q_b_proj.weight",
+            "self_attention/wq_b/kernel",
+            "heads_in",
+            stack=stack,
+            head_dim=_qk_head_dim,
+            optional=True,
+        ),
+        Rule(f"{a}.kv_a_proj_with_mqa.weight", "self_attention/wkv_a/kernel", "transpose", stack=stack),
+        Rule(f"{a}.kv_a_layernorm.weight", "self_attention/kv_norm/scale", "identity", stack=stack),
+        Rule(f"{a}.kv_b_proj.weight", "self_attention/wkv_b/kernel", "heads_in", stack=stack, head_dim=_kv_b_head_dim),
+        Rule(f"{a}.o_proj.weight", "self_attention/out/kernel", "heads_out", stack=stack, head_dim=_v_head_dim),
+    )
+
+
+def _maxtext_rules() -> tuple[Rule, ...]:
+    mlp = f"{layer_prefix('{i}')}.mlp"
+    return (
+        model_rules()
+        + _mla_rules(DENSE_STACK)
+        + dense_mlp_rules(stack=DENSE_STACK)
+        + _mla_rules(MOE_STACK)
+        + moe_rules(f"{MOE_BLOCK}/MoeBlock_0", "mlp", ("gate_proj", "up_proj", "down_proj"), stack=MOE_STACK)
+        + (
+            Rule(
+                f"{mlp}.gate.e_score_correction_bias", f"{MOE_BLOCK}/MoeBlock_0/gate/bias", "identity", stack=MOE_STACK
+            ),
+        )
+        + dense_mlp_rules(f"mlp.{SHARED}", f"{MOE_BLOCK}/{SHARED}", stack=MOE_STACK)
+    )
+
+
+# MaxText's `deepseek3-671b` (its DeepSeek converter's MODEL_PARAMS_DICT: 61 layers, 3 dense, 128
+# heads, emb 7168, 256 experts, q_lora_rank 1536, kv_lora_rank 512, head dims 128 / 64 / 128): the
+# config.json of the DeepSeek-V3 release, which has that geometry
+DEEPSEEK3_671B = NamedModel(
+    {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    rope_layout="interleaved",
+)
+
+
 class DeepseekV3(Family):
     """`deepseek_v3`: pre-norm layers of MLA + a dense SwiGLU MLP (layers < first_k_dense_replace) or
     DeepSeekMoE (sigmoid router with e_score_correction_bias in FP32, grouped top-k, routed experts
@@ -232,10 +351,23 @@ class DeepseekV3(Family):
             )
         }
     )
-    no_maxtext_reason = (
-        "deepseek_v3: no MaxText layout is built for this family yet (MaxText's deepseek decoder "
-        "layout was not read for this tool)"
-    )
+    maxtext_rules = _maxtext_rules()
+    maxtext_models = types.MappingProxyType({"deepseek3-671b": DEEPSEEK3_671B})
+    maxtext_rope_layout = "interleaved"  # MaxText's deepseek RoPE pairs (x0, x1), ...: HF's rows as stored
+
+    def maxtext_stacks(self, config: ModelConfig) -> dict[str, range]:
+        k = config.family_config.first_k_dense_replace
+        return {DENSE_STACK: range(0, k), MOE_STACK: range(k, config.num_layers)}
+
+    def maxtext_refusal(self, config: ModelConfig) -> str | None:
+        """rope_interleave=false: MaxText's deepseek decoder rotates interleaved pairs and its
+        converter permutes no rows, so half-split rows have no layout there."""
+        if config.family_config.rope_interleave:
+            return None
+        return (
+            "deepseek_v3 with rope_interleave=false has no MaxText layout: MaxText's deepseek decoder "
+            "rotates interleaved pairs and its converter stores q/k rows as given"
+        )
 
     def parse(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         try:

@@ -118,7 +118,7 @@ CASES = [
         "{model_config:llama9}: neither a file/folder nor a known MaxText model name (llama2-7b, "
         "llama2-13b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, llama3.2-3b, mistral-7b, "
         "qwen3-30b-a3b, qwen3-235b-a22b, qwen3-480b-a35b, mixtral-8x7b, mixtral-8x22b, gemma3-4b, gemma3-12b, "
-        "gemma3-27b)",
+        "gemma3-27b, deepseek3-671b)",
     ),
     (
         "RoPE layout cannot be told",
@@ -126,7 +126,8 @@ CASES = [
         {"model_config": "HF_CONFIG"},
         2,
         "{path}: which RoPE layout does the MaxText side use? pass {rope_layout:interleaved|half}, or a "
-        "MaxText model name as {model_config:NAME} (llama3.1-8b, llama3.1-70b are interleaved, the others half)",
+        "MaxText model name as {model_config:NAME} (llama3.1-8b, llama3.1-70b, deepseek3-671b are interleaved, "
+        "the others half)",
     ),
     (
         "config disagrees with the HF folder",

@@ -272,6 +272,7 @@ _PARAMETERS = {
     "gemma3-4b": 3_880_099_328,
     "gemma3-12b": 11_765_788_416,
     "gemma3-27b": 27_009_002_240,
+    "deepseek3-671b": 671_026_419_200,  # DeepSeek's 671B (MTP layer not counted)
 }
 
 
@@ -279,7 +280,8 @@ _PARAMETERS = {
 def test_maxtext_model_names_build_configs_with_the_published_size(name):
     config = ModelConfig.from_hf_config(maxtext_models.maxtext_hf_config(name), source=name)
     assert config.num_parameters() == _PARAMETERS[name]
-    assert maxtext_models.rope_layout_for(name) == ("interleaved" if name.startswith("llama3.1-") else "half")
+    interleaved = name.startswith(("llama3.1-", "deepseek3-"))
+    assert maxtext_models.rope_layout_for(name) == ("interleaved" if interleaved else "half")
 
 
 def test_unknown_model_name_is_a_user_error():

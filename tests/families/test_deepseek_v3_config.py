@@ -2,7 +2,7 @@
 DeepseekV3Config / DeepseekV3ForCausalLM and vLLM's reading (vllm/model_executor/models/deepseek_v2.py):
 the published DeepSeek-V3 config parsed, written back and counted (671B total / 37B active), the
 module table against transformers' modules and its tensor-parallel plan, what the two would compute
-differently refused in one line naming the key, MaxText refused in one line."""
+differently refused in one line naming the key (MaxText: tests/converters/test_maxtext_deepseek.py)."""
 
 from __future__ import annotations
 
@@ -172,18 +172,3 @@ def test_the_module_table_is_transformers_modules_with_its_tp_plan(key):
     assert table.kept() == {"model.layers.1.mlp.gate", "model.layers.2.mlp.gate", "lm_head"}
     assert get_family("deepseek_v3").tp_problems(config, 2) == []
     assert "does not split into 8" in get_family("deepseek_v3").tp_problems(config, 8)[0]
-
-
-def test_maxtext_is_refused_in_one_line(tmp_path):
-    from click.testing import CliRunner
-
-    from nvfp4tool.cli import cli
-
-    from fixtures.deepseek_fixtures import LORA, hf_folder
-
-    folder, _ = hf_folder(tmp_path, LORA, seed=1)
-    result = CliRunner().invoke(cli, ["convert", folder, str(tmp_path / "mt"), "--to", "maxtext"])
-    assert result.exit_code == 1, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and "deepseek_v3: no MaxText layout" in errors[0], result.output
-    assert not (tmp_path / "mt").exists()
