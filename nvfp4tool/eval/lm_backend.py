@@ -124,7 +124,7 @@ def open_variant(
     )
     variant = Variant(label=label, path=path, config=config, model=model, tokenizer_dir=tokenizer_dir)
     if kv:
-        variant.kv_aux = lambda i: None if i is None else exported.kv_scales(i)
+        variant.kv_aux = exported.kv_aux
         variant.kv_tap, variant.gen_kv = ServedKVTap(), exported.served_kv()
     return variant
 

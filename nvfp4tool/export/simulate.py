@@ -253,6 +253,14 @@ class ExportedModel:
         k_scale, v_scale = (np.asarray(self._source.get(n), np.float32).reshape(()) for n in names)
         return k_scale, v_scale
 
+    def kv_aux(self, layer: int | None) -> KVScales | None:
+        """The KV scales decoder layer `layer`'s block reads as its aux when served layer by layer:
+        None for the head (`layer` None) and for a layer without attention (a hybrid's Mamba and
+        MLP layers)."""
+        if layer is None or self.config.modules.attention(layer) is None:
+            return None
+        return self.kv_scales(layer)
+
     def served_kv(self) -> ServedKV:
         """The KV seam of this export's FP8 KV cache, for a whole model (e.g. generation)."""
         modules = self.config.modules

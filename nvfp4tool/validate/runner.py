@@ -421,7 +421,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
             c.exported,
             c.exported.config,
         )
-        kv_scales = (lambda i, c=c: None if i is None else c.exported.kv_scales(i)) if c.fp8_kv else None
+        kv_scales = c.exported.kv_aux if c.fp8_kv else None
         for start, logits in model.logits(
             inputs.ids_SxL,
             options.batch_size,
