@@ -114,30 +114,46 @@ def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, nam
     return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
 
 
-def for_generation(model, label: str):
-    """The held model generation runs with `served_linear`: each linear's weight held narrower than
-    the compute (stored NVFP4 / FP8, or BF16 in fp32 compute) decoded / widened once into a
+DECODE_ONCE_SHARE = 0.25  # decoded fp32 copies held beside a model: at most this share of its stored bytes
+
+
+def for_generation(model, label: str, budget: int | None = None):
+    """The held model generation runs with `served_linear`: linear weights held narrower than the
+    compute (stored NVFP4 / FP8, or BF16 in fp32 compute) decoded / widened once into a
     `DecodedWeight` (the same values, sliced in the same `dense_widening` blocks, so the same GEMMs:
-    tokens and logits bit for bit those of decoding at every step) when that fp32 copy fits beside
-    the model (at most `memory.HEADROOM` of the available memory), else the model as it is. Says
-    which, and why, as a status line. The embedding table (a tied LM head too) stays as stored."""
+    tokens and logits bit for bit those of decoding at every step), in forward order while their
+    fp32 copies fit in `budget` bytes; the rest are decoded at every step. Default budget: the
+    smaller of `DECODE_ONCE_SHARE` of the model's stored bytes (a held model's peak stays within
+    the stored model and its working set, as validate's memory bound promises) and
+    `memory.HEADROOM` of the available memory. Says what it did as a status line. The embedding
+    table (a tied LM head too) stays as stored."""
     from nvfp4tool.model.layers import Linear
 
     linears = {(*path, "weight") for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
-    chosen = {p for p, v in flat if p in linears and _narrow(v.get_value(), model.compute_dtype)}
-    need = sum(4 * math.prod(v.get_value().shape) for p, v in flat if p in chosen)
-    if need == 0:
+    narrow = [p for p, v in flat if p in linears and _narrow(v.get_value(), model.compute_dtype)]
+    if not narrow:
         return model
-    available = memory.available_bytes()
-    if need > memory.HEADROOM * available:
+    sizes = {p: 4 * math.prod(v.get_value().shape) for p, v in flat if p in set(narrow)}
+    if budget is None:
+        stored = sum(leaf.nbytes for leaf in jax.tree.leaves(state) if hasattr(leaf, "nbytes"))
+        budget = int(min(DECODE_ONCE_SHARE * stored, memory.HEADROOM * memory.available_bytes()))
+    chosen, used = set(), 0
+    for p in narrow:
+        if used + sizes[p] <= budget:
+            chosen.add(p)
+            used += sizes[p]
+    if not chosen:
         progress.info(
-            f"{label}: weights decoded at every generation step (decoding them once needs "
-            f"{need / 1e9:.2f} GB, {available / 1e9:.2f} GB available)"
+            f"{label}: weights decoded at every generation step (decoding one once needs "
+            f"{min(sizes.values()) / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB allowed)"
         )
         return model
-    progress.info(f"{label}: weights decoded once for generation ({need / 1e9:.2f} GB fp32)")
+    progress.info(
+        f"{label}: {len(chosen)} of {len(narrow)} linear weights decoded once for generation "
+        f"({used / 1e9:.2f} GB fp32 of the {budget / 1e9:.2f} GB allowed), the rest at every step"
+    )
     flat = [(p, v.replace(_decode_once(v.get_value())) if p in chosen else v) for p, v in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

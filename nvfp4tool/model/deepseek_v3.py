@@ -22,7 +22,7 @@ from nvfp4tool.families.base import O_PROJ, Q
 from nvfp4tool.families.deepseek_v3 import KV_A, KV_B, MLA_MLP, MLA_MOE, NORM_EPS, Q_A, Q_B, SHARED, MLAFields
 from nvfp4tool.model.attention import AttentionMask, attend
 from nvfp4tool.model.blocks import register_blocks
-from nvfp4tool.model.layers import MLP, Linear, RMSNorm, mix_experts, route_grouped_sigmoid
+from nvfp4tool.model.layers import MLP, Linear, RMSNorm, mix_experts, sigmoid_router
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.rope import apply_rope
 
@@ -134,20 +134,11 @@ class DeepSeekMoE(nnx.Module):
     def __call__(self, x_BxTxE: jax.Array, seam: Seam) -> tuple[jax.Array, Side]:
         r = self.routing
         router = getattr(self, ROUTER.attr)
-        logits_BxTxN, router_side = router(x_BxTxE.astype(jnp.float32), seam)
-        weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
-            logits_BxTxN,
-            r.num_experts_per_tok,
-            correction_bias_N=router.e_score_correction_bias[...],
-            n_group=r.n_group,
-            topk_group=r.topk_group,
-            normalize=r.norm_topk_prob,
-            scaling=r.routed_scaling_factor,
-        )
+        weights_BxTxN, chosen_BxTxN, router_side = sigmoid_router(router, x_BxTxE, r, seam)
         routed_BxTxE, experts_side = mix_experts(self.experts, x_BxTxE, weights_BxTxN, chosen_BxTxN, seam)
         shared_BxTxE, shared_side = getattr(self, SHARED)(x_BxTxE, seam)
         out = routed_BxTxE.astype(x_BxTxE.dtype) + shared_BxTxE
-        return out, merged(router_side, Side({}, {router.name: logits_BxTxN}), experts_side, shared_side)
+        return out, merged(router_side, experts_side, shared_side)
 
 
 class MLABlock(nnx.Module):

@@ -30,7 +30,7 @@ from nvfp4tool.families.nemotron_h import (
 )
 from nvfp4tool.model.activations import activation
 from nvfp4tool.model.blocks import register_blocks
-from nvfp4tool.model.layers import Attention, Linear, RMSNorm, mix_experts, route_grouped_sigmoid
+from nvfp4tool.model.layers import Attention, Linear, RMSNorm, mix_experts, sigmoid_router
 from nvfp4tool.model.linear import Seam, Side, merged
 from nvfp4tool.model.mamba import Mamba2Mixer, MambaShape, MambaState
 
@@ -100,17 +100,8 @@ class HybridMoE(nnx.Module):
         r = self.routing
         router = getattr(self, ROUTER.attr)
         fc1_latent, fc2_latent = (getattr(self, p.attr) for p in LATENT)
-        logits_BxTxN, router_side = router(x_BxTxE.astype(jnp.float32), seam)
-        weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
-            logits_BxTxN,
-            r.num_experts_per_tok,
-            correction_bias_N=router.e_score_correction_bias[...],
-            n_group=r.n_group,
-            topk_group=r.topk_group,
-            normalize=r.norm_topk_prob,
-            scaling=r.routed_scaling_factor,
-        )
-        sides = [router_side, Side({}, {router.name: logits_BxTxN})]
+        weights_BxTxN, chosen_BxTxN, router_side = sigmoid_router(router, x_BxTxE, r, seam)
+        sides = [router_side]
         h_BxTxL = x_BxTxE
         if fc1_latent is not None:
             h_BxTxL, side = fc1_latent(x_BxTxE, seam)

@@ -263,6 +263,24 @@ def route_grouped_sigmoid(
     return weights_BxTxN, jnp.any(chosen_BxTxKxN, axis=-2)
 
 
+def sigmoid_router(router, x_BxTxE: jax.Array, routing, seam: Seam) -> tuple[jax.Array, jax.Array, Side]:
+    """A grouped-sigmoid router (Nemotron-H's and DeepSeek-V3's `gate` with its
+    `e_score_correction_bias`) run in fp32 on `x`, routed by `route_grouped_sigmoid` with the
+    family's `routing` record (num_experts_per_tok, n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor): (weights, chosen, the router's side results with its logits)."""
+    logits_BxTxN, router_side = router(x_BxTxE.astype(jnp.float32), seam)
+    weights_BxTxN, chosen_BxTxN = route_grouped_sigmoid(
+        logits_BxTxN,
+        routing.num_experts_per_tok,
+        correction_bias_N=router.e_score_correction_bias[...],
+        n_group=routing.n_group,
+        topk_group=routing.topk_group,
+        normalize=routing.norm_topk_prob,
+        scaling=routing.routed_scaling_factor,
+    )
+    return weights_BxTxN, chosen_BxTxN, merged(router_side, Side({}, {router.name: logits_BxTxN}))
+
+
 class SparseMoE(nnx.Module):
     """A sparse MLP: the router (`gate`, [num_experts, E], kept in high precision by every recipe)
     scores each token, `route` picks its top-k experts, and the output is the routing-weighted sum

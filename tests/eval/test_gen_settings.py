@@ -80,6 +80,9 @@ def no_model(monkeypatch, tmp_path):
         raise AssertionError("the evaluation started")
 
     monkeypatch.setattr(evaluate, "evaluate_export", opened)
+    from nvfp4tool.api import proof  # the CLI calls the library through the API, which holds the name
+
+    monkeypatch.setattr(proof, "evaluate_export", opened)
     folder = tmp_path / "export"
     folder.mkdir()
     return folder

@@ -332,6 +332,29 @@ def test_nvidias_nano_recipe_keeps_attention_and_the_mamba_layers_feeding_it(exp
     quantized = load_export(str(out)).quantized
     assert quantized and not any(m.startswith(("model.layers.2.", "model.layers.3.")) for m in quantized)
     assert check_checkpoint(str(out)).ok
+    # validate serves it with its FP8 KV cache layer by layer: only the attention layer reads KV scales
+    # (every nemotron_h export with --kv-cache fp8 failed "no tensor 'None.k_scale'" before)
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+
+    served = load_export(str(out))
+    pattern = DENSE["hybrid_override_pattern"]
+    assert [served.kv_aux(i) is not None for i in range(len(pattern))] == [c == "*" for c in pattern]
+    np.save(tmp_path / "val.npy", np.random.default_rng(5).integers(3, 40, (2, 16)))
+    options = ValidateOptions(
+        data=str(tmp_path / "val.npy"),
+        source=exports["dense"],
+        samples=2,
+        seq_len=16,
+        batch_size=2,
+        prompts=1,
+        prompt_len=8,
+        gen_tokens=2,
+        offload="always",
+        reference="bf16",
+        limits={"max_kl_mean": 1e9},
+    )
+    record = validate_export(str(out), options).record
+    assert np.isfinite(record.models["nvfp4+fp8-kv"]["kl_mean"]) and record.models["nvfp4"]["kl_mean"] < 1e9
 
 
 def test_compressed_tensors_nvfp4_of_a_moe_hybrid_says_vllm_does_not_serve_it(exports, tmp_path):
