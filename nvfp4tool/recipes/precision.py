@@ -25,6 +25,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, name_in_layer
 from nvfp4tool.model.linear import LinearFn, Seam
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
+from nvfp4tool.numerics.constants import NVFP4_BLOCK
 from nvfp4tool.recipes.fp8_dot import FP8Options, fp8_dot
 from nvfp4tool.recipes.nvfp4_dot import (
     GEMMS,
@@ -118,6 +119,21 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
         )
         result[m.name] = "bf16" if keep else recipe.name
     return result
+
+
+def check_block_widths(pmap: Mapping[str, str], config: ModelConfig) -> None:
+    """NVFP4ToolError naming the first NVFP4 linear whose weight is not 16-element blocks along
+    both axes: the recipe quantizes the forward GEMM's operands along in_features and the backward's
+    (the output gradient) along out_features, and never pads a block. Said before the step compiles
+    (the quantizer's own error names an operand of a traced GEMM, not the linear)."""
+    for m in config.modules.linears:
+        if pmap.get(m.name) == "nvfp4" and any(width % NVFP4_BLOCK for width in m.shape):
+            out_features, in_features = m.shape
+            raise NVFP4ToolError(
+                f"{m.name}: weight {out_features} x {in_features} (out x in features) cannot train with "
+                f"the nvfp4 recipe: its forward and backward GEMMs quantize both widths in {NVFP4_BLOCK}-element "
+                f"blocks; keep it in BF16 (bf16_patterns) or use widths that are multiples of {NVFP4_BLOCK}"
+            )
 
 
 def group_amax(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

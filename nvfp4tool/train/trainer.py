@@ -56,7 +56,7 @@ from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
-from nvfp4tool.recipes.precision import RecipeConfig, precision_map
+from nvfp4tool.recipes.precision import RecipeConfig, check_block_widths, precision_map
 from nvfp4tool.records.corpus import CorpusManifest, CorpusSft
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRecord, first_file_difference
 from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
@@ -373,6 +373,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     mixture = loader_lib.parse_mixture(config.data)
     caches = _caches(config, tokenizer, [path for path, _ in mixture])  # before a model is built
     model_config, model = _model(config, tokenizer, source)
+    pmap = precision_map(recipe, model_config)
+    check_block_widths(pmap, model_config)  # a width the recipe cannot block, named before the step compiles
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
     teacher, teacher_record, teacher_config = None, None, None
@@ -428,7 +430,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         loader=loader,
         eval_windows=eval_windows,
         recipe=recipe,
-        pmap=precision_map(recipe, model_config),
+        pmap=pmap,
         mesh=mesh,
         resume_step=resume_step,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -17,6 +18,7 @@ from nvfp4tool.numerics import dot_nt
 from nvfp4tool.recipes.nvfp4_dot import NVFP4Options, nvfp4_dot
 from nvfp4tool.recipes.precision import (
     RecipeConfig,
+    check_block_widths,
     fused_group,
     group_amax,
     layer_key,
@@ -44,6 +46,22 @@ def test_default_precision_map_keeps_first_and_last_blocks_and_lm_head():
     # first 1 block and the last ceil(0.15 * 8) = 2 blocks in BF16
     assert [by_layer[i] for i in range(8)] == [{"bf16"}] + [{"nvfp4"}] * 5 + [{"bf16"}] * 2
     assert len(pmap) == 8 * 7 + 1
+
+
+def test_a_width_the_nvfp4_recipe_cannot_block_is_named_in_one_line():
+    """The MLP 40 wide: gate/up's out features and down's in features are not 16-element blocks
+    (the backward GEMM quantizes the output gradient along out features); kept in BF16 it trains."""
+    config = dataclasses.replace(CONFIG, intermediate_size=40)
+    recipe = RecipeConfig(name="nvfp4", bf16_first_layers=1, bf16_last_layers=0)
+    with pytest.raises(NVFP4ToolError) as refused:
+        check_block_widths(precision_map(recipe, config), config)
+    assert str(refused.value).splitlines() == [
+        "model.layers.1.mlp.gate_proj: weight 40 x 64 (out x in features) cannot train with the nvfp4 recipe: its "
+        "forward and backward GEMMs quantize both widths in 16-element blocks; keep it in BF16 (bf16_patterns) "
+        "or use widths that are multiples of 16"
+    ]
+    check_block_widths(precision_map(dataclasses.replace(recipe, bf16_patterns=("*.mlp.*",)), config), config)
+    check_block_widths(precision_map(RecipeConfig(name="fp8"), config), config)  # per-tensor scales: any width
 
 
 def test_precision_map_options():
