@@ -1,8 +1,10 @@
-"""Exporting Gemma 3 (`gemma3_text`: tied embeddings, (1 + w) norms, q/k norms, GeGLU), both layouts
-x W4A4 / W4A16 / FP8 with calibration: every export passes check; transformers + compressed-tensors
-load our compressed-tensors exports with our decoded weights bit for bit and logits equal to our
-serving simulation of the weights as transformers holds them; compressed-tensors' own ModelOpt
-converter turns our ModelOpt NVFP4 export into our compressed-tensors one tensor for tensor.
+"""Exporting Gemma 3 (`gemma3_text`: tied embeddings, (1 + w) norms, q/k norms, GeGLU), on the family
+conformance suite's exports of its trained tiny model (both layouts x W4A4 / W4A16 / FP8, each
+checked there: tests/quickstart/test_conformance.py): GPTQ with an FP8 KV cache, a scale per
+attention, local and global; transformers + compressed-tensors load our compressed-tensors exports
+with our decoded weights bit for bit and logits equal to our serving simulation of the weights as
+transformers holds them; compressed-tensors' own ModelOpt converter turns our ModelOpt NVFP4 export
+into our compressed-tensors one tensor for tensor; validate held and streamed.
 """
 
 from __future__ import annotations
@@ -19,46 +21,40 @@ from nvfp4tool.export.simulate import load_export
 from nvfp4tool.model import forward, model_from_tensors
 from nvfp4tool.numerics import dense
 
+from fixtures.conformance_fixtures import invoke
 from fixtures.export_fixtures import assert_converted_tensors_equal, assert_linear_weights_bit_exact
 from fixtures.hf_fixtures import build_tiny_model
 
 pytestmark = pytest.mark.peers
 torch = pytest.importorskip("torch")
 
-FORMATS = ("modelopt", "compressed-tensors")
-QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")
+FAMILY = "gemma3"  # its entry in conformance_fixtures.FAMILIES
+USED = (("compressed-tensors", "nvfp4"), ("compressed-tensors", "nvfp4-weight-only"), ("modelopt", "nvfp4"))
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma3_exports")
-    np.save(root / "calib.npy", np.random.default_rng(0).integers(3, 256, (4, 16)))
-    out = {"source": build_tiny_model("gemma3", str(root / "source"), dtype="bfloat16")}
-    for fmt in FORMATS:
-        for quant in QUANTS:
-            calib = {} if quant == "nvfp4-weight-only" else dict(calib_data=str(root / "calib.npy"), calib_samples=4)
-            out[fmt, quant] = str(root / f"{fmt}-{quant}")
-            export_checkpoint(
-                out["source"],
-                out[fmt, quant],
-                ExportOptions(format=fmt, quant=quant, show_progress=False, calib_seq_len=16, **calib),
-            )
-    out["gptq"] = str(root / "gptq-kv")  # GPTQ's layer-by-layer pass and the FP8 KV cache
-    export_checkpoint(
-        out["source"],
+def exports(conformance, tmp_path_factory):
+    """(fmt, quant) -> the suite's export folder (W4A4 with an FP8 KV cache); "source": the trained
+    HF folder they were made from; "gptq": its W4A4 compressed-tensors export by GPTQ with an FP8
+    KV cache (GPTQ's layer-by-layer pass), calibrated as the suite's."""
+    out = {key: str(conformance.export(FAMILY, *key)) for key in USED}
+    run = conformance.run(FAMILY)
+    out["gptq"] = str(tmp_path_factory.mktemp("gemma3_gptq") / "gptq-kv")
+    invoke(
+        "-q",
+        "export",
+        run,
+        "--out",
         out["gptq"],
-        ExportOptions(
-            format="compressed-tensors",
-            quant="nvfp4",
-            weight_rounding="gptq",
-            kv_cache="fp8",
-            show_progress=False,
-            calib_data=str(root / "calib.npy"),
-            calib_samples=4,
-            calib_seq_len=16,
-        ),
+        "--format",
+        "compressed-tensors",
+        "--weight-rounding",
+        "gptq",
+        "--kv-cache",
+        "fp8",
+        *conformance.calib,
     )
-    return out
+    return dict(out, source=str(run / "hf"))
 
 
 def test_gptq_with_an_fp8_kv_cache_passes_check_with_a_scale_per_attention(exports):
@@ -70,21 +66,12 @@ def test_gptq_with_an_fp8_kv_cache_passes_check_with_a_scale_per_attention(expor
     assert report.ok, [p.message for p in report.problems]
     with safe_open(os.path.join(exports["gptq"], "model.safetensors"), framework="numpy") as f:
         scales = sorted(n for n in f.keys() if n.endswith(("k_scale", "v_scale")))
-    assert scales == [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(3) for kv in "kv"]
     gptq = load_export(exports["gptq"])
+    layers = gptq.config.num_layers
+    assert scales == [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv"]
     rtn = load_export(exports["compressed-tensors", "nvfp4"])
     q = "model.layers.1.self_attn.q_proj"
     assert not np.array_equal(np.asarray(gptq.dequantized(q)), np.asarray(rtn.dequantized(q)))  # GPTQ moved it
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("quant", QUANTS)
-def test_every_export_passes_check_with_every_linear_quantized(exports, fmt, quant):
-    report = check_checkpoint(exports[fmt, quant])
-    assert report.ok, [p.message for p in report.problems]
-    ours = load_export(exports[fmt, quant])
-    assert ours.config.family == "gemma3_text" and ours.config.tie_word_embeddings
-    assert len(ours.quantized) == 7 * ours.config.num_layers  # q k v o gate up down; the tied head kept
 
 
 def _as_transformers(x, w, b, *, name):
@@ -104,7 +91,9 @@ def test_transformers_loads_the_compressed_tensors_export_bit_exact_with_our_log
     ids = np.random.default_rng(1).integers(3, 256, (2, 12))
     model(torch.tensor(ids))  # the first forward decompresses the weights
     ours = load_export(folder)
-    assert assert_linear_weights_bit_exact(model, ours) == len(ours.quantized) == 21
+    assert ours.config.family == "gemma3_text" and ours.config.tie_word_embeddings
+    # q k v o gate up down of every layer; the tied head kept
+    assert assert_linear_weights_bit_exact(model, ours) == len(ours.quantized) == 7 * ours.config.num_layers
     for p in model.parameters():
         p.data = p.data.float()
     with torch.no_grad():
@@ -127,7 +116,7 @@ def test_compressed_tensors_converter_turns_our_modelopt_export_into_ours(export
 
 @pytest.mark.slow
 def test_validate_runs_gemma3_held_and_streamed(exports, tmp_path):
-    """validate on the W4A4 export: the same metrics held and streamed layer by layer (each layer's
+    """validate on the W4A16 export: the same metrics held and streamed layer by layer (each layer's
     block program and RoPE table, local or global), greedy generation held."""
     import shutil
 
@@ -138,7 +127,7 @@ def test_validate_runs_gemma3_held_and_streamed(exports, tmp_path):
     records = {}
     for offload in ("never", "always"):
         folder = tmp_path / offload
-        shutil.copytree(exports["compressed-tensors", "nvfp4"], folder)
+        shutil.copytree(exports["compressed-tensors", "nvfp4-weight-only"], folder)
         options = ValidateOptions(
             data=str(tmp_path / "val.npy"),
             source=exports["source"],
@@ -160,7 +149,7 @@ def test_validate_runs_gemma3_held_and_streamed(exports, tmp_path):
     for metric in ("kl_mean", "top1", "ppl"):
         np.testing.assert_allclose(held.models["nvfp4"][metric], streamed.models["nvfp4"][metric], rtol=1e-5)
     assert 0 < held.models["nvfp4"]["kl_mean"] < 1
-    assert len(held.layers) == 21
+    assert len(held.layers) == 7 * load_export(str(folder)).config.num_layers
 
 
 def test_zero_norm_weights_are_identity_norms_and_pass_check(tmp_path):
