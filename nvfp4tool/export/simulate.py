@@ -296,9 +296,13 @@ class ExportedModel:
         """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""
         return np.asarray(self.get(f"{module}.weight").dequantize())
 
+    def stored_tensor_bytes(self) -> dict[str, int]:
+        """{stored tensor name: its bytes as stored}."""
+        return {n: tensor_bytes(self._source, n) for n in self._source.names()}
+
     def stored_bytes(self) -> int:
         """The model's weights as stored (what holding it costs)."""
-        return sum(tensor_bytes(self._source, n) for n in self._source.names())
+        return sum(self.stored_tensor_bytes().values())
 
     def model(self, compute_dtype: jnp.dtype = jnp.float32, mesh: jax.sharding.Mesh | None = None):
         """A CausalLM holding every weight as stored (run it with `linear=served_linear`), sharded

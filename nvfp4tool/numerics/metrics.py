@@ -19,7 +19,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-CHUNK_BYTES = 16 * 2**20  # float64 bytes per temporary of the per-token math (KL holds ~6 at once)
+CHUNK_BYTES = 16 * 2**20  # float64 bytes per temporary of the per-token math
+TEMPORARIES = 6  # the most chunks the per-token math holds at once (KL: both log-softmaxes, exp, difference, product)
+
+
+def temporary_bytes(tokens: int, vocab: int) -> int:
+    """The most the per-token functions hold at once for logits of `tokens` rows of `vocab`:
+    TEMPORARIES float64 chunks of at most CHUNK_BYTES (at least one row each)."""
+    return TEMPORARIES * max(8 * vocab, min(CHUNK_BYTES, 8 * tokens * vocab))
 
 
 def token_kl(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
