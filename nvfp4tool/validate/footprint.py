@@ -6,7 +6,7 @@ the estimate `--offload auto` compares with the available memory and prints.
 
 Each term has one owner, shared with eval where they are the same: a held forward
 (`layerwise.held_forward_bytes`), a streamed model's weights and windows (`layerwise.streamed_bytes`),
-the metrics' float64 chunks (`metrics.temporary_bytes`), generation's decoded copies
+what the per-token metrics hold (`metrics.working_bytes`), generation's decoded copies
 (`simulate.DECODE_ONCE_SHARE`).
 Design notes: docs/design/validate.md.
 """
@@ -19,10 +19,6 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.export.simulate import DECODE_ONCE_SHARE
 from nvfp4tool.model.layerwise import held_forward_bytes, streamed_bytes
 from nvfp4tool.numerics import metrics
-
-# host copies of a batch's fp32 logits besides the forward's own: the spooled (BF16 pass) or read
-# reference batch, and the shifted copy `metrics.next_token_nll` takes
-HOST_LOGIT_COPIES = 2
 
 
 class Footprint(NamedTuple):
@@ -39,11 +35,12 @@ class Footprint(NamedTuple):
 
 def compare_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
     """One batch of the logits pass and its comparison, the larger of two phases: the forward
-    (`held_forward_bytes`) beside the last batch's logits, then its logits, their host copies and
-    the per-token metrics' float64 chunks."""
+    (`held_forward_bytes`) beside the last batch's logits; then its fp32 logits and the reference
+    batch (read from the spool, or the spooled copy) with what the per-token metrics hold
+    (`metrics.working_bytes`)."""
     logits = 4 * batch * seq_len * config.vocab_size
     forward = held_forward_bytes(config, batch, seq_len) + logits
-    compared = (1 + HOST_LOGIT_COPIES) * logits + metrics.temporary_bytes(batch * seq_len, config.vocab_size)
+    compared = 2 * logits + metrics.working_bytes(batch * seq_len, config.vocab_size)
     return max(forward, compared)
 
 
