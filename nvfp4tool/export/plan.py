@@ -6,7 +6,7 @@
 Each linear gets one precision (`formats.PRECISIONS`): `--quant`, unless a precision rule says
 otherwise (`PrecisionRule`: a `--precision-file` line, the last matching one wins; a keep-BF16
 pattern is a rule to "bf16"). `lm_head` and MoE routers are never quantized; a fused group shares
-one format (a keep-BF16 pattern keeps it whole; a precision file splitting one is refused).
+one format (a bf16 rule keeps it whole in BF16; one split across quants is refused).
 `read_precision_file`, `read_keep_bf16_file` / `format_keep_bf16_file`: the files.
 Design notes: docs/design/export.md.
 """
@@ -165,7 +165,8 @@ def _check_used(rule: PrecisionRule, names: tuple[str, ...]) -> None:
 def _check_groups(
     names: tuple[str, ...], precision: Mapping[str, str], rules: tuple[PrecisionRule, ...], always: Iterable[str]
 ) -> None:
-    """Refuse a precision file that gives the members of one fused group different precisions."""
+    """Refuse a precision file that gives the members of one fused group different quants (a
+    member in bf16 keeps its whole group in BF16, as a keep-BF16 pattern does)."""
     always = set(always)
     members: dict[str, list[str]] = {}
     for n in names:
@@ -173,7 +174,7 @@ def _check_groups(
             members.setdefault(fused_group(n), []).append(n)
     for group, modules in members.items():
         found = dict.fromkeys(precision[m] for m in modules)
-        if len(found) > 1:
+        if len(found) > 1 and "bf16" not in found:
             where = next(
                 (r.origin for r in reversed(rules) if any(fnmatch.fnmatchcase(m, r.pattern) for m in modules)), None
             )
