@@ -122,6 +122,33 @@ def test_transformers_loads_the_mixed_compressed_tensors_export_with_our_weights
     assert o_proj.view(torch.int16).numpy().tobytes() == stored["model.layers.1.self_attn.o_proj.weight"][2]
 
 
+@pytest.mark.peers
+def test_compressed_tensors_modelopt_converter_agrees_on_the_mixed_modelopt_exports_nvfp4_linears(mixed_exports):
+    """compressed-tensors' ModelOptNvfp4Converter converts NVFP4 (W4A4 and W4A16) modules only: on
+    the mixed ModelOpt export it refuses the FP8 linears' scales as orphan qparams unless they are
+    ignored; ignoring them, its conversion of every NVFP4 linear is our compressed-tensors bytes."""
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from safetensors.torch import load_file
+
+    from fixtures.export_fixtures import assert_converted_tensors_equal
+
+    modelopt = load_file(os.path.join(mixed_exports["modelopt"], "model.safetensors"))
+    ours = load_file(os.path.join(mixed_exports["compressed-tensors"], "model.safetensors"))
+    nvfp4 = [m for m, q in QUANT_OF.items() if q != "fp8"]
+    fp8 = [m for m, q in QUANT_OF.items() if q == "fp8"]
+    with pytest.raises(ValueError, match="orphan qparams.*model.layers.0.self_attn.q_proj.weight_scale"):
+        ModelOptNvfp4Converter(ignore=["lm_head"], targets=nvfp4).validate(dict(modelopt))
+    theirs = ModelOptNvfp4Converter(ignore=["lm_head", *fp8], targets=nvfp4).validate(dict(modelopt))
+    assert_converted_tensors_equal(
+        {n: t for n, t in theirs.items() if n.rpartition(".")[0] in nvfp4},
+        {n: t for n, t in ours.items() if n.rpartition(".")[0] in nvfp4},
+    )
+    assert all(
+        theirs[n].dtype == torch.float8_e4m3fn for n in theirs if n.rpartition(".")[0] in fp8 and n.endswith(".weight")
+    )
+
+
 def test_convert_format_round_trips_the_mixed_export_byte_for_byte(mixed_exports, tmp_path):
     convert_format(mixed_exports["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
     convert_format(str(tmp_path / "ct"), str(tmp_path / "mo"), to="modelopt")
