@@ -379,7 +379,7 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         return input_amax, origin, _calibration_record(options, ids_SxL), found.kv_amax
     if options.calib_data is None:
         raise NVFP4ToolError(
-            f"{source.path}: --quant {plan.quant} needs input scales: pass "
+            f"{source.path}: {_needs_inputs(plan, options)} input scales: pass "
             "--calib-data PATH (or export a training run, or use nvfp4-weight-only)"
         )
     if gptq:
@@ -481,6 +481,14 @@ def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str,
             f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate"
         )
     return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run"
+
+
+def _needs_inputs(plan: ExportPlan, options: ExportOptions) -> str:
+    """What asks for input scales, in words: `--quant Q needs`, or a precision file's W4A4 / FP8 linears."""
+    if plan.is_mixed:
+        quants = sorted({q for q in plan.quants.values() if q != "nvfp4-weight-only"})
+        return f"{options.precision_file}: the {' / '.join(quants)} linears need"
+    return f"--quant {plan.quant} needs"
 
 
 def _kv(options: ExportOptions) -> str | None:
