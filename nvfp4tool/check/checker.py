@@ -26,7 +26,7 @@ from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group, is_embedding, projection_of
+from nvfp4tool.families import fused_group, is_embedding, projection_of, scheme_group
 from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
@@ -422,7 +422,8 @@ def _spec_of(layout: FolderLayout, tensors: Mapping[str, TensorEntry], module: s
 
 def _check_schemes(layout: FolderLayout, status: Mapping[str, str]) -> list[Problem]:
     """A mixed folder's schemes: every target names a linear, no linear is named by two schemes
-    (vLLM and compressed-tensors take the first match silently: the folder says two things)."""
+    (vLLM and compressed-tensors take the first match silently: the folder says two things), the
+    routed experts of one MoE layer share one scheme (`families.scheme_group`)."""
     problems = []
     linears = list(status)
     for spec, targets in layout.schemes:
@@ -431,6 +432,22 @@ def _check_schemes(layout: FolderLayout, status: Mapping[str, str]) -> list[Prob
                 problems.append(
                     Problem(CONFIG_LEVEL, CONFIG, f"{spec.quant} scheme target {target!r} matches no linear layer")
                 )
+    experts: dict[str, dict[str, str]] = {}  # an MoE layer's routed experts -> {linear: quant}
+    for module in linears:
+        spec = layout.spec_for(module)
+        if status[module] == "quantized" and spec is not None and scheme_group(module).endswith(".experts"):
+            experts.setdefault(scheme_group(module), {})[module] = spec.quant
+    for group, quants in experts.items():
+        if len(set(quants.values())) > 1:
+            detail = ", ".join(f"{q} {list(quants.values()).count(q)}" for q in dict.fromkeys(quants.values()))
+            problems.append(
+                Problem(
+                    group,
+                    CONFIG,
+                    f"the routed experts of one MoE layer are in different schemes ({detail} linears); "
+                    f"vLLM runs them as one fused MoE layer with one scheme",
+                )
+            )
     for module in linears:
         matched = layout.scheme_matches(module)
         if len(matched) > 1:

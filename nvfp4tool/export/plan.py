@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group
+from nvfp4tool.families import fused_group, scheme_group
 from nvfp4tool.formats import MIXED, PRECISIONS, QUANTS
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
@@ -165,22 +165,25 @@ def _check_used(rule: PrecisionRule, names: tuple[str, ...]) -> None:
 def _check_groups(
     names: tuple[str, ...], precision: Mapping[str, str], rules: tuple[PrecisionRule, ...], always: Iterable[str]
 ) -> None:
-    """Refuse a precision file that gives the members of one fused group different quants (a
-    member in bf16 keeps its whole group in BF16, as a keep-BF16 pattern does)."""
+    """Refuse a precision file that gives the members of one fused group (or the routed experts of
+    one MoE layer: `families.scheme_group`) different quants (a member in bf16 keeps its whole fused
+    group in BF16, as a keep-BF16 pattern does)."""
     always = set(always)
     members: dict[str, list[str]] = {}
     for n in names:
         if n not in always:
-            members.setdefault(fused_group(n), []).append(n)
+            members.setdefault(scheme_group(n), []).append(n)
     for group, modules in members.items():
         found = dict.fromkeys(precision[m] for m in modules)
         if len(found) > 1 and "bf16" not in found:
             where = next(
                 (r.origin for r in reversed(rules) if any(fnmatch.fnmatchcase(m, r.pattern) for m in modules)), None
             )
+            shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} linears)" if len(modules) > 3 else "")
             raise NVFP4ToolError(
-                f"{where or '--precision-file'}: fused group {group} ({', '.join(modules)}) would be split "
-                f"across {' / '.join(found)}; its members share one scale and GEMM in serving: give them one format"
+                f"{where or '--precision-file'}: fused group {group} ({shown}) would be split "
+                f"across {' / '.join(found)}; serving runs its members as one fused layer of one scheme: "
+                f"give them one format"
             )
 
 

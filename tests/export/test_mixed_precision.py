@@ -303,3 +303,20 @@ def test_check_refuses_modelopt_mixed_configs_that_disagree_or_name_an_unknown_a
     lines = [p.line() for p in check_checkpoint(folder).problems]
     assert any("quantized_layers.model.layers.0.mlp.up_proj.quant_algo is 'INT8'" in line for line in lines), lines
     assert any("quantized_layers differs from hf_quant_config.json's" in line for line in lines), lines
+
+
+def test_the_routed_experts_of_one_moe_layer_share_one_format(tmp_path):
+    from fixtures.step_fixtures import tiny_moe
+
+    config = tiny_moe(64, 16)
+    path = tmp_path / "p.txt"
+    path.write_text("model.layers.1.mlp.experts.2.* fp8\n")  # one expert of four: vLLM's fused MoE has one scheme
+    with pytest.raises(NVFP4ToolError) as bad:
+        make_plan(config, "nvfp4", rules=read_precision_file(str(path)))
+    assert str(bad.value).startswith(f"{path}:1: fused group model.layers.1.mlp.experts (")
+    assert "(12 linears)) would be split across nvfp4 / fp8" in str(bad.value)
+    path.write_text("model.layers.1.mlp.experts.* fp8\nmodel.layers.1.self_attn.* nvfp4-weight-only\n")
+    plan = make_plan(config, "nvfp4", rules=read_precision_file(str(path)))
+    assert plan.is_mixed and plan.quant_of("model.layers.1.mlp.experts.3.down_proj") == "fp8"
+    assert plan.quant_of("model.layers.1.self_attn.q_proj") == "nvfp4-weight-only"
+    assert plan.quant_of("model.layers.0.mlp.up_proj") == "nvfp4"
