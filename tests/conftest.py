@@ -56,6 +56,7 @@ pytest_plugins = (
     "fixtures.chat_fixtures",
     "fixtures.eval_fixtures",
     "fixtures.hf_fixtures",
+    "fixtures.mixed_fixtures",
     "fixtures.train_fixtures",
 )
 
