@@ -118,6 +118,7 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         row["nvfp4_ratio"] = row["ours_nvfp4_s"] / row["transformers_s"]
         row["bf16_tokens_equal_transformers"] = row["ours_bf16_tokens"] == row["transformers_tokens"]
         rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_tokens")}), flush=True)  # as it comes
     totals = {k: sum(r[k] for r in rows) for k in ("ours_bf16_s", "ours_nvfp4_s", "transformers_s")}
     return {
         "model": os.path.basename(os.path.normpath(src)),
