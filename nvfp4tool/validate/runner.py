@@ -24,7 +24,7 @@ import numpy as np
 
 from converters.atomic import scratch_dir
 from converters.tensor_source import tensor_bytes
-from nvfp4tool import memory, progress
+from nvfp4tool import formats, memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
@@ -716,7 +716,8 @@ def _reference_calibration(
     if source.kind == "run" and source.input_amax is not None:
         return _Calibration(what="the training run's tracked input amax")
     plan = make_plan(source.config, "fp8", precision_map=source.precision_map)
-    amax = record.input_amax if record is not None and record.quant == "nvfp4" and record.input_amax else {}
+    calibrated = ("nvfp4", formats.MIXED)  # exports whose record holds calibrated input amax
+    amax = record.input_amax if record is not None and record.quant in calibrated and record.input_amax else {}
     if plan.quantized and all(m in amax and np.isfinite(amax[m]) and amax[m] > 0 for m in plan.quantized):
         calibrated = f"calibrated on `{record.calibration.file}`" if record.calibration else record.input_amax_origin
         return _Calibration(
@@ -724,7 +725,7 @@ def _reference_calibration(
         )
     why = (
         "a weight-only export carries no input scales"
-        if record is None or record.quant != "nvfp4"
+        if record is None or record.quant not in calibrated
         else "the export's provenance record has no usable input amax for every linear"
     )
     raise NVFP4UsageError(
