@@ -608,6 +608,14 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "Default: none.",
 )
 @click.option(
+    "--precision-file",
+    **_api(api.export, "precision_file"),
+    help="File of per-linear formats, one 'PATTERN FORMAT' line each (fnmatch over module names, "
+    "e.g. 'model.layers.1.self_attn.* fp8'; FORMAT nvfp4, nvfp4-weight-only, fp8 or bf16; # comments; "
+    "the last matching line wins; modules no line matches take --quant): one mixed-precision "
+    "checkpoint. A fused group (q/k/v, gate/up) split across formats is refused. Default: none.",
+)
+@click.option(
     "--scale-search",
     **_api(api.export, "scale_search"),
     show_default=True,
@@ -691,6 +699,7 @@ def export_command(
     kv_cache,
     keep_bf16,
     keep_bf16_file,
+    precision_file,
     scale_search,
     weight_rounding,
     equalize,
@@ -735,6 +744,7 @@ def export_command(
         weight_block=weight_block,
         keep_bf16=keep_bf16,
         keep_bf16_file=keep_bf16_file,
+        precision_file=precision_file,
         calib_data=calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,

@@ -55,25 +55,29 @@ def available_bytes() -> int:
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def choose_offload(mode: str, *, weights: int, working: int, what: str, devices: int = 1) -> bool:
+def choose_offload(
+    mode: str, *, weights: int, working: int, what: str, devices: int = 1, streamed: int | None = None
+) -> bool:
     """True to stream `what` layer by layer. `weights`: its bytes as stored, sharded over `devices`
     (`model.sharding.model_mesh`: each holds 1/devices of them); `working`: what a forward needs besides
     the weights, on every device (activations are replicated). Held costs weights + devices x working
     in all, compared with `available_bytes` (the sum over the accelerators, or the host's memory that
-    host devices share): per accelerator, weights / devices + working against its free memory."""
+    host devices share): per accelerator, weights / devices + working against its free memory.
+    `streamed`: the caller's estimate of a streamed run's peak, said beside it when given."""
     if mode not in OFFLOAD_MODES:
         raise NVFP4UsageError(f"--offload {mode}: expected one of {', '.join(OFFLOAD_MODES)}")
     if mode != "auto":
         return mode == "always"
     need = weights + devices * working
     available = available_bytes()
-    streamed = need > HEADROOM * available
+    stream = need > HEADROOM * available
     over = f" over {devices} devices" if devices > 1 else ""
+    also = "" if streamed is None else f" ({streamed / 1e9:.2f} GB streamed)"
     progress.info(
-        f"--offload auto: {what} needs {need / 1e9:.2f} GB held{over}, {available / 1e9:.2f} GB "
-        f"available -> {'streaming it layer by layer' if streamed else 'holding it in memory'}"
+        f"--offload auto: {what} needs {need / 1e9:.2f} GB held{over}{also}, {available / 1e9:.2f} GB "
+        f"available -> {'streaming it layer by layer' if stream else 'holding it in memory'}"
     )
-    return streamed
+    return stream
 
 
 def _proc_bytes(path: str, key: str) -> int | None:

@@ -5,17 +5,19 @@ process, interleaved prompt by prompt (issue 42's goal: ours <= 2x transformers'
     python scripts/bench_generate.py                                   # the tiny preset, random weights
     python scripts/real_model.py /tmp/smollm2 && \
         python scripts/bench_generate.py --model-dir /tmp/smollm2      # SmolLM2-135M
-    [--prompt-lens 7,12,23,40 --new-tokens 32 --workdir DIR --json out.json]
+    [--prompt-lens 7,12,23,40 --new-tokens 32 --workdir DIR --json out.json --level auto|0|1]
 
 Ours runs as validate's greedy generation does (`validate.generation.greedy_continuations`, models
-held in their stored dtypes computing in fp32, `served_linear`, each model's linear weights
-decoded / widened once by `simulate.for_generation`, its time added to that model's first
-prompt). transformers runs the BF16 weights upcast to fp32 (`from_pretrained(dtype=float32)`),
-greedy, exactly --new-tokens (no EOS stop). Model loading is outside every timing; each prompt's
-first run of ours in a process pays the compilations its bucket needs (JAX's persistent cache is
-off unless the environment sets it). Prints a table and writes JSON: per prompt seconds and ratios
-ours / transformers, the totals, whether our BF16 tokens equal transformers', and the load average
-before and after.
+held in their stored dtypes computing in fp32, `served_linear`, as many of each model's linear
+weights decoded / widened once as `simulate.for_generation` allows (DECODE_ONCE_SHARE), its time
+added to that model's first prompt; the rest decoded at every step). transformers runs the BF16
+weights upcast to fp32 (`from_pretrained(dtype=float32)`), greedy, exactly --new-tokens (no EOS
+stop). Model loading is outside every timing; each prompt's first run of ours in a process pays
+the compilations its bucket needs (JAX's persistent cache is off unless the environment sets it).
+Prints a table and writes JSON: per prompt seconds and ratios ours / transformers, ours' time to
+the first token (the prefill, its compilation included) and per token from the third on (the
+second pays the decode step's compilation), the totals, whether our BF16 tokens equal
+transformers', and the load average before and after.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--workdir", default=None, help="scratch folder for the tiny model and the export")
     parser.add_argument("--json", default=None, help="the results file (default: WORKDIR/bench_generate.json)")
+    parser.add_argument(
+        "--level",
+        choices=("auto", "0", "1"),
+        default="auto",
+        help="XLA:CPU level of generation's programs: model.generate's choice by size, or forced (for comparisons)",
+    )
     args = parser.parse_args()
+    if args.level != "auto":
+        _generate_module().OPTIMIZE_PARAMS = 0 if args.level == "1" else 1 << 62
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_generate-")
     src = args.model_dir or _tiny_folder(os.path.join(workdir, "tiny"))
     export = os.path.join(workdir, "export-w4a16")
@@ -82,9 +92,15 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
     for i, prompt in enumerate(prompts):
         row = {"prompt_len": int(prompt.shape[1])}
         for label, model in models.items():
+            stamps = []  # when each token was computed (as validate's progress sees it)
             started = time.perf_counter()
-            tokens = greedy_continuations(model, served_linear, prompt, new_tokens)
+            tokens = greedy_continuations(
+                model, served_linear, prompt, new_tokens, on_token=lambda i, t, _: stamps.append(_ready(t))
+            )
             row[f"ours_{label}_s"] = time.perf_counter() - started + (decode_once_s[label] if i == 0 else 0)
+            row[f"ours_{label}_first_token_s"] = stamps[0] - started  # prefill, its compilation included
+            # per token from the third on: the second pays the decode step's compilation in a new bucket
+            row[f"ours_{label}_ms_per_token"] = 1e3 * (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)
             row[f"ours_{label}_tokens"] = tokens[0].tolist()
         started = time.perf_counter()
         with torch.no_grad():
@@ -102,6 +118,7 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         row["nvfp4_ratio"] = row["ours_nvfp4_s"] / row["transformers_s"]
         row["bf16_tokens_equal_transformers"] = row["ours_bf16_tokens"] == row["transformers_tokens"]
         rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_tokens")}), flush=True)  # as it comes
     totals = {k: sum(r[k] for r in rows) for k in ("ours_bf16_s", "ours_nvfp4_s", "transformers_s")}
     return {
         "model": os.path.basename(os.path.normpath(src)),
@@ -109,6 +126,8 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         "hidden": config.hidden_size,
         "vocab": config.vocab_size,
         "new_tokens": new_tokens,
+        "parameters": config.num_parameters(),
+        "optimized_programs": config.num_parameters() >= _generate_module().OPTIMIZE_PARAMS,  # XLA:CPU level 1, else 0
         "decode_once_s": decode_once_s,
         "prompts": rows,
         "totals": {
@@ -120,6 +139,18 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         "load_average_after": list(os.getloadavg()),
         "cpus": os.cpu_count(),
     }
+
+
+def _generate_module():
+    """nvfp4tool.model.generate the module (the package exports its function of that name)."""
+    import importlib
+
+    return importlib.import_module("nvfp4tool.model.generate")
+
+
+def _ready(tokens) -> float:
+    tokens.block_until_ready()
+    return time.perf_counter()
 
 
 def _tiny_folder(folder: str) -> str:
@@ -141,18 +172,21 @@ def _table(result: dict) -> str:
         f"{result['model']}: {result['layers']} layers, hidden {result['hidden']}, vocab {result['vocab']}, "
         f"{result['new_tokens']} new tokens; load average {result['load_average_before'][0]:.2f} -> "
         f"{result['load_average_after'][0]:.2f} on {result['cpus']} CPUs",
-        "| prompt | ours BF16 s | ours NVFP4 s | transformers s | BF16 / tr. | NVFP4 / tr. | BF16 tokens = tr. |",
-        "|---|---|---|---|---|---|---|",
+        "| prompt | ours BF16 s | ours NVFP4 s | transformers s | BF16 / tr. | NVFP4 / tr. | BF16 tokens = tr. "
+        "| BF16 first token s, ms/token | NVFP4 first token s, ms/token |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["prompts"]:
         lines.append(
             f"| {r['prompt_len']} | {r['ours_bf16_s']:.2f} | {r['ours_nvfp4_s']:.2f} | {r['transformers_s']:.2f} | "
-            f"{r['bf16_ratio']:.2f}x | {r['nvfp4_ratio']:.2f}x | {r['bf16_tokens_equal_transformers']} |"
+            f"{r['bf16_ratio']:.2f}x | {r['nvfp4_ratio']:.2f}x | {r['bf16_tokens_equal_transformers']} | "
+            f"{r['ours_bf16_first_token_s']:.2f}, {r['ours_bf16_ms_per_token']:.0f} | "
+            f"{r['ours_nvfp4_first_token_s']:.2f}, {r['ours_nvfp4_ms_per_token']:.0f} |"
         )
     t = result["totals"]
     lines.append(
         f"| all | {t['ours_bf16_s']:.2f} | {t['ours_nvfp4_s']:.2f} | {t['transformers_s']:.2f} | "
-        f"{t['bf16_ratio']:.2f}x | {t['nvfp4_ratio']:.2f}x | |"
+        f"{t['bf16_ratio']:.2f}x | {t['nvfp4_ratio']:.2f}x | | | |"
     )
     return "\n".join(lines)
 

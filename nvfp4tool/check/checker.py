@@ -26,8 +26,8 @@ from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group, is_embedding, projection_of
-from nvfp4tool.formats import FolderLayout, LayoutSpec
+from nvfp4tool.families import fused_group, is_embedding, projection_of, scheme_group
+from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
@@ -43,7 +43,6 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     if not degrees or min(degrees) < 1:
         raise NVFP4UsageError(f"tensor-parallel degrees must be >= 1, got {list(tp)}")
     layout, problems = detect_format(folder)
-    spec = layout.spec
     config, config_problems = read_model_config(folder, any(p.tensor == CONFIG for p in problems))
     entries, file_problems = read_tensor_table(folder)
     report = CheckReport(
@@ -75,8 +74,10 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
                 if stats is not None:
                     quantized[module] = stats
             task.advance(description=module)
-    if spec.is_nvfp4:
-        report.problems += _check_fused_groups(quantized, status, spec)
+    if layout.is_mixed:
+        report.problems += _check_schemes(layout, status)
+    if any(s.is_nvfp4 for s in layout.specs):
+        report.problems += _check_fused_groups(quantized, status, layout)
     kv_problems, report.kv_scales = check_kv_scales(
         entries, layout, None if config is None else attention_modules(config)
     )
@@ -84,17 +85,17 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
     report.kv_cache = layout.kv_cache
     reported = {p.module for p in report.problems} | {p.tensor for p in report.problems}
     if config is not None:
-        report.problems += check_against_model(config, entries, quantized, spec, reported)
+        report.problems += check_against_model(config, entries, quantized, layout, reported)
     report.model_checked = config is not None
     report.problems += _check_data(entries, scans, () if config is None else config.family_spec.may_be_zero)
+    specs = {m: _spec_of(layout, modules[m], m) for m in quantized}
     report.problems += check_dtypes(
         folder,
         entries,
-        set(quantized),
-        spec,
+        specs,
         () if config is None else config.family_spec.stored_fp32 + config.family_spec.kept_as_stored,
     )
-    report.problems += check_against_record(folder, entries, spec, set(quantized))
+    report.problems += check_against_record(folder, entries, layout, specs)
     per_module = Counter(p.module for p in report.problems)
     for stats in quantized.values():
         stats.problems = per_module[stats.module]
@@ -140,8 +141,9 @@ def _check_module(
     found: list[Problem],
     status: dict[str, str],
 ) -> ModuleStats | None:
-    """Exclusion consistency of one module, and the full checks when it is quantized."""
-    spec = layout.spec
+    """Exclusion consistency of one module, and the full checks when it is quantized (against the
+    spec of its own scheme in a mixed folder)."""
+    spec = _spec_of(layout, tensors, module)
     weight = tensors.get(spec.suffix("weight"), tensors.get("weight"))
     is_linear = weight is not None and len(weight.shape) == 2 and not is_embedding(module)
     low_precision_weight = weight is not None and weight.code in ("U8", E4M3_CODE)
@@ -407,11 +409,65 @@ def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...], 
     return problems
 
 
+def _spec_of(layout: FolderLayout, tensors: Mapping[str, TensorEntry], module: str) -> LayoutSpec:
+    """The spec a module is judged by: its scheme's (a uniform folder: the one spec); a mixed
+    folder's module no scheme names: the layout its tensors are stored in (the other problems then
+    name it), else the folder's first spec."""
+    found = layout.spec_for(module)
+    if found is not None:
+        return found
+    stored = [s for s in SPECS.values() if s.format == layout.format and set(s.suffixes) <= set(tensors)]
+    return max(stored, key=lambda s: len(s.suffixes)) if stored else layout.spec
+
+
+def _check_schemes(layout: FolderLayout, status: Mapping[str, str]) -> list[Problem]:
+    """A mixed folder's schemes: every target names a linear, no linear is named by two schemes
+    (vLLM and compressed-tensors take the first match silently: the folder says two things), the
+    routed experts of one MoE layer share one scheme (`families.scheme_group`)."""
+    problems = []
+    linears = list(status)
+    for spec, targets in layout.schemes:
+        for target in targets:
+            if not any(spec.matches(m, target) for m in linears):
+                problems.append(
+                    Problem(CONFIG_LEVEL, CONFIG, f"{spec.quant} scheme target {target!r} matches no linear layer")
+                )
+    experts: dict[str, dict[str, str]] = {}  # an MoE layer's routed experts -> {linear: quant}
+    for module in linears:
+        spec = layout.spec_for(module)
+        if status[module] == "quantized" and spec is not None and scheme_group(module).endswith(".experts"):
+            experts.setdefault(scheme_group(module), {})[module] = spec.quant
+    for group, quants in experts.items():
+        if len(set(quants.values())) > 1:
+            detail = ", ".join(f"{q} {list(quants.values()).count(q)}" for q in dict.fromkeys(quants.values()))
+            problems.append(
+                Problem(
+                    group,
+                    CONFIG,
+                    f"the routed experts of one MoE layer are in different schemes ({detail} linears); "
+                    f"vLLM runs them as one fused MoE layer with one scheme",
+                )
+            )
+    for module in linears:
+        matched = layout.scheme_matches(module)
+        if len(matched) > 1:
+            problems.append(
+                Problem(
+                    module,
+                    CONFIG,
+                    f"named by {len(matched)} schemes' targets ({', '.join(s.quant for s in matched)}); "
+                    f"a linear must have one (loaders take the first silently)",
+                )
+            )
+    return problems
+
+
 def _check_fused_groups(
-    quantized: Mapping[str, ModuleStats], status: Mapping[str, str], spec: LayoutSpec
+    quantized: Mapping[str, ModuleStats], status: Mapping[str, str], layout: FolderLayout
 ) -> list[Problem]:
     """Shards fused into one GEMM by vLLM (q/k/v, gate/up, MoE w1/w3) must share their global
-    scales (vLLM takes the max without rescaling block scales) and must all be quantized or none."""
+    scales (vLLM takes the max without rescaling block scales), must all be quantized or none and,
+    in a mixed folder, share one scheme (vLLM refuses a fused layer whose shards differ)."""
     groups: dict[str, list[str]] = {}
     for module in status:
         group = fused_group(module)
@@ -426,6 +482,20 @@ def _check_fused_groups(
                 Problem(group, ", ".join(members), f"fused group mixes quantized and unquantized shards ({detail})")
             )
             continue
+        specs = {m: layout.spec_for(m) for m in members}
+        if len({s.quant for s in specs.values() if s is not None}) > 1:
+            detail = ", ".join(f"{m.rpartition('.')[2]} {s.quant if s else 'bf16'}" for m, s in specs.items())
+            problems.append(
+                Problem(
+                    group,
+                    ", ".join(members),
+                    f"fused group is split across formats ({detail}); vLLM requires one scheme per fused layer",
+                )
+            )
+            continue
+        spec = specs[members[0]] or layout.spec
+        if not spec.is_nvfp4:
+            continue  # FP8 shards keep their own weight scales (vLLM requantizes to the max)
         for suffix, attr in (
             (spec.suffix("weight_global"), "weight_global_scale"),
             (input_suffix(spec), "input_global_scale"),

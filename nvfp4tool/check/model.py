@@ -20,7 +20,7 @@ from nvfp4tool.check.report import CONFIG_LEVEL, ModuleStats, Problem
 from nvfp4tool.config import ModelConfig, read_hf_config
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import LM_HEAD, expert_of, layer_index
-from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.formats import FolderLayout, LayoutSpec
 
 
 def read_model_config(folder: str, config_reported: bool) -> tuple[ModelConfig | None, list[Problem]]:
@@ -60,7 +60,7 @@ def check_against_model(
     config: ModelConfig,
     entries: Mapping[str, TensorEntry],
     quantized: Mapping[str, ModuleStats],
-    spec: LayoutSpec,
+    layout: FolderLayout,
     reported: Collection[str] = (),
 ) -> list[Problem]:
     """Problems of the folder's tensors against `config`'s model (see the module docstring).
@@ -104,23 +104,26 @@ def check_against_model(
             problems.append(
                 Problem(module, name, f"has shape {list(entries[name].shape)}, {CONFIG}'s model needs {list(shape)}")
             )
-    return problems + _extra_tensors(config, entries, expected, spec, reported)
+    return problems + _extra_tensors(config, entries, expected, layout, reported)
 
 
 def _extra_tensors(
     config: ModelConfig,
     entries: Mapping[str, TensorEntry],
     expected: Mapping[str, tuple[int, ...]],
-    spec: LayoutSpec,
+    layout: FolderLayout,
     reported: Collection[str],
 ) -> list[Problem]:
-    """One problem per module holding tensors that are neither the model's nor a documented extra."""
+    """One problem per module holding tensors that are neither the model's nor a documented extra
+    (the quantization tensors of any of the folder's schemes)."""
+    spec = layout.spec
     allowed = set(expected)
     allowed |= {
         f"{name.removesuffix('.weight')}.{suffix}"
         for name, shape in expected.items()
         if name.endswith(".weight") and len(shape) == 2
-        for suffix in spec.suffixes
+        for scheme in layout.specs
+        for suffix in scheme.suffixes
     }
     allowed |= {n for attention in attention_modules(config) for n in spec.kv_scales.names(attention)}
     extra: dict[str, list[str]] = {}
@@ -172,8 +175,7 @@ def _why_not_in_model(name: str, config: ModelConfig, spec: LayoutSpec) -> str:
 def check_dtypes(
     folder: str,
     entries: Mapping[str, TensorEntry],
-    quantized: Collection[str],
-    spec: LayoutSpec,
+    quantized: Mapping[str, LayoutSpec],
     stored_fp32: tuple[str, ...] = (),
 ) -> list[Problem]:
     """Unquantized floating tensors against config.json's `dtype` / `torch_dtype`: a BF16 tensor
@@ -190,11 +192,10 @@ def check_dtypes(
     want = _CODE_OF_TORCH_DTYPE.get(declared) if isinstance(declared, str) else None
     if want is None:
         return []
-    layout_suffixes = set(spec.suffixes)
     problems = []
     for name, entry in entries.items():
         module, _, suffix = name.rpartition(".")
-        if module in quantized and suffix in layout_suffixes:
+        if module in quantized and suffix in quantized[module].suffixes:
             continue
         if entry.code in _INTEGER and suffix in ("weight", "bias"):  # e.g. F32 relabelled I32
             problems.append(

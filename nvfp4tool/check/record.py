@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from nvfp4tool.check.files import CHUNK_BYTES, TensorEntry, iter_chunks, iter_rows, read_small
 from nvfp4tool.check.report import CONFIG_LEVEL, Problem
-from nvfp4tool.formats import LayoutSpec
+from nvfp4tool.formats import FolderLayout, LayoutSpec
 from nvfp4tool.numerics import decode_e2m1, unpack_codes
 from nvfp4tool.records import RecordError
 from nvfp4tool.records.export import ExportRecord
@@ -28,9 +28,10 @@ AMAX_RTOL = 1e-6  # the writer and the checker decode the same bytes; they diffe
 
 
 def check_against_record(
-    folder: str, entries: Mapping[str, TensorEntry], spec: LayoutSpec, quantized: Collection[str]
+    folder: str, entries: Mapping[str, TensorEntry], layout: FolderLayout, quantized: Mapping[str, LayoutSpec]
 ) -> list[Problem]:
-    """Problems of the folder's tensors against its ExportRecord ([] when there is none)."""
+    """Problems of the folder's tensors against its ExportRecord ([] when there is none);
+    `quantized`: each quantized module's spec."""
     if not ExportRecord.exists(folder):
         return []
     try:
@@ -39,12 +40,12 @@ def check_against_record(
         return [Problem(CONFIG_LEVEL, ExportRecord.FILE_NAME, str(bad))]
     where = ExportRecord.FILE_NAME
     problems = []
-    if (record.format, record.quant) != (spec.format, spec.quant):
+    if (record.format, record.quant) != (layout.format, layout.quant):
         problems.append(
             Problem(
                 CONFIG_LEVEL,
                 where,
-                f"records a {record.format} {record.quant} export, the configs declare {spec.label}",
+                f"records a {record.format} {record.quant} export, the configs declare {layout.format} {layout.quant}",
             )
         )
     for name in sorted(set(record.tensors) - set(entries)):
@@ -53,7 +54,7 @@ def check_against_record(
         problems.append(Problem(name.rpartition(".")[0], name, f"not in {where} (added after export?)"))
     for name in sorted(set(entries) & set(record.tensors)):
         problems += _tensor_problems(name, entries[name], record.tensors[name], where)
-    for module in sorted(quantized):
+    for module, spec in sorted(quantized.items()):
         weight = f"{module}.{spec.suffix('weight')}"
         expected = record.tensors.get(weight).amax if weight in record.tensors else None
         if expected is None:

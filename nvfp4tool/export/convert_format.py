@@ -3,6 +3,7 @@ layouts, tensor by tensor.
 
 The source must pass `check` first. Data and block-scale bytes are copied unchanged; NVFP4 global
 scales are reciprocated in fp32 (ModelOpt stores decode scales, compressed-tensors encode scales).
+A mixed export converts each linear in its own scheme and keeps every linear's quant.
 Design notes: docs/design/export.md.
 """
 
@@ -45,13 +46,13 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
     if layout.format == to:
         raise NVFP4ToolError(f"{src}: already in the {to} layout")
     _refuse_what_check_refuses(src)
-    source_spec, target = layout.spec, formats.get(to, layout.quant)
     source = HFFolderSource(src, check_config=False)
-    marker = source_spec.suffix("weight_global")
-    quantized = {n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker}
-    kv_names = _kv_names(source.names(), source_spec, target)  # target name -> source name
+    specs = _module_specs(layout, source.names())  # quantized module -> its source spec
+    quantized = set(specs)
+    kv_target = formats.get(to, layout.spec.quant)  # the KV-scale layout is the format's
+    kv_names = _kv_names(source.names(), layout.spec, kv_target)  # target name -> source name
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
-    amax = _weight_amax(record, source_spec)
+    amax = _weight_amax(record, specs)
     files = source.shard_files()
     kv_source = set(kv_names.values())
     with (
@@ -64,15 +65,15 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
             entries = []
             for module, group_names in _units([n for n in names if n not in kv_source], quantized):
                 if module:
-                    weight_shape = source.shape(f"{module}.{source_spec.suffix('weight')}")
-                    unit = target.layout(module, *source_spec.nk(weight_shape))
+                    weight_shape = source.shape(f"{module}.{specs[module].suffix('weight')}")
+                    unit = _target(specs[module], to).layout(module, *specs[module].nk(weight_shape))
                 else:
                     unit = [(n, source.dtype(n), tuple(source.shape(n))) for n in group_names]
                 entries.extend(unit)
                 origin.update({entry[0]: (module, group_names) for entry in unit})
             # KV-cache scales after the modules, as export writes them
             for target_name in (t for t, n in kv_names.items() if n in names):
-                entries.append((target_name, "float32", target.kv_scales.shape))
+                entries.append((target_name, "float32", kv_target.kv_scales.shape))
                 origin[target_name] = (None, [kv_names[target_name]])
             shards.append((file_name, entries))
         cache: dict[str, np.ndarray] = {}
@@ -83,15 +84,17 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
                 group = {n: source.get(n) for n in group_names}
                 task.advance(len(group_names), description=name)
                 if module:
-                    group = target.from_roles(module, source_spec.to_roles(module, group))
+                    group = _target(specs[module], to).from_roles(module, specs[module].to_roles(module, group))
                 elif name in kv_names:
-                    group = {name: np.asarray(group[kv_names[name]], np.float32).reshape(target.kv_scales.shape)}
+                    group = {name: np.asarray(group[kv_names[name]], np.float32).reshape(kv_target.kv_scales.shape)}
                 cache.update(group)
             return cache.pop(name)
 
         def weight_amax(name: str) -> float | None:
             module = origin[name][0]
-            return amax.get(module) if module and name == f"{module}.{target.suffix('weight')}" else None
+            if not module or name != f"{module}.{_target(specs[module], to).suffix('weight')}":
+                return None
+            return amax.get(module)
 
         folder = ServingFolder(tmp, source_label=src)
         records = folder.write_shards(shards, load, amax=weight_amax)
@@ -100,8 +103,9 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
             with open(os.path.join(src, INDEX_FILE)) as f:
                 index = json.load(f)
         folder.write_index(index, records)
-        folder.write_configs(read_hf_config(src)[1], target, layout.exclude, layout.kv_cache)
-        skip = (*source_spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
+        quants = {m: spec.quant for m, spec in specs.items()} if layout.is_mixed else None
+        folder.write_configs(read_hf_config(src)[1], kv_target, layout.exclude, layout.kv_cache, quants=quants)
+        skip = (*layout.spec.config_files, INDEX_FILE, ExportRecord.FILE_NAME, "*.safetensors")
         folder.copy_files(
             os.path.join(src, f)
             for f in sorted(os.listdir(src))
@@ -125,16 +129,29 @@ def _refuse_what_check_refuses(src: str) -> None:
         raise NVFP4ToolError(report.failure("not converted"))
 
 
-def _weight_amax(record: ExportRecord | None, spec: formats.LayoutSpec) -> dict[str, float]:
+def _module_specs(layout: formats.FolderLayout, names: list[str]) -> dict[str, formats.LayoutSpec]:
+    """Quantized module -> its spec: the modules holding their scheme's weight global scale
+    (a mixed folder: each module's own scheme), in file order."""
+    specs = {}
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        spec = layout.spec_for(module)
+        if spec is not None and suffix == spec.suffix("weight_global"):
+            specs[module] = spec
+    return specs
+
+
+def _target(spec: formats.LayoutSpec, to: str) -> formats.LayoutSpec:
+    """The layout of `spec`'s quant in the format `to`."""
+    return formats.get(to, spec.quant)
+
+
+def _weight_amax(record: ExportRecord | None, specs: dict[str, formats.LayoutSpec]) -> dict[str, float]:
     """Quantized module -> its recorded decoded weight amax (carried over to the converted record)."""
     if record is None:
         return {}
-    suffix = "." + (spec.suffix("weight") or "")
-    return {
-        name.removesuffix(suffix): t.amax
-        for name, t in record.tensors.items()
-        if t.amax is not None and name.endswith(suffix)
-    }
+    found = {m: record.tensors.get(f"{m}.{spec.suffix('weight')}") for m, spec in specs.items()}
+    return {m: t.amax for m, t in found.items() if t is not None and t.amax is not None}
 
 
 def _kv_names(names: list[str], source: formats.LayoutSpec, target: formats.LayoutSpec) -> dict[str, str]:

@@ -24,7 +24,7 @@ from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
-from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file
+from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file, read_precision_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
 from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
@@ -52,6 +52,7 @@ class ExportOptions:
     weight_block: str | None = None  # 1d | 2d; None: the run's setting (2d for nvfp4 runs), else 1d
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
+    precision_file: str | None = None  # `PATTERN FORMAT` lines (plan.read_precision_file): per-linear formats
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -82,7 +83,7 @@ class ExportJob:
     out: str
     options: ExportOptions
     inputs: tuple[str, ...]  # the files the output must not overlap (source, calibration data, keep-BF16 file)
-    spec: LayoutSpec  # the output layout
+    spec: LayoutSpec  # the output layout (a mixed export: its first quant's; `spec_for` per linear)
     plan: ExportPlan  # what is quantized, in which fused groups
     block: str  # weight scale blocks: 1d | 2d
     group_amax: dict[str, np.float32]  # fused group -> joint weight amax
@@ -103,6 +104,10 @@ class ExportJob:
         """The quantized KV cache to announce (`formats.KV_CACHES`), None for --kv-cache none."""
         return _kv(self.options)
 
+    def spec_for(self, module: str) -> LayoutSpec:
+        """The layout of the quantized linear `module` (a mixed export's linears differ)."""
+        return formats.get(self.options.format, self.plan.quant_of(module))
+
     @property
     def awaits_gptq(self) -> bool:
         """True until `with_gptq` ran for a --weight-rounding gptq export."""
@@ -112,7 +117,8 @@ class ExportJob:
 def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
-    inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file) if f)
+    inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file, options.precision_file) if f)
+    rules = read_precision_file(options.precision_file) if options.precision_file else ()
     from_file = {
         p: where
         for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
@@ -131,14 +137,16 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
-    spec = formats.get(options.format, options.quant)
     plan = make_plan(
         source.config,
         options.quant,
         precision_map=source.precision_map,
         keep_bf16=options.keep_bf16 + tuple(from_file),
         keep_bf16_origin=from_file,
+        rules=rules,
     )
+    _check_mixed(plan, options)
+    spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.is_mixed else plan.quant)
     block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
@@ -314,6 +322,21 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
 
+def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
+    """The passes not yet taught per-linear formats refuse a mixed plan in one line."""
+    if not plan.is_mixed:
+        return
+    for flag, value, off in (
+        ("--weight-rounding", options.weight_rounding, "rtn"),
+        ("--equalize", options.equalize, "none"),
+    ):
+        if value != off:
+            raise NVFP4UsageError(
+                f"{flag} {value} with a mixed-precision export ({options.precision_file}: "
+                f"{', '.join(sorted(set(plan.quants.values())))}) is not supported yet; export it with {flag} {off}"
+            )
+
+
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
     """Fused group -> joint amax of its members' weights (first pass; also rejects non-finite:
     a NaN must not vanish in `max(0.0, nan) == 0.0`, so each chunk is checked on its own)."""
@@ -356,7 +379,7 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         return input_amax, origin, _calibration_record(options, ids_SxL), found.kv_amax
     if options.calib_data is None:
         raise NVFP4ToolError(
-            f"{source.path}: --quant {plan.quant} needs input scales: pass "
+            f"{source.path}: {_needs_inputs(plan, options)} input scales: pass "
             "--calib-data PATH (or export a training run, or use nvfp4-weight-only)"
         )
     if gptq:
@@ -458,6 +481,14 @@ def _tracked_input_amax(source: Checkpoint, plan: ExportPlan) -> tuple[dict[str,
             f"{source.input_amax[bad[0]]}; pass --calib-data to recalibrate"
         )
     return {m: float(source.input_amax[m]) for m in plan.quantized}, "training run"
+
+
+def _needs_inputs(plan: ExportPlan, options: ExportOptions) -> str:
+    """What asks for input scales, in words: `--quant Q needs`, or a precision file's W4A4 / FP8 linears."""
+    if plan.is_mixed:
+        quants = sorted({q for q in plan.quants.values() if q != "nvfp4-weight-only"})
+        return f"{options.precision_file}: the {' / '.join(quants)} linears need"
+    return f"--quant {plan.quant} needs"
 
 
 def _kv(options: ExportOptions) -> str | None:

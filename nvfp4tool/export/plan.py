@@ -3,8 +3,11 @@
     plan = make_plan(config, "nvfp4", precision_map=run_pmap, keep_bf16=("*.down_proj",))
     plan.quantized, plan.excluded, plan.groups
 
-`lm_head` and MoE routers are never quantized; a fused group is quantized whole or not at all.
-`read_keep_bf16_file` / `format_keep_bf16_file`: the keep-BF16 file (one fnmatch pattern a line).
+Each linear gets one precision (`formats.PRECISIONS`): `--quant`, unless a precision rule says
+otherwise (`PrecisionRule`: a `--precision-file` line, the last matching one wins; a keep-BF16
+pattern is a rule to "bf16"). `lm_head` and MoE routers are never quantized; a fused group shares
+one format (a bf16 rule keeps it whole in BF16; one split across quants is refused).
+`read_precision_file`, `read_keep_bf16_file` / `format_keep_bf16_file`: the files.
 Design notes: docs/design/export.md.
 """
 
@@ -16,8 +19,8 @@ from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group
-from nvfp4tool.formats import QUANTS
+from nvfp4tool.families import fused_group, scheme_group
+from nvfp4tool.formats import MIXED, PRECISIONS, QUANTS
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
 
 
@@ -25,18 +28,38 @@ from nvfp4tool.numerics.constants import NVFP4_BLOCK
 class ExportPlan:
     """The quantization plan of one export."""
 
-    quant: str  # one of nvfp4tool.formats.QUANTS
+    quant: str  # one of nvfp4tool.formats.QUANTS, or MIXED when the quantized linears differ
     quantized: tuple[str, ...]  # linear module names quantized, in model order
     excluded: tuple[str, ...]  # linear module names kept BF16 (always includes lm_head)
     groups: Mapping[str, tuple[str, ...]]  # fused group -> its quantized members
+    quants: Mapping[str, str] = dataclasses.field(default_factory=dict)  # quantized module -> its quant
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.quant == MIXED
 
     @property
     def has_input_scales(self) -> bool:
-        """W4A4 and FP8 W8A8 ship input scales; weight-only NVFP4 does not."""
+        """W4A4 and FP8 W8A8 ship input scales; weight-only NVFP4 does not (mixed: any linear's)."""
+        if self.is_mixed:
+            return any(q != "nvfp4-weight-only" for q in self.quants.values())
         return self.quant != "nvfp4-weight-only"
+
+    def quant_of(self, module: str) -> str:
+        """The quant of the quantized linear `module`."""
+        return self.quants.get(module, self.quant)
 
     def group_of(self, module: str) -> str:
         return fused_group(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRule:
+    """One `PATTERN PRECISION` rule: linears whose name matches `pattern` (fnmatch) get `precision`."""
+
+    pattern: str
+    precision: str  # one of formats.PRECISIONS
+    origin: str | None = None  # "FILE:LINE" of a rule read from a file; None: an option
 
 
 def make_plan(
@@ -46,37 +69,34 @@ def make_plan(
     precision_map: Mapping[str, str] | None = None,
     keep_bf16: Iterable[str] = (),
     keep_bf16_origin: Mapping[str, str] | None = None,
+    rules: Iterable[PrecisionRule] = (),
 ) -> ExportPlan:
     """The plan for `config` under `quant`; NVFP4ToolError for an unknown quant or a K % 16 != 0.
     `keep_bf16_origin`: pattern -> "FILE:LINE" of the patterns read from a keep-BF16 file (a bad
-    one is then refused naming that line, exit 1, rather than as an option, exit 2)."""
+    one is then refused naming that line, exit 1, rather than as an option, exit 2). `rules`: a
+    precision file's, applied in order (the last matching one wins), before the keep-BF16 patterns."""
     if quant not in QUANTS:
         raise NVFP4ToolError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
-    patterns = tuple(keep_bf16)
+    origin = keep_bf16_origin or {}
+    rules = tuple(rules)
     names = config.linear_names()
     if precision_map is not None:
         missing = [n for n in names if n not in precision_map]
         if missing:
             raise NVFP4ToolError(f"precision map has no entry for {missing[0]} ({len(missing)} linear modules missing)")
-    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-    origin = keep_bf16_origin or {}
-    if unused and unused[0] in origin:
-        raise NVFP4ToolError(
-            f"{origin[unused[0]]}: {unused[0]!r} matches no linear module of the model "
-            f"(e.g. {names[0]}); patterns are fnmatch over full module names"
-        )
-    if unused:
-        raise NVFP4UsageError(
-            f"--keep-bf16 {unused[0]!r} matches no linear module of the model "
-            f"(e.g. {names[0]}); patterns are fnmatch over full module names"
-        )
+    keep_rules = tuple(PrecisionRule(p, "bf16", origin.get(p)) for p in keep_bf16)
+    for rule in rules + keep_rules:
+        _check_used(rule, names)
     always = config.modules.kept()  # lm_head, routers
+    precision = _resolve(names, quant, rules)
+    _check_groups(names, precision, rules, always)
     keep = {
         n
         for n in names
         if n in always
+        or precision[n] == "bf16"
         or (precision_map is not None and precision_map[n] == "bf16")
-        or any(fnmatch.fnmatchcase(n, p) for p in patterns)
+        or any(fnmatch.fnmatchcase(n, r.pattern) for r in keep_rules)
     }
     kept_groups = {fused_group(n) for n in keep}
     keep |= {n for n in names if fused_group(n) in kept_groups}  # a group is quantized whole
@@ -93,7 +113,78 @@ def make_plan(
     groups: dict[str, tuple[str, ...]] = {}
     for name in quantized:
         groups[fused_group(name)] = groups.get(fused_group(name), ()) + (name,)
-    return ExportPlan(quant=quant, quantized=quantized, excluded=tuple(n for n in names if n in keep), groups=groups)
+    quants = {n: precision[n] for n in quantized}
+    used = set(quants.values())
+    plan_quant = quant if not used else (next(iter(used)) if len(used) == 1 else MIXED)
+    return ExportPlan(
+        quant=plan_quant,
+        quantized=quantized,
+        excluded=tuple(n for n in names if n in keep),
+        groups=groups,
+        quants=quants if plan_quant == MIXED else {},
+    )
+
+
+def read_precision_file(path: str) -> tuple[PrecisionRule, ...]:
+    """The rules of a precision file, in order: one `PATTERN PRECISION` a line (fnmatch over
+    module names as stored; PRECISION one of formats.PRECISIONS), `#` starts a comment.
+    NVFP4ToolError naming FILE:LINE for a line that is not that, or a file that is not UTF-8 text."""
+    rules = []
+    for where, words in _lines(path, "precision file (lines 'PATTERN FORMAT')"):
+        if len(words) != 2 or words[1] not in PRECISIONS:
+            raise NVFP4ToolError(
+                f"{where}: {' '.join(words)!r}: expected 'PATTERN FORMAT' with FORMAT one of "
+                f"{', '.join(PRECISIONS)} (# starts a comment)"
+            )
+        rules.append(PrecisionRule(words[0], words[1], where))
+    return tuple(rules)
+
+
+def _resolve(names: tuple[str, ...], quant: str, rules: tuple[PrecisionRule, ...]) -> dict[str, str]:
+    """linear -> its precision: `quant`, or the last rule that matches it."""
+    precision = dict.fromkeys(names, quant)
+    for rule in rules:
+        for n in names:
+            if fnmatch.fnmatchcase(n, rule.pattern):
+                precision[n] = rule.precision
+    return precision
+
+
+def _check_used(rule: PrecisionRule, names: tuple[str, ...]) -> None:
+    if any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
+        return
+    why = (
+        f"{rule.pattern!r} matches no linear module of the model (e.g. {names[0]}); "
+        f"patterns are fnmatch over full module names"
+    )
+    if rule.origin is not None:
+        raise NVFP4ToolError(f"{rule.origin}: {why}")
+    raise NVFP4UsageError(f"--keep-bf16 {why}")
+
+
+def _check_groups(
+    names: tuple[str, ...], precision: Mapping[str, str], rules: tuple[PrecisionRule, ...], always: Iterable[str]
+) -> None:
+    """Refuse a precision file that gives the members of one fused group (or the routed experts of
+    one MoE layer: `families.scheme_group`) different quants (a member in bf16 keeps its whole fused
+    group in BF16, as a keep-BF16 pattern does)."""
+    always = set(always)
+    members: dict[str, list[str]] = {}
+    for n in names:
+        if n not in always:
+            members.setdefault(scheme_group(n), []).append(n)
+    for group, modules in members.items():
+        found = dict.fromkeys(precision[m] for m in modules)
+        if len(found) > 1 and "bf16" not in found:
+            where = next(
+                (r.origin for r in reversed(rules) if any(fnmatch.fnmatchcase(m, r.pattern) for m in modules)), None
+            )
+            shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} linears)" if len(modules) > 3 else "")
+            raise NVFP4ToolError(
+                f"{where or '--precision-file'}: fused group {group} ({shown}) would be split "
+                f"across {' / '.join(found)}; serving runs its members as one fused layer of one scheme: "
+                f"give them one format"
+            )
 
 
 def _patterns_for(modules: list[str]) -> list[str]:
@@ -104,27 +195,35 @@ def _patterns_for(modules: list[str]) -> list[str]:
 
 def read_keep_bf16_file(path: str) -> dict[str, str]:
     """The patterns of a keep-BF16 file, in order: {pattern: "PATH:LINE"} (see the module
-    docstring). NVFP4ToolError naming the file (and line) for a file that is not UTF-8 text or a
-    line holding more than one word; no pattern at all is allowed (nothing more kept in BF16)."""
+    docstring): a precision file whose lines name only the pattern (the precision is bf16).
+    NVFP4ToolError naming the file (and line) for a file that is not UTF-8 text or a line holding
+    more than one word; no pattern at all is allowed (nothing more kept in BF16)."""
+    patterns: dict[str, str] = {}
+    for where, words in _lines(path, "keep-BF16 file (one fnmatch pattern or module name per line)"):
+        if len(words) > 1:
+            raise NVFP4ToolError(
+                f"{where}: {' '.join(words)!r}: expected one fnmatch pattern or module name per line "
+                f"(# starts a comment)"
+            )
+        patterns.setdefault(words[0], where)
+    return patterns
+
+
+def _lines(path: str, kind: str) -> list[tuple[str, list[str]]]:
+    """[("PATH:LINE", words)] of the non-empty lines of a rules file, comments (#) stripped."""
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
     except UnicodeDecodeError as bad:
-        raise NVFP4ToolError(
-            f"{path}: not UTF-8 text (byte {bad.start}); expected a keep-BF16 file "
-            f"(one fnmatch pattern or module name per line)"
-        ) from None
-    patterns: dict[str, str] = {}
+        raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a {kind}") from None
+    except OSError as bad:
+        raise NVFP4ToolError(f"{path}: cannot read ({bad.strerror})") from None
+    found = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
-        if len(words) > 1:
-            raise NVFP4ToolError(
-                f"{path}:{number}: {line.strip()!r}: expected one fnmatch pattern or module "
-                f"name per line (# starts a comment)"
-            )
         if words:
-            patterns.setdefault(words[0], f"{path}:{number}")
-    return patterns
+            found.append((f"{path}:{number}", words))
+    return found
 
 
 def format_keep_bf16_file(patterns: Iterable[str], comments: Iterable[str] = ()) -> str:

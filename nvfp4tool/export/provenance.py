@@ -50,11 +50,13 @@ def build_record(
         tool=ToolRecord(name="nvfp4tool", version=nvfp4tool.__version__),
         source=SourceRecord.of(source),
         format=options.format,
-        quant=options.quant,
+        quant=plan.quant,
         scale_search=options.scale_search,
         weight_block=weight_block,
         recipe=source.recipe,
-        precision_map={n: ("bf16" if n in plan.excluded else plan.quant) for n in (*plan.quantized, *plan.excluded)},
+        precision_map={
+            n: "bf16" if n in plan.excluded else plan.quant_of(n) for n in (*plan.quantized, *plan.excluded)
+        },
         exclude_modules=tuple(plan.excluded),
         input_amax_origin=input_amax_origin,
         calibration=calibration,

@@ -3,7 +3,8 @@
     quantizer = quantizer_for(plan, "rtn", "1d", group_amax, gptq=None)
     done = quantizer.quantize("model.layers.0.mlp.up_proj", w_NxK)   # done.roles, done.errors, done.amax
 
-`ScaleSearch` (NVFP4 RTN or a scale search), `GPTQ` (the GPTQ pass's record), `FP8` (per tensor).
+`ScaleSearch` (NVFP4 RTN or a scale search), `GPTQ` (the GPTQ pass's record), `FP8` (per tensor);
+`Mixed` dispatches each linear of a mixed export to the one of its quant.
 Design notes: docs/design/export.md.
 """
 
@@ -93,15 +94,29 @@ class FP8:
         return QuantizedWeight(roles, {"rel_l2": err}, amax)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    """A mixed export's: each linear by the quantizer of its own quant (`ExportPlan.quant_of`)."""
+
+    plan: ExportPlan
+    nvfp4: WeightQuantizer
+
+    def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
+        quantizer = FP8() if self.plan.quant_of(module) == "fp8" else self.nvfp4
+        return quantizer.quantize(module, w_NxK)
+
+
 def quantizer_for(
     plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
 ) -> WeightQuantizer:
     """The one quantizer of an export: FP8 for --quant fp8, GPTQ's records when the pass ran, else
-    the scale search."""
+    the scale search (a mixed plan: FP8 or the scale search per linear)."""
     if plan.quant == "fp8":
         return FP8()
     if gptq is not None:
         return GPTQ(gptq)
+    if plan.is_mixed:
+        return Mixed(plan, ScaleSearch(scale_search, block, plan, group_amax))
     return ScaleSearch(scale_search, block, plan, group_amax)
 
 

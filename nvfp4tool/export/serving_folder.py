@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -77,14 +77,28 @@ class ServingFolder:
             weight_map = {name: r.file for name, r in records.items()}
             write_json(os.path.join(self.folder, INDEX_FILE), {**index, "weight_map": weight_map})
 
-    def write_configs(self, hf_config: dict[str, Any], spec: LayoutSpec, exclude, kv_cache: str | None) -> None:
+    def write_configs(
+        self,
+        hf_config: dict[str, Any],
+        spec: LayoutSpec,
+        exclude,
+        kv_cache: str | None,
+        quants: Mapping[str, str] | None = None,
+    ) -> None:
         """config.json (`hf_config` with the layout's quantization_config) and, when the layout has
-        one, hf_quant_config.json, both announcing `exclude` (BF16 modules) and `kv_cache`."""
+        one, hf_quant_config.json, both announcing `exclude` (BF16 modules) and `kv_cache`; a mixed
+        export's (`quants`: quantized linear -> its quant) name each linear's scheme."""
         hf = dict(hf_config)
         exclude = tuple(self.rename(m) for m in exclude)
-        hf["quantization_config"] = spec.quantization_config(exclude, kv_cache)
+        producer = {"name": "nvfp4tool", "version": _version()}
+        if quants:
+            hf["quantization_config"], hf_quant = formats.mixed_configs(
+                spec.format, {self.rename(m): q for m, q in quants.items()}, exclude, producer, kv_cache
+            )
+        else:
+            hf["quantization_config"] = spec.quantization_config(exclude, kv_cache)
+            hf_quant = spec.hf_quant_config(exclude, producer, kv_cache)
         write_json(os.path.join(self.folder, formats.CONFIG_FILE), hf)
-        hf_quant = spec.hf_quant_config(exclude, {"name": "nvfp4tool", "version": _version()}, kv_cache)
         if hf_quant is not None:
             write_json(os.path.join(self.folder, formats.HF_QUANT_CONFIG_FILE), hf_quant)
 

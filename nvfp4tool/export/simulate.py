@@ -1,9 +1,10 @@
 """What a serving engine computes from an export folder, run by our JAX model, weights held as stored.
 
-    exported = load_export("out/model-nvfp4")          # either format, any --quant
+    exported = load_export("out/model-nvfp4")          # either format, any --quant, mixed too
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
-Weights stay as stored (`NVFP4Weight`, `FP8Weight`), decoded inside the jitted forward; `served_kv`: FP8 KV.
+Weights stay as stored (`NVFP4Weight`, `FP8Weight`, each linear by its own scheme in a mixed export),
+decoded inside the jitted forward; `served_kv`: FP8 KV.
 `for_generation`: the weights decoded / widened once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
@@ -229,16 +230,21 @@ class ExportedModel:
         self,
         folder: str,
         config: ModelConfig,
-        spec,
+        layout,
         source: HFFolderSource,
-        quantized: tuple[str, ...],
+        specs: dict,
         kv_cache: str | None = None,
     ) -> None:
-        self.folder, self.config, self.quantized = folder, config, quantized
-        self.format: str = spec.format  # "modelopt" | "compressed-tensors"
-        self.quant: str = spec.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+        self.folder, self.config, self.quantized = folder, config, tuple(specs)
+        self.format: str = layout.format  # "modelopt" | "compressed-tensors"
+        self.quant: str = layout.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "mixed"
         self.kv_cache = kv_cache  # "fp8" when the configs announce a quantized KV cache, else None
-        self._spec, self._source, self._quantized_set = spec, source, frozenset(quantized)
+        self._spec, self._source, self._quantized_set = layout.spec, source, frozenset(specs)
+        self._specs = specs  # quantized module -> its LayoutSpec (a mixed export's differ)
+
+    def quant_of(self, module: str) -> str:
+        """The quant of the quantized module `module` (its scheme's in a mixed export)."""
+        return self._specs[module].quant
 
     @property
     def path(self) -> str:
@@ -254,11 +260,12 @@ class ExportedModel:
         module, _, suffix = name.rpartition(".")
         if module not in self._quantized_set or suffix != "weight":
             return self._source.get(name)
-        group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in self._spec.tensors}
-        roles = self._spec.to_roles(module, group)
+        spec = self._specs[module]
+        group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in spec.tensors}
+        roles = spec.to_roles(module, group)
         input_scale = np.asarray(roles["input_global"], np.float32).reshape(()) if "input_global" in roles else None
         s_dec = np.asarray(roles["weight_global"], np.float32).reshape(())
-        if self.quant == "fp8":
+        if spec.quant == "fp8":
             return FP8Weight(data=roles["weight"], scale=s_dec, input_scale=input_scale)
         return NVFP4Weight(packed=roles["weight"], scales=roles["block_scale"], s_dec=s_dec, input_scale=input_scale)
 
@@ -290,15 +297,19 @@ class ExportedModel:
 
     def module_bytes(self, module: str) -> int:
         """The stored bytes of a quantized module's weight group (weight, scales, input scale)."""
-        return sum(tensor_bytes(self._source, f"{module}.{t.suffix}") for t in self._spec.tensors)
+        return sum(tensor_bytes(self._source, f"{module}.{t.suffix}") for t in self._specs[module].tensors)
 
     def dequantized(self, module: str) -> np.ndarray:
         """A quantized module's served weight, fp32 [N, K] (for SQNR, tests)."""
         return np.asarray(self.get(f"{module}.weight").dequantize())
 
+    def stored_tensor_bytes(self) -> dict[str, int]:
+        """{stored tensor name: its bytes as stored}."""
+        return {n: tensor_bytes(self._source, n) for n in self._source.names()}
+
     def stored_bytes(self) -> int:
         """The model's weights as stored (what holding it costs)."""
-        return sum(tensor_bytes(self._source, n) for n in self._source.names())
+        return sum(self.stored_tensor_bytes().values())
 
     def model(self, compute_dtype: jnp.dtype = jnp.float32, mesh: jax.sharding.Mesh | None = None):
         """A CausalLM holding every weight as stored (run it with `linear=served_linear`), sharded
@@ -315,15 +326,19 @@ def load_export(folder: str) -> ExportedModel:
     from nvfp4tool import formats
 
     layout = formats.describe(folder)
-    spec = layout.spec
     config = ModelConfig.from_hf_folder(folder)
     source = HFFolderSource(folder, check_config=False).use_names_of(config)
-    marker = spec.suffix("weight_global")
-    quantized = tuple(n.rpartition(".")[0] for n in source.names() if n.rpartition(".")[2] == marker)
+    specs = {}  # quantized module -> its spec: a module with its scheme's weight global scale
+    for n in source.names():
+        module, _, suffix = n.rpartition(".")
+        spec = layout.spec_for(config.family_spec.checkpoint_name(module))
+        if spec is not None and suffix == spec.suffix("weight_global"):
+            specs[module] = spec
+    quantized = tuple(specs)
     expected = config.expected_tensor_shapes()
     for name in expected:
         module = name.rpartition(".")[0]
         if module not in quantized and name not in source.names():
             contradiction = config.family_spec.tensors_contradiction(config, source.names())
             raise NVFP4ToolError(f"{folder}: {contradiction or f'tensor {name!r} missing; the config expects it'}")
-    return ExportedModel(folder, config, spec, source, quantized, layout.kv_cache)
+    return ExportedModel(folder, config, layout, source, specs, layout.kv_cache)

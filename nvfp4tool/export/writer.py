@@ -14,6 +14,7 @@ import fnmatch
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -126,7 +127,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
     tensors = source.tensors
     names = tensors.names()
     family = source.config.family_spec
-    units = [_unit_layout(name, tensors, plan, spec, family) for name in names]
+    units = [_unit_layout(name, tensors, plan, job.spec_for, family) for name in names]
     units += [(a, spec.kv_scales.layout(a)) for a in job.kv_amax]
     # each unit (one source tensor's outputs) stays in one shard
     shards = plan_shards(
@@ -150,7 +151,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
         folder.write_index({"metadata": {"total_size": total}} if len(shards) > 1 else None, records)
         hf = source.config.to_hf_config()
         hf["dtype"] = "bfloat16"
-        folder.write_configs(hf, spec, plan.excluded, job.kv_cache)
+        folder.write_configs(hf, spec, plan.excluded, job.kv_cache, quants=plan.quants if plan.is_mixed else None)
         if source.aux_dir is not None:
             folder.copy_files(
                 os.path.join(source.aux_dir, f)
@@ -198,7 +199,7 @@ class _ModuleLoader:
         self.module_of = {}
         for module in job.plan.quantized:
             n, k = job.source.tensors.shape(f"{module}.weight")
-            for name, _, _ in job.spec.layout(module, n, k):
+            for name, _, _ in job.spec_for(module).layout(module, n, k):
                 self.module_of[name] = module
         self.cache: dict[str, np.ndarray] = {}
         self.amax: dict[str, float] = {}  # stored weight tensor -> decoded amax
@@ -221,15 +222,15 @@ class _ModuleLoader:
         return self.cache.pop(name)
 
     def _quantize(self, module: str) -> dict[str, np.ndarray]:
-        plan, spec = self.job.plan, self.job.spec
+        plan, spec = self.job.plan, self.job.spec_for(module)
         w = self.job.source.tensors.get(f"{module}.weight")
         done = self.quantizer.quantize(module, w)
         del w
         self.layer_errors[module] = done.errors
         roles = dict(done.roles)
-        if plan.has_input_scales:
+        if spec.has_input_scales:
             input_amax = max(self.job.input_amax[m] for m in plan.groups[plan.group_of(module)])
-            roles["input_global"] = input_decode_scale(input_amax, plan.quant)
+            roles["input_global"] = input_decode_scale(input_amax, spec.quant)
         self.amax = {f"{module}.{spec.suffix('weight')}": done.amax}
         return spec.from_roles(module, roles)
 
@@ -244,12 +245,14 @@ def _kv_scales(kv_amax: dict[str, tuple[float, float]], spec: LayoutSpec) -> dic
     return scales
 
 
-def _unit_layout(name: str, tensors, plan: ExportPlan, spec: LayoutSpec, family) -> tuple[str, list]:
+def _unit_layout(
+    name: str, tensors, plan: ExportPlan, spec_for: Callable[[str], LayoutSpec], family
+) -> tuple[str, list]:
     """(source name, [(output name, dtype, shape), ...]) for one source tensor."""
     module = name.removesuffix(".weight")
     if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
         n, k = tensors.shape(name)
-        return name, spec.layout(module, n, k)
+        return name, spec_for(module).layout(module, n, k)
     return name, [(name, _plain_dtype(name, tensors.dtype(name), family), tuple(tensors.shape(name)))]
 
 

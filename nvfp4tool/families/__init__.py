@@ -68,6 +68,7 @@ __all__ = [
     "expert_of",
     "folds",
     "fused_group",
+    "scheme_group",
     "get_family",
     "group_glob",
     "hessian_group",
@@ -205,6 +206,14 @@ def fused_group(name: str) -> str:
     to `module_table(config)[name].group` for every model's linear."""
     p = projection_of(name)
     return f"{name.rpartition('.')[0]}.{p.fused}" if p is not None and p.fused else name
+
+
+def scheme_group(name: str) -> str:
+    """The linears that must share one quantization scheme in serving: the fused group, widened to
+    every routed expert of a sparse block (`<block>.<moe>.experts`: vLLM runs them as one fused MoE
+    layer with one quant method)."""
+    expert = expert_of(name)
+    return f"{expert[0]}.experts" if expert is not None else fused_group(name)
 
 
 def is_attention(module: str) -> bool:

@@ -2,6 +2,7 @@
 
     spec = get("compressed-tensors", "nvfp4")
     layout = describe("out/llama-nvfp4")                 # what a folder is: .format, .quant, .spec
+    layout.spec_for("model.layers.0.mlp.up_proj")        # a mixed folder: that linear's spec (None: BF16)
 
 Modules: `modelopt`, `compressed_tensors` (the layouts), `spec` (`LayoutSpec`, `TensorSpec`, file names).
 Design notes: docs/design/formats.md.
@@ -21,6 +22,8 @@ from nvfp4tool.formats.spec import (
     GLOBAL_ROLES,
     HF_QUANT_CONFIG_FILE,
     KV_CACHES,
+    MIXED,
+    PRECISIONS,
     QUANTS,
     ROLES,
     KVScaleSpec,
@@ -41,6 +44,8 @@ __all__ = [
     "GLOBAL_ROLES",
     "HF_QUANT_CONFIG_FILE",
     "KV_CACHES",
+    "MIXED",
+    "PRECISIONS",
     "QUANTS",
     "ROLES",
     "SPECS",
@@ -51,6 +56,7 @@ __all__ = [
     "describe",
     "get",
     "is_quantized_export",
+    "mixed_configs",
 ]
 
 
@@ -65,7 +71,9 @@ def get(fmt: str, quant: str) -> LayoutSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FolderLayout:
-    """What a folder's configs declare: its layout, exclusion list and targets, and config problems."""
+    """What a folder's configs declare: its layout, exclusion list and targets, and config problems.
+    A mixed folder (`quant == MIXED`) has `schemes`: (spec, targets) per config group in config
+    order, and `spec` is its first scheme's (what is the same for every scheme: format, KV scales)."""
 
     spec: LayoutSpec
     exclude: tuple[str, ...]  # exclude_modules / ignore as written (patterns)
@@ -73,6 +81,7 @@ class FolderLayout:
     targets: tuple[str, ...]  # compressed-tensors config_groups targets ("Linear" for ModelOpt)
     problems: tuple[tuple[str, str], ...]  # (file, message) of every config defect found
     kv_cache: str | None = None  # the quantized KV cache the configs announce (KV_CACHES), or None
+    schemes: tuple[tuple[LayoutSpec, tuple[str, ...]], ...] = ()  # mixed: (spec, targets) per group
 
     @property
     def format(self) -> str:
@@ -80,14 +89,51 @@ class FolderLayout:
 
     @property
     def quant(self) -> str:
-        return self.spec.quant
+        return MIXED if self.schemes else self.spec.quant
+
+    @property
+    def is_mixed(self) -> bool:
+        return bool(self.schemes)
+
+    @property
+    def specs(self) -> tuple[LayoutSpec, ...]:
+        """Every spec the folder's linears may carry (one for a uniform folder)."""
+        return tuple(dict.fromkeys(s for s, _ in self.schemes)) if self.schemes else (self.spec,)
 
     def excluded_by(self, module: str) -> str | None:
         return self.spec.excluded_by(module, self.exclude)
 
     def targeted(self, module: str, is_linear: bool) -> bool:
         """Whether the config's targets cover `module` (ModelOpt: every linear layer)."""
+        if self.schemes:
+            return self.scheme_matches(module) != []
         return any((is_linear and t == "Linear") or self.spec.matches(module, t) for t in self.targets)
+
+    def spec_for(self, module: str) -> LayoutSpec | None:
+        """The spec `module` is stored in: a uniform folder's for every module; a mixed folder's
+        first scheme whose targets name it (exact names or `re:` regexes as vLLM's
+        `find_matched_target` tries them, in config order), None when none does (BF16)."""
+        if not self.schemes:
+            return self.spec
+        matches = self.scheme_matches(module)
+        return matches[0] if matches else None
+
+    def scheme_matches(self, module: str) -> list[LayoutSpec]:
+        """The specs of every scheme whose targets name `module`, in config order."""
+        return [spec for spec, targets in self.schemes if any(spec.matches(module, t) for t in targets)]
+
+
+def mixed_configs(
+    fmt: str, quants: dict[str, str], excluded: tuple[str, ...], producer: dict[str, str], kv_cache: str | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json["quantization_config"], hf_quant_config.json or None) of a mixed export whose
+    quantized linears have the quants `quants` ({module: one of QUANTS}, model order)."""
+    schemes = tuple(
+        (SPECS[(fmt, q)], tuple(m for m, mq in quants.items() if mq == q)) for q in QUANTS if q in quants.values()
+    )
+    if fmt == modelopt.FORMAT:
+        return modelopt.mixed_configs(schemes, excluded, producer, kv_cache)
+    return compressed_tensors.mixed_config(schemes, excluded, kv_cache), None
 
 
 def is_quantized_export(folder: str) -> bool:
@@ -122,7 +168,19 @@ def describe(folder: str) -> FolderLayout:
         else None
     )
     qc = (config or {}).get("quantization_config")
-    if modelopt.claims(qc, hf_quant):
+    schemes: tuple[tuple[LayoutSpec, tuple[str, ...]], ...] = ()
+    if modelopt.claims(qc, hf_quant) and modelopt.is_mixed(qc, hf_quant):
+        parsed, exclude, source, found = modelopt.parse_mixed(qc, hf_quant)
+        schemes = tuple((modelopt.SPECS[q], targets) for q, targets in parsed)
+        spec, targets = _first_spec(folder, schemes, modelopt.FORMAT), ("Linear",)
+        kv_cache, kv_problems = modelopt.parse_kv_cache(qc, hf_quant)
+    elif compressed_tensors.is_mixed(qc):
+        parsed, exclude, found = compressed_tensors.parse_mixed(qc)
+        schemes = tuple((compressed_tensors.SPECS[q], targets) for q, targets in parsed)
+        spec, source = _first_spec(folder, schemes, compressed_tensors.FORMAT), CONFIG_FILE
+        targets = tuple(t for _, group in schemes for t in group)
+        kv_cache, kv_problems = compressed_tensors.parse_kv_cache(qc)
+    elif modelopt.claims(qc, hf_quant):
         quant, exclude, source, found = modelopt.parse(qc, hf_quant)
         if quant is None:
             quantization = (hf_quant or {}).get("quantization")
@@ -159,12 +217,24 @@ def describe(folder: str) -> FolderLayout:
     problems += [(source, f"exclusion list: {why}") for p in patterns if (why := spec.pattern_problem(p))]
     problems += [(CONFIG_FILE, f"config_groups targets: {why}") for t in targets if (why := spec.pattern_problem(t))]
     return FolderLayout(
-        spec=spec, exclude=patterns, exclude_source=source, targets=targets, problems=tuple(problems), kv_cache=kv_cache
+        spec=spec,
+        exclude=patterns,
+        exclude_source=source,
+        targets=targets,
+        problems=tuple(problems),
+        kv_cache=kv_cache,
+        schemes=schemes,
     )
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _first_spec(folder: str, schemes: tuple, fmt: str) -> LayoutSpec:
+    if not schemes:
+        raise NVFP4ToolError(f"{folder}: a {fmt} mixed-precision checkpoint whose configs name no supported scheme")
+    return schemes[0][0]
 
 
 def _patterns(value: Any, source: str, problems: list[tuple[str, str]]) -> tuple[str, ...]:

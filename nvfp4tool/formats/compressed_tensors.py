@@ -15,6 +15,7 @@ from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RAN
 
 FORMAT = "compressed-tensors"
 CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "nvfp4-weight-only": "nvfp4-pack-quantized", "fp8": "float-quantized"}
+MIXED_FORMAT = "mixed-precision"  # the top-level format of several groups' formats (CompressionFormat.mixed_precision)
 # The quantization args of the weights (and, where present, the activations) per format; the
 # keys in *_KEYS are the ones a reader must find with these values.
 NVFP4_ARGS = {
@@ -44,16 +45,36 @@ KV_SCALES = KVScaleSpec(k_suffix="k_scale", v_suffix="v_scale", shape=(1,))
 
 
 def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
-    group: dict[str, Any] = {"targets": ["Linear"], "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
+    return _quantization_config(CT_FORMAT[spec.quant], {"group_0": _group(spec, ("Linear",))}, excluded, kv_cache)
+
+
+def mixed_config(
+    schemes: tuple[tuple[LayoutSpec, tuple[str, ...]], ...], excluded: tuple[str, ...], kv_cache: str | None
+) -> dict[str, Any]:
+    """config.json["quantization_config"] of a mixed export: one config group per scheme, its
+    `targets` the exact names of its linears, top-level `format: mixed-precision` (each group
+    names its own, as compressed-tensors' `QuantizationConfig` and vLLM read it)."""
+    groups = {f"group_{i}": _group(spec, targets) for i, (spec, targets) in enumerate(schemes)}
+    return _quantization_config(MIXED_FORMAT, groups, excluded, kv_cache)
+
+
+def _group(spec: LayoutSpec, targets: tuple[str, ...]) -> dict[str, Any]:
+    group: dict[str, Any] = {"targets": list(targets), "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
     if spec.has_input_scales:
         group["input_activations"] = dict(NVFP4_ARGS, dynamic="local") if spec.is_nvfp4 else dict(FP8_ARGS)
     group["format"] = CT_FORMAT[spec.quant]
+    return group
+
+
+def _quantization_config(
+    fmt: str, groups: dict[str, Any], excluded: tuple[str, ...], kv_cache: str | None
+) -> dict[str, Any]:
     return {
         "quant_method": FORMAT,
-        "format": CT_FORMAT[spec.quant],
+        "format": fmt,
         "quantization_status": "compressed",
         "ignore": list(excluded),
-        "config_groups": {"group_0": group},
+        "config_groups": groups,
         "kv_cache_scheme": dict(KV_CACHE_SCHEME[kv_cache]) if kv_cache else None,
     }
 
@@ -103,39 +124,88 @@ def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, s
     """(quant or None when unsupported, ignore list as written, targets, [(file, problem)], the
     format(s) it names) of a compressed-tensors quantization_config."""
     problems: list[tuple[str, str]] = []
-    groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        problems.append((CONFIG_FILE, "quantization_config.config_groups is not an object"))
-        groups = {}
+    groups = _groups(qc, problems)
     formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
     formats.discard(None)
     named = ", ".join(sorted(map(str, formats))) or "none"
     if len(formats) != 1 or next(iter(formats)) not in CT_FORMAT.values():
         return None, None, (), problems, named
     fmt = next(iter(formats))
-    if qc.get("quantization_status") != "compressed":
-        problems.append(
-            (CONFIG_FILE, f"quantization_status is {qc.get('quantization_status')!r}, expected 'compressed'")
-        )
-    nvfp4 = fmt == CT_FORMAT["nvfp4"]
-    expected_args = {k: (NVFP4_ARGS if nvfp4 else FP8_ARGS)[k] for k in (NVFP4_KEYS if nvfp4 else FP8_KEYS)}
+    _check_status(qc, problems)
     targets: list[str] = []
     has_input = False
     for group_name, group in groups.items():
         group = group if isinstance(group, dict) else {}
-        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
-        wrong = {k: weights.get(k) for k, v in expected_args.items() if weights.get(k) != v}
-        if wrong:
-            problems.append(
-                (CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, {fmt} needs {expected_args}")
-            )
+        _check_weights(group_name, group, fmt, problems)
         has_input = has_input or bool(group.get("input_activations"))
-        group_targets = group.get("targets") or []
-        targets += [t for t in group_targets if isinstance(t, str)] if isinstance(group_targets, list) else []
-    if not groups:
-        problems.append((CONFIG_FILE, "quantization_config has no config_groups"))
+        targets += _targets(group)
+    nvfp4 = fmt == CT_FORMAT["nvfp4"]
     quant = ("nvfp4" if has_input else "nvfp4-weight-only") if nvfp4 else "fp8"
     return quant, qc.get("ignore"), tuple(targets), problems, fmt
+
+
+def is_mixed(qc: Any) -> bool:
+    """Whether a compressed-tensors quantization_config declares several formats (mixed-precision)."""
+    return isinstance(qc, dict) and qc.get("format") == MIXED_FORMAT
+
+
+def parse_mixed(qc: dict) -> tuple[list[tuple[str, tuple[str, ...]]], Any, list[tuple[str, str]]]:
+    """([(quant, targets)] per config group in order, ignore list as written, [(file, problem)]) of
+    a `format: mixed-precision` quantization_config; a group of an unsupported format is a problem."""
+    problems: list[tuple[str, str]] = []
+    groups = _groups(qc, problems)
+    _check_status(qc, problems)
+    schemes = []
+    for group_name, group in groups.items():
+        group = group if isinstance(group, dict) else {}
+        fmt = group.get("format")
+        if fmt not in CT_FORMAT.values():
+            problems.append(
+                (
+                    CONFIG_FILE,
+                    f"config_groups.{group_name}.format is {fmt!r}; a mixed-precision group needs one of "
+                    f"{', '.join(sorted(set(CT_FORMAT.values())))}",
+                )
+            )
+            continue
+        _check_weights(group_name, group, fmt, problems)
+        if fmt == CT_FORMAT["nvfp4"]:
+            quant = "nvfp4" if group.get("input_activations") else "nvfp4-weight-only"
+        else:
+            quant = "fp8"
+        schemes.append((quant, tuple(_targets(group))))
+    return schemes, qc.get("ignore"), problems
+
+
+def _groups(qc: dict, problems: list[tuple[str, str]]) -> dict:
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        problems.append((CONFIG_FILE, "quantization_config.config_groups is not an object"))
+        groups = {}
+    if not groups:
+        problems.append((CONFIG_FILE, "quantization_config has no config_groups"))
+    return groups
+
+
+def _check_status(qc: dict, problems: list[tuple[str, str]]) -> None:
+    if qc.get("quantization_status") != "compressed":
+        problems.append(
+            (CONFIG_FILE, f"quantization_status is {qc.get('quantization_status')!r}, expected 'compressed'")
+        )
+
+
+def _check_weights(group_name: str, group: dict, fmt: str, problems: list[tuple[str, str]]) -> None:
+    nvfp4 = fmt == CT_FORMAT["nvfp4"]
+    expected_args = {k: (NVFP4_ARGS if nvfp4 else FP8_ARGS)[k] for k in (NVFP4_KEYS if nvfp4 else FP8_KEYS)}
+    weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+    wrong = {k: weights.get(k) for k, v in expected_args.items() if weights.get(k) != v}
+    if wrong:
+        problems.append((CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, {fmt} needs {expected_args}"))
+
+
+def _targets(group: dict) -> list[str]:
+    targets = group.get("targets") or []
+    return [t for t in targets if isinstance(t, str)] if isinstance(targets, list) else []
 
 
 def parse_kv_cache(qc: dict) -> tuple[str | None, list[tuple[str, str]]]:

@@ -16,6 +16,7 @@ from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RAN
 FORMAT = "modelopt"
 QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8"}
 QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
+MIXED_ALGO = "MIXED_PRECISION"  # per-linear algos in `quantized_layers` (vLLM's ModelOptMixedPrecisionConfig)
 # Keys vLLM reads from hf_quant_config.json["quantization"] (it refuses NVFP4 without group_size).
 KV_CACHE_ALGO = {"fp8": "FP8"}  # --kv-cache -> kv_cache_quant_algo
 KV_CACHE_SCHEME = {"fp8": {"dynamic": False, "num_bits": 8, "type": "float"}}  # config.json's form
@@ -27,26 +28,66 @@ REQUIRED_KEYS = {
 
 
 def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
+    config = _quantization_config(QUANT_ALGO[spec.quant], {"group_0": _group(spec, ("Linear",))}, excluded, kv_cache)
+    if spec.is_nvfp4:
+        config["group_size"] = NVFP4_BLOCK
+    return config
+
+
+def _group(spec: LayoutSpec, targets: tuple[str, ...]) -> dict[str, Any]:
     weights: dict[str, Any] = (
         {"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK, "dynamic": False}
         if spec.is_nvfp4
         else {"num_bits": 8, "type": "float", "dynamic": False}
     )
-    group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
+    group: dict[str, Any] = {"targets": list(targets), "weights": weights}
     if spec.has_input_scales:
         group["input_activations"] = dict(weights)
-    config: dict[str, Any] = {
+    return group
+
+
+def _quantization_config(
+    algo: str, groups: dict[str, Any], excluded: tuple[str, ...], kv_cache: str | None
+) -> dict[str, Any]:
+    return {
         "quant_method": "modelopt",
-        "quant_algo": QUANT_ALGO[spec.quant],
+        "quant_algo": algo,
         "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
         "kv_cache_scheme": KV_CACHE_SCHEME.get(kv_cache),
         "ignore": list(excluded),
         "exclude_modules": list(excluded),
-        "config_groups": {"group_0": group},
+        "config_groups": groups,
     }
+
+
+def mixed_configs(
+    schemes: tuple[tuple[LayoutSpec, tuple[str, ...]], ...],
+    excluded: tuple[str, ...],
+    producer: dict[str, str],
+    kv_cache: str | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json["quantization_config"], hf_quant_config.json) of a mixed export, as ModelOpt's
+    `process_layer_quant_config` / `convert_hf_quant_config_format` write them: `quant_algo:
+    MIXED_PRECISION`, `quantized_layers` {module: {quant_algo, group_size (NVFP4)}}, one config
+    group per algo whose targets are its module names; the BF16 linears in `exclude_modules`."""
+    layers = {m: _layer_entry(spec) for spec, modules in schemes for m in modules}
+    groups = {f"group_{i}": _group(spec, tuple(sorted(modules))) for i, (spec, modules) in enumerate(schemes)}
+    config = _quantization_config(MIXED_ALGO, groups, excluded, kv_cache)
+    config["quantized_layers"] = layers
+    quantization = {
+        "quant_algo": MIXED_ALGO,
+        "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
+        "exclude_modules": list(excluded),
+        "quantized_layers": layers,
+    }
+    return config, {"producer": producer, "quantization": quantization}
+
+
+def _layer_entry(spec: LayoutSpec) -> dict[str, Any]:
+    entry: dict[str, Any] = {"quant_algo": QUANT_ALGO[spec.quant]}
     if spec.is_nvfp4:
-        config["group_size"] = NVFP4_BLOCK
-    return config
+        entry["group_size"] = NVFP4_BLOCK
+    return entry
 
 
 def _hf_quant_config(
@@ -155,6 +196,67 @@ def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tu
                 )
             )
     return quant, exclude, source, problems
+
+
+def is_mixed(qc: Any, hf_quant: Any) -> bool:
+    """Whether ModelOpt configs declare `quant_algo: MIXED_PRECISION`."""
+    quantization = hf_quant.get("quantization") if isinstance(hf_quant, dict) else None
+    algo = (quantization if isinstance(quantization, dict) else {}).get("quant_algo") or (
+        qc.get("quant_algo") if isinstance(qc, dict) else None
+    )
+    return algo == MIXED_ALGO
+
+
+def parse_mixed(qc: Any, hf_quant: dict | None) -> tuple[list[tuple[str, tuple[str, ...]]], Any, str, list]:
+    """([(quant, module names)] in QUANTS order, exclusion list as written, the file it came from,
+    [(file, problem)]) of MIXED_PRECISION configs: hf_quant_config.json's `quantized_layers` (what
+    vLLM's ModelOptMixedPrecisionConfig looks each linear up in) must agree with config.json's."""
+    problems: list[tuple[str, str]] = []
+    quantization = (hf_quant or {}).get("quantization")
+    if not isinstance(quantization, dict):
+        problems.append((HF_QUANT_CONFIG_FILE, 'missing or has no "quantization" object (vLLM reads it)'))
+        quantization = {}
+    layers = quantization.get("quantized_layers")
+    source = HF_QUANT_CONFIG_FILE
+    if not isinstance(layers, dict) and isinstance(qc, dict):
+        layers, source = qc.get("quantized_layers"), CONFIG_FILE
+    if not isinstance(layers, dict) or not layers:
+        problems.append((source, f"{MIXED_ALGO} without a quantized_layers object"))
+        layers = {}
+    if isinstance(qc, dict):
+        if qc.get("quant_algo") != MIXED_ALGO:
+            problems.append(
+                (CONFIG_FILE, f"quantization_config.quant_algo is {qc.get('quant_algo')!r}, not {MIXED_ALGO!r}")
+            )
+        if "quantized_layers" in qc and qc["quantized_layers"] != layers:
+            problems.append(
+                (CONFIG_FILE, f"quantization_config.quantized_layers differs from {HF_QUANT_CONFIG_FILE}'s")
+            )
+    else:
+        problems.append((CONFIG_FILE, "has no quantization_config (vLLM and transformers detect the format from it)"))
+    by_quant: dict[str, list[str]] = {}
+    for module, entry in layers.items():
+        algo = entry.get("quant_algo") if isinstance(entry, dict) else None
+        quant = QUANT_OF_ALGO.get(algo) if isinstance(algo, str) else None
+        if quant is None:
+            problems.append(
+                (source, f"quantized_layers.{module}.quant_algo is {algo!r}; supported: {', '.join(QUANT_OF_ALGO)}")
+            )
+            continue
+        if quant != "fp8" and entry.get("group_size") != NVFP4_BLOCK:
+            problems.append(
+                (
+                    source,
+                    f"quantized_layers.{module}.group_size is {entry.get('group_size')!r}, NVFP4 needs {NVFP4_BLOCK}",
+                )
+            )
+        by_quant.setdefault(quant, []).append(module)
+    schemes = [(q, tuple(by_quant[q])) for q in QUANT_ALGO if q in by_quant]
+    exclude = quantization.get("exclude_modules")
+    exclude_source = HF_QUANT_CONFIG_FILE
+    if exclude is None and isinstance(qc, dict):
+        exclude, exclude_source = qc.get("exclude_modules", qc.get("ignore")), CONFIG_FILE
+    return schemes, exclude, exclude_source, problems
 
 
 def _sorted(value: Any) -> Any:

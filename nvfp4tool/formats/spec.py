@@ -24,6 +24,8 @@ from nvfp4tool.families import is_attention
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
 QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")  # W4A4, W4A16, FP8 W8A8 per tensor
+MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
+PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
 KV_CACHES = ("fp8",)  # quantized KV caches an export can carry scales for (None: the engine's default)
 GLOBAL_ROLES = ("weight_global", "input_global")

@@ -69,14 +69,14 @@ def build_model_card(
         base_model_relation="quantized" if base_model else None,
         library_name=LIBRARY_NAME.get(spec.format, spec.format),
         pipeline_tag="text-generation",
-        tags=[*quant_tags(spec), spec.format, "nvfp4tool"],
+        tags=[*_layout_tags(layout), spec.format, "nvfp4tool"],
         license=license,
     )
     name = repo_id.split("/")[-1]
     model_type = read_hf_config(folder)[1].get("model_type")
     what = f"a `{model_type}` model" if isinstance(model_type, str) else "a model"
     sections = [
-        f"# {name}\n\n{quant_text(spec)} export of "
+        f"# {name}\n\n{_layout_text(layout)} export of "
         f"{f'[{base_model}](https://huggingface.co/{base_model})' if base_model else what}"
         f" in the **{spec.format}** format, made with nvfp4tool and checked with `nvfp4tool check` "
         f"before upload ({report.tensors_checked} tensors, {len(report.modules)} quantized modules, "
@@ -90,7 +90,7 @@ def build_model_card(
         _validation_section(validation, provenance),
         *_eval_section(folder),
         _provenance_section(provenance),
-        _serving_section(repo_id, spec, layout.kv_cache),
+        _serving_section(repo_id, layout, layout.kv_cache),
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 
@@ -105,6 +105,21 @@ def quant_text(spec: formats.LayoutSpec) -> str:
 
 def quant_tags(spec: formats.LayoutSpec) -> list[str]:
     return [*(["nvfp4", "fp4"] if spec.is_nvfp4 else ["fp8"]), _wa(spec)]
+
+
+def bits_by_quant(report: Any, layout: formats.FolderLayout) -> dict[str, tuple[int, int, float]]:
+    """{quant: (linears, parameters, bits per parameter)} over the quantized linears `report`
+    (a check.CheckReport) measured, per quant (each linear's own scheme) and under "all": the
+    stored weight and block-scale bits per weight element (NVFP4 4.5, FP8 8)."""
+    found: dict[str, list[float]] = {}
+    for stats in report.modules:
+        if stats.n is None or stats.k is None or stats.bits_per_param is None:
+            continue
+        spec = layout.spec_for(stats.module) or layout.spec
+        for key in (spec.quant, "all"):
+            count, params, bits = found.setdefault(key, [0, 0, 0.0])
+            found[key] = [count + 1, params + stats.n * stats.k, bits + stats.bits_per_param * stats.n * stats.k]
+    return {q: (int(c), int(p), b / p if p else 0.0) for q, (c, p, b) in found.items()}
 
 
 def fp8_reference_ran(validation: ValidationRecord) -> bool:
@@ -142,6 +157,18 @@ def _provenance(folder: str) -> ExportRecord | None:
     return ExportRecord.read(folder) if ExportRecord.exists(folder) else None
 
 
+def _layout_text(layout: formats.FolderLayout) -> str:
+    """quant_text of a uniform folder; a mixed one's: "Mixed-precision (NVFP4 ... / FP8 ...)"."""
+    if not layout.is_mixed:
+        return quant_text(layout.spec)
+    return "Mixed-precision per linear (" + "; ".join(quant_text(s) for s in layout.specs) + ")"
+
+
+def _layout_tags(layout: formats.FolderLayout) -> list[str]:
+    tags = [t for s in layout.specs for t in quant_tags(s)]
+    return list(dict.fromkeys(tags + (["mixed-precision"] if layout.is_mixed else [])))
+
+
 def _wa(spec: formats.LayoutSpec) -> str:
     """ "w4a4" / "w4a16" / "w8a8": weight bits, activation bits (16: BF16, not quantized)."""
     weight_bits = 4 if spec.is_nvfp4 else 8
@@ -162,14 +189,12 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
         if spec.has_input_scales
         else "; activations stay BF16 (weight-only, no input scales)"
     )
-    lines = [
-        "## What was quantized",
-        "",
-        f"{len(report.modules)} linear modules in {quant_text(spec)}, {blocks}{activations}.",
-        "",
-        "| modules | count |",
-        "|---|---|",
-    ]
+    lines = ["## What was quantized", ""]
+    if layout.is_mixed:
+        lines += _mixed_lines(report, layout)
+    else:
+        lines += [f"{len(report.modules)} linear modules in {quant_text(spec)}, {blocks}{activations}.", ""]
+    lines += ["| modules | count |", "|---|---|"]
     lines += [f"| `{pattern}` | {count} |" for pattern, count in quantized]
     lines += [
         "",
@@ -187,6 +212,25 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
     if provenance is not None:
         lines += ["", "Methods that shaped the bytes: " + "; ".join(_methods(provenance)) + "."]
     return "\n".join(lines)
+
+
+def _mixed_lines(report: Any, layout: formats.FolderLayout) -> list[str]:
+    """A mixed folder's formats: linears, parameters and bits per parameter of each, and overall."""
+    found = bits_by_quant(report, layout)
+    lines = [
+        f"{len(report.modules)} linear modules, each in its own format (NVFP4: 16-element blocks with FP8 "
+        "E4M3 block scales and one FP32 global scale per tensor; FP8: one FP32 scale per tensor):",
+        "",
+        "| format | linears | parameters | bits per parameter |",
+        "|---|---:|---:|---:|",
+    ]
+    for spec in layout.specs:
+        if spec.quant in found:
+            count, params, bits = found[spec.quant]
+            lines.append(f"| {quant_text(spec)} | {count} | {params:,} | {bits:.3f} |")
+    if "all" in found:
+        lines += ["", f"Over the quantized linears: {found['all'][2]:.3f} bits per parameter."]
+    return lines + [""]
 
 
 def _methods(provenance: ExportRecord) -> list[str]:
@@ -388,9 +432,13 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
     )
 
 
-def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | None) -> str:
-    """How to serve what this layout stores (W4A4 / W4A16 / W8A8 from the spec)."""
+def _serving_section(repo_id: str, layout: formats.FolderLayout, kv_cache: str | None) -> str:
+    """How to serve what this layout stores (W4A4 / W4A16 / W8A8 from the spec; a mixed folder's
+    per linear)."""
     kv_flag = f" --kv-cache-dtype {kv_cache}" if kv_cache else ""
+    spec = layout.spec
+    if layout.is_mixed:
+        return _mixed_serving(repo_id, layout, kv_flag)
     if spec.is_nvfp4 and spec.has_input_scales:
         kernels = (
             "NVFP4 W4A4: FP4 tensor-core GEMMs on Blackwell; on Hopper/Ampere the weights run through "
@@ -430,6 +478,25 @@ def _serving_section(repo_id: str, spec: formats.LayoutSpec, kv_cache: str | Non
         f"TensorRT-LLM:\n\n```bash\ntrtllm-serve {repo_id}\n```\n\n"
         f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {repo_id} "
         f"--quantization {vllm_quant}\n```"
+    )
+
+
+def _mixed_serving(repo_id: str, layout: formats.FolderLayout, kv_flag: str) -> str:
+    """A mixed folder: the engines pick each linear's kernels by its scheme."""
+    formats_named = ", ".join(f"{_wa(s).upper()} ({s.quant})" for s in layout.specs)
+    if layout.format == "compressed-tensors":
+        return (
+            f"## How to serve it\n\nvLLM (compressed-tensors `format: mixed-precision`; each linear's "
+            f"config group picks its kernels: {formats_named}):\n\n```bash\nvllm serve {repo_id}{kv_flag}\n```\n\n"
+            "transformers (with `compressed-tensors` installed; decompresses to BF16, runs on CPU):\n\n"
+            "```python\nfrom transformers import AutoModelForCausalLM\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")\n```'
+        )
+    return (
+        f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {modelopt.MIXED_ALGO}` with "
+        f"`quantized_layers` naming each linear's algo ({formats_named}); vLLM's ModelOpt mixed-precision "
+        f"loader reads it. Not loadable by transformers: `nvfp4tool convert-format DIR OUT --to "
+        f"compressed-tensors` converts it losslessly.\n\n```bash\nvllm serve {repo_id}{kv_flag}\n```"
     )
 
 

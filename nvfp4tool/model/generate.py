@@ -29,11 +29,16 @@ from nvfp4tool.model.linear import LinearFn
 from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions, empty_decode_state, forward_with_cache
 
 MIN_BUCKET = 16  # the shortest padded prompt and cache (slots)
-# XLA:CPU's LLVM passes off for both programs: their time is GEMMs (library calls, not generated
-# code) while compiling is most of a short generation's wall time (tiny preset, first prompt: 15.3 s
-# -> 9.3 s; docs/benchmarks/generate.md); fp semantics are the same (no fast math either way). On
-# the CPU only: a GPU's fused kernels are generated code, which the passes make fast.
-_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# XLA:CPU's LLVM passes (level 1) for a model of at least OPTIMIZE_PARAMS parameters, off (level 0)
+# below: a small model's generation time is compiling (tiny preset, first prompt: 15.3 s -> 9.3 s
+# with the passes off), a large one's is the generated code that decodes / widens its stored
+# weights at every step, 20-30x slower unoptimized (a 4608 x 576 NVFP4 weight's decode and one-row
+# GEMM: 351 ms -> 15 ms; docs/benchmarks/generate.md). The level follows the config, so every
+# variant of one model (BF16, NVFP4, decoded once or not) runs the same code; fp semantics are the
+# same (no fast math either way) but a one-row GEMM's summation order differs between the levels.
+# On the CPU only: a GPU's fused kernels are generated code, which the passes make fast.
+OPTIMIZE_PARAMS = 2**24
+_CPU_COMPILER_OPTIONS = {False: {"xla_backend_optimization_level": 0}, True: {"xla_backend_optimization_level": 1}}
 
 OnToken = Callable[[int, jax.Array, jax.Array], None]  # (index of the new token, tokens [B], their logits [B, V])
 
@@ -99,7 +104,7 @@ def generate(
     mask_BxT = jnp.pad(mask_BxT, ((0, 0), (padded - T, 0)))
     graphdef, state = nnx.split(model)
     linear, key = linear or model.linear, key if key is not None else jax.random.key(0)
-    prefill, step = _programs(jax.default_backend())
+    prefill, step = _programs(jax.default_backend(), model.config.num_parameters() >= OPTIMIZE_PARAMS)
     carry, cache, logits_BxV = prefill(
         graphdef,
         state,
@@ -219,10 +224,10 @@ def _select(logits_BxV, key, options: _SamplingOptions):
 
 
 @functools.cache
-def _programs(backend: str):
-    """The jitted (prefill, step) of `backend` (its compiler options: `_CPU_COMPILER_OPTIONS` on the
-    CPU), each compiled once per shape and shared by every model of that shape."""
-    options = _CPU_COMPILER_OPTIONS if backend == "cpu" else None
+def _programs(backend: str, optimize: bool = False):
+    """The jitted (prefill, step) of `backend` (on the CPU with `_CPU_COMPILER_OPTIONS[optimize]`),
+    each compiled once per shape and shared by every model of that shape."""
+    options = _CPU_COMPILER_OPTIONS[optimize] if backend == "cpu" else None
     prefill = jax.jit(_prefill, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=options)
     step = jax.jit(
         _step, static_argnames=("graphdef", "linear", "kv"), donate_argnames=("cache",), compiler_options=options

@@ -50,16 +50,32 @@ def held_forward_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> in
     """Memory a held model's `logits` needs besides its weights for one batch of `batch_size` rows
     of `seq_len` tokens. Its two phases never overlap, so the larger counts, with a margin: a layer
     (fp32 activations, the MLP's gate / up / product, the attention's fp32 scores and
-    probabilities [B, H, T, T]) or the LM head (fp32 logits [B, T, V]); plus the weight blocks
-    widened for a GEMM (`numerics.dense_widening`) and the largest tensor read from its file."""
-    from nvfp4tool.numerics.dot import WIDEN_BYTES
+    probabilities [B, H, T, T]) or the LM head (fp32 logits [B, T, V]); plus the weight block
+    widened for a GEMM (`numerics.dot.widened_bytes`) and the largest tensor read from its file."""
+    from nvfp4tool.numerics.dot import widened_bytes
 
     tokens = batch_size * seq_len
     layer = 4 * tokens * (3 * config.intermediate_size + 6 * config.hidden_size)
     layer += 2 * 4 * batch_size * config.num_heads * seq_len * seq_len
     head = 4 * tokens * (config.vocab_size + config.hidden_size)
-    largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
-    return int(FORWARD_MARGIN * max(layer, head)) + WIDEN_BYTES + largest
+    largest = max(config.vocab_size, config.intermediate_size) * config.hidden_size
+    return int(FORWARD_MARGIN * max(layer, head)) + widened_bytes(largest) + 2 * largest
+
+
+def streamed_bytes(config: ModelConfig, stored: dict[str, int], samples: int, seq_len: int) -> int:
+    """Memory a streamed model's `logits` holds besides a batch's working set, for `samples`
+    windows of `seq_len` tokens: the outer tensors (embeddings, final norm, LM head) and the
+    largest decoder layer as stored (`stored`: {tensor name: bytes}), and every window's hidden
+    state in fp32 between layers (all windows go through one layer together)."""
+    layers: dict[int, int] = {}
+    outer = 0
+    for name, nbytes in stored.items():
+        i = layer_index(name)
+        if i is None:
+            outer += nbytes
+        else:
+            layers[i] = layers.get(i, 0) + nbytes
+    return outer + max(layers.values(), default=0) + 4 * samples * seq_len * config.hidden_size
 
 
 class LayerwiseModel:
@@ -99,15 +115,19 @@ class LayerwiseModel:
         weights: int,
         working: int,
         compute_dtype: jnp.dtype,
+        streamed: int | None = None,
     ) -> LayerwiseModel:
         """Held (`build(mesh)`) or streamed from `source`, as `memory.choose_offload`
-        decides for `weights` bytes as stored and `working` bytes per device; on several devices,
-        sharded over all of them (`model.sharding.model_mesh`; said)."""
+        decides for `weights` bytes as stored and `working` bytes per device (`streamed`: the
+        estimate of a streamed run, said beside); on several devices, sharded over all of them
+        (`model.sharding.model_mesh`; said)."""
         mesh = model_mesh()
         devices = 1 if mesh is None else mesh.size
         if mesh is not None:
             progress.info(f"{what}: sharded over {devices} devices (fsdp)")
-        if memory.choose_offload(offload, weights=weights, working=working, what=what, devices=devices):
+        if memory.choose_offload(
+            offload, weights=weights, working=working, what=what, devices=devices, streamed=streamed
+        ):
             return cls.streamed(config, source, compute_dtype=compute_dtype, mesh=mesh)
         progress.info(f"loading {what}")
         return cls.held(build(mesh), mesh=mesh)

@@ -16,6 +16,12 @@ import jax.numpy as jnp
 WIDEN_BYTES = 64 * 2**20  # dense_widening: the most of a weight held widened at once
 
 
+def widened_bytes(elements: int) -> int:
+    """The most `dense_widening` holds widened to fp32 at once for a weight of `elements` values:
+    one block of rows, at most WIDEN_BYTES (a smaller weight: all of it)."""
+    return min(WIDEN_BYTES, 4 * elements)
+
+
 def dot_nt(a: jax.Array, b_NxK: jax.Array, *, precision: jax.lax.Precision | None = None) -> jax.Array:
     """`a @ b.T` for a [..., K] and b [N, K] (b cast to a's dtype), accumulated and returned in
     fp32, [..., N]."""

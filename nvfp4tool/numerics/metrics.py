@@ -19,7 +19,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-CHUNK_BYTES = 16 * 2**20  # float64 bytes per temporary of the per-token math (KL holds ~6 at once)
+CHUNK_BYTES = 16 * 2**20  # float64 bytes per temporary of the per-token math
+
+
+def working_bytes(tokens: int, vocab: int) -> int:
+    """The most the per-token functions hold at once besides their inputs, for fp32 logits of
+    `tokens` rows of `vocab`: the larger of `next_token_nll`'s (its shifted fp32 copy of the logits
+    and 3 float64 chunks: the widened logits, their shifted and their normalized values) and
+    `token_kl`'s (5 chunks: both log-softmaxes, exp, difference, product); a chunk is at most
+    CHUNK_BYTES (at least one row)."""
+    chunk = max(8 * vocab, min(CHUNK_BYTES, 8 * tokens * vocab))
+    return max(4 * tokens * vocab + 3 * chunk, 5 * chunk)
 
 
 def token_kl(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:

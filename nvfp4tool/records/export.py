@@ -219,11 +219,11 @@ class ExportRecord(Record):
     tool: ToolRecord
     source: SourceRecord
     format: str  # "modelopt" | "compressed-tensors"
-    quant: str  # "nvfp4" | "nvfp4-weight-only" | "fp8"
+    quant: str  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "mixed" (per linear: precision_map)
     scale_search: str  # "rtn" | "4over6" | "mse"
     weight_block: str  # "1d" | "2d"
     recipe: dict[str, Any] | None  # the training run's recipe (None for plain checkpoints)
-    precision_map: dict[str, str]  # linear module -> "bf16" or the quant
+    precision_map: dict[str, str]  # linear module -> "bf16" or its quant
     exclude_modules: tuple[str, ...]  # modules kept in BF16
     input_amax_origin: str  # "training run" | "calibration" | "none (weight-only)"
     calibration: CalibrationRecord | None

@@ -24,7 +24,7 @@ import numpy as np
 
 from converters.atomic import scratch_dir
 from converters.tensor_source import tensor_bytes
-from nvfp4tool import memory, progress
+from nvfp4tool import formats, memory, progress
 from nvfp4tool.checkpoints import CLI_OPTIONS, Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export import ExportOptions
@@ -38,7 +38,6 @@ from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.numerics import computed_after, metrics
-from nvfp4tool.numerics.dot import WIDEN_BYTES
 from nvfp4tool.records.export import EqualizationRecord, ExportRecord, definition_hashes, sha256_file
 from nvfp4tool.records.validation import (
     DataRef,
@@ -51,6 +50,7 @@ from nvfp4tool.records.validation import (
     ValidationRecord,
 )
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
+from nvfp4tool.validate.footprint import Footprint, footprint
 from nvfp4tool.validate.generation import greedy_continuations
 from nvfp4tool.validate.thresholds import Thresholds, check_thresholds, defaults_for
 
@@ -134,6 +134,7 @@ class Inputs:
     source_mismatch: str | None = None  # why the source is not the export's recorded one (source_mismatch_ok)
     reference_calibration: str | None = None  # what calibrated the FP8 reference (ValidationRecord)
     ran: dict[str, str] = dataclasses.field(default_factory=dict)  # {label: "held" | "streamed"}
+    needs: dict[str, Footprint] = dataclasses.field(default_factory=dict)  # {label: what it was estimated to hold}
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -154,16 +155,18 @@ class Inputs:
             [Candidate(self.nvfp4.label + KV_SUFFIX, self.nvfp4.exported, fp8_kv=True)] if kv else []
         )
 
-    def working_bytes(self) -> int:
-        """Memory a held model needs besides its weights, with a 2x margin: a forward of one batch
-        (fp32 logits and their float64 metric chunks, the activations, the attention scores), the
-        weight blocks widened for their GEMMs (`numerics.dense_widening`; greedy generation's
-        prefill and decode loop each widen the LM head), the largest tensor read from its file."""
-        config, (batch, seq) = self.source.config, (self.options.batch_size, self.ids_SxL.shape[1])
-        per_token = config.vocab_size + 4 * config.intermediate_size + 8 * config.hidden_size
-        scores = batch * config.num_heads * seq * seq
-        largest = 2 * max(config.vocab_size, config.intermediate_size) * config.hidden_size
-        return 2 * (4 * (batch * seq * per_token + scores) + 6 * metrics.CHUNK_BYTES + 3 * WIDEN_BYTES + largest)
+    def footprint(self, config, stored: dict[str, int]) -> Footprint:
+        """What validating a model of `config` whose tensors as stored are `stored` ({name: bytes})
+        holds, held or streamed (`footprint.footprint`): what `--offload auto` weighs."""
+        samples, seq_len = self.ids_SxL.shape
+        return footprint(config, stored, self.options, samples=samples, seq_len=seq_len)
+
+    def footprints(self) -> dict[str, Footprint]:
+        """{label: Footprint} of every model the validation runs: the BF16 source, then `runs`."""
+        return {
+            "bf16": self.footprint(self.source.config, source_tensor_bytes(self.source)),
+            **{c.label: self.footprint(c.exported.config, c.exported.stored_tensor_bytes()) for c in self.runs},
+        }
 
 
 @contextlib.contextmanager
@@ -305,7 +308,11 @@ def validate_export(
         )
     files = write_reports(record, export_dir, json_copy)
     return ValidationRun(
-        record=record, files=files, source_path=inputs.source.path, source_mismatch=inputs.source_mismatch
+        record=record,
+        files=files,
+        source_path=inputs.source.path,
+        source_mismatch=inputs.source_mismatch,
+        footprints=dict(inputs.needs),
     )
 
 
@@ -352,6 +359,7 @@ class ValidationRun:
     files: list[str]
     source_path: str
     source_mismatch: str | None = None  # the source differs from the export's record (source_mismatch_ok)
+    footprints: dict[str, Footprint] = dataclasses.field(default_factory=dict)  # {label: its estimate}
 
 
 def run_validation(inputs: Inputs) -> ValidationRecord:
@@ -374,7 +382,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
     model, held = _open_model(
         "bf16",
         inputs,
-        source_bytes(source),
+        source_tensor_bytes(source),
         lambda mesh: model_from_tensors(
             source.config, source.tensors, dtype=None, compute_dtype=VALIDATION_DTYPE, mesh=mesh
         ),
@@ -416,7 +424,7 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         model, held = _open_model(
             c.label,
             inputs,
-            c.exported.stored_bytes(),
+            c.exported.stored_tensor_bytes(),
             lambda mesh, c=c: c.exported.model(VALIDATION_DTYPE, mesh),
             c.exported,
             c.exported.config,
@@ -519,30 +527,39 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     return sorted(rows.values(), key=lambda r: (r.output_sqnr_db.get(label, np.inf), r.name))
 
 
+def source_tensor_bytes(source: Checkpoint) -> dict[str, int]:
+    """{tensor name: bytes as stored} of the source's weights."""
+    tensors = source.tensors
+    return {n: tensor_bytes(tensors, n) for n in source.config.expected_tensor_shapes()}
+
+
 def source_bytes(source: Checkpoint) -> int:
     """The source's weights as stored (what holding it costs)."""
-    tensors = source.tensors
-    return sum(tensor_bytes(tensors, n) for n in source.config.expected_tensor_shapes())
+    return sum(source_tensor_bytes(source).values())
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
 
 
-def _open_model(label: str, inputs: Inputs, stored: int, build, source, config):
-    """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so, over every
-    device when there are several (`LayerwiseModel.open`)."""
+def _open_model(label: str, inputs: Inputs, stored: dict[str, int], build, source, config):
+    """(a LayerwiseModel, the held CausalLM or None): held when the offload mode says so for its
+    footprint (`Inputs.footprint` of its tensors as `stored`), over every device when there are
+    several (`LayerwiseModel.open`)."""
+    need = inputs.footprint(config, stored)
     model = LayerwiseModel.open(
         config,
         build=build,
         source=source,
         offload=inputs.options.offload,
-        what=f"{label} ({stored / 1e9:.2f} GB as stored)",
-        weights=stored,
-        working=inputs.working_bytes(),
+        what=f"{label} ({need.weights / 1e9:.2f} GB as stored)",
+        weights=need.weights,
+        working=need.working,
+        streamed=need.streamed,
         compute_dtype=VALIDATION_DTYPE,
     )
     inputs.ran[label] = "streamed" if model.streamed else "held"
+    inputs.needs[label] = need
     return model, model.whole
 
 
@@ -716,7 +733,8 @@ def _reference_calibration(
     if source.kind == "run" and source.input_amax is not None:
         return _Calibration(what="the training run's tracked input amax")
     plan = make_plan(source.config, "fp8", precision_map=source.precision_map)
-    amax = record.input_amax if record is not None and record.quant == "nvfp4" and record.input_amax else {}
+    calibrated = ("nvfp4", formats.MIXED)  # exports whose record holds calibrated input amax
+    amax = record.input_amax if record is not None and record.quant in calibrated and record.input_amax else {}
     if plan.quantized and all(m in amax and np.isfinite(amax[m]) and amax[m] > 0 for m in plan.quantized):
         calibrated = f"calibrated on `{record.calibration.file}`" if record.calibration else record.input_amax_origin
         return _Calibration(
@@ -724,7 +742,7 @@ def _reference_calibration(
         )
     why = (
         "a weight-only export carries no input scales"
-        if record is None or record.quant != "nvfp4"
+        if record is None or record.quant not in calibrated
         else "the export's provenance record has no usable input amax for every linear"
     )
     raise NVFP4UsageError(

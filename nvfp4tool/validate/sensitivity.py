@@ -37,16 +37,18 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     for m in quantized:
         groups.setdefault(fused_group(m), []).append(m)
     config = exported.config
-    bf16_bytes = sum(tensor_bytes(source, f"{m}.weight") for m in quantized)
-    stored = exported.stored_bytes() + bf16_bytes
+    # the export as stored and, named apart in its layer, the BF16 weight of each quantized linear
+    bf16 = {f"{m}.weight:bf16": tensor_bytes(source, f"{m}.weight") for m in quantized}
+    need = inputs.footprint(config, {**exported.stored_tensor_bytes(), **bf16})
     model = LayerwiseModel.open(
         config,
         build=lambda mesh: exported.model(inputs.compute_dtype, mesh),
         source=exported,
         offload=inputs.options.offload,
-        weights=stored,
-        working=inputs.working_bytes(),
-        what=f"sensitivity: the export + BF16 weights ({stored / 1e9:.2f} GB)",
+        weights=need.weights,
+        working=need.working,
+        streamed=need.streamed,
+        what=f"sensitivity: the export + BF16 weights ({need.weights / 1e9:.2f} GB)",
         compute_dtype=inputs.compute_dtype,
     )
     inputs.ran["sensitivity"] = "streamed" if model.streamed else "held"

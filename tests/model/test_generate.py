@@ -135,3 +135,24 @@ def test_decoded_copies_stay_within_their_share_of_the_model():
     assert sum(w.data.nbytes for w in copies) <= simulate.DECODE_ONCE_SHARE * model_bytes
     ids, mask = batch()
     np.testing.assert_array_equal(_tokens_and_logits(decoded, ids, mask)[1], _tokens_and_logits(stored, ids, mask)[1])
+
+
+def test_a_large_model_generates_with_the_optimized_programs_and_the_same_bits_either_way(monkeypatch):
+    """At OPTIMIZE_PARAMS parameters and up, generation compiles with XLA's passes on (the level
+    follows the config); weights decoded once still give the tokens and logits of decoding them
+    at every step, bit for bit."""
+    gen = _module()
+    config = CONFIGS["llama3"]
+    monkeypatch.setattr(gen, "OPTIMIZE_PARAMS", config.num_parameters())  # this tiny model counts as large
+    prefill, step = gen._programs(jax.default_backend(), True)
+    prefill.clear_cache()
+    step.clear_cache()
+    stored = _served(config)
+    decoded = for_generation(stored, "test", budget=1 << 40)
+    ids, mask = batch()
+    tokens, logits = _tokens_and_logits(stored, ids, mask)
+    once_tokens, once_logits = _tokens_and_logits(decoded, ids, mask)
+    assert prefill._cache_size() == 2 and step._cache_size() == 2  # stored and decoded: both optimized
+    np.testing.assert_array_equal(once_tokens, tokens)
+    np.testing.assert_array_equal(once_logits, logits)
+    assert np.ptp(logits) > 1.0

@@ -44,6 +44,18 @@ def test_choose_offload(monkeypatch, mode, weights, working, devices, available,
         assert lines.lines == []
 
 
+def test_auto_says_the_streamed_estimate_beside_the_held_one(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10 * GB)
+    lines = _Lines()
+    previous = progress.use_reporter(lines)
+    try:
+        assert not memory.choose_offload("auto", weights=GB, working=GB, what="the model", streamed=GB // 4)
+    finally:
+        progress.use_reporter(previous)
+    (line,) = lines.lines
+    assert "the model needs 2.00 GB held (0.25 GB streamed), 10.00 GB available -> holding it" in line
+
+
 def test_unknown_mode_is_bad_usage():
     with pytest.raises(NVFP4UsageError, match="--offload sometimes"):
         memory.choose_offload("sometimes", weights=1, working=0, what="x")
