@@ -48,3 +48,32 @@ def test_training_leaves_the_correction_bias_and_the_fp32_router(conformance):
         assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight").get_dtype() == "BF16"
         assert f.get_slice(bias).get_dtype() == g.get_slice(bias).get_dtype()
         assert f.get_tensor(bias).tobytes() == g.get_tensor(bias).tobytes()
+
+
+@pytest.mark.slow  # compiles an NVFP4 train step of a MoE model
+def test_tiny_deepseek_trains_with_its_moe_layers_scanned(tmp_path):
+    """`scan_layers=true` (tiny-deepseek: 1 dense + 3 DeepSeekMoE layers, its alike MoE layers one
+    `lax.scan` over stacked MLA and expert weights; the conformance suite's 2-layer model trains
+    unscanned): 2 NVFP4 steps of finite loss; the run's HF folder holds every tensor the config
+    expects and the routers' correction bias as initialized (zeros: no gradient reaches it)."""
+    import json
+
+    import numpy as np
+    from click.testing import CliRunner
+    from safetensors import safe_open
+
+    from nvfp4tool.checkpoints import open_checkpoint
+    from nvfp4tool.cli import cli
+
+    data = tmp_path / "train.txt"
+    data.write_text(open("nvfp4tool/data/shakespeare_train.txt", encoding="utf-8").read()[:60000])
+    out = tmp_path / "run"
+    args = ["train", "model=tiny-deepseek", f"data={data}", "recipe=nvfp4", "steps=2", "seq_len=32", "scan_layers=true"]
+    result = CliRunner().invoke(cli, [*args, "batch_size=2", "eval_every=0", "vocab_size=512", f"out={out}"])
+    assert result.exit_code == 0, result.output
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    hf = open_checkpoint(str(out / "hf"))
+    assert sorted(hf.tensors.names()) == sorted(hf.config.expected_tensor_shapes())
+    with safe_open(str(out / "hf" / "model.safetensors"), framework="numpy") as f:
+        assert not f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").any()
