@@ -228,6 +228,53 @@ def test_validate(conformance, family):
         assert _finite(layer["weight_sqnr_db"].values()) and _finite(layer["output_sqnr_db"].values()), layer
 
 
+# the families whose layers run different block programs (Gemma 3's local and global RoPE tables,
+# MLA's latent projections): streamed layer by layer, each layer's program is looked up on its own
+STREAMED = ("gemma3", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", STREAMED)
+def test_validate_streamed_equals_held(conformance, family, tmp_path):
+    """validate on the W4A16 export (no KV cache to simulate twice over), held and streamed layer by
+    layer: the same metrics; greedy generation held."""
+    import shutil
+
+    from nvfp4tool.validate.runner import ValidateOptions, validate_export
+    from nvfp4tool.validate.thresholds import Thresholds
+
+    quant = "nvfp4-weight-only"
+    np.save(tmp_path / "val.npy", np.random.default_rng(5).integers(3, 256, (4, 24)))
+    no_gates = Thresholds(
+        max_kl_mean=None, max_kl_p99=None, min_top1=None, max_ppl_increase=None, min_layer_sqnr_db=None
+    )
+    records = {}
+    for offload in ("never", "always"):
+        folder = tmp_path / offload
+        shutil.copytree(conformance.export(family, "compressed-tensors", quant), folder)
+        options = ValidateOptions(
+            data=str(tmp_path / "val.npy"),
+            source=str(conformance.run(family)),
+            samples=4,
+            seq_len=24,
+            batch_size=2,
+            prompts=1,
+            prompt_len=8,
+            gen_tokens=4,
+            offload=offload,
+            reference="bf16",
+            thresholds=no_gates,
+        )
+        records[offload] = validate_export(str(folder), options).record
+    held, streamed = records["never"], records["always"]
+    assert held.generation.skipped is None and held.generation.tokens == 4
+    for metric in ("kl_mean", "top1", "ppl"):
+        np.testing.assert_allclose(held.models[quant][metric], streamed.models[quant][metric], rtol=1e-5)
+    assert 0 < held.models[quant]["kl_mean"] < 1
+    assert [layer.name for layer in held.layers] == [layer.name for layer in streamed.layers]
+    for a, b in zip(held.layers, streamed.layers, strict=True):  # each layer's program and RoPE table
+        np.testing.assert_allclose(a.output_sqnr_db[quant], b.output_sqnr_db[quant], rtol=1e-4, err_msg=a.name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eval(conformance, family):
     record = EvalRecord.read(str(conformance.evaluated(family)))
