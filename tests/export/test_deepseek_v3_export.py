@@ -4,7 +4,7 @@ compressed-tensors and the FP8 KV cache's refusal there: tests/quickstart/test_c
 every MLA projection, dense MLP, routed and shared expert quantized, the routers and their
 correction bias in FP32, q_a_proj and kv_a_proj_with_mqa under one global scale (vLLM's fused GEMM);
 TP 8 reported (4 heads); transformers + compressed-tensors load our compressed-tensors exports with
-our decoded weights bit for bit.
+our decoded weights bit for bit; GPTQ passes check at TP 2.
 """
 
 from __future__ import annotations
@@ -114,3 +114,32 @@ def test_transformers_loads_the_fp8_export_bit_exact(exports):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model(torch.tensor([[3, 4, 5, 6, 7, 8]]))
     assert assert_fp8_weights_bit_exact(model, folder, ours) == _plain_and_experts(ours.config)[0]
+
+
+@pytest.mark.slow  # GPTQ's layer-by-layer pass over the suite's trained DeepSeek-V3
+def test_gptq_export_passes_check_at_tp_2_and_lowers_the_output_error(conformance, exports, tmp_path):
+    """`--weight-rounding gptq` on MLA and DeepSeekMoE (each layer's block program, the routed and
+    shared experts calibrated on their own tokens): the export passes check with vLLM's TP 2 splits,
+    its record says GPTQ lowered the linears' output error against RTN, and the weights moved."""
+    import numpy as np
+
+    from nvfp4tool.records.export import ExportRecord
+
+    from fixtures.conformance_fixtures import invoke
+
+    out = tmp_path / "gptq"
+    run = conformance.run(FAMILY)
+    quant = "nvfp4-weight-only"
+    args = ("--format", "compressed-tensors", "--quant", quant, "--weight-rounding", "gptq")
+    invoke("-q", "export", run, "--out", out, *args, *conformance.calib)
+    report = check_checkpoint(str(out), tp=(1, 2))
+    assert report.ok, [p.message for p in report.problems]
+    record = ExportRecord.read(str(out))
+    assert record.weight_rounding == "gptq" and record.gptq.mean_output_err_reduction > 0
+    gptq, rtn = load_export(str(out)), load_export(exports["compressed-tensors", quant])
+    assert gptq.quantized == rtn.quantized
+    moved = [
+        m for m in gptq.quantized if not np.array_equal(np.asarray(gptq.dequantized(m)), np.asarray(rtn.dequantized(m)))
+    ]
+    assert {m.split(".")[3] for m in moved} == {"self_attn", "mlp"}  # MLA and the MLPs
+    assert any(".experts." in m for m in moved) and any(".shared_experts." in m for m in moved)
