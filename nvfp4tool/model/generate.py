@@ -223,10 +223,15 @@ def _select(logits_BxV, key, options: _SamplingOptions):
     return jnp.where(options.greedy, greedy_B, sampled_B).astype(jnp.int32)
 
 
-@functools.cache
 def _programs(backend: str, optimize: bool = False):
     """The jitted (prefill, step) of `backend` (on the CPU with `_CPU_COMPILER_OPTIONS[optimize]`),
-    each compiled once per shape and shared by every model of that shape."""
+    each compiled once per shape and shared by every model of that shape: the same two objects
+    however the arguments are spelled (`functools.cache` keys `(b,)` and `(b, False)` apart)."""
+    return _jitted(backend, bool(optimize))
+
+
+@functools.cache
+def _jitted(backend: str, optimize: bool):
     options = _CPU_COMPILER_OPTIONS[optimize] if backend == "cpu" else None
     prefill = jax.jit(_prefill, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=options)
     step = jax.jit(
