@@ -11,6 +11,7 @@ Design notes: docs/design/export.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from converters.atomic import check_output_path
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.export.auto_precision import AutoPrecision, search_precision
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
@@ -53,6 +55,7 @@ class ExportOptions:
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     precision_file: str | None = None  # `PATTERN FORMAT` lines (plan.read_precision_file): per-linear formats
+    auto_precision: float | None = None  # a KL target: per-linear formats searched on calibration (auto_precision.py)
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -98,6 +101,7 @@ class ExportJob:
     gptq_seconds: float = 0.0
     equalization: Equalization | None = None  # --equalize: the scales folded into `source.tensors`
     equalization_seconds: float = 0.0
+    auto_precision: AutoPrecision | None = None  # --auto-precision: the search that made `plan`
 
     @property
     def kv_cache(self) -> str | None:
@@ -173,6 +177,27 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
     calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
+    found = None
+    if options.auto_precision is not None:
+        if input_amax is None:  # a weight-only base: its FP8 rung needs input scales
+            found_amax = _calibration(source, plan.quantized, options, ids, kv_cache=False)
+            input_amax, origin = found_amax.input_amax, _CALIBRATED
+            calibration = _calibration_record(options, ids, found_amax.routed_tokens)
+        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block)
+        plan = make_plan(
+            source.config,
+            options.quant,
+            precision_map=source.precision_map,
+            keep_bf16=options.keep_bf16 + tuple(from_file),
+            keep_bf16_origin=from_file,
+            rules=found.rules,
+        )
+        spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
+        group_amax = {g: a for g, a in group_amax.items() if g in plan.groups}
+        if plan.has_input_scales:
+            input_amax = {m: input_amax[m] for m in plan.quantized}
+        else:
+            input_amax, origin = None, "none (weight-only)"
     return ExportJob(
         source=source,
         out=out,
@@ -190,6 +215,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
         equalization=equalization,
         equalization_seconds=equalization_seconds,
+        auto_precision=found,
     )
 
 
@@ -318,23 +344,52 @@ def _check_options(options: ExportOptions) -> None:
             f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
             "the calibration activations)"
         )
+    if options.auto_precision is not None:
+        _check_auto(options)
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
 
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
-    """The passes not yet taught per-linear formats refuse a mixed plan in one line."""
-    if not plan.is_mixed:
+    """The passes not yet taught per-linear formats refuse a mixed plan (or an --auto-precision
+    search, which makes one) in one line."""
+    if not plan.is_mixed and options.auto_precision is None:
         return
+    what = (
+        f"--auto-precision {options.auto_precision:g}"
+        if options.auto_precision is not None
+        else f"{options.precision_file}: {', '.join(sorted(set(plan.quants.values())))}"
+    )
     for flag, value, off in (
         ("--weight-rounding", options.weight_rounding, "rtn"),
         ("--equalize", options.equalize, "none"),
     ):
         if value != off:
             raise NVFP4UsageError(
-                f"{flag} {value} with a mixed-precision export ({options.precision_file}: "
-                f"{', '.join(sorted(set(plan.quants.values())))}) is not supported yet; export it with {flag} {off}"
+                f"{flag} {value} with a mixed-precision export ({what}) is not supported yet; "
+                f"export it with {flag} {off}"
             )
+
+
+def _check_auto(options: ExportOptions) -> None:
+    """--auto-precision KL: a positive finite target, searched on --calib-data, alone in choosing formats."""
+    target = options.auto_precision
+    if not (isinstance(target, int | float) and math.isfinite(target) and target > 0):
+        raise NVFP4UsageError(f"--auto-precision must be a positive mean KL in nats (e.g. 0.05), got {target}")
+    if options.calib_data is None:
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} needs --calib-data PATH (the search runs on the calibration windows)"
+        )
+    if options.precision_file is not None:
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} chooses every linear's format: drop --precision-file "
+            f"{options.precision_file} (--keep-bf16 patterns stay BF16 and are not searched)"
+        )
+    if options.kv_cache != "none":
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
+            "search measures the BF16 KV cache); export with --kv-cache none"
+        )
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
@@ -451,6 +506,7 @@ def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
         or options.weight_rounding == "gptq"
         or _kv(options) is not None
         or options.equalize != "none"
+        or options.auto_precision is not None
     ):
         return
     if plan.has_input_scales and plan.quantized:

@@ -7,7 +7,7 @@ Each linear gets one precision (`formats.PRECISIONS`): `--quant`, unless a preci
 otherwise (`PrecisionRule`: a `--precision-file` line, the last matching one wins; a keep-BF16
 pattern is a rule to "bf16"). `lm_head` and MoE routers are never quantized; a fused group shares
 one format (a bf16 rule keeps it whole in BF16; one split across quants is refused).
-`read_precision_file`, `read_keep_bf16_file` / `format_keep_bf16_file`: the files.
+`read_precision_file` (`parse_precision_text`), `read_keep_bf16_file` / `format_keep_bf16_file`: the files.
 Design notes: docs/design/export.md.
 """
 
@@ -129,8 +129,17 @@ def read_precision_file(path: str) -> tuple[PrecisionRule, ...]:
     """The rules of a precision file, in order: one `PATTERN PRECISION` a line (fnmatch over
     module names as stored; PRECISION one of formats.PRECISIONS), `#` starts a comment.
     NVFP4ToolError naming FILE:LINE for a line that is not that, or a file that is not UTF-8 text."""
+    return _precision_rules(_lines(path, "precision file (lines 'PATTERN FORMAT')"))
+
+
+def parse_precision_text(text: str, origin: str) -> tuple[PrecisionRule, ...]:
+    """`read_precision_file` of a text (`export --auto-precision`'s result), lines named "ORIGIN:LINE"."""
+    return _precision_rules(_text_lines(text, origin))
+
+
+def _precision_rules(lines: list[tuple[str, list[str]]]) -> tuple[PrecisionRule, ...]:
     rules = []
-    for where, words in _lines(path, "precision file (lines 'PATTERN FORMAT')"):
+    for where, words in lines:
         if len(words) != 2 or words[1] not in PRECISIONS:
             raise NVFP4ToolError(
                 f"{where}: {' '.join(words)!r}: expected 'PATTERN FORMAT' with FORMAT one of "
@@ -218,11 +227,15 @@ def _lines(path: str, kind: str) -> list[tuple[str, list[str]]]:
         raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a {kind}") from None
     except OSError as bad:
         raise NVFP4ToolError(f"{path}: cannot read ({bad.strerror})") from None
+    return _text_lines(text, path)
+
+
+def _text_lines(text: str, origin: str) -> list[tuple[str, list[str]]]:
     found = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if words:
-            found.append((f"{path}:{number}", words))
+            found.append((f"{origin}:{number}", words))
     return found
 
 
