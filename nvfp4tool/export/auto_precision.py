@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -173,18 +173,25 @@ def upgrade_search(
     def predicted() -> float:
         return sum(alone[u][assign[u]] for u in weights)
 
-    while True:
-        uniform = len(set(assign.values())) == 1 and next(iter(assign.values()))
+    def step(changed: dict[str, str], kind: str, trial: dict[str, str]) -> AutoSearchStep:
+        uniform = len(set(trial.values())) == 1 and next(iter(trial.values()))
         measured = (known or {}).get(uniform) if uniform else None
-        measured = measure(dict(assign)) if measured is None else measured
-        bits = sum(weights[u] * BITS[assign[u]] for u in weights) / total
-        steps.append(AutoSearchStep(dict(upgraded), predicted(), correction, measured, bits))
-        progress.info(
-            f"auto-precision: step {len(steps) - 1}: {len(upgraded)} unit(s) upgraded, predicted KL "
-            f"{correction * predicted():.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
+        measured = measure(dict(trial)) if measured is None else measured
+        bits = sum(weights[u] * BITS[trial[u]] for u in weights) / total
+        found = AutoSearchStep(
+            dict(changed), sum(alone[u][trial[u]] for u in weights), correction, measured, bits, kind
         )
+        progress.info(
+            f"auto-precision: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
+            f"{correction * found.predicted_kl:.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
+        )
+        return found
+
+    while True:
+        steps.append(step(upgraded, "upgrade" if steps else "start", assign))
+        measured = steps[-1].measured_kl
         if measured <= goal or all(f == ladder[-1] for f in assign.values()):
-            return steps, assign
+            break
         correction = measured / predicted() if predicted() > 0 else math.inf
         upgraded = {}
         while not upgraded or correction * predicted() > goal:
@@ -192,6 +199,37 @@ def upgrade_search(
             if choice is None:
                 break
             assign[choice[0]] = upgraded[choice[0]] = choice[1]
+    if steps[-1].measured_kl > goal:
+        return steps, assign
+
+    # prune: an upgrade the last round made in bulk may be unneeded (the KLs do not add); each upgraded
+    # unit, the most bits saved per predicted KL added first, goes one rung down if the mix still meets it
+    def saving(u: str) -> float:
+        lower = ladder[ladder.index(assign[u]) - 1]
+        return weights[u] * (BITS[assign[u]] - BITS[lower]) / max(alone[u][lower] - alone[u][assign[u]], 1e-30)
+
+    def without(u: str) -> AutoSearchStep:
+        lower = ladder[ladder.index(assign[u]) - 1]
+        return step({u: lower}, "prune", {**assign, u: lower})
+
+    for u, trial in prune_pass(
+        sorted((u for u in assign if assign[u] != ladder[0]), key=lambda u: -saving(u)),
+        without,
+        lambda t: t.measured_kl <= goal,
+    ):
+        assign.update(trial.upgraded)
+        steps.append(trial)
+    return steps, assign
+
+
+def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
+    """The one prune rule of the precision searches (this one and `validate --sensitivity`'s): each
+    candidate in turn, the measured `trial_without(candidate)` (made from the state as pruned so far)
+    is kept, and yielded as (candidate, trial) for the caller to apply, when `meets(trial)`."""
+    for candidate in candidates:
+        trial = trial_without(candidate)
+        if meets(trial):
+            yield candidate, trial
 
 
 def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:

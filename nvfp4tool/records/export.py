@@ -283,14 +283,15 @@ class UnitSensitivityRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class AutoSearchStep(Record):
-    """One combination the search measured: the units it upgraded since the last step, the
+    """One combination the search measured: the units it changed since the last step, the
     additive prediction, the correction factor applied, the measured KL and its bits per weight."""
 
-    upgraded: dict[str, str]  # unit -> its new format (empty: the uniform base)
+    upgraded: dict[str, str]  # unit -> its new format (empty: the uniform base; a prune: the rung below)
     predicted_kl: float  # sum over units of kl_alone (the additive model), before the correction
     correction: float  # measured / predicted of the previous measurement (1 at first)
     measured_kl: float  # the whole mixed model, as served, on the calibration windows
     bits_per_weight: float
+    step: str = "upgrade"  # "start" (uniform --quant) | "upgrade" | "prune" (one unit a rung down, kept: still met)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,10 @@ def test_record_curve_check_and_card(auto):
     record = AutoPrecisionRecord.read(out)
     assert record.steps[0].measured_kl == record.uniform["nvfp4"]["kl"]  # the base is the uniform W4A4 point
     assert set(record.uniform) == {"nvfp4", "nvfp4-weight-only", "fp8"}
-    assert [s.bits_per_weight for s in record.steps] == sorted({s.bits_per_weight for s in record.steps})
+    path = [s.bits_per_weight for s in record.steps if s.step != "prune"]
+    assert path == sorted(set(path)) and record.steps[0].step == "start"
+    for before, prune in zip(record.steps, record.steps[1:]):
+        assert prune.step != "prune" or prune.bits_per_weight < before.bits_per_weight
     assert sorted(u.unit for u in record.units) == sorted(
         {scheme_group(m) for m in make_plan(ModelConfig.from_hf_folder(auto["src"]), "nvfp4").quantized}
     )
@@ -162,9 +165,13 @@ def test_combination_correction_when_the_additive_prediction_is_wrong():
     assert steps[1].measured_kl == pytest.approx(0.094)  # ... measured 0.094: not additive
     assert steps[2].correction == pytest.approx(0.094 / 0.044)
     assert steps[2].upgraded == {"a": "fp8", "b": "fp8"}  # 0.026 x 2.14 > 0.045: a alone is not enough
-    assert steps[-1].measured_kl <= MARGIN * 0.05 and final == dict.fromkeys("abc", "fp8")
-    assert len(measured) == len(steps) == 3
-    assert [s.bits_per_weight for s in steps] == [4.5, (4.5 * 2 + 8) / 3, 8.0]
+    assert steps[2].measured_kl <= MARGIN * 0.05  # all three in FP8: met ...
+    # ... then pruned: a back to NVFP4 still meets it (b interacts with a once c is upgraded: not b; c
+    # costs 0.05 alone: not c); the rejected trials are measured, not recorded
+    assert [(s.step, s.upgraded) for s in steps[3:]] == [("prune", {"a": "nvfp4"})]
+    assert final == {"a": "nvfp4", "b": "fp8", "c": "fp8"} and steps[-1].measured_kl == pytest.approx(0.026)
+    assert len(measured) == 6 and len(steps) == 4
+    assert [s.bits_per_weight for s in steps] == [4.5, (4.5 * 2 + 8) / 3, 8.0, (4.5 + 16) / 3]
 
 
 def test_every_unit_in_bf16_ends_the_search():
