@@ -273,12 +273,18 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    path = [s for s in record.steps if s.step != "prune"]
     ax.plot(
-        [s.bits_per_weight for s in record.steps],
-        [s.measured_kl for s in record.steps],
+        [s.bits_per_weight for s in path],
+        [s.measured_kl for s in path],
         "o-",
         label=f"--auto-precision search ({record.base} base)",
     )
+    pruned = [s for s in record.steps if s.step == "prune"]
+    if pruned:
+        ax.plot([s.bits_per_weight for s in pruned], [s.measured_kl for s in pruned], "x", label="prune steps")
+    last = record.steps[-1]
+    ax.plot([last.bits_per_weight], [last.measured_kl], "*", ms=14, label="result")
     names = {"nvfp4": "NVFP4 W4A4", "nvfp4-weight-only": "NVFP4 W4A16", "fp8": "FP8 W8A8"}
     for f, point in record.uniform.items():
         ax.plot([point["bits_per_weight"]], [point["kl"]], "s", label=f"uniform {names.get(f, f)}")
