@@ -273,10 +273,10 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    path = [s for s in record.steps if s.step != "prune"]
+    climb = [s for s in record.steps if s.step != "prune"]
     ax.plot(
-        [s.bits_per_weight for s in path],
-        [s.measured_kl for s in path],
+        [s.bits_per_weight for s in climb],
+        [s.measured_kl for s in climb],
         "o-",
         label=f"--auto-precision search ({record.base} base)",
     )

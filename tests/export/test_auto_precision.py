@@ -17,6 +17,7 @@ from converters.hf import HFFolderSource
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
+from nvfp4tool.export import ExportOptions, export_checkpoint
 from nvfp4tool.export.auto_precision import BITS, MARGIN, upgrade_search
 from nvfp4tool.export.plan import make_plan, read_precision_file
 from nvfp4tool.export.simulate import load_export, served_linear
@@ -202,3 +203,28 @@ def test_refusals_name_the_option(auto, tmp_path):
         result.output
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_moe_experts_of_a_layer_are_one_unit(tmp_path):
+    """Mixtral: one MoE layer's routed experts are one unit (vLLM runs them as one fused MoE layer
+    of one scheme); the export is written whatever formats the search gives them."""
+    src = build_tiny_model("mixtral", str(tmp_path / "hf"))
+    calib = str(tmp_path / "calib.npy")
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
+    out = str(tmp_path / "auto")
+    export_checkpoint(
+        src,
+        out,
+        ExportOptions(auto_precision=0.01, calib_data=calib, calib_samples=2, calib_seq_len=16, show_progress=False),
+    )
+    record = AutoPrecisionRecord.read(out)
+    experts = [u for u in record.units if u.unit.endswith(".experts")]
+    config = ModelConfig.from_hf_folder(src)
+    linears = make_plan(config, "nvfp4").quantized
+    assert len(experts) == config.num_layers
+    for unit in experts:
+        assert len(unit.modules) > 3 and unit.modules == [m for m in linears if scheme_group(m) == unit.unit]
+    exported = load_export(out)
+    for unit in experts:
+        assert len({exported.quant_of(m) if m in exported.quantized else "bf16" for m in unit.modules}) == 1
+    assert record.met and check_checkpoint(out).ok
