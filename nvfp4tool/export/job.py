@@ -102,6 +102,7 @@ class ExportJob:
     equalization: Equalization | None = None  # --equalize: the scales folded into `source.tensors`
     equalization_seconds: float = 0.0
     auto_precision: AutoPrecision | None = None  # --auto-precision: the search that made `plan`
+    auto_precision_seconds: float = 0.0  # the search (0: none)
 
     @property
     def kv_cache(self) -> str | None:
@@ -177,12 +178,13 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
     calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
-    found = None
+    found, search_start = None, time.perf_counter()
     if options.auto_precision is not None:
         if input_amax is None:  # a weight-only base: its FP8 rung needs input scales
             found_amax = _calibration(source, plan.quantized, options, ids, kv_cache=False)
             input_amax, origin = found_amax.input_amax, _CALIBRATED
             calibration = _calibration_record(options, ids, found_amax.routed_tokens)
+        search_start = time.perf_counter()
         found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block)
         plan = make_plan(
             source.config,
@@ -212,10 +214,11 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         input_amax_origin=origin,
         kv_amax=kv_amax,
         calibration=calibration,
-        calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
+        calibration_seconds=search_start - calibration_start if options.calib_data else 0.0,
         equalization=equalization,
         equalization_seconds=equalization_seconds,
         auto_precision=found,
+        auto_precision_seconds=time.perf_counter() - search_start if found else 0.0,
     )
 
 

@@ -52,13 +52,15 @@ class ExportSummary:
     calibration_seconds: float = 0.0  # reading --calib-data and running the model on it (0: none)
     gptq_seconds: float = 0.0  # the GPTQ pass (0: none)
     equalization_seconds: float = 0.0  # --equalize: the search and the fold check (0: none)
+    auto_precision_seconds: float = 0.0  # --auto-precision: the search (0: none)
     record: ExportRecord | None = None  # the provenance it wrote (nvfp4tool_export.json)
 
     @property
     def write_seconds(self) -> float:
         """Reading, quantizing and writing the weights: the whole export but the passes that run the
-        model on data (equalization, calibration, GPTQ)."""
-        return max(self.seconds - self.equalization_seconds - self.calibration_seconds - self.gptq_seconds, 0.0)
+        model on data (equalization, calibration, GPTQ, the auto-precision search)."""
+        passes = self.equalization_seconds + self.calibration_seconds + self.gptq_seconds + self.auto_precision_seconds
+        return max(self.seconds - passes, 0.0)
 
     @property
     def gb_per_s(self) -> float:
@@ -73,6 +75,7 @@ class ExportSummary:
                 ("equalization", self.equalization_seconds),
                 ("calibration", self.calibration_seconds),
                 ("GPTQ", self.gptq_seconds),
+                ("auto-precision", self.auto_precision_seconds),
             )
             if seconds
         )
@@ -113,6 +116,7 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
         calibration_seconds=job.calibration_seconds,
         gptq_seconds=job.gptq_seconds,
         equalization_seconds=job.equalization_seconds,
+        auto_precision_seconds=job.auto_precision_seconds,
     )
 
 

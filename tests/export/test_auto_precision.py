@@ -52,6 +52,7 @@ def auto(tmp_path_factory) -> dict[str, str]:
     args = ["export", src, "--out", out, "--auto-precision", str(TARGET), "--calib-data", calib]
     result = CliRunner().invoke(cli, [*args, "--calib-samples", "2", "--calib-seq-len", "16"])
     assert result.exit_code == 0, result.output
+    assert "auto-precision " in result.output.splitlines()[-1]  # the summary times the search apart
     return {"src": src, "calib": calib, "out": out}
 
 
