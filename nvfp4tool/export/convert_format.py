@@ -49,6 +49,8 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
     source = HFFolderSource(src, check_config=False)
     specs = _module_specs(layout, source.names())  # quantized module -> its source spec
     quantized = set(specs)
+    for spec in dict.fromkeys(specs.values()):
+        _target(spec, to)  # a quant `to` does not carry (ModelOpt: fp8-block) is refused before writing
     kv_target = formats.get(to, layout.spec.quant)  # the KV-scale layout is the format's
     kv_names = _kv_names(source.names(), layout.spec, kv_target)  # target name -> source name
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
@@ -130,13 +132,13 @@ def _refuse_what_check_refuses(src: str) -> None:
 
 
 def _module_specs(layout: formats.FolderLayout, names: list[str]) -> dict[str, formats.LayoutSpec]:
-    """Quantized module -> its spec: the modules holding their scheme's weight global scale
-    (a mixed folder: each module's own scheme), in file order."""
+    """Quantized module -> its spec: the modules holding their scheme's marker scale (the weight
+    global scale; fp8-block's scale grid; a mixed folder: each module's own scheme), in file order."""
     specs = {}
     for name in names:
         module, _, suffix = name.rpartition(".")
         spec = layout.spec_for(module)
-        if spec is not None and suffix == spec.suffix("weight_global"):
+        if spec is not None and suffix == spec.marker_suffix:
             specs[module] = spec
     return specs
 

@@ -43,7 +43,7 @@ class ExportOptions:
     """How to export (the `nvfp4tool export` options)."""
 
     format: str = "modelopt"  # modelopt | compressed-tensors
-    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
+    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor) | fp8-block
     scale_search: str = "rtn"  # rtn | 4over6 | mse
     weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
     equalize: str = "none"  # none | awq | smoothquant: equivalent scaling before quantizing (NVFP4; needs calib_data)
@@ -89,7 +89,7 @@ class ExportJob:
     group_amax: dict[str, np.float32]  # fused group -> joint weight amax
     calibration_ids: np.ndarray | None  # the windows [S, L] read from --calib-data (None without)
     input_amax: dict[str, float] | None  # quantized module -> input amax; None: weight-only
-    input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only)"
+    input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only | dynamic ...)"
     kv_amax: dict[str, tuple[float, float]]  # attention -> (K, V) amax; {} without --kv-cache
     calibration: CalibrationRecord | None  # the calibration data and windows that ran
     calibration_seconds: float  # reading --calib-data and running the model on it (0: none)
@@ -146,8 +146,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         rules=rules,
     )
     _check_mixed(plan, options)
+    _check_format_carries(plan, options, rules)
     spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.is_mixed else plan.quant)
-    block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
+    block = options.weight_block or (source.weight_block if options.quant in formats.NVFP4_QUANTS else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
     ids = _calibration_ids(source, options)
@@ -267,8 +268,8 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of {', '.join(formats.FORMATS)}")
     if options.scale_search not in METHODS:
         raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of {', '.join(METHODS)}")
-    if options.quant == "fp8" and options.scale_search != "rtn":
-        raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
+    if options.quant not in formats.NVFP4_QUANTS and options.scale_search != "rtn":
+        raise NVFP4ToolError(f"--scale-search applies to NVFP4 only ({options.quant} is amax scaling)")
     if options.weight_rounding not in WEIGHT_ROUNDINGS:
         raise NVFP4UsageError(
             f"unknown --weight-rounding {options.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}"
@@ -287,9 +288,9 @@ def _check_options(options: ExportOptions) -> None:
             f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
             f"it needs --weight-rounding gptq"
         )
-    if options.weight_rounding == "gptq" and options.quant == "fp8":
+    if options.weight_rounding == "gptq" and options.quant not in formats.NVFP4_QUANTS:
         raise NVFP4UsageError(
-            "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8"
+            f"--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not {options.quant}"
         )
     if _kv(options) is not None and options.calib_data is None:
         raise NVFP4UsageError(
@@ -309,9 +310,10 @@ def _check_options(options: ExportOptions) -> None:
                 f"ExportOptions.equalization is {options.equalization.method} scales: "
                 f"equalize must say so, not {options.equalize!r}"
             )
-    elif options.equalize != "none" and options.quant == "fp8":
+    elif options.equalize != "none" and options.quant not in formats.NVFP4_QUANTS:
         raise NVFP4UsageError(
-            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8"
+            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, "
+            f"not {options.quant}"
         )
     if options.equalize != "none" and options.equalization is None and options.calib_data is None:
         raise NVFP4UsageError(
@@ -335,6 +337,17 @@ def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
                 f"{flag} {value} with a mixed-precision export ({options.precision_file}: "
                 f"{', '.join(sorted(set(plan.quants.values())))}) is not supported yet; export it with {flag} {off}"
             )
+
+
+def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules) -> None:
+    """NVFP4UsageError in one line when --format has no layout for a quant the plan uses
+    (ModelOpt: fp8-block), naming the precision-file line that asked for it."""
+    for quant in dict.fromkeys(plan.quants.values() if plan.is_mixed else (plan.quant,)):
+        try:
+            formats.get(options.format, quant)
+        except NVFP4UsageError as bad:
+            where = next((r.origin for r in reversed(rules) if r.precision == quant), None)
+            raise NVFP4UsageError(f"{where}: {bad}" if where else str(bad)) from None
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
@@ -370,7 +383,8 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         given = dataclasses.replace(source, input_amax=dict(options.input_amax))
         return _tracked_input_amax(given, plan)[0], "given (ExportOptions.input_amax)", None, {}
     if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
-        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
+        none = "none (dynamic activation scales)" if plan.quant == "fp8-block" else "none (weight-only)"
+        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, none)
         if gptq:  # the GPTQ pass's record: the data it ran
             return input_amax, origin, _calibration_record(options, ids_SxL), {}
         if not kv_cache:

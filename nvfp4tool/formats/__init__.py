@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from converters.fp8_block import is_fp8_block_config
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
     CONFIG_FILE,
@@ -23,9 +23,11 @@ from nvfp4tool.formats.spec import (
     HF_QUANT_CONFIG_FILE,
     KV_CACHES,
     MIXED,
+    NVFP4_QUANTS,
     PRECISIONS,
     QUANTS,
     ROLES,
+    STATIC_INPUT_QUANTS,
     KVScaleSpec,
     LayoutSpec,
     TensorSpec,
@@ -45,8 +47,10 @@ __all__ = [
     "HF_QUANT_CONFIG_FILE",
     "KV_CACHES",
     "MIXED",
+    "NVFP4_QUANTS",
     "PRECISIONS",
     "QUANTS",
+    "STATIC_INPUT_QUANTS",
     "ROLES",
     "SPECS",
     "FolderLayout",
@@ -61,11 +65,14 @@ __all__ = [
 
 
 def get(fmt: str, quant: str) -> LayoutSpec:
-    """The spec of (format, quant); NVFP4ToolError naming the unknown one."""
+    """The spec of (format, quant); NVFP4ToolError naming the unknown one, NVFP4UsageError (one
+    line, why) for a quant the format does not carry (ModelOpt: fp8-block)."""
     if fmt not in FORMATS:
         raise NVFP4ToolError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if quant not in QUANTS:
         raise NVFP4ToolError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    if (fmt, quant) not in SPECS:
+        raise NVFP4UsageError(f"--format {fmt} does not carry {quant}: {modelopt.UNSUPPORTED[quant]}")
     return SPECS[(fmt, quant)]
 
 

@@ -18,6 +18,17 @@ QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8"
 QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
 MIXED_ALGO = "MIXED_PRECISION"  # per-linear algos in `quantized_layers` (vLLM's ModelOptMixedPrecisionConfig)
 # Keys vLLM reads from hf_quant_config.json["quantization"] (it refuses NVFP4 without group_size).
+# Quants this format does not carry, and why (vLLM's modelopt.py: ModelOptMixedPrecisionConfig maps
+# only FP8 / NVFP4 / W4A16_NVFP4 per layer, any other quantized_layers algo loads UNQUANTIZED;
+# ModelOptFp8PbWoLinearMethod reads uniform FP8_PB_WO for dense linears only, N and K multiples of
+# 128, scale [N/128, 1, K/128, 1], its MoE experts per-tensor FP8): not written here.
+UNSUPPORTED = {
+    "fp8-block": (
+        "vLLM's ModelOpt MIXED_PRECISION loader has no per-layer FP8_PB_WO (such a linear loads "
+        "unquantized) and its FP8_PB_WO reads neither MoE experts nor N / K off 128; "
+        "use --format compressed-tensors (FP8_BLOCK)"
+    )
+}
 KV_CACHE_ALGO = {"fp8": "FP8"}  # --kv-cache -> kv_cache_quant_algo
 KV_CACHE_SCHEME = {"fp8": {"dynamic": False, "num_bits": 8, "type": "float"}}  # config.json's form
 KV_SCALES = KVScaleSpec(k_suffix="k_proj.k_scale", v_suffix="v_proj.v_scale", shape=())

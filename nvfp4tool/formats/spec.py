@@ -3,7 +3,8 @@ constants every layout shares.
 
 Tensors are declared by role (weight, block_scale, weight_global, input_global), the join key of
 `to_roles` / `from_roles`; global scales are "decode" (S_dec: ModelOpt, every FP8 layout) or
-"encode" (1 / S_dec: compressed-tensors NVFP4). `KVScaleSpec`: where the KV-cache scales go.
+"encode" (1 / S_dec: compressed-tensors NVFP4). `fp8-block` has no global scale: its block_scale
+is the fp32 decode-scale grid [ceil(N/128), ceil(K/128)]. `KVScaleSpec`: where the KV-cache scales go.
 Design notes: docs/design/formats.md.
 """
 
@@ -23,7 +24,9 @@ from nvfp4tool.families import is_attention
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
-QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")  # W4A4, W4A16, FP8 W8A8 per tensor
+QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8", "fp8-block")  # W4A4, W4A16, FP8 W8A8 per tensor / 128x128 blocks
+NVFP4_QUANTS = ("nvfp4", "nvfp4-weight-only")
+STATIC_INPUT_QUANTS = ("nvfp4", "fp8")  # quants whose layouts ship a calibrated input scale (fp8-block: dynamic)
 MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
 PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
@@ -92,11 +95,27 @@ class LayoutSpec:
     # ---------------------------------------------------------------- tensors
     @property
     def is_nvfp4(self) -> bool:
-        return self.quant != "fp8"
+        return self.quant in NVFP4_QUANTS
+
+    @property
+    def is_fp8_block(self) -> bool:
+        """FP8 with an fp32 decode scale per 128x128 weight block, activations dynamic per token per 128."""
+        return self.quant == "fp8-block"
+
+    @property
+    def marker_suffix(self) -> str:
+        """The suffix of the one scale every quantized module of this layout has (its weight's
+        global scale, or fp8-block's scale grid): what says a module is stored quantized."""
+        return self.suffix("weight_global") or self.suffix("block_scale")
 
     @property
     def has_input_scales(self) -> bool:
         return any(t.role == "input_global" for t in self.tensors)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """W4A4 / W8A8: a stored input scale, or (fp8-block) dynamic per-token-group scales."""
+        return self.has_input_scales or self.is_fp8_block
 
     @property
     def global_shape(self) -> tuple[int, ...]:
