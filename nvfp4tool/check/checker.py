@@ -28,7 +28,7 @@ from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Probl
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, fused_position, is_embedding, projection_of, scheme_group
-from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec
+from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec, linear_problem
 from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
@@ -288,6 +288,10 @@ def _check_fp8_block_module(
     stray = tensors.get(input_suffix(SPECS[(spec.format, "fp8")]))
     if stray is not None:
         found.append(Problem(module, stray.name, "present in an fp8-block module, whose activations are dynamic"))
+    if stats.n is not None:
+        why = linear_problem(spec.format, spec.quant, module, stats.n, stats.k)
+        if why is not None:
+            found.append(Problem(module, f"{module}.{spec.suffix('weight')}", why))
     block = tensors.get(scale_suffix)
     name = f"{module}.{scale_suffix}"
     if block is None:
@@ -301,8 +305,8 @@ def _check_fp8_block_module(
             Problem(
                 module,
                 name,
-                f"is {block.code}{list(block.shape)}, expected F32 {list(want)} (ceil(N/{FP8_BLOCK}) x "
-                f"ceil(K/{FP8_BLOCK}) of N x K = {stats.n} x {stats.k})",
+                f"is {block.code}{list(block.shape)}, expected F32 {list(want)} (the ceil(N/{FP8_BLOCK}) x "
+                f"ceil(K/{FP8_BLOCK}) grid of N x K = {stats.n} x {stats.k})",
             )
         )
         return stats

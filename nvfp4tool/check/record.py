@@ -114,7 +114,7 @@ def _fp8_block_amax(weight: TensorEntry | None, block: TensorEntry | None, spec:
     n, k = weight.shape
     if block.code != spec.tensor("block_scale").code or block.shape != spec.tensor("block_scale").shape(n, k):
         return None
-    scales = read_small(block).astype(np.float32)
+    scales = read_small(block).astype(np.float32).reshape(block.shape[0], -1)  # ModelOpt: [N/128, 1, K/128, 1]
     rows = FP8_BLOCK * max(1, CHUNK_BYTES // 4 // max(1, k) // FP8_BLOCK)  # the fp32 decode stays ~CHUNK_BYTES
     peak = 0.0
     for i, values in enumerate(iter_rows(weight, rows)):

@@ -146,7 +146,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         rules=rules,
     )
     _check_mixed(plan, options)
-    _check_format_carries(plan, options, rules)
+    _check_format_carries(plan, options, rules, source.config)
     spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.is_mixed else plan.quant)
     block = options.weight_block or (source.weight_block if options.quant in formats.NVFP4_QUANTS else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
@@ -339,15 +339,23 @@ def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
             )
 
 
-def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules) -> None:
-    """NVFP4UsageError in one line when --format has no layout for a quant the plan uses
-    (ModelOpt: fp8-block), naming the precision-file line that asked for it."""
-    for quant in dict.fromkeys(plan.quants.values() if plan.is_mixed else (plan.quant,)):
-        try:
-            formats.get(options.format, quant)
-        except NVFP4UsageError as bad:
-            where = next((r.origin for r in reversed(rules) if r.precision == quant), None)
-            raise NVFP4UsageError(f"{where}: {bad}" if where else str(bad)) from None
+def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules, config) -> None:
+    """Refuse in one line what --format cannot carry so that its engines load it: a mixed file with
+    a quant the format's mixed loader does not map (ModelOpt: fp8-block; NVFP4UsageError naming the
+    precision-file line), a linear its layout cannot hold (ModelOpt fp8-block: N or K off 128, a
+    routed expert; NVFP4ToolError naming it)."""
+    if plan.is_mixed:
+        problem = formats.mixed_problem(options.format, set(plan.quants.values()))
+        if problem is not None:
+            bad = next(q for q in plan.quants.values() if formats.mixed_problem(options.format, {q}))
+            where = next((r.origin for r in reversed(rules) if r.precision == bad), None)
+            raise NVFP4UsageError(f"{where}: {problem}" if where else problem)
+    shapes = config.expected_tensor_shapes()
+    for module in plan.quantized:
+        n, k = shapes[f"{module}.weight"][:2]
+        problem = formats.linear_problem(options.format, plan.quant_of(module), module, n, k)
+        if problem is not None:
+            raise NVFP4ToolError(f"{module}.weight: {plan.quant_of(module)} in --format {options.format}: {problem}")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:

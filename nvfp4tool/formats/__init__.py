@@ -60,19 +60,18 @@ __all__ = [
     "describe",
     "get",
     "is_quantized_export",
+    "linear_problem",
     "mixed_configs",
+    "mixed_problem",
 ]
 
 
 def get(fmt: str, quant: str) -> LayoutSpec:
-    """The spec of (format, quant); NVFP4ToolError naming the unknown one, NVFP4UsageError (one
-    line, why) for a quant the format does not carry (ModelOpt: fp8-block)."""
+    """The spec of (format, quant); NVFP4ToolError naming the unknown one."""
     if fmt not in FORMATS:
         raise NVFP4ToolError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if quant not in QUANTS:
         raise NVFP4ToolError(f"unknown quant {quant!r}; choose one of {', '.join(QUANTS)}")
-    if (fmt, quant) not in SPECS:
-        raise NVFP4UsageError(f"--format {fmt} does not carry {quant}: {modelopt.UNSUPPORTED[quant]}")
     return SPECS[(fmt, quant)]
 
 
@@ -135,12 +134,34 @@ def mixed_configs(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json["quantization_config"], hf_quant_config.json or None) of a mixed export whose
     quantized linears have the quants `quants` ({module: one of QUANTS}, model order)."""
+    problem = mixed_problem(fmt, set(quants.values()))
+    if problem is not None:
+        raise NVFP4UsageError(problem)
     schemes = tuple(
         (SPECS[(fmt, q)], tuple(m for m, mq in quants.items() if mq == q)) for q in QUANTS if q in quants.values()
     )
     if fmt == modelopt.FORMAT:
         return modelopt.mixed_configs(schemes, excluded, producer, kv_cache)
     return compressed_tensors.mixed_config(schemes, excluded, kv_cache), None
+
+
+def mixed_problem(fmt: str, quants) -> str | None:
+    """Why a mixed-precision checkpoint in `fmt` cannot carry one of `quants` so that its engines
+    load it (ModelOpt: fp8-block, `modelopt.MIXED_UNSUPPORTED`), or None."""
+    if fmt == modelopt.FORMAT:
+        bad = next((q for q in quants if q in modelopt.MIXED_UNSUPPORTED), None)
+        if bad is not None:
+            why = modelopt.MIXED_UNSUPPORTED[bad]
+            return f"--format modelopt does not carry {bad} in a mixed-precision file: {why}"
+    return None
+
+
+def linear_problem(fmt: str, quant: str, module: str, n: int, k: int) -> str | None:
+    """Why the linear `module` [N, K] cannot be stored as (fmt, quant) so that its engines load it
+    (ModelOpt fp8-block: `modelopt.fp8_block_problem`), or None."""
+    if fmt == modelopt.FORMAT and quant == "fp8-block":
+        return modelopt.fp8_block_problem(module, n, k)
+    return None
 
 
 def is_quantized_export(folder: str) -> bool:

@@ -166,7 +166,8 @@ class LayoutSpec:
         return np.asarray(value, np.float32).reshape(())
 
     def to_roles(self, module: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One quantized module's stored tensors -> {role: value}, global scales as S_dec []."""
+        """One quantized module's stored tensors -> {role: value}, global scales as S_dec [],
+        fp8-block's scale grid as [ceil(N/128), ceil(K/128)]."""
         by_suffix = {t.suffix: t for t in self.tensors}
         roles = {}
         for name, value in tensors.items():
@@ -177,7 +178,11 @@ class LayoutSpec:
                     f"(expected {module}.{{{', '.join(by_suffix)}}})"
                 )
             role = by_suffix[suffix].role
-            roles[role] = self.decode_global(value) if role in GLOBAL_ROLES else value
+            if role in GLOBAL_ROLES:
+                value = self.decode_global(value)
+            elif role == "block_scale" and self.is_fp8_block:
+                value = self._grid(value, stored=False)
+            roles[role] = value
         missing = [t.suffix for t in self.tensors if t.role not in roles]
         if missing:
             raise NVFP4ToolError(f"{module}.{missing[0]}: missing ({self.label} quantized module)")
@@ -185,10 +190,24 @@ class LayoutSpec:
 
     def from_roles(self, module: str, roles: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """{role: value} (global scales as S_dec) -> this layout's named tensors, in file order."""
-        return {
-            f"{module}.{t.suffix}": (self.stored_global(roles[t.role]) if t.role in GLOBAL_ROLES else roles[t.role])
-            for t in self.tensors
-        }
+        stored = {}
+        for t in self.tensors:
+            value = roles[t.role]
+            if t.role in GLOBAL_ROLES:
+                value = self.stored_global(value)
+            elif t.role == "block_scale" and self.is_fp8_block:
+                value = self._grid(value, stored=True)
+            stored[f"{module}.{t.suffix}"] = value
+        return stored
+
+    def _grid(self, value: np.ndarray, *, stored: bool) -> np.ndarray:
+        """fp8-block's scale grid as a role ([ceil(N/128), ceil(K/128)]) or as this layout stores it
+        (compressed-tensors the same; ModelOpt [N/128, 1, K/128, 1]): the same fp32 values."""
+        value = np.asarray(value)
+        grid = value.reshape(value.shape[0], -1) if value.ndim else value
+        if stored and len(self.tensor("block_scale").shape(1, 1)) == 4:
+            return grid.reshape(grid.shape[0], 1, grid.shape[1], 1)
+        return grid
 
     # ---------------------------------------------------------------- configs
     def quantization_config(self, excluded: tuple[str, ...], kv_cache: str | None = None) -> dict[str, Any]:

@@ -478,6 +478,12 @@ def _serving_section(repo_id: str, layout: formats.FolderLayout, kv_cache: str |
             f"convert it losslessly and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
             f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```"
         )
+    if spec.is_fp8_block:
+        return (
+            f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}: vLLM's ModelOpt "
+            f"loader runs FP8_PB_WO so, despite the name's weight-only). Not loadable by transformers: {convert}.\n\n"
+            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization modelopt{kv_flag}\n```"
+        )
     vllm_quant = "modelopt_fp4" if spec.is_nvfp4 else "modelopt"
     return (
         f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}). Not "

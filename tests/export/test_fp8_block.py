@@ -2,7 +2,8 @@
 (amax / 448, the grid ceil(N/128) x ceil(K/128)), activations quantized dynamically per token per
 128 columns (vLLM's per_token_group_quant_fp8), written as compressed-tensors' FP8_BLOCK scheme,
 uniform and per linear in a mixed file with NVFP4; proven against numpy oracles and transformers +
-compressed-tensors; ModelOpt refuses it in one line."""
+compressed-tensors; ModelOpt's FP8_PB_WO (uniform dense models) converts both ways byte for byte,
+and what vLLM's ModelOpt loader cannot read is refused in one line."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.quantizers import FP8_QUANTIZERS
 from nvfp4tool.export.simulate import FP8BlockWeight, NVFP4Weight, load_export, served_linear
 from nvfp4tool.hub.card import bits_by_quant, build_model_card
@@ -112,13 +114,14 @@ def test_served_linear_quantizes_its_input_per_token_per_128_columns_as_vllm_doe
 @pytest.fixture(scope="module")
 def fp8_block_exports(tmp_path_factory) -> dict[str, str]:
     """{"src", "uniform" (compressed-tensors --quant fp8-block), "mixed" (layer 0 fp8-block, layer
-    1's o_proj BF16, the rest NVFP4 W4A4), "precision_file"} of one tiny Llama."""
+    1's o_proj BF16, the rest NVFP4 W4A4), "precision_file", "calib"} of one tiny Llama."""
     root = tmp_path_factory.mktemp("fp8_block")
     src = build_tiny_model("llama3", str(root / "hf"), overrides=SIZES)
     precision = root / "precision.txt"
     precision.write_text(PRECISION_FILE)
     np.save(root / "calib.npy", np.random.default_rng(0).integers(0, 256, (2, 16)))
-    out = {"src": src, "precision_file": str(precision), "uniform": str(root / "uniform"), "mixed": str(root / "mixed")}
+    out = {"src": src, "precision_file": str(precision), "calib": str(root / "calib.npy")}
+    out |= {"uniform": str(root / "uniform"), "mixed": str(root / "mixed")}
     export_checkpoint(
         src, out["uniform"], ExportOptions(format="compressed-tensors", quant="fp8-block", show_progress=False)
     )
@@ -246,34 +249,54 @@ def test_check_refuses_a_wrong_scale_shape_and_a_tp_split_off_128(fp8_block_expo
     lines = [p.line() for p in check_checkpoint(folder).problems]
     assert lines == [
         f"model.layers.0.self_attn.q_proj: {name}: is F32[1, 2], expected F32 [2, 1] "
-        "(ceil(N/128) x ceil(K/128) of N x K = 256 x 128)"
+        "(the ceil(N/128) x ceil(K/128) grid of N x K = 256 x 128)"
     ]
 
 
-def test_modelopt_refuses_fp8_block_in_one_line(fp8_block_exports, tmp_path):
-    runner = CliRunner()
-    src, out = fp8_block_exports["src"], str(tmp_path / "out")
-    result = runner.invoke(cli, ["export", src, "--out", out, "--format", "modelopt", "--quant", "fp8-block"])
+def test_modelopt_fp8_pb_wo_round_trips_with_compressed_tensors_byte_for_byte(fp8_block_exports, tmp_path):
+    """ModelOpt stores the grid as vLLM's ModelOptFp8PbWoLinearMethod reads it, [N/128, 1, K/128, 1]
+    (`quant_algo: FP8_PB_WO`); converting either way is the other direct export, byte for byte."""
+    folder = str(tmp_path / "modelopt")
+    export_checkpoint(
+        fp8_block_exports["src"], folder, ExportOptions(format="modelopt", quant="fp8-block", show_progress=False)
+    )
+    with open(os.path.join(folder, "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"] == {
+            "quant_algo": "FP8_PB_WO",
+            "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head"],
+            "group_size": 128,
+        }
+    stored = _tensors(folder)
+    assert stored["model.layers.0.mlp.down_proj.weight_scale"][:2] == ("F32", (1, 1, 2, 1))
+    report = check_checkpoint(folder)
+    assert report.ok and report.quant == "fp8-block", [p.line() for p in report.problems]
+    ct, back = str(tmp_path / "ct"), str(tmp_path / "back")
+    convert_format(folder, ct, to="compressed-tensors")
+    convert_format(ct, back, to="modelopt")
+    assert _tensors(ct) == _tensors(fp8_block_exports["uniform"])
+    assert _tensors(back) == stored
+    ours, theirs = load_export(folder), load_export(fp8_block_exports["uniform"])
+    module = "model.layers.1.self_attn.o_proj"
+    assert np.asarray(ours.dequantized(module)).tobytes() == np.asarray(theirs.dequantized(module)).tobytes()
+
+
+def test_modelopt_refuses_fp8_block_where_vllm_cannot_load_it(fp8_block_exports, tmp_path):
+    runner, out = CliRunner(), str(tmp_path / "out")
+    precision = fp8_block_exports["precision_file"]
+    args = ["export", fp8_block_exports["src"], "--out", out, "--format", "modelopt", "--precision-file", precision]
+    result = runner.invoke(cli, [*args, "--calib-data", fp8_block_exports["calib"]])
     assert result.exit_code == 2, result.output
     error = result.output.strip().splitlines()[-1]  # click's usage header, then the one line
-    assert error.startswith("Error: --format modelopt does not carry fp8-block: ")
-    assert "FP8_PB_WO" in result.output and not os.path.exists(out)
-    args = [
-        "export",
-        src,
-        "--out",
-        out,
-        "--format",
-        "modelopt",
-        "--precision-file",
-        fp8_block_exports["precision_file"],
-    ]
-    result = runner.invoke(cli, args)
-    assert result.exit_code == 2 and f"{fp8_block_exports['precision_file']}:1: --format modelopt" in result.output
-    assert not os.path.exists(out)
+    assert error.startswith(f"Error: {precision}:1: --format modelopt does not carry fp8-block in a mixed-precision")
+    assert "FP8_PB_WO" in error and not os.path.exists(out)
     result = runner.invoke(cli, ["convert-format", fp8_block_exports["mixed"], out, "--to", "modelopt"])
-    assert result.exit_code == 2 and "does not carry fp8-block" in result.output, result.output
+    assert result.exit_code == 2 and "does not carry fp8-block in a mixed-precision file" in result.output
     assert not os.path.exists(out)
+    expert, up = "model.layers.1.mlp.experts.3.w1", "model.layers.0.mlp.up_proj"
+    assert "routed expert" in formats.linear_problem("modelopt", "fp8-block", expert, 256, 128)
+    assert "N x K = 192 x 128" in formats.linear_problem("modelopt", "fp8-block", up, 192, 128)
+    assert formats.linear_problem("compressed-tensors", "fp8-block", up, 192, 128) is None
 
 
 def test_export_refuses_an_fp8_block_linear_whose_k_is_not_a_multiple_of_128(tmp_path):
