@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
-from nvfp4tool.export import ExportOptions, export_checkpoint
+from nvfp4tool.export import ExportOptions, export_checkpoint, simulate
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.quantizers import FP8_QUANTIZERS
 from nvfp4tool.export.simulate import FP8BlockWeight, NVFP4Weight, load_export, served_linear
@@ -101,6 +101,8 @@ def test_served_linear_quantizes_its_input_per_token_per_128_columns_as_vllm_doe
     assert np.asarray(weight.quantize_input(x)).tobytes() == expected.tobytes()
     bias = rng.standard_normal(96).astype(np.float32)
     y = np.asarray(served_linear(x, weight, bias, name="m"))
+    once = simulate._decode_once(weight)  # generation decodes it once, with the same input quantizer
+    assert once.quant == "fp8-block" and np.asarray(served_linear(x, once, bias, name="m")).tobytes() == y.tobytes()
     np.testing.assert_allclose(
         y, expected.astype(np.float64) @ decoded.T.astype(np.float64) + bias, rtol=2e-5, atol=2e-5
     )
@@ -308,3 +310,53 @@ def test_export_refuses_an_fp8_block_linear_whose_k_is_not_a_multiple_of_128(tmp
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert "model.layers.0.self_attn.q_proj.weight: in_features 64 is not a multiple of 128 (fp8-block" in result.output
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_every_served_linear_on_real_activations_is_the_oracles(fp8_block_exports):
+    """What validate and eval run, linear by linear on the activations of a real forward:
+    transformers' fp32 Llama holding the export's tensors (BF16 as stored, fp8-block weights
+    decoded in numpy) with every quantized linear's input quantized by the numpy
+    per_token_group_quant_fp8 oracle; each linear's input, as our served model quantizes it, is the
+    oracle's bit for bit and its output the oracle's GEMM to fp32 rounding. (Whole-model logits
+    are not compared: an ulp of difference upstream flips E4M3 roundings of activations derived
+    from BF16 values, which sit on rounding ties often, so two correct implementations of the same
+    served numerics differ by far more than fp32 rounding.)"""
+    import torch
+    import transformers
+
+    folder = fp8_block_exports["uniform"]
+    stored, ours = _tensors(folder), load_export(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        fp8_block_exports["src"], dtype=torch.float32, attn_implementation="eager"
+    )
+    state = {}
+    for name in model.state_dict():
+        dtype, shape, data = stored[name]
+        if dtype == "F8_E4M3":
+            codes = np.frombuffer(data, E4M3).reshape(shape)
+            _, grid_shape, grid = stored[name.replace(".weight", ".weight_scale")]
+            grid = np.frombuffer(grid, np.float32).reshape(grid_shape)
+            per_element = np.repeat(np.repeat(grid, B, axis=0), B, axis=1)[: shape[0], : shape[1]]
+            state[name] = torch.from_numpy(codes.astype(np.float32) * per_element)
+        else:
+            assert dtype == "BF16"
+            state[name] = torch.from_numpy(np.frombuffer(data, ml_dtypes.bfloat16).reshape(shape).astype(np.float32))
+    model.load_state_dict(state)
+    inputs = {}
+
+    def quantize(module, args, name):
+        inputs[name] = args[0].numpy().copy()
+        return (torch.from_numpy(_oracle_groups(inputs[name])),)
+
+    for name, module in model.named_modules():
+        if name in ours.quantized:
+            module.register_forward_pre_hook(lambda m, args, name=name: quantize(m, args, name))
+    with torch.no_grad():
+        model(torch.tensor(np.random.default_rng(3).integers(3, 256, (2, 12))))
+    assert set(inputs) == set(ours.quantized)
+    for name, x in inputs.items():
+        weight = ours.get(f"{name}.weight")
+        assert np.asarray(weight.quantize_input(x)).tobytes() == _oracle_groups(x).tobytes(), name
+        expected = _oracle_groups(x).astype(np.float64) @ state[f"{name}.weight"].numpy().T.astype(np.float64)
+        y = np.asarray(served_linear(x, weight, None, name=name))
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()), err_msg=name)
