@@ -281,6 +281,8 @@ def test_modelopt_fp8_pb_wo_round_trips_with_compressed_tensors_byte_for_byte(fp
     ours, theirs = load_export(folder), load_export(fp8_block_exports["uniform"])
     module = "model.layers.1.self_attn.o_proj"
     assert np.asarray(ours.dequantized(module)).tobytes() == np.asarray(theirs.dequantized(module)).tobytes()
+    card = build_model_card(folder, report, repo_id="me/x", validation=None)
+    assert "`quant_algo: FP8_PB_WO`" in card and "--quantization modelopt" in card
 
 
 def test_modelopt_refuses_fp8_block_where_vllm_cannot_load_it(fp8_block_exports, tmp_path):
