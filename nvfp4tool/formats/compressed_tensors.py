@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec
+from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec, fp8_block_grid
 from nvfp4tool.numerics.constants import E4M3_MAX, FP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "compressed-tensors"
@@ -119,15 +119,11 @@ def _one(n: int, k: int) -> tuple[int, ...]:
     return (1,)
 
 
-def _block_grid(n: int, k: int) -> tuple[int, ...]:
-    return (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-
-
 def _spec(quant: str) -> LayoutSpec:
     if quant == "fp8-block":
         tensors = [
             TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
-            TensorSpec("block_scale", "weight_scale", "F32", _block_grid),
+            TensorSpec("block_scale", "weight_scale", "F32", fp8_block_grid),
         ]
     elif quant == "fp8":
         tensors = [

@@ -20,6 +20,7 @@ from nvfp4tool.formats.spec import (
     KVScaleSpec,
     LayoutSpec,
     TensorSpec,
+    fp8_block_grid,
 )
 from nvfp4tool.numerics.constants import E4M3_MAX, FP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
@@ -144,7 +145,8 @@ def _scalar(n: int, k: int) -> tuple[int, ...]:
 
 
 def _block_grid(n: int, k: int) -> tuple[int, ...]:
-    return (-(-n // FP8_BLOCK), 1, -(-k // FP8_BLOCK), 1)
+    rows, columns = fp8_block_grid(n, k)
+    return (rows, 1, columns, 1)
 
 
 def _spec(quant: str) -> LayoutSpec:

@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from converters.fp8_block import FP8Block
 from converters.hf import SAFETENSORS_DTYPES
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import is_attention
+from nvfp4tool.numerics.constants import FP8_BLOCK
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
@@ -30,6 +32,14 @@ STATIC_INPUT_QUANTS = ("nvfp4", "fp8")  # quants whose layouts ship a calibrated
 MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
 PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
+FP8_BLOCKS = FP8Block(block=(FP8_BLOCK, FP8_BLOCK))  # fp8-block: the 128x128 grid of DeepSeek sources
+
+
+def fp8_block_grid(n: int, k: int) -> tuple[int, int]:
+    """fp8-block's scale grid of an [N, K] weight: [ceil(N/128), ceil(K/128)] (`FP8Block.scale_shape`)."""
+    return FP8_BLOCKS.scale_shape((n, k))
+
+
 KV_CACHES = ("fp8",)  # quantized KV caches an export can carry scales for (None: the engine's default)
 GLOBAL_ROLES = ("weight_global", "input_global")
 

@@ -236,11 +236,17 @@ def _mixed_lines(report: Any, layout: formats.FolderLayout) -> list[str]:
     return lines + [""]
 
 
+def _weight_blocks(provenance: ExportRecord) -> str:
+    if provenance.quant == "fp8-block":
+        return "128x128 weight blocks (an fp32 scale each)"
+    return f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks"
+
+
 def _methods(provenance: ExportRecord) -> list[str]:
     """Every choice of the export that changed the written bytes, in words."""
     methods = [
         f"block-scale search {_scale_search(provenance.scale_search)}",
-        f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks",
+        _weight_blocks(provenance),
         _rounding(provenance),
     ]
     if provenance.quant not in ("nvfp4-weight-only", "fp8-block") and provenance.input_amax_origin:
@@ -391,7 +397,7 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         ("format / quant", f"{provenance.format} / {provenance.quant}"),
         ("block-scale search", _scale_search(provenance.scale_search)),
         ("weight rounding", _rounding(provenance)),
-        ("weight block scaling", provenance.weight_block),
+        ("weight block scaling", "128x128" if provenance.quant == "fp8-block" else provenance.weight_block),
         ("input scales from", provenance.input_amax_origin),
         (
             "KV cache",

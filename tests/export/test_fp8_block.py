@@ -197,6 +197,7 @@ def test_the_mixed_exports_fp8_block_linears_are_the_uniform_exports_and_checks_
     uniform_report = check_checkpoint(fp8_block_exports["uniform"])
     card = build_model_card(fp8_block_exports["uniform"], uniform_report, repo_id="me/x", validation=None)
     assert "128x128 block scales (W8A8)" in card and "per token per 128 columns" in card
+    assert "128x128 weight blocks (an fp32 scale each)" in card and "1x16" not in card
 
 
 @pytest.mark.peers
