@@ -27,8 +27,8 @@ from nvfp4tool.check.record import check_against_record
 from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Problem
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group, fused_position, is_embedding, projection_of, scheme_group
-from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec, linear_problem
+from nvfp4tool.families import fused_group, is_embedding, projection_of, scheme_group
+from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec, linear_problem, merged_problem
 from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
@@ -618,22 +618,11 @@ def _check_fused_groups(
 
 
 def _merged_block_problems(group: str, members: list[str], quantized: Mapping[str, ModuleStats]) -> list[Problem]:
-    """vLLM's validate_fp8_block_shape for a merged GEMM: every shard's N but the last a multiple
-    of 128 (a block row must not straddle two shards)."""
-    ordered = sorted(members, key=fused_position)
-    problems = []
-    for m in ordered[:-1]:
-        n = quantized[m].n if m in quantized else None
-        if n is not None and n % FP8_BLOCK:
-            problems.append(
-                Problem(
-                    group,
-                    m,
-                    f"N = {n} is not a multiple of {FP8_BLOCK}: in the merged GEMM of {group} only the last "
-                    f"shard ({ordered[-1].rpartition('.')[2]}) may end a 128-row block early",
-                )
-            )
-    return problems
+    """fp8-block shards of one merged GEMM against `formats.merged_problem` (vLLM's
+    validate_fp8_block_shape at TP 1)."""
+    sizes = {m: quantized[m].n for m in members if m in quantized and quantized[m].n is not None}
+    found = merged_problem("fp8-block", sizes) if len(sizes) == len(members) else None
+    return [] if found is None else [Problem(group, found[0], found[1])]
 
 
 def _check_data(

@@ -343,7 +343,7 @@ def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules, confi
     """Refuse in one line what --format cannot carry so that its engines load it: a mixed file with
     a quant the format's mixed loader does not map (ModelOpt: fp8-block; NVFP4UsageError naming the
     precision-file line), a linear its layout cannot hold (ModelOpt fp8-block: N or K off 128, a
-    routed expert; NVFP4ToolError naming it)."""
+    routed expert; an fp8-block merged GEMM whose shards but the last are off 128; NVFP4ToolError naming it)."""
     if plan.is_mixed:
         problem = formats.mixed_problem(options.format, set(plan.quants.values()))
         if problem is not None:
@@ -356,6 +356,10 @@ def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules, confi
         problem = formats.linear_problem(options.format, plan.quant_of(module), module, n, k)
         if problem is not None:
             raise NVFP4ToolError(f"{module}.weight: {plan.quant_of(module)} in --format {options.format}: {problem}")
+    for members in plan.groups.values():
+        found = formats.merged_problem(plan.quant_of(members[0]), {m: shapes[f"{m}.weight"][0] for m in members})
+        if found is not None:
+            raise NVFP4ToolError(f"{found[0]}.weight: {found[1]}; keep its group BF16 or choose another format")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:

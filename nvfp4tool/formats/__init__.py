@@ -16,6 +16,7 @@ from typing import Any
 
 from converters.fp8_block import is_fp8_block_config
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import fused_position
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
     CONFIG_FILE,
@@ -61,6 +62,7 @@ __all__ = [
     "get",
     "is_quantized_export",
     "linear_problem",
+    "merged_problem",
     "mixed_configs",
     "mixed_problem",
 ]
@@ -161,6 +163,24 @@ def linear_problem(fmt: str, quant: str, module: str, n: int, k: int) -> str | N
     (ModelOpt fp8-block: `modelopt.fp8_block_problem`), or None."""
     if fmt == modelopt.FORMAT and quant == "fp8-block":
         return modelopt.fp8_block_problem(module, n, k)
+    return None
+
+
+def merged_problem(quant: str, members: dict[str, int]) -> tuple[str, str] | None:
+    """(shard, why) when the shards of one merged GEMM ({module: N}: q/k/v, gate/up) cannot be
+    served as `quant`, else None: fp8-block needs every shard's N but the last's (in
+    `families.fused_position` order) a multiple of 128, as vLLM's validate_fp8_block_shape does at
+    TP 1 (a 128-row block must not straddle two shards)."""
+    if quant != "fp8-block":
+        return None
+    ordered = sorted(members, key=fused_position)
+    for module in ordered[:-1]:
+        if members[module] % 128:
+            last = ordered[-1].rpartition(".")[2]
+            return module, (
+                f"N = {members[module]} is not a multiple of 128: in a merged fp8-block GEMM only the last shard "
+                f"({last}) may end a 128-row block early (vLLM's validate_fp8_block_shape)"
+            )
     return None
 
 

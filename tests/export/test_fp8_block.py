@@ -304,7 +304,7 @@ def test_modelopt_refuses_fp8_block_where_vllm_cannot_load_it(fp8_block_exports,
     assert formats.linear_problem("compressed-tensors", "fp8-block", up, 192, 128) is None
 
 
-def test_export_refuses_an_fp8_block_linear_whose_k_is_not_a_multiple_of_128(tmp_path):
+def test_export_refuses_fp8_block_linears_off_128_where_vllm_needs_it(tmp_path):
     src = build_tiny_model("llama3", str(tmp_path / "hf"))  # hidden 64
     result = CliRunner().invoke(
         cli, ["export", src, "--out", str(tmp_path / "out"), "--format", "compressed-tensors", "--quant", "fp8-block"]
@@ -312,6 +312,17 @@ def test_export_refuses_an_fp8_block_linear_whose_k_is_not_a_multiple_of_128(tmp
     assert result.exit_code == 1, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert "model.layers.0.self_attn.q_proj.weight: in_features 64 is not a multiple of 128 (fp8-block" in result.output
+    assert not os.path.exists(tmp_path / "out")
+    # K = 128 everywhere, but k_proj's N = 64 ends a block early inside the merged q/k/v GEMM
+    src = build_tiny_model("llama3", str(tmp_path / "hf32"), overrides=dict(SIZES, head_dim=32))
+    result = CliRunner().invoke(
+        cli, ["export", src, "--out", str(tmp_path / "out"), "--format", "compressed-tensors", "--quant", "fp8-block"]
+    )
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith(
+        "Error: model.layers.0.self_attn.k_proj.weight: N = 64 is not a multiple of 128: in a merged fp8-block "
+        "GEMM only the last shard (v_proj) may end a 128-row block early"
+    ), result.output
     assert not os.path.exists(tmp_path / "out")
 
 
