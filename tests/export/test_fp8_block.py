@@ -374,3 +374,24 @@ def test_every_served_linear_on_real_activations_is_the_oracles(fp8_block_export
         expected = _oracle_groups(x).astype(np.float64) @ state[f"{name}.weight"].numpy().T.astype(np.float64)
         y = np.asarray(served_linear(x, weight, None, name=name))
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()), err_msg=name)
+
+
+def test_a_modelopt_mixed_file_naming_fp8_pb_wo_is_a_check_problem():
+    from nvfp4tool.formats import modelopt
+
+    layers = {
+        "model.layers.0.mlp.up_proj": {"quant_algo": "FP8_PB_WO", "group_size": 128},
+        "model.layers.1.mlp.up_proj": {"quant_algo": "NVFP4", "group_size": 16},
+    }
+    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": layers}
+    hf_quant = {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers, "exclude_modules": []}}
+    schemes, _, _, problems = modelopt.parse_mixed(qc, hf_quant)
+    assert schemes == [("nvfp4", ("model.layers.1.mlp.up_proj",))]
+    assert problems == [
+        (
+            "hf_quant_config.json",
+            "quantized_layers.model.layers.0.mlp.up_proj.quant_algo is 'FP8_PB_WO': vLLM's ModelOpt MIXED_PRECISION "
+            "loader maps no per-layer FP8_PB_WO (such a linear would load unquantized); use --format "
+            "compressed-tensors for a mixed file with fp8-block linears",
+        )
+    ]
