@@ -36,6 +36,10 @@ from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQ
 WEIGHT_ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: round to nearest, or GPTQ
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
+_NOT_FP8 = {  # the passes that need an NVFP4 linear, refusing an all-FP8 plan
+    "--weight-rounding": "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8",
+    "--equalize": "--equalize {} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,10 +291,8 @@ def _check_options(options: ExportOptions) -> None:
             f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
             f"it needs --weight-rounding gptq"
         )
-    if options.weight_rounding == "gptq" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    if options.weight_rounding == "gptq" and options.quant == "fp8" and options.precision_file is None:
+        raise NVFP4UsageError(_NOT_FP8["--weight-rounding"])
     if _kv(options) is not None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
@@ -309,10 +311,8 @@ def _check_options(options: ExportOptions) -> None:
                 f"ExportOptions.equalization is {options.equalization.method} scales: "
                 f"equalize must say so, not {options.equalize!r}"
             )
-    elif options.equalize != "none" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    elif options.equalize != "none" and options.quant == "fp8" and options.precision_file is None:
+        raise NVFP4UsageError(_NOT_FP8["--equalize"].format(options.equalize))
     if options.equalize != "none" and options.equalization is None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
@@ -323,18 +323,19 @@ def _check_options(options: ExportOptions) -> None:
 
 
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
-    """The passes not yet taught per-linear formats refuse a mixed plan in one line."""
-    if not plan.is_mixed:
+    """A precision file whose every quantized linear is FP8 is refused GPTQ and --equalize as
+    --quant fp8 is (a mixed plan takes both: each linear by its own format)."""
+    if plan.is_mixed and options.equalize != "none":
+        raise NVFP4UsageError(
+            f"--equalize {options.equalize} with a mixed-precision export is not supported yet; "
+            "export it with --equalize none"
+        )
+    if plan.is_mixed or plan.quant != "fp8":
         return
-    for flag, value, off in (
-        ("--weight-rounding", options.weight_rounding, "rtn"),
-        ("--equalize", options.equalize, "none"),
-    ):
-        if value != off:
-            raise NVFP4UsageError(
-                f"{flag} {value} with a mixed-precision export ({options.precision_file}: "
-                f"{', '.join(sorted(set(plan.quants.values())))}) is not supported yet; export it with {flag} {off}"
-            )
+    if options.weight_rounding == "gptq":
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--weight-rounding']}")
+    if options.equalize != "none" and options.equalization is None:
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--equalize'].format(options.equalize)}")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
