@@ -164,10 +164,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         equalization = equalize(
             source.config,
             source.tensors,
-            plan.quantized,
+            {m: plan.quant_of(m) for m in plan.quantized},
             ids,
             method=options.equalize,
-            weight_only=not plan.has_input_scales,
             block=block,
             offload=options.offload,
         )
@@ -325,11 +324,6 @@ def _check_options(options: ExportOptions) -> None:
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
     """A precision file whose every quantized linear is FP8 is refused GPTQ and --equalize as
     --quant fp8 is (a mixed plan takes both: each linear by its own format)."""
-    if plan.is_mixed and options.equalize != "none":
-        raise NVFP4UsageError(
-            f"--equalize {options.equalize} with a mixed-precision export is not supported yet; "
-            "export it with --equalize none"
-        )
     if plan.is_mixed or plan.quant != "fp8":
         return
     if options.weight_rounding == "gptq":

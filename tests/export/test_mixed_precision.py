@@ -270,16 +270,6 @@ def test_keep_bf16_file_and_bf16_precision_lines_write_the_same_bytes(mixed_expo
     )
 
 
-@pytest.mark.parametrize("flag, value", [("--equalize", "awq")])
-def test_passes_not_taught_per_linear_formats_refuse_a_mixed_plan(mixed_exports, tmp_path, flag, value):
-    out = tmp_path / "out"
-    args = ["export", mixed_exports["src"], "--out", str(out), "--precision-file", mixed_exports["precision_file"]]
-    result = CliRunner().invoke(cli, [*args, "--calib-data", mixed_exports["calib"], flag, value])
-    assert result.exit_code == 2, result.output
-    assert f"{flag} {value} with a mixed-precision export" in result.output and "not supported yet" in result.output
-    assert not out.exists()
-
-
 def test_check_refuses_modelopt_mixed_configs_that_disagree_or_name_an_unknown_algo(mixed_exports, tmp_path):
     folder = str(tmp_path / "mo")
     shutil.copytree(mixed_exports["modelopt"], folder)
