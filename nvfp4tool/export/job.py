@@ -122,7 +122,6 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
     inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file, options.precision_file) if f)
-    rules = read_precision_file(options.precision_file) if options.precision_file else ()
     from_file = {
         p: where
         for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
@@ -141,6 +140,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
+    # a run trained with a precision file carries it: its rules first, --precision-file's after
+    files = (source.precision_file, options.precision_file)
+    rules = tuple(rule for f in files if f is not None for rule in read_precision_file(f))
     plan = make_plan(
         source.config,
         options.quant,
