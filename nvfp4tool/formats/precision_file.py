@@ -3,9 +3,11 @@
     rules = read_precision_file("precision.txt")        # PrecisionRule(pattern, precision, "FILE:LINE"), in order
     precision = resolve_precisions(names, "nvfp4", rules)  # linear -> its precision, the last matching rule winning
     check_groups(names, precision, rules, always=routers)  # a fused group split across formats is refused
+    rules = precision_rules("out/m-mixed", names)          # train from a mixed export: its per-linear formats
 
 One `PATTERN FORMAT` a line (fnmatch over module names as stored; FORMAT one of `PRECISIONS`), `#`
-starts a comment. Export and train read it here, so both resolve a file the same way.
+starts a comment. Export and train read it here, so both resolve a file the same way;
+`format_precision_file` writes one.
 Design notes: docs/design/export.md.
 """
 
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 from collections.abc import Iterable, Mapping
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import scheme_group
 from nvfp4tool.formats.spec import PRECISIONS
+from nvfp4tool.records.export import ExportRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,32 @@ def read_precision_file(path: str) -> tuple[PrecisionRule, ...]:
             )
         rules.append(PrecisionRule(words[0], words[1], where))
     return tuple(rules)
+
+
+def precision_rules(path: str, names: Iterable[str]) -> tuple[PrecisionRule, ...]:
+    """The rules of `path`: a precision file's lines, or for an export folder (a mixed one) one rule
+    per linear of `names` its record's precision map gives a format (the linears it quantized and
+    the ones it kept in BF16), in `names` order, each naming the record as its origin."""
+    if not os.path.isdir(path):
+        return read_precision_file(path)
+    record = ExportRecord.read(path)
+    where = os.path.join(path, ExportRecord.FILE_NAME)
+    return tuple(
+        PrecisionRule(n, record.precision_map[n], f"{where}: precision_map[{n!r}]")
+        for n in names
+        if n in record.precision_map
+    )
+
+
+def format_precision_file(rules: Iterable[PrecisionRule], comments: Iterable[str] = ()) -> str:
+    """The text of a precision file holding `rules` in order (`read_precision_file` reads them back):
+    each comment line (prefixed "# "), then one `PATTERN FORMAT` line per rule."""
+    lines = [f"# {c}" for c in comments]
+    for rule in rules:
+        if rule.pattern.split() != [rule.pattern] or "#" in rule.pattern or rule.precision not in PRECISIONS:
+            raise ValueError(f"{rule} cannot be written to a precision file")  # module names have no space or #
+        lines.append(f"{rule.pattern} {rule.precision}")
+    return "\n".join(lines) + "\n"
 
 
 def resolve_precisions(names: Iterable[str], default: str, rules: Iterable[PrecisionRule]) -> dict[str, str]:

@@ -4,7 +4,7 @@
     RunRecord.read(run_dir)                  <run>/run.json: the run's configuration, data and teacher hashes
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
     PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "nvfp4-weight-only" | "fp8" | "fp8-block"}
-    run_dir / "hf" / PRECISION_FILE          the run's `precision_file=` as given (export reads its rules)
+    run_dir / "hf" / PRECISION_FILE          the rules of the run's `precision_file=` (export reads them)
 
 Design notes: docs/design/records.md.
 """

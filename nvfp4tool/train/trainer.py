@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ from nvfp4tool.corpus.tokenizer import (
 from nvfp4tool.corpus.windows import Windows, windows_in_memory
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
-from nvfp4tool.formats.precision_file import read_precision_file
+from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, precision_rules
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
@@ -376,8 +375,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     mixture = loader_lib.parse_mixture(config.data)
     caches = _caches(config, tokenizer, [path for path, _ in mixture])  # before a model is built
     model_config, model = _model(config, tokenizer, source)
-    rules = read_precision_file(config.precision_file) if config.precision_file is not None else ()
-    pmap = precision_map(recipe, model_config, rules)
+    pmap = precision_map(recipe, model_config, _precision_rules(config, model_config))
     check_block_widths(pmap, model_config)  # a width the recipe cannot block, named before the step compiles
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
@@ -438,6 +436,14 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
         mesh=mesh,
         resume_step=resume_step,
     )
+
+
+def _precision_rules(config: TrainConfig, model_config: ModelConfig) -> tuple[PrecisionRule, ...]:
+    """The rules of `precision_file=` (a precision file, or a mixed export whose formats to train
+    in), over the model's quantizable linears; () without it."""
+    if config.precision_file is None:
+        return ()
+    return precision_rules(config.precision_file, [m.name for m in model_config.modules.linears if not m.keep_dtype])
 
 
 def _inputs(config: TrainConfig) -> list[str]:
@@ -992,7 +998,11 @@ def _write_final(
         amax.write(folder)
         PrecisionMapRecord(dict(pmap)).write(folder)
         if config.precision_file is not None:  # export of the run reads its rules (`Checkpoint.precision_file`)
-            shutil.copyfile(config.precision_file, Path(folder) / PRECISION_FILE)
+            text = format_precision_file(
+                _precision_rules(config, model_config),
+                [f"the per-linear formats this run trained with (train precision_file={config.precision_file})"],
+            )
+            (Path(folder) / PRECISION_FILE).write_text(text, encoding="utf-8")
 
     # the tokenizer's files (its chat template with them) come from where the run's tokenizer came
     # from: the one trained here, the model's folder, or for a preset the `tokenizer` folder

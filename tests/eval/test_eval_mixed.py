@@ -8,6 +8,7 @@ import dataclasses
 import os
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from nvfp4tool.cli import cli
@@ -17,6 +18,7 @@ from nvfp4tool.records.evaluation import EvalRecord
 MIXED_TITLE = "Mixed (NVFP4/NVFP4 W4A16/FP8/BF16)"  # the fixture's precision file, in formats.PRECISIONS order
 
 
+@pytest.mark.slow  # > 15 s of the inner loop (lm-eval over two models)
 def test_eval_runs_a_mixed_export_and_names_its_column_by_its_formats(mixed_eval_export, tmp_path):
     export = str(shutil.copytree(mixed_eval_export["export"], tmp_path / "export"))
     result = CliRunner().invoke(
