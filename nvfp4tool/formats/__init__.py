@@ -32,6 +32,7 @@ from nvfp4tool.formats.spec import (
     KVScaleSpec,
     LayoutSpec,
     TensorSpec,
+    quant_title,
 )
 from nvfp4tool.records.base import RecordError, read_json_file
 
@@ -65,6 +66,7 @@ __all__ = [
     "merged_problem",
     "mixed_configs",
     "mixed_problem",
+    "quant_title",
 ]
 
 

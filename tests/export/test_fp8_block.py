@@ -395,3 +395,19 @@ def test_a_modelopt_mixed_file_naming_fp8_pb_wo_is_a_check_problem():
             "compressed-tensors for a mixed file with fp8-block linears",
         )
     ]
+
+
+@pytest.mark.parametrize("flag, value", [("--weight-rounding", "gptq"), ("--equalize", "awq")])
+def test_passes_not_taught_fp8_block_refuse_a_plan_with_it(fp8_block_exports, tmp_path, flag, value):
+    out, precision = str(tmp_path / "out"), fp8_block_exports["precision_file"]
+    args = ["export", fp8_block_exports["src"], "--out", out, "--format", "compressed-tensors"]
+    result = CliRunner().invoke(
+        cli, [*args, "--precision-file", precision, "--calib-data", fp8_block_exports["calib"], flag, value]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"{precision}: {flag} {value} with fp8-block linears is not supported yet" in result.output
+    result = CliRunner().invoke(
+        cli, [*args, "--quant", "fp8-block", "--calib-data", fp8_block_exports["calib"], flag, value]
+    )
+    assert result.exit_code == 2 and "nvfp4-weight-only, not fp8-block" in result.output, result.output
+    assert not os.path.exists(out)
