@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group
-from nvfp4tool.formats import MIXED, QUANTS
+from nvfp4tool.formats import MIXED, QUANTS, STATIC_INPUT_QUANTS
 from nvfp4tool.formats.precision_file import (
     PrecisionRule,
     check_groups,
@@ -31,7 +31,7 @@ from nvfp4tool.formats.precision_file import (
 from nvfp4tool.formats.precision_file import (
     read_precision_file as read_precision_file,  # re-exported: export's callers read it here
 )
-from nvfp4tool.numerics.constants import NVFP4_BLOCK
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,11 @@ class ExportPlan:
 
     @property
     def has_input_scales(self) -> bool:
-        """W4A4 and FP8 W8A8 ship input scales; weight-only NVFP4 does not (mixed: any linear's)."""
+        """W4A4 and FP8 W8A8 per tensor ship calibrated input scales; weight-only NVFP4 and
+        fp8-block (dynamic activation scales) do not (mixed: any linear's)."""
         if self.is_mixed:
-            return any(q != "nvfp4-weight-only" for q in self.quants.values())
-        return self.quant != "nvfp4-weight-only"
+            return any(q in STATIC_INPUT_QUANTS for q in self.quants.values())
+        return self.quant in STATIC_INPUT_QUANTS
 
     def quant_of(self, module: str) -> str:
         """The quant of the quantized linear `module`."""
@@ -103,14 +104,19 @@ def make_plan(
     keep |= {n for n in names if fused_group(n) in kept_groups}  # a group is quantized whole
     quantized = tuple(n for n in names if n not in keep)
     shapes = config.expected_tensor_shapes()
-    ragged = [n for n in quantized if shapes[f"{n}.weight"][1] % NVFP4_BLOCK != 0]
-    if ragged:
-        advice = " ".join(f"--keep-bf16 '{p}'" for p in _patterns_for(ragged))
-        raise NVFP4ToolError(
-            f"{ragged[0]}.weight: in_features {shapes[f'{ragged[0]}.weight'][1]} is "
-            f"not a multiple of {NVFP4_BLOCK} ({len(ragged)} module(s) like it); "
-            f"keep them in BF16 with {advice}"
-        )
+    for block, why in ((NVFP4_BLOCK, ""), (FP8_BLOCK, " (fp8-block: activations are quantized per 128 columns)")):
+        ragged = [
+            n
+            for n in quantized
+            if (precision[n] == "fp8-block") == (block == FP8_BLOCK) and shapes[f"{n}.weight"][1] % block != 0
+        ]
+        if ragged:
+            advice = " ".join(f"--keep-bf16 '{p}'" for p in _patterns_for(ragged))
+            raise NVFP4ToolError(
+                f"{ragged[0]}.weight: in_features {shapes[f'{ragged[0]}.weight'][1]} is "
+                f"not a multiple of {block}{why} ({len(ragged)} module(s) like it); "
+                f"keep them in BF16 with {advice}"
+            )
     groups: dict[str, tuple[str, ...]] = {}
     for name in quantized:
         groups[fused_group(name)] = groups.get(fused_group(name), ()) + (name,)

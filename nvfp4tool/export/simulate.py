@@ -3,8 +3,8 @@
     exported = load_export("out/model-nvfp4")          # either format, any --quant, mixed too
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
-Weights stay as stored (`NVFP4Weight`, `FP8Weight`, each linear by its own scheme in a mixed export),
-decoded inside the jitted forward; `served_kv`: FP8 KV.
+Weights stay as stored (`NVFP4Weight`, `FP8Weight`, `FP8BlockWeight`, each linear by its own scheme
+in a mixed export), decoded inside the jitted forward; `served_kv`: FP8 KV.
 `for_generation`: the weights decoded / widened once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
@@ -25,8 +25,16 @@ from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.formats import PRECISIONS, quant_title
-from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8, fake_quantize_nvfp4
-from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
+from nvfp4tool.numerics import (
+    decode_fp8,
+    decode_nvfp4,
+    dense,
+    dense_widening,
+    fake_quantize_fp8,
+    fake_quantize_fp8_token_groups,
+    fake_quantize_nvfp4,
+)
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_GLOBAL_RANGE
 
 
 @jax.tree_util.register_dataclass
@@ -85,11 +93,37 @@ class FP8Weight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class FP8BlockWeight:
+    """An fp8-block linear weight [N, K] as stored: E4M3 data and its fp32 decode scale per 128x128
+    block [ceil(N/128), ceil(K/128)]; the input is quantized dynamically (per token per 128 columns)."""
+
+    data: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        """The served weight (rows start:stop), fp32 [N, K]: each value times its block's scale."""
+        rows = jnp.repeat(self.scale, FP8_BLOCK, axis=0)[start : self.data.shape[0] if stop is None else stop]
+        return decode_fp8(self.data[start:stop], rows, granularity="block128")
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        return _quantize_input("fp8-block", None, x, name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodedWeight:
     """A weight decoded once (`for_generation`): `data` is a stored quantized weight's `dequantize()`
     or a BF16 weight cast, fp32 [N, K], the values `served_linear` makes of it at every use; its
     input quantizer is the stored weight's (`quant` "nvfp4" / "fp8" with the input's decode scale;
-    "plain", no input scale, for BF16 and weight-only weights)."""
+    "fp8-block", dynamic; "plain", no input scale, for BF16 and weight-only weights)."""
 
     data: jax.Array
     input_scale: jax.Array | None
@@ -107,7 +141,10 @@ class DecodedWeight:
 
 
 def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
-    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only)."""
+    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only;
+    fp8-block: dynamic per token per 128 columns, no stored scale)."""
+    if quant == "fp8-block":
+        return fake_quantize_fp8_token_groups(x, dtype=x.dtype, name=f"input of {name}")
     if input_scale is None:
         return x
     if quant == "fp8":
@@ -162,7 +199,7 @@ def for_generation(model, label: str, budget: int | None = None):
 
 def _narrow(w, compute_dtype) -> bool:
     """A weight `served_linear` decodes or widens at every use."""
-    if isinstance(w, NVFP4Weight | FP8Weight):
+    if isinstance(w, NVFP4Weight | FP8Weight | FP8BlockWeight):
         return True
     return jnp.issubdtype(w.dtype, jnp.floating) and jnp.dtype(w.dtype).itemsize < jnp.dtype(compute_dtype).itemsize
 
@@ -170,6 +207,8 @@ def _narrow(w, compute_dtype) -> bool:
 @jax.jit
 def _decode_once(w) -> DecodedWeight:
     # weight-only: "plain" as a BF16 weight's, so a W4A16 model's programs are the BF16 source's
+    if isinstance(w, FP8BlockWeight):
+        return DecodedWeight(data=w.dequantize(), input_scale=None, quant="fp8-block")
     if isinstance(w, NVFP4Weight | FP8Weight) and w.input_scale is not None:
         quant = "fp8" if isinstance(w, FP8Weight) else "nvfp4"
         return DecodedWeight(data=w.dequantize(), input_scale=w.input_scale, quant=quant)
@@ -216,7 +255,7 @@ def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> j
     plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
     input exists and a block of rows at a time (`numerics.dense_widening`), so a program holds at most
     `numerics.dot.WIDEN_BYTES` of widened weight at a time."""
-    if isinstance(w_NxK, NVFP4Weight | FP8Weight | DecodedWeight):
+    if isinstance(w_NxK, NVFP4Weight | FP8Weight | FP8BlockWeight | DecodedWeight):
         x = w_NxK.quantize_input(x, name)
         return dense_widening(x, w_NxK, b_N, widen_rows=lambda w, start, stop: w.dequantize(start, stop))
     if w_NxK.dtype != x.dtype:
@@ -238,7 +277,7 @@ class ExportedModel:
     ) -> None:
         self.folder, self.config, self.quantized = folder, config, tuple(specs)
         self.format: str = layout.format  # "modelopt" | "compressed-tensors"
-        self.quant: str = layout.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "mixed"
+        self.quant: str = layout.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "fp8-block" | "mixed"
         self.kv_cache = kv_cache  # "fp8" when the configs announce a quantized KV cache, else None
         self._spec, self._source, self._quantized_set = layout.spec, source, frozenset(specs)
         self._specs = specs  # quantized module -> its LayoutSpec (a mixed export's differ)
@@ -271,13 +310,15 @@ class ExportedModel:
 
     def get(self, name: str):
         """One tensor as stored: a quantized module's `<m>.weight` is its `NVFP4Weight` /
-        `FP8Weight` (numpy arrays); anything else the stored array (BF16 as BF16)."""
+        `FP8Weight` / `FP8BlockWeight` (numpy arrays); anything else the stored array (BF16 as BF16)."""
         module, _, suffix = name.rpartition(".")
         if module not in self._quantized_set or suffix != "weight":
             return self._source.get(name)
         spec = self._specs[module]
         group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in spec.tensors}
         roles = spec.to_roles(module, group)
+        if spec.is_fp8_block:
+            return FP8BlockWeight(data=roles["weight"], scale=np.asarray(roles["block_scale"], np.float32))
         input_scale = np.asarray(roles["input_global"], np.float32).reshape(()) if "input_global" in roles else None
         s_dec = np.asarray(roles["weight_global"], np.float32).reshape(())
         if spec.quant == "fp8":
@@ -343,11 +384,11 @@ def load_export(folder: str) -> ExportedModel:
     layout = formats.describe(folder)
     config = ModelConfig.from_hf_folder(folder)
     source = HFFolderSource(folder, check_config=False).use_names_of(config)
-    specs = {}  # quantized module -> its spec: a module with its scheme's weight global scale
+    specs = {}  # quantized module -> its spec: a module with its scheme's marker scale
     for n in source.names():
         module, _, suffix = n.rpartition(".")
         spec = layout.spec_for(config.family_spec.checkpoint_name(module))
-        if spec is not None and suffix == spec.suffix("weight_global"):
+        if spec is not None and suffix == spec.marker_suffix:
             specs[module] = spec
     quantized = tuple(specs)
     expected = config.expected_tensor_shapes()

@@ -12,6 +12,7 @@ from nvfp4tool.numerics.fp8 import (
     decode_fp8,
     dequantize_fp8,
     fake_quantize_fp8,
+    fake_quantize_fp8_token_groups,
     fp8_decode_scale,
     quantize_fp8,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "dot_nt",
     "encode_nvfp4_blocks",
     "fake_quantize_fp8",
+    "fake_quantize_fp8_token_groups",
     "fake_quantize_nvfp4",
     "fp8_decode_scale",
     "linear_output",

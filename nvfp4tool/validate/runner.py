@@ -750,7 +750,7 @@ def _reference_calibration(
             input_amax={m: float(amax[m]) for m in plan.quantized}, what=f"the export's input amax ({calibrated})"
         )
     why = (
-        "a weight-only export carries no input scales"
+        f"a {record.quant if record is not None else 'weight-only'} export carries no input scales"
         if record is None or record.quant not in calibrated
         else "the export's provenance record has no usable input amax for every linear"
     )
