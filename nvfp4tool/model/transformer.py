@@ -388,6 +388,14 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
     return x_BxTxE, new_cache, merged(*sides)
 
 
+def without_layers(model: CausalLM) -> CausalLM:
+    """A shallow copy of `model` without its decoder layers: embedding, final norm and LM head
+    (what runs around a layer-by-layer loop)."""
+    outer = nnx.merge(*nnx.split(model))
+    outer.layers = nnx.List([])
+    return outer
+
+
 def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:
     """The first layer's input [B, T, E] in the compute dtype."""
     return model.embed_tokens(input_ids_BxT).astype(model.compute_dtype)
