@@ -1,14 +1,15 @@
 """Autoregressive generation with a decode state (greedy or temperature / top-k sampling): each
-block's own (`transformer.empty_decode_state`: an attention's KV cache, a recurrent mixer's state).
+block's own (`Block.empty_state`: an attention's KV cache, a recurrent mixer's state).
 
-Two jitted programs, each compiled once per (graphdef, bucket, batch) and reused across prompts,
-prompt lengths, token counts and models of one shape (the weights are arguments): a prefill over
-the prompt left-padded to a power-of-two `bucket` fills a cache of a bucketed length, then a decode
-step runs once per token from a Python loop (`on_token` sees each token and its logits). Generated
-tokens go to cache slots Tb, Tb+1, ...; their positions continue from each row's own count of real
-prompt tokens, and padded slots stay masked, so padding (either side, any amount) gives the same
-tokens as an unpadded prompt. After a row emits `eos_token_id`, it continues with `pad_token_id`
-(as HF's generate).
+Jitted programs of ONE decoder layer (one per layer structure, called from a Python loop over the
+layers, each layer's decode state donated) and small ones around them (embedding and mask, LM head
+and the pick), each compiled once per (graphdef, bucket, batch) and reused across layers, prompts,
+prompt lengths, token counts and models of one shape (the weights are arguments). A prefill over
+the prompt left-padded to a power-of-two `bucket` fills a cache of a bucketed length, then one
+decode step per token (`on_token` sees each token and its logits). Generated tokens go to cache
+slots Tb, Tb+1, ...; positions continue from each row's own count of real prompt tokens, padded
+slots stay masked, so padding (either side, any amount) gives the tokens of an unpadded prompt.
+After a row emits `eos_token_id`, it continues with `pad_token_id` (as HF's generate).
 Design notes: docs/design/model.md.
 """
 
