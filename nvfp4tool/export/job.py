@@ -36,6 +36,10 @@ from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQ
 WEIGHT_ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: round to nearest, or GPTQ
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
+_NOT_FP8 = {  # the passes that need an NVFP4 linear, refusing an all-FP8 plan
+    "--weight-rounding": "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8",
+    "--equalize": "--equalize {} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,6 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
     inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file, options.precision_file) if f)
-    rules = read_precision_file(options.precision_file) if options.precision_file else ()
     from_file = {
         p: where
         for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
@@ -137,6 +140,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
+    # a run trained with a precision file carries it: its rules first, --precision-file's after
+    files = (source.precision_file, options.precision_file)
+    rules = tuple(rule for f in files if f is not None for rule in read_precision_file(f))
     plan = make_plan(
         source.config,
         options.quant,
@@ -160,10 +166,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         equalization = equalize(
             source.config,
             source.tensors,
-            plan.quantized,
+            {m: plan.quant_of(m) for m in plan.quantized},
             ids,
             method=options.equalize,
-            weight_only=not plan.has_input_scales,
             block=block,
             offload=options.offload,
         )
@@ -287,10 +292,8 @@ def _check_options(options: ExportOptions) -> None:
             f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
             f"it needs --weight-rounding gptq"
         )
-    if options.weight_rounding == "gptq" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    if options.weight_rounding == "gptq" and options.quant == "fp8" and options.precision_file is None:
+        raise NVFP4UsageError(_NOT_FP8["--weight-rounding"])
     if _kv(options) is not None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
@@ -309,10 +312,8 @@ def _check_options(options: ExportOptions) -> None:
                 f"ExportOptions.equalization is {options.equalization.method} scales: "
                 f"equalize must say so, not {options.equalize!r}"
             )
-    elif options.equalize != "none" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    elif options.equalize != "none" and options.quant == "fp8" and options.precision_file is None:
+        raise NVFP4UsageError(_NOT_FP8["--equalize"].format(options.equalize))
     if options.equalize != "none" and options.equalization is None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
@@ -323,18 +324,14 @@ def _check_options(options: ExportOptions) -> None:
 
 
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
-    """The passes not yet taught per-linear formats refuse a mixed plan in one line."""
-    if not plan.is_mixed:
+    """A precision file whose every quantized linear is FP8 is refused GPTQ and --equalize as
+    --quant fp8 is (a mixed plan takes both: each linear by its own format)."""
+    if plan.is_mixed or plan.quant != "fp8":
         return
-    for flag, value, off in (
-        ("--weight-rounding", options.weight_rounding, "rtn"),
-        ("--equalize", options.equalize, "none"),
-    ):
-        if value != off:
-            raise NVFP4UsageError(
-                f"{flag} {value} with a mixed-precision export ({options.precision_file}: "
-                f"{', '.join(sorted(set(plan.quants.values())))}) is not supported yet; export it with {flag} {off}"
-            )
+    if options.weight_rounding == "gptq":
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--weight-rounding']}")
+    if options.equalize != "none" and options.equalization is None:
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--equalize'].format(options.equalize)}")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:

@@ -110,14 +110,11 @@ def quantizer_for(
     plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
 ) -> WeightQuantizer:
     """The one quantizer of an export: FP8 for --quant fp8, GPTQ's records when the pass ran, else
-    the scale search (a mixed plan: FP8 or the scale search per linear)."""
+    the scale search (a mixed plan: FP8 per linear, the others by GPTQ or the scale search)."""
     if plan.quant == "fp8":
         return FP8()
-    if gptq is not None:
-        return GPTQ(gptq)
-    if plan.is_mixed:
-        return Mixed(plan, ScaleSearch(scale_search, block, plan, group_amax))
-    return ScaleSearch(scale_search, block, plan, group_amax)
+    nvfp4 = GPTQ(gptq) if gptq is not None else ScaleSearch(scale_search, block, plan, group_amax)
+    return Mixed(plan, nvfp4) if plan.is_mixed else nvfp4
 
 
 def nvfp4_decode_scale(amax: float | np.ndarray) -> np.ndarray:

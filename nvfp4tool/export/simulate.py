@@ -24,6 +24,7 @@ from converters.tensor_source import tensor_bytes
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.formats import PRECISIONS, quant_title
 from nvfp4tool.model.kv import LayerKV
 from nvfp4tool.numerics import (
     decode_fp8,
@@ -272,6 +273,20 @@ class ExportedModel:
     def quant_of(self, module: str) -> str:
         """The quant of the quantized module `module` (its scheme's in a mixed export)."""
         return self._specs[module].quant
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions its linears carry, in `formats.PRECISIONS` order: its quants, and "bf16"
+        when a decoder linear (not lm_head or a router, which always are) stays BF16."""
+        kept = set(self.config.modules.kept())
+        found = {self.quant_of(m) for m in self.quantized}
+        if any(n not in self._quantized_set and n not in kept for n in self.config.linear_names()):
+            found.add("bf16")
+        return tuple(p for p in PRECISIONS if p in found)
+
+    @property
+    def title(self) -> str:
+        """How reports name it: "NVFP4", "NVFP4 W4A16", "FP8", "Mixed (NVFP4/FP8/BF16)" (`formats.quant_title`)."""
+        return quant_title(self.quant, self.precisions())
 
     @property
     def path(self) -> str:

@@ -29,6 +29,7 @@ from nvfp4tool.formats.spec import (
     KVScaleSpec,
     LayoutSpec,
     TensorSpec,
+    quant_title,
 )
 from nvfp4tool.records.base import RecordError, read_json_file
 
@@ -57,6 +58,7 @@ __all__ = [
     "get",
     "is_quantized_export",
     "mixed_configs",
+    "quant_title",
 ]
 
 

@@ -29,6 +29,18 @@ PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (expo
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
 KV_CACHES = ("fp8",)  # quantized KV caches an export can carry scales for (None: the engine's default)
 GLOBAL_ROLES = ("weight_global", "input_global")
+# how reports name a precision (a mixed export: "Mixed (NVFP4/FP8/BF16)", `quant_title`)
+PRECISION_TITLES = {"nvfp4": "NVFP4", "nvfp4-weight-only": "NVFP4 W4A16", "fp8": "FP8", "bf16": "BF16"}
+
+
+def quant_title(quant: str, precisions: tuple[str, ...] | list[str] = ()) -> str:
+    """How a report names an export of `quant` ("NVFP4", "NVFP4 W4A16", "FP8"); a mixed one by the
+    precisions its linears carry (`precisions`, any order; BF16 when some decoder linear stays
+    BF16): "Mixed (NVFP4/FP8/BF16)", in `PRECISIONS` order."""
+    if quant != MIXED:
+        return PRECISION_TITLES.get(quant, quant.upper())
+    shown = [PRECISION_TITLES[p] for p in PRECISIONS if p in precisions]
+    return f"Mixed ({'/'.join(shown)})" if shown else "Mixed"
 
 
 @dataclasses.dataclass(frozen=True)

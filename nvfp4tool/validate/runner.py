@@ -514,7 +514,16 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     input carried into its own model and is compared with its own model's output). Weight SQNR:
     the weight of the BF16 model the candidate quantized vs its decoded weight, one module at a time.
     """
-    rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in inputs.nvfp4.exported.quantized}
+    exported = inputs.nvfp4.exported
+    rows = {
+        m: LayerSQNR(
+            name=m,
+            weight_sqnr_db={},
+            output_sqnr_db={},
+            quant=exported.quant_of(m) if exported.quant == formats.MIXED else None,
+        )
+        for m in exported.quantized
+    }
     for c in inputs.candidates:
         model = inputs.source.tensors if c.model is None else c.model
         for m, row in rows.items():
