@@ -10,10 +10,12 @@ process, interleaved prompt by prompt (issue 42's goal: ours <= 2x transformers'
 Ours runs as validate's greedy generation does (`validate.generation.greedy_continuations`, models
 held in their stored dtypes computing in fp32, `served_linear`, as many of each model's linear
 weights decoded / widened once as `simulate.for_generation` allows (DECODE_ONCE_SHARE), its time
-added to that model's first prompt; the rest decoded at every step). transformers runs the BF16
+added to that model's first prompt; the rest decoded at every step), every prompt padded to the
+bucket of the longest (`longest=`: validate knows all its prompts before it starts), so the first
+prompt compiles generation's programs and the others reuse them. transformers runs the BF16
 weights upcast to fp32 (`from_pretrained(dtype=float32)`), greedy, exactly --new-tokens (no EOS
-stop). Model loading is outside every timing; each prompt's first run of ours in a process pays
-the compilations its bucket needs (JAX's persistent cache is off unless the environment sets it).
+stop). Model loading is outside every timing (JAX's persistent cache is off unless the environment
+sets it).
 Prints a table and writes JSON: per prompt seconds and ratios ours / transformers, ours' time to
 the first token (the prefill, its compilation included) and per token from the third on (the
 second pays the decode step's compilation), the totals, whether our BF16 tokens equal
@@ -94,8 +96,13 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         for label, model in models.items():
             stamps = []  # when each token was computed (as validate's progress sees it)
             started = time.perf_counter()
-            tokens = greedy_continuations(
-                model, served_linear, prompt, new_tokens, on_token=lambda i, t, _: stamps.append(_ready(t))
+            tokens = greedy_continuations(  # every prompt in the longest's bucket, as validate knows them all
+                model,
+                served_linear,
+                prompt,
+                new_tokens,
+                on_token=lambda i, t, _: stamps.append(_ready(t)),
+                longest=max(lengths),
             )
             row[f"ours_{label}_s"] = time.perf_counter() - started + (decode_once_s[label] if i == 0 else 0)
             row[f"ours_{label}_first_token_s"] = stamps[0] - started  # prefill, its compilation included

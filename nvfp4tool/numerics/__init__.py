@@ -5,7 +5,7 @@ lives here."""
 
 from __future__ import annotations
 
-from nvfp4tool.numerics.blocks import check_finite, tensor_amax
+from nvfp4tool.numerics.blocks import check_finite, tensor_amax, times_decode_scale
 from nvfp4tool.numerics.dot import computed_after, dense, dense_widening, dot_nt, linear_output
 from nvfp4tool.numerics.fp8 import (
     FP8Array,
@@ -29,6 +29,7 @@ from nvfp4tool.numerics.nvfp4 import (
     encode_nvfp4_blocks,
     fake_quantize_nvfp4,
     nvfp4_block_amax,
+    nvfp4_block_products,
     nvfp4_block_scales,
     nvfp4_global_scales,
     nvfp4_operand,
@@ -63,6 +64,7 @@ __all__ = [
     "native_fp4_available",
     "native_gemm_lowers",
     "nvfp4_block_amax",
+    "nvfp4_block_products",
     "nvfp4_block_scales",
     "nvfp4_global_scales",
     "nvfp4_matmul",
@@ -75,6 +77,7 @@ __all__ = [
     "rht_matrix",
     "stochastic_bits",
     "tensor_amax",
+    "times_decode_scale",
     "transpose_2d",
     "unpack_codes",
     "fp8_matmul",

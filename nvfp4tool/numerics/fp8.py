@@ -27,6 +27,7 @@ from nvfp4tool.numerics.blocks import (
     expand_tiles,
     flush_subnormal,
     tile_amax,
+    times_decode_scale,
 )
 from nvfp4tool.numerics.constants import FP8_BLOCK, FP8_MAX
 
@@ -193,7 +194,7 @@ def _encode(
 
 
 def _decode(data: jax.Array, scale: jax.Array, granularity: str) -> jax.Array:
-    return flush_subnormal(data.astype(jnp.float32) * _scale_per_element(scale, granularity, data.shape))
+    return times_decode_scale(data, _scale_per_element(scale, granularity, data.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity"))
