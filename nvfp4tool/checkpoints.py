@@ -23,7 +23,14 @@ from converters.tensor_source import DictTensorSource, TensorSource
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD
-from nvfp4tool.run.records import CHECKPOINTS_DIR, WEIGHTS_DIR, InputAmaxRecord, PrecisionMapRecord, RunRecord
+from nvfp4tool.run.records import (
+    CHECKPOINTS_DIR,
+    PRECISION_FILE,
+    WEIGHTS_DIR,
+    InputAmaxRecord,
+    PrecisionMapRecord,
+    RunRecord,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Checkpoint:
     rope_layout: str | None = None  # the MaxText side's RoPE layout as given (or of a MaxText source)
     run: RunRecord | None = None
     precision_map: dict[str, str] | None = None
+    precision_file: str | None = None  # a run trained with `precision_file=`: its copy (export reads its rules)
     input_amax: dict[str, float] | None = None
     weight_block: str = "1d"
     recipe: dict[str, Any] | None = None  # a run's recipe as the provenance record states it
@@ -312,6 +320,7 @@ def _open_run(run_dir: str, step: int | None) -> Checkpoint:
         aux_dir=hf_dir,
         run=record,
         precision_map=pmap,
+        precision_file=rules if os.path.isfile(rules := os.path.join(hf_dir, PRECISION_FILE)) else None,
         input_amax=input_amax,
         weight_block=record.weight_block,
         recipe=recipe_json,

@@ -10,10 +10,12 @@ process, interleaved prompt by prompt (issue 42's goal: ours <= 2x transformers'
 Ours runs as validate's greedy generation does (`validate.generation.greedy_continuations`, models
 held in their stored dtypes computing in fp32, `served_linear`, as many of each model's linear
 weights decoded / widened once as `simulate.for_generation` allows (DECODE_ONCE_SHARE), its time
-added to that model's first prompt; the rest decoded at every step). transformers runs the BF16
+added to that model's first prompt; the rest decoded at every step), every prompt padded to the
+bucket of the longest (`longest=`: validate knows all its prompts before it starts), so the first
+prompt compiles generation's programs and the others reuse them. transformers runs the BF16
 weights upcast to fp32 (`from_pretrained(dtype=float32)`), greedy, exactly --new-tokens (no EOS
-stop). Model loading is outside every timing; each prompt's first run of ours in a process pays
-the compilations its bucket needs (JAX's persistent cache is off unless the environment sets it).
+stop). Model loading is outside every timing (JAX's persistent cache is off unless the environment
+sets it).
 Prints a table and writes JSON: per prompt seconds and ratios ours / transformers, ours' time to
 the first token (the prefill, its compilation included) and per token from the third on (the
 second pays the decode step's compilation), the totals, whether our BF16 tokens equal
@@ -46,7 +48,18 @@ def main() -> None:
         default="auto",
         help="XLA:CPU level of generation's programs: model.generate's choice by size, or forced (for comparisons)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's threads for transformers (default: torch's own; on a loaded machine 1 can be several "
+        "times faster than 2: SmolLM2, load 4-5, 2 CPUs: 5.5 s a prompt against 20 s)",
+    )
     args = parser.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     if args.level != "auto":
         _generate_module().OPTIMIZE_PARAMS = 0 if args.level == "1" else 1 << 62
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_generate-")
@@ -94,8 +107,13 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         for label, model in models.items():
             stamps = []  # when each token was computed (as validate's progress sees it)
             started = time.perf_counter()
-            tokens = greedy_continuations(
-                model, served_linear, prompt, new_tokens, on_token=lambda i, t, _: stamps.append(_ready(t))
+            tokens = greedy_continuations(  # every prompt in the longest's bucket, as validate knows them all
+                model,
+                served_linear,
+                prompt,
+                new_tokens,
+                on_token=lambda i, t, _: stamps.append(_ready(t)),
+                longest=max(lengths),
             )
             row[f"ours_{label}_s"] = time.perf_counter() - started + (decode_once_s[label] if i == 0 else 0)
             row[f"ours_{label}_first_token_s"] = stamps[0] - started  # prefill, its compilation included
@@ -129,6 +147,7 @@ def run(src: str, export: str, lengths: list[int], new_tokens: int) -> dict:
         "parameters": config.num_parameters(),
         "optimized_programs": config.num_parameters() >= _generate_module().OPTIMIZE_PARAMS,  # XLA:CPU level 1, else 0
         "decode_once_s": decode_once_s,
+        "torch_threads": torch.get_num_threads(),
         "prompts": rows,
         "totals": {
             **totals,

@@ -3,7 +3,8 @@
 Configs, headers and index, each module, fused groups, KV-cache scales, the model's tensors, every
 tensor's data, dtypes, then the provenance record. Problems are collected, never raised; only a
 folder that declares no supported format raises NVFP4ToolError. Decoded weights must stay below
-`LayoutSpec.element_range` (2688 for NVFP4, 448 for FP8), i.e. S_dec <= 1.
+`LayoutSpec.element_range` (2688 for NVFP4, 448 for FP8), i.e. S_dec <= 1 (fp8-block: every
+block's scale). fp8-block's TP rules are vLLM's `validate_fp8_block_shape` (`_fp8_block_tp_problems`).
 Design notes: docs/design/check.md.
 """
 
@@ -27,11 +28,12 @@ from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Probl
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, is_embedding, projection_of, scheme_group
-from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec
-from nvfp4tool.numerics.constants import NVFP4_BLOCK
+from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec, linear_problem, merged_problem
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
 FP8_BITS = 8.0
+FP8_BLOCK_BITS = 8 + 32 / FP8_BLOCK**2  # 8-bit code + one fp32 scale per 128 x 128 (N, K multiples of 128)
 
 
 def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> CheckReport:
@@ -76,7 +78,7 @@ def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> Check
             task.advance(description=module)
     if layout.is_mixed:
         report.problems += _check_schemes(layout, status)
-    if any(s.is_nvfp4 for s in layout.specs):
+    if any(s.is_nvfp4 or s.is_fp8_block for s in layout.specs):
         report.problems += _check_fused_groups(quantized, status, layout)
     kv_problems, report.kv_scales = check_kv_scales(
         entries, layout, None if config is None else attention_modules(config)
@@ -189,6 +191,8 @@ def _check_module(
         )
     if spec.is_nvfp4:
         return _check_nvfp4_module(module, tensors, spec, tp, scans, found)
+    if spec.is_fp8_block:
+        return _check_fp8_block_module(module, tensors, spec, tp, scans, found)
     return _check_fp8_module(module, tensors, spec, tp, scans, found)
 
 
@@ -269,7 +273,7 @@ def _check_nvfp4_module(
     return stats
 
 
-def _check_fp8_module(
+def _check_fp8_block_module(
     module: str,
     tensors: dict[str, TensorEntry],
     spec: LayoutSpec,
@@ -277,7 +281,68 @@ def _check_fp8_module(
     scans: dict[str, TensorScan],
     found: list[Problem],
 ) -> ModuleStats:
-    stats = ModuleStats(module, "fp8")
+    """An fp8-block linear: E4M3 [N, K], fp32 scales [ceil(N/128), ceil(K/128)] each finite, >= 0
+    and <= 1 (decoded |w| <= 448), no input scale (dynamic), K and TP shards on 128 boundaries."""
+    stats = _check_fp8_module(module, tensors, spec, tp, scans, found, k_multiple=FP8_BLOCK)
+    scale_suffix = spec.suffix("block_scale")
+    stray = tensors.get(input_suffix(SPECS[(spec.format, "fp8")]))
+    if stray is not None:
+        found.append(Problem(module, stray.name, "present in an fp8-block module, whose activations are dynamic"))
+    if stats.n is not None:
+        why = linear_problem(spec.format, spec.quant, module, stats.n, stats.k)
+        if why is not None:
+            found.append(Problem(module, f"{module}.{spec.suffix('weight')}", why))
+    block = tensors.get(scale_suffix)
+    name = f"{module}.{scale_suffix}"
+    if block is None:
+        found.append(Problem(module, name, "missing (fp32 scale per 128x128 block)"))
+        return stats
+    if stats.n is None:
+        return stats
+    want = spec.tensor("block_scale").shape(stats.n, stats.k)
+    if block.code != "F32" or block.shape != want:
+        found.append(
+            Problem(
+                module,
+                name,
+                f"is {block.code}{list(block.shape)}, expected F32 {list(want)} (the ceil(N/{FP8_BLOCK}) x "
+                f"ceil(K/{FP8_BLOCK}) grid of N x K = {stats.n} x {stats.k})",
+            )
+        )
+        return stats
+    stats.bits_per_param = 8 * (tensors[spec.suffix("weight")].nbytes + block.nbytes) / (stats.n * stats.k)
+    scales = read_small(block)
+    bad = ~np.isfinite(scales) | (scales < 0)
+    if bad.any():
+        first = [int(i) for i in np.argwhere(bad)[0]]
+        found.append(Problem(module, name, f"{int(bad.sum())} scales not finite and >= 0, first at block {first}"))
+    elif scales.size and float(scales.max()) > 1.0:
+        first = [int(i) for i in np.argwhere(scales > 1.0)[0]]
+        found.append(
+            Problem(
+                module,
+                name,
+                f"block {first} scale {float(scales[tuple(first)]):.6g} > 1: the weight decodes to |w| up to "
+                f"~{448 * float(scales.max()):.3g}, implausible for a linear layer (a scale stored inverted?)",
+            )
+        )
+    elif scales.size and not scales.any():
+        found.append(Problem(module, name, f"all {scales.size} block scales are zero: the whole module decodes to 0"))
+    return stats
+
+
+def _check_fp8_module(
+    module: str,
+    tensors: dict[str, TensorEntry],
+    spec: LayoutSpec,
+    tp: tuple[int, ...],
+    scans: dict[str, TensorScan],
+    found: list[Problem],
+    k_multiple: int = 1,
+) -> ModuleStats:
+    """An FP8 linear's weight, its TP shards (K shards a multiple of `k_multiple`) and, per
+    tensor, its scales; fp8-block (`k_multiple` 128) checks its scale grid itself."""
+    stats = ModuleStats(module, spec.quant)
     weight = tensors.get(spec.suffix("weight"))
     if weight is None:
         found.append(
@@ -294,7 +359,10 @@ def _check_fp8_module(
                     module, weight.name, f"stores {stats.bits_per_param:.4g} bits per parameter; FP8 is {FP8_BITS:g}"
                 )
             )
-        found += _tp_problems(module, weight.name, stats.n, stats.k, tp, 1)
+        if k_multiple > 1:
+            found += _fp8_block_tp_problems(module, weight.name, stats.n, stats.k, tp)
+        else:
+            found += _tp_problems(module, weight.name, stats.n, stats.k, tp, 1)
         if weight.code == E4M3_CODE:
             scan = scans.setdefault(weight.name, scan_tensor(weight))
             if scan.nan:
@@ -305,8 +373,29 @@ def _check_fp8_module(
                         f"{scan.nan} NaN codes (0x7F/0xFF), first at {_position(weight.shape, scan.first_nan)}",
                     )
                 )
-    _check_scales(module, tensors, spec, stats, found)
+    if k_multiple == 1:
+        _check_scales(module, tensors, spec, stats, found)
     return stats
+
+
+def _fp8_block_tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...]) -> list[Problem]:
+    """fp8-block's shape rules: K a multiple of 128 (vLLM's per_token_group_quant_fp8 quantizes the
+    input in groups of 128 and asserts it); vLLM's validate_fp8_block_shape: at TP t > 1 a
+    row-parallel K / t and a column-parallel N / t a multiple of 128, and at TP 1 every shard of a
+    merged GEMM but the last (q, k of q/k/v; gate of gate/up) N a multiple of 128."""
+    problems = []
+    if k % FP8_BLOCK:
+        problems.append(
+            Problem(
+                module,
+                tensor,
+                f"K = {k} is not a multiple of {FP8_BLOCK}: the engine quantizes the input per 128 columns",
+            )
+        )
+    for t in tp:
+        if t > 1:
+            problems += _tp_problems(module, tensor, n, k, (t,), FP8_BLOCK, n_multiple=FP8_BLOCK)
+    return problems
 
 
 def _block_scale_problems(module: str, block: TensorEntry, scan: TensorScan) -> list[Problem]:
@@ -385,9 +474,11 @@ def _check_global(
     return value
 
 
-def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...], k_multiple: int) -> list[Problem]:
-    """Column-parallel layers split N, row-parallel layers split K (each shard's K a multiple of
-    `k_multiple`)."""
+def _tp_problems(
+    module: str, tensor: str, n: int, k: int, tp: tuple[int, ...], k_multiple: int, n_multiple: int = 1
+) -> list[Problem]:
+    """Column-parallel layers split N (each shard's N a multiple of `n_multiple`), row-parallel
+    layers split K (each shard's K a multiple of `k_multiple`)."""
     problems = []
     projection = projection_of(module)
     split = "none" if projection is None else projection.split
@@ -397,6 +488,14 @@ def _tp_problems(module: str, tensor: str, n: int, k: int, tp: tuple[int, ...], 
         if split == "column" and n % t:
             problems.append(
                 Problem(module, tensor, f"column-parallel N = {n} does not split into {t} equal shards (TP {t})")
+            )
+        elif split == "column" and (n // t) % n_multiple:
+            problems.append(
+                Problem(
+                    module,
+                    tensor,
+                    f"column-parallel N = {n} at TP {t} gives shards of N = {n // t}, not a multiple of {n_multiple}",
+                )
             )
         if split == "row" and (k % t or (k // t) % k_multiple):
             problems.append(
@@ -494,6 +593,9 @@ def _check_fused_groups(
             )
             continue
         spec = specs[members[0]] or layout.spec
+        if spec.is_fp8_block:
+            problems += _merged_block_problems(group, members, quantized)
+            continue
         if not spec.is_nvfp4:
             continue  # FP8 shards keep their own weight scales (vLLM requantizes to the max)
         for suffix, attr in (
@@ -513,6 +615,14 @@ def _check_fused_groups(
                     )
                 )
     return problems
+
+
+def _merged_block_problems(group: str, members: list[str], quantized: Mapping[str, ModuleStats]) -> list[Problem]:
+    """fp8-block shards of one merged GEMM against `formats.merged_problem` (vLLM's
+    validate_fp8_block_shape at TP 1)."""
+    sizes = {m: quantized[m].n for m in members if m in quantized and quantized[m].n is not None}
+    found = merged_problem("fp8-block", sizes) if len(sizes) == len(members) else None
+    return [] if found is None else [Problem(group, found[0], found[1])]
 
 
 def _check_data(

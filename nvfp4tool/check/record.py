@@ -20,7 +20,8 @@ import numpy as np
 from nvfp4tool.check.files import CHUNK_BYTES, TensorEntry, iter_chunks, iter_rows, read_small
 from nvfp4tool.check.report import CONFIG_LEVEL, Problem
 from nvfp4tool.formats import FolderLayout, LayoutSpec
-from nvfp4tool.numerics import decode_e2m1, unpack_codes
+from nvfp4tool.numerics import decode_e2m1, decode_fp8, unpack_codes
+from nvfp4tool.numerics.constants import FP8_BLOCK
 from nvfp4tool.records import RecordError
 from nvfp4tool.records.export import ExportRecord
 
@@ -77,6 +78,8 @@ def decoded_amax(module: str, entries: Mapping[str, TensorEntry], spec: LayoutSp
     """max |decoded weight| of a quantized module from its stored bytes, row chunk by row chunk;
     None when a tensor it needs is missing or malformed (reported by the module checks)."""
     tensors = {t.role: entries.get(f"{module}.{t.suffix}") for t in spec.tensors}
+    if spec.is_fp8_block:
+        return _fp8_block_amax(tensors.get("weight"), tensors.get("block_scale"), spec)
     weight, scale = tensors.get("weight"), tensors.get("weight_global")
     if weight is None or scale is None or scale.code != "F32" or scale.nbytes != 4 or len(weight.shape) != 2:
         return None
@@ -101,6 +104,25 @@ def decoded_amax(module: str, entries: Mapping[str, TensorEntry], spec: LayoutSp
         product = np.abs(values * scales.astype(np.float32)[..., None])
         peak = max(peak, float(product.max()) if product.size else 0.0)
     return peak * s_dec
+
+
+def _fp8_block_amax(weight: TensorEntry | None, block: TensorEntry | None, spec: LayoutSpec) -> float | None:
+    """max |decoded weight| of an fp8-block module (`numerics.decode_fp8`, each value times its
+    128x128 block's scale), 128-row chunks at a time; None when a tensor is missing or malformed."""
+    if weight is None or block is None or len(weight.shape) != 2 or weight.code != spec.tensor("weight").code:
+        return None
+    n, k = weight.shape
+    if block.code != spec.tensor("block_scale").code or block.shape != spec.tensor("block_scale").shape(n, k):
+        return None
+    scales = read_small(block).astype(np.float32).reshape(block.shape[0], -1)  # ModelOpt: [N/128, 1, K/128, 1]
+    rows = FP8_BLOCK * max(1, CHUNK_BYTES // 4 // max(1, k) // FP8_BLOCK)  # the fp32 decode stays ~CHUNK_BYTES
+    peak = 0.0
+    for i, values in enumerate(iter_rows(weight, rows)):
+        first = i * rows // FP8_BLOCK
+        row_scales = np.repeat(scales[first : first + rows // FP8_BLOCK], FP8_BLOCK, axis=0)[: len(values)]
+        decoded = np.asarray(decode_fp8(values, row_scales, granularity="block128"))
+        peak = max(peak, float(np.abs(decoded).max()) if decoded.size else 0.0)
+    return peak
 
 
 def _tensor_problems(name: str, entry: TensorEntry, expected, where: str) -> list[Problem]:

@@ -303,6 +303,7 @@ class _Inputs:
     source_named: Named
     reference_named: Named | None
     quant: str
+    quant_title: str  # how the reports name the export (`ExportedModel.title`)
     task_names: list[str]
     manager: Any
     limits: dict[str, int]  # items evaluated per task
@@ -386,6 +387,7 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         reference_named = Named.of(options.reference, validated_files(options.reference))
     from nvfp4tool import formats
     from nvfp4tool.eval.lm_backend import decoding
+    from nvfp4tool.export.simulate import load_export
 
     tasks = _build_tasks(names, manager)
     generative, sampled = [], []
@@ -433,6 +435,7 @@ def _open_inputs(export_dir: str, options: EvalOptions) -> _Inputs:
         source_named=Named.of(source.path, {f: sha256_file(f) for f in source.weight_files}),
         reference_named=reference_named,
         quant=formats.describe(export_dir).quant,
+        quant_title=load_export(export_dir).title,
         task_names=list(tasks),
         manager=manager,
         limits=limits,
@@ -709,6 +712,7 @@ def _record(inputs: _Inputs, options: EvalOptions, results, samples, labels: lis
     record = EvalRecord(
         export=Named(name="", sha256={}),
         quant=inputs.quant,
+        quant_title=inputs.quant_title,
         source=inputs.source_named,
         reference=inputs.reference_named,
         labels=labels,

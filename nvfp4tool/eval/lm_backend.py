@@ -49,7 +49,7 @@ class Variant:
     tokenizer_dir: str
     kv_aux: Callable[[int | None], Any] | None = None  # the FP8 KV cache's per-layer scales
     kv_tap: Any = None  # ServedKVTap when the export's FP8 KV cache runs
-    gen_kv: Any = None  # the KV seam of generation (ServedKV) or None (plain cache)
+    gen_kv: Any = None  # the KV seam of generation (a LayerKV) or None (plain cache)
 
     @property
     def how(self) -> str:

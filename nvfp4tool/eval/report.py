@@ -14,10 +14,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nvfp4tool.formats import quant_title
 from nvfp4tool.records.base import write_json
 from nvfp4tool.records.evaluation import EVAL_MD, EVAL_PNG, EvalItems, EvalRecord
 
-_TITLES = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
+_TITLES = {"bf16": "BF16", "fp8": "FP8"}  # the reference models; the export's column: `_title`
+
+
+def _title(record: EvalRecord, label: str) -> str:
+    """A model's column title: the export ("nvfp4", the candidate's label) by its quant ("NVFP4",
+    "NVFP4 W4A16", "Mixed (NVFP4/FP8/BF16)": `formats.quant_title`), the references by name."""
+    if label == "nvfp4":
+        return record.quant_title or quant_title(record.quant)
+    return _TITLES.get(label, label)
 
 
 def write_reports(record: EvalRecord, items: EvalItems, export_dir: str, json_copy: str | None = None) -> list[str]:
@@ -49,10 +58,15 @@ def _pct(value: float | None, signed: bool = False) -> str:
 def rows(record: EvalRecord) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows: one per task (and `overall`), scores in percent."""
     labels = record.labels
-    header = ["task", "metric", "n"] + [f"{_TITLES.get(label, label)} (± se)" for label in labels]
+    header = ["task", "metric", "n"] + [f"{_title(record, label)} (± se)" for label in labels]
     pairs = [f"nvfp4-{label}" for label in labels[:-1]]
-    for pair in pairs:
-        header += [f"{pair.upper().replace('-', ' - ')} [95% CI]", "McNemar p", "flips r->w / w->r", "min detectable"]
+    for label in labels[:-1]:
+        header += [
+            f"{_title(record, 'nvfp4')} - {_title(record, label)} [95% CI]",
+            "McNemar p",
+            "flips r->w / w->r",
+            "min detectable",
+        ]
     out = []
     entries = list(record.tasks.items()) + (
         [("overall", record.overall)] if len([t for t in record.tasks.values() if t["paired"]]) > 1 else []
@@ -116,7 +130,7 @@ def markdown(record: EvalRecord) -> str:
             "",
             "Generation (degeneration signs): mean output tokens, share hitting max_gen_toks, repeated 4-gram rate.",
             "",
-            "| task | " + " | ".join(_TITLES.get(x, x) for x in record.labels) + " |",
+            "| task | " + " | ".join(_title(record, x) for x in record.labels) + " |",
             "|" + "---|" * (len(record.labels) + 1),
         ]
         for task, entry in generative:
@@ -191,7 +205,7 @@ def sections(record: EvalRecord) -> list[tuple[str, list[str], list[list[str]]]]
     out = [("task accuracy (percent)", header[:models], [row[:models] for row in body])]
     for k, label in enumerate(record.labels[:-1]):
         cols = slice(models + 4 * k, models + 4 * (k + 1))
-        title = f"NVFP4 - {_TITLES.get(label, label)}, paired differences (points)"
+        title = f"{_title(record, 'nvfp4')} - {_title(record, label)}, paired differences (points)"
         out.append((title, [header[0]] + header[cols], [[row[0]] + row[cols] for row in body]))
     return out
 

@@ -26,11 +26,12 @@ import numpy as np
 
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.plan import ExportPlan, PrecisionRule, parse_precision_text
+from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.quantizers import FP8, ScaleSearch, input_decode_scale
 from nvfp4tool.export.serving_folder import plain_copy
 from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, _quantize_input, served_linear
 from nvfp4tool.families import group_glob, layer_index, scheme_group
+from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, parse_precision_text
 from nvfp4tool.model.layerwise import LayerwiseModel, held_forward_bytes, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.numerics import dense_widening, metrics
@@ -247,21 +248,21 @@ def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
 
 
 def precision_text(assign, units, base: str, target: float, last: AutoSearchStep, windows) -> str:
-    """The result as a precision file: a comment saying what was searched, then one line per
-    upgraded unit (its fused group's pattern, or its modules)."""
-    lines = [
-        f"# nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL "
-        f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
-        f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
-        f"# modules no line names take --quant {base}",
-    ]
+    """The result as a precision file (`format_precision_file`): a comment saying what was searched,
+    then one line per upgraded unit (its fused group's pattern, or its modules)."""
+    rules = []
     for u, f in assign.items():
         if f == base:
             continue
-        members = units[u]
-        pattern = group_glob(u, members) if u.rpartition(".")[2] != "experts" else None
-        lines += [f"{pattern} {f}"] if pattern else [f"{m} {f}" for m in members]
-    return "\n".join(lines) + "\n"
+        pattern = group_glob(u, units[u]) if u.rpartition(".")[2] != "experts" else None
+        rules += [PrecisionRule(pattern, f)] if pattern else [PrecisionRule(m, f) for m in units[u]]
+    comments = [
+        f"nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL "
+        f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
+        f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
+        f"modules no line names take --quant {base}",
+    ]
+    return format_precision_file(rules, comments)
 
 
 def plot_search(record: AutoPrecisionRecord, path: str) -> None:

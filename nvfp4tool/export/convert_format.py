@@ -21,7 +21,7 @@ from converters.atomic import atomic_output_dir, check_output_path
 from converters.hf import INDEX_FILE, HFFolderSource
 from nvfp4tool import formats, progress
 from nvfp4tool.config import read_hf_config
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.export.serving_folder import ServingFolder
 from nvfp4tool.records.export import ExportRecord
 
@@ -49,6 +49,7 @@ def convert_format(src: str, out: str, *, to: str, force: bool = False) -> Forma
     source = HFFolderSource(src, check_config=False)
     specs = _module_specs(layout, source.names())  # quantized module -> its source spec
     quantized = set(specs)
+    _refuse_what_to_cannot_carry(layout, specs, to, source)
     kv_target = formats.get(to, layout.spec.quant)  # the KV-scale layout is the format's
     kv_names = _kv_names(source.names(), layout.spec, kv_target)  # target name -> source name
     record = ExportRecord.read(src) if ExportRecord.exists(src) else None
@@ -129,14 +130,29 @@ def _refuse_what_check_refuses(src: str) -> None:
         raise NVFP4ToolError(report.failure("not converted"))
 
 
+def _refuse_what_to_cannot_carry(layout, specs: dict[str, formats.LayoutSpec], to: str, source) -> None:
+    """Before writing: a mixed folder with a quant `to`'s mixed loader does not map, or a linear
+    `to`'s layout of its quant cannot hold (`formats.mixed_problem` / `linear_problem`), refused in
+    one line (ModelOpt: fp8-block)."""
+    if layout.is_mixed:
+        problem = formats.mixed_problem(to, {s.quant for s in specs.values()})
+        if problem is not None:
+            raise NVFP4UsageError(problem)
+    for module, spec in specs.items():
+        n, k = spec.nk(source.shape(f"{module}.{spec.suffix('weight')}"))
+        problem = formats.linear_problem(to, spec.quant, module, n, k)
+        if problem is not None:
+            raise NVFP4ToolError(f"{module}.weight: {spec.quant} in --to {to}: {problem}")
+
+
 def _module_specs(layout: formats.FolderLayout, names: list[str]) -> dict[str, formats.LayoutSpec]:
-    """Quantized module -> its spec: the modules holding their scheme's weight global scale
-    (a mixed folder: each module's own scheme), in file order."""
+    """Quantized module -> its spec: the modules holding their scheme's marker scale (the weight
+    global scale; fp8-block's scale grid; a mixed folder: each module's own scheme), in file order."""
     specs = {}
     for name in names:
         module, _, suffix = name.rpartition(".")
         spec = layout.spec_for(module)
-        if spec is not None and suffix == spec.suffix("weight_global"):
+        if spec is not None and suffix == spec.marker_suffix:
             specs[module] = spec
     return specs
 

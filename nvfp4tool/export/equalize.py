@@ -1,10 +1,11 @@
 """Equivalent scaling before quantization (`export --equalize awq|smoothquant`).
 
-    found = equalize(config, source.tensors, plan, ids_SxL, method="awq", block="1d", offload="auto")
+    found = equalize(config, source.tensors, quants, ids_SxL, method="awq", block="1d", offload="auto")
     tensors = EqualizedSource(source.tensors, found.scales)   # what the export quantizes and writes
 
-A per-input-channel s is folded into each site's consumers and producer (the same function); the
-export is refused unless the mean KL(original || folded) is at most `FOLD_KL_LIMIT` nats.
+A per-input-channel s is folded into each site's consumers and producer (the same function); AWQ
+scores each consumer in its own format (`quants`: a mixed plan's differ). The export is refused
+unless the mean KL(original || folded) is at most `FOLD_KL_LIMIT` nats.
 Design notes: docs/design/equalize.md.
 """
 
@@ -16,7 +17,7 @@ import functools
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.model.weights import model_from_tensors
-from nvfp4tool.numerics import dense, fake_quantize_nvfp4
+from nvfp4tool.numerics import dense, fake_quantize_fp8, fake_quantize_nvfp4
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 from nvfp4tool.records.export import EqualizationRecord, FoldRecord
 
@@ -47,6 +48,8 @@ CHECK_DTYPE = jnp.float32  # ... computing in fp32, as validate runs every model
 # fp32 compute) that moves the logits by a mean KL of 1.2e-4 nats (top-1 99.3%); the same model
 # computing in BF16 instead of fp32 moves them by 1.1e-3. A wrong fold is far above the limit.
 FOLD_KL_LIMIT = 2e-3
+# the formats AWQ's objective quantizes a consumer in (its index in an _Errors aux: "kind")
+OBJECTIVES = ("nvfp4", "nvfp4-weight-only", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +63,19 @@ class Equalization:
 def equalize(
     config: ModelConfig,
     source,
-    quantized: Sequence[str],
+    quants: Mapping[str, str],
     ids_SxL: np.ndarray,
     *,
     method: str,
-    weight_only: bool,
     block: str,
     offload: str,
 ) -> Equalization:
-    """The scales of `method` for every site whose consumers are all in `quantized`, checked (see
-    the module docstring); NVFP4ToolError when the folded model is not the original."""
+    """The scales of `method` for every site whose consumers are all quantized (`quants`: quantized
+    linear -> its quant, one of `OBJECTIVES`; a site with a BF16 consumer keeps s = 1), checked
+    (see the module docstring); NVFP4ToolError when the folded model is not the original."""
     from nvfp4tool.export.calibrate import BATCH, open_bf16_model
 
-    chosen = set(quantized)
-    sites = [f for f in folds(config) if all(c in chosen for c in f.consumers)]
+    sites = [f for f in folds(config) if all(c in quants for c in f.consumers)]
     if not sites:
         raise NVFP4ToolError(f"--equalize {method}: no site to equalize (every site has a consumer kept in BF16)")
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what=f"--equalize {method}")
@@ -81,7 +83,7 @@ def equalize(
     if method == "smoothquant":
         scales = tuple(_smoothquant(site, stats[site.consumers[0]], source) for site in sites)
     else:
-        scales = _awq(model, config, sites, stats, source, ids_SxL, BATCH, weight_only=weight_only, block=block)
+        scales = _awq(model, config, sites, stats, source, ids_SxL, BATCH, quants=quants, block=block)
     del model
     memory.release()
     kl, top1 = _check_folded(config, source, scales, ids_SxL[:CHECK_WINDOWS], offload)
@@ -127,10 +129,11 @@ class _Stats:
 @dataclasses.dataclass(frozen=True)
 class _Errors:
     """Tap: the plain BF16 GEMM; a linear with candidates in its layer's aux ({"s": [A, K] scales,
-    "amax": [A] its fused group's weight amax with each}) records the summed squared error [A] of
-    its quantized output for each candidate against the BF16 GEMM's."""
+    "amax": [A] its fused group's weight amax with each, "kind": its format's index in
+    `OBJECTIVES`}) records the summed squared error [A] of its quantized output for each candidate
+    against the BF16 GEMM's, weight and input quantized as its format serves them (NVFP4 W4A4: both
+    in NVFP4, the weight against the group amax; W4A16: the weight only; FP8: both per tensor)."""
 
-    weight_only: bool
     block: str
 
     def __call__(self, x, w_NxK, b_N, *, name, aux):
@@ -141,11 +144,19 @@ class _Errors:
         w = w_NxK.astype(jnp.float32)
         y_ref = jnp.matmul(x_TxK, w.T, precision=jax.lax.Precision.HIGHEST)
 
+        def nvfp4(w_s, x_s, amax):
+            return fake_quantize_nvfp4(w_s, block=self.block, global_amax=amax), fake_quantize_nvfp4(x_s)
+
+        def weight_only(w_s, x_s, amax):
+            return fake_quantize_nvfp4(w_s, block=self.block, global_amax=amax), x_s
+
+        def fp8(w_s, x_s, amax):
+            return fake_quantize_fp8(w_s), fake_quantize_fp8(x_s)
+
         def error(candidate):
             s_K, amax = candidate
-            w_q = fake_quantize_nvfp4(w * s_K[None, :], block=self.block, global_amax=amax)
-            x_s = x_TxK / s_K[None, :]
-            x_q = x_s if self.weight_only else fake_quantize_nvfp4(x_s)
+            branches = (nvfp4, weight_only, fp8)  # in OBJECTIVES' order
+            w_q, x_q = jax.lax.switch(aux[name]["kind"], branches, w * s_K[None, :], x_TxK / s_K[None, :], amax)
             diff = jnp.matmul(x_q, w_q.T, precision=jax.lax.Precision.HIGHEST) - y_ref
             return jnp.sum(diff * diff)
 
@@ -224,7 +235,7 @@ def _awq(
     ids_SxL: np.ndarray,
     batch: int,
     *,
-    weight_only: bool,
+    quants: Mapping[str, str],
     block: str,
 ) -> tuple[FoldScale, ...]:
     candidates = {
@@ -255,6 +266,7 @@ def _awq(
                 result[program_name] = {
                     "s": jnp.asarray(s_AxK),
                     "amax": jnp.asarray(group_amax[fused_group(m)], jnp.float32),
+                    "kind": jnp.int32(OBJECTIVES.index(quants[m])),
                 }
         return result
 
@@ -266,7 +278,7 @@ def _awq(
     for _ in model.logits(
         ids_SxL,
         batch,
-        tap=_Errors(weight_only=weight_only, block=block),
+        tap=_Errors(block=block),
         aux=aux,
         on_record=record,
         label=f"equalize: AWQ ({len(AWQ_ALPHAS)} scales per site)",

@@ -3,8 +3,9 @@
     result = run_gptq(config, tensors, plan, group_amax, "calib.txt", spill_dir=tmp, samples=64,
                       seq_len=512, tokenizer_dir=hf, offload="auto", method="rtn", block="1d", damp=0.05)
 
-Each layer's Hessians (X^T X, fp32) are taken with its original weights, its linears GPTQ-quantized
-(`gptq.py`), and its quantized outputs feed the next layer; each record is spilled to `spill_dir`.
+Each layer's Hessians (X^T X, fp32) are taken with its original weights, its NVFP4 linears
+GPTQ-quantized (`gptq.py`; a mixed plan's FP8 linears rounded to nearest, BF16 ones untouched), and
+its quantized outputs feed the next layer; each record is spilled to `spill_dir`.
 Design notes: docs/design/gptq.md.
 """
 
@@ -36,7 +37,7 @@ from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.families import hessian_group as hessian_key
 from nvfp4tool.families import split_layer
 from nvfp4tool.model.layerwise import layer_modules
-from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4
+from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4, fake_quantize_fp8
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 
 
@@ -87,7 +88,7 @@ def run_gptq(
     amax_names: Sequence[str] | None = None,
     kv_cache: bool = False,
 ) -> GPTQResult:
-    """GPTQ records of every quantized module of `plan` (see the module docstring); `ids_SxL`: the
+    """GPTQ records of every NVFP4 module of `plan` (see the module docstring); `ids_SxL`: the
     windows already read from `data_path` (`load_calibration_ids`), else read here. With
     `amax_names` (the linears whose input amax to measure; () for none) or `kv_cache`, the first
     pass also calibrates (`GPTQResult.calibration`, with the router counts of a MoE model)."""
@@ -96,8 +97,9 @@ def run_gptq(
             data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
         )
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="GPTQ")
+    rounded = tuple(m for m in plan.quantized if plan.quant_of(m) != "fp8")  # by GPTQ (NVFP4 W4A4 / W4A16)
     representative: dict[str, str] = {}  # Hessian key -> the linear whose input is recorded
-    for module in plan.quantized:
+    for module in rounded:
         representative.setdefault(hessian_key(module), module)
     recorded = frozenset(name for i in range(config.num_layers) for name in layer_modules(representative.values(), i))
     hessians: dict[str, np.ndarray] = {}
@@ -112,7 +114,14 @@ def run_gptq(
     def replace(layer: int) -> dict[str, np.ndarray]:
         new = {}
         in_layer = set(config.modules.in_layer(layer))
-        for module in (m for m in plan.quantized if m in in_layer):
+        for module in (m for m in plan.quantized if m in in_layer and m not in rounded):
+            # a mixed plan's FP8 linear: per-tensor round to nearest, as the export writes it
+            # (quantizers.FP8; GPTQ's column updates are NVFP4's here), so later layers see it served
+            name = f"{module}.weight"
+            new[split_layer(name)[1]] = np.asarray(
+                fake_quantize_fp8(source.get(name), dtype=GEMM_INPUT_DTYPE, name=name)
+            )
+        for module in (m for m in rounded if m in in_layer):
             h = hessians.get(hessian_key(module))
             if h is None:
                 raise NVFP4ToolError(f"GPTQ: {module} was never called by the model")

@@ -21,7 +21,7 @@ from converters.atomic import check_output_path
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.export.auto_precision import AutoPrecision, search_precision
+from nvfp4tool.export.auto_precision import LADDERS, AutoPrecision, search_precision
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
@@ -38,6 +38,12 @@ from nvfp4tool.records.export import CalibrationRecord, EqualizationRecord, GPTQ
 WEIGHT_ROUNDINGS = ("rtn", "gptq")  # --weight-rounding: round to nearest, or GPTQ
 _AMAX_CHUNK_ELEMENTS = 1 << 24  # rows per chunk of the amax pass ~ 16M elements
 _CALIBRATED = "calibration"  # the input amax origin of calibrated scales (recorded)
+_NOT_FP8 = {  # the passes that need an NVFP4 linear, refusing an all-FP8 plan
+    "--weight-rounding": (
+        "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not {quant}"
+    ),
+    "--equalize": "--equalize {} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not {quant}",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,7 @@ class ExportOptions:
     """How to export (the `nvfp4tool export` options)."""
 
     format: str = "modelopt"  # modelopt | compressed-tensors
-    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor)
+    quant: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4-weight-only (W4A16) | fp8 (W8A8 per tensor) | fp8-block
     scale_search: str = "rtn"  # rtn | 4over6 | mse
     weight_rounding: str = "rtn"  # rtn | gptq (NVFP4 only; needs calib_data)
     equalize: str = "none"  # none | awq | smoothquant: equivalent scaling before quantizing (NVFP4; needs calib_data)
@@ -92,7 +98,7 @@ class ExportJob:
     group_amax: dict[str, np.float32]  # fused group -> joint weight amax
     calibration_ids: np.ndarray | None  # the windows [S, L] read from --calib-data (None without)
     input_amax: dict[str, float] | None  # quantized module -> input amax; None: weight-only
-    input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only)"
+    input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only | dynamic ...)"
     kv_amax: dict[str, tuple[float, float]]  # attention -> (K, V) amax; {} without --kv-cache
     calibration: CalibrationRecord | None  # the calibration data and windows that ran
     calibration_seconds: float  # reading --calib-data and running the model on it (0: none)
@@ -123,7 +129,6 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     """The job of exporting `src` to `out` (see the module docstring); nothing is created."""
     _check_options(options)
     inputs = (src,) + tuple(f for f in (options.calib_data, options.keep_bf16_file, options.precision_file) if f)
-    rules = read_precision_file(options.precision_file) if options.precision_file else ()
     from_file = {
         p: where
         for p, where in (read_keep_bf16_file(options.keep_bf16_file).items() if options.keep_bf16_file else ())
@@ -142,6 +147,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         }
     for line in source.config.family_spec.export_warnings(source.config, options.format, options.quant):
         progress.warn(line)
+    # a run trained with a precision file carries it: its rules first, --precision-file's after
+    files = (source.precision_file, options.precision_file)
+    rules = tuple(rule for f in files if f is not None for rule in read_precision_file(f))
     plan = make_plan(
         source.config,
         options.quant,
@@ -151,8 +159,14 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         rules=rules,
     )
     _check_mixed(plan, options)
+    _check_format_carries(plan, options, rules, source.config)
+    if options.auto_precision is not None and rules:
+        raise NVFP4UsageError(
+            f"--auto-precision {options.auto_precision:g}: {source.path} was trained with a precision file "
+            f"({rules[0].origin}); the search starts every linear at --quant: export it with --precision-file instead"
+        )
     spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.is_mixed else plan.quant)
-    block = options.weight_block or (source.weight_block if options.quant != "fp8" else "1d")
+    block = options.weight_block or (source.weight_block if options.quant in formats.NVFP4_QUANTS else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
     ids = _calibration_ids(source, options)
@@ -165,10 +179,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         equalization = equalize(
             source.config,
             source.tensors,
-            plan.quantized,
+            {m: plan.quant_of(m) for m in plan.quantized},
             ids,
             method=options.equalize,
-            weight_only=not plan.has_input_scales,
             block=block,
             offload=options.offload,
         )
@@ -194,6 +207,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             keep_bf16_origin=from_file,
             rules=found.rules,
         )
+        _check_format_carries(plan, options, found.rules, source.config)
         spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
         group_amax = {g: a for g, a in group_amax.items() if g in plan.groups}
         if plan.has_input_scales:
@@ -296,8 +310,8 @@ def _check_options(options: ExportOptions) -> None:
         raise NVFP4ToolError(f"unknown --format {options.format!r}; choose one of {', '.join(formats.FORMATS)}")
     if options.scale_search not in METHODS:
         raise NVFP4ToolError(f"unknown --scale-search {options.scale_search!r}; choose one of {', '.join(METHODS)}")
-    if options.quant == "fp8" and options.scale_search != "rtn":
-        raise NVFP4ToolError("--scale-search applies to NVFP4 only (fp8 is per-tensor amax scaling)")
+    if options.quant not in formats.NVFP4_QUANTS and options.scale_search != "rtn":
+        raise NVFP4ToolError(f"--scale-search applies to NVFP4 only ({options.quant} is amax scaling)")
     if options.weight_rounding not in WEIGHT_ROUNDINGS:
         raise NVFP4UsageError(
             f"unknown --weight-rounding {options.weight_rounding!r}; choose one of {', '.join(WEIGHT_ROUNDINGS)}"
@@ -316,10 +330,9 @@ def _check_options(options: ExportOptions) -> None:
             f"--gptq-block-scales {options.gptq_block_scales} chooses GPTQ's block scales: "
             f"it needs --weight-rounding gptq"
         )
-    if options.weight_rounding == "gptq" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            "--weight-rounding gptq rounds NVFP4 weights: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    all_fp8 = options.quant not in formats.NVFP4_QUANTS and options.precision_file is None  # fp8 / fp8-block
+    if options.weight_rounding == "gptq" and all_fp8:
+        raise NVFP4UsageError(_NOT_FP8["--weight-rounding"].format(quant=options.quant))
     if _kv(options) is not None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--kv-cache {options.kv_cache} needs --calib-data PATH (it calibrates the K / V "
@@ -338,10 +351,8 @@ def _check_options(options: ExportOptions) -> None:
                 f"ExportOptions.equalization is {options.equalization.method} scales: "
                 f"equalize must say so, not {options.equalize!r}"
             )
-    elif options.equalize != "none" and options.quant == "fp8":
-        raise NVFP4UsageError(
-            f"--equalize {options.equalize} scales for NVFP4: use --quant nvfp4 or nvfp4-weight-only, not fp8"
-        )
+    elif options.equalize != "none" and all_fp8:
+        raise NVFP4UsageError(_NOT_FP8["--equalize"].format(options.equalize, quant=options.quant))
     if options.equalize != "none" and options.equalization is None and options.calib_data is None:
         raise NVFP4UsageError(
             f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
@@ -354,24 +365,52 @@ def _check_options(options: ExportOptions) -> None:
 
 
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
-    """The passes not yet taught per-linear formats refuse a mixed plan (or an --auto-precision
-    search, which makes one) in one line."""
-    if not plan.is_mixed and options.auto_precision is None:
+    """A precision file whose every quantized linear is FP8 is refused GPTQ and --equalize as
+    --quant fp8 is (a mixed plan takes both: each linear by its own format); fp8-block linears are
+    taught neither pass yet (GPTQ would round them as NVFP4, AWQ has no fp8-block objective): a plan
+    with any is refused both in one line."""
+    equalizes = options.equalize != "none" and options.equalization is None
+    if plan.is_mixed and "fp8-block" in plan.quants.values():
+        for flag, used, value in (
+            ("--weight-rounding", options.weight_rounding == "gptq", "gptq"),
+            ("--equalize", equalizes, options.equalize),
+        ):
+            if used:
+                raise NVFP4UsageError(
+                    f"{options.precision_file}: {flag} {value} with fp8-block linears is not supported yet; "
+                    f"give them another format or export without {flag}"
+                )
+    if plan.is_mixed or plan.quant in formats.NVFP4_QUANTS:
         return
-    what = (
-        f"--auto-precision {options.auto_precision:g}"
-        if options.auto_precision is not None
-        else f"{options.precision_file}: {', '.join(sorted(set(plan.quants.values())))}"
-    )
-    for flag, value, off in (
-        ("--weight-rounding", options.weight_rounding, "rtn"),
-        ("--equalize", options.equalize, "none"),
-    ):
-        if value != off:
-            raise NVFP4UsageError(
-                f"{flag} {value} with a mixed-precision export ({what}) is not supported yet; "
-                f"export it with {flag} {off}"
-            )
+    if options.weight_rounding == "gptq":
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--weight-rounding'].format(quant=plan.quant)}")
+    if equalizes:
+        raise NVFP4UsageError(
+            f"{options.precision_file}: {_NOT_FP8['--equalize'].format(options.equalize, quant=plan.quant)}"
+        )
+
+
+def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules, config) -> None:
+    """Refuse in one line what --format cannot carry so that its engines load it: a mixed file with
+    a quant the format's mixed loader does not map (ModelOpt: fp8-block; NVFP4UsageError naming the
+    precision-file line), a linear its layout cannot hold (ModelOpt fp8-block: N or K off 128, a
+    routed expert; an fp8-block merged GEMM whose shards but the last are off 128; NVFP4ToolError naming it)."""
+    if plan.is_mixed:
+        problem = formats.mixed_problem(options.format, set(plan.quants.values()))
+        if problem is not None:
+            bad = next(q for q in plan.quants.values() if formats.mixed_problem(options.format, {q}))
+            where = next((r.origin for r in reversed(rules) if r.precision == bad), None)
+            raise NVFP4UsageError(f"{where}: {problem}" if where else problem)
+    shapes = config.expected_tensor_shapes()
+    for module in plan.quantized:
+        n, k = shapes[f"{module}.weight"][:2]
+        problem = formats.linear_problem(options.format, plan.quant_of(module), module, n, k)
+        if problem is not None:
+            raise NVFP4ToolError(f"{module}.weight: {plan.quant_of(module)} in --format {options.format}: {problem}")
+    for members in plan.groups.values():
+        found = formats.merged_problem(plan.quant_of(members[0]), {m: shapes[f"{m}.weight"][0] for m in members})
+        if found is not None:
+            raise NVFP4ToolError(f"{found[0]}.weight: {found[1]}; keep its group BF16 or choose another format")
 
 
 def _check_auto(options: ExportOptions) -> None:
@@ -393,6 +432,13 @@ def _check_auto(options: ExportOptions) -> None:
             f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
             "search measures the BF16 KV cache); export with --kv-cache none"
         )
+    if options.weight_rounding == "gptq":
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} with --weight-rounding gptq is not supported yet (the search measures "
+            "round-to-nearest weights, not GPTQ's); export with --weight-rounding rtn"
+        )
+    if options.quant not in LADDERS:
+        raise NVFP4UsageError(f"--auto-precision searches from --quant {', '.join(LADDERS)}, not {options.quant}")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
@@ -428,7 +474,8 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         given = dataclasses.replace(source, input_amax=dict(options.input_amax))
         return _tracked_input_amax(given, plan)[0], "given (ExportOptions.input_amax)", None, {}
     if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
-        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, "none (weight-only)")
+        none = "none (dynamic activation scales)" if plan.quant == "fp8-block" else "none (weight-only)"
+        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, none)
         if gptq:  # the GPTQ pass's record: the data it ran
             return input_amax, origin, _calibration_record(options, ids_SxL), {}
         if not kv_cache:

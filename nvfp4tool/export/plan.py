@@ -7,7 +7,8 @@ Each linear gets one precision (`formats.PRECISIONS`): `--quant`, unless a preci
 otherwise (`PrecisionRule`: a `--precision-file` line, the last matching one wins; a keep-BF16
 pattern is a rule to "bf16"). `lm_head` and MoE routers are never quantized; a fused group shares
 one format (a bf16 rule keeps it whole in BF16; one split across quants is refused).
-`read_precision_file` (`parse_precision_text`), `read_keep_bf16_file` / `format_keep_bf16_file`: the files.
+`read_keep_bf16_file` / `format_keep_bf16_file`: the keep-BF16 file (the precision file:
+`formats.precision_file`, re-exported here).
 Design notes: docs/design/export.md.
 """
 
@@ -19,9 +20,18 @@ from collections.abc import Iterable, Mapping
 
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
-from nvfp4tool.families import fused_group, scheme_group
-from nvfp4tool.formats import MIXED, PRECISIONS, QUANTS
-from nvfp4tool.numerics.constants import NVFP4_BLOCK
+from nvfp4tool.families import fused_group
+from nvfp4tool.formats import MIXED, QUANTS, STATIC_INPUT_QUANTS
+from nvfp4tool.formats.precision_file import (
+    PrecisionRule,
+    check_groups,
+    read_rule_lines,
+    resolve_precisions,
+)
+from nvfp4tool.formats.precision_file import (
+    read_precision_file as read_precision_file,  # re-exported: export's callers read it here
+)
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +50,11 @@ class ExportPlan:
 
     @property
     def has_input_scales(self) -> bool:
-        """W4A4 and FP8 W8A8 ship input scales; weight-only NVFP4 does not (mixed: any linear's)."""
+        """W4A4 and FP8 W8A8 per tensor ship calibrated input scales; weight-only NVFP4 and
+        fp8-block (dynamic activation scales) do not (mixed: any linear's)."""
         if self.is_mixed:
-            return any(q != "nvfp4-weight-only" for q in self.quants.values())
-        return self.quant != "nvfp4-weight-only"
+            return any(q in STATIC_INPUT_QUANTS for q in self.quants.values())
+        return self.quant in STATIC_INPUT_QUANTS
 
     def quant_of(self, module: str) -> str:
         """The quant of the quantized linear `module`."""
@@ -51,15 +62,6 @@ class ExportPlan:
 
     def group_of(self, module: str) -> str:
         return fused_group(module)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionRule:
-    """One `PATTERN PRECISION` rule: linears whose name matches `pattern` (fnmatch) get `precision`."""
-
-    pattern: str
-    precision: str  # one of formats.PRECISIONS
-    origin: str | None = None  # "FILE:LINE" of a rule read from a file; None: an option
 
 
 def make_plan(
@@ -88,8 +90,8 @@ def make_plan(
     for rule in rules + keep_rules:
         _check_used(rule, names)
     always = config.modules.kept()  # lm_head, routers
-    precision = _resolve(names, quant, rules)
-    _check_groups(names, precision, rules, always)
+    precision = resolve_precisions(names, quant, rules)
+    check_groups(names, precision, rules, always)
     keep = {
         n
         for n in names
@@ -102,14 +104,19 @@ def make_plan(
     keep |= {n for n in names if fused_group(n) in kept_groups}  # a group is quantized whole
     quantized = tuple(n for n in names if n not in keep)
     shapes = config.expected_tensor_shapes()
-    ragged = [n for n in quantized if shapes[f"{n}.weight"][1] % NVFP4_BLOCK != 0]
-    if ragged:
-        advice = " ".join(f"--keep-bf16 '{p}'" for p in _patterns_for(ragged))
-        raise NVFP4ToolError(
-            f"{ragged[0]}.weight: in_features {shapes[f'{ragged[0]}.weight'][1]} is "
-            f"not a multiple of {NVFP4_BLOCK} ({len(ragged)} module(s) like it); "
-            f"keep them in BF16 with {advice}"
-        )
+    for block, why in ((NVFP4_BLOCK, ""), (FP8_BLOCK, " (fp8-block: activations are quantized per 128 columns)")):
+        ragged = [
+            n
+            for n in quantized
+            if (precision[n] == "fp8-block") == (block == FP8_BLOCK) and shapes[f"{n}.weight"][1] % block != 0
+        ]
+        if ragged:
+            advice = " ".join(f"--keep-bf16 '{p}'" for p in _patterns_for(ragged))
+            raise NVFP4ToolError(
+                f"{ragged[0]}.weight: in_features {shapes[f'{ragged[0]}.weight'][1]} is "
+                f"not a multiple of {block}{why} ({len(ragged)} module(s) like it); "
+                f"keep them in BF16 with {advice}"
+            )
     groups: dict[str, tuple[str, ...]] = {}
     for name in quantized:
         groups[fused_group(name)] = groups.get(fused_group(name), ()) + (name,)
@@ -125,40 +132,6 @@ def make_plan(
     )
 
 
-def read_precision_file(path: str) -> tuple[PrecisionRule, ...]:
-    """The rules of a precision file, in order: one `PATTERN PRECISION` a line (fnmatch over
-    module names as stored; PRECISION one of formats.PRECISIONS), `#` starts a comment.
-    NVFP4ToolError naming FILE:LINE for a line that is not that, or a file that is not UTF-8 text."""
-    return _precision_rules(_lines(path, "precision file (lines 'PATTERN FORMAT')"))
-
-
-def parse_precision_text(text: str, origin: str) -> tuple[PrecisionRule, ...]:
-    """`read_precision_file` of a text (`export --auto-precision`'s result), lines named "ORIGIN:LINE"."""
-    return _precision_rules(_text_lines(text, origin))
-
-
-def _precision_rules(lines: list[tuple[str, list[str]]]) -> tuple[PrecisionRule, ...]:
-    rules = []
-    for where, words in lines:
-        if len(words) != 2 or words[1] not in PRECISIONS:
-            raise NVFP4ToolError(
-                f"{where}: {' '.join(words)!r}: expected 'PATTERN FORMAT' with FORMAT one of "
-                f"{', '.join(PRECISIONS)} (# starts a comment)"
-            )
-        rules.append(PrecisionRule(words[0], words[1], where))
-    return tuple(rules)
-
-
-def _resolve(names: tuple[str, ...], quant: str, rules: tuple[PrecisionRule, ...]) -> dict[str, str]:
-    """linear -> its precision: `quant`, or the last rule that matches it."""
-    precision = dict.fromkeys(names, quant)
-    for rule in rules:
-        for n in names:
-            if fnmatch.fnmatchcase(n, rule.pattern):
-                precision[n] = rule.precision
-    return precision
-
-
 def _check_used(rule: PrecisionRule, names: tuple[str, ...]) -> None:
     if any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
         return
@@ -169,31 +142,6 @@ def _check_used(rule: PrecisionRule, names: tuple[str, ...]) -> None:
     if rule.origin is not None:
         raise NVFP4ToolError(f"{rule.origin}: {why}")
     raise NVFP4UsageError(f"--keep-bf16 {why}")
-
-
-def _check_groups(
-    names: tuple[str, ...], precision: Mapping[str, str], rules: tuple[PrecisionRule, ...], always: Iterable[str]
-) -> None:
-    """Refuse a precision file that gives the members of one fused group (or the routed experts of
-    one MoE layer: `families.scheme_group`) different quants (a member in bf16 keeps its whole fused
-    group in BF16, as a keep-BF16 pattern does)."""
-    always = set(always)
-    members: dict[str, list[str]] = {}
-    for n in names:
-        if n not in always:
-            members.setdefault(scheme_group(n), []).append(n)
-    for group, modules in members.items():
-        found = dict.fromkeys(precision[m] for m in modules)
-        if len(found) > 1 and "bf16" not in found:
-            where = next(
-                (r.origin for r in reversed(rules) if any(fnmatch.fnmatchcase(m, r.pattern) for m in modules)), None
-            )
-            shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} linears)" if len(modules) > 3 else "")
-            raise NVFP4ToolError(
-                f"{where or '--precision-file'}: fused group {group} ({shown}) would be split "
-                f"across {' / '.join(found)}; serving runs its members as one fused layer of one scheme: "
-                f"give them one format"
-            )
 
 
 def _patterns_for(modules: list[str]) -> list[str]:
@@ -208,7 +156,7 @@ def read_keep_bf16_file(path: str) -> dict[str, str]:
     NVFP4ToolError naming the file (and line) for a file that is not UTF-8 text or a line holding
     more than one word; no pattern at all is allowed (nothing more kept in BF16)."""
     patterns: dict[str, str] = {}
-    for where, words in _lines(path, "keep-BF16 file (one fnmatch pattern or module name per line)"):
+    for where, words in read_rule_lines(path, "keep-BF16 file (one fnmatch pattern or module name per line)"):
         if len(words) > 1:
             raise NVFP4ToolError(
                 f"{where}: {' '.join(words)!r}: expected one fnmatch pattern or module name per line "
@@ -216,27 +164,6 @@ def read_keep_bf16_file(path: str) -> dict[str, str]:
             )
         patterns.setdefault(words[0], where)
     return patterns
-
-
-def _lines(path: str, kind: str) -> list[tuple[str, list[str]]]:
-    """[("PATH:LINE", words)] of the non-empty lines of a rules file, comments (#) stripped."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except UnicodeDecodeError as bad:
-        raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a {kind}") from None
-    except OSError as bad:
-        raise NVFP4ToolError(f"{path}: cannot read ({bad.strerror})") from None
-    return _text_lines(text, path)
-
-
-def _text_lines(text: str, origin: str) -> list[tuple[str, list[str]]]:
-    found = []
-    for number, line in enumerate(text.splitlines(), 1):
-        words = line.split("#", 1)[0].split()
-        if words:
-            found.append((f"{origin}:{number}", words))
-    return found
 
 
 def format_keep_bf16_file(patterns: Iterable[str], comments: Iterable[str] = ()) -> str:

@@ -3,8 +3,9 @@
     quantizer = quantizer_for(plan, "rtn", "1d", group_amax, gptq=None)
     done = quantizer.quantize("model.layers.0.mlp.up_proj", w_NxK)   # done.roles, done.errors, done.amax
 
-`ScaleSearch` (NVFP4 RTN or a scale search), `GPTQ` (the GPTQ pass's record), `FP8` (per tensor);
-`Mixed` dispatches each linear of a mixed export to the one of its quant.
+`ScaleSearch` (NVFP4 RTN or a scale search), `GPTQ` (the GPTQ pass's record), `FP8` (per tensor,
+or `granularity="block128x128"`: fp8-block); `Mixed` dispatches each linear of a mixed export to
+the one of its quant.
 Design notes: docs/design/export.md.
 """
 
@@ -81,17 +82,26 @@ class GPTQ:
 
 @dataclasses.dataclass(frozen=True)
 class FP8:
-    """FP8 E4M3 with one per-tensor scale (amax / 448)."""
+    """FP8 E4M3 with one per-tensor scale (amax / 448), or (`granularity="block128x128"`, the
+    fp8-block quant) one fp32 scale per 128x128 block, [ceil(N/128), ceil(K/128)]."""
+
+    granularity: str = "tensor"
 
     def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
-        q = quantize_fp8(w_NxK, fmt="e4m3", granularity="tensor", name=f"{module}.weight")
+        q = quantize_fp8(w_NxK, fmt="e4m3", granularity=self.granularity, name=f"{module}.weight")
         w32 = np.asarray(w_NxK, np.float32)
         decoded = np.asarray(dequantize_fp8(q))
         norm = float(np.linalg.norm(w32))
         err = float(np.linalg.norm(decoded - w32)) / norm if norm else 0.0
         amax = float(np.max(np.abs(decoded))) if decoded.size else 0.0
-        roles = {"weight": np.asarray(q.data), "weight_global": np.asarray(q.scale, np.float32).reshape(())}
+        if self.granularity == "tensor":
+            roles = {"weight": np.asarray(q.data), "weight_global": np.asarray(q.scale, np.float32).reshape(())}
+        else:
+            roles = {"weight": np.asarray(q.data), "block_scale": np.asarray(q.scale, np.float32)}
         return QuantizedWeight(roles, {"rel_l2": err}, amax)
+
+
+FP8_QUANTIZERS = {"fp8": FP8(), "fp8-block": FP8("block128x128")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +112,20 @@ class Mixed:
     nvfp4: WeightQuantizer
 
     def quantize(self, module: str, w_NxK: np.ndarray) -> QuantizedWeight:
-        quantizer = FP8() if self.plan.quant_of(module) == "fp8" else self.nvfp4
+        quantizer = FP8_QUANTIZERS.get(self.plan.quant_of(module), self.nvfp4)
         return quantizer.quantize(module, w_NxK)
 
 
 def quantizer_for(
     plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
 ) -> WeightQuantizer:
-    """The one quantizer of an export: FP8 for --quant fp8, GPTQ's records when the pass ran, else
-    the scale search (a mixed plan: FP8 or the scale search per linear)."""
-    if plan.quant == "fp8":
-        return FP8()
-    if gptq is not None:
-        return GPTQ(gptq)
-    if plan.is_mixed:
-        return Mixed(plan, ScaleSearch(scale_search, block, plan, group_amax))
-    return ScaleSearch(scale_search, block, plan, group_amax)
+    """The one quantizer of an export: FP8 for --quant fp8 / fp8-block, GPTQ's records when the
+    pass ran, else the scale search (a mixed plan: FP8 per linear, the others by GPTQ or the scale
+    search)."""
+    if plan.quant in FP8_QUANTIZERS:
+        return FP8_QUANTIZERS[plan.quant]
+    nvfp4 = GPTQ(gptq) if gptq is not None else ScaleSearch(scale_search, block, plan, group_amax)
+    return Mixed(plan, nvfp4) if plan.is_mixed else nvfp4
 
 
 def nvfp4_decode_scale(amax: float | np.ndarray) -> np.ndarray:

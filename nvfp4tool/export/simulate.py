@@ -3,8 +3,8 @@
     exported = load_export("out/model-nvfp4")          # either format, any --quant, mixed too
     logits = forward(exported.model(), ids, linear=served_linear)  # decode + (W4A4) activation quantization
 
-Weights stay as stored (`NVFP4Weight`, `FP8Weight`, each linear by its own scheme in a mixed export),
-decoded inside the jitted forward; `served_kv`: FP8 KV.
+Weights stay as stored (`NVFP4Weight`, `FP8Weight`, `FP8BlockWeight`, each linear by its own scheme
+in a mixed export), decoded inside the jitted forward; `served_kv`: FP8 KV.
 `for_generation`: the weights decoded / widened once (`DecodedWeight`) where the memory allows.
 Design notes: docs/design/export.md.
 """
@@ -24,8 +24,20 @@ from converters.tensor_source import tensor_bytes
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.numerics import decode_fp8, decode_nvfp4, dense, dense_widening, fake_quantize_fp8, fake_quantize_nvfp4
-from nvfp4tool.numerics.constants import NVFP4_GLOBAL_RANGE
+from nvfp4tool.formats import PRECISIONS, quant_title
+from nvfp4tool.model.kv import LayerKV
+from nvfp4tool.numerics import (
+    decode_fp8,
+    decode_nvfp4,
+    dense,
+    dense_widening,
+    fake_quantize_fp8,
+    fake_quantize_fp8_token_groups,
+    fake_quantize_nvfp4,
+    nvfp4_block_products,
+    times_decode_scale,
+)
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_GLOBAL_RANGE
 
 
 @jax.tree_util.register_dataclass
@@ -84,13 +96,43 @@ class FP8Weight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodedWeight:
-    """A weight decoded once (`for_generation`): `data` is a stored quantized weight's `dequantize()`
-    or a BF16 weight cast, fp32 [N, K], the values `served_linear` makes of it at every use; its
-    input quantizer is the stored weight's (`quant` "nvfp4" / "fp8" with the input's decode scale;
-    "plain", no input scale, for BF16 and weight-only weights)."""
+class FP8BlockWeight:
+    """An fp8-block linear weight [N, K] as stored: E4M3 data and its fp32 decode scale per 128x128
+    block [ceil(N/128), ceil(K/128)]; the input is quantized dynamically (per token per 128 columns)."""
 
     data: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
+        """The served weight (rows start:stop), fp32 [N, K]: each value times its block's scale."""
+        rows = jnp.repeat(self.scale, FP8_BLOCK, axis=0)[start : self.data.shape[0] if stop is None else stop]
+        return decode_fp8(self.data[start:stop], rows, granularity="block128")
+
+    def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
+        return _quantize_input("fp8-block", None, x, name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodedWeight:
+    """A weight decoded once (`for_generation`), [N, K]: a stored NVFP4 weight's block products
+    e2m1 x block scale (`numerics.nvfp4_block_products`) or a stored FP8 weight's values, BF16
+    (exact) with its fp32 decode scale `s_dec`, so each use computes `times_decode_scale(data,
+    s_dec)`: the stored weight's `dequantize()` bit for bit; or a BF16 weight widened to fp32
+    (`s_dec` None). Its input quantizer is the stored weight's (`quant` "nvfp4" / "fp8" with the
+    input's decode scale, None when weight-only; "fp8-block", dynamic, its decoded fp32 values with
+    `s_dec` None; "plain" for a BF16 weight)."""
+
+    data: jax.Array
+    s_dec: jax.Array | None
     input_scale: jax.Array | None
     quant: str = dataclasses.field(metadata={"static": True})
 
@@ -99,14 +141,18 @@ class DecodedWeight:
         return tuple(self.data.shape)
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
-        return self.data[start:stop]
+        rows = self.data[start:stop]
+        return rows if self.s_dec is None else times_decode_scale(rows, self.s_dec)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         return _quantize_input(self.quant, self.input_scale, x, name)
 
 
 def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
-    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only)."""
+    """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only;
+    fp8-block: dynamic per token per 128 columns, no stored scale)."""
+    if quant == "fp8-block":
+        return fake_quantize_fp8_token_groups(x, dtype=x.dtype, name=f"input of {name}")
     if input_scale is None:
         return x
     if quant == "fp8":
@@ -115,19 +161,22 @@ def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, nam
     return fake_quantize_nvfp4(x, axis=-1, global_amax=global_amax, dtype=x.dtype, name=f"input of {name}")
 
 
-DECODE_ONCE_SHARE = 0.25  # decoded fp32 copies held beside a model: at most this share of its stored bytes
+DECODE_ONCE_SHARE = 0.25  # decoded copies held beside a model: at most this share of its stored bytes
 
 
 def for_generation(model, label: str, budget: int | None = None):
     """The held model generation runs with `served_linear`: linear weights held narrower than the
     compute (stored NVFP4 / FP8, or BF16 in fp32 compute) decoded / widened once into a
     `DecodedWeight` (the same values, sliced in the same `dense_widening` blocks, so the same GEMMs:
-    tokens and logits bit for bit those of decoding at every step), in forward order while their
-    fp32 copies fit in `budget` bytes; the rest are decoded at every step. Default budget: the
-    smaller of `DECODE_ONCE_SHARE` of the model's stored bytes (a held model's peak stays within
-    the stored model and its working set, as validate's memory bound promises) and
-    `memory.HEADROOM` of the available memory. Says what it did as a status line. The embedding
-    table (a tied LM head too) stays as stored."""
+    tokens and logits bit for bit those of decoding at every step), while their copies fit in
+    `budget` bytes: stored quantized weights first (their BF16 block products, 2 bytes a weight,
+    the most decode work saved per byte), then BF16 ones (widened to fp32, 4 bytes a weight), each
+    in forward order, a linear NAME (e.g. every layer's down_proj) at a time, so that every decoder
+    layer keeps one weight layout and the layers share one compiled program (`model.generate`);
+    the rest are decoded at every step. Default budget: the smaller of `DECODE_ONCE_SHARE` of the
+    model's stored bytes (a held model's peak stays within the stored model and its working set,
+    as validate's memory bound promises) and `memory.HEADROOM` of the available memory. Says what
+    it did as a status line. The embedding table (a tied LM head too) stays as stored."""
     from nvfp4tool.model.layers import Linear
 
     linears = {(*path, "weight") for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
@@ -136,24 +185,30 @@ def for_generation(model, label: str, budget: int | None = None):
     narrow = [p for p, v in flat if p in linears and _narrow(v.get_value(), model.compute_dtype)]
     if not narrow:
         return model
-    sizes = {p: 4 * math.prod(v.get_value().shape) for p, v in flat if p in set(narrow)}
+    values = {p: v.get_value() for p, v in flat if p in set(narrow)}
+    sizes = {p: _decoded_itemsize(values[p]) * math.prod(values[p].shape) for p in narrow}
+    groups: dict[tuple, list] = {}  # (stored first, the linear's name in its layer) -> its paths
+    for p in narrow:
+        groups.setdefault((not _stored(values[p]), _linear_name(p)), []).append(p)
     if budget is None:
         stored = sum(leaf.nbytes for leaf in jax.tree.leaves(state) if hasattr(leaf, "nbytes"))
         budget = int(min(DECODE_ONCE_SHARE * stored, memory.HEADROOM * memory.available_bytes()))
     chosen, used = set(), 0
-    for p in narrow:
-        if used + sizes[p] <= budget:
-            chosen.add(p)
-            used += sizes[p]
+    for _, paths in sorted(groups.items(), key=lambda kv: kv[0][0]):  # stable: forward order within
+        size = sum(sizes[p] for p in paths)
+        if used + size <= budget:
+            chosen.update(paths)
+            used += size
     if not chosen:
         progress.info(
-            f"{label}: weights decoded at every generation step (decoding one once needs "
-            f"{min(sizes.values()) / 1e9:.2f} GB, over the {budget / 1e9:.2f} GB allowed)"
+            f"{label}: weights decoded at every generation step (decoding one linear of every layer once "
+            f"needs {min(sum(sizes[p] for p in g) for g in groups.values()) / 1e9:.2f} GB, over the "
+            f"{budget / 1e9:.2f} GB allowed)"
         )
         return model
     progress.info(
         f"{label}: {len(chosen)} of {len(narrow)} linear weights decoded once for generation "
-        f"({used / 1e9:.2f} GB fp32 of the {budget / 1e9:.2f} GB allowed), the rest at every step"
+        f"({used / 1e9:.2f} GB of the {budget / 1e9:.2f} GB allowed), the rest at every step"
     )
     flat = [(p, v.replace(_decode_once(v.get_value())) if p in chosen else v) for p, v in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -161,19 +216,41 @@ def for_generation(model, label: str, budget: int | None = None):
 
 def _narrow(w, compute_dtype) -> bool:
     """A weight `served_linear` decodes or widens at every use."""
-    if isinstance(w, NVFP4Weight | FP8Weight):
+    if _stored(w):
         return True
     return jnp.issubdtype(w.dtype, jnp.floating) and jnp.dtype(w.dtype).itemsize < jnp.dtype(compute_dtype).itemsize
 
 
+def _stored(w) -> bool:
+    return isinstance(w, NVFP4Weight | FP8Weight | FP8BlockWeight)
+
+
+def _decoded_itemsize(w) -> int:
+    """Bytes a weight of `w` costs decoded once: 2 for NVFP4 / per-tensor FP8 (exact BF16), else 4."""
+    return 2 if isinstance(w, NVFP4Weight | FP8Weight) else 4
+
+
+def _linear_name(path: tuple) -> tuple:
+    """A linear weight's path without its layer index (`layers`, i, ...): the same for every
+    layer's linear of that name."""
+    parts = list(path)
+    if "layers" in parts:
+        at = parts.index("layers")
+        del parts[at : at + 2]
+    return tuple(parts)
+
+
 @jax.jit
 def _decode_once(w) -> DecodedWeight:
-    # weight-only: "plain" as a BF16 weight's, so a W4A16 model's programs are the BF16 source's
-    if isinstance(w, NVFP4Weight | FP8Weight) and w.input_scale is not None:
-        quant = "fp8" if isinstance(w, FP8Weight) else "nvfp4"
-        return DecodedWeight(data=w.dequantize(), input_scale=w.input_scale, quant=quant)
-    data = w.dequantize() if isinstance(w, NVFP4Weight | FP8Weight) else w.astype(jnp.float32)
-    return DecodedWeight(data=data, input_scale=None, quant="plain")
+    if isinstance(w, NVFP4Weight):
+        quant, data, s_dec = "nvfp4", nvfp4_block_products(w.packed, w.scales), w.s_dec
+    elif isinstance(w, FP8BlockWeight):  # a scale per 128x128 block: held decoded, fp32
+        return DecodedWeight(data=w.dequantize(), s_dec=None, input_scale=None, quant="fp8-block")
+    elif isinstance(w, FP8Weight):
+        quant, data, s_dec = "fp8", w.data.astype(jnp.bfloat16), w.scale  # E4M3 is exact in BF16
+    else:
+        return DecodedWeight(data=w.astype(jnp.float32), s_dec=None, input_scale=None, quant="plain")
+    return DecodedWeight(data=data, s_dec=jnp.asarray(s_dec, jnp.float32), input_scale=w.input_scale, quant=quant)
 
 
 KVScales = tuple[jax.Array | float, jax.Array | float]  # (k scale, v scale) of one attention, fp32 []
@@ -197,17 +274,6 @@ class ServedKVTap:
         return served_kv(k, v, aux), None
 
 
-@dataclasses.dataclass(frozen=True)
-class ServedKV:
-    """`model.kv.KVFn` of the FP8 KV cache of a whole model: ((attention name, k scale, v scale), ...)."""
-
-    scales: tuple[tuple[str, float, float], ...]
-
-    def __call__(self, k, v, *, name):
-        _, k_scale, v_scale = next(s for s in self.scales if s[0] == name)
-        return served_kv(k, v, (k_scale, v_scale))
-
-
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:
     """The LinearFn of a model held as stored: a stored quantized weight quantizes its input (W4A4 /
     W8A8) and is decoded (a `DecodedWeight`: its decoded rows sliced, in the same blocks, so the
@@ -215,7 +281,7 @@ def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> j
     plain BF16 linear of the source too). A weight is decoded or widened to x's dtype only when its
     input exists and a block of rows at a time (`numerics.dense_widening`), so a program holds at most
     `numerics.dot.WIDEN_BYTES` of widened weight at a time."""
-    if isinstance(w_NxK, NVFP4Weight | FP8Weight | DecodedWeight):
+    if isinstance(w_NxK, NVFP4Weight | FP8Weight | FP8BlockWeight | DecodedWeight):
         x = w_NxK.quantize_input(x, name)
         return dense_widening(x, w_NxK, b_N, widen_rows=lambda w, start, stop: w.dequantize(start, stop))
     if w_NxK.dtype != x.dtype:
@@ -237,7 +303,7 @@ class ExportedModel:
     ) -> None:
         self.folder, self.config, self.quantized = folder, config, tuple(specs)
         self.format: str = layout.format  # "modelopt" | "compressed-tensors"
-        self.quant: str = layout.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "mixed"
+        self.quant: str = layout.quant  # "nvfp4" | "nvfp4-weight-only" | "fp8" | "fp8-block" | "mixed"
         self.kv_cache = kv_cache  # "fp8" when the configs announce a quantized KV cache, else None
         self._spec, self._source, self._quantized_set = layout.spec, source, frozenset(specs)
         self._specs = specs  # quantized module -> its LayoutSpec (a mixed export's differ)
@@ -245,6 +311,20 @@ class ExportedModel:
     def quant_of(self, module: str) -> str:
         """The quant of the quantized module `module` (its scheme's in a mixed export)."""
         return self._specs[module].quant
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions its linears carry, in `formats.PRECISIONS` order: its quants, and "bf16"
+        when a decoder linear (not lm_head or a router, which always are) stays BF16."""
+        kept = set(self.config.modules.kept())
+        found = {self.quant_of(m) for m in self.quantized}
+        if any(n not in self._quantized_set and n not in kept for n in self.config.linear_names()):
+            found.add("bf16")
+        return tuple(p for p in PRECISIONS if p in found)
+
+    @property
+    def title(self) -> str:
+        """How reports name it: "NVFP4", "NVFP4 W4A16", "FP8", "Mixed (NVFP4/FP8/BF16)" (`formats.quant_title`)."""
+        return quant_title(self.quant, self.precisions())
 
     @property
     def path(self) -> str:
@@ -256,13 +336,15 @@ class ExportedModel:
 
     def get(self, name: str):
         """One tensor as stored: a quantized module's `<m>.weight` is its `NVFP4Weight` /
-        `FP8Weight` (numpy arrays); anything else the stored array (BF16 as BF16)."""
+        `FP8Weight` / `FP8BlockWeight` (numpy arrays); anything else the stored array (BF16 as BF16)."""
         module, _, suffix = name.rpartition(".")
         if module not in self._quantized_set or suffix != "weight":
             return self._source.get(name)
         spec = self._specs[module]
         group = {f"{module}.{t.suffix}": self._source.get(f"{module}.{t.suffix}") for t in spec.tensors}
         roles = spec.to_roles(module, group)
+        if spec.is_fp8_block:
+            return FP8BlockWeight(data=roles["weight"], scale=np.asarray(roles["block_scale"], np.float32))
         input_scale = np.asarray(roles["input_global"], np.float32).reshape(()) if "input_global" in roles else None
         s_dec = np.asarray(roles["weight_global"], np.float32).reshape(())
         if spec.quant == "fp8":
@@ -284,16 +366,10 @@ class ExportedModel:
             return None
         return self.kv_scales(layer)
 
-    def served_kv(self) -> ServedKV:
-        """The KV seam of this export's FP8 KV cache, for a whole model (e.g. generation)."""
-        modules = self.config.modules
-        return ServedKV(
-            tuple(
-                (modules.attention(i), *map(float, self.kv_scales(i)))
-                for i in range(self.config.num_layers)
-                if modules.attention(i) is not None
-            )
-        )
+    def served_kv(self) -> LayerKV:
+        """The KV seam of this export's FP8 KV cache, for a whole model (generation): each
+        attention layer's stored scales as its aux (`kv_aux`), so alike layers share a program."""
+        return LayerKV(ServedKVTap(), lambda layer: self.kv_aux(layer))
 
     def module_bytes(self, module: str) -> int:
         """The stored bytes of a quantized module's weight group (weight, scales, input scale)."""
@@ -328,11 +404,11 @@ def load_export(folder: str) -> ExportedModel:
     layout = formats.describe(folder)
     config = ModelConfig.from_hf_folder(folder)
     source = HFFolderSource(folder, check_config=False).use_names_of(config)
-    specs = {}  # quantized module -> its spec: a module with its scheme's weight global scale
+    specs = {}  # quantized module -> its spec: a module with its scheme's marker scale
     for n in source.names():
         module, _, suffix = n.rpartition(".")
         spec = layout.spec_for(config.family_spec.checkpoint_name(module))
-        if spec is not None and suffix == spec.suffix("weight_global"):
+        if spec is not None and suffix == spec.marker_suffix:
             specs[module] = spec
     quantized = tuple(specs)
     expected = config.expected_tensor_shapes()

@@ -68,6 +68,7 @@ __all__ = [
     "expert_of",
     "folds",
     "fused_group",
+    "fused_position",
     "scheme_group",
     "get_family",
     "group_glob",
@@ -206,6 +207,13 @@ def fused_group(name: str) -> str:
     to `module_table(config)[name].group` for every model's linear."""
     p = projection_of(name)
     return f"{name.rpartition('.')[0]}.{p.fused}" if p is not None and p.fused else name
+
+
+def fused_position(name: str) -> int:
+    """The place of a linear among the shards of its fused GEMM (q < k < v, gate < up, w1 < w3: the
+    order the families declare, which is vLLM's merged-weight order); -1 for an unknown name."""
+    p = projection_of(name)
+    return -1 if p is None else list(_BY_ATTR).index(p.attr)
 
 
 def scheme_group(name: str) -> str:

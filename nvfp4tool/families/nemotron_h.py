@@ -626,7 +626,8 @@ class HybridDecoder(Family):
         """A MoE hybrid in compressed-tensors NVFP4: vLLM's fused-MoE layer refuses compressed-tensors
         NVFP4 for non-gated experts (vllm-project/vllm#31782, open when we read it), while NVIDIA's
         own NVFP4 MoE hybrids are ModelOpt checkpoints (our default format), which it serves."""
-        if MOE in config.family_config.layer_kinds and fmt == "compressed-tensors" and quant != "fp8":
+        nvfp4 = quant in ("nvfp4", "nvfp4-weight-only")
+        if MOE in config.family_config.layer_kinds and fmt == "compressed-tensors" and nvfp4:
             return [
                 "warning: vLLM does not serve a MoE hybrid's non-gated experts from compressed-tensors "
                 "NVFP4 (vllm-project/vllm#31782); --format modelopt (the default) is the layout it serves"

@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from converters.fp8_block import is_fp8_block_config
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.families import fused_position
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
     CONFIG_FILE,
@@ -23,12 +24,15 @@ from nvfp4tool.formats.spec import (
     HF_QUANT_CONFIG_FILE,
     KV_CACHES,
     MIXED,
+    NVFP4_QUANTS,
     PRECISIONS,
     QUANTS,
     ROLES,
+    STATIC_INPUT_QUANTS,
     KVScaleSpec,
     LayoutSpec,
     TensorSpec,
+    quant_title,
 )
 from nvfp4tool.records.base import RecordError, read_json_file
 
@@ -45,8 +49,10 @@ __all__ = [
     "HF_QUANT_CONFIG_FILE",
     "KV_CACHES",
     "MIXED",
+    "NVFP4_QUANTS",
     "PRECISIONS",
     "QUANTS",
+    "STATIC_INPUT_QUANTS",
     "ROLES",
     "SPECS",
     "FolderLayout",
@@ -56,7 +62,11 @@ __all__ = [
     "describe",
     "get",
     "is_quantized_export",
+    "linear_problem",
+    "merged_problem",
     "mixed_configs",
+    "mixed_problem",
+    "quant_title",
 ]
 
 
@@ -128,12 +138,52 @@ def mixed_configs(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json["quantization_config"], hf_quant_config.json or None) of a mixed export whose
     quantized linears have the quants `quants` ({module: one of QUANTS}, model order)."""
+    problem = mixed_problem(fmt, set(quants.values()))
+    if problem is not None:
+        raise NVFP4UsageError(problem)
     schemes = tuple(
         (SPECS[(fmt, q)], tuple(m for m, mq in quants.items() if mq == q)) for q in QUANTS if q in quants.values()
     )
     if fmt == modelopt.FORMAT:
         return modelopt.mixed_configs(schemes, excluded, producer, kv_cache)
     return compressed_tensors.mixed_config(schemes, excluded, kv_cache), None
+
+
+def mixed_problem(fmt: str, quants) -> str | None:
+    """Why a mixed-precision checkpoint in `fmt` cannot carry one of `quants` so that its engines
+    load it (ModelOpt: fp8-block, `modelopt.MIXED_UNSUPPORTED`), or None."""
+    if fmt == modelopt.FORMAT:
+        bad = next((q for q in quants if q in modelopt.MIXED_UNSUPPORTED), None)
+        if bad is not None:
+            why = modelopt.MIXED_UNSUPPORTED[bad]
+            return f"--format modelopt does not carry {bad} in a mixed-precision file: {why}"
+    return None
+
+
+def linear_problem(fmt: str, quant: str, module: str, n: int, k: int) -> str | None:
+    """Why the linear `module` [N, K] cannot be stored as (fmt, quant) so that its engines load it
+    (ModelOpt fp8-block: `modelopt.fp8_block_problem`), or None."""
+    if fmt == modelopt.FORMAT and quant == "fp8-block":
+        return modelopt.fp8_block_problem(module, n, k)
+    return None
+
+
+def merged_problem(quant: str, members: dict[str, int]) -> tuple[str, str] | None:
+    """(shard, why) when the shards of one merged GEMM ({module: N}: q/k/v, gate/up) cannot be
+    served as `quant`, else None: fp8-block needs every shard's N but the last's (in
+    `families.fused_position` order) a multiple of 128, as vLLM's validate_fp8_block_shape does at
+    TP 1 (a 128-row block must not straddle two shards)."""
+    if quant != "fp8-block":
+        return None
+    ordered = sorted(members, key=fused_position)
+    for module in ordered[:-1]:
+        if members[module] % 128:
+            last = ordered[-1].rpartition(".")[2]
+            return module, (
+                f"N = {members[module]} is not a multiple of 128: in a merged fp8-block GEMM only the last shard "
+                f"({last}) may end a 128-row block early (vLLM's validate_fp8_block_shape)"
+            )
+    return None
 
 
 def is_quantized_export(folder: str) -> bool:

@@ -1,8 +1,10 @@
 """The compressed-tensors layouts (vLLM compressed-tensors, transformers + compressed-tensors):
-NVFP4 W4A4 / W4A16 (`nvfp4-pack-quantized`) and FP8 per tensor (`float-quantized`).
+NVFP4 W4A4 / W4A16 (`nvfp4-pack-quantized`), FP8 per tensor and FP8 128x128 blocks (both
+`float-quantized`, told apart by the weights' `strategy`: "tensor" / "block", FP8_BLOCK_ARGS).
 
 Global scales have shape [1]: NVFP4 ones are encode scales (S_enc = 1 / S_dec = 2688 / amax), FP8
-and KV-cache ones decode scales (amax / 448); `ignore` / `targets` are exact names or `re:` regexes.
+and KV-cache ones decode scales (amax / 448); fp8-block's `weight_scale` is the fp32 decode-scale
+grid [ceil(N/128), ceil(K/128)]; `ignore` / `targets` are exact names or `re:` regexes.
 Design notes: docs/design/formats.md.
 """
 
@@ -10,11 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec
-from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+from nvfp4tool.formats.spec import CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec, fp8_block_grid
+from nvfp4tool.numerics.constants import E4M3_MAX, FP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "compressed-tensors"
-CT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "nvfp4-weight-only": "nvfp4-pack-quantized", "fp8": "float-quantized"}
+CT_FORMAT = {
+    "nvfp4": "nvfp4-pack-quantized",
+    "nvfp4-weight-only": "nvfp4-pack-quantized",
+    "fp8": "float-quantized",
+    "fp8-block": "float-quantized",
+}
 MIXED_FORMAT = "mixed-precision"  # the top-level format of several groups' formats (CompressionFormat.mixed_precision)
 # The quantization args of the weights (and, where present, the activations) per format; the
 # keys in *_KEYS are the ones a reader must find with these values.
@@ -39,6 +46,28 @@ FP8_ARGS = {
     "observer": "minmax",
 }
 FP8_KEYS = ("num_bits", "type", "strategy")
+# compressed-tensors' FP8_BLOCK preset scheme (quant_scheme.py; what llm-compressor writes and vLLM's
+# CompressedTensorsW8A8Fp8 block path reads): weights 128x128 blocks, activations dynamic per
+# token per 128-column group.
+FP8_BLOCK_ARGS = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "block",
+    "block_structure": [FP8_BLOCK, FP8_BLOCK],
+    "dynamic": False,
+}
+FP8_BLOCK_KEYS = ("num_bits", "type", "strategy", "block_structure")
+FP8_BLOCK_INPUT_ARGS = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": FP8_BLOCK,
+    "strategy": "group",
+    "dynamic": True,
+}
+FP8_BLOCK_INPUT_KEYS = ("num_bits", "type", "strategy", "group_size", "dynamic")
 # --kv-cache -> kv_cache_scheme (what llm-compressor writes for a static per-tensor FP8 KV cache)
 KV_CACHE_SCHEME = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
 KV_SCALES = KVScaleSpec(k_suffix="k_scale", v_suffix="v_scale", shape=(1,))
@@ -59,9 +88,16 @@ def mixed_config(
 
 
 def _group(spec: LayoutSpec, targets: tuple[str, ...]) -> dict[str, Any]:
-    group: dict[str, Any] = {"targets": list(targets), "weights": dict(NVFP4_ARGS if spec.is_nvfp4 else FP8_ARGS)}
-    if spec.has_input_scales:
-        group["input_activations"] = dict(NVFP4_ARGS, dynamic="local") if spec.is_nvfp4 else dict(FP8_ARGS)
+    if spec.is_fp8_block:
+        weights, inputs = dict(FP8_BLOCK_ARGS), dict(FP8_BLOCK_INPUT_ARGS)
+        weights["block_structure"] = list(FP8_BLOCK_ARGS["block_structure"])
+    elif spec.is_nvfp4:
+        weights, inputs = dict(NVFP4_ARGS), dict(NVFP4_ARGS, dynamic="local")
+    else:
+        weights, inputs = dict(FP8_ARGS), dict(FP8_ARGS)
+    group: dict[str, Any] = {"targets": list(targets), "weights": weights}
+    if spec.has_input_scales or spec.is_fp8_block:
+        group["input_activations"] = inputs
     group["format"] = CT_FORMAT[spec.quant]
     return group
 
@@ -84,7 +120,12 @@ def _one(n: int, k: int) -> tuple[int, ...]:
 
 
 def _spec(quant: str) -> LayoutSpec:
-    if quant == "fp8":
+    if quant == "fp8-block":
+        tensors = [
+            TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+            TensorSpec("block_scale", "weight_scale", "F32", fp8_block_grid),
+        ]
+    elif quant == "fp8":
         tensors = [
             TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
             TensorSpec("weight_global", "weight_scale", "F32", _one),
@@ -102,10 +143,10 @@ def _spec(quant: str) -> LayoutSpec:
         format=FORMAT,
         quant=quant,
         tensors=tuple(tensors),
-        convention="decode" if quant == "fp8" else "encode",
+        convention="encode" if quant in ("nvfp4", "nvfp4-weight-only") else "decode",
         pattern_style="exact-or-re",
-        element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-        packing=1 if quant == "fp8" else 2,
+        element_range=NVFP4_GLOBAL_RANGE if quant in ("nvfp4", "nvfp4-weight-only") else E4M3_MAX,
+        packing=2 if quant in ("nvfp4", "nvfp4-weight-only") else 1,
         kv_scales=KV_SCALES,
         build_config=_config,
         build_hf_quant_config=None,
@@ -133,14 +174,22 @@ def parse(qc: dict) -> tuple[str | None, Any, tuple[str, ...], list[tuple[str, s
     fmt = next(iter(formats))
     _check_status(qc, problems)
     targets: list[str] = []
-    has_input = False
+    quants = []
     for group_name, group in groups.items():
         group = group if isinstance(group, dict) else {}
-        _check_weights(group_name, group, fmt, problems)
-        has_input = has_input or bool(group.get("input_activations"))
+        quants.append(_group_quant(group_name, group, fmt, problems))
         targets += _targets(group)
-    nvfp4 = fmt == CT_FORMAT["nvfp4"]
-    quant = ("nvfp4" if has_input else "nvfp4-weight-only") if nvfp4 else "fp8"
+    # one format, several groups: NVFP4 W4A4 if any group quantizes activations (as before); FP8
+    # groups of both strategies in one non-mixed config: the first group's (a problem names it)
+    found = dict.fromkeys(quants)
+    if fmt == CT_FORMAT["nvfp4"]:
+        quant = "nvfp4" if "nvfp4" in found else "nvfp4-weight-only"
+    else:
+        quant = quants[0] if quants else "fp8"
+        if len(found) > 1:
+            problems.append(
+                (CONFIG_FILE, f"config_groups mix {' and '.join(found)} under format {fmt}; use format mixed-precision")
+            )
     return quant, qc.get("ignore"), tuple(targets), problems, fmt
 
 
@@ -168,12 +217,7 @@ def parse_mixed(qc: dict) -> tuple[list[tuple[str, tuple[str, ...]]], Any, list[
                 )
             )
             continue
-        _check_weights(group_name, group, fmt, problems)
-        if fmt == CT_FORMAT["nvfp4"]:
-            quant = "nvfp4" if group.get("input_activations") else "nvfp4-weight-only"
-        else:
-            quant = "fp8"
-        schemes.append((quant, tuple(_targets(group))))
+        schemes.append((_group_quant(group_name, group, fmt, problems), tuple(_targets(group))))
     return schemes, qc.get("ignore"), problems
 
 
@@ -194,13 +238,31 @@ def _check_status(qc: dict, problems: list[tuple[str, str]]) -> None:
         )
 
 
-def _check_weights(group_name: str, group: dict, fmt: str, problems: list[tuple[str, str]]) -> None:
-    nvfp4 = fmt == CT_FORMAT["nvfp4"]
-    expected_args = {k: (NVFP4_ARGS if nvfp4 else FP8_ARGS)[k] for k in (NVFP4_KEYS if nvfp4 else FP8_KEYS)}
+def _group_quant(group_name: str, group: dict, fmt: str, problems: list[tuple[str, str]]) -> str:
+    """The quant of one config group of format `fmt` (checking its weights' args, and an FP8
+    block group's activations): NVFP4 by its input_activations, FP8 by its weights' strategy."""
     weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
-    wrong = {k: weights.get(k) for k, v in expected_args.items() if weights.get(k) != v}
+    if fmt == CT_FORMAT["nvfp4"]:
+        quant, args, keys = ("nvfp4" if group.get("input_activations") else "nvfp4-weight-only"), NVFP4_ARGS, NVFP4_KEYS
+    elif weights.get("strategy") == FP8_BLOCK_ARGS["strategy"]:
+        quant, args, keys = "fp8-block", FP8_BLOCK_ARGS, FP8_BLOCK_KEYS
+    else:
+        quant, args, keys = "fp8", FP8_ARGS, FP8_KEYS
+    _check_args(f"config_groups.{group_name}.weights", weights, args, keys, fmt, problems)
+    if quant == "fp8-block":
+        inputs = group.get("input_activations") if isinstance(group.get("input_activations"), dict) else {}
+        where = f"config_groups.{group_name}.input_activations"
+        _check_args(where, inputs, FP8_BLOCK_INPUT_ARGS, FP8_BLOCK_INPUT_KEYS, fmt, problems)
+    return quant
+
+
+def _check_args(
+    where: str, found: dict, args: dict, keys: tuple[str, ...], label: str, problems: list[tuple[str, str]]
+) -> None:
+    expected_args = {k: args[k] for k in keys}
+    wrong = {k: found.get(k) for k, v in expected_args.items() if found.get(k) != v}
     if wrong:
-        problems.append((CONFIG_FILE, f"config_groups.{group_name}.weights has {wrong}, {fmt} needs {expected_args}"))
+        problems.append((CONFIG_FILE, f"{where} has {wrong}, {label} needs {expected_args}"))
 
 
 def _targets(group: dict) -> list[str]:

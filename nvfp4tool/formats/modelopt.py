@@ -1,8 +1,10 @@
 """The ModelOpt "unified HF checkpoint" layouts (vLLM `modelopt_fp4` / `modelopt`, TensorRT-LLM,
-SGLang): NVFP4 W4A4, W4A16 and FP8, their configs, and how a folder's configs are parsed.
+SGLang): NVFP4 W4A4, W4A16, FP8 and FP8 128x128 blocks (`FP8_PB_WO`, uniform dense models only:
+`fp8_block_problem`), their configs, and how a folder's configs are parsed.
 
 Global scales are decode scales of shape [] (NVFP4 `weight_scale_2` = amax / 2688; FP8 and KV cache
-amax / 448), declared in config.json and hf_quant_config.json; exclusions are fnmatch patterns.
+amax / 448; FP8_PB_WO's grid [N/128, 1, K/128, 1]), declared in config.json and
+hf_quant_config.json; exclusions are fnmatch patterns.
 Design notes: docs/design/formats.md.
 """
 
@@ -10,14 +12,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfp4tool.formats.spec import CONFIG_FILE, HF_QUANT_CONFIG_FILE, KVScaleSpec, LayoutSpec, TensorSpec
-from nvfp4tool.numerics.constants import E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
+from nvfp4tool.families import expert_of
+from nvfp4tool.formats.spec import (
+    CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
+    NVFP4_QUANTS,
+    KVScaleSpec,
+    LayoutSpec,
+    TensorSpec,
+    fp8_block_grid,
+)
+from nvfp4tool.numerics.constants import E4M3_MAX, FP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE
 
 FORMAT = "modelopt"
-QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8"}
+QUANT_ALGO = {"nvfp4": "NVFP4", "nvfp4-weight-only": "W4A16_NVFP4", "fp8": "FP8", "fp8-block": "FP8_PB_WO"}
 QUANT_OF_ALGO = {algo: quant for quant, algo in QUANT_ALGO.items()}
 MIXED_ALGO = "MIXED_PRECISION"  # per-linear algos in `quantized_layers` (vLLM's ModelOptMixedPrecisionConfig)
 # Keys vLLM reads from hf_quant_config.json["quantization"] (it refuses NVFP4 without group_size).
+# Quants a MIXED_PRECISION checkpoint cannot carry, and why: vLLM's ModelOptMixedPrecisionConfig
+# (modelopt.py) maps only FP8 / NVFP4 / W4A16_NVFP4 per layer; a layer of any other algo in
+# quantized_layers gets UnquantizedLinearMethod (its FP8 bytes loaded as BF16 weights).
+MIXED_UNSUPPORTED = {
+    "fp8-block": (
+        "vLLM's ModelOpt MIXED_PRECISION loader maps no per-layer FP8_PB_WO (such a linear would load "
+        "unquantized); use --format compressed-tensors for a mixed file with fp8-block linears"
+    )
+}
 KV_CACHE_ALGO = {"fp8": "FP8"}  # --kv-cache -> kv_cache_quant_algo
 KV_CACHE_SCHEME = {"fp8": {"dynamic": False, "num_bits": 8, "type": "float"}}  # config.json's form
 KV_SCALES = KVScaleSpec(k_suffix="k_proj.k_scale", v_suffix="v_proj.v_scale", shape=())
@@ -27,10 +47,27 @@ REQUIRED_KEYS = {
 }
 
 
+def fp8_block_problem(module: str, n: int, k: int) -> str | None:
+    """Why vLLM cannot load the linear `module` [N, K] as FP8_PB_WO, or None: its
+    ModelOptFp8PbWoLinearMethod needs N and K multiples of 128 (it sizes the scale [N/128, 1, K/128, 1]
+    and raises otherwise), and the MoE method of its FP8 config reads per-tensor expert scales."""
+    if expert_of(module) is not None:
+        return (
+            "a routed expert: vLLM's ModelOpt FP8 MoE method reads per-tensor scales, not FP8_PB_WO blocks; "
+            "keep the experts BF16 or use --format compressed-tensors"
+        )
+    if n % FP8_BLOCK or k % FP8_BLOCK:
+        return (
+            f"N x K = {n} x {k}: vLLM's ModelOpt FP8_PB_WO needs N and K multiples of {FP8_BLOCK}; "
+            "keep it BF16 or use --format compressed-tensors (ragged N allowed there)"
+        )
+    return None
+
+
 def _config(spec: LayoutSpec, excluded: tuple[str, ...], kv_cache: str | None) -> dict[str, Any]:
     config = _quantization_config(QUANT_ALGO[spec.quant], {"group_0": _group(spec, ("Linear",))}, excluded, kv_cache)
-    if spec.is_nvfp4:
-        config["group_size"] = NVFP4_BLOCK
+    if spec.is_nvfp4 or spec.is_fp8_block:
+        config["group_size"] = NVFP4_BLOCK if spec.is_nvfp4 else FP8_BLOCK
     return config
 
 
@@ -98,8 +135,8 @@ def _hf_quant_config(
         "kv_cache_quant_algo": KV_CACHE_ALGO.get(kv_cache),
         "exclude_modules": list(excluded),
     }
-    if spec.is_nvfp4:
-        quantization["group_size"] = NVFP4_BLOCK
+    if spec.is_nvfp4 or spec.is_fp8_block:  # FP8_PB_WO: 128, as NVIDIA's checkpoints write it
+        quantization["group_size"] = NVFP4_BLOCK if spec.is_nvfp4 else FP8_BLOCK
     return {"producer": producer, "quantization": quantization}
 
 
@@ -107,8 +144,18 @@ def _scalar(n: int, k: int) -> tuple[int, ...]:
     return ()
 
 
+def _block_grid(n: int, k: int) -> tuple[int, ...]:
+    rows, columns = fp8_block_grid(n, k)
+    return (rows, 1, columns, 1)
+
+
 def _spec(quant: str) -> LayoutSpec:
-    if quant == "fp8":
+    if quant == "fp8-block":  # vLLM's ModelOptFp8PbWoLinearMethod: weight_scale [N/128, 1, K/128, 1]
+        tensors = [
+            TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
+            TensorSpec("block_scale", "weight_scale", "F32", _block_grid),
+        ]
+    elif quant == "fp8":
         tensors = [
             TensorSpec("weight", "weight", "F8_E4M3", lambda n, k: (n, k)),
             TensorSpec("weight_global", "weight_scale", "F32", _scalar),
@@ -119,7 +166,7 @@ def _spec(quant: str) -> LayoutSpec:
             TensorSpec("block_scale", "weight_scale", "F8_E4M3", lambda n, k: (n, k // NVFP4_BLOCK)),
             TensorSpec("weight_global", "weight_scale_2", "F32", _scalar),
         ]
-    if quant != "nvfp4-weight-only":
+    if quant in ("nvfp4", "fp8"):
         tensors.append(TensorSpec("input_global", "input_scale", "F32", _scalar))
     return LayoutSpec(
         format=FORMAT,
@@ -127,8 +174,8 @@ def _spec(quant: str) -> LayoutSpec:
         tensors=tuple(tensors),
         convention="decode",
         pattern_style="fnmatch",
-        element_range=E4M3_MAX if quant == "fp8" else NVFP4_GLOBAL_RANGE,
-        packing=1 if quant == "fp8" else 2,
+        element_range=NVFP4_GLOBAL_RANGE if quant in NVFP4_QUANTS else E4M3_MAX,
+        packing=2 if quant in NVFP4_QUANTS else 1,
         kv_scales=KV_SCALES,
         build_config=_config,
         build_hf_quant_config=_hf_quant_config,
@@ -158,13 +205,13 @@ def parse(qc: Any, hf_quant: dict | None) -> tuple[str | None, Any, str, list[tu
     if quant is None:
         return None, None, HF_QUANT_CONFIG_FILE, problems
     if quantization is not None:
-        required = REQUIRED_KEYS["fp8" if quant == "fp8" else "nvfp4"]
+        required = REQUIRED_KEYS["nvfp4" if quant in NVFP4_QUANTS else "fp8"]
         missing = [k for k in required if k not in quantization]
         if missing:
             problems.append(
                 (HF_QUANT_CONFIG_FILE, f"quantization lacks {', '.join(missing)} (vLLM requires {', '.join(required)})")
             )
-        if quant != "fp8" and "group_size" in quantization and quantization["group_size"] != NVFP4_BLOCK:
+        if quant in NVFP4_QUANTS and "group_size" in quantization and quantization["group_size"] != NVFP4_BLOCK:
             problems.append(
                 (HF_QUANT_CONFIG_FILE, f"group_size is {quantization['group_size']}, NVFP4 needs {NVFP4_BLOCK}")
             )
@@ -243,7 +290,10 @@ def parse_mixed(qc: Any, hf_quant: dict | None) -> tuple[list[tuple[str, tuple[s
                 (source, f"quantized_layers.{module}.quant_algo is {algo!r}; supported: {', '.join(QUANT_OF_ALGO)}")
             )
             continue
-        if quant != "fp8" and entry.get("group_size") != NVFP4_BLOCK:
+        if quant in MIXED_UNSUPPORTED:
+            problems.append((source, f"quantized_layers.{module}.quant_algo is {algo!r}: {MIXED_UNSUPPORTED[quant]}"))
+            continue
+        if quant in NVFP4_QUANTS and entry.get("group_size") != NVFP4_BLOCK:
             problems.append(
                 (
                     source,

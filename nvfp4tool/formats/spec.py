@@ -3,7 +3,8 @@ constants every layout shares.
 
 Tensors are declared by role (weight, block_scale, weight_global, input_global), the join key of
 `to_roles` / `from_roles`; global scales are "decode" (S_dec: ModelOpt, every FP8 layout) or
-"encode" (1 / S_dec: compressed-tensors NVFP4). `KVScaleSpec`: where the KV-cache scales go.
+"encode" (1 / S_dec: compressed-tensors NVFP4). `fp8-block` has no global scale: its block_scale
+is the fp32 decode-scale grid [ceil(N/128), ceil(K/128)]. `KVScaleSpec`: where the KV-cache scales go.
 Design notes: docs/design/formats.md.
 """
 
@@ -17,18 +18,48 @@ from typing import Any
 
 import numpy as np
 
+from converters.fp8_block import FP8Block
 from converters.hf import SAFETENSORS_DTYPES
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import is_attention
+from nvfp4tool.numerics.constants import FP8_BLOCK
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
-QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8")  # W4A4, W4A16, FP8 W8A8 per tensor
+QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8", "fp8-block")  # W4A4, W4A16, FP8 W8A8 per tensor / 128x128 blocks
+NVFP4_QUANTS = ("nvfp4", "nvfp4-weight-only")
+STATIC_INPUT_QUANTS = ("nvfp4", "fp8")  # quants whose layouts ship a calibrated input scale (fp8-block: dynamic)
 MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
 PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")
+FP8_BLOCKS = FP8Block(block=(FP8_BLOCK, FP8_BLOCK))  # fp8-block: the 128x128 grid of DeepSeek sources
+
+
+def fp8_block_grid(n: int, k: int) -> tuple[int, int]:
+    """fp8-block's scale grid of an [N, K] weight: [ceil(N/128), ceil(K/128)] (`FP8Block.scale_shape`)."""
+    return FP8_BLOCKS.scale_shape((n, k))
+
+
 KV_CACHES = ("fp8",)  # quantized KV caches an export can carry scales for (None: the engine's default)
 GLOBAL_ROLES = ("weight_global", "input_global")
+# how reports name a precision (a mixed export: "Mixed (NVFP4/FP8/BF16)", `quant_title`)
+PRECISION_TITLES = {
+    "nvfp4": "NVFP4",
+    "nvfp4-weight-only": "NVFP4 W4A16",
+    "fp8": "FP8",
+    "fp8-block": "FP8 block",
+    "bf16": "BF16",
+}
+
+
+def quant_title(quant: str, precisions: tuple[str, ...] | list[str] = ()) -> str:
+    """How a report names an export of `quant` ("NVFP4", "NVFP4 W4A16", "FP8"); a mixed one by the
+    precisions its linears carry (`precisions`, any order; BF16 when some decoder linear stays
+    BF16): "Mixed (NVFP4/FP8/BF16)", in `PRECISIONS` order."""
+    if quant != MIXED:
+        return PRECISION_TITLES.get(quant, quant.upper())
+    shown = [PRECISION_TITLES[p] for p in PRECISIONS if p in precisions]
+    return f"Mixed ({'/'.join(shown)})" if shown else "Mixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +123,27 @@ class LayoutSpec:
     # ---------------------------------------------------------------- tensors
     @property
     def is_nvfp4(self) -> bool:
-        return self.quant != "fp8"
+        return self.quant in NVFP4_QUANTS
+
+    @property
+    def is_fp8_block(self) -> bool:
+        """FP8 with an fp32 decode scale per 128x128 weight block, activations dynamic per token per 128."""
+        return self.quant == "fp8-block"
+
+    @property
+    def marker_suffix(self) -> str:
+        """The suffix of the one scale every quantized module of this layout has (its weight's
+        global scale, or fp8-block's scale grid): what says a module is stored quantized."""
+        return self.suffix("weight_global") or self.suffix("block_scale")
 
     @property
     def has_input_scales(self) -> bool:
         return any(t.role == "input_global" for t in self.tensors)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """W4A4 / W8A8: a stored input scale, or (fp8-block) dynamic per-token-group scales."""
+        return self.has_input_scales or self.is_fp8_block
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -147,7 +194,8 @@ class LayoutSpec:
         return np.asarray(value, np.float32).reshape(())
 
     def to_roles(self, module: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One quantized module's stored tensors -> {role: value}, global scales as S_dec []."""
+        """One quantized module's stored tensors -> {role: value}, global scales as S_dec [],
+        fp8-block's scale grid as [ceil(N/128), ceil(K/128)]."""
         by_suffix = {t.suffix: t for t in self.tensors}
         roles = {}
         for name, value in tensors.items():
@@ -158,7 +206,11 @@ class LayoutSpec:
                     f"(expected {module}.{{{', '.join(by_suffix)}}})"
                 )
             role = by_suffix[suffix].role
-            roles[role] = self.decode_global(value) if role in GLOBAL_ROLES else value
+            if role in GLOBAL_ROLES:
+                value = self.decode_global(value)
+            elif role == "block_scale" and self.is_fp8_block:
+                value = self._grid(value, stored=False)
+            roles[role] = value
         missing = [t.suffix for t in self.tensors if t.role not in roles]
         if missing:
             raise NVFP4ToolError(f"{module}.{missing[0]}: missing ({self.label} quantized module)")
@@ -166,10 +218,24 @@ class LayoutSpec:
 
     def from_roles(self, module: str, roles: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """{role: value} (global scales as S_dec) -> this layout's named tensors, in file order."""
-        return {
-            f"{module}.{t.suffix}": (self.stored_global(roles[t.role]) if t.role in GLOBAL_ROLES else roles[t.role])
-            for t in self.tensors
-        }
+        stored = {}
+        for t in self.tensors:
+            value = roles[t.role]
+            if t.role in GLOBAL_ROLES:
+                value = self.stored_global(value)
+            elif t.role == "block_scale" and self.is_fp8_block:
+                value = self._grid(value, stored=True)
+            stored[f"{module}.{t.suffix}"] = value
+        return stored
+
+    def _grid(self, value: np.ndarray, *, stored: bool) -> np.ndarray:
+        """fp8-block's scale grid as a role ([ceil(N/128), ceil(K/128)]) or as this layout stores it
+        (compressed-tensors the same; ModelOpt [N/128, 1, K/128, 1]): the same fp32 values."""
+        value = np.asarray(value)
+        grid = value.reshape(value.shape[0], -1) if value.ndim else value
+        if stored and len(self.tensor("block_scale").shape(1, 1)) == 4:
+            return grid.reshape(grid.shape[0], 1, grid.shape[1], 1)
+        return grid
 
     # ---------------------------------------------------------------- configs
     def quantization_config(self, excluded: tuple[str, ...], kv_cache: str | None = None) -> dict[str, Any]:

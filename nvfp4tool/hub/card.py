@@ -99,8 +99,8 @@ def build_model_card(
 def quant_text(spec: formats.LayoutSpec) -> str:
     """What a layout stores, in words: "NVFP4 weights and activations (W4A4)", ..."""
     weights = "NVFP4" if spec.is_nvfp4 else "FP8 E4M3"
-    scales = "" if spec.is_nvfp4 else ", per-tensor scales"
-    activations = "weights and activations" if spec.has_input_scales else "weights, BF16 activations"
+    scales = "" if spec.is_nvfp4 else (", 128x128 block scales" if spec.is_fp8_block else ", per-tensor scales")
+    activations = "weights and activations" if spec.quantizes_activations else "weights, BF16 activations"
     return f"{weights} {activations}{scales} ({_wa(spec).upper()})"
 
 
@@ -173,23 +173,25 @@ def _layout_tags(layout: formats.FolderLayout) -> list[str]:
 def _wa(spec: formats.LayoutSpec) -> str:
     """ "w4a4" / "w4a16" / "w8a8": weight bits, activation bits (16: BF16, not quantized)."""
     weight_bits = 4 if spec.is_nvfp4 else 8
-    return f"w{weight_bits}a{weight_bits if spec.has_input_scales else 16}"
+    return f"w{weight_bits}a{weight_bits if spec.quantizes_activations else 16}"
 
 
 def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: ExportRecord | None) -> str:
     spec = layout.spec
     quantized = _collapse_layers(m.module for m in report.modules)
     kept = list(dict.fromkeys([*layout.exclude, *(provenance.exclude_modules if provenance else ())]))
-    blocks = (
-        "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor"
-        if spec.is_nvfp4
-        else "one FP32 scale per tensor"
-    )
-    activations = (
-        "; activations quantized on the fly with a calibrated per-tensor input scale"
-        if spec.has_input_scales
-        else "; activations stay BF16 (weight-only, no input scales)"
-    )
+    if spec.is_nvfp4:
+        blocks = "16-element blocks with FP8 E4M3 block scales and one FP32 global scale per tensor"
+    elif spec.is_fp8_block:
+        blocks = "one FP32 scale per 128x128 weight block (8 + 32/16384 bits per parameter)"
+    else:
+        blocks = "one FP32 scale per tensor"
+    if spec.has_input_scales:
+        activations = "; activations quantized on the fly with a calibrated per-tensor input scale"
+    elif spec.is_fp8_block:
+        activations = "; activations quantized on the fly per token per 128 columns (dynamic scales)"
+    else:
+        activations = "; activations stay BF16 (weight-only, no input scales)"
     lines = ["## What was quantized", ""]
     if layout.is_mixed:
         lines += _mixed_lines(report, layout)
@@ -218,9 +220,10 @@ def _quantized_section(report: Any, layout: formats.FolderLayout, provenance: Ex
 def _mixed_lines(report: Any, layout: formats.FolderLayout) -> list[str]:
     """A mixed folder's formats: linears, parameters and bits per parameter of each, and overall."""
     found = bits_by_quant(report, layout)
+    block = "; fp8-block: one FP32 scale per 128x128 block" if any(s.is_fp8_block for s in layout.specs) else ""
     lines = [
         f"{len(report.modules)} linear modules, each in its own format (NVFP4: 16-element blocks with FP8 "
-        "E4M3 block scales and one FP32 global scale per tensor; FP8: one FP32 scale per tensor):",
+        f"E4M3 block scales and one FP32 global scale per tensor; FP8: one FP32 scale per tensor{block}):",
         "",
         "| format | linears | parameters | bits per parameter |",
         "|---|---:|---:|---:|",
@@ -234,14 +237,20 @@ def _mixed_lines(report: Any, layout: formats.FolderLayout) -> list[str]:
     return lines + [""]
 
 
+def _weight_blocks(provenance: ExportRecord) -> str:
+    if provenance.quant == "fp8-block":
+        return "128x128 weight blocks (an fp32 scale each)"
+    return f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks"
+
+
 def _methods(provenance: ExportRecord) -> list[str]:
     """Every choice of the export that changed the written bytes, in words."""
     methods = [
         f"block-scale search {_scale_search(provenance.scale_search)}",
-        f"{'2d (16x16)' if provenance.weight_block == '2d' else '1d (1x16)'} weight blocks",
+        _weight_blocks(provenance),
         _rounding(provenance),
     ]
-    if provenance.quant != "nvfp4-weight-only" and provenance.input_amax_origin:
+    if provenance.quant not in ("nvfp4-weight-only", "fp8-block") and provenance.input_amax_origin:
         methods.append(f"input scales from {provenance.input_amax_origin}")
     if provenance.kv_cache != "none":
         methods.append(f"{provenance.kv_cache.upper()} KV-cache scales calibrated per attention layer")
@@ -389,7 +398,7 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         ("format / quant", f"{provenance.format} / {provenance.quant}"),
         ("block-scale search", _scale_search(provenance.scale_search)),
         ("weight rounding", _rounding(provenance)),
-        ("weight block scaling", provenance.weight_block),
+        ("weight block scaling", "128x128" if provenance.quant == "fp8-block" else provenance.weight_block),
         ("input scales from", provenance.input_amax_origin),
         (
             "KV cache",
@@ -473,6 +482,11 @@ def _serving_section(repo_id: str, layout: formats.FolderLayout, kv_cache: str |
             "NVFP4 W4A16: weight-only FP4 Marlin kernels, activations in BF16 on every GPU; no FP4 "
             "activation GEMMs, also on Blackwell"
         )
+    elif spec.is_fp8_block:
+        kernels = (
+            "FP8 W8A8 with 128x128 weight blocks and dynamic per-token-group activations: "
+            "block-scaled FP8 GEMMs (CUTLASS / DeepGEMM / Triton) on Ada, Hopper and Blackwell"
+        )
     else:
         kernels = "FP8 W8A8 per tensor: FP8 GEMMs on Ada, Hopper and Blackwell; weight-only FP8 Marlin on Ampere"
     if spec.format == "compressed-tensors":
@@ -493,6 +507,12 @@ def _serving_section(repo_id: str, layout: formats.FolderLayout, kv_cache: str |
             f"`{modelopt.QUANT_ALGO['fp8']}` checkpoints, not this weight-only one: to serve it with vLLM, "
             f"convert it losslessly and serve the copy (vLLM compressed-tensors; {kernels}):\n\n"
             f"```bash\nnvfp4tool convert-format DIR OUT --to compressed-tensors\nvllm serve OUT{kv_flag}\n```"
+        )
+    if spec.is_fp8_block:
+        return (
+            f"## How to serve it\n\nModelOpt unified checkpoint, `quant_algo: {algo}` ({kernels}: vLLM's ModelOpt "
+            f"loader runs FP8_PB_WO so, despite the name's weight-only). Not loadable by transformers: {convert}.\n\n"
+            f"vLLM:\n\n```bash\nvllm serve {repo_id} --quantization modelopt{kv_flag}\n```"
         )
     vllm_quant = "modelopt_fp4" if spec.is_nvfp4 else "modelopt"
     return (

@@ -13,12 +13,11 @@ and returns the side results with the logits.
 from nvfp4tool.model.generate import generate
 from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.linear import LinearFn, default_linear
-from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions, forward
+from nvfp4tool.model.transformer import CausalLM, default_positions, forward
 from nvfp4tool.model.weights import ModelTensorSource, model_from_tensors
 
 __all__ = [
     "CausalLM",
-    "DecodeState",
     "KVFn",
     "LinearFn",
     "ModelTensorSource",

@@ -1,22 +1,24 @@
 """Autoregressive generation with a decode state (greedy or temperature / top-k sampling): each
-block's own (`transformer.empty_decode_state`: an attention's KV cache, a recurrent mixer's state).
+block's own (`Block.empty_state`: an attention's KV cache, a recurrent mixer's state).
 
-Two jitted programs, each compiled once per (graphdef, bucket, batch) and reused across prompts,
-prompt lengths, token counts and models of one shape (the weights are arguments): a prefill over
-the prompt left-padded to a power-of-two `bucket` fills a cache of a bucketed length, then a decode
-step runs once per token from a Python loop (`on_token` sees each token and its logits). Generated
-tokens go to cache slots Tb, Tb+1, ...; their positions continue from each row's own count of real
-prompt tokens, and padded slots stay masked, so padding (either side, any amount) gives the same
-tokens as an unpadded prompt. After a row emits `eos_token_id`, it continues with `pad_token_id`
-(as HF's generate).
+Jitted programs of ONE decoder layer (one per layer structure, called from a Python loop over the
+layers, each layer's decode state donated) and small ones around them (embedding and mask, LM head
+and the pick), each compiled once per (graphdef, bucket, batch) and reused across layers, prompts,
+prompt lengths, token counts and models of one shape (the weights are arguments). A prefill over
+the prompt left-padded to a power-of-two `bucket` fills a cache of a bucketed length, then one
+decode step per token (`on_token` sees each token and its logits). Generated tokens go to cache
+slots Tb, Tb+1, ...; positions continue from each row's own count of real prompt tokens, padded
+slots stay masked, so padding (either side, any amount) gives the tokens of an unpadded prompt.
+After a row emits `eos_token_id`, it continues with `pad_token_id` (as HF's generate).
 Design notes: docs/design/model.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,19 @@ from flax import nnx
 
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
-from nvfp4tool.model.kv import KVFn, default_kv
-from nvfp4tool.model.linear import LinearFn
-from nvfp4tool.model.transformer import CausalLM, DecodeState, default_positions, empty_decode_state, forward_with_cache
+from nvfp4tool.model.kv import KVFn, LayerKV, default_kv
+from nvfp4tool.model.linear import LinearFn, Seam
+from nvfp4tool.model.rope import layer_cos_sin
+from nvfp4tool.model.transformer import (
+    CausalLM,
+    block_program,
+    default_positions,
+    embed,
+    layer_program,
+    lm_logits,
+    rope,
+    without_layers,
+)
 
 MIN_BUCKET = 16  # the shortest padded prompt and cache (slots)
 # XLA:CPU's LLVM passes (level 1) for a model of at least OPTIMIZE_PARAMS parameters, off (level 0)
@@ -56,8 +68,10 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     linear: LinearFn | None = None,
-    kv: KVFn = default_kv,
+    kv: KVFn | LayerKV = default_kv,
     on_token: OnToken | None = None,
+    prompt_bucket: int | None = None,
+    cache_len: int | None = None,
 ) -> jax.Array:
     """New tokens [B, max_new_tokens] (int32) continuing each prompt row.
 
@@ -66,7 +80,11 @@ def generate(
     logits when given (ties at the k-th value are all kept), using `key` (required).
     eos_token_id: once a row emits it, the row continues with pad_token_id (default: the EOS id).
     Sampling options are traced, so changing them reuses the compiled programs.
-    kv: the KV seam every layer's new keys / values pass before they are cached (`model.kv`).
+    kv: the KV seam every layer's new keys / values pass before they are cached (`model.kv`; a
+    `LayerKV` for one whose parameters differ per layer: a block program sees `model.layers.*`).
+    prompt_bucket / cache_len: the padded prompt and cache lengths (default `bucket(T)` and
+    `bucket(prompt_bucket + max_new_tokens)`); a caller that knows all its prompts up front passes
+    those of the longest, so every prompt runs the same compiled programs.
     on_token(i, tokens_B, logits_BxV): called as each new token i is chosen (from the fp32 logits
     it was chosen from; arrays still on the device: blocking on them is the caller's choice).
     """
@@ -99,29 +117,36 @@ def generate(
             pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0), jnp.int32
         ),
     )
-    padded = bucket(T)  # left padding: masked slots, as a left-padded row always was
+    padded = prompt_bucket or bucket(T)  # left padding: masked slots, as a left-padded row always was
+    cache_len = cache_len or bucket(padded + max_new_tokens)
+    if padded < T or cache_len < padded + max_new_tokens:
+        raise NVFP4ToolError(
+            f"generate: prompt_bucket {padded} / cache_len {cache_len} cannot hold a prompt of {T} tokens "
+            f"and {max_new_tokens} new ones"
+        )
     prompt_ids_BxT = jnp.pad(prompt_ids_BxT, ((0, 0), (padded - T, 0)))
     mask_BxT = jnp.pad(mask_BxT, ((0, 0), (padded - T, 0)))
-    graphdef, state = nnx.split(model)
     linear, key = linear or model.linear, key if key is not None else jax.random.key(0)
-    prefill, step = _programs(jax.default_backend(), model.config.num_parameters() >= OPTIMIZE_PARAMS)
-    carry, cache, logits_BxV = prefill(
-        graphdef,
-        state,
-        prompt_ids_BxT,
-        mask_BxT,
-        key,
-        options,
-        cache_len=bucket(padded + max_new_tokens),
-        linear=linear,
-        kv=kv,
+    programs = _programs(jax.default_backend(), model.config.num_parameters() >= OPTIMIZE_PARAMS)
+    layers = _Layers.of(model, Seam.of(linear) if isinstance(kv, LayerKV) else Seam.of(linear, kv), kv)
+    cache = layers.empty_cache(B, cache_len)
+    x_BxTxE, tables, prompt_mask, carry, last_index_B = programs.prefill_in(
+        layers.outer_graphdef, layers.outer_state, prompt_ids_BxT, mask_BxT, key, cache_len=cache_len
+    )
+    x_BxTxE = layers.run(programs.layer, x_BxTxE, tables, prompt_mask, cache, jnp.asarray(0, jnp.int32))
+    carry, logits_BxV = programs.prefill_out(
+        layers.outer_graphdef, layers.outer_state, x_BxTxE, last_index_B, carry, options, seam=layers.head_seam
     )
     tokens = [carry.token_B]
     for i in range(max_new_tokens):
         if on_token is not None:
             on_token(i, carry.token_B, logits_BxV)
         if i + 1 < max_new_tokens:
-            carry, cache, logits_BxV = step(graphdef, state, carry, cache, options, linear=linear, kv=kv)
+            x_Bx1xE, tables, step_mask = programs.step_in(layers.outer_graphdef, layers.outer_state, carry)
+            x_Bx1xE = layers.run(programs.layer, x_Bx1xE, tables, step_mask, cache, carry.slot)
+            carry, logits_BxV = programs.step_out(
+                layers.outer_graphdef, layers.outer_state, x_Bx1xE, carry, options, seam=layers.head_seam
+            )
             tokens.append(carry.token_B)
     return jnp.stack(tokens, axis=-1).astype(jnp.int32)
 
@@ -158,12 +183,51 @@ class _Carry(NamedTuple):
     key_positions_BxS: jax.Array  # int32: each cache slot's position
 
 
-def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_len, linear, kv):
-    """The prompt through the model into a fresh cache of `cache_len` slots: (carry, cache, the
-    first new token's logits [B, V])."""
-    model = nnx.merge(graphdef, state)
+@dataclasses.dataclass
+class _Layers:
+    """A model split for generation: its outer modules (embedding, final norm, LM head) and each
+    decoder layer as (its block program's graphdef, its weights, its aux), so the layers alike
+    (`transformer.layer_program`) share one compiled program; the seam every layer runs."""
+
+    model: CausalLM
+    outer_graphdef: nnx.GraphDef
+    outer_state: nnx.State
+    blocks: list[tuple[nnx.GraphDef, nnx.State, Any]]
+    seam: Seam
+    head_seam: Seam
+
+    @classmethod
+    def of(cls, model: CausalLM, seam: Seam, kv: KVFn | LayerKV) -> _Layers:
+        if isinstance(kv, LayerKV):
+            seam = dataclasses.replace(seam, kv=kv.tap)
+        aux_of = kv.aux_of if isinstance(kv, LayerKV) else (lambda layer: None)
+        config = model.config
+        outer_graphdef, outer_state = nnx.split(without_layers(model))
+        blocks = [
+            (block_program(config, *layer_program(config, i)), nnx.state(model.layers[i]), aux_of(i))
+            for i in range(config.num_layers)
+        ]
+        return cls(model, outer_graphdef, outer_state, blocks, seam, seam.at(None))
+
+    def empty_cache(self, batch: int, length: int) -> list:
+        """Each layer's decode state before a prefill of `length` slots (None: it keeps none)."""
+        return [layer.empty_state(batch, length, self.model.compute_dtype) for layer in self.model.layers]
+
+    def run(self, program, x_BxTxE, tables, mask: AttentionMask, cache: list, write_index):
+        """x through every layer in order, each layer's decode state replaced in `cache` (donated)."""
+        for i, (graphdef, state, aux) in enumerate(self.blocks):
+            cos, sin = layer_cos_sin(self.model.config, tables, i)
+            x_BxTxE, cache[i] = program(
+                graphdef, state, x_BxTxE, cos, sin, mask, cache[i], write_index, aux, seam=self.seam
+            )
+        return x_BxTxE
+
+
+def _prefill_in(graphdef, state, prompt_ids_BxT, mask_BxT, key, *, cache_len):
+    """The prompt embedded, its RoPE tables and mask over a cache of `cache_len` slots, the
+    carry before the first token, and each row's last real slot."""
+    outer = nnx.merge(graphdef, state)
     B, T = prompt_ids_BxT.shape
-    cache = empty_decode_state(model, B, cache_len)
     key_valid_BxS = jnp.concatenate([mask_BxT, jnp.ones((B, cache_len - T), bool)], axis=-1)
     prompt_positions_BxT = default_positions(mask_BxT)
     first_position_B = jnp.sum(mask_BxT, axis=-1).astype(jnp.int32)
@@ -178,34 +242,58 @@ def _prefill(graphdef, state, prompt_ids_BxT, mask_BxT, key, options, *, cache_l
     )
     # The next-token logits of a row sit at its last real token (differs from T-1 with right padding).
     last_index_B = T - 1 - jnp.argmax(mask_BxT[:, ::-1], axis=-1)
-    next_logits_BxV, cache = forward_with_cache(
-        model, prompt_ids_BxT, prompt_positions_BxT, prompt_mask, cache, 0, linear, kv, logits_at_B=last_index_B
+    carry = _Carry(
+        jnp.zeros((B,), jnp.int32),
+        jnp.zeros((B,), bool),
+        key,
+        jnp.asarray(T, jnp.int32),
+        first_position_B,
+        key_valid_BxS,
+        key_positions_BxS,
     )
-    key, first_key = jax.random.split(key)
-    token_B, done_B = _pick(next_logits_BxV, first_key, jnp.zeros((B,), bool), options)
-    carry = _Carry(token_B, done_B, key, jnp.asarray(T, jnp.int32), first_position_B, key_valid_BxS, key_positions_BxS)
-    return carry, cache, next_logits_BxV
+    return embed(outer, prompt_ids_BxT), rope(outer, prompt_positions_BxT), prompt_mask, carry, last_index_B
 
 
-def _step(graphdef, state, carry: _Carry, cache: DecodeState, options, *, linear, kv):
-    """One token: carry.token_B through the model at its slot (the cache updated in place): (the
-    carry of the next token, the cache, that token's logits [B, V])."""
-    model = nnx.merge(graphdef, state)
+def _prefill_out(graphdef, state, x_BxTxE, last_index_B, carry: _Carry, options, *, seam):
+    """The first new token from the last layer's output at each row's last real slot: (carry, its
+    logits [B, V])."""
+    x_Bx1xE = jnp.take_along_axis(x_BxTxE, last_index_B[:, None, None], axis=1)
+    logits_BxV = lm_logits(nnx.merge(graphdef, state), x_Bx1xE, seam)[0][:, 0]
+    key, first_key = jax.random.split(carry.key)
+    token_B, done_B = _pick(logits_BxV, first_key, carry.done_B, options)
+    return carry._replace(token_B=token_B, done_B=done_B, key=key), logits_BxV
+
+
+def _step_in(graphdef, state, carry: _Carry):
+    """carry.token_B embedded at its position, its RoPE tables and its mask over the cache."""
+    outer = nnx.merge(graphdef, state)
     position_Bx1 = carry.position_B[:, None]
     step_mask = AttentionMask.explicit(
         attention_allowed(carry.slot[None], carry.key_valid_BxS, None),
         query_positions_BxT=position_Bx1,
         key_positions_BxS=carry.key_positions_BxS,
     )
-    logits_Bx1xV, cache = forward_with_cache(
-        model, carry.token_B[:, None], position_Bx1, step_mask, cache, carry.slot, linear, kv
-    )
+    return embed(outer, carry.token_B[:, None]), rope(outer, position_Bx1), step_mask
+
+
+def _step_out(graphdef, state, x_Bx1xE, carry: _Carry, options, *, seam):
+    """The next token from the last layer's output: (the carry of the next step, its logits [B, V])."""
+    logits_BxV = lm_logits(nnx.merge(graphdef, state), x_Bx1xE, seam)[0][:, 0]
     key, step_key = jax.random.split(carry.key)
-    token_B, done_B = _pick(logits_Bx1xV[:, 0], step_key, carry.done_B, options)
+    token_B, done_B = _pick(logits_BxV, step_key, carry.done_B, options)
     carry = carry._replace(
         token_B=token_B, done_B=done_B, key=key, slot=carry.slot + 1, position_B=carry.position_B + 1
     )
-    return carry, cache, logits_Bx1xV[:, 0]
+    return carry, logits_BxV
+
+
+def _layer(graphdef, state, x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache, write_index, aux, *, seam):
+    """One decoder layer over a prefill chunk or one token: (its output, its decode state with the
+    chunk written at `write_index`)."""
+    y_BxTxE, cache, _ = nnx.merge(graphdef, state)(
+        x_BxTxE, cos_BxTxD, sin_BxTxD, mask, cache, write_index, seam.with_aux(aux)
+    )
+    return y_BxTxE, cache
 
 
 def _pick(logits_BxV, key, done_B, options: _SamplingOptions):
@@ -223,18 +311,30 @@ def _select(logits_BxV, key, options: _SamplingOptions):
     return jnp.where(options.greedy, greedy_B, sampled_B).astype(jnp.int32)
 
 
-def _programs(backend: str, optimize: bool = False):
-    """The jitted (prefill, step) of `backend` (on the CPU with `_CPU_COMPILER_OPTIONS[optimize]`),
-    each compiled once per shape and shared by every model of that shape: the same two objects
+class _Programs(NamedTuple):
+    prefill_in: Callable
+    prefill_out: Callable
+    step_in: Callable
+    step_out: Callable
+    layer: Callable  # a prefill chunk's or a step's (two shapes), its decode state donated
+
+
+def _programs(backend: str, optimize: bool = False) -> _Programs:
+    """The jitted programs of `backend` (on the CPU with `_CPU_COMPILER_OPTIONS[optimize]`), each
+    compiled once per shape and shared by every model and layer of that shape: the same objects
     however the arguments are spelled (`functools.cache` keys `(b,)` and `(b, False)` apart)."""
     return _jitted(backend, bool(optimize))
 
 
 @functools.cache
-def _jitted(backend: str, optimize: bool):
+def _jitted(backend: str, optimize: bool) -> _Programs:
     options = _CPU_COMPILER_OPTIONS[optimize] if backend == "cpu" else None
-    prefill = jax.jit(_prefill, static_argnames=("graphdef", "cache_len", "linear", "kv"), compiler_options=options)
-    step = jax.jit(
-        _step, static_argnames=("graphdef", "linear", "kv"), donate_argnames=("cache",), compiler_options=options
+    return _Programs(
+        prefill_in=jax.jit(_prefill_in, static_argnames=("graphdef", "cache_len"), compiler_options=options),
+        prefill_out=jax.jit(_prefill_out, static_argnames=("graphdef", "seam"), compiler_options=options),
+        step_in=jax.jit(_step_in, static_argnames=("graphdef",), compiler_options=options),
+        step_out=jax.jit(_step_out, static_argnames=("graphdef", "seam"), compiler_options=options),
+        layer=jax.jit(
+            _layer, static_argnames=("graphdef", "seam"), donate_argnames=("cache",), compiler_options=options
+        ),
     )
-    return prefill, step

@@ -39,6 +39,7 @@ from nvfp4tool.model.transformer import (
     lm_logits,
     real_name,
     rope,
+    without_layers,
 )
 from nvfp4tool.model.weights import as_param
 from nvfp4tool.numerics import computed_after
@@ -137,9 +138,9 @@ class LayerwiseModel:
     def held(cls, model: CausalLM, *, mesh: jax.sharding.Mesh | None = None) -> LayerwiseModel:
         """A model in memory, run layer by layer `batch_size` windows at a time."""
         layers = model.layers
-        outer = nnx.merge(*nnx.split(model))  # a shallow copy whose layers we drop
-        outer.layers = nnx.List([])
-        return cls(model.config, outer, lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh, whole=model)
+        return cls(
+            model.config, without_layers(model), lambda i: nnx.state(layers[i]), streamed=False, mesh=mesh, whole=model
+        )
 
     @classmethod
     def streamed(

@@ -1,7 +1,7 @@
 """The causal language model in Flax NNX, for every family: embedding, the family's blocks (the
 block of each layer kind, as the family's blocks module registers it: `blocks.py`), final norm and
-LM head, run whole, scanned or with a decode state (`DecodeState`: each block's own, stacked per
-layer kind).
+LM head, run whole or scanned (generation runs it a layer at a time with each block's decode
+state: `generate.py`).
 
 Attribute names mirror HF's (`model.layers.3.self_attn.q_proj.weight`). Every projection and the LM
 head ("lm_head") go through the linear seam (`linear.py`), keys and values through the KV seam
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from functools import partial
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,69 +22,10 @@ from nvfp4tool.config import ModelConfig
 from nvfp4tool.families import LM_HEAD, LayerAttention, layer_prefix
 from nvfp4tool.model.attention import AttentionMask, attention_allowed
 from nvfp4tool.model.blocks import make_block
-from nvfp4tool.model.kv import KVFn, default_kv
 from nvfp4tool.model.layers import Embedding, Linear, RMSNorm
 from nvfp4tool.model.linear import LinearFn, Seam, Side, default_linear, merged
 from nvfp4tool.model.remat import REMAT_LEVELS, checkpointed
 from nvfp4tool.model.rope import layer_cos_sin, rope_tables
-
-
-class DecodeState(NamedTuple):
-    """Every layer's decode state as its block builds it (`empty_state`), stacked per layer kind:
-    kind -> a pytree whose leaves are [layers of the kind, ...] in layer order (an attention's keys
-    and values: [N, B, S, KV, D] each); a kind whose blocks keep none is absent. A run of
-    consecutive layers of one kind (`layer_runs`) is a slice of its kind's stack."""
-
-    by_kind: dict[str, Any]
-
-
-@functools.lru_cache(maxsize=64)
-def _state_slots(config: ModelConfig) -> tuple[tuple[str, int], ...]:
-    """(kind, index among the layers of its kind) of every layer: where its decode state lies."""
-    counts: dict[str, int] = {}
-    slots = []
-    for i in range(config.num_layers):
-        kind = config.layer_kind(i)
-        slots.append((kind, counts.get(kind, 0)))
-        counts[kind] = counts.get(kind, 0) + 1
-    return tuple(slots)
-
-
-def empty_decode_state(model: CausalLM, batch: int, length: int) -> DecodeState:
-    """The decode state before a prefill of `length` slots: each kind's block's `empty_state`
-    (compute dtype; the layers of a kind share one block program, so its first layer's state
-    stands for each of them), repeated over the kind's layers."""
-    slots = _state_slots(model.config)
-    by_kind: dict[str, Any] = {}
-    for i, (kind, index) in enumerate(slots):
-        if index == 0:
-            state = model.layers[i].empty_state(batch, length, model.compute_dtype)
-            if state is not None:
-                n = sum(1 for k, _ in slots if k == kind)
-                by_kind[kind] = jax.tree.map(lambda a, n=n: jnp.broadcast_to(a, (n, *a.shape)), state)
-    return DecodeState(by_kind)
-
-
-def _run_state(config: ModelConfig, state: DecodeState | None, layers: list[int]):
-    """The decode state of a run of layers: one layer's own, or the run's stacked (scanned); None
-    without a state or for a kind that keeps none."""
-    if state is None:
-        return None
-    kind, first = _state_slots(config)[layers[0]]
-    if kind not in state.by_kind:
-        return None
-    at = first if len(layers) == 1 else slice(first, first + len(layers))
-    return jax.tree.map(lambda a: a[at], state.by_kind[kind])
-
-
-def _with_run_state(config: ModelConfig, state: DecodeState, layers: list[int], cached) -> DecodeState:
-    """`state` with the run's new decode state written (an in-place update under jit)."""
-    kind, first = _state_slots(config)[layers[0]]
-    if kind not in state.by_kind:
-        return state
-    at = first if len(layers) == 1 else slice(first, first + len(layers))
-    written = jax.tree.map(lambda a, new: a.at[at].set(new), state.by_kind[kind], cached)
-    return DecodeState({**state.by_kind, kind: written})
 
 
 class CausalLM(nnx.Module):
@@ -193,7 +133,7 @@ def forward_side(
     positions_BxT, mask = sequence_mask(
         model.config, input_ids_BxT.shape, attention_mask_BxT, positions_BxT, segment_ids_BxT
     )
-    x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
+    x_BxTxE, side = _blocks(model, input_ids_BxT, positions_BxT, mask, seam)
     logits, head_side = lm_logits(model, x_BxTxE, seam)
     return logits, merged(side, head_side)
 
@@ -247,29 +187,6 @@ def segment_positions(segments_BxT: jax.Array) -> jax.Array:
     return index_T - first_BxT
 
 
-def forward_with_cache(
-    model: CausalLM,
-    input_ids_BxT: jax.Array,
-    positions_BxT: jax.Array,
-    mask: AttentionMask,
-    cache: DecodeState | None,
-    write_index: jax.Array | int,
-    linear: LinearFn,
-    kv: KVFn = default_kv,
-    logits_at_B: jax.Array | None = None,
-) -> tuple[jax.Array, DecodeState | None]:
-    """The model body: logits [B, T, V] (float32) and the cache with this chunk written at
-    `write_index` (None in, None out: keys are then this chunk's own); keys and values pass the
-    KV seam `kv` before they are written. `logits_at_B`: only the logits of that slot of each row
-    ([B, V]; a prefill's next token: the LM head runs on one row each, not T)."""
-    seam = Seam.of(linear, kv)
-    x_BxTxE, new_cache, _ = _blocks(model, input_ids_BxT, positions_BxT, mask, cache, write_index, seam)
-    if logits_at_B is not None:
-        x_Bx1xE = jnp.take_along_axis(x_BxTxE, logits_at_B[:, None, None], axis=1)
-        return lm_logits(model, x_Bx1xE, seam)[0][:, 0], new_cache
-    return lm_logits(model, x_BxTxE, seam)[0], new_cache
-
-
 def final_hidden(
     model: CausalLM, input_ids_BxT: jax.Array, seam: Seam, segment_ids_BxT: jax.Array | None = None
 ) -> tuple[jax.Array, Side]:
@@ -278,7 +195,7 @@ def final_hidden(
     chunked over the vocabulary with `head_weight`), and the blocks' side results. Call it under a
     transformation (jit / grad), as the train step does."""
     positions_BxT, mask = sequence_mask(model.config, input_ids_BxT.shape, segment_ids_BxT=segment_ids_BxT)
-    x_BxTxE, _, side = _blocks(model, input_ids_BxT, positions_BxT, mask, None, 0, seam)
+    x_BxTxE, side = _blocks(model, input_ids_BxT, positions_BxT, mask, seam)
     return model.norm(x_BxTxE), side
 
 
@@ -335,49 +252,38 @@ def _stacked(trees: list) -> object:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_index, seam: Seam):
-    """Embedding and the blocks: (the last block's output [B, T, E], the updated cache, the side
+def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, seam: Seam):
+    """Embedding and the blocks, no decode state: (the last block's output [B, T, E], the side
     results under each layer's own names)."""
     x_BxTxE = embed(model, input_ids_BxT)
     tables = rope(model, positions_BxT)
 
-    def run_block(graphdef, state, x_BxTxE, cache_kv, aux, layer):
-        """One block, under the model's remat policy: (output, (k, v), side)."""
+    def run_block(graphdef, state, x_BxTxE, aux, layer):
+        """One block, under the model's remat policy: (output, side)."""
 
-        def call(state, x_BxTxE, cache_kv, aux, layer_args):
-            return nnx.merge(graphdef, state)(x_BxTxE, *layer_args, cache_kv, write_index, seam.with_aux(aux))
+        def call(state, x_BxTxE, aux, layer_args):
+            y, _, side = nnx.merge(graphdef, state)(x_BxTxE, *layer_args, None, 0, seam.with_aux(aux))
+            return y, side
 
         layer_args = (*layer_cos_sin(model.config, tables, layer), mask)  # its layer's (cos, sin)
-        return checkpointed(call, model.remat)(state, x_BxTxE, cache_kv, aux, layer_args)
+        return checkpointed(call, model.remat)(state, x_BxTxE, aux, layer_args)
 
-    new_cache, sides = cache, []
-    for kind, layers in layer_runs(model.config, seam, model.scan_layers):
-        first, count = layers[0], len(layers)
-        if count == 1:
-            x_BxTxE, cached, side = run_block(
-                *nnx.split(model.layers[first]),
-                x_BxTxE,
-                _run_state(model.config, new_cache, layers),
-                seam.aux_of(first),
-                first,
-            )
-            if cache is not None:
-                new_cache = _with_run_state(model.config, new_cache, layers, cached)
+    sides = []
+    for _, layers in layer_runs(model.config, seam, model.scan_layers):
+        first = layers[0]
+        if len(layers) == 1:
+            x_BxTxE, side = run_block(*nnx.split(model.layers[first]), x_BxTxE, seam.aux_of(first), first)
             sides.append(side)
             continue
         states = _stacked([nnx.split(model.layers[i])[1] for i in layers])
         auxes = _stacked([seam.aux_of(i) for i in layers])
-        run_cache = _run_state(model.config, new_cache, layers)
         graphdef = block_program(model.config, *layer_program(model.config, first))
 
         def body(x, per_layer, graphdef=graphdef, first=first):
-            state, aux, cache_kv = per_layer
-            x, cached, side = run_block(graphdef, state, x, cache_kv, aux, first)
-            return x, (cached if cache_kv is not None else None, side)
+            state, aux = per_layer
+            return run_block(graphdef, state, x, aux, first)
 
-        x_BxTxE, (cached, side) = jax.lax.scan(body, x_BxTxE, (states, auxes, run_cache))
-        if cache is not None:
-            new_cache = _with_run_state(model.config, new_cache, layers, cached)
+        x_BxTxE, side = jax.lax.scan(body, x_BxTxE, (states, auxes))
         for j, i in enumerate(layers):  # the stacked side results, under each layer's own name
             sides.append(
                 Side(
@@ -385,7 +291,15 @@ def _blocks(model: CausalLM, input_ids_BxT, positions_BxT, mask, cache, write_in
                     {real_name(n, i): a[j] for n, a in side.router_logits.items()},
                 )
             )
-    return x_BxTxE, new_cache, merged(*sides)
+    return x_BxTxE, merged(*sides)
+
+
+def without_layers(model: CausalLM) -> CausalLM:
+    """A shallow copy of `model` without its decoder layers: embedding, final norm and LM head
+    (what runs around a layer-by-layer loop)."""
+    outer = nnx.merge(*nnx.split(model))
+    outer.layers = nnx.List([])
+    return outer
 
 
 def embed(model: CausalLM, input_ids_BxT: jax.Array) -> jax.Array:

@@ -5,13 +5,14 @@ lives here."""
 
 from __future__ import annotations
 
-from nvfp4tool.numerics.blocks import check_finite, tensor_amax
+from nvfp4tool.numerics.blocks import check_finite, tensor_amax, times_decode_scale
 from nvfp4tool.numerics.dot import computed_after, dense, dense_widening, dot_nt, linear_output
 from nvfp4tool.numerics.fp8 import (
     FP8Array,
     decode_fp8,
     dequantize_fp8,
     fake_quantize_fp8,
+    fake_quantize_fp8_token_groups,
     fp8_decode_scale,
     quantize_fp8,
 )
@@ -28,6 +29,7 @@ from nvfp4tool.numerics.nvfp4 import (
     encode_nvfp4_blocks,
     fake_quantize_nvfp4,
     nvfp4_block_amax,
+    nvfp4_block_products,
     nvfp4_block_scales,
     nvfp4_global_scales,
     nvfp4_operand,
@@ -55,12 +57,14 @@ __all__ = [
     "dot_nt",
     "encode_nvfp4_blocks",
     "fake_quantize_fp8",
+    "fake_quantize_fp8_token_groups",
     "fake_quantize_nvfp4",
     "fp8_decode_scale",
     "linear_output",
     "native_fp4_available",
     "native_gemm_lowers",
     "nvfp4_block_amax",
+    "nvfp4_block_products",
     "nvfp4_block_scales",
     "nvfp4_global_scales",
     "nvfp4_matmul",
@@ -73,6 +77,7 @@ __all__ = [
     "rht_matrix",
     "stochastic_bits",
     "tensor_amax",
+    "times_decode_scale",
     "transpose_2d",
     "unpack_codes",
     "fp8_matmul",

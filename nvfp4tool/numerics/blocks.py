@@ -29,6 +29,11 @@ def flush_subnormal(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(x) < FLT_MIN_NORMAL, jnp.copysign(jnp.zeros_like(x), x), x)
 
 
+def times_decode_scale(x: jax.Array, s_dec: jax.Array) -> jax.Array:
+    """flush(fp32(x) * s_dec): a stored decode's last step (NVFP4's after the block scale, FP8's)."""
+    return flush_subnormal(x.astype(jnp.float32) * s_dec)
+
+
 def exact_divide(numerator: jax.Array, divisor: jax.Array) -> jax.Array:
     """IEEE fp32 `numerator / divisor`, correctly rounded even when `divisor` is broadcast.
 

@@ -14,6 +14,12 @@ import jax
 import jax.numpy as jnp
 
 WIDEN_BYTES = 64 * 2**20  # dense_widening: the most of a weight held widened at once
+# ... and for an input of at most FEW_ROWS rows (a decode step's GEMV): a block that stays in the
+# CPU's cache between its widening and its product (a 4608 x 576 BF16 weight times one row on the
+# CPU: 4.3 ms in 64 MiB blocks, 0.65 ms in 1 MiB ones; docs/benchmarks/generate.md)
+# blocks, at most FEW_ROWS_BLOCKS of them (each block is its own code: a 49152-row LM head in 1 MiB
+# blocks took seconds more to compile than it saved)
+FEW_ROWS, FEW_ROWS_WIDEN_BYTES, FEW_ROWS_BLOCKS = 8, 2**20, 16
 
 
 def widened_bytes(elements: int) -> int:
@@ -63,11 +69,20 @@ def dense_widening(x: jax.Array, w_NxK, b_N: jax.Array | None = None, *, widen_r
     bits equal one whole GEMM's depends on how the backend's kernel blocks the problem: on the CPU
     they do for LM heads (32000x2048, 128256x4096) and 14336x4096 projections, not for a 4096x14336
     down_proj on 256 input rows (fp32 rounding). A weight within one block is one GEMM, as `dense`.
+    An input of at most FEW_ROWS rows (a decode step) is multiplied in blocks of
+    FEW_ROWS_WIDEN_BYTES (at most FEW_ROWS_BLOCKS blocks), which stay in the cache (the block size
+    depends only on the shapes, so a weight decoded once and one decoded at every step still run
+    the same GEMMs).
     `widen_rows(w, start, stop)` gives rows start:stop of w in x's dtype (default: a cast of w's
     rows; a stored weight passes its decoder); w needs a `.shape` (N, K)."""
     widen_rows = widen_rows or (lambda w, start, stop: w[start:stop].astype(x.dtype))
     n, k = w_NxK.shape
-    rows = max(1, WIDEN_BYTES // (k * jnp.dtype(x.dtype).itemsize))
+    row_bytes = k * jnp.dtype(x.dtype).itemsize
+    if x.size // max(k, 1) <= FEW_ROWS:
+        rows = max(FEW_ROWS_WIDEN_BYTES // row_bytes, -(-n // FEW_ROWS_BLOCKS))
+    else:
+        rows = WIDEN_BYTES // row_bytes
+    rows = max(1, min(rows, WIDEN_BYTES // row_bytes))
     parts, last = [], x
     for start in range(0, n, rows):
         # sliced inside the conditional: a slice taken outside would be copied at the program's start

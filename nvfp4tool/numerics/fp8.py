@@ -2,7 +2,10 @@
 
 scale = amax / fmt_max (an fp32 decode scale, `fp8_decode_scale`, or a given static `scale=`),
 data = fp8_rne(clamp(x / scale)), x~ = fp32(data) * scale; amax per granularity along K (the last
-axis): "tensor", "channel", "block128", "block128x128". `fp8_gemm.fp8_matmul` multiplies two.
+axis): "tensor", "channel", "block128", "block128x128" (ragged edge tiles: ceil, their own amax).
+`fake_quantize_fp8_token_groups`: the dynamic per-token-group activation quantization of the
+fp8-block format (vLLM's per_token_group_quant_fp8: scale = max(amax, 1e-10) / 448).
+`fp8_gemm.fp8_matmul` multiplies two.
 Design notes: docs/design/numerics.md.
 """
 
@@ -24,6 +27,7 @@ from nvfp4tool.numerics.blocks import (
     expand_tiles,
     flush_subnormal,
     tile_amax,
+    times_decode_scale,
 )
 from nvfp4tool.numerics.constants import FP8_BLOCK, FP8_MAX
 
@@ -111,6 +115,27 @@ def fake_quantize_fp8(
     return _fake_quantize(x, scale, fmt=fmt, granularity=granularity, dtype=out_dtype)
 
 
+DYNAMIC_EPS = 1e-10  # vLLM per_token_group_quant_fp8's eps: the amax floor of a dynamic group scale
+
+
+def fake_quantize_fp8_token_groups(
+    x: jax.Array | np.ndarray, *, dtype: jnp.dtype | None = None, name: str = "tensor"
+) -> jax.Array:
+    """x as an engine's dynamic per-token-group E4M3 quantization leaves it (vLLM's
+    `per_token_group_quant_fp8`, group 128, no power-of-two scale rounding): per row of the last
+    axis and 128 columns, s = fl(max(amax, 1e-10) / 448), x~ = fp32(e4m3(clamp(x / s))) * s.
+    The last axis must be a multiple of 128 (vLLM asserts it); NVFP4ToolError otherwise."""
+    x = jnp.asarray(x)
+    _validate(x, "e4m3", "block128", name)
+    if x.shape[-1] % FP8_BLOCK:
+        raise NVFP4ToolError(
+            f"tensor '{name}' shape {tuple(x.shape)}: dynamic FP8 group quantization needs the last axis "
+            f"a multiple of {FP8_BLOCK}"
+        )
+    check_finite(x, name)
+    return _fake_quantize_groups(x, dtype=jnp.dtype(x.dtype if dtype is None else dtype))
+
+
 def fp8_decode_scale(amax: jax.Array | float, fmt: Fmt = "e4m3") -> jax.Array:
     """fp32 decode scale amax / fmt_max (flushed); 1 where that is 0 (all-zero input)."""
     scale = flush_subnormal(exact_divide(jnp.asarray(amax, jnp.float32), jnp.float32(FP8_MAX[fmt])))
@@ -146,8 +171,11 @@ def _scale_per_element(scale: jax.Array, granularity: str, shape: tuple[int, ...
     return expand_tiles(scale, *_tile(granularity, shape), shape)
 
 
-def _encode(x: jax.Array, fmt: str, granularity: str, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(fp8 data, decode scale) for x; the scale from the amax unless a static one is given."""
+def _encode(
+    x: jax.Array, fmt: str, granularity: str, scale: jax.Array | None = None, eps: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(fp8 data, decode scale) for x; the scale from the amax unless a static one is given
+    (`eps`: the amax floored at eps, as a dynamic engine quantizer does, instead of 1 for 0)."""
     x32 = flush_subnormal(x.astype(jnp.float32))
     if scale is None:
         abs_x = jnp.abs(x32)
@@ -155,7 +183,10 @@ def _encode(x: jax.Array, fmt: str, granularity: str, scale: jax.Array | None = 
             amax = abs_x.max()
         else:
             amax = tile_amax(abs_x, *_tile(granularity, x.shape))
-        scale = fp8_decode_scale(amax, fmt)
+        if eps is None:
+            scale = fp8_decode_scale(amax, fmt)
+        else:
+            scale = flush_subnormal(exact_divide(jnp.maximum(amax, jnp.float32(eps)), jnp.float32(FP8_MAX[fmt])))
     fmt_max = jnp.float32(FP8_MAX[fmt])
     scaled = exact_divide(x32, _scale_per_element(scale, granularity, x.shape))
     data = jnp.clip(scaled, -fmt_max, fmt_max).astype(_FP8_DTYPES[fmt])
@@ -163,7 +194,7 @@ def _encode(x: jax.Array, fmt: str, granularity: str, scale: jax.Array | None = 
 
 
 def _decode(data: jax.Array, scale: jax.Array, granularity: str) -> jax.Array:
-    return flush_subnormal(data.astype(jnp.float32) * _scale_per_element(scale, granularity, data.shape))
+    return times_decode_scale(data, _scale_per_element(scale, granularity, data.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity"))
@@ -179,3 +210,8 @@ def _dequantize(data, scale, *, granularity, dtype):
 @functools.partial(jax.jit, static_argnames=("fmt", "granularity", "dtype"))
 def _fake_quantize(x, scale, *, fmt, granularity, dtype):
     return _decode(*_encode(x, fmt, granularity, scale), granularity).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _fake_quantize_groups(x, *, dtype):
+    return _decode(*_encode(x, "e4m3", "block128", eps=DYNAMIC_EPS), "block128").astype(dtype)

@@ -25,6 +25,7 @@ from nvfp4tool.numerics.blocks import (
     normalize_axis,
     tensor_amax,
     tile_amax,
+    times_decode_scale,
     xla_barrier,
 )
 from nvfp4tool.numerics.constants import (
@@ -290,7 +291,18 @@ def decode_nvfp4_blocks(values_Bx16: jax.Array, scales: jax.Array, s_dec: jax.Ar
     """The one decode product: (e2m1 value * fp32(block scale)) * S_dec in fp32, in this order,
     subnormals flushed; values [..., K/16, 16], scales [..., K/16] -> fp32 [..., K/16, 16]."""
     scale32 = xla_barrier(scales.astype(jnp.float32))  # convert once per block
-    return flush_subnormal((values_Bx16 * scale32[..., None]) * s_dec)
+    return times_decode_scale(values_Bx16 * scale32[..., None], s_dec)
+
+
+def nvfp4_block_products(packed: jax.Array, scales: jax.Array) -> jax.Array:
+    """The decode before its global scale, e2m1(code) * fp32(block scale), held in BFloat16: packed
+    uint8 [..., K/2], scales float8_e4m3fn [..., K/16] -> bfloat16 [..., K]. Exact: a product has
+    at most 2 + 4 significant bits and lies in [2^-10, 2688] (or is 0, or a NaN scale's NaN), so
+    `times_decode_scale(products, S_dec)` is `decode_nvfp4`'s fp32 result bit for bit, in half
+    its memory."""
+    values_Bx16 = decode_e2m1(_blocks(unpack_codes(packed)))
+    products = values_Bx16 * xla_barrier(scales.astype(jnp.float32))[..., None]
+    return _unblock(products).astype(jnp.bfloat16)
 
 
 def decode_nvfp4(

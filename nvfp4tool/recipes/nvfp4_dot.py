@@ -24,6 +24,7 @@ from nvfp4tool.numerics import (
     NVFP4Array,
     NVFP4Operand,
     dot_nt,
+    fake_quantize_nvfp4,
     native_fp4_available,
     nvfp4_matmul,
     nvfp4_operand,
@@ -140,6 +141,47 @@ def nvfp4_dot(
         options,
     )
     return y_TxN.reshape(*lead_shape, w_NxK.shape[0])
+
+
+def weight_only_dot(
+    x_TxK: jax.Array, w_NxK: jax.Array, w_global_amax: jax.Array | None, block: str, *, quantize_fprop: bool = True
+) -> jax.Array:
+    """`x @ fq(w).T` in fp32 for a W4A16 (NVFP4 weight-only) linear's training: fq the NVFP4
+    fake quantization of w (RNE, `block` 1d / 2d scales against `w_global_amax`, None: its own),
+    as its export quantizes it; x and the gradients stay in x's dtype. Backward: dX = dY fq(w), dW
+    = dY^T X (straight through fq, as QAT of weight-only formats does). `quantize_fprop` False:
+    `x @ w.T` (the late switch to BF16)."""
+    if not quantize_fprop:
+        return dot_nt(x_TxK, w_NxK)
+    amax = jax.lax.stop_gradient(
+        jnp.asarray(tensor_amax(w_NxK) if w_global_amax is None else w_global_amax, jnp.float32)
+    )
+    return _weight_only_dot(x_TxK, w_NxK, amax, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _weight_only_dot(x_TxK, w_NxK, amax, block):
+    return dot_nt(x_TxK, _fake_weight(w_NxK, amax, block))
+
+
+def _fake_weight(w_NxK, amax, block):
+    return fake_quantize_nvfp4(jax.lax.stop_gradient(w_NxK), block=block, global_amax=amax, name="weight")
+
+
+def _weight_only_fwd(x_TxK, w_NxK, amax, block):
+    w_q = _fake_weight(w_NxK, amax, block)
+    return dot_nt(x_TxK, w_q), (x_TxK, w_q, amax)
+
+
+def _weight_only_bwd(block, residuals, dy_TxN):
+    x_TxK, w_q, amax = residuals
+    dy = dy_TxN.astype(x_TxK.dtype)
+    dx_TxK = dot_nt(dy, w_q.T)
+    dw_NxK = dot_nt(dy.reshape(-1, dy.shape[-1]).T, x_TxK.reshape(-1, x_TxK.shape[-1]).T)
+    return dx_TxK.astype(x_TxK.dtype), dw_NxK.astype(w_q.dtype), jnp.zeros_like(amax)
+
+
+_weight_only_dot.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 
 # ------------------------------------------------------------------------------------------

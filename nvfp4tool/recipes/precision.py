@@ -1,10 +1,12 @@
 """Which precision each linear layer trains in, and the `LinearFn` that applies it.
 
     recipe = RecipeConfig(name="nvfp4").resolved()         # NVIDIA's recipe; quantizer / gemm "auto" -> this platform's
-    pmap = precision_map(recipe, model_config)             # {"model.layers.0.self_attn.q_proj": "bf16", ...}
+    pmap = precision_map(recipe, model_config, rules)      # {"model.layers.0.self_attn.q_proj": "bf16", ...}
     linear = make_linear(recipe, pmap, key, group_amax)    # a LinearFn: the model's linear seam
 
-`lm_head` and MoE routers stay BF16; fused groups share `group_amax`; `training_seam` is training's.
+`rules`: a precision file's (`formats.precision_file`): linears in their own format (W4A16 trains
+its weight only); `lm_head` and MoE routers stay BF16; fused groups share `group_amax` and one
+precision; `training_seam` is training's.
 Design notes: docs/design/precision.md.
 """
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, name_in_layer
+from nvfp4tool.formats.precision_file import PrecisionRule, check_groups, resolve_precisions
 from nvfp4tool.model.linear import LinearFn, Seam
 from nvfp4tool.numerics import dot_nt, linear_output, native_gemm_lowers, tensor_amax
 from nvfp4tool.numerics.constants import NVFP4_BLOCK
@@ -37,10 +40,15 @@ from nvfp4tool.recipes.nvfp4_dot import (
     nvfp4_dot,
     quantize_weight,
     resolve_backend,
+    weight_only_dot,
 )
 
 RecipeName = Literal["bf16", "fp8", "fp8-block", "nvfp4"]
 RECIPES = ("bf16", "fp8", "fp8-block", "nvfp4")
+# what one linear trains in: a recipe's, or a precision file's NVFP4 weight-only (the weight
+# fake-quantized, activations and gradients in BF16; `nvfp4_dot.weight_only_dot`)
+WEIGHT_ONLY = "nvfp4-weight-only"
+LINEAR_PRECISIONS = (*RECIPES, WEIGHT_ONLY)
 GEMM_INPUT_DTYPE = jnp.bfloat16  # activations and weights enter every GEMM in bf16 (or lower)
 
 
@@ -102,8 +110,12 @@ class RecipeConfig:
         return int(at) if at >= 1 else max(1, math.ceil(at * total_steps) + 1)
 
 
-def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
-    """Linear module name -> "bf16" or the recipe's name, for every linear of the model."""
+def precision_map(recipe: RecipeConfig, config: ModelConfig, rules: tuple[PrecisionRule, ...] = ()) -> dict[str, str]:
+    """Linear module name -> "bf16" or the recipe's name, for every linear of the model; `rules`
+    (a precision file's, in order, the last matching one winning) give the linears they match
+    their own precision over that (`lm_head` and routers stay BF16). A rule matching no linear, or
+    a fused group split across quantized precisions, is refused naming its FILE:LINE; a group with
+    a BF16 member is BF16 whole (as export plans it)."""
     L = config.num_layers
     first, last = config.family_spec.bf16_blocks(L)
     first = first if recipe.bf16_first_layers is None else recipe.bf16_first_layers
@@ -118,7 +130,17 @@ def precision_map(recipe: RecipeConfig, config: ModelConfig) -> dict[str, str]:
             or any(fnmatch.fnmatchcase(m.name, pattern) for pattern in recipe.bf16_patterns)
         )
         result[m.name] = "bf16" if keep else recipe.name
-    return result
+    if not rules:
+        return result
+    names = tuple(m.name for m in config.modules.linears if not m.keep_dtype)
+    for rule in rules:
+        if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
+            raise NVFP4ToolError(f"{rule.origin}: {rule.pattern!r} matches no quantizable linear module of the model")
+    ruled = {n: p for n, p in resolve_precisions(names, "", rules).items() if p}
+    precision = {n: ruled.get(n, result[n]) for n in names}
+    check_groups(names, precision, rules, always=())
+    kept = {fused_group(n) for n, p in precision.items() if p == "bf16"}
+    return result | {n: "bf16" if fused_group(n) in kept else p for n, p in precision.items()}
 
 
 def check_block_widths(pmap: Mapping[str, str], config: ModelConfig) -> None:
@@ -127,7 +149,7 @@ def check_block_widths(pmap: Mapping[str, str], config: ModelConfig) -> None:
     (the output gradient) along out_features, and never pads a block. Said before the step compiles
     (the quantizer's own error names an operand of a traced GEMM, not the linear)."""
     for m in config.modules.linears:
-        if pmap.get(m.name) == "nvfp4" and any(width % NVFP4_BLOCK for width in m.shape):
+        if pmap.get(m.name) in ("nvfp4", WEIGHT_ONLY) and any(width % NVFP4_BLOCK for width in m.shape):
             out_features, in_features = m.shape
             raise NVFP4ToolError(
                 f"{m.name}: weight {out_features} x {in_features} (out x in features) cannot train with "
@@ -198,7 +220,7 @@ def recipe_gemm(
     weight: NVFP4Weight | None,
     bf16_scope: Literal["none", "forward", "all"] = "none",
 ) -> jax.Array:
-    """`y = x @ w.T + b` of one linear in `precision` ("bf16" | "fp8" | "fp8-block" | "nvfp4"):
+    """`y = x @ w.T + b` of one linear in `precision` (one of `LINEAR_PRECISIONS`):
     the one implementation behind `make_linear` and `RecipeTap`. nvfp4: `key` the layer's SR key
     (`layer_key`), `amax` its fused group's weight amax (None: its own), `weight` its operands
     from `quantize_weights` (None: quantized here)."""
@@ -212,13 +234,13 @@ def recipe_gemm(
         y = nvfp4_dot(
             x_lp, w_lp, key if key is not None else jax.random.key(0), amax, nvfp4_options(recipe, bf16_scope), weight
         )
+    elif precision == WEIGHT_ONLY:
+        y = weight_only_dot(x_lp, w_lp, amax, "2d" if recipe.weight_2d else "1d", quantize_fprop=bf16_scope == "none")
     else:
         y = fp8_dot(
             x_lp,
             w_lp,
-            FP8Options(
-                scaling="block" if recipe.name == "fp8-block" else "tensor", quantize_fprop=bf16_scope == "none"
-            ),
+            FP8Options(scaling="block" if precision == "fp8-block" else "tensor", quantize_fprop=bf16_scope == "none"),
         )
     return linear_output(y, b_N, x.dtype)
 
@@ -311,6 +333,8 @@ def training_seam(
             if precision == "bf16":
                 continue
             inputs = {}
+            if precision == WEIGHT_ONLY:
+                inputs = {"amax": None if amax_by_group is None else amax_by_group.get(fused_group(name))}
             if precision == "nvfp4":
                 inputs = {
                     "key": layer_key(key, name),

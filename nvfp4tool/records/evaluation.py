@@ -57,6 +57,9 @@ class EvalRecord(Record):
     max_drop_fp8: float | None = None  # the same threshold for nvfp4-fp8
     samples: int = 1  # generations per item of a sampled task, its per-item scores their mean
     sampled_tasks: list[str] = dataclasses.field(default_factory=list)  # the tasks `samples` applied to
+    # how the reports name the export's column (`formats.quant_title`: "NVFP4 W4A16", "Mixed
+    # (NVFP4/FP8/BF16)"); None: a record written before it (named by `quant` alone)
+    quant_title: str | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class LayerSQNR(Record):
     name: str
     weight_sqnr_db: dict[str, float]
     output_sqnr_db: dict[str, float]
+    quant: str | None = None  # a mixed export's: this linear's own format (formats.QUANTS); else None
 
 
 @dataclasses.dataclass(frozen=True)

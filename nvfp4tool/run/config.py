@@ -95,6 +95,12 @@ class TrainConfig:
         "recipes fp8/nvfp4: the last N blocks stay BF16 (default: the family's, docs/commands/train.md)",
     )
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
+    precision_file: str | None = _key(
+        None,
+        "a precision file (`PATTERN FORMAT` lines, as export --precision-file) or a mixed export: the linears it "
+        "names train in their own format (nvfp4, nvfp4-weight-only, fp8, bf16) over the recipe's; export of the "
+        "run keeps them",
+    )
     switch_to_bf16_at: float | None = _key(
         None, "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)"
     )
@@ -267,6 +273,12 @@ class TrainConfig:
         for path, _ in parse_mixture(self.data):
             _require("data", path, os.path.exists(path), "not found")
         _require("eval_data", self.eval_data, self.eval_data is None or os.path.exists(self.eval_data), "not found")
+        _require(
+            "precision_file",
+            self.precision_file,
+            self.precision_file is None or os.path.exists(self.precision_file),
+            "expected a precision file or an export folder: not found",
+        )
         _require(
             "equalize_from",
             self.equalize_from,

@@ -3,7 +3,8 @@
 
     RunRecord.read(run_dir)                  <run>/run.json: the run's configuration, data and teacher hashes
     InputAmaxRecord.read(run_dir / "hf")     {linear: max|input|} tracked in training
-    PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "fp8" | "fp8-block"}
+    PrecisionMapRecord.read(run_dir / "hf")  {linear: "bf16" | "nvfp4" | "nvfp4-weight-only" | "fp8" | "fp8-block"}
+    run_dir / "hf" / PRECISION_FILE          the rules of the run's `precision_file=` (export reads them)
 
 Design notes: docs/design/records.md.
 """
@@ -22,6 +23,7 @@ from nvfp4tool.records.export import EqualizationRecord, SourceRecord
 WEIGHTS_DIR = "hf"  # a run's final weights
 CHECKPOINTS_DIR = "checkpoints"  # a run's <step>/state Orbax checkpoints
 TOKENIZER_DIR = "tokenizer"  # a tokenizer trained by the run
+PRECISION_FILE = "precision.txt"  # beside the final weights: the precision file the run trained with
 
 if TYPE_CHECKING:
     from nvfp4tool.recipes.precision import RecipeConfig
@@ -155,10 +157,10 @@ class PrecisionMapRecord(_FlatMap):
 
     @classmethod
     def _check_value(cls, value: Any, label: str) -> str:
-        from nvfp4tool.recipes.precision import RECIPES
+        from nvfp4tool.recipes.precision import LINEAR_PRECISIONS
 
-        if value not in RECIPES:
-            raise RecordError(f"{label}: {value!r} is not a precision ({', '.join(RECIPES)})")
+        if value not in LINEAR_PRECISIONS:
+            raise RecordError(f"{label}: {value!r} is not a precision ({', '.join(LINEAR_PRECISIONS)})")
         return value
 
 
@@ -176,6 +178,7 @@ KEYS_ADDED_LATER = (
     "format",
     "loss_on",
     "overlong",
+    "precision_file",
 )
 LEGACY_PACKING = "concat"  # the packing of every run whose run.json predates the key
 # what a recorded gemm_backend may hold: the resolved choices (never "auto")

@@ -53,6 +53,7 @@ from nvfp4tool.corpus.tokenizer import (
 from nvfp4tool.corpus.windows import Windows, windows_in_memory
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import LM_HEAD, layer_index, layer_prefix
+from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, precision_rules
 from nvfp4tool.model import CausalLM, ModelTensorSource, model_from_tensors
 from nvfp4tool.model import sharding as mesh_lib
 from nvfp4tool.model.fold import EqualizedSource
@@ -62,6 +63,7 @@ from nvfp4tool.records.export import EqualizationRecord, ExportRecord, SourceRec
 from nvfp4tool.run.config import NEW_RUN_PACKING, TrainConfig, scans_layers
 from nvfp4tool.run.records import (
     CHECKPOINTS_DIR,
+    PRECISION_FILE,
     TOKENIZER_DIR,
     WEIGHTS_DIR,
     InputAmaxRecord,
@@ -373,7 +375,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     mixture = loader_lib.parse_mixture(config.data)
     caches = _caches(config, tokenizer, [path for path, _ in mixture])  # before a model is built
     model_config, model = _model(config, tokenizer, source)
-    pmap = precision_map(recipe, model_config)
+    pmap = precision_map(recipe, model_config, _precision_rules(config, model_config))
     check_block_widths(pmap, model_config)  # a width the recipe cannot block, named before the step compiles
     if source is None and config.rope_layout is not None:  # a preset: its family may fix the layout
         resolve_rope_layout(config.rope_layout, None, TRAIN_OPTIONS, family=model_config.family)
@@ -436,6 +438,14 @@ def _prepare(config: TrainConfig, out: Path) -> _Prepared:
     )
 
 
+def _precision_rules(config: TrainConfig, model_config: ModelConfig) -> tuple[PrecisionRule, ...]:
+    """The rules of `precision_file=` (a precision file, or a mixed export whose formats to train
+    in), over the model's quantizable linears; () without it."""
+    if config.precision_file is None:
+        return ()
+    return precision_rules(config.precision_file, [m.name for m in model_config.modules.linears if not m.keep_dtype])
+
+
 def _inputs(config: TrainConfig) -> list[str]:
     """The paths the run reads (the run folder may not be, contain or lie inside any of them)."""
     paths = [
@@ -444,6 +454,7 @@ def _inputs(config: TrainConfig) -> list[str]:
         config.model_config,
         config.teacher,
         config.equalize_from,
+        config.precision_file,
         None if config.model in PRESETS else config.model,
         None if config.tokenizer in (None, "train") else config.tokenizer,
     ]
@@ -986,6 +997,12 @@ def _write_final(
             save_tokenizer(tokenizer.tokenizer, Path(folder))
         amax.write(folder)
         PrecisionMapRecord(dict(pmap)).write(folder)
+        if config.precision_file is not None:  # export of the run reads its rules (`Checkpoint.precision_file`)
+            text = format_precision_file(
+                _precision_rules(config, model_config),
+                [f"the per-linear formats this run trained with (train precision_file={config.precision_file})"],
+            )
+            (Path(folder) / PRECISION_FILE).write_text(text, encoding="utf-8")
 
     # the tokenizer's files (its chat template with them) come from where the run's tokenizer came
     # from: the one trained here, the model's folder, or for a preset the `tokenizer` folder

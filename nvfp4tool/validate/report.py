@@ -97,16 +97,21 @@ def markdown(record: ValidationRecord) -> str:
             "caches them); its difference to the plain column is the KV cache's effect.",
         ]
     layer_labels = record.layer_labels
+    mixed = any(row.quant is not None for row in record.layers)  # each linear's own format shown
     lines += [
         "",
         "Worst layers (SQNR in dB, BF16 input activations):",
         "",
-        "| layer | " + " | ".join(f"{_title(label)} weight | {_title(label)} output" for label in layer_labels) + " |",
-        "|---|" + "---:|" * (2 * len(layer_labels)),
+        "| layer | "
+        + ("format | " if mixed else "")
+        + " | ".join(f"{_title(label)} weight | {_title(label)} output" for label in layer_labels)
+        + " |",
+        "|---|" + "---|" * mixed + "---:|" * (2 * len(layer_labels)),
     ]
     for row in record.layers[:8]:
         lines.append(
             f"| `{row.name}` | "
+            + (f"{_title(row.quant)} | " if mixed else "")
             + " | ".join(
                 f"{_fmt(row.weight_sqnr_db.get(label), '{:.1f}')} | {_fmt(row.output_sqnr_db.get(label), '{:.1f}')}"
                 for label in layer_labels
@@ -173,12 +178,16 @@ def print_report(record: ValidationRecord, console) -> None:
         print_line(console, resources_line(record))
     layers = Table(title="worst layers (SQNR dB)")
     layers.add_column("layer", overflow="fold")
+    mixed = any(row.quant is not None for row in record.layers)  # each linear's own format shown
+    if mixed:
+        layers.add_column("format")
     for label in record.layer_labels:
         layers.add_column(f"{_title(label)} weight", justify="right")
         layers.add_column(f"{_title(label)} output", justify="right")
     for row in record.layers[:8]:
         layers.add_row(
             row.name,
+            *([_title(row.quant)] if mixed else []),
             *(
                 _fmt(sqnr.get(label), "{:.1f}")
                 for label in record.layer_labels

@@ -537,7 +537,16 @@ def layer_sqnr(inputs: Inputs, output_powers: dict[str, dict[str, np.ndarray]]) 
     input carried into its own model and is compared with its own model's output). Weight SQNR:
     the weight of the BF16 model the candidate quantized vs its decoded weight, one module at a time.
     """
-    rows = {m: LayerSQNR(name=m, weight_sqnr_db={}, output_sqnr_db={}) for m in inputs.nvfp4.exported.quantized}
+    exported = inputs.nvfp4.exported
+    rows = {
+        m: LayerSQNR(
+            name=m,
+            weight_sqnr_db={},
+            output_sqnr_db={},
+            quant=exported.quant_of(m) if exported.quant == formats.MIXED else None,
+        )
+        for m in exported.quantized
+    }
     for c in inputs.candidates:
         model = inputs.source.tensors if c.model is None else c.model
         for m, row in rows.items():
@@ -764,7 +773,7 @@ def _reference_calibration(
             input_amax={m: float(amax[m]) for m in plan.quantized}, what=f"the export's input amax ({calibrated})"
         )
     why = (
-        "a weight-only export carries no input scales"
+        f"a {record.quant if record is not None else 'weight-only'} export carries no input scales"
         if record is None or record.quant not in calibrated
         else "the export's provenance record has no usable input amax for every linear"
     )

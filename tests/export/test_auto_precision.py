@@ -198,11 +198,10 @@ def test_refusals_name_the_option(auto, tmp_path):
     assert result.exit_code == 2 and "drop --precision-file" in result.output
     result = runner.invoke(cli, [*with_calib, "--kv-cache", "fp8"])
     assert result.exit_code == 2 and "--kv-cache fp8 is not supported yet" in result.output
-    gptq = ["export", auto["src"], "--out", str(tmp_path / "o"), *with_calib[4:], "--weight-rounding", "gptq"]
-    result = runner.invoke(cli, gptq)
-    assert result.exit_code == 2 and "--weight-rounding gptq with a mixed-precision export (--auto-precision 0.05)" in (
-        result.output
-    )
+    result = runner.invoke(cli, [*with_calib, "--weight-rounding", "gptq"])
+    assert result.exit_code == 2 and "with --weight-rounding gptq is not supported yet" in result.output
+    result = runner.invoke(cli, [*with_calib, "--quant", "fp8-block"])
+    assert result.exit_code == 2 and "searches from --quant nvfp4, nvfp4-weight-only, fp8" in result.output
     assert not (tmp_path / "o").exists()
 
 

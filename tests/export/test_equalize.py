@@ -128,38 +128,49 @@ def _oracle_fake_quantize(x: np.ndarray, global_amax) -> np.ndarray:
     return oracle.dequantize(q["packed"], q["scales"], q["global_amax"]).reshape(x.shape)
 
 
-def _oracle_awq(x_TxK, w_NxK, weight_only: bool):
-    """AWQ's grid as the module docstring states it, in numpy: (errors per alpha, chosen alpha)."""
+def _oracle_fake_fp8(x: np.ndarray) -> np.ndarray:
+    data, scale = oracle.quantize_fp8(x, "e4m3", None, None)  # one scale over the whole tensor
+    return data * scale
+
+
+def _oracle_awq(x_TxK, w_NxK, quant: str):
+    """AWQ's grid as the module docstring states it, in numpy, each format as it serves:
+    (errors per alpha, chosen alpha)."""
     mean_abs = np.abs(x_TxK).mean(axis=0)
     errors = []
     for alpha in eq.AWQ_ALPHAS:
         s = np.clip(np.maximum(mean_abs, 1e-4) ** alpha, 1e-4, 1e4)
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         ws = w_NxK * s[None, :]
-        wq = _oracle_fake_quantize(ws, np.float32(np.abs(ws).max()))
         xs = (x_TxK / s[None, :]).astype(np.float32)
-        xq = xs if weight_only else _oracle_fake_quantize(xs, np.float32(np.abs(xs).max()))
+        if quant == "fp8":
+            wq, xq = _oracle_fake_fp8(ws), _oracle_fake_fp8(xs)
+        else:
+            wq = _oracle_fake_quantize(ws, np.float32(np.abs(ws).max()))
+            xq = xs if quant == "nvfp4-weight-only" else _oracle_fake_quantize(xs, np.float32(np.abs(xs).max()))
         diff = xq.astype(np.float64) @ wq.T.astype(np.float64) - x_TxK.astype(np.float64) @ w_NxK.T.astype(np.float64)
         errors.append(float(np.sum(diff**2)))
     return np.asarray(errors), eq.AWQ_ALPHAS[int(np.argmin(errors))]
 
 
-@pytest.mark.parametrize("weight_only", [False, True])
-def test_awq_errors_and_choice_equal_a_numpy_search(weight_only):
+@pytest.mark.parametrize("quant", eq.OBJECTIVES)
+def test_awq_errors_and_choice_equal_a_numpy_search(quant):
     rng = np.random.default_rng(3)
     K, N, T = 32, 16, 24
     x = (rng.normal(size=(T, K)) * np.exp(rng.normal(0, 1.5, K))[None, :]).astype(jnp.bfloat16).astype(np.float32)
     w = rng.normal(size=(N, K)).astype(jnp.bfloat16).astype(np.float32)
-    expected, alpha = _oracle_awq(x, w, weight_only)
+    expected, alpha = _oracle_awq(x, w, quant)
     s_AxK = eq.awq_candidates(np.abs(x).mean(axis=0))
     amax = np.max(np.abs(w)[None] * s_AxK[:, None, :], axis=(1, 2))
-    tap = eq._Errors(weight_only=weight_only, block="1d")
+    tap = eq._Errors(block="1d")
     _, errors = tap(
         jnp.asarray(x, jnp.bfloat16)[None],
         jnp.asarray(w, jnp.bfloat16),
         None,
         name="lin",
-        aux={"lin": {"s": jnp.asarray(s_AxK), "amax": jnp.asarray(amax, jnp.float32)}},
+        aux={
+            "lin": {"s": jnp.asarray(s_AxK), "amax": jnp.asarray(amax, jnp.float32), "kind": eq.OBJECTIVES.index(quant)}
+        },
     )
     np.testing.assert_allclose(np.asarray(errors), expected, rtol=1e-4)
     assert eq.AWQ_ALPHAS[int(np.argmin(np.asarray(errors)))] == alpha

@@ -20,9 +20,8 @@ from nvfp4tool.cli import cli
 from nvfp4tool.export import export_checkpoint
 from nvfp4tool.export.convert_format import convert_format
 from nvfp4tool.export.simulate import load_export, served_kv
-from nvfp4tool.model.attention import AttentionMask
-from nvfp4tool.model.linear import default_linear
-from nvfp4tool.model.transformer import default_positions, forward_with_cache
+from nvfp4tool.model.linear import Seam, default_linear
+from nvfp4tool.model.transformer import forward_side
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.records.export import ExportRecord
 
@@ -257,18 +256,15 @@ def test_served_kv_is_the_fp8_cache_write_and_read():
 
 
 def test_default_kv_seam_is_an_exact_no_op(source):
-    """forward_with_cache with the default seam and with an explicit identity give the same bits,
+    """The forward with the default KV seam and with an explicit identity give the same bits,
     and a quantizing seam changes them (the seam is on the path)."""
     src, _ = source
     model = model_from_tensors(CONFIG, HFFolderSource(src), dtype=jnp.float32)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, 9)), jnp.int32)
-    positions = default_positions(jnp.ones(ids.shape, bool))
     seen = []
 
     def run(*kv):
-        return np.asarray(
-            forward_with_cache(model, ids, positions, AttentionMask.causal(), None, 0, default_linear, *kv)[0]
-        )
+        return np.asarray(forward_side(model, ids, seam=Seam.of(default_linear, *kv))[0])
 
     def identity(k, v, *, name):
         seen.append(name)

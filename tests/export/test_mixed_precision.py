@@ -24,21 +24,9 @@ from nvfp4tool.export.plan import make_plan, read_precision_file
 from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, load_export
 from nvfp4tool.hub.card import bits_by_quant, build_model_card
 
-from fixtures.mixed_fixtures import QUANT_OF
+from fixtures.mixed_fixtures import QUANT_OF, stored_tensors
 
 FORMATS = ("modelopt", "compressed-tensors")
-
-
-def _tensors(folder: str) -> dict[str, bytes]:
-    """{name: (dtype, shape, raw bytes)} of an export's single safetensors file, read by the header."""
-    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {
-        n: (h["dtype"], tuple(h["shape"]), data[h["data_offsets"][0] : h["data_offsets"][1]]) for n, h in header.items()
-    }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -48,8 +36,8 @@ def test_each_linear_is_stored_and_served_as_a_uniform_export_of_its_quant(mixed
     assert {m: mixed.quant_of(m) for m in mixed.quantized} == QUANT_OF
     assert "model.layers.1.self_attn.o_proj" not in mixed.quantized  # bf16 by the last matching line
     uniform = {q: load_export(mixed_exports[f"uniform-{q}"]) for q in ("nvfp4", "nvfp4-weight-only", "fp8")}
-    stored = {q: _tensors(mixed_exports[f"uniform-{q}"]) for q in uniform}
-    ct = _tensors(mixed_exports["compressed-tensors"])
+    stored = {q: stored_tensors(mixed_exports[f"uniform-{q}"]) for q in uniform}
+    ct = stored_tensors(mixed_exports["compressed-tensors"])
     for module, quant in QUANT_OF.items():
         ours, theirs = mixed.get(f"{module}.weight"), uniform[quant].get(f"{module}.weight")
         assert type(ours) is (FP8Weight if quant == "fp8" else NVFP4Weight), module
@@ -102,7 +90,7 @@ def test_transformers_loads_the_mixed_compressed_tensors_export_with_our_weights
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model(torch.tensor(np.random.default_rng(1).integers(3, 256, (1, 8))))  # the first forward decompresses
     ours = load_export(folder)
-    stored = _tensors(folder)
+    stored = stored_tensors(folder)
     checked = {}
     for name, module in model.named_modules():
         if name not in ours.quantized:
@@ -152,8 +140,9 @@ def test_compressed_tensors_modelopt_converter_agrees_on_the_mixed_modelopt_expo
 def test_convert_format_round_trips_the_mixed_export_byte_for_byte(mixed_exports, tmp_path):
     convert_format(mixed_exports["modelopt"], str(tmp_path / "ct"), to="compressed-tensors")
     convert_format(str(tmp_path / "ct"), str(tmp_path / "mo"), to="modelopt")
-    assert _tensors(str(tmp_path / "ct")) == _tensors(mixed_exports["compressed-tensors"])  # = the direct export
-    assert _tensors(str(tmp_path / "mo")) == _tensors(mixed_exports["modelopt"])
+    direct = stored_tensors(mixed_exports["compressed-tensors"])
+    assert stored_tensors(str(tmp_path / "ct")) == direct  # = the direct export
+    assert stored_tensors(str(tmp_path / "mo")) == stored_tensors(mixed_exports["modelopt"])
     assert formats.describe(str(tmp_path / "mo")).schemes == formats.describe(mixed_exports["modelopt"]).schemes
 
 
@@ -279,16 +268,6 @@ def test_keep_bf16_file_and_bf16_precision_lines_write_the_same_bytes(mixed_expo
         "model.layers.0.mlp.up_proj",
         "model.layers.0.mlp.down_proj",
     )
-
-
-@pytest.mark.parametrize("flag, value", [("--weight-rounding", "gptq"), ("--equalize", "awq")])
-def test_passes_not_taught_per_linear_formats_refuse_a_mixed_plan(mixed_exports, tmp_path, flag, value):
-    out = tmp_path / "out"
-    args = ["export", mixed_exports["src"], "--out", str(out), "--precision-file", mixed_exports["precision_file"]]
-    result = CliRunner().invoke(cli, [*args, "--calib-data", mixed_exports["calib"], flag, value])
-    assert result.exit_code == 2, result.output
-    assert f"{flag} {value} with a mixed-precision export" in result.output and "not supported yet" in result.output
-    assert not out.exists()
 
 
 def test_check_refuses_modelopt_mixed_configs_that_disagree_or_name_an_unknown_algo(mixed_exports, tmp_path):

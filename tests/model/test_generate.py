@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from flax import nnx
 from model.test_model import CONFIGS, batch, random_tensors
 
 from converters.tensor_source import DictTensorSource
 from nvfp4tool import memory, progress
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.simulate import DecodedWeight, NVFP4Weight, for_generation, served_linear
 from nvfp4tool.model import generate, model_from_tensors
 from nvfp4tool.numerics import quantize_nvfp4
@@ -32,23 +34,44 @@ def test_bucket_is_the_next_power_of_two():
     assert [gen.bucket(n) for n in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 64, 128]
 
 
-def test_one_prefill_and_one_step_program_for_lengths_counts_and_models_of_one_shape():
+def _clear(programs) -> None:
+    for program in programs:
+        program.clear_cache()
+
+
+def _compiled(programs) -> dict[str, int]:
+    return {name: program._cache_size() for name, program in programs._asdict().items()}
+
+
+def test_one_layer_program_for_lengths_counts_layers_and_models_of_one_shape():
+    """Every decoder layer runs one compiled block program (one for the prefill's shape, one for a
+    step's), however many layers: prompts of four lengths in one bucket, three token counts and
+    two models of one shape compile each program once; a prompt bucket given up front serves
+    prompts of two buckets with the same programs."""
     gen = _module()
     config = CONFIGS["llama3"]
+    assert config.num_layers > 1
     first, second = (model_from_tensors(config, DictTensorSource(random_tensors(config, seed))) for seed in (0, 1))
     assert nnx.graphdef(first) == nnx.graphdef(second)
-    prefill, step = gen._programs(jax.default_backend())
-    prefill.clear_cache()
-    step.clear_cache()
+    programs = gen._programs(jax.default_backend())
+    _clear(programs)
     rng = np.random.default_rng(0)
     runs = [(first, 5, 4), (first, 11, 4), (second, 7, 3), (second, 16, 2)]  # (model, prompt length, new tokens)
     outputs = [
         np.asarray(generate(model, rng.integers(0, config.vocab_size, (2, length)), count))
         for model, length, count in runs
     ]
-    assert prefill._cache_size() == 1 and step._cache_size() == 1
+    assert _compiled(programs) == {"prefill_in": 1, "prefill_out": 1, "step_in": 1, "step_out": 1, "layer": 2}
     assert [o.shape for o in outputs] == [(2, 4), (2, 4), (2, 3), (2, 2)]
     assert not np.array_equal(outputs[0], outputs[1])  # different prompts ran, not one cached answer
+    # prompts of 5 and 20 tokens (buckets 16 and 32) in the bucket of the longest: no new program
+    _clear(programs)
+    short, long = rng.integers(0, config.vocab_size, (2, 5)), rng.integers(0, config.vocab_size, (2, 20))
+    fixed = [np.asarray(generate(first, ids, 4, prompt_bucket=32, cache_len=64)) for ids in (short, long)]
+    assert _compiled(programs) == {"prefill_in": 1, "prefill_out": 1, "step_in": 1, "step_out": 1, "layer": 2}
+    np.testing.assert_array_equal(fixed[0], np.asarray(generate(first, short, 4)))  # padding changes nothing
+    with pytest.raises(NVFP4ToolError, match="cannot hold a prompt of 20 tokens"):
+        generate(first, long, 4, prompt_bucket=16)
 
 
 class _StoredSource(DictTensorSource):
@@ -116,7 +139,8 @@ def test_weights_stay_stored_when_the_decoded_copy_does_not_fit(monkeypatch):
     finally:
         progress.use_reporter(previous)
     assert len(lines.lines) == 1 and lines.lines[0].startswith(
-        "greedy generation (nvfp4): weights decoded at every generation step (decoding one once needs "
+        "greedy generation (nvfp4): weights decoded at every generation step (decoding one linear of every "
+        "layer once needs "
     )
 
 
@@ -133,6 +157,11 @@ def test_decoded_copies_stay_within_their_share_of_the_model():
     copies = [w for w in leaves if isinstance(w, DecodedWeight)]
     assert copies and any(isinstance(w, NVFP4Weight) for w in leaves)  # some decoded once, some not
     assert sum(w.data.nbytes for w in copies) <= simulate.DECODE_ONCE_SHARE * model_bytes
+    layers = [  # every decoder layer decodes the same linears once: one weight layout, one program
+        {path for path, w in nnx.to_flat_state(nnx.state(layer)) if isinstance(w.get_value(), DecodedWeight)}
+        for layer in decoded.layers
+    ]
+    assert layers[0] and all(names == layers[0] for names in layers)
     ids, mask = batch()
     np.testing.assert_array_equal(_tokens_and_logits(decoded, ids, mask)[1], _tokens_and_logits(stored, ids, mask)[1])
 
@@ -144,15 +173,50 @@ def test_a_large_model_generates_with_the_optimized_programs_and_the_same_bits_e
     gen = _module()
     config = CONFIGS["llama3"]
     monkeypatch.setattr(gen, "OPTIMIZE_PARAMS", config.num_parameters())  # this tiny model counts as large
-    prefill, step = gen._programs(jax.default_backend(), True)
-    prefill.clear_cache()
-    step.clear_cache()
+    programs = gen._programs(jax.default_backend(), True)
+    _clear(programs)
     stored = _served(config)
     decoded = for_generation(stored, "test", budget=1 << 40)
     ids, mask = batch()
     tokens, logits = _tokens_and_logits(stored, ids, mask)
     once_tokens, once_logits = _tokens_and_logits(decoded, ids, mask)
-    assert prefill._cache_size() == 2 and step._cache_size() == 2  # stored and decoded: both optimized
+    assert programs.layer._cache_size() == 4  # stored and decoded (prefill, step): both optimized
     np.testing.assert_array_equal(once_tokens, tokens)
     np.testing.assert_array_equal(once_logits, logits)
     assert np.ptp(logits) > 1.0
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_weights_decoded_once_in_bf16_are_the_stored_decode_bit_for_bit():
+    """Every E2M1 code and E4M3 scale bit pattern (NaN scales included), with global decode scales
+    that leave the products normal, push them into fp32 subnormals (flushed to signed zero) or
+    round them: the BF16-held block products times S_dec are `decode_nvfp4` bit for bit, whole and
+    in row blocks; FP8 values held in BF16 likewise `decode_fp8`."""
+    from nvfp4tool.export.simulate import FP8Weight, _decode_once
+    from nvfp4tool.numerics import decode_fp8, decode_nvfp4
+
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (64, 128), dtype=np.uint8)
+    packed[0] = (np.arange(128) * 17 % 256).astype(np.uint8)  # every code in either nibble
+    scale_bits = rng.integers(0, 256, (64, 16), dtype=np.uint8)
+    scale_bits[1:17] = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    scales = scale_bits.view(ml_dtypes.float8_e4m3fn)
+    for s_dec in (1.0, 3.0 / 2688, 2.0**-118, 2.0**-126 / 3, 1.7e-38, 0.3):
+        stored = NVFP4Weight(jnp.asarray(packed), jnp.asarray(scales), jnp.float32(s_dec), None)
+        once = _decode_once(stored)
+        assert once.data.dtype == jnp.bfloat16 and once.data.nbytes == 2 * 64 * 256
+        want = decode_nvfp4(packed, scales, np.float32(s_dec))
+        np.testing.assert_array_equal(_bits(once.dequantize()), _bits(want))
+        np.testing.assert_array_equal(_bits(jax.jit(lambda w: w.dequantize(8, 40))(once)), _bits(want[8:40]))
+        if s_dec == 2.0**-126 / 3:  # products times S_dec below the normal range: flushed to zero
+            exact = np.asarray(once.data, np.float64) * np.float32(s_dec)
+            subnormal = (exact != 0) & (np.abs(exact) < 2.0**-126)
+            assert subnormal.sum() > 100 and np.all(np.asarray(want)[subnormal] == 0)
+    data = np.arange(256, dtype=np.uint8).reshape(16, 16).view(ml_dtypes.float8_e4m3fn)
+    for scale in (1.0 / 448, 2.0**-120, 0.7):
+        once = _decode_once(FP8Weight(jnp.asarray(data), jnp.float32(scale), None))
+        assert once.data.dtype == jnp.bfloat16 and once.quant == "fp8"
+        np.testing.assert_array_equal(_bits(once.dequantize()), _bits(decode_fp8(data, np.float32(scale))))

@@ -19,7 +19,7 @@ from flax import nnx
 from converters.tensor_source import DictTensorSource
 from nvfp4tool.config import ModelConfig, RopeScaling
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.families import ATTENTION_MLP, ATTENTION_MOE
+from nvfp4tool.families import ATTENTION_MLP
 from nvfp4tool.families.moe import Experts
 from nvfp4tool.model import ModelTensorSource, default_linear, forward, generate, model_from_tensors
 from nvfp4tool.model.linear import Seam
@@ -430,18 +430,19 @@ def test_generation_never_holds_the_bf16_embedding_table_widened(monkeypatch):
     config = ModelConfig(family="llama", **{**_BASE, "vocab_size": 16384})
     table_f32 = config.vocab_size * config.hidden_size * 4
     monkeypatch.setattr(dot, "WIDEN_BYTES", table_f32 // 8)
-    graphdef, state = nnx.split(_bf16_held(config))
     gen = importlib.import_module("nvfp4tool.model.generate")
+    layers = gen._Layers.of(_bf16_held(config), Seam.of(served_linear), default_kv)
     options = gen._SamplingOptions(
         jnp.asarray(True), jnp.asarray(1.0), jnp.asarray(config.vocab_size), jnp.asarray(-1), jnp.asarray(0)
     )
-    prefill_args = (graphdef, state, jnp.zeros((2, 16), jnp.int32), jnp.ones((2, 16), bool), jax.random.key(0), options)
-    statics = {"linear": served_linear, "kv": default_kv}
-    jit_prefill, jit_step = gen._programs(jax.default_backend())
-    prefill = jit_prefill.lower(*prefill_args, cache_len=32, **statics).compile()
-    carry, cache, _ = jit_prefill(*prefill_args, cache_len=32, **statics)
-    step = jit_step.lower(graphdef, state, carry, cache, options, **statics).compile()
-    for program in (prefill, step):
+    outer, programs = (layers.outer_graphdef, layers.outer_state), gen._programs(jax.default_backend())
+    ids, mask = jnp.zeros((2, 16), jnp.int32), jnp.ones((2, 16), bool)
+    prefill_in = programs.prefill_in.lower(*outer, ids, mask, jax.random.key(0), cache_len=32).compile()
+    x, _, _, carry, last = programs.prefill_in(*outer, ids, mask, jax.random.key(0), cache_len=32)
+    prefill_out = programs.prefill_out.lower(*outer, x, last, carry, options, seam=layers.head_seam).compile()
+    step_in = programs.step_in.lower(*outer, carry).compile()
+    step_out = programs.step_out.lower(*outer, x[:, :1], carry, options, seam=layers.head_seam).compile()
+    for program in (prefill_in, prefill_out, step_in, step_out):
         assert program.memory_analysis().temp_size_in_bytes < table_f32
 
 
@@ -504,30 +505,34 @@ def test_every_family_registers_a_block_for_each_of_its_layer_kinds():
     assert set(family_blocks(REGISTRY["deepseek_v3"])) == {"mla+mlp", "mla+moe"}
 
 
-def test_the_decode_state_is_each_blocks_own_stacked_per_kind():
-    """`empty_decode_state`: each kind's layers' states stacked in layer order, in the shapes the
-    blocks build (an attention's (k, v) [N, B, S, KV, D] in the compute dtype, a Mamba mixer's fp32
-    conv window and SSM state); kinds that keep no state are absent."""
+def test_the_decode_state_of_generation_is_each_blocks_own():
+    """Generation's decode state (`generate._Layers.empty_cache`): each layer's own, in the shapes
+    its block builds (an attention's (k, v) [B, S, KV, D] in the compute dtype, a Mamba mixer's
+    fp32 conv window and SSM state); None for a layer that keeps none."""
+    import importlib
+
+    from nvfp4tool.model.kv import default_kv
     from nvfp4tool.model.mamba import MambaState
-    from nvfp4tool.model.transformer import CausalLM, empty_decode_state
+    from nvfp4tool.model.transformer import CausalLM
     from nvfp4tool.train.presets import preset_config
 
+    gen = importlib.import_module("nvfp4tool.model.generate")
+
+    def cache(model, batch, length):
+        layers = gen._Layers.of(model, Seam(), default_kv)
+        return jax.eval_shape(lambda: layers.empty_cache(batch, length))
+
     moe = nnx.eval_shape(lambda: CausalLM(CONFIGS["qwen3_moe"], compute_dtype=jnp.bfloat16))
-    state = jax.eval_shape(lambda: empty_decode_state(moe, 2, 5))
-    kv = jax.ShapeDtypeStruct((2, 2, 5, 2, 8), jnp.bfloat16)  # layers 0 and 2 sparse, [B, S, KV, D]
-    assert state.by_kind == {
-        ATTENTION_MOE: (kv, kv),
-        ATTENTION_MLP: (jax.ShapeDtypeStruct((1, 2, 5, 2, 8), jnp.bfloat16),) * 2,
-    }
+    kv = jax.ShapeDtypeStruct((2, 5, 2, 8), jnp.bfloat16)
+    assert cache(moe, 2, 5) == [(kv, kv)] * moe.config.num_layers
     config = preset_config("tiny-hybrid-moe", 97, 64)  # M E - M * E M E
     hybrid = nnx.eval_shape(lambda: CausalLM(config))
-    state = jax.eval_shape(lambda: empty_decode_state(hybrid, 3, 7))
-    assert set(state.by_kind) == {"mamba", "attention"}
     shape = hybrid.layers[0].mixer.shape
-    assert state.by_kind["mamba"] == MambaState(
-        jax.ShapeDtypeStruct((3, 3, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
-        jax.ShapeDtypeStruct((3, 3, shape.heads, shape.head_dim, shape.state), jnp.float32),
+    mamba = MambaState(
+        jax.ShapeDtypeStruct((3, shape.conv_kernel - 1, shape.conv_dim), jnp.float32),
+        jax.ShapeDtypeStruct((3, shape.heads, shape.head_dim, shape.state), jnp.float32),
     )
-    kv = jax.ShapeDtypeStruct((1, 3, 7, config.num_kv_heads, config.head_dim), jnp.float32)
-    assert state.by_kind["attention"] == (kv, kv)
+    kv = jax.ShapeDtypeStruct((3, 7, config.num_kv_heads, config.head_dim), jnp.float32)
+    kinds = config.family_config.layer_kinds
+    assert cache(hybrid, 3, 7) == [{"mamba": mamba, "attention": (kv, kv)}.get(k) for k in kinds]
     assert [layer.recurrent for layer in hybrid.layers] == [k == "mamba" for k in config.family_config.layer_kinds]

@@ -226,3 +226,75 @@ def test_quantizer_flows_from_the_recipe_to_nvfp4_options(monkeypatch, quantizer
     assert [o.gemm for o in seen] == ["emulated"]  # and so does the gemm
     with pytest.raises(NVFP4ToolError, match="quantizer must be one of"):
         RecipeConfig(name="nvfp4", quantizer="triton")
+
+
+# ------------------------------------------------------------------------------------------
+# a precision file's per-linear formats (issue 41)
+
+
+def _rules(tmp_path, text: str):
+    from nvfp4tool.formats.precision_file import read_precision_file
+
+    path = tmp_path / "precision.txt"
+    path.write_text(text)
+    return read_precision_file(str(path)), str(path)
+
+
+def test_a_precision_file_gives_linears_their_own_training_precision(tmp_path):
+    rules, path = _rules(
+        tmp_path,
+        "model.layers.1.self_attn.* fp8\nmodel.layers.2.mlp.* nvfp4-weight-only\nmodel.layers.3.mlp.up_proj bf16\n"
+        "model.layers.0.self_attn.o_proj nvfp4\n",
+    )
+    recipe = RecipeConfig(name="nvfp4")  # keeps blocks 0, 6 and 7 in BF16; a rule overrides that
+    pmap = precision_map(recipe, CONFIG, rules)
+    plain = precision_map(recipe, CONFIG)
+    expected = dict(plain)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        expected[f"model.layers.1.self_attn.{proj}"] = "fp8"
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        expected[f"model.layers.2.mlp.{proj}"] = "nvfp4-weight-only"
+    for proj in ("gate_proj", "up_proj"):  # one BF16 member keeps its fused group in BF16
+        expected[f"model.layers.3.mlp.{proj}"] = "bf16"
+    expected["model.layers.0.self_attn.o_proj"] = "nvfp4"
+    assert pmap == expected and pmap["lm_head"] == "bf16"
+    split, where = _rules(tmp_path, "model.layers.1.self_attn.q_proj fp8\n")
+    with pytest.raises(NVFP4ToolError, match=rf"^{where}:1: fused group model\.layers\.1\.self_attn\.qkv .* split"):
+        precision_map(recipe, CONFIG, split)
+    unused, where = _rules(tmp_path, "model.layers.9.* fp8\n")
+    with pytest.raises(NVFP4ToolError, match=rf"^{where}:1: 'model\.layers\.9\.\*' matches no quantizable linear"):
+        precision_map(recipe, CONFIG, unused)
+
+
+def test_a_weight_only_linear_trains_its_nvfp4_weight_straight_through():
+    """W4A16 in training: y = x fq(w)^T with fq the NVFP4 fake quantization (2D 16x16 scales, the
+    fused group's amax) in the numpy oracle, x in BF16; dX = dY fq(w), dW = dY^T X."""
+    from nvfp4tool.recipes.precision import recipe_gemm
+
+    from fixtures import nvfp4_oracle as oracle
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(16, 32)), jnp.bfloat16)
+    g = jnp.asarray(rng.normal(size=(2, 16, 16)), jnp.float32)
+    amax = jnp.float32(4.0)  # the group's (above this weight's own)
+    q = oracle.quantize(np.asarray(w, np.float32), block="2d", global_amax=np.float32(4.0))
+    w_q = oracle.dequantize(q["packed"], q["scales"], q["global_amax"]).reshape(16, 32).astype(jnp.bfloat16)
+    recipe = RecipeConfig(name="nvfp4", weight_2d=True)
+
+    def loss(x, w):
+        y = recipe_gemm(recipe, "nvfp4-weight-only", x, w, None, key=None, amax=amax, weight=None)
+        return jnp.sum(y.astype(jnp.float32) * g), y
+
+    (_, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    x32, w_q32 = np.asarray(x, np.float64), np.asarray(w_q, np.float64)
+    g64 = np.asarray(g.astype(jnp.bfloat16), np.float64)  # the gradient enters the GEMMs in x's dtype
+    forward = np.asarray(x, np.float32) @ w_q32.T.astype(np.float32)  # fp32 accumulation, as the GEMM
+    np.testing.assert_array_equal(np.asarray(y), forward.astype(jnp.bfloat16))  # the output in x's dtype
+    # each gradient rounded once to BF16 from the exact product (fp32 accumulation: within 1 BF16 ulp)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), g64 @ w_q32, rtol=2**-7, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(dw, np.float64), g64.reshape(-1, 16).T @ x32.reshape(-1, 32), rtol=2**-7, atol=1e-6
+    )
+    plain = recipe_gemm(recipe, "bf16", x, w, None, key=None, amax=None, weight=None)
+    assert not np.array_equal(np.asarray(plain), np.asarray(y))  # the weight was quantized
