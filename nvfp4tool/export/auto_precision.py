@@ -68,11 +68,20 @@ class AutoPrecision:
 
 
 def search_precision(
-    source, plan: ExportPlan, group_amax, input_amax: Mapping[str, float], ids_SxL: np.ndarray, options, *, block: str
+    source,
+    plan: ExportPlan,
+    group_amax,
+    input_amax: Mapping[str, float],
+    ids_SxL: np.ndarray,
+    options,
+    *,
+    block: str,
+    reference=None,
 ) -> AutoPrecision:
     """The search over `plan.quantized` (the base --quant plan) on the calibration windows
-    `ids_SxL` (see the module docstring); `input_amax` of every quantized linear. NVFP4ToolError
-    in one line when even every unit in BF16 misses the target."""
+    `ids_SxL` (see the module docstring); `input_amax` of every quantized linear. `reference`: the
+    tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
+    as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
     start = time.perf_counter()
     target, base = float(options.auto_precision), options.quant
     ladder = LADDERS[base]
@@ -83,7 +92,7 @@ def search_precision(
     shapes = config.expected_tensor_shapes()
     weights = {u: sum(math.prod(shapes[f"{m}.weight"]) for m in ms) for u, ms in units.items()}
     # the reference: the source as stored (validate's); the mixes: its other tensors as the export writes them
-    source_model = _open(config, tensors, ids_SxL, options.offload, "the source")
+    source_model = _open(config, reference or tensors, ids_SxL, options.offload, "the source")
     runs = source_model.logits(ids_SxL, BATCH, tap=Plain(served_linear), label="auto-precision: BF16 reference")
     reference = {s: np.asarray(logits) for s, logits in runs}
     del source_model, runs

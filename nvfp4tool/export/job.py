@@ -185,6 +185,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             block=block,
             offload=options.offload,
         )
+    unfolded = source.tensors  # what validate compares with
     if equalization is not None:  # the rest of the export runs on the folded model
         source = dataclasses.replace(source, tensors=EqualizedSource(source.tensors, equalization.scales))
         group_amax = _group_amax(source.tensors, plan)
@@ -198,7 +199,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             input_amax, origin = found_amax.input_amax, _CALIBRATED
             calibration = _calibration_record(options, ids, found_amax.routed_tokens)
         search_start = time.perf_counter()
-        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block)
+        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded)
         plan = make_plan(
             source.config,
             options.quant,
