@@ -616,6 +616,14 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "checkpoint. A fused group (q/k/v, gate/up) split across formats is refused. Default: none.",
 )
 @click.option(
+    "--auto-precision",
+    **_api(api.export, "auto_precision"),
+    metavar="KL",
+    help="Choose each linear's format (--quant, then fp8, then bf16; a fused group as one) for the fewest "
+    "bits per weight whose mean KL vs BF16, measured on the calibration windows with the mix run as served, "
+    "is <= 0.9 x KL nats; writes auto_precision.json / .png beside the export (needs --calib-data).",
+)
+@click.option(
     "--scale-search",
     **_api(api.export, "scale_search"),
     show_default=True,
@@ -700,6 +708,7 @@ def export_command(
     keep_bf16,
     keep_bf16_file,
     precision_file,
+    auto_precision,
     scale_search,
     weight_rounding,
     equalize,
@@ -745,6 +754,7 @@ def export_command(
         keep_bf16=keep_bf16,
         keep_bf16_file=keep_bf16_file,
         precision_file=precision_file,
+        auto_precision=auto_precision,
         calib_data=calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,

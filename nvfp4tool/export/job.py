@@ -11,6 +11,7 @@ Design notes: docs/design/export.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from converters.atomic import check_output_path
 from nvfp4tool import formats, progress
 from nvfp4tool.checkpoints import Checkpoint, open_checkpoint
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
+from nvfp4tool.export.auto_precision import LADDERS, AutoPrecision, search_precision
 from nvfp4tool.export.equalize import METHODS as EQUALIZE_METHODS
 from nvfp4tool.export.equalize import Equalization, equalize
 from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAULT_DAMP
@@ -59,6 +61,7 @@ class ExportOptions:
     keep_bf16: tuple[str, ...] = ()  # fnmatch patterns of linear modules kept in BF16
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     precision_file: str | None = None  # `PATTERN FORMAT` lines (plan.read_precision_file): per-linear formats
+    auto_precision: float | None = None  # a KL target: per-linear formats searched on calibration (auto_precision.py)
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -104,6 +107,8 @@ class ExportJob:
     gptq_seconds: float = 0.0
     equalization: Equalization | None = None  # --equalize: the scales folded into `source.tensors`
     equalization_seconds: float = 0.0
+    auto_precision: AutoPrecision | None = None  # --auto-precision: the search that made `plan`
+    auto_precision_seconds: float = 0.0  # the search (0: none)
 
     @property
     def kv_cache(self) -> str | None:
@@ -155,6 +160,11 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     )
     _check_mixed(plan, options)
     _check_format_carries(plan, options, rules, source.config)
+    if options.auto_precision is not None and rules:
+        raise NVFP4UsageError(
+            f"--auto-precision {options.auto_precision:g}: {source.path} was trained with a precision file "
+            f"({rules[0].origin}); the search starts every linear at --quant: export it with --precision-file instead"
+        )
     spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.is_mixed else plan.quant)
     block = options.weight_block or (source.weight_block if options.quant in formats.NVFP4_QUANTS else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
@@ -175,12 +185,36 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             block=block,
             offload=options.offload,
         )
+    unfolded = source.tensors  # what validate compares with
     if equalization is not None:  # the rest of the export runs on the folded model
         source = dataclasses.replace(source, tensors=EqualizedSource(source.tensors, equalization.scales))
         group_amax = _group_amax(source.tensors, plan)
     equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
     calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
+    found, search_start = None, time.perf_counter()
+    if options.auto_precision is not None:
+        if input_amax is None:  # a weight-only base: its FP8 rung needs input scales
+            found_amax = _calibration(source, plan.quantized, options, ids, kv_cache=False)
+            input_amax, origin = found_amax.input_amax, _CALIBRATED
+            calibration = _calibration_record(options, ids, found_amax.routed_tokens)
+        search_start = time.perf_counter()
+        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded)
+        plan = make_plan(
+            source.config,
+            options.quant,
+            precision_map=source.precision_map,
+            keep_bf16=options.keep_bf16 + tuple(from_file),
+            keep_bf16_origin=from_file,
+            rules=found.rules,
+        )
+        _check_format_carries(plan, options, found.rules, source.config)
+        spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
+        group_amax = {g: a for g, a in group_amax.items() if g in plan.groups}
+        if plan.has_input_scales:
+            input_amax = {m: input_amax[m] for m in plan.quantized}
+        else:
+            input_amax, origin = None, "none (weight-only)"
     return ExportJob(
         source=source,
         out=out,
@@ -195,9 +229,11 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         input_amax_origin=origin,
         kv_amax=kv_amax,
         calibration=calibration,
-        calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
+        calibration_seconds=search_start - calibration_start if options.calib_data else 0.0,
         equalization=equalization,
         equalization_seconds=equalization_seconds,
+        auto_precision=found,
+        auto_precision_seconds=time.perf_counter() - search_start if found else 0.0,
     )
 
 
@@ -323,6 +359,8 @@ def _check_options(options: ExportOptions) -> None:
             f"--equalize {options.equalize} needs --calib-data PATH (the scales are chosen on "
             "the calibration activations)"
         )
+    if options.auto_precision is not None:
+        _check_auto(options)
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
@@ -374,6 +412,34 @@ def _check_format_carries(plan: ExportPlan, options: ExportOptions, rules, confi
         found = formats.merged_problem(plan.quant_of(members[0]), {m: shapes[f"{m}.weight"][0] for m in members})
         if found is not None:
             raise NVFP4ToolError(f"{found[0]}.weight: {found[1]}; keep its group BF16 or choose another format")
+
+
+def _check_auto(options: ExportOptions) -> None:
+    """--auto-precision KL: a positive finite target, searched on --calib-data, alone in choosing formats."""
+    target = options.auto_precision
+    if not (isinstance(target, int | float) and math.isfinite(target) and target > 0):
+        raise NVFP4UsageError(f"--auto-precision must be a positive mean KL in nats (e.g. 0.05), got {target}")
+    if options.calib_data is None:
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} needs --calib-data PATH (the search runs on the calibration windows)"
+        )
+    if options.precision_file is not None:
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} chooses every linear's format: drop --precision-file "
+            f"{options.precision_file} (--keep-bf16 patterns stay BF16 and are not searched)"
+        )
+    if options.kv_cache != "none":
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
+            "search measures the BF16 KV cache); export with --kv-cache none"
+        )
+    if options.weight_rounding == "gptq":
+        raise NVFP4UsageError(
+            f"--auto-precision {target:g} with --weight-rounding gptq is not supported yet (the search measures "
+            "round-to-nearest weights, not GPTQ's); export with --weight-rounding rtn"
+        )
+    if options.quant not in LADDERS:
+        raise NVFP4UsageError(f"--auto-precision searches from --quant {', '.join(LADDERS)}, not {options.quant}")
 
 
 def _group_amax(tensors, plan: ExportPlan) -> dict[str, np.float32]:
@@ -491,6 +557,7 @@ def _check_calibration_used(plan: ExportPlan, options: ExportOptions) -> None:
         or options.weight_rounding == "gptq"
         or _kv(options) is not None
         or options.equalize != "none"
+        or options.auto_precision is not None
     ):
         return
     if plan.has_input_scales and plan.quantized:

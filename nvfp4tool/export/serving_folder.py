@@ -3,12 +3,14 @@
     folder = ServingFolder(tmp, source_label=src)
     records = folder.write_shards([(file_name, [(name, dtype, shape), ...]), ...], load, amax=amax_of)
 
-Export (`writer.py`) and convert-format (`convert_format.py`) decide what goes where; this writes it.
+Export (`writer.py`) and convert-format (`convert_format.py`) decide what goes where; this writes it
+(`plain_copy`: an unquantized tensor as stored).
 Design notes: docs/design/export.md.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -20,6 +22,7 @@ import numpy as np
 
 from converters.hf import INDEX_FILE, SAFETENSORS_CODES, write_safetensors
 from nvfp4tool import formats
+from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.records.export import ExportRecord, TensorRecord
 
@@ -122,3 +125,24 @@ def _version() -> str:
     import nvfp4tool
 
     return nvfp4tool.__version__
+
+
+def plain_dtype(name: str, dtype: str, family) -> str:
+    """An unquantized tensor's output dtype: BF16 for a float, but the source's own for the tensors
+    the family keeps as stored (`Family.kept_as_stored`: Nemotron-H's SSM parameters, norms and
+    router) and FP32 for those it stores in FP32 (`Family.stored_fp32`); other dtypes as they are."""
+    if dtype not in ("float32", "float16", "float64", "bfloat16"):
+        return dtype
+    if dtype != "float64" and any(fnmatch.fnmatchcase(name, p) for p in family.kept_as_stored):
+        return dtype
+    return "float32" if any(fnmatch.fnmatchcase(name, p) for p in family.stored_fp32) else "bfloat16"
+
+
+def plain_copy(tensors, name: str, family) -> np.ndarray:
+    """An unquantized tensor as the export writes it (`plain_dtype`); non-finite values refused."""
+    array = tensors.get(name)
+    if array.dtype.name in ("float32", "float16", "float64", "bfloat16"):
+        if not np.isfinite(array).all():
+            raise NVFP4ToolError(f"{name}: tensor has non-finite values (NaN or inf); nothing written")
+        array = array.astype(plain_dtype(name, array.dtype.name, family), copy=False)
+    return array

@@ -21,12 +21,12 @@ import numpy as np
 from converters.atomic import atomic_output_dir
 from converters.hf import AUX_FILE_PATTERNS, SINGLE_FILE, parse_size, plan_shards
 from nvfp4tool import progress
-from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export.auto_precision import write_search
 from nvfp4tool.export.job import ExportJob, ExportOptions, prepare_job, with_gptq
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.provenance import build_record
 from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, quantizer_for
-from nvfp4tool.export.serving_folder import ServingFolder
+from nvfp4tool.export.serving_folder import ServingFolder, plain_copy, plain_dtype
 from nvfp4tool.formats import LayoutSpec
 from nvfp4tool.numerics import fp8_decode_scale
 from nvfp4tool.records.export import ExportRecord
@@ -52,13 +52,15 @@ class ExportSummary:
     calibration_seconds: float = 0.0  # reading --calib-data and running the model on it (0: none)
     gptq_seconds: float = 0.0  # the GPTQ pass (0: none)
     equalization_seconds: float = 0.0  # --equalize: the search and the fold check (0: none)
+    auto_precision_seconds: float = 0.0  # --auto-precision: the search (0: none)
     record: ExportRecord | None = None  # the provenance it wrote (nvfp4tool_export.json)
 
     @property
     def write_seconds(self) -> float:
         """Reading, quantizing and writing the weights: the whole export but the passes that run the
-        model on data (equalization, calibration, GPTQ)."""
-        return max(self.seconds - self.equalization_seconds - self.calibration_seconds - self.gptq_seconds, 0.0)
+        model on data (equalization, calibration, GPTQ, the auto-precision search)."""
+        passes = self.equalization_seconds + self.calibration_seconds + self.gptq_seconds + self.auto_precision_seconds
+        return max(self.seconds - passes, 0.0)
 
     @property
     def gb_per_s(self) -> float:
@@ -73,6 +75,7 @@ class ExportSummary:
                 ("equalization", self.equalization_seconds),
                 ("calibration", self.calibration_seconds),
                 ("GPTQ", self.gptq_seconds),
+                ("auto-precision", self.auto_precision_seconds),
             )
             if seconds
         )
@@ -113,6 +116,7 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
         calibration_seconds=job.calibration_seconds,
         gptq_seconds=job.gptq_seconds,
         equalization_seconds=job.equalization_seconds,
+        auto_precision_seconds=job.auto_precision_seconds,
     )
 
 
@@ -174,6 +178,8 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
             equalization=None if job.equalization is None else job.equalization.record,
         )
         folder.write_record(record)
+        if job.auto_precision is not None:
+            write_search(job.auto_precision, tmp)
     bf16_in = sum(2 * int(np.prod(tensors.shape(n), dtype=np.int64)) for n in names)
     return ExportSummary(
         out=tmp,
@@ -189,7 +195,7 @@ def _write(job: ExportJob, tmp: str) -> ExportSummary:
 
 class _ModuleLoader:
     """`load(name)` for the serving-folder writer: one quantized module's tensors cached at a
-    time (quantized by `quantizer`), other tensors copied as `_plain_dtype` says, the KV-cache
+    time (quantized by `quantizer`), other tensors copied as `plain_dtype` says, the KV-cache
     scales made from the job's K / V amax; keeps each quantized module's layer errors and its stored weight's
     decoded amax (`amax`)."""
 
@@ -212,7 +218,7 @@ class _ModuleLoader:
         if name not in self.cache:
             module = self.module_of.get(name)
             if module is None:
-                self.cache = {name: _plain_copy(self.job.source.tensors, name, self.job.source.config.family_spec)}
+                self.cache = {name: plain_copy(self.job.source.tensors, name, self.job.source.config.family_spec)}
             else:
                 self.cache = self._quantize(module)
             self.task.advance(
@@ -253,27 +259,7 @@ def _unit_layout(
     if name.endswith(".weight") and module in plan.groups.get(plan.group_of(module), ()):
         n, k = tensors.shape(name)
         return name, spec_for(module).layout(module, n, k)
-    return name, [(name, _plain_dtype(name, tensors.dtype(name), family), tuple(tensors.shape(name)))]
-
-
-def _plain_dtype(name: str, dtype: str, family) -> str:
-    """An unquantized tensor's output dtype: BF16 for a float, but the source's own for the tensors
-    the family keeps as stored (`Family.kept_as_stored`: Nemotron-H's SSM parameters, norms and
-    router) and FP32 for those it stores in FP32 (`Family.stored_fp32`); other dtypes as they are."""
-    if dtype not in ("float32", "float16", "float64", "bfloat16"):
-        return dtype
-    if dtype != "float64" and any(fnmatch.fnmatchcase(name, p) for p in family.kept_as_stored):
-        return dtype
-    return "float32" if any(fnmatch.fnmatchcase(name, p) for p in family.stored_fp32) else "bfloat16"
-
-
-def _plain_copy(tensors, name: str, family) -> np.ndarray:
-    array = tensors.get(name)
-    if array.dtype.name in ("float32", "float16", "float64", "bfloat16"):
-        if not np.isfinite(array).all():
-            raise NVFP4ToolError(f"{name}: tensor has non-finite values (NaN or inf); nothing written")
-        array = array.astype(_plain_dtype(name, array.dtype.name, family), copy=False)
-    return array
+    return name, [(name, plain_dtype(name, tensors.dtype(name), family), tuple(tensors.shape(name)))]
 
 
 def _task(enabled: bool, total: int):

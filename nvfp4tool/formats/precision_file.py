@@ -7,7 +7,7 @@
 
 One `PATTERN FORMAT` a line (fnmatch over module names as stored; FORMAT one of `PRECISIONS`), `#`
 starts a comment. Export and train read it here, so both resolve a file the same way;
-`format_precision_file` writes one.
+`format_precision_file` writes one; `parse_precision_text` reads one from a text (`--auto-precision`).
 Design notes: docs/design/export.md.
 """
 
@@ -37,8 +37,17 @@ def read_precision_file(path: str) -> tuple[PrecisionRule, ...]:
     """The rules of a precision file, in order: one `PATTERN PRECISION` a line (fnmatch over
     module names as stored; PRECISION one of formats.PRECISIONS), `#` starts a comment.
     NVFP4ToolError naming FILE:LINE for a line that is not that, or a file that is not UTF-8 text."""
+    return _rules(read_rule_lines(path, "precision file (lines 'PATTERN FORMAT')"))
+
+
+def parse_precision_text(text: str, origin: str) -> tuple[PrecisionRule, ...]:
+    """`read_precision_file` of a text (`export --auto-precision`'s result), lines named "ORIGIN:LINE"."""
+    return _rules(rule_lines(text, origin))
+
+
+def _rules(lines: list[tuple[str, list[str]]]) -> tuple[PrecisionRule, ...]:
     rules = []
-    for where, words in read_rule_lines(path, "precision file (lines 'PATTERN FORMAT')"):
+    for where, words in lines:
         if len(words) != 2 or words[1] not in PRECISIONS:
             raise NVFP4ToolError(
                 f"{where}: {' '.join(words)!r}: expected 'PATTERN FORMAT' with FORMAT one of "
@@ -119,9 +128,14 @@ def read_rule_lines(path: str, kind: str) -> list[tuple[str, list[str]]]:
         raise NVFP4ToolError(f"{path}: not UTF-8 text (byte {bad.start}); expected a {kind}") from None
     except OSError as bad:
         raise NVFP4ToolError(f"{path}: cannot read ({bad.strerror})") from None
+    return rule_lines(text, path)
+
+
+def rule_lines(text: str, origin: str) -> list[tuple[str, list[str]]]:
+    """[("ORIGIN:LINE", words)] of the non-empty lines of a rules text, comments (#) stripped."""
     found = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if words:
-            found.append((f"{path}:{number}", words))
+            found.append((f"{origin}:{number}", words))
     return found

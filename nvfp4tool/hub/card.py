@@ -19,7 +19,7 @@ from huggingface_hub import ModelCardData
 from nvfp4tool import formats
 from nvfp4tool.config import read_hf_config
 from nvfp4tool.formats import modelopt
-from nvfp4tool.records.export import ExportRecord, source_license
+from nvfp4tool.records.export import AUTO_PRECISION_PNG, AutoPrecisionRecord, ExportRecord, source_license
 from nvfp4tool.records.names import portable_name, source_repo_id
 from nvfp4tool.records.validation import ValidationRecord
 
@@ -90,6 +90,7 @@ def build_model_card(
         _validation_section(validation, provenance),
         *_eval_section(folder),
         _provenance_section(provenance),
+        *_auto_precision_section(folder, validation),
         _serving_section(repo_id, layout, layout.kv_cache),
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
@@ -439,6 +440,29 @@ def _provenance_section(provenance: ExportRecord | None) -> str:
         + f"\n\nThe full record, with the sha256 of every source weight file and written tensor, is "
         f"`{ExportRecord.FILE_NAME}`."
     )
+
+
+def _auto_precision_section(folder: str, validation: ValidationRecord | None) -> list[str]:
+    """An `export --auto-precision` export: what the search aimed at and reached, its record and
+    curve files, and the held-out KL beside it ([] for any other export)."""
+    if not os.path.exists(AutoPrecisionRecord.path(folder)):
+        return []
+    found = AutoPrecisionRecord.read(folder)
+    last = found.steps[-1]
+    text = (
+        f"## Formats chosen by `--auto-precision {found.kl_target:g}`\n\n"
+        f"Each linear's format (from {', '.join(found.ladder)}; a fused group as one) was searched for the fewest "
+        f"bits per weight whose mean KL vs BF16 on {found.windows[0]} x {found.windows[1]} calibration tokens, "
+        f"the mix run as served, is <= {found.margin:g} x {found.kl_target:g}: reached {last.measured_kl:.4g} at "
+        f"{last.bits_per_weight:.3f} bits per weight over the quantized linears ({len(found.steps)} mixes measured). "
+        f"The search is `{AutoPrecisionRecord.FILE_NAME}` (each unit's KL per format, each step), its KL-vs-bits "
+        f"curve `{AUTO_PRECISION_PNG}`; neither holds weights."
+    )
+    if validation is not None and validation.labels:
+        text += (
+            f" On the held-out validation text the KL mean is {validation.models[validation.labels[0]]['kl_mean']:.4g}."
+        )
+    return [text]
 
 
 def _serving_section(repo_id: str, layout: formats.FolderLayout, kv_cache: str | None) -> str:

@@ -4,7 +4,8 @@
     for start, logits_BxTxV in model.logits(ids_SxT, batch_size=4, tap=Plain(served_linear)):
         ...
 
-Both modes run the same compiled block program (the same numbers); `sequential` is GPTQ's pass.
+Both modes run the same compiled block program (the same numbers); `sequential` is GPTQ's pass;
+`layer_inputs` caches each layer's input, `logits_from` runs from one layer on (auto-precision).
 Design notes: docs/design/model.md.
 """
 
@@ -241,6 +242,66 @@ class LayerwiseModel:
                     yield s, logits
                 del carry
 
+    def layer_inputs(
+        self,
+        ids_SxT: np.ndarray,
+        batch_size: int,
+        *,
+        tap: Tap,
+        aux: Callable[[int | None], Any] | None = None,
+        label: str = "layer inputs",
+    ) -> LayerInputs:
+        """Every decoder layer's input hidden states for the windows (`batch_size` at a time), the
+        model run with `tap` and `aux(i)`: for `logits_from`, which runs only the layers from one on.
+        Holds num_layers x S x T x hidden fp32 (the caller sizes the windows)."""
+        ids_SxT = np.asarray(ids_SxT, np.int32)
+        starts = list(range(0, len(ids_SxT), batch_size))
+        carry = [self._embed(ids_SxT[s : s + batch_size]) for s in starts]
+        inputs = LayerInputs(starts=starts, context=[(t, m) for _, t, m in carry], hidden=[])
+        xs = [x for x, _, _ in carry]
+        for i in range(self.config.num_layers):
+            inputs.hidden.append(xs)
+            xs = self._layer_outputs(i, xs, inputs.context, tap, (aux or (lambda i: None))(i), label)
+        return inputs
+
+    def logits_from(
+        self, inputs: LayerInputs, layer: int, *, tap: Tap, aux: Callable[[int | None], Any], label: str = "forward"
+    ) -> Iterator[tuple[int, jax.Array]]:
+        """(first window index, fp32 logits [B, T, V]) of every batch of `inputs`, run from decoder
+        layer `layer`'s cached input through the later layers and the LM head with `tap` and
+        `aux(i)` (None: the head); the layers before `layer` are not run."""
+        xs = inputs.hidden[layer]
+        for i in range(layer, self.config.num_layers):
+            xs = self._layer_outputs(i, xs, inputs.context, tap, aux(i), label)
+        head_aux = self._place(aux(None))
+        for s, x in zip(inputs.starts, xs):
+            with progress.compiling(
+                f"{label} LM head", key=_program_key(_head_step, self._outer_graphdef, tap, None, self._gather, x)
+            ):
+                logits, _ = _head_step(
+                    self._outer_graphdef, self._outer_state, x, head_aux, tap=tap, gather=self._gather
+                )
+            yield s, logits
+
+    def _layer_outputs(self, i: int, xs: list, context: list, tap: Tap, aux: Any, label: str) -> list:
+        """Layer i's outputs for the batches `xs` (their RoPE tables and masks `context`), records dropped."""
+        state, layer_aux = self._place(self._layer(i)), self._place(aux)
+        graphdef = self._block_graphdefs[layer_program(self.config, i)]
+        out = []
+        for x, (tables, mask) in zip(xs, context):
+            cos, sin = layer_cos_sin(self.config, tables, i)
+            with progress.compiling(
+                f"{label} layer program", key=_program_key(_block_step, graphdef, tap, None, self._gather, x)
+            ):
+                y, _ = _block_step(
+                    graphdef, state, x, cos, sin, mask, layer_aux, tap=tap, kv_tap=None, gather=self._gather
+                )
+            out.append(y)
+        del state, layer_aux
+        if self.streamed:
+            memory.release()
+        return out
+
     def sequential(
         self,
         ids_SxT: np.ndarray,
@@ -365,6 +426,16 @@ class LayerwiseModel:
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, tree)
         return shard(self.mesh, tree)
+
+
+@dataclasses.dataclass
+class LayerInputs:
+    """`LayerwiseModel.layer_inputs`: per batch its first window index and (RoPE tables, mask);
+    `hidden[i]`: decoder layer i's input, one array per batch."""
+
+    starts: list[int]
+    context: list[tuple[Any, Any]]
+    hidden: list[list[jax.Array]]
 
 
 # ------------------------------------------------------------------------------------------

@@ -265,3 +265,53 @@ def _sha256_file(path: str, identity: tuple[int, int, int, int], chunk: int) -> 
             digest.update(block)
             task.advance(nbytes=len(block))
     return digest.hexdigest()
+
+
+AUTO_PRECISION_PNG = "auto_precision.png"  # the search's KL-vs-bits curve, beside AutoPrecisionRecord's file
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSensitivityRecord(Record):
+    """One searched unit (a fused group, or one MoE layer's routed experts): its linears, weights,
+    and the calibration KL vs BF16 of the network with only this unit in each format."""
+
+    unit: str
+    modules: list[str]
+    weights: int  # parameters of its linears' weights
+    kl_alone: dict[str, float]  # format -> mean KL (bf16: 0, not run)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSearchStep(Record):
+    """One combination the search measured: the units it changed since the last step, the
+    additive prediction, the correction factor applied, the measured KL and its bits per weight."""
+
+    upgraded: dict[str, str]  # unit -> its new format (empty: the uniform base; a prune: the rung below)
+    predicted_kl: float  # sum over units of kl_alone (the additive model), before the correction
+    correction: float  # measured / predicted of the previous measurement (1 at first)
+    measured_kl: float  # the whole mixed model, as served, on the calibration windows
+    bits_per_weight: float
+    step: str = "upgrade"  # "start" (uniform --quant) | "upgrade" | "prune" (one unit a rung down, kept: still met)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPrecisionRecord(Record):
+    """`auto_precision.json`, beside an `export --auto-precision KL`: the search that chose the
+    per-linear formats (docs/design/export.md): its target, the sensitivities, every measured
+    step, the uniform formats on the same windows, and the result as precision-file text."""
+
+    FILE_NAME: ClassVar[str] = "auto_precision.json"
+
+    kl_target: float
+    margin: float  # the search stops at measured KL <= margin * kl_target
+    met: bool
+    base: str  # --quant
+    ladder: list[str]  # the formats a unit may take, cheapest first
+    bits: dict[str, float]  # format -> bits per weight (the rule)
+    windows: list[int]  # [samples, seq_len] of the calibration windows searched on
+    units: list[UnitSensitivityRecord]
+    steps: list[AutoSearchStep]  # the last is the result
+    uniform: dict[str, dict[str, float]]  # format -> {"kl": measured, "bits_per_weight": ...}
+    precision_file: str  # the result as `--precision-file` text
+    seconds: float
+    units_per_second: float  # sensitivity measurements (unit x format) per second

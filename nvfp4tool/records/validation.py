@@ -126,6 +126,27 @@ class Sensitivity(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchedTarget(Record):
+    """What an `export --auto-precision` export was searched for (its auto_precision.json), shown
+    beside the KL the held-out text gave."""
+
+    kl_target: float
+    margin: float  # the search met calibration KL <= margin x kl_target
+    calibration_kl: float  # the chosen mix's measured KL on the calibration windows
+    bits_per_weight: float
+    calibration_tokens: int
+
+    def line(self, held_out_kl: float) -> str:
+        verdict = "within" if held_out_kl <= self.kl_target else "ABOVE"
+        return (
+            f"Formats searched by `export --auto-precision {self.kl_target:g}` on {self.calibration_tokens} "
+            f"calibration tokens (not this text): calibration KL {self.calibration_kl:.4g} <= {self.margin:g} x "
+            f"target at {self.bits_per_weight:.3f} bits per weight; held-out KL mean here {held_out_kl:.4g}, "
+            f"{verdict} the target {self.kl_target:g}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Resources(Record):
     """What the validation cost: how each model ran and the process's peak memory."""
 
@@ -169,6 +190,8 @@ class ValidationRecord(Record):
     # the validated source's files that define it besides its weights (`SourceRecord.config_files`):
     # relative file -> sha256; None in a report written before they were bound
     source_config_files: dict[str, str] | None = None
+    # an `export --auto-precision` export: the target it was searched for (None: not searched)
+    searched: SearchedTarget | None = None
 
     @classmethod
     def _from_json_fields(cls, obj: dict[str, Any], label: str) -> dict[str, Any]:

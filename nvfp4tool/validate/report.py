@@ -127,6 +127,8 @@ def markdown(record: ValidationRecord) -> str:
             f"KL {found.trajectory[-1].kl_mean:.4g}{found.trajectory[-1].size_text()}): "
             + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none"),
         ]
+    if record.searched is not None:
+        lines += ["", record.searched.line(record.models[labels[0]]["kl_mean"])]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
     if record.resources is not None:
@@ -195,6 +197,8 @@ def print_report(record: ValidationRecord, console) -> None:
     print_table(console, layers)
     if record.sensitivity is not None:
         print_table(console, _sensitivity_table(record.sensitivity))
+    if record.searched is not None:
+        print_line(console, record.searched.line(record.models[labels[0]]["kl_mean"]).replace("`", ""))
     print_line(console, verdict(record).replace("**", ""))
 
 

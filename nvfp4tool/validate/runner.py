@@ -38,7 +38,13 @@ from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.numerics import computed_after, metrics
-from nvfp4tool.records.export import EqualizationRecord, ExportRecord, definition_hashes, sha256_file
+from nvfp4tool.records.export import (
+    AutoPrecisionRecord,
+    EqualizationRecord,
+    ExportRecord,
+    definition_hashes,
+    sha256_file,
+)
 from nvfp4tool.records.validation import (
     DataRef,
     Failure,
@@ -47,6 +53,7 @@ from nvfp4tool.records.validation import (
     LayerSQNR,
     Named,
     Resources,
+    SearchedTarget,
     ValidationRecord,
 )
 from nvfp4tool.validate.custody import reference_mismatch, source_mismatch, validated_files
@@ -501,6 +508,22 @@ def run_validation(inputs: Inputs) -> ValidationRecord:
         source_mismatch_ok=inputs.source_mismatch is not None,
         reference_calibration=inputs.reference_calibration,
         source_config_files=definition_hashes(source),
+        searched=searched_target(inputs.export_dir),
+    )
+
+
+def searched_target(export_dir: str) -> SearchedTarget | None:
+    """The target an `export --auto-precision` export was searched for (its auto_precision.json), None without one."""
+    if not os.path.exists(AutoPrecisionRecord.path(export_dir)):
+        return None
+    found = AutoPrecisionRecord.read(export_dir)
+    last = found.steps[-1]
+    return SearchedTarget(
+        kl_target=found.kl_target,
+        margin=found.margin,
+        calibration_kl=last.measured_kl,
+        bits_per_weight=last.bits_per_weight,
+        calibration_tokens=found.windows[0] * found.windows[1],
     )
 
 

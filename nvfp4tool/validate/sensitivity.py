@@ -5,7 +5,7 @@
     keep_bf16_file_text(found)  # them as a keep-BF16 file (validate writes it: keep_bf16.txt)
     found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
 
-The unit is a fused group.
+The unit is a fused group; the prune rule is export's (`auto_precision.prune_pass`, one owner).
 Design notes: docs/design/validate.md.
 """
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from converters.tensor_source import tensor_bytes
 from nvfp4tool import progress
+from nvfp4tool.export.auto_precision import prune_pass
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.families import fused_group, group_glob
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
@@ -113,15 +114,19 @@ def search(order: list[str], harm: dict[str, float], kl_of, bits_of, kl_target: 
             task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
         if trajectory[-1].kl_mean > kl_target:
             return trajectory
+
         # prune: a group kept early may be unneeded once later ones are kept (harms do not add);
         # the least harmful alone are tried first, each dropped only if the target still holds
-        for g in sorted(kept, key=lambda g: harm[g]):
+        def without(g: str) -> SearchStep:
             trial = step([k for k in kept if k != g], "prune")
             task.advance(description=f"without {g}", fields={"kl": f"{trial.kl_mean:.4g}"})
-            if trial.kl_mean <= kl_target:
-                progress.info(f"sensitivity: {g} is not needed once the others are kept; quantized again")
-                kept.remove(g)
-                trajectory.append(trial)
+            return trial
+
+        order = sorted(kept, key=lambda g: harm[g])
+        for g, trial in prune_pass(order, without, lambda trial: trial.kl_mean <= kl_target):
+            progress.info(f"sensitivity: {g} is not needed once the others are kept; quantized again")
+            kept.remove(g)
+            trajectory.append(trial)
     return trajectory
 
 

@@ -1,0 +1,421 @@
+"""`export --auto-precision KL`: per-linear formats for the fewest bits whose measured KL meets KL.
+
+    found = search_precision(source, plan, group_amax, input_amax, ids_SxL, options, block="1d")
+    found.text, found.rules   # the result as precision-file text, and its rules (`make_plan(rules=)`)
+    found.record              # AutoPrecisionRecord (auto_precision.json); plot_search draws the PNG
+
+A unit is what serving runs with one scheme (`families.scheme_group`). Its sensitivity to a format:
+the calibration KL vs BF16 with only it in that format, run from its layer's cached BF16 input
+(`LayerwiseModel.logits_from`). `upgrade_search` upgrades units up `LADDERS[--quant]` by KL saved
+per bit until the additive prediction, times measured / predicted of the last measured mix, is
+within MARGIN x KL; every mix is measured whole, as served (`BITS`: the bits rule).
+Design notes: docs/design/export.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4tool import memory, progress
+from nvfp4tool.errors import NVFP4ToolError
+from nvfp4tool.export.plan import ExportPlan
+from nvfp4tool.export.quantizers import FP8, ScaleSearch, input_decode_scale
+from nvfp4tool.export.serving_folder import plain_copy
+from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, _quantize_input, served_linear
+from nvfp4tool.families import group_glob, layer_index, scheme_group
+from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, parse_precision_text
+from nvfp4tool.model.layerwise import LayerwiseModel, held_forward_bytes, layer_modules
+from nvfp4tool.model.linear import Plain
+from nvfp4tool.numerics import dense_widening, metrics
+from nvfp4tool.records.export import AUTO_PRECISION_PNG, AutoPrecisionRecord, AutoSearchStep, UnitSensitivityRecord
+
+# the formats a unit may take, cheapest first. W4A16 is no rung above W4A4: it costs the same
+# 4.5 bits, so a bits budget cannot price it (every unit would take it first), and it changes the
+# serving kernel (weight-only dequantize + BF16 GEMM, not the FP4 tensor-core GEMM a W4A4 export
+# is chosen for); a W4A16 export is asked with --quant nvfp4-weight-only (its own ladder).
+LADDERS = {
+    "nvfp4": ("nvfp4", "fp8", "bf16"),
+    "nvfp4-weight-only": ("nvfp4-weight-only", "fp8", "bf16"),
+    "fp8": ("fp8", "bf16"),
+}
+# bits per weight of a format: NVFP4 4 + one E4M3 block scale per 16 = 4.5; FP8 8 (one fp32 scale
+# per tensor, not counted); BF16 16. Over the linears the base --quant quantizes.
+BITS = {"nvfp4": 4.5, "nvfp4-weight-only": 4.5, "fp8": 8.0, "bf16": 16.0}
+MARGIN = 0.9  # the search stops at measured KL <= MARGIN x target (calibration KL under-reads held-out)
+UNIFORM = ("nvfp4", "nvfp4-weight-only", "fp8")  # the uniform exports measured as points of the curve
+BATCH = 8  # windows per forward
+_INPUT_MODE = {"nvfp4": 1, "fp8": 2}  # the served input quantizer of a format (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPrecision:
+    """The search's result: the precision-file text and the record."""
+
+    text: str
+    record: AutoPrecisionRecord
+
+    @property
+    def rules(self) -> tuple[PrecisionRule, ...]:
+        return parse_precision_text(self.text, "--auto-precision")
+
+
+def search_precision(
+    source,
+    plan: ExportPlan,
+    group_amax,
+    input_amax: Mapping[str, float],
+    ids_SxL: np.ndarray,
+    options,
+    *,
+    block: str,
+    reference=None,
+) -> AutoPrecision:
+    """The search over `plan.quantized` (the base --quant plan) on the calibration windows
+    `ids_SxL` (see the module docstring); `input_amax` of every quantized linear. `reference`: the
+    tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
+    as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
+    start = time.perf_counter()
+    target, base = float(options.auto_precision), options.quant
+    ladder = LADDERS[base]
+    config, tensors = source.config, source.tensors
+    units: dict[str, list[str]] = {}
+    for m in plan.quantized:
+        units.setdefault(scheme_group(m), []).append(m)
+    shapes = config.expected_tensor_shapes()
+    weights = {u: sum(math.prod(shapes[f"{m}.weight"]) for m in ms) for u, ms in units.items()}
+    # the reference: the source as stored (validate's); the mixes: its other tensors as the export writes them
+    source_model = _open(config, reference or tensors, ids_SxL, options.offload, "the source")
+    runs = source_model.logits(ids_SxL, BATCH, tap=Plain(served_linear), label="auto-precision: BF16 reference")
+    reference = {s: np.asarray(logits) for s, logits in runs}
+    del source_model, runs
+    memory.release()
+    written = _AsWritten(tensors, config.family_spec)
+    variants = _Variants(tensors, written, plan, group_amax, input_amax, options.scale_search, block)
+    model = _open(config, written, ids_SxL, options.offload, "the source as exported")
+    tap = _Assigned()
+    all_bf16 = lambda i: variants.aux(i, {})  # noqa: E731
+    inputs = model.layer_inputs(ids_SxL, BATCH, tap=tap, aux=all_bf16, label="auto-precision: layer inputs")
+
+    def kl(layer: int, formats: Mapping[str, str], label: str) -> float:
+        runs = model.logits_from(inputs, layer, tap=tap, aux=lambda i: variants.aux(i, formats), label=label)
+        return float(np.concatenate([metrics.token_kl(reference[s], np.asarray(x)).ravel() for s, x in runs]).mean())
+
+    def modules(assign: Mapping[str, str]) -> dict[str, str]:
+        return {m: f for u, f in assign.items() for m in units[u]}
+
+    alone = {u: {"bf16": 0.0} for u in units}
+    candidates = [(u, f) for u in units for f in ladder[:-1]]
+    sensitivity_start = time.perf_counter()
+    with progress.task("auto-precision: sensitivity", total=len(candidates), unit="unit") as task:
+        for u, f in candidates:  # in model order: one layer's variants at a time
+            alone[u][f] = kl(layer_index(units[u][0]), {m: f for m in units[u]}, "auto-precision: sensitivity")
+            task.advance(description=f"{u} {f}", fields={"kl": f"{alone[u][f]:.4g}"})
+    rate = len(candidates) / max(time.perf_counter() - sensitivity_start, 1e-9)
+    measure = lambda assign: kl(0, modules(assign), "auto-precision: mix")  # noqa: E731
+    total = sum(weights.values())
+    uniform = {}
+    for f in UNIFORM:
+        found = measure(dict.fromkeys(units, f))
+        uniform[f] = {"kl": found, "bits_per_weight": BITS[f]}
+        progress.info(f"auto-precision: uniform {f}: calibration KL {found:.4g}, {BITS[f]:g} bits per weight")
+    steps, assign = upgrade_search(weights, ladder, alone, measure, target, known={base: uniform[base]["kl"]})
+    last = steps[-1]
+    met = last.measured_kl <= MARGIN * target
+    samples, seq_len = ids_SxL.shape
+    if not met:
+        raise NVFP4ToolError(
+            f"--auto-precision {target:g}: not met: calibration KL {last.measured_kl:.4g} > {MARGIN:g} x "
+            f"{target:g} with every one of the {len(units)} units in {ladder[-1]} (a KL the model's BF16 "
+            f"numerics alone give); raise the target"
+        )
+    text = precision_text(assign, units, base, target, last, (samples, seq_len))
+    record = AutoPrecisionRecord(
+        kl_target=target,
+        margin=MARGIN,
+        met=met,
+        base=base,
+        ladder=list(ladder),
+        bits=dict(BITS),
+        windows=[int(samples), int(seq_len)],
+        units=[UnitSensitivityRecord(unit=u, modules=units[u], weights=weights[u], kl_alone=alone[u]) for u in units],
+        steps=steps,
+        uniform=uniform,
+        precision_file=text,
+        seconds=time.perf_counter() - start,
+        units_per_second=rate,
+    )
+    progress.info(
+        f"auto-precision: calibration KL {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
+        f"{last.bits_per_weight:.3f} bits per weight ({sum(1 for f in assign.values() if f != base)} of "
+        f"{len(units)} units upgraded; {len(steps)} mixes measured; {total} weights)"
+    )
+    return AutoPrecision(text=text, record=record)
+
+
+def upgrade_search(
+    weights: Mapping[str, int],
+    ladder: tuple[str, ...],
+    alone: Mapping[str, Mapping[str, float]],
+    measure: Callable[[dict[str, str]], float],
+    kl_target: float,
+    *,
+    margin: float = MARGIN,
+    known: Mapping[str, float] | None = None,
+) -> tuple[list[AutoSearchStep], dict[str, str]]:
+    """(the measured steps, the final {unit: format}): every unit starts at ladder[0]; while the
+    last measured KL is above margin x target, units are upgraded (the most KL saved per added bit
+    first, by `alone[unit][format]`) until the predicted sum times the correction (measured /
+    predicted of the last mix) is within it, and the mix is measured (`measure`). Stops met or with
+    every unit at ladder[-1]. `known`: {format: KL} of uniform mixes already measured."""
+    goal, total = margin * kl_target, sum(weights.values())
+    assign = dict.fromkeys(weights, ladder[0])
+    steps: list[AutoSearchStep] = []
+    correction, upgraded = 1.0, {}
+
+    def predicted() -> float:
+        return sum(alone[u][assign[u]] for u in weights)
+
+    def step(changed: dict[str, str], kind: str, trial: dict[str, str]) -> AutoSearchStep:
+        uniform = len(set(trial.values())) == 1 and next(iter(trial.values()))
+        measured = (known or {}).get(uniform) if uniform else None
+        measured = measure(dict(trial)) if measured is None else measured
+        bits = sum(weights[u] * BITS[trial[u]] for u in weights) / total
+        found = AutoSearchStep(
+            dict(changed), sum(alone[u][trial[u]] for u in weights), correction, measured, bits, kind
+        )
+        progress.info(
+            f"auto-precision: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
+            f"{correction * found.predicted_kl:.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
+        )
+        return found
+
+    while True:
+        steps.append(step(upgraded, "upgrade" if steps else "start", assign))
+        measured = steps[-1].measured_kl
+        if measured <= goal or all(f == ladder[-1] for f in assign.values()):
+            break
+        correction = measured / predicted() if predicted() > 0 else math.inf
+        upgraded = {}
+        while not upgraded or correction * predicted() > goal:
+            choice = _best_upgrade(assign, weights, ladder, alone)
+            if choice is None:
+                break
+            assign[choice[0]] = upgraded[choice[0]] = choice[1]
+    if steps[-1].measured_kl > goal:
+        return steps, assign
+
+    # prune: an upgrade the last round made in bulk may be unneeded (the KLs do not add); each upgraded
+    # unit, the most bits saved per predicted KL added first, goes one rung down if the mix still meets it
+    def saving(u: str) -> float:
+        lower = ladder[ladder.index(assign[u]) - 1]
+        return weights[u] * (BITS[assign[u]] - BITS[lower]) / max(alone[u][lower] - alone[u][assign[u]], 1e-30)
+
+    def without(u: str) -> AutoSearchStep:
+        lower = ladder[ladder.index(assign[u]) - 1]
+        return step({u: lower}, "prune", {**assign, u: lower})
+
+    for u, trial in prune_pass(
+        sorted((u for u in assign if assign[u] != ladder[0]), key=lambda u: -saving(u)),
+        without,
+        lambda t: t.measured_kl <= goal,
+    ):
+        assign.update(trial.upgraded)
+        steps.append(trial)
+    return steps, assign
+
+
+def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
+    """The one prune rule of the precision searches (this one and `validate --sensitivity`'s): each
+    candidate in turn, the measured `trial_without(candidate)` (made from the state as pruned so far)
+    is kept, and yielded as (candidate, trial) for the caller to apply, when `meets(trial)`."""
+    for candidate in candidates:
+        trial = trial_without(candidate)
+        if meets(trial):
+            yield candidate, trial
+
+
+def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
+    """(unit, format) of the upgrade saving the most predicted KL per added bit (one saving KL
+    before one that does not); None when every unit is at the top."""
+    best, key = None, None
+    for u, now in assign.items():
+        for f in ladder[ladder.index(now) + 1 :]:
+            gain = alone[u][now] - alone[u][f]
+            cost = weights[u] * (BITS[f] - BITS[now])
+            k = (gain > 0, gain / cost if cost > 0 else math.inf, gain)
+            if key is None or k > key:
+                best, key = (u, f), k
+    return best
+
+
+def precision_text(assign, units, base: str, target: float, last: AutoSearchStep, windows) -> str:
+    """The result as a precision file (`format_precision_file`): a comment saying what was searched,
+    then one line per upgraded unit (its fused group's pattern, or its modules)."""
+    rules = []
+    for u, f in assign.items():
+        if f == base:
+            continue
+        pattern = group_glob(u, units[u]) if u.rpartition(".")[2] != "experts" else None
+        rules += [PrecisionRule(pattern, f)] if pattern else [PrecisionRule(m, f) for m in units[u]]
+    comments = [
+        f"nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL "
+        f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
+        f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
+        f"modules no line names take --quant {base}",
+    ]
+    return format_precision_file(rules, comments)
+
+
+def plot_search(record: AutoPrecisionRecord, path: str) -> None:
+    """The KL-vs-bits curve: the search's measured steps as a line, the uniform formats as points,
+    the target and margin x target as lines (PNG at `path`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    climb = [s for s in record.steps if s.step != "prune"]
+    ax.plot(
+        [s.bits_per_weight for s in climb],
+        [s.measured_kl for s in climb],
+        "o-",
+        label=f"--auto-precision search ({record.base} base)",
+    )
+    pruned = [s for s in record.steps if s.step == "prune"]
+    if pruned:
+        ax.plot([s.bits_per_weight for s in pruned], [s.measured_kl for s in pruned], "x", label="prune steps")
+    last = record.steps[-1]
+    ax.plot([last.bits_per_weight], [last.measured_kl], "*", ms=14, label="result")
+    names = {"nvfp4": "NVFP4 W4A4", "nvfp4-weight-only": "NVFP4 W4A16", "fp8": "FP8 W8A8"}
+    for f, point in record.uniform.items():
+        ax.plot([point["bits_per_weight"]], [point["kl"]], "s", label=f"uniform {names.get(f, f)}")
+    ax.axhline(record.kl_target, color="k", lw=0.8, label=f"target {record.kl_target:g}")
+    ax.axhline(record.margin * record.kl_target, color="k", ls="--", lw=0.8, label=f"{record.margin:g} x target")
+    if all(s.measured_kl > 0 for s in record.steps) and all(p["kl"] > 0 for p in record.uniform.values()):
+        ax.set_yscale("log")
+    ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, BF16 16)")
+    ax.set_ylabel("mean KL vs BF16 (nats), calibration windows")
+    ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_search(found: AutoPrecision, folder: str) -> None:
+    """The record (auto_precision.json) and its curve (auto_precision.png) into the export `folder`."""
+    found.record.write(folder)
+    plot_search(found.record, os.path.join(folder, AUTO_PRECISION_PNG))
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Assigned:
+    """Tap of a mix: a linear named in the layer's aux runs its entry (the weight decoded as its
+    format stores it, fp32, and its format's served input quantizer, `_INPUT_MODE`), as served;
+    any other (lm_head, a kept BF16 linear) its weight as it is."""
+
+    def __call__(self, x, w_NxK, b_N, *, name, aux):
+        entry = (aux or {}).get(name)
+        if entry is None:
+            return served_linear(x, w_NxK, b_N, name=name), None
+        scale = entry["scale"]
+        x = jax.lax.switch(
+            entry["mode"],
+            (
+                lambda x: x,
+                lambda x: _quantize_input("nvfp4", scale, x, name),
+                lambda x: _quantize_input("fp8", scale, x, name),
+            ),
+            x,
+        )
+        return dense_widening(x, entry["w"], b_N, widen_rows=lambda w, start, stop: w[start:stop]), None
+
+
+class _Variants:
+    """Each quantized linear's aux entry in a format: decoded as the export would store it (the
+    writer's quantizers, its group's amax), one layer's quantized variants cached at a time."""
+
+    def __init__(self, tensors, written, plan: ExportPlan, group_amax, input_amax, scale_search: str, block: str):
+        self._tensors, self._written, self._quantized = tensors, written, plan.quantized
+        self._nvfp4 = ScaleSearch(scale_search, block, plan, group_amax)
+        self._input_amax = {m: max(input_amax[x] for x in plan.groups[plan.group_of(m)]) for m in plan.quantized}
+        self._layer: int | None = None
+        self._cache: dict[tuple[str, str], jax.Array] = {}
+
+    def aux(self, layer: int | None, formats: Mapping[str, str]) -> dict:
+        """{name as the block sees it: entry} of layer `layer`'s quantized linears, each in
+        formats.get(module, "bf16"); {} for the LM head (`layer` None)."""
+        if layer is None:
+            return {}
+        return {
+            n: self._entry(layer, m, formats.get(m, "bf16")) for n, m in layer_modules(self._quantized, layer).items()
+        }
+
+    def _entry(self, layer: int, module: str, fmt: str) -> dict:
+        mode = _INPUT_MODE.get(fmt, 0)
+        scale = input_decode_scale(self._input_amax[module], fmt) if mode else np.float32(1.0)
+        entry = {"mode": jnp.int32(mode), "scale": jnp.asarray(scale, jnp.float32)}
+        if fmt == "bf16":
+            return {**entry, "w": jnp.asarray(self._written.get(f"{module}.weight"), jnp.float32)}
+        if layer != self._layer:
+            self._layer, self._cache = layer, {}
+        kind = "fp8" if fmt == "fp8" else "nvfp4"  # W4A4 and W4A16 store the same codes
+        if (module, kind) not in self._cache:
+            w = self._tensors.get(f"{module}.weight")
+            if kind == "fp8":
+                r = FP8().quantize(module, w).roles
+                stored = FP8Weight(data=r["weight"], scale=r["weight_global"], input_scale=None)
+            else:
+                r = self._nvfp4.quantize(module, w).roles
+                stored = NVFP4Weight(r["weight"], r["block_scale"], r["weight_global"], None)
+            self._cache[(module, kind)] = stored.dequantize()
+        return {**entry, "w": self._cache[(module, kind)]}
+
+
+class _AsWritten:
+    """The source's tensors as the export writes the unquantized ones (`serving_folder.plain_copy`:
+    BF16 for a float), what a mix runs besides its searched linears."""
+
+    def __init__(self, tensors, family) -> None:
+        self._tensors, self._family = tensors, family
+
+    def get(self, name: str) -> np.ndarray:
+        return plain_copy(self._tensors, name, self._family)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tensors, name)
+
+
+def _open(config, tensors, ids_SxL: np.ndarray, offload: str, what: str) -> LayerwiseModel:
+    """`tensors` in their dtype, computing in fp32 as validate's models do; the working set counts
+    the cached layer inputs and the reference logits."""
+    from nvfp4tool.model.weights import model_from_tensors
+
+    samples, seq_len = ids_SxL.shape
+    shapes = config.expected_tensor_shapes().values()
+    stored = 2 * sum(math.prod(s) for s in shapes)
+    cached = 4 * samples * seq_len * (config.num_layers * config.hidden_size + config.vocab_size)
+    return LayerwiseModel.open(
+        config,
+        build=lambda mesh: model_from_tensors(config, tensors, dtype=None, compute_dtype=jnp.float32, mesh=mesh),
+        source=tensors,
+        offload=offload,
+        weights=stored,
+        working=held_forward_bytes(config, BATCH, seq_len) + cached,
+        what=f"auto-precision: {what} ({stored / 1e9:.2f} GB)",
+        compute_dtype=jnp.float32,
+    )
