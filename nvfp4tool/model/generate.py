@@ -220,7 +220,18 @@ class _Layers:
             x_BxTxE, cache[i] = program(
                 graphdef, state, x_BxTxE, cos, sin, mask, cache[i], write_index, aux, seam=self.seam
             )
+            if _in_process_collectives(x_BxTxE):
+                # XLA:CPU runs a program's devices on one thread pool: two layer programs in flight
+                # at once, each with an all-reduce, can leave one waiting for a device thread the
+                # other holds (a CI run aborted on a 40 s rendezvous timeout, 2 CPU devices on 2 cores)
+                x_BxTxE.block_until_ready()
         return x_BxTxE
+
+
+def _in_process_collectives(x: jax.Array) -> bool:
+    """x spans several CPU devices (its programs' collectives meet inside this process)."""
+    devices = x.sharding.device_set
+    return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
 def _prefill_in(graphdef, state, prompt_ids_BxT, mask_BxT, key, *, cache_len):

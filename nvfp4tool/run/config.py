@@ -97,9 +97,8 @@ class TrainConfig:
     bf16_patterns: tuple[str, ...] = _key((), "fnmatch patterns of linear modules kept in BF16 (recipes fp8/nvfp4)")
     precision_file: str | None = _key(
         None,
-        "a precision file (`PATTERN FORMAT` lines, as export --precision-file) or a mixed export: the linears it "
-        "names train in their own format (nvfp4, nvfp4-weight-only, fp8, bf16) over the recipe's; export of the "
-        "run keeps them",
+        "a precision file (`PATTERN FORMAT` lines, as export's) or a mixed export: its linears train in their own "
+        "format, and the run's export keeps them",
     )
     switch_to_bf16_at: float | None = _key(
         None, "switch to BF16 at this step, or this fraction of `steps` if < 1 (default: never)"
