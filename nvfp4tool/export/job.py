@@ -150,14 +150,18 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     # a run trained with a precision file carries it: its rules first, --precision-file's after
     files = (source.precision_file, options.precision_file)
     rules = tuple(rule for f in files if f is not None for rule in read_precision_file(f))
-    plan = make_plan(
-        source.config,
-        options.quant,
-        precision_map=source.precision_map,
-        keep_bf16=options.keep_bf16 + tuple(from_file),
-        keep_bf16_origin=from_file,
-        rules=rules,
-    )
+
+    def plan_with(rules) -> ExportPlan:  # the plan of these per-linear rules (the search's replace the files')
+        return make_plan(
+            source.config,
+            options.quant,
+            precision_map=source.precision_map,
+            keep_bf16=options.keep_bf16 + tuple(from_file),
+            keep_bf16_origin=from_file,
+            rules=rules,
+        )
+
+    plan = plan_with(rules)
     _check_mixed(plan, options)
     _check_format_carries(plan, options, rules, source.config)
     if options.auto_precision is not None and rules:
@@ -200,14 +204,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             calibration = _calibration_record(options, ids, found_amax.routed_tokens)
         search_start = time.perf_counter()
         found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded)
-        plan = make_plan(
-            source.config,
-            options.quant,
-            precision_map=source.precision_map,
-            keep_bf16=options.keep_bf16 + tuple(from_file),
-            keep_bf16_origin=from_file,
-            rules=found.rules,
-        )
+        plan = plan_with(found.rules)
         _check_format_carries(plan, options, found.rules, source.config)
         spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
         group_amax = {g: a for g, a in group_amax.items() if g in plan.groups}

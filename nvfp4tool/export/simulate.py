@@ -40,9 +40,21 @@ from nvfp4tool.numerics import (
 from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_GLOBAL_RANGE
 
 
+class _Stored:
+    """What every stored linear weight answers: its bytes as stored and (from `data`) its [N, K]."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NVFP4Weight:
+class NVFP4Weight(_Stored):
     """An NVFP4 linear weight [N, K] as stored: packed uint8 [N, K/2], float8_e4m3fn block scales
     [N, K/16], the fp32 global decode scale S_dec [], and the input's decode scale [] (W4A4) or None."""
 
@@ -55,10 +67,6 @@ class NVFP4Weight:
     def shape(self) -> tuple[int, int]:
         return (self.packed.shape[0], self.packed.shape[1] * 2)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
-
     def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
         """The served weight (rows start:stop), fp32 [N, K]."""
         return decode_nvfp4(self.packed[start:stop], self.scales[start:stop], self.s_dec)
@@ -70,21 +78,13 @@ class NVFP4Weight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP8Weight:
+class FP8Weight(_Stored):
     """An FP8 (E4M3, per-tensor) linear weight [N, K] as stored: data, its fp32 decode scale [], and
     the input's static decode scale [] (W8A8) or None."""
 
     data: jax.Array
     scale: jax.Array
     input_scale: jax.Array | None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.data.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
         """The served weight (rows start:stop), fp32 [N, K]."""
@@ -96,20 +96,12 @@ class FP8Weight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP8BlockWeight:
+class FP8BlockWeight(_Stored):
     """An fp8-block linear weight [N, K] as stored: E4M3 data and its fp32 decode scale per 128x128
     block [ceil(N/128), ceil(K/128)]; the input is quantized dynamically (per token per 128 columns)."""
 
     data: jax.Array
     scale: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.data.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(self))
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> jax.Array:
         """The served weight (rows start:stop), fp32 [N, K]: each value times its block's scale."""

@@ -27,6 +27,7 @@ from nvfp4tool.hub.card import bits_by_quant, build_model_card
 from nvfp4tool.numerics import decode_fp8, fake_quantize_fp8_token_groups, quantize_fp8
 
 from fixtures.hf_fixtures import build_tiny_model
+from fixtures.mixed_fixtures import stored_tensors
 
 E4M3 = ml_dtypes.float8_e4m3fn
 B = 128
@@ -142,18 +143,6 @@ def fp8_block_exports(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _tensors(folder: str) -> dict[str, tuple]:
-    """{name: (dtype, shape, bytes)} of an export's single safetensors file, read by its header."""
-    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {
-        n: (h["dtype"], tuple(h["shape"]), data[h["data_offsets"][0] : h["data_offsets"][1]]) for n, h in header.items()
-    }
-
-
 def test_the_config_is_compressed_tensors_fp8_block_scheme(fp8_block_exports):
     from compressed_tensors.quantization import preset_name_to_scheme
 
@@ -177,7 +166,7 @@ def test_the_config_is_compressed_tensors_fp8_block_scheme(fp8_block_exports):
 def test_the_mixed_exports_fp8_block_linears_are_the_uniform_exports_and_checks_pass(fp8_block_exports):
     mixed, uniform = load_export(fp8_block_exports["mixed"]), load_export(fp8_block_exports["uniform"])
     assert uniform.quant == "fp8-block" and len(uniform.quantized) == 14
-    stored, stored_uniform = _tensors(fp8_block_exports["mixed"]), _tensors(fp8_block_exports["uniform"])
+    stored, stored_uniform = stored_tensors(fp8_block_exports["mixed"]), stored_tensors(fp8_block_exports["uniform"])
     blocks = [m for m in mixed.quantized if mixed.quant_of(m) == "fp8-block"]
     assert len(blocks) == 7 and all(m.startswith("model.layers.0.") for m in blocks)
     for module in mixed.quantized:
@@ -212,7 +201,7 @@ def test_transformers_loads_the_fp8_block_export_with_our_weights_bit_exact(fp8_
     folder = fp8_block_exports[which]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model(torch.tensor(np.random.default_rng(1).integers(3, 256, (1, 8))))  # the first forward decompresses
-    ours, stored = load_export(folder), _tensors(folder)
+    ours, stored = load_export(folder), stored_tensors(folder)
     checked = {}
     for name, module in model.named_modules():
         if name not in ours.quantized:
@@ -270,15 +259,15 @@ def test_modelopt_fp8_pb_wo_round_trips_with_compressed_tensors_byte_for_byte(fp
             "exclude_modules": ["lm_head"],
             "group_size": 128,
         }
-    stored = _tensors(folder)
+    stored = stored_tensors(folder)
     assert stored["model.layers.0.mlp.down_proj.weight_scale"][:2] == ("F32", (1, 1, 2, 1))
     report = check_checkpoint(folder)
     assert report.ok and report.quant == "fp8-block", [p.line() for p in report.problems]
     ct, back = str(tmp_path / "ct"), str(tmp_path / "back")
     convert_format(folder, ct, to="compressed-tensors")
     convert_format(ct, back, to="modelopt")
-    assert _tensors(ct) == _tensors(fp8_block_exports["uniform"])
-    assert _tensors(back) == stored
+    assert stored_tensors(ct) == stored_tensors(fp8_block_exports["uniform"])
+    assert stored_tensors(back) == stored
     ours, theirs = load_export(folder), load_export(fp8_block_exports["uniform"])
     module = "model.layers.1.self_attn.o_proj"
     assert np.asarray(ours.dequantized(module)).tobytes() == np.asarray(theirs.dequantized(module)).tobytes()
@@ -339,7 +328,7 @@ def test_every_served_linear_on_real_activations_is_the_oracles(fp8_block_export
     import transformers
 
     folder = fp8_block_exports["uniform"]
-    stored, ours = _tensors(folder), load_export(folder)
+    stored, ours = stored_tensors(folder), load_export(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         fp8_block_exports["src"], dtype=torch.float32, attn_implementation="eager"
     )
