@@ -26,14 +26,16 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.simulate import served_linear
+from nvfp4tool.export.simulate import _quantize_input, served_linear
 from nvfp4tool.families import Fold, folds, fused_group, layer_index
+from nvfp4tool.formats import FP8_GRANULARITY
 from nvfp4tool.model.fold import EqualizedSource, FoldScale, site_key
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.model.logit_spool import LogitSpool
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import dense, fake_quantize_fp8, fake_quantize_nvfp4
+from nvfp4tool.numerics.constants import FP8_BLOCK
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
 from nvfp4tool.records.export import EqualizationRecord, FoldRecord
 
@@ -49,7 +51,7 @@ CHECK_DTYPE = jnp.float32  # ... computing in fp32, as validate runs every model
 # computing in BF16 instead of fp32 moves them by 1.1e-3. A wrong fold is far above the limit.
 FOLD_KL_LIMIT = 2e-3
 # the formats AWQ's objective quantizes a consumer in (its index in an _Errors aux: "kind")
-OBJECTIVES = ("nvfp4", "nvfp4-weight-only", "fp8")
+OBJECTIVES = ("nvfp4", "nvfp4-weight-only", "fp8", "fp8-block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +134,8 @@ class _Errors:
     "amax": [A] its fused group's weight amax with each, "kind": its format's index in
     `OBJECTIVES`}) records the summed squared error [A] of its quantized output for each candidate
     against the BF16 GEMM's, weight and input quantized as its format serves them (NVFP4 W4A4: both
-    in NVFP4, the weight against the group amax; W4A16: the weight only; FP8: both per tensor)."""
+    in NVFP4, the weight against the group amax; W4A16: the weight only; FP8: both per tensor;
+    fp8-block: the weight per 128x128 block, the input per token per 128 columns, dynamic)."""
 
     block: str
 
@@ -153,9 +156,17 @@ class _Errors:
         def fp8(w_s, x_s, amax):
             return fake_quantize_fp8(w_s), fake_quantize_fp8(x_s)
 
+        def fp8_block(w_s, x_s, amax):  # the export's weight quantizer, the served input quantizer
+            w_q = fake_quantize_fp8(w_s, granularity=FP8_GRANULARITY["fp8-block"])
+            return w_q, _quantize_input("fp8-block", None, x_s, name)
+
+        # jax.lax.switch traces every branch: fp8-block's input groups need K a multiple of 128,
+        # which every fp8-block linear has (make_plan), so a linear with another K never takes it
+        blocks_fit = x_TxK.shape[-1] % FP8_BLOCK == 0
+
         def error(candidate):
             s_K, amax = candidate
-            branches = (nvfp4, weight_only, fp8)  # in OBJECTIVES' order
+            branches = (nvfp4, weight_only, fp8, fp8_block if blocks_fit else fp8)  # in OBJECTIVES' order
             w_q, x_q = jax.lax.switch(aux[name]["kind"], branches, w * s_K[None, :], x_TxK / s_K[None, :], amax)
             diff = jnp.matmul(x_q, w_q.T, precision=jax.lax.Precision.HIGHEST) - y_ref
             return jnp.sum(diff * diff)

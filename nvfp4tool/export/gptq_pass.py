@@ -4,8 +4,8 @@
                       seq_len=512, tokenizer_dir=hf, offload="auto", method="rtn", block="1d", damp=0.05)
 
 Each layer's Hessians (X^T X, fp32) are taken with its original weights, its NVFP4 linears
-GPTQ-quantized (`gptq.py`; a mixed plan's FP8 linears rounded to nearest, BF16 ones untouched), and
-its quantized outputs feed the next layer; each record is spilled to `spill_dir`.
+GPTQ-quantized (`gptq.py`; a mixed plan's FP8 and fp8-block linears rounded to nearest, BF16 ones
+untouched), and its quantized outputs feed the next layer; each record is spilled to `spill_dir`.
 Design notes: docs/design/gptq.md.
 """
 
@@ -36,6 +36,7 @@ from nvfp4tool.export.gptq import GPTQError, gptq_quantize
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.families import hessian_group as hessian_key
 from nvfp4tool.families import split_layer
+from nvfp4tool.formats import FP8_GRANULARITY, NVFP4_QUANTS
 from nvfp4tool.model.layerwise import layer_modules
 from nvfp4tool.numerics import NVFP4Array, dense, dequantize_nvfp4, fake_quantize_fp8
 from nvfp4tool.recipes.precision import GEMM_INPUT_DTYPE
@@ -97,7 +98,7 @@ def run_gptq(
             data_path, samples=samples, seq_len=seq_len, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
         )
     model = open_bf16_model(config, source, seq_len=ids_SxL.shape[1], offload=offload, what="GPTQ")
-    rounded = tuple(m for m in plan.quantized if plan.quant_of(m) != "fp8")  # by GPTQ (NVFP4 W4A4 / W4A16)
+    rounded = tuple(m for m in plan.quantized if plan.quant_of(m) in NVFP4_QUANTS)  # by GPTQ (W4A4 / W4A16)
     representative: dict[str, str] = {}  # Hessian key -> the linear whose input is recorded
     for module in rounded:
         representative.setdefault(hessian_key(module), module)
@@ -115,11 +116,13 @@ def run_gptq(
         new = {}
         in_layer = set(config.modules.in_layer(layer))
         for module in (m for m in plan.quantized if m in in_layer and m not in rounded):
-            # a mixed plan's FP8 linear: per-tensor round to nearest, as the export writes it
-            # (quantizers.FP8; GPTQ's column updates are NVFP4's here), so later layers see it served
+            # a mixed plan's FP8 linear (per tensor or fp8-block): rounded to nearest as the export
+            # writes it (quantizers.FP8, the same numerics and granularity; GPTQ's column updates are
+            # NVFP4's here) and decoded, so later layers see it as served
             name = f"{module}.weight"
+            granularity = FP8_GRANULARITY[plan.quant_of(module)]
             new[split_layer(name)[1]] = np.asarray(
-                fake_quantize_fp8(source.get(name), dtype=GEMM_INPUT_DTYPE, name=name)
+                fake_quantize_fp8(source.get(name), granularity=granularity, dtype=GEMM_INPUT_DTYPE, name=name)
             )
         for module in (m for m in rounded if m in in_layer):
             h = hessians.get(hessian_key(module))

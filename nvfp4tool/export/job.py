@@ -363,28 +363,19 @@ def _check_options(options: ExportOptions) -> None:
 
 
 def _check_mixed(plan: ExportPlan, options: ExportOptions) -> None:
-    """A precision file whose every quantized linear is FP8 is refused GPTQ and --equalize as
-    --quant fp8 is (a mixed plan takes both: each linear by its own format); fp8-block linears are
-    taught neither pass yet (GPTQ would round them as NVFP4, AWQ has no fp8-block objective): a plan
-    with any is refused both in one line."""
-    equalizes = options.equalize != "none" and options.equalization is None
-    if plan.is_mixed and "fp8-block" in plan.quants.values():
-        for flag, used, value in (
-            ("--weight-rounding", options.weight_rounding == "gptq", "gptq"),
-            ("--equalize", equalizes, options.equalize),
-        ):
-            if used:
-                raise NVFP4UsageError(
-                    f"{options.precision_file}: {flag} {value} with fp8-block linears is not supported yet; "
-                    f"give them another format or export without {flag}"
-                )
-    if plan.is_mixed or plan.quant in formats.NVFP4_QUANTS:
+    """A precision file whose every quantized linear is FP8 (per tensor or fp8-block) is refused
+    GPTQ and --equalize as --quant fp8 / fp8-block is; a plan with an NVFP4 linear takes both,
+    each linear by its own format (GPTQ rounds the NVFP4 ones, the FP8 ones to nearest; AWQ scores
+    each in its own)."""
+    quants = sorted({plan.quant_of(m) for m in plan.quantized})
+    if not quants or any(q in formats.NVFP4_QUANTS for q in quants):
         return
+    quant = " / ".join(quants)
     if options.weight_rounding == "gptq":
-        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--weight-rounding'].format(quant=plan.quant)}")
-    if equalizes:
+        raise NVFP4UsageError(f"{options.precision_file}: {_NOT_FP8['--weight-rounding'].format(quant=quant)}")
+    if options.equalize != "none" and options.equalization is None:
         raise NVFP4UsageError(
-            f"{options.precision_file}: {_NOT_FP8['--equalize'].format(options.equalize, quant=plan.quant)}"
+            f"{options.precision_file}: {_NOT_FP8['--equalize'].format(options.equalize, quant=quant)}"
         )
 
 

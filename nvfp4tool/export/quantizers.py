@@ -19,6 +19,7 @@ import numpy as np
 from nvfp4tool.export.gptq_pass import GPTQResult
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.scale_search import quantize_weight
+from nvfp4tool.formats import FP8_GRANULARITY
 from nvfp4tool.numerics import NVFP4Array, dequantize_fp8, nvfp4_global_scales, quantize_fp8
 from nvfp4tool.numerics.constants import E4M3_MAX
 
@@ -101,7 +102,7 @@ class FP8:
         return QuantizedWeight(roles, {"rel_l2": err}, amax)
 
 
-FP8_QUANTIZERS = {"fp8": FP8(), "fp8-block": FP8("block128x128")}
+FP8_QUANTIZERS = {quant: FP8(granularity) for quant, granularity in FP8_GRANULARITY.items()}  # fp8, fp8-block
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from nvfp4tool.families import fused_position
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
     CONFIG_FILE,
+    FP8_GRANULARITY,
     GLOBAL_ROLES,
     HF_QUANT_CONFIG_FILE,
     KV_CACHES,
@@ -45,6 +46,7 @@ SPECS: dict[tuple[str, str], LayoutSpec] = {
 __all__ = [
     "CONFIG_FILE",
     "FORMATS",
+    "FP8_GRANULARITY",
     "GLOBAL_ROLES",
     "HF_QUANT_CONFIG_FILE",
     "KV_CACHES",

@@ -29,6 +29,8 @@ HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, Te
 QUANTS = ("nvfp4", "nvfp4-weight-only", "fp8", "fp8-block")  # W4A4, W4A16, FP8 W8A8 per tensor / 128x128 blocks
 NVFP4_QUANTS = ("nvfp4", "nvfp4-weight-only")
 STATIC_INPUT_QUANTS = ("nvfp4", "fp8")  # quants whose layouts ship a calibrated input scale (fp8-block: dynamic)
+# the FP8 quants' weight scaling (`numerics.quantize_fp8`'s granularity): one scale per tensor, or per 128x128 block
+FP8_GRANULARITY = {"fp8": "tensor", "fp8-block": "block128x128"}
 MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
 PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")

@@ -128,8 +128,8 @@ def _oracle_fake_quantize(x: np.ndarray, global_amax) -> np.ndarray:
     return oracle.dequantize(q["packed"], q["scales"], q["global_amax"]).reshape(x.shape)
 
 
-def _oracle_fake_fp8(x: np.ndarray) -> np.ndarray:
-    data, scale = oracle.quantize_fp8(x, "e4m3", None, None)  # one scale over the whole tensor
+def _oracle_fake_fp8(x: np.ndarray, tile: tuple[int, int] | tuple[None, None] = (None, None)) -> np.ndarray:
+    data, scale = oracle.quantize_fp8(x, "e4m3", *tile)  # default: one scale over the whole tensor
     return data * scale
 
 
@@ -145,6 +145,8 @@ def _oracle_awq(x_TxK, w_NxK, quant: str):
         xs = (x_TxK / s[None, :]).astype(np.float32)
         if quant == "fp8":
             wq, xq = _oracle_fake_fp8(ws), _oracle_fake_fp8(xs)
+        elif quant == "fp8-block":  # 128x128 weight blocks; vLLM's per-token-group input (no group here is 0)
+            wq, xq = _oracle_fake_fp8(ws, (128, 128)), _oracle_fake_fp8(xs, (1, 128))
         else:
             wq = _oracle_fake_quantize(ws, np.float32(np.abs(ws).max()))
             xq = xs if quant == "nvfp4-weight-only" else _oracle_fake_quantize(xs, np.float32(np.abs(xs).max()))
@@ -156,7 +158,7 @@ def _oracle_awq(x_TxK, w_NxK, quant: str):
 @pytest.mark.parametrize("quant", eq.OBJECTIVES)
 def test_awq_errors_and_choice_equal_a_numpy_search(quant):
     rng = np.random.default_rng(3)
-    K, N, T = 32, 16, 24
+    K, N, T = 256 if quant == "fp8-block" else 32, 16, 24  # fp8-block: two 128-column groups
     x = (rng.normal(size=(T, K)) * np.exp(rng.normal(0, 1.5, K))[None, :]).astype(jnp.bfloat16).astype(np.float32)
     w = rng.normal(size=(N, K)).astype(jnp.bfloat16).astype(np.float32)
     expected, alpha = _oracle_awq(x, w, quant)

@@ -4,24 +4,18 @@ scores each linear in its own format, and the equalized export serves no worse t
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from converters.hf import HFFolderSource
 from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.export import equalize as eq
-from nvfp4tool.export.simulate import load_export, served_linear
 from nvfp4tool.families import folds
-from nvfp4tool.model import forward
 from nvfp4tool.model.fold import site_key
-from nvfp4tool.model.weights import model_from_tensors
-from nvfp4tool.numerics.metrics import token_kl
 from nvfp4tool.records.export import ExportRecord
 
-from fixtures.mixed_fixtures import QUANT_OF, gptq_exports, mixed_export, outlier_model, stored_tensors
+from fixtures.mixed_fixtures import QUANT_OF, gptq_exports, mixed_export, outlier_model, served_kl, stored_tensors
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +50,6 @@ def test_gptq_rounds_each_nvfp4_linear_of_a_mixed_export_as_a_uniform_gptq_expor
     assert report.quant == formats.MIXED
 
 
-def _served_kl(src: str, export: str, ids: np.ndarray) -> float:
-    """Mean KL(source in fp32 || the export as served) over the windows `ids` [S, L]."""
-    config = ModelConfig.from_hf_folder(src)
-    reference = forward(model_from_tensors(config, HFFolderSource(src)), jnp.asarray(ids))
-    served = forward(load_export(export).model(jnp.float32), jnp.asarray(ids), linear=served_linear)
-    return float(token_kl(np.asarray(reference), np.asarray(served)).mean())
-
-
 def test_awq_with_a_mixed_plan_scores_each_linear_in_its_format_and_serves_no_worse(mixed_exports, tmp_path):
     src = outlier_model(str(tmp_path / "hf"))
     plain, out = (
@@ -84,6 +70,6 @@ def test_awq_with_a_mixed_plan_scores_each_linear_in_its_format_and_serves_no_wo
     kept = "model.layers.1.self_attn.o_proj.weight"
     assert stored_tensors(out)[kept] == stored_tensors(plain)[kept]
     ids = np.load(mixed_exports["calib"])
-    kl_plain, kl_awq = _served_kl(src, plain, ids), _served_kl(src, out, ids)
+    kl_plain, kl_awq = served_kl(src, plain, ids), served_kl(src, out, ids)
     print(f"served KL vs the BF16 source on the calibration windows: plain {kl_plain:.6g}, awq {kl_awq:.6g}")
     assert kl_awq <= kl_plain
