@@ -28,11 +28,11 @@ from nvfp4tool.check.report import CONFIG_LEVEL, CheckReport, ModuleStats, Probl
 from nvfp4tool.check.scan import E4M3_CODE, TensorScan, scan_tensor
 from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_group, is_embedding, projection_of, scheme_group
-from nvfp4tool.formats import SPECS, FolderLayout, LayoutSpec, linear_problem, merged_problem
+from nvfp4tool.formats import BITS, SPECS, FolderLayout, LayoutSpec, linear_problem, merged_problem
 from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
-NVFP4_BITS = 4.5  # 4-bit code + 8-bit scale per 16 elements
-FP8_BITS = 8.0
+NVFP4_BITS = BITS["nvfp4"]  # 4.5: 4-bit code + 8-bit scale per 16 elements
+FP8_BITS = BITS["fp8"]  # 8.0
 FP8_BLOCK_BITS = 8 + 32 / FP8_BLOCK**2  # 8-bit code + one fp32 scale per 128 x 128 (N, K multiples of 128)
 
 

@@ -27,14 +27,16 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.plan import ExportPlan
-from nvfp4tool.export.quantizers import FP8, WeightQuantizer, input_decode_scale
+from nvfp4tool.export.quantizers import FP8_QUANTIZERS, WeightQuantizer, input_decode_scale
 from nvfp4tool.export.serving_folder import plain_copy
-from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, _quantize_input, served_linear
+from nvfp4tool.export.simulate import FP8BlockWeight, FP8Weight, NVFP4Weight, _quantize_input, served_linear
 from nvfp4tool.families import group_glob, layer_index, scheme_group
+from nvfp4tool.formats import BITS, NVFP4_QUANTS, STATIC_INPUT_QUANTS
 from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, parse_precision_text
 from nvfp4tool.model.layerwise import LayerwiseModel, held_forward_bytes, layer_modules
 from nvfp4tool.model.linear import Plain
 from nvfp4tool.numerics import dense_widening, metrics
+from nvfp4tool.numerics.constants import FP8_BLOCK
 from nvfp4tool.records.export import AUTO_PRECISION_PNG, AutoPrecisionRecord, AutoSearchStep, UnitSensitivityRecord
 
 # the formats a unit may take, cheapest first. W4A16 is no rung above W4A4: it costs the same
@@ -45,14 +47,14 @@ LADDERS = {
     "nvfp4": ("nvfp4", "fp8", "bf16"),
     "nvfp4-weight-only": ("nvfp4-weight-only", "fp8", "bf16"),
     "fp8": ("fp8", "bf16"),
+    "fp8-block": ("fp8-block", "bf16"),
 }
-# bits per weight of a format: NVFP4 4 + one E4M3 block scale per 16 = 4.5; FP8 8 (one fp32 scale
-# per tensor, not counted); BF16 16. Over the linears the base --quant quantizes.
-BITS = {"nvfp4": 4.5, "nvfp4-weight-only": 4.5, "fp8": 8.0, "bf16": 16.0}
+# bits per weight of a format (`formats.BITS`, the one rule check and the card count by): NVFP4 4.5,
+# FP8 8, fp8-block 8 + 32/16384, BF16 16 (`BITS`, imported). Over the linears the base --quant quantizes.
 MARGIN = 0.9  # the search stops at measured KL <= MARGIN x target (calibration KL under-reads held-out)
-UNIFORM = ("nvfp4", "nvfp4-weight-only", "fp8")  # the uniform exports measured as points of the curve
+UNIFORM = ("nvfp4", "nvfp4-weight-only", "fp8")  # the uniform exports measured as points of the curve (+ the base)
 BATCH = 8  # windows per forward
-_INPUT_MODE = {"nvfp4": 1, "fp8": 2}  # the served input quantizer of a format (0: none)
+_INPUT_MODE = {"nvfp4": 1, "fp8": 2, "fp8-block": 3}  # the served input quantizer of a format (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,8 @@ def search_precision(
 ) -> AutoPrecision:
     """The search over `plan.quantized` (the base --quant plan) on the calibration windows
     `ids_SxL` (see the module docstring); `input_amax` of every quantized linear; `nvfp4`: the
-    export's quantizer of the base plan (`quantizers.quantizer_for`: the scale search, or GPTQ's
-    records), whose NVFP4 weights are measured and then written. `reference`: the
+    export's NVFP4 quantizer (`quantizers.nvfp4_quantizer`: the scale search, or GPTQ's records),
+    whose NVFP4 weights are measured and then written (FP8 / fp8-block: the writer's `FP8_QUANTIZERS`). `reference`: the
     tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
     as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
     start = time.perf_counter()
@@ -125,7 +127,7 @@ def search_precision(
     measure = lambda assign: kl(0, modules(assign), "auto-precision: mix")  # noqa: E731
     total = sum(weights.values())
     uniform = {}
-    for f in UNIFORM:
+    for f in UNIFORM + ((base,) if base not in UNIFORM else ()):
         found = measure(dict.fromkeys(units, f))
         uniform[f] = {"kl": found, "bits_per_weight": BITS[f]}
         progress.info(f"auto-precision: uniform {f}: calibration KL {found:.4g}, {BITS[f]:g} bits per weight")
@@ -302,7 +304,12 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
         ax.plot([s.bits_per_weight for s in pruned], [s.measured_kl for s in pruned], "x", label="prune steps")
     last = record.steps[-1]
     ax.plot([last.bits_per_weight], [last.measured_kl], "*", ms=14, label="result")
-    names = {"nvfp4": "NVFP4 W4A4", "nvfp4-weight-only": "NVFP4 W4A16", "fp8": "FP8 W8A8"}
+    names = {
+        "nvfp4": "NVFP4 W4A4",
+        "nvfp4-weight-only": "NVFP4 W4A16",
+        "fp8": "FP8 W8A8",
+        "fp8-block": "FP8 block W8A8",
+    }
     rounded = f" ({record.weight_rounding.upper()})" if record.weight_rounding != "rtn" else ""
     for f, point in record.uniform.items():
         how = rounded if f in ("nvfp4", "nvfp4-weight-only") else ""
@@ -311,7 +318,7 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
     ax.axhline(record.margin * record.kl_target, color="k", ls="--", lw=0.8, label=f"{record.margin:g} x target")
     if all(s.measured_kl > 0 for s in record.steps) and all(p["kl"] > 0 for p in record.uniform.values()):
         ax.set_yscale("log")
-    ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, BF16 16)")
+    ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, fp8-block 8.002, BF16 16)")
     ax.set_ylabel("mean KL vs BF16 (nats), calibration windows")
     ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens")
     ax.legend(fontsize=8)
@@ -342,12 +349,16 @@ class _Assigned:
         if entry is None:
             return served_linear(x, w_NxK, b_N, name=name), None
         scale = entry["scale"]
+        # jax.lax.switch traces every branch: fp8-block's input groups need K a multiple of 128,
+        # which every fp8-block linear has (make_plan), so a linear with another K never takes it
+        blocks_fit = x.shape[-1] % FP8_BLOCK == 0
         x = jax.lax.switch(
             entry["mode"],
             (
                 lambda x: x,
                 lambda x: _quantize_input("nvfp4", scale, x, name),
                 lambda x: _quantize_input("fp8", scale, x, name),
+                (lambda x: _quantize_input("fp8-block", None, x, name)) if blocks_fit else (lambda x: x),
             ),
             x,
         )
@@ -375,21 +386,22 @@ class _Variants:
         }
 
     def _entry(self, layer: int, module: str, fmt: str) -> dict:
-        mode = _INPUT_MODE.get(fmt, 0)
-        scale = input_decode_scale(self._input_amax[module], fmt) if mode else np.float32(1.0)
-        entry = {"mode": jnp.int32(mode), "scale": jnp.asarray(scale, jnp.float32)}
+        static = fmt in STATIC_INPUT_QUANTS  # W4A4, FP8 per tensor: the calibrated input scale
+        scale = input_decode_scale(self._input_amax[module], fmt) if static else np.float32(1.0)
+        entry = {"mode": jnp.int32(_INPUT_MODE.get(fmt, 0)), "scale": jnp.asarray(scale, jnp.float32)}
         if fmt == "bf16":
             return {**entry, "w": jnp.asarray(self._written.get(f"{module}.weight"), jnp.float32)}
         if layer != self._layer:
             self._layer, self._cache = layer, {}
-        kind = "fp8" if fmt == "fp8" else "nvfp4"  # W4A4 and W4A16 store the same codes
+        kind = "nvfp4" if fmt in NVFP4_QUANTS else fmt  # W4A4 and W4A16 store the same codes
         if (module, kind) not in self._cache:
             w = self._tensors.get(f"{module}.weight")
+            r = FP8_QUANTIZERS.get(kind, self._nvfp4).quantize(module, w).roles  # the writer's quantizers
             if kind == "fp8":
-                r = FP8().quantize(module, w).roles
                 stored = FP8Weight(data=r["weight"], scale=r["weight_global"], input_scale=None)
+            elif kind == "fp8-block":
+                stored = FP8BlockWeight(data=r["weight"], scale=r["block_scale"])
             else:
-                r = self._nvfp4.quantize(module, w).roles
                 stored = NVFP4Weight(r["weight"], r["block_scale"], r["weight_global"], None)
             self._cache[(module, kind)] = stored.dequantize()
         return {**entry, "w": self._cache[(module, kind)]}

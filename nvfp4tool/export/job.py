@@ -30,7 +30,7 @@ from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAU
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file, read_precision_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
-from nvfp4tool.export.quantizers import quantizer_for
+from nvfp4tool.export.quantizers import nvfp4_quantizer
 from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
@@ -295,7 +295,8 @@ def with_search(job: ExportJob) -> ExportJob:
     options, source = job.options, job.source
     start = time.perf_counter()
     ids = job.calibration_ids[: options.auto_precision_samples or None]
-    nvfp4 = quantizer_for(job.plan, options.scale_search, job.block, job.group_amax, job.gptq)
+    # the NVFP4 rung's and points' weights (an FP8 / fp8-block base's uniform NVFP4 points too)
+    nvfp4 = nvfp4_quantizer(job.plan, options.scale_search, job.block, job.group_amax, job.gptq)
     found = search_precision(
         source,
         job.plan,
@@ -314,7 +315,7 @@ def with_search(job: ExportJob) -> ExportJob:
     if plan.has_input_scales:
         input_amax = {m: input_amax[m] for m in plan.quantized}
     else:
-        input_amax, origin = None, "none (weight-only)"
+        input_amax, origin = None, _no_input_scales(plan)
     gptq, record = job.gptq, job.gptq_record
     if gptq is not None:  # the records of the linears left in an NVFP4 format
         rounded = {m for m in plan.quantized if plan.quant_of(m) in formats.NVFP4_QUANTS}
@@ -518,8 +519,7 @@ def _calibrate(source: Checkpoint, plan: ExportPlan, options: ExportOptions, ids
         given = dataclasses.replace(source, input_amax=dict(options.input_amax))
         return _tracked_input_amax(given, plan)[0], "given (ExportOptions.input_amax)", None, {}
     if not needs_inputs or (source.input_amax is not None and options.calib_data is None):
-        none = "none (dynamic activation scales)" if plan.quant == "fp8-block" else "none (weight-only)"
-        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, none)
+        input_amax, origin = _tracked_input_amax(source, plan) if needs_inputs else (None, _no_input_scales(plan))
         if gptq:  # the GPTQ pass's record: the data it ran
             return input_amax, origin, _calibration_record(options, ids_SxL), {}
         if not kv_cache:
@@ -639,6 +639,11 @@ def _needs_inputs(plan: ExportPlan, options: ExportOptions) -> str:
         quants = sorted({q for q in plan.quants.values() if q != "nvfp4-weight-only"})
         return f"{options.precision_file}: the {' / '.join(quants)} linears need"
     return f"--quant {plan.quant} needs"
+
+
+def _no_input_scales(plan: ExportPlan) -> str:
+    """The input amax origin of a plan without input scales: fp8-block's are dynamic, else weight-only."""
+    return "none (dynamic activation scales)" if plan.quant == "fp8-block" else "none (weight-only)"
 
 
 def _kv(options: ExportOptions) -> str | None:

@@ -120,13 +120,20 @@ class Mixed:
 def quantizer_for(
     plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
 ) -> WeightQuantizer:
-    """The one quantizer of an export: FP8 for --quant fp8 / fp8-block, GPTQ's records when the
-    pass ran, else the scale search (a mixed plan: FP8 per linear, the others by GPTQ or the scale
-    search)."""
+    """The one quantizer of an export: FP8 for --quant fp8 / fp8-block, else its NVFP4 quantizer
+    (`nvfp4_quantizer`; a mixed plan: FP8 per linear, the others by that one)."""
     if plan.quant in FP8_QUANTIZERS:
         return FP8_QUANTIZERS[plan.quant]
-    nvfp4 = GPTQ(gptq) if gptq is not None else ScaleSearch(scale_search, block, plan, group_amax)
+    nvfp4 = nvfp4_quantizer(plan, scale_search, block, group_amax, gptq)
     return Mixed(plan, nvfp4) if plan.is_mixed else nvfp4
+
+
+def nvfp4_quantizer(
+    plan: ExportPlan, scale_search: str, block: str, group_amax: dict[str, np.float32], gptq: GPTQResult | None
+) -> WeightQuantizer:
+    """How an export quantizes an NVFP4 linear (W4A4 and W4A16 store the same codes): GPTQ's
+    records when the pass ran, else the scale search."""
+    return GPTQ(gptq) if gptq is not None else ScaleSearch(scale_search, block, plan, group_amax)
 
 
 def nvfp4_decode_scale(amax: float | np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from nvfp4tool.errors import NVFP4ToolError, NVFP4UsageError
 from nvfp4tool.families import fused_position
 from nvfp4tool.formats import compressed_tensors, modelopt
 from nvfp4tool.formats.spec import (
+    BITS,
     CONFIG_FILE,
     FP8_GRANULARITY,
     GLOBAL_ROLES,
@@ -44,6 +45,7 @@ SPECS: dict[tuple[str, str], LayoutSpec] = {
 }
 
 __all__ = [
+    "BITS",
     "CONFIG_FILE",
     "FORMATS",
     "FP8_GRANULARITY",

@@ -22,7 +22,7 @@ from converters.fp8_block import FP8Block
 from converters.hf import SAFETENSORS_DTYPES
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.families import is_attention
-from nvfp4tool.numerics.constants import FP8_BLOCK
+from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"  # ModelOpt's own config (vLLM, TensorRT-LLM read it)
@@ -31,6 +31,16 @@ NVFP4_QUANTS = ("nvfp4", "nvfp4-weight-only")
 STATIC_INPUT_QUANTS = ("nvfp4", "fp8")  # quants whose layouts ship a calibrated input scale (fp8-block: dynamic)
 # the FP8 quants' weight scaling (`numerics.quantize_fp8`'s granularity): one scale per tensor, or per 128x128 block
 FP8_GRANULARITY = {"fp8": "tensor", "fp8-block": "block128x128"}
+# bits per weight element of each precision as stored: NVFP4 a 4-bit code + an E4M3 scale per 16 (4.5);
+# FP8 8 (its one fp32 scale per tensor not counted); fp8-block 8 + one fp32 scale per full 128x128
+# block (8 + 32/16384; a ragged edge block costs its linear a little more, as check counts it); BF16 16
+BITS = {
+    "nvfp4": 4 + 8 / NVFP4_BLOCK,
+    "nvfp4-weight-only": 4 + 8 / NVFP4_BLOCK,
+    "fp8": 8.0,
+    "fp8-block": 8 + 32 / FP8_BLOCK**2,
+    "bf16": 16.0,
+}
 MIXED = "mixed"  # the quant of a checkpoint whose linears carry several of QUANTS (FolderLayout.quant)
 PRECISIONS = (*QUANTS, "bf16")  # what one linear of a mixed export may be (export --precision-file)
 ROLES = ("weight", "block_scale", "weight_global", "input_global")

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 from converters.hf import HFFolderSource
+from nvfp4tool import formats
 from nvfp4tool.check import check_checkpoint
 from nvfp4tool.cli import cli
 from nvfp4tool.config import ModelConfig
@@ -23,6 +24,7 @@ from nvfp4tool.export.auto_precision import BITS, MARGIN, upgrade_search
 from nvfp4tool.export.plan import make_plan, read_precision_file
 from nvfp4tool.export.simulate import load_export, served_linear
 from nvfp4tool.families import scheme_group
+from nvfp4tool.hub.card import bits_by_quant
 from nvfp4tool.model.transformer import forward
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import metrics
@@ -30,7 +32,7 @@ from nvfp4tool.records.export import AUTO_PRECISION_PNG, AutoPrecisionRecord
 from nvfp4tool.validate.runner import searched_target
 
 from fixtures.hf_fixtures import build_tiny_model
-from fixtures.mixed_fixtures import stored_tensors
+from fixtures.mixed_fixtures import FP8_BLOCK_SIZES, stored_tensors
 
 PLANTED = "model.layers.1.self_attn.qkv"
 TARGET = 0.02  # uniform W4A4 measures ~0.038 on these windows; the planted unit alone ~0.022 of it
@@ -246,9 +248,52 @@ def test_refusals_name_the_option(auto, tmp_path):
     assert result.exit_code == 2 and "--auto-precision-samples 2 sizes the search" in result.output
     result = runner.invoke(cli, [*with_calib, "--auto-precision-samples", "0"])
     assert result.exit_code == 2 and "--auto-precision-samples" in result.output
-    result = runner.invoke(cli, [*with_calib, "--quant", "fp8-block"])
-    assert result.exit_code == 2 and "searches from --quant nvfp4, nvfp4-weight-only, fp8" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_block_base_searches_fp8_block_then_bf16(tmp_path):
+    """--quant fp8-block: the ladder fp8-block -> bf16 priced by the bits rule check and the card
+    count by (8 + 32/16384); the planted unit (layer 1's q/k/v input channel 5 x 1e5, its columns /
+    1e5: its 128-column activation groups lose every other channel to E4M3's range) is upgraded
+    first; the curve has the uniform fp8-block point beside NVFP4 / FP8's; the written export,
+    served (fp8-block weights and dynamic per-token-group activations), measures the recorded KL."""
+    src = build_tiny_model("llama3", str(tmp_path / "hf"), overrides=FP8_BLOCK_SIZES)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["model.layers.1.input_layernorm.weight"][5] *= 1e5
+    for p in "qkv":
+        tensors[f"model.layers.1.self_attn.{p}_proj.weight"][:, 5] /= 1e5
+    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    calib, out, target = str(tmp_path / "calib.npy"), str(tmp_path / "auto"), 0.005
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
+    args = ["export", src, "--out", out, "--quant", "fp8-block", "--format", "compressed-tensors"]
+    args += ["--auto-precision", str(target), "--calib-data", calib, "--calib-samples", "2", "--calib-seq-len", "16"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    record = AutoPrecisionRecord.read(out)
+    assert record.base == "fp8-block" and record.ladder == ["fp8-block", "bf16"] and record.met
+    assert BITS["fp8-block"] == record.bits["fp8-block"] == 8 + 32 / 16384
+    alone = {u.unit: u.kl_alone["fp8-block"] for u in record.units}
+    assert max(alone, key=alone.get) == PLANTED and alone[PLANTED] > 3 * max(
+        v for u, v in alone.items() if u != PLANTED
+    )
+    assert record.steps[0].bits_per_weight == BITS["fp8-block"] and list(record.steps[1].upgraded)[0] == PLANTED
+    assert set(record.uniform) == {"nvfp4", "nvfp4-weight-only", "fp8", "fp8-block"}
+    assert record.uniform["fp8-block"]["kl"] == record.steps[0].measured_kl  # the start is the uniform point
+    final, exported = record.steps[-1], load_export(out)
+    kl = _served_kl(src, out, np.load(calib))
+    print(f"fp8-block base: uniform KL {record.uniform['fp8-block']['kl']:.4g}, searched {final.measured_kl:.4g}")
+    assert kl == pytest.approx(final.measured_kl, rel=1e-3) and kl <= MARGIN * target
+    config = ModelConfig.from_hf_folder(src)
+    shapes, plan = config.expected_tensor_shapes(), make_plan(config, "fp8-block")
+    weights = {m: math.prod(shapes[f"{m}.weight"]) for m in plan.quantized}
+    stored = {m: exported.quant_of(m) if m in exported.quantized else "bf16" for m in plan.quantized}
+    assert set(stored.values()) == {"fp8-block", "bf16"} and stored["model.layers.1.self_attn.q_proj"] == "bf16"
+    assert sum(weights[m] * BITS[stored[m]] for m in weights) / sum(weights.values()) == pytest.approx(
+        final.bits_per_weight
+    )
+    report = check_checkpoint(out)
+    assert report.ok, [p.line() for p in report.problems]
+    assert bits_by_quant(report, formats.describe(out))["fp8-block"][2] == BITS["fp8-block"]  # the card's count
 
 
 def test_moe_experts_of_a_layer_are_one_unit(tmp_path):

@@ -28,13 +28,13 @@ from nvfp4tool.hub.card import bits_by_quant, build_model_card
 from nvfp4tool.numerics import decode_fp8, fake_quantize_fp8_token_groups, quantize_fp8
 
 from fixtures.hf_fixtures import build_tiny_model
-from fixtures.mixed_fixtures import stored_tensors
+from fixtures.mixed_fixtures import FP8_BLOCK_SIZES, stored_tensors
 
 E4M3 = ml_dtypes.float8_e4m3fn
 B = 128
 # every linear of the tiny Llama below has N and K multiples of 128 (vLLM's merged q/k/v and
 # gate/up need it at TP 1), but k/v_proj split at TP 2 into 64-row shards
-SIZES = dict(hidden_size=128, head_dim=64, intermediate_size=256)
+SIZES = FP8_BLOCK_SIZES
 PRECISION_FILE = "model.layers.0.* fp8-block\nmodel.layers.1.self_attn.o_proj bf16\n"
 
 
