@@ -33,7 +33,6 @@ from nvfp4tool.numerics.constants import FP8_BLOCK, NVFP4_BLOCK
 
 NVFP4_BITS = BITS["nvfp4"]  # 4.5: 4-bit code + 8-bit scale per 16 elements
 FP8_BITS = BITS["fp8"]  # 8.0
-FP8_BLOCK_BITS = 8 + 32 / FP8_BLOCK**2  # 8-bit code + one fp32 scale per 128 x 128 (N, K multiples of 128)
 
 
 def check_checkpoint(path: str | os.PathLike, tp: Iterable[int] = (1,)) -> CheckReport:
