@@ -8,7 +8,8 @@ A unit is what serving runs with one scheme (`families.scheme_group`). Its sensi
 the calibration KL vs BF16 with only it in that format, run from its layer's cached BF16 input
 (`LayerwiseModel.logits_from`). `upgrade_search` upgrades units up `LADDERS[--quant]` by KL saved
 per bit until the additive prediction, times measured / predicted of the last measured mix, is
-within MARGIN x KL; every mix is measured whole, as served (`BITS`: the bits rule).
+within MARGIN x KL; every mix is measured whole, as served (`BITS`: the bits rule), with the FP8
+KV cache the export writes when it writes one (`kv_amax`; the BF16 reference without).
 Design notes: docs/design/export.md.
 """
 
@@ -27,9 +28,9 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.plan import ExportPlan
-from nvfp4tool.export.quantizers import FP8, ScaleSearch, input_decode_scale
+from nvfp4tool.export.quantizers import FP8, ScaleSearch, input_decode_scale, kv_decode_scales
 from nvfp4tool.export.serving_folder import plain_copy
-from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, _quantize_input, served_linear
+from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, ServedKVTap, _quantize_input, served_linear
 from nvfp4tool.families import group_glob, layer_index, scheme_group
 from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, parse_precision_text
 from nvfp4tool.model.layerwise import LayerwiseModel, held_forward_bytes, layer_modules
@@ -53,6 +54,7 @@ MARGIN = 0.9  # the search stops at measured KL <= MARGIN x target (calibration 
 UNIFORM = ("nvfp4", "nvfp4-weight-only", "fp8")  # the uniform exports measured as points of the curve
 BATCH = 8  # windows per forward
 _INPUT_MODE = {"nvfp4": 1, "fp8": 2}  # the served input quantizer of a format (0: none)
+KV_AUX = "kv_cache"  # the layer aux's entry of its FP8 KV-cache scales (no linear is named so)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +79,14 @@ def search_precision(
     *,
     block: str,
     reference=None,
+    kv_amax: Mapping[str, tuple[float, float]] | None = None,
 ) -> AutoPrecision:
     """The search over `plan.quantized` (the base --quant plan) on the calibration windows
     `ids_SxL` (see the module docstring); `input_amax` of every quantized linear. `reference`: the
     tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
-    as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
+    as validate measures). `kv_amax` (--kv-cache fp8: attention -> calibrated (K, V) amax): every
+    measured model runs the FP8 KV cache the export writes from them, the reference does not.
+    NVFP4ToolError in one line when even every unit in BF16 misses the target."""
     start = time.perf_counter()
     target, base = float(options.auto_precision), options.quant
     ladder = LADDERS[base]
@@ -100,18 +105,29 @@ def search_precision(
     written = _AsWritten(tensors, config.family_spec)
     variants = _Variants(tensors, written, plan, group_amax, input_amax, options.scale_search, block)
     model = _open(config, written, ids_SxL, options.offload, "the source as exported")
-    tap = _Assigned()
-    all_bf16 = lambda i: variants.aux(i, {})  # noqa: E731
-    inputs = model.layer_inputs(ids_SxL, BATCH, tap=tap, aux=all_bf16, label="auto-precision: layer inputs")
+    tap, kv = _Assigned(), _KVCache(config, kv_amax or {})
+    aux_of = lambda formats: lambda i: kv.aux(i, variants.aux(i, formats))  # noqa: E731
+    inputs = model.layer_inputs(
+        ids_SxL, BATCH, tap=tap, aux=aux_of({}), kv_tap=kv.tap, label="auto-precision: layer inputs"
+    )
 
     def kl(layer: int, formats: Mapping[str, str], label: str) -> float:
-        runs = model.logits_from(inputs, layer, tap=tap, aux=lambda i: variants.aux(i, formats), label=label)
+        runs = model.logits_from(inputs, layer, tap=tap, aux=aux_of(formats), kv_tap=kv.tap, label=label)
         return float(np.concatenate([metrics.token_kl(reference[s], np.asarray(x)).ravel() for s, x in runs]).mean())
 
     def modules(assign: Mapping[str, str]) -> dict[str, str]:
         return {m: f for u, f in assign.items() for m in units[u]}
 
-    alone = {u: {"bf16": 0.0} for u in units}
+    # every unit in BF16: KL 0 by the rule (not run), or with the FP8 KV cache what it alone costs
+    floor = kl(0, {}, "auto-precision: FP8 KV cache") if kv.tap else 0.0
+    if floor > MARGIN * target:
+        raise NVFP4ToolError(
+            f"--auto-precision {target:g}: not met: the FP8 KV cache alone (every linear in BF16) gives "
+            f"calibration KL {floor:.4g} > {MARGIN:g} x {target:g}; raise the target or export with --kv-cache none"
+        )
+    if kv.tap:
+        progress.info(f"auto-precision: every linear in BF16 with the FP8 KV cache: calibration KL {floor:.4g}")
+    alone = {u: {"bf16": floor} for u in units}
     candidates = [(u, f) for u in units for f in ladder[:-1]]
     sensitivity_start = time.perf_counter()
     with progress.task("auto-precision: sensitivity", total=len(candidates), unit="unit") as task:
@@ -126,7 +142,9 @@ def search_precision(
         found = measure(dict.fromkeys(units, f))
         uniform[f] = {"kl": found, "bits_per_weight": BITS[f]}
         progress.info(f"auto-precision: uniform {f}: calibration KL {found:.4g}, {BITS[f]:g} bits per weight")
-    steps, assign = upgrade_search(weights, ladder, alone, measure, target, known={base: uniform[base]["kl"]})
+    steps, assign = upgrade_search(
+        weights, ladder, alone, measure, target, known={base: uniform[base]["kl"]}, floor=floor
+    )
     last = steps[-1]
     met = last.measured_kl <= MARGIN * target
     samples, seq_len = ids_SxL.shape
@@ -134,9 +152,9 @@ def search_precision(
         raise NVFP4ToolError(
             f"--auto-precision {target:g}: not met: calibration KL {last.measured_kl:.4g} > {MARGIN:g} x "
             f"{target:g} with every one of the {len(units)} units in {ladder[-1]} (a KL the model's BF16 "
-            f"numerics alone give); raise the target"
+            f"numerics{kv.words} alone give); raise the target"
         )
-    text = precision_text(assign, units, base, target, last, (samples, seq_len))
+    text = precision_text(assign, units, base, target, last, (samples, seq_len), kv.words)
     record = AutoPrecisionRecord(
         kl_target=target,
         margin=MARGIN,
@@ -151,9 +169,11 @@ def search_precision(
         precision_file=text,
         seconds=time.perf_counter() - start,
         units_per_second=rate,
+        kv_cache="fp8" if kv.tap else None,
+        kv_cache_kl=floor if kv.tap else None,
     )
     progress.info(
-        f"auto-precision: calibration KL {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
+        f"auto-precision: calibration KL{kv.words} {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
         f"{last.bits_per_weight:.3f} bits per weight ({sum(1 for f in assign.values() if f != base)} of "
         f"{len(units)} units upgraded; {len(steps)} mixes measured; {total} weights)"
     )
@@ -169,28 +189,29 @@ def upgrade_search(
     *,
     margin: float = MARGIN,
     known: Mapping[str, float] | None = None,
+    floor: float = 0.0,
 ) -> tuple[list[AutoSearchStep], dict[str, str]]:
     """(the measured steps, the final {unit: format}): every unit starts at ladder[0]; while the
     last measured KL is above margin x target, units are upgraded (the most KL saved per added bit
     first, by `alone[unit][format]`) until the predicted sum times the correction (measured /
     predicted of the last mix) is within it, and the mix is measured (`measure`). Stops met or with
-    every unit at ladder[-1]. `known`: {format: KL} of uniform mixes already measured."""
+    every unit at ladder[-1]. `known`: {format: KL} of uniform mixes already measured. `floor`: the
+    KL every unit at ladder[-1] measures (`alone[u][ladder[-1]]`; the FP8 KV cache's, else 0): each
+    unit adds its KL above it (the prediction is floor + the sum of alone - floor)."""
     goal, total = margin * kl_target, sum(weights.values())
     assign = dict.fromkeys(weights, ladder[0])
     steps: list[AutoSearchStep] = []
     correction, upgraded = 1.0, {}
 
-    def predicted() -> float:
-        return sum(alone[u][assign[u]] for u in weights)
+    def predicted(trial: Mapping[str, str]) -> float:
+        return floor + sum(alone[u][trial[u]] - floor for u in weights)
 
     def step(changed: dict[str, str], kind: str, trial: dict[str, str]) -> AutoSearchStep:
         uniform = len(set(trial.values())) == 1 and next(iter(trial.values()))
         measured = (known or {}).get(uniform) if uniform else None
         measured = measure(dict(trial)) if measured is None else measured
         bits = sum(weights[u] * BITS[trial[u]] for u in weights) / total
-        found = AutoSearchStep(
-            dict(changed), sum(alone[u][trial[u]] for u in weights), correction, measured, bits, kind
-        )
+        found = AutoSearchStep(dict(changed), predicted(trial), correction, measured, bits, kind)
         progress.info(
             f"auto-precision: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
             f"{correction * found.predicted_kl:.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
@@ -202,9 +223,9 @@ def upgrade_search(
         measured = steps[-1].measured_kl
         if measured <= goal or all(f == ladder[-1] for f in assign.values()):
             break
-        correction = measured / predicted() if predicted() > 0 else math.inf
+        correction = measured / predicted(assign) if predicted(assign) > 0 else math.inf
         upgraded = {}
-        while not upgraded or correction * predicted() > goal:
+        while not upgraded or correction * predicted(assign) > goal:
             choice = _best_upgrade(assign, weights, ladder, alone)
             if choice is None:
                 break
@@ -256,9 +277,10 @@ def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
     return best
 
 
-def precision_text(assign, units, base: str, target: float, last: AutoSearchStep, windows) -> str:
-    """The result as a precision file (`format_precision_file`): a comment saying what was searched,
-    then one line per upgraded unit (its fused group's pattern, or its modules)."""
+def precision_text(assign, units, base: str, target: float, last: AutoSearchStep, windows, kv: str = "") -> str:
+    """The result as a precision file (`format_precision_file`): a comment saying what was searched
+    (`kv`: " with the FP8 KV cache" when it ran with it), then one line per upgraded unit (its fused
+    group's pattern, or its modules)."""
     rules = []
     for u, f in assign.items():
         if f == base:
@@ -266,7 +288,7 @@ def precision_text(assign, units, base: str, target: float, last: AutoSearchStep
         pattern = group_glob(u, units[u]) if u.rpartition(".")[2] != "experts" else None
         rules += [PrecisionRule(pattern, f)] if pattern else [PrecisionRule(m, f) for m in units[u]]
     comments = [
-        f"nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL "
+        f"nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL{kv} "
         f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
         f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
         f"modules no line names take --quant {base}",
@@ -304,7 +326,8 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
         ax.set_yscale("log")
     ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, BF16 16)")
     ax.set_ylabel("mean KL vs BF16 (nats), calibration windows")
-    ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens")
+    kv = ", FP8 KV cache" if record.kv_cache else ""
+    ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens{kv}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -384,6 +407,24 @@ class _Variants:
                 stored = NVFP4Weight(r["weight"], r["block_scale"], r["weight_global"], None)
             self._cache[(module, kind)] = stored.dequantize()
         return {**entry, "w": self._cache[(module, kind)]}
+
+
+class _KVCache:
+    """The FP8 KV cache a mix runs (--kv-cache fp8): each attention layer's (K, V) decode scales as
+    the export writes them from the calibrated amax (`quantizers.kv_decode_scales`), carried in the
+    layer's aux beside its linears' entries (`ServedKVTap(key=KV_AUX)`); none without `kv_amax`."""
+
+    def __init__(self, config, kv_amax: Mapping[str, tuple[float, float]]) -> None:
+        attention = {i: config.modules.attention(i) for i in range(config.num_layers)}
+        self._scales = {i: kv_decode_scales(kv_amax[a]) for i, a in attention.items() if a is not None and kv_amax}
+        self.tap = ServedKVTap(key=KV_AUX) if kv_amax else None
+        self.words = " with the FP8 KV cache" if kv_amax else ""  # how lines say it
+
+    def aux(self, layer: int | None, entries: dict) -> dict:
+        """Layer `layer`'s aux: its linears' `entries`, and its K / V scales where it has attention."""
+        if layer not in self._scales:
+            return entries
+        return {**entries, KV_AUX: tuple(jnp.asarray(s) for s in self._scales[layer])}
 
 
 class _AsWritten:

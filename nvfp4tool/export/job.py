@@ -203,7 +203,9 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
             input_amax, origin = found_amax.input_amax, _CALIBRATED
             calibration = _calibration_record(options, ids, found_amax.routed_tokens)
         search_start = time.perf_counter()
-        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded)
+        found = search_precision(
+            source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded, kv_amax=kv_amax
+        )
         plan = plan_with(found.rules)
         _check_format_carries(plan, options, found.rules, source.config)
         spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
@@ -424,11 +426,6 @@ def _check_auto(options: ExportOptions) -> None:
         raise NVFP4UsageError(
             f"--auto-precision {target:g} chooses every linear's format: drop --precision-file "
             f"{options.precision_file} (--keep-bf16 patterns stay BF16 and are not searched)"
-        )
-    if options.kv_cache != "none":
-        raise NVFP4UsageError(
-            f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
-            "search measures the BF16 KV cache); export with --kv-cache none"
         )
     if options.weight_rounding == "gptq":
         raise NVFP4UsageError(

@@ -128,7 +128,7 @@ def markdown(record: ValidationRecord) -> str:
             + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none"),
         ]
     if record.searched is not None:
-        lines += ["", record.searched.line(record.models[labels[0]]["kl_mean"])]
+        lines += ["", record.searched_line()]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
     if record.resources is not None:
@@ -198,7 +198,7 @@ def print_report(record: ValidationRecord, console) -> None:
     if record.sensitivity is not None:
         print_table(console, _sensitivity_table(record.sensitivity))
     if record.searched is not None:
-        print_line(console, record.searched.line(record.models[labels[0]]["kl_mean"]).replace("`", ""))
+        print_line(console, record.searched_line().replace("`", ""))
     print_line(console, verdict(record).replace("**", ""))
 
 
