@@ -317,6 +317,7 @@ class AutoPrecisionRecord(Record):
     precision_file: str  # the result as `--precision-file` text
     seconds: float
     units_per_second: float  # sensitivity measurements (unit x format) per second
+    weight_rounding: str = "rtn"  # the NVFP4 weights measured and written: rtn | gptq (the GPTQ pass's records)
     # "fp8": every measured model (sensitivities, uniform points, mixes) ran the FP8 KV cache the
     # export writes (--kv-cache fp8), the BF16 reference did not; None: the BF16 KV cache (older records)
     kv_cache: str | None = None
