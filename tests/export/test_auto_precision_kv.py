@@ -1,9 +1,10 @@
 """`export --auto-precision KL --kv-cache fp8` (issue 41): the search measures what is served with
-the FP8 KV cache. A tiny llama with a planted large K amax in layer 0 (two K rotary dims x C, the q
-rows that meet them / C: the same scores, but the per-tensor FP8 K scale flushes every other K value
-of the layer to zero); the written export served with its stored K / V scales as validate's +fp8-kv
-run serves it measures the recorded KL, and the recorded measurements differ from the same search
-without the KV cache."""
+the FP8 KV cache. A tiny llama with a planted large K amax in layer 0 (a rotary pair of K dims x
+PLANT, the q rows that meet them / PLANT: the same scores, but the per-tensor FP8 K scale flushes
+every other K value of the layer to zero); the written export served with its stored K / V scales
+as validate's +fp8-kv run serves it measures the recorded KL (round-to-nearest and GPTQ), the
+recorded measurements differ from the same search without the KV cache, the KV cache alone above
+the target is refused, and the record, card and validate line say it."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from nvfp4tool.model.transformer import forward
 from nvfp4tool.model.weights import model_from_tensors
 from nvfp4tool.numerics import metrics
 from nvfp4tool.records.export import AutoPrecisionRecord
+from nvfp4tool.records.validation import SearchedTarget
 from nvfp4tool.validate.runner import searched_target
 
 from fixtures.hf_fixtures import build_tiny_model
+from fixtures.validate_fixtures import validation_record
 
 TARGET = 0.025  # without the KV cache uniform W4A4 meets it (~0.014); with it (~0.026) it does not
 PLANT = 3e5  # K amax x PLANT in layer 0: its K scale ~ 900 (the other layer's ~ 0.006)
@@ -68,32 +71,63 @@ def searched(tmp_path_factory) -> dict[str, str]:
 
 
 def test_the_written_export_served_with_its_kv_scales_measures_the_recorded_kl(searched):
-    """The export as written (load_export, its stored weights and K / V scales) run as validate runs
-    its +fp8-kv model (layer by layer, `ServedKVTap` with `kv_aux`) against the BF16 source (whole,
-    no KV cache) on the calibration windows: the recorded final KL. Served without its KV scales it
-    measures another KL (the KV cache matters here), and the bits are the recorded ones."""
+    """The export as written served with its stored K / V scales as validate serves its +fp8-kv
+    model, against the BF16 source on the calibration windows: the recorded final KL. Served
+    without its KV scales it measures another KL (the KV cache matters here), and the bits are the
+    recorded ones."""
     record = AutoPrecisionRecord.read(searched["kv"])
     final = record.steps[-1]
     ids = np.load(searched["calib"]).astype(np.int32)
-    config = ModelConfig.from_hf_folder(searched["src"])
-    source = model_from_tensors(config, HFFolderSource(searched["src"]), dtype=None, compute_dtype=jnp.float32)
-    reference = np.asarray(forward(source, ids, linear=served_linear))
-    exported = load_export(searched["kv"])
-    assert exported.kv_cache == "fp8"
-    held = LayerwiseModel.held(exported.model(jnp.float32))
-    runs = held.logits(ids, 2, tap=Plain(served_linear), aux=exported.kv_aux, kv_tap=ServedKVTap())
-    served = np.concatenate([np.asarray(logits) for _, logits in runs])
-    kl = float(metrics.token_kl(reference, served).mean())
+    assert load_export(searched["kv"]).kv_cache == "fp8"
+    kl = _served_kl(searched["kv"], searched["src"], ids)
     assert kl == pytest.approx(final.measured_kl, rel=1e-3)
     assert kl <= MARGIN * TARGET and record.met
-    without_kv = np.asarray(forward(exported.model(jnp.float32), ids, linear=served_linear))
-    assert float(metrics.token_kl(reference, without_kv).mean()) < 0.7 * final.measured_kl
+    assert _served_kl(searched["kv"], searched["src"], ids, kv=False) < 0.7 * final.measured_kl
+    config = ModelConfig.from_hf_folder(searched["src"])
+    exported = load_export(searched["kv"])
     shapes = config.expected_tensor_shapes()
     plan = make_plan(config, "nvfp4", keep_bf16=(KEEP,))
     weights = {m: math.prod(shapes[f"{m}.weight"]) for m in plan.quantized}
     stored = {m: exported.quant_of(m) if m in exported.quantized else "bf16" for m in plan.quantized}
     bits = sum(weights[m] * BITS[stored[m]] for m in weights) / sum(weights.values())
     assert bits == pytest.approx(final.bits_per_weight) and bits > BITS["nvfp4"]
+
+
+def _served_kl(folder: str, src: str, ids: np.ndarray, *, kv: bool = True) -> float:
+    """The export `folder` (load_export, its stored weights) run as validate runs its +fp8-kv model
+    (layer by layer, `ServedKVTap` with its stored K / V scales, `kv_aux`; `kv` False: whole, no KV
+    cache) against the BF16 source (whole, no KV cache) on the windows `ids`: the mean KL."""
+    config = ModelConfig.from_hf_folder(src)
+    source = model_from_tensors(config, HFFolderSource(src), dtype=None, compute_dtype=jnp.float32)
+    reference = np.asarray(forward(source, ids, linear=served_linear))
+    exported = load_export(folder)
+    if not kv:
+        served = forward(exported.model(jnp.float32), ids, linear=served_linear)
+        return float(metrics.token_kl(reference, np.asarray(served)).mean())
+    held = LayerwiseModel.held(exported.model(jnp.float32))
+    runs = held.logits(ids, 2, tap=Plain(served_linear), aux=exported.kv_aux, kv_tap=ServedKVTap())
+    return float(metrics.token_kl(reference, np.concatenate([np.asarray(x) for _, x in runs])).mean())
+
+
+def test_with_gptq_the_search_measures_the_kv_scales_the_gptq_pass_calibrated(searched, tmp_path):
+    """--weight-rounding gptq: the K / V amax come from the GPTQ pass (`with_gptq`), the search runs
+    after it; the written export served with its KV scales measures the recorded KL."""
+    out = str(tmp_path / "gptq")
+    options = ExportOptions(
+        auto_precision=TARGET,
+        calib_data=searched["calib"],
+        calib_samples=2,
+        calib_seq_len=16,
+        keep_bf16=(KEEP,),
+        kv_cache="fp8",
+        weight_rounding="gptq",
+        show_progress=False,
+    )
+    export_checkpoint(searched["src"], out, options)
+    record = AutoPrecisionRecord.read(out)
+    assert (record.kv_cache, record.weight_rounding) == ("fp8", "gptq") and record.kv_cache_kl > 0
+    ids = np.load(searched["calib"]).astype(np.int32)
+    assert _served_kl(out, searched["src"], ids) == pytest.approx(record.steps[-1].measured_kl, rel=1e-3)
 
 
 def test_a_planted_k_amax_moves_the_search_off_the_bf16_kv_cache_one(searched):
@@ -143,3 +177,20 @@ def test_a_kv_cache_above_the_target_alone_is_refused_in_one_line(searched, tmp_
     line = result.output.strip().splitlines()[-1]
     assert "--auto-precision 0.01: not met: the FP8 KV cache alone" in line and "--kv-cache none" in line
     assert not out.exists()
+
+
+def test_validate_sets_the_target_beside_the_run_it_was_searched_as():
+    """A validation of an export searched with the FP8 KV cache compares the target with its
+    +fp8-kv run's held-out KL; searched without it (or no such run), with the export's."""
+    searched = SearchedTarget(
+        kl_target=0.02, margin=0.9, calibration_kl=0.015, bits_per_weight=5.0, calibration_tokens=32
+    )
+    with_kv = dataclasses.replace(searched, kv_cache="fp8")
+    models = {"bf16": {"ppl": 9.5}, "nvfp4": {"kl_mean": 0.011}, "nvfp4+fp8-kv": {"kl_mean": 0.031}}
+    record = dataclasses.replace(validation_record(), models=models, searched=with_kv)
+    assert record.searched_as("fp8") == "nvfp4+fp8-kv" and record.searched_as(None) == "nvfp4"
+    assert "held-out KL mean here with the FP8 KV cache 0.031, ABOVE the target 0.02" in record.searched_line()
+    record = dataclasses.replace(record, searched=searched)
+    assert "held-out KL mean here 0.011, within the target 0.02" in record.searched_line()
+    record = dataclasses.replace(validation_record(), searched=with_kv)  # no +fp8-kv run here
+    assert record.searched_as("fp8") == "nvfp4" and "0.0123" in record.searched_line()
