@@ -93,15 +93,18 @@ def keep_bf16_file_text(found: Sensitivity) -> str:
             f"{found.kl_target:g} nats",
             f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
             f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
-            "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
+            "export: " + export_with_file("SOURCE", "keep_bf16.txt", found),
             f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'",
         ],
     )
 
 
-def export_with_file(source: str, keep_file: str) -> str:
-    """The short export command that realises the result from its keep-BF16 file."""
-    return f"nvfp4tool export {shlex.quote(source)} --out OUT --keep-bf16-file {shlex.quote(keep_file)}"
+def export_with_file(source: str, keep_file: str, found: Sensitivity) -> str:
+    """The short export command that realises the result from its keep-BF16 file (a mixed export's
+    other formats come from the precision file it was made with: PRECISION_FILE, to fill in)."""
+    mixed = len(set(found.precision_map.values()) - {"bf16"}) > 1
+    command = f"nvfp4tool export {shlex.quote(source)} --out OUT --keep-bf16-file {shlex.quote(keep_file)}"
+    return command + (" --precision-file PRECISION_FILE" if mixed else "")
 
 
 # ------------------------------------------------------------------------------------------

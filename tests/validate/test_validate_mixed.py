@@ -89,7 +89,7 @@ def test_sensitivity_of_a_mixed_export_keeps_each_units_own_ladder(mixed_eval_ex
     from nvfp4tool.export.plan import make_plan
     from nvfp4tool.formats.precision_file import parse_precision_text
     from nvfp4tool.validate.runner import ValidateOptions, open_inputs, run_validation
-    from nvfp4tool.validate.sensitivity import sensitivity
+    from nvfp4tool.validate.sensitivity import keep_bf16_file_text, sensitivity
 
     from fixtures.mixed_fixtures import PRECISION_FILE
 
@@ -129,3 +129,5 @@ def test_sensitivity_of_a_mixed_export_keeps_each_units_own_ladder(mixed_eval_ex
     assert {m: plan.quant_of(m) for m in plan.quantized} == {
         m: p for m, p in found.precision_map.items() if p != "bf16"
     }
+    # the command the keep-BF16 file gives names the precision file: it keeps layers in BF16 only
+    assert "--keep-bf16-file keep_bf16.txt --precision-file PRECISION_FILE" in keep_bf16_file_text(found)
