@@ -298,6 +298,30 @@ def test_group_patterns_match_exactly_their_members():
         assert [n for n in names if fnmatch.fnmatchcase(n, pattern)] == members
 
 
+def test_unit_patterns_match_exactly_their_members():
+    """--sensitivity's units are scheme groups: a MoE layer's routed experts (gate, up and down of
+    every expert) are one unit, whose keep-BF16 patterns name exactly them."""
+    import fnmatch
+
+    import transformers
+
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.families import scheme_group
+    from nvfp4tool.validate.sensitivity import unit_patterns
+
+    from fixtures.hf_fixtures import TINY_SPECS
+
+    cls, kw = TINY_SPECS["qwen3_moe"]
+    names = ModelConfig.from_hf_config(getattr(transformers, cls)(**kw).to_dict()).linear_names()
+    units = {scheme_group(n) for n in names}
+    experts = [n for n in names if scheme_group(n) == "model.layers.0.mlp.experts"]
+    assert len(experts) == 8 * 3 and {fused_group(n) for n in experts} > {"model.layers.0.mlp.experts.7.gate_up"}
+    for unit in units:
+        members = [n for n in names if scheme_group(n) == unit]
+        patterns = unit_patterns(unit, members)
+        assert [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)] == members
+
+
 def test_threshold_options_are_reported_with_their_limits(paths, good):
     inputs, _ = good
     from nvfp4tool.validate.thresholds import Thresholds
