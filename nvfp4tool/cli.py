@@ -624,6 +624,13 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "is <= 0.9 x KL nats; writes auto_precision.json / .png beside the export (needs --calib-data).",
 )
 @click.option(
+    "--auto-precision-samples",
+    **_api(api.export, "auto_precision_samples"),
+    metavar="N",
+    help="Score the --auto-precision search on the first N calibration windows (default: all of them); "
+    "calibration, GPTQ and --equalize still use every window.",
+)
+@click.option(
     "--scale-search",
     **_api(api.export, "scale_search"),
     show_default=True,
@@ -709,6 +716,7 @@ def export_command(
     keep_bf16_file,
     precision_file,
     auto_precision,
+    auto_precision_samples,
     scale_search,
     weight_rounding,
     equalize,
@@ -755,6 +763,7 @@ def export_command(
         keep_bf16_file=keep_bf16_file,
         precision_file=precision_file,
         auto_precision=auto_precision,
+        auto_precision_samples=auto_precision_samples,
         calib_data=calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,

@@ -1,6 +1,6 @@
 """`export --auto-precision KL`: per-linear formats for the fewest bits whose measured KL meets KL.
 
-    found = search_precision(source, plan, group_amax, input_amax, ids_SxL, options, block="1d")
+    found = search_precision(source, plan, group_amax, input_amax, ids_SxL, options, block="1d", nvfp4=quantizer)
     found.text, found.rules   # the result as precision-file text, and its rules (`make_plan(rules=)`)
     found.record              # AutoPrecisionRecord (auto_precision.json); plot_search draws the PNG
 
@@ -27,7 +27,7 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.plan import ExportPlan
-from nvfp4tool.export.quantizers import FP8, ScaleSearch, input_decode_scale
+from nvfp4tool.export.quantizers import FP8, WeightQuantizer, input_decode_scale
 from nvfp4tool.export.serving_folder import plain_copy
 from nvfp4tool.export.simulate import FP8Weight, NVFP4Weight, _quantize_input, served_linear
 from nvfp4tool.families import group_glob, layer_index, scheme_group
@@ -76,10 +76,13 @@ def search_precision(
     options,
     *,
     block: str,
+    nvfp4: WeightQuantizer,
     reference=None,
 ) -> AutoPrecision:
     """The search over `plan.quantized` (the base --quant plan) on the calibration windows
-    `ids_SxL` (see the module docstring); `input_amax` of every quantized linear. `reference`: the
+    `ids_SxL` (see the module docstring); `input_amax` of every quantized linear; `nvfp4`: the
+    export's quantizer of the base plan (`quantizers.quantizer_for`: the scale search, or GPTQ's
+    records), whose NVFP4 weights are measured and then written. `reference`: the
     tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
     as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
     start = time.perf_counter()
@@ -98,7 +101,7 @@ def search_precision(
     del source_model, runs
     memory.release()
     written = _AsWritten(tensors, config.family_spec)
-    variants = _Variants(tensors, written, plan, group_amax, input_amax, options.scale_search, block)
+    variants = _Variants(tensors, written, plan, nvfp4, input_amax)
     model = _open(config, written, ids_SxL, options.offload, "the source as exported")
     tap = _Assigned()
     all_bf16 = lambda i: variants.aux(i, {})  # noqa: E731
@@ -136,7 +139,7 @@ def search_precision(
             f"{target:g} with every one of the {len(units)} units in {ladder[-1]} (a KL the model's BF16 "
             f"numerics alone give); raise the target"
         )
-    text = precision_text(assign, units, base, target, last, (samples, seq_len))
+    text = precision_text(assign, units, base, target, last, (samples, seq_len), options.weight_rounding)
     record = AutoPrecisionRecord(
         kl_target=target,
         margin=MARGIN,
@@ -151,6 +154,7 @@ def search_precision(
         precision_file=text,
         seconds=time.perf_counter() - start,
         units_per_second=rate,
+        weight_rounding=options.weight_rounding,
     )
     progress.info(
         f"auto-precision: calibration KL {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
@@ -263,7 +267,9 @@ def _best_upgrade(assign, ladders, alone, bits_of) -> tuple[str, str] | None:
     return best
 
 
-def precision_text(assign, units, base: str, target: float, last: AutoSearchStep, windows) -> str:
+def precision_text(
+    assign, units, base: str, target: float, last: AutoSearchStep, windows, weight_rounding: str = "rtn"
+) -> str:
     """The result as a precision file (`format_precision_file`): a comment saying what was searched,
     then one line per upgraded unit (its fused group's pattern, or its modules)."""
     rules = []
@@ -273,7 +279,8 @@ def precision_text(assign, units, base: str, target: float, last: AutoSearchStep
         pattern = group_glob(u, units[u]) if u.rpartition(".")[2] != "experts" else None
         rules += [PrecisionRule(pattern, f)] if pattern else [PrecisionRule(m, f) for m in units[u]]
     comments = [
-        f"nvfp4tool export --auto-precision {target:g} (--quant {base}): calibration KL "
+        f"nvfp4tool export --auto-precision {target:g} (--quant {base}, --weight-rounding {weight_rounding}): "
+        f"calibration KL "
         f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
         f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
         f"modules no line names take --quant {base}",
@@ -295,7 +302,7 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
         [s.bits_per_weight for s in climb],
         [s.measured_kl for s in climb],
         "o-",
-        label=f"--auto-precision search ({record.base} base)",
+        label=f"--auto-precision search ({record.base} base, {record.weight_rounding.upper()} weights)",
     )
     pruned = [s for s in record.steps if s.step == "prune"]
     if pruned:
@@ -303,8 +310,10 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
     last = record.steps[-1]
     ax.plot([last.bits_per_weight], [last.measured_kl], "*", ms=14, label="result")
     names = {"nvfp4": "NVFP4 W4A4", "nvfp4-weight-only": "NVFP4 W4A16", "fp8": "FP8 W8A8"}
+    rounded = f" ({record.weight_rounding.upper()})" if record.weight_rounding != "rtn" else ""
     for f, point in record.uniform.items():
-        ax.plot([point["bits_per_weight"]], [point["kl"]], "s", label=f"uniform {names.get(f, f)}")
+        how = rounded if f in ("nvfp4", "nvfp4-weight-only") else ""
+        ax.plot([point["bits_per_weight"]], [point["kl"]], "s", label=f"uniform {names.get(f, f)}{how}")
     ax.axhline(record.kl_target, color="k", lw=0.8, label=f"target {record.kl_target:g}")
     ax.axhline(record.margin * record.kl_target, color="k", ls="--", lw=0.8, label=f"{record.margin:g} x target")
     if all(s.measured_kl > 0 for s in record.steps) and all(p["kl"] > 0 for p in record.uniform.values()):
@@ -356,9 +365,9 @@ class _Variants:
     """Each quantized linear's aux entry in a format: decoded as the export would store it (the
     writer's quantizers, its group's amax), one layer's quantized variants cached at a time."""
 
-    def __init__(self, tensors, written, plan: ExportPlan, group_amax, input_amax, scale_search: str, block: str):
+    def __init__(self, tensors, written, plan: ExportPlan, nvfp4: WeightQuantizer, input_amax):
         self._tensors, self._written, self._quantized = tensors, written, plan.quantized
-        self._nvfp4 = ScaleSearch(scale_search, block, plan, group_amax)
+        self._nvfp4 = nvfp4
         self._input_amax = {m: max(input_amax[x] for x in plan.groups[plan.group_of(m)]) for m in plan.quantized}
         self._layer: int | None = None
         self._cache: dict[tuple[str, str], jax.Array] = {}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ from nvfp4tool.export.gptq import BLOCK_COLUMNS, BLOCK_SCALES, DAMP_RANGE, DEFAU
 from nvfp4tool.export.gptq_pass import GPTQResult, run_gptq
 from nvfp4tool.export.plan import ExportPlan, make_plan, read_keep_bf16_file, read_precision_file
 from nvfp4tool.export.provenance import calibration_record, gptq_record
+from nvfp4tool.export.quantizers import quantizer_for
 from nvfp4tool.export.recipes import rule_patterns
 from nvfp4tool.export.scale_search import METHODS
 from nvfp4tool.formats import LayoutSpec
@@ -62,6 +65,7 @@ class ExportOptions:
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     precision_file: str | None = None  # `PATTERN FORMAT` lines (plan.read_precision_file): per-linear formats
     auto_precision: float | None = None  # a KL target: per-linear formats searched on calibration (auto_precision.py)
+    auto_precision_samples: int | None = None  # the first N calibration windows the search scores on (None: all)
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -107,8 +111,10 @@ class ExportJob:
     gptq_seconds: float = 0.0
     equalization: Equalization | None = None  # --equalize: the scales folded into `source.tensors`
     equalization_seconds: float = 0.0
-    auto_precision: AutoPrecision | None = None  # --auto-precision: the search that made `plan`
+    auto_precision: AutoPrecision | None = None  # --auto-precision: the search that made `plan` (with_search)
     auto_precision_seconds: float = 0.0  # the search (0: none)
+    keep_bf16_origin: Mapping[str, str] = dataclasses.field(default_factory=dict)  # keep-BF16 pattern -> its file line
+    reference: Any = None  # the tensors validate compares with (the unfolded source); None: `source.tensors`
 
     @property
     def kv_cache(self) -> str | None:
@@ -123,6 +129,11 @@ class ExportJob:
     def awaits_gptq(self) -> bool:
         """True until `with_gptq` ran for a --weight-rounding gptq export."""
         return self.options.weight_rounding == "gptq" and self.gptq is None
+
+    @property
+    def awaits_search(self) -> bool:
+        """True until `with_search` ran for an --auto-precision export."""
+        return self.options.auto_precision is not None and self.auto_precision is None
 
 
 def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
@@ -151,17 +162,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     files = (source.precision_file, options.precision_file)
     rules = tuple(rule for f in files if f is not None for rule in read_precision_file(f))
 
-    def plan_with(rules) -> ExportPlan:  # the plan of these per-linear rules (the search's replace the files')
-        return make_plan(
-            source.config,
-            options.quant,
-            precision_map=source.precision_map,
-            keep_bf16=options.keep_bf16 + tuple(from_file),
-            keep_bf16_origin=from_file,
-            rules=rules,
-        )
-
-    plan = plan_with(rules)
+    plan = _plan_with(source, options, from_file, rules)
     _check_mixed(plan, options)
     _check_format_carries(plan, options, rules, source.config)
     if options.auto_precision is not None and rules:
@@ -196,22 +197,13 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     equalization_seconds = time.perf_counter() - equalization_start if equalization else 0.0
     calibration_start = time.perf_counter()
     input_amax, origin, calibration, kv_amax = _calibrate(source, plan, options, ids)
-    found, search_start = None, time.perf_counter()
-    if options.auto_precision is not None:
-        if input_amax is None:  # a weight-only base: its FP8 rung needs input scales
+    if options.auto_precision is not None and input_amax is None:  # a weight-only base: its FP8 rung
+        if options.weight_rounding == "gptq":  # needs input scales, which the GPTQ pass measures
+            origin = _CALIBRATED
+        else:
             found_amax = _calibration(source, plan.quantized, options, ids, kv_cache=False)
             input_amax, origin = found_amax.input_amax, _CALIBRATED
             calibration = _calibration_record(options, ids, found_amax.routed_tokens)
-        search_start = time.perf_counter()
-        found = search_precision(source, plan, group_amax, input_amax, ids, options, block=block, reference=unfolded)
-        plan = plan_with(found.rules)
-        _check_format_carries(plan, options, found.rules, source.config)
-        spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
-        group_amax = {g: a for g, a in group_amax.items() if g in plan.groups}
-        if plan.has_input_scales:
-            input_amax = {m: input_amax[m] for m in plan.quantized}
-        else:
-            input_amax, origin = None, "none (weight-only)"
     return ExportJob(
         source=source,
         out=out,
@@ -226,11 +218,11 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         input_amax_origin=origin,
         kv_amax=kv_amax,
         calibration=calibration,
-        calibration_seconds=search_start - calibration_start if options.calib_data else 0.0,
+        calibration_seconds=time.perf_counter() - calibration_start if options.calib_data else 0.0,
         equalization=equalization,
         equalization_seconds=equalization_seconds,
-        auto_precision=found,
-        auto_precision_seconds=time.perf_counter() - search_start if found else 0.0,
+        keep_bf16_origin=from_file,
+        reference=unfolded,
     )
 
 
@@ -295,8 +287,69 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
     )
 
 
+def with_search(job: ExportJob) -> ExportJob:
+    """`job` with the --auto-precision search's plan (`auto_precision.search_precision`): run after
+    `with_gptq`, so that a GPTQ export's base-format units are measured with the records the
+    writer then stores (measured is written: the records of the all-base pass, each unit's
+    Hessians taken through every earlier layer in the base format)."""
+    options, source = job.options, job.source
+    start = time.perf_counter()
+    ids = job.calibration_ids[: options.auto_precision_samples or None]
+    nvfp4 = quantizer_for(job.plan, options.scale_search, job.block, job.group_amax, job.gptq)
+    found = search_precision(
+        source,
+        job.plan,
+        job.group_amax,
+        job.input_amax,
+        ids,
+        options,
+        block=job.block,
+        nvfp4=nvfp4,
+        reference=job.reference,
+    )
+    plan = _plan_with(source, options, job.keep_bf16_origin, found.rules)
+    _check_format_carries(plan, options, found.rules, source.config)
+    spec = formats.get(options.format, plan.quant_of(plan.quantized[0]) if plan.quantized else options.quant)
+    input_amax, origin = job.input_amax, job.input_amax_origin
+    if plan.has_input_scales:
+        input_amax = {m: input_amax[m] for m in plan.quantized}
+    else:
+        input_amax, origin = None, "none (weight-only)"
+    gptq, record = job.gptq, job.gptq_record
+    if gptq is not None:  # the records of the linears left in an NVFP4 format
+        rounded = {m for m in plan.quantized if plan.quant_of(m) in formats.NVFP4_QUANTS}
+        gptq = dataclasses.replace(gptq, errors={m: e for m, e in gptq.errors.items() if m in rounded})
+        record = gptq_record(
+            damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors, block_scales=options.gptq_block_scales
+        )
+    return dataclasses.replace(
+        job,
+        plan=plan,
+        spec=spec,
+        group_amax={g: a for g, a in job.group_amax.items() if g in plan.groups},
+        input_amax=input_amax,
+        input_amax_origin=origin,
+        gptq=gptq,
+        gptq_record=record,
+        auto_precision=found,
+        auto_precision_seconds=time.perf_counter() - start,
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _plan_with(source: Checkpoint, options: ExportOptions, keep_bf16_origin: Mapping[str, str], rules) -> ExportPlan:
+    """The plan of these per-linear rules (the precision files', or the search's that replace them)."""
+    return make_plan(
+        source.config,
+        options.quant,
+        precision_map=source.precision_map,
+        keep_bf16=options.keep_bf16 + tuple(keep_bf16_origin),
+        keep_bf16_origin=dict(keep_bf16_origin),
+        rules=rules,
+    )
 
 
 def _check_options(options: ExportOptions) -> None:
@@ -358,6 +411,10 @@ def _check_options(options: ExportOptions) -> None:
         )
     if options.auto_precision is not None:
         _check_auto(options)
+    elif options.auto_precision_samples is not None:
+        raise NVFP4UsageError(
+            f"--auto-precision-samples {options.auto_precision_samples} sizes the search: it needs --auto-precision KL"
+        )
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
@@ -430,11 +487,9 @@ def _check_auto(options: ExportOptions) -> None:
             f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
             "search measures the BF16 KV cache); export with --kv-cache none"
         )
-    if options.weight_rounding == "gptq":
-        raise NVFP4UsageError(
-            f"--auto-precision {target:g} with --weight-rounding gptq is not supported yet (the search measures "
-            "round-to-nearest weights, not GPTQ's); export with --weight-rounding rtn"
-        )
+    samples = options.auto_precision_samples
+    if samples is not None and not (isinstance(samples, int) and samples >= 1):
+        raise NVFP4UsageError(f"--auto-precision-samples must be a whole number >= 1, got {samples}")
     if options.quant not in LADDERS:
         raise NVFP4UsageError(f"--auto-precision searches from --quant {', '.join(LADDERS)}, not {options.quant}")
 

@@ -22,7 +22,7 @@ from converters.atomic import atomic_output_dir
 from converters.hf import AUX_FILE_PATTERNS, SINGLE_FILE, parse_size, plan_shards
 from nvfp4tool import progress
 from nvfp4tool.export.auto_precision import write_search
-from nvfp4tool.export.job import ExportJob, ExportOptions, prepare_job, with_gptq
+from nvfp4tool.export.job import ExportJob, ExportOptions, prepare_job, with_gptq, with_search
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.provenance import build_record
 from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, quantizer_for
@@ -104,6 +104,8 @@ def export_checkpoint(src: str, out: str, options: ExportOptions = ExportOptions
             spill_dir = os.path.join(tmp, GPTQ_SPILL_DIR)
             os.mkdir(spill_dir)
             job = with_gptq(job, spill_dir)
+        if job.awaits_search:  # after GPTQ: its records are the base format's weights it measures
+            job = with_search(job)
         summary = _write(job, tmp)
         if job.gptq is not None:
             shutil.rmtree(spill_dir)  # not published

@@ -315,3 +315,4 @@ class AutoPrecisionRecord(Record):
     precision_file: str  # the result as `--precision-file` text
     seconds: float
     units_per_second: float  # sensitivity measurements (unit x format) per second
+    weight_rounding: str = "rtn"  # the NVFP4 weights measured and written: rtn | gptq (the GPTQ pass's records)

@@ -4,6 +4,7 @@ written export measured independently, the combination correction, the refusals,
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -29,6 +30,7 @@ from nvfp4tool.records.export import AUTO_PRECISION_PNG, AutoPrecisionRecord
 from nvfp4tool.validate.runner import searched_target
 
 from fixtures.hf_fixtures import build_tiny_model
+from fixtures.mixed_fixtures import stored_tensors
 
 PLANTED = "model.layers.1.self_attn.qkv"
 TARGET = 0.02  # uniform W4A4 measures ~0.038 on these windows; the planted unit alone ~0.022 of it
@@ -69,13 +71,9 @@ def test_the_written_export_serves_the_recorded_kl_on_calibration(auto):
     """The export as written (load_export, whole-model forward, served numerics) against the BF16
     source on the calibration windows: the KL the search recorded, within the margin."""
     record = AutoPrecisionRecord.read(auto["out"])
-    ids = np.load(auto["calib"]).astype(np.int32)
     config = ModelConfig.from_hf_folder(auto["src"])
-    source = model_from_tensors(config, HFFolderSource(auto["src"]), dtype=None, compute_dtype=jnp.float32)
-    reference = np.asarray(forward(source, ids, linear=served_linear))
+    kl = _served_kl(auto["src"], auto["out"], np.load(auto["calib"]))
     exported = load_export(auto["out"])
-    served = np.asarray(forward(exported.model(jnp.float32), ids, linear=served_linear))
-    kl = float(metrics.token_kl(reference, served).mean())
     final = record.steps[-1]
     assert kl == pytest.approx(final.measured_kl, rel=1e-3)
     assert kl <= MARGIN * TARGET and record.met
@@ -86,6 +84,52 @@ def test_the_written_export_serves_the_recorded_kl_on_calibration(auto):
     bits = sum(weights[m] * BITS[stored[m]] for m in weights) / sum(weights.values())
     assert bits == pytest.approx(final.bits_per_weight) and bits < BITS["fp8"]
     assert stored[f"{PLANTED[: -len('qkv')]}q_proj"] != "nvfp4"
+
+
+def _served_kl(src: str, out: str, ids) -> float:
+    """The export as written (load_export, whole-model forward, served numerics) against the BF16
+    source: mean KL on the windows `ids`."""
+    ids = np.asarray(ids).astype(np.int32)
+    config = ModelConfig.from_hf_folder(src)
+    source = model_from_tensors(config, HFFolderSource(src), dtype=None, compute_dtype=jnp.float32)
+    reference = np.asarray(forward(source, ids, linear=served_linear))
+    served = np.asarray(forward(load_export(out).model(jnp.float32), ids, linear=served_linear))
+    return float(metrics.token_kl(reference, served).mean())
+
+
+def test_gptq_search_measures_and_writes_the_uniform_gptq_records(auto, tmp_path):
+    """--weight-rounding gptq: the search's NVFP4 weights are the GPTQ pass's records (on every
+    calibration window), scored on the first --auto-precision-samples windows: the uniform point it
+    recorded is the uniform GPTQ export served, each linear it left in NVFP4 is that export's bytes,
+    and the written mix serves the recorded KL."""
+    src, calib = auto["src"], auto["calib"]
+    sized = ["--calib-data", calib, "--calib-samples", "2", "--calib-seq-len", "16", "--weight-rounding", "gptq"]
+    runner, out, uniform = CliRunner(), str(tmp_path / "auto-gptq"), str(tmp_path / "gptq")
+    result = runner.invoke(
+        cli, ["export", src, "--out", out, "--auto-precision", str(TARGET), "--auto-precision-samples", "1", *sized]
+    )
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["export", src, "--out", uniform, *sized])
+    assert result.exit_code == 0, result.output
+    record = AutoPrecisionRecord.read(out)
+    first = np.load(calib)[:1]
+    assert record.weight_rounding == "gptq" and record.windows == [1, 16] and record.met
+    assert record.uniform["nvfp4"]["kl"] == pytest.approx(_served_kl(src, uniform, first), rel=1e-3)
+    assert record.uniform["nvfp4"]["kl"] != pytest.approx(AutoPrecisionRecord.read(auto["out"]).uniform["nvfp4"]["kl"])
+    assert _served_kl(src, out, first) == pytest.approx(record.steps[-1].measured_kl, rel=1e-3)
+    exported, gptq = load_export(out), load_export(uniform)
+    mine, theirs = stored_tensors(out), stored_tensors(uniform)
+    kept = [m for m in exported.quantized if exported.quant_of(m) == "nvfp4"]
+    assert 0 < len(kept) < len(gptq.quantized)
+    for module in kept:
+        names = [n for n in theirs if n.startswith(f"{module}.")]
+        assert len(names) >= 3
+        for name in names:
+            assert mine[name] == theirs[name], name
+    with open(os.path.join(out, "nvfp4tool_export.json")) as f:
+        written = json.load(f)
+    assert written["calibration"]["samples"] == 2  # GPTQ's Hessians and the input amax: every window
+    assert {m for m, e in written["layers"].items() if e["output_rel_err"] is not None} == set(kept)
 
 
 def test_plan_equals_its_precision_file_text_read_back(auto, tmp_path):
@@ -198,8 +242,10 @@ def test_refusals_name_the_option(auto, tmp_path):
     assert result.exit_code == 2 and "drop --precision-file" in result.output
     result = runner.invoke(cli, [*with_calib, "--kv-cache", "fp8"])
     assert result.exit_code == 2 and "--kv-cache fp8 is not supported yet" in result.output
-    result = runner.invoke(cli, [*with_calib, "--weight-rounding", "gptq"])
-    assert result.exit_code == 2 and "with --weight-rounding gptq is not supported yet" in result.output
+    result = runner.invoke(cli, [*base, "--auto-precision-samples", "2"])
+    assert result.exit_code == 2 and "--auto-precision-samples 2 sizes the search" in result.output
+    result = runner.invoke(cli, [*with_calib, "--auto-precision-samples", "0"])
+    assert result.exit_code == 2 and "--auto-precision-samples" in result.output
     result = runner.invoke(cli, [*with_calib, "--quant", "fp8-block"])
     assert result.exit_code == 2 and "searches from --quant nvfp4, nvfp4-weight-only, fp8" in result.output
     assert not (tmp_path / "o").exists()
