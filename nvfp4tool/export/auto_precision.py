@@ -186,24 +186,30 @@ def search_precision(
 
 def upgrade_search(
     weights: Mapping[str, int],
-    ladder: tuple[str, ...],
+    ladder: tuple[str, ...] | Mapping[str, tuple[str, ...]],
     alone: Mapping[str, Mapping[str, float]],
     measure: Callable[[dict[str, str]], float],
     kl_target: float,
     *,
     margin: float = MARGIN,
     known: Mapping[str, float] | None = None,
+    bits_of: Callable[[str, str], float] | None = None,
+    label: str = "auto-precision",
     floor: float = 0.0,
 ) -> tuple[list[AutoSearchStep], dict[str, str]]:
-    """(the measured steps, the final {unit: format}): every unit starts at ladder[0]; while the
-    last measured KL is above margin x target, units are upgraded (the most KL saved per added bit
-    first, by `alone[unit][format]`) until the predicted sum times the correction (measured /
-    predicted of the last mix) is within it, and the mix is measured (`measure`). Stops met or with
-    every unit at ladder[-1]. `known`: {format: KL} of uniform mixes already measured. `floor`: the
-    KL every unit at ladder[-1] measures (`alone[u][ladder[-1]]`; the FP8 KV cache's, else 0): each
-    unit adds its KL above it (the prediction is floor + the sum of alone - floor)."""
+    """(the measured steps, the final {unit: format}): each unit starts at the first rung of its
+    ladder (`ladder`: one for every unit, or {unit: its own}); while the last measured KL is above
+    margin x target, units are upgraded (the most KL saved per added bit first, by
+    `alone[unit][format]`) until the predicted sum times the correction (measured / predicted of the
+    last mix) is within it, and the mix is measured (`measure`). Stops met or with every unit at the
+    top of its ladder. `known`: {format: KL} of uniform mixes already measured. `bits_of(unit,
+    format)`: the bits a unit takes in a format (default weights x `BITS`); `label` starts its lines.
+    `floor`: the KL every unit at the top of its ladder measures (`alone[u][top]`; the FP8 KV
+    cache's, else 0): each unit adds its KL above it (the prediction is floor + the sum of alone - floor)."""
+    ladders = ladder if isinstance(ladder, Mapping) else dict.fromkeys(weights, tuple(ladder))
+    bits_of = bits_of or (lambda u, f: weights[u] * BITS[f])
     goal, total = margin * kl_target, sum(weights.values())
-    assign = dict.fromkeys(weights, ladder[0])
+    assign = {u: ladders[u][0] for u in weights}
     steps: list[AutoSearchStep] = []
     correction, upgraded = 1.0, {}
 
@@ -214,10 +220,10 @@ def upgrade_search(
         uniform = len(set(trial.values())) == 1 and next(iter(trial.values()))
         measured = (known or {}).get(uniform) if uniform else None
         measured = measure(dict(trial)) if measured is None else measured
-        bits = sum(weights[u] * BITS[trial[u]] for u in weights) / total
+        bits = sum(bits_of(u, trial[u]) for u in weights) / total
         found = AutoSearchStep(dict(changed), predicted(trial), correction, measured, bits, kind)
         progress.info(
-            f"auto-precision: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
+            f"{label}: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
             f"{correction * found.predicted_kl:.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
         )
         return found
@@ -225,12 +231,12 @@ def upgrade_search(
     while True:
         steps.append(step(upgraded, "upgrade" if steps else "start", assign))
         measured = steps[-1].measured_kl
-        if measured <= goal or all(f == ladder[-1] for f in assign.values()):
+        if measured <= goal or all(f == ladders[u][-1] for u, f in assign.items()):
             break
         correction = measured / predicted(assign) if predicted(assign) > 0 else math.inf
         upgraded = {}
         while not upgraded or correction * predicted(assign) > goal:
-            choice = _best_upgrade(assign, weights, ladder, alone)
+            choice = _best_upgrade(assign, ladders, alone, bits_of)
             if choice is None:
                 break
             assign[choice[0]] = upgraded[choice[0]] = choice[1]
@@ -239,16 +245,17 @@ def upgrade_search(
 
     # prune: an upgrade the last round made in bulk may be unneeded (the KLs do not add); each upgraded
     # unit, the most bits saved per predicted KL added first, goes one rung down if the mix still meets it
+    def lower(u: str) -> str:
+        return ladders[u][ladders[u].index(assign[u]) - 1]
+
     def saving(u: str) -> float:
-        lower = ladder[ladder.index(assign[u]) - 1]
-        return weights[u] * (BITS[assign[u]] - BITS[lower]) / max(alone[u][lower] - alone[u][assign[u]], 1e-30)
+        return (bits_of(u, assign[u]) - bits_of(u, lower(u))) / max(alone[u][lower(u)] - alone[u][assign[u]], 1e-30)
 
     def without(u: str) -> AutoSearchStep:
-        lower = ladder[ladder.index(assign[u]) - 1]
-        return step({u: lower}, "prune", {**assign, u: lower})
+        return step({u: lower(u)}, "prune", {**assign, u: lower(u)})
 
     for u, trial in prune_pass(
-        sorted((u for u in assign if assign[u] != ladder[0]), key=lambda u: -saving(u)),
+        sorted((u for u in assign if assign[u] != ladders[u][0]), key=lambda u: -saving(u)),
         without,
         lambda t: t.measured_kl <= goal,
     ):
@@ -258,7 +265,7 @@ def upgrade_search(
 
 
 def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
-    """The one prune rule of the precision searches (this one and `validate --sensitivity`'s): each
+    """The prune rule of `upgrade_search` (the one search, `validate --sensitivity`'s too): each
     candidate in turn, the measured `trial_without(candidate)` (made from the state as pruned so far)
     is kept, and yielded as (candidate, trial) for the caller to apply, when `meets(trial)`."""
     for candidate in candidates:
@@ -267,14 +274,14 @@ def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
             yield candidate, trial
 
 
-def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
+def _best_upgrade(assign, ladders, alone, bits_of) -> tuple[str, str] | None:
     """(unit, format) of the upgrade saving the most predicted KL per added bit (one saving KL
-    before one that does not); None when every unit is at the top."""
+    before one that does not); None when every unit is at the top of its ladder."""
     best, key = None, None
     for u, now in assign.items():
-        for f in ladder[ladder.index(now) + 1 :]:
+        for f in ladders[u][ladders[u].index(now) + 1 :]:
             gain = alone[u][now] - alone[u][f]
-            cost = weights[u] * (BITS[f] - BITS[now])
+            cost = bits_of(u, f) - bits_of(u, now)
             k = (gain > 0, gain / cost if cost > 0 else math.inf, gain)
             if key is None or k > key:
                 best, key = (u, f), k

@@ -91,16 +91,16 @@ class Failure(Record):
 @dataclasses.dataclass(frozen=True)
 class GroupHarm(Record):
     group: str
-    kl_mean_alone: float  # mean KL when only this fused group is quantized
+    kl_mean_alone: float  # mean KL when only this unit (scheme group) is quantized
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchStep(Record):
-    """One model the search measured: the fused groups kept in BF16, its mean KL and its size."""
+    """One model the search measured: the units (scheme groups) kept in BF16, its mean KL and its size."""
 
     kept: list[str]
     kl_mean: float
-    step: str = "keep"  # "start" (nothing kept) | "keep" (a group added) | "prune" (a group dropped again)
+    step: str = "keep"  # "start" (nothing kept) | "keep" (a round's units added) | "prune" (one dropped again)
     bits_per_weight: float | None = None  # the searched linears: weights + scales, bits per weight
     bits_per_parameter: float | None = None  # the whole model as it would be exported
 
@@ -114,7 +114,7 @@ class SearchStep(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity(Record):
-    """The greedy search for the layers to keep in BF16 (`validate --sensitivity`): the last step
+    """The search for the layers to keep in BF16 (`validate --sensitivity`, export's `upgrade_search`): the last step
     of `trajectory` is the result."""
 
     kl_target: float

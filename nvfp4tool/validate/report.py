@@ -203,12 +203,14 @@ def print_report(record: ValidationRecord, console) -> None:
 
 
 def _sensitivity_table(found) -> Any:
-    """--sensitivity: each fused group's harm (mean KL with only it quantized), most harmful first,
-    whether the search kept it in BF16, and the model's KL after each step of the search."""
+    """--sensitivity: each unit's harm (mean KL with only it quantized), most harmful first,
+    whether the search kept it in BF16, and the model's KL after the step that kept it (a step may
+    keep several)."""
     from rich.table import Table
 
     first, last = found.trajectory[0], found.trajectory[-1]
-    after = {step.kept[-1]: step.kl_mean for step in found.trajectory if step.step == "keep"}
+    keeps = [step for step in found.trajectory if step.step == "keep"]
+    after = {g: step.kl_mean for step in reversed(keeps) for g in step.kept}  # the first step keeping g
     pruned = {g for step in found.trajectory if step.step == "prune" for g in after if g not in step.kept}
     table = Table(
         title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "
