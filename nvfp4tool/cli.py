@@ -1118,7 +1118,7 @@ def validate_command(
         keep_file = os.path.join(export, KEEP_BF16_TXT)
         click.echo(
             f"the {len(found.keep_bf16)} pattern(s) are in {keep_file}; export with them:\n  "
-            + export_with_file(run.source_path, keep_file)
+            + export_with_file(run.source_path, keep_file, found)
         )
     click.echo(f"wrote {', '.join(run.files)}")
     if not record.passed:

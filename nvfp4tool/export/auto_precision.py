@@ -8,7 +8,8 @@ A unit is what serving runs with one scheme (`families.scheme_group`). Its sensi
 the calibration KL vs BF16 with only it in that format, run from its layer's cached BF16 input
 (`LayerwiseModel.logits_from`). `upgrade_search` upgrades units up `LADDERS[--quant]` by KL saved
 per bit until the additive prediction, times measured / predicted of the last measured mix, is
-within MARGIN x KL; every mix is measured whole, as served (`BITS`: the bits rule).
+within MARGIN x KL; every mix is measured whole, as served (`BITS`: the bits rule), with the FP8
+KV cache the export writes when it writes one (`kv_amax`; the BF16 reference without).
 Design notes: docs/design/export.md.
 """
 
@@ -27,9 +28,16 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.errors import NVFP4ToolError
 from nvfp4tool.export.plan import ExportPlan
-from nvfp4tool.export.quantizers import FP8_QUANTIZERS, WeightQuantizer, input_decode_scale
+from nvfp4tool.export.quantizers import FP8_QUANTIZERS, WeightQuantizer, input_decode_scale, kv_decode_scales
 from nvfp4tool.export.serving_folder import plain_copy
-from nvfp4tool.export.simulate import FP8BlockWeight, FP8Weight, NVFP4Weight, _quantize_input, served_linear
+from nvfp4tool.export.simulate import (
+    FP8BlockWeight,
+    FP8Weight,
+    NVFP4Weight,
+    ServedKVTap,
+    _quantize_input,
+    served_linear,
+)
 from nvfp4tool.families import group_glob, layer_index, scheme_group
 from nvfp4tool.formats import BITS, NVFP4_QUANTS, STATIC_INPUT_QUANTS
 from nvfp4tool.formats.precision_file import PrecisionRule, format_precision_file, parse_precision_text
@@ -55,6 +63,7 @@ MARGIN = 0.9  # the search stops at measured KL <= MARGIN x target (calibration 
 UNIFORM = ("nvfp4", "nvfp4-weight-only", "fp8")  # the uniform exports measured as points of the curve (+ the base)
 BATCH = 8  # windows per forward
 _INPUT_MODE = {"nvfp4": 1, "fp8": 2, "fp8-block": 3}  # the served input quantizer of a format (0: none)
+KV_AUX = "kv_cache"  # the layer aux's entry of its FP8 KV-cache scales (no linear is named so)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +89,16 @@ def search_precision(
     block: str,
     nvfp4: WeightQuantizer,
     reference=None,
+    kv_amax: Mapping[str, tuple[float, float]] | None = None,
 ) -> AutoPrecision:
     """The search over `plan.quantized` (the base --quant plan) on the calibration windows
     `ids_SxL` (see the module docstring); `input_amax` of every quantized linear; `nvfp4`: the
     export's NVFP4 quantizer (`quantizers.nvfp4_quantizer`: the scale search, or GPTQ's records),
     whose NVFP4 weights are measured and then written (FP8 / fp8-block: the writer's `FP8_QUANTIZERS`). `reference`: the
     tensors the KL is measured against (default `source.tensors`; --equalize: the unfolded source,
-    as validate measures). NVFP4ToolError in one line when even every unit in BF16 misses the target."""
+    as validate measures). `kv_amax` (--kv-cache fp8: attention -> calibrated (K, V) amax): every
+    measured model runs the FP8 KV cache the export writes from them, the reference does not.
+    NVFP4ToolError in one line when even every unit in BF16 misses the target."""
     start = time.perf_counter()
     target, base = float(options.auto_precision), options.quant
     ladder = LADDERS[base]
@@ -105,18 +117,29 @@ def search_precision(
     written = _AsWritten(tensors, config.family_spec)
     variants = _Variants(tensors, written, plan, nvfp4, input_amax)
     model = _open(config, written, ids_SxL, options.offload, "the source as exported")
-    tap = _Assigned()
-    all_bf16 = lambda i: variants.aux(i, {})  # noqa: E731
-    inputs = model.layer_inputs(ids_SxL, BATCH, tap=tap, aux=all_bf16, label="auto-precision: layer inputs")
+    tap, kv = _Assigned(), _KVCache(config, kv_amax or {})
+    aux_of = lambda formats: lambda i: kv.aux(i, variants.aux(i, formats))  # noqa: E731
+    inputs = model.layer_inputs(
+        ids_SxL, BATCH, tap=tap, aux=aux_of({}), kv_tap=kv.tap, label="auto-precision: layer inputs"
+    )
 
     def kl(layer: int, formats: Mapping[str, str], label: str) -> float:
-        runs = model.logits_from(inputs, layer, tap=tap, aux=lambda i: variants.aux(i, formats), label=label)
+        runs = model.logits_from(inputs, layer, tap=tap, aux=aux_of(formats), kv_tap=kv.tap, label=label)
         return float(np.concatenate([metrics.token_kl(reference[s], np.asarray(x)).ravel() for s, x in runs]).mean())
 
     def modules(assign: Mapping[str, str]) -> dict[str, str]:
         return {m: f for u, f in assign.items() for m in units[u]}
 
-    alone = {u: {"bf16": 0.0} for u in units}
+    # every unit in BF16: KL 0 by the rule (not run), or with the FP8 KV cache what it alone costs
+    floor = kl(0, {}, "auto-precision: FP8 KV cache") if kv.tap else 0.0
+    if floor > MARGIN * target:
+        raise NVFP4ToolError(
+            f"--auto-precision {target:g}: not met: the FP8 KV cache alone (every linear in BF16) gives "
+            f"calibration KL {floor:.4g} > {MARGIN:g} x {target:g}; raise the target or export with --kv-cache none"
+        )
+    if kv.tap:
+        progress.info(f"auto-precision: every linear in BF16 with the FP8 KV cache: calibration KL {floor:.4g}")
+    alone = {u: {"bf16": floor} for u in units}
     candidates = [(u, f) for u in units for f in ladder[:-1]]
     sensitivity_start = time.perf_counter()
     with progress.task("auto-precision: sensitivity", total=len(candidates), unit="unit") as task:
@@ -131,7 +154,9 @@ def search_precision(
         found = measure(dict.fromkeys(units, f))
         uniform[f] = {"kl": found, "bits_per_weight": BITS[f]}
         progress.info(f"auto-precision: uniform {f}: calibration KL {found:.4g}, {BITS[f]:g} bits per weight")
-    steps, assign = upgrade_search(weights, ladder, alone, measure, target, known={base: uniform[base]["kl"]})
+    steps, assign = upgrade_search(
+        weights, ladder, alone, measure, target, known={base: uniform[base]["kl"]}, floor=floor
+    )
     last = steps[-1]
     met = last.measured_kl <= MARGIN * target
     samples, seq_len = ids_SxL.shape
@@ -139,9 +164,9 @@ def search_precision(
         raise NVFP4ToolError(
             f"--auto-precision {target:g}: not met: calibration KL {last.measured_kl:.4g} > {MARGIN:g} x "
             f"{target:g} with every one of the {len(units)} units in {ladder[-1]} (a KL the model's BF16 "
-            f"numerics alone give); raise the target"
+            f"numerics{kv.words} alone give); raise the target"
         )
-    text = precision_text(assign, units, base, target, last, (samples, seq_len), options.weight_rounding)
+    text = precision_text(assign, units, base, target, last, (samples, seq_len), options.weight_rounding, kv.words)
     record = AutoPrecisionRecord(
         kl_target=target,
         margin=MARGIN,
@@ -156,10 +181,12 @@ def search_precision(
         precision_file=text,
         seconds=time.perf_counter() - start,
         units_per_second=rate,
+        kv_cache="fp8" if kv.tap else None,
+        kv_cache_kl=floor if kv.tap else None,
         weight_rounding=options.weight_rounding,
     )
     progress.info(
-        f"auto-precision: calibration KL {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
+        f"auto-precision: calibration KL{kv.words} {last.measured_kl:.4g} <= {MARGIN:g} x {target:g} at "
         f"{last.bits_per_weight:.3f} bits per weight ({sum(1 for f in assign.values() if f != base)} of "
         f"{len(units)} units upgraded; {len(steps)} mixes measured; {total} weights)"
     )
@@ -168,37 +195,44 @@ def search_precision(
 
 def upgrade_search(
     weights: Mapping[str, int],
-    ladder: tuple[str, ...],
+    ladder: tuple[str, ...] | Mapping[str, tuple[str, ...]],
     alone: Mapping[str, Mapping[str, float]],
     measure: Callable[[dict[str, str]], float],
     kl_target: float,
     *,
     margin: float = MARGIN,
     known: Mapping[str, float] | None = None,
+    bits_of: Callable[[str, str], float] | None = None,
+    label: str = "auto-precision",
+    floor: float = 0.0,
 ) -> tuple[list[AutoSearchStep], dict[str, str]]:
-    """(the measured steps, the final {unit: format}): every unit starts at ladder[0]; while the
-    last measured KL is above margin x target, units are upgraded (the most KL saved per added bit
-    first, by `alone[unit][format]`) until the predicted sum times the correction (measured /
-    predicted of the last mix) is within it, and the mix is measured (`measure`). Stops met or with
-    every unit at ladder[-1]. `known`: {format: KL} of uniform mixes already measured."""
+    """(the measured steps, the final {unit: format}): each unit starts at the first rung of its
+    ladder (`ladder`: one for every unit, or {unit: its own}); while the last measured KL is above
+    margin x target, units are upgraded (the most KL saved per added bit first, by
+    `alone[unit][format]`) until the predicted sum times the correction (measured / predicted of the
+    last mix) is within it, and the mix is measured (`measure`). Stops met or with every unit at the
+    top of its ladder. `known`: {format: KL} of uniform mixes already measured. `bits_of(unit,
+    format)`: the bits a unit takes in a format (default weights x `BITS`); `label` starts its lines.
+    `floor`: the KL every unit at the top of its ladder measures (`alone[u][top]`; the FP8 KV
+    cache's, else 0): each unit adds its KL above it (the prediction is floor + the sum of alone - floor)."""
+    ladders = ladder if isinstance(ladder, Mapping) else dict.fromkeys(weights, tuple(ladder))
+    bits_of = bits_of or (lambda u, f: weights[u] * BITS[f])
     goal, total = margin * kl_target, sum(weights.values())
-    assign = dict.fromkeys(weights, ladder[0])
+    assign = {u: ladders[u][0] for u in weights}
     steps: list[AutoSearchStep] = []
     correction, upgraded = 1.0, {}
 
-    def predicted() -> float:
-        return sum(alone[u][assign[u]] for u in weights)
+    def predicted(trial: Mapping[str, str]) -> float:
+        return floor + sum(alone[u][trial[u]] - floor for u in weights)
 
     def step(changed: dict[str, str], kind: str, trial: dict[str, str]) -> AutoSearchStep:
         uniform = len(set(trial.values())) == 1 and next(iter(trial.values()))
         measured = (known or {}).get(uniform) if uniform else None
         measured = measure(dict(trial)) if measured is None else measured
-        bits = sum(weights[u] * BITS[trial[u]] for u in weights) / total
-        found = AutoSearchStep(
-            dict(changed), sum(alone[u][trial[u]] for u in weights), correction, measured, bits, kind
-        )
+        bits = sum(bits_of(u, trial[u]) for u in weights) / total
+        found = AutoSearchStep(dict(changed), predicted(trial), correction, measured, bits, kind)
         progress.info(
-            f"auto-precision: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
+            f"{label}: {kind} {len(steps)}: {len(changed)} unit(s) changed, predicted KL "
             f"{correction * found.predicted_kl:.4g}, measured {measured:.4g}, {bits:.3f} bits per weight"
         )
         return found
@@ -206,12 +240,12 @@ def upgrade_search(
     while True:
         steps.append(step(upgraded, "upgrade" if steps else "start", assign))
         measured = steps[-1].measured_kl
-        if measured <= goal or all(f == ladder[-1] for f in assign.values()):
+        if measured <= goal or all(f == ladders[u][-1] for u, f in assign.items()):
             break
-        correction = measured / predicted() if predicted() > 0 else math.inf
+        correction = measured / predicted(assign) if predicted(assign) > 0 else math.inf
         upgraded = {}
-        while not upgraded or correction * predicted() > goal:
-            choice = _best_upgrade(assign, weights, ladder, alone)
+        while not upgraded or correction * predicted(assign) > goal:
+            choice = _best_upgrade(assign, ladders, alone, bits_of)
             if choice is None:
                 break
             assign[choice[0]] = upgraded[choice[0]] = choice[1]
@@ -220,16 +254,17 @@ def upgrade_search(
 
     # prune: an upgrade the last round made in bulk may be unneeded (the KLs do not add); each upgraded
     # unit, the most bits saved per predicted KL added first, goes one rung down if the mix still meets it
+    def lower(u: str) -> str:
+        return ladders[u][ladders[u].index(assign[u]) - 1]
+
     def saving(u: str) -> float:
-        lower = ladder[ladder.index(assign[u]) - 1]
-        return weights[u] * (BITS[assign[u]] - BITS[lower]) / max(alone[u][lower] - alone[u][assign[u]], 1e-30)
+        return (bits_of(u, assign[u]) - bits_of(u, lower(u))) / max(alone[u][lower(u)] - alone[u][assign[u]], 1e-30)
 
     def without(u: str) -> AutoSearchStep:
-        lower = ladder[ladder.index(assign[u]) - 1]
-        return step({u: lower}, "prune", {**assign, u: lower})
+        return step({u: lower(u)}, "prune", {**assign, u: lower(u)})
 
     for u, trial in prune_pass(
-        sorted((u for u in assign if assign[u] != ladder[0]), key=lambda u: -saving(u)),
+        sorted((u for u in assign if assign[u] != ladders[u][0]), key=lambda u: -saving(u)),
         without,
         lambda t: t.measured_kl <= goal,
     ):
@@ -239,7 +274,7 @@ def upgrade_search(
 
 
 def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
-    """The one prune rule of the precision searches (this one and `validate --sensitivity`'s): each
+    """The prune rule of `upgrade_search` (the one search, `validate --sensitivity`'s too): each
     candidate in turn, the measured `trial_without(candidate)` (made from the state as pruned so far)
     is kept, and yielded as (candidate, trial) for the caller to apply, when `meets(trial)`."""
     for candidate in candidates:
@@ -248,14 +283,14 @@ def prune_pass(candidates, trial_without, meets) -> Iterator[tuple]:
             yield candidate, trial
 
 
-def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
+def _best_upgrade(assign, ladders, alone, bits_of) -> tuple[str, str] | None:
     """(unit, format) of the upgrade saving the most predicted KL per added bit (one saving KL
-    before one that does not); None when every unit is at the top."""
+    before one that does not); None when every unit is at the top of its ladder."""
     best, key = None, None
     for u, now in assign.items():
-        for f in ladder[ladder.index(now) + 1 :]:
+        for f in ladders[u][ladders[u].index(now) + 1 :]:
             gain = alone[u][now] - alone[u][f]
-            cost = weights[u] * (BITS[f] - BITS[now])
+            cost = bits_of(u, f) - bits_of(u, now)
             k = (gain > 0, gain / cost if cost > 0 else math.inf, gain)
             if key is None or k > key:
                 best, key = (u, f), k
@@ -263,10 +298,11 @@ def _best_upgrade(assign, weights, ladder, alone) -> tuple[str, str] | None:
 
 
 def precision_text(
-    assign, units, base: str, target: float, last: AutoSearchStep, windows, weight_rounding: str = "rtn"
+    assign, units, base: str, target: float, last: AutoSearchStep, windows, weight_rounding: str = "rtn", kv: str = ""
 ) -> str:
-    """The result as a precision file (`format_precision_file`): a comment saying what was searched,
-    then one line per upgraded unit (its fused group's pattern, or its modules)."""
+    """The result as a precision file (`format_precision_file`): a comment saying what was searched
+    (`kv`: " with the FP8 KV cache" when it ran with it), then one line per upgraded unit (its fused
+    group's pattern, or its modules)."""
     rules = []
     for u, f in assign.items():
         if f == base:
@@ -275,7 +311,7 @@ def precision_text(
         rules += [PrecisionRule(pattern, f)] if pattern else [PrecisionRule(m, f) for m in units[u]]
     comments = [
         f"nvfp4tool export --auto-precision {target:g} (--quant {base}, --weight-rounding {weight_rounding}): "
-        f"calibration KL "
+        f"calibration KL{kv} "
         f"{last.measured_kl:.4g} <= {MARGIN:g} x target on {windows[0]} x {windows[1]} tokens, "
         f"{last.bits_per_weight:.3f} bits per weight over the quantized linears",
         f"modules no line names take --quant {base}",
@@ -320,7 +356,8 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
         ax.set_yscale("log")
     ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, fp8-block 8.002, BF16 16)")
     ax.set_ylabel("mean KL vs BF16 (nats), calibration windows")
-    ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens")
+    kv = ", FP8 KV cache" if record.kv_cache else ""
+    ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens{kv}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -405,6 +442,24 @@ class _Variants:
                 stored = NVFP4Weight(r["weight"], r["block_scale"], r["weight_global"], None)
             self._cache[(module, kind)] = stored.dequantize()
         return {**entry, "w": self._cache[(module, kind)]}
+
+
+class _KVCache:
+    """The FP8 KV cache a mix runs (--kv-cache fp8): each attention layer's (K, V) decode scales as
+    the export writes them from the calibrated amax (`quantizers.kv_decode_scales`), carried in the
+    layer's aux beside its linears' entries (`ServedKVTap(key=KV_AUX)`); none without `kv_amax`."""
+
+    def __init__(self, config, kv_amax: Mapping[str, tuple[float, float]]) -> None:
+        attention = {i: config.modules.attention(i) for i in range(config.num_layers)}
+        self._scales = {i: kv_decode_scales(kv_amax[a]) for i, a in attention.items() if a is not None and kv_amax}
+        self.tap = ServedKVTap(key=KV_AUX) if kv_amax else None
+        self.words = " with the FP8 KV cache" if kv_amax else ""  # how lines say it
+
+    def aux(self, layer: int | None, entries: dict) -> dict:
+        """Layer `layer`'s aux: its linears' `entries`, and its K / V scales where it has attention."""
+        if layer not in self._scales:
+            return entries
+        return {**entries, KV_AUX: tuple(jnp.asarray(s) for s in self._scales[layer])}
 
 
 class _AsWritten:

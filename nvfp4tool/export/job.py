@@ -307,6 +307,7 @@ def with_search(job: ExportJob) -> ExportJob:
         block=job.block,
         nvfp4=nvfp4,
         reference=job.reference,
+        kv_amax=job.kv_amax,
     )
     plan = _plan_with(source, options, job.keep_bf16_origin, found.rules)
     _check_format_carries(plan, options, found.rules, source.config)
@@ -473,11 +474,6 @@ def _check_auto(options: ExportOptions) -> None:
         raise NVFP4UsageError(
             f"--auto-precision {target:g} chooses every linear's format: drop --precision-file "
             f"{options.precision_file} (--keep-bf16 patterns stay BF16 and are not searched)"
-        )
-    if options.kv_cache != "none":
-        raise NVFP4UsageError(
-            f"--auto-precision {target:g} with --kv-cache {options.kv_cache} is not supported yet (the "
-            "search measures the BF16 KV cache); export with --kv-cache none"
         )
     samples = options.auto_precision_samples
     if samples is not None and not (isinstance(samples, int) and samples >= 1):

@@ -20,7 +20,7 @@ from nvfp4tool.export.gptq_pass import GPTQResult
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.scale_search import quantize_weight
 from nvfp4tool.formats import FP8_GRANULARITY
-from nvfp4tool.numerics import NVFP4Array, dequantize_fp8, nvfp4_global_scales, quantize_fp8
+from nvfp4tool.numerics import NVFP4Array, dequantize_fp8, fp8_decode_scale, nvfp4_global_scales, quantize_fp8
 from nvfp4tool.numerics.constants import E4M3_MAX
 
 
@@ -149,6 +149,13 @@ def input_decode_scale(input_amax: float, quant: str) -> np.ndarray:
         scale = np.float32(input_amax) / np.float32(E4M3_MAX)
         return np.asarray(scale if scale > 0 else np.float32(1.0), np.float32).reshape(())
     return nvfp4_decode_scale(input_amax)
+
+
+def kv_decode_scales(amax_kv: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """The FP8 KV-cache decode scales (K, V) of one attention, fp32 [] each, from its calibrated
+    (K, V) amax: amax / 448 (`numerics.fp8_decode_scale`; ModelOpt's k/v_bmm_quantizer amax / 448)."""
+    k_scale, v_scale = (np.asarray(fp8_decode_scale(a), np.float32).reshape(()) for a in amax_kv)
+    return k_scale, v_scale
 
 
 def _nvfp4_roles(q: NVFP4Array) -> dict[str, np.ndarray]:

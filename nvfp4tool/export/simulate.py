@@ -260,10 +260,13 @@ def served_kv(k_BxTxKVxD: jax.Array, v_BxTxKVxD: jax.Array, scales: KVScales) ->
 
 @dataclasses.dataclass(frozen=True)
 class ServedKVTap:
-    """`model.linear.KVTap` of the FP8 KV cache: the layer's `KVScales` come as its aux."""
+    """`model.linear.KVTap` of the FP8 KV cache: the layer's `KVScales` come as its aux, or as its
+    aux's entry `key` when the aux carries more (a linear tap's per-layer entries beside them)."""
+
+    key: str | None = None
 
     def __call__(self, k, v, *, name, aux):
-        return served_kv(k, v, aux), None
+        return served_kv(k, v, aux if self.key is None else aux[self.key]), None
 
 
 def served_linear(x: jax.Array, w_NxK, b_N: jax.Array | None, *, name: str) -> jax.Array:

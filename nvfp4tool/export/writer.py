@@ -25,10 +25,9 @@ from nvfp4tool.export.auto_precision import write_search
 from nvfp4tool.export.job import ExportJob, ExportOptions, prepare_job, with_gptq, with_search
 from nvfp4tool.export.plan import ExportPlan
 from nvfp4tool.export.provenance import build_record
-from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, quantizer_for
+from nvfp4tool.export.quantizers import WeightQuantizer, input_decode_scale, kv_decode_scales, quantizer_for
 from nvfp4tool.export.serving_folder import ServingFolder, plain_copy, plain_dtype
 from nvfp4tool.formats import LayoutSpec
-from nvfp4tool.numerics import fp8_decode_scale
 from nvfp4tool.records.export import ExportRecord
 
 __all__ = ["ExportOptions", "ExportSummary", "export_checkpoint"]
@@ -244,12 +243,12 @@ class _ModuleLoader:
 
 
 def _kv_scales(kv_amax: dict[str, tuple[float, float]], spec: LayoutSpec) -> dict[str, np.ndarray]:
-    """{tensor name: F32 scale} of every attention's K and V: the FP8 decode scale amax / 448
-    (`numerics.fp8_decode_scale`: ModelOpt's k/v_bmm_quantizer amax / 448), in the layout's shape."""
+    """{tensor name: F32 scale} of every attention's K and V (`quantizers.kv_decode_scales`: amax /
+    448, what the search's FP8 KV cache ran with), in the layout's shape."""
     scales = {}
     for attention, amax_kv in kv_amax.items():
-        for name, amax in zip(spec.kv_scales.names(attention), amax_kv):
-            scales[name] = np.asarray(fp8_decode_scale(amax), np.float32).reshape(spec.kv_scales.shape)
+        for name, scale in zip(spec.kv_scales.names(attention), kv_decode_scales(amax_kv)):
+            scales[name] = scale.reshape(spec.kv_scales.shape)
     return scales
 
 

@@ -449,19 +449,19 @@ def _auto_precision_section(folder: str, validation: ValidationRecord | None) ->
         return []
     found = AutoPrecisionRecord.read(folder)
     last = found.steps[-1]
+    kv = f" with its FP8 KV cache (alone: KL {found.kv_cache_kl:.4g})" if found.kv_cache else ""
     text = (
         f"## Formats chosen by `--auto-precision {found.kl_target:g}`\n\n"
         f"Each linear's format (from {', '.join(found.ladder)}; a fused group as one) was searched for the fewest "
         f"bits per weight whose mean KL vs BF16 on {found.windows[0]} x {found.windows[1]} calibration tokens, "
-        f"the mix run as served, is <= {found.margin:g} x {found.kl_target:g}: reached {last.measured_kl:.4g} at "
+        f"the mix run as served{kv}, is <= {found.margin:g} x {found.kl_target:g}: reached {last.measured_kl:.4g} at "
         f"{last.bits_per_weight:.3f} bits per weight over the quantized linears ({len(found.steps)} mixes measured). "
         f"The search is `{AutoPrecisionRecord.FILE_NAME}` (each unit's KL per format, each step), its KL-vs-bits "
         f"curve `{AUTO_PRECISION_PNG}`; neither holds weights."
     )
     if validation is not None and validation.labels:
-        text += (
-            f" On the held-out validation text the KL mean is {validation.models[validation.labels[0]]['kl_mean']:.4g}."
-        )
+        label = validation.searched_as(found.kv_cache)
+        text += f" On the held-out validation text the KL mean ({label}) is {validation.models[label]['kl_mean']:.4g}."
     return [text]
 
 

@@ -249,11 +249,13 @@ class LayerwiseModel:
         *,
         tap: Tap,
         aux: Callable[[int | None], Any] | None = None,
+        kv_tap: KVTap | None = None,
         label: str = "layer inputs",
     ) -> LayerInputs:
         """Every decoder layer's input hidden states for the windows (`batch_size` at a time), the
-        model run with `tap` and `aux(i)`: for `logits_from`, which runs only the layers from one on.
-        Holds num_layers x S x T x hidden fp32 (the caller sizes the windows)."""
+        model run with `tap`, `kv_tap` (None: the identity) and `aux(i)`: for `logits_from`, which
+        runs only the layers from one on. Holds num_layers x S x T x hidden fp32 (the caller sizes
+        the windows)."""
         ids_SxT = np.asarray(ids_SxT, np.int32)
         starts = list(range(0, len(ids_SxT), batch_size))
         carry = [self._embed(ids_SxT[s : s + batch_size]) for s in starts]
@@ -261,18 +263,25 @@ class LayerwiseModel:
         xs = [x for x, _, _ in carry]
         for i in range(self.config.num_layers):
             inputs.hidden.append(xs)
-            xs = self._layer_outputs(i, xs, inputs.context, tap, (aux or (lambda i: None))(i), label)
+            xs = self._layer_outputs(i, xs, inputs.context, tap, kv_tap, (aux or (lambda i: None))(i), label)
         return inputs
 
     def logits_from(
-        self, inputs: LayerInputs, layer: int, *, tap: Tap, aux: Callable[[int | None], Any], label: str = "forward"
+        self,
+        inputs: LayerInputs,
+        layer: int,
+        *,
+        tap: Tap,
+        aux: Callable[[int | None], Any],
+        kv_tap: KVTap | None = None,
+        label: str = "forward",
     ) -> Iterator[tuple[int, jax.Array]]:
         """(first window index, fp32 logits [B, T, V]) of every batch of `inputs`, run from decoder
-        layer `layer`'s cached input through the later layers and the LM head with `tap` and
-        `aux(i)` (None: the head); the layers before `layer` are not run."""
+        layer `layer`'s cached input through the later layers and the LM head with `tap`, `kv_tap`
+        (None: the identity) and `aux(i)` (None: the head); the layers before `layer` are not run."""
         xs = inputs.hidden[layer]
         for i in range(layer, self.config.num_layers):
-            xs = self._layer_outputs(i, xs, inputs.context, tap, aux(i), label)
+            xs = self._layer_outputs(i, xs, inputs.context, tap, kv_tap, aux(i), label)
         head_aux = self._place(aux(None))
         for s, x in zip(inputs.starts, xs):
             with progress.compiling(
@@ -283,7 +292,9 @@ class LayerwiseModel:
                 )
             yield s, logits
 
-    def _layer_outputs(self, i: int, xs: list, context: list, tap: Tap, aux: Any, label: str) -> list:
+    def _layer_outputs(
+        self, i: int, xs: list, context: list, tap: Tap, kv_tap: KVTap | None, aux: Any, label: str
+    ) -> list:
         """Layer i's outputs for the batches `xs` (their RoPE tables and masks `context`), records dropped."""
         state, layer_aux = self._place(self._layer(i)), self._place(aux)
         graphdef = self._block_graphdefs[layer_program(self.config, i)]
@@ -291,10 +302,10 @@ class LayerwiseModel:
         for x, (tables, mask) in zip(xs, context):
             cos, sin = layer_cos_sin(self.config, tables, i)
             with progress.compiling(
-                f"{label} layer program", key=_program_key(_block_step, graphdef, tap, None, self._gather, x)
+                f"{label} layer program", key=_program_key(_block_step, graphdef, tap, kv_tap, self._gather, x)
             ):
                 y, _ = _block_step(
-                    graphdef, state, x, cos, sin, mask, layer_aux, tap=tap, kv_tap=None, gather=self._gather
+                    graphdef, state, x, cos, sin, mask, layer_aux, tap=tap, kv_tap=kv_tap, gather=self._gather
                 )
             out.append(y)
         del state, layer_aux

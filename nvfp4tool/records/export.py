@@ -278,7 +278,7 @@ class UnitSensitivityRecord(Record):
     unit: str
     modules: list[str]
     weights: int  # parameters of its linears' weights
-    kl_alone: dict[str, float]  # format -> mean KL (bf16: 0, not run)
+    kl_alone: dict[str, float]  # format -> mean KL (bf16: 0, not run; with the FP8 KV cache its kv_cache_kl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +287,9 @@ class AutoSearchStep(Record):
     additive prediction, the correction factor applied, the measured KL and its bits per weight."""
 
     upgraded: dict[str, str]  # unit -> its new format (empty: the uniform base; a prune: the rung below)
-    predicted_kl: float  # sum over units of kl_alone (the additive model), before the correction
+    # the additive model, before the correction: the sum over units of kl_alone (with the FP8 KV
+    # cache: kv_cache_kl + the sum of each unit's kl_alone - kv_cache_kl)
+    predicted_kl: float
     correction: float  # measured / predicted of the previous measurement (1 at first)
     measured_kl: float  # the whole mixed model, as served, on the calibration windows
     bits_per_weight: float
@@ -316,3 +318,7 @@ class AutoPrecisionRecord(Record):
     seconds: float
     units_per_second: float  # sensitivity measurements (unit x format) per second
     weight_rounding: str = "rtn"  # the NVFP4 weights measured and written: rtn | gptq (the GPTQ pass's records)
+    # "fp8": every measured model (sensitivities, uniform points, mixes) ran the FP8 KV cache the
+    # export writes (--kv-cache fp8), the BF16 reference did not; None: the BF16 KV cache (older records)
+    kv_cache: str | None = None
+    kv_cache_kl: float | None = None  # with kv_cache: the KL with every linear in BF16 (the KV cache's own)

@@ -91,16 +91,16 @@ class Failure(Record):
 @dataclasses.dataclass(frozen=True)
 class GroupHarm(Record):
     group: str
-    kl_mean_alone: float  # mean KL when only this fused group is quantized
+    kl_mean_alone: float  # mean KL when only this unit (scheme group) is quantized
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchStep(Record):
-    """One model the search measured: the fused groups kept in BF16, its mean KL and its size."""
+    """One model the search measured: the units (scheme groups) kept in BF16, its mean KL and its size."""
 
     kept: list[str]
     kl_mean: float
-    step: str = "keep"  # "start" (nothing kept) | "keep" (a group added) | "prune" (a group dropped again)
+    step: str = "keep"  # "start" (nothing kept) | "keep" (a round's units added) | "prune" (one dropped again)
     bits_per_weight: float | None = None  # the searched linears: weights + scales, bits per weight
     bits_per_parameter: float | None = None  # the whole model as it would be exported
 
@@ -114,7 +114,7 @@ class SearchStep(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity(Record):
-    """The greedy search for the layers to keep in BF16 (`validate --sensitivity`): the last step
+    """The search for the layers to keep in BF16 (`validate --sensitivity`, export's `upgrade_search`): the last step
     of `trajectory` is the result."""
 
     kl_target: float
@@ -123,6 +123,9 @@ class Sensitivity(Record):
     trajectory: list[SearchStep]
     keep_bf16: list[str]  # fnmatch patterns for `export --keep-bf16`
     precision_map: dict[str, str]  # {linear: "bf16" | quant}
+
+
+KV_SUFFIX = "+fp8-kv"  # label of the export run with its FP8 KV cache ("nvfp4+fp8-kv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +138,17 @@ class SearchedTarget(Record):
     calibration_kl: float  # the chosen mix's measured KL on the calibration windows
     bits_per_weight: float
     calibration_tokens: int
+    kv_cache: str | None = None  # "fp8": searched with the FP8 KV cache the export writes (None: older reports)
 
     def line(self, held_out_kl: float) -> str:
+        """The target and the calibration KL beside `held_out_kl` (the run it was searched as:
+        `ValidationRecord.searched_line`)."""
         verdict = "within" if held_out_kl <= self.kl_target else "ABOVE"
+        kv = " with the FP8 KV cache" if self.kv_cache else ""
         return (
-            f"Formats searched by `export --auto-precision {self.kl_target:g}` on {self.calibration_tokens} "
+            f"Formats searched by `export --auto-precision {self.kl_target:g}`{kv} on {self.calibration_tokens} "
             f"calibration tokens (not this text): calibration KL {self.calibration_kl:.4g} <= {self.margin:g} x "
-            f"target at {self.bits_per_weight:.3f} bits per weight; held-out KL mean here {held_out_kl:.4g}, "
+            f"target at {self.bits_per_weight:.3f} bits per weight; held-out KL mean here{kv} {held_out_kl:.4g}, "
             f"{verdict} the target {self.kl_target:g}."
         )
 
@@ -204,6 +211,17 @@ class ValidationRecord(Record):
     def labels(self) -> list[str]:
         """The compared models other than BF16, the export first."""
         return [k for k in self.models if k != "bf16"]
+
+    def searched_as(self, kv_cache: str | None) -> str:
+        """The label of the run an `export --auto-precision` export was searched as: the export
+        with its FP8 KV cache (`KV_SUFFIX`) when the search ran with one (`kv_cache`) and that run
+        is here, else the export."""
+        label = self.labels[0]
+        return label + KV_SUFFIX if kv_cache and label + KV_SUFFIX in self.models else label
+
+    def searched_line(self) -> str:
+        """`searched`'s line beside the held-out KL of the run it was searched as (`searched_as`)."""
+        return self.searched.line(self.models[self.searched_as(self.searched.kv_cache)]["kl_mean"])
 
     @property
     def layer_labels(self) -> list[str]:

@@ -128,7 +128,7 @@ def markdown(record: ValidationRecord) -> str:
             + (", ".join(f"`{p}`" for p in found.keep_bf16) or "none"),
         ]
     if record.searched is not None:
-        lines += ["", record.searched.line(record.models[labels[0]]["kl_mean"])]
+        lines += ["", record.searched_line()]
     if gen.skipped:
         lines += ["", f"Greedy generation skipped: {gen.skipped}."]
     if record.resources is not None:
@@ -198,17 +198,19 @@ def print_report(record: ValidationRecord, console) -> None:
     if record.sensitivity is not None:
         print_table(console, _sensitivity_table(record.sensitivity))
     if record.searched is not None:
-        print_line(console, record.searched.line(record.models[labels[0]]["kl_mean"]).replace("`", ""))
+        print_line(console, record.searched_line().replace("`", ""))
     print_line(console, verdict(record).replace("**", ""))
 
 
 def _sensitivity_table(found) -> Any:
-    """--sensitivity: each fused group's harm (mean KL with only it quantized), most harmful first,
-    whether the search kept it in BF16, and the model's KL after each step of the search."""
+    """--sensitivity: each unit's harm (mean KL with only it quantized), most harmful first,
+    whether the search kept it in BF16, and the model's KL after the step that kept it (a step may
+    keep several)."""
     from rich.table import Table
 
     first, last = found.trajectory[0], found.trajectory[-1]
-    after = {step.kept[-1]: step.kl_mean for step in found.trajectory if step.step == "keep"}
+    keeps = [step for step in found.trajectory if step.step == "keep"]
+    after = {g: step.kl_mean for step in reversed(keeps) for g in step.kept}  # the first step keeping g
     pruned = {g for step in found.trajectory if step.step == "prune" for g in after if g not in step.kept}
     table = Table(
         title=f"sensitivity (KL target {found.kl_target:g}: {'met' if found.met else 'NOT met'}; "

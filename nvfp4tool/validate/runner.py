@@ -46,6 +46,7 @@ from nvfp4tool.records.export import (
     sha256_file,
 )
 from nvfp4tool.records.validation import (
+    KV_SUFFIX,
     DataRef,
     Failure,
     Generation,
@@ -64,7 +65,6 @@ from nvfp4tool.validate.thresholds import Thresholds, check_thresholds, defaults
 _EXPORT_DEFAULTS = ExportOptions()  # the FP8 reference's calibration defaults are export's
 SCRATCH_PREFIX = "nvfp4tool-validate-"  # the scratch folder in the system temp folder (atomic.scratch_dir)
 KL_BINS = 40  # log-spaced bins of the per-token KL histogram
-KV_SUFFIX = "+fp8-kv"  # label of the export run with its FP8 KV cache ("nvfp4+fp8-kv")
 VALIDATION_DTYPE = jnp.float32  # every validated model computes in fp32 (the source, the export, the reference)
 
 
@@ -524,6 +524,7 @@ def searched_target(export_dir: str) -> SearchedTarget | None:
         calibration_kl=last.measured_kl,
         bits_per_weight=last.bits_per_weight,
         calibration_tokens=found.windows[0] * found.windows[1],
+        kv_cache=found.kv_cache,
     )
 
 

@@ -1,11 +1,13 @@
-"""Which layers to keep in BF16 so that the NVFP4 export meets a KL target (greedy search).
+"""Which layers to keep in BF16 so that an export meets a KL target: the export's search on
+validate's data (`export.auto_precision.upgrade_search`, one owner).
 
     found = sensitivity(inputs, kl_target=0.02)   # records.validation.Sensitivity
     found.keep_bf16        # fnmatch patterns for `nvfp4tool export --keep-bf16`
     keep_bf16_file_text(found)  # them as a keep-BF16 file (validate writes it: keep_bf16.txt)
-    found.precision_map    # {linear: "bf16" | "nvfp4"} for training (`bf16_patterns=` too)
+    found.precision_map    # {linear: "bf16" | its format} for training (`bf16_patterns=` too)
 
-The unit is a fused group; the prune rule is export's (`auto_precision.prune_pass`, one owner).
+A unit is what serving runs with one scheme (`families.scheme_group`); its ladder is (its format in
+the export, "bf16"), priced by the export's stored bits (`_Size`).
 Design notes: docs/design/validate.md.
 """
 
@@ -20,23 +22,115 @@ import numpy as np
 
 from converters.tensor_source import tensor_bytes
 from nvfp4tool import progress
-from nvfp4tool.export.auto_precision import prune_pass
+from nvfp4tool.export.auto_precision import upgrade_search
 from nvfp4tool.export.simulate import served_linear
-from nvfp4tool.families import fused_group, group_glob
+from nvfp4tool.families import group_glob, scheme_group
 from nvfp4tool.model.layerwise import LayerwiseModel, layer_modules
 from nvfp4tool.model.transformer import real_name
 from nvfp4tool.numerics import metrics
+from nvfp4tool.records.export import AutoSearchStep
 from nvfp4tool.records.validation import GroupHarm, SearchStep, Sensitivity
+
+STEP_KIND = {"start": "start", "upgrade": "keep", "prune": "prune"}  # the export's step names -> validate's
 
 
 def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
-    """The greedy search (see the module docstring); `inputs` is the validation's
-    (`runner.open_inputs`), after `run_validation` spooled the BF16 logits."""
-    exported, source = inputs.nvfp4.exported, inputs.source.tensors
+    """The search (see the module docstring); `inputs` is the validation's (`runner.open_inputs`),
+    after `run_validation` spooled the BF16 logits."""
+    exported = inputs.nvfp4.exported
     quantized = list(exported.quantized)
-    groups: dict[str, list[str]] = {}
+    units: dict[str, list[str]] = {}
     for m in quantized:
-        groups.setdefault(fused_group(m), []).append(m)
+        units.setdefault(scheme_group(m), []).append(m)
+    mean_kl = _mixed_kl(inputs, quantized)
+    size = _Size(exported, units)
+    harm = {}
+    with progress.task("sensitivity", total=len(units), unit="group") as task:
+        for u in units:
+            harm[u] = mean_kl(set(units) - {u})
+            task.advance(description=u)
+    order = sorted(units, key=lambda u: -harm[u])
+    ladders = {u: (exported.quant_of(ms[0]), "bf16") for u, ms in units.items()}
+    alone = {u: {ladders[u][0]: harm[u], "bf16": 0.0} for u in units}
+    with progress.task("sensitivity search", total=None, unit="pass") as task:  # one per measured mix
+
+        def measure(assign: dict[str, str]) -> float:
+            kl = mean_kl({u for u, f in assign.items() if f == "bf16"})
+            task.advance(fields={"kl": f"{kl:.4g}"})
+            return kl
+
+        steps, _ = upgrade_search(
+            size.weights, ladders, alone, measure, kl_target, margin=1.0, bits_of=size.unit_bits, label="sensitivity"
+        )
+    trajectory = _trajectory(steps, size)
+    kept = trajectory[-1].kept
+    return Sensitivity(
+        kl_target=kl_target,
+        met=trajectory[-1].kl_mean <= kl_target,
+        harm=[GroupHarm(group=u, kl_mean_alone=harm[u]) for u in order],
+        trajectory=trajectory,
+        keep_bf16=[p for u in kept for p in unit_patterns(u, units[u])],
+        precision_map={m: ("bf16" if scheme_group(m) in kept else exported.quant_of(m)) for m in quantized},
+    )
+
+
+def unit_patterns(unit: str, members: list[str]) -> list[str]:
+    """fnmatch patterns matching exactly the members of a unit: its fused group's pattern, or each
+    member of a MoE layer's experts (one pattern could not name them all)."""
+    return [group_glob(unit, members)] if unit.rpartition(".")[2] != "experts" else list(members)
+
+
+def keep_bf16_file_text(found: Sensitivity) -> str:
+    """The result as a keep-BF16 file (`export --keep-bf16-file`; the format is export.plan's): what
+    was searched, how to use it, then the patterns. No path of this machine (push uploads it)."""
+    from nvfp4tool.export.plan import format_keep_bf16_file
+
+    first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
+    return format_keep_bf16_file(
+        found.keep_bf16,
+        [
+            "nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= "
+            f"{found.kl_target:g} nats",
+            f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
+            f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
+            "export: " + export_with_file("SOURCE", "keep_bf16.txt", found),
+            f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'",
+        ],
+    )
+
+
+def export_with_file(source: str, keep_file: str, found: Sensitivity) -> str:
+    """The short export command that realises the result from its keep-BF16 file (a mixed export's
+    other formats come from the precision file it was made with: PRECISION_FILE, to fill in)."""
+    mixed = len(set(found.precision_map.values()) - {"bf16"}) > 1
+    command = f"nvfp4tool export {shlex.quote(source)} --out OUT --keep-bf16-file {shlex.quote(keep_file)}"
+    return command + (" --precision-file PRECISION_FILE" if mixed else "")
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def _trajectory(steps: list[AutoSearchStep], size: _Size) -> list[SearchStep]:
+    """The search's recorded steps as validate's: the units in BF16 after each (in the order they
+    were kept; an upgrade step may keep several), its KL and size."""
+    kept: list[str] = []
+    trajectory = []
+    for s in steps:
+        for u, f in s.upgraded.items():
+            if f == "bf16":
+                kept.append(u)
+            else:
+                kept.remove(u)
+        trajectory.append(SearchStep(kept=list(kept), kl_mean=s.measured_kl, step=STEP_KIND[s.step], **size.bits(kept)))
+    return trajectory
+
+
+def _mixed_kl(inputs, quantized: list[str]):
+    """`mean_kl(kept)`: the mean KL on validate's windows, against its spooled BF16 logits, of the
+    export as served with the units `kept` running their BF16 source weights (one model opened,
+    held or streamed as `--offload` says; one compiled program for every choice: the flags are traced)."""
+    exported, source = inputs.nvfp4.exported, inputs.source.tensors
     config = exported.config
     # the export as stored and, named apart in its layer, the BF16 weight of each quantized linear
     bf16 = {f"{m}.weight:bf16": tensor_bytes(source, f"{m}.weight") for m in quantized}
@@ -62,7 +156,7 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
     def mean_kl(kept: set[str]) -> float:
         def aux(layer):
             bf16 = weights(layer)
-            return {"bf16": bf16, "keep": {n: jnp.asarray(fused_group(real_name(n, layer)) in kept) for n in bf16}}
+            return {"bf16": bf16, "keep": {n: jnp.asarray(scheme_group(real_name(n, layer)) in kept) for n in bf16}}
 
         kl = [
             metrics.token_kl(inputs.reference_logits.read(start, len(logits)), np.asarray(logits)).ravel()
@@ -72,90 +166,7 @@ def sensitivity(inputs, *, kl_target: float) -> Sensitivity:
         ]
         return float(np.concatenate(kl).mean())
 
-    names = list(groups)
-    size = _Size(exported, source, groups)
-    harm = {}
-    with progress.task("sensitivity", total=len(names), unit="group") as task:
-        for g in names:
-            harm[g] = mean_kl(set(names) - {g})
-            task.advance(description=g)
-    order = sorted(names, key=lambda g: -harm[g])
-
-    trajectory = search(order, harm, lambda kept: mean_kl(set(kept)), size.bits, kl_target)
-    kept = trajectory[-1].kept
-    return Sensitivity(
-        kl_target=kl_target,
-        met=trajectory[-1].kl_mean <= kl_target,
-        harm=[GroupHarm(group=g, kl_mean_alone=harm[g]) for g in order],
-        trajectory=trajectory,
-        keep_bf16=[group_glob(g, groups[g]) for g in kept],
-        precision_map={m: ("bf16" if fused_group(m) in kept else inputs.nvfp4.label) for m in quantized},
-    )
-
-
-def search(order: list[str], harm: dict[str, float], kl_of, bits_of, kl_target: float) -> list[SearchStep]:
-    """The steps of the greedy search and its pruning (see the module docstring) over the groups
-    `order` (most harmful first); `kl_of(kept)` measures a model, `bits_of(kept)` sizes it. The
-    last step is the result."""
-
-    def step(kept: list[str], kind: str) -> SearchStep:
-        return SearchStep(kept=list(kept), kl_mean=kl_of(kept), step=kind, **bits_of(kept))
-
-    kept: list[str] = []
-    with progress.task("sensitivity search", total=None, unit="pass") as task:  # groups kept + pruned + 1
-        trajectory = [step(kept, "start")]
-        task.advance(description="nothing kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
-        for g in order:
-            if trajectory[-1].kl_mean <= kl_target:
-                break
-            kept.append(g)
-            progress.info(f"sensitivity: keeping {g} in BF16")
-            trajectory.append(step(kept, "keep"))
-            task.advance(description=f"{len(kept)} kept", fields={"kl": f"{trajectory[-1].kl_mean:.4g}"})
-        if trajectory[-1].kl_mean > kl_target:
-            return trajectory
-
-        # prune: a group kept early may be unneeded once later ones are kept (harms do not add);
-        # the least harmful alone are tried first, each dropped only if the target still holds
-        def without(g: str) -> SearchStep:
-            trial = step([k for k in kept if k != g], "prune")
-            task.advance(description=f"without {g}", fields={"kl": f"{trial.kl_mean:.4g}"})
-            return trial
-
-        order = sorted(kept, key=lambda g: harm[g])
-        for g, trial in prune_pass(order, without, lambda trial: trial.kl_mean <= kl_target):
-            progress.info(f"sensitivity: {g} is not needed once the others are kept; quantized again")
-            kept.remove(g)
-            trajectory.append(trial)
-    return trajectory
-
-
-def keep_bf16_file_text(found: Sensitivity) -> str:
-    """The result as a keep-BF16 file (`export --keep-bf16-file`; the format is export.plan's): what
-    was searched, how to use it, then the patterns. No path of this machine (push uploads it)."""
-    from nvfp4tool.export.plan import format_keep_bf16_file
-
-    first, last = found.trajectory[0].kl_mean, found.trajectory[-1].kl_mean
-    return format_keep_bf16_file(
-        found.keep_bf16,
-        [
-            "nvfp4tool validate --sensitivity: linear modules to keep in BF16 for a mean KL <= "
-            f"{found.kl_target:g} nats",
-            f"({'met' if found.met else 'NOT met'}: KL {first:.4g} with every group quantized, {last:.4g} keeping "
-            f"these {len(found.keep_bf16)} group(s){found.trajectory[-1].size_text()})",
-            "export: nvfp4tool export SOURCE --out OUT --keep-bf16-file keep_bf16.txt",
-            f"train: bf16_patterns='{json.dumps(found.keep_bf16)}'",
-        ],
-    )
-
-
-def export_with_file(source: str, keep_file: str) -> str:
-    """The short export command that realises the result from its keep-BF16 file."""
-    return f"nvfp4tool export {shlex.quote(source)} --out OUT --keep-bf16-file {shlex.quote(keep_file)}"
-
-
-# ------------------------------------------------------------------------------------------
-# helpers
+    return mean_kl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,24 +183,27 @@ class _Mixed:
 
 
 class _Size:
-    """What keeping groups in BF16 costs in bits: each quantized module's stored bytes in the
-    export (weight, block and global scales, input scale) against its source weight's in BF16."""
+    """The one bits rule of validate's search and of what it reports: each quantized module's stored
+    bytes in the export (weight, block and global scales, input scale), its BF16 weight's 16 bits
+    per weight when kept; the whole model's bits per parameter as it would be exported."""
 
-    def __init__(self, exported, source, groups: dict[str, list[str]]) -> None:
+    def __init__(self, exported, units: dict[str, list[str]]) -> None:
         shapes = exported.config.expected_tensor_shapes()
-        self._groups = groups
-        self._stored = {m: exported.module_bytes(m) for ms in groups.values() for m in ms}
-        self._bf16 = {m: 2 * int(np.prod(shapes[f"{m}.weight"])) for m in self._stored}
-        self._weights = sum(int(np.prod(shapes[f"{m}.weight"])) for m in self._stored)
+        count = {m: int(np.prod(shapes[f"{m}.weight"])) for ms in units.values() for m in ms}
+        self._stored = {u: 8 * sum(exported.module_bytes(m) for m in ms) for u, ms in units.items()}
+        self.weights = {u: sum(count[m] for m in ms) for u, ms in units.items()}  # unit -> its weights
         self._parameters = sum(int(np.prod(shape)) for shape in shapes.values())
-        self._model_bytes = exported.stored_bytes()
+        self._model_bits = 8 * exported.stored_bytes()
+
+    def unit_bits(self, unit: str, fmt: str) -> float:
+        """The bits `unit` takes: as the export stores it, or in BF16 ("bf16")."""
+        return 16.0 * self.weights[unit] if fmt == "bf16" else float(self._stored[unit])
 
     def bits(self, kept: list[str]) -> dict[str, float]:
-        extra = sum(self._bf16[m] - self._stored[m] for g in kept for m in self._groups[g])
-        linears = sum(self._stored.values()) + extra
+        extra = sum(self.unit_bits(u, "bf16") - self._stored[u] for u in kept)
         return {
-            "bits_per_weight": 8 * linears / self._weights,
-            "bits_per_parameter": 8 * (self._model_bytes + extra) / self._parameters,
+            "bits_per_weight": (sum(self._stored.values()) + extra) / sum(self.weights.values()),
+            "bits_per_parameter": (self._model_bits + extra) / self._parameters,
         }
 
 

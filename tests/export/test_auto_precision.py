@@ -242,8 +242,6 @@ def test_refusals_name_the_option(auto, tmp_path):
     with_calib = [*base, "--auto-precision", "0.05", "--calib-data", str(calib)]
     result = runner.invoke(cli, [*with_calib, "--precision-file", str(rules)])
     assert result.exit_code == 2 and "drop --precision-file" in result.output
-    result = runner.invoke(cli, [*with_calib, "--kv-cache", "fp8"])
-    assert result.exit_code == 2 and "--kv-cache fp8 is not supported yet" in result.output
     result = runner.invoke(cli, [*base, "--auto-precision-samples", "2"])
     assert result.exit_code == 2 and "--auto-precision-samples 2 sizes the search" in result.output
     result = runner.invoke(cli, [*with_calib, "--auto-precision-samples", "0"])

@@ -7,12 +7,14 @@ import dataclasses
 import json
 import math
 import os
+import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from converters.hf import HFFolderSource
+from nvfp4tool.export.auto_precision import BITS, upgrade_search
 from nvfp4tool.export.provenance import sha256_file
 from nvfp4tool.export.simulate import served_linear
 from nvfp4tool.families import group_glob as group_pattern
@@ -22,9 +24,9 @@ from nvfp4tool.recipes.precision import fused_group
 from nvfp4tool.records.validation import ValidationRecord
 from nvfp4tool.validate import report
 from nvfp4tool.validate.runner import Candidate, ValidateOptions, open_inputs, run_validation
-from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, search, sensitivity
+from nvfp4tool.validate.sensitivity import _layer_bf16, _Mixed, _trajectory, sensitivity
 
-from fixtures.validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, build_exports
+from fixtures.validate_fixtures import BROKEN_MODULE, CONFIG, SEQ_LEN, break_block_scale, build_exports, rerecord
 
 GEN_TOKENS = 12
 
@@ -57,6 +59,21 @@ def good(paths):
 @pytest.fixture(scope="module")
 def broken(paths):
     with open_inputs(paths["broken"], _options(paths)) as inputs:
+        yield inputs, run_validation(inputs)
+
+
+@pytest.fixture(scope="module")
+def planted(paths):
+    """The broken export with a second block scale of BROKEN_MODULE x16: a layer the most harmful
+    per bit too (one block scale barely moves the KL of this random model: layer 1's o_proj, half
+    its weights, costs nearly as much), measured against BF16 only."""
+    import shutil
+
+    folder = os.path.join(os.path.dirname(paths["broken"]), "planted")  # beside its source, as recorded
+    shutil.copytree(paths["broken"], folder)
+    break_block_scale(folder, BROKEN_MODULE, factor_log2=4)
+    rerecord(folder, BROKEN_MODULE)
+    with open_inputs(folder, _options(paths, reference="bf16")) as inputs:
         yield inputs, run_validation(inputs)
 
 
@@ -193,13 +210,14 @@ def test_mixed_model_is_the_served_export_or_the_bf16_source(good, keep):
 
 @pytest.mark.parametrize("offload", ["never", "always"])
 @pytest.mark.slow  # > 15 s of the inner loop (tests/durations.json)
-def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
+def test_sensitivity_keeps_the_broken_layer_first(good, planted, offload):
     # between the correct export's KL and the broken one's: keeping the broken layer suffices
-    target = 0.5 * (good[1].models["nvfp4"]["kl_mean"] + broken[1].models["nvfp4"]["kl_mean"])
-    inputs = dataclasses.replace(broken[0], options=dataclasses.replace(broken[0].options, offload=offload))
+    target = 0.5 * (good[1].models["nvfp4"]["kl_mean"] + planted[1].models["nvfp4"]["kl_mean"])
+    inputs = dataclasses.replace(planted[0], options=dataclasses.replace(planted[0].options, offload=offload))
     found = sensitivity(inputs, kl_target=target)
     assert inputs.ran["sensitivity"] == {"never": "held", "always": "streamed"}[offload]
     assert found.harm[0].group == fused_group(BROKEN_MODULE)
+    assert found.trajectory[1].kept[0] == fused_group(BROKEN_MODULE)  # the search's first upgrade
     assert found.keep_bf16[0] == BROKEN_MODULE
     assert found.met and found.trajectory[-1].kl_mean <= target < found.trajectory[0].kl_mean
     assert found.precision_map[BROKEN_MODULE] == "bf16"
@@ -221,10 +239,21 @@ def test_sensitivity_keeps_the_broken_layer_first(good, broken, offload):
 
 
 def test_search_prunes_a_group_made_redundant_by_later_ones():
-    # the error a removes is also removed by keeping b and c together: greedily a, c, b are kept
-    # (most harmful first), then a is not needed any more and is quantized again
-    def kl(kept):
-        kept = set(kept)
+    """validate's search is the export's (`upgrade_search`), each unit on its own ladder (its format
+    in a mixed export, then BF16), no margin: the error a removes is also removed by keeping b and c
+    together; the first round keeps all three at once (the correction-scaled prediction of fewer
+    misses the target), then a is not needed any more and goes back to its format."""
+    ladders = {"a": ("fp8", "bf16"), "b": ("nvfp4", "bf16"), "c": ("nvfp4-weight-only", "bf16")}
+    alone = {
+        "a": {"fp8": 0.5, "bf16": 0.0},
+        "b": {"nvfp4": 0.1, "bf16": 0.0},
+        "c": {"nvfp4-weight-only": 0.3, "bf16": 0.0},
+    }
+    measured = []
+
+    def kl(assign):
+        measured.append(dict(assign))
+        kept = {u for u, f in assign.items() if f == "bf16"}
         return (
             0.01
             + 0.3 * ("c" not in kept)
@@ -232,27 +261,31 @@ def test_search_prunes_a_group_made_redundant_by_later_ones():
             + 0.5 * ("a" not in kept and not {"b", "c"} <= kept)
         )
 
-    harm = {"a": 0.9, "c": 0.5, "b": 0.3}
-    steps = search(
-        ["a", "c", "b"],
-        harm,
-        kl,
-        lambda kept: {"bits_per_weight": 4.5 + len(kept), "bits_per_parameter": 5.0 + len(kept)},
-        0.05,
-    )
-    assert [(s.step, s.kept) for s in steps] == [
-        ("start", []),
-        ("keep", ["a"]),
-        ("keep", ["a", "c"]),
-        ("keep", ["a", "c", "b"]),
-        ("prune", ["c", "b"]),
+    weights = dict.fromkeys(ladders, 100)
+    steps, final = upgrade_search(weights, ladders, alone, kl, 0.05, margin=1.0)
+    assert measured[0] == {"a": "fp8", "b": "nvfp4", "c": "nvfp4-weight-only"}  # each unit starts at its own format
+    assert all(f in ladders[u] for trial in measured for u, f in trial.items())  # and never leaves its ladder
+    assert [(s.step, s.upgraded) for s in steps] == [
+        ("start", {}),
+        ("upgrade", {"a": "bf16", "c": "bf16", "b": "bf16"}),  # most KL saved per added bit first
+        ("prune", {"a": "fp8"}),  # b and c tried first (more bits saved per KL added): still needed
     ]
-    assert steps[-1].kl_mean <= 0.05 and steps[-1].bits_per_weight == 6.5
-    # nothing to prune when every kept group is needed; a target not met returns the greedy steps
-    steps = search(["a", "c", "b"], harm, lambda kept: 0.4 - 0.1 * len(kept), lambda kept: {}, 0.2)
-    assert [s.kept for s in steps] == [[], ["a"], ["a", "c"]]
-    steps = search(["a"], {"a": 1.0}, lambda kept: 1.0, lambda kept: {}, 0.2)
-    assert [s.kept for s in steps] == [[], ["a"]] and steps[-1].kl_mean > 0.2
+    assert final == {"a": "fp8", "b": "bf16", "c": "bf16"} and steps[-1].measured_kl == pytest.approx(0.01)
+    assert len(measured) == 5  # start, the round, three prune trials
+    assert [s.bits_per_weight for s in steps] == [(8 + 4.5 + 4.5) / 3, 16.0, (8 + 16 + 16) / 3]
+    assert BITS["fp8"] == 8 and BITS["nvfp4"] == BITS["nvfp4-weight-only"] == 4.5
+    # validate's record of it: the units in BF16 after each step, in the order they were kept
+    sizes = types.SimpleNamespace(bits=lambda kept: {"bits_per_weight": 4.5 + len(kept), "bits_per_parameter": 5.0})
+    assert [(s.step, s.kept, s.kl_mean, s.bits_per_weight) for s in _trajectory(steps, sizes)] == [
+        ("start", [], pytest.approx(0.91), 4.5),
+        ("keep", ["a", "c", "b"], pytest.approx(0.01), 7.5),
+        ("prune", ["c", "b"], pytest.approx(0.01), 6.5),
+    ]
+    # a target not met even with every unit in BF16 returns the climb, its last step the result
+    steps, final = upgrade_search(
+        {"a": 1}, {"a": ("nvfp4", "bf16")}, {"a": {"nvfp4": 1.0, "bf16": 0.0}}, lambda a: 1.0, 0.2, margin=1.0
+    )
+    assert [s.step for s in steps] == ["start", "upgrade"] and final == {"a": "bf16"} and steps[-1].measured_kl > 0.2
 
 
 def test_group_patterns_match_exactly_their_members():
@@ -263,6 +296,30 @@ def test_group_patterns_match_exactly_their_members():
         members = [n for n in names if fused_group(n) == group]
         pattern = group_pattern(group, members)
         assert [n for n in names if fnmatch.fnmatchcase(n, pattern)] == members
+
+
+def test_unit_patterns_match_exactly_their_members():
+    """--sensitivity's units are scheme groups: a MoE layer's routed experts (gate, up and down of
+    every expert) are one unit, whose keep-BF16 patterns name exactly them."""
+    import fnmatch
+
+    import transformers
+
+    from nvfp4tool.config import ModelConfig
+    from nvfp4tool.families import scheme_group
+    from nvfp4tool.validate.sensitivity import unit_patterns
+
+    from fixtures.hf_fixtures import TINY_SPECS
+
+    cls, kw = TINY_SPECS["qwen3_moe"]
+    names = ModelConfig.from_hf_config(getattr(transformers, cls)(**kw).to_dict()).linear_names()
+    units = {scheme_group(n) for n in names}
+    experts = [n for n in names if scheme_group(n) == "model.layers.0.mlp.experts"]
+    assert len(experts) == 8 * 3 and {fused_group(n) for n in experts} > {"model.layers.0.mlp.experts.7.gate_up"}
+    for unit in units:
+        members = [n for n in names if scheme_group(n) == unit]
+        patterns = unit_patterns(unit, members)
+        assert [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)] == members
 
 
 def test_threshold_options_are_reported_with_their_limits(paths, good):
