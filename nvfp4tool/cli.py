@@ -627,8 +627,9 @@ def check_command(path: str, tp: tuple[int, ...], as_json: bool, json_out: str |
     "--auto-precision-samples",
     **_api(api.export, "auto_precision_samples"),
     metavar="N",
-    help="Score the --auto-precision search on the first N calibration windows (default: all of them); "
-    "calibration, GPTQ and --equalize still use every window.",
+    show_default=True,
+    help="The --auto-precision search scores on the N windows of --calib-data that follow the "
+    "--calib-samples calibration windows: text that GPTQ, --equalize and the input amax never fitted.",
 )
 @click.option(
     "--scale-search",
@@ -745,6 +746,15 @@ def export_command(
         if calib_data is None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-")
             raise click.UsageError(f"{flag} sizes the calibration: it needs --calib-data PATH (or drop {flag})", ctx)
+    if (
+        auto_precision is None
+        and ctx.get_parameter_source("auto_precision_samples") is click.core.ParameterSource.COMMANDLINE
+    ):
+        raise click.UsageError(
+            "--auto-precision-samples sizes the search: it needs --auto-precision KL "
+            "(or drop --auto-precision-samples)",
+            ctx,
+        )
     if recipe is not None:
         _check_recipe_overrides(ctx, recipe)
     summary = api.export(

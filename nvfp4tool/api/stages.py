@@ -103,7 +103,7 @@ def export(
     keep_bf16_file: Annotated[str | None, FILE] = _EXPORT.keep_bf16_file,
     precision_file: Annotated[str | None, FILE] = _EXPORT.precision_file,
     auto_precision: Annotated[float | None, Range(low=0, low_open=True)] = _EXPORT.auto_precision,
-    auto_precision_samples: Annotated[int | None, Range(low=1, integer=True)] = _EXPORT.auto_precision_samples,
+    auto_precision_samples: Annotated[int, Range(low=1, integer=True)] = _EXPORT.auto_precision_samples,
     scale_search: Annotated[str, OneOf(SCALE_SEARCHES)] = _EXPORT.scale_search,
     weight_rounding: Annotated[str, OneOf(WEIGHT_ROUNDINGS)] = _EXPORT.weight_rounding,
     equalize: Annotated[str, OneOf(EQUALIZE_METHODS)] = _EXPORT.equalize,
@@ -125,6 +125,11 @@ def export(
         sized = [name for name, value in given.items() if value != getattr(_EXPORT, name)]
         if sized:
             raise NVFP4UsageError(f"{sized[0]} sizes the calibration: it needs calib_data (or drop {sized[0]})")
+    if auto_precision is None and auto_precision_samples != _EXPORT.auto_precision_samples:
+        raise NVFP4UsageError(
+            "auto_precision_samples sizes the auto-precision search: it needs auto_precision "
+            "(or drop auto_precision_samples)"
+        )
     options = ExportOptions(
         format=format,
         quant=quant,

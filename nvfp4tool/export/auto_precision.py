@@ -91,7 +91,7 @@ def search_precision(
     reference=None,
     kv_amax: Mapping[str, tuple[float, float]] | None = None,
 ) -> AutoPrecision:
-    """The search over `plan.quantized` (the base --quant plan) on the calibration windows
+    """The search over `plan.quantized` (the base --quant plan) on the search windows
     `ids_SxL` (see the module docstring); `input_amax` of every quantized linear; `nvfp4`: the
     export's NVFP4 quantizer (`quantizers.nvfp4_quantizer`: the scale search, or GPTQ's records),
     whose NVFP4 weights are measured and then written (FP8 / fp8-block: the writer's `FP8_QUANTIZERS`). `reference`: the
@@ -355,7 +355,7 @@ def plot_search(record: AutoPrecisionRecord, path: str) -> None:
     if all(s.measured_kl > 0 for s in record.steps) and all(p["kl"] > 0 for p in record.uniform.values()):
         ax.set_yscale("log")
     ax.set_xlabel("bits per weight over the quantized linears (NVFP4 4.5, FP8 8, fp8-block 8.002, BF16 16)")
-    ax.set_ylabel("mean KL vs BF16 (nats), calibration windows")
+    ax.set_ylabel("mean KL vs BF16 (nats), the search windows of --calib-data")
     kv = ", FP8 KV cache" if record.kv_cache else ""
     ax.set_title(f"auto-precision on {record.windows[0]} x {record.windows[1]} calibration tokens{kv}")
     ax.legend(fontsize=8)

@@ -65,7 +65,9 @@ class ExportOptions:
     keep_bf16_file: str | None = None  # a keep-BF16 file (plan.read_keep_bf16_file): more such patterns
     precision_file: str | None = None  # `PATTERN FORMAT` lines (plan.read_precision_file): per-linear formats
     auto_precision: float | None = None  # a KL target: per-linear formats searched on calibration (auto_precision.py)
-    auto_precision_samples: int | None = None  # the first N calibration windows the search scores on (None: all)
+    # the search scores on this many windows of calib_data that FOLLOW the calibration windows: never
+    # the ones GPTQ / --equalize fitted the weights on (KL there reads low), nor the input amax's
+    auto_precision_samples: int = 4
     calib_data: str | None = None  # .txt / .jsonl / .npy (used when the source has no tracked amax)
     calib_samples: int = 64
     calib_seq_len: int = 512
@@ -101,6 +103,7 @@ class ExportJob:
     block: str  # weight scale blocks: 1d | 2d
     group_amax: dict[str, np.float32]  # fused group -> joint weight amax
     calibration_ids: np.ndarray | None  # the windows [S, L] read from --calib-data (None without)
+    search_ids: np.ndarray | None  # --auto-precision: the N windows after them that the search scores on
     input_amax: dict[str, float] | None  # quantized module -> input amax; None: weight-only
     input_amax_origin: str  # "training run" | "calibration" | "given (...)" | "none (weight-only | dynamic ...)"
     kv_amax: dict[str, tuple[float, float]]  # attention -> (K, V) amax; {} without --kv-cache
@@ -174,7 +177,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
     block = options.weight_block or (source.weight_block if options.quant in formats.NVFP4_QUANTS else "1d")
     group_amax = _group_amax(source.tensors, plan)  # a broken source is named before anything else
     _check_calibration_used(plan, options)
-    ids = _calibration_ids(source, options)
+    ids, search_ids = _calibration_ids(source, options)
     equalization, equalization_start = None, time.perf_counter()
     if options.equalization is not None:
         equalization = Equalization(
@@ -214,6 +217,7 @@ def prepare_job(src: str, out: str, options: ExportOptions) -> ExportJob:
         block=block,
         group_amax=group_amax,
         calibration_ids=ids,
+        search_ids=search_ids,
         input_amax=input_amax,
         input_amax_origin=origin,
         kv_amax=kv_amax,
@@ -294,7 +298,7 @@ def with_search(job: ExportJob) -> ExportJob:
     Hessians taken through every earlier layer in the base format)."""
     options, source = job.options, job.source
     start = time.perf_counter()
-    ids = job.calibration_ids[: options.auto_precision_samples or None]
+    ids = job.search_ids
     # the NVFP4 rung's and points' weights (an FP8 / fp8-block base's uniform NVFP4 points too)
     nvfp4 = nvfp4_quantizer(job.plan, options.scale_search, job.block, job.group_amax, job.gptq)
     found = search_precision(
@@ -413,10 +417,6 @@ def _check_options(options: ExportOptions) -> None:
         )
     if options.auto_precision is not None:
         _check_auto(options)
-    elif options.auto_precision_samples is not None:
-        raise NVFP4UsageError(
-            f"--auto-precision-samples {options.auto_precision_samples} sizes the search: it needs --auto-precision KL"
-        )
     if options.weight_block not in (None, "1d", "2d"):
         raise NVFP4ToolError(f"--weight-block must be 1d or 2d, got {options.weight_block!r}")
 
@@ -476,7 +476,7 @@ def _check_auto(options: ExportOptions) -> None:
             f"{options.precision_file} (--keep-bf16 patterns stay BF16 and are not searched)"
         )
     samples = options.auto_precision_samples
-    if samples is not None and not (isinstance(samples, int) and samples >= 1):
+    if not (isinstance(samples, int) and samples >= 1):
         raise NVFP4UsageError(f"--auto-precision-samples must be a whole number >= 1, got {samples}")
     if options.quant not in LADDERS:
         raise NVFP4UsageError(f"--auto-precision searches from --quant {', '.join(LADDERS)}, not {options.quant}")
@@ -550,22 +550,39 @@ def _calibration(source: Checkpoint, names, options: ExportOptions, ids_SxL: np.
     )
 
 
-def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray | None:
-    """The calibration windows [S, L] read from --calib-data (None without it). The file may give
-    fewer windows or shorter ones than --calib-samples / --calib-seq-len ask (the samples are at
-    most that many; a library caller's default of 64 windows is common); that is said in one line
-    and recorded (`CalibrationRecord`: what ran and what was asked). Less than one token: refused."""
+def _calibration_ids(source: Checkpoint, options: ExportOptions) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(the calibration windows [S, L] read from --calib-data, the --auto-precision search's
+    windows: the next --auto-precision-samples of the same file, disjoint from them), None without.
+    The file may give fewer windows or shorter ones than --calib-samples / --calib-seq-len ask (the
+    samples are at most that many; a library caller's default of 64 windows is common); that is
+    said in one line and recorded (`CalibrationRecord`: what ran and what was asked). Less than one
+    token, or no window left for the search: refused."""
     if options.calib_data is None:
-        return None
+        return None, None
     from nvfp4tool.export.calibrate import load_calibration_ids
 
+    searched = options.auto_precision_samples if options.auto_precision is not None else 0
     ids = load_calibration_ids(
         options.calib_data,
-        samples=options.calib_samples,
+        samples=options.calib_samples + searched,
         seq_len=options.calib_seq_len,
         tokenizer_dir=source.aux_dir,
         vocab_size=source.config.vocab_size,
     )
+    search_ids = None
+    if searched:
+        if len(ids) <= options.calib_samples:
+            raise NVFP4ToolError(
+                f"{options.calib_data}: {len(ids)} window(s) of {ids.shape[1]} tokens, none left for the "
+                f"--auto-precision search after the {options.calib_samples} calibration windows (it scores on "
+                f"the --auto-precision-samples {searched} that follow them); give more text or lower --calib-samples"
+            )
+        ids, search_ids = ids[: options.calib_samples], ids[options.calib_samples :]
+        if len(search_ids) < searched:
+            progress.warn(
+                f"warning: {options.calib_data} gives {len(search_ids)} window(s) for the --auto-precision "
+                f"search after the calibration windows, fewer than --auto-precision-samples {searched} (recorded)"
+            )
     samples, seq_len = ids.shape
     if (samples, seq_len) != (options.calib_samples, options.calib_seq_len):
         progress.warn(
@@ -573,7 +590,7 @@ def _calibration_ids(source: Checkpoint, options: ExportOptions) -> np.ndarray |
             f"fewer than asked (--calib-samples {options.calib_samples} x --calib-seq-len "
             f"{options.calib_seq_len}): calibrating on its {samples * seq_len} tokens (recorded)"
         )
-    return ids
+    return ids, search_ids
 
 
 def _calibration_record(options: ExportOptions, ids_SxL: np.ndarray, routed_tokens: dict[str, int] | None = None):

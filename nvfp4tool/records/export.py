@@ -310,7 +310,7 @@ class AutoPrecisionRecord(Record):
     base: str  # --quant
     ladder: list[str]  # the formats a unit may take, cheapest first
     bits: dict[str, float]  # format -> bits per weight (the rule)
-    windows: list[int]  # [samples, seq_len] of the calibration windows searched on
+    windows: list[int]  # [samples, seq_len] of the windows searched on (after the calibration ones in --calib-data)
     units: list[UnitSensitivityRecord]
     steps: list[AutoSearchStep]  # the last is the result
     uniform: dict[str, dict[str, float]]  # format -> {"kl": measured, "bits_per_weight": ...}

@@ -35,6 +35,7 @@ from fixtures.hf_fixtures import build_tiny_model
 from fixtures.mixed_fixtures import FP8_BLOCK_SIZES, stored_tensors
 
 PLANTED = "model.layers.1.self_attn.qkv"
+SEARCHED = ("--auto-precision-samples", "2")  # the search's windows: the 2 after the 2 calibration ones
 TARGET = 0.02  # uniform W4A4 measures ~0.038 on these windows; the planted unit alone ~0.022 of it
 
 
@@ -51,10 +52,10 @@ def auto(tmp_path_factory) -> dict[str, str]:
         tensors[f"model.layers.1.self_attn.{p}_proj.weight"][:, 5] /= 100
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
     calib = str(root / "calib.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (4, 16)))  # 2 calibration + 2 searched windows
     out = str(root / "auto")
     args = ["export", src, "--out", out, "--auto-precision", str(TARGET), "--calib-data", calib]
-    result = CliRunner().invoke(cli, [*args, "--calib-samples", "2", "--calib-seq-len", "16"])
+    result = CliRunner().invoke(cli, [*args, "--calib-samples", "2", "--calib-seq-len", "16", *SEARCHED])
     assert result.exit_code == 0, result.output
     assert "auto-precision " in result.output.splitlines()[-1]  # the summary times the search apart
     return {"src": src, "calib": calib, "out": out}
@@ -74,7 +75,7 @@ def test_the_written_export_serves_the_recorded_kl_on_calibration(auto):
     source on the calibration windows: the KL the search recorded, within the margin."""
     record = AutoPrecisionRecord.read(auto["out"])
     config = ModelConfig.from_hf_folder(auto["src"])
-    kl = _served_kl(auto["src"], auto["out"], np.load(auto["calib"]))
+    kl = _served_kl(auto["src"], auto["out"], np.load(auto["calib"])[2:])
     exported = load_export(auto["out"])
     final = record.steps[-1]
     assert kl == pytest.approx(final.measured_kl, rel=1e-3)
@@ -101,7 +102,7 @@ def _served_kl(src: str, out: str, ids) -> float:
 
 def test_gptq_search_measures_and_writes_the_uniform_gptq_records(auto, tmp_path):
     """--weight-rounding gptq: the search's NVFP4 weights are the GPTQ pass's records (on every
-    calibration window), scored on the first --auto-precision-samples windows: the uniform point it
+    calibration window), scored on the --auto-precision-samples window after them: the uniform point it
     recorded is the uniform GPTQ export served, each linear it left in NVFP4 is that export's bytes,
     and the written mix serves the recorded KL."""
     src, calib = auto["src"], auto["calib"]
@@ -114,7 +115,7 @@ def test_gptq_search_measures_and_writes_the_uniform_gptq_records(auto, tmp_path
     result = runner.invoke(cli, ["export", src, "--out", uniform, *sized])
     assert result.exit_code == 0, result.output
     record = AutoPrecisionRecord.read(out)
-    first = np.load(calib)[:1]
+    first = np.load(calib)[2:3]  # the window after the calibration ones
     assert record.weight_rounding == "gptq" and record.windows == [1, 16] and record.met
     assert record.uniform["nvfp4"]["kl"] == pytest.approx(_served_kl(src, uniform, first), rel=1e-3)
     assert record.uniform["nvfp4"]["kl"] != pytest.approx(AutoPrecisionRecord.read(auto["out"]).uniform["nvfp4"]["kl"])
@@ -243,7 +244,7 @@ def test_refusals_name_the_option(auto, tmp_path):
     result = runner.invoke(cli, [*with_calib, "--precision-file", str(rules)])
     assert result.exit_code == 2 and "drop --precision-file" in result.output
     result = runner.invoke(cli, [*base, "--auto-precision-samples", "2"])
-    assert result.exit_code == 2 and "--auto-precision-samples 2 sizes the search" in result.output
+    assert result.exit_code == 2 and "--auto-precision-samples sizes the search" in result.output
     result = runner.invoke(cli, [*with_calib, "--auto-precision-samples", "0"])
     assert result.exit_code == 2 and "--auto-precision-samples" in result.output
     assert not (tmp_path / "o").exists()
@@ -251,19 +252,19 @@ def test_refusals_name_the_option(auto, tmp_path):
 
 def test_fp8_block_base_searches_fp8_block_then_bf16(tmp_path):
     """--quant fp8-block: the ladder fp8-block -> bf16 priced by the bits rule check and the card
-    count by (8 + 32/16384); the planted unit (layer 1's q/k/v input channel 5 x 1e5, its columns /
-    1e5: its 128-column activation groups lose every other channel to E4M3's range) is upgraded
+    count by (8 + 32/16384); the planted unit (layer 1's q/k/v input channel 5 x 1e6, its columns /
+    1e6: its 128-column activation groups lose every other channel to E4M3's range) is upgraded
     first; the curve has the uniform fp8-block point beside NVFP4 / FP8's; the written export,
     served (fp8-block weights and dynamic per-token-group activations), measures the recorded KL."""
     src = build_tiny_model("llama3", str(tmp_path / "hf"), overrides=FP8_BLOCK_SIZES)
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    tensors["model.layers.1.input_layernorm.weight"][5] *= 1e5
+    tensors["model.layers.1.input_layernorm.weight"][5] *= 1e6
     for p in "qkv":
-        tensors[f"model.layers.1.self_attn.{p}_proj.weight"][:, 5] /= 1e5
+        tensors[f"model.layers.1.self_attn.{p}_proj.weight"][:, 5] /= 1e6
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
     calib, out, target = str(tmp_path / "calib.npy"), str(tmp_path / "auto"), 0.005
-    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
-    args = ["export", src, "--out", out, "--quant", "fp8-block", "--format", "compressed-tensors"]
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (4, 16)))  # 2 calibration + 2 searched windows
+    args = ["export", src, "--out", out, "--quant", "fp8-block", "--format", "compressed-tensors", *SEARCHED]
     args += ["--auto-precision", str(target), "--calib-data", calib, "--calib-samples", "2", "--calib-seq-len", "16"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
@@ -278,7 +279,7 @@ def test_fp8_block_base_searches_fp8_block_then_bf16(tmp_path):
     assert set(record.uniform) == {"nvfp4", "nvfp4-weight-only", "fp8", "fp8-block"}
     assert record.uniform["fp8-block"]["kl"] == record.steps[0].measured_kl  # the start is the uniform point
     final, exported = record.steps[-1], load_export(out)
-    kl = _served_kl(src, out, np.load(calib))
+    kl = _served_kl(src, out, np.load(calib)[2:])
     print(f"fp8-block base: uniform KL {record.uniform['fp8-block']['kl']:.4g}, searched {final.measured_kl:.4g}")
     assert kl == pytest.approx(final.measured_kl, rel=1e-3) and kl <= MARGIN * target
     config = ModelConfig.from_hf_folder(src)
@@ -299,12 +300,19 @@ def test_moe_experts_of_a_layer_are_one_unit(tmp_path):
     of one scheme); the export is written whatever formats the search gives them."""
     src = build_tiny_model("mixtral", str(tmp_path / "hf"))
     calib = str(tmp_path / "calib.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (4, 16)))
     out = str(tmp_path / "auto")
     export_checkpoint(
         src,
         out,
-        ExportOptions(auto_precision=0.01, calib_data=calib, calib_samples=2, calib_seq_len=16, show_progress=False),
+        ExportOptions(
+            auto_precision=0.01,
+            auto_precision_samples=2,
+            calib_data=calib,
+            calib_samples=2,
+            calib_seq_len=16,
+            show_progress=False,
+        ),
     )
     record = AutoPrecisionRecord.read(out)
     experts = [u for u in record.units if u.unit.endswith(".experts")]

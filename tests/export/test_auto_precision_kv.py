@@ -56,15 +56,21 @@ def searched(tmp_path_factory) -> dict[str, str]:
             tensors["model.layers.0.self_attn.q_proj.weight"][h * head_dim + d] /= PLANT
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
     calib = str(root / "calib.npy")
-    np.save(calib, np.random.default_rng(0).integers(0, 256, (2, 16)))
+    np.save(calib, np.random.default_rng(0).integers(0, 256, (4, 16)))  # 2 calibration + 2 searched
     out = {"src": src, "calib": calib, "kv": str(root / "kv"), "plain": str(root / "plain")}
     args = ["export", src, "--out", out["kv"], "--auto-precision", str(TARGET), "--calib-data", calib]
-    args += ["--calib-samples", "2", "--calib-seq-len", "16", "--keep-bf16", KEEP, "--kv-cache", "fp8"]
+    args += ["--calib-samples", "2", "--calib-seq-len", "16", "--auto-precision-samples", "2"]
+    args += ["--keep-bf16", KEEP, "--kv-cache", "fp8"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "with the FP8 KV cache: calibration KL" in result.output
     options = ExportOptions(
-        auto_precision=TARGET, calib_data=calib, calib_samples=2, calib_seq_len=16, keep_bf16=(KEEP,)
+        auto_precision=TARGET,
+        auto_precision_samples=2,
+        calib_data=calib,
+        calib_samples=2,
+        calib_seq_len=16,
+        keep_bf16=(KEEP,),
     )  # the same search without --kv-cache
     export_checkpoint(src, out["plain"], dataclasses.replace(options, show_progress=False))
     return out
@@ -77,7 +83,7 @@ def test_the_written_export_served_with_its_kv_scales_measures_the_recorded_kl(s
     recorded ones."""
     record = AutoPrecisionRecord.read(searched["kv"])
     final = record.steps[-1]
-    ids = np.load(searched["calib"]).astype(np.int32)
+    ids = np.load(searched["calib"])[2:].astype(np.int32)
     assert load_export(searched["kv"]).kv_cache == "fp8"
     kl = _served_kl(searched["kv"], searched["src"], ids)
     assert kl == pytest.approx(final.measured_kl, rel=1e-3)
@@ -117,6 +123,7 @@ def test_with_gptq_the_search_measures_the_kv_scales_the_gptq_pass_calibrated(se
         auto_precision=TARGET,
         calib_data=searched["calib"],
         calib_samples=2,
+        auto_precision_samples=2,
         calib_seq_len=16,
         keep_bf16=(KEEP,),
         kv_cache="fp8",
@@ -126,7 +133,7 @@ def test_with_gptq_the_search_measures_the_kv_scales_the_gptq_pass_calibrated(se
     export_checkpoint(searched["src"], out, options)
     record = AutoPrecisionRecord.read(out)
     assert (record.kv_cache, record.weight_rounding) == ("fp8", "gptq") and record.kv_cache_kl > 0
-    ids = np.load(searched["calib"]).astype(np.int32)
+    ids = np.load(searched["calib"])[2:].astype(np.int32)
     assert _served_kl(out, searched["src"], ids) == pytest.approx(record.steps[-1].measured_kl, rel=1e-3)
 
 
@@ -171,7 +178,8 @@ def test_a_kv_cache_above_the_target_alone_is_refused_in_one_line(searched, tmp_
     """The KV cache's own KL (every linear BF16) above the margin: exit 1 naming it, nothing written."""
     out = tmp_path / "o"
     args = ["export", searched["src"], "--out", str(out), "--auto-precision", "0.01", "--calib-data", searched["calib"]]
-    args += ["--calib-samples", "2", "--calib-seq-len", "16", "--keep-bf16", KEEP, "--kv-cache", "fp8"]
+    args += ["--calib-samples", "2", "--calib-seq-len", "16", "--auto-precision-samples", "2"]
+    args += ["--keep-bf16", KEEP, "--kv-cache", "fp8"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1, result.output
     line = result.output.strip().splitlines()[-1]
