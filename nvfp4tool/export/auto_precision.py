@@ -35,7 +35,7 @@ from nvfp4tool.export.simulate import (
     FP8Weight,
     NVFP4Weight,
     ServedKVTap,
-    _quantize_input,
+    quantize_input,
     served_linear,
 )
 from nvfp4tool.families import group_glob, layer_index, scheme_group
@@ -393,9 +393,9 @@ class _Assigned:
             entry["mode"],
             (
                 lambda x: x,
-                lambda x: _quantize_input("nvfp4", scale, x, name),
-                lambda x: _quantize_input("fp8", scale, x, name),
-                (lambda x: _quantize_input("fp8-block", None, x, name)) if blocks_fit else (lambda x: x),
+                lambda x: quantize_input("nvfp4", scale, x, name),
+                lambda x: quantize_input("fp8", scale, x, name),
+                (lambda x: quantize_input("fp8-block", None, x, name)) if blocks_fit else (lambda x: x),
             ),
             x,
         )

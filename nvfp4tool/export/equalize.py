@@ -26,7 +26,7 @@ import numpy as np
 from nvfp4tool import memory, progress
 from nvfp4tool.config import ModelConfig
 from nvfp4tool.errors import NVFP4ToolError
-from nvfp4tool.export.simulate import _quantize_input, served_linear
+from nvfp4tool.export.simulate import quantize_input, served_linear
 from nvfp4tool.families import Fold, folds, fused_group, layer_index
 from nvfp4tool.formats import FP8_GRANULARITY
 from nvfp4tool.model.fold import EqualizedSource, FoldScale, site_key
@@ -158,7 +158,7 @@ class _Errors:
 
         def fp8_block(w_s, x_s, amax):  # the export's weight quantizer, the served input quantizer
             w_q = fake_quantize_fp8(w_s, granularity=FP8_GRANULARITY["fp8-block"])
-            return w_q, _quantize_input("fp8-block", None, x_s, name)
+            return w_q, quantize_input("fp8-block", None, x_s, name)
 
         # jax.lax.switch traces every branch: fp8-block's input groups need K a multiple of 128,
         # which every fp8-block linear has (make_plan), so a linear with another K never takes it

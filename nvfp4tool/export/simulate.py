@@ -73,7 +73,7 @@ class NVFP4Weight(_Stored):
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
         """x as the engine's activation quantizer leaves it (unchanged when weight-only)."""
-        return _quantize_input("nvfp4", self.input_scale, x, name)
+        return quantize_input("nvfp4", self.input_scale, x, name)
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +91,7 @@ class FP8Weight(_Stored):
         return decode_fp8(self.data[start:stop], self.scale)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
-        return _quantize_input("fp8", self.input_scale, x, name)
+        return quantize_input("fp8", self.input_scale, x, name)
 
 
 @jax.tree_util.register_dataclass
@@ -109,7 +109,7 @@ class FP8BlockWeight(_Stored):
         return decode_fp8(self.data[start:stop], rows, granularity="block128")
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
-        return _quantize_input("fp8-block", None, x, name)
+        return quantize_input("fp8-block", None, x, name)
 
 
 @jax.tree_util.register_dataclass
@@ -137,10 +137,10 @@ class DecodedWeight:
         return rows if self.s_dec is None else times_decode_scale(rows, self.s_dec)
 
     def quantize_input(self, x: jax.Array, name: str = "tensor") -> jax.Array:
-        return _quantize_input(self.quant, self.input_scale, x, name)
+        return quantize_input(self.quant, self.input_scale, x, name)
 
 
-def _quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
+def quantize_input(quant: str, input_scale: jax.Array | None, x: jax.Array, name: str) -> jax.Array:
     """x as the engine's activation quantizer of a `quant` weight leaves it (unchanged when weight-only;
     fp8-block: dynamic per token per 128 columns, no stored scale)."""
     if quant == "fp8-block":
