@@ -268,9 +268,7 @@ def with_gptq(job: ExportJob, spill_dir: str) -> ExportJob:
         amax_names=plan.quantized if calibrates_inputs else None,
         kv_cache=job.kv_cache is not None,
     )
-    record = gptq_record(
-        damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors, block_scales=options.gptq_block_scales
-    )
+    record = _gptq_record(options, gptq.errors)
     progress.info(
         f"GPTQ: {len(gptq.errors)} linears, output error on the calibration inputs "
         f"{100 * record.mean_output_err_reduction:.1f}% below RTN's with the same scales (mean)"
@@ -298,7 +296,6 @@ def with_search(job: ExportJob) -> ExportJob:
     Hessians taken through every earlier layer in the base format)."""
     options, source = job.options, job.source
     start = time.perf_counter()
-    ids = job.search_ids
     # the NVFP4 rung's and points' weights (an FP8 / fp8-block base's uniform NVFP4 points too)
     nvfp4 = nvfp4_quantizer(job.plan, options.scale_search, job.block, job.group_amax, job.gptq)
     found = search_precision(
@@ -306,7 +303,7 @@ def with_search(job: ExportJob) -> ExportJob:
         job.plan,
         job.group_amax,
         job.input_amax,
-        ids,
+        job.search_ids,
         options,
         block=job.block,
         nvfp4=nvfp4,
@@ -325,9 +322,7 @@ def with_search(job: ExportJob) -> ExportJob:
     if gptq is not None:  # the records of the linears left in an NVFP4 format
         rounded = {m for m in plan.quantized if plan.quant_of(m) in formats.NVFP4_QUANTS}
         gptq = dataclasses.replace(gptq, errors={m: e for m, e in gptq.errors.items() if m in rounded})
-        record = gptq_record(
-            damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=gptq.errors, block_scales=options.gptq_block_scales
-        )
+        record = _gptq_record(options, gptq.errors)
     return dataclasses.replace(
         job,
         plan=plan,
@@ -344,6 +339,13 @@ def with_search(job: ExportJob) -> ExportJob:
 
 # ------------------------------------------------------------------------------------------
 # helpers
+
+
+def _gptq_record(options: ExportOptions, errors) -> GPTQRecord:
+    """The export record's GPTQ entry: the options' settings and these linears' errors."""
+    return gptq_record(
+        damp=options.gptq_damp, block_size=BLOCK_COLUMNS, errors=errors, block_scales=options.gptq_block_scales
+    )
 
 
 def _plan_with(source: Checkpoint, options: ExportOptions, keep_bf16_origin: Mapping[str, str], rules) -> ExportPlan:
